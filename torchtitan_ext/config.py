@@ -1,0 +1,303 @@
+"""Our config sections, merged into torchtitan's ``JobConfig``, and their validation.
+
+Every torchtitan 0.2.2 section and key keeps its meaning. We add:
+
+- ``[parallelism] expert_parallel_comm_backend``: widened to our backends;
+- ``[deepep]`` and ``[hybridep]``: knobs of those backends only.
+
+:func:`parse_job_config` turns TOML + CLI into a ``JobConfig`` and
+:func:`validate` rejects bad values and combinations with one line naming the
+field and the fix. Both run before any process group, buffer or model exists.
+"""
+
+import difflib
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from torchtitan.config import ConfigManager
+from torchtitan.config import JobConfig as TorchTitanJobConfig
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A bad config value or combination; the message is one line: field and fix."""
+
+
+BACKEND_ALIASES = {"standard": "nccl"}
+"""torchtitan's backend names that mean one of ours."""
+
+KNOWN_BACKENDS = ("nccl", "deepep", "hybridep")
+
+
+@dataclass
+class Parallelism:
+    expert_parallel_comm_backend: str = "standard"
+    """
+    Expert-parallel communication backend, used when expert_parallel_degree > 1.
+
+    - "nccl": all-to-all over torch.distributed (NCCL on GPU, gloo on CPU).
+      "standard", torchtitan's name for it, is accepted as an alias.
+    - "deepep": DeepEP v1 normal-mode kernels; knobs in [deepep].
+    - "hybridep": DeepEP's HybridEP kernels (fused permute, optional
+      non-blocking mode); knobs in [hybridep].
+
+    No effect for models without MoE layers or when expert_parallel_degree = 1.
+    """
+
+
+@dataclass
+class DeepEP:
+    implementation: Literal["auto", "deep_ep", "reference"] = "auto"
+    """
+    Which kernels run the DeepEP calls.
+
+    - "auto": the real deep_ep library on CUDA, the reference on CPU. On CUDA
+      without deep_ep installed this is an error, never a silent fallback.
+    - "deep_ep": the real library (CUDA only; built from source, see docs/backends.md).
+    - "reference": torchtitan_ext's pure torch.distributed implementation of the
+      same calls with the same results, on any device. Slow; for debugging and CI.
+    """
+
+    num_sms: int | None = None
+    """
+    Streaming multiprocessors the normal-mode kernels use (``Buffer.set_num_sms``).
+    Even integer >= 2 (DeepEP runs one channel per 2 SMs); unset keeps the
+    library's default of 20. More SMs speed up communication and leave fewer
+    for the experts' GEMMs. Ignored by the reference implementation.
+    """
+
+
+@dataclass
+class HybridEP:
+    implementation: Literal["auto", "deep_ep", "reference"] = "auto"
+    """Which kernels run the HybridEP calls; same meaning as in [deepep]."""
+
+    non_blocking_capacity_factor: float | None = None
+    """
+    Unset: blocking mode. Dispatch waits for the device once per MoE layer to
+    learn how many rows each expert receives and sizes its output exactly:
+    no token is ever dropped.
+
+    A float in (0, 1]: non-blocking mode. No host sync; dispatch writes into
+    M = roundup(int(N * R * min(L, K) * factor), P) rows, with N tokens per rank
+    before dispatch, R = EP degree, L = experts per rank, K = top_k and P the pad
+    multiple. 1.0 is the worst case when P = 1 (every token to every local expert);
+    smaller factors save memory. When the padded layout needs more than M rows,
+    the (token, expert) pairs whose row would be >= M are dropped, from the tail
+    (highest local expert first, latest source rank and token first); they add
+    nothing to the output, the overflow flag is set and [ep_metrics] counts them.
+    With P > 1 even 1.0 can drop: padding adds up to L * (P - 1) rows.
+    """
+
+    num_sms_dispatch: int = 16
+    """SMs given to the dispatch kernels (library constructor argument). Integer >= 1."""
+
+    num_sms_combine: int = 16
+    """SMs given to the combine kernels (library constructor argument). Integer >= 1."""
+
+    ranks_per_nvlink_domain: int | None = None
+    """
+    Ranks that share one NVLink domain; exported as
+    NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN before the buffer is created. Must
+    divide expert_parallel_degree. Unset lets the library count the
+    peer-accessible GPUs (8 on an HGX node). GB200 NVL72: 64 (or the EP degree
+    when smaller), so that all-to-all stays on NVLink.
+    """
+
+    use_mnnvl: bool | None = None
+    """
+    Multi-node NVLink (the NVL72 fabric). false exports USE_MNNVL=0, which
+    disables cross-node NVLink memory; true exports USE_MNNVL=1 (the library
+    then uses the fabric where the driver offers it). Unset leaves the
+    environment untouched.
+    """
+
+
+@dataclass
+class JobConfig:
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    deepep: DeepEP = field(default_factory=DeepEP)
+    hybridep: HybridEP = field(default_factory=HybridEP)
+
+
+MergedJobConfig = ConfigManager._merge_configs(TorchTitanJobConfig, JobConfig)
+"""torchtitan's JobConfig with our sections; what ``parse_job_config`` returns."""
+
+
+def comm_backend(job_config) -> str:
+    """The EP backend's canonical name (aliases resolved)."""
+    name = job_config.parallelism.expert_parallel_comm_backend
+    return BACKEND_ALIASES.get(name, name)
+
+
+def parse_job_config(args: list[str]) -> Any:
+    """TOML (``--job.config_file``) + CLI overrides -> ``JobConfig``.
+
+    Unknown keys, a missing or malformed file raise ``ConfigError`` with one line.
+    """
+    config_file = _config_file_from_args(args)
+    toml_values = _load_toml(config_file) if config_file else {}
+    config_cls = MergedJobConfig
+    custom_module = _custom_config_module(args, toml_values)
+    if custom_module:
+        import importlib
+
+        config_cls = ConfigManager._merge_configs(
+            MergedJobConfig, importlib.import_module(custom_module).JobConfig
+        )
+    _check_toml_keys(config_cls, toml_values, config_file)
+    _check_cli_keys(config_cls, args)
+    return ConfigManager(config_cls=config_cls).parse_args(args)
+
+
+def _config_file_from_args(args: list[str]) -> str | None:
+    for i, arg in enumerate(args):
+        key, _, value = arg.partition("=")
+        if key in ("--job.config_file", "--job.config-file"):
+            if value:
+                return value
+            if i + 1 < len(args):
+                return args[i + 1]
+            raise ConfigError(f"{key} needs a path: {key}=train_configs/debug_model.toml")
+    return None
+
+
+def _load_toml(path: str) -> dict[str, Any]:
+    if not Path(path).is_file():
+        raise ConfigError(
+            f"config file '{path}' not found: set CONFIG_FILE (or --job.config_file) "
+            "to an existing TOML, e.g. train_configs/debug_model.toml"
+        )
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file '{path}' is not valid TOML: {e}") from None
+
+
+def _custom_config_module(args: list[str], toml_values: dict[str, Any]) -> str:
+    for i, arg in enumerate(args):
+        key, _, value = arg.partition("=")
+        if key in ("--job.custom_config_module", "--job.custom-config-module"):
+            return value or (args[i + 1] if i + 1 < len(args) else "")
+    job = toml_values.get("job", {})
+    return job.get("custom_config_module", "") if isinstance(job, dict) else ""
+
+
+def _field_types(cls) -> dict[str, Any]:
+    return {f.name: f.type for f in fields(cls)}
+
+
+def _unknown_key_error(section: str, key: str, known: list[str], where: str) -> ConfigError:
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(sorted(known))}"
+    return ConfigError(f"unknown config key '{section}{key}' in {where}: {hint}")
+
+
+def _check_toml_keys(cls, values: dict[str, Any], path: str | None, prefix: str = "") -> None:
+    types = _field_types(cls)
+    for key, value in values.items():
+        if key not in types:
+            raise _unknown_key_error(prefix, key, list(types), path or "the config")
+        if is_dataclass(types[key]) and isinstance(value, dict):
+            _check_toml_keys(types[key], value, path, f"{prefix}{key}.")
+
+
+def _check_cli_keys(cls, args: list[str]) -> None:
+    for arg in args:
+        if not arg.startswith("--") or arg in ("--help", "-h"):
+            continue
+        dotted = arg[2:].partition("=")[0].replace("-", "_")
+        *sections, key = dotted.split(".")
+        target, prefix = cls, ""
+        for section in sections:
+            types = _field_types(target)
+            if section not in types or not is_dataclass(types[section]):
+                raise _unknown_key_error(prefix, section, list(types), "the command line")
+            target, prefix = types[section], f"{prefix}{section}."
+        types = _field_types(target)
+        if key not in types and not (key.startswith("no_") and key[3:] in types):
+            raise _unknown_key_error(prefix, key, list(types), "the command line")
+
+
+def validate(job_config, *, device_type: str, num_experts: int | None) -> None:
+    """Reject invalid values and combinations before anything is allocated.
+
+    ``num_experts`` is the model flavour's expert count (None for dense models).
+    """
+    backend = comm_backend(job_config)
+    if backend not in KNOWN_BACKENDS:
+        raise ConfigError(
+            f"parallelism.expert_parallel_comm_backend = '{backend}' is not a backend: "
+            f"use one of {', '.join(KNOWN_BACKENDS)} ('standard' means nccl)"
+        )
+    for section_name, section in (("deepep", job_config.deepep), ("hybridep", job_config.hybridep)):
+        changed = [f.name for f in fields(section) if getattr(section, f.name) != f.default]
+        if changed and section_name != backend:
+            raise ConfigError(
+                f"[{section_name}] {changed[0]} is set but parallelism.expert_parallel_comm_backend "
+                f"is '{backend}': remove the [{section_name}] settings or select "
+                f"expert_parallel_comm_backend = '{section_name}'"
+            )
+    _validate_degrees(job_config, num_experts)
+    _validate_deepep(job_config.deepep)
+    _validate_hybridep(job_config.hybridep, job_config.parallelism.expert_parallel_degree)
+    for section_name in ("deepep", "hybridep"):
+        if backend == section_name:
+            _validate_implementation(section_name, getattr(job_config, section_name), device_type)
+
+
+def _validate_degrees(job_config, num_experts: int | None) -> None:
+    ep = job_config.parallelism.expert_parallel_degree
+    if ep < 1:
+        raise ConfigError(f"parallelism.expert_parallel_degree = {ep}: use an integer >= 1")
+    if num_experts is not None and num_experts % ep != 0:
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree = {ep} does not divide the model's "
+            f"{num_experts} experts: pick a divisor of {num_experts}"
+        )
+    backend = comm_backend(job_config)
+    etp = job_config.parallelism.expert_tensor_parallel_degree
+    if backend != "nccl" and ep > 1 and etp > 1:
+        raise ConfigError(
+            f"parallelism.expert_tensor_parallel_degree = {etp} is not supported by the "
+            f"'{backend}' backend: set expert_tensor_parallel_degree = 1 or use the nccl backend"
+        )
+
+
+def _validate_deepep(section: DeepEP) -> None:
+    if section.num_sms is not None and (section.num_sms < 2 or section.num_sms % 2):
+        raise ConfigError(
+            f"deepep.num_sms = {section.num_sms}: use an even integer >= 2 (one channel per 2 SMs)"
+        )
+
+
+def _validate_hybridep(section: HybridEP, ep_degree: int) -> None:
+    factor = section.non_blocking_capacity_factor
+    if factor is not None and not 0.0 < factor <= 1.0:
+        raise ConfigError(
+            f"hybridep.non_blocking_capacity_factor = {factor} is outside (0, 1]: use a "
+            "value in (0, 1] for non-blocking mode, or leave it unset for blocking (dropless) mode"
+        )
+    for name in ("num_sms_dispatch", "num_sms_combine"):
+        if getattr(section, name) < 1:
+            raise ConfigError(f"hybridep.{name} = {getattr(section, name)}: use an integer >= 1")
+    domain = section.ranks_per_nvlink_domain
+    if domain is not None and (domain < 1 or ep_degree % domain):
+        raise ConfigError(
+            f"hybridep.ranks_per_nvlink_domain = {domain} does not divide "
+            f"parallelism.expert_parallel_degree = {ep_degree}: use a divisor of {ep_degree}"
+        )
+
+
+def _validate_implementation(section_name: str, section, device_type: str) -> None:
+    if section.implementation == "deep_ep" and device_type != "cuda":
+        raise ConfigError(
+            f"{section_name}.implementation = 'deep_ep' needs CUDA, and this machine has "
+            f"none: use implementation = 'reference' (or 'auto') on CPU"
+        )

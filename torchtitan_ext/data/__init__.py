@@ -1,0 +1,54 @@
+"""Embedded default data: a corpus and tokenizer built from local text, no network."""
+
+from pathlib import Path
+
+from datasets import Dataset
+from torchtitan.hf_datasets import DatasetConfig
+from torchtitan.hf_datasets.text_datasets import DATASETS
+
+from .embedded import (
+    DATASET_NAME,
+    DEFAULT_ASSETS_DIR,
+    EmbeddedAssets,
+    ensure_assets,
+    load_documents,
+)
+
+__all__ = [
+    "DATASET_NAME",
+    "DEFAULT_ASSETS_DIR",
+    "EmbeddedAssets",
+    "ensure_assets",
+    "register_embedded_dataset",
+    "prepare_embedded_assets",
+]
+
+
+def _load_embedded_corpus(path: str) -> Dataset:
+    return Dataset.from_list(load_documents(ensure_assets(path).root))
+
+
+def register_embedded_dataset() -> None:
+    """Add the embedded corpus to torchtitan's dataset registry (idempotent)."""
+    DATASETS[DATASET_NAME] = DatasetConfig(
+        path=str(DEFAULT_ASSETS_DIR),
+        loader=_load_embedded_corpus,
+        sample_processor=lambda sample: sample["text"],
+    )
+
+
+def prepare_embedded_assets(job_config) -> None:
+    """Build the embedded assets a job refers to before any rank reads them.
+
+    The trainer loads the tokenizer before the dataset, so the assets must exist
+    when it starts. They are built for the embedded dataset's directory and for a
+    ``model.hf_assets_path`` that points at it or at the default directory.
+    """
+    roots = set()
+    if job_config.training.dataset == DATASET_NAME:
+        roots.add(Path(job_config.training.dataset_path or DEFAULT_ASSETS_DIR).resolve())
+    tokenizer_dir = Path(job_config.model.hf_assets_path).resolve()
+    if tokenizer_dir in roots or tokenizer_dir == DEFAULT_ASSETS_DIR.resolve():
+        roots.add(tokenizer_dir)
+    for root in sorted(roots):
+        ensure_assets(root)

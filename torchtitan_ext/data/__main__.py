@@ -1,0 +1,23 @@
+"""Build the embedded corpus and tokenizer: ``python -m torchtitan_ext.data [DIR]``."""
+
+import argparse
+import json
+
+from .embedded import DEFAULT_ASSETS_DIR, ensure_assets
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("root", nargs="?", default=str(DEFAULT_ASSETS_DIR))
+    args = parser.parse_args()
+    assets = ensure_assets(args.root)
+    manifest = json.loads(assets.manifest.read_text())
+    print(
+        f"embedded assets in {assets.root}: {manifest['documents']} documents, "
+        f"{manifest['corpus_bytes']:,} bytes, vocab {manifest['vocab_size']} "
+        f"(python {manifest['python']})"
+    )
+
+
+if __name__ == "__main__":
+    main()

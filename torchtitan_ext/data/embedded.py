@@ -1,0 +1,167 @@
+"""The embedded default corpus and tokenizer, built from the Python standard library.
+
+Nothing is downloaded: the corpus is the source code of the running
+interpreter's standard library (test suites excluded), taken file by file in
+sorted path order until ``CORPUS_BYTES`` bytes, and the tokenizer is a
+byte-level BPE with ``VOCAB_SIZE`` entries trained on that corpus with
+Hugging Face ``tokenizers``. The same interpreter gives byte-identical assets;
+``manifest.json`` records the sources and the SHA-256 of each file built.
+
+Builds are atomic (a temporary directory renamed into place under a file lock),
+so several ranks that start at once build the assets once and never read a
+half-written file.
+"""
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import decoders, models, pre_tokenizers, trainers, Tokenizer
+
+DATASET_NAME = "stdlib_code"
+"""Dataset name to put in ``[training] dataset``."""
+
+DEFAULT_ASSETS_DIR = Path("assets") / "embedded"
+"""Where the default config expects the assets, relative to the working directory."""
+
+CORPUS_FILE = "corpus.jsonl"
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+MANIFEST_FILE = "manifest.json"
+
+CORPUS_BYTES = 2_000_000
+"""Size of the corpus: about 600k tokens, enough for hundreds of debug steps."""
+
+VOCAB_SIZE = 2048
+"""Matches the ``debugmodel`` flavours of DeepSeek-V3 and Llama4 (vocab_size=2048)."""
+
+BOS_TOKEN = "<|begin_of_text|>"
+EOS_TOKEN = "<|end_of_text|>"
+
+_EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "__pycache__"})
+
+
+@dataclass(frozen=True)
+class EmbeddedAssets:
+    """Paths of a built asset directory."""
+
+    root: Path
+
+    @property
+    def corpus(self) -> Path:
+        return self.root / CORPUS_FILE
+
+    @property
+    def manifest(self) -> Path:
+        return self.root / MANIFEST_FILE
+
+    def is_complete(self) -> bool:
+        return self.manifest.is_file()
+
+
+def stdlib_sources(stdlib_dir: Path | None = None) -> list[Path]:
+    """Standard-library ``.py`` files in sorted order, test suites excluded."""
+    root = Path(stdlib_dir or sysconfig.get_paths()["stdlib"])
+    return sorted(
+        path
+        for path in root.rglob("*.py")
+        if not _EXCLUDED_DIRS.intersection(path.relative_to(root).parts)
+    )
+
+
+def collect_documents(
+    stdlib_dir: Path | None = None, max_bytes: int = CORPUS_BYTES
+) -> list[dict[str, str]]:
+    """One document per source file, ``{"source": relative path, "text": ...}``."""
+    root = Path(stdlib_dir or sysconfig.get_paths()["stdlib"])
+    documents, total = [], 0
+    for path in stdlib_sources(root):
+        text = path.read_text(encoding="utf-8", errors="replace").replace("\r\n", "\n")
+        documents.append({"source": path.relative_to(root).as_posix(), "text": text})
+        total += len(text.encode("utf-8"))
+        if total >= max_bytes:
+            break
+    return documents
+
+
+def train_tokenizer(texts: list[str], vocab_size: int = VOCAB_SIZE) -> Tokenizer:
+    """Byte-level BPE; ids 0 and 1 are BOS and EOS."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BOS_TOKEN, EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return tokenizer
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _write_assets(target: Path, documents: list[dict[str, str]]) -> None:
+    with open(target / CORPUS_FILE, "w", encoding="utf-8") as f:
+        for document in documents:
+            f.write(json.dumps(document, ensure_ascii=False, sort_keys=True) + "\n")
+    tokenizer = train_tokenizer([d["text"] for d in documents])
+    (target / TOKENIZER_FILE).write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
+    (target / TOKENIZER_CONFIG_FILE).write_text(
+        json.dumps(
+            {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "add_bos_token": True},
+            indent=2,
+        ),
+        encoding="utf-8",
+    )
+    manifest = {
+        "python": sys.version.split()[0],
+        "documents": len(documents),
+        "corpus_bytes": sum(len(d["text"].encode("utf-8")) for d in documents),
+        "vocab_size": tokenizer.get_vocab_size(),
+        "first_source": documents[0]["source"],
+        "last_source": documents[-1]["source"],
+        "sha256": {
+            name: _sha256(target / name)
+            for name in (CORPUS_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)
+        },
+    }
+    (target / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
+
+
+def ensure_assets(
+    root: Path | str = DEFAULT_ASSETS_DIR, stdlib_dir: Path | None = None
+) -> EmbeddedAssets:
+    """Build the corpus and tokenizer into ``root`` unless already there."""
+    assets = EmbeddedAssets(Path(root))
+    if assets.is_complete():
+        return assets
+    assets.root.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = assets.root.parent / f".{assets.root.name}.lock"
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not assets.is_complete():
+            if assets.root.exists():
+                shutil.rmtree(assets.root)
+            staging = Path(tempfile.mkdtemp(dir=assets.root.parent, prefix=".staging-"))
+            try:
+                _write_assets(staging, collect_documents(stdlib_dir))
+                os.rename(staging, assets.root)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+    return assets
+
+
+def load_documents(root: Path | str) -> list[dict[str, str]]:
+    """Documents of a built corpus, in corpus order."""
+    with open(EmbeddedAssets(Path(root)).corpus, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]

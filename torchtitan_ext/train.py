@@ -1,0 +1,83 @@
+"""Entry point: ``python -m torchtitan_ext.train [--job.config_file X] [overrides]``.
+
+torchtitan's trainer, extended only through its own seams: our config
+sections merged into its ``JobConfig``, our train specs registered with
+``register_train_spec``, our dataset in its dataset registry, and the
+``Trainer`` subclass below.
+"""
+
+import os
+import sys
+
+import torch
+from torchtitan.protocols.train_spec import get_train_spec
+from torchtitan.tools.logging import init_logger, logger
+from torchtitan.train import Trainer as TorchTitanTrainer
+
+from torchtitan_ext import runtime
+from torchtitan_ext.config import ConfigError, parse_job_config, validate
+from torchtitan_ext.data import prepare_embedded_assets, register_embedded_dataset
+
+
+class Trainer(TorchTitanTrainer):
+    """torchtitan's ``Trainer`` plus the per-model runtime accommodations."""
+
+    def __init__(self, job_config):
+        super().__init__(job_config)
+        runtime.adapt_model_parts(self.model_parts)
+
+
+def num_experts_of(job_config) -> int | None:
+    """The configured model flavour's expert count, or None for a dense model."""
+    spec = get_train_spec(job_config.model.name)
+    flavor = job_config.model.flavor
+    if flavor not in spec.model_args:
+        raise ConfigError(
+            f"model.flavor = '{flavor}' is not a flavour of {job_config.model.name}: "
+            f"use one of {', '.join(spec.model_args)}"
+        )
+    moe_args = getattr(spec.model_args[flavor], "moe_args", None)
+    return moe_args.num_experts if moe_args is not None else None
+
+
+def load_job_config(args: list[str], device_type: str):
+    """Parse and validate; raises ConfigError with a one-line message."""
+    job_config = parse_job_config(args)
+    validate(job_config, device_type=device_type, num_experts=num_experts_of(job_config))
+    return job_config
+
+
+def main(args: list[str] | None = None) -> None:
+    init_logger()
+    device_type = runtime.configure()
+    register_embedded_dataset()
+    try:
+        job_config = load_job_config(sys.argv[1:] if args is None else args, device_type)
+    except ConfigError as e:
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    prepare_embedded_assets(job_config)
+
+    trainer: Trainer | None = None
+    try:
+        trainer = Trainer(job_config)
+        if job_config.checkpoint.create_seed_checkpoint:
+            if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+                raise ConfigError(
+                    "checkpoint.create_seed_checkpoint needs a single process: run with NGPU=1"
+                )
+            trainer.checkpointer.save(curr_step=0, last_step=True)
+            logger.info("Created seed checkpoint")
+        else:
+            trainer.train()
+    finally:
+        if trainer is not None:
+            trainer.close()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+        logger.info("Process group destroyed")
+
+
+if __name__ == "__main__":
+    main()
