@@ -225,10 +225,13 @@ def _check_cli_keys(cls, args: list[str]) -> None:
             raise _unknown_key_error(prefix, key, list(types), "the command line")
 
 
-def validate(job_config, *, device_type: str, num_experts: int | None) -> None:
+def validate(
+    job_config, *, device_type: str, num_experts: int | None, world_size: int | None = None
+) -> None:
     """Reject invalid values and combinations before anything is allocated.
 
-    ``num_experts`` is the model flavour's expert count (None for dense models).
+    ``num_experts`` is the model flavour's expert count (None for dense models);
+    ``world_size`` the number of processes in the job, when known.
     """
     backend = comm_backend(job_config)
     if backend not in KNOWN_BACKENDS:
@@ -245,6 +248,8 @@ def validate(job_config, *, device_type: str, num_experts: int | None) -> None:
                 f"expert_parallel_comm_backend = '{section_name}'"
             )
     _validate_degrees(job_config, num_experts)
+    if world_size is not None:
+        _validate_world_size(job_config.parallelism, world_size)
     _validate_deepep(job_config.deepep)
     _validate_hybridep(job_config.hybridep, job_config.parallelism.expert_parallel_degree)
     for section_name in ("deepep", "hybridep"):
@@ -268,6 +273,37 @@ def _validate_degrees(job_config, num_experts: int | None) -> None:
             f"parallelism.expert_tensor_parallel_degree = {etp} is not supported by the "
             f"'{backend}' backend: set expert_tensor_parallel_degree = 1 or use the nccl backend"
         )
+
+
+def _validate_world_size(p, world_size: int) -> None:
+    fixed = p.data_parallel_replicate_degree * p.context_parallel_degree
+    fixed *= p.tensor_parallel_degree * p.pipeline_parallel_degree
+    shard = p.data_parallel_shard_degree
+    if shard == -1:
+        if world_size % fixed:
+            raise ConfigError(
+                f"world size {world_size} is not a multiple of dp_replicate x cp x tp x pp = {fixed}: "
+                f"change NGPU (or the node count) or those degrees"
+            )
+        shard = world_size // fixed
+    elif shard * fixed != world_size:
+        raise ConfigError(
+            f"dp_replicate x dp_shard x cp x tp x pp = {shard * fixed} but the world size is "
+            f"{world_size}: set parallelism.data_parallel_shard_degree = -1 or NGPU = {shard * fixed}"
+        )
+    ep, etp, tp = p.expert_parallel_degree, p.expert_tensor_parallel_degree, p.tensor_parallel_degree
+    if ep > 1:
+        if etp not in (1, tp):
+            raise ConfigError(
+                f"parallelism.expert_tensor_parallel_degree = {etp}: use 1 or "
+                f"tensor_parallel_degree ({tp})"
+            )
+        borrowed = shard * p.context_parallel_degree * tp
+        if borrowed % (ep * etp):
+            raise ConfigError(
+                f"parallelism.expert_parallel_degree = {ep} (x expert TP {etp}) must divide "
+                f"dp_shard x cp x tp = {borrowed}: choose an EP degree that divides {borrowed}"
+            )
 
 
 def _validate_deepep(section: DeepEP) -> None:

@@ -69,8 +69,7 @@ class CPUMemoryMonitor:
         self.device_capacity_gib = self.device_capacity / _GIB
 
     def get_peak_stats(self) -> tt_metrics.DeviceMemStats:
-        current = _current_rss_bytes()
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        current, peak = _rss_bytes()
         return tt_metrics.DeviceMemStats(
             max_active_gib=current / _GIB,
             max_active_pct=100 * current / self.device_capacity,
@@ -89,12 +88,19 @@ class CPUMemoryMonitor:
             pass
 
 
-def _current_rss_bytes() -> int:
+def _rss_bytes() -> tuple[int, int]:
+    """(current, peak) resident set size of this process."""
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        with open("/proc/self/status") as f:
+            kib = {
+                key: int(value.split()[0])
+                for key, _, value in (line.partition(":") for line in f)
+                if key in ("VmRSS", "VmHWM")
+            }
+        return kib["VmRSS"] * 1024, max(kib["VmHWM"], kib["VmRSS"]) * 1024
+    except (OSError, KeyError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return peak, peak
 
 
 def _build_cpu_memory_monitor() -> CPUMemoryMonitor:
@@ -120,6 +126,10 @@ def _generate_permute_indices_on_host(*args, **kwargs):
     return generate_permute_indices(*args, **kwargs, use_cpu=True)
 
 
+def _undefined_peak_flops(device_name: str) -> float:
+    return float("nan")
+
+
 def _set_pg_timeouts_without_device_ids(timeout: timedelta, parallel_dims) -> None:
     logger.info(f"Synchronizing and adjusting timeout for all ProcessGroups to {timeout}")
     dist.barrier()
@@ -143,6 +153,8 @@ def _enable_cpu() -> None:
     torch.histc = _histc_accepting_integers
     # torchtitan's token permutation launches a Triton kernel unless told to use its host path.
     tt_moe_utils.generate_permute_indices = _generate_permute_indices_on_host
+    # Peak FLOPS exist only for GPUs; MFU is reported as nan rather than against an A100's peak.
+    tt_utils.get_peak_flops = _undefined_peak_flops
     # gloo's barrier rejects device_ids, which torchtitan passes when it tightens timeouts.
     tt_dist_utils.set_pg_timeouts = _set_pg_timeouts_without_device_ids
     logger.info("No CUDA device: training on CPU with the gloo backend")

@@ -17,6 +17,7 @@ from torchtitan.train import Trainer as TorchTitanTrainer
 from torchtitan_ext import runtime
 from torchtitan_ext.config import ConfigError, parse_job_config, validate
 from torchtitan_ext.data import prepare_embedded_assets, register_embedded_dataset
+from torchtitan_ext.models import register_train_specs
 
 
 class Trainer(TorchTitanTrainer):
@@ -40,17 +41,34 @@ def num_experts_of(job_config) -> int | None:
     return moe_args.num_experts if moe_args is not None else None
 
 
-def load_job_config(args: list[str], device_type: str):
-    """Parse and validate; raises ConfigError with a one-line message."""
+def load_job_config(args: list[str], device_type: str, world_size: int | None = None):
+    """Parse and validate; raises ConfigError with a one-line message.
+
+    ``world_size`` defaults to the job's: NGPU under the fake backend, else
+    torchrun's WORLD_SIZE.
+    """
     job_config = parse_job_config(args)
-    validate(job_config, device_type=device_type, num_experts=num_experts_of(job_config))
+    if world_size is None:
+        world_size = _world_size_from_env(job_config.comm.mode)
+    validate(
+        job_config,
+        device_type=device_type,
+        num_experts=num_experts_of(job_config),
+        world_size=world_size,
+    )
     return job_config
+
+
+def _world_size_from_env(comm_mode: str) -> int | None:
+    value = os.environ.get("NGPU" if comm_mode != "default" else "WORLD_SIZE", "")
+    return int(value) if value.isdigit() else None
 
 
 def main(args: list[str] | None = None) -> None:
     init_logger()
     device_type = runtime.configure()
     register_embedded_dataset()
+    register_train_specs()
     try:
         job_config = load_job_config(sys.argv[1:] if args is None else args, device_type)
     except ConfigError as e:

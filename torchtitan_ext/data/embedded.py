@@ -2,9 +2,11 @@
 
 Nothing is downloaded: the corpus is the source code of the running
 interpreter's standard library (test suites excluded), taken file by file in
-sorted path order until ``CORPUS_BYTES`` bytes, and the tokenizer is a
-byte-level BPE with ``VOCAB_SIZE`` entries trained on that corpus with
-Hugging Face ``tokenizers``. The same interpreter gives byte-identical assets;
+sorted path order until ``CORPUS_BYTES`` bytes, cut at line boundaries into
+documents of at most ``DOCUMENT_BYTES`` bytes and shuffled with a fixed seed
+(so that consecutive batches mix many modules rather than walking through one
+large file). The tokenizer is a byte-level BPE with ``VOCAB_SIZE`` entries
+trained on that corpus with Hugging Face ``tokenizers``. The same interpreter gives byte-identical assets;
 ``manifest.json`` records the sources and the SHA-256 of each file built.
 
 Builds are atomic (a temporary directory renamed into place under a file lock),
@@ -16,6 +18,7 @@ import fcntl
 import hashlib
 import json
 import os
+import random
 import shutil
 import sys
 import sysconfig
@@ -38,6 +41,11 @@ MANIFEST_FILE = "manifest.json"
 
 CORPUS_BYTES = 2_000_000
 """Size of the corpus: about 600k tokens, enough for hundreds of debug steps."""
+
+DOCUMENT_BYTES = 4096
+"""Largest document; a source file is cut at line boundaries into pieces this size."""
+
+SHUFFLE_SEED = 0
 
 VOCAB_SIZE = 2048
 """Matches the ``debugmodel`` flavours of DeepSeek-V3 and Llama4 (vocab_size=2048)."""
@@ -76,18 +84,38 @@ def stdlib_sources(stdlib_dir: Path | None = None) -> list[Path]:
     )
 
 
+def split_lines(text: str, max_bytes: int = DOCUMENT_BYTES) -> list[str]:
+    """Consecutive runs of whole lines, each at most ``max_bytes`` (a longer line stands alone)."""
+    pieces, current, size = [], [], 0
+    for line in text.splitlines(keepends=True):
+        line_bytes = len(line.encode("utf-8"))
+        if current and size + line_bytes > max_bytes:
+            pieces.append("".join(current))
+            current, size = [], 0
+        current.append(line)
+        size += line_bytes
+    if current:
+        pieces.append("".join(current))
+    return pieces
+
+
 def collect_documents(
     stdlib_dir: Path | None = None, max_bytes: int = CORPUS_BYTES
 ) -> list[dict[str, str]]:
-    """One document per source file, ``{"source": relative path, "text": ...}``."""
+    """Shuffled documents ``{"source": "relative/path.py:piece", "text": ...}``."""
     root = Path(stdlib_dir or sysconfig.get_paths()["stdlib"])
     documents, total = [], 0
     for path in stdlib_sources(root):
         text = path.read_text(encoding="utf-8", errors="replace").replace("\r\n", "\n")
-        documents.append({"source": path.relative_to(root).as_posix(), "text": text})
+        source = path.relative_to(root).as_posix()
+        documents += [
+            {"source": f"{source}:{i}", "text": piece}
+            for i, piece in enumerate(split_lines(text))
+        ]
         total += len(text.encode("utf-8"))
         if total >= max_bytes:
             break
+    random.Random(SHUFFLE_SEED).shuffle(documents)
     return documents
 
 
@@ -128,8 +156,7 @@ def _write_assets(target: Path, documents: list[dict[str, str]]) -> None:
         "documents": len(documents),
         "corpus_bytes": sum(len(d["text"].encode("utf-8")) for d in documents),
         "vocab_size": tokenizer.get_vocab_size(),
-        "first_source": documents[0]["source"],
-        "last_source": documents[-1]["source"],
+        "sources": sorted({d["source"].rpartition(":")[0] for d in documents}),
         "sha256": {
             name: _sha256(target / name)
             for name in (CORPUS_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Launch a training job, torchtitan style.
+#
+#   ./run_train.sh                                  # DeepSeek-V3 debug model, EP=2
+#   CONFIG_FILE=train_configs/llama4_debug_model.toml ./run_train.sh
+#   ./run_train.sh --training.steps 10 --parallelism.expert_parallel_comm_backend hybridep
+#   COMM_MODE=fake_backend NGPU=256 CONFIG_FILE=... ./run_train.sh   # one-process dry run
+#
+# Environment:
+#   NGPU         processes on this machine (default: the number of GPUs, or 2 on CPU)
+#   CONFIG_FILE  TOML job config (default: train_configs/debug_model.toml)
+#   LOG_RANK     ranks whose output is shown, comma separated (default: 0)
+#   COMM_MODE    "fake_backend" or "local_tensor": one process, no communication
+#   MASTER_PORT  rendezvous port; unset picks a free one, so runs can share a machine
+# Extra arguments are config overrides (--section.key value), passed through.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=scripts/env.sh
+source "${ROOT}/scripts/env.sh"
+
+if [ -z "${NGPU:-}" ]; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        NGPU="$(nvidia-smi -L | wc -l)"
+    else
+        NGPU=2
+    fi
+fi
+export LOG_RANK="${LOG_RANK:-0}"
+CONFIG_FILE="${CONFIG_FILE:-train_configs/debug_model.toml}"
+COMM_MODE="${COMM_MODE:-}"
+
+if [ -n "${COMM_MODE}" ]; then
+    NGPU="${NGPU}" LOCAL_RANK=0 RANK=0 WORLD_SIZE=1 exec python -m torchtitan_ext.train \
+        --job.config_file "${CONFIG_FILE}" "$@" --comm.mode "${COMM_MODE}" --training.steps 1
+fi
+
+port_args=()
+if [ -n "${MASTER_PORT:-}" ]; then
+    port_args=(--port "${MASTER_PORT}")
+    rdzv_endpoint="localhost:${MASTER_PORT}"
+else
+    rdzv_endpoint="localhost:0"
+fi
+python -m torchtitan_ext.launch --ngpu "${NGPU}" "${port_args[@]}" -- \
+    --job.config_file "${CONFIG_FILE}" "$@"
+
+exec torchrun --nproc_per_node="${NGPU}" --rdzv_backend c10d --rdzv_endpoint="${rdzv_endpoint}" \
+    --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 \
+    -m torchtitan_ext.train --job.config_file "${CONFIG_FILE}" "$@"

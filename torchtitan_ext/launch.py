@@ -1,0 +1,73 @@
+"""Checks ``run_train.sh`` makes before starting any process.
+
+``python -m torchtitan_ext.launch --ngpu N [--port P] -- [train args]`` validates
+the process count, an explicitly requested rendezvous port and the job config
+(TOML + overrides), builds the embedded assets the job needs, and exits 0.
+Any problem is one line on stderr naming it and the fix, with exit status 2,
+so that a bad launch fails once, before torchrun starts N copies of it.
+"""
+
+import argparse
+import socket
+import sys
+
+from torchtitan_ext import runtime
+from torchtitan_ext.config import ConfigError
+from torchtitan_ext.data import prepare_embedded_assets, register_embedded_dataset
+from torchtitan_ext.models import register_train_specs
+from torchtitan_ext.train import load_job_config
+
+
+def check_process_count(ngpu: str) -> int:
+    try:
+        count = int(ngpu)
+    except ValueError:
+        raise ConfigError(f"NGPU='{ngpu}' is not an integer: set NGPU to the process count, e.g. NGPU=2") from None
+    limit = runtime.max_local_world_size()
+    if count < 1:
+        raise ConfigError(f"NGPU={count}: set NGPU to at least 1")
+    if count > limit:
+        where = (
+            f"this machine has {limit} CUDA device(s)"
+            if runtime.device_type() == "cuda"
+            else f"this machine runs at most {limit} CPU processes (4 per core)"
+        )
+        raise ConfigError(f"NGPU={count} but {where}: set NGPU <= {limit}")
+    return count
+
+
+def check_port_free(port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("localhost", port))
+        except OSError:
+            raise ConfigError(
+                f"rendezvous port {port} (MASTER_PORT) is in use: unset MASTER_PORT to let "
+                "torchrun pick a free port, or set it to a free one"
+            ) from None
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--ngpu", required=True, help="processes on this machine (NGPU)")
+    parser.add_argument("--nnodes", type=int, default=1, help="machines in the job")
+    parser.add_argument("--port", type=int, help="explicit rendezvous port to check")
+    parser.add_argument("train_args", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    try:
+        count = check_process_count(args.ngpu)
+        if args.port is not None:
+            check_port_free(args.port)
+        device_type = runtime.configure()
+        register_embedded_dataset()
+        register_train_specs()
+        job_config = load_job_config(train_args, device_type, world_size=count * args.nnodes)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    prepare_embedded_assets(job_config)
+
+
+if __name__ == "__main__":
+    main()
