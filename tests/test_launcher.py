@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import REPO_ROOT, launcher_env, run_launcher, step_losses
+from tests.helpers import REPO_ROOT, launcher_env, run_launcher, step_losses
 
 
 def _error_line(result: subprocess.CompletedProcess) -> str:

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from conftest import REPO_ROOT, launcher_env, run_launcher, step_losses
+from tests.helpers import REPO_ROOT, launcher_env, run_launcher, step_losses
 
 STEPS = 8
 

@@ -1,0 +1,439 @@
+"""Inputs, ground truth and per-rank workers for the EP backend tests.
+
+Every worker runs inside ``tests.helpers.run_distributed`` (one process per
+rank) and returns plain tensors, which the tests compare with a single-process
+dense MoE computed directly from the routing in fp32.
+"""
+
+import gc
+import weakref
+from collections import Counter
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.utils._python_dispatch import TorchDispatchMode
+from torchtitan.models.moe.moe import GroupedExperts
+
+from torchtitan_ext.ep import DeepEPExpertParallel, HybridEPExpertParallel, NcclExpertParallel
+from torchtitan_ext.ep.base import SharedKernelBuffer
+from torchtitan_ext.ep.handle import DispatchHandle
+from torchtitan_ext.ep.kernels.reference import ReferenceBuffer, ReferenceHybridEPBuffer
+
+BACKENDS = ("nccl", "deepep", "hybridep", "hybridep_non_blocking")
+"""hybridep_non_blocking runs at capacity factor 1.0 without padding, which cannot drop."""
+
+
+@dataclass(frozen=True)
+class Case:
+    """One MoE problem, independent of the EP degree that solves it."""
+
+    name: str
+    num_experts: int
+    top_k: int
+    score_before_experts: bool
+    total_tokens: int = 48
+    hidden: int = 16
+    ffn: int = 24
+    seed: int = 0
+    zero_scores: bool = False
+    pad_multiple: int = 1
+    routing: str = "random"
+    """"random", or "contract_example": tokens 0-48 to expert 0, 49-95 to expert 1 (top-1)."""
+
+    def local_experts(self, ep: int) -> int:
+        return self.num_experts // ep
+
+    def tokens_per_rank(self, ep: int) -> int:
+        return self.total_tokens // ep
+
+
+CASES = (
+    Case("e4_top1", num_experts=4, top_k=1, score_before_experts=False, seed=1),
+    Case("e4_top2_score_before", num_experts=4, top_k=2, score_before_experts=True, seed=2),
+    Case("e4_top4_zero_scores", num_experts=4, top_k=4, score_before_experts=False, seed=3, zero_scores=True),
+    Case("e8_top2", num_experts=8, top_k=2, score_before_experts=False, seed=4),
+    Case("e12_top4_score_before", num_experts=12, top_k=4, score_before_experts=True, seed=5),
+    Case("e8_top4_pad32", num_experts=8, top_k=4, score_before_experts=False, seed=6, pad_multiple=32),
+)
+
+
+def cases_for(ep: int) -> tuple[Case, ...]:
+    return tuple(case for case in CASES if case.num_experts % ep == 0)
+
+
+def global_inputs(case: Case) -> dict[str, torch.Tensor]:
+    """Tokens, routing and expert weights for all ranks (fp32, from the case's seed).
+
+    Routing leaves about a third of the experts without tokens and skews the
+    rest, so ranks send and receive uneven numbers of rows.
+    """
+    generator = torch.Generator().manual_seed(case.seed)
+    n, e, k = case.total_tokens, case.num_experts, case.top_k
+    dead = torch.randperm(e, generator=generator)[: min(e - k, e // 3)]
+    weights = torch.arange(1, e + 1, dtype=torch.float32) ** 2
+    weights[dead] = 0.0
+    ids = torch.multinomial(weights.expand(n, e), k, replacement=False, generator=generator)
+    if case.routing == "contract_example":
+        ids = (torch.arange(n) >= 49).long().unsqueeze(1)
+    scores = torch.rand(n, k, generator=generator) + 0.05
+    if case.zero_scores:
+        scores[torch.rand(n, k, generator=generator) < 0.25] = 0.0
+    return {
+        "x": torch.randn(n, case.hidden, generator=generator),
+        "scores": scores,
+        "ids": ids,
+        "grad_out": torch.randn(n, case.hidden, generator=generator),
+        "w1": torch.randn(e, case.ffn, case.hidden, generator=generator) * 0.3,
+        "w2": torch.randn(e, case.hidden, case.ffn, generator=generator) * 0.3,
+        "w3": torch.randn(e, case.ffn, case.hidden, generator=generator) * 0.3,
+    }
+
+
+def dense_moe(inputs, score_before_experts: bool, keep: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Ground truth: out[t] = sum_k expert_{id[t,k]}(x[t]) weighted by score[t,k], in fp32.
+
+    ``keep`` [T, K] (bool) restricts the sum to the kept picks. Returns the
+    output and the gradients of x, scores and expert weights for ``grad_out``.
+    """
+    leaves = {name: inputs[name].clone().requires_grad_() for name in ("x", "scores", "w1", "w2", "w3")}
+    x, scores = leaves["x"], leaves["scores"]
+    out = torch.zeros_like(x)
+    for slot in range(inputs["ids"].shape[1]):
+        for expert in range(inputs["w1"].shape[0]):
+            tokens = inputs["ids"][:, slot] == expert
+            if keep is not None:
+                tokens = tokens & keep[:, slot]
+            if not tokens.any():
+                continue
+            score = scores[tokens, slot].unsqueeze(1)
+            rows = x[tokens] * score if score_before_experts else x[tokens]
+            hidden = F.silu(rows @ leaves["w1"][expert].t()) * (rows @ leaves["w3"][expert].t())
+            result = hidden @ leaves["w2"][expert].t()
+            out = out.index_add(0, tokens.nonzero().squeeze(1), result if score_before_experts else result * score)
+    out.backward(inputs["grad_out"])
+    return {"out": out.detach(), **{f"grad_{name}": leaf.grad for name, leaf in leaves.items()}}
+
+
+def make_style(backend: str, case: Case, ep: int, capacity_factor: float | None = None):
+    """The backend's ExpertParallel with reference kernels."""
+    if backend == "nccl":
+        return NcclExpertParallel(case.score_before_experts, pad_multiple=case.pad_multiple)
+    if backend == "deepep":
+        buffer = SharedKernelBuffer(lambda group, example: ReferenceBuffer(group))
+        return DeepEPExpertParallel(case.score_before_experts, buffer, pad_multiple=case.pad_multiple)
+    buffer = SharedKernelBuffer(
+        lambda group, example: ReferenceHybridEPBuffer(
+            group, case.hidden, case.tokens_per_rank(ep), case.local_experts(ep), dtype=example.dtype
+        )
+    )
+    if backend == "hybridep_non_blocking" and capacity_factor is None:
+        capacity_factor = 1.0
+    return HybridEPExpertParallel(
+        case.score_before_experts, buffer, capacity_factor=capacity_factor, pad_multiple=case.pad_multiple
+    )
+
+
+def _rank_slice(rank: int, case: Case, ep: int) -> slice:
+    n = case.tokens_per_rank(ep)
+    return slice(rank * n, (rank + 1) * n)
+
+
+def _experts(case: Case, inputs) -> GroupedExperts:
+    experts = GroupedExperts(case.hidden, case.ffn, case.num_experts, use_grouped_mm=False)
+    with torch.no_grad():
+        for name in ("w1", "w2", "w3"):
+            getattr(experts, name).copy_(inputs[name])
+    return experts
+
+
+def run_backend(rank: int, ep: int, case: Case, backend: str, mesh, **style_kwargs) -> dict:
+    """Forward + backward of one backend on this rank's tokens; outputs and gradients."""
+    inputs = global_inputs(case)
+    experts = _experts(case, inputs)
+    style = make_style(backend, case, ep, **style_kwargs)
+    parallelize_module(experts, mesh, style)
+    rows = _rank_slice(rank, case, ep)
+    x = inputs["x"][rows].clone().requires_grad_()
+    scores = inputs["scores"][rows].clone().requires_grad_()
+    out = experts(x, scores, inputs["ids"][rows])
+    out.backward(inputs["grad_out"][rows])
+    local = slice(rank * case.local_experts(ep), (rank + 1) * case.local_experts(ep))
+    result = {
+        "out": out.detach(),
+        "grad_x": x.grad,
+        "grad_scores": scores.grad,
+        "experts": local,
+        "rows": rows,
+        **{f"grad_{name}": getattr(experts, name).grad.to_local() for name in ("w1", "w2", "w3")},
+    }
+    if isinstance(style, HybridEPExpertParallel):
+        result["dropped_pairs"] = int(style.dropped_pairs)
+    return result
+
+
+def conformance_worker(rank: int, ep: int) -> dict:
+    mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
+    return {
+        (case.name, backend): run_backend(rank, ep, case, backend, mesh)
+        for case in cases_for(ep)
+        for backend in BACKENDS
+    }
+
+
+# ---- HybridEP layout and drop rule (library-level calls) ----------------------------
+
+
+def dense_routing(ids: torch.Tensor, scores: torch.Tensor, num_experts: int):
+    routing_map = torch.zeros(ids.shape[0], num_experts, dtype=torch.bool).scatter(1, ids, True)
+    probs = torch.zeros(ids.shape[0], num_experts).scatter(1, ids, scores)
+    return routing_map, probs
+
+
+def hybridep_layout_worker(rank: int, ep: int, case: Case, capacity_factors: tuple) -> dict:
+    """dispatch_with_permute / combine_with_unpermute of the reference buffer, blocking and
+    non-blocking at each capacity factor."""
+    import torch.distributed as dist
+
+    inputs = global_inputs(case)
+    rows = _rank_slice(rank, case, ep)
+    routing_map, probs = dense_routing(inputs["ids"][rows], inputs["scores"][rows], case.num_experts)
+    buffer = ReferenceHybridEPBuffer(
+        dist.group.WORLD, case.hidden, case.tokens_per_rank(ep), case.local_experts(ep), dtype=torch.float32
+    )
+    results = {}
+    for factor in (None, *capacity_factors):
+        from torchtitan_ext.ep.hybridep import non_blocking_rows
+
+        num_rows = None
+        if factor is not None:
+            num_rows = non_blocking_rows(
+                case.tokens_per_rank(ep), ep, case.local_experts(ep), case.top_k, factor, case.pad_multiple
+            )
+        tokens, out_probs, _, tokens_per_expert, handle = buffer.dispatch_with_permute(
+            hidden=inputs["x"][rows], routing_map=routing_map, probs=probs,
+            num_of_experts_per_rank=case.local_experts(ep), num_permuted_tokens=num_rows,
+            pad_multiple=case.pad_multiple, non_blocking=factor is not None,
+        )
+        # the expert "output" of a row is the row itself: combine sums each token's kept rows
+        combined, combined_probs = buffer.combine_with_unpermute(hidden=tokens, probs=out_probs, handle=handle)
+        results[factor] = {
+            "tokens": tokens,
+            "probs": out_probs,
+            "tokens_per_expert": tokens_per_expert,
+            "overflow_flag": int(handle.overflow_flag),
+            "num_dropped": int(handle.num_dropped),
+            "combined": combined,
+            "combined_probs": combined_probs,
+            "regrowths": buffer.regrowths,
+        }
+    return results
+
+
+def contract_layout(case: Case, ep: int, rank: int, num_rows: int | None):
+    """The contract's layout for one rank, computed by enumeration.
+
+    Returns (rows as {row: (global token, local expert)}, padded counts
+    truncated at M, M, kept pairs as a set of (global token, local expert)).
+    """
+    inputs = global_inputs(case)
+    local = case.local_experts(ep)
+    pad = case.pad_multiple
+    layout, kept, offset, padded_counts = {}, set(), 0, []
+    for expert in range(local):
+        column = rank * local + expert
+        tokens = [g for g in range(case.total_tokens) if column in inputs["ids"][g].tolist()]
+        padded = -(-len(tokens) // pad) * pad
+        for i, g in enumerate(tokens):
+            layout[offset + i] = (g, expert)
+        padded_counts.append(padded)
+        offset += padded
+    total = offset
+    limit = total if num_rows is None else num_rows
+    for row, pair in list(layout.items()):
+        if row < limit:
+            kept.add(pair)
+        else:
+            del layout[row]
+    starts = [sum(padded_counts[:e]) for e in range(local)]
+    truncated = [max(0, min(padded_counts[e], limit - starts[e])) for e in range(local)]
+    return layout, truncated, limit, kept
+
+
+# ---- host syncs ------------------------------------------------------------------------
+
+_SYNC_OPS = {
+    "aten._local_scalar_dense.default",
+    "aten.nonzero.default",
+    "aten.masked_select.default",
+    "aten.unique_consecutive.default",
+    "aten._unique2.default",
+    "aten.repeat_interleave.Tensor",
+}
+_SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
+
+
+class HostSyncCounter(TorchDispatchMode):
+    """Counts what would make a GPU wait for the host: scalar reads, host copies,
+    and ops whose output shape depends on tensor values."""
+
+    def __init__(self):
+        super().__init__()
+        self.events = Counter()
+        self._originals = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        kwargs = kwargs or {}
+        if name in _SYNC_OPS and not (name == "aten.repeat_interleave.Tensor" and kwargs.get("output_size")):
+            self.events[name] += 1
+        if name == "aten.index.Tensor" and any(
+            index is not None and index.dtype == torch.bool for index in args[1]
+        ):
+            self.events["boolean indexing"] += 1
+        return func(*args, **kwargs)
+
+    def __enter__(self):
+        for method in _SYNC_METHODS:
+            original = getattr(torch.Tensor, method)
+            self._originals[method] = original
+
+            def counted(tensor, *args, _method=method, _original=original, **kwargs):
+                self.events[f"Tensor.{_method}"] += 1
+                return _original(tensor, *args, **kwargs)
+
+            setattr(torch.Tensor, method, counted)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for method, original in self._originals.items():
+            setattr(torch.Tensor, method, original)
+        return super().__exit__(*exc)
+
+
+def host_sync_worker(rank: int, ep: int, case: Case) -> dict:
+    """Host syncs in one forward+backward of HybridEP, non-blocking and blocking."""
+    mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
+    inputs = global_inputs(case)
+    rows = _rank_slice(rank, case, ep)
+    results = {}
+    for mode, factor in (("non_blocking", 0.5), ("blocking", None)):
+        experts = _experts(case, inputs)
+        style = make_style("hybridep", case, ep, capacity_factor=factor)
+        parallelize_module(experts, mesh, style)
+        x = inputs["x"][rows].clone().requires_grad_()
+        scores = inputs["scores"][rows].clone().requires_grad_()
+        experts(x, scores, inputs["ids"][rows])  # builds the buffer outside the count
+        counter = HostSyncCounter()
+        with counter:
+            dispatched, counts = style.dispatch(x, scores, inputs["ids"][rows], case.num_experts, mesh.get_group())
+            out = style.combine(dispatched * 2.0, mesh.get_group())
+            out.backward(inputs["grad_out"][rows])
+        results[mode] = dict(counter.events)
+    return results
+
+
+# ---- handles and activation-checkpoint recompute ------------------------------------------
+
+
+class _CheckpointedExperts(torch.nn.Module):
+    def __init__(self, experts):
+        super().__init__()
+        self.experts = experts
+
+    def forward(self, x, scores, ids):
+        return self.experts(x, scores, ids)
+
+
+_COLLECTIVES = ("all_to_all", "alltoall", "all_gather", "allgather", "all_reduce", "allreduce", "reduce_scatter")
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts communicating ops: c10d collectives and the backends' kernel ops
+    (whose collectives run inside them, out of this mode's sight)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if func.namespace == "torchtitan_ext" or (
+            func.namespace in ("c10d", "_c10d_functional") and any(c in name for c in _COLLECTIVES)
+        ):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+_handles = weakref.WeakSet()
+
+
+def _track_handles() -> None:
+    """Record every DispatchHandle created from now on (weakly)."""
+    original = DispatchHandle.__init__
+
+    def tracked(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        _handles.add(self)
+
+    DispatchHandle.__init__ = tracked
+
+
+def _live_handles() -> int:
+    """Handles still referenced, without a garbage collection: a reference cycle counts as a leak."""
+    return len(_handles)
+
+
+def checkpoint_worker(rank: int, ep: int, case: Case, iterations: int) -> dict:
+    """Collectives in backward and live handles after many checkpointed iterations.
+
+    For each backend and AC mode (none, per-op selective with the backend's
+    save list, full), run ``iterations`` forward+backward steps and count the
+    collectives issued during backward (recomputation happens there).
+    """
+    from torchtitan.config.job_config import ActivationCheckpoint
+    from torchtitan.distributed.activation_checkpoint import _apply_full_ac, _apply_op_sac
+    from torchtitan.models.deepseek_v3.infra.parallelize import _op_sac_save_list
+
+    mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
+    inputs = global_inputs(case)
+    rows = _rank_slice(rank, case, ep)
+    _track_handles()
+    gc.disable()  # as in torchtitan's training loop: leaks may not hide behind a collection
+    results = {}
+    for backend in BACKENDS:
+        for mode in ("none", "selective_op", "full"):
+            experts = _experts(case, inputs)
+            style = make_style(backend, case, ep)
+            parallelize_module(experts, mesh, style)
+            module = _CheckpointedExperts(experts)
+            ac = ActivationCheckpoint(mode="selective", selective_ac_option="op")
+            if mode == "selective_op":
+                module = _apply_op_sac(module, ac, op_sac_save_list=_op_sac_save_list | set(style.sac_save_ops))
+            elif mode == "full":
+                module = _apply_full_ac(module, ac)
+            backward_collectives, live_before_backward = [], []
+            for _ in range(iterations):
+                x = inputs["x"][rows].clone().requires_grad_()
+                scores = inputs["scores"][rows].clone().requires_grad_()
+                out = module(x, scores, inputs["ids"][rows])
+                live_before_backward.append(_live_handles())
+                counter = CollectiveCounter()
+                with counter:
+                    out.backward(inputs["grad_out"][rows])
+                backward_collectives.append(counter.count)
+                del out, x, scores
+            results[(backend, mode)] = {
+                "backward_collectives": backward_collectives,
+                "live_before_backward": live_before_backward,
+                "live_handles": _live_handles(),
+                "pending_state": style._pending is not None,
+            }
+    return results
+
+
+def with_pad(case: Case, pad_multiple: int) -> Case:
+    return replace(case, name=f"{case.name}_pad{pad_multiple}", pad_multiple=pad_multiple)
+

@@ -1,0 +1,257 @@
+"""The ``hybridep`` backend: DeepEP's HybridEP kernels, permute fused into dispatch.
+
+Routing is dense (a [N, E] map and probs, all-gathered by the library).
+``dispatch_with_permute`` returns rows already in the padded expert-major
+layout with their probs; ``combine_with_unpermute`` sums each token's rows
+unweighted (fp32, one rounding per rank and one at the source). Expert outputs
+are multiplied by their probs before combine (or the rows before the experts
+for ``score_before_experts``). Picks with score 0 are dispatched like any other.
+
+Blocking mode (``non_blocking_capacity_factor`` unset) is dropless: the
+library syncs with the host once per layer to size its output. Non-blocking
+mode sizes the output from the config (:func:`non_blocking_rows`), never
+syncs, and drops the tail pairs that do not fit: the overflow flag is set and
+the dropped pairs are counted on the device (``dropped_pairs``).
+
+Kernels: the real ``deep_ep.HybridEPBuffer`` or the reference
+(``[hybridep] implementation``). One buffer serves every MoE layer, sized once
+from the config and created at the first dispatch.
+"""
+
+import os
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torchtitan.tools.logging import logger
+
+from torchtitan_ext.ep.base import (
+    MoEShape,
+    recomputing,
+    RoutedExpertParallel,
+    scale_rows,
+    SharedKernelBuffer,
+    token_group_alignment,
+)
+from torchtitan_ext.ep.handle import DispatchHandle, KernelBuffer
+from torchtitan_ext.ep.kernels import resolve_implementation
+from torchtitan_ext.ep.layout import round_up
+
+
+def non_blocking_rows(
+    num_tokens: int, ep_degree: int, local_experts: int, top_k: int,
+    capacity_factor: float, pad_multiple: int,
+) -> int:
+    """Rows of a non-blocking dispatch: roundup(int(N * R * min(L, K) * factor), P)."""
+    return round_up(int(num_tokens * ep_degree * min(local_experts, top_k) * capacity_factor), pad_multiple)
+
+
+def library_environment(section) -> dict[str, str]:
+    """The environment variables ``[hybridep]`` sets for the library."""
+    environment = {}
+    if section.ranks_per_nvlink_domain is not None:
+        environment["NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"] = str(section.ranks_per_nvlink_domain)
+    if section.use_mnnvl is not None:
+        environment["USE_MNNVL"] = "1" if section.use_mnnvl else "0"
+    return environment
+
+
+@torch.library.custom_op("torchtitan_ext::hybridep_dispatch", mutates_args=())
+def hybridep_dispatch(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    buffer: KernelBuffer,
+    num_experts: int,
+    num_permuted_tokens: int,
+    pad_multiple: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, DispatchHandle]:
+    """(rows [M, H], probs [M], padded rows per local expert, overflow flag, dropped pairs, handle).
+
+    ``num_permuted_tokens`` < 0 selects blocking mode.
+    """
+    library = buffer.value
+    num_tokens = x.shape[0]
+    routing_map = torch.zeros((num_tokens, num_experts), dtype=torch.bool, device=x.device)
+    routing_map.scatter_(1, topk_idx, True)
+    probs = torch.zeros((num_tokens, num_experts), dtype=torch.float32, device=x.device)
+    probs.scatter_(1, topk_idx, topk_weights.float())
+    non_blocking = num_permuted_tokens >= 0
+    tokens, out_probs, _, tokens_per_expert, handle = library.dispatch_with_permute(
+        hidden=x,
+        routing_map=routing_map,
+        probs=probs,
+        num_of_experts_per_rank=num_experts // library.group.size(),
+        num_permuted_tokens=num_permuted_tokens if non_blocking else None,
+        pad_multiple=pad_multiple if pad_multiple > 1 else None,
+        non_blocking=non_blocking,
+    )
+    return (
+        tokens,
+        out_probs,
+        tokens_per_expert,
+        handle.overflow_flag.clone(),
+        handle.num_dropped.clone(),
+        DispatchHandle((library, handle, pad_multiple)),
+    )
+
+
+@torch.library.custom_op("torchtitan_ext::hybridep_combine", mutates_args=())
+def hybridep_combine(x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+    """Unweighted combine of the expert-major rows back to [N, H]."""
+    library, raw, pad_multiple = handle.value
+    combined, _ = library.combine_with_unpermute(
+        hidden=x, handle=raw, pad_multiple=pad_multiple if pad_multiple > 1 else None
+    )
+    return combined
+
+
+@torch.library.custom_op("torchtitan_ext::hybridep_dispatch_backward", mutates_args=())
+def hybridep_dispatch_backward(
+    grad_rows: torch.Tensor, grad_probs: torch.Tensor | None, handle: DispatchHandle
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatch's backward: combine of the rows' gradient, with dense [N, E] probs gradients
+    (empty when no probs gradient was given)."""
+    library, raw, pad_multiple = handle.value
+    grad_x, grad_probs_dense = library.combine_with_unpermute(
+        hidden=grad_rows, probs=grad_probs, handle=raw,
+        pad_multiple=pad_multiple if pad_multiple > 1 else None,
+    )
+    if grad_probs_dense is None:
+        grad_probs_dense = grad_rows.new_empty((0,), dtype=torch.float32)
+    return grad_x, grad_probs_dense
+
+
+@torch.library.custom_op("torchtitan_ext::hybridep_cached_dispatch", mutates_args=())
+def hybridep_cached_dispatch(x: torch.Tensor, handle: DispatchHandle, num_rows: int) -> torch.Tensor:
+    """Combine's backward: dispatch along the handle's layout into ``num_rows`` rows."""
+    library, raw, pad_multiple = handle.value
+    return library.dispatch_with_permute(
+        hidden=x, handle=raw, num_permuted_tokens=num_rows,
+        pad_multiple=pad_multiple if pad_multiple > 1 else None,
+    )[0]
+
+
+def _dispatch_setup(ctx, inputs, output):
+    x, topk_idx, topk_weights = inputs[:3]
+    ctx.handle = output[-1]
+    ctx.dtype = x.dtype
+    ctx.weights_dtype = topk_weights.dtype
+    ctx.save_for_backward(topk_idx)
+
+
+def _dispatch_backward(ctx, grad_rows, grad_probs, *unused_grads):
+    (topk_idx,) = ctx.saved_tensors
+    grad_x, grad_probs_dense = hybridep_dispatch_backward(
+        grad_rows.contiguous(), None if grad_probs is None else grad_probs.float(), ctx.handle
+    )
+    grad_weights = None
+    if grad_probs is not None:
+        grad_weights = grad_probs_dense.gather(1, topk_idx).to(ctx.weights_dtype)
+    return grad_x.to(ctx.dtype), None, grad_weights, None, None, None, None
+
+
+def _combine_setup(ctx, inputs, output):
+    ctx.handle = inputs[1]
+    ctx.num_rows = inputs[0].shape[0]
+
+
+def _combine_backward(ctx, grad):
+    return hybridep_cached_dispatch(grad.contiguous(), ctx.handle, ctx.num_rows), None
+
+
+hybridep_dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
+hybridep_combine.register_autograd(_combine_backward, setup_context=_combine_setup)
+
+
+def _create_buffer(implementation: str, shape: MoEShape, section, group, example: torch.Tensor):
+    environment = library_environment(section)
+    local_experts = shape.num_experts // group.size()
+    logger.info(
+        f"HybridEP buffer ({implementation}): hidden {shape.hidden_dim}, "
+        f"{shape.max_tokens_per_rank} tokens/rank, {local_experts} local experts, "
+        f"environment {environment or 'unchanged'}"
+    )
+    if implementation == "deep_ep":
+        from torchtitan_ext.ep.kernels.deep_ep import LibraryHybridEPBuffer
+
+        return LibraryHybridEPBuffer(
+            group, shape.hidden_dim, shape.max_tokens_per_rank, local_experts,
+            section.num_sms_dispatch, section.num_sms_combine, environment,
+        )
+    from torchtitan_ext.ep.kernels.reference import ReferenceHybridEPBuffer
+
+    os.environ.update(environment)
+    return ReferenceHybridEPBuffer(
+        group, shape.hidden_dim, shape.max_tokens_per_rank, local_experts,
+        dtype=example.dtype, device=example.device,
+    )
+
+
+@dataclass(frozen=True)
+class _HybridEPDispatchState:
+    handle: DispatchHandle
+    row_probs: torch.Tensor | None
+    """Probs of the rows, when they multiply the expert outputs."""
+
+
+class HybridEPExpertParallel(RoutedExpertParallel):
+    """EP over HybridEP kernels (blocking or non-blocking)."""
+
+    sac_save_ops = (
+        torch.ops.torchtitan_ext.hybridep_dispatch.default,
+        torch.ops.torchtitan_ext.hybridep_combine.default,
+    )
+
+    @classmethod
+    def layer_factory(cls, job_config, shape: MoEShape, device_type: str):
+        section = job_config.hybridep
+        implementation = resolve_implementation("hybridep", section.implementation, device_type)
+        buffer = SharedKernelBuffer(partial(_create_buffer, implementation, shape, section))
+        return partial(
+            cls,
+            buffer=buffer,
+            capacity_factor=section.non_blocking_capacity_factor,
+            pad_multiple=token_group_alignment(job_config),
+        )
+
+    def __init__(
+        self,
+        score_before_experts: bool,
+        buffer: SharedKernelBuffer,
+        capacity_factor: float | None = None,
+        pad_multiple: int = 1,
+    ):
+        super().__init__(score_before_experts=score_before_experts, pad_multiple=pad_multiple)
+        self.buffer = buffer
+        self.capacity_factor = capacity_factor
+        self.dropped_pairs: torch.Tensor | None = None
+        """(token, expert) pairs this layer dropped since the counter was last read (device)."""
+
+    def dispatch(self, x, scores, expert_ids, num_experts, group):
+        num_tokens, top_k = expert_ids.shape
+        ep_degree = group.size()
+        num_rows = -1
+        if self.capacity_factor is not None:
+            num_rows = non_blocking_rows(
+                num_tokens, ep_degree, num_experts // ep_degree, top_k,
+                self.capacity_factor, self.pad_multiple,
+            )
+        rows, row_probs, tokens_per_expert, _, dropped, handle = hybridep_dispatch(
+            x, expert_ids, scores.float(), self.buffer.get(group, x),
+            num_experts, num_rows, self.pad_multiple,
+        )
+        if not recomputing():
+            self.dropped_pairs = dropped if self.dropped_pairs is None else self.dropped_pairs + dropped
+        if self.score_before_experts:
+            rows = scale_rows(rows, row_probs)
+        self._pending = _HybridEPDispatchState(
+            handle=handle, row_probs=None if self.score_before_experts else row_probs
+        )
+        return rows, tokens_per_expert
+
+    def combine(self, routed_output, group):
+        state = self._take_pending()
+        if state.row_probs is not None:
+            routed_output = scale_rows(routed_output, state.row_probs)
+        return hybridep_combine(routed_output, state.handle)

@@ -1,0 +1,413 @@
+"""Reference kernels: the DeepEP and HybridEP calls in plain torch.distributed.
+
+``ReferenceBuffer`` reproduces DeepEP v1 normal mode (``deep_ep.Buffer``) and
+``ReferenceHybridEPBuffer`` HybridEP (``deep_ep.HybridEPBuffer``), call for
+call, with the results that ``shared/design/ep-kernel-contract.md`` states:
+receive order, local expert ids, the padded expert-major layout with zeroed
+pad rows, the tail drop rule and overflow flag, unweighted combines
+accumulated in fp32 and rounded once, and cached dispatch. They run on any
+device and process group (gloo on CPU, NCCL on GPU), which makes everything
+above the kernels testable without the library, and is a documented choice
+for debugging (``implementation = "reference"``).
+
+Like the library, these methods do no autograd; the backends' custom ops do.
+They are written for clarity, not speed: collectives go through
+``torch.distributed`` and the permutations are gathers.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from torchtitan_ext.ep.layout import padded_offsets, round_up
+
+
+def _exchange(
+    rows: torch.Tensor, send_splits: list[int], recv_splits: list[int], group,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """all-to-all of variable row counts (splits on the host), optionally into ``out``'s first rows."""
+    total = sum(recv_splits)
+    out = rows.new_empty((total, *rows.shape[1:])) if out is None else out[:total]
+    dist.all_to_all_single(out, rows.contiguous(), recv_splits, send_splits, group=group)
+    return out
+
+
+def _exchange_counts(counts: list[int], group, device) -> list[int]:
+    send = torch.tensor(counts, dtype=torch.int64, device=device)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.tolist()
+
+
+@dataclass(frozen=True)
+class ReferenceDispatchHandle:
+    """What a DeepEP dispatch remembers for combine and cached dispatch."""
+
+    send_token_index: torch.Tensor
+    """Source token of every sent row, in send order (destination rank, token)."""
+    send_splits: list[int]
+    recv_splits: list[int]
+    num_tokens: int
+
+
+class ReferenceBuffer:
+    """DeepEP v1 normal mode: ``get_dispatch_layout``, ``dispatch``, ``combine``."""
+
+    def __init__(self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0):
+        self.group = group
+        self.group_size = group.size()
+        self.rank = group.rank()
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
+        """(tokens per rank, None, tokens per expert, is_token_in_rank [N, R], event=None)."""
+        local_experts = num_experts // self.group_size
+        valid = topk_idx >= 0
+        dest_rank = torch.where(valid, topk_idx // local_experts, -1)
+        ranks = torch.arange(self.group_size, device=topk_idx.device)
+        is_token_in_rank = (dest_rank.unsqueeze(-1) == ranks).any(dim=1)
+        num_tokens_per_rank = is_token_in_rank.sum(0, dtype=torch.int32)
+        num_tokens_per_expert = torch.bincount(
+            topk_idx[valid], minlength=num_experts
+        ).to(torch.int32)
+        return num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank, None
+
+    def dispatch(
+        self,
+        x: torch.Tensor,
+        handle: ReferenceDispatchHandle | None = None,
+        num_tokens_per_rank: torch.Tensor | None = None,
+        num_tokens_per_rdma_rank: torch.Tensor | None = None,
+        is_token_in_rank: torch.Tensor | None = None,
+        num_tokens_per_expert: torch.Tensor | None = None,
+        topk_idx: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+        expert_alignment: int = 1,
+    ):
+        """(recv_x, recv_topk_idx, recv_topk_weights, per-expert counts list, handle, event=None).
+
+        With ``handle`` (cached mode) only recv_x is returned, the rest None.
+        """
+        if handle is not None:
+            recv_x = _exchange(x[handle.send_token_index], handle.send_splits, handle.recv_splits, self.group)
+            return recv_x, None, None, None, None, None
+
+        local_experts = num_tokens_per_expert.numel() // self.group_size
+        # send order: destination rank ascending, then source token ascending
+        send_rank, send_token = is_token_in_rank.t().nonzero(as_tuple=True)
+        picks = topk_idx[send_token]
+        is_local = (picks >= 0) & (picks // local_experts == send_rank.unsqueeze(1))
+        send_idx = torch.where(is_local, picks - send_rank.unsqueeze(1) * local_experts, -1)
+        send_weights = torch.where(is_local, topk_weights[send_token], 0.0)
+        send_splits = num_tokens_per_rank.tolist()
+        recv_splits = _exchange_counts(send_splits, self.group, x.device)
+
+        recv_x = _exchange(x[send_token], send_splits, recv_splits, self.group)
+        # ids and weights travel together; float64 holds both exactly
+        meta = _exchange(
+            torch.cat([send_idx.double(), send_weights.double()], dim=1),
+            send_splits,
+            recv_splits,
+            self.group,
+        )
+        top_k = topk_idx.shape[1]
+        recv_topk_idx = meta[:, :top_k].long()
+        recv_topk_weights = meta[:, top_k:].float()
+        counts = torch.bincount(recv_topk_idx[recv_topk_idx >= 0], minlength=local_experts)
+        counts_list = [round_up(c, expert_alignment) for c in counts.tolist()]
+        handle = ReferenceDispatchHandle(send_token, send_splits, recv_splits, x.shape[0])
+        return recv_x, recv_topk_idx, recv_topk_weights, counts_list, handle, None
+
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: ReferenceDispatchHandle,
+        topk_weights: torch.Tensor | None = None,
+    ):
+        """(combined_x [N, H], combined top-k weights or None, event=None).
+
+        The unweighted sum of every rank's rows for a token, accumulated in fp32
+        and rounded once; a token sent nowhere comes back as zeros.
+        """
+        back = _exchange(x, handle.recv_splits, handle.send_splits, self.group)
+        combined = x.new_zeros((handle.num_tokens, x.shape[1]), dtype=torch.float32)
+        combined.index_add_(0, handle.send_token_index, back.float())
+        combined_weights = None
+        if topk_weights is not None:
+            back_weights = _exchange(topk_weights.float(), handle.recv_splits, handle.send_splits, self.group)
+            combined_weights = topk_weights.new_zeros(
+                (handle.num_tokens, topk_weights.shape[1]), dtype=torch.float32
+            ).index_add_(0, handle.send_token_index, back_weights)
+        return combined.to(x.dtype), combined_weights, None
+
+
+@dataclass(frozen=True)
+class ReferenceHybridEPHandle:
+    """What a HybridEP dispatch remembers for combine and cached dispatch.
+
+    ``G = R * N`` global tokens ``g = s * N + t`` (source rank s, token t);
+    ``L`` local experts; ``M`` output rows.
+    """
+
+    pair_rows: torch.Tensor
+    """[G, L] output row of each kept (token, local expert) pair; M where not kept."""
+    row_pairs: torch.Tensor
+    """[M] pair id g * L + e of each output row; G*L for pad rows, G*L + 1 past the end."""
+    token_position: torch.Tensor
+    """[G] row of token g in the received tokens (an all-zero row when not received)."""
+    num_tokens: int
+    num_permuted_tokens: int
+    tokens_per_expert: torch.Tensor
+    """[L] padded rows per local expert, truncated at M (int64)."""
+    gathers_all_tokens: bool
+    """Non-blocking mode moves every token to every rank (static shapes, no host sync)."""
+    send_token_index: torch.Tensor | None
+    send_splits: list[int] | None
+    recv_splits: list[int] | None
+    recv_token_index: torch.Tensor | None
+    """[T] global token id of every received row (blocking mode)."""
+    overflow_flag: torch.Tensor
+    """int32 device scalar: 1 when pairs were dropped."""
+    num_dropped: torch.Tensor
+    """int64 device scalar: dropped (token, expert) pairs on this rank."""
+
+
+class ReferenceHybridEPBuffer:
+    """HybridEP: ``dispatch_with_permute`` and ``combine_with_unpermute``.
+
+    Like the library's buffer it is allocated once, sized by
+    ``max_num_of_tokens_per_rank``, and shared by every MoE layer; a call with
+    more tokens regrows it (slow, and counted in ``regrowths``). ``dtype`` is
+    the activation dtype the token area holds (the library's is bf16 or fp8).
+    """
+
+    def __init__(
+        self,
+        group,
+        hidden_dim: int,
+        max_num_of_tokens_per_rank: int,
+        num_local_experts: int,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+    ):
+        self.group = group
+        self.group_size = group.size()
+        self.rank = group.rank()
+        self.hidden_dim = hidden_dim
+        self.num_local_experts = num_local_experts
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.regrowths = 0
+        self._allocate(max_num_of_tokens_per_rank)
+
+    @staticmethod
+    def buffer_bytes(
+        group_size: int, hidden_dim: int, max_num_of_tokens_per_rank: int,
+        num_local_experts: int, dtype: torch.dtype,
+    ) -> int:
+        """Bytes the buffer allocates: a token area and the all-gathered routing map and probs."""
+        rows = group_size * max_num_of_tokens_per_rank
+        num_experts = group_size * num_local_experts
+        token_bytes = rows * hidden_dim * torch.empty((), dtype=dtype).element_size()
+        routing_bytes = rows * num_experts * (1 + 4)  # bool map + fp32 probs
+        return token_bytes + routing_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self._tokens, self._routing_map, self._probs))
+
+    def _allocate(self, max_tokens: int) -> None:
+        rows = self.group_size * max_tokens
+        num_experts = self.group_size * self.num_local_experts
+        self.max_num_of_tokens_per_rank = max_tokens
+        self._tokens = torch.empty((rows, self.hidden_dim), dtype=self.dtype, device=self.device)
+        self._routing_map = torch.empty((rows, num_experts), dtype=torch.bool, device=self.device)
+        self._probs = torch.empty((rows, num_experts), dtype=torch.float32, device=self.device)
+
+    def _ensure_capacity(self, num_tokens: int) -> None:
+        if num_tokens > self.max_num_of_tokens_per_rank:
+            self.regrowths += 1
+            self._allocate(num_tokens)
+
+    def _all_gather(self, area: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        out = area[: self.group_size * local.shape[0]]
+        dist.all_gather_single(out, local.contiguous(), group=self.group)
+        return out
+
+    def dispatch_with_permute(
+        self,
+        *,
+        hidden: torch.Tensor,
+        routing_map: torch.Tensor | None = None,
+        probs: torch.Tensor | None = None,
+        num_of_experts_per_rank: int | None = None,
+        num_permuted_tokens: int | None = None,
+        pad_multiple: int | None = None,
+        non_blocking: bool = False,
+        handle: ReferenceHybridEPHandle | None = None,
+    ):
+        """(tokens [M, H], probs [M] fp32 or None, scaling factors (None), tokens per expert [L], handle).
+
+        Layout: the i-th global token (ascending g = s * N + t) routed to local
+        expert e lands in row offset_e + i, offset_e = sum_{j<e} roundup(c_j, P);
+        pad rows are zero; rows past the padded total are undefined (NaN here).
+        Blocking mode sizes M exactly (a host sync); non-blocking mode takes M
+        and drops the pairs whose row would be >= M.
+        """
+        if handle is None:
+            handle, pair_probs = self._plan(
+                hidden, routing_map, probs, num_of_experts_per_rank,
+                num_permuted_tokens, pad_multiple or 1, non_blocking,
+            )
+        else:
+            pair_probs = None
+        received = self._move_tokens(hidden, handle)
+        # one zero row (pad) and one NaN row (past the end) after the received tokens
+        filler = received.new_zeros((2, received.shape[1]))
+        if received.is_floating_point():
+            filler[1] = float("nan")
+        received = torch.cat([received, filler])
+        token_of_pair = torch.cat([
+            handle.token_position.repeat_interleave(self.num_local_experts),
+            torch.tensor([received.shape[0] - 2, received.shape[0] - 1], device=hidden.device),
+        ])
+        tokens = received[token_of_pair[handle.row_pairs]]
+        out_probs = None
+        if pair_probs is not None:
+            pair_probs = torch.cat([pair_probs.reshape(-1), pair_probs.new_tensor([0.0, float("nan")])])
+            out_probs = pair_probs[handle.row_pairs]
+        return tokens, out_probs, None, handle.tokens_per_expert, handle
+
+    def _plan(self, hidden, routing_map, probs, local_experts, num_permuted_tokens, pad, non_blocking):
+        num_tokens = hidden.shape[0]
+        self._ensure_capacity(num_tokens)
+        device = hidden.device
+        rank, group_size = self.rank, self.group_size
+        global_map = self._all_gather(self._routing_map, routing_map)
+        local_map = global_map[:, rank * local_experts : (rank + 1) * local_experts]
+        num_global = local_map.shape[0]
+        counts = local_map.sum(0)
+        padded, offsets = padded_offsets(counts, pad)
+        rank_in_expert = torch.cumsum(local_map, 0) - 1
+        rows = offsets.unsqueeze(0) + rank_in_expert
+        if non_blocking:
+            num_rows = num_permuted_tokens
+        else:
+            num_rows = int(padded.sum())  # blocking: the library syncs to size its output
+        kept = local_map & (rows < num_rows)
+        dropped = local_map & ~kept
+        pair_rows = torch.where(kept, rows, num_rows)
+
+        # row -> (token, expert) pair table: pad rows point at the zero pair,
+        # rows past the padded total at the NaN pair; kept pairs overwrite theirs
+        num_pairs = num_global * local_experts
+        filled = torch.minimum(padded.sum(), torch.tensor(num_rows, device=device))
+        row_index = torch.arange(num_rows + 1, device=device)
+        row_pairs = torch.where(row_index < filled, num_pairs, num_pairs + 1)
+        pair_ids = torch.arange(num_pairs, device=device)
+        row_pairs = row_pairs.scatter_reduce(0, pair_rows.reshape(-1), pair_ids, reduce="amin")[:num_rows]
+
+        needed = kept.any(dim=1)
+        if non_blocking:
+            token_position = torch.arange(num_global, device=device)
+            exchange = dict(gathers_all_tokens=True, send_token_index=None, send_splits=None,
+                            recv_splits=None, recv_token_index=None)
+        else:
+            my_tokens = routing_map.view(num_tokens, group_size, local_experts).any(dim=2)
+            send_rank, send_token = my_tokens.t().nonzero(as_tuple=True)
+            send_splits = my_tokens.sum(0).tolist()
+            recv_splits = needed.view(group_size, num_tokens).sum(1).tolist()
+            recv_token_index = needed.nonzero().squeeze(1)
+            # tokens not received point past the received rows, at the zero filler row
+            token_position = torch.full((num_global,), recv_token_index.numel(), device=device)
+            token_position[recv_token_index] = torch.arange(recv_token_index.numel(), device=device)
+            exchange = dict(gathers_all_tokens=False, send_token_index=send_token,
+                            send_splits=send_splits, recv_splits=recv_splits,
+                            recv_token_index=recv_token_index)
+
+        pair_probs = None
+        if probs is not None:
+            global_probs = self._all_gather(self._probs, probs.float())
+            local_probs = global_probs[:, rank * local_experts : (rank + 1) * local_experts]
+            pair_probs = torch.where(kept, local_probs, 0.0)
+        handle = ReferenceHybridEPHandle(
+            pair_rows=pair_rows,
+            row_pairs=row_pairs,
+            token_position=token_position,
+            num_tokens=num_tokens,
+            num_permuted_tokens=num_rows,
+            tokens_per_expert=torch.minimum(padded, (num_rows - offsets).clamp(min=0)),
+            overflow_flag=dropped.any().to(torch.int32),
+            num_dropped=dropped.sum(),
+            **exchange,
+        )
+        return handle, pair_probs
+
+    def _move_tokens(self, hidden: torch.Tensor, handle: ReferenceHybridEPHandle) -> torch.Tensor:
+        """Rows this rank's experts need, received into the token area.
+
+        Non-blocking mode gathers every token (static shapes); blocking mode
+        receives exactly the tokens routed here.
+        """
+        if hidden.dtype != self.dtype:
+            raise TypeError(
+                f"HybridEP buffer holds {self.dtype} tokens but dispatch got {hidden.dtype}: "
+                "create the buffer with the activation dtype"
+            )
+        if handle.gathers_all_tokens:
+            return self._all_gather(self._tokens, hidden)
+        return _exchange(
+            hidden[handle.send_token_index], handle.send_splits, handle.recv_splits,
+            self.group, out=self._tokens,
+        )
+
+    def combine_with_unpermute(
+        self,
+        *,
+        hidden: torch.Tensor,
+        probs: torch.Tensor | None = None,
+        handle: ReferenceHybridEPHandle,
+        pad_multiple: int | None = None,
+    ):
+        """(combined [N, H], combined probs [N, E] fp32 or None).
+
+        Unweighted: each rank sums its local experts' rows of a token in fp32
+        and rounds; the source sums the ranks' partial rows in fp32 and rounds
+        once. Pad, past-the-end and dropped rows contribute nothing.
+        """
+        num_rows, hidden_dim = hidden.shape
+        rows = torch.cat([hidden, hidden.new_zeros((1, hidden_dim))])
+        partial = hidden.new_zeros((handle.pair_rows.shape[0], hidden_dim), dtype=torch.float32)
+        for expert in range(self.num_local_experts):
+            partial += rows[handle.pair_rows[:, expert]].float()
+        partial = partial.to(hidden.dtype)
+        combined = self._return_rows(partial, handle).to(hidden.dtype)
+
+        combined_probs = None
+        if probs is not None:
+            row_probs = torch.cat([probs.float(), probs.new_zeros(1, dtype=torch.float32)])
+            pair_probs = row_probs[handle.pair_rows]  # [G, L]
+            per_rank = pair_probs.view(self.group_size, handle.num_tokens, self.num_local_experts)
+            received = torch.empty_like(per_rank)
+            dist.all_to_all_single(received, per_rank.contiguous(), group=self.group)
+            # received[d, t, e] = probs of my token t at rank d's local expert e
+            combined_probs = received.permute(1, 0, 2).reshape(handle.num_tokens, -1)
+        return combined, combined_probs
+
+    def _return_rows(self, partial: torch.Tensor, handle: ReferenceHybridEPHandle) -> torch.Tensor:
+        """Send each token's partial rows back to its source; fp32 sum there."""
+        num_tokens = handle.num_tokens
+        if handle.gathers_all_tokens:
+            per_rank = partial.view(self.group_size, num_tokens, -1)
+            received = torch.empty_like(per_rank)
+            dist.all_to_all_single(received, per_rank, group=self.group)
+            return received.float().sum(0)
+        back = _exchange(
+            partial[handle.recv_token_index], handle.recv_splits, handle.send_splits, self.group
+        )
+        combined = partial.new_zeros((num_tokens, partial.shape[1]), dtype=torch.float32)
+        return combined.index_add_(0, handle.send_token_index, back.float())
