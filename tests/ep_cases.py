@@ -120,10 +120,12 @@ def dense_moe(inputs, score_before_experts: bool, keep: torch.Tensor | None = No
 def make_style(backend: str, case: Case, ep: int, capacity_factor: float | None = None):
     """The backend's ExpertParallel with reference kernels."""
     if backend == "nccl":
-        return NcclExpertParallel(case.score_before_experts, pad_multiple=case.pad_multiple)
+        return NcclExpertParallel(score_before_experts=case.score_before_experts, pad_multiple=case.pad_multiple)
     if backend == "deepep":
         buffer = SharedKernelBuffer(lambda group, example: ReferenceBuffer(group))
-        return DeepEPExpertParallel(case.score_before_experts, buffer, pad_multiple=case.pad_multiple)
+        return DeepEPExpertParallel(
+            score_before_experts=case.score_before_experts, buffer=buffer, pad_multiple=case.pad_multiple
+        )
     buffer = SharedKernelBuffer(
         lambda group, example: ReferenceHybridEPBuffer(
             group, case.hidden, case.tokens_per_rank(ep), case.local_experts(ep), dtype=example.dtype
@@ -132,7 +134,8 @@ def make_style(backend: str, case: Case, ep: int, capacity_factor: float | None 
     if backend == "hybridep_non_blocking" and capacity_factor is None:
         capacity_factor = 1.0
     return HybridEPExpertParallel(
-        case.score_before_experts, buffer, capacity_factor=capacity_factor, pad_multiple=case.pad_multiple
+        score_before_experts=case.score_before_experts, buffer=buffer,
+        capacity_factor=capacity_factor, pad_multiple=case.pad_multiple,
     )
 
 

@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 
 import torch
 from torchtitan.components.quantization import FP8_GROUP_ALIGNMENT_SIZE, MXFP8_GROUP_ALIGNMENT_SIZE
+from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.distributed.expert_parallel import ExpertParallel
 
 from torchtitan_ext.ep.handle import KernelBuffer
@@ -103,17 +104,22 @@ class RoutedExpertParallel(ExpertParallel, ABC):
     min_pad_multiple: ClassVar[int] = 1
     """Smallest row multiple this backend pads expert groups to."""
 
-    def __init__(self, *, score_before_experts: bool, pad_multiple: int = 1):
+    def __init__(
+        self, *, score_before_experts: bool, pad_multiple: int = 1, token_split_mesh: DeviceMesh | None = None
+    ):
         super().__init__()
         self.score_before_experts = score_before_experts
         self.pad_multiple = max(pad_multiple, self.min_pad_multiple)
+        self.token_split_mesh = token_split_mesh
+        """TP mesh that EP borrows (expert TP off): each of its ranks dispatches a
+        1/TP slice of the (TP-replicated) tokens; outputs are Partial over it."""
         self._pending = None
 
     @classmethod
     @abstractmethod
-    def layer_factory(cls, job_config, shape: MoEShape, device_type: str) -> Callable[[bool], "RoutedExpertParallel"]:
-        """Per-layer constructor (argument: score_before_experts); the layers it
-        makes share whatever the backend shares across layers (its buffer)."""
+    def layer_factory(cls, job_config, shape: MoEShape, device_type: str) -> Callable[..., "RoutedExpertParallel"]:
+        """Per-layer constructor (keywords: score_before_experts, token_split_mesh);
+        the layers it makes share whatever the backend shares (its buffer)."""
 
     @abstractmethod
     def dispatch(
@@ -127,11 +133,30 @@ class RoutedExpertParallel(ExpertParallel, ABC):
         """Expert outputs back to [N, H] on their source ranks."""
 
     def _token_dispatch(self, mod, inputs, device_mesh):
-        x, scores, expert_ids = inputs
+        x, scores, expert_ids = (self._split_tokens(t) for t in inputs)
         return self.dispatch(x, scores, expert_ids, mod.num_experts, device_mesh.get_group())
 
     def _token_combine(self, mod, routed_output, device_mesh):
-        return self.combine(routed_output, device_mesh.get_group())
+        return self._unsplit_tokens(self.combine(routed_output, device_mesh.get_group()))
+
+    def _split_tokens(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.token_split_mesh is None:
+            return tensor
+        parts = self.token_split_mesh.size()
+        if tensor.shape[0] % parts:
+            raise ValueError(
+                f"{tensor.shape[0]} tokens do not split evenly over tensor parallel degree {parts}: "
+                "make local_batch_size x seq_len divisible by it"
+            )
+        return tensor.chunk(parts)[self.token_split_mesh.get_local_rank()]
+
+    def _unsplit_tokens(self, output: torch.Tensor) -> torch.Tensor:
+        """This rank's slice in place, zeros elsewhere: the TP ranks' outputs sum to the whole."""
+        if self.token_split_mesh is None:
+            return output
+        parts, rank = self.token_split_mesh.size(), self.token_split_mesh.get_local_rank()
+        rows = output.shape[0]
+        return torch.nn.functional.pad(output, (0, 0, rank * rows, (parts - rank - 1) * rows))
 
     def _take_pending(self):
         pending, self._pending = self._pending, None

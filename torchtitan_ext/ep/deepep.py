@@ -148,8 +148,9 @@ class DeepEPExpertParallel(RoutedExpertParallel):
         )
         return partial(cls, buffer=buffer, pad_multiple=token_group_alignment(job_config))
 
-    def __init__(self, score_before_experts: bool, buffer: SharedKernelBuffer, pad_multiple: int = 1):
-        super().__init__(score_before_experts=score_before_experts, pad_multiple=pad_multiple)
+    def __init__(self, *, buffer: SharedKernelBuffer, **base_kwargs):
+        """``base_kwargs``: :class:`RoutedExpertParallel`'s (score_before_experts, ...)."""
+        super().__init__(**base_kwargs)
         self.buffer = buffer
 
     def dispatch(self, x, scores, expert_ids, num_experts, group):

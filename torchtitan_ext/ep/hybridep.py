@@ -215,14 +215,10 @@ class HybridEPExpertParallel(RoutedExpertParallel):
             pad_multiple=token_group_alignment(job_config),
         )
 
-    def __init__(
-        self,
-        score_before_experts: bool,
-        buffer: SharedKernelBuffer,
-        capacity_factor: float | None = None,
-        pad_multiple: int = 1,
-    ):
-        super().__init__(score_before_experts=score_before_experts, pad_multiple=pad_multiple)
+    def __init__(self, *, buffer: SharedKernelBuffer, capacity_factor: float | None = None, **base_kwargs):
+        """``capacity_factor``: None for blocking mode, else non-blocking with
+        :func:`non_blocking_rows` rows. ``base_kwargs``: :class:`RoutedExpertParallel`'s."""
+        super().__init__(**base_kwargs)
         self.buffer = buffer
         self.capacity_factor = capacity_factor
         self.dropped_pairs: torch.Tensor | None = None

@@ -14,6 +14,7 @@ from functools import partial
 
 import torch
 from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
+from torch.distributed.tensor import distribute_tensor, DTensor, Partial, Replicate, Shard
 
 from torchtitan_ext.ep.base import MoEShape, RoutedExpertParallel, scale_rows, token_group_alignment
 from torchtitan_ext.ep.layout import block_destinations
@@ -34,7 +35,12 @@ class _NcclDispatchState:
 
 
 class NcclExpertParallel(RoutedExpertParallel):
-    """EP over all-to-all collectives (NCCL on GPU, gloo on CPU)."""
+    """EP over all-to-all collectives (NCCL on GPU, gloo on CPU).
+
+    Applied on a 1-D "ep" mesh it is plain EP; on an ["ep", "etp"] mesh it also
+    shards each expert's hidden dimension over "etp" (expert tensor parallelism,
+    the only backend that supports it).
+    """
 
     sac_save_ops = (torch.ops._c10d_functional.all_to_all_single.default,)
     min_pad_multiple = 8
@@ -43,8 +49,31 @@ class NcclExpertParallel(RoutedExpertParallel):
     def layer_factory(cls, job_config, shape: MoEShape, device_type: str):
         return partial(cls, pad_multiple=token_group_alignment(job_config))
 
-    def __init__(self, score_before_experts: bool, pad_multiple: int = 1):
-        super().__init__(score_before_experts=score_before_experts, pad_multiple=pad_multiple)
+    def _partition_fn(self, name, mod, device_mesh):
+        if device_mesh.ndim == 1:
+            return super()._partition_fn(name, mod, device_mesh)
+        # expert TP on an [ep, etp] mesh: experts over "ep", w1/w3 column-wise and w2 row-wise over "etp"
+        for param_name, hidden_dim in (("w1", 1), ("w2", 2), ("w3", 1)):
+            param = getattr(mod, param_name)
+            sharded = distribute_tensor(param, device_mesh, [Shard(0), Shard(hidden_dim)])
+            mod.register_parameter(param_name, torch.nn.Parameter(sharded))
+
+    def _token_dispatch(self, mod, inputs, device_mesh):
+        if device_mesh.ndim == 1:
+            return super()._token_dispatch(mod, inputs, device_mesh)
+        # every expert-TP rank computes a partial result from the same tokens and scores,
+        # so their gradients are partial sums over "etp"
+        x, scores, expert_ids = inputs
+        x, scores = (
+            DTensor.from_local(t, device_mesh["etp"], (Replicate(),)).to_local(grad_placements=(Partial(),))
+            for t in (x, scores)
+        )
+        return super()._token_dispatch(mod, (x, scores, expert_ids), device_mesh["ep"])
+
+    def _token_combine(self, mod, routed_output, device_mesh):
+        if device_mesh.ndim == 1:
+            return super()._token_combine(mod, routed_output, device_mesh)
+        return super()._token_combine(mod, routed_output, device_mesh["ep"])
 
     def dispatch(self, x, scores, expert_ids, num_experts, group):
         ep_degree = group.size()

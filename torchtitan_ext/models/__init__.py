@@ -1,28 +1,27 @@
-"""Train specs for DeepSeek-V3 and Llama4, registered under torchtitan's names."""
+"""Train specs for DeepSeek-V3 and Llama4, registered under torchtitan's names.
 
-import dataclasses
+A spec registered with ``register_train_spec`` takes precedence over
+torchtitan's built-in one of the same name, so configs keep
+``model.name = "deepseek_v3"`` / ``"llama4"``.
+"""
 
-from torchtitan.models.deepseek_v3 import get_train_spec as deepseek_v3_spec
-from torchtitan.models.llama4 import get_train_spec as llama4_spec
 from torchtitan.protocols.train_spec import get_train_spec, register_train_spec
 
-from torchtitan_ext.metrics import build_metrics_processor
+from torchtitan_ext.models import deepseek_v3, llama4
 
 MODEL_NAMES = ("deepseek_v3", "llama4")
+_SPECS = {"deepseek_v3": deepseek_v3.train_spec, "llama4": llama4.train_spec}
+_PARALLELIZE = {
+    "deepseek_v3": deepseek_v3.parallelize_deepseekv3,
+    "llama4": llama4.parallelize_llama4,
+}
 
 
 def register_train_specs() -> None:
-    """Register our specs as "deepseek_v3" and "llama4" (idempotent).
-
-    A registered spec takes precedence over torchtitan's built-in one of the
-    same name, so configs keep ``model.name = "deepseek_v3"`` / ``"llama4"``.
-    """
-    for name, upstream_spec in (("deepseek_v3", deepseek_v3_spec), ("llama4", llama4_spec)):
-        spec = dataclasses.replace(
-            upstream_spec(), build_metrics_processor_fn=build_metrics_processor
-        )
+    """Register our specs as "deepseek_v3" and "llama4" (idempotent)."""
+    for name, build_spec in _SPECS.items():
         try:
-            register_train_spec(name, spec)
+            register_train_spec(name, build_spec())
         except ValueError:
-            if get_train_spec(name).build_metrics_processor_fn is not build_metrics_processor:
+            if get_train_spec(name).parallelize_fn is not _PARALLELIZE[name]:
                 raise

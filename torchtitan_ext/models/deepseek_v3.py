@@ -1,0 +1,57 @@
+"""DeepSeek-V3: torchtitan's model with our parallelize plan."""
+
+import dataclasses
+from functools import partial
+
+from torchtitan.models.deepseek_v3 import deepseekv3_args, get_train_spec
+from torchtitan.models.deepseek_v3.infra.parallelize import _op_sac_save_list, apply_non_moe_tp
+from torchtitan.models.deepseek_v3.model.args import DeepSeekV3ModelArgs as TorchTitanArgs
+
+from torchtitan_ext.metrics import build_metrics_processor
+from torchtitan_ext.models.parallelize import parallelize_moe_model
+
+
+@dataclasses.dataclass
+class DeepSeekV3ModelArgs(TorchTitanArgs):
+    def update_from_config(self, job_config, **kwargs) -> None:
+        super().update_from_config(job_config, **kwargs)
+        # Every EP backend is applied by the parallelize plan to torchtitan's standard
+        # MoE; its "deepep" MoE would import deep_ep while the model is built.
+        self.moe_impl = "standard"
+
+
+def parallelize_deepseekv3(model, parallel_dims, job_config):
+    """torchtitan's DeepSeek-V3 parallelisms with the configured EP backend."""
+    attn_type = getattr(model.model_args, "attn_type", "sdpa")
+    if parallel_dims.cp_enabled and attn_type != "sdpa":
+        raise NotImplementedError(f"Context parallelism supports SDPA attention only, not '{attn_type}'")
+    if parallel_dims.tp_enabled and "float8" in job_config.model.converters:
+        if job_config.quantize.linear.float8.recipe_name not in ("rowwise", "rowwise_with_gw_hp"):
+            raise NotImplementedError("Float8 tensorwise TP is not supported for DeepSeek-V3")
+    dense_tp = partial(
+        _apply_dense_tp,
+        loss_parallel=not job_config.parallelism.disable_loss_parallel,
+        cp_enabled=parallel_dims.cp_enabled,
+    )
+    return parallelize_moe_model(
+        model, parallel_dims, job_config, apply_dense_tp=dense_tp, op_sac_save_list=_op_sac_save_list
+    )
+
+
+def _apply_dense_tp(model, tp_mesh, *, loss_parallel: bool, cp_enabled: bool) -> None:
+    apply_non_moe_tp(
+        model, tp_mesh, loss_parallel=loss_parallel, enable_float8_tensorwise_tp=False, cp_enabled=cp_enabled
+    )
+
+
+def train_spec():
+    flavors = {
+        name: DeepSeekV3ModelArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args)})
+        for name, args in deepseekv3_args.items()
+    }
+    return dataclasses.replace(
+        get_train_spec(),
+        model_args=flavors,
+        parallelize_fn=parallelize_deepseekv3,
+        build_metrics_processor_fn=build_metrics_processor,
+    )

@@ -1,0 +1,43 @@
+"""Llama4: torchtitan's model with our parallelize plan."""
+
+import dataclasses
+from functools import partial
+
+from torchtitan.models.llama4 import get_train_spec
+from torchtitan.models.llama4.infra.parallelize import _op_sac_save_list, apply_non_moe_tp
+
+from torchtitan_ext.metrics import build_metrics_processor
+from torchtitan_ext.models.parallelize import parallelize_moe_model
+
+
+def parallelize_llama4(model, parallel_dims, job_config):
+    """torchtitan's Llama4 parallelisms with the configured EP backend.
+
+    Llama4 scales tokens by their routing score before the experts; every
+    backend keeps that (``score_before_experts`` is passed to each layer's EP style).
+    """
+    float8 = job_config.quantize.linear.float8
+    enable_float8_tensorwise_tp = (
+        "float8" in job_config.model.converters
+        and float8.recipe_name not in ("rowwise", "rowwise_with_gw_hp")
+    )
+    dense_tp = partial(
+        _apply_dense_tp,
+        loss_parallel=not job_config.parallelism.disable_loss_parallel,
+        enable_float8_tensorwise_tp=enable_float8_tensorwise_tp,
+    )
+    return parallelize_moe_model(
+        model, parallel_dims, job_config, apply_dense_tp=dense_tp, op_sac_save_list=_op_sac_save_list
+    )
+
+
+def _apply_dense_tp(model, tp_mesh, *, loss_parallel: bool, enable_float8_tensorwise_tp: bool) -> None:
+    apply_non_moe_tp(
+        model, tp_mesh, loss_parallel=loss_parallel, enable_float8_tensorwise_tp=enable_float8_tensorwise_tp
+    )
+
+
+def train_spec():
+    return dataclasses.replace(
+        get_train_spec(), parallelize_fn=parallelize_llama4, build_metrics_processor_fn=build_metrics_processor
+    )

@@ -1,0 +1,174 @@
+"""Parallelize plan pieces shared by DeepSeek-V3 and Llama4.
+
+:func:`parallelize_moe_model` applies, in torchtitan's order: TP (the model's
+own dense plan), MoE parallelism (TP of router and shared experts, and the
+configured EP backend on the routed experts), CP, activation checkpointing
+(the backend's ops on the selective save list), torch.compile, and FSDP/HSDP
+or DDP. Everything but the MoE step is torchtitan's own code.
+"""
+
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    parallelize_module,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+)
+from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.distributed import NoParallel
+from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.context_parallel import apply_cp_to_attention_module
+from torchtitan.distributed.dual_pipe_v import DualPipeExpertParallel, get_dual_pipe_v_flag
+from torchtitan.distributed.expert_parallel import TensorParallel
+from torchtitan.distributed.tensor_parallel import maybe_enable_async_tp
+from torchtitan.models.llama3.infra.parallelize import apply_ddp
+from torchtitan.models.llama4.infra.parallelize import apply_compile, apply_fsdp
+from torchtitan.tools.logging import logger
+
+from torchtitan_ext import runtime
+from torchtitan_ext.ep import backend_class, MoEShape
+from torchtitan_ext.ep.base import max_tokens_per_rank
+from torchtitan_ext.models.moe import ExpertParallelMoE
+
+_layer_factories: dict[int, tuple[weakref.ref, Callable]] = {}
+
+
+def expert_parallel_layers(job_config, model_args) -> Callable:
+    """The backend's per-layer style constructor for this job.
+
+    One per job config, so that every pipeline stage of a rank shares the
+    backend's single buffer.
+    """
+    cached = _layer_factories.get(id(job_config))
+    if cached is None or cached[0]() is not job_config:
+        moe_args = model_args.moe_args
+        shape = MoEShape(
+            hidden_dim=model_args.dim,
+            num_experts=moe_args.num_experts,
+            top_k=moe_args.top_k,
+            max_tokens_per_rank=max_tokens_per_rank(job_config),
+        )
+        backend = backend_class(job_config)
+        factory = backend.layer_factory(job_config, shape, runtime.device_type())
+        _layer_factories[id(job_config)] = (weakref.ref(job_config), factory)
+        logger.info(f"Expert parallelism with {backend.__name__} for {shape}")
+    return _layer_factories[id(job_config)][1]
+
+
+def apply_moe_parallelism(model: torch.nn.Module, parallel_dims, job_config) -> None:
+    """TP for the MoE layers' router and shared experts, and EP (or TP) for the routed experts."""
+    tp_mesh = parallel_dims.get_optional_mesh("tp")
+    ep_mesh = parallel_dims.get_optional_mesh("ep")
+    etp_enabled = parallel_dims.etp_enabled
+    dual_pipe_v = get_dual_pipe_v_flag(job_config, parallel_dims)
+    make_layer = expert_parallel_layers(job_config, model.model_args) if ep_mesh is not None else None
+    first_moe_block = next((b for b in model.layers.values() if b.moe_enabled), None)
+
+    for block in model.layers.values():
+        if not block.moe_enabled:
+            continue
+        if tp_mesh is not None:
+            plan = {
+                "moe": PrepareModuleInputOutput(
+                    input_layouts=(Shard(1),),
+                    desired_input_layouts=(Replicate(),),
+                    use_local_input=True,
+                    output_layouts=(Partial(),),
+                    desired_output_layouts=(Shard(1),),
+                ),
+                "moe.router.gate": NoParallel(),
+            }
+            if block.moe.shared_experts is not None:
+                plan.update({
+                    "moe.shared_experts.w1": ColwiseParallel(),
+                    "moe.shared_experts.w2": RowwiseParallel(output_layouts=Partial()),
+                    "moe.shared_experts.w3": ColwiseParallel(),
+                })
+            parallelize_module(block, tp_mesh, plan)
+
+        if make_layer is None:
+            parallelize_module(block.moe.experts, tp_mesh, TensorParallel())
+            continue
+        ExpertParallelMoE.adopt(block.moe)
+        style = make_layer(
+            score_before_experts=block.moe.score_before_experts,
+            token_split_mesh=tp_mesh if tp_mesh is not None and not etp_enabled else None,
+        )
+        if block is first_moe_block:
+            logger.info(f"{type(style).__name__}: expert groups padded to multiples of {style.pad_multiple} rows")
+        if dual_pipe_v:
+            style = DualPipeExpertParallel(style)
+        mesh = parallel_dims.get_mesh(["ep", "etp"]) if etp_enabled else ep_mesh
+        parallelize_module(block.moe.experts, mesh, style)
+
+
+def parallelize_moe_model(
+    model: torch.nn.Module,
+    parallel_dims,
+    job_config,
+    *,
+    apply_dense_tp: Callable[[torch.nn.Module, object], None],
+    op_sac_save_list: set,
+) -> torch.nn.Module:
+    """Apply every configured parallelism; ``apply_dense_tp(model, tp_mesh)`` is the model's own TP plan."""
+    if job_config.training.seq_len % parallel_dims.seq_len_divisor:
+        raise ValueError(
+            f"training.seq_len = {job_config.training.seq_len} must be divisible by "
+            f"TP degree x 2 x CP degree = {parallel_dims.seq_len_divisor}"
+        )
+    if parallel_dims.tp_enabled:
+        tp_mesh = parallel_dims.get_mesh("tp")
+        apply_dense_tp(model, tp_mesh)
+        maybe_enable_async_tp(job_config, tp_mesh)
+
+    if parallel_dims.tp_enabled or parallel_dims.ep_enabled:
+        apply_moe_parallelism(model, parallel_dims, job_config)
+
+    if parallel_dims.cp_enabled:
+        apply_cp_to_attention_module(
+            [block.attention.inner_attention for block in model.layers.values()],
+            parallel_dims.get_mesh("cp"),
+            getattr(model.model_args, "attn_type", "sdpa"),
+        )
+
+    model_compile_enabled = job_config.compile.enable and "model" in job_config.compile.components
+    if job_config.activation_checkpoint.mode != "none":
+        if parallel_dims.ep_enabled:
+            op_sac_save_list = op_sac_save_list | set(backend_class(job_config).sac_save_ops)
+        apply_ac(
+            model,
+            job_config.activation_checkpoint,
+            model_compile_enabled=model_compile_enabled,
+            op_sac_save_list=op_sac_save_list,
+            base_folder=job_config.job.dump_folder,
+        )
+
+    if model_compile_enabled:
+        apply_compile(model, job_config.compile, parallel_dims.ep_enabled)
+
+    if parallel_dims.fsdp_enabled or parallel_dims.ep_enabled:
+        dp_mesh_names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
+        edp_mesh_names = ["dp_replicate", "efsdp"] if parallel_dims.dp_replicate_enabled else ["efsdp"]
+        apply_fsdp(
+            model,
+            parallel_dims.get_mesh(dp_mesh_names),
+            param_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_param],
+            reduce_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce],
+            pp_enabled=parallel_dims.pp_enabled,
+            cpu_offload=job_config.training.enable_cpu_offload,
+            reshard_after_forward_policy=job_config.parallelism.fsdp_reshard_after_forward,
+            ep_degree=parallel_dims.ep,
+            edp_mesh=parallel_dims.get_optional_mesh(edp_mesh_names),
+            gradient_divide_factor=parallel_dims.fsdp_gradient_divide_factor,
+        )
+        logger.info(f"Applied {'HSDP' if parallel_dims.dp_replicate_enabled else 'FSDP'} to the model")
+    elif parallel_dims.dp_replicate_enabled:
+        dp_mesh = parallel_dims.get_mesh("dp_replicate")
+        if parallel_dims.world_size != dp_mesh.size():
+            raise RuntimeError("DDP does not support > 1D parallelism")
+        apply_ddp(model, dp_mesh, enable_compile=model_compile_enabled)
+    return model
