@@ -17,10 +17,11 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torchtitan.models.moe.moe import GroupedExperts
 
-from torchtitan_ext.ep import DeepEPExpertParallel, HybridEPExpertParallel, NcclExpertParallel
-from torchtitan_ext.ep.base import SharedKernelBuffer
+from torchtitan_ext.config import parse_job_config
+from torchtitan_ext.ep import BACKENDS as BACKEND_CLASSES
+from torchtitan_ext.ep import HybridEPExpertParallel, MoEShape
 from torchtitan_ext.ep.handle import DispatchHandle
-from torchtitan_ext.ep.kernels.reference import ReferenceBuffer, ReferenceHybridEPBuffer
+from torchtitan_ext.ep.kernels.reference import ReferenceHybridEPBuffer
 
 BACKENDS = ("nccl", "deepep", "hybridep", "hybridep_non_blocking")
 """hybridep_non_blocking runs at capacity factor 1.0 without padding, which cannot drop."""
@@ -117,26 +118,26 @@ def dense_moe(inputs, score_before_experts: bool, keep: torch.Tensor | None = No
     return {"out": out.detach(), **{f"grad_{name}": leaf.grad for name, leaf in leaves.items()}}
 
 
-def make_style(backend: str, case: Case, ep: int, capacity_factor: float | None = None):
-    """The backend's ExpertParallel with reference kernels."""
-    if backend == "nccl":
-        return NcclExpertParallel(score_before_experts=case.score_before_experts, pad_multiple=case.pad_multiple)
-    if backend == "deepep":
-        buffer = SharedKernelBuffer(lambda group, example: ReferenceBuffer(group))
-        return DeepEPExpertParallel(
-            score_before_experts=case.score_before_experts, buffer=buffer, pad_multiple=case.pad_multiple
-        )
-    buffer = SharedKernelBuffer(
-        lambda group, example: ReferenceHybridEPBuffer(
-            group, case.hidden, case.tokens_per_rank(ep), case.local_experts(ep), dtype=example.dtype
-        )
-    )
+def make_style(
+    backend: str, case: Case, ep: int, capacity_factor: float | None = None,
+    implementation: str = "reference", device_type: str = "cpu",
+):
+    """The backend's ExpertParallel for this case, built the way training builds it:
+    from a job config through the backend's ``layer_factory``."""
+    name = "hybridep" if backend.startswith("hybridep") else backend
     if backend == "hybridep_non_blocking" and capacity_factor is None:
         capacity_factor = 1.0
-    return HybridEPExpertParallel(
-        score_before_experts=case.score_before_experts, buffer=buffer,
-        capacity_factor=capacity_factor, pad_multiple=case.pad_multiple,
+    args = ["--parallelism.expert_parallel_comm_backend", name]
+    if name != "nccl":
+        args += [f"--{name}.implementation", implementation]
+    if capacity_factor is not None:
+        args += ["--hybridep.non_blocking_capacity_factor", str(capacity_factor)]
+    shape = MoEShape(
+        hidden_dim=case.hidden, num_experts=case.num_experts, top_k=case.top_k,
+        max_tokens_per_rank=case.tokens_per_rank(ep),
     )
+    make_layer = BACKEND_CLASSES[name].layer_factory(parse_job_config(args), shape, device_type)
+    return make_layer(score_before_experts=case.score_before_experts, pad_multiple=case.pad_multiple)
 
 
 def _rank_slice(rank: int, case: Case, ep: int) -> slice:
@@ -152,17 +153,20 @@ def _experts(case: Case, inputs) -> GroupedExperts:
     return experts
 
 
-def run_backend(rank: int, ep: int, case: Case, backend: str, mesh, **style_kwargs) -> dict:
-    """Forward + backward of one backend on this rank's tokens; outputs and gradients."""
-    inputs = global_inputs(case)
-    experts = _experts(case, inputs)
-    style = make_style(backend, case, ep, **style_kwargs)
+def run_backend(
+    rank: int, ep: int, case: Case, backend: str, mesh, *,
+    device: str = "cpu", dtype: torch.dtype = torch.float32, **style_kwargs,
+) -> dict:
+    """Forward + backward of one backend on this rank's tokens; outputs and gradients (fp32, CPU)."""
+    inputs = {k: v.to(device) for k, v in global_inputs(case).items()}
+    experts = _experts(case, inputs).to(device=device, dtype=dtype)
+    style = make_style(backend, case, ep, device_type=mesh.device_type, **style_kwargs)
     parallelize_module(experts, mesh, style)
     rows = _rank_slice(rank, case, ep)
-    x = inputs["x"][rows].clone().requires_grad_()
+    x = inputs["x"][rows].to(dtype).clone().requires_grad_()
     scores = inputs["scores"][rows].clone().requires_grad_()
     out = experts(x, scores, inputs["ids"][rows])
-    out.backward(inputs["grad_out"][rows])
+    out.backward(inputs["grad_out"][rows].to(dtype))
     local = slice(rank * case.local_experts(ep), (rank + 1) * case.local_experts(ep))
     result = {
         "out": out.detach(),
@@ -172,17 +176,23 @@ def run_backend(rank: int, ep: int, case: Case, backend: str, mesh, **style_kwar
         "rows": rows,
         **{f"grad_{name}": getattr(experts, name).grad.to_local() for name in ("w1", "w2", "w3")},
     }
+    result = {k: v.float().cpu() if isinstance(v, torch.Tensor) else v for k, v in result.items()}
     if isinstance(style, HybridEPExpertParallel):
         result["dropped_pairs"] = int(style.dropped_pairs)
     return result
 
 
-def conformance_worker(rank: int, ep: int) -> dict:
-    mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
+def conformance_worker(
+    rank: int, ep: int, backends=BACKENDS, implementation: str = "reference",
+    device: str = "cpu", dtype: torch.dtype = torch.float32,
+) -> dict:
+    mesh = init_device_mesh(device, (ep,), mesh_dim_names=("ep",))
     return {
-        (case.name, backend): run_backend(rank, ep, case, backend, mesh)
+        (case.name, backend): run_backend(
+            rank, ep, case, backend, mesh, device=device, dtype=dtype, implementation=implementation
+        )
         for case in cases_for(ep)
-        for backend in BACKENDS
+        for backend in backends
     }
 
 

@@ -88,6 +88,12 @@ def _load(*overrides, device_type="cpu", world_size=2):
         (("--parallelism.data_parallel_shard_degree", "4"),
          "dp_replicate x dp_shard x cp x tp x pp = 4 but the world size is 2"),
         (("--model.flavor", "tiny"), "model.flavor = 'tiny' is not a flavour of deepseek_v3"),
+        (("--parallelism.expert_parallel_comm_backend", "hybridep", "--parallelism.expert_parallel_degree", "1"),
+         "'hybridep' needs expert parallelism, but expert_parallel_degree = 1"),
+        (("--parallelism.expert_parallel_comm_backend", "hybridep", "--hybridep.non_blocking_capacity_factor", "0.8",
+          "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "DualPipeV",
+          "--parallelism.data_parallel_shard_degree", "1"),
+         "non-blocking HybridEP cannot serve pipeline_parallel_schedule = 'DualPipeV'"),
     ],
 )
 def test_invalid_values_name_the_field(overrides, message):
@@ -115,6 +121,20 @@ def test_valid_backend_configs_pass():
          "--hybridep.ranks_per_nvlink_domain", "2", "--hybridep.use_mnnvl", "True"),
     ):
         _load(*overrides)
+
+
+def test_auto_on_cuda_without_deep_ep_is_an_error():
+    """No silent fallback: on CUDA, auto means the library, and its absence says how to install it."""
+    import importlib.util
+
+    if importlib.util.find_spec("deep_ep") is not None:
+        pytest.skip("deep_ep is installed here")  # the error path needs a machine without it
+    for backend, branch in (("deepep", "DeepEP"), ("hybridep", "hybrid-ep branch")):
+        with pytest.raises(ConfigError) as error:
+            _load("--parallelism.expert_parallel_comm_backend", backend, device_type="cuda")
+        message = str(error.value)
+        assert f"{backend}.implementation resolves to the deep_ep library on CUDA" in message
+        assert branch in message and f"{backend}.implementation = 'reference'" in message
 
 
 def test_validate_needs_no_process_group():

@@ -90,7 +90,7 @@ class HybridEP:
     smaller factors save memory. When the padded layout needs more than M rows,
     the (token, expert) pairs whose row would be >= M are dropped, from the tail
     (highest local expert first, latest source rank and token first); they add
-    nothing to the output, the overflow flag is set and [ep_metrics] counts them.
+    nothing to the output, the overflow flag is set and they are counted and reported.
     With P > 1 even 1.0 can drop: padding adds up to L * (P - 1) rows.
     """
 
@@ -248,6 +248,7 @@ def validate(
                 f"expert_parallel_comm_backend = '{section_name}'"
             )
     _validate_degrees(job_config, num_experts)
+    _validate_pipeline(job_config)
     if world_size is not None:
         _validate_world_size(job_config.parallelism, world_size)
     _validate_deepep(job_config.deepep)
@@ -267,11 +268,34 @@ def _validate_degrees(job_config, num_experts: int | None) -> None:
             f"{num_experts} experts: pick a divisor of {num_experts}"
         )
     backend = comm_backend(job_config)
+    if backend != "nccl" and ep == 1 and num_experts is not None:
+        raise ConfigError(
+            f"parallelism.expert_parallel_comm_backend = '{backend}' needs expert parallelism, but "
+            "expert_parallel_degree = 1: set expert_parallel_degree > 1 or use the nccl backend"
+        )
     etp = job_config.parallelism.expert_tensor_parallel_degree
     if backend != "nccl" and ep > 1 and etp > 1:
         raise ConfigError(
             f"parallelism.expert_tensor_parallel_degree = {etp} is not supported by the "
             f"'{backend}' backend: set expert_tensor_parallel_degree = 1 or use the nccl backend"
+        )
+
+
+def _validate_pipeline(job_config) -> None:
+    p = job_config.parallelism
+    overlaps_ep = (
+        p.pipeline_parallel_degree > 1
+        and p.expert_parallel_degree > 1
+        and p.pipeline_parallel_expert_parallel_overlap
+        and p.pipeline_parallel_schedule.lower() == "dualpipev"
+    )
+    if overlaps_ep and comm_backend(job_config) == "hybridep" and job_config.hybridep.non_blocking_capacity_factor is not None:
+        raise ConfigError(
+            "non-blocking HybridEP cannot serve pipeline_parallel_schedule = 'DualPipeV' with "
+            "pipeline_parallel_expert_parallel_overlap: the overlapped microbatch would launch its "
+            "dispatch or combine while the other's is still running in HybridEP's one shared buffer "
+            "(blocking mode waits for each). Set pipeline_parallel_expert_parallel_overlap = false, "
+            "unset hybridep.non_blocking_capacity_factor, or use another schedule"
         )
 
 
@@ -332,8 +356,9 @@ def _validate_hybridep(section: HybridEP, ep_degree: int) -> None:
 
 
 def _validate_implementation(section_name: str, section, device_type: str) -> None:
-    if section.implementation == "deep_ep" and device_type != "cuda":
-        raise ConfigError(
-            f"{section_name}.implementation = 'deep_ep' needs CUDA, and this machine has "
-            f"none: use implementation = 'reference' (or 'auto') on CPU"
-        )
+    from torchtitan_ext.ep.kernels import KernelUnavailable, resolve_implementation
+
+    try:
+        resolve_implementation(section_name, section.implementation, device_type)
+    except KernelUnavailable as e:
+        raise ConfigError(str(e)) from None

@@ -59,12 +59,14 @@ def resolve_implementation(backend: str, implementation: str, device_type: str) 
     return implementation
 
 
-def deep_ep_available(backend: str) -> bool:
-    """Whether the real library for ``backend`` can run here (CUDA and importable)."""
-    try:
-        resolve_implementation(backend, "deep_ep", "cuda")
-    except KernelUnavailable:
-        return False
+def deep_ep_unavailable_reason(backend: str) -> str | None:
+    """Why the real library for ``backend`` cannot run here, or None when it can."""
     import torch
 
-    return torch.cuda.is_available()
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        resolve_implementation(backend, "deep_ep", "cuda")
+    except KernelUnavailable as e:
+        return str(e)
+    return None
