@@ -4,13 +4,15 @@
 #   ./run_train.sh                                  # DeepSeek-V3 debug model, EP=2
 #   CONFIG_FILE=train_configs/llama4_debug_model.toml ./run_train.sh
 #   ./run_train.sh --training.steps 10 --parallelism.expert_parallel_comm_backend hybridep
-#   COMM_MODE=fake_backend NGPU=256 CONFIG_FILE=... ./run_train.sh   # one-process dry run
+#   COMM_MODE=fake_backend NGPU=256 CONFIG_FILE=... ./run_train.sh   # dry run: validate, no weights
 #
 # Environment:
 #   NGPU         processes on this machine (default: the number of GPUs, or 2 on CPU)
 #   CONFIG_FILE  TOML job config (default: train_configs/debug_model.toml)
 #   LOG_RANK     ranks whose output is shown, comma separated (default: 0)
-#   COMM_MODE    "fake_backend" or "local_tensor": one process, no communication
+#   COMM_MODE    "fake_backend": one-process dry run over a fake process group of NGPU
+#                ranks (meta-device model, parallelize plan applied, report; no step)
+#                "local_tensor": torchtitan's one-process simulation of NGPU ranks
 #   MASTER_PORT  rendezvous port; unset picks a free one, so runs can share a machine
 # Extra arguments are config overrides (--section.key value), passed through.
 set -euo pipefail
@@ -30,7 +32,9 @@ export LOG_RANK="${LOG_RANK:-0}"
 CONFIG_FILE="${CONFIG_FILE:-train_configs/debug_model.toml}"
 COMM_MODE="${COMM_MODE:-}"
 
-if [ -n "${COMM_MODE}" ]; then
+if [ "${COMM_MODE}" = "fake_backend" ]; then
+    exec python -m torchtitan_ext.dry_run --ngpu "${NGPU}" -- --job.config_file "${CONFIG_FILE}" "$@"
+elif [ -n "${COMM_MODE}" ]; then
     NGPU="${NGPU}" LOCAL_RANK=0 RANK=0 WORLD_SIZE=1 exec python -m torchtitan_ext.train \
         --job.config_file "${CONFIG_FILE}" "$@" --comm.mode "${COMM_MODE}" --training.steps 1
 fi

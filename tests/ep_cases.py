@@ -120,7 +120,7 @@ def dense_moe(inputs, score_before_experts: bool, keep: torch.Tensor | None = No
 
 def make_style(
     backend: str, case: Case, ep: int, capacity_factor: float | None = None,
-    implementation: str = "reference", device_type: str = "cpu",
+    implementation: str = "reference",
 ):
     """The backend's ExpertParallel for this case, built the way training builds it:
     from a job config through the backend's ``layer_factory``."""
@@ -136,7 +136,7 @@ def make_style(
         hidden_dim=case.hidden, num_experts=case.num_experts, top_k=case.top_k,
         max_tokens_per_rank=case.tokens_per_rank(ep),
     )
-    make_layer = BACKEND_CLASSES[name].layer_factory(parse_job_config(args), shape, device_type)
+    make_layer = BACKEND_CLASSES[name].layer_factory(parse_job_config(args), shape)
     return make_layer(score_before_experts=case.score_before_experts, pad_multiple=case.pad_multiple)
 
 
@@ -160,7 +160,7 @@ def run_backend(
     """Forward + backward of one backend on this rank's tokens; outputs and gradients (fp32, CPU)."""
     inputs = {k: v.to(device) for k, v in global_inputs(case).items()}
     experts = _experts(case, inputs).to(device=device, dtype=dtype)
-    style = make_style(backend, case, ep, device_type=mesh.device_type, **style_kwargs)
+    style = make_style(backend, case, ep, **style_kwargs)
     parallelize_module(experts, mesh, style)
     rows = _rank_slice(rank, case, ep)
     x = inputs["x"][rows].to(dtype).clone().requires_grad_()

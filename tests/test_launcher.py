@@ -54,12 +54,19 @@ def test_port_clash_is_reported():
     assert f"port {port} (MASTER_PORT) is in use" in line
 
 
-def test_fake_backend_dry_run_is_one_process():
-    result = run_launcher(
-        "--metrics.disable_color_printing", timeout=300, COMM_MODE="fake_backend", NGPU="2"
-    )
+def test_fake_backend_is_a_dry_run():
+    result = run_launcher(timeout=300, COMM_MODE="fake_backend", NGPU="8", LOG_RANK="0")
     assert result.returncode == 0, result.stdout[-3000:]
-    assert list(step_losses(result.stdout)) == [1]
+    assert "dry run: deepseek_v3 debugmodel on 8 ranks" in result.stdout
+    assert "mesh: batch=8 loss=8 fsdp=8 ep=2 efsdp=4" in result.stdout
+    assert step_losses(result.stdout) == {}
+
+
+def test_dry_run_rejects_bad_degrees():
+    line = _error_line(run_launcher(
+        "--parallelism.tensor_parallel_degree", "3", timeout=120, COMM_MODE="fake_backend", NGPU="8"
+    ))
+    assert "world size 8 is not a multiple of dp_replicate x cp x tp x pp = 3" in line
 
 
 def _worker_pids(torchrun_pid: int) -> dict[int, int]:

@@ -226,11 +226,13 @@ def _check_cli_keys(cls, args: list[str]) -> None:
 
 
 def validate(
-    job_config, *, device_type: str, num_experts: int | None, world_size: int | None = None
+    job_config, *, device_type: str | None, num_experts: int | None, world_size: int | None = None
 ) -> None:
     """Reject invalid values and combinations before anything is allocated.
 
-    ``num_experts`` is the model flavour's expert count (None for dense models);
+    ``device_type`` is where the job runs ("cuda"/"cpu"; None when validating
+    for another machine, which skips the kernel-availability checks);
+    ``num_experts`` the model flavour's expert count (None for dense models);
     ``world_size`` the number of processes in the job, when known.
     """
     backend = comm_backend(job_config)
@@ -250,11 +252,11 @@ def validate(
     _validate_degrees(job_config, num_experts)
     _validate_pipeline(job_config)
     if world_size is not None:
-        _validate_world_size(job_config.parallelism, world_size)
+        _validate_world_size(job_config.parallelism, world_size, job_config.training.seq_len)
     _validate_deepep(job_config.deepep)
     _validate_hybridep(job_config.hybridep, job_config.parallelism.expert_parallel_degree)
     for section_name in ("deepep", "hybridep"):
-        if backend == section_name:
+        if backend == section_name and device_type is not None:
             _validate_implementation(section_name, getattr(job_config, section_name), device_type)
 
 
@@ -299,7 +301,7 @@ def _validate_pipeline(job_config) -> None:
         )
 
 
-def _validate_world_size(p, world_size: int) -> None:
+def _validate_world_size(p, world_size: int, seq_len: int) -> None:
     fixed = p.data_parallel_replicate_degree * p.context_parallel_degree
     fixed *= p.tensor_parallel_degree * p.pipeline_parallel_degree
     shard = p.data_parallel_shard_degree
@@ -316,6 +318,12 @@ def _validate_world_size(p, world_size: int) -> None:
             f"{world_size}: set parallelism.data_parallel_shard_degree = -1 or NGPU = {shard * fixed}"
         )
     ep, etp, tp = p.expert_parallel_degree, p.expert_tensor_parallel_degree, p.tensor_parallel_degree
+    divisor = tp * 2 * p.context_parallel_degree
+    if seq_len % divisor:
+        raise ConfigError(
+            f"training.seq_len = {seq_len} is not divisible by TP x 2 x CP = {divisor}: "
+            f"use a multiple of {divisor}"
+        )
     if ep > 1:
         if etp not in (1, tp):
             raise ConfigError(

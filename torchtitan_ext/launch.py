@@ -1,18 +1,23 @@
-"""Checks ``run_train.sh`` makes before starting any process.
+"""Checks the launchers make before starting any process.
 
-``python -m torchtitan_ext.launch --ngpu N [--port P] -- [train args]`` validates
-the process count, an explicitly requested rendezvous port and the job config
-(TOML + overrides), builds the embedded assets the job needs, and exits 0.
-Any problem is one line on stderr naming it and the fix, with exit status 2,
-so that a bad launch fails once, before torchrun starts N copies of it.
+``python -m torchtitan_ext.launch --ngpu N [--nnodes M] [--port P] [--print-env] -- [train args]``
+validates the process count, an explicitly requested rendezvous port and the
+job config (TOML + overrides) for N x M ranks, and builds the embedded assets
+the job needs. Any problem is one line on stderr naming it and the fix, with
+exit status 2, so that a bad launch fails once, before torchrun starts N copies
+of it. ``--print-env`` prints ``export NAME=value`` lines for the environment
+the EP backend's kernel library reads (e.g. HybridEP's NVLink-domain size), for
+``eval`` in a launcher script.
 """
 
 import argparse
+import shlex
 import socket
 import sys
 
 from torchtitan_ext import runtime
 from torchtitan_ext.config import ConfigError
+from torchtitan_ext.ep import backend_class
 from torchtitan_ext.data import prepare_embedded_assets, register_embedded_dataset
 from torchtitan_ext.models import register_train_specs
 from torchtitan_ext.train import load_job_config
@@ -52,6 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ngpu", required=True, help="processes on this machine (NGPU)")
     parser.add_argument("--nnodes", type=int, default=1, help="machines in the job")
     parser.add_argument("--port", type=int, help="explicit rendezvous port to check")
+    parser.add_argument("--print-env", action="store_true", help="print the kernel library's environment")
     parser.add_argument("train_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
@@ -67,6 +73,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     prepare_embedded_assets(job_config)
+    if args.print_env:
+        for name, value in backend_class(job_config).library_environment(job_config).items():
+            print(f"export {name}={shlex.quote(value)}")
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def num_experts_of(job_config) -> int | None:
     return moe_args.num_experts if moe_args is not None else None
 
 
-def load_job_config(args: list[str], device_type: str, world_size: int | None = None):
+def load_job_config(args: list[str], device_type: str | None, world_size: int | None = None):
     """Parse and validate; raises ConfigError with a one-line message.
 
     ``world_size`` defaults to the job's: NGPU under the fake backend, else

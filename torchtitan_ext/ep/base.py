@@ -117,9 +117,20 @@ class RoutedExpertParallel(ExpertParallel, ABC):
 
     @classmethod
     @abstractmethod
-    def layer_factory(cls, job_config, shape: MoEShape, device_type: str) -> Callable[..., "RoutedExpertParallel"]:
+    def layer_factory(cls, job_config, shape: MoEShape) -> Callable[..., "RoutedExpertParallel"]:
         """Per-layer constructor (keywords: score_before_experts, token_split_mesh);
         the layers it makes share whatever the backend shares (its buffer)."""
+
+    @classmethod
+    def library_environment(cls, job_config) -> dict[str, str]:
+        """Environment variables the backend's kernel library reads (exported by launchers)."""
+        return {}
+
+    @classmethod
+    def describe(cls, job_config, shape: MoEShape) -> dict[str, str]:
+        """The backend's settings for this job, for reports (dry run, planner, logs)."""
+        pad = max(token_group_alignment(job_config), cls.min_pad_multiple)
+        return {"backend": cls.__name__, "expert group padding": f"multiples of {pad} rows"}
 
     @abstractmethod
     def dispatch(

@@ -26,6 +26,7 @@ from torchtitan_ext.ep.base import (
     token_group_alignment,
 )
 from torchtitan_ext.ep.handle import DispatchHandle, KernelBuffer
+from torchtitan_ext.ep.kernels import implementation_description as _implementation_description
 from torchtitan_ext.ep.kernels import resolve_implementation
 from torchtitan_ext.ep.layout import block_destinations
 
@@ -110,6 +111,7 @@ deepep_combine.register_autograd(_combine_backward, setup_context=_combine_setup
 
 
 def _create_buffer(implementation: str, shape: MoEShape, num_sms: int | None, group, example: torch.Tensor):
+    implementation = resolve_implementation("deepep", implementation, example.device.type)
     # DeepEP sizes its buffer in bytes per token: at least 2 bytes per element (bf16)
     hidden_bytes = shape.hidden_dim * max(example.element_size(), 2)
     if implementation == "deep_ep":
@@ -141,12 +143,19 @@ class DeepEPExpertParallel(RoutedExpertParallel):
     )
 
     @classmethod
-    def layer_factory(cls, job_config, shape: MoEShape, device_type: str):
-        implementation = resolve_implementation("deepep", job_config.deepep.implementation, device_type)
-        buffer = SharedKernelBuffer(
-            partial(_create_buffer, implementation, shape, job_config.deepep.num_sms)
-        )
+    def layer_factory(cls, job_config, shape: MoEShape):
+        section = job_config.deepep
+        buffer = SharedKernelBuffer(partial(_create_buffer, section.implementation, shape, section.num_sms))
         return partial(cls, buffer=buffer, pad_multiple=token_group_alignment(job_config))
+
+    @classmethod
+    def describe(cls, job_config, shape: MoEShape) -> dict[str, str]:
+        section = job_config.deepep
+        return {
+            **super().describe(job_config, shape),
+            "kernels": _implementation_description(section.implementation),
+            "SMs": str(section.num_sms or "library default (20)"),
+        }
 
     def __init__(self, *, buffer: SharedKernelBuffer, **base_kwargs):
         """``base_kwargs``: :class:`RoutedExpertParallel`'s (score_before_experts, ...)."""

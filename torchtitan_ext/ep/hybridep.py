@@ -34,6 +34,7 @@ from torchtitan_ext.ep.base import (
     token_group_alignment,
 )
 from torchtitan_ext.ep.handle import DispatchHandle, KernelBuffer
+from torchtitan_ext.ep.kernels import implementation_description as _implementation_description
 from torchtitan_ext.ep.kernels import resolve_implementation
 from torchtitan_ext.ep.layout import round_up
 
@@ -164,7 +165,8 @@ hybridep_dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_
 hybridep_combine.register_autograd(_combine_backward, setup_context=_combine_setup)
 
 
-def _create_buffer(implementation: str, shape: MoEShape, section, group, example: torch.Tensor):
+def _create_buffer(shape: MoEShape, section, group, example: torch.Tensor):
+    implementation = resolve_implementation("hybridep", section.implementation, example.device.type)
     environment = library_environment(section)
     local_experts = shape.num_experts // group.size()
     logger.info(
@@ -204,16 +206,44 @@ class HybridEPExpertParallel(RoutedExpertParallel):
     )
 
     @classmethod
-    def layer_factory(cls, job_config, shape: MoEShape, device_type: str):
+    def layer_factory(cls, job_config, shape: MoEShape):
         section = job_config.hybridep
-        implementation = resolve_implementation("hybridep", section.implementation, device_type)
-        buffer = SharedKernelBuffer(partial(_create_buffer, implementation, shape, section))
+        buffer = SharedKernelBuffer(partial(_create_buffer, shape, section))
         return partial(
             cls,
             buffer=buffer,
             capacity_factor=section.non_blocking_capacity_factor,
             pad_multiple=token_group_alignment(job_config),
         )
+
+    @classmethod
+    def library_environment(cls, job_config) -> dict[str, str]:
+        return library_environment(job_config.hybridep)
+
+    @classmethod
+    def describe(cls, job_config, shape: MoEShape) -> dict[str, str]:
+        section = job_config.hybridep
+        ep = job_config.parallelism.expert_parallel_degree
+        pad = max(token_group_alignment(job_config), cls.min_pad_multiple)
+        factor = section.non_blocking_capacity_factor
+        if factor is None:
+            mode = "blocking (one host sync per MoE layer, dropless)"
+        else:
+            rows = non_blocking_rows(
+                shape.max_tokens_per_rank, ep, shape.num_experts // ep, shape.top_k, factor, pad
+            )
+            mode = (
+                f"non-blocking, capacity factor {factor}: {rows:,} rows per dispatch "
+                f"(N={shape.max_tokens_per_rank} x R={ep} x min(L={shape.num_experts // ep}, "
+                f"K={shape.top_k}) x {factor}, padded to {pad}); pairs beyond are dropped and counted"
+            )
+        return {
+            **super().describe(job_config, shape),
+            "kernels": _implementation_description(section.implementation),
+            "mode": mode,
+            "SMs": f"dispatch {section.num_sms_dispatch}, combine {section.num_sms_combine}",
+            "environment": " ".join(f"{k}={v}" for k, v in library_environment(section).items()) or "unchanged",
+        }
 
     def __init__(self, *, buffer: SharedKernelBuffer, capacity_factor: float | None = None, **base_kwargs):
         """``capacity_factor``: None for blocking mode, else non-blocking with

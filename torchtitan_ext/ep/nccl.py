@@ -46,7 +46,7 @@ class NcclExpertParallel(RoutedExpertParallel):
     min_pad_multiple = 8
 
     @classmethod
-    def layer_factory(cls, job_config, shape: MoEShape, device_type: str):
+    def layer_factory(cls, job_config, shape: MoEShape):
         return partial(cls, pad_multiple=token_group_alignment(job_config))
 
     def _partition_fn(self, name, mod, device_mesh):

@@ -29,7 +29,6 @@ from torchtitan.models.llama3.infra.parallelize import apply_ddp
 from torchtitan.models.llama4.infra.parallelize import apply_compile, apply_fsdp
 from torchtitan.tools.logging import logger
 
-from torchtitan_ext import runtime
 from torchtitan_ext.ep import backend_class, MoEShape
 from torchtitan_ext.ep.base import max_tokens_per_rank
 from torchtitan_ext.models.moe import ExpertParallelMoE
@@ -53,9 +52,10 @@ def expert_parallel_layers(job_config, model_args) -> Callable:
             max_tokens_per_rank=max_tokens_per_rank(job_config),
         )
         backend = backend_class(job_config)
-        factory = backend.layer_factory(job_config, shape, runtime.device_type())
+        factory = backend.layer_factory(job_config, shape)
         _layer_factories[id(job_config)] = (weakref.ref(job_config), factory)
-        logger.info(f"Expert parallelism with {backend.__name__} for {shape}")
+        settings = "; ".join(f"{k}: {v}" for k, v in backend.describe(job_config, shape).items())
+        logger.info(f"Expert parallelism for {shape}: {settings}")
     return _layer_factories[id(job_config)][1]
 
 
@@ -66,7 +66,6 @@ def apply_moe_parallelism(model: torch.nn.Module, parallel_dims, job_config) -> 
     etp_enabled = parallel_dims.etp_enabled
     dual_pipe_v = get_dual_pipe_v_flag(job_config, parallel_dims)
     make_layer = expert_parallel_layers(job_config, model.model_args) if ep_mesh is not None else None
-    first_moe_block = next((b for b in model.layers.values() if b.moe_enabled), None)
 
     for block in model.layers.values():
         if not block.moe_enabled:
@@ -98,8 +97,6 @@ def apply_moe_parallelism(model: torch.nn.Module, parallel_dims, job_config) -> 
             score_before_experts=block.moe.score_before_experts,
             token_split_mesh=tp_mesh if tp_mesh is not None and not etp_enabled else None,
         )
-        if block is first_moe_block:
-            logger.info(f"{type(style).__name__}: expert groups padded to multiples of {style.pad_multiple} rows")
         if dual_pipe_v:
             style = DualPipeExpertParallel(style)
         mesh = parallel_dims.get_mesh(["ep", "etp"]) if etp_enabled else ep_mesh

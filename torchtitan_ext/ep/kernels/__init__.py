@@ -59,6 +59,13 @@ def resolve_implementation(backend: str, implementation: str, device_type: str) 
     return implementation
 
 
+def implementation_description(implementation: str) -> str:
+    """How ``implementation`` resolves, for reports made before the device is known."""
+    if implementation == "auto":
+        return "auto (deep_ep on CUDA, reference on CPU)"
+    return implementation
+
+
 def deep_ep_unavailable_reason(backend: str) -> str | None:
     """Why the real library for ``backend`` cannot run here, or None when it can."""
     import torch
