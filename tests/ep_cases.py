@@ -178,7 +178,7 @@ def run_backend(
     }
     result = {k: v.float().cpu() if isinstance(v, torch.Tensor) else v for k, v in result.items()}
     if isinstance(style, HybridEPExpertParallel):
-        result["dropped_pairs"] = int(style.dropped_pairs)
+        result["dropped_pairs"] = int(style.stats.dropped_pairs)
     return result
 
 
@@ -279,6 +279,7 @@ def contract_layout(case: Case, ep: int, rank: int, num_rows: int | None):
 
 _SYNC_OPS = {
     "aten._local_scalar_dense.default",
+    "aten.bincount.default",
     "aten.nonzero.default",
     "aten.masked_select.default",
     "aten.unique_consecutive.default",
@@ -326,25 +327,37 @@ class HostSyncCounter(TorchDispatchMode):
         return super().__exit__(*exc)
 
 
+class SyncFreeExperts(GroupedExperts):
+    """Experts whose computation reads nothing on the host.
+
+    torchtitan's CPU expert path (a for-loop over experts) reads the group
+    sizes on the host; its GPU path (grouped GEMM) does not. Counting host
+    syncs of the EP layer on CPU therefore stands this in for the experts.
+    """
+
+    def forward(self, x, num_tokens_per_expert):
+        return x * 2.0
+
+
 def host_sync_worker(rank: int, ep: int, case: Case) -> dict:
-    """Host syncs in one forward+backward of HybridEP, non-blocking and blocking."""
+    """Host syncs in one MoE layer's forward+backward with HybridEP, non-blocking and blocking."""
     mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
     inputs = global_inputs(case)
     rows = _rank_slice(rank, case, ep)
     results = {}
     for mode, factor in (("non_blocking", 0.5), ("blocking", None)):
-        experts = _experts(case, inputs)
+        experts = SyncFreeExperts(case.hidden, case.ffn, case.num_experts, use_grouped_mm=False)
         style = make_style("hybridep", case, ep, capacity_factor=factor)
         parallelize_module(experts, mesh, style)
         x = inputs["x"][rows].clone().requires_grad_()
         scores = inputs["scores"][rows].clone().requires_grad_()
         experts(x, scores, inputs["ids"][rows])  # builds the buffer outside the count
         counter = HostSyncCounter()
-        with counter:
-            dispatched, counts = style.dispatch(x, scores, inputs["ids"][rows], case.num_experts, mesh.get_group())
-            out = style.combine(dispatched * 2.0, mesh.get_group())
+        with counter:  # the whole layer: dispatch, experts, combine, metrics counters, backward
+            out = experts(x, scores, inputs["ids"][rows])
             out.backward(inputs["grad_out"][rows])
         results[mode] = dict(counter.events)
+        results[f"{mode}_counters_recorded"] = style.stats.routed_per_expert is not None
     return results
 
 

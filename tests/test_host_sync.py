@@ -1,9 +1,10 @@
-"""Non-blocking HybridEP never waits for the host.
+"""Non-blocking HybridEP never waits for the host, metrics counters included.
 
-Counted over a forward and backward through the reference kernels: scalar
-reads and host copies (.item, .tolist, .cpu, bool(), ...) and ops whose output
-shape depends on values (nonzero, boolean indexing, unique, ...), any of which
-would stall a GPU stream. Blocking mode is the control: it must sync.
+Counted over one MoE layer's forward and backward through the reference
+kernels, with the per-layer dispatch counters on: scalar reads and host copies
+(.item, .tolist, .cpu, bool(), ...) and ops whose output shape depends on
+values (nonzero, boolean indexing, bincount, unique, ...), any of which would
+stall a GPU stream. Blocking mode is the control: it must sync.
 """
 
 import pytest
@@ -23,6 +24,7 @@ def events():
 def test_non_blocking_dispatch_and_combine_never_sync(events):
     for rank_events in events:
         assert rank_events["non_blocking"] == {}
+        assert rank_events["non_blocking_counters_recorded"]
 
 
 def test_blocking_mode_syncs(events):

@@ -1,16 +1,135 @@
-"""Step metrics: torchtitan's ``MetricsProcessor`` with step time on the console."""
+"""Step metrics: torchtitan's ``MetricsProcessor`` plus step time and expert-parallel health.
 
+Every logged step reports, through torchtitan's loggers (console, TensorBoard,
+W&B), for each MoE layer and in total since the previous log:
+
+- ``ep/dropped_pairs``, ``ep/drop_rate``: (token, expert) pairs dropped by
+  non-blocking HybridEP, and their share of all routed pairs;
+- ``ep/load_imbalance``: max / mean tokens per expert (1.0 is perfect balance);
+- ``ep/recv_rows_max``, ``ep/recv_rows_mean``: rows the experts of one EP rank
+  processed (one per received (token, local expert) pair, plus pad rows),
+  the largest and the mean over ranks; the console shows the worst layer's
+  max/mean ratio.
+
+The counters live on the device and are read once per logged step with one
+all-reduce (sum) and one all-reduce (max) over all ranks; the hot path never
+syncs with the host. A drop rate above zero warns once per run.
+"""
+
+import re
 import time
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torchtitan.components.metrics import MetricsProcessor as TorchTitanMetricsProcessor
 from torchtitan.tools.logging import logger
 
+from torchtitan_ext.ep import backend_class
+
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+class ExpertParallelMetrics:
+    """Reads every MoE layer's dispatch counters at a log step and reduces them over all ranks."""
+
+    def __init__(self, job_config, parallel_dims):
+        # routing is replicated over TP ranks, dispatches over expert-TP ranks
+        self.routing_copies = parallel_dims.tp
+        self.dispatch_copies = parallel_dims.etp
+        self.enabled = parallel_dims.ep_enabled
+        self.remedy = backend_class(job_config).drop_remedy(job_config)
+        self.warned = False
+
+    @staticmethod
+    def layer_stats(model_parts) -> dict[int, Any]:
+        return {
+            int(_LAYER.match(name).group(1)): module.dispatch_stats
+            for part in model_parts
+            for name, module in part.named_modules()
+            if hasattr(module, "dispatch_stats") and _LAYER.match(name)
+        }
+
+    def collect(self, model_parts, step: int) -> tuple[dict[str, float], str]:
+        """(metrics for the loggers, summary for the console line); empty without EP."""
+        if not self.enabled:
+            return {}, ""
+        args = model_parts[0].model_args
+        num_layers, num_experts = args.n_layers, args.moe_args.num_experts
+        device = next(model_parts[0].parameters()).device
+        if device.type == "meta":
+            return {}, ""
+        sums = torch.zeros(num_layers, num_experts + 3, dtype=torch.int64, device=device)
+        maxima = torch.zeros(num_layers, dtype=torch.int64, device=device)
+        for layer, stats in self.layer_stats(model_parts).items():
+            routed, rows, dropped = stats.read_and_reset()
+            if routed is not None:
+                sums[layer, :num_experts] = routed
+            if rows is not None:
+                sums[layer, num_experts] = rows
+                maxima[layer] = rows
+            if dropped is not None:
+                sums[layer, num_experts + 1] = dropped
+            sums[layer, num_experts + 2] = 1
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+        return self._summarize(sums.tolist(), maxima.tolist(), num_experts, step)
+
+    def _summarize(self, sums, maxima, num_experts, step) -> tuple[dict[str, float], str]:
+        metrics, total_dropped, total_routed = {}, 0, 0
+        worst, worst_recv = (0.0, -1), 0.0
+        for layer, row in enumerate(sums):
+            holders = row[num_experts + 2]
+            routed = [count / self.routing_copies for count in row[:num_experts]]
+            if not holders or not sum(routed):
+                continue
+            dropped = row[num_experts + 1] / self.dispatch_copies
+            pairs = sum(routed)
+            imbalance = max(routed) / (pairs / num_experts)
+            prefix = f"ep/layer_{layer}"
+            metrics.update({
+                f"{prefix}/dropped_pairs": dropped,
+                f"{prefix}/drop_rate": dropped / pairs,
+                f"{prefix}/load_imbalance": imbalance,
+                f"{prefix}/recv_rows_max": maxima[layer],
+                f"{prefix}/recv_rows_mean": row[num_experts] / holders,
+            })
+            total_dropped += dropped
+            total_routed += pairs
+            worst = max(worst, (imbalance, layer))
+            if row[num_experts]:
+                worst_recv = max(worst_recv, maxima[layer] / (row[num_experts] / holders))
+            if dropped and not self.warned:
+                self.warned = True
+                logger.warning(
+                    f"Expert parallelism dropped {dropped:,.0f} (token, expert) pairs "
+                    f"({dropped / pairs:.3%} of the routed pairs) in MoE layer {layer} by step {step}: "
+                    f"{self.remedy}. This warning is shown once; ep/drop_rate is logged every step."
+                )
+        if not total_routed:
+            return {}, ""
+        metrics.update({
+            "ep/dropped_pairs": total_dropped,
+            "ep/drop_rate": total_dropped / total_routed,
+            "ep/load_imbalance_worst": worst[0],
+            "ep/load_imbalance_worst_layer": worst[1],
+            "ep/recv_rows_max_over_mean_worst": worst_recv,
+        })
+        console = (
+            f"dropped: {total_dropped:,.0f} ({total_dropped / total_routed:.2%})  "
+            f"load max/mean: {worst[0]:.2f} (layer {worst[1]})  recv max/mean: {worst_recv:.2f}"
+        )
+        return metrics, console
+
 
 class MetricsProcessor(TorchTitanMetricsProcessor):
-    """Logs every torchtitan metric; the console line adds the step time."""
+    """Logs every torchtitan metric; the console line adds step time and EP health."""
 
     last_logged_step: int = 0
+
+    def __init__(self, job_config, parallel_dims, tag: str | None = None):
+        super().__init__(job_config, parallel_dims, tag)
+        self.expert_parallel = ExpertParallelMetrics(job_config, parallel_dims)
 
     def log(
         self,
@@ -29,6 +148,7 @@ class MetricsProcessor(TorchTitanMetricsProcessor):
         mfu = 100 * self.num_flops_per_token * tps / self.gpu_peak_flops
         step_time = time_delta / steps_since_last_log
         memory = self.device_memory_monitor.get_peak_stats()
+        ep_metrics, ep_console = self.expert_parallel.collect(self.model_parts, step)
         metrics = {
             "loss_metrics/global_avg_loss": global_avg_loss,
             "loss_metrics/global_max_loss": global_max_loss,
@@ -46,6 +166,7 @@ class MetricsProcessor(TorchTitanMetricsProcessor):
             "memory/max_reserved(%)": memory.max_reserved_pct,
             "memory/num_alloc_retries": memory.num_alloc_retries,
             "memory/num_ooms": memory.num_ooms,
+            **ep_metrics,
             **(extra_metrics or {}),
         }
         self.logger.log(metrics, step)
@@ -61,6 +182,7 @@ class MetricsProcessor(TorchTitanMetricsProcessor):
             f"{color.yellow}step_time: {step_time:6.3f}s  "
             f"{color.cyan}tflops: {tflops:,.2f}  "
             f"{color.magenta}mfu: {mfu:.2f}%{color.reset}"
+            + (f"  {color.white}{ep_console}{color.reset}" if ep_console else "")
         )
 
         self.last_logged_step = step

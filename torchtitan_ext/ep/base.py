@@ -75,6 +75,51 @@ def scale_rows(rows: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     return (rows.float() * scores.float().unsqueeze(-1)).to(rows.dtype)
 
 
+class DispatchStats:
+    """One MoE layer's dispatches since the last read, counted on the device.
+
+    Updated in forward without host syncs (scatter-adds into fixed-size
+    tensors) and skipped during activation-checkpoint recomputation; read once
+    per logged step (:meth:`read_and_reset`).
+    """
+
+    def __init__(self):
+        self.routed_per_expert: torch.Tensor | None = None
+        """[E] (token, expert) picks routed to each global expert, from this rank's router."""
+        self.received_rows: torch.Tensor | None = None
+        """Rows this rank's experts processed (one per received pair, plus pad rows)."""
+        self.dropped_pairs: torch.Tensor | None = None
+        """(token, expert) pairs dropped at this rank (non-blocking HybridEP only)."""
+
+    def record_routing(self, expert_ids: torch.Tensor, num_experts: int) -> None:
+        if recomputing():
+            return
+        with torch.no_grad():
+            if self.routed_per_expert is None:
+                self.routed_per_expert = torch.zeros(num_experts, dtype=torch.int64, device=expert_ids.device)
+            flat = expert_ids.reshape(-1)
+            self.routed_per_expert.scatter_add_(0, flat, torch.ones_like(flat))
+
+    def record_rows(self, rows_per_expert: torch.Tensor) -> None:
+        if not recomputing():
+            self.received_rows = _accumulate(self.received_rows, rows_per_expert.detach().sum())
+
+    def record_drops(self, dropped: torch.Tensor) -> None:
+        if not recomputing():
+            self.dropped_pairs = _accumulate(self.dropped_pairs, dropped.detach())
+
+    def read_and_reset(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """(routed per expert, received rows, dropped pairs) since the last read; None if nothing happened."""
+        counters = (self.routed_per_expert, self.received_rows, self.dropped_pairs)
+        self.routed_per_expert = self.received_rows = self.dropped_pairs = None
+        return counters
+
+
+def _accumulate(total: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    value = value.to(torch.int64)
+    return value.clone() if total is None else total.add_(value)
+
+
 class SharedKernelBuffer:
     """One kernel buffer for every MoE layer of a job, created at the first dispatch.
 
@@ -113,6 +158,7 @@ class RoutedExpertParallel(ExpertParallel, ABC):
         self.token_split_mesh = token_split_mesh
         """TP mesh that EP borrows (expert TP off): each of its ranks dispatches a
         1/TP slice of the (TP-replicated) tokens; outputs are Partial over it."""
+        self.stats = DispatchStats()
         self._pending = None
 
     @classmethod
@@ -120,6 +166,11 @@ class RoutedExpertParallel(ExpertParallel, ABC):
     def layer_factory(cls, job_config, shape: MoEShape) -> Callable[..., "RoutedExpertParallel"]:
         """Per-layer constructor (keywords: score_before_experts, token_split_mesh);
         the layers it makes share whatever the backend shares (its buffer)."""
+
+    @classmethod
+    def drop_remedy(cls, job_config) -> str:
+        """How to stop this backend from dropping tokens (only backends that can drop say more)."""
+        return "this backend does not drop tokens"
 
     @classmethod
     def library_environment(cls, job_config) -> dict[str, str]:
@@ -144,8 +195,13 @@ class RoutedExpertParallel(ExpertParallel, ABC):
         """Expert outputs back to [N, H] on their source ranks."""
 
     def _token_dispatch(self, mod, inputs, device_mesh):
+        # routing is counted before the TP split: every TP rank sees the same routing
+        self.stats.record_routing(inputs[2], mod.num_experts)
         x, scores, expert_ids = (self._split_tokens(t) for t in inputs)
-        return self.dispatch(x, scores, expert_ids, mod.num_experts, device_mesh.get_group())
+        rows, rows_per_expert = self.dispatch(x, scores, expert_ids, mod.num_experts, device_mesh.get_group())
+        self.stats.record_rows(rows_per_expert)
+        return rows, rows_per_expert
+
 
     def _token_combine(self, mod, routed_output, device_mesh):
         return self._unsplit_tokens(self.combine(routed_output, device_mesh.get_group()))

@@ -11,7 +11,7 @@ Blocking mode (``non_blocking_capacity_factor`` unset) is dropless: the
 library syncs with the host once per layer to size its output. Non-blocking
 mode sizes the output from the config (:func:`non_blocking_rows`), never
 syncs, and drops the tail pairs that do not fit: the overflow flag is set and
-the dropped pairs are counted on the device (``dropped_pairs``).
+the dropped pairs are counted on the device (``stats.dropped_pairs``).
 
 Kernels: the real ``deep_ep.HybridEPBuffer`` or the reference
 (``[hybridep] implementation``). One buffer serves every MoE layer, sized once
@@ -27,7 +27,6 @@ from torchtitan.tools.logging import logger
 
 from torchtitan_ext.ep.base import (
     MoEShape,
-    recomputing,
     RoutedExpertParallel,
     scale_rows,
     SharedKernelBuffer,
@@ -221,6 +220,15 @@ class HybridEPExpertParallel(RoutedExpertParallel):
         return library_environment(job_config.hybridep)
 
     @classmethod
+    def drop_remedy(cls, job_config) -> str:
+        factor = job_config.hybridep.non_blocking_capacity_factor
+        return (
+            f"raise hybridep.non_blocking_capacity_factor (now {factor}; the planner, "
+            "python -m torchtitan_ext.plan, shows the rows each value gives), "
+            "or unset it for blocking (dropless) mode"
+        )
+
+    @classmethod
     def describe(cls, job_config, shape: MoEShape) -> dict[str, str]:
         section = job_config.hybridep
         ep = job_config.parallelism.expert_parallel_degree
@@ -251,8 +259,6 @@ class HybridEPExpertParallel(RoutedExpertParallel):
         super().__init__(**base_kwargs)
         self.buffer = buffer
         self.capacity_factor = capacity_factor
-        self.dropped_pairs: torch.Tensor | None = None
-        """(token, expert) pairs this layer dropped since the counter was last read (device)."""
 
     def dispatch(self, x, scores, expert_ids, num_experts, group):
         num_tokens, top_k = expert_ids.shape
@@ -267,8 +273,7 @@ class HybridEPExpertParallel(RoutedExpertParallel):
             x, expert_ids, scores.float(), self.buffer.get(group, x),
             num_experts, num_rows, self.pad_multiple,
         )
-        if not recomputing():
-            self.dropped_pairs = dropped if self.dropped_pairs is None else self.dropped_pairs + dropped
+        self.stats.record_drops(dropped)
         if self.score_before_experts:
             rows = scale_rows(rows, row_probs)
         self._pending = _HybridEPDispatchState(

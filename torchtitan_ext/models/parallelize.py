@@ -97,6 +97,8 @@ def apply_moe_parallelism(model: torch.nn.Module, parallel_dims, job_config) -> 
             score_before_experts=block.moe.score_before_experts,
             token_split_mesh=tp_mesh if tp_mesh is not None and not etp_enabled else None,
         )
+        # the metrics processor reads each layer's dispatch counters from its experts module
+        block.moe.experts.dispatch_stats = style.stats
         if dual_pipe_v:
             style = DualPipeExpertParallel(style)
         mesh = parallel_dims.get_mesh(["ep", "etp"]) if etp_enabled else ep_mesh

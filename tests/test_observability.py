@@ -1,0 +1,101 @@
+"""Expert-parallel metrics: exact counters, their reduction and summary, the drop warning."""
+
+import logging
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from tests.helpers import run_launcher
+from torchtitan_ext.ep.base import DispatchStats
+from torchtitan_ext.metrics import ExpertParallelMetrics
+
+
+def test_dispatch_counters_are_exact():
+    stats = DispatchStats()
+    ids = torch.tensor([[0, 3], [3, 1], [3, 0]])
+    stats.record_routing(ids, num_experts=4)
+    stats.record_routing(torch.tensor([[2, 3]]), num_experts=4)
+    stats.record_rows(torch.tensor([8, 0, 16]))
+    stats.record_rows(torch.tensor([8, 8, 0]))
+    stats.record_drops(torch.tensor(0))
+    stats.record_drops(torch.tensor(5))
+    routed, rows, dropped = stats.read_and_reset()
+    assert routed.tolist() == [2, 1, 1, 4]
+    assert (int(rows), int(dropped)) == (40, 5)
+    assert stats.read_and_reset() == (None, None, None)
+
+
+def test_recomputation_is_not_counted():
+    stats = DispatchStats()
+    x = torch.randn(3, requires_grad=True)
+
+    def layer(x):
+        stats.record_routing(torch.tensor([[1], [1], [0]]), num_experts=2)
+        return x * 2
+
+    checkpoint(layer, x, use_reentrant=False).sum().backward()  # forward + recompute in backward
+    routed, _, _ = stats.read_and_reset()
+    assert routed.tolist() == [1, 2]
+
+
+class _Dims:
+    def __init__(self, tp=1, etp=1):
+        self.tp, self.etp, self.ep_enabled = tp, etp, True
+
+
+class _JobConfig:
+    class parallelism:
+        expert_parallel_comm_backend = "hybridep"
+
+    class hybridep:
+        non_blocking_capacity_factor = 0.3
+
+
+def _summary(sums, maxima, dims=None):
+    metrics = ExpertParallelMetrics(_JobConfig, dims or _Dims())
+    return metrics, *metrics._summarize(sums, maxima, num_experts=4, step=7)
+
+
+def test_summary_of_reduced_counters(caplog):
+    # layer 0 dense (no holder); layer 1: routed [10, 30, 20, 20], 100 rows over 2 ranks (max 60), 8 dropped
+    sums = [[0, 0, 0, 0, 0, 0, 0], [10, 30, 20, 20, 100, 8, 2], [20, 20, 20, 20, 80, 0, 2]]
+    with caplog.at_level(logging.WARNING):
+        metrics, values, console = _summary(sums, [0, 60, 40])
+    assert values["ep/layer_1/load_imbalance"] == pytest.approx(30 / 20)
+    assert values["ep/layer_1/drop_rate"] == pytest.approx(8 / 80)
+    assert values["ep/layer_1/recv_rows_max"] == 60 and values["ep/layer_1/recv_rows_mean"] == 50
+    assert values["ep/layer_2/load_imbalance"] == pytest.approx(1.0)
+    assert "ep/layer_0/drop_rate" not in values
+    assert values["ep/dropped_pairs"] == 8 and values["ep/drop_rate"] == pytest.approx(8 / 160)
+    assert values["ep/load_imbalance_worst_layer"] == 1
+    assert console == "dropped: 8 (5.00%)  load max/mean: 1.50 (layer 1)  recv max/mean: 1.20"
+    warnings = [r.message for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "in MoE layer 1 by step 7" in warnings[0]
+    assert "raise hybridep.non_blocking_capacity_factor (now 0.3" in warnings[0]
+    with caplog.at_level(logging.WARNING):
+        caplog.clear()
+        metrics._summarize(sums, [0, 60, 40], num_experts=4, step=8)
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING], "warns once per run"
+
+
+def test_replicated_routing_and_dispatch_are_not_double_counted():
+    # TP=2 replicates routing (counts arrive twice); expert TP=2 duplicates dispatches (drops twice)
+    sums = [[20, 60, 40, 40, 200, 16, 4]]
+    _, values, _ = _summary(sums, [60], _Dims(tp=2, etp=2))
+    assert values["ep/dropped_pairs"] == 8 and values["ep/drop_rate"] == pytest.approx(8 / 80)
+
+
+def test_training_log_reports_drops_once(tmp_path):
+    result = run_launcher(
+        "--training.steps", "2", "--metrics.disable_color_printing", "--job.dump_folder", str(tmp_path),
+        "--parallelism.expert_parallel_comm_backend", "hybridep", "--hybridep.non_blocking_capacity_factor", "0.3",
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    step_lines = [line for line in result.stdout.splitlines() if "step:" in line and "loss:" in line]
+    assert len(step_lines) == 2
+    assert all("dropped: " in line and "load max/mean: " in line and "recv max/mean: " in line for line in step_lines)
+    assert "dropped: 0 " not in step_lines[0]
+    warnings = [line for line in result.stdout.splitlines() if "(token, expert) pairs" in line and "dropped" in line]
+    assert len(warnings) == 1 and "raise hybridep.non_blocking_capacity_factor" in warnings[0]
