@@ -9,6 +9,8 @@ from torch.utils.checkpoint import checkpoint
 from tests.helpers import run_launcher
 from torchtitan_ext.ep.base import DispatchStats
 from torchtitan_ext.metrics import ExpertParallelMetrics
+from torchtitan_ext.routing_stats import load
+from torchtitan_ext.tools import routing_report
 
 
 def test_dispatch_counters_are_exact():
@@ -86,10 +88,12 @@ def test_replicated_routing_and_dispatch_are_not_double_counted():
     assert values["ep/dropped_pairs"] == 8 and values["ep/drop_rate"] == pytest.approx(8 / 80)
 
 
-def test_training_log_reports_drops_once(tmp_path):
+def test_training_log_reports_drops_once_and_records_routing(tmp_path):
+    """A real run: drops in every step line, one warning, routing statistics saved and plotted."""
     result = run_launcher(
         "--training.steps", "2", "--metrics.disable_color_printing", "--job.dump_folder", str(tmp_path),
         "--parallelism.expert_parallel_comm_backend", "hybridep", "--hybridep.non_blocking_capacity_factor", "0.3",
+        "--routing_stats.enable", "--routing_stats.save_every", "1",
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:]
@@ -99,3 +103,12 @@ def test_training_log_reports_drops_once(tmp_path):
     assert "dropped: 0 " not in step_lines[0]
     warnings = [line for line in result.stdout.splitlines() if "(token, expert) pairs" in line and "dropped" in line]
     assert len(warnings) == 1 and "raise hybridep.non_blocking_capacity_factor" in warnings[0]
+
+    folder = tmp_path / "routing_stats"
+    assert sorted(p.name for p in folder.glob("*.npz")) == ["routing_step000001.npz", "routing_step000002.npz"]
+    data = load(folder / "routing_step000002.npz")
+    # debug model: MoE layers 1-5, 8 experts, top-3; 2 ranks x 4 sequences x 256 tokens
+    assert data["layers"].tolist() == [1, 2, 3, 4, 5]
+    assert data["tokens_per_expert"].shape == (1, 5, 8)
+    assert (data["tokens_per_expert"].sum(axis=2) == 2 * 4 * 256 * 3).all()
+    assert routing_report.main([str(folder)])

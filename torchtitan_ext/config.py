@@ -3,7 +3,8 @@
 Every torchtitan 0.2.2 section and key keeps its meaning. We add:
 
 - ``[parallelism] expert_parallel_comm_backend``: widened to our backends;
-- ``[deepep]`` and ``[hybridep]``: knobs of those backends only.
+- ``[deepep]`` and ``[hybridep]``: knobs of those backends only;
+- ``[routing_stats]``: the optional routing-statistics recorder.
 
 :func:`parse_job_config` turns TOML + CLI into a ``JobConfig`` and
 :func:`validate` rejects bad values and combinations with one line naming the
@@ -119,10 +120,28 @@ class HybridEP:
 
 
 @dataclass
+class RoutingStats:
+    enable: bool = False
+    """
+    Record routing statistics per MoE layer (tokens per expert per step,
+    top-k co-activation, layer-to-layer transitions) and save them as .npz
+    (schema in torchtitan_ext/routing_stats.py). Off by default: it costs two
+    [E, E] matrix products per MoE layer and microbatch.
+    """
+
+    save_every: int = 10
+    """Steps between saved files, an integer >= 1; the last training step always saves."""
+
+    folder: str = "routing_stats"
+    """Folder for the files, inside job.dump_folder."""
+
+
+@dataclass
 class JobConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
     deepep: DeepEP = field(default_factory=DeepEP)
     hybridep: HybridEP = field(default_factory=HybridEP)
+    routing_stats: RoutingStats = field(default_factory=RoutingStats)
 
 
 MergedJobConfig = ConfigManager._merge_configs(TorchTitanJobConfig, JobConfig)
@@ -251,6 +270,10 @@ def validate(
             )
     _validate_degrees(job_config, num_experts)
     _validate_pipeline(job_config)
+    if job_config.routing_stats.save_every < 1:
+        raise ConfigError(
+            f"routing_stats.save_every = {job_config.routing_stats.save_every}: use an integer >= 1 (steps)"
+        )
     if world_size is not None:
         _validate_world_size(job_config.parallelism, world_size, job_config.training.seq_len)
     _validate_deepep(job_config.deepep)

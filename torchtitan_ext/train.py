@@ -14,18 +14,29 @@ from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.train import Trainer as TorchTitanTrainer
 
-from torchtitan_ext import runtime
+from torchtitan_ext import routing_stats, runtime
 from torchtitan_ext.config import ConfigError, parse_job_config, validate
 from torchtitan_ext.data import prepare_embedded_assets, register_embedded_dataset
 from torchtitan_ext.models import register_train_specs
 
 
 class Trainer(TorchTitanTrainer):
-    """torchtitan's ``Trainer`` plus the per-model runtime accommodations."""
+    """torchtitan's ``Trainer`` plus the runtime accommodations and the routing recorder."""
 
     def __init__(self, job_config):
         super().__init__(job_config)
         runtime.adapt_model_parts(self.model_parts)
+        self.routing_recorder = routing_stats.recorder_for(job_config, self.model_parts, self.parallel_dims)
+
+    def train_step(self, data_iterator):
+        super().train_step(data_iterator)
+        if self.routing_recorder is not None:
+            self.routing_recorder.end_step(self.step)
+            config = self.job_config
+            if self.step % config.routing_stats.save_every == 0 or self.step == config.training.steps:
+                path = self.routing_recorder.save(routing_stats.output_folder(config))
+                if path is not None:
+                    logger.info(f"Routing statistics saved to {path}")
 
 
 def num_experts_of(job_config) -> int | None:
