@@ -41,6 +41,12 @@ class DryRunReport:
     rank_parameter_bytes: int
     parameter_dtype: str
     ep_settings: dict[str, str]
+    rank_expert_parameters: int
+    rank_expert_parameter_bytes: int
+    rank_layers: tuple[int, ...]
+    """Model layer ids rank 0 holds, in order."""
+    rank_moe_layers: tuple[int, ...]
+    """Those of them that are MoE layers."""
     pipeline_stages: int
     converters: tuple[str, ...]
     parameter_devices: frozenset[str]
@@ -89,7 +95,16 @@ def dry_run(job_config, world_size: int) -> DryRunReport:
     else:
         model_parts = [spec.parallelize_fn(model, parallel_dims, job_config)]
 
-    local = [param.to_local() if hasattr(param, "to_local") else param for part in model_parts for param in part.parameters()]
+    named = [
+        (name, param.to_local() if hasattr(param, "to_local") else param)
+        for part in model_parts
+        for name, param in part.named_parameters()
+    ]
+    local = [tensor for _, tensor in named]
+    experts = [tensor for name, tensor in named if ".moe.experts." in name]
+    layers = [
+        (int(layer_id), block) for part in model_parts for layer_id, block in part.layers.items()
+    ]
     ep_settings = {"backend": "none (no MoE layers)"}
     moe_args = getattr(model_args, "moe_args", None)
     if moe_args is not None:
@@ -106,6 +121,10 @@ def dry_run(job_config, world_size: int) -> DryRunReport:
         total_parameters=total,
         rank_parameters=sum(t.numel() for t in local),
         rank_parameter_bytes=sum(t.numel() * t.element_size() for t in local),
+        rank_expert_parameters=sum(t.numel() for t in experts),
+        rank_expert_parameter_bytes=sum(t.numel() * t.element_size() for t in experts),
+        rank_layers=tuple(layer_id for layer_id, _ in layers),
+        rank_moe_layers=tuple(layer_id for layer_id, block in layers if block.moe_enabled),
         parameter_dtype=str(dtype).removeprefix("torch."),
         ep_settings=ep_settings,
         pipeline_stages=len(model_parts),

@@ -110,14 +110,17 @@ deepep_dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_se
 deepep_combine.register_autograd(_combine_backward, setup_context=_combine_setup)
 
 
+def hidden_bytes(hidden_dim: int, element_size: int) -> int:
+    """Bytes per token DeepEP sizes its buffer for: at least 2 per element, so bf16 and fp8 share one buffer."""
+    return hidden_dim * max(element_size, 2)
+
+
 def _create_buffer(implementation: str, shape: MoEShape, num_sms: int | None, group, example: torch.Tensor):
     implementation = resolve_implementation("deepep", implementation, example.device.type)
-    # DeepEP sizes its buffer in bytes per token: at least 2 bytes per element (bf16)
-    hidden_bytes = shape.hidden_dim * max(example.element_size(), 2)
     if implementation == "deep_ep":
         from torchtitan_ext.ep.kernels.deep_ep import deepep_buffer
 
-        return deepep_buffer(group, hidden_bytes, num_sms)
+        return deepep_buffer(group, hidden_bytes(shape.hidden_dim, example.element_size()), num_sms)
     from torchtitan_ext.ep.kernels.reference import ReferenceBuffer
 
     return ReferenceBuffer(group)

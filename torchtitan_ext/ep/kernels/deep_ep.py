@@ -19,18 +19,24 @@ import torch.distributed as dist
 from torchtitan_ext.ep.layout import padded_offsets
 
 
-def deepep_buffer(group, hidden_bytes: int, num_sms: int | None):
-    """A DeepEP v1 normal-mode buffer sized by the library's own hints."""
+def deepep_buffer_bytes(group_size: int, hidden_bytes: int, num_sms: int | None) -> tuple[int, int]:
+    """(NVLink bytes, RDMA bytes) of a DeepEP buffer: the library's own size hints."""
     from deep_ep import Buffer
 
     if num_sms is not None:
         Buffer.set_num_sms(num_sms)
-    size = group.size()
     num_nvl_bytes = num_rdma_bytes = 0
-    for config in (Buffer.get_dispatch_config(size), Buffer.get_combine_config(size)):
-        num_nvl_bytes = max(num_nvl_bytes, config.get_nvl_buffer_size_hint(hidden_bytes, size))
-        num_rdma_bytes = max(num_rdma_bytes, config.get_rdma_buffer_size_hint(hidden_bytes, size))
-    return Buffer(group, num_nvl_bytes, num_rdma_bytes)
+    for config in (Buffer.get_dispatch_config(group_size), Buffer.get_combine_config(group_size)):
+        num_nvl_bytes = max(num_nvl_bytes, config.get_nvl_buffer_size_hint(hidden_bytes, group_size))
+        num_rdma_bytes = max(num_rdma_bytes, config.get_rdma_buffer_size_hint(hidden_bytes, group_size))
+    return num_nvl_bytes, num_rdma_bytes
+
+
+def deepep_buffer(group, hidden_bytes: int, num_sms: int | None):
+    """A DeepEP v1 normal-mode buffer sized by the library's own hints."""
+    from deep_ep import Buffer
+
+    return Buffer(group, *deepep_buffer_bytes(group.size(), hidden_bytes, num_sms))
 
 
 @dataclass(frozen=True)

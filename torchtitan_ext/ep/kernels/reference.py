@@ -205,28 +205,39 @@ class ReferenceHybridEPBuffer:
         self._allocate(max_num_of_tokens_per_rank)
 
     @staticmethod
-    def buffer_bytes(
+    def areas(
         group_size: int, hidden_dim: int, max_num_of_tokens_per_rank: int,
         num_local_experts: int, dtype: torch.dtype,
-    ) -> int:
-        """Bytes the buffer allocates: a token area and the all-gathered routing map and probs."""
+    ) -> dict[str, tuple[tuple[int, int], torch.dtype]]:
+        """Shape and dtype of each area the buffer allocates: the tokens of every
+        rank, and the all-gathered routing map and probs."""
         rows = group_size * max_num_of_tokens_per_rank
         num_experts = group_size * num_local_experts
-        token_bytes = rows * hidden_dim * torch.empty((), dtype=dtype).element_size()
-        routing_bytes = rows * num_experts * (1 + 4)  # bool map + fp32 probs
-        return token_bytes + routing_bytes
+        return {
+            "tokens": ((rows, hidden_dim), dtype),
+            "routing_map": ((rows, num_experts), torch.bool),
+            "probs": ((rows, num_experts), torch.float32),
+        }
+
+    @classmethod
+    def buffer_bytes(cls, *args) -> int:
+        """Bytes a buffer with these arguments (as for :meth:`areas`) allocates."""
+        return sum(
+            rows * columns * torch.empty((), dtype=dtype).element_size()
+            for (rows, columns), dtype in cls.areas(*args).values()
+        )
 
     @property
     def nbytes(self) -> int:
+        """Bytes this buffer holds now."""
         return sum(t.numel() * t.element_size() for t in (self._tokens, self._routing_map, self._probs))
 
     def _allocate(self, max_tokens: int) -> None:
-        rows = self.group_size * max_tokens
-        num_experts = self.group_size * self.num_local_experts
         self.max_num_of_tokens_per_rank = max_tokens
-        self._tokens = torch.empty((rows, self.hidden_dim), dtype=self.dtype, device=self.device)
-        self._routing_map = torch.empty((rows, num_experts), dtype=torch.bool, device=self.device)
-        self._probs = torch.empty((rows, num_experts), dtype=torch.float32, device=self.device)
+        areas = self.areas(self.group_size, self.hidden_dim, max_tokens, self.num_local_experts, self.dtype)
+        self._tokens, self._routing_map, self._probs = (
+            torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in areas.values()
+        )
 
     def _ensure_capacity(self, num_tokens: int) -> None:
         if num_tokens > self.max_num_of_tokens_per_rank:
