@@ -29,7 +29,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from torchtitan.config import TORCH_DTYPE_MAP
-from torchtitan.tools.logging import init_logger
 
 from torchtitan_ext import runtime
 from torchtitan_ext.config import ConfigError
@@ -245,7 +244,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world-size", type=int, help="ranks in the job (default: dp x cp x tp x pp from the config)")
     parser.add_argument("--routing-stats", type=Path, help="routing_stats folder or .npz file for the expected drop rate")
     args, train_args = parser.parse_known_args(argv)
-    init_logger()
     runtime.configure()
     register_embedded_dataset()
     register_train_specs()
