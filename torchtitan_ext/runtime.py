@@ -6,6 +6,8 @@ and gloo. Every change is made in memory on the imported modules; no file of an
 installed package is touched. Each accommodation below carries a one-line reason.
 """
 
+import ctypes
+import ctypes.util
 import os
 import platform
 import resource
@@ -23,6 +25,7 @@ from torchtitan.models.moe.kernels import generate_permute_indices
 from torchtitan.tools.logging import logger
 
 _GIB = 1024**3
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 _configured_device: str | None = None
 
 
@@ -141,6 +144,12 @@ def _set_pg_timeouts_without_device_ids(timeout: timedelta, parallel_dims) -> No
         dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
+def _keep_freed_memory_in_heap() -> None:
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30)
+    libc.mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1)
+
+
 def _enable_cpu() -> None:
     # torchtitan picks "cuda" when no accelerator is found; the mesh, trainer and metrics must see "cpu".
     for module in (tt_utils, tt_dist_utils, tt_parallel_dims, tt_metrics):
@@ -157,6 +166,8 @@ def _enable_cpu() -> None:
     tt_utils.get_peak_flops = _undefined_peak_flops
     # gloo's barrier rejects device_ids, which torchtitan passes when it tightens timeouts.
     tt_dist_utils.set_pg_timeouts = _set_pg_timeouts_without_device_ids
+    # glibc returns large freed blocks to the kernel, so every new activation page-faults; keep them.
+    _keep_freed_memory_in_heap()
     logger.info("No CUDA device: training on CPU with the gloo backend")
 
 

@@ -1,37 +1,149 @@
-"""The ``nccl`` backend: all-to-all over torch.distributed functional collectives.
+"""The ``nccl`` backend: all-to-all over torch.distributed (NCCL on GPU, gloo on CPU).
 
-NCCL on GPU, gloo on CPU; torchtitan's "standard" backend. Each rank sorts
-its (token, expert) pairs by expert, exchanges the per-expert counts (one
-small all-to-all, then a host sync for the split sizes), sends the rows with
-one all-to-all, and reorders what it received (source rank major) into
-expert-major groups padded to the grouped-GEMM alignment: at least 8 rows
-(bf16), 16 for FP8 and 32 for MXFP8 grouped GEMMs. Combine reverses both
-steps and sums each token's top-k rows in fp32.
+torchtitan's "standard" backend, restructured so that communication itself
+produces the expert-major layout. Each rank sorts its (token, expert) pairs
+by (local expert index, destination rank) and gathers their rows once; then
+one all-to-all per local expert index e moves every rank's rows for its
+expert e straight into that expert's group of the output, in source-rank
+order, padded to the grouped-GEMM alignment (at least 8 rows; 16 for FP8 and
+32 for MXFP8 grouped GEMMs). There is no receive-side permutation. Combine
+sends each expert group back the same way into the pairs' send order, and one
+``index_add`` sums every token's top-k rows (weighted by their scores for
+DeepSeek-V3-style routing).
+
+The per-expert counts travel in one small all-to-all and reach the host in one
+sync per layer (all-to-all split sizes must be known on the host, as in
+torchtitan). The row all-to-alls are custom ops (``torchtitan_ext::nccl_dispatch``,
+``nccl_combine``), each the other's backward and both on the selective
+activation-checkpointing save list.
 """
 
 from dataclasses import dataclass
 from functools import partial
 
 import torch
-from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
+import torch.distributed as dist
+from torch.distributed._functional_collectives import all_to_all_single
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import distribute_tensor, DTensor, Partial, Replicate, Shard
 
 from torchtitan_ext.ep.base import MoEShape, RoutedExpertParallel, scale_rows, token_group_alignment
-from torchtitan_ext.ep.layout import block_destinations
+from torchtitan_ext.ep.layout import padded_offsets
+
+
+def _exchange_groups(
+    rows: torch.Tensor,
+    out: torch.Tensor,
+    rows_layout: list[list[int]],
+    out_layout: list[list[int]],
+    rows_starts: list[int],
+    out_starts: list[int],
+    group,
+) -> None:
+    """One all-to-all per local expert e: rows[rows_starts[e]:] split by rows_layout[e]
+    (rows per peer) into out[out_starts[e]:] split by out_layout[e]."""
+    for e, (send, recv) in enumerate(zip(rows_layout, out_layout)):
+        source = rows.narrow(0, rows_starts[e], sum(send))
+        target = out.narrow(0, out_starts[e], sum(recv))
+        dist.all_to_all_single(target, source, recv, send, group=group)
+
+
+@torch.library.custom_op("torchtitan_ext::nccl_dispatch", mutates_args=())
+def nccl_dispatch(
+    rows: torch.Tensor,
+    send_counts: list[int],
+    recv_counts: list[int],
+    local_experts: int,
+    pad_multiple: int,
+    group_name: str,
+) -> torch.Tensor:
+    """Rows sorted by (local expert, destination) -> this rank's padded expert-major groups.
+
+    ``send_counts[e * R + d]``: rows for destination d's expert e; ``recv_counts[e * R + s]``:
+    rows from source s for this rank's expert e.
+    """
+    layout = _Layout(send_counts, recv_counts, local_experts, pad_multiple)
+    out = rows.new_empty((layout.total_rows, rows.shape[1]))
+    for start, length in layout.pad_rows:
+        out.narrow(0, start, length).zero_()
+    _exchange_groups(
+        rows, out, layout.send, layout.recv, layout.send_starts, layout.group_starts,
+        _resolve_process_group(group_name),
+    )
+    return out
+
+
+@torch.library.custom_op("torchtitan_ext::nccl_combine", mutates_args=())
+def nccl_combine(
+    groups: torch.Tensor,
+    send_counts: list[int],
+    recv_counts: list[int],
+    local_experts: int,
+    pad_multiple: int,
+    group_name: str,
+) -> torch.Tensor:
+    """The reverse of ``nccl_dispatch``: expert groups back into the sources' send order."""
+    layout = _Layout(send_counts, recv_counts, local_experts, pad_multiple)
+    out = groups.new_empty((sum(send_counts), groups.shape[1]))
+    _exchange_groups(
+        groups, out, layout.recv, layout.send, layout.group_starts, layout.send_starts,
+        _resolve_process_group(group_name),
+    )
+    return out
+
+
+def _setup(ctx, inputs, output):
+    ctx.layout_args = inputs[1:]
+
+
+def _dispatch_backward(ctx, grad):
+    return nccl_combine(grad.contiguous(), *ctx.layout_args), None, None, None, None, None
+
+
+def _combine_backward(ctx, grad):
+    return nccl_dispatch(grad.contiguous(), *ctx.layout_args), None, None, None, None, None
+
+
+nccl_dispatch.register_autograd(_dispatch_backward, setup_context=_setup)
+nccl_combine.register_autograd(_combine_backward, setup_context=_setup)
+
+
+class _Layout:
+    """Split sizes and offsets of one dispatch (host integers)."""
+
+    def __init__(self, send_counts, recv_counts, local_experts, pad_multiple):
+        ep_degree = len(send_counts) // local_experts
+        self.send = [send_counts[e * ep_degree : (e + 1) * ep_degree] for e in range(local_experts)]
+        self.recv = [recv_counts[e * ep_degree : (e + 1) * ep_degree] for e in range(local_experts)]
+        self.send_starts = _starts([sum(counts) for counts in self.send])
+        per_expert = torch.tensor([sum(counts) for counts in self.recv])
+        padded, offsets = padded_offsets(per_expert, pad_multiple)
+        self.group_starts = offsets.tolist()
+        self.padded_counts = padded
+        self.total_rows = int(padded.sum())
+        self.pad_rows = [
+            (start + count, pad - count)
+            for start, count, pad in zip(self.group_starts, per_expert.tolist(), padded.tolist())
+            if pad > count
+        ]
+
+
+def _starts(lengths: list[int]) -> list[int]:
+    starts, total = [], 0
+    for length in lengths:
+        starts.append(total)
+        total += length
+    return starts
 
 
 @dataclass(frozen=True)
 class _NcclDispatchState:
-    pair_order: torch.Tensor
-    """Pairs (token * K + k) in send order: sorted by expert, stable."""
-    sorted_scores: torch.Tensor | None
-    """Scores in send order, when they multiply the expert outputs."""
-    destinations: torch.Tensor
-    """Row of every received row in the expert-major layout."""
-    send_splits: list[int]
-    recv_splits: list[int]
+    token_of_row: torch.Tensor
+    """Source token of every sent row (rows sorted by local expert, then destination)."""
+    row_scores: torch.Tensor | None
+    """Scores of the sent rows, when they multiply the expert outputs."""
+    layout_args: tuple
     num_tokens: int
-    top_k: int
 
 
 class NcclExpertParallel(RoutedExpertParallel):
@@ -42,7 +154,11 @@ class NcclExpertParallel(RoutedExpertParallel):
     the only backend that supports it).
     """
 
-    sac_save_ops = (torch.ops._c10d_functional.all_to_all_single.default,)
+    sac_save_ops = (
+        torch.ops._c10d_functional.all_to_all_single.default,
+        torch.ops.torchtitan_ext.nccl_dispatch.default,
+        torch.ops.torchtitan_ext.nccl_combine.default,
+    )
     min_pad_multiple = 8
 
     @classmethod
@@ -80,43 +196,42 @@ class NcclExpertParallel(RoutedExpertParallel):
         local_experts = num_experts // ep_degree
         num_tokens, top_k = expert_ids.shape
         flat_ids = expert_ids.reshape(-1)
-        pair_order = torch.argsort(flat_ids, stable=True)
+        # sort pairs by (local expert index, destination rank): one contiguous block per
+        # (expert index, destination), so each expert index's all-to-all reads one slice
+        key = (flat_ids % local_experts) * ep_degree + flat_ids // local_experts
+        pair_order = torch.argsort(key, stable=True)
         with torch.no_grad():
-            counts = torch.bincount(flat_ids, minlength=num_experts)
-            recv_counts = all_to_all_single(counts, None, None, group=group)
+            send_counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
+            send_counts.scatter_add_(0, key, torch.ones_like(key))
+            # destination d receives its [e] counts: send them grouped by destination
+            recv_counts = all_to_all_single(
+                send_counts.view(local_experts, ep_degree).t().contiguous().view(-1), None, None, group=group
+            )
             # split sizes must be on the host: one device-to-host sync, as in torchtitan
-            send_counts, recv_counts = torch.stack([counts, recv_counts]).view(2, ep_degree, local_experts).cpu()
-        send_splits = send_counts.sum(1).tolist()
-        recv_splits = recv_counts.sum(1).tolist()
-
-        rows = x[pair_order // top_k]
-        sorted_scores = scores.reshape(-1)[pair_order]
+            both = torch.stack([send_counts, recv_counts.view(ep_degree, local_experts).t().reshape(-1)]).cpu()
+        send_counts, recv_counts = both.tolist()
+        token_of_row = pair_order // top_k
+        rows = x.index_select(0, token_of_row)
+        row_scores = scores.reshape(-1).index_select(0, pair_order)
         if self.score_before_experts:
-            rows = scale_rows(rows, sorted_scores)
-        received = all_to_all_single_autograd(rows, recv_splits, send_splits, group)
-        destinations, padded, total_rows = block_destinations(recv_counts, self.pad_multiple)
-        destinations = destinations.to(x.device)
-        routed = received.new_zeros((total_rows, x.shape[1])).index_copy(0, destinations, received)
+            rows = scale_rows(rows, row_scores)
+        layout_args = (send_counts, recv_counts, local_experts, self.pad_multiple, group.group_name)
+        routed = nccl_dispatch(rows, *layout_args)
         self._pending = _NcclDispatchState(
-            pair_order=pair_order,
-            sorted_scores=None if self.score_before_experts else sorted_scores,
-            destinations=destinations,
-            send_splits=send_splits,
-            recv_splits=recv_splits,
+            token_of_row=token_of_row,
+            row_scores=None if self.score_before_experts else row_scores,
+            layout_args=layout_args,
             num_tokens=num_tokens,
-            top_k=top_k,
         )
+        padded = _Layout(send_counts, recv_counts, local_experts, self.pad_multiple).padded_counts
         return routed, padded.to(x.device)
 
     def combine(self, routed_output, group):
         state = self._take_pending()
-        rows = routed_output.index_select(0, state.destinations)
-        returned = all_to_all_single_autograd(rows, state.send_splits, state.recv_splits, group)
-        returned = returned.float()
-        if state.sorted_scores is not None:
-            returned = returned * state.sorted_scores.float().unsqueeze(-1)
-        hidden = routed_output.shape[1]
-        pairs = returned.new_zeros((state.num_tokens * state.top_k, hidden)).index_copy(
-            0, state.pair_order, returned
-        )
-        return pairs.view(state.num_tokens, state.top_k, hidden).sum(1).to(routed_output.dtype)
+        # top-k rows of a token are summed in fp32 (a no-op conversion for fp32) and rounded once
+        returned = nccl_combine(routed_output, *state.layout_args).float()
+        if state.row_scores is not None:
+            returned = returned * state.row_scores.float().unsqueeze(-1)
+        combined = returned.new_zeros((state.num_tokens, returned.shape[1]))
+        combined.index_add_(0, state.token_of_row, returned)
+        return combined.to(routed_output.dtype)

@@ -1,0 +1,313 @@
+"""Benchmark EP dispatch + combine against the bare collectives they issue.
+
+    python scripts/bench_ep.py --nproc 2 --tokens 2048 8192 --hidden 1024 --experts 8 --top-k 2
+
+Launches ``--nproc`` processes (gloo on CPU, NCCL with one GPU each on CUDA).
+For every shape and backend it times one dispatch + combine forward and
+backward (the experts are the identity, so only EP costs are timed): warm-up
+iterations first, then ``--iters`` timed ones; an iteration's time is the
+slowest rank's. In the same run it records the collectives the backend issued
+in one iteration (their sizes and split sizes) and times exactly those
+collectives alone (all-to-alls as ``all_to_all_single``, all-gathers as
+``all_gather_single``), on buffers prepared outside the timing. Reported:
+min / median / max, the ratio of medians (backend / bare collectives), the
+bytes one rank sends per iteration and the effective GB/s.
+
+Backends: ``nccl``, ``deepep`` and ``hybridep`` (reference kernels on CPU),
+``hybridep_nb`` (non-blocking, capacity factor 1.0), ``upstream`` (torchtitan
+0.2.2's own ExpertParallel, for scale), and ``deepep_lib`` / ``hybridep_lib``
+(the real deep_ep kernels, when importable on CUDA).
+
+Results go to ``--json`` and, as a markdown table with the command line and the
+machine, are appended to ``--markdown`` (default docs/benchmarks.md).
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+@dataclass(frozen=True)
+class Shape:
+    tokens: int
+    hidden: int
+    experts: int
+    top_k: int
+    ep: int
+
+    def label(self) -> str:
+        return f"T={self.tokens} H={self.hidden} E={self.experts} K={self.top_k} EP={self.ep}"
+
+
+class CollectiveRecorder(TorchDispatchMode):
+    """Records the collectives one iteration issues.
+
+    torch.distributed calls are recorded at the Python level (so also inside
+    custom ops, where dispatch modes do not reach); functional collectives
+    (upstream torchtitan, the nccl backend's count exchange, and the autograd
+    backward of functional all-to-alls) through the dispatch mode.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+        self._originals = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops._c10d_functional.all_to_all_single.default:
+            tensor, out_splits, in_splits, group_name = args
+            self.calls.append(("a2a", tensor, out_splits, in_splits, _resolve_process_group(group_name)))
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        def record(name, kind):
+            original = getattr(dist, name)
+            self._originals[name] = original
+
+            def recorded(output, tensor, *args, **kwargs):
+                if kind == "a2a":
+                    out_splits = args[0] if args else kwargs.get("output_split_sizes")
+                    in_splits = args[1] if len(args) > 1 else kwargs.get("input_split_sizes")
+                    self.calls.append(("a2a", tensor, out_splits, in_splits, kwargs.get("group")))
+                else:
+                    self.calls.append(("all_gather", tensor, None, None, kwargs.get("group")))
+                return original(output, tensor, *args, **kwargs)
+
+            setattr(dist, name, recorded)
+
+        record("all_to_all_single", "a2a")
+        record("all_gather_single", "all_gather")
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+        return super().__exit__(*exc)
+
+    def replay_plan(self):
+        """(the recorded collectives as callables on prepared buffers, bytes this rank sends)."""
+        plan, sent = [], 0
+        for kind, tensor, out_splits, in_splits, group in self.calls:
+            group = group or dist.group.WORLD
+            size = dist.get_world_size(group)
+            inp = tensor.detach().clone()
+            if kind == "all_gather":
+                out = inp.new_empty((size * inp.shape[0], *inp.shape[1:]))
+                plan.append(partial(dist.all_gather_single, out, inp, group=group))
+                sent += inp.numel() * inp.element_size() * size
+                continue
+            rows = sum(out_splits) if out_splits else inp.shape[0]
+            out = inp.new_empty((rows, *inp.shape[1:]))
+            plan.append(partial(dist.all_to_all_single, out, inp, out_splits, in_splits, group=group))
+            sent += inp.numel() * inp.element_size()
+        return plan, sent
+
+
+def _make_style(backend: str, shape: Shape, job_args):
+    from torchtitan_ext.config import parse_job_config
+    from torchtitan_ext.ep import BACKENDS, MoEShape
+
+    name = {"hybridep_nb": "hybridep", "deepep_lib": "deepep", "hybridep_lib": "hybridep"}.get(backend, backend)
+    args = ["--parallelism.expert_parallel_comm_backend", name] + job_args
+    if name != "nccl":
+        args += [f"--{name}.implementation", "deep_ep" if backend.endswith("_lib") else "reference"]
+    if backend == "hybridep_nb":
+        args += ["--hybridep.non_blocking_capacity_factor", "1.0"]
+    moe = MoEShape(shape.hidden, shape.experts, shape.top_k, shape.tokens)
+    return BACKENDS[name].layer_factory(parse_job_config(args), moe)(score_before_experts=False)
+
+
+def _iteration_fn(backend, shape, mesh, device, dtype):
+    """A closure running one dispatch + combine forward and backward; identity experts."""
+    generator = torch.Generator().manual_seed(1234 + dist.get_rank())
+    x = torch.randn(shape.tokens, shape.hidden, generator=generator).to(device=device, dtype=dtype)
+    scores = torch.rand(shape.tokens, shape.top_k, generator=generator).to(device)
+    ids = torch.stack([
+        torch.randperm(shape.experts, generator=generator)[: shape.top_k] for _ in range(shape.tokens)
+    ]).to(device)
+    grad = torch.randn(shape.tokens, shape.hidden, generator=generator).to(device=device, dtype=dtype)
+    group = mesh.get_group()
+    if backend == "upstream":
+        from torchtitan.distributed.expert_parallel import ExpertParallel
+
+        style = ExpertParallel()
+
+        def step():
+            # torchtitan 0.2.2's MoE.forward around its ExpertParallel, experts as the identity
+            inp = x.detach().requires_grad_()
+            score = scores.detach().requires_grad_()
+            counts = torch.histc(ids.view(-1), bins=shape.experts, min=0, max=shape.experts)
+            order = torch.argsort(ids.view(-1), stable=True)
+            routed_input = inp[order // shape.top_k]
+            routed, _ = style._token_dispatch(None, (routed_input, counts), mesh)
+            routed_output = style._token_combine(None, routed, mesh)
+            unsorted = torch.zeros((shape.tokens * shape.top_k, shape.hidden), dtype=routed_output.dtype, device=device)
+            unsorted[order] = routed_output
+            out = torch.bmm(score.reshape(-1, 1, shape.top_k), unsorted.float().reshape(-1, shape.top_k, shape.hidden))
+            out.to(dtype).squeeze(1).backward(grad)
+
+        return step
+    style = _make_style(backend, shape, [])
+
+    def step():
+        inp = x.detach().requires_grad_()
+        score = scores.detach().requires_grad_()
+        rows, _ = style.dispatch(inp, score, ids, shape.experts, group)
+        style.combine(rows, group).backward(grad)
+
+    return step
+
+
+def _time(fn, warmup: int, iters: int, device) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times.append(float(elapsed))
+    return times
+
+
+def _worker(rank, world_size, rendezvous, args, result_file):
+    torch.set_num_threads(1)
+    cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{rank}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torchtitan_ext import runtime
+
+    runtime.configure()
+    mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("ep",))
+    dtype = getattr(torch, args.dtype)
+    rows = []
+    cases = [(tokens, backend) for tokens in args.tokens for backend in args.backends]
+    progress = None
+    if rank == 0 and not args.no_progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=len(cases), desc="bench_ep", unit="case")
+    for tokens, backend in cases:
+        shape = Shape(tokens, args.hidden, args.experts, args.top_k, world_size)
+        step = _iteration_fn(backend, shape, mesh, device, dtype)
+        step()
+        with CollectiveRecorder() as recorder:
+            step()
+        bare_plan, sent = recorder.replay_plan()
+        times = _time(step, args.warmup, args.iters, device)
+        bare = _time(lambda: [call() for call in bare_plan], args.warmup, args.iters, device)
+        sent_total = torch.tensor([sent], dtype=torch.float64)
+        dist.all_reduce(sent_total, op=dist.ReduceOp.MAX)
+        median, bare_median = statistics.median(times), statistics.median(bare)
+        rows.append({
+            "backend": backend,
+            **asdict(shape),
+            "min_ms": min(times) * 1e3, "median_ms": median * 1e3, "max_ms": max(times) * 1e3,
+            "bare_min_ms": min(bare) * 1e3, "bare_median_ms": bare_median * 1e3, "bare_max_ms": max(bare) * 1e3,
+            "ratio": median / bare_median,
+            "overhead_us": (median - bare_median) * 1e6,
+            "bytes_sent_per_rank": int(sent_total),
+            "gbps": float(sent_total) / median / 1e9,
+            "collectives": len(bare_plan),
+        })
+        if progress:
+            progress.update(1)
+            progress.set_postfix_str(f"{backend} T={tokens}: {median / bare_median:.2f}x")
+    if progress:
+        progress.close()
+    if rank == 0:
+        Path(result_file).write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def machine() -> str:
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+    return f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores, torch {torch.__version__}, gloo"
+
+
+def markdown(rows, command: str) -> str:
+    lines = [
+        f"### bench_ep ({time.strftime('%Y-%m-%d')})",
+        "",
+        f"`{command}`",
+        "",
+        f"Machine: {machine()}. Per iteration: one dispatch + combine, forward and backward; "
+        "time of the slowest rank; bare = the same collectives alone.",
+        "",
+        "| backend | shape | min ms | median ms | max ms | bare median ms | ratio | overhead us | MB sent/rank | GB/s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        shape = Shape(r["tokens"], r["hidden"], r["experts"], r["top_k"], r["ep"]).label()
+        lines.append(
+            f"| {r['backend']} | {shape} | {r['min_ms']:.2f} | {r['median_ms']:.2f} | {r['max_ms']:.2f} | "
+            f"{r['bare_median_ms']:.2f} | {r['ratio']:.2f} | {r['overhead_us']:.0f} | "
+            f"{r['bytes_sent_per_rank'] / 1e6:.1f} | {r['gbps']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=2, help="EP degree = processes")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192], help="tokens per rank")
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--backends", nargs="+", default=["nccl", "deepep", "hybridep", "hybridep_nb", "upstream"])
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--markdown", type=Path, default=ROOT / "docs/benchmarks.md",
+                        help="append a table here ('-' to skip)")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    command = "python scripts/bench_ep.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    with tempfile.TemporaryDirectory() as tmp:
+        result_file = Path(tmp) / "rows.json"
+        mp.spawn(_worker, args=(args.nproc, f"{tmp}/rendezvous", args, str(result_file)), nprocs=args.nproc)
+        rows = json.loads(result_file.read_text())
+    for r in rows:
+        print(f"{r['backend']:>12}  {Shape(r['tokens'], r['hidden'], r['experts'], r['top_k'], r['ep']).label()}  "
+              f"median {r['median_ms']:8.2f} ms  bare {r['bare_median_ms']:8.2f} ms  ratio {r['ratio']:.2f}  "
+              f"{r['gbps']:.2f} GB/s")
+    if args.json:
+        args.json.write_text(json.dumps({"command": command, "machine": machine(), "rows": rows}, indent=2))
+    if str(args.markdown) != "-":
+        with open(args.markdown, "a") as f:
+            f.write("\n" + markdown(rows, command))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

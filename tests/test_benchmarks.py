@@ -1,0 +1,39 @@
+"""Smoke tests of the benchmark scripts: they run on one tiny shape (not how fast)."""
+
+import json
+import subprocess
+import sys
+
+from tests.helpers import REPO_ROOT
+
+
+def test_bench_ep_runs(tmp_path):
+    out, table = tmp_path / "ep.json", tmp_path / "bench.md"
+    result = subprocess.run(
+        [sys.executable, "scripts/bench_ep.py", "--nproc", "2", "--tokens", "32", "--hidden", "16",
+         "--experts", "4", "--top-k", "2", "--warmup", "1", "--iters", "2", "--no-progress",
+         "--json", str(out), "--markdown", str(table)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["backend"] for r in rows] == ["nccl", "deepep", "hybridep", "hybridep_nb", "upstream"]
+    for row in rows:
+        assert 0 < row["min_ms"] <= row["median_ms"] <= row["max_ms"]
+        assert row["bare_median_ms"] > 0 and row["bytes_sent_per_rank"] > 0 and row["collectives"] > 0
+    assert "| nccl | T=32 H=16 E=4 K=2 EP=2 |" in table.read_text()
+
+
+def test_bench_step_runs(tmp_path):
+    out, table = tmp_path / "step.json", tmp_path / "bench.md"
+    result = subprocess.run(
+        [sys.executable, "scripts/bench_step.py", "--rounds", "1", "--steps", "2", "--warmup", "1",
+         "--no-progress", "--json", str(out), "--markdown", str(table), "--",
+         "--training.seq_len", "32", "--training.local_batch_size", "1"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert len(data["times"]["upstream"]) == len(data["times"]["ours"]) == 1
+    assert data["ratio"] > 0
+    assert "Ratio ours / upstream" in table.read_text()
