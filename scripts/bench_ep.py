@@ -23,7 +23,9 @@ machine, are appended to ``--markdown`` (default docs/benchmarks.md).
 """
 
 import argparse
+import gc
 import json
+import logging
 import os
 import platform
 import statistics
@@ -135,8 +137,8 @@ def _make_style(backend: str, shape: Shape, job_args):
     return BACKENDS[name].layer_factory(parse_job_config(args), moe)(score_before_experts=False)
 
 
-def _iteration_fn(backend, shape, mesh, device, dtype):
-    """A closure running one dispatch + combine forward and backward; identity experts."""
+def _iteration_fn(backend, shape, mesh, device, dtype, backward: bool = True):
+    """A closure running one dispatch + combine forward (and backward); identity experts."""
     generator = torch.Generator().manual_seed(1234 + dist.get_rank())
     x = torch.randn(shape.tokens, shape.hidden, generator=generator).to(device=device, dtype=dtype)
     scores = torch.rand(shape.tokens, shape.top_k, generator=generator).to(device)
@@ -162,7 +164,8 @@ def _iteration_fn(backend, shape, mesh, device, dtype):
             unsorted = torch.zeros((shape.tokens * shape.top_k, shape.hidden), dtype=routed_output.dtype, device=device)
             unsorted[order] = routed_output
             out = torch.bmm(score.reshape(-1, 1, shape.top_k), unsorted.float().reshape(-1, shape.top_k, shape.hidden))
-            out.to(dtype).squeeze(1).backward(grad)
+            if backward:
+                out.to(dtype).squeeze(1).backward(grad)
 
         return step
     style = _make_style(backend, shape, [])
@@ -171,7 +174,9 @@ def _iteration_fn(backend, shape, mesh, device, dtype):
         inp = x.detach().requires_grad_()
         score = scores.detach().requires_grad_()
         rows, _ = style.dispatch(inp, score, ids, shape.experts, group)
-        style.combine(rows, group).backward(grad)
+        out = style.combine(rows, group)
+        if backward:
+            out.backward(grad)
 
     return step
 
@@ -196,6 +201,7 @@ def _time(fn, warmup: int, iters: int, device) -> list[float]:
 
 def _worker(rank, world_size, rendezvous, args, result_file):
     torch.set_num_threads(1)
+    logging.getLogger().setLevel(logging.ERROR)  # torchtitan's config warnings, once per case
     cuda = torch.cuda.is_available()
     device = torch.device(f"cuda:{rank}" if cuda else "cpu")
     if cuda:
@@ -217,7 +223,7 @@ def _worker(rank, world_size, rendezvous, args, result_file):
         progress = tqdm(total=len(cases), desc="bench_ep", unit="case")
     for tokens, backend in cases:
         shape = Shape(tokens, args.hidden, args.experts, args.top_k, world_size)
-        step = _iteration_fn(backend, shape, mesh, device, dtype)
+        step = _iteration_fn(backend, shape, mesh, device, dtype, backward=not args.forward_only)
         step()
         with CollectiveRecorder() as recorder:
             step()
@@ -238,6 +244,9 @@ def _worker(rank, world_size, rendezvous, args, result_file):
             "gbps": float(sent_total) / median / 1e9,
             "collectives": len(bare_plan),
         })
+        del step, bare_plan, recorder
+        gc.collect()
+        runtime.release_freed_memory()  # the next case has other shapes
         if progress:
             progress.update(1)
             progress.set_postfix_str(f"{backend} T={tokens}: {median / bare_median:.2f}x")
@@ -254,13 +263,14 @@ def machine() -> str:
     return f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores, torch {torch.__version__}, gloo"
 
 
-def markdown(rows, command: str) -> str:
+def markdown(rows, command: str, forward_only: bool) -> str:
     lines = [
         f"### bench_ep ({time.strftime('%Y-%m-%d')})",
         "",
         f"`{command}`",
         "",
-        f"Machine: {machine()}. Per iteration: one dispatch + combine, forward and backward; "
+        f"Machine: {machine()}. Per iteration: one dispatch + combine, "
+        f"{'forward only' if forward_only else 'forward and backward'}; "
         "time of the slowest rank; bare = the same collectives alone.",
         "",
         "| backend | shape | min ms | median ms | max ms | bare median ms | ratio | overhead us | MB sent/rank | GB/s |",
@@ -285,6 +295,8 @@ def main(argv=None):
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--backends", nargs="+", default=["nccl", "deepep", "hybridep", "hybridep_nb", "upstream"])
+    parser.add_argument("--forward-only", action="store_true",
+                        help="time dispatch + combine forward only (no backward)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--json", type=Path, help="write the results here")
@@ -305,7 +317,7 @@ def main(argv=None):
         args.json.write_text(json.dumps({"command": command, "machine": machine(), "rows": rows}, indent=2))
     if str(args.markdown) != "-":
         with open(args.markdown, "a") as f:
-            f.write("\n" + markdown(rows, command))
+            f.write("\n" + markdown(rows, command, args.forward_only))
     return rows
 
 

@@ -90,10 +90,6 @@ def _load(*overrides, device_type="cpu", world_size=2):
         (("--model.flavor", "tiny"), "model.flavor = 'tiny' is not a flavour of deepseek_v3"),
         (("--parallelism.expert_parallel_comm_backend", "hybridep", "--parallelism.expert_parallel_degree", "1"),
          "'hybridep' needs expert parallelism, but expert_parallel_degree = 1"),
-        (("--parallelism.expert_parallel_comm_backend", "hybridep", "--hybridep.non_blocking_capacity_factor", "0.8",
-          "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "DualPipeV",
-          "--parallelism.data_parallel_shard_degree", "1"),
-         "non-blocking HybridEP cannot serve pipeline_parallel_schedule = 'DualPipeV'"),
     ],
 )
 def test_invalid_values_name_the_field(overrides, message):
@@ -101,6 +97,18 @@ def test_invalid_values_name_the_field(overrides, message):
         _load(*overrides)
     assert message in str(error.value)
     assert "\n" not in str(error.value)
+
+
+def test_non_blocking_hybridep_rejects_overlapped_dualpipev():
+    with pytest.raises(ConfigError, match="non-blocking HybridEP cannot serve pipeline_parallel_schedule = 'DualPipeV'"):
+        _load(
+            "--parallelism.expert_parallel_comm_backend", "hybridep", "--hybridep.non_blocking_capacity_factor", "0.8",
+            "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "DualPipeV",
+            world_size=4,
+        )
+    _load("--parallelism.expert_parallel_comm_backend", "hybridep",
+          "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "DualPipeV",
+          world_size=4)
 
 
 def test_expert_tensor_parallel_rejected_for_kernel_backends():

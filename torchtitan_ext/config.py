@@ -260,7 +260,11 @@ def validate(
             f"parallelism.expert_parallel_comm_backend = '{backend}' is not a backend: "
             f"use one of {', '.join(KNOWN_BACKENDS)} ('standard' means nccl)"
         )
-    for section_name, section in (("deepep", job_config.deepep), ("hybridep", job_config.hybridep)):
+    # a backend's knobs live in the section named after it
+    for section_name in KNOWN_BACKENDS:
+        section = getattr(job_config, section_name, None)
+        if section is None:
+            continue
         changed = [f.name for f in fields(section) if getattr(section, f.name) != f.default]
         if changed and section_name != backend:
             raise ConfigError(
@@ -268,22 +272,21 @@ def validate(
                 f"is '{backend}': remove the [{section_name}] settings or select "
                 f"expert_parallel_comm_backend = '{section_name}'"
             )
-    _validate_degrees(job_config, num_experts)
-    _validate_pipeline(job_config)
+    # the backends' modules import this one: look the class up at call time
+    from torchtitan_ext.ep import BACKENDS
+
+    backend_class = BACKENDS[backend]
+    _validate_degrees(job_config, num_experts, backend_class)
     if job_config.routing_stats.save_every < 1:
         raise ConfigError(
             f"routing_stats.save_every = {job_config.routing_stats.save_every}: use an integer >= 1 (steps)"
         )
     if world_size is not None:
         _validate_world_size(job_config.parallelism, world_size, job_config.training.seq_len)
-    _validate_deepep(job_config.deepep)
-    _validate_hybridep(job_config.hybridep, job_config.parallelism.expert_parallel_degree)
-    for section_name in ("deepep", "hybridep"):
-        if backend == section_name and device_type is not None:
-            _validate_implementation(section_name, getattr(job_config, section_name), device_type)
+    backend_class.validate_config(job_config, device_type)
 
 
-def _validate_degrees(job_config, num_experts: int | None) -> None:
+def _validate_degrees(job_config, num_experts: int | None, backend_class) -> None:
     ep = job_config.parallelism.expert_parallel_degree
     if ep < 1:
         raise ConfigError(f"parallelism.expert_parallel_degree = {ep}: use an integer >= 1")
@@ -293,34 +296,16 @@ def _validate_degrees(job_config, num_experts: int | None) -> None:
             f"{num_experts} experts: pick a divisor of {num_experts}"
         )
     backend = comm_backend(job_config)
-    if backend != "nccl" and ep == 1 and num_experts is not None:
+    if backend_class.needs_expert_parallelism and ep == 1 and num_experts is not None:
         raise ConfigError(
             f"parallelism.expert_parallel_comm_backend = '{backend}' needs expert parallelism, but "
             "expert_parallel_degree = 1: set expert_parallel_degree > 1 or use the nccl backend"
         )
     etp = job_config.parallelism.expert_tensor_parallel_degree
-    if backend != "nccl" and ep > 1 and etp > 1:
+    if not backend_class.supports_expert_tensor_parallel and ep > 1 and etp > 1:
         raise ConfigError(
             f"parallelism.expert_tensor_parallel_degree = {etp} is not supported by the "
             f"'{backend}' backend: set expert_tensor_parallel_degree = 1 or use the nccl backend"
-        )
-
-
-def _validate_pipeline(job_config) -> None:
-    p = job_config.parallelism
-    overlaps_ep = (
-        p.pipeline_parallel_degree > 1
-        and p.expert_parallel_degree > 1
-        and p.pipeline_parallel_expert_parallel_overlap
-        and p.pipeline_parallel_schedule.lower() == "dualpipev"
-    )
-    if overlaps_ep and comm_backend(job_config) == "hybridep" and job_config.hybridep.non_blocking_capacity_factor is not None:
-        raise ConfigError(
-            "non-blocking HybridEP cannot serve pipeline_parallel_schedule = 'DualPipeV' with "
-            "pipeline_parallel_expert_parallel_overlap: the overlapped microbatch would launch its "
-            "dispatch or combine while the other's is still running in HybridEP's one shared buffer "
-            "(blocking mode waits for each). Set pipeline_parallel_expert_parallel_overlap = false, "
-            "unset hybridep.non_blocking_capacity_factor, or use another schedule"
         )
 
 
@@ -359,37 +344,3 @@ def _validate_world_size(p, world_size: int, seq_len: int) -> None:
                 f"parallelism.expert_parallel_degree = {ep} (x expert TP {etp}) must divide "
                 f"dp_shard x cp x tp = {borrowed}: choose an EP degree that divides {borrowed}"
             )
-
-
-def _validate_deepep(section: DeepEP) -> None:
-    if section.num_sms is not None and (section.num_sms < 2 or section.num_sms % 2):
-        raise ConfigError(
-            f"deepep.num_sms = {section.num_sms}: use an even integer >= 2 (one channel per 2 SMs)"
-        )
-
-
-def _validate_hybridep(section: HybridEP, ep_degree: int) -> None:
-    factor = section.non_blocking_capacity_factor
-    if factor is not None and not 0.0 < factor <= 1.0:
-        raise ConfigError(
-            f"hybridep.non_blocking_capacity_factor = {factor} is outside (0, 1]: use a "
-            "value in (0, 1] for non-blocking mode, or leave it unset for blocking (dropless) mode"
-        )
-    for name in ("num_sms_dispatch", "num_sms_combine"):
-        if getattr(section, name) < 1:
-            raise ConfigError(f"hybridep.{name} = {getattr(section, name)}: use an integer >= 1")
-    domain = section.ranks_per_nvlink_domain
-    if domain is not None and (domain < 1 or ep_degree % domain):
-        raise ConfigError(
-            f"hybridep.ranks_per_nvlink_domain = {domain} does not divide "
-            f"parallelism.expert_parallel_degree = {ep_degree}: use a divisor of {ep_degree}"
-        )
-
-
-def _validate_implementation(section_name: str, section, device_type: str) -> None:
-    from torchtitan_ext.ep.kernels import KernelUnavailable, resolve_implementation
-
-    try:
-        resolve_implementation(section_name, section.implementation, device_type)
-    except KernelUnavailable as e:
-        raise ConfigError(str(e)) from None

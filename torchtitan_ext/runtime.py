@@ -144,10 +144,24 @@ def _set_pg_timeouts_without_device_ids(timeout: timedelta, parallel_dims) -> No
         dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
+def _libc():
+    return ctypes.CDLL(ctypes.util.find_library("c"))
+
+
 def _keep_freed_memory_in_heap() -> None:
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc = _libc()
     libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30)
     libc.mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1)
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's free memory back to the kernel (on CPU, where it is otherwise kept).
+
+    For programs that change working set, like a benchmark sweeping shapes; a
+    training loop reuses the same blocks every step and should not call this.
+    """
+    if _configured_device == "cpu":
+        _libc().malloc_trim(0)
 
 
 def _enable_cpu() -> None:

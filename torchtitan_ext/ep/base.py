@@ -24,7 +24,9 @@ from torchtitan.components.quantization import FP8_GROUP_ALIGNMENT_SIZE, MXFP8_G
 from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.distributed.expert_parallel import ExpertParallel
 
+from torchtitan_ext.config import ConfigError
 from torchtitan_ext.ep.handle import KernelBuffer
+from torchtitan_ext.ep.kernels import KernelUnavailable, resolve_implementation
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,16 @@ class MoEShape:
     top_k: int
     max_tokens_per_rank: int
     """Tokens one rank brings to one dispatch (a microbatch's tokens on this rank)."""
+
+
+def check_kernels(backend: str, implementation: str, device_type: str | None) -> None:
+    """ConfigError unless ``[backend] implementation`` can run on ``device_type``."""
+    if device_type is None:
+        return
+    try:
+        resolve_implementation(backend, implementation, device_type)
+    except KernelUnavailable as e:
+        raise ConfigError(str(e)) from None
 
 
 def token_group_alignment(job_config) -> int:
@@ -149,6 +161,13 @@ class RoutedExpertParallel(ExpertParallel, ABC):
     min_pad_multiple: ClassVar[int] = 1
     """Smallest row multiple this backend pads expert groups to."""
 
+    supports_expert_tensor_parallel: ClassVar[bool] = False
+    """Whether expert_tensor_parallel_degree > 1 works with this backend."""
+
+    needs_expert_parallelism: ClassVar[bool] = True
+    """Whether selecting this backend with expert_parallel_degree = 1 is a config error
+    (a kernel backend has nothing to do there)."""
+
     def __init__(
         self, *, score_before_experts: bool, pad_multiple: int = 1, token_split_mesh: DeviceMesh | None = None
     ):
@@ -166,6 +185,13 @@ class RoutedExpertParallel(ExpertParallel, ABC):
     def layer_factory(cls, job_config, shape: MoEShape) -> Callable[..., "RoutedExpertParallel"]:
         """Per-layer constructor (keywords: score_before_experts, token_split_mesh);
         the layers it makes share whatever the backend shares (its buffer)."""
+
+    @classmethod
+    def validate_config(cls, job_config, device_type: str | None) -> None:
+        """Reject this backend's invalid knobs with a ConfigError naming the field and the fix.
+
+        ``device_type`` None skips the checks that depend on the machine.
+        """
 
     @classmethod
     def drop_remedy(cls, job_config) -> str:

@@ -18,7 +18,9 @@ from functools import partial
 
 import torch
 
+from torchtitan_ext.config import ConfigError
 from torchtitan_ext.ep.base import (
+    check_kernels,
     MoEShape,
     RoutedExpertParallel,
     scale_rows,
@@ -150,6 +152,15 @@ class DeepEPExpertParallel(RoutedExpertParallel):
         section = job_config.deepep
         buffer = SharedKernelBuffer(partial(_create_buffer, section.implementation, shape, section.num_sms))
         return partial(cls, buffer=buffer, pad_multiple=token_group_alignment(job_config))
+
+    @classmethod
+    def validate_config(cls, job_config, device_type: str | None) -> None:
+        section = job_config.deepep
+        if section.num_sms is not None and (section.num_sms < 2 or section.num_sms % 2):
+            raise ConfigError(
+                f"deepep.num_sms = {section.num_sms}: use an even integer >= 2 (one channel per 2 SMs)"
+            )
+        check_kernels("deepep", section.implementation, device_type)
 
     @classmethod
     def describe(cls, job_config, shape: MoEShape) -> dict[str, str]:

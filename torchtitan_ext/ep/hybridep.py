@@ -25,7 +25,9 @@ from functools import partial
 import torch
 from torchtitan.tools.logging import logger
 
+from torchtitan_ext.config import ConfigError
 from torchtitan_ext.ep.base import (
+    check_kernels,
     MoEShape,
     RoutedExpertParallel,
     scale_rows,
@@ -214,6 +216,39 @@ class HybridEPExpertParallel(RoutedExpertParallel):
             capacity_factor=section.non_blocking_capacity_factor,
             pad_multiple=token_group_alignment(job_config),
         )
+
+    @classmethod
+    def validate_config(cls, job_config, device_type: str | None) -> None:
+        section, parallelism = job_config.hybridep, job_config.parallelism
+        factor = section.non_blocking_capacity_factor
+        if factor is not None and not 0.0 < factor <= 1.0:
+            raise ConfigError(
+                f"hybridep.non_blocking_capacity_factor = {factor} is outside (0, 1]: use a "
+                "value in (0, 1] for non-blocking mode, or leave it unset for blocking (dropless) mode"
+            )
+        for name in ("num_sms_dispatch", "num_sms_combine"):
+            if getattr(section, name) < 1:
+                raise ConfigError(f"hybridep.{name} = {getattr(section, name)}: use an integer >= 1")
+        domain, ep = section.ranks_per_nvlink_domain, parallelism.expert_parallel_degree
+        if domain is not None and (domain < 1 or ep % domain):
+            raise ConfigError(
+                f"hybridep.ranks_per_nvlink_domain = {domain} does not divide "
+                f"parallelism.expert_parallel_degree = {ep}: use a divisor of {ep}"
+            )
+        overlapping_pipeline = (
+            parallelism.pipeline_parallel_degree > 1
+            and parallelism.pipeline_parallel_expert_parallel_overlap
+            and parallelism.pipeline_parallel_schedule.lower() == "dualpipev"
+        )
+        if factor is not None and overlapping_pipeline:
+            raise ConfigError(
+                "non-blocking HybridEP cannot serve pipeline_parallel_schedule = 'DualPipeV' with "
+                "pipeline_parallel_expert_parallel_overlap: the overlapped microbatch would launch its "
+                "dispatch or combine while the other's is still running in HybridEP's one shared buffer "
+                "(blocking mode waits for each). Set pipeline_parallel_expert_parallel_overlap = false, "
+                "unset hybridep.non_blocking_capacity_factor, or use another schedule"
+            )
+        check_kernels("hybridep", section.implementation, device_type)
 
     @classmethod
     def library_environment(cls, job_config) -> dict[str, str]:

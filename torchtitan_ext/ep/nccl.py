@@ -160,6 +160,8 @@ class NcclExpertParallel(RoutedExpertParallel):
         torch.ops.torchtitan_ext.nccl_combine.default,
     )
     min_pad_multiple = 8
+    supports_expert_tensor_parallel = True
+    needs_expert_parallelism = False
 
     @classmethod
     def layer_factory(cls, job_config, shape: MoEShape):
