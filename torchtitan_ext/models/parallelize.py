@@ -53,6 +53,8 @@ def expert_parallel_layers(job_config, model_args) -> Callable:
         )
         backend = backend_class(job_config)
         factory = backend.layer_factory(job_config, shape)
+        for key in [k for k, (ref, _) in _layer_factories.items() if ref() is None]:
+            del _layer_factories[key]
         _layer_factories[id(job_config)] = (weakref.ref(job_config), factory)
         settings = "; ".join(f"{k}: {v}" for k, v in backend.describe(job_config, shape).items())
         logger.info(f"Expert parallelism for {shape}: {settings}")
