@@ -35,10 +35,8 @@ from torchtitan_ext.config import ConfigError
 from torchtitan_ext.data import register_embedded_dataset
 from torchtitan_ext.dry_run import dry_run, DryRunReport
 from torchtitan_ext.ep import BACKENDS
-from torchtitan_ext.ep.base import max_tokens_per_rank, token_group_alignment
-from torchtitan_ext.ep.deepep import hidden_bytes
+from torchtitan_ext.ep.base import max_tokens_per_rank, MoEShape, token_group_alignment
 from torchtitan_ext.ep.hybridep import non_blocking_rows
-from torchtitan_ext.ep.kernels.reference import ReferenceHybridEPBuffer
 from torchtitan_ext.ep.layout import round_up
 from torchtitan_ext.models import register_train_specs
 from torchtitan_ext.routing_stats import load, load_folder
@@ -161,46 +159,25 @@ def plan(job_config, world_size: int, routing_stats=None) -> Plan:
     )
     saved, reason = saved_moe_layers(job_config, report.rank_layers, report.rank_moe_layers)
     align = token_group_alignment(job_config)
-    factor = job_config.hybridep.non_blocking_capacity_factor
+    shape = MoEShape(dims.hidden, dims.ep * dims.local_experts, dims.top_k, dims.tokens)
     backends = []
-    for name, backend, capacity_factor in (
-        ("nccl", BACKENDS["nccl"], None),
-        ("deepep", BACKENDS["deepep"], None),
-        ("hybridep blocking", BACKENDS["hybridep"], None),
-        (f"hybridep non-blocking (capacity factor {factor})", BACKENDS["hybridep"], factor),
-    ):
-        if name.startswith("hybridep non-blocking") and factor is None:
-            continue
+    for backend_name, backend in BACKENDS.items():
         pad = max(align, backend.min_pad_multiple)
-        balanced, worst = _plan_rows(dims, pad)
-        can_drop, rate, worst_layer = False, None, None
-        if capacity_factor is not None:
-            num_rows = non_blocking_rows(dims.tokens, ep, dims.local_experts, dims.top_k, capacity_factor, pad)
-            can_drop = num_rows < worst
-            balanced = worst = num_rows
-            if routing_stats is not None:
-                rate, worst_layer = expected_drop_rates(routing_stats, dims, num_rows, pad)
-        buffer_bytes, note = _buffer(backend, dims, job_config)
-        backends.append(BackendPlan(name, pad, buffer_bytes, note, balanced, worst, saved, can_drop, rate, worst_layer))
-    return Plan(dims, report, reason, backends)
-
-
-def _buffer(backend, dims: Dimensions, job_config) -> tuple[int | None, str]:
-    if backend is BACKENDS["nccl"]:
-        return 0, "no persistent buffer: each all-to-all allocates its rows"
-    if backend is BACKENDS["deepep"]:
-        try:
-            from torchtitan_ext.ep.kernels.deep_ep import deepep_buffer_bytes
-
-            nvl, rdma = deepep_buffer_bytes(
-                dims.ep, hidden_bytes(dims.hidden, dims.activation_bytes), job_config.deepep.num_sms
+        buffer_bytes, note = backend.planned_buffer(job_config, shape)
+        for mode, capacity_factor in backend.planned_modes(job_config):
+            balanced, worst = _plan_rows(dims, pad)
+            can_drop, rate, worst_layer = False, None, None
+            if capacity_factor is not None:
+                num_rows = non_blocking_rows(dims.tokens, ep, dims.local_experts, dims.top_k, capacity_factor, pad)
+                can_drop = num_rows < worst
+                balanced = worst = num_rows
+                if routing_stats is not None:
+                    rate, worst_layer = expected_drop_rates(routing_stats, dims, num_rows, pad)
+            name = f"{backend_name} {mode}".strip()
+            backends.append(
+                BackendPlan(name, pad, buffer_bytes, note, balanced, worst, saved, can_drop, rate, worst_layer)
             )
-        except ImportError:
-            return None, "DeepEP's size hints need deep_ep installed; the reference allocates none"
-        return nvl + rdma, f"deep_ep size hints: {nvl:,} NVLink + {rdma:,} RDMA bytes"
-    dtype = TORCH_DTYPE_MAP[job_config.training.mixed_precision_param]
-    size = ReferenceHybridEPBuffer.buffer_bytes(dims.ep, dims.hidden, dims.tokens, dims.local_experts, dtype)
-    return size, "reference kernels' allocation (R*N token rows + routing map + probs); deep_ep's is internal"
+    return Plan(dims, report, reason, backends)
 
 
 def _gib(value: int | None) -> str:

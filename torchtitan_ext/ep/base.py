@@ -204,6 +204,16 @@ class RoutedExpertParallel(ExpertParallel, ABC):
         return {}
 
     @classmethod
+    def planned_modes(cls, job_config) -> list[tuple[str, float | None]]:
+        """The planner's rows for this backend: (mode label, non-blocking capacity factor or None)."""
+        return [("", None)]
+
+    @classmethod
+    def planned_buffer(cls, job_config, shape: MoEShape) -> tuple[int | None, str]:
+        """(bytes or None if unknown here, how they are counted) of the communication buffer one rank holds."""
+        return 0, "no persistent buffer: each all-to-all allocates its rows"
+
+    @classmethod
     def describe(cls, job_config, shape: MoEShape) -> dict[str, str]:
         """The backend's settings for this job, for reports (dry run, planner, logs)."""
         pad = max(token_group_alignment(job_config), cls.min_pad_multiple)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
+from torchtitan.config import TORCH_DTYPE_MAP
 
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.ep.base import (
@@ -161,6 +162,21 @@ class DeepEPExpertParallel(RoutedExpertParallel):
                 f"deepep.num_sms = {section.num_sms}: use an even integer >= 2 (one channel per 2 SMs)"
             )
         check_kernels("deepep", section.implementation, device_type)
+
+    @classmethod
+    def planned_buffer(cls, job_config, shape: MoEShape) -> tuple[int | None, str]:
+        from torchtitan_ext.ep.kernels.deep_ep import deepep_buffer_bytes
+
+        element_size = TORCH_DTYPE_MAP[job_config.training.mixed_precision_param].itemsize
+        try:
+            nvl, rdma = deepep_buffer_bytes(
+                job_config.parallelism.expert_parallel_degree,
+                hidden_bytes(shape.hidden_dim, element_size),
+                job_config.deepep.num_sms,
+            )
+        except ImportError:
+            return None, "DeepEP's size hints need deep_ep installed; the reference allocates none"
+        return nvl + rdma, f"deep_ep size hints: {nvl:,} NVLink + {rdma:,} RDMA bytes"
 
     @classmethod
     def describe(cls, job_config, shape: MoEShape) -> dict[str, str]:

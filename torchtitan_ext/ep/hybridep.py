@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
+from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools.logging import logger
 
 from torchtitan_ext.config import ConfigError
@@ -262,6 +263,25 @@ class HybridEPExpertParallel(RoutedExpertParallel):
             "python -m torchtitan_ext.plan, shows the rows each value gives), "
             "or unset it for blocking (dropless) mode"
         )
+
+    @classmethod
+    def planned_modes(cls, job_config) -> list[tuple[str, float | None]]:
+        factor = job_config.hybridep.non_blocking_capacity_factor
+        modes = [("blocking", None)]
+        if factor is not None:
+            modes.append((f"non-blocking (capacity factor {factor})", factor))
+        return modes
+
+    @classmethod
+    def planned_buffer(cls, job_config, shape: MoEShape) -> tuple[int | None, str]:
+        from torchtitan_ext.ep.kernels.reference import ReferenceHybridEPBuffer
+
+        ep = job_config.parallelism.expert_parallel_degree
+        size = ReferenceHybridEPBuffer.buffer_bytes(
+            ep, shape.hidden_dim, shape.max_tokens_per_rank, shape.num_experts // ep,
+            TORCH_DTYPE_MAP[job_config.training.mixed_precision_param],
+        )
+        return size, "reference kernels' allocation (R*N token rows + routing map + probs); deep_ep's is internal"
 
     @classmethod
     def describe(cls, job_config, shape: MoEShape) -> dict[str, str]:
