@@ -211,7 +211,8 @@ def _worker(rank, world_size, rendezvous, args, result_file):
 
     from torchtitan_ext import runtime
 
-    runtime.configure()
+    if runtime.configure() == "cpu":
+        runtime.keep_freed_memory_in_heap()  # see docs/benchmarks.md: page faults would dominate the copies
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("ep",))
     dtype = getattr(torch, args.dtype)
     rows = []

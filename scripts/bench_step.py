@@ -48,6 +48,7 @@ def _worker(rank, world_size, rendezvous, args, result_file):
     from torchtitan_ext.train import load_job_config, Trainer
 
     runtime.configure()
+    runtime.keep_freed_memory_in_heap()  # both variants alike; see docs/benchmarks.md
     register_embedded_dataset()
     register_train_spec(OURS, deepseek_v3.train_spec())
     times = {"upstream": [], "ours": []}
