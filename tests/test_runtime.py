@@ -1,6 +1,8 @@
 """The runtime module: device choice and the CPU accommodations for torchtitan."""
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -97,10 +99,36 @@ def test_process_limit_on_cpu():
     assert runtime.max_local_world_size() == 4 * os.cpu_count()
 
 
-def test_freed_activations_stay_in_the_heap():
-    """Large freed blocks are kept by the process, so new tensors do not page-fault."""
+_HEAP_PROBE = """
+import torch
+from torchtitan_ext import runtime
+
+runtime.configure()
+
+def rss_kept_after_freeing_64_mib():
     before, _ = runtime._rss_bytes()
-    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    block = torch.ones(64 * 2**20 // 4)  # touched, so resident
     del block
     after, _ = runtime._rss_bytes()
-    assert after - before > 32 * 2**20
+    return after - before
+
+print(rss_kept_after_freeing_64_mib())
+runtime.keep_freed_memory_in_heap()
+print(rss_kept_after_freeing_64_mib())
+before, _ = runtime._rss_bytes()
+runtime.release_freed_memory()
+after, _ = runtime._rss_bytes()
+print(before - after)
+"""
+
+
+def test_freed_memory_goes_back_unless_kept_and_release_returns_it():
+    """Training returns freed blocks to the kernel; the benchmarks' setting keeps them until released.
+
+    In a fresh interpreter, since the glibc setting is process-wide.
+    """
+    result = subprocess.run([sys.executable, "-c", _HEAP_PROBE], capture_output=True, text=True, check=True)
+    returned, kept, released = (int(line) for line in result.stdout.split())
+    assert returned < 8 * 2**20, result.stdout
+    assert kept > 32 * 2**20, result.stdout
+    assert released > 32 * 2**20, result.stdout
