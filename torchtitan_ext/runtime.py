@@ -165,7 +165,7 @@ def keep_freed_memory_in_heap() -> None:
 
 
 def release_freed_memory() -> None:
-    """Hand the heap's free memory back to the kernel (on CPU, where it is otherwise kept).
+    """Hand the heap's free memory back to the kernel (CPU runs only; a no-op on CUDA).
 
     For a program that kept freed memory (:func:`keep_freed_memory_in_heap`)
     and changes working set, like a benchmark sweeping shapes.
