@@ -9,19 +9,23 @@ import gc
 import weakref
 from collections import Counter
 from dataclasses import dataclass, replace
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils._python_dispatch import TorchDispatchMode
-from torchtitan.models.moe.moe import GroupedExperts
+from torchtitan.models.moe.moe import GroupedExperts, MoE, MoEArgs
 
+from torchtitan_ext import runtime
 from torchtitan_ext.config import parse_job_config
 from torchtitan_ext.ep import BACKENDS as BACKEND_CLASSES
 from torchtitan_ext.ep import HybridEPExpertParallel, MoEShape
 from torchtitan_ext.ep.handle import DispatchHandle
 from torchtitan_ext.ep.kernels.reference import ReferenceHybridEPBuffer
+from torchtitan_ext.models.moe import ExpertParallelMoE
 
 BACKENDS = ("nccl", "deepep", "hybridep", "hybridep_non_blocking")
 """hybridep_non_blocking runs at capacity factor 1.0 without padding, which cannot drop."""
@@ -169,7 +173,7 @@ def run_backend(
     out.backward(inputs["grad_out"][rows].to(dtype))
     local = slice(rank * case.local_experts(ep), (rank + 1) * case.local_experts(ep))
     result = {
-        "out": out.detach(),
+        "out": out.detach().clone(),  # an op: waits for a combine still in flight
         "grad_x": x.grad,
         "grad_scores": scores.grad,
         "experts": local,
@@ -456,7 +460,78 @@ def checkpoint_worker(rank: int, ep: int, case: Case, iterations: int) -> dict:
                 "live_before_backward": live_before_backward,
                 "live_handles": _live_handles(),
                 "pending_state": style._pending is not None,
+                "unlanded_combines": torch._C._distributed_c10d._get_work_registry_size(),
             }
+    return results
+
+
+# ---- shared experts overlapping combine ----------------------------------------------------
+
+
+def _moe_with_shared_experts(case: Case) -> MoE:
+    """torchtitan's MoE (one shared expert), identical weights on every rank."""
+    args = MoEArgs(
+        num_experts=case.num_experts, num_shared_experts=1, top_k=case.top_k,
+        score_before_experts=case.score_before_experts, use_grouped_mm=False,
+    )
+    torch.manual_seed(case.seed)
+    moe = MoE(args, dim=case.hidden, hidden_dim=case.ffn)
+    with torch.no_grad():
+        for param in moe.parameters():
+            param.normal_(std=0.5)
+    return moe
+
+
+def overlap_worker(rank: int, ep: int, case: Case, backends: tuple, peer_wait_s: dict) -> dict:
+    """Per backend: whether rank 0's shared experts start while its combine is in flight.
+
+    Rank 1 holds its combine back until rank 0's shared experts have started,
+    waiting at most ``peer_wait_s[backend]`` seconds. A combine that has landed
+    when the experts return needs rank 1's rows first, so rank 0 can only get to
+    its shared experts after rank 1 gave up waiting: rank 1 then reports False.
+    Also returns each rank's MoE output and input gradient, and the same
+    computed with every combine landed before the shared experts run.
+    """
+    runtime.configure()  # the router's torch.histc on int64 ids
+    store = dist.distributed_c10d._get_default_store()
+    mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
+    x_all = torch.randn(case.total_tokens, case.hidden, generator=torch.Generator().manual_seed(case.seed))
+    x_rank = x_all[_rank_slice(rank, case, ep)].view(1, -1, case.hidden)
+    results = {}
+    for backend in backends:
+        moe = _moe_with_shared_experts(case)
+        key = f"shared experts started: {backend}"
+        signalled = []
+        if rank == 0:
+            moe.shared_experts.register_forward_pre_hook(lambda *_: store.set(key, "yes"))
+        else:
+            def hold_combine(*_):
+                try:
+                    store.wait([key], timedelta(seconds=peer_wait_s[backend]))
+                    signalled.append(True)
+                except RuntimeError:  # the wait timed out
+                    signalled.append(False)
+
+            moe.experts.register_forward_hook(hold_combine)  # runs before the EP style's combine hook
+        parallelize_module(moe.experts, mesh, make_style(backend, case, ep))
+        ExpertParallelMoE.adopt(moe)
+        x = x_rank.clone().requires_grad_()
+        out = moe(x)
+        out.sum().backward()
+
+        x_sequential = x_rank.clone().requires_grad_()
+        flat = x_sequential.view(-1, case.hidden)
+        top_scores, expert_ids, _ = moe.router(flat, moe.expert_bias)
+        routed = moe.experts(flat, top_scores, expert_ids).clone()  # an op: lands the combine first
+        sequential = (moe.shared_experts(flat) + routed).view_as(x_sequential)
+        sequential.sum().backward()
+        results[backend] = {
+            "signalled": signalled[0] if signalled else None,  # the overlapped forward's
+            "out": out.detach().clone(),
+            "grad_x": x.grad,
+            "sequential_out": sequential.detach().clone(),
+            "sequential_grad_x": x_sequential.grad,
+        }
     return results
 
 

@@ -69,5 +69,7 @@ def _worker(rank, world_size, tmp, device, fn, args):
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, f"{tmp}/result{rank}.pt")
+        # no rank tears its process group down while a peer may still use it
+        dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -3,7 +3,8 @@
 50 forward+backward iterations under per-op selective activation
 checkpointing (the backend's ops on torchtitan's save list) and under full
 activation checkpointing: no dispatch handle stays alive, no dispatch state is
-left pending, and with the save list the recomputation issues no collective
+left pending, no asynchronous combine is left unlanded (the outputs go
+straight into backward, unused, the case where only backward can land them), and with the save list the recomputation issues no collective
 (backward communicates exactly as without checkpointing). Full checkpointing
 is the control: its recomputation repeats the forward collectives.
 """
@@ -31,6 +32,7 @@ def test_no_handles_left_after_checkpointed_iterations(results, backend):
             assert len(got["backward_collectives"]) == ITERATIONS
             assert got["live_handles"] == 0
             assert not got["pending_state"]
+            assert got["unlanded_combines"] == 0
             if backend != "nccl":  # the kernel backends hold one handle per layer until backward
                 assert got["live_before_backward"] == [1] * ITERATIONS
 

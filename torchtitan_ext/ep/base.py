@@ -164,6 +164,9 @@ class RoutedExpertParallel(ExpertParallel, ABC):
     supports_expert_tensor_parallel: ClassVar[bool] = False
     """Whether expert_tensor_parallel_degree > 1 works with this backend."""
 
+    shared_experts_overlap: ClassVar[str] = "no: combine has landed when the experts return"
+    """Whether the MoE's shared experts run while this backend's combine is in flight, and how."""
+
     needs_expert_parallelism: ClassVar[bool] = True
     """Whether selecting this backend with expert_parallel_degree = 1 is a config error
     (a kernel backend has nothing to do there)."""
@@ -217,7 +220,11 @@ class RoutedExpertParallel(ExpertParallel, ABC):
     def describe(cls, job_config, shape: MoEShape) -> dict[str, str]:
         """The backend's settings for this job, for reports (dry run, planner, logs)."""
         pad = max(token_group_alignment(job_config), cls.min_pad_multiple)
-        return {"backend": cls.__name__, "expert group padding": f"multiples of {pad} rows"}
+        return {
+            "backend": cls.__name__,
+            "expert group padding": f"multiples of {pad} rows",
+            "shared experts overlap combine": cls.shared_experts_overlap,
+        }
 
     @abstractmethod
     def dispatch(
@@ -228,7 +235,8 @@ class RoutedExpertParallel(ExpertParallel, ABC):
 
     @abstractmethod
     def combine(self, routed_output: torch.Tensor, group) -> torch.Tensor:
-        """Expert outputs back to [N, H] on their source ranks."""
+        """Expert outputs back to [N, H] on their source ranks; may return them in flight
+        (:mod:`torchtitan_ext.ep.in_flight`), landing at first use."""
 
     def _token_dispatch(self, mod, inputs, device_mesh):
         # routing is counted before the TP split: every TP rank sees the same routing

@@ -4,7 +4,9 @@ Dispatch sends each token once to every rank that owns one of its experts
 (layout, then dispatch); the received rows are expanded per local pick and
 stably sorted by local expert into padded expert-major groups; combine
 scatter-adds each token's picks and sends one partial row per rank back,
-where the library sums them unweighted in fp32. Picks whose score is exactly
+where the library sums them unweighted in fp32. Combine runs asynchronously
+(``async_finish``) and lands at the first use of its output (``in_flight``),
+so the MoE's shared experts overlap it. Picks whose score is exactly
 0 are not sent (torchtitan's masking). Autograd: dispatch backward is a
 combine of the gradient (with the top-k weights' gradients), combine
 backward a cached dispatch.
@@ -23,12 +25,14 @@ from torchtitan_ext.config import ConfigError
 from torchtitan_ext.ep.base import (
     check_kernels,
     MoEShape,
+    recomputing,
     RoutedExpertParallel,
     scale_rows,
     SharedKernelBuffer,
     token_group_alignment,
 )
 from torchtitan_ext.ep.handle import DispatchHandle, KernelBuffer
+from torchtitan_ext.ep.in_flight import in_flight, Landing
 from torchtitan_ext.ep.kernels import implementation_description as _implementation_description
 from torchtitan_ext.ep.kernels import resolve_implementation
 from torchtitan_ext.ep.layout import block_destinations
@@ -58,11 +62,19 @@ def deepep_dispatch(
 
 
 @torch.library.custom_op("torchtitan_ext::deepep_combine", mutates_args=())
-def deepep_combine(x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-    """Unweighted combine of one partial row per received token."""
+def deepep_combine(x: torch.Tensor, handle: DispatchHandle) -> tuple[torch.Tensor, Landing]:
+    """Unweighted combine of one partial row per received token: (combined, its landing).
+
+    Asynchronous (``async_finish``): the output lands at the first wait on it or
+    on the landing, which makes the current stream wait for DeepEP's
+    communication stream (the reference: waits for its all-to-all and sums).
+    """
     library, raw = handle.value
-    combined, _, _ = library.combine(x, raw)
-    return combined
+    combined, _, event = library.combine(x, raw, async_finish=True)
+    landing = Landing(combined, event.current_stream_wait)
+    if recomputing():
+        landing.wait()
+    return combined, landing
 
 
 @torch.library.custom_op("torchtitan_ext::deepep_dispatch_backward", mutates_args=())
@@ -103,9 +115,11 @@ def _dispatch_backward(ctx, grad_x, grad_idx, grad_weights, grad_counts, grad_ha
 
 def _combine_setup(ctx, inputs, output):
     ctx.handle = inputs[1]
+    ctx.landing = output[1]
 
 
-def _combine_backward(ctx, grad):
+def _combine_backward(ctx, grad, grad_landing):
+    ctx.landing.wait()  # completes the forward's communication even if nothing used its output
     return deepep_cached_dispatch(grad.contiguous(), ctx.handle), None
 
 
@@ -143,6 +157,7 @@ class _DeepEPDispatchState:
 class DeepEPExpertParallel(RoutedExpertParallel):
     """EP over DeepEP v1 normal-mode kernels."""
 
+    shared_experts_overlap = "yes: combine runs with async_finish on DeepEP's communication stream"
     sac_save_ops = (
         torch.ops.torchtitan_ext.deepep_dispatch.default,
         torch.ops.torchtitan_ext.deepep_combine.default,
@@ -228,4 +243,5 @@ class DeepEPExpertParallel(RoutedExpertParallel):
         partial_rows = rows.new_zeros((state.num_received, rows.shape[1])).index_add(
             0, state.pair_order // state.top_k, rows
         )
-        return deepep_combine(partial_rows.to(routed_output.dtype), state.handle)
+        combined, _ = deepep_combine(partial_rows.to(routed_output.dtype), state.handle)
+        return in_flight(combined)

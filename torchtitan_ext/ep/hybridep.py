@@ -202,6 +202,7 @@ class _HybridEPDispatchState:
 class HybridEPExpertParallel(RoutedExpertParallel):
     """EP over HybridEP kernels (blocking or non-blocking)."""
 
+    shared_experts_overlap = "no: HybridEP's combine_with_unpermute has no asynchronous mode"
     sac_save_ops = (
         torch.ops.torchtitan_ext.hybridep_dispatch.default,
         torch.ops.torchtitan_ext.hybridep_combine.default,

@@ -14,8 +14,11 @@ DeepSeek-V3-style routing).
 The per-expert counts travel in one small all-to-all and reach the host in one
 sync per layer (all-to-all split sizes must be known on the host, as in
 torchtitan). The row all-to-alls are custom ops (``torchtitan_ext::nccl_dispatch``,
-``nccl_combine``), each the other's backward and both on the selective
-activation-checkpointing save list.
+``nccl_combine``), both on the selective activation-checkpointing save list.
+Combine's all-to-alls are started asynchronously and its sum runs at the first
+use of its output (``in_flight``), so the MoE's shared experts overlap them;
+its backward (gather and weight the gradient, then ``nccl_dispatch`` it) and
+dispatch's backward (the groups' gradient sent back) are synchronous.
 """
 
 from dataclasses import dataclass
@@ -27,7 +30,8 @@ from torch.distributed._functional_collectives import all_to_all_single
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import distribute_tensor, DTensor, Partial, Replicate, Shard
 
-from torchtitan_ext.ep.base import MoEShape, RoutedExpertParallel, scale_rows, token_group_alignment
+from torchtitan_ext.ep.base import MoEShape, recomputing, RoutedExpertParallel, scale_rows, token_group_alignment
+from torchtitan_ext.ep.in_flight import in_flight, Landing
 from torchtitan_ext.ep.layout import padded_offsets
 
 
@@ -39,13 +43,17 @@ def _exchange_groups(
     rows_starts: list[int],
     out_starts: list[int],
     group,
-) -> None:
+    async_op: bool = False,
+) -> list:
     """One all-to-all per local expert e: rows[rows_starts[e]:] split by rows_layout[e]
-    (rows per peer) into out[out_starts[e]:] split by out_layout[e]."""
+    (rows per peer) into out[out_starts[e]:] split by out_layout[e]. Returns their
+    works when ``async_op`` (the rows have not landed before they are waited for)."""
+    works = []
     for e, (send, recv) in enumerate(zip(rows_layout, out_layout)):
         source = rows.narrow(0, rows_starts[e], sum(send))
         target = out.narrow(0, out_starts[e], sum(recv))
-        dist.all_to_all_single(target, source, recv, send, group=group)
+        works.append(dist.all_to_all_single(target, source, recv, send, group=group, async_op=async_op))
+    return works
 
 
 @torch.library.custom_op("torchtitan_ext::nccl_dispatch", mutates_args=())
@@ -73,39 +81,90 @@ def nccl_dispatch(
     return out
 
 
+def _return_rows(groups: torch.Tensor, layout: "_Layout", group, async_op: bool = False):
+    """The reverse of ``nccl_dispatch``: expert groups back into the sources' send order; (rows, works)."""
+    out = groups.new_empty((layout.total_sent, groups.shape[1]))
+    works = _exchange_groups(
+        groups, out, layout.recv, layout.send, layout.group_starts, layout.send_starts, group, async_op
+    )
+    return out, works
+
+
+def _sum_rows(returned: torch.Tensor, token_of_row: torch.Tensor, row_scores, num_tokens: int) -> torch.Tensor:
+    """Each token's returned rows (times their scores, when given) summed in fp32."""
+    rows = returned.float()
+    if row_scores is not None:
+        rows = rows * row_scores.float().unsqueeze(-1)
+    return rows.new_zeros((num_tokens, rows.shape[1])).index_add_(0, token_of_row, rows)
+
+
 @torch.library.custom_op("torchtitan_ext::nccl_combine", mutates_args=())
 def nccl_combine(
     groups: torch.Tensor,
+    token_of_row: torch.Tensor,
+    row_scores: torch.Tensor | None,
+    num_tokens: int,
     send_counts: list[int],
     recv_counts: list[int],
     local_experts: int,
     pad_multiple: int,
     group_name: str,
-) -> torch.Tensor:
-    """The reverse of ``nccl_dispatch``: expert groups back into the sources' send order."""
+) -> tuple[torch.Tensor, torch.Tensor, Landing]:
+    """Expert groups back to their sources, each token's rows summed (times ``row_scores``
+    when given) in fp32 and rounded once: (combined [N, H], returned rows in send
+    order, their landing).
+
+    Both tensors land later (``in_flight``): the all-to-alls run while the caller
+    goes on, and the first wait on ``combined`` (or on the landing) finishes them
+    and sums the rows.
+    """
     layout = _Layout(send_counts, recv_counts, local_experts, pad_multiple)
-    out = groups.new_empty((sum(send_counts), groups.shape[1]))
-    _exchange_groups(
-        groups, out, layout.recv, layout.send, layout.group_starts, layout.send_starts,
-        _resolve_process_group(group_name),
-    )
-    return out
+    returned, works = _return_rows(groups, layout, _resolve_process_group(group_name), async_op=True)
+    combined = groups.new_empty((num_tokens, groups.shape[1]))
+
+    def land():
+        for work in works:
+            work.wait()
+        combined.copy_(_sum_rows(returned, token_of_row, row_scores, num_tokens))
+
+    landing = Landing(combined, land)
+    if recomputing():
+        landing.wait()
+    return combined, returned, landing
 
 
-def _setup(ctx, inputs, output):
+def _dispatch_setup(ctx, inputs, output):
     ctx.layout_args = inputs[1:]
 
 
 def _dispatch_backward(ctx, grad):
-    return nccl_combine(grad.contiguous(), *ctx.layout_args), None, None, None, None, None
+    layout = _Layout(*ctx.layout_args[:4])
+    rows, _ = _return_rows(grad.contiguous(), layout, _resolve_process_group(ctx.layout_args[-1]))
+    return rows, None, None, None, None, None
 
 
-def _combine_backward(ctx, grad):
-    return nccl_dispatch(grad.contiguous(), *ctx.layout_args), None, None, None, None, None
+def _combine_setup(ctx, inputs, output):
+    groups, token_of_row, row_scores = inputs[:3]
+    ctx.save_for_backward(token_of_row, row_scores, output[1])
+    ctx.layout_args = inputs[4:]
+    ctx.landing = output[2]
+    ctx.scores_dtype = None if row_scores is None else row_scores.dtype
 
 
-nccl_dispatch.register_autograd(_dispatch_backward, setup_context=_setup)
-nccl_combine.register_autograd(_combine_backward, setup_context=_setup)
+def _combine_backward(ctx, grad_combined, grad_returned, grad_landing):
+    ctx.landing.wait()  # the returned rows may not have landed if nothing used the output
+    token_of_row, row_scores, returned = ctx.saved_tensors
+    grad_rows = grad_combined.float().index_select(0, token_of_row)
+    grad_scores = None
+    if row_scores is not None:
+        grad_scores = (grad_rows * returned.float()).sum(-1).to(ctx.scores_dtype)
+        grad_rows = grad_rows * row_scores.float().unsqueeze(-1)
+    grad_groups = nccl_dispatch(grad_rows.to(returned.dtype), *ctx.layout_args)
+    return grad_groups, None, grad_scores, None, None, None, None, None, None
+
+
+nccl_dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
+nccl_combine.register_autograd(_combine_backward, setup_context=_combine_setup)
 
 
 class _Layout:
@@ -116,6 +175,7 @@ class _Layout:
         self.send = [send_counts[e * ep_degree : (e + 1) * ep_degree] for e in range(local_experts)]
         self.recv = [recv_counts[e * ep_degree : (e + 1) * ep_degree] for e in range(local_experts)]
         self.send_starts = _starts([sum(counts) for counts in self.send])
+        self.total_sent = sum(send_counts)
         per_expert = torch.tensor([sum(counts) for counts in self.recv])
         padded, offsets = padded_offsets(per_expert, pad_multiple)
         self.group_starts = offsets.tolist()
@@ -154,6 +214,7 @@ class NcclExpertParallel(RoutedExpertParallel):
     the only backend that supports it).
     """
 
+    shared_experts_overlap = "yes: the combine all-to-alls are asynchronous, summed at first use"
     sac_save_ops = (
         torch.ops._c10d_functional.all_to_all_single.default,
         torch.ops.torchtitan_ext.nccl_dispatch.default,
@@ -230,10 +291,7 @@ class NcclExpertParallel(RoutedExpertParallel):
 
     def combine(self, routed_output, group):
         state = self._take_pending()
-        # top-k rows of a token are summed in fp32 (a no-op conversion for fp32) and rounded once
-        returned = nccl_combine(routed_output, *state.layout_args).float()
-        if state.row_scores is not None:
-            returned = returned * state.row_scores.float().unsqueeze(-1)
-        combined = returned.new_zeros((state.num_tokens, returned.shape[1]))
-        combined.index_add_(0, state.token_of_row, returned)
-        return combined.to(routed_output.dtype)
+        combined, _, _ = nccl_combine(
+            routed_output, state.token_of_row, state.row_scores, state.num_tokens, *state.layout_args
+        )
+        return in_flight(combined)

@@ -28,7 +28,10 @@ class ExpertParallelMoE(MoE):
         top_scores, expert_ids, num_tokens_per_expert = self.router(x, self.expert_bias)
         with torch.no_grad():
             self.tokens_per_expert.add_(num_tokens_per_expert)
+        # a backend may return the routed output with its combine still in flight
+        # (torchtitan_ext.ep.in_flight): the shared experts run before its first use
         routed = self.experts(x, top_scores, expert_ids)
         if self.shared_experts is None:
             return routed.reshape(bs, slen, dim)
-        return (self.shared_experts(x) + routed).reshape(bs, slen, dim)
+        shared = self.shared_experts(x)
+        return (shared + routed).reshape(bs, slen, dim)

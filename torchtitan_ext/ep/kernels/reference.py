@@ -126,22 +126,48 @@ class ReferenceBuffer:
         x: torch.Tensor,
         handle: ReferenceDispatchHandle,
         topk_weights: torch.Tensor | None = None,
+        async_finish: bool = False,
     ):
-        """(combined_x [N, H], combined top-k weights or None, event=None).
+        """(combined_x [N, H], combined top-k weights or None, event).
 
         The unweighted sum of every rank's rows for a token, accumulated in fp32
-        and rounded once; a token sent nowhere comes back as zeros.
+        and rounded once; a token sent nowhere comes back as zeros. With
+        ``async_finish`` the rows are still travelling when this returns and
+        ``event.current_stream_wait()`` lands them into ``combined_x`` (the
+        library's contract: the outputs are valid after that wait); otherwise
+        the event is None.
         """
-        back = _exchange(x, handle.recv_splits, handle.send_splits, self.group)
-        combined = x.new_zeros((handle.num_tokens, x.shape[1]), dtype=torch.float32)
-        combined.index_add_(0, handle.send_token_index, back.float())
+        back = x.new_empty((sum(handle.send_splits), x.shape[1]))
+        work = dist.all_to_all_single(
+            back, x.contiguous(), handle.send_splits, handle.recv_splits, group=self.group, async_op=True
+        )
+        combined = x.new_empty((handle.num_tokens, x.shape[1]))
+
+        def land():
+            work.wait()
+            summed = back.new_zeros(combined.shape, dtype=torch.float32)
+            combined.copy_(summed.index_add_(0, handle.send_token_index, back.float()))
+
         combined_weights = None
         if topk_weights is not None:
             back_weights = _exchange(topk_weights.float(), handle.recv_splits, handle.send_splits, self.group)
             combined_weights = topk_weights.new_zeros(
                 (handle.num_tokens, topk_weights.shape[1]), dtype=torch.float32
             ).index_add_(0, handle.send_token_index, back_weights)
-        return combined.to(x.dtype), combined_weights, None
+        if async_finish:
+            return combined, combined_weights, ReferenceEvent(land)
+        land()
+        return combined, combined_weights, None
+
+
+class ReferenceEvent:
+    """DeepEP's ``EventOverlap`` for the reference: waiting lands an asynchronous combine."""
+
+    def __init__(self, land):
+        self._land = land
+
+    def current_stream_wait(self) -> None:
+        self._land()
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,195 @@
+"""Benchmark the MoE layer's forward with shared experts overlapping combine.
+
+    python scripts/bench_overlap.py --nproc 2 --tokens 4096 --hidden 1024 --ffn 2048 --experts 8 --top-k 2
+
+Launches ``--nproc`` processes (gloo on CPU, NCCL with one GPU each on CUDA)
+and builds torchtitan's MoE layer (router, routed experts under the EP
+backend, one shared expert) for each backend. Every timed iteration runs the
+layer's forward twice, in alternating order: as trained (the shared experts
+run while combine is in flight, where the backend allows it) and with combine
+landed before the shared experts (a forward hook on the routed experts waits
+for their output). Reported per backend: median ms of each and their ratio
+(landed first / overlapped; above 1 means the overlap saves time), time of
+the slowest rank. ``hybridep`` cannot overlap and is the control: its ratio
+shows the noise.
+
+Results are printed and appended as a markdown table, with the command line
+and the machine, to ``--markdown`` (default docs/benchmarks.md).
+"""
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from scripts.bench_ep import machine  # noqa: E402
+
+
+def _moe_layer(backend: str, args, mesh, device, dtype):
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torchtitan.models.moe.moe import MoE, MoEArgs
+
+    from torchtitan_ext.config import parse_job_config
+    from torchtitan_ext.ep import BACKENDS, MoEShape
+    from torchtitan_ext.models.moe import ExpertParallelMoE
+
+    torch.manual_seed(0)
+    moe_args = MoEArgs(num_experts=args.experts, num_shared_experts=1, top_k=args.top_k, score_before_experts=False)
+    moe = MoE(moe_args, dim=args.hidden, hidden_dim=args.ffn)
+    with torch.no_grad():
+        for param in moe.parameters():
+            param.normal_(std=args.hidden**-0.5)
+    moe = moe.to(device=device, dtype=dtype)
+    job_args = ["--parallelism.expert_parallel_comm_backend", backend]
+    if backend != "nccl":
+        job_args += [f"--{backend}.implementation", "auto"]
+    shape = MoEShape(args.hidden, args.experts, args.top_k, args.tokens)
+    style = BACKENDS[backend].layer_factory(parse_job_config(job_args), shape)(score_before_experts=False)
+    parallelize_module(moe.experts, mesh, style)
+    return ExpertParallelMoE.adopt(moe)
+
+
+def _land_first_switch(moe):
+    """A switch that, when on, makes the routed experts' output land before the MoE goes on."""
+    from torch.distributed._functional_collectives import wait_tensor
+
+    switch = {"on": False}
+
+    def land(module, inputs, output):
+        return wait_tensor(output) if switch["on"] else None
+
+    moe.experts.register_forward_hook(land)
+    return switch
+
+
+def _timed(fn, device) -> float:
+    dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed)
+
+
+def _worker(rank, world_size, rendezvous, args, result_file):
+    torch.set_num_threads(args.threads)
+    logging.getLogger().setLevel(logging.ERROR)
+    cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{rank}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torchtitan_ext import runtime
+
+    runtime.configure()
+    mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("ep",))
+    dtype = getattr(torch, args.dtype)
+    x = torch.randn(1, args.tokens, args.hidden, generator=torch.Generator().manual_seed(rank)).to(device, dtype)
+    progress = None
+    if rank == 0 and not args.no_progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=len(args.backends) * (args.warmup + args.iters), desc="bench_overlap", unit="iter")
+    rows = []
+    for backend in args.backends:
+        moe = _moe_layer(backend, args, mesh, device, dtype)
+        land_first = _land_first_switch(moe)
+
+        def forward(landed_first: bool):
+            land_first["on"] = landed_first
+            with torch.no_grad():
+                moe(x)
+
+        times = {False: [], True: []}
+        for i in range(args.warmup + args.iters):
+            for landed_first in ((False, True) if i % 2 else (True, False)):
+                elapsed = _timed(lambda: forward(landed_first), device)
+                if i >= args.warmup:
+                    times[landed_first].append(elapsed)
+            if progress:
+                progress.update(1)
+        overlapped, landed = statistics.median(times[False]), statistics.median(times[True])
+        rows.append({
+            "backend": backend,
+            "overlapped_ms": overlapped * 1e3,
+            "landed_first_ms": landed * 1e3,
+            "ratio": landed / overlapped,
+        })
+        if progress:
+            progress.set_postfix_str(f"{backend}: {landed / overlapped:.3f}x")
+    if progress:
+        progress.close()
+    if rank == 0:
+        Path(result_file).write_text(json.dumps(rows))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def markdown(rows, args, command: str) -> str:
+    lines = [
+        f"### bench_overlap ({time.strftime('%Y-%m-%d')})",
+        "",
+        f"`{command}`",
+        "",
+        f"Machine: {machine()}. MoE layer forward, T={args.tokens} tokens per rank, H={args.hidden}, "
+        f"FFN={args.ffn}, E={args.experts}, K={args.top_k}, EP={args.nproc}, one shared expert, {args.dtype}; "
+        f"median of {args.iters} iterations each, slowest rank.",
+        "",
+        "| backend | overlapped ms | landed first ms | landed first / overlapped |",
+        "|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['backend']} | {r['overlapped_ms']:.2f} | {r['landed_first_ms']:.2f} | {r['ratio']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=2, help="EP degree = processes")
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--ffn", type=int, default=2048, help="hidden size of each expert, shared one included")
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--backends", nargs="+", default=["nccl", "deepep", "hybridep"])
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process (CPU)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--markdown", type=Path, default=ROOT / "docs/benchmarks.md",
+                        help="append a table here ('-' to skip)")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    command = "python scripts/bench_overlap.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    with tempfile.TemporaryDirectory() as tmp:
+        result_file = Path(tmp) / "rows.json"
+        mp.spawn(_worker, args=(args.nproc, f"{tmp}/rendezvous", args, str(result_file)), nprocs=args.nproc)
+        rows = json.loads(result_file.read_text())
+    for r in rows:
+        print(f"{r['backend']:>10}  overlapped {r['overlapped_ms']:8.2f} ms  landed first {r['landed_first_ms']:8.2f} ms  "
+              f"ratio {r['ratio']:.3f}")
+    if str(args.markdown) != "-":
+        with open(args.markdown, "a") as f:
+            f.write("\n" + markdown(rows, args, command))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
