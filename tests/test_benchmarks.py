@@ -37,3 +37,18 @@ def test_bench_step_runs(tmp_path):
     assert len(data["times"]["upstream"]) == len(data["times"]["ours"]) == 1
     assert data["ratio"] > 0
     assert "Ratio ours / upstream" in table.read_text()
+
+
+def test_bench_overlap_runs(tmp_path):
+    table = tmp_path / "bench.md"
+    result = subprocess.run(
+        [sys.executable, "scripts/bench_overlap.py", "--nproc", "2", "--tokens", "32", "--hidden", "16",
+         "--ffn", "8", "--experts", "4", "--top-k", "2", "--warmup", "1", "--iters", "2", "--no-progress",
+         "--markdown", str(table)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in table.read_text().splitlines() if line.startswith("| ")][1:]
+    assert [row[0].strip() for row in rows] == ["nccl", "deepep", "hybridep"]
+    for _, overlapped, landed_first, ratio in rows:
+        assert float(overlapped) > 0 and float(landed_first) > 0 and float(ratio) > 0

@@ -144,11 +144,13 @@ def _dispatch_backward(ctx, grad):
 
 
 def _combine_setup(ctx, inputs, output):
-    groups, token_of_row, row_scores = inputs[:3]
-    ctx.save_for_backward(token_of_row, row_scores, output[1])
+    token_of_row, row_scores = inputs[1:3]
+    # the returned rows are needed only for the scores' gradient
+    ctx.save_for_backward(token_of_row, row_scores, None if row_scores is None else output[1])
     ctx.layout_args = inputs[4:]
     ctx.landing = output[2]
     ctx.scores_dtype = None if row_scores is None else row_scores.dtype
+    ctx.rows_dtype = inputs[0].dtype
 
 
 def _combine_backward(ctx, grad_combined, grad_returned, grad_landing):
@@ -159,7 +161,7 @@ def _combine_backward(ctx, grad_combined, grad_returned, grad_landing):
     if row_scores is not None:
         grad_scores = (grad_rows * returned.float()).sum(-1).to(ctx.scores_dtype)
         grad_rows = grad_rows * row_scores.float().unsqueeze(-1)
-    grad_groups = nccl_dispatch(grad_rows.to(returned.dtype), *ctx.layout_args)
+    grad_groups = nccl_dispatch(grad_rows.to(ctx.rows_dtype), *ctx.layout_args)
     return grad_groups, None, grad_scores, None, None, None, None, None, None
 
 
