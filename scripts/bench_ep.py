@@ -181,25 +181,28 @@ def _iteration_fn(backend, shape, mesh, device, dtype, backward: bool = True):
     return step
 
 
+def time_once(fn, device) -> float:
+    """Seconds ``fn`` takes on the slowest rank (all ranks start together)."""
+    dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed)
+
+
 def _time(fn, warmup: int, iters: int, device) -> list[float]:
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        times.append(float(elapsed))
-    return times
+    return [time_once(fn, device) for _ in range(iters)]
 
 
-def _worker(rank, world_size, rendezvous, args, result_file):
+def init_rank(rank: int, world_size: int, rendezvous: str) -> torch.device:
+    """This process's device and process group (NCCL with one GPU per rank on CUDA, else gloo)."""
     torch.set_num_threads(1)
     logging.getLogger().setLevel(logging.ERROR)  # torchtitan's config warnings, once per case
     cuda = torch.cuda.is_available()
@@ -207,6 +210,20 @@ def _worker(rank, world_size, rendezvous, args, result_file):
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    return device
+
+
+def run_ranks(worker, nproc: int, args) -> list:
+    """Spawn ``worker(rank, nproc, rendezvous, args, result_file)`` on ``nproc`` processes;
+    returns the rows rank 0 wrote as JSON to ``result_file``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result_file = Path(tmp) / "rows.json"
+        mp.spawn(worker, args=(nproc, f"{tmp}/rendezvous", args, str(result_file)), nprocs=nproc)
+        return json.loads(result_file.read_text())
+
+
+def _worker(rank, world_size, rendezvous, args, result_file):
+    device = init_rank(rank, world_size, rendezvous)
     from torch.distributed.device_mesh import init_device_mesh
 
     from torchtitan_ext import runtime
@@ -306,10 +323,7 @@ def main(argv=None):
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     command = "python scripts/bench_ep.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    with tempfile.TemporaryDirectory() as tmp:
-        result_file = Path(tmp) / "rows.json"
-        mp.spawn(_worker, args=(args.nproc, f"{tmp}/rendezvous", args, str(result_file)), nprocs=args.nproc)
-        rows = json.loads(result_file.read_text())
+    rows = run_ranks(_worker, args.nproc, args)
     for r in rows:
         print(f"{r['backend']:>12}  {Shape(r['tokens'], r['hidden'], r['experts'], r['top_k'], r['ep']).label()}  "
               f"median {r['median_ms']:8.2f} ms  bare {r['bare_median_ms']:8.2f} ms  ratio {r['ratio']:.2f}  "

@@ -19,21 +19,17 @@ and the machine, to ``--markdown`` (default docs/benchmarks.md).
 
 import argparse
 import json
-import logging
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from bench_ep import init_rank, machine, run_ranks, time_once
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-from scripts.bench_ep import machine  # noqa: E402
 
 
 def _moe_layer(backend: str, args, mesh, device, dtype):
@@ -73,27 +69,9 @@ def _land_first_switch(moe):
     return switch
 
 
-def _timed(fn, device) -> float:
-    dist.barrier()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed)
-
-
 def _worker(rank, world_size, rendezvous, args, result_file):
+    device = init_rank(rank, world_size, rendezvous)
     torch.set_num_threads(args.threads)
-    logging.getLogger().setLevel(logging.ERROR)
-    cuda = torch.cuda.is_available()
-    device = torch.device(f"cuda:{rank}" if cuda else "cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
     from torch.distributed.device_mesh import init_device_mesh
 
     from torchtitan_ext import runtime
@@ -120,7 +98,7 @@ def _worker(rank, world_size, rendezvous, args, result_file):
         times = {False: [], True: []}
         for i in range(args.warmup + args.iters):
             for landed_first in ((False, True) if i % 2 else (True, False)):
-                elapsed = _timed(lambda: forward(landed_first), device)
+                elapsed = time_once(lambda: forward(landed_first), device)
                 if i >= args.warmup:
                     times[landed_first].append(elapsed)
             if progress:
@@ -178,10 +156,7 @@ def main(argv=None):
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     command = "python scripts/bench_overlap.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    with tempfile.TemporaryDirectory() as tmp:
-        result_file = Path(tmp) / "rows.json"
-        mp.spawn(_worker, args=(args.nproc, f"{tmp}/rendezvous", args, str(result_file)), nprocs=args.nproc)
-        rows = json.loads(result_file.read_text())
+    rows = run_ranks(_worker, args.nproc, args)
     for r in rows:
         print(f"{r['backend']:>10}  overlapped {r['overlapped_ms']:8.2f} ms  landed first {r['landed_first_ms']:8.2f} ms  "
               f"ratio {r['ratio']:.3f}")
