@@ -29,6 +29,8 @@ if [ -z "${NGPU:-}" ]; then
     fi
 fi
 export LOG_RANK="${LOG_RANK:-0}"
+# torchrun relays the ranks' logs through its own stdout: unbuffered, they reach a pipe (| tee) as they happen
+export PYTHONUNBUFFERED=1
 CONFIG_FILE="${CONFIG_FILE:-train_configs/debug_model.toml}"
 COMM_MODE="${COMM_MODE:-}"
 

@@ -23,6 +23,7 @@ from torchtitan_ext import runtime
 from torchtitan_ext.config import parse_job_config
 from torchtitan_ext.ep import BACKENDS as BACKEND_CLASSES
 from torchtitan_ext.ep import HybridEPExpertParallel, MoEShape
+from torchtitan_ext.ep.base import Routing
 from torchtitan_ext.ep.handle import DispatchHandle
 from torchtitan_ext.ep.kernels.reference import ReferenceHybridEPBuffer
 from torchtitan_ext.models.moe import ExpertParallelMoE
@@ -169,7 +170,7 @@ def run_backend(
     rows = _rank_slice(rank, case, ep)
     x = inputs["x"][rows].to(dtype).clone().requires_grad_()
     scores = inputs["scores"][rows].clone().requires_grad_()
-    out = experts(x, scores, inputs["ids"][rows])
+    out = experts(x, Routing(scores, inputs["ids"][rows]))
     out.backward(inputs["grad_out"][rows].to(dtype))
     local = slice(rank * case.local_experts(ep), (rank + 1) * case.local_experts(ep))
     result = {
@@ -355,10 +356,10 @@ def host_sync_worker(rank: int, ep: int, case: Case) -> dict:
         parallelize_module(experts, mesh, style)
         x = inputs["x"][rows].clone().requires_grad_()
         scores = inputs["scores"][rows].clone().requires_grad_()
-        experts(x, scores, inputs["ids"][rows])  # builds the buffer outside the count
+        experts(x, Routing(scores, inputs["ids"][rows]))  # builds the buffer outside the count
         counter = HostSyncCounter()
         with counter:  # the whole layer: dispatch, experts, combine, metrics counters, backward
-            out = experts(x, scores, inputs["ids"][rows])
+            out = experts(x, Routing(scores, inputs["ids"][rows]))
             out.backward(inputs["grad_out"][rows])
         results[mode] = dict(counter.events)
         results[f"{mode}_counters_recorded"] = style.stats.routed_per_expert is not None
@@ -374,7 +375,7 @@ class _CheckpointedExperts(torch.nn.Module):
         self.experts = experts
 
     def forward(self, x, scores, ids):
-        return self.experts(x, scores, ids)
+        return self.experts(x, Routing(scores, ids))
 
 
 _COLLECTIVES = ("all_to_all", "alltoall", "all_gather", "allgather", "all_reduce", "allreduce", "reduce_scatter")
@@ -522,7 +523,7 @@ def overlap_worker(rank: int, ep: int, case: Case, backends: tuple, peer_wait_s:
         x_sequential = x_rank.clone().requires_grad_()
         flat = x_sequential.view(-1, case.hidden)
         top_scores, expert_ids, _ = moe.router(flat, moe.expert_bias)
-        routed = moe.experts(flat, top_scores, expert_ids).clone()  # an op: lands the combine first
+        routed = moe.experts(flat, Routing(top_scores, expert_ids)).clone()  # an op: lands the combine first
         sequential = (moe.shared_experts(flat) + routed).view_as(x_sequential)
         sequential.sum().backward()
         results[backend] = {

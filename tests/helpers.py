@@ -1,21 +1,40 @@
-"""Helpers shared by the tests: repository paths, the launcher, step logs."""
+"""Helpers shared by the tests: repository paths, the launcher, step logs, worker processes.
+
+Nothing here waits without a deadline: spawned workers are joined against a
+deadline and killed past it, their process groups time out, and launcher
+output is read line by line against a deadline.
+"""
 
 import os
+import queue
 import re
+import signal
 import subprocess
 import sys
+import threading
+import time
+from datetime import timedelta
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STEP_LINE = re.compile(r"step:\s+(\d+)\s+loss:\s+([0-9.]+)")
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 
+PROCESS_GROUP_TIMEOUT = timedelta(seconds=120)
+"""A collective in a test worker that waits longer than this fails instead of hanging."""
+
+WORKERS_DEADLINE_S = 420.0
+"""Default wall-clock limit of one ``run_distributed`` call."""
+
 
 def launcher_env(**overrides: str) -> dict[str, str]:
-    """Environment for run_train.sh: this interpreter first on PATH, no color codes."""
+    """Environment for run_train.sh: this interpreter first on PATH, 2 processes, unbuffered output."""
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env.pop("MASTER_PORT", None)
+    env.pop("CONFIG_FILE", None)
+    env["NGPU"] = "2"
+    env["PYTHONUNBUFFERED"] = "1"
     env.update(overrides)
     return env
 
@@ -33,26 +52,99 @@ def run_launcher(*args: str, timeout: float = 600, **env: str) -> subprocess.Com
     )
 
 
+class LauncherProcess:
+    """./run_train.sh running in the background, its output read by a thread.
+
+    ``wait_for`` and ``finish`` take deadlines, so a test never blocks on a
+    pipe that stays silent.
+    """
+
+    def __init__(self, *args: str, **env: str):
+        self.process = subprocess.Popen(
+            ["./run_train.sh", *args],
+            cwd=REPO_ROOT,
+            env=launcher_env(**env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # kill() takes torchrun's workers with it
+        )
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.lines.append(line)
+            self._queue.put(line)
+        self._queue.put(None)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, pattern: str, timeout: float) -> str:
+        """The first new line matching ``pattern`` (a regex); AssertionError past ``timeout`` s or at EOF."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._queue.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                raise AssertionError(f"no line matching {pattern!r} within {timeout} s:\n{self.output[-3000:]}") from None
+            if line is None:
+                raise AssertionError(f"output ended without {pattern!r}:\n{self.output[-3000:]}")
+            if re.search(pattern, ANSI_ESCAPE.sub("", line)):
+                return line
+
+    def finish(self, timeout: float) -> int:
+        """Wait for the process and its output; its return code. Kills it past ``timeout`` s."""
+        try:
+            returncode = self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"still running after {timeout} s:\n{self.output[-3000:]}") from None
+        self._reader.join(timeout=10)
+        return returncode
+
+    def kill(self) -> None:
+        """SIGKILL the launcher's whole process group (torchrun and its workers)."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait(timeout=30)
+
+
 def step_losses(output: str) -> dict[int, float]:
     """{step: loss} from the console step lines of one rank's log."""
     plain = ANSI_ESCAPE.sub("", output)
     return {int(step): float(loss) for step, loss in STEP_LINE.findall(plain)}
 
 
-def run_distributed(world_size: int, fn, *args, device: str = "cpu"):
+def run_distributed(world_size: int, fn, *args, device: str = "cpu", deadline_s: float = WORKERS_DEADLINE_S):
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes.
 
     gloo on CPU, NCCL with one GPU per rank on CUDA. Returns the ranks' return
-    values in rank order; a failure in any rank raises here with its traceback.
+    values in rank order; a failure in any rank raises here with its traceback,
+    and workers still running after ``deadline_s`` seconds are killed (TimeoutError).
     """
     import tempfile
 
+    import torch
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world_size, tmp, device, fn, args), nprocs=world_size, join=True)
-        import torch
-
+        context = mp.start_processes(
+            _worker, args=(world_size, tmp, device, fn, args), nprocs=world_size, join=False, start_method="spawn"
+        )
+        deadline = time.monotonic() + deadline_s
+        while not context.join(timeout=min(5.0, max(deadline - time.monotonic(), 0.1))):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    if process.is_alive():
+                        process.kill()
+                raise TimeoutError(f"{fn.__name__} on {world_size} processes ran past {deadline_s} s")
         return [torch.load(f"{tmp}/result{rank}.pt", weights_only=False) for rank in range(world_size)]
 
 
@@ -65,7 +157,10 @@ def _worker(rank, world_size, tmp, device, fn, args):
     if device == "cuda":
         torch.cuda.set_device(rank)
         backend = "nccl"
-    dist.init_process_group(backend, init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world_size)
+    dist.init_process_group(
+        backend, init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world_size,
+        timeout=PROCESS_GROUP_TIMEOUT,
+    )
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, f"{tmp}/result{rank}.pt")

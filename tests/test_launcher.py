@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.helpers import REPO_ROOT, launcher_env, run_launcher, step_losses
+from tests.helpers import LauncherProcess, REPO_ROOT, run_launcher, step_losses
 
 
 def _error_line(result: subprocess.CompletedProcess) -> str:
@@ -84,28 +84,17 @@ def _worker_pids(torchrun_pid: int) -> dict[int, int]:
 
 
 def test_crashed_rank_does_not_leave_others_hanging(tmp_path):
-    process = subprocess.Popen(
-        ["./run_train.sh", "--training.steps", "500", "--job.dump_folder", str(tmp_path)],
-        cwd=REPO_ROOT,
-        env=launcher_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    launcher = LauncherProcess("--training.steps", "500", "--job.dump_folder", str(tmp_path))
     try:
-        for line in process.stdout:
-            if "step:  2" in line:
-                break
-        workers = _worker_pids(process.pid)
+        launcher.wait_for(r"step:\s+2\s", timeout=240)
+        workers = _worker_pids(launcher.process.pid)
         assert sorted(workers) == [0, 1]
         os.kill(workers[1], signal.SIGKILL)
         started = time.monotonic()
-        process.stdout.read()
-        returncode = process.wait(timeout=90)
+        returncode = launcher.finish(timeout=90)
         elapsed = time.monotonic() - started
     finally:
-        if process.poll() is None:
-            process.kill()
+        launcher.kill()
     assert returncode != 0
     # well inside comm.train_timeout_seconds (100 s): torchrun tears the job down
     assert elapsed < 60

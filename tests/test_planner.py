@@ -44,7 +44,7 @@ def _plan(args):
 
 def _allocate_worker(rank, world_size, args):
     """Build the job's HybridEP layers as training does; dispatch once; report allocations."""
-    from torchtitan_ext.ep.base import max_tokens_per_rank
+    from torchtitan_ext.ep.base import max_tokens_per_rank, Routing
     from torchtitan_ext.models.parallelize import expert_parallel_layers
     from torchtitan.protocols.train_spec import get_train_spec
 
@@ -69,7 +69,7 @@ def _allocate_worker(rank, world_size, args):
         return rows, counts
 
     style.dispatch = capture
-    experts(x, torch.rand(tokens, top_k), ids)
+    experts(x, Routing(torch.rand(tokens, top_k), ids))
     buffer = style.buffer.get(None, x).value
     return {
         "backend": type(style).__name__,

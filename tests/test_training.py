@@ -26,6 +26,8 @@ def test_two_process_run_loss_falls(model, tmp_path):
     step_lines = [line for line in result.stdout.splitlines() if "step:" in line and "loss:" in line]
     assert all("tps:" in line and "step_time:" in line for line in step_lines)
     assert "training on CPU with the gloo backend" in result.stdout
+    # the suite runs as on a CPU without bf16 matrix units: the default job must pick fp32
+    assert "CPU precision: training.mixed_precision_param = float32 instead of the default bfloat16" in result.stdout
 
 
 def test_two_runs_share_a_machine(tmp_path):

@@ -227,11 +227,37 @@ def _check_toml_keys(cls, values: dict[str, Any], path: str | None, prefix: str 
             _check_toml_keys(types[key], value, path, f"{prefix}{key}.")
 
 
+def _cli_keys(args: list[str]) -> list[str]:
+    """Dotted keys the command line sets ("training.steps"; "--x.no-flag" gives "x.no_flag")."""
+    return [
+        arg[2:].partition("=")[0].replace("-", "_")
+        for arg in args
+        if arg.startswith("--") and arg not in ("--help", "-h")
+    ]
+
+
+def explicit_settings(args: list[str]) -> set[str]:
+    """Dotted keys that the TOML (``--job.config_file``) or the command line sets explicitly.
+
+    Defaults chosen for the machine (:func:`torchtitan_ext.runtime.choose_cpu_precision`)
+    never override these.
+    """
+    config_file = _config_file_from_args(args)
+    toml_values = _load_toml(config_file) if config_file else {}
+
+    def flatten(values: dict[str, Any], prefix: str = ""):
+        for key, value in values.items():
+            if isinstance(value, dict):
+                yield from flatten(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}"
+
+    cli = {key if not key.split(".")[-1].startswith("no_") else key.replace(".no_", ".", 1) for key in _cli_keys(args)}
+    return set(flatten(toml_values)) | cli
+
+
 def _check_cli_keys(cls, args: list[str]) -> None:
-    for arg in args:
-        if not arg.startswith("--") or arg in ("--help", "-h"):
-            continue
-        dotted = arg[2:].partition("=")[0].replace("-", "_")
+    for dotted in _cli_keys(args):
         *sections, key = dotted.split(".")
         target, prefix = cls, ""
         for section in sections:

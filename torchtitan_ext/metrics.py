@@ -34,8 +34,7 @@ class ExpertParallelMetrics:
     """Reads every MoE layer's dispatch counters at a log step and reduces them over all ranks."""
 
     def __init__(self, job_config, parallel_dims):
-        # routing is replicated over TP ranks, dispatches over expert-TP ranks
-        self.routing_copies = parallel_dims.tp
+        # expert-TP ranks dispatch the same tokens; TP ranks that EP borrows dispatch a slice each
         self.dispatch_copies = parallel_dims.etp
         self.enabled = parallel_dims.ep_enabled
         self.remedy = backend_class(job_config).drop_remedy(job_config)
@@ -80,7 +79,7 @@ class ExpertParallelMetrics:
         worst, worst_recv = (0.0, -1), 0.0
         for layer, row in enumerate(sums):
             holders = row[num_experts + 2]
-            routed = [count / self.routing_copies for count in row[:num_experts]]
+            routed = [count / self.dispatch_copies for count in row[:num_experts]]
             if not holders or not sum(routed):
                 continue
             dropped = row[num_experts + 1] / self.dispatch_copies
@@ -125,11 +124,16 @@ class ExpertParallelMetrics:
 class MetricsProcessor(TorchTitanMetricsProcessor):
     """Logs every torchtitan metric; the console line adds step time and EP health."""
 
-    last_logged_step: int = 0
-
     def __init__(self, job_config, parallel_dims, tag: str | None = None):
         super().__init__(job_config, parallel_dims, tag)
         self.expert_parallel = ExpertParallelMetrics(job_config, parallel_dims)
+        self.steps_since_last_log = 0
+
+    def should_log(self, step: int) -> bool:
+        """torchtitan's rule; also counts the steps a log line covers (torchtitan's
+        ``train_step`` asks once per step), which after a resume at step S is not S."""
+        self.steps_since_last_log += 1
+        return super().should_log(step)
 
     def log(
         self,
@@ -140,7 +144,7 @@ class MetricsProcessor(TorchTitanMetricsProcessor):
         extra_metrics: dict[str, Any] | None = None,
     ) -> None:
         time_delta = time.perf_counter() - self.time_last_log
-        steps_since_last_log = max(step - self.last_logged_step, 1)
+        steps_since_last_log = max(self.steps_since_last_log, 1)
         tps = self.ntokens_since_last_log / (
             time_delta * self.parallel_dims.non_data_parallel_size
         )
@@ -185,7 +189,7 @@ class MetricsProcessor(TorchTitanMetricsProcessor):
             + (f"  {color.white}{ep_console}{color.reset}" if ep_console else "")
         )
 
-        self.last_logged_step = step
+        self.steps_since_last_log = 0
         self.ntokens_since_last_log = 0
         self.data_loading_times.clear()
         self.time_last_log = time.perf_counter()

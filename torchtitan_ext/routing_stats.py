@@ -26,7 +26,7 @@ key                    shape               meaning
 ``top_k``              [] int64            the router's top_k
 =====================  ==================  ====================================================
 
-Recomputation under activation checkpointing is not counted.
+Recomputation under activation checkpointing and validation passes are not counted.
 """
 
 import os
@@ -76,7 +76,8 @@ class RoutingRecorder:
 
     def _router_hook(self, layer: int):
         def hook(module, inputs, outputs):
-            self.observe(layer, outputs[1])
+            if module.training:  # validation passes are not training's routing
+                self.observe(layer, outputs[1])
 
         return hook
 

@@ -15,7 +15,7 @@ from torchtitan.tools.logging import init_logger, logger
 from torchtitan.train import Trainer as TorchTitanTrainer
 
 from torchtitan_ext import routing_stats, runtime
-from torchtitan_ext.config import ConfigError, parse_job_config, validate
+from torchtitan_ext.config import ConfigError, explicit_settings, parse_job_config, validate
 from torchtitan_ext.data import prepare_embedded_assets, register_embedded_dataset
 from torchtitan_ext.models import register_train_specs
 
@@ -53,12 +53,15 @@ def num_experts_of(job_config) -> int | None:
 
 
 def load_job_config(args: list[str], device_type: str | None, world_size: int | None = None):
-    """Parse and validate; raises ConfigError with a one-line message.
+    """Parse, fit to the CPU (:func:`runtime.choose_cpu_precision`) and validate;
+    raises ConfigError with a one-line message.
 
     ``world_size`` defaults to the job's: NGPU under the fake backend, else
     torchrun's WORLD_SIZE.
     """
     job_config = parse_job_config(args)
+    if device_type == "cpu":
+        logger.info(runtime.choose_cpu_precision(job_config, explicit_settings(args)))
     if world_size is None:
         world_size = _world_size_from_env(job_config.comm.mode)
     validate(

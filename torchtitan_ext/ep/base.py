@@ -4,8 +4,9 @@ A backend is an ``ExpertParallel`` (a ``ParallelStyle``) applied to the routed
 experts. It shards their weights on dim 0 over the EP mesh (torchtitan's
 ``_partition_fn``), and wraps the experts' forward:
 
-- ``_token_dispatch``: (tokens [N, H], top-k scores [N, K], top-k expert ids
-  [N, K]) -> (expert-major rows [M, H], padded rows per local expert [L]);
+- ``_token_dispatch``: (tokens [N, H], :class:`Routing`: top-k scores [N, K]
+  and expert ids [N, K]) -> (expert-major rows [M, H], padded rows per local
+  expert [L]);
 - ``_token_combine``: expert output rows [M, H] -> [N, H], each token's
   top-k results summed, back on its source rank in its source order.
 
@@ -20,13 +21,29 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 from torchtitan.components.quantization import FP8_GROUP_ALIGNMENT_SIZE, MXFP8_GROUP_ALIGNMENT_SIZE
-from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.distributed.expert_parallel import ExpertParallel
 
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.ep.handle import KernelBuffer
 from torchtitan_ext.ep.kernels import KernelUnavailable, resolve_implementation
+
+
+@dataclass(frozen=True)
+class Routing:
+    """A MoE layer's routing, as its experts module receives it next to the tokens.
+
+    A plain object rather than two tensor arguments: FSDP2's mixed precision
+    casts every floating-point tensor argument of the experts' forward to the
+    parameter dtype, and the scores must stay fp32 end to end (their gradient
+    flows back to the router), as in torchtitan's own MoE.
+    """
+
+    scores: torch.Tensor
+    """[N, K] top-k routing scores, fp32."""
+    expert_ids: torch.Tensor
+    """[N, K] global expert ids, int64."""
 
 
 @dataclass(frozen=True)
@@ -37,7 +54,8 @@ class MoEShape:
     num_experts: int
     top_k: int
     max_tokens_per_rank: int
-    """Tokens one rank brings to one dispatch (a microbatch's tokens on this rank)."""
+    """Most tokens one rank brings to one dispatch: a microbatch's tokens on this
+    rank, in training or validation, whichever is larger."""
 
 
 def check_kernels(backend: str, implementation: str, device_type: str | None) -> None:
@@ -61,12 +79,15 @@ def token_group_alignment(job_config) -> int:
 
 
 def max_tokens_per_rank(job_config) -> int:
-    """Tokens one rank dispatches per MoE call: a microbatch, split by CP and by TP when EP borrows it."""
+    """Most tokens one rank dispatches per MoE call: a microbatch (of training, or of
+    validation when it is on), split by CP, and by TP when EP borrows it."""
     parallelism = job_config.parallelism
-    batch = job_config.training.local_batch_size
+    jobs = [(job_config.training.local_batch_size, job_config.training.seq_len)]
+    if job_config.validation.enable:
+        jobs.append((job_config.validation.local_batch_size, job_config.validation.seq_len))
     if parallelism.pipeline_parallel_degree > 1:
-        batch = parallelism.pipeline_parallel_microbatch_size
-    tokens = batch * job_config.training.seq_len // parallelism.context_parallel_degree
+        jobs = [(parallelism.pipeline_parallel_microbatch_size, seq_len) for _, seq_len in jobs]
+    tokens = max(batch * seq_len for batch, seq_len in jobs) // parallelism.context_parallel_degree
     if parallelism.tensor_parallel_degree > 1 and parallelism.expert_tensor_parallel_degree == 1:
         tokens //= parallelism.tensor_parallel_degree
     return tokens
@@ -90,12 +111,15 @@ def scale_rows(rows: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
 class DispatchStats:
     """One MoE layer's dispatches since the last read, counted on the device.
 
-    Updated in forward without host syncs (scatter-adds into fixed-size
-    tensors) and skipped during activation-checkpoint recomputation; read once
-    per logged step (:meth:`read_and_reset`).
+    Updated in training forwards without host syncs (scatter-adds into
+    fixed-size tensors); evaluation forwards (``counting`` off) and
+    activation-checkpoint recomputation are skipped. Read once per logged step
+    (:meth:`read_and_reset`).
     """
 
     def __init__(self):
+        self.counting = True
+        """Whether the current forward counts: the EP style sets it from the module's ``training`` flag."""
         self.routed_per_expert: torch.Tensor | None = None
         """[E] (token, expert) picks routed to each global expert, from this rank's router."""
         self.received_rows: torch.Tensor | None = None
@@ -103,8 +127,11 @@ class DispatchStats:
         self.dropped_pairs: torch.Tensor | None = None
         """(token, expert) pairs dropped at this rank (non-blocking HybridEP only)."""
 
+    def _counts(self) -> bool:
+        return self.counting and not recomputing()
+
     def record_routing(self, expert_ids: torch.Tensor, num_experts: int) -> None:
-        if recomputing():
+        if not self._counts():
             return
         with torch.no_grad():
             if self.routed_per_expert is None:
@@ -113,11 +140,11 @@ class DispatchStats:
             self.routed_per_expert.scatter_add_(0, flat, torch.ones_like(flat))
 
     def record_rows(self, rows_per_expert: torch.Tensor) -> None:
-        if not recomputing():
+        if self._counts():
             self.received_rows = _accumulate(self.received_rows, rows_per_expert.detach().sum())
 
     def record_drops(self, dropped: torch.Tensor) -> None:
-        if not recomputing():
+        if self._counts():
             self.dropped_pairs = _accumulate(self.dropped_pairs, dropped.detach())
 
     def read_and_reset(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
@@ -147,8 +174,25 @@ class SharedKernelBuffer:
     def get(self, group, example: torch.Tensor) -> KernelBuffer:
         """The buffer; ``example`` (the first dispatched tokens) gives device and dtype."""
         if self._buffer is None:
-            self._buffer = KernelBuffer(self._create(group, example))
+            # Creation runs collectives (handle exchange) inside the first dispatch. Selective
+            # activation checkpointing's caching mode must not record them: its recompute
+            # never creates the buffer again, so cached outputs would shift onto other ops.
+            with _disable_current_modes():
+                self._buffer = KernelBuffer(self._create(group, example))
         return self._buffer
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` (host memory: counts a kernel library or a host sync produced) on ``device``.
+
+    Pinned and copied with ``non_blocking``, so that the copy is queued on the
+    stream instead of making the host wait for it; a no-op on the same device.
+    """
+    if tensor.device == device:
+        return tensor
+    if tensor.device.type == "cpu" and not tensor.is_pinned():
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
 
 
 class RoutedExpertParallel(ExpertParallel, ABC):
@@ -171,22 +215,17 @@ class RoutedExpertParallel(ExpertParallel, ABC):
     """Whether selecting this backend with expert_parallel_degree = 1 is a config error
     (a kernel backend has nothing to do there)."""
 
-    def __init__(
-        self, *, score_before_experts: bool, pad_multiple: int = 1, token_split_mesh: DeviceMesh | None = None
-    ):
+    def __init__(self, *, score_before_experts: bool, pad_multiple: int = 1):
         super().__init__()
         self.score_before_experts = score_before_experts
         self.pad_multiple = max(pad_multiple, self.min_pad_multiple)
-        self.token_split_mesh = token_split_mesh
-        """TP mesh that EP borrows (expert TP off): each of its ranks dispatches a
-        1/TP slice of the (TP-replicated) tokens; outputs are Partial over it."""
         self.stats = DispatchStats()
         self._pending = None
 
     @classmethod
     @abstractmethod
     def layer_factory(cls, job_config, shape: MoEShape) -> Callable[..., "RoutedExpertParallel"]:
-        """Per-layer constructor (keywords: score_before_experts, token_split_mesh);
+        """Per-layer constructor (keyword: score_before_experts);
         the layers it makes share whatever the backend shares (its buffer)."""
 
     @classmethod
@@ -239,35 +278,17 @@ class RoutedExpertParallel(ExpertParallel, ABC):
         (:mod:`torchtitan_ext.ep.in_flight`), landing at first use."""
 
     def _token_dispatch(self, mod, inputs, device_mesh):
-        # routing is counted before the TP split: every TP rank sees the same routing
-        self.stats.record_routing(inputs[2], mod.num_experts)
-        x, scores, expert_ids = (self._split_tokens(t) for t in inputs)
-        rows, rows_per_expert = self.dispatch(x, scores, expert_ids, mod.num_experts, device_mesh.get_group())
+        x, routing = inputs
+        self.stats.counting = mod.training
+        self.stats.record_routing(routing.expert_ids, mod.num_experts)
+        rows, rows_per_expert = self.dispatch(
+            x, routing.scores, routing.expert_ids, mod.num_experts, device_mesh.get_group()
+        )
         self.stats.record_rows(rows_per_expert)
         return rows, rows_per_expert
 
-
     def _token_combine(self, mod, routed_output, device_mesh):
-        return self._unsplit_tokens(self.combine(routed_output, device_mesh.get_group()))
-
-    def _split_tokens(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.token_split_mesh is None:
-            return tensor
-        parts = self.token_split_mesh.size()
-        if tensor.shape[0] % parts:
-            raise ValueError(
-                f"{tensor.shape[0]} tokens do not split evenly over tensor parallel degree {parts}: "
-                "make local_batch_size x seq_len divisible by it"
-            )
-        return tensor.chunk(parts)[self.token_split_mesh.get_local_rank()]
-
-    def _unsplit_tokens(self, output: torch.Tensor) -> torch.Tensor:
-        """This rank's slice in place, zeros elsewhere: the TP ranks' outputs sum to the whole."""
-        if self.token_split_mesh is None:
-            return output
-        parts, rank = self.token_split_mesh.size(), self.token_split_mesh.get_local_rank()
-        rows = output.shape[0]
-        return torch.nn.functional.pad(output, (0, 0, rank * rows, (parts - rank - 1) * rows))
+        return self.combine(routed_output, device_mesh.get_group())
 
     def _take_pending(self):
         pending, self._pending = self._pending, None

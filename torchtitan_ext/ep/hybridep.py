@@ -33,6 +33,7 @@ from torchtitan_ext.ep.base import (
     RoutedExpertParallel,
     scale_rows,
     SharedKernelBuffer,
+    to_device,
     token_group_alignment,
 )
 from torchtitan_ext.ep.handle import DispatchHandle, KernelBuffer
@@ -59,6 +60,18 @@ def library_environment(section) -> dict[str, str]:
     return environment
 
 
+def _library_pad(pad_multiple: int) -> int | None:
+    """The library zeroes pad rows only when a pad multiple is passed; 1 means none."""
+    return pad_multiple if pad_multiple > 1 else None
+
+
+def _padded_rows(tensor: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``tensor`` with zero rows appended up to ``num_rows``."""
+    if tensor.shape[0] == num_rows:
+        return tensor
+    return torch.cat([tensor, tensor.new_zeros((num_rows - tensor.shape[0], *tensor.shape[1:]))])
+
+
 @torch.library.custom_op("torchtitan_ext::hybridep_dispatch", mutates_args=())
 def hybridep_dispatch(
     x: torch.Tensor,
@@ -68,45 +81,48 @@ def hybridep_dispatch(
     num_experts: int,
     num_permuted_tokens: int,
     pad_multiple: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, DispatchHandle]:
-    """(rows [M, H], probs [M], padded rows per local expert, overflow flag, dropped pairs, handle).
+    num_padded_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, DispatchHandle]:
+    """(rows [M, H], probs [M], padded rows per local expert (on x's device), dropped pairs, handle).
 
-    ``num_permuted_tokens`` < 0 selects blocking mode.
+    ``num_permuted_tokens`` < 0 selects blocking mode. Every rank passes
+    ``num_padded_tokens`` rows (the library all-gathers a dense routing map and
+    needs the same count everywhere): this rank's tokens, then rows routed to
+    no expert, which the library neither sends nor counts.
     """
-    library = buffer.value
+    kernels = buffer.value
     num_tokens = x.shape[0]
-    routing_map = torch.zeros((num_tokens, num_experts), dtype=torch.bool, device=x.device)
-    routing_map.scatter_(1, topk_idx, True)
-    probs = torch.zeros((num_tokens, num_experts), dtype=torch.float32, device=x.device)
-    probs.scatter_(1, topk_idx, topk_weights.float())
+    routing_map = torch.zeros((num_padded_tokens, num_experts), dtype=torch.bool, device=x.device)
+    routing_map[:num_tokens].scatter_(1, topk_idx, True)
+    probs = torch.zeros((num_padded_tokens, num_experts), dtype=torch.float32, device=x.device)
+    probs[:num_tokens].scatter_(1, topk_idx, topk_weights.float())
     non_blocking = num_permuted_tokens >= 0
-    tokens, out_probs, _, tokens_per_expert, handle = library.dispatch_with_permute(
-        hidden=x,
+    rows, row_probs, _, tokens_per_expert, raw = kernels.dispatch_with_permute(
+        hidden=_padded_rows(x, num_padded_tokens),
         routing_map=routing_map,
         probs=probs,
-        num_of_experts_per_rank=num_experts // library.group.size(),
+        num_of_experts_per_rank=num_experts // kernels.group.size(),
         num_permuted_tokens=num_permuted_tokens if non_blocking else None,
-        pad_multiple=pad_multiple if pad_multiple > 1 else None,
+        pad_multiple=_library_pad(pad_multiple),
         non_blocking=non_blocking,
     )
+    # blocking mode cannot drop, and its overflow flag is never written: nothing to read
+    dropped = kernels.dropped_pairs(raw) if non_blocking else torch.zeros((), dtype=torch.int64, device=x.device)
     return (
-        tokens,
-        out_probs,
-        tokens_per_expert,
-        handle.overflow_flag.clone(),
-        handle.num_dropped.clone(),
-        DispatchHandle((library, handle, pad_multiple)),
+        rows,
+        row_probs,
+        to_device(tokens_per_expert, x.device),  # pinned host memory in blocking mode
+        dropped,
+        DispatchHandle((kernels, raw, pad_multiple, num_tokens, num_padded_tokens)),
     )
 
 
 @torch.library.custom_op("torchtitan_ext::hybridep_combine", mutates_args=())
 def hybridep_combine(x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-    """Unweighted combine of the expert-major rows back to [N, H]."""
-    library, raw, pad_multiple = handle.value
-    combined, _ = library.combine_with_unpermute(
-        hidden=x, handle=raw, pad_multiple=pad_multiple if pad_multiple > 1 else None
-    )
-    return combined
+    """Unweighted combine of the expert-major rows back to this rank's [N, H] tokens."""
+    kernels, raw, pad_multiple, num_tokens, _ = handle.value
+    combined, _ = kernels.combine_with_unpermute(hidden=x, handle=raw, pad_multiple=_library_pad(pad_multiple))
+    return combined[:num_tokens].clone() if combined.shape[0] > num_tokens else combined
 
 
 @torch.library.custom_op("torchtitan_ext::hybridep_dispatch_backward", mutates_args=())
@@ -115,24 +131,30 @@ def hybridep_dispatch_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch's backward: combine of the rows' gradient, with dense [N, E] probs gradients
     (empty when no probs gradient was given)."""
-    library, raw, pad_multiple = handle.value
-    grad_x, grad_probs_dense = library.combine_with_unpermute(
-        hidden=grad_rows, probs=grad_probs, handle=raw,
-        pad_multiple=pad_multiple if pad_multiple > 1 else None,
+    kernels, raw, pad_multiple, num_tokens, _ = handle.value
+    grad_x, grad_probs_dense = kernels.combine_with_unpermute(
+        hidden=grad_rows, probs=grad_probs, handle=raw, pad_multiple=_library_pad(pad_multiple)
     )
     if grad_probs_dense is None:
         grad_probs_dense = grad_rows.new_empty((0,), dtype=torch.float32)
-    return grad_x, grad_probs_dense
+    return grad_x[:num_tokens].clone(), grad_probs_dense[:num_tokens].clone()
 
 
 @torch.library.custom_op("torchtitan_ext::hybridep_cached_dispatch", mutates_args=())
 def hybridep_cached_dispatch(x: torch.Tensor, handle: DispatchHandle, num_rows: int) -> torch.Tensor:
-    """Combine's backward: dispatch along the handle's layout into ``num_rows`` rows."""
-    library, raw, pad_multiple = handle.value
-    return library.dispatch_with_permute(
-        hidden=x, handle=raw, num_permuted_tokens=num_rows,
-        pad_multiple=pad_multiple if pad_multiple > 1 else None,
-    )[0]
+    """Combine's backward: dispatch along the handle's layout into ``num_rows`` rows.
+
+    Only the tokens are kept: on this cached path the library returns no
+    tokens-per-expert (None) and no new handle.
+    """
+    kernels, raw, pad_multiple, _, num_padded_tokens = handle.value
+    rows, _, _, _, _ = kernels.dispatch_with_permute(
+        hidden=_padded_rows(x, num_padded_tokens),
+        handle=raw,
+        num_permuted_tokens=num_rows,
+        pad_multiple=_library_pad(pad_multiple),
+    )
+    return rows
 
 
 def _dispatch_setup(ctx, inputs, output):
@@ -151,7 +173,7 @@ def _dispatch_backward(ctx, grad_rows, grad_probs, *unused_grads):
     grad_weights = None
     if grad_probs is not None:
         grad_weights = grad_probs_dense.gather(1, topk_idx).to(ctx.weights_dtype)
-    return grad_x.to(ctx.dtype), None, grad_weights, None, None, None, None
+    return grad_x.to(ctx.dtype), None, grad_weights, None, None, None, None, None
 
 
 def _combine_setup(ctx, inputs, output):
@@ -215,6 +237,7 @@ class HybridEPExpertParallel(RoutedExpertParallel):
         return partial(
             cls,
             buffer=buffer,
+            max_tokens_per_rank=shape.max_tokens_per_rank,
             capacity_factor=section.non_blocking_capacity_factor,
             pad_multiple=token_group_alignment(job_config),
         )
@@ -309,25 +332,36 @@ class HybridEPExpertParallel(RoutedExpertParallel):
             "environment": " ".join(f"{k}={v}" for k, v in library_environment(section).items()) or "unchanged",
         }
 
-    def __init__(self, *, buffer: SharedKernelBuffer, capacity_factor: float | None = None, **base_kwargs):
-        """``capacity_factor``: None for blocking mode, else non-blocking with
-        :func:`non_blocking_rows` rows. ``base_kwargs``: :class:`RoutedExpertParallel`'s."""
+    def __init__(
+        self, *, buffer: SharedKernelBuffer, max_tokens_per_rank: int,
+        capacity_factor: float | None = None, **base_kwargs,
+    ):
+        """``max_tokens_per_rank``: the tokens every rank passes to the library (fewer are
+        padded with unrouted rows); ``capacity_factor``: None for blocking mode, else
+        non-blocking with :func:`non_blocking_rows` rows. ``base_kwargs``: :class:`RoutedExpertParallel`'s."""
         super().__init__(**base_kwargs)
         self.buffer = buffer
+        self.max_tokens_per_rank = max_tokens_per_rank
         self.capacity_factor = capacity_factor
 
     def dispatch(self, x, scores, expert_ids, num_experts, group):
         num_tokens, top_k = expert_ids.shape
+        if num_tokens > self.max_tokens_per_rank:
+            raise ValueError(
+                f"HybridEP got {num_tokens} tokens on this rank, more than the {self.max_tokens_per_rank} "
+                "its buffer was sized for (a microbatch's tokens per rank, from training.local_batch_size, "
+                "seq_len and the validation batch): every rank must pass the same count to the library"
+            )
         ep_degree = group.size()
         num_rows = -1
         if self.capacity_factor is not None:
             num_rows = non_blocking_rows(
-                num_tokens, ep_degree, num_experts // ep_degree, top_k,
+                self.max_tokens_per_rank, ep_degree, num_experts // ep_degree, top_k,
                 self.capacity_factor, self.pad_multiple,
             )
-        rows, row_probs, tokens_per_expert, _, dropped, handle = hybridep_dispatch(
+        rows, row_probs, tokens_per_expert, dropped, handle = hybridep_dispatch(
             x, expert_ids, scores.float(), self.buffer.get(group, x),
-            num_experts, num_rows, self.pad_multiple,
+            num_experts, num_rows, self.pad_multiple, self.max_tokens_per_rank,
         )
         self.stats.record_drops(dropped)
         if self.score_before_experts:

@@ -30,7 +30,14 @@ from torch.distributed._functional_collectives import all_to_all_single
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import distribute_tensor, DTensor, Partial, Replicate, Shard
 
-from torchtitan_ext.ep.base import MoEShape, recomputing, RoutedExpertParallel, scale_rows, token_group_alignment
+from torchtitan_ext.ep.base import (
+    MoEShape,
+    recomputing,
+    RoutedExpertParallel,
+    Routing,
+    scale_rows,
+    token_group_alignment,
+)
 from torchtitan_ext.ep.in_flight import in_flight, Landing
 from torchtitan_ext.ep.layout import padded_offsets
 
@@ -244,12 +251,12 @@ class NcclExpertParallel(RoutedExpertParallel):
             return super()._token_dispatch(mod, inputs, device_mesh)
         # every expert-TP rank computes a partial result from the same tokens and scores,
         # so their gradients are partial sums over "etp"
-        x, scores, expert_ids = inputs
+        x, routing = inputs
         x, scores = (
             DTensor.from_local(t, device_mesh["etp"], (Replicate(),)).to_local(grad_placements=(Partial(),))
-            for t in (x, scores)
+            for t in (x, routing.scores)
         )
-        return super()._token_dispatch(mod, (x, scores, expert_ids), device_mesh["ep"])
+        return super()._token_dispatch(mod, (x, Routing(scores, routing.expert_ids)), device_mesh["ep"])
 
     def _token_combine(self, mod, routed_output, device_mesh):
         if device_mesh.ndim == 1:

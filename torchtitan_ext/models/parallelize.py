@@ -11,10 +11,11 @@ import weakref
 from collections.abc import Callable
 
 import torch
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import distribute_module, DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     parallelize_module,
+    ParallelStyle,
     PrepareModuleInputOutput,
     RowwiseParallel,
 )
@@ -31,7 +32,7 @@ from torchtitan.tools.logging import logger
 
 from torchtitan_ext.ep import backend_class, MoEShape
 from torchtitan_ext.ep.base import max_tokens_per_rank
-from torchtitan_ext.models.moe import ExpertParallelMoE
+from torchtitan_ext.models.moe import ExpertParallelMoE, TensorParallelTokenSplit
 
 _layer_factories: dict[int, tuple[weakref.ref, Callable]] = {}
 
@@ -59,6 +60,27 @@ def expert_parallel_layers(job_config, model_args) -> Callable:
         settings = "; ".join(f"{k}: {v}" for k, v in backend.describe(job_config, shape).items())
         logger.info(f"Expert parallelism for {shape}: {settings}")
     return _layer_factories[id(job_config)][1]
+
+
+class ScoresAfterTensorParallelExperts(ParallelStyle):
+    """TP without EP, scores applied after the experts (DeepSeek-V3): applied to the MoE's reorderer.
+
+    The TP-sharded experts return partial outputs, and the scores multiply
+    those, so each TP rank computes only a partial gradient for the scores.
+    The router above treats them as replicated: this style marks them so that
+    backward all-reduces their gradient over TP first (torchtitan 0.2.2 does
+    not, and its routers drift apart). Scores applied before the experts
+    (Llama4) need nothing: the experts' input gradient is all-reduced already.
+    """
+
+    @staticmethod
+    def _mark_scores(module, inputs, tp_mesh):
+        top_scores, expert_ids = inputs
+        top_scores = DTensor.from_local(top_scores, tp_mesh, (Replicate(),), run_check=False)
+        return top_scores.to_local(grad_placements=(Partial(),)), expert_ids
+
+    def _apply(self, module: torch.nn.Module, device_mesh) -> torch.nn.Module:
+        return distribute_module(module, device_mesh, input_fn=self._mark_scores)
 
 
 def apply_moe_parallelism(model: torch.nn.Module, parallel_dims, job_config) -> None:
@@ -93,12 +115,12 @@ def apply_moe_parallelism(model: torch.nn.Module, parallel_dims, job_config) -> 
 
         if make_layer is None:
             parallelize_module(block.moe.experts, tp_mesh, TensorParallel())
+            if not block.moe.score_before_experts:
+                parallelize_module(block.moe.reorderer, tp_mesh, ScoresAfterTensorParallelExperts())
             continue
-        ExpertParallelMoE.adopt(block.moe)
-        style = make_layer(
-            score_before_experts=block.moe.score_before_experts,
-            token_split_mesh=tp_mesh if tp_mesh is not None and not etp_enabled else None,
-        )
+        token_split = TensorParallelTokenSplit(tp_mesh) if tp_mesh is not None and not etp_enabled else None
+        ExpertParallelMoE.adopt(block.moe, token_split)
+        style = make_layer(score_before_experts=block.moe.score_before_experts)
         # the metrics processor reads each layer's dispatch counters from its experts module
         block.moe.experts.dispatch_stats = style.stats
         if dual_pipe_v:

@@ -1,9 +1,9 @@
 """Constructors for the real deep_ep buffers (CUDA clusters only).
 
 ``deep_ep.Buffer`` already has the call signatures the DeepEP backend uses, so
-it is used as is. HybridEP's handle is a tuple whose last element is the
-overflow flag; :class:`LibraryHybridEPBuffer` wraps it so the backend reads
-the flag and the dropped-pair count the same way for both implementations.
+it is used as is. :class:`LibraryHybridEPBuffer` adds to ``deep_ep.HybridEPBuffer``
+the one thing the backend asks beyond the library's calls: how many pairs a
+non-blocking dispatch dropped.
 
 This module is imported only when ``implementation`` resolves to ``deep_ep``.
 Nothing here has run in this project's CI (no GPU there): the conformance
@@ -11,12 +11,8 @@ tests marked ``deep_ep`` exercise it on a CUDA machine with the library built.
 """
 
 import os
-from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
-
-from torchtitan_ext.ep.layout import padded_offsets
 
 
 def deepep_buffer_bytes(group_size: int, hidden_bytes: int, num_sms: int | None) -> tuple[int, int]:
@@ -39,19 +35,12 @@ def deepep_buffer(group, hidden_bytes: int, num_sms: int | None):
     return Buffer(group, *deepep_buffer_bytes(group.size(), hidden_bytes, num_sms))
 
 
-@dataclass(frozen=True)
-class LibraryHybridEPHandle:
-    raw: tuple
-    overflow_flag: torch.Tensor
-    num_dropped: torch.Tensor
-
-
 class LibraryHybridEPBuffer:
-    """``deep_ep.HybridEPBuffer`` with the handle carrying the dropped-pair count.
+    """``deep_ep.HybridEPBuffer`` behind the interface the HybridEP backend calls.
 
-    The library reports overflow as a flag only; the count follows from the
-    contract's tail rule applied to the global per-expert counts (one small
-    all-reduce, no host sync).
+    The calls pass through unchanged; :meth:`dropped_pairs` reads the dropped
+    (token, expert) count of a non-blocking dispatch from the library's handle
+    (the library itself reports only an overflow flag).
     """
 
     def __init__(self, group, hidden_dim, max_num_of_tokens_per_rank, num_local_experts,
@@ -75,30 +64,25 @@ class LibraryHybridEPBuffer:
     def dispatch_with_permute(self, *, hidden, routing_map=None, probs=None,
                               num_of_experts_per_rank=None, num_permuted_tokens=None,
                               pad_multiple=None, non_blocking=False, handle=None):
-        tokens, out_probs, scaling, tokens_per_expert, raw = self.library.dispatch_with_permute(
+        """The library's call, unchanged: its handle is the library's 11-tuple."""
+        return self.library.dispatch_with_permute(
             hidden=hidden, routing_map=routing_map, probs=probs,
             num_of_experts_per_rank=num_of_experts_per_rank,
             num_permuted_tokens=num_permuted_tokens, pad_multiple=pad_multiple,
-            non_blocking=non_blocking, handle=None if handle is None else handle.raw,
+            non_blocking=non_blocking, handle=handle,
         )
-        if handle is None:
-            handle = LibraryHybridEPHandle(
-                raw=raw,
-                overflow_flag=raw[-1],
-                num_dropped=self._dropped_pairs(routing_map, tokens.shape[0], pad_multiple or 1),
-            )
-        return tokens, out_probs, scaling, tokens_per_expert.to(torch.int64), handle
 
-    def _dropped_pairs(self, routing_map, num_rows: int, pad_multiple: int) -> torch.Tensor:
-        counts = routing_map.sum(0)
-        dist.all_reduce(counts, group=self.group)
-        rank, local = self.group.rank(), self.num_local_experts
-        counts = counts[rank * local : (rank + 1) * local]
-        _, offsets = padded_offsets(counts, pad_multiple)
-        kept = torch.minimum(counts, (num_rows - offsets).clamp(min=0))
-        return (counts - kept).sum()
+    def dropped_pairs(self, handle: tuple) -> torch.Tensor:
+        """Pairs a non-blocking dispatch dropped on this rank, from its handle, on the device.
+
+        The handle holds the all-gathered routing map of this rank's experts
+        (element 4) and the per-expert counts kept after the drop (element 7,
+        clipped in non-blocking mode): their difference, with no communication.
+        """
+        routed, kept = handle[4], handle[7]
+        return routed.sum(dtype=torch.int64) - kept.sum(dtype=torch.int64)
 
     def combine_with_unpermute(self, *, hidden, probs=None, handle, pad_multiple=None):
         return self.library.combine_with_unpermute(
-            hidden=hidden, probs=probs, handle=handle.raw, pad_multiple=pad_multiple
+            hidden=hidden, probs=probs, handle=handle, pad_multiple=pad_multiple
         )

@@ -287,7 +287,8 @@ class ReferenceHybridEPBuffer:
         non_blocking: bool = False,
         handle: ReferenceHybridEPHandle | None = None,
     ):
-        """(tokens [M, H], probs [M] fp32 or None, scaling factors (None), tokens per expert [L], handle).
+        """(tokens [M, H], probs [M] fp32 or None, scaling factors (None), tokens per expert [L]
+        (None on the cached path), handle).
 
         Layout: the i-th global token (ascending g = s * N + t) routed to local
         expert e lands in row offset_e + i, offset_e = sum_{j<e} roundup(c_j, P);
@@ -295,13 +296,14 @@ class ReferenceHybridEPBuffer:
         Blocking mode sizes M exactly (a host sync); non-blocking mode takes M
         and drops the pairs whose row would be >= M.
         """
-        if handle is None:
+        cached = handle is not None
+        if cached:
+            pair_probs = None
+        else:
             handle, pair_probs = self._plan(
                 hidden, routing_map, probs, num_of_experts_per_rank,
                 num_permuted_tokens, pad_multiple or 1, non_blocking,
             )
-        else:
-            pair_probs = None
         received = self._move_tokens(hidden, handle)
         # one zero row (pad) and one NaN row (past the end) after the received tokens
         filler = received.new_zeros((2, received.shape[1]))
@@ -317,7 +319,12 @@ class ReferenceHybridEPBuffer:
         if pair_probs is not None:
             pair_probs = torch.cat([pair_probs.reshape(-1), pair_probs.new_tensor([0.0, float("nan")])])
             out_probs = pair_probs[handle.row_pairs]
-        return tokens, out_probs, None, handle.tokens_per_expert, handle
+        # like the library: the cached path computes no tokens per expert
+        return tokens, out_probs, None, None if cached else handle.tokens_per_expert, handle
+
+    def dropped_pairs(self, handle: ReferenceHybridEPHandle) -> torch.Tensor:
+        """(token, expert) pairs a non-blocking dispatch dropped on this rank (int64 device scalar)."""
+        return handle.num_dropped
 
     def _plan(self, hidden, routing_map, probs, local_experts, num_permuted_tokens, pad, non_blocking):
         num_tokens = hidden.shape[0]
