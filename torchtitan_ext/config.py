@@ -370,3 +370,10 @@ def _validate_world_size(p, world_size: int, seq_len: int) -> None:
                 f"parallelism.expert_parallel_degree = {ep} (x expert TP {etp}) must divide "
                 f"dp_shard x cp x tp = {borrowed}: choose an EP degree that divides {borrowed}"
             )
+        expert_shards = borrowed // (ep * etp)
+        if shard * p.context_parallel_degree == 1 and expert_shards > 1:
+            raise ConfigError(
+                f"parallelism.expert_parallel_degree = {ep} leaves {expert_shards} ranks holding the same "
+                f"experts, but there is no data-parallel shard dimension to shard them over "
+                f"(dp_shard x cp = 1): set expert_parallel_degree = {borrowed // etp} or add data parallelism"
+            )

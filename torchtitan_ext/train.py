@@ -21,12 +21,24 @@ from torchtitan_ext.models import register_train_specs
 
 
 class Trainer(TorchTitanTrainer):
-    """torchtitan's ``Trainer`` plus the runtime accommodations and the routing recorder."""
+    """torchtitan's ``Trainer`` plus the runtime accommodations, the routing recorder and
+    pipeline gradients normalized like the others' (:mod:`torchtitan_ext.loss`)."""
 
     def __init__(self, job_config):
         super().__init__(job_config)
         runtime.adapt_model_parts(self.model_parts)
         self.routing_recorder = routing_stats.recorder_for(job_config, self.model_parts, self.parallel_dims)
+
+    def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
+        if not self.parallel_dims.pp_enabled:
+            return super().forward_backward_step(
+                input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
+            )
+        # the schedule runs backward on each microbatch's loss: normalize it there (torchtitan_ext.loss)
+        with self.loss_fn.normalized_by(global_valid_tokens):
+            return super().forward_backward_step(
+                input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
+            )
 
     def train_step(self, data_iterator):
         super().train_step(data_iterator)

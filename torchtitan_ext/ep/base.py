@@ -30,20 +30,23 @@ from torchtitan_ext.ep.handle import KernelBuffer
 from torchtitan_ext.ep.kernels import KernelUnavailable, resolve_implementation
 
 
-@dataclass(frozen=True)
 class Routing:
     """A MoE layer's routing, as its experts module receives it next to the tokens.
 
-    A plain object rather than two tensor arguments: FSDP2's mixed precision
-    casts every floating-point tensor argument of the experts' forward to the
-    parameter dtype, and the scores must stay fp32 end to end (their gradient
-    flows back to the router), as in torchtitan's own MoE.
+    A plain object rather than two tensor arguments (and deliberately not a
+    dataclass or a tuple, which FSDP2 walks into): FSDP2's mixed precision
+    casts every floating-point tensor it finds in the experts' forward
+    arguments to the parameter dtype, and the scores must stay fp32 end to
+    end (their gradient flows back to the router), as in torchtitan's own MoE.
     """
 
-    scores: torch.Tensor
-    """[N, K] top-k routing scores, fp32."""
-    expert_ids: torch.Tensor
-    """[N, K] global expert ids, int64."""
+    __slots__ = ("scores", "expert_ids")
+
+    def __init__(self, scores: torch.Tensor, expert_ids: torch.Tensor):
+        self.scores = scores
+        """[N, K] top-k routing scores, fp32."""
+        self.expert_ids = expert_ids
+        """[N, K] global expert ids, int64."""
 
 
 @dataclass(frozen=True)

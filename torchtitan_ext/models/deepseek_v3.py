@@ -6,7 +6,10 @@ from functools import partial
 from torchtitan.models.deepseek_v3 import deepseekv3_args, get_train_spec
 from torchtitan.models.deepseek_v3.infra.parallelize import _op_sac_save_list, apply_non_moe_tp
 from torchtitan.models.deepseek_v3.model.args import DeepSeekV3ModelArgs as TorchTitanArgs
+from torchtitan.tools.logging import logger
 
+from torchtitan_ext import runtime
+from torchtitan_ext.loss import build_loss_fn
 from torchtitan_ext.metrics import build_metrics_processor
 from torchtitan_ext.models.parallelize import parallelize_moe_model
 
@@ -18,6 +21,9 @@ class DeepSeekV3ModelArgs(TorchTitanArgs):
         # Every EP backend is applied by the parallelize plan to torchtitan's standard
         # MoE; its "deepep" MoE would import deep_ep while the model is built.
         self.moe_impl = "standard"
+        self.moe_args, change = runtime.fit_experts(self.moe_args)
+        if change:
+            logger.info(change)
 
 
 def parallelize_deepseekv3(model, parallel_dims, job_config):
@@ -49,9 +55,11 @@ def train_spec():
         name: DeepSeekV3ModelArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args)})
         for name, args in deepseekv3_args.items()
     }
+    upstream = get_train_spec()
     return dataclasses.replace(
-        get_train_spec(),
+        upstream,
         model_args=flavors,
         parallelize_fn=parallelize_deepseekv3,
         build_metrics_processor_fn=build_metrics_processor,
+        build_loss_fn=build_loss_fn(upstream.build_loss_fn),
     )

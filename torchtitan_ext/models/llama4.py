@@ -3,11 +3,24 @@
 import dataclasses
 from functools import partial
 
-from torchtitan.models.llama4 import get_train_spec
+from torchtitan.models.llama4 import get_train_spec, llama4_args
+from torchtitan.models.llama4.model.args import TransformerModelArgs
 from torchtitan.models.llama4.infra.parallelize import _op_sac_save_list, apply_non_moe_tp
+from torchtitan.tools.logging import logger
 
+from torchtitan_ext import runtime
+from torchtitan_ext.loss import build_loss_fn
 from torchtitan_ext.metrics import build_metrics_processor
 from torchtitan_ext.models.parallelize import parallelize_moe_model
+
+
+@dataclasses.dataclass
+class Llama4ModelArgs(TransformerModelArgs):
+    def update_from_config(self, job_config, **kwargs) -> None:
+        super().update_from_config(job_config, **kwargs)
+        self.moe_args, change = runtime.fit_experts(self.moe_args)
+        if change:
+            logger.info(change)
 
 
 def parallelize_llama4(model, parallel_dims, job_config):
@@ -38,6 +51,15 @@ def _apply_dense_tp(model, tp_mesh, *, loss_parallel: bool, enable_float8_tensor
 
 
 def train_spec():
+    upstream = get_train_spec()
+    flavors = {
+        name: Llama4ModelArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args)})
+        for name, args in llama4_args.items()
+    }
     return dataclasses.replace(
-        get_train_spec(), parallelize_fn=parallelize_llama4, build_metrics_processor_fn=build_metrics_processor
+        upstream,
+        model_args=flavors,
+        parallelize_fn=parallelize_llama4,
+        build_metrics_processor_fn=build_metrics_processor,
+        build_loss_fn=build_loss_fn(upstream.build_loss_fn),
     )

@@ -11,6 +11,7 @@ import weakref
 from collections.abc import Callable
 
 import torch
+from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.distributed.tensor import distribute_module, DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -63,24 +64,26 @@ def expert_parallel_layers(job_config, model_args) -> Callable:
 
 
 class ScoresAfterTensorParallelExperts(ParallelStyle):
-    """TP without EP, scores applied after the experts (DeepSeek-V3): applied to the MoE's reorderer.
+    """TP without EP, scores applied after the experts (DeepSeek-V3): applied to the MoE's router.
 
-    The TP-sharded experts return partial outputs, and the scores multiply
-    those, so each TP rank computes only a partial gradient for the scores.
-    The router above treats them as replicated: this style marks them so that
-    backward all-reduces their gradient over TP first (torchtitan 0.2.2 does
-    not, and its routers drift apart). Scores applied before the experts
-    (Llama4) need nothing: the experts' input gradient is all-reduced already.
+    The TP-sharded experts return partial outputs, and the router's scores
+    multiply those, so each TP rank computes only a partial gradient for the
+    scores. The router treats them as replicated: this style marks its output
+    scores so that backward all-reduces their gradient over TP first
+    (torchtitan 0.2.2 does not, and its routers' gradients are wrong). Scores
+    applied before the experts (Llama4) need nothing: the experts' input
+    gradient is all-reduced already.
     """
 
     @staticmethod
-    def _mark_scores(module, inputs, tp_mesh):
-        top_scores, expert_ids = inputs
+    def _mark_scores(module, outputs, tp_mesh):
+        top_scores, *rest = outputs
         top_scores = DTensor.from_local(top_scores, tp_mesh, (Replicate(),), run_check=False)
-        return top_scores.to_local(grad_placements=(Partial(),)), expert_ids
+        return (top_scores.to_local(grad_placements=(Partial(),)), *rest)
 
     def _apply(self, module: torch.nn.Module, device_mesh) -> torch.nn.Module:
-        return distribute_module(module, device_mesh, input_fn=self._mark_scores)
+        # the gate's weight is NoParallel's already: nothing to partition here
+        return distribute_module(module, device_mesh, partition_fn=lambda *_: None, output_fn=self._mark_scores)
 
 
 def apply_moe_parallelism(model: torch.nn.Module, parallel_dims, job_config) -> None:
@@ -116,7 +119,7 @@ def apply_moe_parallelism(model: torch.nn.Module, parallel_dims, job_config) -> 
         if make_layer is None:
             parallelize_module(block.moe.experts, tp_mesh, TensorParallel())
             if not block.moe.score_before_experts:
-                parallelize_module(block.moe.reorderer, tp_mesh, ScoresAfterTensorParallelExperts())
+                parallelize_module(block.moe.router, tp_mesh, ScoresAfterTensorParallelExperts())
             continue
         token_split = TensorParallelTokenSplit(tp_mesh) if tp_mesh is not None and not etp_enabled else None
         ExpertParallelMoE.adopt(block.moe, token_split)
@@ -127,6 +130,23 @@ def apply_moe_parallelism(model: torch.nn.Module, parallel_dims, job_config) -> 
             style = DualPipeExpertParallel(style)
         mesh = parallel_dims.get_mesh(["ep", "etp"]) if etp_enabled else ep_mesh
         parallelize_module(block.moe.experts, mesh, style)
+
+
+def ignore_profiler_ranges_in_selective_checkpointing() -> None:
+    """Let per-op selective activation checkpointing skip profiler range markers.
+
+    FSDP2 wraps each MoE's experts as its own unit inside the checkpointed
+    block, and its hooks open a different number of ``record_function`` ranges
+    in the forward than in the recompute (the all-gather is prefetched in one
+    and not the other). Selective checkpointing counts every op and aborts at
+    the first count that differs ("invocation index 3 encountered during
+    backward but not found in storage"). The ranges are profiling markers with
+    no output to cache, so they join the ops SAC already lets through.
+    """
+    SAC_IGNORED_OPS.update((
+        torch.ops.profiler._record_function_enter_new.default,
+        torch.ops.profiler._record_function_exit._RecordFunction,
+    ))
 
 
 def parallelize_moe_model(
@@ -160,6 +180,7 @@ def parallelize_moe_model(
 
     model_compile_enabled = job_config.compile.enable and "model" in job_config.compile.components
     if job_config.activation_checkpoint.mode != "none":
+        ignore_profiler_ranges_in_selective_checkpointing()
         if parallel_dims.ep_enabled:
             op_sac_save_list = op_sac_save_list | set(backend_class(job_config).sac_save_ops)
         apply_ac(
@@ -173,12 +194,15 @@ def parallelize_moe_model(
     if model_compile_enabled:
         apply_compile(model, job_config.compile, parallel_dims.ep_enabled)
 
-    if parallel_dims.fsdp_enabled or parallel_dims.ep_enabled:
-        dp_mesh_names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
+    dp_mesh_names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
+    dp_mesh = parallel_dims.get_optional_mesh(dp_mesh_names)
+    # EP with no data-parallel shard dimension (EP borrowing all of TP, dp_shard x cp = 1) has
+    # nothing to shard: every expert lives on one rank (config validation ensures efsdp = 1)
+    if dp_mesh is not None and (parallel_dims.fsdp_enabled or parallel_dims.ep_enabled):
         edp_mesh_names = ["dp_replicate", "efsdp"] if parallel_dims.dp_replicate_enabled else ["efsdp"]
         apply_fsdp(
             model,
-            parallel_dims.get_mesh(dp_mesh_names),
+            dp_mesh,
             param_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_param],
             reduce_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce],
             pp_enabled=parallel_dims.pp_enabled,
