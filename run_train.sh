@@ -8,7 +8,7 @@
 #
 # Environment:
 #   NGPU         processes on this machine (default: the number of GPUs, or 2 on CPU)
-#   CONFIG_FILE  TOML job config (default: train_configs/debug_model.toml)
+#   CONFIG_FILE  TOML job config (default: train_configs/debug_model.toml); --job.config_file X works too
 #   LOG_RANK     ranks whose output is shown, comma separated (default: 0)
 #   COMM_MODE    "fake_backend": one-process dry run over a fake process group of NGPU
 #                ranks (meta-device model, parallelize plan applied, report; no step)
@@ -31,14 +31,20 @@ fi
 export LOG_RANK="${LOG_RANK:-0}"
 # torchrun relays the ranks' logs through its own stdout: unbuffered, they reach a pipe (| tee) as they happen
 export PYTHONUNBUFFERED=1
-CONFIG_FILE="${CONFIG_FILE:-train_configs/debug_model.toml}"
 COMM_MODE="${COMM_MODE:-}"
+# --job.config_file among the overrides takes the place of CONFIG_FILE; both at once is an error
+# (the config parser reports two different files in one line)
+config_args=()
+case " $* " in
+    *" --job.config_file"* | *" --job.config-file"*) [ -n "${CONFIG_FILE:-}" ] && config_args=(--job.config_file "${CONFIG_FILE}") ;;
+    *) config_args=(--job.config_file "${CONFIG_FILE:-train_configs/debug_model.toml}") ;;
+esac
 
 if [ "${COMM_MODE}" = "fake_backend" ]; then
-    exec python -m torchtitan_ext.dry_run --ngpu "${NGPU}" -- --job.config_file "${CONFIG_FILE}" "$@"
+    exec python -m torchtitan_ext.dry_run --ngpu "${NGPU}" -- "${config_args[@]}" "$@"
 elif [ -n "${COMM_MODE}" ]; then
     NGPU="${NGPU}" LOCAL_RANK=0 RANK=0 WORLD_SIZE=1 exec python -m torchtitan_ext.train \
-        --job.config_file "${CONFIG_FILE}" "$@" --comm.mode "${COMM_MODE}" --training.steps 1
+        "${config_args[@]}" "$@" --comm.mode "${COMM_MODE}" --training.steps 1
 fi
 
 port_args=()
@@ -48,9 +54,8 @@ if [ -n "${MASTER_PORT:-}" ]; then
 else
     rdzv_endpoint="localhost:0"
 fi
-python -m torchtitan_ext.launch --ngpu "${NGPU}" "${port_args[@]}" -- \
-    --job.config_file "${CONFIG_FILE}" "$@"
+python -m torchtitan_ext.launch --ngpu "${NGPU}" "${port_args[@]}" -- "${config_args[@]}" "$@"
 
 exec torchrun --nproc_per_node="${NGPU}" --rdzv_backend c10d --rdzv_endpoint="${rdzv_endpoint}" \
     --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 \
-    -m torchtitan_ext.train --job.config_file "${CONFIG_FILE}" "$@"
+    -m torchtitan_ext.train "${config_args[@]}" "$@"

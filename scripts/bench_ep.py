@@ -124,7 +124,7 @@ class CollectiveRecorder(TorchDispatchMode):
 
 
 def _make_style(backend: str, shape: Shape, job_args):
-    from torchtitan_ext.config import parse_job_config
+    from torchtitan_ext.job_config import parse as parse_job_config
     from torchtitan_ext.ep import BACKENDS, MoEShape
 
     name = {"hybridep_nb": "hybridep", "deepep_lib": "deepep", "hybridep_lib": "hybridep"}.get(backend, backend)

@@ -20,13 +20,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torchtitan.models.moe.moe import GroupedExperts, MoE, MoEArgs
 
 from torchtitan_ext import runtime
-from torchtitan_ext.config import parse_job_config
+from torchtitan_ext.job_config import parse as parse_job_config
 from torchtitan_ext.ep import BACKENDS as BACKEND_CLASSES
 from torchtitan_ext.ep import HybridEPExpertParallel, MoEShape
 from torchtitan_ext.ep.base import Routing
 from torchtitan_ext.ep.handle import DispatchHandle
 from torchtitan_ext.ep.kernels.reference import ReferenceHybridEPBuffer
-from torchtitan_ext.models.moe import ExpertParallelMoE
+from torchtitan_ext.models.moe import ExpertParallelMoE, TensorParallelTokenSplit
 
 BACKENDS = ("nccl", "deepep", "hybridep", "hybridep_non_blocking")
 """hybridep_non_blocking runs at capacity factor 1.0 without padding, which cannot drop."""
@@ -483,7 +483,9 @@ def _moe_with_shared_experts(case: Case) -> MoE:
     return moe
 
 
-def overlap_worker(rank: int, ep: int, case: Case, backends: tuple, peer_wait_s: dict) -> dict:
+def overlap_worker(
+    rank: int, ep: int, case: Case, backends: tuple, peer_wait_s: dict, borrowing_tp: bool = False
+) -> dict:
     """Per backend: whether rank 0's shared experts start while its combine is in flight.
 
     Rank 1 holds its combine back until rank 0's shared experts have started,
@@ -492,12 +494,16 @@ def overlap_worker(rank: int, ep: int, case: Case, backends: tuple, peer_wait_s:
     its shared experts after rank 1 gave up waiting: rank 1 then reports False.
     Also returns each rank's MoE output and input gradient, and the same
     computed with every combine landed before the shared experts run.
+
+    ``borrowing_tp``: EP borrows the TP ranks: every rank holds all tokens and
+    dispatches its slice (the MoE's token split), as with
+    tensor_parallel_degree = expert_parallel_degree and expert TP off.
     """
     runtime.configure()  # the router's torch.histc on int64 ids
     store = dist.distributed_c10d._get_default_store()
     mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
     x_all = torch.randn(case.total_tokens, case.hidden, generator=torch.Generator().manual_seed(case.seed))
-    x_rank = x_all[_rank_slice(rank, case, ep)].view(1, -1, case.hidden)
+    x_rank = (x_all if borrowing_tp else x_all[_rank_slice(rank, case, ep)]).view(1, -1, case.hidden)
     results = {}
     for backend in backends:
         moe = _moe_with_shared_experts(case)
@@ -515,7 +521,8 @@ def overlap_worker(rank: int, ep: int, case: Case, backends: tuple, peer_wait_s:
 
             moe.experts.register_forward_hook(hold_combine)  # runs before the EP style's combine hook
         parallelize_module(moe.experts, mesh, make_style(backend, case, ep))
-        ExpertParallelMoE.adopt(moe)
+        split = TensorParallelTokenSplit(mesh) if borrowing_tp else None
+        ExpertParallelMoE.adopt(moe, split)
         x = x_rank.clone().requires_grad_()
         out = moe(x)
         out.sum().backward()
@@ -523,7 +530,11 @@ def overlap_worker(rank: int, ep: int, case: Case, backends: tuple, peer_wait_s:
         x_sequential = x_rank.clone().requires_grad_()
         flat = x_sequential.view(-1, case.hidden)
         top_scores, expert_ids, _ = moe.router(flat, moe.expert_bias)
-        routed = moe.experts(flat, Routing(top_scores, expert_ids)).clone()  # an op: lands the combine first
+        if split is None:
+            routed = moe.experts(flat, Routing(top_scores, expert_ids)).clone()  # an op: lands the combine first
+        else:
+            routing = Routing(split.split(top_scores), split.split(expert_ids))
+            routed = split.unsplit(moe.experts(split.split(flat), routing).clone())
         sequential = (moe.shared_experts(flat) + routed).view_as(x_sequential)
         sequential.sum().backward()
         results[backend] = {

@@ -119,8 +119,8 @@ def _job_config(cell: Cell, dp_shard: int, world_size: int):
     step: the debug job is parsed once per process and each cell sets its
     overrides on a copy, then goes through the same validation as training.
     """
-    from torchtitan_ext.config import validate
-    from torchtitan_ext.train import load_job_config, num_experts_of
+    from torchtitan_ext.job_config import validate
+    from torchtitan_ext.train import load_job_config
 
     if "base" not in _BASE_CONFIG:
         _BASE_CONFIG["base"] = load_job_config(
@@ -139,7 +139,7 @@ def _job_config(cell: Cell, dp_shard: int, world_size: int):
         target = getattr(job_config, section)
         current = getattr(target, name)
         setattr(target, name, value if isinstance(current, str) else (type(current) if current is not None else float)(value))
-    validate(job_config, device_type="cpu", num_experts=num_experts_of(job_config), world_size=world_size)
+    validate(job_config, device_type="cpu", world_size=world_size)
     return job_config
 
 

@@ -7,6 +7,8 @@ processes (gloo) without timing: rank 1 holds its combine back until rank 0's
 shared experts have started. Rank 0 gets there only if its own combine did not
 wait for rank 1's rows. Overlapping changes no number: output and gradients
 equal those of the same layer with combine landed before the shared experts.
+The same holds when EP borrows the TP ranks: the MoE un-splits the routed
+output after its shared experts, so the overlap (and the dry run's "yes") stays.
 """
 
 import pytest
@@ -24,9 +26,11 @@ PEER_WAIT_S = {"nccl": 120, "deepep": 120, "hybridep": 5}
 hang would use it up), short where it cannot come before rank 1 gives up."""
 
 
-@pytest.fixture(scope="module")
-def results():
-    return run_distributed(EP, overlap_worker, CASE, tuple(OVERLAPPING), PEER_WAIT_S)
+@pytest.fixture(scope="module", params=[False, True], ids=["ep", "ep_borrowing_tp"])
+def results(request):
+    """Plain EP, and EP borrowing the TP ranks (each rank dispatches its slice of the tokens and the
+    un-split follows the shared experts)."""
+    return run_distributed(EP, overlap_worker, CASE, tuple(OVERLAPPING), PEER_WAIT_S, request.param)
 
 
 @pytest.mark.parametrize("backend", OVERLAPPING)

@@ -6,7 +6,9 @@ import pytest
 import tomli_w
 from torchtitan.config import JobConfig as TorchTitanJobConfig
 
-from torchtitan_ext.config import ConfigError, comm_backend, parse_job_config, validate
+from torchtitan_ext.config import comm_backend, ConfigError
+from torchtitan_ext.job_config import parse as parse_job_config
+from torchtitan_ext.job_config import validate
 from torchtitan_ext.models import register_train_specs
 from torchtitan_ext.train import load_job_config
 
@@ -68,9 +70,9 @@ def _load(*overrides, device_type="cpu", world_size=2):
         (("--parallelism.expert_parallel_comm_backend", "alltoall"),
          "parallelism.expert_parallel_comm_backend = 'alltoall' is not a backend"),
         (("--parallelism.expert_parallel_comm_backend", "hybridep", "--hybridep.non_blocking_capacity_factor", "1.5"),
-         "hybridep.non_blocking_capacity_factor = 1.5 is outside (0, 1]"),
+         "hybridep.non_blocking_capacity_factor = 1.5: use a value > 0 and <= 1"),
         (("--parallelism.expert_parallel_comm_backend", "hybridep", "--hybridep.non_blocking_capacity_factor", "0"),
-         "hybridep.non_blocking_capacity_factor = 0.0 is outside (0, 1]"),
+         "hybridep.non_blocking_capacity_factor = 0.0: use a value > 0 and <= 1"),
         (("--hybridep.non_blocking_capacity_factor", "0.5"),
          "[hybridep] non_blocking_capacity_factor is set but parallelism.expert_parallel_comm_backend is 'nccl'"),
         (("--parallelism.expert_parallel_comm_backend", "hybridep", "--deepep.implementation", "reference"),
@@ -90,25 +92,61 @@ def _load(*overrides, device_type="cpu", world_size=2):
         (("--model.flavor", "tiny"), "model.flavor = 'tiny' is not a flavour of deepseek_v3"),
         (("--parallelism.expert_parallel_comm_backend", "hybridep", "--parallelism.expert_parallel_degree", "1"),
          "'hybridep' needs expert parallelism, but expert_parallel_degree = 1"),
+        (("--model.name", "gpt9"), "model.name = 'gpt9' is not a registered model: use one of deepseek_v3,"),
+        (("--training.steps", "0"), "training.steps = 0: use a value >= 1 (training steps)"),
+        (("--training.steps", "-3"), "training.steps = -3: use a value >= 1"),
+        (("--training.seq_len", "0"), "training.seq_len = 0: use a value >= 1 (tokens per sequence)"),
+        (("--training.local_batch_size", "0"), "training.local_batch_size = 0: use a value >= 1"),
+        (("--metrics.log_freq", "0"), "metrics.log_freq = 0: use a value >= 1"),
+        (("--optimizer.lr", "-1"), "optimizer.lr = -1.0: use a value > 0"),
+        (("--training.global_batch_size", "6"),
+         "training.global_batch_size = 6 is not a multiple of local_batch_size x data-parallel ranks = 4 x 2"),
+        (("--training.steps", "abc"), "--training.steps abc: use an integer"),
+        (("--activation_checkpoint.mode", "sometimes"),
+         "--activation_checkpoint.mode sometimes: use one of 'selective', 'full', 'memory_budget', 'none'"),
+        (("--activation_checkpoint.mode", "memory_budget"),
+         "activation_checkpoint.mode = 'memory_budget' works through torch.compile"),
+        (("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "banana"),
+         "activation_checkpoint.selective_ac_option = 'banana': use 'op' (per operator) or a positive integer N"),
+        (("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "0"),
+         "activation_checkpoint.selective_ac_option = '0'"),
+        (("--parallelism.expert_parallel_comm_backend", "hybridep", "--hybridep.non_blocking_capacity_factor", "1e-9"),
+         "hybridep.non_blocking_capacity_factor = 1e-09 leaves 0 rows per dispatch"),
+        (("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "DualPipeV",
+          "--activation_checkpoint.mode", "full"),
+         "'DualPipeV' overlapping expert parallelism cannot run with activation_checkpoint.mode = 'full'"),
+        (("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "DualPipeV"),
+         "overlaps expert parallelism on CUDA streams, which a CPU does not have"),
+        (("--training.dataset_path", "/data/c4"),
+         "training.dataset_path = '/data/c4' but training.dataset = 'stdlib_code', the embedded corpus"),
+        (("--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "1",
+          "--parallelism.data_parallel_shard_degree", "1", "--parallelism.expert_parallel_comm_backend", "nccl",
+          "--training.local_batch_size", "3", "--parallelism.pipeline_parallel_degree", "1"),
+         None),
     ],
 )
 def test_invalid_values_name_the_field(overrides, message):
-    with pytest.raises(ConfigError) as error:
+    if message is None:  # a valid neighbour of the cases above
         _load(*overrides)
+        return
+    world_size = 4 if "DualPipeV" in overrides else 2
+    with pytest.raises(ConfigError) as error:
+        _load(*overrides, world_size=world_size)
     assert message in str(error.value)
     assert "\n" not in str(error.value)
 
 
 def test_non_blocking_hybridep_rejects_overlapped_dualpipev():
+    """Validated for a GPU cluster (device None): on CPU, DualPipeV's overlap is refused before."""
     with pytest.raises(ConfigError, match="non-blocking HybridEP cannot serve pipeline_parallel_schedule = 'DualPipeV'"):
         _load(
             "--parallelism.expert_parallel_comm_backend", "hybridep", "--hybridep.non_blocking_capacity_factor", "0.8",
             "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "DualPipeV",
-            world_size=4,
+            device_type=None, world_size=4,
         )
     _load("--parallelism.expert_parallel_comm_backend", "hybridep",
           "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "DualPipeV",
-          world_size=4)
+          device_type=None, world_size=4)
 
 
 def test_expert_tensor_parallel_rejected_for_kernel_backends():
@@ -147,4 +185,40 @@ def test_auto_on_cuda_without_deep_ep_is_an_error():
 
 def test_validate_needs_no_process_group():
     config = parse_job_config(["--job.config_file", DEBUG_TOML])
-    validate(config, device_type="cpu", num_experts=8, world_size=None)
+    validate(config, device_type="cpu", world_size=None)
+
+
+def test_every_numeric_field_has_a_range():
+    """A numeric field added to torchtitan's sections or ours cannot slip past range checking."""
+    from torchtitan_ext.config import numeric_fields
+    from torchtitan_ext.job_config import ALL_RANGES, MergedJobConfig
+
+    assert set(numeric_fields(MergedJobConfig)) == set(ALL_RANGES)
+
+
+@pytest.mark.parametrize("key", sorted(__import__("torchtitan_ext.job_config", fromlist=["ALL_RANGES"]).ALL_RANGES))
+def test_each_range_rejects_a_value_outside_it(key):
+    """Every numeric field refuses a value just outside its range, naming the field."""
+    from torchtitan_ext.job_config import ALL_RANGES
+
+    valid = ALL_RANGES[key]
+    outside = valid.minimum - 1 if valid.minimum is not None else valid.maximum + 1
+    while outside in valid.also:
+        outside -= 1
+    config = parse_job_config(["--job.config_file", DEBUG_TOML])
+    section, _, name = key.rpartition(".")
+    target = config
+    for part in section.split("."):
+        target = getattr(target, part)
+    setattr(target, name, outside)
+    from torchtitan_ext.config import check_ranges
+
+    with pytest.raises(ConfigError, match=f"^{key} = "):
+        check_ranges(config, {key: valid})
+
+
+def test_toml_values_are_type_checked(tmp_path):
+    config = tmp_path / "bad.toml"
+    config.write_text(open(DEBUG_TOML).read().replace("steps = 40", 'steps = "forty"'))
+    with pytest.raises(ConfigError, match=f"training.steps = 'forty' in {config}: use an integer"):
+        parse_job_config(["--job.config_file", str(config)])

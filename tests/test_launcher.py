@@ -27,6 +27,10 @@ def _error_line(result: subprocess.CompletedProcess) -> str:
         ((), {"NGPU": "999"}, "NGPU=999 but this machine"),
         ((), {"NGPU": "two"}, "NGPU='two' is not an integer"),
         (("--parallelism.expert_parallel_degree", "3"), {}, "does not divide the model's 8 experts"),
+        (("--job.config_file", "train_configs/llama4_debug_model.toml"), {"CONFIG_FILE": "train_configs/debug_model.toml"},
+         "--job.config_file is given twice ('train_configs/debug_model.toml' and 'train_configs/llama4_debug_model.toml')"),
+        (("--model.name", "gpt9"), {}, "model.name = 'gpt9' is not a registered model"),
+        (("--training.steps", "0"), {}, "training.steps = 0: use a value >= 1"),
     ],
 )
 def test_bad_input_is_one_line(args, env, expected):
@@ -60,6 +64,15 @@ def test_fake_backend_is_a_dry_run():
     assert "dry run: deepseek_v3 debugmodel on 8 ranks" in result.stdout
     assert "mesh: batch=8 loss=8 fsdp=8 ep=2 efsdp=4" in result.stdout
     assert step_losses(result.stdout) == {}
+
+
+def test_config_file_on_the_command_line_is_the_job():
+    """./run_train.sh --job.config_file X runs X, not the default config."""
+    result = run_launcher(
+        "--job.config_file", "train_configs/llama4_debug_model.toml", timeout=300, COMM_MODE="fake_backend", NGPU="2"
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "dry run: llama4 debugmodel on 2 ranks" in result.stdout
 
 
 def test_dry_run_rejects_bad_degrees():

@@ -112,3 +112,59 @@ def test_training_log_reports_drops_once_and_records_routing(tmp_path):
     assert data["tokens_per_expert"].shape == (1, 5, 8)
     assert (data["tokens_per_expert"].sum(axis=2) == 2 * 4 * 256 * 3).all()
     assert routing_report.main([str(folder)])
+
+
+def _metrics_processor(log_freq: int):
+    from torchtitan.distributed import ParallelDims
+
+    from torchtitan_ext import runtime
+    from torchtitan_ext.job_config import parse
+    from torchtitan_ext.metrics import build_metrics_processor
+
+    runtime.configure()
+    job_config = parse(["--job.config_file", "train_configs/debug_model.toml", "--metrics.log_freq", str(log_freq)])
+    dims = ParallelDims(dp_shard=1, dp_replicate=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    processor = build_metrics_processor(job_config, dims)
+    processor.num_flops_per_token = 1
+    logged = {}
+    processor.logger.log = lambda metrics, step: logged.update({step: metrics})
+    return processor, logged
+
+
+@pytest.mark.parametrize("log_freq", [1, 5])
+def test_step_time_after_a_resume_counts_only_the_steps_since_the_last_log(log_freq):
+    """Resumed at step 10, the first line's step time covers the steps trained, not 10 + them."""
+    import time
+
+    processor, logged = _metrics_processor(log_freq)
+    processor.time_last_log = time.perf_counter() - 3.0
+    for step in range(11, 16):  # torchtitan's train_step asks should_log once per step
+        if processor.should_log(step):
+            processor.log(step, 1.0, 1.0, 0.5)
+    logged_step = 11 if log_freq == 1 else 15
+    step_time = logged[logged_step]["time_metrics/end_to_end(s)"]
+    assert step_time == pytest.approx(3.0 / (1 if log_freq == 1 else 5), rel=0.05)
+
+
+def test_evaluation_forwards_are_not_counted():
+    """Validation runs the model in eval mode: neither the dispatch counters nor the routing recorder count it."""
+    from torchtitan_ext.routing_stats import RoutingRecorder
+
+    stats = DispatchStats()
+    stats.counting = False
+    stats.record_routing(torch.tensor([[0, 1]]), num_experts=2)
+    stats.record_rows(torch.tensor([8, 8]))
+    stats.record_drops(torch.tensor(3))
+    assert stats.read_and_reset() == (None, None, None)
+
+    router = torch.nn.Linear(4, 2)
+    model = torch.nn.ModuleDict({"layers": torch.nn.ModuleDict({"1": torch.nn.Module()})})
+    model.layers["1"].moe = torch.nn.Module()
+    model.layers["1"].moe.router = router
+    recorder = RoutingRecorder(num_layers=2, num_experts=2, top_k=1, device=torch.device("cpu"))
+    recorder.attach([model])
+    ids = torch.tensor([[1], [0], [1]])
+    for training in (True, False):
+        model.train(training)
+        recorder._router_hook(1)(router, (), (None, ids))
+    assert recorder.current[1].tolist() == [1, 2]

@@ -161,7 +161,7 @@ def test_explicit_precision_is_respected(monkeypatch, tmp_path):
 
 
 def test_precision_choice_explains_itself(monkeypatch):
-    from torchtitan_ext.config import parse_job_config
+    from torchtitan_ext.job_config import parse as parse_job_config
 
     monkeypatch.setenv(runtime.CPU_BF16_ENV, "emulated")
     job_config = parse_job_config(["--job.config_file", DEBUG_TOML])

@@ -1,23 +1,24 @@
-"""Our config sections, merged into torchtitan's ``JobConfig``, and their validation.
+"""Parsing and validating job configs: torchtitan's sections, ours, and the rules they share.
 
-Every torchtitan 0.2.2 section and key keeps its meaning. We add:
+Every torchtitan 0.2.2 section and key keeps its meaning. This module adds
+the sections that are not any one backend's (``[parallelism]``'s widened
+backend field, ``[routing_stats]``) and the machinery: TOML + CLI parsing with
+unknown keys and ill-typed values named in one line, and the range of every
+numeric field. Backends own their sections (see ``torchtitan_ext.ep``);
+:mod:`torchtitan_ext.job_config` assembles the whole job config from both.
 
-- ``[parallelism] expert_parallel_comm_backend``: widened to our backends;
-- ``[deepep]`` and ``[hybridep]``: knobs of those backends only;
-- ``[routing_stats]``: the optional routing-statistics recorder.
-
-:func:`parse_job_config` turns TOML + CLI into a ``JobConfig`` and
-:func:`validate` rejects bad values and combinations with one line naming the
-field and the fix. Both run before any process group, buffer or model exists.
+Nothing here allocates, builds a process group, or imports a backend.
 """
 
 import difflib
-from dataclasses import dataclass, field, fields, is_dataclass
+import math
+import types
+import typing
+from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from torchtitan.config import ConfigManager
-from torchtitan.config import JobConfig as TorchTitanJobConfig
 
 try:
     import tomllib
@@ -32,7 +33,7 @@ class ConfigError(ValueError):
 BACKEND_ALIASES = {"standard": "nccl"}
 """torchtitan's backend names that mean one of ours."""
 
-KNOWN_BACKENDS = ("nccl", "deepep", "hybridep")
+CONFIG_FILE_KEYS = ("--job.config_file", "--job.config-file")
 
 
 @dataclass
@@ -43,79 +44,11 @@ class Parallelism:
 
     - "nccl": all-to-all over torch.distributed (NCCL on GPU, gloo on CPU).
       "standard", torchtitan's name for it, is accepted as an alias.
-    - "deepep": DeepEP v1 normal-mode kernels; knobs in [deepep].
+    - "deepep": DeepEP's kernels; knobs in [deepep].
     - "hybridep": DeepEP's HybridEP kernels (fused permute, optional
       non-blocking mode); knobs in [hybridep].
 
     No effect for models without MoE layers or when expert_parallel_degree = 1.
-    """
-
-
-@dataclass
-class DeepEP:
-    implementation: Literal["auto", "deep_ep", "reference"] = "auto"
-    """
-    Which kernels run the DeepEP calls.
-
-    - "auto": the real deep_ep library on CUDA, the reference on CPU. On CUDA
-      without deep_ep installed this is an error, never a silent fallback.
-    - "deep_ep": the real library (CUDA only; built from source, see docs/backends.md).
-    - "reference": torchtitan_ext's pure torch.distributed implementation of the
-      same calls with the same results, on any device. Slow; for debugging and CI.
-    """
-
-    num_sms: int | None = None
-    """
-    Streaming multiprocessors the normal-mode kernels use (``Buffer.set_num_sms``).
-    Even integer >= 2 (DeepEP runs one channel per 2 SMs); unset keeps the
-    library's default of 20. More SMs speed up communication and leave fewer
-    for the experts' GEMMs. Ignored by the reference implementation.
-    """
-
-
-@dataclass
-class HybridEP:
-    implementation: Literal["auto", "deep_ep", "reference"] = "auto"
-    """Which kernels run the HybridEP calls; same meaning as in [deepep]."""
-
-    non_blocking_capacity_factor: float | None = None
-    """
-    Unset: blocking mode. Dispatch waits for the device once per MoE layer to
-    learn how many rows each expert receives and sizes its output exactly:
-    no token is ever dropped.
-
-    A float in (0, 1]: non-blocking mode. No host sync; dispatch writes into
-    M = roundup(int(N * R * min(L, K) * factor), P) rows, with N tokens per rank
-    before dispatch, R = EP degree, L = experts per rank, K = top_k and P the pad
-    multiple. 1.0 is the worst case when P = 1 (every token to every local expert);
-    smaller factors save memory. When the padded layout needs more than M rows,
-    the (token, expert) pairs whose row would be >= M are dropped, from the tail
-    (highest local expert first, latest source rank and token first); they add
-    nothing to the output, the overflow flag is set and they are counted and reported.
-    With P > 1 even 1.0 can drop: padding adds up to L * (P - 1) rows.
-    """
-
-    num_sms_dispatch: int = 16
-    """SMs given to the dispatch kernels (library constructor argument). Integer >= 1."""
-
-    num_sms_combine: int = 16
-    """SMs given to the combine kernels (library constructor argument). Integer >= 1."""
-
-    ranks_per_nvlink_domain: int | None = None
-    """
-    Ranks that share one NVLink domain; exported as
-    NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN before the buffer is created. Must
-    divide expert_parallel_degree. Unset lets the library count the
-    peer-accessible GPUs (8 on an HGX node). GB200 NVL72: 64 (or the EP degree
-    when smaller), so that all-to-all stays on NVLink.
-    """
-
-    use_mnnvl: bool | None = None
-    """
-    Multi-node NVLink (the NVL72 fabric). false exports USE_MNNVL=0, which
-    disables cross-node NVLink memory; true exports USE_MNNVL=1 (the library
-    then uses the fabric where the driver offers it). Unset leaves the
-    environment untouched.
     """
 
 
@@ -136,54 +69,49 @@ class RoutingStats:
     """Folder for the files, inside job.dump_folder."""
 
 
-@dataclass
-class JobConfig:
-    parallelism: Parallelism = field(default_factory=Parallelism)
-    deepep: DeepEP = field(default_factory=DeepEP)
-    hybridep: HybridEP = field(default_factory=HybridEP)
-    routing_stats: RoutingStats = field(default_factory=RoutingStats)
-
-
-MergedJobConfig = ConfigManager._merge_configs(TorchTitanJobConfig, JobConfig)
-"""torchtitan's JobConfig with our sections; what ``parse_job_config`` returns."""
-
-
 def comm_backend(job_config) -> str:
     """The EP backend's canonical name (aliases resolved)."""
     name = job_config.parallelism.expert_parallel_comm_backend
     return BACKEND_ALIASES.get(name, name)
 
 
-def parse_job_config(args: list[str]) -> Any:
-    """TOML (``--job.config_file``) + CLI overrides -> ``JobConfig``.
+# ---- parsing ------------------------------------------------------------------------------
 
-    Unknown keys, a missing or malformed file raise ``ConfigError`` with one line.
+
+def parse_job_config(args: list[str], config_cls) -> Any:
+    """TOML (``--job.config_file``) + CLI overrides -> a ``config_cls`` instance.
+
+    Unknown keys, ill-typed values, a missing or malformed file raise
+    ``ConfigError`` with one line, before torchtitan's parser sees them.
     """
     config_file = _config_file_from_args(args)
     toml_values = _load_toml(config_file) if config_file else {}
-    config_cls = MergedJobConfig
     custom_module = _custom_config_module(args, toml_values)
     if custom_module:
         import importlib
 
-        config_cls = ConfigManager._merge_configs(
-            MergedJobConfig, importlib.import_module(custom_module).JobConfig
-        )
-    _check_toml_keys(config_cls, toml_values, config_file)
-    _check_cli_keys(config_cls, args)
+        config_cls = ConfigManager._merge_configs(config_cls, importlib.import_module(custom_module).JobConfig)
+    _check_toml(config_cls, toml_values, config_file)
+    _check_cli(config_cls, args)
     return ConfigManager(config_cls=config_cls).parse_args(args)
 
 
 def _config_file_from_args(args: list[str]) -> str | None:
+    found = None
     for i, arg in enumerate(args):
         key, _, value = arg.partition("=")
-        if key in ("--job.config_file", "--job.config-file"):
-            if value:
-                return value
-            if i + 1 < len(args):
-                return args[i + 1]
-            raise ConfigError(f"{key} needs a path: {key}=train_configs/debug_model.toml")
-    return None
+        if key in CONFIG_FILE_KEYS:
+            if not value:
+                if i + 1 >= len(args):
+                    raise ConfigError(f"{key} needs a path: {key}=train_configs/debug_model.toml")
+                value = args[i + 1]
+            if found is not None and value != found:
+                raise ConfigError(
+                    f"--job.config_file is given twice ('{found}' and '{value}'): pass one "
+                    "(with run_train.sh: CONFIG_FILE=... or --job.config_file, not both)"
+                )
+            found = value
+    return found
 
 
 def _load_toml(path: str) -> dict[str, Any]:
@@ -218,13 +146,17 @@ def _unknown_key_error(section: str, key: str, known: list[str], where: str) -> 
     return ConfigError(f"unknown config key '{section}{key}' in {where}: {hint}")
 
 
-def _check_toml_keys(cls, values: dict[str, Any], path: str | None, prefix: str = "") -> None:
-    types = _field_types(cls)
+def _check_toml(cls, values: dict[str, Any], path: str | None, prefix: str = "") -> None:
+    types_ = _field_types(cls)
     for key, value in values.items():
-        if key not in types:
-            raise _unknown_key_error(prefix, key, list(types), path or "the config")
-        if is_dataclass(types[key]) and isinstance(value, dict):
-            _check_toml_keys(types[key], value, path, f"{prefix}{key}.")
+        if key not in types_:
+            raise _unknown_key_error(prefix, key, list(types_), path or "the config")
+        if is_dataclass(types_[key]) and isinstance(value, dict):
+            _check_toml(types_[key], value, path, f"{prefix}{key}.")
+            continue
+        problem = _type_problem(types_[key], value)
+        if problem:
+            raise ConfigError(f"{prefix}{key} = {value!r} in {path or 'the config'}: {problem}")
 
 
 def _cli_keys(args: list[str]) -> list[str]:
@@ -256,124 +188,185 @@ def explicit_settings(args: list[str]) -> set[str]:
     return set(flatten(toml_values)) | cli
 
 
-def _check_cli_keys(cls, args: list[str]) -> None:
-    for dotted in _cli_keys(args):
-        *sections, key = dotted.split(".")
+def _check_cli(cls, args: list[str]) -> None:
+    for index, arg in enumerate(args):
+        if not arg.startswith("--") or arg in ("--help", "-h"):
+            continue
+        dotted, has_value, value = arg[2:].partition("=")
+        *sections, key = dotted.replace("-", "_").split(".")
         target, prefix = cls, ""
         for section in sections:
-            types = _field_types(target)
-            if section not in types or not is_dataclass(types[section]):
-                raise _unknown_key_error(prefix, section, list(types), "the command line")
-            target, prefix = types[section], f"{prefix}{section}."
-        types = _field_types(target)
-        if key not in types and not (key.startswith("no_") and key[3:] in types):
-            raise _unknown_key_error(prefix, key, list(types), "the command line")
-
-
-def validate(
-    job_config, *, device_type: str | None, num_experts: int | None, world_size: int | None = None
-) -> None:
-    """Reject invalid values and combinations before anything is allocated.
-
-    ``device_type`` is where the job runs ("cuda"/"cpu"; None when validating
-    for another machine, which skips the kernel-availability checks);
-    ``num_experts`` the model flavour's expert count (None for dense models);
-    ``world_size`` the number of processes in the job, when known.
-    """
-    backend = comm_backend(job_config)
-    if backend not in KNOWN_BACKENDS:
-        raise ConfigError(
-            f"parallelism.expert_parallel_comm_backend = '{backend}' is not a backend: "
-            f"use one of {', '.join(KNOWN_BACKENDS)} ('standard' means nccl)"
-        )
-    # a backend's knobs live in the section named after it
-    for section_name in KNOWN_BACKENDS:
-        section = getattr(job_config, section_name, None)
-        if section is None:
+            types_ = _field_types(target)
+            if section not in types_ or not is_dataclass(types_[section]):
+                raise _unknown_key_error(prefix, section, list(types_), "the command line")
+            target, prefix = types_[section], f"{prefix}{section}."
+        types_ = _field_types(target)
+        if key not in types_ and not (key.startswith("no_") and key[3:] in types_):
+            raise _unknown_key_error(prefix, key, list(types_), "the command line")
+        if key not in types_:
             continue
-        changed = [f.name for f in fields(section) if getattr(section, f.name) != f.default]
-        if changed and section_name != backend:
-            raise ConfigError(
-                f"[{section_name}] {changed[0]} is set but parallelism.expert_parallel_comm_backend "
-                f"is '{backend}': remove the [{section_name}] settings or select "
-                f"expert_parallel_comm_backend = '{section_name}'"
-            )
-    # the backends' modules import this one: look the class up at call time
-    from torchtitan_ext.ep import BACKENDS
-
-    backend_class = BACKENDS[backend]
-    _validate_degrees(job_config, num_experts, backend_class)
-    if job_config.routing_stats.save_every < 1:
-        raise ConfigError(
-            f"routing_stats.save_every = {job_config.routing_stats.save_every}: use an integer >= 1 (steps)"
-        )
-    if world_size is not None:
-        _validate_world_size(job_config.parallelism, world_size, job_config.training.seq_len)
-    backend_class.validate_config(job_config, device_type)
+        if not has_value and index + 1 < len(args) and not args[index + 1].startswith("--"):
+            value, has_value = args[index + 1], True
+        if has_value:
+            problem = _type_problem(types_[key], value, from_text=True)
+            if problem:
+                raise ConfigError(f"--{prefix}{key} {value}: {problem}")
 
 
-def _validate_degrees(job_config, num_experts: int | None, backend_class) -> None:
-    ep = job_config.parallelism.expert_parallel_degree
-    if ep < 1:
-        raise ConfigError(f"parallelism.expert_parallel_degree = {ep}: use an integer >= 1")
-    if num_experts is not None and num_experts % ep != 0:
-        raise ConfigError(
-            f"parallelism.expert_parallel_degree = {ep} does not divide the model's "
-            f"{num_experts} experts: pick a divisor of {num_experts}"
-        )
-    backend = comm_backend(job_config)
-    if backend_class.needs_expert_parallelism and ep == 1 and num_experts is not None:
-        raise ConfigError(
-            f"parallelism.expert_parallel_comm_backend = '{backend}' needs expert parallelism, but "
-            "expert_parallel_degree = 1: set expert_parallel_degree > 1 or use the nccl backend"
-        )
-    etp = job_config.parallelism.expert_tensor_parallel_degree
-    if not backend_class.supports_expert_tensor_parallel and ep > 1 and etp > 1:
-        raise ConfigError(
-            f"parallelism.expert_tensor_parallel_degree = {etp} is not supported by the "
-            f"'{backend}' backend: set expert_tensor_parallel_degree = 1 or use the nccl backend"
-        )
+def _type_problem(field_type, value, from_text: bool = False) -> str | None:
+    """Why ``value`` cannot be a ``field_type`` (None if it can, or if the type is not checked here).
+
+    ``from_text``: the value is command-line text, to be read as that type.
+    """
+    origin = typing.get_origin(field_type)
+    if origin is Literal:
+        choices = typing.get_args(field_type)
+        if value in choices or (from_text and value in [str(c) for c in choices]):
+            return None
+        return f"use one of {', '.join(repr(c) for c in choices)}"
+    if origin in (typing.Union, types.UnionType):
+        members = typing.get_args(field_type)
+        if type(None) in members and (value is None or (from_text and value == "None")):
+            return None
+        problems = [_type_problem(member, value, from_text) for member in members if member is not type(None)]
+        return None if any(p is None for p in problems) else problems[0]
+    if field_type is bool:
+        if isinstance(value, bool) or (from_text and value in ("True", "False", "true", "false")):
+            return None
+        return "use true or false"
+    if field_type in (int, float):
+        if from_text:
+            try:
+                number = int(value) if field_type is int else float(value)
+            except ValueError:
+                return f"use {'an integer' if field_type is int else 'a number'}"
+            return None if field_type is int or math.isfinite(number) else "use a finite number"
+        if isinstance(value, bool) or not isinstance(value, (int, float) if field_type is float else int):
+            return f"use {'an integer' if field_type is int else 'a number'}"
+        return None
+    if field_type is str and not from_text and not isinstance(value, str):
+        return "use a string"
+    return None
 
 
-def _validate_world_size(p, world_size: int, seq_len: int) -> None:
-    fixed = p.data_parallel_replicate_degree * p.context_parallel_degree
-    fixed *= p.tensor_parallel_degree * p.pipeline_parallel_degree
-    shard = p.data_parallel_shard_degree
-    if shard == -1:
-        if world_size % fixed:
-            raise ConfigError(
-                f"world size {world_size} is not a multiple of dp_replicate x cp x tp x pp = {fixed}: "
-                f"change NGPU (or the node count) or those degrees"
-            )
-        shard = world_size // fixed
-    elif shard * fixed != world_size:
-        raise ConfigError(
-            f"dp_replicate x dp_shard x cp x tp x pp = {shard * fixed} but the world size is "
-            f"{world_size}: set parallelism.data_parallel_shard_degree = -1 or NGPU = {shard * fixed}"
-        )
-    ep, etp, tp = p.expert_parallel_degree, p.expert_tensor_parallel_degree, p.tensor_parallel_degree
-    divisor = tp * 2 * p.context_parallel_degree
-    if seq_len % divisor:
-        raise ConfigError(
-            f"training.seq_len = {seq_len} is not divisible by TP x 2 x CP = {divisor}: "
-            f"use a multiple of {divisor}"
-        )
-    if ep > 1:
-        if etp not in (1, tp):
-            raise ConfigError(
-                f"parallelism.expert_tensor_parallel_degree = {etp}: use 1 or "
-                f"tensor_parallel_degree ({tp})"
-            )
-        borrowed = shard * p.context_parallel_degree * tp
-        if borrowed % (ep * etp):
-            raise ConfigError(
-                f"parallelism.expert_parallel_degree = {ep} (x expert TP {etp}) must divide "
-                f"dp_shard x cp x tp = {borrowed}: choose an EP degree that divides {borrowed}"
-            )
-        expert_shards = borrowed // (ep * etp)
-        if shard * p.context_parallel_degree == 1 and expert_shards > 1:
-            raise ConfigError(
-                f"parallelism.expert_parallel_degree = {ep} leaves {expert_shards} ranks holding the same "
-                f"experts, but there is no data-parallel shard dimension to shard them over "
-                f"(dp_shard x cp = 1): set expert_parallel_degree = {borrowed // etp} or add data parallelism"
-            )
+# ---- ranges of numeric fields ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Range:
+    """The valid values of a numeric field."""
+
+    minimum: float | None = None
+    maximum: float | None = None
+    exclusive_minimum: bool = False
+    exclusive_maximum: bool = False
+    also: tuple = ()
+    """Sentinels allowed besides the range (e.g. -1 meaning "automatic")."""
+    meaning: str = ""
+
+    def problem(self, value) -> str | None:
+        if value is None or value in self.also:
+            return None
+        low_ok = self.minimum is None or (value > self.minimum if self.exclusive_minimum else value >= self.minimum)
+        high_ok = self.maximum is None or (value < self.maximum if self.exclusive_maximum else value <= self.maximum)
+        if low_ok and high_ok:
+            return None
+        return f"use {self.describe()}"
+
+    def describe(self) -> str:
+        parts = []
+        if self.minimum is not None:
+            parts.append(f"{'>' if self.exclusive_minimum else '>='} {self.minimum:g}")
+        if self.maximum is not None:
+            parts.append(f"{'<' if self.exclusive_maximum else '<='} {self.maximum:g}")
+        text = "a value " + " and ".join(parts)
+        if self.also:
+            text += " (or " + " or ".join(str(v) for v in self.also) + ")"
+        return text + (f" ({self.meaning})" if self.meaning else "")
+
+
+AT_LEAST_1 = Range(1)
+AT_LEAST_0 = Range(0)
+POSITIVE = Range(0, exclusive_minimum=True)
+FRACTION = Range(0, 1)
+DEGREE = Range(1, meaning="a parallelism degree")
+
+FIELD_RANGES: dict[str, Range] = {
+    "profiling.profile_freq": Range(1, meaning="steps between profiles"),
+    "profiling.profiler_active": AT_LEAST_1,
+    "profiling.profiler_warmup": AT_LEAST_0,
+    "metrics.log_freq": Range(1, meaning="steps between log lines"),
+    "optimizer.lr": POSITIVE,
+    "optimizer.beta1": Range(0, 1, exclusive_maximum=True),
+    "optimizer.beta2": Range(0, 1, exclusive_maximum=True),
+    "optimizer.eps": POSITIVE,
+    "optimizer.weight_decay": AT_LEAST_0,
+    "lr_scheduler.warmup_steps": Range(0, meaning="steps"),
+    "lr_scheduler.total_steps": Range(1, meaning="steps, or unset for training.steps"),
+    "lr_scheduler.decay_ratio": FRACTION,
+    "lr_scheduler.min_lr_factor": FRACTION,
+    "training.local_batch_size": Range(1, meaning="sequences per rank"),
+    "training.global_batch_size": Range(1, also=(-1,), meaning="sequences per step; -1: local x data parallel"),
+    "training.seq_len": Range(1, meaning="tokens per sequence"),
+    "training.max_norm": POSITIVE,
+    "training.steps": Range(1, meaning="training steps"),
+    "training.gc_freq": Range(1, meaning="steps between garbage collections"),
+    "training.dataloader.num_workers": AT_LEAST_0,
+    "training.dataloader.prefetch_factor": AT_LEAST_1,
+    "parallelism.data_parallel_replicate_degree": DEGREE,
+    "parallelism.data_parallel_shard_degree": Range(1, also=(-1,), meaning="a degree; -1: the rest of the world"),
+    "parallelism.tensor_parallel_degree": DEGREE,
+    "parallelism.pipeline_parallel_degree": DEGREE,
+    "parallelism.pipeline_parallel_first_stage_less_layers": AT_LEAST_0,
+    "parallelism.pipeline_parallel_last_stage_less_layers": AT_LEAST_0,
+    "parallelism.pipeline_parallel_layers_per_stage": AT_LEAST_1,
+    "parallelism.pipeline_parallel_microbatch_size": Range(1, meaning="sequences per microbatch"),
+    "parallelism.context_parallel_degree": DEGREE,
+    "parallelism.expert_parallel_degree": DEGREE,
+    "parallelism.expert_tensor_parallel_degree": DEGREE,
+    "checkpoint.interval": Range(1, meaning="steps between checkpoints"),
+    "checkpoint.keep_latest_k": Range(0, meaning="checkpoints kept; 0 keeps all"),
+    "checkpoint.load_step": Range(0, also=(-1,), meaning="a step; -1: the latest"),
+    "activation_checkpoint.memory_budget": FRACTION,
+    "comm.init_timeout_seconds": AT_LEAST_1,
+    "comm.train_timeout_seconds": AT_LEAST_1,
+    "comm.trace_buf_size": AT_LEAST_0,
+    "fault_tolerance.process_group_timeout_ms": AT_LEAST_1,
+    "fault_tolerance.replica_id": AT_LEAST_0,
+    "fault_tolerance.group_size": AT_LEAST_0,
+    "fault_tolerance.min_replica_size": AT_LEAST_1,
+    "validation.local_batch_size": Range(1, meaning="sequences per rank"),
+    "validation.seq_len": Range(1, meaning="tokens per sequence"),
+    "validation.freq": Range(1, meaning="steps between validations"),
+    "validation.steps": Range(1, also=(-1,), meaning="batches; -1: the whole dataset"),
+    "validation.dataloader.num_workers": AT_LEAST_0,
+    "validation.dataloader.prefetch_factor": AT_LEAST_1,
+    "debug.seed": AT_LEAST_0,
+    "routing_stats.save_every": Range(1, meaning="steps"),
+}
+"""The valid range of every numeric field of torchtitan's sections and of ours that no
+backend owns; a backend's section states its own (``RoutedExpertParallel.config_ranges``)."""
+
+
+def numeric_fields(cls, prefix: str = "") -> list[str]:
+    """Dotted names of every int/float field of ``cls`` (recursively)."""
+    names = []
+    for f in fields(cls):
+        if is_dataclass(f.type):
+            names += numeric_fields(f.type, f"{prefix}{f.name}.")
+            continue
+        members = typing.get_args(f.type) if typing.get_origin(f.type) in (typing.Union, types.UnionType) else (f.type,)
+        if any(member in (int, float) for member in members):
+            names.append(f"{prefix}{f.name}")
+    return names
+
+
+def check_ranges(job_config, ranges: dict[str, Range]) -> None:
+    """ConfigError for the first field of ``ranges`` whose value is out of its range."""
+    for dotted, valid in ranges.items():
+        value = job_config
+        for part in dotted.split("."):
+            value = getattr(value, part)
+        problem = valid.problem(value)
+        if problem:
+            raise ConfigError(f"{dotted} = {value}: {problem}")

@@ -10,12 +10,12 @@ import os
 import sys
 
 import torch
-from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.train import Trainer as TorchTitanTrainer
 
 from torchtitan_ext import routing_stats, runtime
-from torchtitan_ext.config import ConfigError, explicit_settings, parse_job_config, validate
+from torchtitan_ext import job_config as job_config_module
+from torchtitan_ext.config import ConfigError, explicit_settings
 from torchtitan_ext.data import prepare_embedded_assets, register_embedded_dataset
 from torchtitan_ext.models import register_train_specs
 
@@ -51,19 +51,6 @@ class Trainer(TorchTitanTrainer):
                     logger.info(f"Routing statistics saved to {path}")
 
 
-def num_experts_of(job_config) -> int | None:
-    """The configured model flavour's expert count, or None for a dense model."""
-    spec = get_train_spec(job_config.model.name)
-    flavor = job_config.model.flavor
-    if flavor not in spec.model_args:
-        raise ConfigError(
-            f"model.flavor = '{flavor}' is not a flavour of {job_config.model.name}: "
-            f"use one of {', '.join(spec.model_args)}"
-        )
-    moe_args = getattr(spec.model_args[flavor], "moe_args", None)
-    return moe_args.num_experts if moe_args is not None else None
-
-
 def load_job_config(args: list[str], device_type: str | None, world_size: int | None = None):
     """Parse, fit to the CPU (:func:`runtime.choose_cpu_precision`) and validate;
     raises ConfigError with a one-line message.
@@ -71,17 +58,12 @@ def load_job_config(args: list[str], device_type: str | None, world_size: int | 
     ``world_size`` defaults to the job's: NGPU under the fake backend, else
     torchrun's WORLD_SIZE.
     """
-    job_config = parse_job_config(args)
+    job_config = job_config_module.parse(args)
     if device_type == "cpu":
         logger.info(runtime.choose_cpu_precision(job_config, explicit_settings(args)))
     if world_size is None:
         world_size = _world_size_from_env(job_config.comm.mode)
-    validate(
-        job_config,
-        device_type=device_type,
-        num_experts=num_experts_of(job_config),
-        world_size=world_size,
-    )
+    job_config_module.validate(job_config, device_type=device_type, world_size=world_size)
     return job_config
 
 

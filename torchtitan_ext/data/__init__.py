@@ -6,6 +6,8 @@ from datasets import Dataset
 from torchtitan.hf_datasets import DatasetConfig
 from torchtitan.hf_datasets.text_datasets import DATASETS
 
+from torchtitan_ext.config import ConfigError
+
 from .embedded import (
     DATASET_NAME,
     DEFAULT_ASSETS_DIR,
@@ -15,6 +17,7 @@ from .embedded import (
 )
 
 __all__ = [
+    "check_dataset_options",
     "DATASET_NAME",
     "DEFAULT_ASSETS_DIR",
     "EmbeddedAssets",
@@ -52,3 +55,24 @@ def prepare_embedded_assets(job_config) -> None:
         roots.add(tokenizer_dir)
     for root in sorted(roots):
         ensure_assets(root)
+
+
+def check_dataset_options(job_config) -> None:
+    """ConfigError where a job points the embedded corpus at a path it would silently ignore.
+
+    The embedded corpus is built from the interpreter's standard library into
+    ``./assets/embedded``; a ``dataset_path`` is accepted only where such a build
+    already is, so that ``--training.dataset_path /data/c4`` without
+    ``--training.dataset c4`` is not trained on stdlib sources without a word.
+    """
+    sections = [("training", job_config.training)]
+    if job_config.validation.enable:
+        sections.append(("validation", job_config.validation))
+    for name, section in sections:
+        path = section.dataset_path
+        if section.dataset == DATASET_NAME and path and not EmbeddedAssets(Path(path)).is_complete():
+            raise ConfigError(
+                f"{name}.dataset_path = '{path}' but {name}.dataset = '{DATASET_NAME}', the embedded corpus "
+                f"(built in ./{DEFAULT_ASSETS_DIR}), which does not read it: set {name}.dataset to the "
+                "dataset stored there (e.g. c4), or unset dataset_path"
+            )

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torchtitan.components.quantization import FP8_GROUP_ALIGNMENT_SIZE, MXFP8_GROUP_ALIGNMENT_SIZE
 from torchtitan.distributed.expert_parallel import ExpertParallel
 
-from torchtitan_ext.config import ConfigError
+from torchtitan_ext.config import ConfigError, Range
 from torchtitan_ext.ep.handle import KernelBuffer
 from torchtitan_ext.ep.kernels import KernelUnavailable, resolve_implementation
 
@@ -201,6 +201,16 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 class RoutedExpertParallel(ExpertParallel, ABC):
     """Base of the EP backends: experts take (tokens, scores, expert ids)."""
 
+    config_section: ClassVar[str | None] = None
+    """Name of this backend's own config section (``[deepep]``, ``[hybridep]``), which holds
+    its knobs and nobody else's; None when it has none."""
+
+    Config: ClassVar[type | None] = None
+    """That section's dataclass, nested in the backend class."""
+
+    config_ranges: ClassVar[dict[str, Range]] = {}
+    """Valid ranges of the section's numeric fields, keyed "section.field"."""
+
     sac_save_ops: ClassVar[tuple] = ()
     """Ops whose outputs selective activation checkpointing must save, so that
     recomputation never repeats a collective."""
@@ -232,10 +242,12 @@ class RoutedExpertParallel(ExpertParallel, ABC):
         the layers it makes share whatever the backend shares (its buffer)."""
 
     @classmethod
-    def validate_config(cls, job_config, device_type: str | None) -> None:
-        """Reject this backend's invalid knobs with a ConfigError naming the field and the fix.
+    def validate_config(cls, job_config, device_type: str | None, shape: MoEShape) -> None:
+        """Reject this backend's invalid knobs and combinations with a ConfigError naming the
+        field and the fix (its section's ranges are checked before).
 
-        ``device_type`` None skips the checks that depend on the machine.
+        ``device_type`` None: validating for another machine (a dry run), which skips
+        the checks of what this machine can run.
         """
 
     @classmethod

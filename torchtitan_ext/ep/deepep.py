@@ -17,11 +17,12 @@ The buffer is shared by all MoE layers and created at the first dispatch.
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Literal
 
 import torch
 from torchtitan.config import TORCH_DTYPE_MAP
 
-from torchtitan_ext.config import ConfigError
+from torchtitan_ext.config import ConfigError, Range
 from torchtitan_ext.ep.base import (
     check_kernels,
     MoEShape,
@@ -157,6 +158,32 @@ class _DeepEPDispatchState:
 class DeepEPExpertParallel(RoutedExpertParallel):
     """EP over DeepEP v1 normal-mode kernels."""
 
+    @dataclass
+    class Config:
+        """``[deepep]``: knobs of the deepep backend."""
+
+        implementation: Literal["auto", "deep_ep", "reference"] = "auto"
+        """
+        Which kernels run the DeepEP calls.
+
+        - "auto": the real deep_ep library on CUDA, the reference on CPU. On CUDA
+          without deep_ep installed this is an error, never a silent fallback.
+        - "deep_ep": the real library (CUDA only; built from source, see docs/backends.md).
+        - "reference": torchtitan_ext's pure torch.distributed implementation of the
+          same calls with the same results, on any device. Slow; for debugging and CI.
+        """
+
+        num_sms: int | None = None
+        """
+        Streaming multiprocessors the normal-mode kernels use (``Buffer.set_num_sms``).
+        Even integer >= 2 (DeepEP runs one channel per 2 SMs); unset keeps the
+        library's default of 20. More SMs speed up communication and leave fewer
+        for the experts' GEMMs. Ignored by the reference implementation.
+        """
+
+    config_section = "deepep"
+    config_ranges = {"deepep.num_sms": Range(2, meaning="SMs, an even count")}
+
     shared_experts_overlap = "yes: combine runs with async_finish on DeepEP's communication stream"
     sac_save_ops = (
         torch.ops.torchtitan_ext.deepep_dispatch.default,
@@ -170,9 +197,9 @@ class DeepEPExpertParallel(RoutedExpertParallel):
         return partial(cls, buffer=buffer, pad_multiple=token_group_alignment(job_config))
 
     @classmethod
-    def validate_config(cls, job_config, device_type: str | None) -> None:
+    def validate_config(cls, job_config, device_type: str | None, shape: MoEShape) -> None:
         section = job_config.deepep
-        if section.num_sms is not None and (section.num_sms < 2 or section.num_sms % 2):
+        if section.num_sms is not None and section.num_sms % 2:
             raise ConfigError(
                 f"deepep.num_sms = {section.num_sms}: use an even integer >= 2 (one channel per 2 SMs)"
             )

@@ -21,12 +21,13 @@ from the config and created at the first dispatch.
 import os
 from dataclasses import dataclass
 from functools import partial
+from typing import Literal
 
 import torch
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools.logging import logger
 
-from torchtitan_ext.config import ConfigError
+from torchtitan_ext.config import ConfigError, Range
 from torchtitan_ext.ep.base import (
     check_kernels,
     MoEShape,
@@ -224,6 +225,62 @@ class _HybridEPDispatchState:
 class HybridEPExpertParallel(RoutedExpertParallel):
     """EP over HybridEP kernels (blocking or non-blocking)."""
 
+    @dataclass
+    class Config:
+        """``[hybridep]``: knobs of the hybridep backend."""
+
+        implementation: Literal["auto", "deep_ep", "reference"] = "auto"
+        """Which kernels run the HybridEP calls; same meaning as in [deepep]."""
+
+        non_blocking_capacity_factor: float | None = None
+        """
+        Unset: blocking mode. Dispatch waits for the device once per MoE layer to
+        learn how many rows each expert receives and sizes its output exactly:
+        no token is ever dropped.
+
+        A float in (0, 1]: non-blocking mode. No host sync; dispatch writes into
+        M = roundup(int(N * R * min(L, K) * factor), P) rows, with N tokens per rank
+        before dispatch, R = EP degree, L = experts per rank, K = top_k and P the pad
+        multiple. 1.0 is the worst case when P = 1 (every token to every local expert);
+        smaller factors save memory. When the padded layout needs more than M rows,
+        the (token, expert) pairs whose row would be >= M are dropped, from the tail
+        (highest local expert first, latest source rank and token first); they add
+        nothing to the output, the overflow flag is set and they are counted and reported.
+        With P > 1 even 1.0 can drop: padding adds up to L * (P - 1) rows. A factor
+        that leaves M = 0 rows is refused.
+        """
+
+        num_sms_dispatch: int = 16
+        """SMs given to the dispatch kernels (library constructor argument). Integer >= 1."""
+
+        num_sms_combine: int = 16
+        """SMs given to the combine kernels (library constructor argument). Integer >= 1."""
+
+        ranks_per_nvlink_domain: int | None = None
+        """
+        Ranks that share one NVLink domain; exported as
+        NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN before the buffer is created. Must
+        divide expert_parallel_degree. Unset lets the library count the
+        peer-accessible GPUs (8 on an HGX node). GB200 NVL72: 64 (or the EP degree
+        when smaller), so that all-to-all stays on NVLink.
+        """
+
+        use_mnnvl: bool | None = None
+        """
+        Multi-node NVLink (the NVL72 fabric). false exports USE_MNNVL=0, which
+        disables cross-node NVLink memory; true exports USE_MNNVL=1 (the library
+        then uses the fabric where the driver offers it). Unset leaves the
+        environment untouched.
+        """
+
+    config_section = "hybridep"
+    config_ranges = {
+        "hybridep.non_blocking_capacity_factor": Range(0, 1, exclusive_minimum=True, meaning="non-blocking mode; unset: blocking"),
+        "hybridep.num_sms_dispatch": Range(1, meaning="SMs"),
+        "hybridep.num_sms_combine": Range(1, meaning="SMs"),
+        "hybridep.ranks_per_nvlink_domain": Range(1, meaning="ranks"),
+    }
+
     shared_experts_overlap = "no: HybridEP's combine_with_unpermute has no asynchronous mode"
     sac_save_ops = (
         torch.ops.torchtitan_ext.hybridep_dispatch.default,
@@ -243,23 +300,25 @@ class HybridEPExpertParallel(RoutedExpertParallel):
         )
 
     @classmethod
-    def validate_config(cls, job_config, device_type: str | None) -> None:
+    def validate_config(cls, job_config, device_type: str | None, shape: MoEShape) -> None:
         section, parallelism = job_config.hybridep, job_config.parallelism
         factor = section.non_blocking_capacity_factor
-        if factor is not None and not 0.0 < factor <= 1.0:
-            raise ConfigError(
-                f"hybridep.non_blocking_capacity_factor = {factor} is outside (0, 1]: use a "
-                "value in (0, 1] for non-blocking mode, or leave it unset for blocking (dropless) mode"
-            )
-        for name in ("num_sms_dispatch", "num_sms_combine"):
-            if getattr(section, name) < 1:
-                raise ConfigError(f"hybridep.{name} = {getattr(section, name)}: use an integer >= 1")
         domain, ep = section.ranks_per_nvlink_domain, parallelism.expert_parallel_degree
-        if domain is not None and (domain < 1 or ep % domain):
+        if domain is not None and ep % domain:
             raise ConfigError(
                 f"hybridep.ranks_per_nvlink_domain = {domain} does not divide "
                 f"parallelism.expert_parallel_degree = {ep}: use a divisor of {ep}"
             )
+        if factor is not None:
+            pad = max(token_group_alignment(job_config), cls.min_pad_multiple)
+            rows = non_blocking_rows(shape.max_tokens_per_rank, ep, shape.num_experts // ep, shape.top_k, factor, pad)
+            if rows == 0:
+                raise ConfigError(
+                    f"hybridep.non_blocking_capacity_factor = {factor} leaves 0 rows per dispatch "
+                    f"(N={shape.max_tokens_per_rank} x R={ep} x min(L={shape.num_experts // ep}, K={shape.top_k}) "
+                    f"x {factor} < 1): every token would be dropped; raise it (the planner, "
+                    "python -m torchtitan_ext.plan, shows the rows each value gives)"
+                )
         overlapping_pipeline = (
             parallelism.pipeline_parallel_degree > 1
             and parallelism.pipeline_parallel_expert_parallel_overlap
