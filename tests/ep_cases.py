@@ -7,7 +7,6 @@ dense MoE computed directly from the routing in fp32.
 
 import gc
 import weakref
-from collections import Counter
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
@@ -28,8 +27,9 @@ from torchtitan_ext.ep.handle import DispatchHandle
 from torchtitan_ext.ep.kernels.reference import ReferenceHybridEPBuffer
 from torchtitan_ext.models.moe import ExpertParallelMoE, TensorParallelTokenSplit
 
-BACKENDS = ("nccl", "deepep", "hybridep", "hybridep_non_blocking")
-"""hybridep_non_blocking runs at capacity factor 1.0 without padding, which cannot drop."""
+BACKENDS = ("nccl", "deepep", "deepep_legacy", "hybridep", "hybridep_non_blocking")
+"""deepep drives DeepEP's V2 API (ElasticBuffer), deepep_legacy its v1 Buffer; hybridep_non_blocking
+runs at capacity factor 1.0 without padding, which cannot drop."""
 
 
 @dataclass(frozen=True)
@@ -125,21 +125,23 @@ def dense_moe(inputs, score_before_experts: bool, keep: torch.Tensor | None = No
 
 def make_style(
     backend: str, case: Case, ep: int, capacity_factor: float | None = None,
-    implementation: str = "reference",
+    implementation: str = "reference", max_tokens_per_rank: int | None = None,
 ):
     """The backend's ExpertParallel for this case, built the way training builds it:
     from a job config through the backend's ``layer_factory``."""
-    name = "hybridep" if backend.startswith("hybridep") else backend
+    name = backend.partition("_")[0]
     if backend == "hybridep_non_blocking" and capacity_factor is None:
         capacity_factor = 1.0
     args = ["--parallelism.expert_parallel_comm_backend", name]
     if name != "nccl":
         args += [f"--{name}.implementation", implementation]
+    if backend == "deepep_legacy":
+        args += ["--deepep.api", "legacy"]
     if capacity_factor is not None:
         args += ["--hybridep.non_blocking_capacity_factor", str(capacity_factor)]
     shape = MoEShape(
         hidden_dim=case.hidden, num_experts=case.num_experts, top_k=case.top_k,
-        max_tokens_per_rank=case.tokens_per_rank(ep),
+        max_tokens_per_rank=max_tokens_per_rank or case.tokens_per_rank(ep),
     )
     make_layer = BACKEND_CLASSES[name].layer_factory(parse_job_config(args), shape)
     return make_layer(score_before_experts=case.score_before_experts, pad_multiple=case.pad_multiple)
@@ -150,8 +152,8 @@ def _rank_slice(rank: int, case: Case, ep: int) -> slice:
     return slice(rank * n, (rank + 1) * n)
 
 
-def _experts(case: Case, inputs) -> GroupedExperts:
-    experts = GroupedExperts(case.hidden, case.ffn, case.num_experts, use_grouped_mm=False)
+def _experts(case: Case, inputs, grouped_mm: bool = False) -> GroupedExperts:
+    experts = GroupedExperts(case.hidden, case.ffn, case.num_experts, use_grouped_mm=grouped_mm)
     with torch.no_grad():
         for name in ("w1", "w2", "w3"):
             getattr(experts, name).copy_(inputs[name])
@@ -160,11 +162,15 @@ def _experts(case: Case, inputs) -> GroupedExperts:
 
 def run_backend(
     rank: int, ep: int, case: Case, backend: str, mesh, *,
-    device: str = "cpu", dtype: torch.dtype = torch.float32, **style_kwargs,
+    device: str = "cpu", dtype: torch.dtype = torch.float32, grouped_mm: bool = False, **style_kwargs,
 ) -> dict:
-    """Forward + backward of one backend on this rank's tokens; outputs and gradients (fp32, CPU)."""
+    """Forward + backward of one backend on this rank's tokens; outputs and gradients (fp32, CPU).
+
+    ``grouped_mm``: the experts run torchtitan's grouped GEMM, which reads the
+    group sizes on the device (the loop path reads them on the host).
+    """
     inputs = {k: v.to(device) for k, v in global_inputs(case).items()}
-    experts = _experts(case, inputs).to(device=device, dtype=dtype)
+    experts = _experts(case, inputs, grouped_mm).to(device=device, dtype=dtype)
     style = make_style(backend, case, ep, **style_kwargs)
     parallelize_module(experts, mesh, style)
     rows = _rank_slice(rank, case, ep)
@@ -278,92 +284,6 @@ def contract_layout(case: Case, ep: int, rank: int, num_rows: int | None):
     starts = [sum(padded_counts[:e]) for e in range(local)]
     truncated = [max(0, min(padded_counts[e], limit - starts[e])) for e in range(local)]
     return layout, truncated, limit, kept
-
-
-# ---- host syncs ------------------------------------------------------------------------
-
-_SYNC_OPS = {
-    "aten._local_scalar_dense.default",
-    "aten.bincount.default",
-    "aten.nonzero.default",
-    "aten.masked_select.default",
-    "aten.unique_consecutive.default",
-    "aten._unique2.default",
-    "aten.repeat_interleave.Tensor",
-}
-_SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
-
-
-class HostSyncCounter(TorchDispatchMode):
-    """Counts what would make a GPU wait for the host: scalar reads, host copies,
-    and ops whose output shape depends on tensor values."""
-
-    def __init__(self):
-        super().__init__()
-        self.events = Counter()
-        self._originals = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func)
-        kwargs = kwargs or {}
-        if name in _SYNC_OPS and not (name == "aten.repeat_interleave.Tensor" and kwargs.get("output_size")):
-            self.events[name] += 1
-        if name == "aten.index.Tensor" and any(
-            index is not None and index.dtype == torch.bool for index in args[1]
-        ):
-            self.events["boolean indexing"] += 1
-        return func(*args, **kwargs)
-
-    def __enter__(self):
-        for method in _SYNC_METHODS:
-            original = getattr(torch.Tensor, method)
-            self._originals[method] = original
-
-            def counted(tensor, *args, _method=method, _original=original, **kwargs):
-                self.events[f"Tensor.{_method}"] += 1
-                return _original(tensor, *args, **kwargs)
-
-            setattr(torch.Tensor, method, counted)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        for method, original in self._originals.items():
-            setattr(torch.Tensor, method, original)
-        return super().__exit__(*exc)
-
-
-class SyncFreeExperts(GroupedExperts):
-    """Experts whose computation reads nothing on the host.
-
-    torchtitan's CPU expert path (a for-loop over experts) reads the group
-    sizes on the host; its GPU path (grouped GEMM) does not. Counting host
-    syncs of the EP layer on CPU therefore stands this in for the experts.
-    """
-
-    def forward(self, x, num_tokens_per_expert):
-        return x * 2.0
-
-
-def host_sync_worker(rank: int, ep: int, case: Case) -> dict:
-    """Host syncs in one MoE layer's forward+backward with HybridEP, non-blocking and blocking."""
-    mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
-    inputs = global_inputs(case)
-    rows = _rank_slice(rank, case, ep)
-    results = {}
-    for mode, factor in (("non_blocking", 0.5), ("blocking", None)):
-        experts = SyncFreeExperts(case.hidden, case.ffn, case.num_experts, use_grouped_mm=False)
-        style = make_style("hybridep", case, ep, capacity_factor=factor)
-        parallelize_module(experts, mesh, style)
-        x = inputs["x"][rows].clone().requires_grad_()
-        scores = inputs["scores"][rows].clone().requires_grad_()
-        experts(x, Routing(scores, inputs["ids"][rows]))  # builds the buffer outside the count
-        counter = HostSyncCounter()
-        with counter:  # the whole layer: dispatch, experts, combine, metrics counters, backward
-            out = experts(x, Routing(scores, inputs["ids"][rows]))
-            out.backward(inputs["grad_out"][rows])
-        results[mode] = dict(counter.events)
-        results[f"{mode}_counters_recorded"] = style.stats.routed_per_expert is not None
-    return results
 
 
 # ---- handles and activation-checkpoint recompute ------------------------------------------

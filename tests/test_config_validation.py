@@ -222,3 +222,60 @@ def test_toml_values_are_type_checked(tmp_path):
     config.write_text(open(DEBUG_TOML).read().replace("steps = 40", 'steps = "forty"'))
     with pytest.raises(ConfigError, match=f"training.steps = 'forty' in {config}: use an integer"):
         parse_job_config(["--job.config_file", str(config)])
+
+
+def _cluster(*overrides, config=DEBUG_TOML, world_size=2):
+    """Validated for a GPU cluster (a dry run: device unknown, 'auto' means the library)."""
+    return load_job_config(["--job.config_file", config, *overrides], None, world_size)
+
+
+@pytest.mark.parametrize("backend", ["deepep", "hybridep"])
+def test_library_kernels_need_bf16(backend):
+    with pytest.raises(ConfigError, match=(
+        f"training.mixed_precision_param = 'float32', but .* bf16 .*{backend}.implementation resolves to deep_ep"
+    )):
+        _cluster("--parallelism.expert_parallel_comm_backend", backend, "--training.mixed_precision_param", "float32")
+    _cluster("--parallelism.expert_parallel_comm_backend", backend, "--training.mixed_precision_param", "bfloat16")
+    # the reference has no dtype limit
+    _cluster("--parallelism.expert_parallel_comm_backend", backend, f"--{backend}.implementation", "reference",
+             "--training.mixed_precision_param", "float32")
+
+
+def test_deepep_v1_rank_counts(tmp_path):
+    """256 experts: the 671B job, its [hybridep] section left out."""
+    text = open("train_configs/deepseek_v3_671b_gb200.toml").read()
+    start = text.index("[hybridep]")
+    end = text.index("\n[", start + 1) if "\n[" in text[start + 1:] else len(text)
+    config = tmp_path / "671b_deepep.toml"
+    config.write_text(text[:start] + text[end:])
+    config = str(config)
+    with pytest.raises(ConfigError, match="expert_parallel_degree = 256: DeepEP's v1 kernels run on 2, 4 or 8 ranks"):
+        _cluster("--parallelism.expert_parallel_comm_backend", "deepep", "--deepep.api", "legacy",
+                 "--parallelism.expert_parallel_degree", "256", config=config, world_size=256)
+    _cluster("--parallelism.expert_parallel_comm_backend", "deepep", "--deepep.api", "legacy",
+             "--parallelism.expert_parallel_degree", "128", config=config, world_size=256)
+
+
+@pytest.mark.parametrize(
+    "shape, overrides, message",
+    [
+        ((100, 8, 2, 1024), (), "hidden size 100: HybridEP needs a multiple of 16"),
+        ((256, 6, 2, 1024), ("--hybridep.ranks_per_nvlink_domain", "2"),
+         "3 local experts x 2 ranks per NVLink domain = 6: HybridEP needs a multiple of 4"),
+        ((256, 8, 2, 97), (), "97 tokens per rank per dispatch leave 33 in the last chunk of 64"),
+    ],
+)
+def test_hybridep_library_limits(shape, overrides, message):
+    from torchtitan_ext.ep import HybridEPExpertParallel, MoEShape
+
+    job_config = _cluster("--parallelism.expert_parallel_comm_backend", "hybridep", *overrides)
+    with pytest.raises(ConfigError, match=message):
+        HybridEPExpertParallel._check_library_limits(job_config, MoEShape(*shape))
+
+
+def test_hybridep_beyond_one_nvlink_domain_needs_the_multinode_build():
+    config = "train_configs/deepseek_v3_16b.toml"
+    args = ("--parallelism.expert_parallel_comm_backend", "hybridep", "--parallelism.expert_parallel_degree", "16")
+    with pytest.raises(ConfigError, match="spans 2 NVLink domains of 8 ranks .* HYBRID_EP_MULTINODE=1"):
+        _cluster(*args, config=config, world_size=16)
+    _cluster(*args, "--hybridep.multinode_build", config=config, world_size=16)

@@ -1,8 +1,9 @@
 """Training parity across backends, multi-process layouts, and checkpoints.
 
 Same seed, deterministic algorithms, fp32: DeepSeek-V3 and Llama4 debug models
-train 5 steps under nccl, deepep (reference), hybridep (reference) blocking
-and non-blocking (capacity 1.0, no padding: cannot drop). Per-step losses
+train 5 steps under nccl, deepep (reference; V2 ElasticBuffer API and v1 Buffer
+API), hybridep (reference) blocking and non-blocking (capacity 1.0, no
+padding: cannot drop). Per-step losses
 agree within 1e-4 relative, and fall under every backend.
 
 Checkpoints (torchtitan DCP) written under one backend or EP degree resume
@@ -19,7 +20,10 @@ STEPS = 5
 CONFIG = str(REPO_ROOT / "train_configs/debug_model.toml")
 BACKENDS = {
     "nccl": ["--parallelism.expert_parallel_comm_backend", "nccl"],
-    "deepep": ["--parallelism.expert_parallel_comm_backend", "deepep", "--deepep.implementation", "reference"],
+    "deepep": ["--parallelism.expert_parallel_comm_backend", "deepep", "--deepep.implementation", "reference",
+               "--deepep.api", "elastic"],
+    "deepep_legacy": ["--parallelism.expert_parallel_comm_backend", "deepep", "--deepep.implementation", "reference",
+                      "--deepep.api", "legacy"],
     "hybridep": ["--parallelism.expert_parallel_comm_backend", "hybridep", "--hybridep.implementation", "reference"],
     "hybridep_non_blocking": ["--parallelism.expert_parallel_comm_backend", "hybridep",
                               "--hybridep.non_blocking_capacity_factor", "1.0"],

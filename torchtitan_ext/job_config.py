@@ -223,6 +223,15 @@ def _check_world_size(job_config, world_size: int) -> None:
             f"parallelism.pipeline_parallel_microbatch_size = {p.pipeline_parallel_microbatch_size}: "
             "use a multiple of it"
         )
+    microbatches = local_batch // p.pipeline_parallel_microbatch_size
+    stages = 2 * p.pipeline_parallel_degree  # DualPipeV runs two stages per rank (the V)
+    if p.pipeline_parallel_degree > 1 and p.pipeline_parallel_schedule.lower() == "dualpipev" and microbatches < stages:
+        raise ConfigError(
+            f"pipeline_parallel_schedule = 'DualPipeV' runs {stages} stages and needs as many microbatches, but "
+            f"training.local_batch_size = {local_batch} / pipeline_parallel_microbatch_size = "
+            f"{p.pipeline_parallel_microbatch_size} gives {microbatches}: raise local_batch_size to "
+            f"{stages * p.pipeline_parallel_microbatch_size} or more"
+        )
     if ep == 1:
         return
     if etp not in (1, tp):

@@ -61,12 +61,13 @@ class MoEShape:
     rank, in training or validation, whichever is larger."""
 
 
-def check_kernels(backend: str, implementation: str, device_type: str | None) -> None:
-    """ConfigError unless ``[backend] implementation`` can run on ``device_type``."""
+def check_kernels(backend: str, implementation: str, device_type: str | None, class_name: str) -> None:
+    """ConfigError unless ``[backend] implementation`` can run on ``device_type`` (the library's
+    ``class_name`` importable where it is needed)."""
     if device_type is None:
         return
     try:
-        resolve_implementation(backend, implementation, device_type)
+        resolve_implementation(backend, implementation, device_type, class_name)
     except KernelUnavailable as e:
         raise ConfigError(str(e)) from None
 
@@ -189,11 +190,14 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``tensor`` (host memory: counts a kernel library or a host sync produced) on ``device``.
 
     Pinned and copied with ``non_blocking``, so that the copy is queued on the
-    stream instead of making the host wait for it; a no-op on the same device.
+    stream instead of making the host wait for it. A no-op for a tensor already
+    on ``device``, except pinned memory (a library's host staging area, which
+    it may reuse), which is always copied out.
     """
-    if tensor.device == device:
+    pinned = tensor.is_pinned()
+    if tensor.device == device and not pinned:
         return tensor
-    if tensor.device.type == "cpu" and not tensor.is_pinned():
+    if tensor.device.type == "cpu" and device.type != "cpu" and not pinned:
         tensor = tensor.pin_memory()
     return tensor.to(device, non_blocking=True)
 

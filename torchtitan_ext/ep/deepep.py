@@ -1,18 +1,19 @@
-"""The ``deepep`` backend: DeepEP v1 normal mode.
+"""The ``deepep`` backend: DeepEP's normal-mode kernels, through its V2 or its v1 API.
 
-Dispatch sends each token once to every rank that owns one of its experts
-(layout, then dispatch); the received rows are expanded per local pick and
-stably sorted by local expert into padded expert-major groups; combine
-scatter-adds each token's picks and sends one partial row per rank back,
-where the library sums them unweighted in fp32. Combine runs asynchronously
-(``async_finish``) and lands at the first use of its output (``in_flight``),
-so the MoE's shared experts overlap it. Picks whose score is exactly
-0 are not sent (torchtitan's masking). Autograd: dispatch backward is a
-combine of the gradient (with the top-k weights' gradients), combine
-backward a cached dispatch.
+Dispatch sends each token once to every rank that owns one of its experts;
+the received rows are expanded per local pick and stably sorted by local
+expert into padded expert-major groups; combine scatter-adds each token's
+picks and sends one partial row per rank back, where the library sums them
+unweighted in fp32. Combine runs asynchronously and lands at the first use
+of its output (``in_flight``), so the MoE's shared experts overlap it. Picks
+whose score is exactly 0 are not sent (torchtitan's masking). Autograd:
+dispatch backward is a combine of the gradient (with the top-k weights'
+gradients), combine backward a cached dispatch.
 
-Kernels: the real ``deep_ep.Buffer`` or the reference (``[deepep] implementation``).
-The buffer is shared by all MoE layers and created at the first dispatch.
+``[deepep] api`` picks DeepEP's V2 ``ElasticBuffer`` or its v1 ``Buffer``
+(:mod:`torchtitan_ext.ep.kernels.deepep_apis`); ``[deepep] implementation``
+the real library or the reference. One buffer is shared by all MoE layers
+and created at the first dispatch.
 """
 
 from dataclasses import dataclass
@@ -30,13 +31,37 @@ from torchtitan_ext.ep.base import (
     RoutedExpertParallel,
     scale_rows,
     SharedKernelBuffer,
+    to_device,
     token_group_alignment,
 )
 from torchtitan_ext.ep.handle import DispatchHandle, KernelBuffer
 from torchtitan_ext.ep.in_flight import in_flight, Landing
 from torchtitan_ext.ep.kernels import implementation_description as _implementation_description
-from torchtitan_ext.ep.kernels import resolve_implementation
+from torchtitan_ext.ep.kernels import library_has, resolve_implementation, uses_library
+from torchtitan_ext.ep.kernels.deepep_apis import APIS
 from torchtitan_ext.ep.layout import block_destinations
+
+LIBRARY_CLASS = {"legacy": "Buffer", "elastic": "ElasticBuffer"}
+"""The deep_ep class behind each API."""
+
+INTRANODE_RANKS = (2, 4, 8)
+"""EP degrees DeepEP's v1 intranode kernels are instantiated for."""
+
+INTERNODE_NODES = (2, 3, 4, 6, 8, 12, 16, 18, 20)
+"""Nodes of 8 ranks its v1 internode kernels are instantiated for."""
+
+
+def resolve_api(api: str, implementation: str) -> str:
+    """``"elastic"`` or ``"legacy"`` for ``[deepep] api`` with the resolved implementation.
+
+    ``auto``: V2 (elastic), unless the deep_ep build has no ``ElasticBuffer``
+    (the hybrid-ep branch, or a release before v2), where v1 is all there is.
+    """
+    if api != "auto":
+        return api
+    if implementation == "deep_ep" and not library_has("ElasticBuffer"):
+        return "legacy"
+    return "elastic"
 
 
 @torch.library.custom_op("torchtitan_ext::deepep_dispatch", mutates_args=())
@@ -47,32 +72,27 @@ def deepep_dispatch(
     buffer: KernelBuffer,
     num_experts: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, DispatchHandle]:
-    """Layout + dispatch: (recv_x, recv local ids, recv weights, per-expert counts (host), handle)."""
-    library = buffer.value
-    per_rank, per_rdma_rank, per_expert, in_rank, _ = library.get_dispatch_layout(topk_idx, num_experts)
-    recv_x, recv_idx, recv_weights, counts, handle, _ = library.dispatch(
-        x,
-        num_tokens_per_rank=per_rank,
-        num_tokens_per_rdma_rank=per_rdma_rank,
-        is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert,
-        topk_idx=topk_idx,
-        topk_weights=topk_weights,
-    )
-    return recv_x, recv_idx, recv_weights, torch.tensor(counts, dtype=torch.int64), DispatchHandle((library, handle))
+    """(recv_x, recv local ids, recv weights, per-expert counts (host memory), handle).
+
+    The counts are the library's host list (its CPU sync): they stay on the host,
+    where the layout is computed from them.
+    """
+    kernels = buffer.value
+    recv_x, recv_idx, recv_weights, counts, handle = kernels.dispatch(x, topk_idx, topk_weights, num_experts)
+    return recv_x, recv_idx, recv_weights, torch.tensor(counts, dtype=torch.int64), DispatchHandle((kernels, handle))
 
 
 @torch.library.custom_op("torchtitan_ext::deepep_combine", mutates_args=())
 def deepep_combine(x: torch.Tensor, handle: DispatchHandle) -> tuple[torch.Tensor, Landing]:
     """Unweighted combine of one partial row per received token: (combined, its landing).
 
-    Asynchronous (``async_finish``): the output lands at the first wait on it or
-    on the landing, which makes the current stream wait for DeepEP's
-    communication stream (the reference: waits for its all-to-all and sums).
+    Asynchronous: the output lands at the first wait on it or on the landing,
+    which makes the current stream wait for DeepEP's communication stream (the
+    reference: waits for its all-to-all and sums).
     """
-    library, raw = handle.value
-    combined, _, event = library.combine(x, raw, async_finish=True)
-    landing = Landing(combined, event.current_stream_wait)
+    kernels, raw = handle.value
+    combined, _, wait = kernels.combine(x, raw, asynchronous=True)
+    landing = Landing(combined, wait)
     if recomputing():
         landing.wait()
     return combined, landing
@@ -86,8 +106,8 @@ def deepep_dispatch_backward(
 
     The weights' gradient comes back empty when none was given.
     """
-    library, raw = handle.value
-    combined, combined_weights, _ = library.combine(grad_x, raw, topk_weights=grad_weights)
+    kernels, raw = handle.value
+    combined, combined_weights, _ = kernels.combine(grad_x, raw, topk_weights=grad_weights)
     if combined_weights is None:
         combined_weights = grad_x.new_empty((0,), dtype=torch.float32)
     return combined, combined_weights
@@ -96,8 +116,8 @@ def deepep_dispatch_backward(
 @torch.library.custom_op("torchtitan_ext::deepep_cached_dispatch", mutates_args=())
 def deepep_cached_dispatch(x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     """Combine's backward: dispatch along the handle's layout."""
-    library, raw = handle.value
-    return library.dispatch(x, handle=raw)[0]
+    kernels, raw = handle.value
+    return kernels.cached_dispatch(x, raw)
 
 
 def _dispatch_setup(ctx, inputs, output):
@@ -133,15 +153,37 @@ def hidden_bytes(hidden_dim: int, element_size: int) -> int:
     return hidden_dim * max(element_size, 2)
 
 
-def _create_buffer(implementation: str, shape: MoEShape, num_sms: int | None, group, example: torch.Tensor):
-    implementation = resolve_implementation("deepep", implementation, example.device.type)
+def _create_kernels(section, shape: MoEShape, group, example: torch.Tensor):
+    """The API adapter over a new buffer: the library's or the reference's."""
+    class_name = LIBRARY_CLASS[resolve_api(section.api, section.implementation)]
+    implementation = resolve_implementation("deepep", section.implementation, example.device.type, class_name)
+    api = "elastic" if class_name == "ElasticBuffer" else "legacy"
     if implementation == "deep_ep":
-        from torchtitan_ext.ep.kernels.deep_ep import deepep_buffer
+        from torchtitan_ext.ep.kernels import deep_ep
 
-        return deepep_buffer(group, hidden_bytes(shape.hidden_dim, example.element_size()), num_sms)
-    from torchtitan_ext.ep.kernels.reference import ReferenceBuffer
+        _check_library_dtype(example)
+        if api == "legacy":
+            buffer = deep_ep.deepep_buffer(group, hidden_bytes(shape.hidden_dim, example.element_size()), section.num_sms)
+        else:
+            buffer = deep_ep.elastic_buffer(group, shape)
+    else:
+        from torchtitan_ext.ep.kernels.reference import ReferenceBuffer, ReferenceElasticBuffer
 
-    return ReferenceBuffer(group)
+        if api == "legacy":
+            buffer = ReferenceBuffer(group)
+        else:
+            buffer = ReferenceElasticBuffer(
+                group, num_max_tokens_per_rank=shape.max_tokens_per_rank, hidden=shape.hidden_dim, num_topk=shape.top_k
+            )
+    return APIS[api](buffer, section.num_sms)
+
+
+def _check_library_dtype(tokens: torch.Tensor) -> None:
+    if tokens.dtype != torch.bfloat16:
+        raise TypeError(
+            f"DeepEP's combine kernels take bf16 tokens only, not {tokens.dtype}: "
+            "set training.mixed_precision_param = 'bfloat16' (or deepep.implementation = 'reference')"
+        )
 
 
 @dataclass(frozen=True)
@@ -156,7 +198,7 @@ class _DeepEPDispatchState:
 
 
 class DeepEPExpertParallel(RoutedExpertParallel):
-    """EP over DeepEP v1 normal-mode kernels."""
+    """EP over DeepEP's normal-mode kernels (V2 ElasticBuffer or v1 Buffer)."""
 
     @dataclass
     class Config:
@@ -173,18 +215,35 @@ class DeepEPExpertParallel(RoutedExpertParallel):
           same calls with the same results, on any device. Slow; for debugging and CI.
         """
 
+        api: Literal["auto", "elastic", "legacy"] = "auto"
+        """
+        Which DeepEP API drives the kernels.
+
+        - "elastic": DeepEP V2's ``ElasticBuffer`` (DeepEP main, v2.1+): fewer SMs,
+          per-expert receive counts on the device. Needs NCCL >= 2.30.4, torch >= 2.10
+          and NVSHMEM on the cluster.
+        - "legacy": the v1 ``Buffer`` (still exported by DeepEP main; the only one in
+          builds of the hybrid-ep branch). EP degrees 2, 4, 8 within a node, or
+          multiples of 8 across nodes.
+        - "auto": elastic, unless the installed deep_ep has no ``ElasticBuffer``.
+
+        Both take the same routing and give the same results; the reference
+        implements both.
+        """
+
         num_sms: int | None = None
         """
-        Streaming multiprocessors the normal-mode kernels use (``Buffer.set_num_sms``).
-        Even integer >= 2 (DeepEP runs one channel per 2 SMs); unset keeps the
-        library's default of 20. More SMs speed up communication and leave fewer
-        for the experts' GEMMs. Ignored by the reference implementation.
+        Streaming multiprocessors the kernels use (v1: ``Buffer.set_num_sms``; V2:
+        the ``num_sms`` of each call). Even integer >= 2 (one channel per 2 SMs);
+        unset keeps the library's default (v1: 20; V2: its computed minimum). More
+        SMs speed up communication and leave fewer for the experts' GEMMs. Ignored
+        by the reference implementation.
         """
 
     config_section = "deepep"
     config_ranges = {"deepep.num_sms": Range(2, meaning="SMs, an even count")}
 
-    shared_experts_overlap = "yes: combine runs with async_finish on DeepEP's communication stream"
+    shared_experts_overlap = "yes: combine runs asynchronously on DeepEP's communication stream"
     sac_save_ops = (
         torch.ops.torchtitan_ext.deepep_dispatch.default,
         torch.ops.torchtitan_ext.deepep_combine.default,
@@ -192,8 +251,7 @@ class DeepEPExpertParallel(RoutedExpertParallel):
 
     @classmethod
     def layer_factory(cls, job_config, shape: MoEShape):
-        section = job_config.deepep
-        buffer = SharedKernelBuffer(partial(_create_buffer, section.implementation, shape, section.num_sms))
+        buffer = SharedKernelBuffer(partial(_create_kernels, job_config.deepep, shape))
         return partial(cls, buffer=buffer, pad_multiple=token_group_alignment(job_config))
 
     @classmethod
@@ -203,10 +261,34 @@ class DeepEPExpertParallel(RoutedExpertParallel):
             raise ConfigError(
                 f"deepep.num_sms = {section.num_sms}: use an even integer >= 2 (one channel per 2 SMs)"
             )
-        check_kernels("deepep", section.implementation, device_type)
+        if not uses_library(section.implementation, device_type):
+            return
+        api = resolve_api(section.api, section.implementation if device_type is not None else "reference")
+        check_kernels("deepep", section.implementation, device_type, LIBRARY_CLASS[api])
+        dtype = job_config.training.mixed_precision_param
+        if dtype != "bfloat16":
+            raise ConfigError(
+                f"training.mixed_precision_param = '{dtype}', but DeepEP's combine kernels take bf16 tokens only "
+                f"(deepep.implementation resolves to deep_ep): set it to 'bfloat16', or deepep.implementation = 'reference'"
+            )
+        if (shape.hidden_dim * 2) % 16:
+            raise ConfigError(f"the model's hidden size {shape.hidden_dim} gives rows DeepEP cannot move: it needs a multiple of 8")
+        ep = job_config.parallelism.expert_parallel_degree
+        if api == "legacy" and not (ep in INTRANODE_RANKS or (ep % 8 == 0 and ep // 8 in INTERNODE_NODES)):
+            raise ConfigError(
+                f"parallelism.expert_parallel_degree = {ep}: DeepEP's v1 kernels run on 2, 4 or 8 ranks within a node, "
+                f"or on 8 x {{{', '.join(map(str, INTERNODE_NODES))}}} across nodes: pick one of those, "
+                "or deepep.api = 'elastic'"
+            )
 
     @classmethod
     def planned_buffer(cls, job_config, shape: MoEShape) -> tuple[int | None, str]:
+        section = job_config.deepep
+        if resolve_api(section.api, section.implementation) == "elastic":
+            return None, (
+                "ElasticBuffer sizes itself from the NCCL communicator (get_buffer_size_hint needs the live group); "
+                "the reference allocates none"
+            )
         from torchtitan_ext.ep.kernels.deep_ep import deepep_buffer_bytes
 
         element_size = TORCH_DTYPE_MAP[job_config.training.mixed_precision_param].itemsize
@@ -214,7 +296,7 @@ class DeepEPExpertParallel(RoutedExpertParallel):
             nvl, rdma = deepep_buffer_bytes(
                 job_config.parallelism.expert_parallel_degree,
                 hidden_bytes(shape.hidden_dim, element_size),
-                job_config.deepep.num_sms,
+                section.num_sms,
             )
         except ImportError:
             return None, "DeepEP's size hints need deep_ep installed; the reference allocates none"
@@ -223,10 +305,12 @@ class DeepEPExpertParallel(RoutedExpertParallel):
     @classmethod
     def describe(cls, job_config, shape: MoEShape) -> dict[str, str]:
         section = job_config.deepep
+        api = section.api if section.api != "auto" else "auto (elastic where deep_ep has ElasticBuffer)"
         return {
             **super().describe(job_config, shape),
             "kernels": _implementation_description(section.implementation),
-            "SMs": str(section.num_sms or "library default (20)"),
+            "API": api,
+            "SMs": str(section.num_sms or "library default"),
         }
 
     def __init__(self, *, buffer: SharedKernelBuffer, **base_kwargs):
@@ -246,7 +330,7 @@ class DeepEPExpertParallel(RoutedExpertParallel):
         sort_key = torch.where(flat_ids >= 0, flat_ids, local_experts)
         pair_order = torch.argsort(sort_key, stable=True)[: int(counts.sum())]
         destinations, padded, total_rows = block_destinations(counts.view(1, -1), self.pad_multiple)
-        destinations = destinations.to(x.device)
+        destinations = to_device(destinations, x.device)
         rows = recv_x[pair_order // top_k]
         pair_scores = recv_weights.reshape(-1)[pair_order]
         if self.score_before_experts:
@@ -260,7 +344,7 @@ class DeepEPExpertParallel(RoutedExpertParallel):
             num_received=num_received,
             top_k=top_k,
         )
-        return routed, padded.to(x.device)
+        return routed, to_device(padded, x.device)
 
     def combine(self, routed_output, group):
         state = self._take_pending()

@@ -39,8 +39,12 @@ from torchtitan_ext.ep.base import (
 )
 from torchtitan_ext.ep.handle import DispatchHandle, KernelBuffer
 from torchtitan_ext.ep.kernels import implementation_description as _implementation_description
-from torchtitan_ext.ep.kernels import resolve_implementation
+from torchtitan_ext.ep.kernels import resolve_implementation, uses_library
 from torchtitan_ext.ep.layout import round_up
+
+
+LIBRARY_TOKEN_CHUNK = 64
+"""Tokens per chunk of HybridEP's dispatch (its NUM_OF_TOKENS_PER_CHUNK_DISPATCH_API default)."""
 
 
 def non_blocking_rows(
@@ -191,7 +195,13 @@ hybridep_combine.register_autograd(_combine_backward, setup_context=_combine_set
 
 
 def _create_buffer(shape: MoEShape, section, group, example: torch.Tensor):
-    implementation = resolve_implementation("hybridep", section.implementation, example.device.type)
+    implementation = resolve_implementation("hybridep", section.implementation, example.device.type, "HybridEPBuffer")
+    if implementation == "deep_ep" and example.dtype != torch.bfloat16:
+        # without FP8 the library reads tokens as 16-bit words: fp32 would be misread, not refused
+        raise TypeError(
+            f"HybridEP's kernels take bf16 tokens only, not {example.dtype}: "
+            "set training.mixed_precision_param = 'bfloat16' (or hybridep.implementation = 'reference')"
+        )
     environment = library_environment(section)
     local_experts = shape.num_experts // group.size()
     logger.info(
@@ -273,6 +283,13 @@ class HybridEPExpertParallel(RoutedExpertParallel):
         environment untouched.
         """
 
+        multinode_build: bool = False
+        """
+        Whether deep_ep was built with HYBRID_EP_MULTINODE=1. An EP group larger than
+        one NVLink domain needs that build (without it the library aborts the process
+        when the buffer is created), so such a job is refused unless this says so.
+        """
+
     config_section = "hybridep"
     config_ranges = {
         "hybridep.non_blocking_capacity_factor": Range(0, 1, exclusive_minimum=True, meaning="non-blocking mode; unset: blocking"),
@@ -332,7 +349,47 @@ class HybridEPExpertParallel(RoutedExpertParallel):
                 "(blocking mode waits for each). Set pipeline_parallel_expert_parallel_overlap = false, "
                 "unset hybridep.non_blocking_capacity_factor, or use another schedule"
             )
-        check_kernels("hybridep", section.implementation, device_type)
+        check_kernels("hybridep", section.implementation, device_type, "HybridEPBuffer")
+        if uses_library(section.implementation, device_type):
+            cls._check_library_limits(job_config, shape)
+
+    @staticmethod
+    def _check_library_limits(job_config, shape: MoEShape) -> None:
+        """What the library asserts when it builds its buffer or dispatches, checked from the config."""
+        section = job_config.hybridep
+        dtype = job_config.training.mixed_precision_param
+        if dtype != "bfloat16":
+            raise ConfigError(
+                f"training.mixed_precision_param = '{dtype}', but HybridEP reads tokens as bf16 (fp32 would be "
+                "misread; hybridep.implementation resolves to deep_ep): set it to 'bfloat16', "
+                "or hybridep.implementation = 'reference'"
+            )
+        if shape.hidden_dim % 16:
+            raise ConfigError(f"the model's hidden size {shape.hidden_dim}: HybridEP needs a multiple of 16")
+        ep = job_config.parallelism.expert_parallel_degree
+        domain = section.ranks_per_nvlink_domain or min(ep, 8)
+        assumed = "" if section.ranks_per_nvlink_domain else " (assumed: set hybridep.ranks_per_nvlink_domain)"
+        local_experts = shape.num_experts // ep
+        if (local_experts * domain) % 4:
+            raise ConfigError(
+                f"{local_experts} local experts x {domain} ranks per NVLink domain{assumed} = "
+                f"{local_experts * domain}: HybridEP needs a multiple of 4; change expert_parallel_degree "
+                "or ranks_per_nvlink_domain"
+            )
+        chunk = LIBRARY_TOKEN_CHUNK
+        remainder = shape.max_tokens_per_rank % chunk
+        if remainder and (remainder * domain) % 4:
+            raise ConfigError(
+                f"{shape.max_tokens_per_rank} tokens per rank per dispatch leave {remainder} in the last chunk of "
+                f"{chunk}; with {domain} ranks per NVLink domain{assumed} HybridEP's TMA copies need "
+                f"(that remainder x ranks) % 4 == 0: make local_batch_size x seq_len a multiple of {chunk}"
+            )
+        if ep > domain and not section.multinode_build:
+            raise ConfigError(
+                f"parallelism.expert_parallel_degree = {ep} spans {ep // domain} NVLink domains of {domain} ranks"
+                f"{assumed}: that needs deep_ep built with HYBRID_EP_MULTINODE=1 (docs/backends.md); "
+                "with such a build set hybridep.multinode_build = true"
+            )
 
     @classmethod
     def library_environment(cls, job_config) -> dict[str, str]:

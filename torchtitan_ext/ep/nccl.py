@@ -36,6 +36,7 @@ from torchtitan_ext.ep.base import (
     RoutedExpertParallel,
     Routing,
     scale_rows,
+    to_device,
     token_group_alignment,
 )
 from torchtitan_ext.ep.in_flight import in_flight, Landing
@@ -296,7 +297,7 @@ class NcclExpertParallel(RoutedExpertParallel):
             num_tokens=num_tokens,
         )
         padded = _Layout(send_counts, recv_counts, local_experts, self.pad_multiple).padded_counts
-        return routed, padded.to(x.device)
+        return routed, to_device(padded, x.device)
 
     def combine(self, routed_output, group):
         state = self._take_pending()

@@ -14,12 +14,13 @@ import importlib
 
 IMPLEMENTATIONS = ("auto", "deep_ep", "reference")
 
-LIBRARY_CLASS = {"deepep": "Buffer", "hybridep": "HybridEPBuffer"}
-"""The deep_ep class each backend needs; HybridEPBuffer exists only in the hybrid-ep branch build."""
+LIBRARY_DEVICE_TYPE = "cuda"
+"""The device the real library runs on (a test double stands in for it elsewhere)."""
 
 INSTALL_HINT = {
-    "deepep": "build DeepEP from source on this CUDA machine (docs/backends.md#installing-deep_ep)",
-    "hybridep": "build DeepEP's hybrid-ep branch from source on this CUDA machine (docs/backends.md#installing-deep_ep)",
+    "Buffer": "build DeepEP from source on this CUDA machine (docs/backends.md#installing-deep_ep)",
+    "ElasticBuffer": "build DeepEP main (v2.1+) from source on this CUDA machine (docs/backends.md#installing-deep_ep)",
+    "HybridEPBuffer": "build DeepEP's hybrid-ep branch from source on this CUDA machine (docs/backends.md#installing-deep_ep)",
 }
 
 
@@ -27,36 +28,63 @@ class KernelUnavailable(RuntimeError):
     """The requested kernel implementation cannot run here; the message says why and what to do."""
 
 
-def resolve_implementation(backend: str, implementation: str, device_type: str) -> str:
+def uses_library(implementation: str, device_type: str | None) -> bool:
+    """Whether ``[backend] implementation`` means the real library on ``device_type``
+    (None: a machine not known yet, e.g. a dry run for a cluster, where ``auto`` means the library)."""
+    if implementation == "auto":
+        return device_type != "cpu"
+    return implementation == "deep_ep"
+
+
+def import_library():
+    """``deep_ep``, or KernelUnavailable with the reason.
+
+    Importing DeepEP main runs an NCCL binary check (AssertionError) and JIT
+    setup (AssertionError without a CUDA home, RuntimeError, ImportError of its
+    extension); any of them means the library cannot be used here.
+    """
+    try:
+        return importlib.import_module("deep_ep")
+    except Exception as e:  # noqa: BLE001 - every failure of the import is the same answer
+        raise KernelUnavailable(f"import deep_ep failed: {type(e).__name__}: {e}") from None
+
+
+def library_has(class_name: str) -> bool:
+    """Whether the importable ``deep_ep`` exports ``class_name`` (False when it cannot be imported)."""
+    try:
+        return hasattr(import_library(), class_name)
+    except KernelUnavailable:
+        return False
+
+
+def resolve_implementation(backend: str, implementation: str, device_type: str, class_name: str) -> str:
     """``"deep_ep"`` or ``"reference"`` for ``[backend] implementation`` on this device.
 
-    Raises ``KernelUnavailable`` naming the field and the fix when the library
-    is needed but cannot be used.
+    ``class_name``: the deep_ep class the backend will use. Raises
+    ``KernelUnavailable`` naming the field and the fix when the library is
+    needed but cannot be used.
     """
     if implementation not in IMPLEMENTATIONS:
         raise KernelUnavailable(
             f"{backend}.implementation = '{implementation}': use one of {', '.join(IMPLEMENTATIONS)}"
         )
-    if implementation == "auto":
-        implementation = "deep_ep" if device_type == "cuda" else "reference"
-    if implementation == "reference":
-        return implementation
-    if device_type != "cuda":
+    if not uses_library(implementation, device_type):
+        return "reference"
+    if device_type != LIBRARY_DEVICE_TYPE:
         raise KernelUnavailable(
             f"{backend}.implementation = 'deep_ep' needs CUDA, and this machine has none: "
             "use implementation = 'reference' (or 'auto') on CPU"
         )
-    class_name = LIBRARY_CLASS[backend]
     try:
-        library = importlib.import_module("deep_ep")
+        library = import_library()
         getattr(library, class_name)
-    except (ImportError, AttributeError) as e:
+    except (KernelUnavailable, AttributeError) as e:
         raise KernelUnavailable(
             f"{backend}.implementation resolves to the deep_ep library on CUDA, but "
-            f"deep_ep.{class_name} cannot be imported ({e}): {INSTALL_HINT[backend]}, or set "
+            f"deep_ep.{class_name} cannot be used ({e}): {INSTALL_HINT[class_name]}, or set "
             f"{backend}.implementation = 'reference' to run the (slow) reference kernels"
         ) from None
-    return implementation
+    return "deep_ep"
 
 
 def implementation_description(implementation: str) -> str:
@@ -66,14 +94,14 @@ def implementation_description(implementation: str) -> str:
     return implementation
 
 
-def deep_ep_unavailable_reason(backend: str) -> str | None:
-    """Why the real library for ``backend`` cannot run here, or None when it can."""
+def deep_ep_unavailable_reason(backend: str, class_name: str) -> str | None:
+    """Why the real library class for ``backend`` cannot run here, or None when it can."""
     import torch
 
     if not torch.cuda.is_available():
         return "no CUDA device"
     try:
-        resolve_implementation(backend, "deep_ep", "cuda")
+        resolve_implementation(backend, "deep_ep", "cuda", class_name)
     except KernelUnavailable as e:
         return str(e)
     return None

@@ -1,13 +1,14 @@
 """Constructors for the real deep_ep buffers (CUDA clusters only).
 
-``deep_ep.Buffer`` already has the call signatures the DeepEP backend uses, so
-it is used as is. :class:`LibraryHybridEPBuffer` adds to ``deep_ep.HybridEPBuffer``
+``deep_ep.Buffer`` and ``deep_ep.ElasticBuffer`` are driven through
+:mod:`torchtitan_ext.ep.kernels.deepep_apis`. :class:`LibraryHybridEPBuffer` adds to ``deep_ep.HybridEPBuffer``
 the one thing the backend asks beyond the library's calls: how many pairs a
 non-blocking dispatch dropped.
 
 This module is imported only when ``implementation`` resolves to ``deep_ep``.
-Nothing here has run in this project's CI (no GPU there): the conformance
-tests marked ``deep_ep`` exercise it on a CUDA machine with the library built.
+The test suite runs it against a double of the library that follows its
+pinned sources (tests/deep_ep_double); only a CUDA machine with the library
+built (the tests marked ``deep_ep``, scripts/check_cluster.sh) runs the real kernels.
 """
 
 import os
@@ -33,6 +34,23 @@ def deepep_buffer(group, hidden_bytes: int, num_sms: int | None):
     from deep_ep import Buffer
 
     return Buffer(group, *deepep_buffer_bytes(group.size(), hidden_bytes, num_sms))
+
+
+def elastic_buffer(group, shape):
+    """A DeepEP V2 buffer for ``shape`` (``MoEShape``), sized by the library from those dimensions.
+
+    ``deterministic`` follows torch's setting, so that a deterministic job gets
+    the library's deterministic receive order.
+    """
+    from deep_ep import ElasticBuffer
+
+    return ElasticBuffer(
+        group,
+        num_max_tokens_per_rank=shape.max_tokens_per_rank,
+        hidden=shape.hidden_dim,
+        num_topk=shape.top_k,
+        deterministic=torch.are_deterministic_algorithms_enabled(),
+    )
 
 
 class LibraryHybridEPBuffer:

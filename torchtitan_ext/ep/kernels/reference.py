@@ -50,53 +50,35 @@ class ReferenceDispatchHandle:
     send_splits: list[int]
     recv_splits: list[int]
     num_tokens: int
+    num_recv_tokens_per_expert_list: list[int]
+    """Received (token, local expert) picks per local expert, aligned (ElasticBuffer's handle field)."""
+    num_sms: int = 0
+    """ElasticBuffer's handle field; the reference uses no SMs."""
 
 
-class ReferenceBuffer:
-    """DeepEP v1 normal mode: ``get_dispatch_layout``, ``dispatch``, ``combine``."""
+class _ReferenceDeepEP:
+    """What DeepEP's v1 ``Buffer`` and V2 ``ElasticBuffer`` share: deduplicated per-rank dispatch
+    and an unweighted combine, in plain torch.distributed."""
 
-    def __init__(self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0):
+    def __init__(self, group):
         self.group = group
         self.group_size = group.size()
         self.rank = group.rank()
-        self.num_nvl_bytes = num_nvl_bytes
-        self.num_rdma_bytes = num_rdma_bytes
 
-    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
-        """(tokens per rank, None, tokens per expert, is_token_in_rank [N, R], event=None)."""
+    def _layout(self, topk_idx: torch.Tensor, num_experts: int):
         local_experts = num_experts // self.group_size
         valid = topk_idx >= 0
         dest_rank = torch.where(valid, topk_idx // local_experts, -1)
         ranks = torch.arange(self.group_size, device=topk_idx.device)
         is_token_in_rank = (dest_rank.unsqueeze(-1) == ranks).any(dim=1)
         num_tokens_per_rank = is_token_in_rank.sum(0, dtype=torch.int32)
-        num_tokens_per_expert = torch.bincount(
-            topk_idx[valid], minlength=num_experts
-        ).to(torch.int32)
-        return num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank, None
+        num_tokens_per_expert = torch.bincount(topk_idx[valid], minlength=num_experts).to(torch.int32)
+        return num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank
 
-    def dispatch(
-        self,
-        x: torch.Tensor,
-        handle: ReferenceDispatchHandle | None = None,
-        num_tokens_per_rank: torch.Tensor | None = None,
-        num_tokens_per_rdma_rank: torch.Tensor | None = None,
-        is_token_in_rank: torch.Tensor | None = None,
-        num_tokens_per_expert: torch.Tensor | None = None,
-        topk_idx: torch.Tensor | None = None,
-        topk_weights: torch.Tensor | None = None,
-        expert_alignment: int = 1,
-    ):
-        """(recv_x, recv_topk_idx, recv_topk_weights, per-expert counts list, handle, event=None).
-
-        With ``handle`` (cached mode) only recv_x is returned, the rest None.
-        """
-        if handle is not None:
-            recv_x = _exchange(x[handle.send_token_index], handle.send_splits, handle.recv_splits, self.group)
-            return recv_x, None, None, None, None, None
-
-        local_experts = num_tokens_per_expert.numel() // self.group_size
-        # send order: destination rank ascending, then source token ascending
+    def _dispatch(self, x, is_token_in_rank, num_tokens_per_rank, num_experts, topk_idx, topk_weights, alignment):
+        """Rank d receives, from each source rank s in order, the tokens of s (ascending) that
+        route to one of its experts, once; picks not local to d become -1 with weight 0."""
+        local_experts = num_experts // self.group_size
         send_rank, send_token = is_token_in_rank.t().nonzero(as_tuple=True)
         picks = topk_idx[send_token]
         is_local = (picks >= 0) & (picks // local_experts == send_rank.unsqueeze(1))
@@ -108,34 +90,27 @@ class ReferenceBuffer:
         recv_x = _exchange(x[send_token], send_splits, recv_splits, self.group)
         # ids and weights travel together; float64 holds both exactly
         meta = _exchange(
-            torch.cat([send_idx.double(), send_weights.double()], dim=1),
-            send_splits,
-            recv_splits,
-            self.group,
+            torch.cat([send_idx.double(), send_weights.double()], dim=1), send_splits, recv_splits, self.group,
         )
         top_k = topk_idx.shape[1]
         recv_topk_idx = meta[:, :top_k].long()
         recv_topk_weights = meta[:, top_k:].float()
         counts = torch.bincount(recv_topk_idx[recv_topk_idx >= 0], minlength=local_experts)
-        counts_list = [round_up(c, expert_alignment) for c in counts.tolist()]
-        handle = ReferenceDispatchHandle(send_token, send_splits, recv_splits, x.shape[0])
-        return recv_x, recv_topk_idx, recv_topk_weights, counts_list, handle, None
+        handle = ReferenceDispatchHandle(
+            send_token, send_splits, recv_splits, x.shape[0], [round_up(c, alignment) for c in counts.tolist()]
+        )
+        return recv_x, recv_topk_idx, recv_topk_weights, handle, counts
 
-    def combine(
-        self,
-        x: torch.Tensor,
-        handle: ReferenceDispatchHandle,
-        topk_weights: torch.Tensor | None = None,
-        async_finish: bool = False,
-    ):
-        """(combined_x [N, H], combined top-k weights or None, event).
+    def _cached_dispatch(self, x, handle: ReferenceDispatchHandle) -> torch.Tensor:
+        return _exchange(x[handle.send_token_index], handle.send_splits, handle.recv_splits, self.group)
+
+    def _combine(self, x, handle: ReferenceDispatchHandle, topk_weights, asynchronous: bool):
+        """(combined_x, combined top-k weights or None, land or None).
 
         The unweighted sum of every rank's rows for a token, accumulated in fp32
-        and rounded once; a token sent nowhere comes back as zeros. With
-        ``async_finish`` the rows are still travelling when this returns and
-        ``event.current_stream_wait()`` lands them into ``combined_x`` (the
-        library's contract: the outputs are valid after that wait); otherwise
-        the event is None.
+        and rounded once; a token sent nowhere comes back as zeros. Asynchronous:
+        the rows are still travelling when this returns and ``land()`` writes them
+        into ``combined_x``.
         """
         back = x.new_empty((sum(handle.send_splits), x.shape[1]))
         work = dist.all_to_all_single(
@@ -154,19 +129,145 @@ class ReferenceBuffer:
             combined_weights = topk_weights.new_zeros(
                 (handle.num_tokens, topk_weights.shape[1]), dtype=torch.float32
             ).index_add_(0, handle.send_token_index, back_weights)
-        if async_finish:
-            return combined, combined_weights, ReferenceEvent(land)
+        if asynchronous:
+            return combined, combined_weights, land
         land()
         return combined, combined_weights, None
 
 
+class ReferenceBuffer(_ReferenceDeepEP):
+    """DeepEP v1 normal mode (``deep_ep.Buffer``): ``get_dispatch_layout``, ``dispatch``, ``combine``."""
+
+    def __init__(self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0):
+        super().__init__(group)
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
+        """(tokens per rank, None, tokens per expert, is_token_in_rank [N, R], event)."""
+        per_rank, per_expert, in_rank = self._layout(topk_idx, num_experts)
+        return per_rank, None, per_expert, in_rank, ReferenceEvent(None)
+
+    def dispatch(
+        self,
+        x: torch.Tensor,
+        handle: ReferenceDispatchHandle | None = None,
+        num_tokens_per_rank: torch.Tensor | None = None,
+        num_tokens_per_rdma_rank: torch.Tensor | None = None,
+        is_token_in_rank: torch.Tensor | None = None,
+        num_tokens_per_expert: torch.Tensor | None = None,
+        topk_idx: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+        expert_alignment: int = 1,
+    ):
+        """(recv_x, recv_topk_idx, recv_topk_weights, per-expert counts list, handle, event).
+
+        With ``handle`` (cached mode) only recv_x is returned, the rest None.
+        """
+        if handle is not None:
+            return self._cached_dispatch(x, handle), None, None, None, None, ReferenceEvent(None)
+        recv_x, recv_idx, recv_weights, handle, _ = self._dispatch(
+            x, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert.numel(),
+            topk_idx, topk_weights, expert_alignment,
+        )
+        return recv_x, recv_idx, recv_weights, handle.num_recv_tokens_per_expert_list, handle, ReferenceEvent(None)
+
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: ReferenceDispatchHandle,
+        topk_weights: torch.Tensor | None = None,
+        async_finish: bool = False,
+    ):
+        """(combined_x [N, H], combined top-k weights (summed over ranks) or None, event).
+
+        With ``async_finish`` the output is valid after ``event.current_stream_wait()``.
+        """
+        combined, weights, land = self._combine(x, handle, topk_weights, async_finish)
+        return combined, weights, ReferenceEvent(land)
+
+
+class ReferenceElasticBuffer(_ReferenceDeepEP):
+    """DeepEP V2 (``deep_ep.ElasticBuffer``): ``dispatch`` and ``combine``, compact layout.
+
+    Compact mode (``do_expand=False``) with the CPU sync, as a training step
+    uses it: the received tokens, their local expert ids (-1 elsewhere) and
+    weights; per-expert counts in the handle, added to
+    ``cumulative_local_expert_recv_stats`` on the device. The receive order is
+    (source rank, token) ascending, which the library guarantees with
+    ``deterministic=True``. The expanded layout and the sync-free worst-case
+    sizing are the library's and are refused here.
+    """
+
+    def __init__(self, group, num_bytes: int | None = None, num_max_tokens_per_rank: int = 0,
+                 hidden: int = 0, num_topk: int = 0, deterministic: bool = False):
+        super().__init__(group)
+        self.num_max_tokens_per_rank = num_max_tokens_per_rank
+        self.hidden = hidden
+        self.num_topk = num_topk
+
+    def dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+        cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+        num_experts: int | None = None,
+        num_max_tokens_per_rank: int | None = None,
+        expert_alignment: int | None = None,
+        num_sms: int = 0,
+        handle: ReferenceDispatchHandle | None = None,
+        do_cpu_sync: bool | None = None,
+        do_expand: bool = False,
+        async_with_compute_stream: bool = False,
+    ):
+        """(recv_x, recv_topk_idx, recv_topk_weights, handle, event); cached (``handle``):
+        recv_x and the same handle."""
+        if handle is not None:
+            if do_cpu_sync:
+                raise AssertionError("Cannot do CPU sync with cached handle")
+            return self._cached_dispatch(x, handle), None, None, handle, ReferenceEvent(None)
+        if do_expand or do_cpu_sync is False:
+            raise NotImplementedError("the reference ElasticBuffer implements compact dispatch with the CPU sync")
+        max_tokens = num_max_tokens_per_rank or self.num_max_tokens_per_rank
+        if x.shape[0] > max_tokens:
+            raise RuntimeError(f"{x.shape[0]} tokens > num_max_tokens_per_rank = {max_tokens}")
+        per_rank, _, in_rank = self._layout(topk_idx, num_experts)
+        recv_x, recv_idx, recv_weights, handle, counts = self._dispatch(
+            x, in_rank, per_rank, num_experts, topk_idx, topk_weights, expert_alignment or 1,
+        )
+        if cumulative_local_expert_recv_stats is not None:
+            cumulative_local_expert_recv_stats += counts.to(cumulative_local_expert_recv_stats.dtype)
+        return recv_x, recv_idx, recv_weights, handle, ReferenceEvent(None)
+
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: ReferenceDispatchHandle,
+        topk_weights: torch.Tensor | None = None,
+        num_sms: int = 0,
+        async_with_compute_stream: bool = False,
+    ):
+        """(combined_x [N, H], each pick's weight sent back by its expert's rank or None, event).
+
+        With ``async_with_compute_stream`` the output is valid after ``event.current_stream_wait()``.
+        """
+        combined, weights, land = self._combine(x, handle, topk_weights, async_with_compute_stream)
+        return combined, weights, ReferenceEvent(land)
+
+
 class ReferenceEvent:
-    """DeepEP's ``EventOverlap`` for the reference: waiting lands an asynchronous combine."""
+    """DeepEP's ``EventOverlap`` for the reference: waiting lands an asynchronous combine.
+
+    Like the library's, waiting on an event that records nothing is an error.
+    """
 
     def __init__(self, land):
         self._land = land
 
     def current_stream_wait(self) -> None:
+        if self._land is None:
+            raise AssertionError("the event is None: the call was not asynchronous")
         self._land()
 
 
@@ -178,6 +279,8 @@ class ReferenceHybridEPHandle:
     ``L`` local experts; ``M`` output rows.
     """
 
+    local_routing_map: torch.Tensor
+    """[G, L] whether token g routes to local expert e (the all-gathered map's local columns)."""
     pair_rows: torch.Tensor
     """[G, L] output row of each kept (token, local expert) pair; M where not kept."""
     row_pairs: torch.Tensor
@@ -379,6 +482,7 @@ class ReferenceHybridEPBuffer:
             local_probs = global_probs[:, rank * local_experts : (rank + 1) * local_experts]
             pair_probs = torch.where(kept, local_probs, 0.0)
         handle = ReferenceHybridEPHandle(
+            local_routing_map=local_map,
             pair_rows=pair_rows,
             row_pairs=row_pairs,
             token_position=token_position,

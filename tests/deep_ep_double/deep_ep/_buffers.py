@@ -1,0 +1,308 @@
+"""``Buffer`` (v1 API, deep_ep/buffers/legacy.py) and ``ElasticBuffer`` (V2, deep_ep/buffers/elastic.py)
+of DeepEP main at dd758caf, on top of torchtitan_ext's reference kernels."""
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from deep_ep._double import check_torch_deterministic, library_call, record_creation, runtime_assert
+from torchtitan_ext.ep.kernels.reference import ReferenceBuffer, ReferenceElasticBuffer
+
+topk_idx_t = torch.int64
+"""deep_ep.topk_idx_t (EP_NUM_TOPK_IDX_BITS = 64 by default)."""
+
+_DISPATCH_RANKS = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160)
+"""get_dispatch_config / get_combine_config table keys (legacy.py:233-290)."""
+
+
+class EventHandle:
+    """Records an event on the current stream (csrc/utils/event.hpp); on CPU there is nothing to record."""
+
+    def __init__(self, land=None):
+        self._land = land
+
+    def current_stream_wait(self) -> None:
+        if self._land is not None:
+            self._land()
+
+
+class EventOverlap:
+    """deep_ep/utils/event.py:8-96."""
+
+    def __init__(self, event: Optional[EventHandle] = None, extra_tensors: Optional[tuple] = None) -> None:
+        self.event = event
+        self.extra_tensors = extra_tensors
+        self.hook_after_wait = None
+
+    def current_stream_wait(self, release_handle: bool = False) -> None:
+        assert self.event is not None
+        self.event.current_stream_wait()
+        if self.hook_after_wait is not None:
+            hook, self.hook_after_wait = self.hook_after_wait, None
+            hook()
+        if release_handle:
+            self.event = None
+
+
+class Config:
+    """deep_ep.Config (csrc/legacy/config.hpp:31-99)."""
+
+    def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
+                 num_max_nvl_chunked_recv_tokens: int = 256, num_max_rdma_chunked_send_tokens: int = 6,
+                 num_max_rdma_chunked_recv_tokens: int = 256):
+        runtime_assert(num_sms >= 0, "num_sms >= 0")
+        runtime_assert(0 < num_max_nvl_chunked_send_tokens < num_max_nvl_chunked_recv_tokens, "nvl send < recv")
+        self.num_sms = num_sms
+        self.num_max_nvl_chunked_recv_tokens = num_max_nvl_chunked_recv_tokens
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        runtime_assert(num_ranks < 8 or num_ranks % 8 == 0, "num_ranks < 8 or num_ranks % 8 == 0")
+        runtime_assert(num_ranks <= 8 or self.num_sms % 2 == 0, "num_sms % 2 == 0")
+        channels = self.num_sms // 2
+        nvl_ranks, rdma_ranks = min(num_ranks, 8), max(num_ranks // 8, 1)
+        source_meta_bytes = 8
+        size = channels * nvl_ranks * (2 * rdma_ranks + 3) * 4
+        size += channels * nvl_ranks * self.num_max_nvl_chunked_recv_tokens * (
+            hidden_bytes + source_meta_bytes + 128 * 8 + 128 * 4 + 128 * 4
+        )
+        return (size + 127) // 128 * 128
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        if num_ranks <= 8:
+            return 0
+        runtime_assert(num_ranks % 8 == 0 and self.num_sms % 2 == 0, "num_ranks % 8 == 0, num_sms even")
+        return (self.num_sms // 2 * (num_ranks // 8) * 256 * (hidden_bytes + 1024) + 127) // 128 * 128
+
+
+class _LegacyHandle(tuple):
+    """The intranode handle: a 6-tuple (rank_prefix_matrix, channel_prefix_matrix,
+    recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head)."""
+
+    reference = None
+
+
+def _check_topk(topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor]) -> None:
+    runtime_assert(topk_idx.dim() == 2 and topk_idx.is_contiguous(), "topk_idx 2-D contiguous")
+    runtime_assert(topk_idx.dtype == topk_idx_t, f"topk_idx dtype {topk_idx.dtype} != topk_idx_t")
+    if topk_weights is not None:
+        runtime_assert(topk_weights.dtype == torch.float32, "topk_weights.scalar_type() == torch::kFloat32")
+        runtime_assert(topk_weights.shape == topk_idx.shape, "topk_weights and topk_idx shapes")
+
+
+class Buffer:
+    """deep_ep.Buffer, the v1 API (legacy.py:33-455), normal (intranode) mode."""
+
+    num_sms: int = 20
+
+    def __init__(self, group: Optional[dist.ProcessGroup], num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
+                 explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None) -> None:
+        if group is None and comm is None:
+            raise ValueError("Either 'group' or 'comm' must be provided.")
+        record_creation()
+        runtime_assert(num_nvl_bytes % 128 == 0 and num_rdma_bytes % 128 == 0, "buffer bytes % 128 == 0")
+        num_ranks = group.size()
+        runtime_assert(num_ranks < 8 or num_ranks % 8 == 0, "num_ranks < 8 or num_ranks % 8 == 0")
+        # the library exchanges device ids and IPC handles with every rank
+        handles = [None] * num_ranks
+        dist.all_gather_object(handles, (group.rank(), "ipc handle"), group=group)
+        self.group, self.rank, self.group_size = group, group.rank(), num_ranks
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
+        self.explicitly_destroy = explicitly_destroy
+        self._reference = ReferenceBuffer(group, num_nvl_bytes, num_rdma_bytes)
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        assert new_num_sms % 2 == 0, "The SM count must be even"
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        assert num_ranks in _DISPATCH_RANKS, f"Unsupported number of EP ranks: {num_ranks}"
+        return Config(Buffer.num_sms, 6, 256, 6, 128)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        assert num_ranks in _DISPATCH_RANKS, f"Unsupported number of EP ranks: {num_ranks}"
+        return Config(Buffer.num_sms, 4, 256, 6, 128)
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
+                            previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                            allocate_on_comm_stream: bool = False):
+        _check_topk(topk_idx, None)
+        runtime_assert(num_experts > 0, "num_experts > 0")
+        with library_call():
+            per_rank, per_rdma_rank, per_expert, in_rank, _ = self._reference.get_dispatch_layout(topk_idx, num_experts)
+        return per_rank, per_rdma_rank, per_expert, in_rank, EventOverlap(EventHandle() if async_finish else None)
+
+    def dispatch(self, x, handle: Optional[tuple] = None,
+                 num_tokens_per_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                 is_token_in_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_expert: Optional[torch.Tensor] = None,
+                 topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
+                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False):
+        check_torch_deterministic()
+        runtime_assert((x.shape[1] * x.element_size()) % 16 == 0, "hidden bytes % 16 == 0")
+        event = EventOverlap(EventHandle() if async_finish else None)
+        if handle is not None:
+            assert topk_idx is None and topk_weights is None
+            with library_call():
+                recv_x = self._reference.dispatch(x, handle=handle.reference)[0]
+            return recv_x, None, None, None, None, event
+        assert num_tokens_per_rank is not None and is_token_in_rank is not None and num_tokens_per_expert is not None
+        runtime_assert((topk_idx is None) == (topk_weights is None), "topk_idx.has_value() == topk_weights.has_value()")
+        _check_topk(topk_idx, topk_weights)
+        # the exact receive count comes from a CPU busy-wait on mapped host memory
+        with library_call(host_syncs=1):
+            recv_x, recv_idx, recv_weights, counts, reference, _ = self._reference.dispatch(
+                x, num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
+                num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
+                expert_alignment=expert_alignment,
+            )
+        num_recv, channels = recv_x.shape[0], Buffer.num_sms // 2
+        handle = _LegacyHandle((
+            torch.zeros(self.group_size, self.group_size, dtype=torch.int32),
+            torch.zeros(self.group_size, channels, dtype=torch.int32),
+            torch.zeros(self.group_size, channels, dtype=torch.int32),
+            torch.zeros(num_recv, dtype=torch.int32),
+            is_token_in_rank,
+            torch.zeros(x.shape[0], self.group_size, dtype=torch.int32),
+        ))
+        handle.reference = reference
+        return recv_x, recv_idx, recv_weights, list(counts), handle, event
+
+    def combine(self, x: torch.Tensor, handle: tuple, topk_weights: Optional[torch.Tensor] = None,
+                bias=None, config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
+                async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        check_torch_deterministic()
+        runtime_assert(x.dtype == torch.bfloat16, 'false and "Unsupported type"')
+        if topk_weights is not None:
+            runtime_assert(topk_weights.dtype == torch.float32 and topk_weights.dim() == 2, "topk_weights float32 2-D")
+        with library_call():
+            combined, weights, event = self._reference.combine(x, handle.reference, topk_weights, async_finish)
+        return combined, weights, EventOverlap(EventHandle(event.current_stream_wait) if async_finish else None)
+
+
+class EPHandle:
+    """deep_ep.EPHandle (elastic.py:25-98): a plain object."""
+
+    def __init__(self, do_expand, num_experts, expert_alignment, num_max_tokens_per_rank, num_sms, topk_idx,
+                 num_recv_tokens, num_expanded_tokens, num_recv_tokens_per_expert_list,
+                 psum_num_recv_tokens_per_scaleup_rank, psum_num_recv_tokens_per_expert,
+                 num_unaligned_recv_tokens_per_expert, recv_src_metadata, dst_buffer_slot_idx,
+                 token_metadata_at_forward, channel_linked_list) -> None:
+        self.do_expand = do_expand
+        self.num_experts = num_experts
+        self.expert_alignment = expert_alignment
+        self.num_max_tokens_per_rank = num_max_tokens_per_rank
+        self.num_sms = num_sms
+        self.topk_idx = topk_idx
+        self.num_recv_tokens = num_recv_tokens
+        self.num_expanded_tokens = num_expanded_tokens
+        self.num_recv_tokens_per_expert_list = num_recv_tokens_per_expert_list
+        self.psum_num_recv_tokens_per_scaleup_rank = psum_num_recv_tokens_per_scaleup_rank
+        self.psum_num_recv_tokens_per_expert = psum_num_recv_tokens_per_expert
+        self.num_unaligned_recv_tokens_per_expert = num_unaligned_recv_tokens_per_expert
+        self.recv_src_metadata = recv_src_metadata
+        self.dst_buffer_slot_idx = dst_buffer_slot_idx
+        self.token_metadata_at_forward = token_metadata_at_forward
+        self.channel_linked_list = channel_linked_list
+        self.reference = None
+
+
+class ElasticBuffer:
+    """deep_ep.ElasticBuffer, DeepEP V2 (elastic.py:228-1107), compact dispatch."""
+
+    def __init__(self, group: dist.ProcessGroup, num_bytes: Optional[int] = None, num_cpu_bytes: int = 0,
+                 num_max_tokens_per_rank: int = 0, hidden: int = 0, num_topk: int = 0,
+                 use_fp8_dispatch: bool = False, deterministic: bool = False, allow_hybrid_mode: bool = True,
+                 allow_multiple_reduction: bool = True, prefer_overlap_with_compute: bool = True,
+                 sl_idx: int = 3, num_allocated_qps: int = 0, num_cpu_timeout_secs: int = 300,
+                 num_gpu_timeout_secs: int = 100, explicitly_destroy: bool = False) -> None:
+        record_creation()
+        if num_bytes is None:
+            runtime_assert(num_max_tokens_per_rank > 0 and hidden > 0, "sizes for calculate_elastic_buffer_size")
+            num_bytes = 2 ** 21
+        runtime_assert(num_bytes > 0 and num_bytes % 2 ** 21 == 0, "Must be aligned to 2 MB")
+        names = [None] * group.size()
+        dist.all_gather_object(names, ("nccl comm", group.rank()), group=group)
+        dist.barrier(group=group)
+        self.group, self.rank_idx, self.num_ranks = group, group.rank(), group.size()
+        self.num_bytes = num_bytes
+        self.num_max_tokens_per_rank = num_max_tokens_per_rank
+        self.deterministic = deterministic
+        self.explicitly_destroy = explicitly_destroy
+        self._reference = ReferenceElasticBuffer(
+            group, num_max_tokens_per_rank=num_max_tokens_per_rank, hidden=hidden, num_topk=num_topk,
+        )
+
+    @staticmethod
+    def get_theoretical_num_sms(num_experts: int, num_topk: int, num_scaleout_topk: int = 0, rdma_gbs: float = 0,
+                                nvlink_gbs: float = 0, sm_read_gbs: float = 200, sm_write_gbs: float = 50) -> int:
+        num_groups = 4
+        assert num_experts % num_groups == 0
+        return max(4, 2 * ((num_topk + 1) // 2))
+
+    def dispatch(self, x, topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
+                 cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+                 num_experts: Optional[int] = None, num_max_tokens_per_rank: Optional[int] = None,
+                 expert_alignment: Optional[int] = None, num_sms: int = 0, num_qps: int = 0,
+                 previous_event: Optional[EventHandle] = None,
+                 previous_event_before_epilogue: Optional[EventHandle] = None,
+                 async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False,
+                 handle: Optional[EPHandle] = None, do_handle_copy: bool = True, do_cpu_sync: Optional[bool] = None,
+                 do_expand: bool = False, do_zero_padding: bool = False, use_tma_aligned_col_major_sf: bool = False):
+        check_torch_deterministic()
+        num_topk = topk_idx.shape[1] if topk_idx is not None else (handle.topk_idx.shape[1] if handle else 0)
+        if num_sms == 0:
+            # elastic.py:927: computed before num_experts is taken from a handle
+            num_sms = self.get_theoretical_num_sms(num_experts, num_topk)
+        event = EventOverlap(EventHandle() if async_with_compute_stream else None)
+        runtime_assert(not do_zero_padding or do_expand, "not do_zero_padding or do_expand")
+        runtime_assert((x.shape[1] * x.element_size()) % 16 == 0, "hidden bytes % 16 == 0")
+        if handle is not None:
+            assert topk_idx is None
+            assert do_cpu_sync is None or not do_cpu_sync, "Cannot do CPU sync with cached handle"
+            with library_call():
+                recv_x = self._reference.dispatch(x, handle=handle.reference)[0]
+            return recv_x, None, None, handle, event
+        max_tokens = num_max_tokens_per_rank or self.num_max_tokens_per_rank
+        runtime_assert(x.shape[0] <= max_tokens, "num_tokens <= num_max_tokens_per_rank")
+        _check_topk(topk_idx, topk_weights)
+        runtime_assert(num_experts % self.num_ranks == 0, "num_experts % num_ranks == 0")
+        do_cpu_sync = True if do_cpu_sync is None else do_cpu_sync
+        runtime_assert(do_cpu_sync and not do_expand, "the double implements compact dispatch with the CPU sync")
+        with library_call(host_syncs=1):
+            recv_x, recv_idx, recv_weights, reference, _ = self._reference.dispatch(
+                x, topk_idx=topk_idx, topk_weights=topk_weights,
+                cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats, num_experts=num_experts,
+                num_max_tokens_per_rank=max_tokens, expert_alignment=expert_alignment or 1,
+            )
+        counts = list(reference.num_recv_tokens_per_expert_list)
+        handle = EPHandle(
+            do_expand, num_experts, expert_alignment or 1, max_tokens, num_sms,
+            topk_idx.clone() if do_handle_copy else topk_idx, recv_x.shape[0], sum(counts), counts,
+            torch.tensor([recv_x.shape[0]], dtype=torch.int32), torch.tensor(counts, dtype=torch.int32).cumsum(0),
+            torch.tensor(counts, dtype=torch.int32), torch.zeros(recv_x.shape[0], num_topk + 2, dtype=torch.int32),
+            None, None, None,
+        )
+        handle.reference = reference
+        return recv_x, recv_idx, recv_weights, handle, event
+
+    def combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: Optional[torch.Tensor] = None,
+                bias=None, num_sms: int = 0, num_qps: int = 0, previous_event: EventHandle = None,
+                previous_event_before_epilogue: Optional[EventHandle] = None,
+                async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False):
+        runtime_assert(x.dtype == torch.bfloat16, "x.scalar_type() == torch::kBFloat16")
+        runtime_assert(x.shape[0] == handle.recv_src_metadata.shape[0], "src_metadata.size(0) == x.size(0)")
+        with library_call():
+            combined, weights, event = self._reference.combine(
+                x, handle.reference, topk_weights, async_with_compute_stream=async_with_compute_stream
+            )
+        return combined, weights, EventOverlap(EventHandle(event.current_stream_wait) if async_with_compute_stream else None)

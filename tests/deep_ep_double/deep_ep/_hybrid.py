@@ -1,0 +1,148 @@
+"""``HybridEPBuffer`` of DeepEP's hybrid-ep branch at 94a9f8f6 (deep_ep/hybrid_ep_buffer.py), on top of
+torchtitan_ext's reference kernels."""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from deep_ep._double import c_assert, HostTensor, library_call, record_creation
+from torchtitan_ext.ep.kernels.reference import ReferenceHybridEPBuffer
+
+TOKENS_PER_CHUNK = 64
+"""NUM_OF_TOKENS_PER_CHUNK_DISPATCH_API's default."""
+
+UNINITIALISED_FLAG = 7
+"""What the never-written overflow flag of a blocking dispatch holds here (the library: whatever was in memory)."""
+
+
+def indices_to_map(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_of_tokens: int, num_of_experts: int):
+    """hybrid_ep_buffer.py:9-31: (routing_map bool [T, E], probs fp32 [T, E] or None)."""
+    routing_map = torch.zeros(num_of_tokens, num_of_experts, dtype=torch.bool)
+    routing_map.scatter_(1, topk_idx.to(torch.int64), True)
+    probs = None
+    if topk_weights is not None:
+        probs = torch.zeros(num_of_tokens, num_of_experts, dtype=torch.float32)
+        probs.scatter_(1, topk_idx.to(torch.int64), topk_weights.float())
+    return routing_map, probs
+
+
+class _HybridHandle(tuple):
+    """The 11-tuple handle (hybrid_ep_buffer.py:419-431): sparse_to_dense_map, rdma_to_attn_map,
+    attn_to_rdma_map, num_dispatched_tokens_tensor, local_expert_routing_map, dense_chunk_layout,
+    dense_to_expert_map, tokens_per_expert (raw, clipped when dropping), num_of_tokens_per_rank,
+    config, overflow_flag."""
+
+    reference = None
+
+
+class HybridEPBuffer:
+    """deep_ep.HybridEPBuffer (hybrid_ep_buffer.py:35-479)."""
+
+    def __init__(self, group, hidden_dim: int, max_num_of_tokens_per_rank: int, num_local_experts: int,
+                 use_fp8: bool = False, num_sms_dispatch_api: int = None, num_sms_combine_api: int = None,
+                 num_sms_preprocessing_api: int = None, num_blocks_permute: int = None,
+                 num_blocks_unpermute: int = None, load_cached_kernels: bool = False,
+                 use_shared_buffer: bool = True, enable_custom_allgather: bool = False,
+                 num_of_hybrid_ep_ranks_per_nvlink_domain: int = None, use_mnnvl: bool = None):
+        record_creation()
+        self.group, self.rank, self.group_size = group, group.rank(), group.size()
+        configured = os.environ.get("NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN")
+        # the library counts the peer-accessible GPUs: up to 8 on an HGX node
+        self.num_of_hybrid_ep_ranks_per_nvlink_domain = int(configured) if configured else min(self.group_size, 8)
+        domain = self.num_of_hybrid_ep_ranks_per_nvlink_domain
+        assert self.group_size % domain == 0
+        if not (hidden_dim % 16 == 0 and (num_local_experts * domain) % 4 == 0
+                and (TOKENS_PER_CHUNK * domain) % 4 == 0):
+            raise RuntimeError("The buffer config is not valid.")
+        c_assert(
+            self.group_size <= domain or os.environ.get("DEEP_EP_DOUBLE_MULTINODE_BUILD") == "1",
+            "Inter-node communication is not supported. Please rebuild with HYBRID_EP_MULTINODE flag",
+        )
+        handles = [None] * self.group_size
+        dist.all_gather_object(handles, ("ipc handle", self.rank), group=group)
+        self.num_local_experts = num_local_experts
+        self._reference = ReferenceHybridEPBuffer(
+            group, hidden_dim, max_num_of_tokens_per_rank, num_local_experts, dtype=torch.bfloat16,
+        )
+
+    def dispatch_with_permute(self, *, hidden: torch.Tensor, topk_idx: torch.Tensor = None,
+                              topk_weights: torch.Tensor = None, num_of_experts_per_rank: int = None,
+                              num_of_experts: int = None, use_fp8: bool = None, routing_map: torch.Tensor = None,
+                              probs: torch.Tensor = None, scaling_factor: torch.Tensor = None,
+                              num_permuted_tokens: int = None, pad_multiple: int = None, handle: tuple = None,
+                              non_blocking: bool = False, fuse_permute_dispatch: bool = False,
+                              num_dispatched_tokens: int = None, use_host_meta: bool = None):
+        num_tokens = hidden.shape[0]
+        remainder = num_tokens % TOKENS_PER_CHUNK
+        if remainder and (remainder * self.num_of_hybrid_ep_ranks_per_nvlink_domain * 4) % 16:
+            raise RuntimeError("TMA 16B alignment error")
+        if handle is not None:
+            if num_permuted_tokens is None:  # HandleImpl.num_permuted_tokens is a C++ int64_t
+                raise TypeError("incompatible function arguments: num_permuted_tokens must be an int")
+            c_assert(num_permuted_tokens >= 0, "args.num_permuted_tokens >= 0")
+            with library_call():
+                tokens = self._reference.dispatch_with_permute(
+                    hidden=self._as_read(hidden), handle=handle.reference,
+                    num_permuted_tokens=int(num_permuted_tokens), pad_multiple=pad_multiple,
+                )[0]
+            return tokens.to(hidden.dtype), None, None, None, handle
+        if routing_map is not None:
+            assert routing_map.dtype == torch.bool
+        if non_blocking:
+            assert num_permuted_tokens is not None and num_permuted_tokens >= 0
+            if pad_multiple is not None and pad_multiple > 0:
+                assert num_permuted_tokens % pad_multiple == 0
+        assert hidden.shape[0] == routing_map.shape[0]
+        with library_call(host_syncs=0 if non_blocking else 1):  # blocking: cudaStreamSynchronize for the sizes
+            tokens, out_probs, _, tokens_per_expert, reference = self._reference.dispatch_with_permute(
+                hidden=self._as_read(hidden), routing_map=routing_map, probs=probs,
+                num_of_experts_per_rank=num_of_experts_per_rank, num_permuted_tokens=num_permuted_tokens,
+                pad_multiple=pad_multiple, non_blocking=non_blocking,
+            )
+        kept = (reference.pair_rows < reference.num_permuted_tokens).sum(0).to(torch.int32)
+        flag = reference.overflow_flag.view(1) if non_blocking else torch.full((1,), UNINITIALISED_FLAG, dtype=torch.int32)
+        dispatched = torch.tensor([tokens.shape[0]], dtype=torch.int32)
+        handle = _HybridHandle((
+            torch.zeros(num_tokens, self.num_of_hybrid_ep_ranks_per_nvlink_domain, dtype=torch.int32),
+            torch.zeros(num_tokens, 1, dtype=torch.bool),
+            torch.zeros(num_tokens, 0, dtype=torch.bool),
+            dispatched if non_blocking else HostTensor.wrap(dispatched),
+            reference.local_routing_map,
+            torch.zeros(1, dtype=torch.int32),
+            torch.where(reference.local_routing_map, reference.pair_rows, -1).to(torch.int32),
+            kept,
+            num_tokens,
+            "HybridEpConfigInstance",
+            flag,
+        ))
+        handle.reference = reference
+        if not non_blocking:
+            tokens_per_expert = HostTensor.wrap(tokens_per_expert)  # pinned host memory in blocking mode
+        return self._as_written(tokens, hidden.dtype), out_probs, None, tokens_per_expert, handle
+
+    def combine_with_unpermute(self, *, hidden: torch.Tensor, probs: torch.Tensor = None, handle: tuple = None,
+                               pad_multiple: int = None, fuse_unpermute_combine: bool = False,
+                               num_dispatched_tokens: int = None):
+        assert handle is not None, "The handle is necessary in the combine pass."
+        c_assert(hidden.element_size() == 2, "elementSize(hidden) == 2")
+        c_assert(hidden.dtype == torch.bfloat16, "args.permuted_tokens.dtype() == torch::kBFloat16")
+        with library_call():
+            return self._reference.combine_with_unpermute(hidden=hidden, probs=probs, handle=handle.reference)
+
+    @staticmethod
+    def _as_read(hidden: torch.Tensor) -> torch.Tensor:
+        """Without FP8 the kernels read every token as 16-bit words: bf16 is read as it is, anything
+        else is reinterpreted (fp32: the first half of each row's bytes), never refused."""
+        if hidden.dtype == torch.bfloat16:
+            return hidden
+        return hidden.contiguous().view(torch.bfloat16)[:, : hidden.shape[1]]
+
+    @staticmethod
+    def _as_written(tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The output has the input's dtype, filled with 16-bit words (garbage for any other dtype)."""
+        if dtype == torch.bfloat16:
+            return tokens
+        out = torch.full((tokens.shape[0], tokens.shape[1]), float("nan"), dtype=dtype)
+        out.view(torch.bfloat16)[:, : tokens.shape[1]] = tokens
+        return out

@@ -1,0 +1,185 @@
+"""Library fidelity: the adapters to deep_ep, run against a double faithful to the library's sources.
+
+The real deep_ep cannot run here (CUDA, built from source). tests/deep_ep_double
+is a double of it whose signatures are the manifest's (read at pinned commits
+of DeepEP main and of its hybrid-ep branch) and whose observable behaviour
+follows the sources where an adapter can trip: pinned host memory in blocking
+HybridEP, None on cached paths, an uninitialised overflow flag, bf16-only
+kernels, rank-count and layout asserts, deterministic mode, import failures.
+Every backend the library serves runs here through ``implementation =
+"deep_ep"`` exactly as on a cluster, and must give the same numbers as the
+reference implementation at the same dtype, bit for bit.
+"""
+
+import importlib
+import inspect
+import sys
+
+import pytest
+import torch
+
+from tests.deep_ep_double.manifest import MANIFEST
+from tests.double_cases import adapters_worker, DOUBLE_DIR, fp32_worker, host_sync_worker, LIBRARY_BACKENDS
+from tests.ep_cases import Case
+from tests.helpers import run_distributed
+
+EP = 2
+CASES = (
+    Case("double_top2_after", num_experts=8, top_k=2, score_before_experts=False, seed=61, total_tokens=64, hidden=32),
+    Case("double_top3_before_pad", num_experts=4, top_k=3, score_before_experts=True, seed=62, total_tokens=64,
+         hidden=32, pad_multiple=16),
+)
+AC_CASE = CASES[0]
+
+
+def _rendered(signature: inspect.Signature) -> str:
+    """A signature as the manifest writes it: names, defaults and the keyword-only marker, no annotations."""
+    parameters = [parameter.replace(annotation=inspect.Parameter.empty) for parameter in signature.parameters.values()]
+    return str(signature.replace(parameters=parameters, return_annotation=inspect.Signature.empty))
+
+
+@pytest.fixture
+def double_modules(monkeypatch):
+    monkeypatch.syspath_prepend(str(DOUBLE_DIR))
+    for name in [name for name in sys.modules if name == "deep_ep" or name.startswith("deep_ep.")]:
+        monkeypatch.delitem(sys.modules, name)
+    return importlib.import_module("deep_ep._buffers"), importlib.import_module("deep_ep._hybrid")
+
+
+def test_double_has_the_manifests_signatures(double_modules):
+    buffers, hybrid = double_modules
+    for qualified, (signature, _, repo, commit, path) in MANIFEST.items():
+        owner_name, _, member = qualified.partition(".")
+        module = hybrid if owner_name in ("HybridEPBuffer", "indices_to_map") else buffers
+        target = getattr(module, owner_name)
+        if member:
+            target = getattr(target, member)
+        assert _rendered(inspect.signature(target)) == signature, (qualified, repo, commit, path)
+
+
+@pytest.fixture(scope="module", params=sorted(LIBRARY_BACKENDS))
+def adapters(request):
+    return request.param, run_distributed(EP, adapters_worker, request.param, CASES, AC_CASE)
+
+
+def test_every_backend_equals_the_reference_bitwise(adapters):
+    """Forward and backward (outputs, tokens', scores' and experts' gradients): the adapters call
+    the library as the reference is called, so results are identical at the same dtype. The
+    experts read their group sizes on the device (grouped GEMM): a count left in pinned host
+    memory would fail here."""
+    build, results = adapters
+    for rank_results in results:
+        for case in CASES:
+            for backend in LIBRARY_BACKENDS[build]:
+                library = rank_results[case.name, backend, "deep_ep"]
+                reference = rank_results[case.name, backend, "reference"]
+                for key in ("out", "grad_x", "grad_scores", "grad_w1", "grad_w2", "grad_w3"):
+                    assert torch.equal(library[key], reference[key]), (build, case.name, backend, key)
+                if backend.startswith("hybridep"):
+                    # blocking mode leaves the overflow flag unwritten (the double: 7); nothing reads it
+                    assert library["dropped_pairs"] == 0
+
+
+def test_checkpointed_backward_and_buffer_creation(adapters):
+    """Per-op selective and full activation checkpointing run forward and backward through the
+    library (the cached path of HybridEP's dispatch returns no tokens-per-expert), equal to each
+    other; every buffer was created with no dispatch mode active, so selective checkpointing's
+    cache never records the creation's collectives."""
+    build, results = adapters
+    for rank_results in results:
+        runs = rank_results["checkpointing"]
+        for backend in LIBRARY_BACKENDS[build]:
+            selective, full = runs[backend, "selective_op"], runs[backend, "full"]
+            for key in ("out", "grad_x", "grad_scores"):
+                assert torch.equal(selective[key], full[key]), (backend, key)
+        assert rank_results["creation_mode_stacks"] and set(rank_results["creation_mode_stacks"]) == {0}
+
+
+def test_deterministic_mode_runs(adapters):
+    """torchtitan's debug.deterministic: DeepEP asserts against fill_uninitialized_memory; the adapters
+    run its calls without it (deterministic algorithms stay on)."""
+    build, results = adapters
+    for rank_results in results:
+        for backend in LIBRARY_BACKENDS[build]:
+            assert torch.equal(
+                rank_results["deterministic"][backend], rank_results[AC_CASE.name, backend, "deep_ep"]["out"]
+            )
+
+
+def test_fp32_tokens_are_refused_before_the_library():
+    """The library would misread fp32 (HybridEP) or raise "Unsupported type" (DeepEP's combine, after
+    the dispatch communicated): the adapter refuses first, naming the dtype setting."""
+    for build in sorted(LIBRARY_BACKENDS):
+        errors = run_distributed(EP, fp32_worker, build, AC_CASE)[0]
+        for backend, error in errors.items():
+            assert error is not None and error.startswith("TypeError"), (build, backend, error)
+            assert "take bf16 tokens only, not torch.float32" in error and "mixed_precision_param" in error
+
+
+@pytest.mark.parametrize("failure, shown", [("nccl", "Invalid NCCL versions"), ("cuda_home", "cuda_home")])
+def test_import_failure_is_a_clear_config_error(monkeypatch, failure, shown):
+    """DeepEP main's import checks (NCCL binary identity, CUDA home) raise AssertionError: it becomes
+    the one-line "cannot be used" error, not a traceback."""
+    import torchtitan_ext.ep.kernels as kernels
+    from torchtitan_ext.config import ConfigError
+    from torchtitan_ext.models import register_train_specs
+    from torchtitan_ext.train import load_job_config
+
+    register_train_specs()
+    monkeypatch.syspath_prepend(str(DOUBLE_DIR))
+    for name in [name for name in sys.modules if name == "deep_ep" or name.startswith("deep_ep.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setenv("DEEP_EP_DOUBLE_IMPORT_FAILURE", failure)
+    monkeypatch.setattr(kernels, "LIBRARY_DEVICE_TYPE", "cpu")
+    for backend in ("deepep", "hybridep"):
+        with pytest.raises(ConfigError) as error:
+            load_job_config([
+                "--job.config_file", "train_configs/debug_model.toml",
+                "--parallelism.expert_parallel_comm_backend", backend, f"--{backend}.implementation", "deep_ep",
+                "--training.mixed_precision_param", "bfloat16",
+            ], "cpu", 2)
+        message = str(error.value)
+        assert "cannot be used (import deep_ep failed: AssertionError" in message and shown in message
+        assert f"{backend}.implementation = 'reference'" in message and "\n" not in message
+
+
+@pytest.fixture(scope="module")
+def host_syncs():
+    case = Case("host_sync", num_experts=8, top_k=2, score_before_experts=False, seed=31, total_tokens=64,
+                hidden=32, pad_multiple=8)
+    return {
+        "nccl": run_distributed(EP, host_sync_worker, None, case),
+        "control": run_distributed(EP, host_sync_worker, "hybrid-ep", case, "hybridep_non_blocking"),
+        **{build: run_distributed(EP, host_sync_worker, build, case) for build in sorted(LIBRARY_BACKENDS)},
+    }
+
+
+def test_host_sync_budget_of_every_backend(host_syncs):
+    """One MoE layer's forward + backward, the custom ops' bodies included:
+
+    - nccl: one device-to-host read per dispatch (the all-to-all split sizes), nothing else;
+    - deepep (V2 and v1 APIs) and blocking hybridep: the library's one sync per dispatch, none of ours;
+    - non-blocking hybridep: none at all.
+
+    Host data reaches the device only with non_blocking copies, and blocking HybridEP issues
+    no collective of its own beside the library's.
+    """
+    for rank_results in host_syncs["nccl"]:
+        events = rank_results["nccl"]["events"]
+        assert {k: v for k, v in events.items() if not k.startswith("collective")} == {
+            "device-to-host sync (Tensor.cpu)": 1
+        }
+    expected_library = {"deepep": 1, "deepep_legacy": 1, "hybridep": 1, "hybridep_non_blocking": 0}
+    for build in sorted(LIBRARY_BACKENDS):
+        for rank_results in host_syncs[build]:
+            for backend, got in rank_results.items():
+                assert got["events"] == {}, (build, backend, got)
+                assert got["library_syncs"] == expected_library[backend], (build, backend, got)
+
+
+def test_counter_sees_into_custom_ops(host_syncs):
+    """The control: a scalar read injected into a helper that non-blocking HybridEP's dispatch op
+    and its combine's backward (a cached dispatch) call inside their bodies is counted, twice."""
+    for rank_results in host_syncs["control"]:
+        events = rank_results["hybridep_non_blocking"]["events"]
+        assert events == {"device-to-host sync (Tensor.item)": 2}, events

@@ -1,0 +1,107 @@
+"""DeepEP's two APIs behind the three calls the ``deepep`` backend makes.
+
+- :class:`LegacyAPI`: DeepEP v1 normal mode, ``deep_ep.Buffer`` (on DeepEP main
+  the legacy API, deep_ep/buffers/legacy.py): ``get_dispatch_layout`` then
+  ``dispatch``; ``combine(async_finish=)``.
+- :class:`ElasticAPI`: DeepEP V2, ``deep_ep.ElasticBuffer``: one ``dispatch``
+  (compact layout, CPU sync for exact sizes; counts in the handle) and
+  ``combine(async_with_compute_stream=)``; its cached dispatch needs
+  ``num_sms`` from the handle (the library computes its SM count before it
+  reads the expert count from the handle).
+
+Each wraps a real buffer or the reference's (same signatures). Both APIs
+assert that torch's deterministic algorithms and
+``fill_uninitialized_memory`` are not both on (torchtitan's
+``debug.deterministic`` turns on both): the calls run with the latter off,
+which keeps the deterministic algorithms and only skips filling the
+library's fresh outputs with NaN, which the library overwrites anyway.
+"""
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+
+@contextmanager
+def _deterministic_mode_accepted() -> Iterator[None]:
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    if not (fill and torch.are_deterministic_algorithms_enabled()):
+        yield
+        return
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    try:
+        yield
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
+class LegacyAPI:
+    """DeepEP v1 ``Buffer`` (or :class:`~torchtitan_ext.ep.kernels.reference.ReferenceBuffer`)."""
+
+    name = "legacy"
+
+    def __init__(self, buffer, num_sms: int | None = None):
+        self.buffer = buffer
+        self.group = buffer.group
+
+    def dispatch(self, x, topk_idx, topk_weights, num_experts):
+        """(recv_x, recv local expert ids (-1: not here), recv weights, per-expert counts (a host list), handle)."""
+        with _deterministic_mode_accepted():
+            per_rank, per_rdma_rank, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(topk_idx, num_experts)
+            recv_x, recv_idx, recv_weights, counts, handle, _ = self.buffer.dispatch(
+                x,
+                num_tokens_per_rank=per_rank,
+                num_tokens_per_rdma_rank=per_rdma_rank,
+                is_token_in_rank=in_rank,
+                num_tokens_per_expert=per_expert,
+                topk_idx=topk_idx,
+                topk_weights=topk_weights,
+            )
+        return recv_x, recv_idx, recv_weights, counts, handle
+
+    def combine(self, x, handle, topk_weights=None, asynchronous: bool = False):
+        """(combined, combined weights or None, wait: lands an asynchronous combine, or None)."""
+        with _deterministic_mode_accepted():
+            combined, weights, event = self.buffer.combine(x, handle, topk_weights=topk_weights, async_finish=asynchronous)
+        return combined, weights, event.current_stream_wait if asynchronous else None
+
+    def cached_dispatch(self, x, handle):
+        with _deterministic_mode_accepted():
+            return self.buffer.dispatch(x, handle=handle)[0]
+
+
+class ElasticAPI:
+    """DeepEP V2 ``ElasticBuffer`` (or :class:`~torchtitan_ext.ep.kernels.reference.ReferenceElasticBuffer`)."""
+
+    name = "elastic"
+
+    def __init__(self, buffer, num_sms: int | None = None):
+        self.buffer = buffer
+        self.group = buffer.group
+        self.num_sms = num_sms or 0
+        """0: the library's theoretical SM count."""
+
+    def dispatch(self, x, topk_idx, topk_weights, num_experts):
+        """As :meth:`LegacyAPI.dispatch`; the counts come from the handle."""
+        with _deterministic_mode_accepted():
+            recv_x, recv_idx, recv_weights, handle, _ = self.buffer.dispatch(
+                x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
+                num_sms=self.num_sms, do_cpu_sync=True,
+            )
+        return recv_x, recv_idx, recv_weights, handle.num_recv_tokens_per_expert_list, handle
+
+    def combine(self, x, handle, topk_weights=None, asynchronous: bool = False):
+        with _deterministic_mode_accepted():
+            combined, weights, event = self.buffer.combine(
+                x, handle, topk_weights=topk_weights, num_sms=self.num_sms, async_with_compute_stream=asynchronous
+            )
+        return combined, weights, event.current_stream_wait if asynchronous else None
+
+    def cached_dispatch(self, x, handle):
+        with _deterministic_mode_accepted():
+            return self.buffer.dispatch(x, handle=handle, num_sms=handle.num_sms, do_cpu_sync=False)[0]
+
+
+APIS: dict[str, Callable] = {"legacy": LegacyAPI, "elastic": ElasticAPI}
+"""``[deepep] api`` -> its adapter."""
