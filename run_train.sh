@@ -9,7 +9,8 @@
 # Environment:
 #   NGPU         processes on this machine (default: the number of GPUs, or 2 on CPU)
 #   CONFIG_FILE  TOML job config (default: train_configs/debug_model.toml); --job.config_file X works too
-#   LOG_RANK     ranks whose output is shown, comma separated (default: 0)
+#   LOG_RANK     ranks whose output is shown, comma separated (default: the first rank that
+#                computes the loss: 0, or the last pipeline stage's first rank)
 #   COMM_MODE    "fake_backend": one-process dry run over a fake process group of NGPU
 #                ranks (meta-device model, parallelize plan applied, report; no step)
 #                "local_tensor": torchtitan's one-process simulation of NGPU ranks
@@ -28,7 +29,6 @@ if [ -z "${NGPU:-}" ]; then
         NGPU=2
     fi
 fi
-export LOG_RANK="${LOG_RANK:-0}"
 # torchrun relays the ranks' logs through its own stdout: unbuffered, they reach a pipe (| tee) as they happen
 export PYTHONUNBUFFERED=1
 COMM_MODE="${COMM_MODE:-}"
@@ -54,7 +54,9 @@ if [ -n "${MASTER_PORT:-}" ]; then
 else
     rdzv_endpoint="localhost:0"
 fi
-python -m torchtitan_ext.launch --ngpu "${NGPU}" "${port_args[@]}" -- "${config_args[@]}" "$@"
+loss_rank="$(python -m torchtitan_ext.launch --ngpu "${NGPU}" "${port_args[@]}" --print-loss-rank -- "${config_args[@]}" "$@")"
+# by default the log shown is the first rank that computes the loss (the last pipeline stage's)
+export LOG_RANK="${LOG_RANK:-${loss_rank}}"
 
 exec torchrun --nproc_per_node="${NGPU}" --rdzv_backend c10d --rdzv_endpoint="${rdzv_endpoint}" \
     --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 \

@@ -98,6 +98,7 @@ def validate(job_config, *, device_type: str | None, world_size: int | None = No
     _check_foreign_sections(job_config, backend)
     check_ranges(job_config, ALL_RANGES)
     shape = moe_shape(job_config)
+    _check_attention(job_config, device_type)
     _check_expert_degrees(job_config, shape)
     _check_activation_checkpointing(job_config)
     _check_pipeline(job_config, device_type)
@@ -122,6 +123,15 @@ def _check_foreign_sections(job_config, backend: str) -> None:
                 f"is '{backend}': remove the [{section_name}] settings or select "
                 f"expert_parallel_comm_backend = '{name}'"
             )
+
+
+def _check_attention(job_config, device_type: str | None) -> None:
+    attention = getattr(model_args_of(job_config), "attn_type", "sdpa")
+    if attention == "flex" and device_type == "cpu":
+        raise ConfigError(
+            f"model.flavor = '{job_config.model.flavor}' uses FlexAttention, whose backward PyTorch does not "
+            "implement on CPU: use an SDPA flavour (e.g. debugmodel) on CPU"
+        )
 
 
 def _check_expert_degrees(job_config, shape: MoEShape | None) -> None:

@@ -1,13 +1,14 @@
 """Checks the launchers make before starting any process.
 
-``python -m torchtitan_ext.launch --ngpu N [--nnodes M] [--port P] [--print-env] -- [train args]``
+``python -m torchtitan_ext.launch --ngpu N [--nnodes M] [--port P] [--print-env] [--print-loss-rank] -- [train args]``
 validates the process count, an explicitly requested rendezvous port and the
 job config (TOML + overrides) for N x M ranks, and builds the embedded assets
 the job needs. Any problem is one line on stderr naming it and the fix, with
 exit status 2, so that a bad launch fails once, before torchrun starts N copies
 of it. ``--print-env`` prints ``export NAME=value`` lines for the environment
 the EP backend's kernel library reads (e.g. HybridEP's NVLink-domain size), for
-``eval`` in a launcher script.
+``eval`` in a launcher script; ``--print-loss-rank`` the rank whose log shows
+the loss (run_train.sh's default LOG_RANK).
 """
 
 import argparse
@@ -58,6 +59,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--nnodes", type=int, default=1, help="machines in the job")
     parser.add_argument("--port", type=int, help="explicit rendezvous port to check")
     parser.add_argument("--print-env", action="store_true", help="print the kernel library's environment")
+    parser.add_argument(
+        "--print-loss-rank", action="store_true",
+        help="print the first rank that computes the loss (the last pipeline stage's), the default LOG_RANK",
+    )
     parser.add_argument("train_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
@@ -76,6 +81,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.print_env:
         for name, value in backend_class(job_config).library_environment(job_config).items():
             print(f"export {name}={shlex.quote(value)}")
+    if args.print_loss_rank:
+        print(loss_rank(job_config, count * args.nnodes))
+
+
+def loss_rank(job_config, world_size: int) -> int:
+    """The first rank of the last pipeline stage: with PP the other stages log a loss of -1."""
+    pp = job_config.parallelism.pipeline_parallel_degree
+    return world_size - world_size // pp
 
 
 if __name__ == "__main__":
