@@ -54,10 +54,15 @@ if [ -n "${MASTER_PORT:-}" ]; then
 else
     rdzv_endpoint="localhost:0"
 fi
-loss_rank="$(python -m torchtitan_ext.launch --ngpu "${NGPU}" "${port_args[@]}" --print-loss-rank -- "${config_args[@]}" "$@")"
+launch_info="$(python -m torchtitan_ext.launch --ngpu "${NGPU}" "${port_args[@]}" --print-launch-info -- \
+    "${config_args[@]}" "$@")"
+eval "${launch_info}"
 # by default the log shown is the first rank that computes the loss (the last pipeline stage's)
-export LOG_RANK="${LOG_RANK:-${loss_rank}}"
+export LOG_RANK="${LOG_RANK:-${TTE_LOSS_RANK}}"
 
-exec torchrun --nproc_per_node="${NGPU}" --rdzv_backend c10d --rdzv_endpoint="${rdzv_endpoint}" \
+# the supervisor relays the output, forwards SIGTERM/SIGUSR1 (preemption) to the training processes,
+# and ends a failed job with one line: which rank, how, after which step, where to resume
+exec python -m torchtitan_ext.supervise --checkpoint-folder "${TTE_CHECKPOINT_FOLDER}" -- \
+    torchrun --nproc_per_node="${NGPU}" --rdzv_backend c10d --rdzv_endpoint="${rdzv_endpoint}" \
     --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 \
     -m torchtitan_ext.train "${config_args[@]}" "$@"

@@ -13,10 +13,11 @@ collectives alone (all-to-alls as ``all_to_all_single``, all-gathers as
 min / median / max, the ratio of medians (backend / bare collectives), the
 bytes one rank sends per iteration and the effective GB/s.
 
-Backends: ``nccl``, ``deepep`` and ``hybridep`` (reference kernels on CPU),
-``hybridep_nb`` (non-blocking, capacity factor 1.0), ``upstream`` (torchtitan
-0.2.2's own ExpertParallel, for scale), and ``deepep_lib`` / ``hybridep_lib``
-(the real deep_ep kernels, when importable on CUDA).
+Backends: ``nccl``, ``deepep`` (V2 API) and ``deepep_legacy`` (v1 API) and
+``hybridep`` (reference kernels on CPU), ``hybridep_nb`` (non-blocking,
+capacity factor 1.0), ``upstream`` (torchtitan 0.2.2's own ExpertParallel,
+for scale), and ``deepep_lib`` / ``deepep_legacy_lib`` / ``hybridep_lib`` (the
+real deep_ep kernels, when importable on CUDA).
 
 Results go to ``--json`` and, as a markdown table with the command line and the
 machine, are appended to ``--markdown`` (default docs/benchmarks.md).
@@ -127,10 +128,12 @@ def _make_style(backend: str, shape: Shape, job_args):
     from torchtitan_ext.job_config import parse as parse_job_config
     from torchtitan_ext.ep import BACKENDS, MoEShape
 
-    name = {"hybridep_nb": "hybridep", "deepep_lib": "deepep", "hybridep_lib": "hybridep"}.get(backend, backend)
+    name = backend.partition("_")[0]
     args = ["--parallelism.expert_parallel_comm_backend", name] + job_args
     if name != "nccl":
         args += [f"--{name}.implementation", "deep_ep" if backend.endswith("_lib") else "reference"]
+    if backend.startswith("deepep_legacy"):
+        args += ["--deepep.api", "legacy"]
     if backend == "hybridep_nb":
         args += ["--hybridep.non_blocking_capacity_factor", "1.0"]
     moe = MoEShape(shape.hidden, shape.experts, shape.top_k, shape.tokens)

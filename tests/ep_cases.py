@@ -47,7 +47,8 @@ class Case:
     zero_scores: bool = False
     pad_multiple: int = 1
     routing: str = "random"
-    """"random", or "contract_example": tokens 0-48 to expert 0, 49-95 to expert 1 (top-1)."""
+    """"random"; "contract_example": tokens 0-48 to expert 0, 49-95 to expert 1 (top-1);
+    "all_to_one": every token picks experts 0 .. K-1 (the most skewed router)."""
 
     def local_experts(self, ep: int) -> int:
         return self.num_experts // ep
@@ -84,6 +85,8 @@ def global_inputs(case: Case) -> dict[str, torch.Tensor]:
     ids = torch.multinomial(weights.expand(n, e), k, replacement=False, generator=generator)
     if case.routing == "contract_example":
         ids = (torch.arange(n) >= 49).long().unsqueeze(1)
+    if case.routing == "all_to_one":
+        ids = torch.arange(k).expand(n, k).clone()
     scores = torch.rand(n, k, generator=generator) + 0.05
     if case.zero_scores:
         scores[torch.rand(n, k, generator=generator) < 0.25] = 0.0

@@ -52,3 +52,18 @@ def test_bench_overlap_runs(tmp_path):
     assert [row[0].strip() for row in rows] == ["nccl", "deepep", "hybridep"]
     for _, overlapped, landed_first, ratio in rows:
         assert float(overlapped) > 0 and float(landed_first) > 0 and float(ratio) > 0
+
+
+def test_check_cluster_without_cuda_is_one_line():
+    """scripts/check_cluster.sh is the first command on a cluster; without CUDA it says so and exits 0."""
+    import torch
+
+    if torch.cuda.is_available():
+        import pytest
+
+        pytest.skip("this machine has CUDA: the check would run for real")
+    result = subprocess.run(["./scripts/check_cluster.sh"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines() == [
+        "check_cluster: no CUDA device on this machine: nothing to check here (the CPU suite is ./scripts/test.sh)"
+    ]

@@ -123,3 +123,52 @@ def test_dropped_pairs_contribute_nothing(backend_level, case, factor):
         for weight in ("w1", "w2", "w3"):
             torch.testing.assert_close(got[f"grad_{weight}"], truth[f"grad_{weight}"][experts], rtol=1e-5, atol=1e-5)
         assert got["dropped_pairs"] == _expected_drops(case, factor, rank)[4]
+
+
+SKEWED = Case(
+    "all_to_one", num_experts=8, top_k=2, score_before_experts=False, seed=24,
+    total_tokens=2048, hidden=256, ffn=64, routing="all_to_one",
+)
+"""The debug model's sizes (1024 tokens per rank, hidden 256, 8 experts, top 2), every token to experts 0 and 1."""
+SKEWED_FACTOR = 0.25
+
+
+def _skewed_worker(rank, ep, case):
+    mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
+    results = {backend: run_backend(rank, ep, case, backend, mesh)
+               for backend in ("nccl", "deepep", "deepep_legacy", "hybridep", "hybridep_non_blocking")}
+    results["drops"] = run_backend(rank, ep, case, "hybridep", mesh, capacity_factor=SKEWED_FACTOR)
+    return results
+
+
+def test_all_tokens_to_one_expert():
+    """The most skewed routing at the debug size: every blocking backend (and non-blocking at 1.0)
+    equals the dense MoE; non-blocking at 0.25 drops exactly the contract's tail pairs and counts them."""
+    results = run_distributed(EP, _skewed_worker, SKEWED)
+    truth = dense_moe(global_inputs(SKEWED), SKEWED.score_before_experts)
+    kept_truth = dense_moe(global_inputs(SKEWED), SKEWED.score_before_experts, keep=_kept_picks(SKEWED, SKEWED_FACTOR))
+    def close(got, expected, key):
+        # 2048 tokens summed into the same experts: compare in norm (elementwise sums cancel near zero)
+        if expected.norm() == 0:  # e.g. rank 1's tokens, all dropped, or its idle experts
+            assert not got.any(), key
+            return
+        error = float((got - expected).norm() / expected.norm())
+        assert error < 1e-5, (key, error)
+
+    total_dropped = 0
+    for rank, rank_results in enumerate(results):
+        for backend in ("nccl", "deepep", "deepep_legacy", "hybridep", "hybridep_non_blocking"):
+            got = rank_results[backend]
+            rows, experts = got["rows"], got["experts"]
+            close(got["out"], truth["out"][rows], (backend, "out"))
+            close(got["grad_x"], truth["grad_x"][rows], (backend, "grad_x"))
+            for weight in ("w1", "w2", "w3"):
+                close(got[f"grad_{weight}"], truth[f"grad_{weight}"][experts], (backend, weight))
+            assert got.get("dropped_pairs", 0) == 0
+        dropped = rank_results["drops"]
+        close(dropped["out"], kept_truth["out"][dropped["rows"]], "dropped out")
+        expected = _expected_drops(SKEWED, SKEWED_FACTOR, rank)[4]
+        assert dropped["dropped_pairs"] == expected
+        total_dropped += expected
+    # rank 0 holds experts 0 and 1: 2 x 2048 pairs for 1024 rows
+    assert total_dropped == 2 * 2048 - 1024

@@ -50,7 +50,11 @@ def test_gb200_command_and_environment(fake_slurm, tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:]
     command = " ".join(argv)
-    assert argv[:2] == ["--kill-on-bad-exit=1", "torchrun"]
+    assert argv[:7] == [
+        "--kill-on-bad-exit=1", "python", "-m", "torchtitan_ext.supervise", "--checkpoint-folder",
+        "./outputs/checkpoint", "--",
+    ]
+    assert argv[7] == "torchrun"
     assert "--nnodes 64 --nproc_per_node 4" in command
     assert "--rdzv_id 4242 --rdzv_backend c10d --rdzv_endpoint gb-r1-t01:29500" in command
     assert f"--log-dir {tmp_path / 'logs'} --redirects 3" in command

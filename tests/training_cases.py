@@ -15,8 +15,13 @@ TINY = [
 (the combine sums in a different order), and training amplifies that."""
 
 
-def train_worker(rank: int, world_size: int, runs: list[tuple[str, list[str]]]) -> dict[str, dict[int, float]]:
-    """Train each (name, args) job in turn; {name: {step: global loss}} (-1 on non-loss PP ranks)."""
+def train_worker(
+    rank: int, world_size: int, runs: list[tuple[str, list[str]]], setup=None, after_step=None,
+) -> dict[str, dict[int, float]]:
+    """Train each (name, args) job in turn; {name: {step: global loss}} (-1 on non-loss PP ranks).
+
+    ``setup(trainer)`` runs before training, ``after_step(trainer)`` after each step.
+    """
     os.environ["LOCAL_RANK"] = str(rank)
     os.chdir(REPO_ROOT)
     from torchtitan_ext import runtime
@@ -40,6 +45,16 @@ def train_worker(rank: int, world_size: int, runs: list[tuple[str, list[str]]]) 
             _log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
 
         trainer.metrics_processor.log = record
+        if setup is not None:
+            setup(trainer)
+        if after_step is not None:
+            train_step = trainer.train_step
+
+            def stepped(data_iterator, _train_step=train_step, _trainer=trainer):
+                _train_step(data_iterator)
+                after_step(_trainer)
+
+            trainer.train_step = stepped
         try:
             trainer.train()
         finally:

@@ -69,6 +69,25 @@ class RoutingStats:
     """Folder for the files, inside job.dump_folder."""
 
 
+@dataclass
+class Faults:
+    on_nonfinite: Literal["stop", "skip_step"] = "stop"
+    """
+    What a step does when its loss, or an MoE router's output, is not finite
+    (NaN or Inf) on any rank:
+
+    - "stop": the run ends with one line naming the step and the first MoE layer
+      whose router produced a non-finite score (exit status 1); the last
+      checkpoint is untouched;
+    - "skip_step": that step's update is skipped (parameters and optimizer state
+      stay as they were; the learning-rate schedule advances), a warning names the
+      step and the layer, and training goes on.
+
+    Either way it costs one small all-reduce and one host read per step, which
+    also carries the ranks' agreement on a preemption signal.
+    """
+
+
 def comm_backend(job_config) -> str:
     """The EP backend's canonical name (aliases resolved)."""
     name = job_config.parallelism.expert_parallel_comm_backend

@@ -32,6 +32,7 @@ class SharedSections:
 
     parallelism: config.Parallelism = field(default_factory=config.Parallelism)
     routing_stats: config.RoutingStats = field(default_factory=config.RoutingStats)
+    faults: config.Faults = field(default_factory=config.Faults)
 
 
 JobConfig = dataclasses.make_dataclass(

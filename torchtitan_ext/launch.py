@@ -1,17 +1,19 @@
 """Checks the launchers make before starting any process.
 
-``python -m torchtitan_ext.launch --ngpu N [--nnodes M] [--port P] [--print-env] [--print-loss-rank] -- [train args]``
+``python -m torchtitan_ext.launch --ngpu N [--nnodes M] [--port P] [--print-env] [--print-launch-info] -- [train args]``
 validates the process count, an explicitly requested rendezvous port and the
 job config (TOML + overrides) for N x M ranks, and builds the embedded assets
 the job needs. Any problem is one line on stderr naming it and the fix, with
 exit status 2, so that a bad launch fails once, before torchrun starts N copies
 of it. ``--print-env`` prints ``export NAME=value`` lines for the environment
 the EP backend's kernel library reads (e.g. HybridEP's NVLink-domain size), for
-``eval`` in a launcher script; ``--print-loss-rank`` the rank whose log shows
-the loss (run_train.sh's default LOG_RANK).
+``eval`` in a launcher script; ``--print-launch-info`` what run_train.sh needs:
+the rank whose log shows the loss (its default LOG_RANK) and the checkpoint
+folder (for the supervisor's account of a failure).
 """
 
 import argparse
+import os
 import shlex
 import socket
 import sys
@@ -60,8 +62,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, help="explicit rendezvous port to check")
     parser.add_argument("--print-env", action="store_true", help="print the kernel library's environment")
     parser.add_argument(
-        "--print-loss-rank", action="store_true",
-        help="print the first rank that computes the loss (the last pipeline stage's), the default LOG_RANK",
+        "--print-launch-info", action="store_true",
+        help="print export lines for the launcher: TTE_LOSS_RANK (the first rank that computes the loss, "
+        "the default LOG_RANK) and TTE_CHECKPOINT_FOLDER (empty when checkpointing is off)",
     )
     parser.add_argument("train_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
@@ -81,13 +84,22 @@ def main(argv: list[str] | None = None) -> None:
     if args.print_env:
         for name, value in backend_class(job_config).library_environment(job_config).items():
             print(f"export {name}={shlex.quote(value)}")
-    if args.print_loss_rank:
-        print(loss_rank(job_config, count * args.nnodes))
+    if args.print_launch_info:
+        folder = os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder) if job_config.checkpoint.enable else ""
+        print(f"export TTE_LOSS_RANK={loss_rank(job_config, count * args.nnodes)}")
+        print(f"export TTE_CHECKPOINT_FOLDER={shlex.quote(folder)}")
+
+
+V_SCHEDULES = ("dualpipev", "zbvzerobubble")
+"""Pipeline schedules whose stages fold back (a V): the last stage is on the first pipeline rank."""
 
 
 def loss_rank(job_config, world_size: int) -> int:
-    """The first rank of the last pipeline stage: with PP the other stages log a loss of -1."""
-    pp = job_config.parallelism.pipeline_parallel_degree
+    """The first rank that holds the last pipeline stage: with PP the other stages log a loss of -1."""
+    parallelism = job_config.parallelism
+    pp = parallelism.pipeline_parallel_degree
+    if pp == 1 or parallelism.pipeline_parallel_schedule.lower() in V_SCHEDULES:
+        return 0
     return world_size - world_size // pp
 
 

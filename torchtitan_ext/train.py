@@ -13,7 +13,7 @@ import torch
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.train import Trainer as TorchTitanTrainer
 
-from torchtitan_ext import routing_stats, runtime
+from torchtitan_ext import faults, routing_stats, runtime
 from torchtitan_ext import job_config as job_config_module
 from torchtitan_ext.config import ConfigError, explicit_settings
 from torchtitan_ext.data import prepare_embedded_assets, register_embedded_dataset
@@ -21,27 +21,71 @@ from torchtitan_ext.models import register_train_specs
 
 
 class Trainer(TorchTitanTrainer):
-    """torchtitan's ``Trainer`` plus the runtime accommodations, the routing recorder and
-    pipeline gradients normalized like the others' (:mod:`torchtitan_ext.loss`)."""
+    """torchtitan's ``Trainer`` plus the runtime accommodations, the routing recorder, pipeline
+    gradients normalized like the others' (:mod:`torchtitan_ext.loss`), and the fault handling of
+    :mod:`torchtitan_ext.faults` (preemption, non-finite values, named collective failures)."""
 
-    def __init__(self, job_config):
+    def __init__(self, job_config, preemption: faults.PreemptionRequest | None = None):
         super().__init__(job_config)
         runtime.adapt_model_parts(self.model_parts)
         self.routing_recorder = routing_stats.recorder_for(job_config, self.model_parts, self.parallel_dims)
+        self.preemption = preemption or faults.PreemptionRequest()
+        args = self.model_parts[0].model_args
+        self.router_health = (
+            faults.RouterHealth(self.model_parts, args.n_layers, self.device)
+            if getattr(args, "moe_args", None) is not None else None
+        )
+        self._step_losses: list[torch.Tensor] = []
+        self._preempt_now = False
+        self.optimizers.step = self._checked(self.optimizers.step)
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
         if not self.parallel_dims.pp_enabled:
-            return super().forward_backward_step(
+            loss = super().forward_backward_step(
                 input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
             )
-        # the schedule runs backward on each microbatch's loss: normalize it there (torchtitan_ext.loss)
-        with self.loss_fn.normalized_by(global_valid_tokens):
-            return super().forward_backward_step(
-                input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
-            )
+        else:
+            # the schedule runs backward on each microbatch's loss: normalize it there (torchtitan_ext.loss)
+            with self.loss_fn.normalized_by(global_valid_tokens):
+                loss = super().forward_backward_step(
+                    input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
+                )
+        self._step_losses.append(loss.detach())
+        return loss
+
+    def _checked(self, optimizer_step):
+        """The optimizer's step behind the ranks' agreement on this step's health and on preemption."""
+
+        def step(*args, **kwargs):
+            local_loss = torch.stack([loss.reshape(-1).sum() for loss in self._step_losses]).sum() if self._step_losses else None
+            self._step_losses = []
+            state = faults.agree(self.preemption.signal_name is not None, local_loss, self.router_health, self.device)
+            if self.router_health is not None:
+                self.router_health.reset()
+            self._preempt_now = state["preempt"]
+            if state["nonfinite_loss"] or state["layer"] is not None:
+                message = faults.describe_nonfinite(self.step, state)
+                if self.job_config.faults.on_nonfinite == "stop":
+                    raise faults.NonFiniteLoss(
+                        f"{message}: stopped (faults.on_nonfinite = 'stop'); the last checkpoint is untouched, "
+                        "or set faults.on_nonfinite = 'skip_step' to skip such steps"
+                    )
+                logger.warning(f"{message}: this step's update is skipped (faults.on_nonfinite = 'skip_step')")
+                return None
+            return optimizer_step(*args, **kwargs)
+
+        return step
 
     def train_step(self, data_iterator):
-        super().train_step(data_iterator)
+        try:
+            super().train_step(data_iterator)
+        except (faults.NonFiniteLoss, faults.CollectiveFailed):
+            raise
+        except RuntimeError as e:
+            named = faults.name_other_collective(e)
+            if named is None:
+                raise
+            raise named from e
         if self.routing_recorder is not None:
             self.routing_recorder.end_step(self.step)
             config = self.job_config
@@ -49,6 +93,31 @@ class Trainer(TorchTitanTrainer):
                 path = self.routing_recorder.save(routing_stats.output_folder(config))
                 if path is not None:
                     logger.info(f"Routing statistics saved to {path}")
+        if self._preempt_now:
+            self._save_for_resume()
+            raise faults.Preempted(
+                f"preempted ({self.preemption.signal_name}) at the end of step {self.step}: "
+                + (
+                    f"checkpoint saved in {self.checkpointer.folder}/step-{self.step}; rerun the same command to resume"
+                    if self.checkpointer.enable
+                    else "nothing saved (checkpoint.enable = false)"
+                )
+            )
+
+    def _save_for_resume(self) -> None:
+        """A full checkpoint of this step (model, optimizer, schedulers, data loader, step), as at a
+        checkpoint interval; torchtitan's last-step save may keep the model only."""
+        checkpointer = self.checkpointer
+        interval, checkpointer.interval = checkpointer.interval, 1
+        try:
+            checkpointer.save(self.step)
+        finally:
+            checkpointer.interval = interval
+
+    def train(self):
+        if self.checkpointer.enable:
+            faults.report_incomplete_checkpoints(self.checkpointer.folder)
+        super().train()
 
 
 def load_job_config(args: list[str], device_type: str | None, world_size: int | None = None):
@@ -84,10 +153,13 @@ def main(args: list[str] | None = None) -> None:
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     prepare_embedded_assets(job_config)
+    preemption = faults.PreemptionRequest()
+    preemption.install()
 
     trainer: Trainer | None = None
+    failure = None
     try:
-        trainer = Trainer(job_config)
+        trainer = Trainer(job_config, preemption)
         if job_config.checkpoint.create_seed_checkpoint:
             if int(os.environ.get("WORLD_SIZE", "1")) != 1:
                 raise ConfigError(
@@ -97,9 +169,17 @@ def main(args: list[str] | None = None) -> None:
             logger.info("Created seed checkpoint")
         else:
             trainer.train()
+    except faults.Preempted as e:
+        logger.info(str(e))
+    except (faults.NonFiniteLoss, faults.CollectiveFailed) as e:
+        failure = e
     finally:
         if trainer is not None:
             trainer.close()
+    if failure is not None:
+        # one line, not a traceback: the peers' processes are torn down by torchrun
+        print(f"error: {failure}", file=sys.stderr, flush=True)
+        sys.exit(1)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
         logger.info("Process group destroyed")

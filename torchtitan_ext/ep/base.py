@@ -26,6 +26,7 @@ from torchtitan.components.quantization import FP8_GROUP_ALIGNMENT_SIZE, MXFP8_G
 from torchtitan.distributed.expert_parallel import ExpertParallel
 
 from torchtitan_ext.config import ConfigError, Range
+from torchtitan_ext.faults import naming_collective
 from torchtitan_ext.ep.handle import KernelBuffer
 from torchtitan_ext.ep.kernels import KernelUnavailable, resolve_implementation
 
@@ -237,6 +238,8 @@ class RoutedExpertParallel(ExpertParallel, ABC):
         self.score_before_experts = score_before_experts
         self.pad_multiple = max(pad_multiple, self.min_pad_multiple)
         self.stats = DispatchStats()
+        self.layer_name = "an MoE layer"
+        """Which layer this style serves ("MoE layer 3"), for error messages; set by the parallelize plan."""
         self._pending = None
 
     @classmethod
@@ -296,18 +299,24 @@ class RoutedExpertParallel(ExpertParallel, ABC):
         """Expert outputs back to [N, H] on their source ranks; may return them in flight
         (:mod:`torchtitan_ext.ep.in_flight`), landing at first use."""
 
+    def collective_name(self, step: str) -> str:
+        """"MoE layer 3 dispatch (NcclExpertParallel)": what a failing collective is reported as."""
+        return f"{self.layer_name} {step} ({type(self).__name__})"
+
     def _token_dispatch(self, mod, inputs, device_mesh):
         x, routing = inputs
         self.stats.counting = mod.training
         self.stats.record_routing(routing.expert_ids, mod.num_experts)
-        rows, rows_per_expert = self.dispatch(
-            x, routing.scores, routing.expert_ids, mod.num_experts, device_mesh.get_group()
-        )
+        with naming_collective(self.collective_name("dispatch")):
+            rows, rows_per_expert = self.dispatch(
+                x, routing.scores, routing.expert_ids, mod.num_experts, device_mesh.get_group()
+            )
         self.stats.record_rows(rows_per_expert)
         return rows, rows_per_expert
 
     def _token_combine(self, mod, routed_output, device_mesh):
-        return self.combine(routed_output, device_mesh.get_group())
+        with naming_collective(self.collective_name("combine")):
+            return self.combine(routed_output, device_mesh.get_group())
 
     def _take_pending(self):
         pending, self._pending = self._pending, None

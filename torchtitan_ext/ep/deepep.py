@@ -354,5 +354,6 @@ class DeepEPExpertParallel(RoutedExpertParallel):
         partial_rows = rows.new_zeros((state.num_received, rows.shape[1])).index_add(
             0, state.pair_order // state.top_k, rows
         )
-        combined, _ = deepep_combine(partial_rows.to(routed_output.dtype), state.handle)
+        combined, landing = deepep_combine(partial_rows.to(routed_output.dtype), state.handle)
+        landing.what = self.collective_name("combine")
         return in_flight(combined)

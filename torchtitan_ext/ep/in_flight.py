@@ -24,6 +24,8 @@ from torch._C._distributed_c10d import _register_work, Work
 from torch._library.opaque_object import OpaqueBase, register_opaque_type
 from torch.distributed._functional_collectives import _maybe_wrap_tensor
 
+from torchtitan_ext.faults import naming_collective
+
 
 class Landing(OpaqueBase):
     """Finishes one in-flight combine, once: waits for its communication, then
@@ -38,6 +40,8 @@ class Landing(OpaqueBase):
         """``land`` makes ``tensor`` valid; it runs at the first wait (on ``tensor`` or this landing)."""
         self._tensor: torch.Tensor | None = tensor
         self._land = land
+        self.what = "an MoE layer's combine"
+        """What this landing completes, for error messages (the backend names its layer)."""
         _register_work(tensor, _LandingWork(self))
 
     def wait(self) -> None:
@@ -52,7 +56,7 @@ class Landing(OpaqueBase):
         self._tensor = self._land = None
         # landing completes the op's output rather than modifying it: selective
         # activation checkpointing, which cached that output, must not see a mutation
-        with torch.autograd._unsafe_preserve_version_counter(tensor):
+        with torch.autograd._unsafe_preserve_version_counter(tensor), naming_collective(self.what):
             land()
 
 

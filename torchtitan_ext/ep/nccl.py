@@ -301,7 +301,8 @@ class NcclExpertParallel(RoutedExpertParallel):
 
     def combine(self, routed_output, group):
         state = self._take_pending()
-        combined, _, _ = nccl_combine(
+        combined, _, landing = nccl_combine(
             routed_output, state.token_of_row, state.row_scores, state.num_tokens, *state.layout_args
         )
+        landing.what = self.collective_name("combine")
         return in_flight(combined)

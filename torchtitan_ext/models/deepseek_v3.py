@@ -50,11 +50,17 @@ def _apply_dense_tp(model, tp_mesh, *, loss_parallel: bool, cp_enabled: bool) ->
     )
 
 
+CUT_LAYERS = 4
+"""Layers of the "16B_4layers" flavour: the 16B model's shapes (its dense first layer and 3 MoE
+layers), small enough for a few-GPU smoke test of a cluster (scripts/check_cluster.sh)."""
+
+
 def train_spec():
     flavors = {
         name: DeepSeekV3ModelArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args)})
         for name, args in deepseekv3_args.items()
     }
+    flavors[f"16B_{CUT_LAYERS}layers"] = dataclasses.replace(flavors["16B"], n_layers=CUT_LAYERS)
     upstream = get_train_spec()
     return dataclasses.replace(
         upstream,

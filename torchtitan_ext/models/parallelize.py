@@ -94,7 +94,7 @@ def apply_moe_parallelism(model: torch.nn.Module, parallel_dims, job_config) -> 
     dual_pipe_v = get_dual_pipe_v_flag(job_config, parallel_dims)
     make_layer = expert_parallel_layers(job_config, model.model_args) if ep_mesh is not None else None
 
-    for block in model.layers.values():
+    for layer_id, block in model.layers.items():
         if not block.moe_enabled:
             continue
         if tp_mesh is not None:
@@ -124,6 +124,7 @@ def apply_moe_parallelism(model: torch.nn.Module, parallel_dims, job_config) -> 
         token_split = TensorParallelTokenSplit(tp_mesh) if tp_mesh is not None and not etp_enabled else None
         ExpertParallelMoE.adopt(block.moe, token_split)
         style = make_layer(score_before_experts=block.moe.score_before_experts)
+        style.layer_name = f"MoE layer {layer_id}"
         # the metrics processor reads each layer's dispatch counters from its experts module
         block.moe.experts.dispatch_stats = style.stats
         if dual_pipe_v:

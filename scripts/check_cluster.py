@@ -1,0 +1,141 @@
+"""The first check on a CUDA machine: the real deep_ep kernels against this harness, in one report.
+
+    ./scripts/check_cluster.sh [--report outputs/cluster_check.md] [--steps 10] [--skip-training]
+
+On a machine without CUDA it says so in one line and exits 0. On CUDA it runs,
+and writes into one markdown report:
+
+1. versions: torch, CUDA, NCCL, GPUs, deep_ep (its version and which of
+   ``Buffer``, ``ElasticBuffer``, ``HybridEPBuffer`` it has, or why it cannot
+   be imported);
+2. the tests marked ``deep_ep`` and ``gpu`` (tests/test_deep_ep.py): every
+   backend the build serves against the dense MoE, pass / fail / skip with
+   the reason;
+3. ``scripts/bench_ep.py`` in bf16 on all local GPUs (up to 8) for nccl and the
+   library backends the build has: medians and GB/s;
+4. a short training run per backend through ``./run_train.sh`` on
+   DeepSeek-V3 16B's shapes cut to 4 layers (flavour ``16B_4layers``,
+   embedded corpus): losses and the median step time after 3 warm-up steps.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STEP = re.compile(r"step:\s+(\d+)\s+loss:\s+([0-9.-]+).*step_time:\s+([0-9.]+)s")
+LIBRARY_BACKENDS = {"ElasticBuffer": "deepep", "Buffer": "deepep_legacy", "HybridEPBuffer": "hybridep"}
+"""deep_ep class -> the backend (bench_ep / test name) that runs on it."""
+
+
+def run(command: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        command, cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, timeout=timeout,
+    )
+
+
+def versions() -> tuple[list[str], list[str]]:
+    """(report lines, the deep_ep classes available)."""
+    import torch
+
+    lines = [
+        f"- torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}",
+        f"- GPUs: {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}",
+    ]
+    from torchtitan_ext.ep.kernels import import_library, KernelUnavailable
+
+    try:
+        library = import_library()
+    except KernelUnavailable as e:
+        lines.append(f"- deep_ep: cannot be used: {e}")
+        return lines, []
+    classes = [name for name in LIBRARY_BACKENDS if hasattr(library, name)]
+    lines.append(f"- deep_ep {getattr(library, '__version__', '(no __version__)')}: has {', '.join(classes) or 'none'}")
+    return lines, classes
+
+
+def tests() -> list[str]:
+    result = run([sys.executable, "-m", "pytest", "-m", "deep_ep or gpu", "-rA", "-q", "tests/test_deep_ep.py"], 3600)
+    summary = [line for line in result.stdout.splitlines() if line.startswith(("PASSED", "FAILED", "SKIPPED", "ERROR"))]
+    return [f"exit status {result.returncode}", "", "```", *summary, result.stdout.strip().splitlines()[-1], "```"]
+
+
+def bench(classes: list[str], gpus: int) -> list[str]:
+    backends = ["nccl"] + [f"{LIBRARY_BACKENDS[name]}_lib" for name in classes]
+    with tempfile.TemporaryDirectory() as tmp:
+        table = Path(tmp) / "bench.md"
+        result = run([
+            sys.executable, "scripts/bench_ep.py", "--nproc", str(gpus), "--tokens", "4096", "--hidden", "2048",
+            "--experts", "64", "--top-k", "6", "--dtype", "bfloat16", "--backends", *backends,
+            "--no-progress", "--markdown", str(table),
+        ], 3600)
+        if result.returncode != 0:
+            return [f"bench_ep failed (exit {result.returncode}):", "", "```", result.stdout[-3000:], "```"]
+        return table.read_text().splitlines()
+
+
+def training(classes: list[str], gpus: int, steps: int) -> list[str]:
+    backends = {"nccl": []}
+    for name in classes:
+        backend = LIBRARY_BACKENDS[name]
+        args = ["--parallelism.expert_parallel_comm_backend", backend.partition("_")[0]]
+        if backend == "deepep_legacy":
+            args += ["--deepep.api", "legacy"]
+        backends[backend] = args
+    lines = ["| backend | exit | losses | median step time (s) |", "|---|---|---|---|"]
+    for backend, args in backends.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            result = run([
+                "./run_train.sh", "--job.config_file", "train_configs/deepseek_v3_16b.toml",
+                "--model.flavor", "16B_4layers", "--model.hf_assets_path", "./assets/embedded",
+                "--training.dataset", "stdlib_code", "--training.steps", str(steps), "--metrics.log_freq", "1",
+                "--parallelism.expert_parallel_degree", str(gpus), "--metrics.disable_color_printing",
+                "--job.dump_folder", tmp, *args,
+            ], 3600, NGPU=str(gpus))
+        steps_seen = {int(s): (float(loss), float(t)) for s, loss, t in STEP.findall(result.stdout)}
+        losses = " ".join(f"{steps_seen[s][0]:.3f}" for s in sorted(steps_seen))
+        times = [t for s, (_, t) in steps_seen.items() if s > 3]
+        median = f"{statistics.median(times):.3f}" if times else "n/a"
+        lines.append(f"| {backend} | {result.returncode} | {losses or result.stdout.strip().splitlines()[-1][-200:]} | {median} |")
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--report", type=Path, default=ROOT / "outputs" / "cluster_check.md")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--skip-training", action="store_true")
+    args = parser.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("check_cluster: no CUDA device on this machine: nothing to check here (the CPU suite is ./scripts/test.sh)")
+        return 0
+    gpus = min(torch.cuda.device_count(), 8)
+    version_lines, classes = versions()
+    sections = [
+        f"# Cluster check ({datetime.datetime.now():%Y-%m-%d %H:%M}, {os.uname().nodename})", "",
+        "## Versions", "", *version_lines, "",
+        "## deep_ep conformance (tests/test_deep_ep.py)", "", *tests(), "",
+        f"## bench_ep: dispatch + combine, bf16, {gpus} GPUs", "", *bench(classes, gpus), "",
+    ]
+    if not args.skip_training:
+        sections += [f"## Training: DeepSeek-V3 16B shapes, 4 layers, EP={gpus}, {args.steps} steps", "",
+                     *training(classes, gpus, args.steps), ""]
+    args.report.parent.mkdir(parents=True, exist_ok=True)
+    args.report.write_text("\n".join(sections))
+    print(f"check_cluster: report written to {args.report}")
+    print(json.dumps({"deep_ep_classes": classes, "gpus": gpus}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The first command to run on a CUDA machine: real deep_ep kernels, benchmarks and a short training
+# per backend, in one markdown report. See scripts/check_cluster.py for what it runs.
+#
+#   ./scripts/check_cluster.sh [--report outputs/cluster_check.md] [--steps 10] [--skip-training]
+#
+# Without CUDA it says so in one line and exits 0.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=env.sh
+source "${ROOT}/scripts/env.sh"
+cd "${ROOT}"
+exec python scripts/check_cluster.py "$@"

@@ -1,0 +1,260 @@
+"""Faults injected for real (processes, signals, files), and what the job does about them.
+
+1. A rank dies (SIGKILL mid-run): the job ends quickly, its last line names the rank, the
+   signal and the last step, and the same command resumes from the last complete checkpoint
+   with the losses of an uninterrupted run.
+2. Preemption (SIGTERM, SIGUSR1 to the launcher, as SLURM sends them): a checkpoint at the
+   next step boundary, a clean exit, and the same command resumes with the same losses.
+3. A checkpoint whose write was interrupted (its .metadata never written): the next start
+   says so and resumes from the last complete one.
+4. Non-finite values: a NaN in a router's output stops the run naming the step and the MoE
+   layer, or, with faults.on_nonfinite = "skip_step", skips exactly that step's update; the
+   EP counters and routing statistics stay finite.
+5. A stuck rank (SIGSTOP): the other fails within comm.train_timeout_seconds with a message
+   naming the collective.
+6. All tokens to one expert (tests/test_drop_rule.py::test_all_tokens_to_one_expert).
+
+All runs: the debug model, 2 processes, fp32, deterministic, short sequences.
+"""
+
+import math
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.helpers import LauncherProcess, run_distributed, run_launcher, step_losses
+from tests.training_cases import train_worker
+
+STEPS = 6
+FAST = [
+    "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.mixed_precision_param", "float32",
+    "--debug.deterministic", "--metrics.disable_color_printing", "--metrics.log_freq", "1",
+    "--training.steps", str(STEPS),
+]
+RESUME_TOLERANCE = 1e-6
+
+
+def _job(folder: Path, *extra: str) -> list[str]:
+    return [*FAST, "--job.dump_folder", str(folder), *extra]
+
+
+def _descendants(pid: int) -> list[int]:
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                kids = [int(child) for child in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found += kids
+            frontier += kids
+    return found
+
+
+def _worker_pids(launcher_pid: int) -> dict[int, int]:
+    """{global rank: pid} of the training processes under a launcher."""
+    workers = {}
+    for pid in _descendants(launcher_pid):
+        try:
+            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if b"torchtitan_ext.train" not in cmdline:
+            continue
+        for entry in environ:
+            if entry.startswith(b"RANK="):
+                workers[int(entry.split(b"=")[1])] = pid
+    return workers
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").is_file() and " Z " not in Path(f"/proc/{pid}/stat").read_text()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The losses of the job run without a fault."""
+    result = run_launcher(*_job(tmp_path_factory.mktemp("uninterrupted")), timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:]
+    losses = step_losses(result.stdout)
+    assert list(losses) == list(range(1, STEPS + 1))
+    return losses
+
+
+def _assert_resumes(output: str, first_step: int, uninterrupted: dict[int, float]) -> None:
+    losses = step_losses(output)
+    assert list(losses) == list(range(first_step, STEPS + 1)), losses
+    for step, loss in losses.items():
+        assert loss == pytest.approx(uninterrupted[step], rel=RESUME_TOLERANCE), (step, losses, uninterrupted)
+
+
+def test_a_killed_rank_is_named_and_the_job_resumes(tmp_path, uninterrupted):
+    job = _job(tmp_path, "--checkpoint.enable", "--checkpoint.interval", "2")
+    launcher = LauncherProcess(*job)
+    try:
+        launcher.wait_for(r"step:\s+3\s", timeout=300)
+        workers = _worker_pids(launcher.process.pid)
+        assert sorted(workers) == [0, 1], workers
+        os.kill(workers[1], signal.SIGKILL)
+        killed = time.monotonic()
+        returncode = launcher.finish(timeout=120)
+        elapsed = time.monotonic() - killed
+    finally:
+        launcher.kill()
+    assert returncode != 0
+    assert elapsed < 60, f"the job took {elapsed:.0f} s to stop"
+    assert not any(_alive(pid) for pid in workers.values())
+    last = launcher.output.strip().splitlines()[-1]
+    match = re.fullmatch(
+        r"error: rank 1 \(pid (\d+)\) was killed by SIGKILL; the job stopped after step (\d+) \(exit \d+\); "
+        r"rerun the same command to resume from the last complete checkpoint, step (\d+) \((.+)\)",
+        last,
+    )
+    assert match, last
+    assert int(match.group(1)) == workers[1]
+    stopped_after, resume_step = int(match.group(2)), int(match.group(3))
+    assert stopped_after >= 3 and resume_step in (2, 4) and resume_step <= stopped_after + 1
+    assert Path(match.group(4)) == tmp_path / "checkpoint" / f"step-{resume_step}"
+
+    resumed = run_launcher(*job, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    _assert_resumes(resumed.stdout, resume_step + 1, uninterrupted)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_preemption_saves_exits_cleanly_and_resumes(tmp_path, uninterrupted, signum):
+    job = _job(tmp_path, "--checkpoint.enable", "--checkpoint.interval", "100")
+    launcher = LauncherProcess(*job)
+    try:
+        launcher.wait_for(r"step:\s+2\s", timeout=300)
+        os.kill(launcher.process.pid, signum)  # the launcher is what SLURM signals
+        returncode = launcher.finish(timeout=120)
+    finally:
+        launcher.kill()
+    assert returncode == 0, launcher.output[-3000:]
+    saved = re.search(
+        rf"preempted \({signal.Signals(signum).name}\) at the end of step (\d+): checkpoint saved in (\S+); "
+        "rerun the same command to resume",
+        launcher.output,
+    )
+    assert saved, launcher.output[-3000:]
+    step = int(saved.group(1))
+    assert 2 <= step < STEPS
+    assert (Path(saved.group(2)) / ".metadata").is_file()
+    assert max(step_losses(launcher.output)) == step, "no step after the one it saved"
+
+    resumed = run_launcher(*job, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    _assert_resumes(resumed.stdout, step + 1, uninterrupted)
+
+
+def test_an_interrupted_checkpoint_is_never_loaded(tmp_path, uninterrupted):
+    """Steps 2 and 4 saved; step 4's write torn (DCP writes .metadata last): the restart says so and
+    resumes from step 2, with the uninterrupted run's losses."""
+    job = _job(tmp_path, "--checkpoint.enable", "--checkpoint.interval", "2")
+    first = run_launcher(*[arg if arg != str(STEPS) else "4" for arg in job], timeout=600)
+    assert first.returncode == 0, first.stdout[-3000:]
+    torn = tmp_path / "checkpoint" / "step-4"
+    assert (torn / ".metadata").is_file() and any(torn.glob("*.distcp"))
+    (torn / ".metadata").unlink()
+
+    resumed = run_launcher(*job, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert f"Checkpoint {torn} is incomplete (no .metadata: its write was interrupted); it is ignored and training resumes from step 2" in resumed.stdout
+    _assert_resumes(resumed.stdout, 3, uninterrupted)
+
+
+def test_a_stuck_rank_fails_the_others_within_the_timeout(tmp_path):
+    timeout_s = 8
+    launcher = LauncherProcess(*_job(tmp_path, "--comm.train_timeout_seconds", str(timeout_s), "--training.steps", "500"))
+    try:
+        launcher.wait_for(r"step:\s+2\s", timeout=300)
+        workers = _worker_pids(launcher.process.pid)
+        os.kill(workers[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        line = launcher.wait_for(r"^error: ", timeout=timeout_s + 60)
+        elapsed = time.monotonic() - stopped
+        returncode = launcher.finish(timeout=120)
+    finally:
+        for pid in _worker_pids(launcher.process.pid).values():
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        launcher.kill()
+    assert returncode != 0
+    assert elapsed < timeout_s + 20, f"{elapsed:.0f} s"
+    assert re.match(
+        r"error: (MoE layer \d+ (dispatch|combine) \(\w+ExpertParallel\)|FSDP's all-gather or reduce-scatter) "
+        r"failed: a peer did not answer in time, likely a stuck or dead rank",
+        line,
+    ), line
+
+
+def _nan_worker(rank: int, world_size: int, folder: str, on_nonfinite: str) -> dict:
+    """Train 4 steps with a NaN injected into MoE layer 2's router output at step 2."""
+    import torch
+
+    from torchtitan_ext.faults import NonFiniteLoss
+
+    logged = {}
+
+    def inject(trainer):
+        gate = trainer.model_parts[0].layers["2"].moe.router.gate
+
+        def nan_at_step_2(module, inputs, output):
+            return output * float("nan") if trainer.step == 2 and module.training else output
+
+        gate.register_forward_hook(nan_at_step_2)
+        log = trainer.metrics_processor.logger.log
+        trainer.metrics_processor.logger.log = lambda metrics, step: (logged.update({step: dict(metrics)}), log(metrics, step))
+
+    snapshots = {}
+
+    def snapshot(trainer):
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in trainer.model_parts[0].parameters()]
+        snapshots[trainer.step] = torch.cat([t.detach().reshape(-1).float() for t in local]).sum().item()
+
+    args = ["--job.config_file", "train_configs/debug_model.toml", *FAST, "--training.steps", "4",
+            "--job.dump_folder", folder, "--faults.on_nonfinite", on_nonfinite,
+            "--routing_stats.enable", "--routing_stats.save_every", "1"]
+    try:
+        result = train_worker(rank, world_size, [("run", args)], setup=inject, after_step=snapshot)["run"]
+    except NonFiniteLoss as e:
+        return {"error": str(e)}
+    ep_metrics = {step: {k: v for k, v in metrics.items() if k.startswith("ep/")} for step, metrics in logged.items()}
+    return {"losses": result, "snapshots": snapshots, "ep_metrics": ep_metrics}
+
+
+def test_nan_stops_the_run_naming_step_and_layer(tmp_path):
+    results = run_distributed(2, _nan_worker, str(tmp_path), "stop")
+    for result in results:
+        assert result["error"].startswith(
+            "non-finite loss at step 2 (the router of MoE layer 2 produced non-finite scores first): stopped"
+        ), result
+
+
+def test_nan_step_is_skipped_and_counters_stay_finite(tmp_path):
+    results = run_distributed(2, _nan_worker, str(tmp_path), "skip_step")
+    for result in results:
+        losses, snapshots = result["losses"], result["snapshots"]
+        assert math.isnan(losses[2]) and all(math.isfinite(losses[s]) for s in (1, 3, 4)), losses
+        assert snapshots[2] == snapshots[1], "step 2's update was skipped"
+        assert snapshots[3] != snapshots[2] and math.isfinite(snapshots[4])
+        assert result["ep_metrics"][2] and all(math.isfinite(v) for m in result["ep_metrics"].values() for v in m.values())
+    for path in sorted((tmp_path / "routing_stats").glob("*.npz")):
+        with np.load(path) as data:
+            for key in data.files:
+                assert np.isfinite(data[key]).all(), (path.name, key)
+    assert sorted(p.name for p in (tmp_path / "routing_stats").glob("*.npz"))[-1] == "routing_step000004.npz"

@@ -1,0 +1,136 @@
+"""Run a job's torchrun, relay its output, and end a failed job with one line that explains it.
+
+    python -m torchtitan_ext.supervise [--checkpoint-folder DIR] -- torchrun [torchrun args]
+
+``run_train.sh`` (and the SLURM script, one per node) starts torchrun through
+this module, which
+
+- relays torchrun's output as it comes, remembering the last step logged;
+- forwards preemption signals (SIGTERM, SIGUSR1, as SLURM sends them) to the
+  training processes themselves, which save a checkpoint at the next step
+  boundary and exit cleanly (torchrun, given SIGTERM, would kill them after
+  30 s, and SIGUSR1 would kill torchrun); other signals (Ctrl-C) go to torchrun;
+- exits with torchrun's status; when that is not 0, the last line names the
+  rank that failed first, how (its signal or exit status), the last step
+  logged, and the last complete checkpoint the same command resumes from.
+"""
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STEP_LINE = re.compile(r"step:\s*(\d+)\s+loss:")
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+ROOT_CAUSE_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
+ROOT_CAUSE_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)")
+
+
+def complete_checkpoints(folder: Path | None) -> list[int]:
+    """Steps of the checkpoints in ``folder`` whose write completed (DCP writes .metadata last)."""
+    if folder is None or not folder.is_dir():
+        return []
+    steps = []
+    for entry in folder.iterdir():
+        match = re.fullmatch(r"step-(\d+)", entry.name)
+        if match and (entry / ".metadata").is_file():
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def children(pid: int) -> list[int]:
+    """Child process ids of ``pid`` (Linux /proc)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(child) for child in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return found
+
+
+class Supervisor:
+    def __init__(self, command: list[str], checkpoint_folder: Path | None):
+        self.command = command
+        self.checkpoint_folder = checkpoint_folder
+        self.last_step: int | None = None
+        self.failed_rank: int | None = None
+        self.failed_exit: tuple[int, int] | None = None
+        self.process: subprocess.Popen | None = None
+
+    def forward(self, signum, frame) -> None:
+        if self.process is None:
+            return
+        if signum in PREEMPTION_SIGNALS:
+            workers = children(self.process.pid)
+            for pid in workers or [self.process.pid]:
+                try:
+                    os.kill(pid, signum if workers else signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+            return
+        self.process.send_signal(signum)
+
+    def run(self) -> int:
+        for signum in (*PREEMPTION_SIGNALS, signal.SIGINT):
+            signal.signal(signum, self.forward)
+        self.process = subprocess.Popen(
+            self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
+        )
+        for line in self.process.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            self._read(ANSI_ESCAPE.sub("", line))
+        returncode = self.process.wait()
+        if returncode != 0:
+            print(self.explain(returncode), file=sys.stderr, flush=True)
+        return returncode
+
+    def _read(self, line: str) -> None:
+        step = STEP_LINE.search(line)
+        if step:
+            self.last_step = int(step.group(1))
+        # torchrun's "Root Cause (first observed failure)" block comes first in its failure report
+        rank = ROOT_CAUSE_RANK.match(line)
+        if rank and self.failed_rank is None:
+            self.failed_rank = int(rank.group(1))
+        exit_code = ROOT_CAUSE_EXIT.match(line)
+        if exit_code and self.failed_exit is None:
+            self.failed_exit = (int(exit_code.group(1)), int(exit_code.group(2)))
+
+    def explain(self, returncode: int) -> str:
+        """The one line that ends a failed job."""
+        who = "a training process"
+        if self.failed_rank is not None and self.failed_exit is not None:
+            code, pid = self.failed_exit
+            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+            who = f"rank {self.failed_rank} (pid {pid}) {how}"
+        elif self.failed_rank is not None:
+            who = f"rank {self.failed_rank} failed"
+        after = f"after step {self.last_step}" if self.last_step is not None else "before the first step"
+        steps = complete_checkpoints(self.checkpoint_folder)
+        if steps:
+            resume = f"rerun the same command to resume from the last complete checkpoint, step {steps[-1]} ({self.checkpoint_folder / f'step-{steps[-1]}'})"
+        elif self.checkpoint_folder is not None:
+            resume = f"no complete checkpoint in {self.checkpoint_folder} yet: a rerun starts over"
+        else:
+            resume = "checkpointing is off (checkpoint.enable): a rerun starts over"
+        return f"error: {who}; the job stopped {after} (exit {returncode}); {resume}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint-folder", default="", help="the job's checkpoint folder ('' when checkpointing is off)")
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    folder = Path(args.checkpoint_folder) if args.checkpoint_folder else None
+    return Supervisor(command, folder).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
