@@ -9,14 +9,14 @@ installed package is touched. Each accommodation below carries a one-line reason
 import ctypes
 import ctypes.util
 import dataclasses
-import getpass
 import os
 import platform
 import resource
-import tempfile
 from datetime import timedelta
 
 import torch
+import torch._functorch.config
+import torch._inductor.config
 import torch.distributed as dist
 import torchtitan.components.metrics as tt_metrics
 import torchtitan.distributed.parallel_dims as tt_parallel_dims
@@ -275,13 +275,11 @@ def _enable_cpu() -> None:
     tt_utils.get_peak_flops = _undefined_peak_flops
     # gloo's barrier rejects device_ids, which torchtitan passes when it tightens timeouts.
     tt_dist_utils.set_pg_timeouts = _set_pg_timeouts_without_device_ids
-    # Inductor's caches are shared by every process on the machine, and a graph cached by one rank can name
-    # process groups another rank is not in ("Could not resolve the process group registered under the name 17"
-    # with PP + TP + EP + compile): one cache directory per rank.
-    os.environ.setdefault(
-        "TORCHINDUCTOR_CACHE_DIR",
-        os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}", f"rank{os.environ.get('RANK', '0')}"),
-    )
+    # Inductor's compiled-graph caches are shared by every process on the machine, and a graph one rank cached can
+    # name process groups another rank is not in ("Could not resolve the process group registered under the name
+    # 17" with PP + TP + EP + compile, Llama4): each process compiles its own graphs.
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
     logger.info("No CUDA device: training on CPU with the gloo backend")
 
 
