@@ -10,6 +10,7 @@ import os
 import sys
 
 import torch
+from torch.distributed.tensor import DTensor
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.train import Trainer as TorchTitanTrainer
 
@@ -50,7 +51,8 @@ class Trainer(TorchTitanTrainer):
                 loss = super().forward_backward_step(
                     input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
                 )
-        self._step_losses.append(loss.detach())
+        # under loss parallelism the loss is a DTensor (replicated): its local value is the whole of it
+        self._step_losses.append(loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach())
         return loss
 
     def _checked(self, optimizer_step):
