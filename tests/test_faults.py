@@ -37,6 +37,7 @@ FAST = [
     "--training.steps", str(STEPS),
 ]
 RESUME_TOLERANCE = 1e-6
+TORCHRUN_STOP_GRACE_S = 30
 
 
 def _job(folder: Path, *extra: str) -> list[str]:
@@ -134,6 +135,7 @@ def test_a_killed_rank_is_named_and_the_job_resumes(tmp_path, uninterrupted):
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
 def test_preemption_saves_exits_cleanly_and_resumes(tmp_path, uninterrupted, signum):
+    """Both signals take the same path once received; the resume is checked after SIGTERM only."""
     job = _job(tmp_path, "--checkpoint.enable", "--checkpoint.interval", "100")
     launcher = LauncherProcess(*job)
     try:
@@ -153,6 +155,8 @@ def test_preemption_saves_exits_cleanly_and_resumes(tmp_path, uninterrupted, sig
     assert 2 <= step < STEPS
     assert (Path(saved.group(2)) / ".metadata").is_file()
     assert max(step_losses(launcher.output)) == step, "no step after the one it saved"
+    if signum != signal.SIGTERM:
+        return
 
     resumed = run_launcher(*job, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
@@ -184,8 +188,9 @@ def test_a_stuck_rank_fails_the_others_within_the_timeout(tmp_path):
         os.kill(workers[1], signal.SIGSTOP)
         stopped = time.monotonic()
         line = launcher.wait_for(r"^error: ", timeout=timeout_s + 60)
-        elapsed = time.monotonic() - stopped
+        reported = time.monotonic() - stopped
         returncode = launcher.finish(timeout=120)
+        ended = time.monotonic() - stopped
     finally:
         for pid in _worker_pids(launcher.process.pid).values():
             try:
@@ -194,7 +199,9 @@ def test_a_stuck_rank_fails_the_others_within_the_timeout(tmp_path):
                 pass
         launcher.kill()
     assert returncode != 0
-    assert elapsed < timeout_s + 20, f"{elapsed:.0f} s"
+    assert reported < timeout_s + 20, f"the error came {reported:.0f} s after the rank stopped"
+    # torchrun's SIGTERM cannot stop a stopped process: it sends SIGKILL after its 30 s grace
+    assert ended < timeout_s + TORCHRUN_STOP_GRACE_S + 30, f"the job ended {ended:.0f} s after the rank stopped"
     assert re.match(
         r"error: (MoE layer \d+ (dispatch|combine) \(\w+ExpertParallel\)|FSDP's all-gather or reduce-scatter) "
         r"failed: a peer did not answer in time, likely a stuck or dead rank",

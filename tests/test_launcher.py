@@ -1,14 +1,15 @@
 """run_train.sh: overrides pass through, bad input fails once with one clear line."""
 
-import os
-import signal
 import socket
 import subprocess
-import time
 
 import pytest
 
-from tests.helpers import LauncherProcess, REPO_ROOT, run_launcher, step_losses
+from tests.helpers import REPO_ROOT, run_launcher, step_losses
+from torchtitan_ext.supervise import Supervisor
+
+
+DEFAULT_CONFIG = ["--job.config_file", "train_configs/debug_model.toml"]
 
 
 def _error_line(result: subprocess.CompletedProcess) -> str:
@@ -19,42 +20,68 @@ def _error_line(result: subprocess.CompletedProcess) -> str:
     return lines[-1]
 
 
+def _check_error(capsys, main, argv: list[str]) -> str:
+    """The one line a launcher check (``python -m torchtitan_ext.launch`` or ``.dry_run``, as
+    run_train.sh calls them) prints for bad input, run in this process: exit status 2, no traceback."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert lines and lines[-1].startswith("error: ") and "Traceback" not in "\n".join(lines), lines
+    return lines[-1]
+
+
 @pytest.mark.parametrize(
-    "args, env, expected",
+    "ngpu, args, expected",
     [
-        ((), {"CONFIG_FILE": "train_configs/missing.toml"}, "config file 'train_configs/missing.toml' not found"),
-        (("--training.stepz", "3"), {}, "unknown config key 'training.stepz' in the command line: did you mean 'steps'?"),
-        ((), {"NGPU": "999"}, "NGPU=999 but this machine"),
-        ((), {"NGPU": "two"}, "NGPU='two' is not an integer"),
-        (("--parallelism.expert_parallel_degree", "3"), {}, "does not divide the model's 8 experts"),
-        (("--job.config_file", "train_configs/llama4_debug_model.toml"), {"CONFIG_FILE": "train_configs/debug_model.toml"},
-         "--job.config_file is given twice ('train_configs/debug_model.toml' and 'train_configs/llama4_debug_model.toml')"),
-        (("--model.name", "gpt9"), {}, "model.name = 'gpt9' is not a registered model"),
-        (("--training.steps", "0"), {}, "training.steps = 0: use a value >= 1"),
+        ("2", ["--job.config_file", "train_configs/missing.toml"], "config file 'train_configs/missing.toml' not found"),
+        ("2", [*DEFAULT_CONFIG, "--training.stepz", "3"],
+         "unknown config key 'training.stepz' in the command line: did you mean 'steps'?"),
+        ("999", DEFAULT_CONFIG, "NGPU=999 but this machine"),
+        ("two", DEFAULT_CONFIG, "NGPU='two' is not an integer"),
+        ("2", [*DEFAULT_CONFIG, "--parallelism.expert_parallel_degree", "3"], "does not divide the model's 8 experts"),
+        ("2", [*DEFAULT_CONFIG, "--model.name", "gpt9"], "model.name = 'gpt9' is not a registered model"),
+        ("2", [*DEFAULT_CONFIG, "--training.steps", "0"], "training.steps = 0: use a value >= 1"),
     ],
 )
-def test_bad_input_is_one_line(args, env, expected):
-    line = _error_line(run_launcher(*args, timeout=120, **env))
-    assert expected in line
+def test_bad_input_is_one_line(capsys, ngpu, args, expected):
+    from torchtitan_ext import launch
+
+    assert expected in _check_error(capsys, launch.main, ["--ngpu", ngpu, "--", *args])
 
 
-def test_unknown_toml_key_names_section_and_file(tmp_path):
+def test_config_file_given_twice_is_one_line():
+    """run_train.sh passes CONFIG_FILE and the user's --job.config_file; both at once is refused."""
+    line = _error_line(run_launcher(
+        "--job.config_file", "train_configs/llama4_debug_model.toml", timeout=120, CONFIG_FILE="train_configs/debug_model.toml",
+    ))
+    assert (
+        "--job.config_file is given twice ('train_configs/debug_model.toml' and 'train_configs/llama4_debug_model.toml')"
+        in line
+    )
+
+
+def test_unknown_toml_key_names_section_and_file(capsys, tmp_path):
+    from torchtitan_ext import launch
+
     config = tmp_path / "bad.toml"
     config.write_text(
         (REPO_ROOT / "train_configs/debug_model.toml").read_text()
         + "\n[hybridep]\nnon_blocking_capacity_facter = 0.5\n"
     )
-    line = _error_line(run_launcher(timeout=120, CONFIG_FILE=str(config)))
+    line = _check_error(capsys, launch.main, ["--ngpu", "2", "--", "--job.config_file", str(config)])
     assert f"'hybridep.non_blocking_capacity_facter' in {config}" in line
     assert "did you mean 'non_blocking_capacity_factor'?" in line
 
 
-def test_port_clash_is_reported():
+def test_port_clash_is_reported(capsys):
+    from torchtitan_ext import launch
+
     with socket.socket() as busy:
         busy.bind(("localhost", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        line = _error_line(run_launcher(timeout=120, MASTER_PORT=str(port)))
+        line = _check_error(capsys, launch.main, ["--ngpu", "2", "--port", str(port), "--", *DEFAULT_CONFIG])
     assert f"port {port} (MASTER_PORT) is in use" in line
 
 
@@ -75,48 +102,54 @@ def test_config_file_on_the_command_line_is_the_job():
     assert "dry run: llama4 debugmodel on 2 ranks" in result.stdout
 
 
-def test_dry_run_rejects_bad_degrees():
-    line = _error_line(run_launcher(
-        "--parallelism.tensor_parallel_degree", "3", timeout=120, COMM_MODE="fake_backend", NGPU="8"
-    ))
+def test_dry_run_rejects_bad_degrees(capsys):
+    from torchtitan_ext import dry_run
+
+    line = _check_error(
+        capsys, dry_run.main, ["--ngpu", "8", "--", *DEFAULT_CONFIG, "--parallelism.tensor_parallel_degree", "3"]
+    )
     assert "world size 8 is not a multiple of dp_replicate x cp x tp x pp = 3" in line
 
 
-def _worker_pids(torchrun_pid: int) -> dict[int, int]:
-    """{local rank: pid} of torchrun's worker processes."""
-    workers = {}
-    for pid in map(int, subprocess.run(["pgrep", "-P", str(torchrun_pid)], capture_output=True, text=True).stdout.split()):
-        try:
-            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-        except OSError:
-            continue
-        for entry in environ:
-            if entry.startswith(b"LOCAL_RANK="):
-                workers[int(entry.split(b"=")[1])] = pid
-    return workers
+TORCHRUN_REPORT = """\
+============================================================
+torchtitan_ext.train FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-22_10:00:03
+  host      : node
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 4321)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 4321
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-22_10:00:02
+  host      : node
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 4320)
+  error_file: /tmp/error.json
+  traceback : RuntimeError: Connection closed by peer
+============================================================
+"""
 
 
-def test_crashed_rank_does_not_leave_others_hanging(tmp_path):
-    launcher = LauncherProcess("--training.steps", "500", "--job.dump_folder", str(tmp_path))
-    try:
-        launcher.wait_for(r"step:\s+2\s", timeout=240)
-        workers = _worker_pids(launcher.process.pid)
-        assert sorted(workers) == [0, 1]
-        os.kill(workers[1], signal.SIGKILL)
-        started = time.monotonic()
-        returncode = launcher.finish(timeout=90)
-        elapsed = time.monotonic() - started
-    finally:
-        launcher.kill()
-    assert returncode != 0
-    # well inside comm.train_timeout_seconds (100 s): torchrun tears the job down
-    assert elapsed < 60
-    assert not any(pid_alive(pid) for pid in workers.values())
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+@pytest.mark.parametrize(
+    "report, named",
+    [
+        (TORCHRUN_REPORT, "rank 1 (pid 4321) was killed by SIGKILL"),
+        (TORCHRUN_REPORT.replace("-9 (pid: 4321)", "-15 (pid: 4321)"), "rank 0 (pid 4320) exited with status 1"),
+    ],
+    ids=["signal_before_status", "torchrun_stop_signal_not_a_cause"],
+)
+def test_supervisor_names_the_rank_that_caused_the_failure(report, named):
+    """torchrun observes a SIGKILLed rank's failure after its peer's status-1 exit; the signal is the cause."""
+    supervisor = Supervisor([], checkpoint_folder=None)
+    for line in ["[rank0]: step:  3  loss:  7.5", *report.splitlines()]:
+        supervisor._read(line)
+    assert supervisor.explain(1) == (
+        f"error: {named}; the job stopped after step 3 (exit 1); "
+        "checkpointing is off (checkpoint.enable): a rerun starts over"
+    )

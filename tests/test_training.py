@@ -7,16 +7,21 @@ import pytest
 
 from tests.helpers import REPO_ROOT, launcher_env, run_launcher, step_losses
 
-STEPS = 8
+STEPS = 5
+SMALL = ["--training.local_batch_size", "2", "--training.seq_len", "64"]
 
 
-@pytest.mark.parametrize("model", ["deepseek_v3", "llama4"])
-def test_two_process_run_loss_falls(model, tmp_path):
+@pytest.mark.parametrize(
+    "model, shape", [("deepseek_v3", []), ("llama4", SMALL)], ids=["deepseek_v3_default_job", "llama4_small"]
+)
+def test_two_process_run_loss_falls(model, shape, tmp_path):
+    """The README's quick start (the default job, 5 of its steps), and Llama4 at a small shape."""
     result = run_launcher(
         "--model.name", model,
         "--training.steps", str(STEPS),
         "--metrics.disable_color_printing",
         "--job.dump_folder", str(tmp_path),
+        *shape,
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-4000:]
@@ -35,7 +40,7 @@ def test_two_runs_share_a_machine(tmp_path):
 
     def run(name):
         results[name] = subprocess.run(
-            ["./run_train.sh", "--model.name", "llama4", "--training.steps", "2",
+            ["./run_train.sh", "--model.name", "llama4", "--training.steps", "2", *SMALL,
              "--job.dump_folder", str(tmp_path / name)],
             cwd=REPO_ROOT, env=launcher_env(), stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, timeout=600,

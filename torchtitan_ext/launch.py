@@ -1,8 +1,9 @@
 """Checks the launchers make before starting any process.
 
-``python -m torchtitan_ext.launch --ngpu N [--nnodes M] [--port P] [--print-env] [--print-launch-info] -- [train args]``
+``python -m torchtitan_ext.launch --ngpu N [--nnodes M] [--port P] [--device-type cpu|cuda] [--print-env] [--print-launch-info] -- [train args]``
 validates the process count, an explicitly requested rendezvous port and the
-job config (TOML + overrides) for N x M ranks, and builds the embedded assets
+job config (TOML + overrides) for N x M ranks (on ``--device-type``, default
+this machine's device), and builds the embedded assets
 the job needs. Any problem is one line on stderr naming it and the fix, with
 exit status 2, so that a bad launch fails once, before torchrun starts N copies
 of it. ``--print-env`` prints ``export NAME=value`` lines for the environment
@@ -60,6 +61,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ngpu", required=True, help="processes on this machine (NGPU)")
     parser.add_argument("--nnodes", type=int, default=1, help="machines in the job")
     parser.add_argument("--port", type=int, help="explicit rendezvous port to check")
+    parser.add_argument(
+        "--device-type", choices=("cpu", "cuda"),
+        help="validate the job for this device type (default: this machine's); for a batch script that "
+        "checks a job on a host other than the ones that run it",
+    )
     parser.add_argument("--print-env", action="store_true", help="print the kernel library's environment")
     parser.add_argument(
         "--print-launch-info", action="store_true",
@@ -76,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
         device_type = runtime.configure()
         register_embedded_dataset()
         register_train_specs()
-        job_config = load_job_config(train_args, device_type, world_size=count * args.nnodes)
+        job_config = load_job_config(train_args, args.device_type or device_type, world_size=count * args.nnodes)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

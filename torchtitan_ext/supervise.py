@@ -11,8 +11,15 @@ this module, which
   boundary and exit cleanly (torchrun, given SIGTERM, would kill them after
   30 s, and SIGUSR1 would kill torchrun); other signals (Ctrl-C) go to torchrun;
 - exits with torchrun's status; when that is not 0, the last line names the
-  rank that failed first, how (its signal or exit status), the last step
-  logged, and the last complete checkpoint the same command resumes from.
+  rank that most likely caused the failure, how (its signal or exit status),
+  the last step logged, and the last complete checkpoint the same command
+  resumes from.
+
+torchrun orders failures by when it observed them, and a rank killed by a
+signal leaves no error file, so its observed time is torchrun's next poll: a
+peer that exited with status 1 because its collective lost that rank is often
+"observed" first. A rank killed by a signal other than SIGTERM (torchrun's own
+stop signal) is therefore named before ranks that exited with a status.
 """
 
 import argparse
@@ -21,13 +28,15 @@ import re
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 STEP_LINE = re.compile(r"step:\s*(\d+)\s+loss:")
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
-ROOT_CAUSE_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
-ROOT_CAUSE_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)")
+FAILURE_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
+FAILURE_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)")
+ROOT_CAUSE_HEADING = "Root Cause (first observed failure):"
 
 
 def complete_checkpoints(folder: Path | None) -> list[int]:
@@ -53,13 +62,23 @@ def children(pid: int) -> list[int]:
     return found
 
 
+@dataclass
+class Failure:
+    """One entry of torchrun's failure report."""
+
+    rank: int
+    root_cause: bool
+    exit_code: int | None = None
+    pid: int | None = None
+
+
 class Supervisor:
     def __init__(self, command: list[str], checkpoint_folder: Path | None):
         self.command = command
         self.checkpoint_folder = checkpoint_folder
         self.last_step: int | None = None
-        self.failed_rank: int | None = None
-        self.failed_exit: tuple[int, int] | None = None
+        self.failures: list[Failure] = []
+        self.in_root_cause = False
         self.process: subprocess.Popen | None = None
 
     def forward(self, signum, frame) -> None:
@@ -94,23 +113,31 @@ class Supervisor:
         step = STEP_LINE.search(line)
         if step:
             self.last_step = int(step.group(1))
-        # torchrun's "Root Cause (first observed failure)" block comes first in its failure report
-        rank = ROOT_CAUSE_RANK.match(line)
-        if rank and self.failed_rank is None:
-            self.failed_rank = int(rank.group(1))
-        exit_code = ROOT_CAUSE_EXIT.match(line)
-        if exit_code and self.failed_exit is None:
-            self.failed_exit = (int(exit_code.group(1)), int(exit_code.group(2)))
+        if ROOT_CAUSE_HEADING in line:
+            self.in_root_cause = True
+        rank = FAILURE_RANK.match(line)
+        if rank:
+            self.failures.append(Failure(rank=int(rank.group(1)), root_cause=self.in_root_cause))
+        exit_code = FAILURE_EXIT.match(line)
+        if exit_code and self.failures:
+            self.failures[-1].exit_code, self.failures[-1].pid = int(exit_code.group(1)), int(exit_code.group(2))
+
+    def culprit(self) -> "Failure | None":
+        """The failure to name: a rank killed by a signal torchrun did not send, else torchrun's root cause."""
+        killed = [f for f in self.failures if f.exit_code is not None and f.exit_code < 0 and -f.exit_code != signal.SIGTERM]
+        roots = [f for f in self.failures if f.root_cause]
+        return (killed or roots or self.failures or [None])[0]
 
     def explain(self, returncode: int) -> str:
         """The one line that ends a failed job."""
         who = "a training process"
-        if self.failed_rank is not None and self.failed_exit is not None:
-            code, pid = self.failed_exit
+        failure = self.culprit()
+        if failure is not None and failure.exit_code is not None:
+            code = failure.exit_code
             how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
-            who = f"rank {self.failed_rank} (pid {pid}) {how}"
-        elif self.failed_rank is not None:
-            who = f"rank {self.failed_rank} failed"
+            who = f"rank {failure.rank} (pid {failure.pid}) {how}"
+        elif failure is not None:
+            who = f"rank {failure.rank} failed"
         after = f"after step {self.last_step}" if self.last_step is not None else "before the first step"
         steps = complete_checkpoints(self.checkpoint_folder)
         if steps:

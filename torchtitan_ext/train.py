@@ -39,6 +39,8 @@ class Trainer(TorchTitanTrainer):
         self._step_losses: list[torch.Tensor] = []
         self._preempt_now = False
         self.optimizers.step = self._checked(self.optimizers.step)
+        if self.parallel_dims.pp_enabled:
+            _metadata_inference_in_eval_mode(self.pp_schedule, self.model_parts)
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
         if not self.parallel_dims.pp_enabled:
@@ -122,6 +124,30 @@ class Trainer(TorchTitanTrainer):
         super().train()
 
 
+def _metadata_inference_in_eval_mode(schedule, model_parts) -> None:
+    """Run the pipeline schedule's stage initialization with the model in eval mode.
+
+    Before its first microbatch, torch's pipeline schedule runs each stage forward and backward
+    once on uninitialized tensors (``torch.empty``) to infer shapes. That pass is not training: in
+    eval mode the router health check, the EP counters and the routing statistics (which count
+    training forwards only) ignore it, instead of reporting its garbage as non-finite router output
+    or counting its tokens in step 1.
+    """
+    initialize = schedule._initialize_pp_stages
+
+    def initialize_in_eval_mode(*args, **kwargs):
+        modes = [part.training for part in model_parts]
+        for part in model_parts:
+            part.eval()
+        try:
+            return initialize(*args, **kwargs)
+        finally:
+            for part, mode in zip(model_parts, modes):
+                part.train(mode)
+
+    schedule._initialize_pp_stages = initialize_in_eval_mode
+
+
 def load_job_config(args: list[str], device_type: str | None, world_size: int | None = None):
     """Parse, fit to the CPU (:func:`runtime.choose_cpu_precision`) and validate;
     raises ConfigError with a one-line message.
@@ -174,13 +200,14 @@ def main(args: list[str] | None = None) -> None:
     except faults.Preempted as e:
         logger.info(str(e))
     except (faults.NonFiniteLoss, faults.CollectiveFailed) as e:
+        # one line, not a traceback (torchrun tears the peers down), and before the trainer's
+        # teardown, which can wait on the same stuck peer
+        print(f"error: {e}", file=sys.stderr, flush=True)
         failure = e
     finally:
         if trainer is not None:
             trainer.close()
     if failure is not None:
-        # one line, not a traceback: the peers' processes are torn down by torchrun
-        print(f"error: {failure}", file=sys.stderr, flush=True)
         sys.exit(1)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
