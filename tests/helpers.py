@@ -72,7 +72,7 @@ class LauncherProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            start_new_session=True,  # kill() takes torchrun's workers with it
+            start_new_session=True,
         )
         self.lines: list[str] = []
         self._queue: queue.Queue[str | None] = queue.Queue()
@@ -113,12 +113,32 @@ class LauncherProcess:
         return returncode
 
     def kill(self) -> None:
-        """SIGKILL the launcher's whole process group (torchrun and its workers)."""
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        """SIGKILL the launcher and every process under it.
+
+        torchrun starts each worker in a session of its own, so killing the launcher's process
+        group would leave the workers training on, orphaned, through the rest of the suite.
+        """
+        for pid in [*descendants(self.process.pid), self.process.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.process.wait(timeout=30)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process under ``pid`` (Linux /proc), children before their own children."""
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop(0)
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                kids = [int(child) for child in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found += kids
+            frontier += kids
+    return found
 
 
 def step_losses(output: str) -> dict[int, float]:

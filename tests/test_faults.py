@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import LauncherProcess, run_distributed, run_launcher, step_losses
+from tests.helpers import LauncherProcess, descendants, run_distributed, run_launcher, step_losses
 from tests.training_cases import train_worker
 
 STEPS = 6
@@ -44,24 +44,10 @@ def _job(folder: Path, *extra: str) -> list[str]:
     return [*FAST, "--job.dump_folder", str(folder), *extra]
 
 
-def _descendants(pid: int) -> list[int]:
-    found, frontier = [], [pid]
-    while frontier:
-        parent = frontier.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*"):
-            try:
-                kids = [int(child) for child in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            found += kids
-            frontier += kids
-    return found
-
-
 def _worker_pids(launcher_pid: int) -> dict[int, int]:
     """{global rank: pid} of the training processes under a launcher."""
     workers = {}
-    for pid in _descendants(launcher_pid):
+    for pid in descendants(launcher_pid):
         try:
             environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
             cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
@@ -187,7 +173,8 @@ def test_a_stuck_rank_fails_the_others_within_the_timeout(tmp_path):
         workers = _worker_pids(launcher.process.pid)
         os.kill(workers[1], signal.SIGSTOP)
         stopped = time.monotonic()
-        line = launcher.wait_for(r"^error: ", timeout=timeout_s + 60)
+        # the surviving rank's own line, relayed by torchrun with its rank prefix
+        line = launcher.wait_for(r"^\[rank0\]:error: ", timeout=timeout_s + 60).split(":", 1)[1]
         reported = time.monotonic() - stopped
         returncode = launcher.finish(timeout=120)
         ended = time.monotonic() - stopped
