@@ -29,7 +29,9 @@ WORKERS_DEADLINE_S = 420.0
 WORKER_PRELOAD = ["torchtitan_ext.train", "tests.training_cases", "tests.ep_cases", "tests.gradient_cases"]
 """Modules the fork server imports once for the whole session: every worker it forks starts with
 torch and torchtitan already imported (importing them again costs ~25 s of a 2-core machine per
-``run_distributed`` call). Nothing here may start a thread or touch a device at import."""
+``run_distributed`` call). Nothing here may start a thread or touch a device at import. Workers
+get the environment the fork server started with (the suite's, from conftest), not a test's later
+``os.environ`` changes: pass such settings to the worker as arguments."""
 
 
 def launcher_env(**overrides: str) -> dict[str, str]:

@@ -18,8 +18,9 @@ this module, which
 torchrun orders failures by when it observed them, and a rank killed by a
 signal leaves no error file, so its observed time is torchrun's next poll: a
 peer that exited with status 1 because its collective lost that rank is often
-"observed" first. A rank killed by a signal other than SIGTERM (torchrun's own
-stop signal) is therefore named before ranks that exited with a status.
+"observed" first. A rank killed by a signal that torchrun did not send (its
+stop is SIGTERM, then SIGKILL after 30 s, each announced in its log) is
+therefore named before ranks that exited with a status.
 """
 
 import argparse
@@ -37,6 +38,7 @@ ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 FAILURE_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 FAILURE_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)")
 ROOT_CAUSE_HEADING = "Root Cause (first observed failure):"
+STOPPED_BY_TORCHRUN = re.compile(r"Sending process (\d+) closing signal")
 
 
 def complete_checkpoints(folder: Path | None) -> list[int]:
@@ -62,6 +64,13 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
 @dataclass
 class Failure:
     """One entry of torchrun's failure report."""
@@ -79,6 +88,7 @@ class Supervisor:
         self.last_step: int | None = None
         self.failures: list[Failure] = []
         self.in_root_cause = False
+        self.stopped_by_torchrun: set[int] = set()
         self.process: subprocess.Popen | None = None
 
     def forward(self, signum, frame) -> None:
@@ -113,6 +123,9 @@ class Supervisor:
         step = STEP_LINE.search(line)
         if step:
             self.last_step = int(step.group(1))
+        stopped = STOPPED_BY_TORCHRUN.search(line)
+        if stopped:
+            self.stopped_by_torchrun.add(int(stopped.group(1)))
         if ROOT_CAUSE_HEADING in line:
             self.in_root_cause = True
         rank = FAILURE_RANK.match(line)
@@ -124,9 +137,12 @@ class Supervisor:
 
     def culprit(self) -> "Failure | None":
         """The failure to name: a rank killed by a signal torchrun did not send, else torchrun's root cause."""
-        killed = [f for f in self.failures if f.exit_code is not None and f.exit_code < 0 and -f.exit_code != signal.SIGTERM]
-        roots = [f for f in self.failures if f.root_cause]
-        return (killed or roots or self.failures or [None])[0]
+        killed = [
+            f for f in self.failures
+            if f.exit_code is not None and f.exit_code < 0 and f.pid not in self.stopped_by_torchrun
+        ]
+        ordered = sorted(killed, key=lambda f: not f.root_cause) or [f for f in self.failures if f.root_cause]
+        return (ordered or self.failures or [None])[0]
 
     def explain(self, returncode: int) -> str:
         """The one line that ends a failed job."""
@@ -134,7 +150,7 @@ class Supervisor:
         failure = self.culprit()
         if failure is not None and failure.exit_code is not None:
             code = failure.exit_code
-            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+            how = f"was killed by {signal_name(-code)}" if code < 0 else f"exited with status {code}"
             who = f"rank {failure.rank} (pid {failure.pid}) {how}"
         elif failure is not None:
             who = f"rank {failure.rank} failed"

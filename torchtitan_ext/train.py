@@ -131,7 +131,9 @@ def _metadata_inference_in_eval_mode(schedule, model_parts) -> None:
     once on uninitialized tensors (``torch.empty``) to infer shapes. That pass is not training: in
     eval mode the router health check, the EP counters and the routing statistics (which count
     training forwards only) ignore it, instead of reporting its garbage as non-finite router output
-    or counting its tokens in step 1.
+    or counting its tokens in step 1. torchtitan's MoE adds every forward's expert counts to
+    ``tokens_per_expert`` whatever the mode; they are zeroed after the pass, so that the first
+    expert-bias update sees only the step's own tokens.
     """
     initialize = schedule._initialize_pp_stages
 
@@ -144,6 +146,10 @@ def _metadata_inference_in_eval_mode(schedule, model_parts) -> None:
         finally:
             for part, mode in zip(model_parts, modes):
                 part.train(mode)
+                with torch.no_grad():
+                    for name, buffer in part.named_buffers():
+                        if name.endswith("tokens_per_expert"):
+                            buffer.zero_()
 
     schedule._initialize_pp_stages = initialize_in_eval_mode
 
