@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from torchtitan_ext import faults
 from tests.helpers import LauncherProcess, descendants, run_distributed, run_launcher, step_losses
 from tests.training_cases import train_worker
 
@@ -189,11 +190,39 @@ def test_a_stuck_rank_fails_the_others_within_the_timeout(tmp_path):
     assert reported < timeout_s + 20, f"the error came {reported:.0f} s after the rank stopped"
     # torchrun's SIGTERM cannot stop a stopped process: it sends SIGKILL after its 30 s grace
     assert ended < timeout_s + TORCHRUN_STOP_GRACE_S + 30, f"the job ended {ended:.0f} s after the rank stopped"
+    # where the surviving rank waits depends on when the stop landed: any of the three namings
     assert re.match(
-        r"error: (MoE layer \d+ (dispatch|combine) \(\w+ExpertParallel\)|FSDP's all-gather or reduce-scatter) "
+        r"error: (MoE layer \d+ (dispatch|combine) \(\w+ExpertParallel\)|FSDP's all-gather or reduce-scatter"
+        r"|a collective called from \w+ \(torchtitan(_ext)?/[\w/]+\.py:\d+\)) "
         r"failed: a peer did not answer in time, likely a stuck or dead rank",
         line,
     ), line
+
+
+def _timeout_raised_in(filename: str, function: str) -> RuntimeError:
+    code = compile(f"def {function}():\n    raise RuntimeError('Timed out waiting 8000ms for recv operation to complete')", filename, "exec")
+    namespace = {}
+    exec(code, namespace)
+    try:
+        namespace[function]()
+    except RuntimeError as error:
+        return error
+
+
+@pytest.mark.parametrize(
+    "filename, function, named",
+    [
+        ("/venv/site-packages/torchtitan/distributed/utils.py", "clip_grad_norm_",
+         "a collective called from clip_grad_norm_ (torchtitan/distributed/utils.py:2) failed"),
+        ("/venv/site-packages/torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", "foreach_all_gather",
+         "FSDP's all-gather or reduce-scatter failed"),
+        ("/venv/site-packages/torch/distributed/distributed_c10d.py", "all_reduce", "a collective failed"),
+    ],
+)
+def test_a_collective_outside_the_moe_layers_is_named_by_its_caller(filename, function, named):
+    failed = faults.name_other_collective(_timeout_raised_in(filename, function))
+    assert str(failed).startswith(f"{named}: a peer did not answer in time, likely a stuck or dead rank (Timed out"), failed
+    assert faults.name_other_collective(RuntimeError("shape mismatch")) is None
 
 
 def _nan_worker(rank: int, world_size: int, folder: str, on_nonfinite: str) -> dict:

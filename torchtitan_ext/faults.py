@@ -15,7 +15,8 @@
   timeout after ``comm.train_timeout_seconds``, a closed connection) is
   re-raised as :class:`CollectiveFailed` naming the layer and whether it was
   dispatch or combine; one outside the MoE layers is named by where it was
-  (FSDP's all-gather or reduce-scatter, or another).
+  (FSDP's all-gather or reduce-scatter, or the training code's function that
+  issued it).
 - **Torn checkpoints**: a checkpoint whose write was interrupted has no
   ``.metadata`` (DCP writes it last). torchtitan skips such a step when it
   looks for the latest; :func:`report_incomplete_checkpoints` says so.
@@ -137,9 +138,23 @@ def name_other_collective(error: RuntimeError) -> CollectiveFailed | None:
     text = str(error)
     if not any(key in text for key in ("Timed out", "timed out", "Connection closed by peer", "Connection reset")):
         return None
-    frames = "".join(traceback.format_tb(error.__traceback__))
-    where = "FSDP's all-gather or reduce-scatter" if "fsdp" in frames.lower() else "a collective outside the MoE layers"
+    frames = traceback.extract_tb(error.__traceback__)
+    if any("fsdp" in frame.filename.lower() for frame in frames):
+        where = "FSDP's all-gather or reduce-scatter"
+    else:
+        where = "a collective" + _caller(frames)
     return CollectiveFailed(f"{where} failed: {_reason(error)}")
+
+
+def _caller(frames: traceback.StackSummary) -> str:
+    """' called from fn (package/file.py:line)': the innermost training-code frame, where the collective was issued."""
+    for frame in reversed(frames):
+        parts = Path(frame.filename).parts
+        for package in ("torchtitan_ext", "torchtitan"):
+            if package in parts:
+                inside = "/".join(parts[parts.index(package):])
+                return f" called from {frame.name} ({inside}:{frame.lineno})"
+    return ""
 
 
 def report_incomplete_checkpoints(folder: str | Path) -> list[int]:
