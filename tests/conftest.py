@@ -17,3 +17,18 @@ def embedded_assets():
     from torchtitan_ext.data import DEFAULT_ASSETS_DIR, ensure_assets
 
     return ensure_assets(REPO_ROOT / DEFAULT_ASSETS_DIR)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Times a test measured and asserted a bound on (record_property("measured", ...)), one line each,
+    so that a suite's log carries them (docs/reliability.md quotes them)."""
+    lines = [
+        f"{report.nodeid}: {value}"
+        for report in terminalreporter.stats.get("passed", [])
+        for name, value in report.user_properties
+        if name == "measured"
+    ]
+    if lines:
+        terminalreporter.section("measured times")
+        for line in lines:
+            terminalreporter.write_line(line)

@@ -20,6 +20,7 @@ All runs: the debug model, 2 processes, fp32, deterministic, short sequences.
 import math
 import os
 import re
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -37,6 +38,7 @@ FAST = [
     "--debug.deterministic", "--metrics.disable_color_printing", "--metrics.log_freq", "1",
     "--training.steps", str(STEPS),
 ]
+CHECKPOINT_EVERY_2 = ["--checkpoint.enable", "--checkpoint.interval", "2"]
 RESUME_TOLERANCE = 1e-6
 TORCHRUN_STOP_GRACE_S = 30
 
@@ -71,13 +73,19 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """The losses of the job run without a fault."""
-    result = run_launcher(*_job(tmp_path_factory.mktemp("uninterrupted")), timeout=600)
+def uninterrupted_run(tmp_path_factory) -> tuple[dict[int, float], Path]:
+    """The job run without a fault: its losses, and its checkpoint folder (steps 2, 4 and 6)."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    result = run_launcher(*_job(folder, *CHECKPOINT_EVERY_2), timeout=600)
     assert result.returncode == 0, result.stdout[-3000:]
     losses = step_losses(result.stdout)
     assert list(losses) == list(range(1, STEPS + 1))
-    return losses
+    return losses, folder / "checkpoint"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_run) -> dict[int, float]:
+    return uninterrupted_run[0]
 
 
 def _assert_resumes(output: str, first_step: int, uninterrupted: dict[int, float]) -> None:
@@ -87,8 +95,8 @@ def _assert_resumes(output: str, first_step: int, uninterrupted: dict[int, float
         assert loss == pytest.approx(uninterrupted[step], rel=RESUME_TOLERANCE), (step, losses, uninterrupted)
 
 
-def test_a_killed_rank_is_named_and_the_job_resumes(tmp_path, uninterrupted):
-    job = _job(tmp_path, "--checkpoint.enable", "--checkpoint.interval", "2")
+def test_a_killed_rank_is_named_and_the_job_resumes(tmp_path, uninterrupted, record_property):
+    job = _job(tmp_path, *CHECKPOINT_EVERY_2)
     launcher = LauncherProcess(*job)
     try:
         launcher.wait_for(r"step:\s+3\s", timeout=300)
@@ -100,6 +108,7 @@ def test_a_killed_rank_is_named_and_the_job_resumes(tmp_path, uninterrupted):
         elapsed = time.monotonic() - killed
     finally:
         launcher.kill()
+    record_property("measured", f"the job stopped {elapsed:.1f} s after SIGKILL (bound 60 s)")
     assert returncode != 0
     assert elapsed < 60, f"the job took {elapsed:.0f} s to stop"
     assert not any(_alive(pid) for pid in workers.values())
@@ -121,16 +130,19 @@ def test_a_killed_rank_is_named_and_the_job_resumes(tmp_path, uninterrupted):
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
-def test_preemption_saves_exits_cleanly_and_resumes(tmp_path, uninterrupted, signum):
+def test_preemption_saves_exits_cleanly_and_resumes(tmp_path, uninterrupted, signum, record_property):
     """Both signals take the same path once received; the resume is checked after SIGTERM only."""
     job = _job(tmp_path, "--checkpoint.enable", "--checkpoint.interval", "100")
     launcher = LauncherProcess(*job)
     try:
         launcher.wait_for(r"step:\s+2\s", timeout=300)
         os.kill(launcher.process.pid, signum)  # the launcher is what SLURM signals
+        signalled = time.monotonic()
         returncode = launcher.finish(timeout=120)
+        elapsed = time.monotonic() - signalled
     finally:
         launcher.kill()
+    record_property("measured", f"checkpoint saved and the job ended {elapsed:.1f} s after {signal.Signals(signum).name}")
     assert returncode == 0, launcher.output[-3000:]
     saved = re.search(
         rf"preempted \({signal.Signals(signum).name}\) at the end of step (\d+): checkpoint saved in (\S+); "
@@ -150,23 +162,23 @@ def test_preemption_saves_exits_cleanly_and_resumes(tmp_path, uninterrupted, sig
     _assert_resumes(resumed.stdout, step + 1, uninterrupted)
 
 
-def test_an_interrupted_checkpoint_is_never_loaded(tmp_path, uninterrupted):
-    """Steps 2 and 4 saved; step 4's write torn (DCP writes .metadata last): the restart says so and
-    resumes from step 2, with the uninterrupted run's losses."""
-    job = _job(tmp_path, "--checkpoint.enable", "--checkpoint.interval", "2")
-    first = run_launcher(*[arg if arg != str(STEPS) else "4" for arg in job], timeout=600)
-    assert first.returncode == 0, first.stdout[-3000:]
+def test_an_interrupted_checkpoint_is_never_loaded(tmp_path, uninterrupted_run):
+    """The uninterrupted run's steps 2 and 4, step 4's write torn (DCP writes .metadata last): the
+    start says so and resumes from step 2, with the uninterrupted run's losses."""
+    losses, saved = uninterrupted_run
+    for step in (2, 4):
+        shutil.copytree(saved / f"step-{step}", tmp_path / "checkpoint" / f"step-{step}")
     torn = tmp_path / "checkpoint" / "step-4"
     assert (torn / ".metadata").is_file() and any(torn.glob("*.distcp"))
     (torn / ".metadata").unlink()
 
-    resumed = run_launcher(*job, timeout=600)
+    resumed = run_launcher(*_job(tmp_path, *CHECKPOINT_EVERY_2), timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     assert f"Checkpoint {torn} is incomplete (no .metadata: its write was interrupted); it is ignored and training resumes from step 2" in resumed.stdout
-    _assert_resumes(resumed.stdout, 3, uninterrupted)
+    _assert_resumes(resumed.stdout, 3, losses)
 
 
-def test_a_stuck_rank_fails_the_others_within_the_timeout(tmp_path):
+def test_a_stuck_rank_fails_the_others_within_the_timeout(tmp_path, record_property):
     timeout_s = 8
     launcher = LauncherProcess(*_job(tmp_path, "--comm.train_timeout_seconds", str(timeout_s), "--training.steps", "500"))
     try:
@@ -186,6 +198,11 @@ def test_a_stuck_rank_fails_the_others_within_the_timeout(tmp_path):
             except ProcessLookupError:
                 pass
         launcher.kill()
+    record_property(
+        "measured",
+        f"comm.train_timeout_seconds = {timeout_s}: the error {reported:.1f} s after SIGSTOP (bound {timeout_s + 20} s), "
+        f"the job's end {ended:.1f} s after (bound {timeout_s + TORCHRUN_STOP_GRACE_S + 30} s)",
+    )
     assert returncode != 0
     assert reported < timeout_s + 20, f"the error came {reported:.0f} s after the rank stopped"
     # torchrun's SIGTERM cannot stop a stopped process: it sends SIGKILL after its 30 s grace

@@ -1,6 +1,10 @@
 """EP planner: memory and drop risk of each backend for a job, before launch.
 
     python -m torchtitan_ext.plan --job.config_file X [overrides] [--world-size N] [--routing-stats DUMP]
+        [--topology T]
+    python -m torchtitan_ext.plan --paper --topology T --world-size G --paper-data-mb D --paper-expert-mb P_E
+        --paper-pre-expert-ms PE
+    python -m torchtitan_ext.plan --calibrate [--nproc N] [--calibrate-output FILE]
 
 For one rank, and for each backend (nccl, deepep, hybridep blocking,
 hybridep non-blocking at the configured capacity factor), prints:
@@ -12,6 +16,13 @@ hybridep non-blocking at the configured capacity factor), prints:
 - the expert parameter bytes this rank holds;
 - whether the config can drop tokens, and with a routing-statistics dump the
   expected drop rate for that routing (the contract's tail rule and padding).
+
+With ``--topology`` (a file, or a name in ``topologies/``) it adds the layout
+advisor's ranked table (:mod:`torchtitan_ext.layout_advisor`): every backend and
+EP degree the job can run, the predicted MoE communication and exposed time per
+step, and the overrides that select the winner. ``--paper`` evaluates the seed
+paper's own one-level setting; ``--calibrate`` measures this machine and writes
+its topology file (:mod:`torchtitan_ext.calibrate`).
 
 Every size comes from the code the runtime runs: the model is built on the
 meta device and parallelized as in training (``dry_run``), the non-blocking
@@ -31,15 +42,19 @@ import torch
 from torchtitan.config import TORCH_DTYPE_MAP
 
 from torchtitan_ext import runtime
+from torchtitan_ext.calibrate import calibrate
 from torchtitan_ext.config import ConfigError
+from torchtitan_ext.cost_model import PaperSetting
 from torchtitan_ext.data import register_embedded_dataset
 from torchtitan_ext.dry_run import dry_run, DryRunReport
 from torchtitan_ext.ep import BACKENDS
 from torchtitan_ext.ep.base import max_tokens_per_rank, MoEShape, token_group_alignment
 from torchtitan_ext.ep.hybridep import non_blocking_rows
 from torchtitan_ext.ep.layout import round_up
+from torchtitan_ext.layout_advisor import advise, format_advice, format_paper
 from torchtitan_ext.models import register_train_specs
 from torchtitan_ext.routing_stats import load, load_folder
+from torchtitan_ext.topology import load_topology
 from torchtitan_ext.train import load_job_config
 
 
@@ -220,18 +235,42 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-size", type=int, help="ranks in the job (default: dp x cp x tp x pp from the config)")
     parser.add_argument("--routing-stats", type=Path, help="routing_stats folder or .npz file for the expected drop rate")
+    parser.add_argument("--topology", help="topology TOML (a path, or a name in topologies/): add the layout advice")
+    parser.add_argument("--paper", action="store_true", help="evaluate the seed paper's one-level setting (needs --topology)")
+    parser.add_argument("--paper-data-mb", type=float, help="--paper: D, MB of tokens one worker dispatches")
+    parser.add_argument("--paper-expert-mb", type=float, help="--paper: P_E, MB of one worker's experts")
+    parser.add_argument("--paper-pre-expert-ms", type=float, help="--paper: Lat^PE, pre-expert compute in ms")
+    parser.add_argument("--calibrate", action="store_true", help="measure this machine and write its topology")
+    parser.add_argument("--nproc", type=int, default=2, help="--calibrate: gloo processes (default 2)")
+    parser.add_argument(
+        "--calibrate-output", type=Path, default=Path("outputs/this_machine_topology.toml"),
+        help="--calibrate: where to write the topology (default outputs/this_machine_topology.toml)",
+    )
     args, train_args = parser.parse_known_args(argv)
+    if args.calibrate:
+        _exit_on_error(_check_process_count, args.nproc)
+        calibrate(args.nproc, args.calibrate_output)
+        return
+    if args.paper:
+        print("\n".join(_exit_on_error(_paper, args)))
+        return
     runtime.configure()
     register_embedded_dataset()
     register_train_specs()
     try:
+        topology = load_topology(args.topology) if args.topology else None
         job_config = load_job_config(train_args, device_type=None)
         world_size = args.world_size or _world_size(job_config)
+        if world_size < 1:
+            raise ConfigError(f"--world-size {world_size}: use a rank count >= 1")
+        if topology is not None:
+            topology.group_sizes(world_size)
         job_config = load_job_config(train_args, device_type=None, world_size=world_size)
         stats = None
         if args.routing_stats is not None:
             stats = load(args.routing_stats) if args.routing_stats.is_file() else load_folder(args.routing_stats)
         result = plan(job_config, world_size, stats)
+        advice = None if topology is None else advise(train_args, world_size, topology)
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -241,6 +280,45 @@ def main(argv: list[str] | None = None) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
     print("\n".join(format_plan(result, world_size)))
+    if advice is not None:
+        print("\n".join(format_advice(advice, topology, world_size, result.dry_run.model)))
+
+
+def _exit_on_error(fn, *args):
+    try:
+        return fn(*args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _check_process_count(nproc: int) -> None:
+    if nproc < 2:
+        raise ConfigError(f"--nproc {nproc}: an all-to-all needs at least 2 processes")
+
+
+def _paper(args) -> list[str]:
+    missing = [
+        flag for flag, value in (
+            ("--topology", args.topology), ("--world-size", args.world_size), ("--paper-data-mb", args.paper_data_mb),
+            ("--paper-expert-mb", args.paper_expert_mb), ("--paper-pre-expert-ms", args.paper_pre_expert_ms),
+        ) if value is None
+    ]
+    if missing:
+        raise ConfigError(f"--paper needs {', '.join(missing)}")
+    for flag, value in (("--world-size", args.world_size), ("--paper-data-mb", args.paper_data_mb),
+                        ("--paper-expert-mb", args.paper_expert_mb)):
+        if value <= 0:
+            raise ConfigError(f"{flag} {value}: use a value > 0")
+    if args.paper_pre_expert_ms < 0:
+        raise ConfigError(f"--paper-pre-expert-ms {args.paper_pre_expert_ms}: use a time >= 0")
+    topology = load_topology(args.topology)
+    link = topology.levels[-1]
+    setting = PaperSetting(
+        args.world_size, args.paper_data_mb * 1e6, args.paper_expert_mb * 1e6, link.bandwidth_GBps * 1e9,
+        args.paper_pre_expert_ms * 1e-3,
+    )
+    return format_paper(setting, f"'{link.name}' of {topology.name}")
 
 
 def _world_size(job_config) -> int:

@@ -233,6 +233,11 @@ class RoutedExpertParallel(ExpertParallel, ABC):
     """Whether selecting this backend with expert_parallel_degree = 1 is a config error
     (a kernel backend has nothing to do there)."""
 
+    sends_each_token_once_per_rank: ClassVar[bool] = False
+    """How dispatch moves tokens, for the layout advisor's cost model: True when a token goes
+    once to each rank holding any of its experts (and over RDMA once per node or NVLink
+    domain, forwarded inside it); False when each (token, expert) pair travels on its own."""
+
     def __init__(self, *, score_before_experts: bool, pad_multiple: int = 1):
         super().__init__()
         self.score_before_experts = score_before_experts

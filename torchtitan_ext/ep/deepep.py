@@ -244,6 +244,7 @@ class DeepEPExpertParallel(RoutedExpertParallel):
     config_ranges = {"deepep.num_sms": Range(2, meaning="SMs, an even count")}
 
     shared_experts_overlap = "yes: combine runs asynchronously on DeepEP's communication stream"
+    sends_each_token_once_per_rank = True
     sac_save_ops = (
         torch.ops.torchtitan_ext.deepep_dispatch.default,
         torch.ops.torchtitan_ext.deepep_combine.default,

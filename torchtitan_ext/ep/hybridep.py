@@ -299,6 +299,7 @@ class HybridEPExpertParallel(RoutedExpertParallel):
     }
 
     shared_experts_overlap = "no: HybridEP's combine_with_unpermute has no asynchronous mode"
+    sends_each_token_once_per_rank = True
     sac_save_ops = (
         torch.ops.torchtitan_ext.hybridep_dispatch.default,
         torch.ops.torchtitan_ext.hybridep_combine.default,

@@ -1,0 +1,107 @@
+"""The layout advisor: topology files, its ranking, its CLI and its bad-input errors."""
+
+import pytest
+
+from torchtitan_ext import plan
+from torchtitan_ext.config import ConfigError
+from torchtitan_ext.layout_advisor import advise
+from torchtitan_ext.topology import load_topology, parse_topology, SHIPPED
+
+DEBUG_JOB = ["--job.config_file", "train_configs/debug_model.toml"]
+LEVELS = [{"name": "node", "workers": 8, "bandwidth_GBps": 400.0, "latency_us": 3.0},
+          {"name": "network", "bandwidth_GBps": 50.0, "latency_us": 10.0}]
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in SHIPPED.glob("*.toml")))
+def test_shipped_topologies_load(name):
+    topology = load_topology(name)
+    assert topology.levels and topology.compute_tflops > 0
+    assert topology.group_sizes(64)[-1] == 64
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"compute_tflops": 0}, "test.compute_tflops = 0.0: use a throughput > 0 (TFLOP/s per worker)"),
+        ({"levels": []}, "test.levels is missing or empty: add one [[levels]] table per level, innermost first"),
+        ({"levels": [{**LEVELS[0], "bandwidth_GBps": 0}, LEVELS[1]]},
+         "test.levels[0].bandwidth_GBps = 0.0: use a bandwidth > 0 (GB/s per worker)"),
+        ({"levels": [LEVELS[0], {**LEVELS[1], "bandwidth_GBps": -5}]},
+         "test.levels[1].bandwidth_GBps = -5.0: use a bandwidth > 0 (GB/s per worker)"),
+        ({"levels": [{**LEVELS[0], "latency_us": -1}, LEVELS[1]]},
+         "test.levels[0].latency_us = -1.0: use a latency >= 0 (microseconds)"),
+        ({"levels": [{**LEVELS[0], "workers": 0}, LEVELS[1]]}, "test.levels[0].workers = 0: use a count >= 1"),
+        ({"levels": [{k: v for k, v in LEVELS[0].items() if k != "workers"}, LEVELS[1]]},
+         "test.levels[0].workers is missing: only the outermost level may omit it"),
+        ({"overlap": "yes"}, "test.overlap = 'yes': expected a bool"),
+    ],
+)
+def test_bad_topology_fields_are_named(change, message):
+    data = {"name": "test", "compute_tflops": 100.0, "overlap": True, "levels": LEVELS, **change}
+    with pytest.raises(ConfigError) as error:
+        parse_topology(data, "test")
+    assert str(error.value) == message
+
+
+def test_a_level_that_does_not_divide_the_world_size():
+    topology = load_topology("hgx_h100_ib")
+    with pytest.raises(ConfigError, match=r"level 'NVLink \(one node\)' has workers = 8, which does not divide the world size 12"):
+        topology.group_sizes(12)
+    assert topology.group_sizes(4) == [4, 4]  # a job inside one node
+    assert topology.group_sizes(32) == [8, 32]
+
+
+def _run_cli(capsys, *argv):
+    with pytest.raises(SystemExit) as exit_info:
+        plan.main(list(argv))
+    captured = capsys.readouterr()
+    return exit_info.value.code, captured.err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--topology", "no_such_cluster", "--world-size", "4", *DEBUG_JOB],
+         "error: --topology no_such_cluster: no such file, and not a shipped topology (cross_dc, gb200_nvl72, hgx_h100_ib)\n"),
+        (["--topology", "hgx_h100_ib", "--world-size", "12", *DEBUG_JOB],
+         "error: topology 'HGX H100, InfiniBand NDR': level 'NVLink (one node)' has workers = 8, which does not divide "
+         "the world size 12: use a world size that is a multiple of 8\n"),
+        (["--paper", "--topology", "cross_dc", "--world-size", "8"],
+         "error: --paper needs --paper-data-mb, --paper-expert-mb, --paper-pre-expert-ms\n"),
+        (["--paper", "--topology", "cross_dc", "--world-size", "8", "--paper-data-mb", "0", "--paper-expert-mb", "1",
+          "--paper-pre-expert-ms", "1"], "error: --paper-data-mb 0.0: use a value > 0\n"),
+        (["--calibrate", "--nproc", "1"], "error: --nproc 1: an all-to-all needs at least 2 processes\n"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(capsys, argv, message):
+    code, err = _run_cli(capsys, *argv)
+    assert code == 2
+    assert err == message
+
+
+def test_paper_mode_prints_every_domain_size(capsys):
+    plan.main(["--paper", "--topology", "cross_dc", "--world-size", "8", "--paper-data-mb", "3",
+               "--paper-expert-mb", "0.094", "--paper-pre-expert-ms", "0.099"])
+    out = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in out[2:6]]
+    assert [(int(r[0]), r[2], r[3]) for r in rows] == [(1, "56", "0"), (2, "24", "8"), (4, "8", "24"), (8, "0", "56")]
+    # Table IV's AG-only row: all-gather only (S = G, p = 0) by both the search and the closed form
+    assert out[-1].startswith("  best feasible: S=8 (p=0.000") and out[-1].endswith("p*=0.000")
+
+
+def test_advice_ranks_runnable_layouts_and_lists_refused_ones():
+    layouts = advise(DEBUG_JOB, 4, load_topology("hgx_h100_ib"))
+    runnable = [layout for layout in layouts if layout.refused is None]
+    refused = [layout for layout in layouts if layout.refused is not None]
+    assert {(layout.backend, layout.ep) for layout in runnable} == {
+        (backend, ep) for backend in ("nccl", "deepep", "hybridep") for ep in (1, 2, 4)
+    } - {("deepep", 1), ("hybridep", 1)}
+    assert {(layout.backend, layout.ep) for layout in refused} == {("deepep", 1), ("hybridep", 1)}
+    assert all("needs expert parallelism" in layout.refused for layout in refused)
+    assert [layout.exposed_s for layout in runnable] == sorted(layout.exposed_s for layout in runnable)
+    assert all(layout.ep * layout.efsdp == 4 for layout in layouts)
+    # at equal layout, de-duplicating backends move fewer token copies than per-pair all-to-all
+    by_key = {(layout.backend, layout.ep): layout for layout in runnable}
+    for ep in (2, 4):
+        assert by_key["hybridep", ep].costs.token_copies < by_key["nccl", ep].costs.token_copies
+        assert by_key["deepep", ep].costs.token_copies == by_key["hybridep", ep].costs.token_copies

@@ -1,0 +1,325 @@
+"""Communication cost of an MoE layer under an EP layout: the stream model of the seed paper.
+
+The paper ("HybridEP: Scaling Expert Parallelism to Cross-Datacenter Scenario
+via Hybrid Expert/Data Transmission", seeds/000) models one MoE block as two
+streams, computation and communication, and chooses how many peers receive
+this GPU's *tokens* by all-to-all (A2A) and how many receive its *experts* by
+all-gather (AG). Its equations are the functions ``eq3_*`` .. ``eq13_*``
+below, in its notation; :class:`PaperSetting` evaluates its one-level setting
+and :func:`pair_counts` its Algorithm 1 (Table VII).
+
+In torchtitan terms an expert domain of S ranks is expert FSDP (``efsdp``:
+the domain all-gathers its experts before use and reduce-scatters their
+gradients) and the A2A group is the EP group. :func:`layer_costs` applies the
+paper's streams to a torchtitan job: token bytes from the job's dims and
+dtype, each backend's copies per token (one per (token, expert) pair for
+all-to-all; one per destination rank, and over outer levels one per
+destination domain, for DeepEP and HybridEP), forward and backward, every
+level of the topology. Where this goes beyond the paper (several levels,
+backward, FSDP's re-gather) is said at the function.
+"""
+
+import itertools
+import math
+from dataclasses import dataclass
+
+from torchtitan_ext.topology import Topology
+
+
+# ---- the paper's equations, its notation (D: a GPU's token bytes, P_E: expert bytes, B: bandwidth) ----
+
+
+def eq3_a2a_volume(D: float, a2a_group: int) -> float:
+    """Eq. 3: bytes one GPU sends by all-to-all: its D split in |G^A2A| chunks, all but its own leave."""
+    return D / a2a_group * (a2a_group - 1)
+
+
+def eq4_ag_volume(P_E: float, ag_group: int) -> float:
+    """Eq. 4: bytes one GPU receives by the experts' all-gather: one P_E from each other GPU of its domain."""
+    return P_E * (ag_group - 1)
+
+
+def eq2_compute_latency(pre_expert: float, n: int, expert: float) -> float:
+    """Eq. 2: Lat_comp = Lat^PE + n Lat^Ep (pre-expert blocks, then n local experts)."""
+    return pre_expert + n * expert
+
+
+def eq5_comm_latency(ag: float, a2a: float) -> float:
+    """Eq. 5: Lat_comm = Lat^AG + 2 Lat^A2A (experts gathered once; tokens dispatched and combined)."""
+    return ag + 2 * a2a
+
+
+def eq7_overlap_latency(pre_expert: float, ag: float, n: int, expert: float) -> float:
+    """Eq. 7: pre-expert compute hides the experts' all-gather; expert compute hides under communication."""
+    return min(pre_expert, ag) + n * expert
+
+
+def eq8_final_latency(compute: float, comm: float, overlap: float) -> float:
+    """Eq. 8: one GPU's latency, the two streams less what overlaps."""
+    return compute + comm - overlap
+
+
+def eq9_system_latency(per_gpu: list[float]) -> float:
+    """Eq. 9: a synchronous step waits for its slowest GPU."""
+    return max(per_gpu)
+
+
+def eq11_latency(p: float, G: int, D: float, B: float, pre_expert: float) -> float:
+    """Eq. 11, case 1 (Lat^PE >= Lat^AG): the all-gather is hidden, latency grows with p."""
+    return pre_expert + 2 * D * (G - 1) / (B * G) * p
+
+
+def eq12_latency(p: float, G: int, D: float, P_E: float, B: float) -> float:
+    """Eq. 12, case 2 (Lat^PE < Lat^AG): the all-gather is exposed."""
+    return p * (G - 1) * (2 * D - G * P_E) / (B * G) + (G - 1) * P_E / B
+
+
+def case_boundary_p(G: int, P_E: float, B: float, pre_expert: float) -> float:
+    """The p at which Lat^AG = Lat^PE (eqs. 11-12's ranges): 1 - B Lat^PE / (P_E (G-1))."""
+    return 1 - B * pre_expert / (P_E * (G - 1))
+
+
+def eq10_latency(p: float, G: int, D: float, P_E: float, B: float, pre_expert: float) -> float:
+    """Eq. 10: eq. 11 where the all-gather hides behind pre-expert compute, else eq. 12."""
+    if p >= case_boundary_p(G, P_E, B, pre_expert):
+        return eq11_latency(p, G, D, B, pre_expert)
+    return eq12_latency(p, G, D, P_E, B)
+
+
+def optimal_p(G: int, D: float, P_E: float, B: float, pre_expert: float) -> float:
+    """The paper's summary: p* = the case boundary when 2D < G P_E (case 2.1), else 0 (AG only, case 2.2).
+
+    Clamped to [0, 1]: the boundary is negative when pre-expert compute hides a full all-gather.
+    """
+    if 2 * D >= G * P_E:
+        return 0.0
+    return min(1.0, max(0.0, case_boundary_p(G, P_E, B, pre_expert)))
+
+
+def p_of_domain_size(G: int, S: int) -> float:
+    """The A2A proportion of expert-domain size S: the G-1 peers minus the S-1 gathered from, over G-1."""
+    return (G - S) / (G - 1)
+
+
+@dataclass(frozen=True)
+class PaperSetting:
+    """The paper's one-level setting: G GPUs, one expert each, bandwidth-only links (no latency terms)."""
+
+    G: int
+    D: float
+    """Bytes of tokens one GPU dispatches."""
+    P_E: float
+    """Bytes of one GPU's experts."""
+    B: float
+    """Bandwidth, bytes per second."""
+    pre_expert: float
+    """Lat^PE_comp, seconds."""
+
+    def latency(self, S: int) -> float:
+        """Eqs. 2-8 at expert-domain size S (A2A among the G/S domains, AG within one)."""
+        a2a = eq3_a2a_volume(self.D, self.G // S) / self.B
+        ag = eq4_ag_volume(self.P_E, S) / self.B
+        compute = eq2_compute_latency(self.pre_expert, 1, 0.0)
+        return eq8_final_latency(compute, eq5_comm_latency(ag, a2a), eq7_overlap_latency(self.pre_expert, ag, 1, 0.0))
+
+    def domain_sizes(self) -> list[int]:
+        return [S for S in range(1, self.G + 1) if self.G % S == 0]
+
+    def best_domain_size(self) -> int:
+        """The feasible S (a divisor of G) of least latency; ties go to the smaller domain."""
+        return min(self.domain_sizes(), key=lambda S: (self.latency(S), S))
+
+
+def eq13_coordinates(rank: int, fanouts: list[int]) -> list[int]:
+    """Eq. 13: a global rank's coordinate at each level, outermost first (fanouts SF^0..SF^{L-1})."""
+    coordinates = []
+    for level in range(len(fanouts)):
+        inner = math.prod(fanouts[level + 1 :])
+        coordinates.append(rank // inner % fanouts[level])
+    return coordinates
+
+
+def pair_kind(rank_a: int, rank_b: int, fanouts: list[int], domain_sizes: list[int]) -> str | None:
+    """Algorithm 1: "AG" when two ranks share an expert domain, "A2A" when they hold the same offset in
+    different domains, None (no direct transfer) otherwise.
+
+    The level compared is the one where the ranks' coordinates differ, all others equal (the
+    paper's text reads as suffix-equality only, which would put all-gathers across data
+    centres; this is the reading that keeps AG inside a domain).
+    """
+    a, b = eq13_coordinates(rank_a, fanouts), eq13_coordinates(rank_b, fanouts)
+    differing = [level for level in range(len(fanouts)) if a[level] != b[level]]
+    if len(differing) != 1:
+        return None
+    level = differing[0]
+    S = domain_sizes[level]
+    same_domain = a[level] // S == b[level] // S
+    same_offset = a[level] % S == b[level] % S
+    if same_domain and not same_offset:
+        return "AG"
+    if not same_domain and same_offset:
+        return "A2A"
+    return None
+
+
+def pair_counts(fanouts: list[int], domain_sizes: list[int]) -> dict[str, int]:
+    """Table VII: ordered GPU pairs that exchange experts (AG) or tokens (A2A)."""
+    G = math.prod(fanouts)
+    counts = {"AG": 0, "A2A": 0}
+    for a, b in itertools.permutations(range(G), 2):
+        kind = pair_kind(a, b, fanouts, domain_sizes)
+        if kind is not None:
+            counts[kind] += 1
+    return counts
+
+
+# ---- the same streams for a torchtitan job ----
+
+
+@dataclass(frozen=True)
+class MoEWorkload:
+    """What one rank moves and computes per MoE layer and step."""
+
+    tokens: int
+    """Tokens this rank dispatches per MoE layer call (local batch x sequence)."""
+    hidden: int
+    top_k: int
+    experts: int
+    expert_parameters: int
+    """Parameters of one routed expert."""
+    activation_bytes: int
+    """Bytes per element of dispatched tokens (and of their combine and gradients)."""
+    gather_bytes: int
+    """Bytes per element of FSDP's all-gather (the parameter dtype FSDP casts to)."""
+    reduce_bytes: int
+    """Bytes per element of FSDP's gradient reduce-scatter."""
+    pre_expert_flops: float
+    """Forward FLOPs of one layer outside its routed experts (attention, router, shared
+    experts), for this rank's tokens: the compute FSDP's prefetch can hide an all-gather behind."""
+    regather_in_backward: bool
+    """FSDP reshards after forward, so backward gathers the experts again."""
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Seconds per MoE layer and training step, for one rank (the paper's Lat terms)."""
+
+    a2a: float
+    """One all-to-all of tokens (dispatch, or combine), one direction."""
+    all_gather: float
+    """One all-gather of this rank's experts over its expert-FSDP group."""
+    reduce_scatter: float
+    pre_expert_forward: float
+    token_copies: float
+    """Copies of each token that leave the rank per dispatch."""
+    all_gathers: int
+    """All-gathers of the experts per step: 2 when backward gathers again, else 1."""
+
+    @property
+    def communication(self) -> float:
+        return 4 * self.a2a + self.all_gathers * self.all_gather + self.reduce_scatter
+
+    def exposed(self, overlap: bool) -> float:
+        """Communication the step waits for: with overlap, eq. 10's rule forward (the all-gather hides
+        behind pre-expert compute, the all-to-alls cannot: their input is its output) and the same in
+        backward (pre-expert backward is twice the forward's FLOPs); without overlap, all of it."""
+        if not overlap:
+            return self.communication
+        backward = 2 * self.pre_expert_forward
+        hidden_gathers = max(0.0, self.all_gather - self.pre_expert_forward)
+        if self.all_gathers > 1:
+            hidden_gathers += max(0.0, self.all_gather - backward)
+        return 4 * self.a2a + hidden_gathers + max(0.0, self.reduce_scatter - backward)
+
+
+def _levels_of_peers(topology: Topology, sizes: list[int], peers: list[int]) -> dict[int, int]:
+    """{level index: how many of ``peers`` rank 0 reaches first at that level}."""
+    counts: dict[int, int] = {}
+    for peer in peers:
+        level = topology.level_of(sizes, 0, peer)
+        counts[level] = counts.get(level, 0) + 1
+    return counts
+
+
+def _miss(experts: int, top_k: int, held: int) -> float:
+    """Probability that none of a token's top_k distinct experts (uniform) is among ``held`` experts."""
+    if experts - held < top_k:
+        return 0.0
+    return math.comb(experts - held, top_k) / math.comb(experts, top_k)
+
+
+def _transfer(topology: Topology, bytes_per_level: dict[int, float]) -> float:
+    """Levels' links run side by side: the slowest level's bytes / bandwidth + start-up."""
+    return max(
+        (volume / (topology.levels[level].bandwidth_GBps * 1e9) + topology.levels[level].latency_us * 1e-6
+         for level, volume in bytes_per_level.items() if volume > 0),
+        default=0.0,
+    )
+
+
+def token_bytes_per_level(
+    work: MoEWorkload, topology: Topology, sizes: list[int], ep: int, copies_per_rank: bool
+) -> tuple[dict[int, float], float]:
+    """({level: bytes rank 0 sends there per all-to-all}, token copies leaving the rank).
+
+    Uniform routing. The EP group is ranks 0..ep-1 (torchtitan's mesh puts ep innermost).
+    Per pair (all-to-all): each of the tokens x top_k pairs goes to its expert's rank.
+    Per rank (DeepEP, HybridEP): a token goes once to each rank holding one of its experts;
+    over an outer level once to each domain (inner-level group) holding one, then fans out
+    over the inner level inside it (counted on the inner level).
+    """
+    row = work.hidden * work.activation_bytes
+    local = work.experts // ep
+    by_level = _levels_of_peers(topology, sizes, list(range(1, ep)))
+    volume: dict[int, float] = {}
+    copies = 0.0
+    if not copies_per_rank:
+        per_peer = work.tokens * work.top_k / ep
+        for level, peers in by_level.items():
+            volume[level] = peers * per_peer * row
+            copies += peers * per_peer / work.tokens
+        return volume, copies
+    reach_rank = 1 - _miss(work.experts, work.top_k, local)
+    for level, peers in by_level.items():
+        if level == 0:
+            volume[0] = volume.get(0, 0.0) + peers * work.tokens * reach_rank * row
+            copies += peers * reach_rank
+            continue
+        ranks_per_domain = min(ep, sizes[level - 1])
+        domains = peers // ranks_per_domain
+        reach_domain = 1 - _miss(work.experts, work.top_k, local * ranks_per_domain)
+        volume[level] = domains * work.tokens * reach_domain * row
+        copies += domains * reach_domain
+        volume[0] = volume.get(0, 0.0) + peers * work.tokens * reach_rank * row
+    return volume, copies
+
+
+def layer_costs(
+    work: MoEWorkload, topology: Topology, world_size: int, ep: int, efsdp: int, copies_per_rank: bool
+) -> LayerCosts:
+    """The paper's streams for one MoE layer of a torchtitan job at (ep, efsdp), per rank and step.
+
+    Tokens: eq. 3's A2A over the EP group, with the backend's copies per token (four per step:
+    dispatch and combine, forward and backward). Experts: eq. 4's AG over the expert-FSDP group
+    (ranks ep apart), of this rank's E/ep experts in FSDP's shards, once or twice per step, and
+    the gradients' reduce-scatter of the same bytes at the reduce dtype.
+    """
+    sizes = topology.group_sizes(world_size)
+    volume, copies = token_bytes_per_level(work, topology, sizes, ep, copies_per_rank)
+    a2a = _transfer(topology, volume)
+    gathered = work.experts // ep * work.expert_parameters * (efsdp - 1) / efsdp
+    if efsdp > 1:
+        level = max(topology.level_of(sizes, 0, j * ep) for j in range(1, efsdp))
+        all_gather = _transfer(topology, {level: gathered * work.gather_bytes})
+        reduce_scatter = _transfer(topology, {level: gathered * work.reduce_bytes})
+    else:
+        all_gather = reduce_scatter = 0.0
+    pre_expert = work.pre_expert_flops / (topology.compute_tflops * 1e12)
+    return LayerCosts(
+        a2a=a2a,
+        all_gather=all_gather,
+        reduce_scatter=reduce_scatter,
+        pre_expert_forward=pre_expert,
+        token_copies=copies,
+        all_gathers=2 if work.regather_in_backward and efsdp > 1 else 1,
+    )

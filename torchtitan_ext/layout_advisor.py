@@ -1,0 +1,259 @@
+"""Which EP backend and EP layout a job should use on a topology, and why.
+
+For every backend and every (EP degree, expert-FSDP degree) the job can run at
+its world size, :func:`advise` predicts the MoE communication per step and the
+part of it the step waits for (:mod:`torchtitan_ext.cost_model`), the
+per-rank memory the layout changes (the experts FSDP gathers for a layer, the
+planner's buffer and dispatched rows), and ranks the layouts by exposed time.
+Feasibility is the job config's own validation: a layout it refuses is listed
+with the reason, never ranked.
+"""
+
+from dataclasses import dataclass, replace
+
+import torch
+from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.protocols.train_spec import get_train_spec
+
+from torchtitan_ext.config import ConfigError
+from torchtitan_ext.cost_model import (
+    eq3_a2a_volume,
+    eq4_ag_volume,
+    layer_costs,
+    LayerCosts,
+    MoEWorkload,
+    optimal_p,
+    p_of_domain_size,
+    pair_counts,
+    PaperSetting,
+)
+from torchtitan_ext.ep import BACKENDS
+from torchtitan_ext.ep.base import max_tokens_per_rank, MoEShape
+from torchtitan_ext.topology import Topology
+from torchtitan_ext.train import load_job_config
+
+
+@dataclass(frozen=True)
+class JobShape:
+    """What the cost model needs from a job, for one rank and step."""
+
+    work: MoEWorkload
+    moe_layers: int
+    """MoE layers in the model (every rank runs each, no pipeline split assumed)."""
+    step_flops: float
+    """Forward + backward FLOPs of one rank's tokens (torchtitan's count: 6 x active
+    parameters + attention)."""
+    expert_world: int
+    """Ranks the experts are spread over: EP degree x expert-FSDP degree."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    backend: str
+    ep: int
+    efsdp: int
+    refused: str | None
+    """The job config's validation error for this layout; None when it runs."""
+    costs: LayerCosts | None = None
+    moe_layers: int = 0
+    compute_s: float = 0.0
+    overlap: bool = True
+    gathered_expert_bytes: int = 0
+    """Experts one layer's all-gather materialises on this rank (transient)."""
+    buffer_bytes: int | None = None
+    """The backend's communication buffer on one rank (the planner's count; None: unknown here)."""
+    a2a_level: str = ""
+    """The outermost topology level the EP group's all-to-all crosses ("" at EP = 1)."""
+    gather_level: str = ""
+    """The outermost level the expert-FSDP group's all-gather crosses ("" at efsdp = 1)."""
+
+    @property
+    def communication_s(self) -> float:
+        return self.costs.communication * self.moe_layers
+
+    @property
+    def exposed_s(self) -> float:
+        return self.costs.exposed(self.overlap) * self.moe_layers
+
+    @property
+    def step_s(self) -> float:
+        """Predicted step time: compute plus the exposed MoE communication (dense FSDP and the
+        optimizer are the same for every layout of one job and not modelled)."""
+        return self.compute_s + self.exposed_s
+
+    def overrides(self) -> list[str]:
+        return ["--parallelism.expert_parallel_comm_backend", self.backend, "--parallelism.expert_parallel_degree", str(self.ep)]
+
+
+def job_shape(job_config, world_size: int) -> JobShape:
+    """The job's MoE dims, dtypes and FLOPs, from its model built on the meta device."""
+    spec = get_train_spec(job_config.model.name)
+    model_args = spec.model_args[job_config.model.flavor]
+    model_args.update_from_config(job_config)
+    with torch.device("meta"):
+        model = spec.model_cls(model_args)
+    expert_parameters, moe_layers = 0, set()
+    for name, parameter in model.named_parameters():
+        if ".moe.experts." in f".{name}":
+            expert_parameters += parameter.numel()
+            moe_layers.add(name.split(".")[1])
+    if not moe_layers:
+        raise ConfigError(f"model {job_config.model.name} {job_config.model.flavor} has no MoE layers: nothing to advise")
+    moe_args = model_args.moe_args
+    per_expert = expert_parameters // len(moe_layers) // moe_args.num_experts
+    _, flops_per_token = model_args.get_nparams_and_flops(model, job_config.training.seq_len)
+    tokens = max_tokens_per_rank(job_config)
+    routed_flops = 6 * len(moe_layers) * moe_args.top_k * per_expert
+    forward_outside_experts = (flops_per_token - routed_flops) / 3 / model_args.n_layers
+    p, training = job_config.parallelism, job_config.training
+
+    def element(dtype: str) -> int:
+        return torch.empty((), dtype=TORCH_DTYPE_MAP[dtype]).element_size()
+
+    work = MoEWorkload(
+        tokens=tokens,
+        hidden=model_args.dim,
+        top_k=moe_args.top_k,
+        experts=moe_args.num_experts,
+        expert_parameters=per_expert,
+        activation_bytes=element(training.mixed_precision_param),
+        gather_bytes=element(training.mixed_precision_param),
+        reduce_bytes=element(training.mixed_precision_reduce),
+        pre_expert_flops=forward_outside_experts * tokens,
+        regather_in_backward=p.fsdp_reshard_after_forward != "never" and p.pipeline_parallel_degree == 1,
+    )
+    expert_world = world_size // (p.pipeline_parallel_degree * p.data_parallel_replicate_degree)
+    return JobShape(work, len(moe_layers), flops_per_token * tokens, expert_world)
+
+
+def advise(train_args: list[str], world_size: int, topology: Topology) -> list[Layout]:
+    """Every backend x EP degree: runnable ones ranked by exposed MoE communication per step, then the refused."""
+    job_config = load_job_config(train_args, device_type=None, world_size=world_size)
+    shape = job_shape(job_config, world_size)
+    work = shape.work
+    compute_s = shape.step_flops / (topology.compute_tflops * 1e12)
+    moe_shape = MoEShape(work.hidden, work.experts, work.top_k, work.tokens)
+    sizes = topology.group_sizes(world_size)
+
+    def level_name(last_peer: int) -> str:
+        return topology.levels[topology.level_of(sizes, 0, last_peer)].name if last_peer else ""
+
+    runnable, refused = [], []
+    for ep in range(1, shape.expert_world + 1):
+        if shape.expert_world % ep or work.experts % ep:
+            continue
+        efsdp = shape.expert_world // ep
+        for backend_name, backend in BACKENDS.items():
+            layout = Layout(backend_name, ep, efsdp, refused=None)
+            try:
+                candidate = load_job_config([*train_args, *layout.overrides()], device_type=None, world_size=world_size)
+            except ConfigError as e:
+                refused.append(replace(layout, refused=str(e)))
+                continue
+            runnable.append(replace(
+                layout,
+                costs=layer_costs(work, topology, world_size, ep, efsdp, backend.sends_each_token_once_per_rank),
+                moe_layers=shape.moe_layers,
+                compute_s=compute_s,
+                overlap=topology.overlap,
+                gathered_expert_bytes=work.experts // ep * work.expert_parameters * work.gather_bytes,
+                buffer_bytes=backend.planned_buffer(candidate, moe_shape)[0],
+                a2a_level=level_name(ep - 1),
+                gather_level=level_name((efsdp - 1) * ep),
+            ))
+    runnable.sort(key=lambda layout: (layout.exposed_s, layout.ep))
+    return runnable + refused
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.4g}"
+
+
+def _gib(value: int | None) -> str:
+    return "n/a" if value is None else f"{value / 2**30:,.2f}"
+
+
+def _reason(best: Layout, others: list[Layout]) -> str:
+    """Why ``best`` wins: against the best layout of another backend, and the best other EP degree of its own."""
+    parts = [f"least exposed MoE communication, {_ms(best.exposed_s)} ms per step"]
+    rival = next((o for o in others if o.backend != best.backend), None)
+    if rival is not None:
+        parts.append(
+            f"{rival.backend} (best at EP={rival.ep}) exposes {_ms(rival.exposed_s)} ms: {best.backend} sends "
+            f"{best.costs.token_copies:.2f} copies of each token per dispatch, {rival.backend} "
+            f"{rival.costs.token_copies:.2f}"
+        )
+    neighbour = next((o for o in others if o.backend == best.backend and o.ep != best.ep), None)
+    if neighbour is not None:
+        def describe(layout: Layout) -> str:
+            a2a = f"all-to-all {_ms(layout.costs.a2a)} ms" + (f" over {layout.a2a_level}" if layout.a2a_level else "")
+            exposed_gather = layout.costs.exposed(layout.overlap) - 4 * layout.costs.a2a
+            gather = f"expert gather/scatter {_ms(exposed_gather)} ms exposed" + (
+                f" over {layout.gather_level}" if layout.gather_level else ""
+            )
+            return f"{a2a}, {gather}"
+
+        parts.append(
+            f"per layer, EP={best.ep} has {describe(best)}; EP={neighbour.ep} ({_ms(neighbour.exposed_s)} ms) "
+            f"has {describe(neighbour)}"
+        )
+    return "; ".join(parts)
+
+
+def format_advice(layouts: list[Layout], topology: Topology, world_size: int, model: str) -> list[str]:
+    runnable = [layout for layout in layouts if layout.refused is None]
+    lines = [
+        f"Layout advice: {model} on {world_size} ranks, topology '{topology.name}' "
+        f"(communication {'overlaps' if topology.overlap else 'does not overlap'} compute)",
+    ]
+    if runnable:
+        first = runnable[0]
+        lines.append(
+            f"  {first.moe_layers} MoE layers; compute {_ms(first.compute_s)} ms per step at "
+            f"{topology.compute_tflops:g} TFLOP/s; times per rank"
+        )
+        header = (
+            f"  {'#':>3}  {'backend':<9} {'EP':>4} {'efsdp':>5} {'copies':>6} {'A2A ms':>9} {'AG ms':>9} "
+            f"{'RS ms':>9} {'comm ms/step':>12} {'exposed ms/step':>15} {'step ms':>9} "
+            f"{'gathered GiB':>12} {'buffer GiB':>10}  all-to-all over"
+        )
+        lines.append(header)
+        for index, layout in enumerate(runnable, start=1):
+            c = layout.costs
+            lines.append(
+                f"  {index:>3}  {layout.backend:<9} {layout.ep:>4} {layout.efsdp:>5} {c.token_copies:>6.2f} "
+                f"{_ms(c.a2a):>9} {_ms(c.all_gather):>9} {_ms(c.reduce_scatter):>9} "
+                f"{_ms(layout.communication_s):>12} {_ms(layout.exposed_s):>15} {_ms(layout.step_s):>9} "
+                f"{_gib(layout.gathered_expert_bytes):>12} {_gib(layout.buffer_bytes):>10}  {layout.a2a_level or '-'}"
+            )
+        lines.append(f"  recommended: {first.backend} at EP={first.ep}, efsdp={first.efsdp}: {_reason(first, runnable[1:])}")
+        lines.append(f"  overrides: {' '.join(first.overrides())}")
+    refused = [layout for layout in layouts if layout.refused is not None]
+    if refused:
+        lines.append("  not runnable with this job config:")
+        lines += [f"    {layout.backend} EP={layout.ep}: {layout.refused}" for layout in refused]
+    return lines
+
+
+def format_paper(setting: PaperSetting, link: str) -> list[str]:
+    """The seed paper's one-level setting at every feasible expert-domain size, in its notation."""
+    G, D, P_E, B = setting.G, setting.D, setting.P_E, setting.B
+    case = "2.2: 2D >= G P_E, all-gather only" if 2 * D >= G * P_E else "2.1: 2D < G P_E, both transfers"
+    lines = [
+        f"Paper setting (one worker per entry, bandwidth only): G={G}, D={D / 1e6:g} MB, P_E={P_E / 1e6:g} MB, "
+        f"B={B / 1e9:g} GB/s ({link}), Lat^PE={setting.pre_expert * 1e3:g} ms",
+        f"  {'S':>4} {'p':>6} {'A2A pairs':>9} {'AG pairs':>8} {'Lat^A2A ms':>10} {'Lat^AG ms':>9} {'Lat ms':>9}",
+    ]
+    for S in setting.domain_sizes():
+        pairs = pair_counts([G], [S])
+        lines.append(
+            f"  {S:>4} {p_of_domain_size(G, S):>6.3f} {pairs['A2A']:>9} {pairs['AG']:>8} "
+            f"{_ms(eq3_a2a_volume(D, G // S) / B):>10} {_ms(eq4_ag_volume(P_E, S) / B):>9} {_ms(setting.latency(S)):>9}"
+        )
+    best = setting.best_domain_size()
+    p_star = optimal_p(G, D, P_E, B, setting.pre_expert)
+    lines.append(
+        f"  best feasible: S={best} (p={p_of_domain_size(G, best):.3f}, {_ms(setting.latency(best))} ms); "
+        f"closed form (case {case}): p*={p_star:.3f}"
+    )
+    return lines
