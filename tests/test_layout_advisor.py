@@ -105,3 +105,24 @@ def test_advice_ranks_runnable_layouts_and_lists_refused_ones():
     for ep in (2, 4):
         assert by_key["hybridep", ep].costs.token_copies < by_key["nccl", ep].costs.token_copies
         assert by_key["deepep", ep].costs.token_copies == by_key["hybridep", ep].costs.token_copies
+
+
+@pytest.fixture(scope="module")
+def advice_671b():
+    job = ["--job.config_file", "train_configs/deepseek_v3_671b_gb200.toml"]
+    return {name: advise(job, 256, load_topology(name)) for name in ("gb200_nvl72", "hgx_h100_ib")}
+
+
+def test_671b_advice_quoted_in_docs(advice_671b):
+    """docs/planning.md's tables: the winners, and the copies per token it explains."""
+    gb200 = {(layout.backend, layout.ep): layout for layout in advice_671b["gb200_nvl72"] if layout.refused is None}
+    first = advice_671b["gb200_nvl72"][0]
+    assert (first.backend, first.ep, first.efsdp) == ("deepep", 32, 8)
+    assert first.exposed_s < gb200["hybridep", 64].exposed_s == gb200["deepep", 64].exposed_s
+    assert gb200["nccl", 64].costs.token_copies == pytest.approx(8 * 63 / 64)
+    assert round(gb200["hybridep", 64].costs.token_copies, 2) == 7.56
+    assert round(gb200["deepep", 128].costs.token_copies, 2) == 4.88
+    assert gb200["deepep", 128].a2a_level == "RDMA between racks"
+    assert ("hybridep", 32) not in gb200  # the config's ranks_per_nvlink_domain = 64 refuses it
+    hgx = advice_671b["hgx_h100_ib"][0]
+    assert (hgx.backend, hgx.ep, hgx.efsdp) == ("deepep", 16, 16)

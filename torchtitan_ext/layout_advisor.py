@@ -9,6 +9,7 @@ Feasibility is the job config's own validation: a layout it refuses is listed
 with the reason, never ranked.
 """
 
+import copy
 from dataclasses import dataclass, replace
 
 import torch
@@ -30,6 +31,7 @@ from torchtitan_ext.cost_model import (
 from torchtitan_ext.ep import BACKENDS
 from torchtitan_ext.ep.base import max_tokens_per_rank, MoEShape
 from torchtitan_ext.topology import Topology
+from torchtitan_ext.job_config import validate
 from torchtitan_ext.train import load_job_config
 
 
@@ -126,6 +128,18 @@ def job_shape(job_config, world_size: int) -> JobShape:
     return JobShape(work, len(moe_layers), flops_per_token * tokens, expert_world)
 
 
+def _candidate(job_config, backend_name: str, ep: int):
+    """The job at this backend and EP degree, the other backends' sections at their defaults (the
+    job's own section for this backend is kept: its knobs are part of the question)."""
+    candidate = copy.deepcopy(job_config)
+    candidate.parallelism.expert_parallel_comm_backend = backend_name
+    candidate.parallelism.expert_parallel_degree = ep
+    for other_name, other in BACKENDS.items():
+        if other.config_section is not None and other_name != backend_name:
+            setattr(candidate, other.config_section, other.Config())
+    return candidate
+
+
 def advise(train_args: list[str], world_size: int, topology: Topology) -> list[Layout]:
     """Every backend x EP degree: runnable ones ranked by exposed MoE communication per step, then the refused."""
     job_config = load_job_config(train_args, device_type=None, world_size=world_size)
@@ -145,8 +159,9 @@ def advise(train_args: list[str], world_size: int, topology: Topology) -> list[L
         efsdp = shape.expert_world // ep
         for backend_name, backend in BACKENDS.items():
             layout = Layout(backend_name, ep, efsdp, refused=None)
+            candidate = _candidate(job_config, backend_name, ep)
             try:
-                candidate = load_job_config([*train_args, *layout.overrides()], device_type=None, world_size=world_size)
+                validate(candidate, device_type=None, world_size=world_size)
             except ConfigError as e:
                 refused.append(replace(layout, refused=str(e)))
                 continue
@@ -165,8 +180,18 @@ def advise(train_args: list[str], world_size: int, topology: Topology) -> list[L
     return runnable + refused
 
 
+def overrides_problem(train_args: list[str], world_size: int, layout: Layout) -> str | None:
+    """What the job config itself still needs changed for ``layout.overrides()`` to run; None if nothing."""
+    try:
+        load_job_config([*train_args, *layout.overrides()], device_type=None, world_size=world_size)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
 def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.4g}"
+    value = seconds * 1e3
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
 
 
 def _gib(value: int | None) -> str:
@@ -200,7 +225,9 @@ def _reason(best: Layout, others: list[Layout]) -> str:
     return "; ".join(parts)
 
 
-def format_advice(layouts: list[Layout], topology: Topology, world_size: int, model: str) -> list[str]:
+def format_advice(
+    layouts: list[Layout], topology: Topology, world_size: int, model: str, overrides_problem: str | None
+) -> list[str]:
     runnable = [layout for layout in layouts if layout.refused is None]
     lines = [
         f"Layout advice: {model} on {world_size} ranks, topology '{topology.name}' "
@@ -228,9 +255,11 @@ def format_advice(layouts: list[Layout], topology: Topology, world_size: int, mo
             )
         lines.append(f"  recommended: {first.backend} at EP={first.ep}, efsdp={first.efsdp}: {_reason(first, runnable[1:])}")
         lines.append(f"  overrides: {' '.join(first.overrides())}")
+        if overrides_problem is not None:
+            lines.append(f"  with those, this job config still fails its checks: {overrides_problem}")
     refused = [layout for layout in layouts if layout.refused is not None]
     if refused:
-        lines.append("  not runnable with this job config:")
+        lines.append("  not runnable (the job's config checks; other backends' sections at their defaults):")
         lines += [f"    {layout.backend} EP={layout.ep}: {layout.refused}" for layout in refused]
     return lines
 

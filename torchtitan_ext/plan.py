@@ -51,7 +51,7 @@ from torchtitan_ext.ep import BACKENDS
 from torchtitan_ext.ep.base import max_tokens_per_rank, MoEShape, token_group_alignment
 from torchtitan_ext.ep.hybridep import non_blocking_rows
 from torchtitan_ext.ep.layout import round_up
-from torchtitan_ext.layout_advisor import advise, format_advice, format_paper
+from torchtitan_ext.layout_advisor import advise, format_advice, format_paper, overrides_problem
 from torchtitan_ext.models import register_train_specs
 from torchtitan_ext.routing_stats import load, load_folder
 from torchtitan_ext.topology import load_topology
@@ -271,6 +271,7 @@ def main(argv: list[str] | None = None) -> None:
             stats = load(args.routing_stats) if args.routing_stats.is_file() else load_folder(args.routing_stats)
         result = plan(job_config, world_size, stats)
         advice = None if topology is None else advise(train_args, world_size, topology)
+        problem = overrides_problem(train_args, world_size, advice[0]) if advice and advice[0].refused is None else None
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -281,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
             dist.destroy_process_group()
     print("\n".join(format_plan(result, world_size)))
     if advice is not None:
-        print("\n".join(format_advice(advice, topology, world_size, result.dry_run.model)))
+        print("\n".join(format_advice(advice, topology, world_size, result.dry_run.model, problem)))
 
 
 def _exit_on_error(fn, *args):

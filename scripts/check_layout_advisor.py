@@ -1,0 +1,113 @@
+"""The layout advisor's predictions against runs on this machine.
+
+    python scripts/check_layout_advisor.py [--steps 8] [--warmup 3] [--tokens 2048]
+
+1. Calibrates this machine (``plan --calibrate``, 4 gloo processes).
+2. For the debug model at NGPU=4 (nccl), predicts the step time of
+   (EP, efsdp) = (4, 1), (2, 2), (1, 4) with that topology and measures it:
+   ``./run_train.sh`` at each EP degree, median step time after ``--warmup``.
+3. For every backend, predicts one dispatch + combine, forward and backward
+   (four all-to-alls) at EP = 2 and 4 and measures it with
+   ``scripts/bench_ep.py`` (its median, and the median of the bare collectives).
+
+Prints both tables, predicted against measured, the ratio and whether the
+predicted ranking equals the measured one.
+"""
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+STEP_TIME = re.compile(r"step:\s+(\d+)\s.*step_time:\s+([0-9.]+)s")
+JOB = ["--training.local_batch_size", "2", "--training.seq_len", "128", "--metrics.disable_color_printing"]
+BENCH_BACKENDS = ["nccl", "deepep", "hybridep"]
+
+
+def measured_step_time(ep: int, steps: int, warmup: int, folder: Path) -> float:
+    result = subprocess.run(
+        ["./run_train.sh", *JOB, "--training.steps", str(steps), "--parallelism.expert_parallel_degree", str(ep),
+         "--job.dump_folder", str(folder)],
+        cwd=ROOT, env={**os.environ, "NGPU": "4"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        timeout=1200,
+    )
+    if result.returncode != 0:
+        sys.exit(f"error: the EP={ep} run failed:\n{result.stdout[-3000:]}")
+    times = {int(step): float(seconds) for step, seconds in STEP_TIME.findall(result.stdout)}
+    return statistics.median(t for step, t in times.items() if step > warmup)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3, help="step times dropped at the start of each run")
+    parser.add_argument("--tokens", type=int, default=2048, help="bench_ep tokens per rank")
+    args = parser.parse_args()
+
+    from torchtitan_ext import runtime
+    from torchtitan_ext.calibrate import calibrate
+    from torchtitan_ext.cost_model import layer_costs, MoEWorkload
+    from torchtitan_ext.data import register_embedded_dataset
+    from torchtitan_ext.ep import BACKENDS
+    from torchtitan_ext.layout_advisor import advise
+    from torchtitan_ext.models import register_train_specs
+    from torchtitan_ext.topology import load_topology
+
+    runtime.configure()
+    register_embedded_dataset()
+    register_train_specs()
+    topology_file = ROOT / "outputs" / "this_machine_topology.toml"
+    calibrate(4, topology_file)
+    topology = load_topology(str(topology_file))
+    train_args = ["--job.config_file", "train_configs/debug_model.toml", *JOB]
+    predicted = {
+        layout.ep: layout for layout in advise(train_args, 4, topology)
+        if layout.refused is None and layout.backend == "nccl"
+    }
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for ep in tqdm((4, 2, 1), desc="training runs (NGPU=4)"):
+            measured = measured_step_time(ep, args.steps, args.warmup, Path(tmp) / f"ep{ep}")
+            rows.append((ep, 4 // ep, predicted[ep].step_s, measured))
+    print("\nDebug model, NGPU=4, nccl: step time")
+    print("| EP | efsdp | predicted s | measured s | predicted / measured |")
+    print("|----|-------|-------------|------------|----------------------|")
+    for ep, efsdp, p, m in rows:
+        print(f"| {ep} | {efsdp} | {p:.3f} | {m:.3f} | {p / m:.2f} |")
+    ranking = lambda index: [row[0] for row in sorted(rows, key=lambda row: row[index])]  # noqa: E731
+    print(f"predicted ranking (EP): {ranking(2)}; measured: {ranking(3)}")
+
+    print("\nbench_ep: one dispatch + combine, forward and backward (four all-to-alls), ms")
+    print("| EP | backend | predicted | measured | bare collectives | predicted / measured | predicted / bare |")
+    print("|----|---------|-----------|----------|------------------|----------------------|------------------|")
+    for ep in (2, 4):
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            subprocess.run(
+                [sys.executable, "scripts/bench_ep.py", "--nproc", str(ep), "--tokens", str(args.tokens),
+                 "--backends", *BENCH_BACKENDS, "--json", out.name, "--markdown", "-", "--no-progress"],
+                cwd=ROOT, check=True, stdout=subprocess.DEVNULL,
+            )
+            results = json.loads(Path(out.name).read_text())["rows"]
+        for entry in results:
+            work = MoEWorkload(
+                tokens=args.tokens, hidden=entry["hidden"], top_k=entry["top_k"], experts=entry["experts"],
+                expert_parameters=0, activation_bytes=4, gather_bytes=4, reduce_bytes=4, pre_expert_flops=0.0,
+                regather_in_backward=False,
+            )
+            backend = BACKENDS[entry["backend"]]
+            costs = layer_costs(work, topology, ep, ep, 1, backend.sends_each_token_once_per_rank)
+            p = 4 * costs.a2a * 1e3
+            print(f"| {ep} | {entry['backend']} | {p:.2f} | {entry['median_ms']:.2f} | {entry['bare_median_ms']:.2f} | "
+                  f"{p / entry['median_ms']:.2f} | {p / entry['bare_median_ms']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
