@@ -226,10 +226,10 @@ class LayerCosts:
         if not overlap:
             return self.communication
         backward = 2 * self.pre_expert_forward
-        hidden_gathers = max(0.0, self.all_gather - self.pre_expert_forward)
+        exposed_gathers = max(0.0, self.all_gather - self.pre_expert_forward)
         if self.all_gathers > 1:
-            hidden_gathers += max(0.0, self.all_gather - backward)
-        return 4 * self.a2a + hidden_gathers + max(0.0, self.reduce_scatter - backward)
+            exposed_gathers += max(0.0, self.all_gather - backward)
+        return 4 * self.a2a + exposed_gathers + max(0.0, self.reduce_scatter - backward)
 
 
 def _levels_of_peers(topology: Topology, sizes: list[int], peers: list[int]) -> dict[int, int]:
