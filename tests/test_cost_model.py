@@ -29,7 +29,9 @@ def test_table_vii_pair_counts(G, S):
 
 
 def test_two_level_example_pair_counts():
-    """Fig. 8b: 4 data centres x 4 GPUs, domains of 2 data centres and of all 4 GPUs in one."""
+    """Fig. 8b: 4 data centres x 4 GPUs, domains of 2 data centres and of all 4 GPUs in one. The paper
+    gives no counts for it; these follow from Algorithm 1 as read here (docs/planning.md), and they
+    equal the one-level formulas summed over levels: AG 16 x ((2-1) + (4-1)), A2A 16 x (4/2 - 1)."""
     assert cm.pair_counts([4, 4], [2, 4]) == {"AG": 64, "A2A": 16}
 
 
@@ -106,8 +108,9 @@ WORK = cm.MoEWorkload(
 
 
 def test_one_level_job_is_the_papers_model():
-    """At one level, one expert per rank and no latency, the job model's per-layer forward
-    (AG hidden behind pre-expert compute, dispatch + combine) is the paper's eq. 10."""
+    """At one level, one expert per rank and no latency, the job model's exposed forward per layer
+    (the all-gather hidden up to pre-expert compute, dispatch + combine) plus the pre-expert compute
+    is the paper's eq. 10 at S = G / EP."""
     topology = _one_level()
     work = cm.MoEWorkload(**{**WORK.__dict__, "experts": 8, "top_k": 1, "regather_in_backward": False})
     G, B = 8, 10e9
@@ -116,9 +119,11 @@ def test_one_level_job_is_the_papers_model():
     for ep in (1, 2, 4, 8):
         S = G // ep
         costs = cm.layer_costs(work, topology, G, ep=ep, efsdp=S, copies_per_rank=False)
+        pre_expert = costs.pre_expert_forward
+        backward = 2 * costs.a2a + max(0.0, costs.reduce_scatter - 2 * pre_expert)
+        forward = costs.exposed(overlap=True) - backward + pre_expert
         # E = G experts: a rank gathers the (S - 1)/S it lacks of its E/ep = S experts, the paper's P_E (S - 1)
-        paper = cm.PaperSetting(G, D, P_E, B, costs.pre_expert_forward)
-        forward = max(costs.pre_expert_forward, costs.all_gather) + 2 * costs.a2a
+        paper = cm.PaperSetting(G, D, P_E, B, pre_expert)
         assert forward == pytest.approx(paper.latency(S), rel=1e-9), ep
 
 
@@ -134,19 +139,45 @@ def test_deduplicating_backends_send_fewer_copies():
 
 def test_outer_level_carries_one_copy_per_domain():
     """Two nodes of 2 ranks, EP = 4: a deduplicating backend sends a token once to the other node
-    when any of its experts is there."""
+    when any of its experts is there, and the rank it lands on forwards it to the other one."""
     topology = Topology("two nodes", 1.0, True, (Level("node", 2, 100.0, 0.0), Level("network", None, 1.0, 0.0)))
     sizes = topology.group_sizes(4)
     volume, _ = cm.token_bytes_per_level(WORK, topology, sizes, 4, copies_per_rank=True)
     row = WORK.hidden * WORK.activation_bytes
-    # the other node holds 4 of the 8 experts: C(4,2)/C(8,2) = 6/28 of tokens miss it
+    # the other node holds 4 of the 8 experts: C(4,2)/C(8,2) = 6/28 of tokens miss it;
+    # a rank holds 2: C(6,2)/C(8,2) = 15/28 miss it
     assert volume[1] == pytest.approx(WORK.tokens * (1 - 6 / 28) * row)
+    assert volume[0] == pytest.approx(2 * WORK.tokens * (1 - 15 / 28) * row)  # the node's peer + one forward
     per_pair, _ = cm.token_bytes_per_level(WORK, topology, sizes, 4, copies_per_rank=False)
     assert per_pair[1] == pytest.approx(WORK.tokens * WORK.top_k * 2 / 4 * row)
 
 
+def test_a_partial_domain_is_still_reached():
+    """EP = 12 on nodes of 8: rank 0's EP group has 4 ranks on the second node, which are reached over
+    the network (not rounded away)."""
+    topology = Topology("nodes of 8", 1.0, True, (Level("node", 8, 100.0, 0.0), Level("network", None, 1.0, 0.0)))
+    work = cm.MoEWorkload(**{**WORK.__dict__, "experts": 24})
+    volume, _ = cm.token_bytes_per_level(work, topology, topology.group_sizes(24), 12, copies_per_rank=True)
+    row = work.hidden * work.activation_bytes
+    # the 4 remote ranks hold 8 of the 24 experts: C(16,2)/C(24,2) of tokens miss them
+    assert volume[1] == pytest.approx(work.tokens * (1 - 120 / 276) * row)
+
+
+def test_backward_gathers_and_reduce_scatters_share_one_window():
+    """Re-gather (10 ms) + reduce-scatter (20 ms) against a 24 ms pre-expert backward: 6 ms exposed;
+    the forward gather (10 ms) hides behind 12 ms; four all-to-alls, six when recomputed."""
+    costs = cm.LayerCosts(a2a=1e-3, all_gather=10e-3, reduce_scatter=20e-3, pre_expert_forward=12e-3,
+                          token_copies=1.0, all_gathers=2)
+    assert costs.exposed(overlap=True) == pytest.approx(4e-3 + 6e-3)
+    assert costs.exposed(overlap=True, recomputed=True) == pytest.approx(6e-3 + 6e-3)
+    assert costs.communication() == pytest.approx(4e-3 + 2 * 10e-3 + 20e-3)
+    assert costs.exposed(overlap=False) == pytest.approx(costs.communication())
+    assert costs.exposed(overlap=False, recomputed=True) == pytest.approx(6e-3 + 2 * 10e-3 + 20e-3)
+
+
 def test_without_overlap_everything_is_exposed():
     costs = cm.layer_costs(WORK, _one_level(overlap=False), 4, ep=2, efsdp=2, copies_per_rank=False)
-    assert costs.exposed(overlap=False) == pytest.approx(costs.communication)
-    assert costs.exposed(overlap=True) < costs.communication
     assert costs.all_gathers == 2
+    by_hand = 4 * costs.a2a + 2 * costs.all_gather + costs.reduce_scatter
+    assert costs.exposed(overlap=False) == pytest.approx(by_hand)
+    assert costs.exposed(overlap=True) < by_hand

@@ -114,15 +114,42 @@ def advice_671b():
 
 
 def test_671b_advice_quoted_in_docs(advice_671b):
-    """docs/planning.md's tables: the winners, and the copies per token it explains."""
+    """docs/planning.md's tables: the winners, the tie, and the numbers its text explains them with."""
     gb200 = {(layout.backend, layout.ep): layout for layout in advice_671b["gb200_nvl72"] if layout.refused is None}
     first = advice_671b["gb200_nvl72"][0]
-    assert (first.backend, first.ep, first.efsdp) == ("deepep", 32, 8)
-    assert first.exposed_s < gb200["hybridep", 64].exposed_s == gb200["deepep", 64].exposed_s
+    assert (first.backend, first.ep, first.efsdp) == ("hybridep", 64, 4)  # the job's own backend wins the tie
+    assert first.exposed_s == gb200["deepep", 64].exposed_s < gb200["nccl", 64].exposed_s
+    assert (first.moe_layers, first.recomputed_layers, first.dispatches) == (58, 58, 1)
+    ep32 = gb200["deepep", 32]
+    assert round(ep32.costs.token_copies, 2) == 7.04 and round(first.costs.token_copies, 2) == 7.56
+    assert round(ep32.costs.exposed(True) - 4 * ep32.costs.a2a, 5) == pytest.approx(8.62e-3, abs=1e-5)
+    assert round(ep32.exposed_s, 3) == 1.141 and round(first.exposed_s, 3) == 0.687
     assert gb200["nccl", 64].costs.token_copies == pytest.approx(8 * 63 / 64)
-    assert round(gb200["hybridep", 64].costs.token_copies, 2) == 7.56
     assert round(gb200["deepep", 128].costs.token_copies, 2) == 4.88
     assert gb200["deepep", 128].a2a_level == "RDMA between racks"
     assert ("hybridep", 32) not in gb200  # the config's ranks_per_nvlink_domain = 64 refuses it
-    hgx = advice_671b["hgx_h100_ib"][0]
-    assert (hgx.backend, hgx.ep, hgx.efsdp) == ("deepep", 16, 16)
+    hgx = {(layout.backend, layout.ep): layout for layout in advice_671b["hgx_h100_ib"] if layout.refused is None}
+    first = advice_671b["hgx_h100_ib"][0]
+    assert (first.backend, first.ep, first.efsdp) == ("deepep", 16, 16)
+    assert round(first.costs.token_copies, 2) == 3.85 and round(hgx["nccl", 16].costs.token_copies, 2) == 7.50
+
+
+@pytest.mark.parametrize(
+    "overrides, recomputed, dispatches, regather",
+    [
+        ([], 0, 1, True),
+        (["--activation_checkpoint.mode", "full"], 5, 1, True),
+        (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"], 0, 1, True),
+        (["--training.local_batch_size", "2", "--training.global_batch_size", "16"], 0, 2, True),
+        (["--parallelism.fsdp_reshard_after_forward", "never"], 0, 1, False),
+    ],
+)
+def test_job_shape_follows_checkpointing_accumulation_and_resharding(overrides, recomputed, dispatches, regather):
+    from torchtitan_ext.layout_advisor import job_shape
+    from torchtitan_ext.train import load_job_config
+
+    job_config = load_job_config([*DEBUG_JOB, *overrides], device_type=None, world_size=4)
+    shape = job_shape(job_config, 4)
+    assert (shape.moe_layers, shape.recomputed_layers, shape.dispatches) == (5, recomputed, dispatches)
+    assert shape.work.regather_in_backward is regather
+    assert shape.expert_world == 4

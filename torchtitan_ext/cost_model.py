@@ -215,21 +215,27 @@ class LayerCosts:
     all_gathers: int
     """All-gathers of the experts per step: 2 when backward gathers again, else 1."""
 
-    @property
-    def communication(self) -> float:
-        return 4 * self.a2a + self.all_gathers * self.all_gather + self.reduce_scatter
+    def all_to_alls(self, recomputed: bool) -> int:
+        """Dispatch and combine, forward and backward; two more when activation checkpointing
+        recomputes the layer's forward in backward (collectives included)."""
+        return 6 if recomputed else 4
 
-    def exposed(self, overlap: bool) -> float:
-        """Communication the step waits for: with overlap, eq. 10's rule forward (the all-gather hides
-        behind pre-expert compute, the all-to-alls cannot: their input is its output) and the same in
-        backward (pre-expert backward is twice the forward's FLOPs); without overlap, all of it."""
+    def communication(self, recomputed: bool = False) -> float:
+        return self.all_to_alls(recomputed) * self.a2a + self.all_gathers * self.all_gather + self.reduce_scatter
+
+    def exposed(self, overlap: bool, recomputed: bool = False) -> float:
+        """Communication the step waits for. With overlap: forward as eq. 10 (the all-gather hides
+        behind pre-expert compute; the all-to-alls cannot, their input is its output); in backward
+        the re-gather and the gradients' reduce-scatter share the expert-FSDP link and hide together
+        behind the pre-expert backward (twice the forward's FLOPs). The paper's eq. 7 also hides
+        expert compute under the all-to-alls; here expert compute stays in the step's compute and
+        every all-to-all is exposed. Without overlap: all of it."""
         if not overlap:
-            return self.communication
-        backward = 2 * self.pre_expert_forward
-        exposed_gathers = max(0.0, self.all_gather - self.pre_expert_forward)
-        if self.all_gathers > 1:
-            exposed_gathers += max(0.0, self.all_gather - backward)
-        return 4 * self.a2a + exposed_gathers + max(0.0, self.reduce_scatter - backward)
+            return self.communication(recomputed)
+        forward_gather = max(0.0, self.all_gather - self.pre_expert_forward)
+        regather = self.all_gather if self.all_gathers > 1 else 0.0
+        backward_fsdp = max(0.0, regather + self.reduce_scatter - 2 * self.pre_expert_forward)
+        return self.all_to_alls(recomputed) * self.a2a + forward_gather + backward_fsdp
 
 
 def _levels_of_peers(topology: Topology, sizes: list[int], peers: list[int]) -> dict[int, int]:
@@ -265,8 +271,9 @@ def token_bytes_per_level(
     Uniform routing. The EP group is ranks 0..ep-1 (torchtitan's mesh puts ep innermost).
     Per pair (all-to-all): each of the tokens x top_k pairs goes to its expert's rank.
     Per rank (DeepEP, HybridEP): a token goes once to each rank holding one of its experts;
-    over an outer level once to each domain (inner-level group) holding one, then fans out
-    over the inner level inside it (counted on the inner level).
+    over an outer level once to each domain (the EP ranks of one inner-level group) holding
+    one, and the rank it lands on forwards it inside the domain (counted on the innermost
+    level, also for a domain reached over the third level or beyond).
     """
     row = work.hidden * work.activation_bytes
     local = work.experts // ep
@@ -285,12 +292,16 @@ def token_bytes_per_level(
             volume[0] = volume.get(0, 0.0) + peers * work.tokens * reach_rank * row
             copies += peers * reach_rank
             continue
-        ranks_per_domain = min(ep, sizes[level - 1])
-        domains = peers // ranks_per_domain
-        reach_domain = 1 - _miss(work.experts, work.top_k, local * ranks_per_domain)
-        volume[level] = domains * work.tokens * reach_domain * row
-        copies += domains * reach_domain
-        volume[0] = volume.get(0, 0.0) + peers * work.tokens * reach_rank * row
+        domains: dict[int, int] = {}
+        for peer in range(1, ep):
+            if topology.level_of(sizes, 0, peer) == level:
+                domains[peer // sizes[level - 1]] = domains.get(peer // sizes[level - 1], 0) + 1
+        for ranks in domains.values():
+            reach_domain = 1 - _miss(work.experts, work.top_k, local * ranks)
+            volume[level] = volume.get(level, 0.0) + work.tokens * reach_domain * row
+            copies += reach_domain
+            # the rank a token lands on forwards it to the domain's other ranks that hold its experts
+            volume[0] = volume.get(0, 0.0) + (ranks - 1) * work.tokens * reach_rank * row
     return volume, copies
 
 
@@ -299,8 +310,8 @@ def layer_costs(
 ) -> LayerCosts:
     """The paper's streams for one MoE layer of a torchtitan job at (ep, efsdp), per rank and step.
 
-    Tokens: eq. 3's A2A over the EP group, with the backend's copies per token (four per step:
-    dispatch and combine, forward and backward). Experts: eq. 4's AG over the expert-FSDP group
+    Tokens: eq. 3's A2A over the EP group, with the backend's copies per token (four per step,
+    six when activation checkpointing recomputes the layer). Experts: eq. 4's AG over the expert-FSDP group
     (ranks ep apart), of this rank's E/ep experts in FSDP's shards, once or twice per step, and
     the gradients' reduce-scatter of the same bytes at the reduce dtype.
     """

@@ -260,3 +260,19 @@ def _check_world_size(job_config, world_size: int) -> None:
             f"experts, but there is no data-parallel shard dimension to shard them over "
             f"(dp_shard x cp = 1): set expert_parallel_degree = {borrowed // etp} or add data parallelism"
         )
+
+
+def saved_moe_layers(job_config, rank_layers, rank_moe_layers) -> tuple[int, str]:
+    """MoE layers on this rank whose dispatch output stays alive for backward, and why."""
+    ac = job_config.activation_checkpoint
+    moe = len(rank_moe_layers)
+    if ac.mode == "none":
+        return moe, "no activation checkpointing: every MoE layer keeps its dispatched rows"
+    if ac.mode == "full":
+        return 0, "full activation checkpointing: rows are recomputed in backward (one layer's are live at a time)"
+    if ac.selective_ac_option == "op":
+        return moe, "per-op selective checkpointing: dispatch is on the save list, so every MoE layer keeps its rows"
+    every = int(ac.selective_ac_option)
+    wrapped = {layer for index, layer in enumerate(rank_layers, start=1) if index % every == 0}
+    kept = sum(layer not in wrapped for layer in rank_moe_layers)
+    return kept, f"per-layer selective checkpointing every {every} layers: {kept} of {moe} MoE layers keep their rows"

@@ -16,7 +16,7 @@ import torch
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.protocols.train_spec import get_train_spec
 
-from torchtitan_ext.config import ConfigError
+from torchtitan_ext.config import comm_backend, ConfigError
 from torchtitan_ext.cost_model import (
     eq3_a2a_volume,
     eq4_ag_volume,
@@ -29,9 +29,9 @@ from torchtitan_ext.cost_model import (
     PaperSetting,
 )
 from torchtitan_ext.ep import BACKENDS
-from torchtitan_ext.ep.base import max_tokens_per_rank, MoEShape
+from torchtitan_ext.ep.base import MoEShape
 from torchtitan_ext.topology import Topology
-from torchtitan_ext.job_config import validate
+from torchtitan_ext.job_config import saved_moe_layers, validate
 from torchtitan_ext.train import load_job_config
 
 
@@ -42,9 +42,14 @@ class JobShape:
     work: MoEWorkload
     moe_layers: int
     """MoE layers in the model (every rank runs each, no pipeline split assumed)."""
+    recomputed_layers: int
+    """MoE layers whose forward activation checkpointing recomputes in backward, collectives
+    included (those whose dispatched rows are not saved)."""
+    dispatches: int
+    """MoE calls per layer and step: gradient-accumulation steps x pipeline microbatches."""
     step_flops: float
-    """Forward + backward FLOPs of one rank's tokens (torchtitan's count: 6 x active
-    parameters + attention)."""
+    """FLOPs of one rank's step: torchtitan's count (6 x active parameters + attention), plus
+    the recomputed forwards' share."""
     expert_world: int
     """Ranks the experts are spread over: EP degree x expert-FSDP degree."""
 
@@ -58,6 +63,8 @@ class Layout:
     """The job config's validation error for this layout; None when it runs."""
     costs: LayerCosts | None = None
     moe_layers: int = 0
+    recomputed_layers: int = 0
+    dispatches: int = 1
     compute_s: float = 0.0
     overlap: bool = True
     gathered_expert_bytes: int = 0
@@ -69,13 +76,17 @@ class Layout:
     gather_level: str = ""
     """The outermost level the expert-FSDP group's all-gather crosses ("" at efsdp = 1)."""
 
+    def _per_step(self, per_layer) -> float:
+        kept = self.moe_layers - self.recomputed_layers
+        return self.dispatches * (per_layer(False) * kept + per_layer(True) * self.recomputed_layers)
+
     @property
     def communication_s(self) -> float:
-        return self.costs.communication * self.moe_layers
+        return self._per_step(self.costs.communication)
 
     @property
     def exposed_s(self) -> float:
-        return self.costs.exposed(self.overlap) * self.moe_layers
+        return self._per_step(lambda recomputed: self.costs.exposed(self.overlap, recomputed))
 
     @property
     def step_s(self) -> float:
@@ -94,24 +105,36 @@ def job_shape(job_config, world_size: int) -> JobShape:
     model_args.update_from_config(job_config)
     with torch.device("meta"):
         model = spec.model_cls(model_args)
-    expert_parameters, moe_layers = 0, set()
+    expert_parameters, layers, moe_layers = 0, {}, set()
     for name, parameter in model.named_parameters():
+        parts = name.split(".")
+        if parts[0] == "layers":
+            layers[int(parts[1])] = None
         if ".moe.experts." in f".{name}":
             expert_parameters += parameter.numel()
-            moe_layers.add(name.split(".")[1])
+            moe_layers.add(int(parts[1]))
     if not moe_layers:
         raise ConfigError(f"model {job_config.model.name} {job_config.model.flavor} has no MoE layers: nothing to advise")
     moe_args = model_args.moe_args
     per_expert = expert_parameters // len(moe_layers) // moe_args.num_experts
     _, flops_per_token = model_args.get_nparams_and_flops(model, job_config.training.seq_len)
-    tokens = max_tokens_per_rank(job_config)
+    p, training = job_config.parallelism, job_config.training
+    saved, _ = saved_moe_layers(job_config, tuple(layers), tuple(sorted(moe_layers)))
+    recomputed = len(moe_layers) - saved
+    microbatch = p.pipeline_parallel_microbatch_size if p.pipeline_parallel_degree > 1 else training.local_batch_size
+    tokens = microbatch * training.seq_len // p.context_parallel_degree
+    if p.tensor_parallel_degree > 1 and p.expert_tensor_parallel_degree == 1:
+        tokens //= p.tensor_parallel_degree
+    data_parallel = world_size // (p.pipeline_parallel_degree * p.tensor_parallel_degree * p.context_parallel_degree)
+    accumulation = max(1, training.global_batch_size // (training.local_batch_size * data_parallel))
+    dispatches = accumulation * (training.local_batch_size // microbatch)
     routed_flops = 6 * len(moe_layers) * moe_args.top_k * per_expert
     forward_outside_experts = (flops_per_token - routed_flops) / 3 / model_args.n_layers
-    p, training = job_config.parallelism, job_config.training
 
     def element(dtype: str) -> int:
         return torch.empty((), dtype=TORCH_DTYPE_MAP[dtype]).element_size()
 
+    reshard = p.fsdp_reshard_after_forward
     work = MoEWorkload(
         tokens=tokens,
         hidden=model_args.dim,
@@ -122,10 +145,14 @@ def job_shape(job_config, world_size: int) -> JobShape:
         gather_bytes=element(training.mixed_precision_param),
         reduce_bytes=element(training.mixed_precision_reduce),
         pre_expert_flops=forward_outside_experts * tokens,
-        regather_in_backward=p.fsdp_reshard_after_forward != "never" and p.pipeline_parallel_degree == 1,
+        regather_in_backward=reshard == "always" or (reshard == "default" and p.pipeline_parallel_degree == 1),
     )
-    expert_world = world_size // (p.pipeline_parallel_degree * p.data_parallel_replicate_degree)
-    return JobShape(work, len(moe_layers), flops_per_token * tokens, expert_world)
+    # a recomputed forward costs a third of forward + backward again
+    step_flops = flops_per_token * tokens * dispatches * (1 + recomputed / len(moe_layers) / 3)
+    expert_world = world_size // (
+        p.pipeline_parallel_degree * p.data_parallel_replicate_degree * p.expert_tensor_parallel_degree
+    )
+    return JobShape(work, len(moe_layers), recomputed, dispatches, step_flops, expert_world)
 
 
 def _candidate(job_config, backend_name: str, ep: int):
@@ -169,6 +196,8 @@ def advise(train_args: list[str], world_size: int, topology: Topology) -> list[L
                 layout,
                 costs=layer_costs(work, topology, world_size, ep, efsdp, backend.sends_each_token_once_per_rank),
                 moe_layers=shape.moe_layers,
+                recomputed_layers=shape.recomputed_layers,
+                dispatches=shape.dispatches,
                 compute_s=compute_s,
                 overlap=topology.overlap,
                 gathered_expert_bytes=work.experts // ep * work.expert_parameters * work.gather_bytes,
@@ -176,7 +205,9 @@ def advise(train_args: list[str], world_size: int, topology: Topology) -> list[L
                 a2a_level=level_name(ep - 1),
                 gather_level=level_name((efsdp - 1) * ep),
             ))
-    runnable.sort(key=lambda layout: (layout.exposed_s, layout.ep))
+    # equal predictions keep the job's own backend first
+    configured = comm_backend(job_config)
+    runnable.sort(key=lambda layout: (layout.exposed_s, layout.backend != configured, layout.ep))
     return runnable + refused
 
 
@@ -199,28 +230,33 @@ def _gib(value: int | None) -> str:
 
 
 def _reason(best: Layout, others: list[Layout]) -> str:
-    """Why ``best`` wins: against the best layout of another backend, and the best other EP degree of its own."""
+    """Why ``best`` wins: against the best layout of another backend, and the best layout at another EP degree."""
     parts = [f"least exposed MoE communication, {_ms(best.exposed_s)} ms per step"]
     rival = next((o for o in others if o.backend != best.backend), None)
-    if rival is not None:
+    if rival is not None and rival.exposed_s == best.exposed_s:
+        parts.append(
+            f"{rival.backend} at EP={rival.ep} ties (the same bytes over the same links: the model does not "
+            f"separate them, and keeps the job's own backend first)"
+        )
+    elif rival is not None:
         parts.append(
             f"{rival.backend} (best at EP={rival.ep}) exposes {_ms(rival.exposed_s)} ms: {best.backend} sends "
             f"{best.costs.token_copies:.2f} copies of each token per dispatch, {rival.backend} "
             f"{rival.costs.token_copies:.2f}"
         )
-    neighbour = next((o for o in others if o.backend == best.backend and o.ep != best.ep), None)
+    neighbour = next((o for o in others if o.ep != best.ep), None)
     if neighbour is not None:
         def describe(layout: Layout) -> str:
             a2a = f"all-to-all {_ms(layout.costs.a2a)} ms" + (f" over {layout.a2a_level}" if layout.a2a_level else "")
-            exposed_gather = layout.costs.exposed(layout.overlap) - 4 * layout.costs.a2a
+            exposed_gather = layout.costs.exposed(layout.overlap) - layout.costs.all_to_alls(False) * layout.costs.a2a
             gather = f"expert gather/scatter {_ms(exposed_gather)} ms exposed" + (
                 f" over {layout.gather_level}" if layout.gather_level else ""
             )
             return f"{a2a}, {gather}"
 
         parts.append(
-            f"per layer, EP={best.ep} has {describe(best)}; EP={neighbour.ep} ({_ms(neighbour.exposed_s)} ms) "
-            f"has {describe(neighbour)}"
+            f"per layer, EP={best.ep} has {describe(best)}; the best other EP degree, {neighbour.backend} at "
+            f"EP={neighbour.ep} ({_ms(neighbour.exposed_s)} ms), has {describe(neighbour)}"
         )
     return "; ".join(parts)
 
@@ -236,7 +272,8 @@ def format_advice(
     if runnable:
         first = runnable[0]
         lines.append(
-            f"  {first.moe_layers} MoE layers; compute {_ms(first.compute_s)} ms per step at "
+            f"  {first.moe_layers} MoE layers ({first.recomputed_layers} recomputed by activation checkpointing), "
+            f"{first.dispatches} MoE call(s) per layer and step; compute {_ms(first.compute_s)} ms per step at "
             f"{topology.compute_tflops:g} TFLOP/s; times per rank"
         )
         header = (

@@ -51,6 +51,7 @@ from torchtitan_ext.ep import BACKENDS
 from torchtitan_ext.ep.base import max_tokens_per_rank, MoEShape, token_group_alignment
 from torchtitan_ext.ep.hybridep import non_blocking_rows
 from torchtitan_ext.ep.layout import round_up
+from torchtitan_ext.job_config import saved_moe_layers
 from torchtitan_ext.layout_advisor import advise, format_advice, format_paper, overrides_problem
 from torchtitan_ext.models import register_train_specs
 from torchtitan_ext.routing_stats import load, load_folder
@@ -93,22 +94,6 @@ class Plan:
     dry_run: DryRunReport
     saved_layers_reason: str
     backends: list[BackendPlan]
-
-
-def saved_moe_layers(job_config, rank_layers, rank_moe_layers) -> tuple[int, str]:
-    """MoE layers on this rank whose dispatch output stays alive for backward, and why."""
-    ac = job_config.activation_checkpoint
-    moe = len(rank_moe_layers)
-    if ac.mode == "none":
-        return moe, "no activation checkpointing: every MoE layer keeps its dispatched rows"
-    if ac.mode == "full":
-        return 0, "full activation checkpointing: rows are recomputed in backward (one layer's are live at a time)"
-    if ac.selective_ac_option == "op":
-        return moe, "per-op selective checkpointing: dispatch is on the save list, so every MoE layer keeps its rows"
-    every = int(ac.selective_ac_option)
-    wrapped = {layer for index, layer in enumerate(rank_layers, start=1) if index % every == 0}
-    kept = sum(layer not in wrapped for layer in rank_moe_layers)
-    return kept, f"per-layer selective checkpointing every {every} layers: {kept} of {moe} MoE layers keep their rows"
 
 
 def expected_drop_rates(stats, dims: Dimensions, num_rows: int, pad: int) -> tuple[float, tuple[int, float]]:
