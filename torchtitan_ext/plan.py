@@ -34,7 +34,7 @@ importable). Nothing is allocated and no GPU is needed.
 import argparse
 import math
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -50,7 +50,6 @@ from torchtitan_ext.dry_run import dry_run, DryRunReport
 from torchtitan_ext.ep import BACKENDS
 from torchtitan_ext.ep.base import max_tokens_per_rank, MoEShape, token_group_alignment
 from torchtitan_ext.ep.hybridep import non_blocking_rows
-from torchtitan_ext.ep.layout import round_up
 from torchtitan_ext.job_config import saved_moe_layers
 from torchtitan_ext.layout_advisor import advise, format_advice, format_paper, overrides_problem
 from torchtitan_ext.models import register_train_specs
