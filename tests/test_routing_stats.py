@@ -1,4 +1,4 @@
-"""Routing statistics: exact counts, the cross-rank sum, the file schema, the plots."""
+"""Routing statistics: exact counts and samples, the cross-rank sum, the file schema, the plots."""
 
 import numpy as np
 import pytest
@@ -11,8 +11,10 @@ from torchtitan_ext.tools import routing_report
 E = 4
 
 
-def _recorder(num_layers=4):
-    recorder = RoutingRecorder(num_layers=num_layers, num_experts=E, top_k=2, device=torch.device("cpu"))
+def _recorder(num_layers=4, sample_tokens=2):
+    recorder = RoutingRecorder(
+        num_layers=num_layers, num_experts=E, top_k=2, device=torch.device("cpu"), sample_tokens=sample_tokens
+    )
     recorder.moe_layers = {1, 2, 3}
     recorder._next_layer = {1: 2, 2: 3}
     return recorder
@@ -51,6 +53,10 @@ def test_exact_counts_on_hand_built_routing(tmp_path):
     assert data["transitions"][0].sum() == 3 * 2 * 2
     assert data["transitions"][2].sum() == 0, "the last MoE layer has no successor"
     assert int(data["top_k"]) == 2
+    # the first 2 tokens per step and layer, -1 where a step had fewer
+    assert data["sampled_expert_ids"].dtype == np.int16
+    assert data["sampled_expert_ids"][0].tolist() == [[[0, 1], [0, 2]], [[1, 2], [2, 3]], [[3, 2], [3, 1]]]
+    assert data["sampled_expert_ids"][1].tolist() == [[[2, 3], [-1, -1]], [[-1, -1], [-1, -1]], [[-1, -1], [-1, -1]]]
 
 
 def test_only_consecutive_layers_of_one_forward_chain():
@@ -62,7 +68,7 @@ def test_only_consecutive_layers_of_one_forward_chain():
 
 
 def _half_batch_worker(rank, world_size, folder):
-    recorder = _recorder()
+    recorder = _recorder(sample_tokens=4)
     generator = torch.Generator().manual_seed(0)
     for step in (1, 2):
         batches = [torch.randint(0, E, (8, 2), generator=generator) for _ in range(3)]  # layers 1..3
@@ -77,7 +83,7 @@ def test_sum_over_ranks_equals_one_process_seeing_both_halves(tmp_path):
     assert paths[1] is None, "only rank 0 writes"
     two_ranks = load(paths[0])
 
-    recorder = _recorder()
+    recorder = _recorder(sample_tokens=8)  # rank-major samples: rank 0's 4 tokens, then rank 1's
     generator = torch.Generator().manual_seed(0)
     for step in (1, 2):
         batches = [torch.randint(0, E, (8, 2), generator=generator) for _ in range(3)]

@@ -1,23 +1,40 @@
-"""Training parity across backends, multi-process layouts, and checkpoints.
+"""Training parity across backends, expert placements, multi-process layouts, and checkpoints.
 
-Same seed, deterministic algorithms, fp32: DeepSeek-V3 and Llama4 debug models
-train 5 steps under nccl, deepep (reference; V2 ElasticBuffer API and v1 Buffer
-API), hybridep (reference) blocking and non-blocking (capacity 1.0, no
-padding: cannot drop). Per-step losses
-agree within 1e-4 relative, and fall under every backend.
+Same seed, deterministic algorithms, fp32, 2 ranks at EP=2. Backends: nccl,
+deepep (reference; V2 ElasticBuffer API and v1 Buffer API), hybridep
+(reference) blocking and non-blocking (capacity 1.0, no padding: cannot drop).
 
-Checkpoints (torchtitan DCP) written under one backend or EP degree resume
-under another with the same next-step loss: the state has the same keys and
-DCP reshards the experts; what differs is only the order of floating-point sums.
+- Llama4: 5 steps under every backend; per-step losses agree with nccl's
+  within 1e-4 relative.
+- DeepSeek-V3: 10 steps under every backend with an expert placement that
+  moves every expert to the other rank (``[expert_placement] file``); per-step
+  losses agree with nccl's without a placement within 1e-5 relative. The
+  placed and unplaced nccl runs export their weights at the last step (model
+  only): the placed export holds the experts in logical order.
+- Losses fall under every backend.
+
+Checkpoints (torchtitan DCP) written under one backend, EP degree and
+placement resume under another with the same next-step loss: the state has
+the same keys, DCP reshards the experts and the recorded placement tells
+where each expert is; what differs is only the order of floating-point sums.
 """
 
+import json
+from pathlib import Path
+
 import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.helpers import REPO_ROOT, run_distributed
 from tests.training_cases import TINY, train_worker
 
 STEPS = 5
+PLACED_STEPS = 10
+PLACED_TOLERANCE = 1e-5
 CONFIG = str(REPO_ROOT / "train_configs/debug_model.toml")
+MOE_LAYERS = [1, 2, 3, 4, 5]
 BACKENDS = {
     "nccl": ["--parallelism.expert_parallel_comm_backend", "nccl"],
     "deepep": ["--parallelism.expert_parallel_comm_backend", "deepep", "--deepep.implementation", "reference",
@@ -30,29 +47,85 @@ BACKENDS = {
 }
 
 
-def _job(model, tmp, *extra):
-    return ["--job.config_file", CONFIG, "--model.name", model, "--training.steps", str(STEPS),
+def _job(model, tmp, *extra, steps=STEPS):
+    return ["--job.config_file", CONFIG, "--model.name", model, "--training.steps", str(steps),
             "--job.dump_folder", str(tmp), *TINY, *extra]
+
+
+def _placement(folder: Path, name: str, slots) -> str:
+    """A placement file for the DeepSeek-V3 debug model at EP=2: ``slots(layer)`` per MoE layer."""
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps({
+        "num_experts": 8, "expert_parallel_degree": 2,
+        "layers": {str(layer): list(slots(layer)) for layer in MOE_LAYERS},
+    }))
+    return str(path)
+
+
+def crossing_placement(folder: Path) -> str:
+    """Every expert on the other rank: slot s holds 7 - s, the halves rotated by the layer id."""
+    return _placement(folder, "crossing", lambda layer: [7 - ((s + layer) % 4 + 4 * (s // 4)) for s in range(8)])
+
+
+EXPORT = ["--checkpoint.enable", "--checkpoint.interval", str(PLACED_STEPS)]
 
 
 @pytest.fixture(scope="module", params=["deepseek_v3", "llama4"])
 def parity(request, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp(request.param)
-    runs = [(name, _job(request.param, tmp / name, *args)) for name, args in BACKENDS.items()]
-    return request.param, run_distributed(2, train_worker, runs)[0]
+    model = request.param
+    tmp = tmp_path_factory.mktemp(model)
+    if model == "llama4":
+        runs = [(name, _job(model, tmp / name, *args)) for name, args in BACKENDS.items()]
+        return model, run_distributed(2, train_worker, runs)[0], tmp
+    placement = crossing_placement(tmp)
+    runs = [("nccl", _job(model, tmp / "nccl", *BACKENDS["nccl"], *EXPORT, steps=PLACED_STEPS))]
+    runs += [
+        (f"placed_{name}", _job(model, tmp / f"placed_{name}", *args, "--expert_placement.file", placement,
+                                *(EXPORT if name == "nccl" else []), steps=PLACED_STEPS))
+        for name, args in BACKENDS.items()
+    ]
+    return model, run_distributed(2, train_worker, runs)[0], tmp
 
 
-def test_losses_agree_across_backends(parity):
-    model, losses = parity
+def test_losses_agree_across_backends_and_placements(parity):
+    model, losses, _ = parity
     reference = losses["nccl"]
-    assert list(reference) == list(range(1, STEPS + 1))
-    for backend, got in losses.items():
+    steps = PLACED_STEPS if model == "deepseek_v3" else STEPS
+    tolerance = PLACED_TOLERANCE if model == "deepseek_v3" else 1e-4
+    assert list(reference) == list(range(1, steps + 1))
+    assert len(losses) == len(BACKENDS) + (model == "deepseek_v3")
+    for run, got in losses.items():
         for step, loss in reference.items():
-            assert got[step] == pytest.approx(loss, rel=1e-4), (model, backend, step, got, reference)
+            assert got[step] == pytest.approx(loss, rel=tolerance), (model, run, step, got, reference)
+
+
+def test_placed_export_holds_experts_in_logical_order(parity, tmp_path):
+    """Every expert row of the placed run's last-step export is its logical expert's: within 5% of the
+    unplaced run's same row (training differs only in the order of sums; a router near-tie flipped
+    by that can move a layer's experts by ~1e-2), while the physical order would be a different row."""
+    model, _, tmp = parity
+    if model != "deepseek_v3":
+        pytest.skip("the placed runs are DeepSeek-V3's")
+    exports = {}
+    for run in ("nccl", "placed_nccl"):
+        dcp_to_torch_save(str(tmp / run / f"checkpoint/step-{PLACED_STEPS}"), str(tmp_path / f"{run}.pt"))
+        exports[run] = torch.load(tmp_path / f"{run}.pt", weights_only=False)
+    crossing = json.loads(Path(crossing_placement(tmp_path)).read_text())["layers"]
+    keys = [key for key in exports["nccl"] if ".moe.experts." in key]
+    assert len(keys) == 3 * len(MOE_LAYERS)
+    for key in keys:
+        placed, unplaced = exports["placed_nccl"][key], exports["nccl"][key]
+        physical = placed[crossing[key.split(".")[1]]]
+
+        def relative(a, b):
+            return float((a - b).flatten(1).norm(dim=1).div(b.flatten(1).norm(dim=1)).max())
+
+        assert relative(placed, unplaced) < 0.05, key
+        assert relative(physical, unplaced) > 0.5, key
 
 
 def test_loss_falls_under_every_backend(parity):
-    model, losses = parity
+    model, losses, _ = parity
     for backend, got in losses.items():
         assert got[STEPS] < got[1] - 0.3, (model, backend, got)
 
@@ -62,15 +135,21 @@ RESUME = ["--checkpoint.enable", "--checkpoint.load_step", "2"]
 RESUME_TOLERANCE = 1e-5
 
 
-def test_checkpoint_resumes_under_another_backend_and_ep_degree(tmp_path):
-    """2 ranks: written at EP=2 under nccl; resumed at EP=2 under hybridep, and at EP=1."""
+def test_checkpoint_resumes_under_another_backend_ep_degree_and_placement(tmp_path):
+    """2 ranks: written at EP=2 under nccl with the crossing placement; resumed at EP=2 under hybridep
+    with another placement, and at EP=1 (no placement: the experts go back to logical order)."""
     folder = tmp_path / "run"
+    other = _placement(tmp_path, "other", lambda layer: [(3 * s + layer) % 8 for s in range(8)])
     runs = [
-        ("written_nccl_ep2", _job("deepseek_v3", folder, *BACKENDS["nccl"], *CHECKPOINT)),
-        ("resumed_hybridep_ep2", _job("deepseek_v3", folder, *BACKENDS["hybridep"], *RESUME)),
+        ("written_nccl_ep2", _job("deepseek_v3", folder, *BACKENDS["nccl"], *CHECKPOINT,
+                                  "--expert_placement.file", crossing_placement(tmp_path))),
+        ("resumed_hybridep_ep2", _job("deepseek_v3", folder, *BACKENDS["hybridep"], *RESUME,
+                                      "--expert_placement.file", other)),
         ("resumed_nccl_ep1", _job("deepseek_v3", folder, "--parallelism.expert_parallel_degree", "1", *RESUME)),
     ]
     losses = run_distributed(2, train_worker, runs)[0]
+    recorded = FileSystemReader(str(folder / "checkpoint/step-2")).read_metadata().state_dict_metadata
+    assert "expert_placement.expert_at_slot" in recorded
     written = losses["written_nccl_ep2"]
     for name in ("resumed_hybridep_ep2", "resumed_nccl_ep1"):
         resumed = losses[name]

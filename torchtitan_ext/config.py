@@ -68,6 +68,29 @@ class RoutingStats:
     folder: str = "routing_stats"
     """Folder for the files, inside job.dump_folder."""
 
+    sample_tokens: int = 256
+    """
+    Tokens per MoE layer, step and rank whose top-k expert ids are kept
+    verbatim (the step's first ones), an integer >= 0; 0 keeps none. The
+    placement tool measures distinct destination ranks per token on them,
+    which the co-activation counts alone do not give for top-k > 2. A rank
+    that routes fewer tokens in a step keeps what it has.
+    """
+
+
+@dataclass
+class ExpertPlacement:
+    file: str = ""
+    """
+    Placement file (JSON, made by ``python -m torchtitan_ext.placement``): the
+    physical slot of every MoE layer's logical experts. Empty: expert e in
+    slot e. Needs expert_parallel_degree > 1, the EP degree and the model the
+    file was made for. Routers keep logical ids and a logical-to-slot map sends
+    tokens to slots; at start or resume the expert weights and their optimizer
+    state move to their slots, and checkpoints record the placement they hold,
+    so a checkpoint resumes under any placement (or none).
+    """
+
 
 @dataclass
 class Faults:
@@ -362,6 +385,7 @@ FIELD_RANGES: dict[str, Range] = {
     "validation.dataloader.prefetch_factor": AT_LEAST_1,
     "debug.seed": AT_LEAST_0,
     "routing_stats.save_every": Range(1, meaning="steps"),
+    "routing_stats.sample_tokens": Range(0, meaning="tokens per MoE layer, step and rank"),
 }
 """The valid range of every numeric field of torchtitan's sections and of ours that no
 backend owns; a backend's section states its own (``RoutedExpertParallel.config_ranges``)."""

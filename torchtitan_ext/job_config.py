@@ -14,6 +14,7 @@ fix. Both run before any process group, buffer or model exists.
 import dataclasses
 from dataclasses import dataclass, field, fields
 
+import torch
 from torchtitan.config import ConfigManager
 from torchtitan.config import JobConfig as TorchTitanJobConfig
 from torchtitan.models import _supported_models
@@ -24,6 +25,7 @@ from torchtitan_ext.config import check_ranges, comm_backend, ConfigError, FIELD
 from torchtitan_ext.data import check_dataset_options
 from torchtitan_ext.ep import BACKENDS
 from torchtitan_ext.ep.base import max_tokens_per_rank, MoEShape
+from torchtitan_ext.placement import load_placement
 
 
 @dataclass
@@ -33,6 +35,7 @@ class SharedSections:
     parallelism: config.Parallelism = field(default_factory=config.Parallelism)
     routing_stats: config.RoutingStats = field(default_factory=config.RoutingStats)
     faults: config.Faults = field(default_factory=config.Faults)
+    expert_placement: config.ExpertPlacement = field(default_factory=config.ExpertPlacement)
 
 
 JobConfig = dataclasses.make_dataclass(
@@ -83,6 +86,19 @@ def moe_shape(job_config) -> MoEShape | None:
     return MoEShape(model_args.dim, moe_args.num_experts, moe_args.top_k, max_tokens_per_rank(job_config))
 
 
+def meta_model(job_config):
+    """The job's model on the meta device: its structure, no memory."""
+    model_args = model_args_of(job_config)
+    model_args.update_from_config(job_config)
+    with torch.device("meta"):
+        return get_train_spec(job_config.model.name).model_cls(model_args)
+
+
+def moe_layer_ids(job_config) -> list[int]:
+    """Ids of the model's MoE layers (the ``layers.<id>`` of their parameters)."""
+    return sorted(int(layer_id) for layer_id, block in meta_model(job_config).layers.items() if block.moe_enabled)
+
+
 def validate(job_config, *, device_type: str | None, world_size: int | None = None) -> None:
     """Reject invalid values and combinations before anything is allocated.
 
@@ -108,6 +124,19 @@ def validate(job_config, *, device_type: str | None, world_size: int | None = No
         _check_world_size(job_config, world_size)
     if shape is not None:
         BACKENDS[backend].validate_config(job_config, device_type, shape)
+    _check_expert_placement(job_config, shape)
+
+
+def _check_expert_placement(job_config, shape: MoEShape | None) -> None:
+    path = job_config.expert_placement.file
+    if not path:
+        return
+    where = f"expert_placement.file = '{path}'"
+    if shape is None:
+        raise ConfigError(f"{where} but the model has no MoE layers: remove [expert_placement] file")
+    load_placement(path).check_job(
+        moe_layer_ids(job_config), shape.num_experts, job_config.parallelism.expert_parallel_degree, where
+    )
 
 
 def _check_foreign_sections(job_config, backend: str) -> None:

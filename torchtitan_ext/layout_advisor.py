@@ -14,7 +14,6 @@ from dataclasses import dataclass, replace
 
 import torch
 from torchtitan.config import TORCH_DTYPE_MAP
-from torchtitan.protocols.train_spec import get_train_spec
 
 from torchtitan_ext.config import comm_backend, ConfigError
 from torchtitan_ext.cost_model import (
@@ -31,7 +30,7 @@ from torchtitan_ext.cost_model import (
 from torchtitan_ext.ep import BACKENDS
 from torchtitan_ext.ep.base import MoEShape
 from torchtitan_ext.topology import Topology
-from torchtitan_ext.job_config import saved_moe_layers, validate
+from torchtitan_ext.job_config import meta_model, saved_moe_layers, validate
 from torchtitan_ext.train import load_job_config
 
 
@@ -100,11 +99,8 @@ class Layout:
 
 def job_shape(job_config, world_size: int) -> JobShape:
     """The job's MoE dims, dtypes and FLOPs, from its model built on the meta device."""
-    spec = get_train_spec(job_config.model.name)
-    model_args = spec.model_args[job_config.model.flavor]
-    model_args.update_from_config(job_config)
-    with torch.device("meta"):
-        model = spec.model_cls(model_args)
+    model = meta_model(job_config)
+    model_args = model.model_args
     expert_parameters, layers, moe_layers = 0, {}, set()
     for name, parameter in model.named_parameters():
         parts = name.split(".")

@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         topology = load_topology(args.topology) if args.topology else None
         job_config = load_job_config(train_args, device_type=None)
-        world_size = args.world_size or _world_size(job_config)
+        world_size = args.world_size or job_world_size(job_config)
         if world_size < 1:
             raise ConfigError(f"--world-size {world_size}: use a rank count >= 1")
         if topology is not None:
@@ -306,7 +306,8 @@ def _paper(args) -> list[str]:
     return format_paper(setting, f"'{link.name}' of {topology.name}")
 
 
-def _world_size(job_config) -> int:
+def job_world_size(job_config) -> int:
+    """The world size the job's degrees fix; ConfigError when data_parallel_shard_degree = -1 leaves it open."""
     p = job_config.parallelism
     if p.data_parallel_shard_degree < 0:
         raise ConfigError(

@@ -24,6 +24,9 @@ key                    shape               meaning
 ``transitions``        [L, E, E] int64     picks (a at layers[i], b at the next MoE layer), over
                                            the S steps; zero for the last layer of a chunk
 ``top_k``              [] int64            the router's top_k
+``sampled_expert_ids`` [S, L, N, top_k]    the top-k expert ids of the first ``sample_tokens``
+                       int16               tokens of every rank per step and layer (N = ranks x
+                                           sample_tokens, rank-major; -1 where a rank had fewer)
 =====================  ==================  ====================================================
 
 Recomputation under activation checkpointing and validation passes are not counted.
@@ -45,7 +48,10 @@ _LAYER = re.compile(r"layers\.(\d+)\.")
 class RoutingRecorder:
     """Device-side routing counts for every MoE layer of a rank's model chunks."""
 
-    def __init__(self, num_layers: int, num_experts: int, top_k: int, device: torch.device, routing_copies: int = 1):
+    def __init__(
+        self, num_layers: int, num_experts: int, top_k: int, device: torch.device, routing_copies: int = 1,
+        sample_tokens: int = 0,
+    ):
         self.num_experts = num_experts
         self.top_k = top_k
         self.routing_copies = routing_copies
@@ -55,6 +61,9 @@ class RoutingRecorder:
         self.coactivation = torch.zeros((num_layers, num_experts, num_experts), dtype=torch.int64, device=device)
         self.transitions = torch.zeros_like(self.coactivation)
         self.history: list[torch.Tensor] = []
+        self.sample = torch.full((num_layers, sample_tokens, top_k), -1, dtype=torch.int32, device=device)
+        self.sampled = [0] * num_layers
+        self.sample_history: list[torch.Tensor] = []
         self.steps: list[int] = []
         self.moe_layers: set[int] = set()
         self._next_layer: dict[int, int] = {}
@@ -95,12 +104,18 @@ class RoutingRecorder:
             if previous is not None and self._next_layer.get(previous[0]) == layer:
                 self.transitions[previous[0]] += (previous[1].t() @ picks).to(torch.int64)
             self._previous = (layer, picks)
+            taken = min(self.sample.shape[1] - self.sampled[layer], expert_ids.shape[0])
+            self.sample[layer, self.sampled[layer]:self.sampled[layer] + taken] = expert_ids[:taken]
+            self.sampled[layer] += taken
 
     def end_step(self, step: int) -> None:
         self.history.append(self.current.clone())
         self.steps.append(step)
         self.current.zero_()
         self._previous = None
+        self.sample_history.append(self.sample.clone())
+        self.sample.fill_(-1)
+        self.sampled = [0] * len(self.sampled)
 
     def save(self, folder: Path | str) -> Path | None:
         """Sum over all ranks; rank 0 writes the window's file. Returns its path on rank 0."""
@@ -113,6 +128,11 @@ class RoutingRecorder:
             if dist.is_initialized():
                 dist.all_reduce(tensor)
         moe = layers.nonzero().squeeze(1).tolist()
+        sampled = torch.stack(self.sample_history)[:, moe]  # [S, L, sample_tokens, top_k]
+        if dist.is_initialized():
+            ranks = [torch.empty_like(sampled) for _ in range(dist.get_world_size())]
+            dist.all_gather(ranks, sampled)
+            sampled = torch.cat(ranks, dim=2)
         arrays = {
             "steps": np.array(self.steps, dtype=np.int64),
             "layers": np.array(moe, dtype=np.int64),
@@ -120,9 +140,10 @@ class RoutingRecorder:
             "coactivation": (self.coactivation[moe] // self.routing_copies).cpu().numpy(),
             "transitions": (self.transitions[moe] // self.routing_copies).cpu().numpy(),
             "top_k": np.array(self.top_k, dtype=np.int64),
+            "sampled_expert_ids": sampled.to(torch.int16).cpu().numpy(),
         }
         path = Path(folder) / f"routing_step{self.steps[-1]:06d}.npz"
-        self.history, self.steps = [], []
+        self.history, self.steps, self.sample_history = [], [], []
         self.coactivation.zero_()
         self.transitions.zero_()
         if dist.is_initialized() and dist.get_rank() != 0:
@@ -139,19 +160,26 @@ def load(path: Path | str) -> dict[str, np.ndarray]:
 
 
 def load_folder(folder: Path | str) -> dict[str, np.ndarray]:
-    """All files of a dump folder merged in step order: per-step counts concatenated, matrices summed."""
+    """All files of a dump folder merged in step order: per-step arrays concatenated, matrices summed;
+    ``file_steps`` [F] and ``file_coactivation`` [F, L, E, E] keep each file's steps and co-activation
+    (for splitting a dump in time); ``sampled_expert_ids`` only when every file has it."""
     files = sorted(Path(folder).glob("routing_step*.npz"))
     if not files:
         raise FileNotFoundError(f"no routing_step*.npz files in {folder}: train with [routing_stats] enable = true")
     parts = [load(path) for path in files]
-    return {
+    merged = {
         "steps": np.concatenate([p["steps"] for p in parts]),
         "layers": parts[0]["layers"],
         "tokens_per_expert": np.concatenate([p["tokens_per_expert"] for p in parts]),
         "coactivation": sum(p["coactivation"] for p in parts),
         "transitions": sum(p["transitions"] for p in parts),
         "top_k": parts[0]["top_k"],
+        "file_steps": np.array([len(p["steps"]) for p in parts], dtype=np.int64),
+        "file_coactivation": np.stack([p["coactivation"] for p in parts]),
     }
+    if all("sampled_expert_ids" in p for p in parts):
+        merged["sampled_expert_ids"] = np.concatenate([p["sampled_expert_ids"] for p in parts])
+    return merged
 
 
 def recorder_for(job_config, model_parts, parallel_dims) -> "RoutingRecorder | None":
@@ -165,6 +193,7 @@ def recorder_for(job_config, model_parts, parallel_dims) -> "RoutingRecorder | N
         top_k=args.moe_args.top_k,
         device=next(model_parts[0].parameters()).device,
         routing_copies=parallel_dims.tp,
+        sample_tokens=job_config.routing_stats.sample_tokens,
     )
     recorder.attach(model_parts)
     return recorder

@@ -18,11 +18,13 @@ from torchtitan_ext import faults, routing_stats, runtime
 from torchtitan_ext import job_config as job_config_module
 from torchtitan_ext.config import ConfigError, explicit_settings
 from torchtitan_ext.data import prepare_embedded_assets, register_embedded_dataset
+from torchtitan_ext.expert_migration import ExpertPlacement
 from torchtitan_ext.models import register_train_specs
 
 
 class Trainer(TorchTitanTrainer):
-    """torchtitan's ``Trainer`` plus the runtime accommodations, the routing recorder, pipeline
+    """torchtitan's ``Trainer`` plus the runtime accommodations, the routing recorder, the expert
+    placement (:mod:`torchtitan_ext.expert_migration`), pipeline
     gradients normalized like the others' (:mod:`torchtitan_ext.loss`), and the fault handling of
     :mod:`torchtitan_ext.faults` (preemption, non-finite values, named collective failures)."""
 
@@ -30,6 +32,13 @@ class Trainer(TorchTitanTrainer):
         super().__init__(job_config)
         runtime.adapt_model_parts(self.model_parts)
         self.routing_recorder = routing_stats.recorder_for(job_config, self.model_parts, self.parallel_dims)
+        moe_args = getattr(self.model_parts[0].model_args, "moe_args", None)
+        if moe_args is not None:
+            placement = ExpertPlacement(
+                job_config, self.model_parts, self.optimizers, job_config_module.moe_layer_ids(job_config),
+                moe_args.num_experts, self.device,
+            )
+            placement.attach(self.checkpointer)
         self.preemption = preemption or faults.PreemptionRequest()
         args = self.model_parts[0].model_args
         self.router_health = (

@@ -273,6 +273,11 @@ class RoutedExpertParallel(ExpertParallel, ABC):
         return {}
 
     @classmethod
+    def nvlink_domain_ranks(cls, job_config) -> int | None:
+        """EP ranks per NVLink domain this backend is configured for, or None if it has no such notion."""
+        return None
+
+    @classmethod
     def planned_modes(cls, job_config) -> list[tuple[str, float | None]]:
         """The planner's rows for this backend: (mode label, non-blocking capacity factor or None)."""
         return [("", None)]

@@ -393,6 +393,10 @@ class HybridEPExpertParallel(RoutedExpertParallel):
             )
 
     @classmethod
+    def nvlink_domain_ranks(cls, job_config) -> int | None:
+        return job_config.hybridep.ranks_per_nvlink_domain
+
+    @classmethod
     def library_environment(cls, job_config) -> dict[str, str]:
         return library_environment(job_config.hybridep)
 

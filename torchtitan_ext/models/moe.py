@@ -6,7 +6,8 @@ instead (tokens, top-k scores, top-k expert ids), so the parallelize plan
 turns each MoE it applies EP to into an :class:`ExpertParallelMoE`: same
 parameters, buffers and checkpoint keys, a forward that passes the routing to
 the experts, whose EP hooks dispatch, run the experts and combine. Layers
-without EP keep torchtitan's forward.
+without EP keep torchtitan's forward. Under an expert placement the routers'
+logical expert ids are mapped to physical slots before dispatch.
 """
 
 import torch
@@ -59,6 +60,9 @@ class ExpertParallelMoE(MoE):
     """torchtitan's MoE whose routed experts are wrapped by an EP backend."""
 
     token_split: TensorParallelTokenSplit | None = None
+    expert_slot: torch.Tensor | None = None
+    """Physical slot of each logical expert under an expert placement (torchtitan_ext.expert_migration);
+    None: expert e in slot e."""
 
     @classmethod
     def adopt(cls, moe: MoE, token_split: TensorParallelTokenSplit | None = None) -> "ExpertParallelMoE":
@@ -73,6 +77,9 @@ class ExpertParallelMoE(MoE):
         top_scores, expert_ids, num_tokens_per_expert = self.router(x, self.expert_bias)
         with torch.no_grad():
             self.tokens_per_expert.add_(num_tokens_per_expert)
+        if self.expert_slot is not None:
+            # after the router's own counts: statistics and load balancing stay per logical expert
+            expert_ids = self.expert_slot[expert_ids]
         tokens, routing = x, Routing(top_scores, expert_ids)
         if self.token_split is not None:
             split = self.token_split.split

@@ -1,0 +1,101 @@
+"""Expert placement on this machine: record routing, place, resume with and without the placement.
+
+    python scripts/check_placement.py [--record-steps 20] [--save-every 5] [--steps 6] [--warmup 2] [--rounds 2]
+
+1. Trains the DeepSeek-V3 debug model at NGPU=4, EP=4 for ``--record-steps``
+   steps with routing statistics (a file every ``--save-every`` steps) and a
+   full checkpoint at the end.
+2. Runs ``python -m torchtitan_ext.placement`` on that dump (fit on the first
+   half of its files, evaluated on the second).
+3. Resumes the checkpoint for ``--steps`` more steps without and with the
+   placement, alternating (A B A B ...), every rank's log shown; per step the
+   slowest rank's step_time, median over the steps after ``--warmup``; and the
+   placed runs' migration time from their log.
+
+Prints the placement report's summary and both step times.
+"""
+
+import argparse
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+STEP_TIME = re.compile(r"\[rank(\d+)\]:.*step:\s+(\d+)\s.*step_time:\s+([0-9.]+)s")
+MOVED = re.compile(r"\[rank(\d+)\]:.*Expert placement: moved .*: ([0-9.]+) MB sent by this rank in ([0-9.]+) s")
+JOB = ["--parallelism.expert_parallel_degree", "4", "--metrics.disable_color_printing"]
+
+
+def launch(*args: str, log_ranks: str = "0") -> str:
+    result = subprocess.run(
+        ["./run_train.sh", *JOB, *args], cwd=ROOT, env={**os.environ, "NGPU": "4", "LOG_RANK": log_ranks},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1800,
+    )
+    if result.returncode != 0:
+        sys.exit(f"error: run failed ({' '.join(args)}):\n{result.stdout[-3000:]}")
+    return result.stdout
+
+
+def slowest_rank_median(output: str, warmup: int) -> float:
+    per_step: dict[int, float] = {}
+    for _, step, seconds in STEP_TIME.findall(output):
+        per_step[int(step)] = max(per_step.get(int(step), 0.0), float(seconds))
+    first = min(per_step)
+    return statistics.median(t for step, t in per_step.items() if step >= first + warmup)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--record-steps", type=int, default=20)
+    parser.add_argument("--save-every", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=6, help="steps of each resumed run")
+    parser.add_argument("--warmup", type=int, default=2, help="first steps of each resumed run not timed")
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        record = args.record_steps
+        print(f"recording {record} steps at NGPU=4, EP=4 ...", flush=True)
+        launch("--training.steps", str(record), "--routing_stats.enable", "--routing_stats.save_every",
+               str(args.save_every), "--checkpoint.enable", "--checkpoint.interval", str(record),
+               "--checkpoint.last_save_model_only", "false", "--job.dump_folder", str(tmp / "record"))
+        placement = tmp / "placement.json"
+        report = subprocess.run(
+            [sys.executable, "-m", "torchtitan_ext.placement", "--routing-stats", str(tmp / "record/routing_stats"),
+             "--job.config_file", "train_configs/debug_model.toml", *JOB[:2], "--world-size", "4",
+             "-o", str(placement)],
+            cwd=ROOT, stdout=subprocess.PIPE, text=True, check=True,
+        ).stdout
+        print(report)
+        times = {"identity": [], "placed": []}
+        migration = []
+        runs = [(r, v) for r in range(args.rounds) for v in times]
+        for round_index, variant in tqdm(runs, desc="resumed runs", unit="run"):
+            folder = tmp / f"{variant}{round_index}"
+            shutil.copytree(tmp / f"record/checkpoint/step-{record}", folder / f"checkpoint/step-{record}")
+            extra = ["--expert_placement.file", str(placement)] if variant == "placed" else []
+            output = launch(
+                "--training.steps", str(record + args.steps), "--checkpoint.enable", "--checkpoint.load_step",
+                str(record), "--checkpoint.interval", str(10 * (record + args.steps)), "--job.dump_folder",
+                str(folder), *extra, log_ranks="0,1,2,3",
+            )
+            times[variant].append(slowest_rank_median(output, args.warmup))
+            migration += [float(seconds) for _, _, seconds in MOVED.findall(output)]
+    for variant, values in times.items():
+        print(f"{variant}: slowest-rank step time, median per run: {', '.join(f'{v:.3f}' for v in values)} s; "
+              f"median {statistics.median(values):.3f} s")
+    ratio = statistics.median(times["placed"]) / statistics.median(times["identity"])
+    print(f"placed / identity: {ratio:.3f}")
+    if migration:
+        print(f"migration at resume: {min(migration):.3f}-{max(migration):.3f} s per rank")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,496 @@
+"""Expert placement from recorded routing: which physical slot holds each logical expert.
+
+    python -m torchtitan_ext.placement --routing-stats DUMP --job.config_file X [overrides]
+        [--world-size N] [--ranks-per-domain D] [--holdout F] [--load-tolerance T] [-o placement.json]
+
+Under expert parallelism EP rank r holds the physical slots r*m .. r*m+m-1
+(m = experts / EP). A placement maps every MoE layer's logical experts (the
+router's ids) onto those slots. For each layer this tool picks the placement
+that, on the dump's first steps (the fit steps):
+
+1. minimises the largest per-rank token load (greedy longest-processing-time
+   over ranks with free slots, then load-reducing swaps);
+2. among placements whose largest rank load is within ``--load-tolerance`` of
+   that, keeps co-activated experts together: swaps that raise the tokens
+   whose top-k pairs share a rank (and, weighted equally, an NVLink domain),
+   from the dump's co-activation matrix. With top-k = 2 that count is exactly
+   the copies a token saves under a backend that sends it once per rank; with
+   larger k it is the pairwise estimate.
+
+It never returns a placement worse than the identity on the fit steps: the
+identity is a candidate, and a candidate with a higher rank load max/mean or
+more distinct ranks per token (exact, from the sampled routing) than the
+identity is not taken. It then reports, on the held-out later steps, rank load
+max/mean, distinct ranks and domains per token, and the predicted dispatch
+bytes per backend, before and after.
+
+The design follows the seed papers with their failure modes removed (see
+docs/planning.md): from adaptive replication (seed 002) the separation of
+placement from the training state, which makes moving experts a checkpoint-time
+all-to-all (:mod:`torchtitan_ext.expert_migration`), without its replica-count
+loop, which does not terminate on skewed loads, and without replication (every
+slot holds one expert); from ExFlow (seed 004) affinity placement, in its
+intra-layer form (co-activation), since in training every layer returns tokens
+to their home rank, and with a token-load constraint where ExFlow balances only
+expert counts.
+
+The file (JSON), as training's ``[expert_placement] file`` reads it::
+
+    {"num_experts": 8, "expert_parallel_degree": 4,
+     "layers": {"1": [3, 0, 5, 7, 1, 2, 6, 4], ...}}
+
+``layers[L][s]`` is the logical expert in physical slot s of MoE layer L: every
+MoE layer of the model, each a permutation of 0 .. experts-1.
+"""
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from torchtitan_ext.config import ConfigError
+from torchtitan_ext.ep import BACKENDS
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Logical expert per physical slot, for every MoE layer."""
+
+    num_experts: int
+    expert_parallel_degree: int
+    layers: dict[int, tuple[int, ...]]
+    """MoE layer id -> the logical expert in each physical slot."""
+
+    @classmethod
+    def identity(cls, layers, num_experts: int, expert_parallel_degree: int) -> "Placement":
+        return cls(num_experts, expert_parallel_degree, {layer: tuple(range(num_experts)) for layer in layers})
+
+    def is_identity(self) -> bool:
+        return all(slots == tuple(range(self.num_experts)) for slots in self.layers.values())
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "num_experts": self.num_experts,
+            "expert_parallel_degree": self.expert_parallel_degree,
+            "layers": {str(layer): list(slots) for layer, slots in sorted(self.layers.items())},
+        })
+
+    def check_job(self, moe_layers, num_experts: int, expert_parallel_degree: int, where: str) -> None:
+        """ConfigError unless this placement fits the model's MoE layers and the job's EP degree."""
+        if self.num_experts != num_experts:
+            raise ConfigError(
+                f"{where}: placement for {self.num_experts} experts but the model has {num_experts}: "
+                "make the placement for this model (python -m torchtitan_ext.placement)"
+            )
+        if set(self.layers) != set(moe_layers):
+            raise ConfigError(
+                f"{where}: placement layers {sorted(self.layers)} are not the model's MoE layers "
+                f"{sorted(moe_layers)}: make the placement for this model"
+            )
+        if expert_parallel_degree == 1:
+            raise ConfigError(
+                f"{where}: a placement needs expert parallelism, but parallelism.expert_parallel_degree = 1: "
+                "remove [expert_placement] file or set expert_parallel_degree > 1"
+            )
+        if self.expert_parallel_degree != expert_parallel_degree:
+            raise ConfigError(
+                f"{where}: placement made for expert_parallel_degree = {self.expert_parallel_degree} but the job "
+                f"runs {expert_parallel_degree}: make it for this EP degree (python -m torchtitan_ext.placement)"
+            )
+
+
+def load_placement(path: str) -> Placement:
+    """A placement file; ConfigError naming the problem (the file's own consistency: not the job's)."""
+    where = f"expert_placement.file = '{path}'"
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{where} does not exist: make one with python -m torchtitan_ext.placement") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{where} is not a JSON placement file ({e})") from None
+    missing = [key for key in ("num_experts", "expert_parallel_degree", "layers") if key not in data]
+    if not isinstance(data, dict) or missing:
+        raise ConfigError(f"{where} lacks {', '.join(missing) or 'its keys'}: make it with python -m torchtitan_ext.placement")
+    experts, ep = data["num_experts"], data["expert_parallel_degree"]
+    if not isinstance(experts, int) or not isinstance(ep, int) or experts < 1 or ep < 1 or experts % ep:
+        raise ConfigError(f"{where}: num_experts = {experts} and expert_parallel_degree = {ep} must be positive "
+                          "integers, the second dividing the first")
+    layers = {}
+    for key, slots in data["layers"].items():
+        if not key.isdigit():
+            raise ConfigError(f"{where}: layer id '{key}' is not a model layer number")
+        if not isinstance(slots, list) or sorted(slots) != list(range(experts)):
+            raise ConfigError(
+                f"{where}: layer {key} is not a permutation of the experts 0..{experts - 1} "
+                f"({_permutation_problem(slots, experts)})"
+            )
+        layers[int(key)] = tuple(slots)
+    return Placement(experts, ep, layers)
+
+
+def _permutation_problem(slots, experts: int) -> str:
+    if not isinstance(slots, list):
+        return "not a list"
+    if len(slots) != experts:
+        return f"{len(slots)} slots for {experts} experts"
+    seen = set()
+    for value in slots:
+        if not isinstance(value, int) or not 0 <= value < experts:
+            return f"{value!r} is not an expert id"
+        if value in seen:
+            return f"expert {value} appears twice"
+        seen.add(value)
+    return "unordered"
+
+
+# --- the placement of one layer -----------------------------------------------------------------
+
+
+def balance_loads(loads: np.ndarray, ranks: int) -> np.ndarray:
+    """Rank of each expert, equal expert counts, minimising the largest rank load.
+
+    Longest-processing-time first over the ranks that still have a free slot,
+    then swaps between the most loaded rank and another while one lowers the
+    larger of the two: each swap lowers the most loaded rank's load or leaves
+    fewer ranks at it, so the loop ends.
+    """
+    experts = len(loads)
+    per_rank = experts // ranks
+    rank_of = np.empty(experts, dtype=np.int64)
+    rank_load = np.zeros(ranks, dtype=np.float64)
+    free = np.full(ranks, per_rank)
+    for expert in np.argsort(-loads, kind="stable"):
+        open_ranks = np.flatnonzero(free)
+        rank = open_ranks[np.argmin(rank_load[open_ranks])]
+        rank_of[expert] = rank
+        rank_load[rank] += loads[expert]
+        free[rank] -= 1
+    while True:
+        hot = int(np.argmax(rank_load))
+        mine = np.flatnonzero(rank_of == hot)
+        others = np.flatnonzero(rank_of != hot)
+        # swapping a (hot) with b (rank j): the pair's larger load after the swap must drop below hot's
+        delta = loads[mine][:, None] - loads[others][None, :]
+        after = np.maximum(rank_load[hot] - delta, rank_load[rank_of[others]][None, :] + delta)
+        best = np.unravel_index(np.argmin(after), after.shape)
+        if after[best] >= rank_load[hot] - 1e-9:
+            return rank_of
+        a, b = mine[best[0]], others[best[1]]
+        rank_load[hot] -= delta[best]
+        rank_load[rank_of[b]] += delta[best]
+        rank_of[a], rank_of[b] = rank_of[b], hot
+
+
+def group_by_affinity(
+    rank_of: np.ndarray, loads: np.ndarray, coactivation: np.ndarray, ranks_per_domain: int, load_cap: float,
+    max_rounds: int,
+) -> np.ndarray:
+    """Swap experts between ranks to raise the co-activation kept within a rank (and a domain).
+
+    Each round takes the best swaps that touch pairwise different domains and
+    ranks (so that their gains add up exactly), each keeping both ranks' loads
+    at or under ``load_cap`` and strictly raising the integer score; at most
+    ``max_rounds`` rounds.
+    """
+    rank_of = rank_of.copy()
+    experts = len(rank_of)
+    ranks = int(rank_of.max()) + 1
+    pair = coactivation.astype(np.float64)
+    np.fill_diagonal(pair, 0.0)
+    rank_load = np.bincount(rank_of, weights=loads, minlength=ranks)
+    by_rank = pair @ np.eye(ranks)[rank_of]                     # [E, R]: each expert's affinity to each rank
+    by_domain = by_rank.reshape(experts, ranks // ranks_per_domain, ranks_per_domain).sum(axis=2)
+    delta = loads[:, None] - loads[None, :]
+    rows = np.arange(experts)
+    for _ in range(max_rounds):
+        domain_of = rank_of // ranks_per_domain
+        own_rank, own_domain = by_rank[rows, rank_of], by_domain[rows, domain_of]
+        # a (rank i) <-> b (rank j): a joins j and b joins i, and their own pair stays apart
+        gain = (by_rank[:, rank_of].T - own_rank[:, None] + by_rank[:, rank_of] - own_rank[None, :]
+                + by_domain[:, domain_of].T - own_domain[:, None] + by_domain[:, domain_of] - own_domain[None, :])
+        gain -= 2 * pair * (1 + (domain_of[:, None] != domain_of[None, :]))
+        fits = (rank_load[rank_of][:, None] - delta <= load_cap) & (rank_load[rank_of][None, :] + delta <= load_cap)
+        gain[~fits | (rank_of[:, None] == rank_of[None, :])] = 0.0
+        order = np.argsort(-gain, axis=None)[: 4 * ranks]
+        used_ranks, used_domains, swaps = set(), set(), []
+        for flat in order:
+            a, b = divmod(int(flat), experts)
+            if gain[a, b] <= 0.5:  # scores are integer token counts: anything less is no gain
+                break
+            touched = {int(rank_of[a]), int(rank_of[b])}
+            # a swap inside one domain leaves every domain's score alone
+            domains = {int(domain_of[a]), int(domain_of[b])} if domain_of[a] != domain_of[b] else set()
+            if touched & used_ranks or domains & used_domains:
+                continue
+            used_ranks |= touched
+            used_domains |= domains
+            swaps.append((a, b))
+        if not swaps:
+            break
+        for a, b in swaps:
+            i, j = rank_of[a], rank_of[b]
+            rank_load[i] -= delta[a, b]
+            rank_load[j] += delta[a, b]
+            moved = pair[:, b] - pair[:, a]
+            by_rank[:, i] += moved
+            by_rank[:, j] -= moved
+            by_domain[:, i // ranks_per_domain] += moved
+            by_domain[:, j // ranks_per_domain] -= moved
+            rank_of[a], rank_of[b] = j, i
+    return rank_of
+
+
+def slots_from_ranks(rank_of: np.ndarray) -> tuple[int, ...]:
+    """Logical expert per physical slot: each rank's experts in its slots, by expert id."""
+    return tuple(int(e) for e in np.lexsort((np.arange(len(rank_of)), rank_of)))
+
+
+def ranks_from_slots(slots, ranks: int) -> np.ndarray:
+    """EP rank of each logical expert under ``slots`` (logical expert per physical slot)."""
+    per_rank = len(slots) // ranks
+    rank_of = np.empty(len(slots), dtype=np.int64)
+    rank_of[list(slots)] = np.arange(len(slots)) // per_rank
+    return rank_of
+
+
+# --- measures ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Measures:
+    """How a placement does on some steps of recorded routing."""
+
+    load_max_over_mean: float
+    """Per step: the most loaded EP rank's (token, expert) pairs over the mean; averaged over the steps."""
+    distinct_ranks: float
+    """Distinct EP ranks among a token's top-k experts, averaged over the sampled tokens."""
+    distinct_domains: float
+    """The same for NVLink domains (groups of ``ranks_per_domain`` consecutive EP ranks)."""
+
+
+def measure(rank_of: np.ndarray, tokens_per_expert: np.ndarray, sampled: np.ndarray, ranks_per_domain: int) -> Measures:
+    """``tokens_per_expert`` [steps, E]; ``sampled`` [tokens, top_k] expert ids (rows with -1 dropped)."""
+    ranks = int(rank_of.max()) + 1
+    per_rank = np.stack([np.bincount(rank_of, weights=step, minlength=ranks) for step in tokens_per_expert])
+    mean = per_rank.mean(axis=1)
+    ratio = float(np.mean(per_rank.max(axis=1)[mean > 0] / mean[mean > 0]))
+    token_ranks = rank_of[sampled]
+    return Measures(ratio, _distinct_per_row(token_ranks), _distinct_per_row(token_ranks // ranks_per_domain))
+
+
+def _distinct_per_row(values: np.ndarray) -> float:
+    ordered = np.sort(values, axis=1)
+    return float(np.mean(1 + (np.diff(ordered, axis=1) != 0).sum(axis=1)))
+
+
+def dispatch_copies(measures: Measures, top_k: int) -> dict[str, float]:
+    """Copies of a token each backend's dispatch sends: k, or one per distinct rank."""
+    return {
+        name: measures.distinct_ranks if backend.sends_each_token_once_per_rank else float(top_k)
+        for name, backend in BACKENDS.items()
+    }
+
+
+# --- the tool ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerResult:
+    layer: int
+    slots: tuple[int, ...]
+    fit_before: Measures
+    fit_after: Measures
+    held_out_before: Measures
+    held_out_after: Measures
+    kept_identity: bool
+
+
+def split_steps(stats: dict, holdout: float) -> tuple[int, int]:
+    """(files to fit on, first held-out step index): the dump's files split in time order."""
+    files = len(stats["file_steps"])
+    if files < 2:
+        raise ConfigError(
+            f"--routing-stats has {files} file: fitting and held-out evaluation need at least 2 "
+            "(train with a routing_stats.save_every that splits the run into several files)"
+        )
+    fit_files = min(files - 1, max(1, round(files * (1 - holdout))))
+    return fit_files, int(sum(stats["file_steps"][:fit_files]))
+
+
+def place(stats: dict, ranks: int, ranks_per_domain: int, holdout: float, load_tolerance: float, progress=True):
+    """One :class:`LayerResult` per MoE layer of a dump loaded by :func:`load_dump`."""
+    fit_files, first_held_out = split_steps(stats, holdout)
+    top_k = int(stats["top_k"])
+    experts = stats["tokens_per_expert"].shape[-1]
+    results = []
+    layers = list(enumerate(stats["layers"].tolist()))
+    for index, layer in tqdm(layers, desc="placing layers", unit="layer", disable=not progress):
+        counts = stats["tokens_per_expert"][:, index].astype(np.float64)
+        sampled = stats["sampled_expert_ids"][:, index]
+        fit = (counts[:first_held_out], _rows(sampled[:first_held_out], top_k))
+        held_out = (counts[first_held_out:], _rows(sampled[first_held_out:], top_k))
+        loads = fit[0].sum(axis=0)
+        coactivation = sum(part[index] for part in stats["file_coactivation"][:fit_files])
+        identity = np.arange(experts) // (experts // ranks)
+        balanced = balance_loads(loads, ranks)
+        cap = np.bincount(balanced, weights=loads, minlength=ranks).max() * (1 + load_tolerance)
+        max_rounds = 4 * experts
+        candidates = [
+            group_by_affinity(balanced, loads, coactivation, ranks_per_domain, cap, max_rounds),
+            group_by_affinity(identity, loads, coactivation, ranks_per_domain,
+                              np.bincount(identity, weights=loads, minlength=ranks).max(), max_rounds),
+        ]
+        before = measure(identity, *fit, ranks_per_domain)
+        chosen, chosen_measures = identity, before
+        for candidate in candidates:
+            got = measure(candidate, *fit, ranks_per_domain)
+            if got.load_max_over_mean > before.load_max_over_mean + 1e-12 or got.distinct_ranks > before.distinct_ranks:
+                continue
+            if (got.load_max_over_mean, got.distinct_ranks) < (chosen_measures.load_max_over_mean, chosen_measures.distinct_ranks):
+                chosen, chosen_measures = candidate, got
+        results.append(LayerResult(
+            layer=layer,
+            slots=slots_from_ranks(chosen),
+            fit_before=before,
+            fit_after=chosen_measures,
+            held_out_before=measure(identity, *held_out, ranks_per_domain),
+            held_out_after=measure(chosen, *held_out, ranks_per_domain),
+            kept_identity=chosen is identity,
+        ))
+    return results
+
+
+def _rows(sampled: np.ndarray, top_k: int) -> np.ndarray:
+    rows = sampled.reshape(-1, top_k)
+    return rows[(rows >= 0).all(axis=1)]
+
+
+def load_dump(folder: str) -> dict:
+    """A routing-statistics folder with the per-file co-activation kept apart (for the fit/held-out split)."""
+    from torchtitan_ext.routing_stats import load_folder
+
+    try:
+        stats = load_folder(folder)
+    except FileNotFoundError as e:
+        raise ConfigError(f"--routing-stats: {e}") from None
+    if "sampled_expert_ids" not in stats:
+        raise ConfigError(
+            f"--routing-stats {folder} has no sampled routing (sampled_expert_ids): record it again with this "
+            "version ([routing_stats] enable = true, sample_tokens > 0)"
+        )
+    return stats
+
+
+def format_results(results: list[LayerResult], top_k: int, tokens_per_step: float, token_bytes: int) -> list[str]:
+    def row(name: str, m: Measures) -> str:
+        copies = dispatch_copies(m, top_k)
+        megabytes = " ".join(f"{name}={copies[name] * tokens_per_step * token_bytes / 1e6:.2f}" for name in copies)
+        return (f"  {name:<22} load max/mean {m.load_max_over_mean:.3f}  ranks/token {m.distinct_ranks:.3f}  "
+                f"domains/token {m.distinct_domains:.3f}  dispatch MB/step {megabytes}")
+
+    lines = []
+    for r in results:
+        note = " (identity kept: no candidate was better on the fit steps)" if r.kept_identity else ""
+        lines.append(f"MoE layer {r.layer}{note}")
+        lines += [row("fit, identity", r.fit_before), row("fit, placed", r.fit_after),
+                  row("held-out, identity", r.held_out_before), row("held-out, placed", r.held_out_after)]
+    mean = {
+        key: np.mean([getattr(getattr(r, key), field) for r in results])
+        for key in ("held_out_before", "held_out_after") for field in ("load_max_over_mean",)
+    }
+    ranks = {key: np.mean([getattr(r, key).distinct_ranks for r in results]) for key in ("held_out_before", "held_out_after")}
+    lines.append(
+        f"All {len(results)} MoE layers, held-out steps: load max/mean {mean['held_out_before']:.3f} -> "
+        f"{mean['held_out_after']:.3f}, distinct ranks per token {ranks['held_out_before']:.3f} -> "
+        f"{ranks['held_out_after']:.3f}"
+    )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description="Expert placement from recorded routing (see the module docstring)",
+        epilog="Other arguments are the job's config overrides (--job.config_file X, --section.key value).",
+    )
+    parser.add_argument("--routing-stats", required=True, help="routing-statistics folder of a run ([routing_stats])")
+    parser.add_argument("--world-size", type=int, help="processes of the job that will use the placement (default: NGPU or the config's degrees)")
+    parser.add_argument("--ranks-per-domain", type=int,
+                        help="EP ranks per NVLink domain (default: the backend's configured domain, else all EP ranks)")
+    parser.add_argument("--holdout", type=float, default=0.5, help="fraction of the dump's files (the last ones) held out for evaluation, in (0, 1)")
+    parser.add_argument("--load-tolerance", type=float, default=0.02,
+                        help="how far over the balanced placement's largest rank load grouping may go, as a fraction >= 0")
+    parser.add_argument("-o", "--output", default="placement.json", help="placement file to write")
+    args, train_args = parser.parse_known_args(argv)
+    try:
+        result = _run(args, train_args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print("\n".join(result))
+
+
+def _run(args, train_args) -> list[str]:
+    from torchtitan_ext import runtime
+    from torchtitan_ext.data import register_embedded_dataset
+    from torchtitan_ext.job_config import moe_layer_ids, moe_shape
+    from torchtitan_ext.models import register_train_specs
+    from torchtitan_ext.plan import job_world_size
+    from torchtitan_ext.train import load_job_config
+
+    if not 0 < args.holdout < 1:
+        raise ConfigError(f"--holdout {args.holdout}: use a fraction between 0 and 1, e.g. 0.5")
+    if args.load_tolerance < 0:
+        raise ConfigError(f"--load-tolerance {args.load_tolerance}: use a fraction >= 0, e.g. 0.02")
+    runtime.configure()
+    register_embedded_dataset()
+    register_train_specs()
+    job_config = load_job_config(train_args, device_type=None, world_size=args.world_size)
+    world_size = args.world_size or job_world_size(job_config)
+    shape = moe_shape(job_config)
+    if shape is None:
+        raise ConfigError(f"model {job_config.model.name} {job_config.model.flavor} has no MoE layers: nothing to place")
+    ep = job_config.parallelism.expert_parallel_degree
+    if ep == 1:
+        raise ConfigError("parallelism.expert_parallel_degree = 1: placement needs expert parallelism, set it > 1")
+    stats = load_dump(args.routing_stats)
+    experts = stats["tokens_per_expert"].shape[-1]
+    moe_layers = moe_layer_ids(job_config)
+    if experts != shape.num_experts or sorted(stats["layers"].tolist()) != sorted(moe_layers):
+        raise ConfigError(
+            f"--routing-stats {args.routing_stats} records {experts} experts on layers {stats['layers'].tolist()}, "
+            f"but the job's model has {shape.num_experts} on {sorted(moe_layers)}: use a dump of this model"
+        )
+    domain = args.ranks_per_domain or BACKENDS[_backend(job_config)].nvlink_domain_ranks(job_config) or ep
+    if domain < 1 or ep % domain:
+        raise ConfigError(f"--ranks-per-domain {domain} does not divide expert_parallel_degree = {ep}: pick a divisor")
+    began = time.perf_counter()
+    results = place(stats, ep, domain, args.holdout, args.load_tolerance)
+    elapsed = time.perf_counter() - began
+    placement = Placement(experts, ep, {r.layer: r.slots for r in results})
+    Path(args.output).write_text(placement.to_json() + "\n")
+    tokens_per_step = stats["tokens_per_expert"].sum() / len(stats["steps"]) / len(moe_layers) / int(stats["top_k"])
+    token_bytes = shape.hidden_dim * 2
+    lines = [
+        f"Placement for {len(results)} MoE layers, {experts} experts on EP={ep} ({domain} ranks per domain), "
+        f"world size {world_size}; dump: {len(stats['steps'])} steps in {len(stats['file_steps'])} files, "
+        f"fit on the first {split_steps(stats, args.holdout)[1]} steps; {elapsed:.2f} s",
+        f"(dispatch MB per step and MoE layer: {tokens_per_step:.0f} tokens x copies x {token_bytes} bytes, bf16 rows)",
+        *format_results(results, int(stats["top_k"]), tokens_per_step, token_bytes),
+        f"Wrote {args.output}: train with --expert_placement.file {args.output}",
+    ]
+    return lines
+
+
+def _backend(job_config) -> str:
+    from torchtitan_ext.config import comm_backend
+
+    return comm_backend(job_config)
+
+
+if __name__ == "__main__":
+    main()
