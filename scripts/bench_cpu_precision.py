@@ -84,7 +84,7 @@ def main(argv=None):
                 progress.update(1)
     medians = {variant: statistics.median(values) for variant, values in times.items()}
     ratio = medians["default"] / medians["float32"]
-    print(f"median step time: " + ", ".join(f"{v} {m:.3f} s" for v, m in medians.items())
+    print("median step time: " + ", ".join(f"{v} {m:.3f} s" for v, m in medians.items())
           + f"; default / float32 = {ratio:.3f}")
     for variant in variants:
         print(f"{variant}: {precision[variant]}")

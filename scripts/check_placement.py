@@ -1,18 +1,21 @@
 """Expert placement on this machine: record routing, place, resume with and without the placement.
 
-    python scripts/check_placement.py [--record-steps 20] [--save-every 5] [--steps 6] [--warmup 2] [--rounds 2]
+    python scripts/check_placement.py [--record-steps 40] [--save-every 5] [--first-step 21] [--steps 6]
+        [--warmup 2] [--rounds 2]
 
 1. Trains the DeepSeek-V3 debug model at NGPU=4, EP=4 for ``--record-steps``
    steps with routing statistics (a file every ``--save-every`` steps) and a
    full checkpoint at the end.
-2. Runs ``python -m torchtitan_ext.placement`` on that dump (fit on the first
-   half of its files, evaluated on the second).
+2. Runs ``python -m torchtitan_ext.placement`` on that dump from step
+   ``--first-step`` on (fit on the first half of those files, evaluated on the
+   second).
 3. Resumes the checkpoint for ``--steps`` more steps without and with the
    placement, alternating (A B A B ...), every rank's log shown; per step the
-   slowest rank's step_time, median over the steps after ``--warmup``; and the
-   placed runs' migration time from their log.
+   slowest rank's step_time and the step log's ``recv max/mean`` (rows received
+   by the most loaded EP rank over the mean, worst layer), medians over the
+   steps after ``--warmup``; and the placed runs' migration time from their log.
 
-Prints the placement report's summary and both step times.
+Prints the placement report and both variants' numbers.
 """
 
 import argparse
@@ -29,6 +32,7 @@ from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP_TIME = re.compile(r"\[rank(\d+)\]:.*step:\s+(\d+)\s.*step_time:\s+([0-9.]+)s")
+RECEIVED = re.compile(r"\[rank0\]:.*step:\s+(\d+)\s.*recv max/mean:\s+([0-9.]+)")
 MOVED = re.compile(r"\[rank(\d+)\]:.*Expert placement: moved .*: ([0-9.]+) MB sent by this rank in ([0-9.]+) s")
 JOB = ["--parallelism.expert_parallel_degree", "4", "--metrics.disable_color_printing"]
 
@@ -47,14 +51,19 @@ def slowest_rank_median(output: str, warmup: int) -> float:
     per_step: dict[int, float] = {}
     for _, step, seconds in STEP_TIME.findall(output):
         per_step[int(step)] = max(per_step.get(int(step), 0.0), float(seconds))
+    return _median_after_warmup(per_step, warmup)
+
+
+def _median_after_warmup(per_step: dict[int, float], warmup: int) -> float:
     first = min(per_step)
-    return statistics.median(t for step, t in per_step.items() if step >= first + warmup)
+    return statistics.median(value for step, value in per_step.items() if step >= first + warmup)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--record-steps", type=int, default=20)
+    parser.add_argument("--record-steps", type=int, default=40)
     parser.add_argument("--save-every", type=int, default=5)
+    parser.add_argument("--first-step", type=int, default=21, help="the placement tool's --first-step")
     parser.add_argument("--steps", type=int, default=6, help="steps of each resumed run")
     parser.add_argument("--warmup", type=int, default=2, help="first steps of each resumed run not timed")
     parser.add_argument("--rounds", type=int, default=2)
@@ -65,16 +74,17 @@ def main() -> None:
         print(f"recording {record} steps at NGPU=4, EP=4 ...", flush=True)
         launch("--training.steps", str(record), "--routing_stats.enable", "--routing_stats.save_every",
                str(args.save_every), "--checkpoint.enable", "--checkpoint.interval", str(record),
-               "--checkpoint.last_save_model_only", "false", "--job.dump_folder", str(tmp / "record"))
+               "--checkpoint.no_last_save_model_only", "--job.dump_folder", str(tmp / "record"))
         placement = tmp / "placement.json"
         report = subprocess.run(
             [sys.executable, "-m", "torchtitan_ext.placement", "--routing-stats", str(tmp / "record/routing_stats"),
              "--job.config_file", "train_configs/debug_model.toml", *JOB[:2], "--world-size", "4",
-             "-o", str(placement)],
+             "--first-step", str(args.first_step), "-o", str(placement)],
             cwd=ROOT, stdout=subprocess.PIPE, text=True, check=True,
         ).stdout
         print(report)
         times = {"identity": [], "placed": []}
+        received = {"identity": [], "placed": []}
         migration = []
         runs = [(r, v) for r in range(args.rounds) for v in times]
         for round_index, variant in tqdm(runs, desc="resumed runs", unit="run"):
@@ -87,10 +97,14 @@ def main() -> None:
                 str(folder), *extra, log_ranks="0,1,2,3",
             )
             times[variant].append(slowest_rank_median(output, args.warmup))
+            received[variant].append(_median_after_warmup(
+                {int(step): float(value) for step, value in RECEIVED.findall(output)}, args.warmup
+            ))
             migration += [float(seconds) for _, _, seconds in MOVED.findall(output)]
     for variant, values in times.items():
         print(f"{variant}: slowest-rank step time, median per run: {', '.join(f'{v:.3f}' for v in values)} s; "
-              f"median {statistics.median(values):.3f} s")
+              f"median {statistics.median(values):.3f} s; recv max/mean (worst layer), median per run: "
+              f"{', '.join(f'{v:.2f}' for v in received[variant])}")
     ratio = statistics.median(times["placed"]) / statistics.median(times["identity"])
     print(f"placed / identity: {ratio:.3f}")
     if migration:

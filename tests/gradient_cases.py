@@ -13,9 +13,8 @@ with the dense copy's, computed in fp32 on the whole batch.
 """
 
 import copy
-import dataclasses
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F

@@ -18,6 +18,7 @@ from tests.helpers import REPO_ROOT, run_distributed
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.placement import (
     balance_loads,
+    from_step,
     group_by_affinity,
     load_placement,
     measure,
@@ -124,8 +125,11 @@ def test_never_worse_than_the_identity_on_the_fit_steps():
     for seed in range(6):
         routing = routing_steps(seed, steps=6, layers=2, experts=16, top_k=3, tokens=300, skew=1.2, group=4)
         for result in place(dump_from(routing, 3, 16), 4, 2, 0.34, 0.02, progress=False):
-            assert result.fit_after.load_max_over_mean <= result.fit_before.load_max_over_mean + 1e-12
-            assert result.fit_after.distinct_ranks <= result.fit_before.distinct_ranks
+            before, after = result.fit_before, result.fit_after
+            assert after.load_max_over_mean <= before.load_max_over_mean + 1e-12
+            # more distinct ranks only in exchange for a load lower beyond the tolerance
+            if after.distinct_ranks > before.distinct_ranks:
+                assert after.load_max_over_mean * 1.02 < before.load_max_over_mean
             assert sorted(result.slots) == list(range(16))
 
 
@@ -135,6 +139,16 @@ def test_skewed_clustered_routing_improves_on_held_out_steps():
     for result in place(dump_from(routing, 4, 32), 8, 4, 0.5, 0.02, progress=False):
         assert result.held_out_after.load_max_over_mean < result.held_out_before.load_max_over_mean - 0.1
         assert result.held_out_after.distinct_ranks < result.held_out_before.distinct_ranks - 0.2
+
+
+def test_first_step_leaves_out_earlier_files():
+    routing = routing_steps(5, steps=6, layers=1, experts=8, top_k=2, tokens=16, skew=1.0, group=2)
+    dump = dump_from(routing, 3, 8)
+    later = from_step(dump, 3)
+    assert later["steps"].tolist() == [3, 4, 5, 6] and later["file_steps"].tolist() == [2, 2]
+    assert np.array_equal(later["tokens_per_expert"], dump["tokens_per_expert"][2:])
+    assert np.array_equal(later["file_coactivation"], dump["file_coactivation"][1:])
+    assert np.array_equal(later["sampled_expert_ids"], dump["sampled_expert_ids"][2:])
 
 
 def test_slots_and_ranks_round_trip():

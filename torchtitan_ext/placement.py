@@ -1,7 +1,8 @@
 """Expert placement from recorded routing: which physical slot holds each logical expert.
 
     python -m torchtitan_ext.placement --routing-stats DUMP --job.config_file X [overrides]
-        [--world-size N] [--ranks-per-domain D] [--holdout F] [--load-tolerance T] [-o placement.json]
+        [--world-size N] [--ranks-per-domain D] [--first-step S] [--holdout F] [--load-tolerance T]
+        [-o placement.json]
 
 Under expert parallelism EP rank r holds the physical slots r*m .. r*m+m-1
 (m = experts / EP). A placement maps every MoE layer's logical experts (the
@@ -17,12 +18,15 @@ that, on the dump's first steps (the fit steps):
    the copies a token saves under a backend that sends it once per rank; with
    larger k it is the pairwise estimate.
 
-It never returns a placement worse than the identity on the fit steps: the
-identity is a candidate, and a candidate with a higher rank load max/mean or
-more distinct ranks per token (exact, from the sampled routing) than the
-identity is not taken. It then reports, on the held-out later steps, rank load
-max/mean, distinct ranks and domains per token, and the predicted dispatch
-bytes per backend, before and after.
+It is never worse than the identity on the fit steps, in that order of
+objectives: the identity is a candidate; no candidate with a higher rank load
+max/mean than the identity's is taken; among the rest, within
+``--load-tolerance`` of the lowest load max/mean, the one with the fewest
+distinct ranks per token (exact, on the sampled routing) wins. It then
+reports, on the held-out later steps, rank load max/mean, distinct ranks and
+domains per token, and the predicted dispatch bytes per backend, before and
+after. ``--first-step`` leaves out the dump's files of earlier steps (routing
+moves fast early in training; place from a recent window).
 
 The design follows the seed papers with their failure modes removed (see
 docs/planning.md): from adaptive replication (seed 002) the separation of
@@ -53,8 +57,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from torchtitan_ext.config import ConfigError
+from torchtitan_ext.config import comm_backend, ConfigError
 from torchtitan_ext.ep import BACKENDS
+from torchtitan_ext.routing_stats import load_folder
 
 
 @dataclass(frozen=True)
@@ -216,7 +221,9 @@ def group_by_affinity(
         gain -= 2 * pair * (1 + (domain_of[:, None] != domain_of[None, :]))
         fits = (rank_load[rank_of][:, None] - delta <= load_cap) & (rank_load[rank_of][None, :] + delta <= load_cap)
         gain[~fits | (rank_of[:, None] == rank_of[None, :])] = 0.0
-        order = np.argsort(-gain, axis=None)[: 4 * ranks]
+        flat = gain.ravel()
+        best = np.argpartition(flat, -4 * ranks)[-4 * ranks:] if flat.size > 4 * ranks else np.arange(flat.size)
+        order = best[np.argsort(-flat[best])]
         used_ranks, used_domains, swaps = set(), set(), []
         for flat in order:
             a, b = divmod(int(flat), experts)
@@ -310,6 +317,21 @@ class LayerResult:
     kept_identity: bool
 
 
+def from_step(stats: dict, first_step: int) -> dict:
+    """The dump without its files that cover steps before ``first_step``."""
+    ends = np.cumsum(stats["file_steps"])
+    starts = ends - stats["file_steps"]
+    kept = [i for i, start in enumerate(starts) if stats["steps"][start] >= first_step]
+    rows = np.concatenate([np.arange(starts[i], ends[i]) for i in kept]) if kept else np.zeros(0, dtype=np.int64)
+    per_step = ("steps", "tokens_per_expert", "sampled_expert_ids")
+    return {
+        **stats,
+        **{key: stats[key][rows] for key in per_step},
+        "file_steps": stats["file_steps"][kept],
+        "file_coactivation": stats["file_coactivation"][kept],
+    }
+
+
 def split_steps(stats: dict, holdout: float) -> tuple[int, int]:
     """(files to fit on, first held-out step index): the dump's files split in time order."""
     files = len(stats["file_steps"])
@@ -346,13 +368,15 @@ def place(stats: dict, ranks: int, ranks_per_domain: int, holdout: float, load_t
                               np.bincount(identity, weights=loads, minlength=ranks).max(), max_rounds),
         ]
         before = measure(identity, *fit, ranks_per_domain)
-        chosen, chosen_measures = identity, before
-        for candidate in candidates:
-            got = measure(candidate, *fit, ranks_per_domain)
-            if got.load_max_over_mean > before.load_max_over_mean + 1e-12 or got.distinct_ranks > before.distinct_ranks:
-                continue
-            if (got.load_max_over_mean, got.distinct_ranks) < (chosen_measures.load_max_over_mean, chosen_measures.distinct_ranks):
-                chosen, chosen_measures = candidate, got
+        measured = [(identity, before)] + [(c, measure(c, *fit, ranks_per_domain)) for c in candidates]
+        # lexicographic, never behind the identity: no higher load; then, within the load tolerance
+        # of the best load, the fewest distinct ranks per token
+        eligible = [(c, m) for c, m in measured if m.load_max_over_mean <= before.load_max_over_mean + 1e-12]
+        best_load = min(m.load_max_over_mean for _, m in eligible)
+        chosen, chosen_measures = min(
+            ((c, m) for c, m in eligible if m.load_max_over_mean <= best_load * (1 + load_tolerance)),
+            key=lambda item: (item[1].distinct_ranks, item[1].load_max_over_mean),
+        )
         results.append(LayerResult(
             layer=layer,
             slots=slots_from_ranks(chosen),
@@ -372,13 +396,11 @@ def _rows(sampled: np.ndarray, top_k: int) -> np.ndarray:
 
 def load_dump(folder: str) -> dict:
     """A routing-statistics folder with the per-file co-activation kept apart (for the fit/held-out split)."""
-    from torchtitan_ext.routing_stats import load_folder
-
     try:
         stats = load_folder(folder)
     except FileNotFoundError as e:
         raise ConfigError(f"--routing-stats: {e}") from None
-    if "sampled_expert_ids" not in stats:
+    if "sampled_expert_ids" not in stats or stats["sampled_expert_ids"].shape[2] == 0:
         raise ConfigError(
             f"--routing-stats {folder} has no sampled routing (sampled_expert_ids): record it again with this "
             "version ([routing_stats] enable = true, sample_tokens > 0)"
@@ -399,15 +421,22 @@ def format_results(results: list[LayerResult], top_k: int, tokens_per_step: floa
         lines.append(f"MoE layer {r.layer}{note}")
         lines += [row("fit, identity", r.fit_before), row("fit, placed", r.fit_after),
                   row("held-out, identity", r.held_out_before), row("held-out, placed", r.held_out_after)]
-    mean = {
-        key: np.mean([getattr(getattr(r, key), field) for r in results])
-        for key in ("held_out_before", "held_out_after") for field in ("load_max_over_mean",)
-    }
-    ranks = {key: np.mean([getattr(r, key).distinct_ranks for r in results]) for key in ("held_out_before", "held_out_after")}
+    def mean(measure_of, field):
+        return np.mean([getattr(measure_of(r), field) for r in results])
+
+    before, after = (lambda r: r.held_out_before), (lambda r: r.held_out_after)
+    worse = [r.layer for r in results if r.held_out_after.load_max_over_mean > r.held_out_before.load_max_over_mean]
+    if worse:
+        lines.append(
+            f"warning: on the held-out steps the placement's load max/mean is above the identity's on MoE layers "
+            f"{worse}: their routing changed between the fit and held-out steps; record a later or longer window "
+            "(--first-step), or keep those layers' identity"
+        )
     lines.append(
-        f"All {len(results)} MoE layers, held-out steps: load max/mean {mean['held_out_before']:.3f} -> "
-        f"{mean['held_out_after']:.3f}, distinct ranks per token {ranks['held_out_before']:.3f} -> "
-        f"{ranks['held_out_after']:.3f}"
+        f"All {len(results)} MoE layers, held-out steps: load max/mean {mean(before, 'load_max_over_mean'):.3f} -> "
+        f"{mean(after, 'load_max_over_mean'):.3f}, distinct ranks per token {mean(before, 'distinct_ranks'):.3f} -> "
+        f"{mean(after, 'distinct_ranks'):.3f}, distinct domains per token {mean(before, 'distinct_domains'):.3f} -> "
+        f"{mean(after, 'distinct_domains'):.3f}"
     )
     return lines
 
@@ -421,6 +450,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world-size", type=int, help="processes of the job that will use the placement (default: NGPU or the config's degrees)")
     parser.add_argument("--ranks-per-domain", type=int,
                         help="EP ranks per NVLink domain (default: the backend's configured domain, else all EP ranks)")
+    parser.add_argument("--first-step", type=int, default=1, help="use the dump's files from this training step on")
     parser.add_argument("--holdout", type=float, default=0.5, help="fraction of the dump's files (the last ones) held out for evaluation, in (0, 1)")
     parser.add_argument("--load-tolerance", type=float, default=0.02,
                         help="how far over the balanced placement's largest rank load grouping may go, as a fraction >= 0")
@@ -457,7 +487,7 @@ def _run(args, train_args) -> list[str]:
     ep = job_config.parallelism.expert_parallel_degree
     if ep == 1:
         raise ConfigError("parallelism.expert_parallel_degree = 1: placement needs expert parallelism, set it > 1")
-    stats = load_dump(args.routing_stats)
+    stats = from_step(load_dump(args.routing_stats), args.first_step)
     experts = stats["tokens_per_expert"].shape[-1]
     moe_layers = moe_layer_ids(job_config)
     if experts != shape.num_experts or sorted(stats["layers"].tolist()) != sorted(moe_layers):
@@ -465,7 +495,8 @@ def _run(args, train_args) -> list[str]:
             f"--routing-stats {args.routing_stats} records {experts} experts on layers {stats['layers'].tolist()}, "
             f"but the job's model has {shape.num_experts} on {sorted(moe_layers)}: use a dump of this model"
         )
-    domain = args.ranks_per_domain or BACKENDS[_backend(job_config)].nvlink_domain_ranks(job_config) or ep
+    # a domain at least as large as the EP group holds all of it
+    domain = min(args.ranks_per_domain or BACKENDS[comm_backend(job_config)].nvlink_domain_ranks(job_config) or ep, ep)
     if domain < 1 or ep % domain:
         raise ConfigError(f"--ranks-per-domain {domain} does not divide expert_parallel_degree = {ep}: pick a divisor")
     began = time.perf_counter()
@@ -484,12 +515,6 @@ def _run(args, train_args) -> list[str]:
         f"Wrote {args.output}: train with --expert_placement.file {args.output}",
     ]
     return lines
-
-
-def _backend(job_config) -> str:
-    from torchtitan_ext.config import comm_backend
-
-    return comm_backend(job_config)
 
 
 if __name__ == "__main__":
