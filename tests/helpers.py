@@ -60,15 +60,15 @@ def run_launcher(*args: str, timeout: float = 600, **env: str) -> subprocess.Com
 
 
 class LauncherProcess:
-    """./run_train.sh running in the background, its output read by a thread.
+    """./run_train.sh (or another ``program``) running in the background, its output read by a thread.
 
     ``wait_for`` and ``finish`` take deadlines, so a test never blocks on a
     pipe that stays silent.
     """
 
-    def __init__(self, *args: str, **env: str):
+    def __init__(self, *args: str, program: tuple[str, ...] = ("./run_train.sh",), **env: str):
         self.process = subprocess.Popen(
-            ["./run_train.sh", *args],
+            [*program, *args],
             cwd=REPO_ROOT,
             env=launcher_env(**env),
             stdout=subprocess.PIPE,

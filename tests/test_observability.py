@@ -91,7 +91,8 @@ def test_replicated_routing_and_dispatch_are_not_double_counted():
 def test_training_log_reports_drops_once_and_records_routing(tmp_path):
     """A real run: drops in every step line, one warning, routing statistics saved and plotted."""
     result = run_launcher(
-        "--training.steps", "2", "--metrics.disable_color_printing", "--job.dump_folder", str(tmp_path),
+        "--model.flavor", "debugmodel_small", "--training.steps", "2", "--metrics.disable_color_printing",
+        "--job.dump_folder", str(tmp_path),
         "--parallelism.expert_parallel_comm_backend", "hybridep", "--hybridep.non_blocking_capacity_factor", "0.3",
         "--routing_stats.enable", "--routing_stats.save_every", "1",
         timeout=600,

@@ -1,6 +1,7 @@
 """Training parity across backends, expert placements, multi-process layouts, and checkpoints.
 
-Same seed, deterministic algorithms, fp32, 2 ranks at EP=2. Backends: nccl,
+Same seed, deterministic algorithms, fp32, 2 ranks at EP=2; DeepSeek-V3's
+debug model with its small attention ("debugmodel_small"), Llama4's debug model. Backends: nccl,
 deepep (reference; V2 ElasticBuffer API and v1 Buffer API), hybridep
 (reference) blocking and non-blocking (capacity 1.0, no padding: cannot drop).
 
@@ -48,8 +49,11 @@ BACKENDS = {
 }
 
 
+FLAVORS = {"deepseek_v3": "debugmodel_small", "llama4": "debugmodel"}
+
+
 def _job(model, tmp, *extra, steps=STEPS):
-    return ["--job.config_file", CONFIG, "--model.name", model, "--training.steps", str(steps),
+    return ["--job.config_file", CONFIG, "--model.name", model, "--model.flavor", FLAVORS[model], "--training.steps", str(steps),
             "--job.dump_folder", str(tmp), *TINY, *extra]
 
 

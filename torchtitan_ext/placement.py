@@ -197,10 +197,12 @@ def group_by_affinity(
 ) -> np.ndarray:
     """Swap experts between ranks to raise the co-activation kept within a rank (and a domain).
 
-    Each round takes the best swaps that touch pairwise different domains and
-    ranks (so that their gains add up exactly), each keeping both ranks' loads
-    at or under ``load_cap`` and strictly raising the integer score; at most
-    ``max_rounds`` rounds.
+    Each round scores every swap in the round's state and walks the best
+    ``8 x ranks`` in that order. Each is scored again against the swaps made
+    before it in the round (its exact gain, in O(1)) and made only if it still
+    strictly raises the integer score and keeps both ranks' loads at or under
+    ``load_cap``. The score rises with every swap, so the rounds end; at most
+    ``max_rounds``.
     """
     rank_of = rank_of.copy()
     experts = len(rank_of)
@@ -210,45 +212,46 @@ def group_by_affinity(
     rank_load = np.bincount(rank_of, weights=loads, minlength=ranks)
     by_rank = pair @ np.eye(ranks)[rank_of]                     # [E, R]: each expert's affinity to each rank
     by_domain = by_rank.reshape(experts, ranks // ranks_per_domain, ranks_per_domain).sum(axis=2)
-    delta = loads[:, None] - loads[None, :]
+    domain_of_rank = np.arange(ranks) // ranks_per_domain
     rows = np.arange(experts)
+    candidates = min(8 * ranks, experts * experts)
     for _ in range(max_rounds):
-        domain_of = rank_of // ranks_per_domain
-        own_rank, own_domain = by_rank[rows, rank_of], by_domain[rows, domain_of]
-        # a (rank i) <-> b (rank j): a joins j and b joins i, and their own pair stays apart
-        gain = (by_rank[:, rank_of].T - own_rank[:, None] + by_rank[:, rank_of] - own_rank[None, :]
-                + by_domain[:, domain_of].T - own_domain[:, None] + by_domain[:, domain_of] - own_domain[None, :])
-        gain -= 2 * pair * (1 + (domain_of[:, None] != domain_of[None, :]))
-        fits = (rank_load[rank_of][:, None] - delta <= load_cap) & (rank_load[rank_of][None, :] + delta <= load_cap)
-        gain[~fits | (rank_of[:, None] == rank_of[None, :])] = 0.0
+        domain_of = domain_of_rank[rank_of]
+        # moving a to rank r (domain d) gains by_rank[a, r] - own + by_domain[a, d] - own domain;
+        # a swap adds both experts' moves and takes back the pair's own co-activation, counted in each
+        move = (by_rank - by_rank[rows, rank_of][:, None]
+                + (by_domain - by_domain[rows, domain_of][:, None])[:, domain_of_rank])[:, rank_of]
+        gain = move + move.T - 2 * pair * (1 + (domain_of[:, None] != domain_of[None, :]))
+        load_after = rank_load[rank_of][:, None] - (loads[:, None] - loads[None, :])
+        gain[(load_after > load_cap) | (load_after.T > load_cap) | (rank_of[:, None] == rank_of[None, :])] = 0.0
         flat = gain.ravel()
-        best = np.argpartition(flat, -4 * ranks)[-4 * ranks:] if flat.size > 4 * ranks else np.arange(flat.size)
-        order = best[np.argsort(-flat[best])]
-        used_ranks, used_domains, swaps = set(), set(), []
-        for flat in order:
-            a, b = divmod(int(flat), experts)
-            if gain[a, b] <= 0.5:  # scores are integer token counts: anything less is no gain
+        best = np.argpartition(flat, -candidates)[-candidates:]
+        made = 0
+        for index in best[np.argsort(-flat[best])]:
+            if flat[index] <= 0.5:  # scores are integer token counts: anything less is no gain
                 break
-            touched = {int(rank_of[a]), int(rank_of[b])}
-            # a swap inside one domain leaves every domain's score alone
-            domains = {int(domain_of[a]), int(domain_of[b])} if domain_of[a] != domain_of[b] else set()
-            if touched & used_ranks or domains & used_domains:
-                continue
-            used_ranks |= touched
-            used_domains |= domains
-            swaps.append((a, b))
-        if not swaps:
-            break
-        for a, b in swaps:
+            a, b = divmod(int(index), experts)
             i, j = rank_of[a], rank_of[b]
-            rank_load[i] -= delta[a, b]
-            rank_load[j] += delta[a, b]
+            di, dj = domain_of_rank[i], domain_of_rank[j]
+            shift = loads[a] - loads[b]
+            if i == j or rank_load[i] - shift > load_cap or rank_load[j] + shift > load_cap:
+                continue
+            exact = by_rank[a, j] + by_rank[b, i] - by_rank[a, i] - by_rank[b, j] - 2 * pair[a, b]
+            if di != dj:
+                exact += by_domain[a, dj] + by_domain[b, di] - by_domain[a, di] - by_domain[b, dj] - 2 * pair[a, b]
+            if exact <= 0.5:
+                continue
+            rank_load[i] -= shift
+            rank_load[j] += shift
             moved = pair[:, b] - pair[:, a]
             by_rank[:, i] += moved
             by_rank[:, j] -= moved
-            by_domain[:, i // ranks_per_domain] += moved
-            by_domain[:, j // ranks_per_domain] -= moved
+            by_domain[:, di] += moved
+            by_domain[:, dj] -= moved
             rank_of[a], rank_of[b] = j, i
+            made += 1
+        if not made:
+            break
     return rank_of
 
 
@@ -362,13 +365,15 @@ def place(stats: dict, ranks: int, ranks_per_domain: int, holdout: float, load_t
         balanced = balance_loads(loads, ranks)
         cap = np.bincount(balanced, weights=loads, minlength=ranks).max() * (1 + load_tolerance)
         max_rounds = 4 * experts
-        candidates = [
-            group_by_affinity(balanced, loads, coactivation, ranks_per_domain, cap, max_rounds),
-            group_by_affinity(identity, loads, coactivation, ranks_per_domain,
-                              np.bincount(identity, weights=loads, minlength=ranks).max(), max_rounds),
-        ]
         before = measure(identity, *fit, ranks_per_domain)
-        measured = [(identity, before)] + [(c, measure(c, *fit, ranks_per_domain)) for c in candidates]
+        grouped = group_by_affinity(balanced, loads, coactivation, ranks_per_domain, cap, max_rounds)
+        measured = [(identity, before), (grouped, measure(grouped, *fit, ranks_per_domain))]
+        # grouping from the identity keeps every rank under the identity's largest load: worth a try
+        # only where that load is within the tolerance of the balanced one (it may then group better)
+        if before.load_max_over_mean <= measured[1][1].load_max_over_mean * (1 + load_tolerance):
+            from_identity = group_by_affinity(identity, loads, coactivation, ranks_per_domain,
+                                              np.bincount(identity, weights=loads, minlength=ranks).max(), max_rounds)
+            measured.append((from_identity, measure(from_identity, *fit, ranks_per_domain)))
         # lexicographic, never behind the identity: no higher load; then, within the load tolerance
         # of the best load, the fewest distinct ranks per token
         eligible = [(c, m) for c, m in measured if m.load_max_over_mean <= before.load_max_over_mean + 1e-12]
