@@ -69,7 +69,7 @@ def main() -> None:
     topology = load_topology(str(topology_file))
     train_args = ["--job.config_file", "train_configs/debug_model.toml", *JOB]
     predicted = {
-        layout.ep: layout for layout in advise(train_args, 4, topology)
+        layout.ep: layout for layout in advise(train_args, 4, topology)[0]
         if layout.refused is None and layout.backend == "nccl"
     }
     rows = []

@@ -1,9 +1,13 @@
 """The layout advisor: topology files, its ranking, its CLI and its bad-input errors."""
 
+import math
+
+import numpy as np
 import pytest
 
 from torchtitan_ext import plan
 from torchtitan_ext.config import ConfigError
+from torchtitan_ext.cost_model import MeasuredRouting
 from torchtitan_ext.layout_advisor import advise
 from torchtitan_ext.topology import load_topology, parse_topology, SHIPPED
 
@@ -90,7 +94,7 @@ def test_paper_mode_prints_every_domain_size(capsys):
 
 
 def test_advice_ranks_runnable_layouts_and_lists_refused_ones():
-    layouts = advise(DEBUG_JOB, 4, load_topology("hgx_h100_ib"))
+    layouts, _ = advise(DEBUG_JOB, 4, load_topology("hgx_h100_ib"))
     runnable = [layout for layout in layouts if layout.refused is None]
     refused = [layout for layout in layouts if layout.refused is not None]
     assert {(layout.backend, layout.ep) for layout in runnable} == {
@@ -110,7 +114,7 @@ def test_advice_ranks_runnable_layouts_and_lists_refused_ones():
 @pytest.fixture(scope="module")
 def advice_671b():
     job = ["--job.config_file", "train_configs/deepseek_v3_671b_gb200.toml"]
-    return {name: advise(job, 256, load_topology(name)) for name in ("gb200_nvl72", "hgx_h100_ib")}
+    return {name: advise(job, 256, load_topology(name))[0] for name in ("gb200_nvl72", "hgx_h100_ib")}
 
 
 def test_671b_advice_quoted_in_docs(advice_671b):
@@ -153,3 +157,71 @@ def test_job_shape_follows_checkpointing_accumulation_and_resharding(overrides, 
     assert (shape.moe_layers, shape.recomputed_layers, shape.dispatches) == (5, recomputed, dispatches)
     assert shape.work.regather_in_backward is regather
     assert shape.expert_world == 4
+
+
+def _dump(sampled: np.ndarray, experts: int) -> dict:
+    """The keys of a loaded routing-statistics dump, from [steps, layers, tokens, top_k] expert ids."""
+    counts = np.stack([[np.bincount(ids.ravel(), minlength=experts) for ids in step] for step in sampled])
+    return {"steps": np.arange(1, len(sampled) + 1), "layers": np.arange(1, sampled.shape[1] + 1),
+            "tokens_per_expert": counts, "top_k": np.array(sampled.shape[3]), "sampled_expert_ids": sampled}
+
+
+def test_measured_uniform_routing_matches_the_uniform_expectation():
+    rng = np.random.default_rng(0)
+    experts, top_k = 32, 4
+    sampled = np.stack([[rng.permutation(experts)[:top_k] for _ in range(4000)] for _ in range(2)])[:, None]
+    routing = MeasuredRouting.from_dump(_dump(sampled, experts), "uniform", experts, top_k)
+    assert routing.dispatches == 2
+    for ep in (2, 4, 8):
+        # the busiest of ep ranks: a little over the mean, by sampling noise
+        assert 1 / ep <= routing.pair_share(ep) < 1.05 / ep
+        expected = 1 - math.comb(experts - experts // ep, top_k) / math.comb(experts, top_k)
+        assert expected <= routing.reach(ep, 1) < expected + 0.03
+        assert routing.reach(ep, ep) == 1.0
+
+
+def test_measured_skew_sets_the_token_copies():
+    """Every token of the debug model (8 experts, top-3) picks experts 0-2: at EP=2 all on rank 1's peer
+    rank 0, so the busiest receiver gets every pair (nccl) and every token (deepep, hybridep)."""
+    sampled = np.tile(np.array([0, 1, 2], dtype=np.int16), (2, 5, 64, 1))
+    layouts, routing = advise(DEBUG_JOB, 4, load_topology("hgx_h100_ib"), _dump(sampled, 8), "skewed")
+    uniform, _ = advise(DEBUG_JOB, 4, load_topology("hgx_h100_ib"))
+    measured = {(layout.backend, layout.ep): layout.costs for layout in layouts if layout.refused is None}
+    expected = {(layout.backend, layout.ep): layout.costs for layout in uniform if layout.refused is None}
+    assert routing.pair_share(2) == 1.0 and routing.reach(2, 1) == 1.0
+    assert measured["nccl", 2].token_copies == 3.0 and expected["nccl", 2].token_copies == 1.5
+    assert measured["deepep", 2].token_copies == 1.0
+    assert expected["deepep", 2].token_copies == pytest.approx(1 - math.comb(4, 3) / math.comb(8, 3))
+    assert measured["nccl", 2].a2a > expected["nccl", 2].a2a
+    # at EP=4 experts 0-1 are on rank 0 and 2 on rank 1: the busiest receives 2 of 3 pairs
+    assert measured["nccl", 4].token_copies == pytest.approx(3 * 3 * 2 / 3)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda d: {**d, "top_k": np.array(2)},
+         "--routing-stats dump records 8 experts, top-2; the job's model has 8, top-3: use a dump of this model"),
+        (lambda d: {k: v for k, v in d.items() if k != "sampled_expert_ids"},
+         "--routing-stats dump has no sampled tokens, which the layout advice needs for the copies per token: "
+         "record with routing_stats.sample_tokens > 0"),
+        (lambda d: {**d, "sampled_expert_ids": np.full_like(d["sampled_expert_ids"], -1)},
+         "--routing-stats dump: a step and layer with no sampled token; record more steps"),
+    ],
+)
+def test_a_dump_the_advice_cannot_use_is_named(change, message):
+    sampled = np.tile(np.array([0, 1, 2], dtype=np.int16), (1, 5, 4, 1))
+    with pytest.raises(ConfigError) as error:
+        MeasuredRouting.from_dump(change(_dump(sampled, 8)), "dump", 8, 3)
+    assert str(error.value) == message
+
+
+def test_cli_uses_a_routing_dump(capsys, tmp_path):
+    sampled = np.tile(np.array([0, 1, 2], dtype=np.int16), (2, 5, 64, 1))
+    dump = _dump(sampled, 8)
+    dump["layers"] = np.array([1, 2, 3, 4, 5])
+    np.savez(tmp_path / "routing_step000002.npz", coactivation=np.zeros((5, 8, 8)), transitions=np.zeros((5, 8, 8)),
+             **dump)
+    plan.main(["--topology", "hgx_h100_ib", "--world-size", "4", "--routing-stats", str(tmp_path), *DEBUG_JOB])
+    out = capsys.readouterr().out
+    assert f"token bytes from measured routing ({tmp_path}: 10 step x layer dispatches)" in out

@@ -23,6 +23,9 @@ import itertools
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
+from torchtitan_ext.config import ConfigError
 from torchtitan_ext.topology import Topology
 
 
@@ -177,6 +180,66 @@ def pair_counts(fanouts: list[int], domain_sizes: list[int]) -> dict[str, int]:
 
 
 @dataclass(frozen=True)
+class MeasuredRouting:
+    """Routing a run recorded (a routing-statistics dump), in place of uniform routing.
+
+    Each (step, MoE layer) of the dump is one dispatch. An all-to-all ends when
+    its busiest receiver has its rows, so each measure is, per dispatch, the
+    busiest rank's (or group of ranks') share, averaged over the dispatches;
+    the copies per token the advice reports then count every peer as the
+    busiest. Experts sit on EP ranks in logical order (E/ep consecutive experts
+    per rank, no expert placement).
+    """
+
+    source: str
+    tokens_per_expert: np.ndarray
+    """[dispatches, E]: (token, expert) pairs per expert."""
+    sampled_expert_ids: tuple[np.ndarray, ...]
+    """Per dispatch, [tokens, top_k] expert ids of the sampled tokens."""
+
+    @classmethod
+    def from_dump(cls, stats: dict, source: str, experts: int, top_k: int) -> "MeasuredRouting":
+        """From a loaded dump (``routing_stats.load``/``load_folder``) of a model with ``experts`` and ``top_k``."""
+        counts = stats["tokens_per_expert"]
+        if counts.shape[-1] != experts or int(stats["top_k"]) != top_k:
+            raise ConfigError(
+                f"--routing-stats {source} records {counts.shape[-1]} experts, top-{int(stats['top_k'])}; the job's "
+                f"model has {experts}, top-{top_k}: use a dump of this model"
+            )
+        if "sampled_expert_ids" not in stats or stats["sampled_expert_ids"].shape[2] == 0:
+            raise ConfigError(
+                f"--routing-stats {source} has no sampled tokens, which the layout advice needs for the copies "
+                "per token: record with routing_stats.sample_tokens > 0"
+            )
+        sampled = stats["sampled_expert_ids"].reshape(-1, *stats["sampled_expert_ids"].shape[2:])
+        rows = tuple(ids[(ids >= 0).all(axis=1)].astype(np.int64) for ids in sampled)
+        if not all(len(r) for r in rows):
+            raise ConfigError(f"--routing-stats {source}: a step and layer with no sampled token; record more steps")
+        return cls(source, counts.reshape(-1, experts).astype(np.float64), rows)
+
+    @property
+    def dispatches(self) -> int:
+        return len(self.tokens_per_expert)
+
+    def pair_share(self, ep: int) -> float:
+        """The busiest EP rank's share of the (token, expert) pairs: 1/ep under uniform routing."""
+        per_rank = self.tokens_per_expert.reshape(self.dispatches, ep, -1).sum(axis=2)
+        return float(np.mean(per_rank.max(axis=1) / per_rank.sum(axis=1)))
+
+    def reach(self, ep: int, ranks: int) -> float:
+        """The largest fraction of tokens with an expert on one group of ``ranks`` consecutive EP ranks
+        (a rank, or a domain): 1 - ``_miss(E, k, E/ep x ranks)`` under uniform routing."""
+        experts = self.tokens_per_expert.shape[1]
+        held = experts // ep * ranks
+        fractions = []
+        for ids in self.sampled_expert_ids:
+            hit = np.zeros((len(ids), -(-experts // held)), dtype=bool)
+            hit[np.arange(len(ids))[:, None], ids // held] = True
+            fractions.append(hit.mean(axis=0).max())
+        return float(np.mean(fractions))
+
+
+@dataclass(frozen=True)
 class MoEWorkload:
     """What one rank moves and computes per MoE layer and step."""
 
@@ -264,11 +327,13 @@ def _transfer(topology: Topology, bytes_per_level: dict[int, float]) -> float:
 
 
 def token_bytes_per_level(
-    work: MoEWorkload, topology: Topology, sizes: list[int], ep: int, copies_per_rank: bool
+    work: MoEWorkload, topology: Topology, sizes: list[int], ep: int, copies_per_rank: bool,
+    routing: MeasuredRouting | None = None,
 ) -> tuple[dict[int, float], float]:
     """({level: bytes rank 0 sends there per all-to-all}, token copies leaving the rank).
 
-    Uniform routing. The EP group is ranks 0..ep-1 (torchtitan's mesh puts ep innermost).
+    Uniform routing, or with ``routing`` the busiest receiver's measured share
+    (pairs per rank; tokens reaching a rank or a domain). The EP group is ranks 0..ep-1 (torchtitan's mesh puts ep innermost).
     Per pair (all-to-all): each of the tokens x top_k pairs goes to its expert's rank.
     Per rank (DeepEP, HybridEP): a token goes once to each rank holding one of its experts;
     over an outer level once to each domain (the EP ranks of one inner-level group) holding
@@ -281,12 +346,16 @@ def token_bytes_per_level(
     volume: dict[int, float] = {}
     copies = 0.0
     if not copies_per_rank:
-        per_peer = work.tokens * work.top_k / ep
+        per_peer = work.tokens * work.top_k * (routing.pair_share(ep) if routing else 1 / ep)
         for level, peers in by_level.items():
             volume[level] = peers * per_peer * row
             copies += peers * per_peer / work.tokens
         return volume, copies
-    reach_rank = 1 - _miss(work.experts, work.top_k, local)
+
+    def reach(ranks: int) -> float:
+        return routing.reach(ep, ranks) if routing else 1 - _miss(work.experts, work.top_k, local * ranks)
+
+    reach_rank = reach(1)
     for level, peers in by_level.items():
         if level == 0:
             volume[0] = volume.get(0, 0.0) + peers * work.tokens * reach_rank * row
@@ -297,7 +366,7 @@ def token_bytes_per_level(
             if topology.level_of(sizes, 0, peer) == level:
                 domains[peer // sizes[level - 1]] = domains.get(peer // sizes[level - 1], 0) + 1
         for ranks in domains.values():
-            reach_domain = 1 - _miss(work.experts, work.top_k, local * ranks)
+            reach_domain = reach(ranks)
             volume[level] = volume.get(level, 0.0) + work.tokens * reach_domain * row
             copies += reach_domain
             # the rank a token lands on forwards it to the domain's other ranks that hold its experts
@@ -306,7 +375,8 @@ def token_bytes_per_level(
 
 
 def layer_costs(
-    work: MoEWorkload, topology: Topology, world_size: int, ep: int, efsdp: int, copies_per_rank: bool
+    work: MoEWorkload, topology: Topology, world_size: int, ep: int, efsdp: int, copies_per_rank: bool,
+    routing: MeasuredRouting | None = None,
 ) -> LayerCosts:
     """The paper's streams for one MoE layer of a torchtitan job at (ep, efsdp), per rank and step.
 
@@ -316,7 +386,7 @@ def layer_costs(
     the gradients' reduce-scatter of the same bytes at the reduce dtype.
     """
     sizes = topology.group_sizes(world_size)
-    volume, copies = token_bytes_per_level(work, topology, sizes, ep, copies_per_rank)
+    volume, copies = token_bytes_per_level(work, topology, sizes, ep, copies_per_rank, routing)
     a2a = _transfer(topology, volume)
     gathered = work.experts // ep * work.expert_parameters * (efsdp - 1) / efsdp
     if efsdp > 1:

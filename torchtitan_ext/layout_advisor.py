@@ -21,6 +21,7 @@ from torchtitan_ext.cost_model import (
     eq4_ag_volume,
     layer_costs,
     LayerCosts,
+    MeasuredRouting,
     MoEWorkload,
     optimal_p,
     p_of_domain_size,
@@ -163,11 +164,17 @@ def _candidate(job_config, backend_name: str, ep: int):
     return candidate
 
 
-def advise(train_args: list[str], world_size: int, topology: Topology) -> list[Layout]:
-    """Every backend x EP degree: runnable ones ranked by exposed MoE communication per step, then the refused."""
+def advise(
+    train_args: list[str], world_size: int, topology: Topology, routing_stats: dict | None = None, routing_source: str = ""
+) -> tuple[list[Layout], MeasuredRouting | None]:
+    """Every backend x EP degree: runnable ones ranked by exposed MoE communication per step, then the
+    refused; and the measured routing used for token bytes (from ``routing_stats``, a loaded dump), if any."""
     job_config = load_job_config(train_args, device_type=None, world_size=world_size)
     shape = job_shape(job_config, world_size)
     work = shape.work
+    routing = None
+    if routing_stats is not None:
+        routing = MeasuredRouting.from_dump(routing_stats, routing_source, work.experts, work.top_k)
     compute_s = shape.step_flops / (topology.compute_tflops * 1e12)
     moe_shape = MoEShape(work.hidden, work.experts, work.top_k, work.tokens)
     sizes = topology.group_sizes(world_size)
@@ -190,7 +197,7 @@ def advise(train_args: list[str], world_size: int, topology: Topology) -> list[L
                 continue
             runnable.append(replace(
                 layout,
-                costs=layer_costs(work, topology, world_size, ep, efsdp, backend.sends_each_token_once_per_rank),
+                costs=layer_costs(work, topology, world_size, ep, efsdp, backend.sends_each_token_once_per_rank, routing),
                 moe_layers=shape.moe_layers,
                 recomputed_layers=shape.recomputed_layers,
                 dispatches=shape.dispatches,
@@ -204,7 +211,7 @@ def advise(train_args: list[str], world_size: int, topology: Topology) -> list[L
     # equal predictions keep the job's own backend first
     configured = comm_backend(job_config)
     runnable.sort(key=lambda layout: (layout.exposed_s, layout.backend != configured, layout.ep))
-    return runnable + refused
+    return runnable + refused, routing
 
 
 def overrides_problem(train_args: list[str], world_size: int, layout: Layout) -> str | None:
@@ -258,13 +265,21 @@ def _reason(best: Layout, others: list[Layout]) -> str:
 
 
 def format_advice(
-    layouts: list[Layout], topology: Topology, world_size: int, model: str, overrides_problem: str | None
+    layouts: list[Layout], topology: Topology, world_size: int, model: str, overrides_problem: str | None,
+    routing: MeasuredRouting | None = None,
 ) -> list[str]:
     runnable = [layout for layout in layouts if layout.refused is None]
     lines = [
         f"Layout advice: {model} on {world_size} ranks, topology '{topology.name}' "
         f"(communication {'overlaps' if topology.overlap else 'does not overlap'} compute)",
     ]
+    if routing is not None:
+        lines.append(
+            f"  token bytes from measured routing ({routing.source}: {routing.dispatches} step x layer dispatches), "
+            "the busiest receiving rank's share, experts in logical order"
+        )
+    else:
+        lines.append("  token bytes assume uniform routing (--routing-stats DUMP uses a run's measured routing)")
     if runnable:
         first = runnable[0]
         lines.append(

@@ -218,7 +218,8 @@ def format_plan(result: Plan, world_size: int) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-size", type=int, help="ranks in the job (default: dp x cp x tp x pp from the config)")
-    parser.add_argument("--routing-stats", type=Path, help="routing_stats folder or .npz file for the expected drop rate")
+    parser.add_argument("--routing-stats", type=Path,
+                        help="routing_stats folder or .npz file: the expected drop rate, and with --topology the measured token bytes")
     parser.add_argument("--topology", help="topology TOML (a path, or a name in topologies/): add the layout advice")
     parser.add_argument("--paper", action="store_true", help="evaluate the seed paper's one-level setting (needs --topology)")
     parser.add_argument("--paper-data-mb", type=float, help="--paper: D, MB of tokens one worker dispatches")
@@ -254,7 +255,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.routing_stats is not None:
             stats = load(args.routing_stats) if args.routing_stats.is_file() else load_folder(args.routing_stats)
         result = plan(job_config, world_size, stats)
-        advice = None if topology is None else advise(train_args, world_size, topology)
+        advice, routing = (None, None) if topology is None else advise(
+            train_args, world_size, topology, stats, str(args.routing_stats)
+        )
         problem = overrides_problem(train_args, world_size, advice[0]) if advice and advice[0].refused is None else None
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -266,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
             dist.destroy_process_group()
     print("\n".join(format_plan(result, world_size)))
     if advice is not None:
-        print("\n".join(format_advice(advice, topology, world_size, result.dry_run.model, problem)))
+        print("\n".join(format_advice(advice, topology, world_size, result.dry_run.model, problem, routing)))
 
 
 def _exit_on_error(fn, *args):
