@@ -90,10 +90,12 @@ def uninterrupted(uninterrupted_run) -> dict[int, float]:
 
 
 def _assert_resumes(output: str, first_step: int, uninterrupted: dict[int, float]) -> None:
+    """The step log's losses (5 decimals) against the uninterrupted run's, rounded as the log rounds them."""
     losses = step_losses(output)
     assert list(losses) == list(range(first_step, STEPS + 1)), losses
     for step, loss in losses.items():
-        assert loss == pytest.approx(uninterrupted[step], rel=RESUME_TOLERANCE), (step, losses, uninterrupted)
+        expected = float(f"{uninterrupted[step]:.5f}")
+        assert loss == pytest.approx(expected, rel=RESUME_TOLERANCE), (step, losses, uninterrupted)
 
 
 def test_a_killed_rank_is_named_and_the_job_resumes(tmp_path, uninterrupted, record_property):
@@ -195,7 +197,8 @@ def test_the_supervisor_passes_preemption_to_the_ranks_not_to_torchrun(tmp_path,
     finally:
         supervised.kill()
     assert returncode == 0, supervised.output
-    assert supervised.output.splitlines() == ["rank ready", f"rank got {signal.Signals(signum).name}"]
+    reports = [line for line in supervised.output.splitlines() if line.startswith(("rank ", "torchrun "))]
+    assert reports == ["rank ready", f"rank got {signal.Signals(signum).name}"], supervised.output
 
 
 def test_an_interrupted_checkpoint_is_never_loaded(tmp_path, uninterrupted_run):

@@ -227,8 +227,10 @@ class MeasuredRouting:
         return float(np.mean(per_rank.max(axis=1) / per_rank.sum(axis=1)))
 
     def reach(self, ep: int, ranks: int) -> float:
-        """The largest fraction of tokens with an expert on one group of ``ranks`` consecutive EP ranks
-        (a rank, or a domain): 1 - ``_miss(E, k, E/ep x ranks)`` under uniform routing."""
+        """The largest fraction of tokens with an expert on one group of EP ranks: the groups of
+        ``ranks`` consecutive ranks from rank 0 (each rank, or a level's domains; the last may be
+        partial). Under uniform routing the mean over groups is 1 - ``_miss(E, k, E/ep x ranks)``;
+        the largest is above it by the sampling noise, more so with few sampled tokens."""
         experts = self.tokens_per_expert.shape[1]
         held = experts // ep * ranks
         fractions = []
@@ -352,10 +354,13 @@ def token_bytes_per_level(
             copies += peers * per_peer / work.tokens
         return volume, copies
 
-    def reach(ranks: int) -> float:
-        return routing.reach(ep, ranks) if routing else 1 - _miss(work.experts, work.top_k, local * ranks)
+    def reach(ranks: int, domain_size: int) -> float:
+        """Of a domain of ``domain_size`` ranks of which ``ranks`` are in the EP group."""
+        if routing:
+            return routing.reach(ep, domain_size)
+        return 1 - _miss(work.experts, work.top_k, local * ranks)
 
-    reach_rank = reach(1)
+    reach_rank = reach(1, 1)
     for level, peers in by_level.items():
         if level == 0:
             volume[0] = volume.get(0, 0.0) + peers * work.tokens * reach_rank * row
@@ -366,7 +371,7 @@ def token_bytes_per_level(
             if topology.level_of(sizes, 0, peer) == level:
                 domains[peer // sizes[level - 1]] = domains.get(peer // sizes[level - 1], 0) + 1
         for ranks in domains.values():
-            reach_domain = reach(ranks)
+            reach_domain = reach(ranks, sizes[level - 1])
             volume[level] = volume.get(level, 0.0) + work.tokens * reach_domain * row
             copies += reach_domain
             # the rank a token lands on forwards it to the domain's other ranks that hold its experts

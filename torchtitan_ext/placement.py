@@ -198,7 +198,7 @@ def group_by_affinity(
     """Swap experts between ranks to raise the co-activation kept within a rank (and a domain).
 
     Each round scores every swap in the round's state and walks the best
-    ``8 x ranks`` in that order. Each is scored again against the swaps made
+    ``4 x ranks`` of positive gain in that order. Each is scored again against the swaps made
     before it in the round (its exact gain, in O(1)) and made only if it still
     strictly raises the integer score and keeps both ranks' loads at or under
     ``load_cap``. The score rises with every swap, so the rounds end; at most
@@ -214,7 +214,7 @@ def group_by_affinity(
     by_domain = by_rank.reshape(experts, ranks // ranks_per_domain, ranks_per_domain).sum(axis=2)
     domain_of_rank = np.arange(ranks) // ranks_per_domain
     rows = np.arange(experts)
-    candidates = min(8 * ranks, experts * experts)
+    candidates = min(4 * ranks, experts * experts)
     for _ in range(max_rounds):
         domain_of = domain_of_rank[rank_of]
         # moving a to rank r (domain d) gains by_rank[a, r] - own + by_domain[a, d] - own domain;
@@ -224,12 +224,13 @@ def group_by_affinity(
         gain = move + move.T - 2 * pair * (1 + (domain_of[:, None] != domain_of[None, :]))
         load_after = rank_load[rank_of][:, None] - (loads[:, None] - loads[None, :])
         gain[(load_after > load_cap) | (load_after.T > load_cap) | (rank_of[:, None] == rank_of[None, :])] = 0.0
-        flat = gain.ravel()
-        best = np.argpartition(flat, -candidates)[-candidates:]
+        flat = np.triu(gain, 1).ravel()  # a swap and its mirror are one
+        # scores are integer token counts: a gain under 1 is none
+        best = np.flatnonzero(flat > 0.5)
+        if len(best) > candidates:
+            best = best[np.argpartition(flat[best], -candidates)[-candidates:]]
         made = 0
         for index in best[np.argsort(-flat[best])]:
-            if flat[index] <= 0.5:  # scores are integer token counts: anything less is no gain
-                break
             a, b = divmod(int(index), experts)
             i, j = rank_of[a], rank_of[b]
             di, dj = domain_of_rank[i], domain_of_rank[j]
@@ -369,7 +370,7 @@ def place(stats: dict, ranks: int, ranks_per_domain: int, holdout: float, load_t
         grouped = group_by_affinity(balanced, loads, coactivation, ranks_per_domain, cap, max_rounds)
         measured = [(identity, before), (grouped, measure(grouped, *fit, ranks_per_domain))]
         # grouping from the identity keeps every rank under the identity's largest load: worth a try
-        # only where that load is within the tolerance of the balanced one (it may then group better)
+        # only where that load is within the tolerance of the first grouping's (it may then group better)
         if before.load_max_over_mean <= measured[1][1].load_max_over_mean * (1 + load_tolerance):
             from_identity = group_by_affinity(identity, loads, coactivation, ranks_per_domain,
                                               np.bincount(identity, weights=loads, minlength=ranks).max(), max_rounds)
