@@ -335,7 +335,8 @@ def token_bytes_per_level(
     """({level: bytes rank 0 sends there per all-to-all}, token copies leaving the rank).
 
     Uniform routing, or with ``routing`` the busiest receiver's measured share
-    (pairs per rank; tokens reaching a rank or a domain). The EP group is ranks 0..ep-1 (torchtitan's mesh puts ep innermost).
+    (pairs per rank; tokens reaching a rank or a domain). The EP group is ranks
+    0..ep-1 (torchtitan's mesh puts ep innermost).
     Per pair (all-to-all): each of the tokens x top_k pairs goes to its expert's rank.
     Per rank (DeepEP, HybridEP): a token goes once to each rank holding one of its experts;
     over an outer level once to each domain (the EP ranks of one inner-level group) holding

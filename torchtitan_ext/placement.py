@@ -198,11 +198,11 @@ def group_by_affinity(
     """Swap experts between ranks to raise the co-activation kept within a rank (and a domain).
 
     Each round scores every swap in the round's state and walks the best
-    ``4 x ranks`` of positive gain in that order. Each is scored again against the swaps made
-    before it in the round (its exact gain, in O(1)) and made only if it still
-    strictly raises the integer score and keeps both ranks' loads at or under
-    ``load_cap``. The score rises with every swap, so the rounds end; at most
-    ``max_rounds``.
+    ``4 x ranks`` of positive gain in that order. Each is scored again against
+    the swaps made before it in the round (its exact gain, in O(1)) and made
+    only if it still strictly raises the integer score and keeps both ranks'
+    loads at or under ``load_cap``. The score rises with every swap, so the
+    rounds end; at most ``max_rounds``.
     """
     rank_of = rank_of.copy()
     experts = len(rank_of)
@@ -214,7 +214,7 @@ def group_by_affinity(
     by_domain = by_rank.reshape(experts, ranks // ranks_per_domain, ranks_per_domain).sum(axis=2)
     domain_of_rank = np.arange(ranks) // ranks_per_domain
     rows = np.arange(experts)
-    candidates = min(4 * ranks, experts * experts)
+    candidates = 4 * ranks
     for _ in range(max_rounds):
         domain_of = domain_of_rank[rank_of]
         # moving a to rank r (domain d) gains by_rank[a, r] - own + by_domain[a, d] - own domain;
