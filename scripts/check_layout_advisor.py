@@ -1,11 +1,13 @@
 """The layout advisor's predictions against runs on this machine.
 
-    python scripts/check_layout_advisor.py [--steps 8] [--warmup 3] [--tokens 2048]
+    python scripts/check_layout_advisor.py [--steps 10] [--warmup 3] [--tokens 2048]
 
-1. Calibrates this machine (``plan --calibrate``, 4 gloo processes).
+1. Calibrates this machine (``plan --calibrate``, 4 gloo processes) and
+   measures the debug job's per-rank compute (``plan --measure-compute``).
 2. For the debug model at NGPU=4 (nccl), predicts the step time of
-   (EP, efsdp) = (4, 1), (2, 2), (1, 4) with that topology and measures it:
-   ``./run_train.sh`` at each EP degree, median step time after ``--warmup``.
+   (EP, efsdp) = (4, 1), (2, 2), (1, 4) with that topology and compute, and
+   measures it: ``./run_train.sh`` at each EP degree, median step time after
+   ``--warmup``.
 3. For every backend, predicts one dispatch + combine, forward and backward
    (four all-to-alls) at EP = 2 and 4 and measures it with
    ``scripts/bench_ep.py`` (its median, and the median of the bare collectives).
@@ -47,7 +49,7 @@ def measured_step_time(ep: int, steps: int, warmup: int, folder: Path) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3, help="step times dropped at the start of each run")
     parser.add_argument("--tokens", type=int, default=2048, help="bench_ep tokens per rank")
     args = parser.parse_args()
@@ -58,6 +60,7 @@ def main() -> None:
     from torchtitan_ext.data import register_embedded_dataset
     from torchtitan_ext.ep import BACKENDS
     from torchtitan_ext.layout_advisor import advise
+    from torchtitan_ext.measured_compute import measure_compute
     from torchtitan_ext.models import register_train_specs
     from torchtitan_ext.topology import load_topology
 
@@ -68,8 +71,9 @@ def main() -> None:
     calibrate(4, topology_file)
     topology = load_topology(str(topology_file))
     train_args = ["--job.config_file", "train_configs/debug_model.toml", *JOB]
+    compute = measure_compute(train_args, 4)
     predicted = {
-        layout.ep: layout for layout in advise(train_args, 4, topology)[0]
+        layout.ep: layout for layout in advise(train_args, 4, topology, measured_compute=compute)[0]
         if layout.refused is None and layout.backend == "nccl"
     }
     rows = []
@@ -78,10 +82,12 @@ def main() -> None:
             measured = measured_step_time(ep, args.steps, args.warmup, Path(tmp) / f"ep{ep}")
             rows.append((ep, 4 // ep, predicted[ep].step_s, measured))
     print("\nDebug model, NGPU=4, nccl: step time")
-    print("| EP | efsdp | predicted s | measured s | predicted / measured |")
-    print("|----|-------|-------------|------------|----------------------|")
+    print("| EP | efsdp | compute s | dense FSDP s | MoE comm s | predicted s | measured s | predicted / measured |")
+    print("|----|-------|-----------|--------------|------------|-------------|------------|----------------------|")
     for ep, efsdp, p, m in rows:
-        print(f"| {ep} | {efsdp} | {p:.3f} | {m:.3f} | {p / m:.2f} |")
+        layout = predicted[ep]
+        print(f"| {ep} | {efsdp} | {layout.compute_s:.3f} | {layout.dense_exposed_s:.3f} | {layout.exposed_s:.3f} | "
+              f"{p:.3f} | {m:.3f} | {p / m:.2f} |")
     ranking = lambda index: [row[0] for row in sorted(rows, key=lambda row: row[index])]  # noqa: E731
     print(f"predicted ranking (EP): {ranking(2)}; measured: {ranking(3)}")
 

@@ -279,3 +279,12 @@ def test_hybridep_beyond_one_nvlink_domain_needs_the_multinode_build():
     with pytest.raises(ConfigError, match="spans 2 NVLink domains of 8 ranks .* HYBRID_EP_MULTINODE=1"):
         _cluster(*args, config=config, world_size=16)
     _cluster(*args, "--hybridep.multinode_build", config=config, world_size=16)
+
+
+def test_profiling_on_cpu_is_refused_before_the_first_step():
+    """torchtitan 0.2.2's profiler fails on every rank of a CPU job; on CUDA the flag passes through."""
+    with pytest.raises(ConfigError) as error:
+        _load("--profiling.enable_profiling", device_type="cpu")
+    assert str(error.value).startswith("profiling.enable_profiling on CPU: torchtitan 0.2.2's profiler asks")
+    assert "unset it on CPU" in str(error.value)
+    _load("--profiling.enable_profiling", device_type="cuda")

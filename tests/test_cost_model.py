@@ -6,6 +6,7 @@ classification of its Table IV modelling rows.
 """
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
@@ -97,8 +98,13 @@ def test_table_iv_cases(row, D, P_E, pre_expert, all_gather_only):
         assert (1 - p_star) / (1 - other) == pytest.approx((2.35 if P_E == 4.7 else 4.7) / P_E)
 
 
+def _level(name: str, workers: int | None, bandwidth_GBps: float, latency_us: float = 0.0) -> Level:
+    """A level whose collectives all reach ``bandwidth_GBps``."""
+    return Level(name, workers, bandwidth_GBps, latency_us, bandwidth_GBps, bandwidth_GBps)
+
+
 def _one_level(bandwidth_GBps=10.0, latency_us=0.0, overlap=True, compute_tflops=1.0):
-    return Topology("test", compute_tflops, overlap, (Level("link", None, bandwidth_GBps, latency_us),))
+    return Topology("test", compute_tflops, overlap, (_level("link", None, bandwidth_GBps, latency_us),))
 
 
 WORK = cm.MoEWorkload(
@@ -140,7 +146,7 @@ def test_deduplicating_backends_send_fewer_copies():
 def test_outer_level_carries_one_copy_per_domain():
     """Two nodes of 2 ranks, EP = 4: a deduplicating backend sends a token once to the other node
     when any of its experts is there, and the rank it lands on forwards it to the other one."""
-    topology = Topology("two nodes", 1.0, True, (Level("node", 2, 100.0, 0.0), Level("network", None, 1.0, 0.0)))
+    topology = Topology("two nodes", 1.0, True, (_level("node", 2, 100.0), _level("network", None, 1.0)))
     sizes = topology.group_sizes(4)
     volume, _ = cm.token_bytes_per_level(WORK, topology, sizes, 4, copies_per_rank=True)
     row = WORK.hidden * WORK.activation_bytes
@@ -155,7 +161,7 @@ def test_outer_level_carries_one_copy_per_domain():
 def test_a_partial_domain_is_still_reached():
     """EP = 12 on nodes of 8: rank 0's EP group has 4 ranks on the second node, which are reached over
     the network (not rounded away)."""
-    topology = Topology("nodes of 8", 1.0, True, (Level("node", 8, 100.0, 0.0), Level("network", None, 1.0, 0.0)))
+    topology = Topology("nodes of 8", 1.0, True, (_level("node", 8, 100.0), _level("network", None, 1.0)))
     work = cm.MoEWorkload(**{**WORK.__dict__, "experts": 24})
     volume, _ = cm.token_bytes_per_level(work, topology, topology.group_sizes(24), 12, copies_per_rank=True)
     row = work.hidden * work.activation_bytes
@@ -181,3 +187,20 @@ def test_without_overlap_everything_is_exposed():
     by_hand = 4 * costs.a2a + 2 * costs.all_gather + costs.reduce_scatter
     assert costs.exposed(overlap=False) == pytest.approx(by_hand)
     assert costs.exposed(overlap=True) < by_hand
+
+
+def test_dense_fsdp_gathers_per_unit_and_reduce_scatters_once():
+    """8M parameters over 4 ranks: each rank gathers the 6M it lacks (bf16) in forward and again in backward, and
+    reduce-scatters their gradients (fp32), one start-up per unit and collective, at each collective's bandwidth."""
+    link = Level("link", None, 10.0, 100.0, 2.0, 1.0)
+    topology = Topology("test", 1.0, False, (link,))
+    dense = cm.DenseFSDP(parameters=8_000_000, units=4, degree=4, stride=1, gather_bytes=2, reduce_bytes=4,
+                         regather_in_backward=True)
+    gather, scatter = 6e6 * 2 / 2e9 + 4 * 1e-4, 6e6 * 4 / 1e9 + 4 * 1e-4
+    assert dense.communication(topology, 4) == pytest.approx(2 * gather + scatter)
+    assert replace(dense, regather_in_backward=False).communication(topology, 4) == pytest.approx(gather + scatter)
+    assert replace(dense, degree=1).communication(topology, 4) == 0.0
+    # with tensor parallel inside, FSDP's peers are 2 ranks apart: on nodes of 2 they talk over the network
+    nodes = Topology("nodes of 2", 1.0, False, (_level("node", 2, 100.0), _level("network", None, 1.0)))
+    across = replace(dense, degree=2, stride=2).communication(nodes, 4)
+    assert across == pytest.approx(2 * 4e6 * 2 / 1e9 + 4e6 * 4 / 1e9)

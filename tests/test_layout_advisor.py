@@ -1,6 +1,8 @@
 """The layout advisor: topology files, its ranking, its CLI and its bad-input errors."""
 
 import math
+import os
+import re
 
 import numpy as np
 import pytest
@@ -9,6 +11,7 @@ from torchtitan_ext import plan
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.cost_model import MeasuredRouting
 from torchtitan_ext.layout_advisor import advise
+from torchtitan_ext.measured_compute import check_measurable, MAX_PROCESSES_PER_CORE, MeasuredCompute
 from torchtitan_ext.topology import load_topology, parse_topology, SHIPPED
 
 DEBUG_JOB = ["--job.config_file", "train_configs/debug_model.toml"]
@@ -38,6 +41,10 @@ def test_shipped_topologies_load(name):
         ({"levels": [{k: v for k, v in LEVELS[0].items() if k != "workers"}, LEVELS[1]]},
          "test.levels[0].workers is missing: only the outermost level may omit it"),
         ({"overlap": "yes"}, "test.overlap = 'yes': expected a bool"),
+        ({"levels": [{**LEVELS[0], "all_gather_bandwidth_GBps": 0}, LEVELS[1]]},
+         "test.levels[0].all_gather_bandwidth_GBps = 0.0: use a bandwidth > 0 (GB/s per worker)"),
+        ({"levels": [LEVELS[0], {**LEVELS[1], "reduce_scatter_bandwidth_GBps": -1}]},
+         "test.levels[1].reduce_scatter_bandwidth_GBps = -1.0: use a bandwidth > 0 (GB/s per worker)"),
     ],
 )
 def test_bad_topology_fields_are_named(change, message):
@@ -45,6 +52,14 @@ def test_bad_topology_fields_are_named(change, message):
     with pytest.raises(ConfigError) as error:
         parse_topology(data, "test")
     assert str(error.value) == message
+
+
+def test_fsdp_collectives_default_to_the_all_to_all_bandwidth():
+    levels = [{**LEVELS[0], "all_gather_bandwidth_GBps": 200.0, "reduce_scatter_bandwidth_GBps": 100.0}, LEVELS[1]]
+    topology = parse_topology({"compute_tflops": 1.0, "overlap": True, "levels": levels}, "test")
+    node, network = topology.levels
+    assert [node.bandwidth(c) for c in ("all_to_all", "all_gather", "reduce_scatter")] == [400e9, 200e9, 100e9]
+    assert [network.bandwidth(c) for c in ("all_to_all", "all_gather", "reduce_scatter")] == [50e9] * 3
 
 
 def test_a_level_that_does_not_divide_the_world_size():
@@ -138,6 +153,17 @@ def test_671b_advice_quoted_in_docs(advice_671b):
     assert round(first.costs.token_copies, 2) == 3.85 and round(hgx["nccl", 16].costs.token_copies, 2) == 7.50
 
 
+def test_a_larger_nvlink_domain_than_the_topology_has_is_refused(advice_671b):
+    """The 671B job tells HybridEP that 64 ranks share NVLink: right on GB200 NVL72, wrong on HGX nodes of 8."""
+    expected = (
+        "hybridep.ranks_per_nvlink_domain = 64, but topology 'HGX H100, InfiniBand NDR' groups 8 ranks in its "
+        "innermost level 'NVLink (one node)': set it to 8 or a divisor of it"
+    )
+    hgx = {layout.ep: layout.refused for layout in advice_671b["hgx_h100_ib"] if layout.backend == "hybridep"}
+    assert hgx[64] == expected  # 128 and 256 are refused earlier: they need the multinode build
+    assert not any("innermost level" in (layout.refused or "") for layout in advice_671b["gb200_nvl72"])
+
+
 @pytest.mark.parametrize(
     "overrides, recomputed, dispatches, regather",
     [
@@ -225,3 +251,79 @@ def test_cli_uses_a_routing_dump(capsys, tmp_path):
     plan.main(["--topology", "hgx_h100_ib", "--world-size", "4", "--routing-stats", str(tmp_path), *DEBUG_JOB])
     out = capsys.readouterr().out
     assert f"token bytes from measured routing ({tmp_path}: 10 step x layer dispatches)" in out
+
+
+THIS_MACHINE = parse_topology(
+    {"compute_tflops": 0.03, "overlap": False, "levels": [
+        {"name": "gloo", "bandwidth_GBps": 0.6, "all_gather_bandwidth_GBps": 0.3, "reduce_scatter_bandwidth_GBps": 0.2,
+         "latency_us": 2000.0}]},
+    "this machine",
+)
+
+
+def test_measured_compute_and_dense_fsdp_make_the_step_time():
+    """Compute is the measured forward-backward per microbatch plus the rank's share of the optimizer; the dense
+    FSDP traffic (25.1M parameters outside the experts, 8 units, gathered twice) adds in full without overlap."""
+    compute = MeasuredCompute(forward_backward_s=1.5, optimizer_s=0.8, processes=4, tokens=1024)
+    layouts, _ = advise([*DEBUG_JOB, "--training.local_batch_size", "2", "--training.global_batch_size", "16"], 4,
+                        THIS_MACHINE, measured_compute=compute)
+    runnable = [layout for layout in layouts if layout.refused is None]
+    moved = 25_149_696 * 3 / 4
+    dense = 2 * (moved * 4 / 0.3e9 + 8 * 2e-3) + moved * 4 / 0.2e9 + 8 * 2e-3
+    for layout in runnable:
+        assert layout.dispatches == 2  # two microbatches of gradient accumulation
+        assert layout.compute_s == pytest.approx(2 * 1.5 + 0.8 / 4)
+        assert layout.dense_fsdp_s == pytest.approx(dense) and layout.dense_exposed_s == layout.dense_fsdp_s
+        assert layout.step_s == pytest.approx(layout.compute_s + dense + layout.exposed_s)
+    # the ranking is the MoE communication's: dense FSDP and compute are the same at every layout
+    assert [layout.exposed_s for layout in runnable] == sorted(layout.exposed_s for layout in runnable)
+
+
+def test_dense_fsdp_hides_behind_compute_where_it_overlaps():
+    layout = next(layout for layout in advise(DEBUG_JOB, 4, load_topology("hgx_h100_ib"))[0] if layout.refused is None)
+    assert 0 < layout.dense_fsdp_s < layout.compute_s and layout.dense_exposed_s == 0.0
+    assert layout.step_s == layout.compute_s + layout.exposed_s
+
+
+@pytest.mark.parametrize(
+    "overrides, world_size, message",
+    [
+        (["--parallelism.tensor_parallel_degree", "2"], 4,
+         "--measure-compute times one rank's forward and backward through the whole model, which "
+         "parallelism.tensor_parallel_degree = 2 splits: drop --measure-compute (FLOPs at the topology's "
+         "compute_tflops), or ask about the job with tensor_parallel_degree = 1"),
+        ([], 4 * MAX_PROCESSES_PER_CORE * (os.cpu_count() or 1) + 4,
+         "--measure-compute starts one process per rank on this machine, and --world-size {world} is more than 4 "
+         "per core ({cores} cores): it measures a job this machine runs; drop --measure-compute for another "
+         "machine's job"),
+        (["--model.flavor", "236B", "--parallelism.expert_parallel_degree", "4"], 4,
+         "--measure-compute builds the whole model (235,741M parameters) in each of 4 processes: 14,051.3 GiB of "
+         "parameters and optimizer state, more than half of this machine's"),
+    ],
+)
+def test_compute_that_cannot_be_measured_here_is_refused(overrides, world_size, message):
+    from torchtitan_ext.train import load_job_config
+
+    job_config = load_job_config([*DEBUG_JOB, *overrides], device_type=None, world_size=world_size)
+    with pytest.raises(ConfigError) as error:
+        check_measurable(job_config, world_size)
+    assert str(error.value).startswith(message.format(world=world_size, cores=os.cpu_count() or 1))
+
+
+def test_measure_compute_needs_a_topology(capsys):
+    code, err = _run_cli(capsys, "--measure-compute", "--world-size", "2", *DEBUG_JOB)
+    assert (code, err) == (2, "error: --measure-compute sets the layout advice's compute: add --topology\n")
+
+
+def test_cli_measures_the_compute(capsys):
+    """Two processes train the small debug flavour at 32 tokens; the table's compute is what they measured:
+    one forward-backward and half of the optimizer (each rank holds half of the parameters)."""
+    plan.main(["--topology", "hgx_h100_ib", "--world-size", "2", "--measure-compute", *DEBUG_JOB,
+               "--model.flavor", "debugmodel_small", "--training.local_batch_size", "1", "--training.seq_len", "32"])
+    out = capsys.readouterr().out
+    found = re.search(r"compute ([0-9.,]+) ms per step measured on this machine \(2 processes: forward \+ backward "
+                      r"([0-9.]+) s, optimizer ([0-9.]+) s for all parameters\)", out)
+    assert found, out
+    step_ms, forward_backward, optimizer = float(found[1].replace(",", "")), float(found[2]), float(found[3])
+    assert forward_backward > 0 and optimizer > 0
+    assert step_ms == pytest.approx((forward_backward + optimizer / 2) * 1e3, abs=1.5, rel=0.01)

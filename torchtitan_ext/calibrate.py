@@ -5,8 +5,10 @@ starts N gloo processes (as a CPU job of N ranks runs: one thread each) and
 measures, all processes at once:
 
 - GEMM throughput at the dtype a CPU job trains in here (runtime's choice);
-- an all-to-all of a few bytes (the latency) and of several MB per rank (the
-  bandwidth: bytes leaving a rank over the time above the latency).
+- an all-to-all of a few bytes (the latency), and an all-to-all, an
+  all-gather and a reduce-scatter of several MB per rank (their bandwidths:
+  bytes a rank moves over the time above the latency; gloo's all-gather and
+  reduce-scatter reach a third to a half of its all-to-all here).
 
 and writes a topology file (``overlap = false``: a gloo collective blocks its process).
 """
@@ -59,10 +61,17 @@ def _measure(rank: int, world_size: int, port: int, dtype: torch.dtype, results)
         latency = _median_seconds(lambda: dist.all_to_all_single(small_out, small_in), REPEATS * 3)
         large_in = torch.zeros(world_size * LARGE_BYTES_PER_PEER // 4, dtype=torch.float32)
         large_out = torch.empty_like(large_in)
-        large = _median_seconds(lambda: dist.all_to_all_single(large_out, large_in), REPEATS)
+        shard = torch.zeros(LARGE_BYTES_PER_PEER // 4, dtype=torch.float32)
+        # FSDP's collectives: its all-gather of parameters, its reduce-scatter of gradients
+        seconds = {
+            "all_to_all": _median_seconds(lambda: dist.all_to_all_single(large_out, large_in), REPEATS),
+            "all_gather": _median_seconds(lambda: dist.all_gather_single(large_out, shard), REPEATS),
+            "reduce_scatter": _median_seconds(lambda: dist.reduce_scatter_single(shard, large_in), REPEATS),
+        }
         if rank == 0:
-            sent = LARGE_BYTES_PER_PEER * (world_size - 1)
-            results.update(tflops=tflops, latency=latency, bandwidth=sent / max(large - latency, 1e-9))
+            moved = LARGE_BYTES_PER_PEER * (world_size - 1)
+            bandwidth = {name: moved / max(t - latency, 1e-9) for name, t in seconds.items()}
+            results.update(tflops=tflops, latency=latency, bandwidth=bandwidth)
     finally:
         dist.destroy_process_group()
 
@@ -74,7 +83,8 @@ def calibrate(nproc: int, output: Path) -> str:
         port = sock.getsockname()[1]
     dtype = torch.bfloat16 if runtime.cpu_bf16_support()[0] else torch.float32
     print(f"[calibrate] {nproc} gloo processes, one thread each: GEMM {GEMM_SIZE}^3 in {dtype} for {GEMM_SECONDS:g} s, "
-          f"all-to-all of 8 bytes and {LARGE_BYTES_PER_PEER // 2**20} MiB per peer ({REPEATS} repeats)", flush=True)
+          f"all-to-all of 8 bytes, all-to-all, all-gather and reduce-scatter of {LARGE_BYTES_PER_PEER // 2**20} MiB "
+          f"per peer ({REPEATS} repeats)", flush=True)
     with mp.Manager() as manager:
         results = manager.dict()
         mp.spawn(_measure, args=(nproc, port, dtype, results), nprocs=nproc, join=True)
@@ -88,13 +98,18 @@ overlap = false
 
 [[levels]]
 name = "gloo on this machine"
-# all-to-all of {LARGE_BYTES_PER_PEER // 2**20} MiB per peer, bytes leaving a rank over the time above the latency
-bandwidth_GBps = {bandwidth / 1e9:.6f}
+# {LARGE_BYTES_PER_PEER // 2**20} MiB per peer, bytes a rank sends (receives, for the all-gather) over the time
+# above the latency: all-to-all, then FSDP's all-gather and reduce-scatter
+bandwidth_GBps = {bandwidth["all_to_all"] / 1e9:.6f}
+all_gather_bandwidth_GBps = {bandwidth["all_gather"] / 1e9:.6f}
+reduce_scatter_bandwidth_GBps = {bandwidth["reduce_scatter"] / 1e9:.6f}
 # all-to-all of 8 bytes per peer
 latency_us = {latency * 1e6:.3f}
 '''
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(text)
-    print(f"[calibrate] GEMM {tflops * 1e3:.2f} GFLOP/s per process, all-to-all latency {latency * 1e6:.0f} us, "
-          f"bandwidth {bandwidth / 1e9:.3f} GB/s per rank; wrote {output}", flush=True)
+    print(f"[calibrate] GEMM {tflops * 1e3:.2f} GFLOP/s per process, all-to-all latency {latency * 1e6:.0f} us; "
+          f"bandwidth per rank: all-to-all {bandwidth['all_to_all'] / 1e9:.3f} GB/s, all-gather "
+          f"{bandwidth['all_gather'] / 1e9:.3f} GB/s, reduce-scatter {bandwidth['reduce_scatter'] / 1e9:.3f} GB/s; "
+          f"wrote {output}", flush=True)
     return text

@@ -319,10 +319,10 @@ def _miss(experts: int, top_k: int, held: int) -> float:
     return math.comb(experts - held, top_k) / math.comb(experts, top_k)
 
 
-def _transfer(topology: Topology, bytes_per_level: dict[int, float]) -> float:
-    """Levels' links run side by side: the slowest level's bytes / bandwidth + start-up."""
+def _transfer(topology: Topology, bytes_per_level: dict[int, float], collective: str = "all_to_all") -> float:
+    """Levels' links run side by side: the slowest level's bytes / the collective's bandwidth + start-up."""
     return max(
-        (volume / (topology.levels[level].bandwidth_GBps * 1e9) + topology.levels[level].latency_us * 1e-6
+        (volume / topology.levels[level].bandwidth(collective) + topology.levels[level].latency_us * 1e-6
          for level, volume in bytes_per_level.items() if volume > 0),
         default=0.0,
     )
@@ -397,8 +397,8 @@ def layer_costs(
     gathered = work.experts // ep * work.expert_parameters * (efsdp - 1) / efsdp
     if efsdp > 1:
         level = max(topology.level_of(sizes, 0, j * ep) for j in range(1, efsdp))
-        all_gather = _transfer(topology, {level: gathered * work.gather_bytes})
-        reduce_scatter = _transfer(topology, {level: gathered * work.reduce_bytes})
+        all_gather = _transfer(topology, {level: gathered * work.gather_bytes}, "all_gather")
+        reduce_scatter = _transfer(topology, {level: gathered * work.reduce_bytes}, "reduce_scatter")
     else:
         all_gather = reduce_scatter = 0.0
     pre_expert = work.pre_expert_flops / (topology.compute_tflops * 1e12)
@@ -410,3 +410,40 @@ def layer_costs(
         token_copies=copies,
         all_gathers=2 if work.regather_in_backward and efsdp > 1 else 1,
     )
+
+
+@dataclass(frozen=True)
+class DenseFSDP:
+    """FSDP's traffic for the parameters outside the routed experts, per rank and step.
+
+    Not the paper's (its blocks hold experts only), and the same for every EP
+    layout of a job (the FSDP group does not change with EP), but on a machine
+    where communication does not overlap compute it is part of every step.
+    """
+
+    parameters: int
+    """Parameters FSDP shards over ``degree`` ranks (all but the routed experts')."""
+    units: int
+    """``fully_shard`` units: one all-gather and one reduce-scatter each, a start-up each."""
+    degree: int
+    """Ranks of the FSDP group (data-parallel shard x context parallel)."""
+    stride: int
+    """Ranks between two members of the group (torchtitan's mesh puts tensor parallel inside)."""
+    gather_bytes: int
+    reduce_bytes: int
+    regather_in_backward: bool
+
+    def communication(self, topology: Topology, world_size: int) -> float:
+        """Seconds of all-gathers (one per unit, two when backward gathers again) and reduce-scatters."""
+        if self.degree == 1:
+            return 0.0
+        sizes = topology.group_sizes(world_size)
+        level = topology.level_of(sizes, 0, (self.degree - 1) * self.stride)
+        link = topology.levels[level]
+        moved = self.parameters * (self.degree - 1) / self.degree
+
+        def seconds(collective: str, element_bytes: int) -> float:
+            return moved * element_bytes / link.bandwidth(collective) + self.units * link.latency_us * 1e-6
+
+        gathers = 2 if self.regather_in_backward else 1
+        return gathers * seconds("all_gather", self.gather_bytes) + seconds("reduce_scatter", self.reduce_bytes)

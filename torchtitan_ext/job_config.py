@@ -116,6 +116,7 @@ def validate(job_config, *, device_type: str | None, world_size: int | None = No
     check_ranges(job_config, ALL_RANGES)
     shape = moe_shape(job_config)
     _check_attention(job_config, device_type)
+    _check_profiling(job_config, device_type)
     _check_expert_degrees(job_config, shape)
     _check_activation_checkpointing(job_config)
     _check_pipeline(job_config, device_type)
@@ -161,6 +162,15 @@ def _check_attention(job_config, device_type: str | None) -> None:
         raise ConfigError(
             f"model.flavor = '{job_config.model.flavor}' uses FlexAttention, whose backward PyTorch does not "
             "implement on CPU: use an SDPA flavour (e.g. debugmodel) on CPU"
+        )
+
+
+def _check_profiling(job_config, device_type: str | None) -> None:
+    if job_config.profiling.enable_profiling and device_type == "cpu":
+        raise ConfigError(
+            "profiling.enable_profiling on CPU: torchtitan 0.2.2's profiler asks torch.profiler for a GPU activity "
+            "that a CPU-only machine does not have (it passes None, and every rank fails at the first step); "
+            "unset it on CPU (py-spy record --subprocesses profiles a CPU job)"
         )
 
 

@@ -17,6 +17,7 @@ from torchtitan.config import TORCH_DTYPE_MAP
 
 from torchtitan_ext.config import comm_backend, ConfigError
 from torchtitan_ext.cost_model import (
+    DenseFSDP,
     eq3_a2a_volume,
     eq4_ag_volume,
     layer_costs,
@@ -30,6 +31,7 @@ from torchtitan_ext.cost_model import (
 )
 from torchtitan_ext.ep import BACKENDS
 from torchtitan_ext.ep.base import MoEShape
+from torchtitan_ext.measured_compute import MeasuredCompute
 from torchtitan_ext.topology import Topology
 from torchtitan_ext.job_config import meta_model, saved_moe_layers, validate
 from torchtitan_ext.train import load_job_config
@@ -50,8 +52,15 @@ class JobShape:
     step_flops: float
     """FLOPs of one rank's step: torchtitan's count (6 x active parameters + attention), plus
     the recomputed forwards' share."""
+    recompute_factor: float
+    """Forward-backward passes' cost with activation checkpointing over without (a recomputed
+    forward: a third of a pass, counted for the recomputed share of the MoE layers)."""
     expert_world: int
     """Ranks the experts are spread over: EP degree x expert-FSDP degree."""
+    dense: DenseFSDP
+    """FSDP's traffic for the rest of the model (the same at every EP layout)."""
+    parameter_share: float
+    """The fraction of the model's parameters one rank holds and steps (FSDP and EP shard them all)."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +75,8 @@ class Layout:
     recomputed_layers: int = 0
     dispatches: int = 1
     compute_s: float = 0.0
+    dense_fsdp_s: float = 0.0
+    """FSDP's all-gathers and reduce-scatters of the parameters outside the routed experts, per step."""
     overlap: bool = True
     gathered_expert_bytes: int = 0
     """Experts one layer's all-gather materialises on this rank (transient)."""
@@ -89,10 +100,16 @@ class Layout:
         return self._per_step(lambda recomputed: self.costs.exposed(self.overlap, recomputed))
 
     @property
+    def dense_exposed_s(self) -> float:
+        """Dense FSDP time the step waits for: with overlap, what compute cannot hide (FSDP prefetches
+        the next unit's gather during this one's compute); without, all of it."""
+        return max(0.0, self.dense_fsdp_s - self.compute_s) if self.overlap else self.dense_fsdp_s
+
+    @property
     def step_s(self) -> float:
-        """Predicted step time: compute plus the exposed MoE communication (dense FSDP and the
-        optimizer are the same for every layout of one job and not modelled)."""
-        return self.compute_s + self.exposed_s
+        """Predicted step time: compute, plus the exposed MoE and dense FSDP communication (the
+        smaller collectives, the loss's and the gradient norm's all-reduces, are left out)."""
+        return self.compute_s + self.exposed_s + self.dense_exposed_s
 
     def overrides(self) -> list[str]:
         return ["--parallelism.expert_parallel_comm_backend", self.backend, "--parallelism.expert_parallel_degree", str(self.ep)]
@@ -102,7 +119,7 @@ def job_shape(job_config, world_size: int) -> JobShape:
     """The job's MoE dims, dtypes and FLOPs, from its model built on the meta device."""
     model = meta_model(job_config)
     model_args = model.model_args
-    expert_parameters, layers, moe_layers = 0, {}, set()
+    expert_parameters, dense_parameters, layers, moe_layers = 0, 0, {}, set()
     for name, parameter in model.named_parameters():
         parts = name.split(".")
         if parts[0] == "layers":
@@ -110,6 +127,8 @@ def job_shape(job_config, world_size: int) -> JobShape:
         if ".moe.experts." in f".{name}":
             expert_parameters += parameter.numel()
             moe_layers.add(int(parts[1]))
+        else:
+            dense_parameters += parameter.numel()
     if not moe_layers:
         raise ConfigError(f"model {job_config.model.name} {job_config.model.flavor} has no MoE layers: nothing to advise")
     moe_args = model_args.moe_args
@@ -145,11 +164,27 @@ def job_shape(job_config, world_size: int) -> JobShape:
         regather_in_backward=reshard == "always" or (reshard == "default" and p.pipeline_parallel_degree == 1),
     )
     # a recomputed forward costs a third of forward + backward again
-    step_flops = flops_per_token * tokens * dispatches * (1 + recomputed / len(moe_layers) / 3)
+    recompute_factor = 1 + recomputed / len(moe_layers) / 3
+    step_flops = flops_per_token * tokens * dispatches * recompute_factor
     expert_world = world_size // (
         p.pipeline_parallel_degree * p.data_parallel_replicate_degree * p.expert_tensor_parallel_degree
     )
-    return JobShape(work, len(moe_layers), recomputed, dispatches, step_flops, expert_world)
+    dense = DenseFSDP(
+        # the blocks, and the embeddings and the output layer, one unit each (torchtitan's apply_fsdp);
+        # every unit counts as re-gathered in backward, though the output layer is not by default
+        parameters=dense_parameters // (p.pipeline_parallel_degree * p.tensor_parallel_degree),
+        units=model_args.n_layers // p.pipeline_parallel_degree + 2,
+        degree=data_parallel // p.data_parallel_replicate_degree * p.context_parallel_degree,
+        stride=p.tensor_parallel_degree,
+        gather_bytes=work.gather_bytes,
+        reduce_bytes=work.reduce_bytes,
+        regather_in_backward=work.regather_in_backward,
+    )
+    parameter_share = p.data_parallel_replicate_degree / world_size
+    return JobShape(
+        work, len(moe_layers), recomputed, dispatches, step_flops, recompute_factor, expert_world, dense,
+        parameter_share,
+    )
 
 
 def _candidate(job_config, backend_name: str, ep: int):
@@ -164,18 +199,41 @@ def _candidate(job_config, backend_name: str, ep: int):
     return candidate
 
 
+def _check_nvlink_domain(backend, candidate, topology: Topology, sizes: list[int]) -> None:
+    """ConfigError when the backend is told that more ranks share an NVLink domain than the topology's
+    innermost level groups: it would treat ranks over the slower level as NVLink peers."""
+    domain = backend.nvlink_domain_ranks(candidate)
+    if domain is not None and domain > sizes[0]:
+        raise ConfigError(
+            f"{backend.config_section}.ranks_per_nvlink_domain = {domain}, but topology '{topology.name}' groups "
+            f"{sizes[0]} ranks in its innermost level '{topology.levels[0].name}': set it to {sizes[0]} or a "
+            "divisor of it"
+        )
+
+
 def advise(
-    train_args: list[str], world_size: int, topology: Topology, routing_stats: dict | None = None, routing_source: str = ""
+    train_args: list[str], world_size: int, topology: Topology, routing_stats: dict | None = None, routing_source: str = "",
+    measured_compute: MeasuredCompute | None = None,
 ) -> tuple[list[Layout], MeasuredRouting | None]:
     """Every backend x EP degree: runnable ones ranked by exposed MoE communication per step, then the
-    refused; and the measured routing used for token bytes (from ``routing_stats``, a loaded dump), if any."""
-    job_config = load_job_config(train_args, device_type=None, world_size=world_size)
+    refused; and the measured routing used for token bytes (from ``routing_stats``, a loaded dump), if any.
+
+    Compute per step is ``measured_compute`` (this machine's, :mod:`torchtitan_ext.measured_compute`)
+    when given, else the job's FLOPs at the topology's ``compute_tflops``. A measured compute makes the job
+    the one this machine runs: its dtypes are the ones a CPU job here trains in (the bytes every
+    collective moves)."""
+    device_type = None if measured_compute is None else "cpu"
+    job_config = load_job_config(train_args, device_type=device_type, world_size=world_size)
     shape = job_shape(job_config, world_size)
     work = shape.work
     routing = None
     if routing_stats is not None:
         routing = MeasuredRouting.from_dump(routing_stats, routing_source, work.experts, work.top_k)
-    compute_s = shape.step_flops / (topology.compute_tflops * 1e12)
+    if measured_compute is None:
+        compute_s = shape.step_flops / (topology.compute_tflops * 1e12)
+    else:
+        compute_s = measured_compute.step_seconds(shape.dispatches * shape.recompute_factor, shape.parameter_share)
+    dense_fsdp_s = shape.dense.communication(topology, world_size)
     moe_shape = MoEShape(work.hidden, work.experts, work.top_k, work.tokens)
     sizes = topology.group_sizes(world_size)
 
@@ -191,7 +249,8 @@ def advise(
             layout = Layout(backend_name, ep, efsdp, refused=None)
             candidate = _candidate(job_config, backend_name, ep)
             try:
-                validate(candidate, device_type=None, world_size=world_size)
+                validate(candidate, device_type=device_type, world_size=world_size)
+                _check_nvlink_domain(backend, candidate, topology, sizes)
             except ConfigError as e:
                 refused.append(replace(layout, refused=str(e)))
                 continue
@@ -202,6 +261,7 @@ def advise(
                 recomputed_layers=shape.recomputed_layers,
                 dispatches=shape.dispatches,
                 compute_s=compute_s,
+                dense_fsdp_s=dense_fsdp_s,
                 overlap=topology.overlap,
                 gathered_expert_bytes=work.experts // ep * work.expert_parameters * work.gather_bytes,
                 buffer_bytes=backend.planned_buffer(candidate, moe_shape)[0],
@@ -266,7 +326,7 @@ def _reason(best: Layout, others: list[Layout]) -> str:
 
 def format_advice(
     layouts: list[Layout], topology: Topology, world_size: int, model: str, overrides_problem: str | None,
-    routing: MeasuredRouting | None = None,
+    routing: MeasuredRouting | None = None, measured_compute: MeasuredCompute | None = None,
 ) -> list[str]:
     runnable = [layout for layout in layouts if layout.refused is None]
     lines = [
@@ -282,10 +342,19 @@ def format_advice(
         lines.append("  token bytes assume uniform routing (--routing-stats DUMP uses a run's measured routing)")
     if runnable:
         first = runnable[0]
+        if measured_compute is None:
+            compute = f"at {topology.compute_tflops:g} TFLOP/s"
+        else:
+            compute = (
+                f"measured on this machine ({measured_compute.processes} processes: forward + backward "
+                f"{measured_compute.forward_backward_s:.3f} s, optimizer {measured_compute.optimizer_s:.3f} s for all "
+                "parameters)"
+            )
         lines.append(
             f"  {first.moe_layers} MoE layers ({first.recomputed_layers} recomputed by activation checkpointing), "
-            f"{first.dispatches} MoE call(s) per layer and step; compute {_ms(first.compute_s)} ms per step at "
-            f"{topology.compute_tflops:g} TFLOP/s; times per rank"
+            f"{first.dispatches} MoE call(s) per layer and step; compute {_ms(first.compute_s)} ms per step "
+            f"{compute}; dense FSDP {_ms(first.dense_fsdp_s)} ms per step ({_ms(first.dense_exposed_s)} exposed); "
+            "times per rank"
         )
         header = (
             f"  {'#':>3}  {'backend':<9} {'EP':>4} {'efsdp':>5} {'copies':>6} {'A2A ms':>9} {'AG ms':>9} "

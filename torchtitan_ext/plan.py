@@ -1,7 +1,7 @@
 """EP planner: memory and drop risk of each backend for a job, before launch.
 
     python -m torchtitan_ext.plan --job.config_file X [overrides] [--world-size N] [--routing-stats DUMP]
-        [--topology T]
+        [--topology T [--measure-compute]]
     python -m torchtitan_ext.plan --paper --topology T --world-size G --paper-data-mb D --paper-expert-mb P_E
         --paper-pre-expert-ms PE
     python -m torchtitan_ext.plan --calibrate [--nproc N] [--calibrate-output FILE]
@@ -20,15 +20,16 @@ hybridep non-blocking at the configured capacity factor), prints:
 With ``--topology`` (a file, or a name in ``topologies/``) it adds the layout
 advisor's ranked table (:mod:`torchtitan_ext.layout_advisor`): every backend and
 EP degree the job can run, the predicted MoE communication and exposed time per
-step, and the overrides that select the winner. ``--paper`` evaluates the seed
-paper's own one-level setting; ``--calibrate`` measures this machine and writes
-its topology file (:mod:`torchtitan_ext.calibrate`).
+step, and the overrides that select the winner; ``--measure-compute`` times the
+job's per-rank compute on this machine for it (:mod:`torchtitan_ext.measured_compute`).
+``--paper`` evaluates the seed paper's own one-level setting; ``--calibrate``
+measures this machine and writes its topology file (:mod:`torchtitan_ext.calibrate`).
 
 Every size comes from the code the runtime runs: the model is built on the
 meta device and parallelized as in training (``dry_run``), the non-blocking
 row count is ``hybridep.non_blocking_rows``, the buffers' bytes are the
 reference buffer's allocation (and DeepEP's own size hints when deep_ep is
-importable). Nothing is allocated and no GPU is needed.
+importable). Without ``--measure-compute`` nothing is allocated; no GPU is needed.
 """
 
 import argparse
@@ -52,6 +53,7 @@ from torchtitan_ext.ep.base import max_tokens_per_rank, MoEShape, token_group_al
 from torchtitan_ext.ep.hybridep import non_blocking_rows
 from torchtitan_ext.job_config import saved_moe_layers
 from torchtitan_ext.layout_advisor import advise, format_advice, format_paper, overrides_problem
+from torchtitan_ext.measured_compute import check_measurable, measure_compute
 from torchtitan_ext.models import register_train_specs
 from torchtitan_ext.routing_stats import load, load_folder
 from torchtitan_ext.topology import load_topology
@@ -221,6 +223,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--routing-stats", type=Path,
                         help="routing_stats folder or .npz file: the expected drop rate, and with --topology the measured token bytes")
     parser.add_argument("--topology", help="topology TOML (a path, or a name in topologies/): add the layout advice")
+    parser.add_argument(
+        "--measure-compute", action="store_true",
+        help="with --topology: time the job's per-rank compute on this machine (one process per rank) instead of FLOPs",
+    )
     parser.add_argument("--paper", action="store_true", help="evaluate the seed paper's one-level setting (needs --topology)")
     parser.add_argument("--paper-data-mb", type=float, help="--paper: D, MB of tokens one worker dispatches")
     parser.add_argument("--paper-expert-mb", type=float, help="--paper: P_E, MB of one worker's experts")
@@ -251,12 +257,17 @@ def main(argv: list[str] | None = None) -> None:
         if topology is not None:
             topology.group_sizes(world_size)
         job_config = load_job_config(train_args, device_type=None, world_size=world_size)
+        if args.measure_compute and topology is None:
+            raise ConfigError("--measure-compute sets the layout advice's compute: add --topology")
+        if args.measure_compute:
+            check_measurable(job_config, world_size)
         stats = None
         if args.routing_stats is not None:
             stats = load(args.routing_stats) if args.routing_stats.is_file() else load_folder(args.routing_stats)
         result = plan(job_config, world_size, stats)
+        compute = measure_compute(train_args, world_size) if args.measure_compute else None
         advice, routing = (None, None) if topology is None else advise(
-            train_args, world_size, topology, stats, str(args.routing_stats)
+            train_args, world_size, topology, stats, str(args.routing_stats), compute
         )
         problem = overrides_problem(train_args, world_size, advice[0]) if advice and advice[0].refused is None else None
     except (ConfigError, FileNotFoundError) as e:
@@ -269,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
             dist.destroy_process_group()
     print("\n".join(format_plan(result, world_size)))
     if advice is not None:
-        print("\n".join(format_advice(advice, topology, world_size, result.dry_run.model, problem, routing)))
+        print("\n".join(format_advice(advice, topology, world_size, result.dry_run.model, problem, routing, compute)))
 
 
 def _exit_on_error(fn, *args):

@@ -11,6 +11,9 @@ A topology is a TOML file (shipped ones in ``topologies/``)::
     workers = 8              # workers in one group of this level
     bandwidth_GBps = 360.0   # per worker, per direction, to a peer in the same group
     latency_us = 3.0
+    # optional: what FSDP's collectives reach, when it differs from the all-to-all's
+    all_gather_bandwidth_GBps = 360.0
+    reduce_scatter_bandwidth_GBps = 360.0
 
     [[levels]]               # the outermost level may omit workers: the rest of the job
     name = "InfiniBand"
@@ -43,6 +46,21 @@ class Level:
     latency_us: float
     """Time of one collective's start-up over this level (a zero-byte message), in
     microseconds. >= 0."""
+    all_gather_bandwidth_GBps: float
+    """Bandwidth of an all-gather (FSDP's parameter gather), counted as ``bandwidth_GBps``:
+    bytes one worker receives per second, in GB/s. > 0. Defaults to ``bandwidth_GBps``;
+    gloo's ring all-gather reaches a third to a half of its all-to-all here."""
+    reduce_scatter_bandwidth_GBps: float
+    """Bandwidth of a reduce-scatter (FSDP's gradient reduction): bytes one worker sends per
+    second, in GB/s. > 0. Defaults to ``bandwidth_GBps``."""
+
+    def bandwidth(self, collective: str) -> float:
+        """Bytes per second of ``collective``: "all_to_all", "all_gather" or "reduce_scatter"."""
+        return {
+            "all_to_all": self.bandwidth_GBps,
+            "all_gather": self.all_gather_bandwidth_GBps,
+            "reduce_scatter": self.reduce_scatter_bandwidth_GBps,
+        }[collective] * 1e9
 
 
 @dataclass(frozen=True)
@@ -108,6 +126,13 @@ def _field(table: dict, key: str, kind, where: str, default=None):
     return value
 
 
+def _bandwidth(table: dict, key: str, where: str, default: float | None = None) -> float:
+    value = _field(table, key, float, where, default)
+    if value <= 0:
+        raise ConfigError(f"{where}.{key} = {value}: use a bandwidth > 0 (GB/s per worker)")
+    return value
+
+
 def parse_topology(data: dict, source: str) -> Topology:
     """A Topology from a TOML document's table; every bad field is a ConfigError naming it."""
     compute = _field(data, "compute_tflops", float, source)
@@ -128,13 +153,13 @@ def parse_topology(data: dict, source: str) -> Topology:
             workers = _field(table, "workers", int, where)
             if workers < 1:
                 raise ConfigError(f"{where}.workers = {workers}: use a count >= 1")
-        bandwidth = _field(table, "bandwidth_GBps", float, where)
-        if bandwidth <= 0:
-            raise ConfigError(f"{where}.bandwidth_GBps = {bandwidth}: use a bandwidth > 0 (GB/s per worker)")
+        bandwidth = _bandwidth(table, "bandwidth_GBps", where)
         latency = _field(table, "latency_us", float, where)
         if latency < 0:
             raise ConfigError(f"{where}.latency_us = {latency}: use a latency >= 0 (microseconds)")
-        levels.append(Level(name, workers, bandwidth, latency))
+        gather = _bandwidth(table, "all_gather_bandwidth_GBps", where, default=bandwidth)
+        scatter = _bandwidth(table, "reduce_scatter_bandwidth_GBps", where, default=bandwidth)
+        levels.append(Level(name, workers, bandwidth, latency, gather, scatter))
     name = data.get("name", source)
     return Topology(str(name), compute, overlap, tuple(levels))
 

@@ -1,0 +1,146 @@
+"""One rank's compute per training step, measured on this machine: the layout advisor's compute stream.
+
+FLOPs over a GEMM's throughput miss most of a CPU step: the model's small
+GEMMs run far below a 512^3 GEMM's rate, and the non-GEMM operators (norms,
+softmax, the router's sort, the experts' permutation) and the optimizer are
+not FLOP-bound. ``python -m torchtitan_ext.plan ... --topology T
+--measure-compute`` times them instead: it starts one process per rank of
+the job (one thread each, all at once, as a CPU job of that many ranks shares
+this machine's cores), and each builds the job's model as the trainer does on
+this machine (its dtypes, its expert path), runs forward and backward on one
+rank's batch of random tokens, and steps the optimizer over the whole model.
+No process communicates: the collectives are the cost model's part.
+
+What it leaves out: a layout's own compute differences (the rank runs E/ep
+experts on ep times the tokens: the same GEMM FLOPs, fewer and larger GEMMs)
+and the permutation around the all-to-all.
+"""
+
+import copy
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.multiprocessing as mp
+from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.protocols.train_spec import get_train_spec
+
+from torchtitan_ext import runtime
+from torchtitan_ext.config import ConfigError
+from torchtitan_ext.data import register_embedded_dataset
+from torchtitan_ext.job_config import meta_model, model_args_of
+from torchtitan_ext.models import register_train_specs
+from torchtitan_ext.train import load_job_config
+
+WARMUP_STEPS = 2
+TIMED_STEPS = 4
+MAX_PROCESSES_PER_CORE = 4
+BYTES_PER_PARAMETER = 16
+"""A float32 parameter, its gradient and AdamW's two moments."""
+
+
+@dataclass(frozen=True)
+class MeasuredCompute:
+    """Medians over the timed steps, of the slowest process (a synchronous step waits for it)."""
+
+    forward_backward_s: float
+    """One microbatch's forward and backward through the whole model, in seconds."""
+    optimizer_s: float
+    """The optimizer's step over all of the model's parameters, in seconds (FSDP steps only a
+    rank's shards: the advisor scales it by the rank's share)."""
+    processes: int
+    """Processes that ran at once."""
+    tokens: int
+    """Tokens of the measured microbatch (local batch x sequence)."""
+
+    def step_seconds(self, passes: float, parameter_share: float) -> float:
+        """One rank's step: ``passes`` forward-backward passes (microbatches, more with recomputation) and
+        the optimizer over ``parameter_share`` of the parameters."""
+        return passes * self.forward_backward_s + parameter_share * self.optimizer_s
+
+
+def check_measurable(job_config, world_size: int) -> None:
+    """ConfigError unless this machine can measure the job's per-rank compute as a whole-model pass."""
+    p = job_config.parallelism
+    for field, degree in (
+        ("tensor_parallel_degree", p.tensor_parallel_degree),
+        ("pipeline_parallel_degree", p.pipeline_parallel_degree),
+        ("context_parallel_degree", p.context_parallel_degree),
+    ):
+        if degree > 1:
+            raise ConfigError(
+                f"--measure-compute times one rank's forward and backward through the whole model, which "
+                f"parallelism.{field} = {degree} splits: drop --measure-compute (FLOPs at the topology's "
+                f"compute_tflops), or ask about the job with {field} = 1"
+            )
+    cores = os.cpu_count() or 1
+    if world_size > MAX_PROCESSES_PER_CORE * cores:
+        raise ConfigError(
+            f"--measure-compute starts one process per rank on this machine, and --world-size {world_size} is more "
+            f"than {MAX_PROCESSES_PER_CORE} per core ({cores} cores): it measures a job this machine runs; drop "
+            "--measure-compute for another machine's job"
+        )
+    parameters = sum(p.numel() for p in meta_model(job_config).parameters())
+    needed = world_size * parameters * BYTES_PER_PARAMETER
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if needed > memory // 2:
+        raise ConfigError(
+            f"--measure-compute builds the whole model ({parameters / 1e6:,.0f}M parameters) in each of "
+            f"{world_size} processes: {needed / 2**30:,.1f} GiB of parameters and optimizer state, more than half "
+            f"of this machine's {memory / 2**30:,.1f} GiB; drop --measure-compute for a model this machine cannot train"
+        )
+
+
+def _measure(rank: int, train_args: list[str], world_size: int, start, results) -> None:
+    torch.set_num_threads(1)
+    runtime.configure()
+    register_embedded_dataset()
+    register_train_specs()
+    job_config = load_job_config(train_args, device_type="cpu", world_size=world_size)
+    model_args = model_args_of(job_config)
+    model_args.update_from_config(job_config)
+    torch.manual_seed(rank)
+    model = get_train_spec(job_config.model.name).model_cls(model_args)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=job_config.optimizer.lr)
+    # FSDP runs forward and backward in the parameter dtype and steps float32 shards
+    compute_dtype = TORCH_DTYPE_MAP[job_config.training.mixed_precision_param]
+    compute_model = model if compute_dtype == torch.float32 else copy.deepcopy(model).to(compute_dtype)
+    training = job_config.training
+    tokens = torch.randint(0, model_args.vocab_size, (training.local_batch_size, training.seq_len))
+    passes, steps = [], []
+    start.wait()
+    for step in range(WARMUP_STEPS + TIMED_STEPS):
+        began = time.perf_counter()
+        logits = compute_model(tokens)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten()).backward()
+        if compute_model is not model:
+            for master, cast in zip(model.parameters(), compute_model.parameters()):
+                master.grad, cast.grad = (None if cast.grad is None else cast.grad.float()), None
+        passed = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step >= WARMUP_STEPS:
+            passes.append(passed - began)
+            steps.append(time.perf_counter() - passed)
+    results[rank] = (statistics.median(passes), statistics.median(steps))
+
+
+def measure_compute(train_args: list[str], world_size: int) -> MeasuredCompute:
+    """Time the job's per-rank compute with ``world_size`` processes at once (a few minutes on 2 cores for
+    the debug model at 4 ranks: most of it is building the models)."""
+    print(f"[measure-compute] {world_size} processes, one thread each: {WARMUP_STEPS} warm-up and "
+          f"{TIMED_STEPS} timed forward/backward passes and optimizer steps of the job's model", flush=True)
+    with mp.Manager() as manager:
+        results, start = manager.dict(), manager.Barrier(world_size)
+        mp.spawn(_measure, args=(train_args, world_size, start, results), nprocs=world_size, join=True)
+        forward_backward = max(passes for passes, _ in results.values())
+        optimizer = max(steps for _, steps in results.values())
+    training = load_job_config(train_args, device_type=None, world_size=world_size).training
+    measured = MeasuredCompute(forward_backward, optimizer, world_size, training.local_batch_size * training.seq_len)
+    print(f"[measure-compute] forward + backward {forward_backward:.3f} s, optimizer over all parameters "
+          f"{optimizer:.3f} s (the slowest process's medians)", flush=True)
+    return measured
