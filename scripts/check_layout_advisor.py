@@ -1,13 +1,15 @@
 """The layout advisor's predictions against runs on this machine.
 
-    python scripts/check_layout_advisor.py [--steps 10] [--warmup 3] [--tokens 2048]
+    python scripts/check_layout_advisor.py [--steps 10] [--warmup 3] [--rounds 2] [--tokens 2048]
 
 1. Calibrates this machine (``plan --calibrate``, 4 gloo processes) and
    measures the debug job's per-rank compute (``plan --measure-compute``).
 2. For the debug model at NGPU=4 (nccl), predicts the step time of
    (EP, efsdp) = (4, 1), (2, 2), (1, 4) with that topology and compute, and
    measures it: ``./run_train.sh`` at each EP degree, median step time after
-   ``--warmup``.
+   ``--warmup``, ``--rounds`` times in turn (EP 4, 2, 1, 4, 2, 1, ...); the
+   table gives the median over rounds and each round's value, so that a
+   difference smaller than the spread reads as one.
 3. For every backend, predicts one dispatch + combine, forward and backward
    (four all-to-alls) at EP = 2 and 4 and measures it with
    ``scripts/bench_ep.py`` (its median, and the median of the bare collectives).
@@ -51,6 +53,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3, help="step times dropped at the start of each run")
+    parser.add_argument("--rounds", type=int, default=2, help="training runs per EP degree, in turn")
     parser.add_argument("--tokens", type=int, default=2048, help="bench_ep tokens per rank")
     args = parser.parse_args()
 
@@ -76,18 +79,22 @@ def main() -> None:
         layout.ep: layout for layout in advise(train_args, 4, topology, measured_compute=compute)[0]
         if layout.refused is None and layout.backend == "nccl"
     }
-    rows = []
+    runs = {ep: [] for ep in (4, 2, 1)}
     with tempfile.TemporaryDirectory() as tmp:
-        for ep in tqdm((4, 2, 1), desc="training runs (NGPU=4)"):
-            measured = measured_step_time(ep, args.steps, args.warmup, Path(tmp) / f"ep{ep}")
-            rows.append((ep, 4 // ep, predicted[ep].step_s, measured))
+        for index in tqdm(range(3 * args.rounds), desc="training runs (NGPU=4)"):
+            ep = (4, 2, 1)[index % 3]
+            runs[ep].append(measured_step_time(ep, args.steps, args.warmup, Path(tmp) / f"run{index}"))
+    rows = [(ep, 4 // ep, predicted[ep].step_s, statistics.median(times)) for ep, times in runs.items()]
     print("\nDebug model, NGPU=4, nccl: step time")
-    print("| EP | efsdp | compute s | dense FSDP s | MoE comm s | predicted s | measured s | predicted / measured |")
-    print("|----|-------|-----------|--------------|------------|-------------|------------|----------------------|")
+    print("| EP | efsdp | compute s | dense FSDP s | MoE comm s | predicted s | measured s (rounds) | "
+          "predicted / measured |")
+    print("|----|-------|-----------|--------------|------------|-------------|---------------------|"
+          "----------------------|")
     for ep, efsdp, p, m in rows:
         layout = predicted[ep]
+        each = ", ".join(f"{t:.3f}" for t in runs[ep])
         print(f"| {ep} | {efsdp} | {layout.compute_s:.3f} | {layout.dense_exposed_s:.3f} | {layout.exposed_s:.3f} | "
-              f"{p:.3f} | {m:.3f} | {p / m:.2f} |")
+              f"{p:.3f} | {m:.3f} ({each}) | {p / m:.2f} |")
     ranking = lambda index: [row[0] for row in sorted(rows, key=lambda row: row[index])]  # noqa: E731
     print(f"predicted ranking (EP): {ranking(2)}; measured: {ranking(3)}")
 

@@ -52,8 +52,6 @@ class MeasuredCompute:
     rank's shards: the advisor scales it by the rank's share)."""
     processes: int
     """Processes that ran at once."""
-    tokens: int
-    """Tokens of the measured microbatch (local batch x sequence)."""
 
     def step_seconds(self, passes: float, parameter_share: float) -> float:
         """One rank's step: ``passes`` forward-backward passes (microbatches, more with recomputation) and
@@ -82,7 +80,7 @@ def check_measurable(job_config, world_size: int) -> None:
             f"than {MAX_PROCESSES_PER_CORE} per core ({cores} cores): it measures a job this machine runs; drop "
             "--measure-compute for another machine's job"
         )
-    parameters = sum(p.numel() for p in meta_model(job_config).parameters())
+    parameters = sum(parameter.numel() for parameter in meta_model(job_config).parameters())
     needed = world_size * parameters * BYTES_PER_PARAMETER
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if needed > memory // 2:
@@ -130,8 +128,8 @@ def _measure(rank: int, train_args: list[str], world_size: int, start, results) 
 
 
 def measure_compute(train_args: list[str], world_size: int) -> MeasuredCompute:
-    """Time the job's per-rank compute with ``world_size`` processes at once (a few minutes on 2 cores for
-    the debug model at 4 ranks: most of it is building the models)."""
+    """Time the job's per-rank compute with ``world_size`` processes at once (about a minute on 2 cores for
+    the debug model at 4 ranks, half of it starting the processes)."""
     print(f"[measure-compute] {world_size} processes, one thread each: {WARMUP_STEPS} warm-up and "
           f"{TIMED_STEPS} timed forward/backward passes and optimizer steps of the job's model", flush=True)
     with mp.Manager() as manager:
@@ -139,8 +137,6 @@ def measure_compute(train_args: list[str], world_size: int) -> MeasuredCompute:
         mp.spawn(_measure, args=(train_args, world_size, start, results), nprocs=world_size, join=True)
         forward_backward = max(passes for passes, _ in results.values())
         optimizer = max(steps for _, steps in results.values())
-    training = load_job_config(train_args, device_type=None, world_size=world_size).training
-    measured = MeasuredCompute(forward_backward, optimizer, world_size, training.local_batch_size * training.seq_len)
     print(f"[measure-compute] forward + backward {forward_backward:.3f} s, optimizer over all parameters "
           f"{optimizer:.3f} s (the slowest process's medians)", flush=True)
-    return measured
+    return MeasuredCompute(forward_backward, optimizer, world_size)
