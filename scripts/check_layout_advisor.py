@@ -86,14 +86,14 @@ def main() -> None:
             runs[ep].append(measured_step_time(ep, args.steps, args.warmup, Path(tmp) / f"run{index}"))
     rows = [(ep, 4 // ep, predicted[ep].step_s, statistics.median(times)) for ep, times in runs.items()]
     print("\nDebug model, NGPU=4, nccl: step time")
-    print("| EP | efsdp | compute s | dense FSDP s | MoE comm s | predicted s | measured s (rounds) | "
+    print("| EP | efsdp | compute s | data-parallel s | MoE comm s | predicted s | measured s (rounds) | "
           "predicted / measured |")
-    print("|----|-------|-----------|--------------|------------|-------------|---------------------|"
+    print("|----|-------|-----------|-----------------|------------|-------------|---------------------|"
           "----------------------|")
     for ep, efsdp, p, m in rows:
         layout = predicted[ep]
         each = ", ".join(f"{t:.3f}" for t in runs[ep])
-        print(f"| {ep} | {efsdp} | {layout.compute_s:.3f} | {layout.dense_exposed_s:.3f} | {layout.exposed_s:.3f} | "
+        print(f"| {ep} | {efsdp} | {layout.compute_s:.3f} | {layout.data_parallel_exposed_s:.3f} | {layout.exposed_s:.3f} | "
               f"{p:.3f} | {m:.3f} ({each}) | {p / m:.2f} |")
     ranking = lambda index: [row[0] for row in sorted(rows, key=lambda row: row[index])]  # noqa: E731
     print(f"predicted ranking (EP): {ranking(2)}; measured: {ranking(3)}")

@@ -189,18 +189,40 @@ def test_without_overlap_everything_is_exposed():
     assert costs.exposed(overlap=True) < by_hand
 
 
-def test_dense_fsdp_gathers_per_unit_and_reduce_scatters_once():
-    """8M parameters over 4 ranks: each rank gathers the 6M it lacks (bf16) in forward and again in backward, and
-    reduce-scatters their gradients (fp32), one start-up per unit and collective, at each collective's bandwidth."""
+def test_data_parallel_sync_gathers_per_unit_and_reduce_scatters_once():
+    """8M dense parameters over 4 ranks: each rank gathers the 6M it lacks (bf16) in forward and again in backward,
+    and reduce-scatters their gradients (fp32), one start-up per unit and collective, at each collective's
+    bandwidth; all of it once per accumulation step."""
     link = Level("link", None, 10.0, 100.0, 2.0, 1.0)
     topology = Topology("test", 1.0, False, (link,))
-    dense = cm.DenseFSDP(parameters=8_000_000, units=4, degree=4, stride=1, gather_bytes=2, reduce_bytes=4,
-                         regather_in_backward=True)
+    sync = cm.DataParallelSync(
+        dense_parameters=8_000_000, units=4, fsdp_degree=4, fsdp_stride=1, replicas=1, replica_stride=4,
+        shard_parameters=3_000_000, gather_bytes=2, reduce_bytes=4, regather_in_backward=True, accumulation_steps=1,
+    )
     gather, scatter = 6e6 * 2 / 2e9 + 4 * 1e-4, 6e6 * 4 / 1e9 + 4 * 1e-4
-    assert dense.communication(topology, 4) == pytest.approx(2 * gather + scatter)
-    assert replace(dense, regather_in_backward=False).communication(topology, 4) == pytest.approx(gather + scatter)
-    assert replace(dense, degree=1).communication(topology, 4) == 0.0
+    assert sync.communication(topology, 4) == pytest.approx(2 * gather + scatter)
+    assert replace(sync, regather_in_backward=False).communication(topology, 4) == pytest.approx(gather + scatter)
+    assert replace(sync, accumulation_steps=3).communication(topology, 4) == pytest.approx(3 * (2 * gather + scatter))
+    assert replace(sync, fsdp_degree=1).communication(topology, 4) == 0.0
     # with tensor parallel inside, FSDP's peers are 2 ranks apart: on nodes of 2 they talk over the network
     nodes = Topology("nodes of 2", 1.0, False, (_level("node", 2, 100.0), _level("network", None, 1.0)))
-    across = replace(dense, degree=2, stride=2).communication(nodes, 4)
+    across = replace(sync, fsdp_degree=2, fsdp_stride=2).communication(nodes, 4)
     assert across == pytest.approx(2 * 4e6 * 2 / 1e9 + 4e6 * 4 / 1e9)
+
+
+def test_replicas_all_reduce_each_gradient_shard():
+    """HSDP with 2 replicas of an FSDP group of 4 (8 ranks, replicas 4 apart, over the network): each rank
+    all-reduces its 3M-parameter gradient shard with its replica, a reduce-scatter and an all-gather of half."""
+    nodes = Topology("nodes of 4", 1.0, False, (Level("node", 4, 100.0, 0.0, 100.0, 100.0),
+                                                  Level("network", None, 8.0, 10.0, 4.0, 2.0)))
+    sync = cm.DataParallelSync(
+        dense_parameters=8_000_000, units=5, fsdp_degree=4, fsdp_stride=1, replicas=2, replica_stride=4,
+        shard_parameters=3_000_000, gather_bytes=2, reduce_bytes=4, regather_in_backward=False, accumulation_steps=1,
+    )
+    fsdp = 6e6 * 2 / 100e9 + 6e6 * 4 / 100e9
+    all_reduce = 1.5e6 * 4 / 2e9 + 1.5e6 * 4 / 4e9 + 2 * 5 * 10e-6
+    assert sync.communication(nodes, 8) == pytest.approx(fsdp + all_reduce)
+    # DDP: no FSDP group, every rank holds all parameters and all-reduces them
+    ddp = replace(sync, fsdp_degree=1, replica_stride=1, shard_parameters=11_000_000)
+    two = Topology("two ranks", 1.0, False, (Level("network", None, 8.0, 10.0, 4.0, 2.0),))
+    assert ddp.communication(two, 2) == pytest.approx(5.5e6 * 4 / 2e9 + 5.5e6 * 4 / 4e9 + 2 * 5 * 10e-6)

@@ -1,17 +1,16 @@
 """The layout advisor: topology files, its ranking, its CLI and its bad-input errors."""
 
 import math
-import os
 import re
 
 import numpy as np
 import pytest
 
-from torchtitan_ext import plan
+from torchtitan_ext import plan, runtime
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.cost_model import MeasuredRouting
 from torchtitan_ext.layout_advisor import advise
-from torchtitan_ext.measured_compute import check_measurable, MAX_PROCESSES_PER_CORE, MeasuredCompute
+from torchtitan_ext.measured_compute import check_measurable, MeasuredCompute
 from torchtitan_ext.topology import load_topology, parse_topology, SHIPPED
 
 DEBUG_JOB = ["--job.config_file", "train_configs/debug_model.toml"]
@@ -139,9 +138,10 @@ def test_671b_advice_quoted_in_docs(advice_671b):
     assert (first.backend, first.ep, first.efsdp) == ("hybridep", 64, 4)  # the job's own backend wins the tie
     assert first.exposed_s == gb200["deepep", 64].exposed_s < gb200["nccl", 64].exposed_s
     assert (first.moe_layers, first.recomputed_layers, first.dispatches) == (58, 58, 1)
-    # dense FSDP: 17.1G parameters over all 256 ranks, at the outer level's 50 GB/s on both, hidden behind compute
+    # FSDP of the 17.1G dense parameters over all 256 ranks, at the outer level's 50 GB/s on both, hidden behind
+    # compute
     for layouts in advice_671b.values():
-        assert round(layouts[0].dense_fsdp_s * 1e3) == 2730 and layouts[0].dense_exposed_s == 0.0
+        assert round(layouts[0].data_parallel_s * 1e3) == 2730 and layouts[0].data_parallel_exposed_s == 0.0
     ep32 = gb200["deepep", 32]
     assert round(ep32.costs.token_copies, 2) == 7.04 and round(first.costs.token_copies, 2) == 7.56
     assert round(ep32.costs.exposed(True) - 4 * ep32.costs.a2a, 5) == pytest.approx(8.62e-3, abs=1e-5)
@@ -160,7 +160,7 @@ def test_a_larger_nvlink_domain_than_the_topology_has_is_refused(advice_671b):
     """The 671B job tells HybridEP that 64 ranks share NVLink: right on GB200 NVL72, wrong on HGX nodes of 8."""
     expected = (
         "hybridep.ranks_per_nvlink_domain = 64, but topology 'HGX H100, InfiniBand NDR' groups 8 ranks in its "
-        "innermost level 'NVLink (one node)': set it to 8 or a divisor of it"
+        "innermost level 'NVLink (one node)': set it to at most 8 (a divisor of the EP degree)"
     )
     hgx = {layout.ep: layout.refused for layout in advice_671b["hgx_h100_ib"] if layout.backend == "hybridep"}
     assert hgx[64] == expected  # 128 and 256 are refused earlier: they need the multinode build
@@ -264,53 +264,65 @@ THIS_MACHINE = parse_topology(
 )
 
 
-def test_measured_compute_and_dense_fsdp_make_the_step_time():
-    """Compute is the measured forward-backward per microbatch plus the rank's share of the optimizer; the dense
-    FSDP traffic (25.1M parameters outside the experts, 8 units, gathered twice) adds in full without overlap."""
+def test_measured_compute_and_data_parallel_sync_make_the_step_time():
+    """Compute is the measured forward-backward per microbatch plus the rank's share of the optimizer; FSDP's
+    traffic (25.1M parameters outside the experts, 8 units, gathered twice, once per microbatch) adds in full
+    without overlap. The suite trains in float32 on every CPU (conftest), so FSDP gathers 4 bytes a parameter."""
     compute = MeasuredCompute(forward_backward_s=1.5, optimizer_s=0.8, processes=4)
     layouts, _ = advise([*DEBUG_JOB, "--training.local_batch_size", "2", "--training.global_batch_size", "16"], 4,
                         THIS_MACHINE, measured_compute=compute)
     runnable = [layout for layout in layouts if layout.refused is None]
     moved = 25_149_696 * 3 / 4
-    dense = 2 * (moved * 4 / 0.3e9 + 8 * 2e-3) + moved * 4 / 0.2e9 + 8 * 2e-3
+    per_microbatch = 2 * (moved * 4 / 0.3e9 + 8 * 2e-3) + moved * 4 / 0.2e9 + 8 * 2e-3
     for layout in runnable:
         assert layout.dispatches == 2  # two microbatches of gradient accumulation
         assert layout.compute_s == pytest.approx(2 * 1.5 + 0.8 / 4)
-        assert layout.dense_fsdp_s == pytest.approx(dense) and layout.dense_exposed_s == layout.dense_fsdp_s
-        assert layout.step_s == pytest.approx(layout.compute_s + dense + layout.exposed_s)
-    # the ranking is the MoE communication's: dense FSDP and compute are the same at every layout
-    assert [layout.exposed_s for layout in runnable] == sorted(layout.exposed_s for layout in runnable)
+        assert layout.data_parallel_s == pytest.approx(2 * per_microbatch)
+        assert layout.data_parallel_exposed_s == layout.data_parallel_s
+        assert layout.step_s == pytest.approx(layout.compute_s + 2 * per_microbatch + layout.exposed_s)
+    # compute and data-parallel sync are the same at every layout: the step times rank as the MoE communication
+    assert sorted(runnable, key=lambda layout: layout.step_s) == runnable
 
 
-def test_dense_fsdp_hides_behind_compute_where_it_overlaps():
+def test_data_parallel_sync_hides_behind_compute_where_it_overlaps():
     layout = next(layout for layout in advise(DEBUG_JOB, 4, load_topology("hgx_h100_ib"))[0] if layout.refused is None)
-    assert 0 < layout.dense_fsdp_s < layout.compute_s and layout.dense_exposed_s == 0.0
+    assert 0 < layout.data_parallel_s < layout.compute_s and layout.data_parallel_exposed_s == 0.0
     assert layout.step_s == layout.compute_s + layout.exposed_s
 
 
 @pytest.mark.parametrize(
     "overrides, world_size, message",
     [
-        (["--parallelism.tensor_parallel_degree", "2"], 4,
+        ([*DEBUG_JOB, "--parallelism.tensor_parallel_degree", "2"], 4,
          "--measure-compute times one rank's forward and backward through the whole model, which "
          "parallelism.tensor_parallel_degree = 2 splits: drop --measure-compute (FLOPs at the topology's "
          "compute_tflops), or ask about the job with tensor_parallel_degree = 1"),
-        ([], 4 * MAX_PROCESSES_PER_CORE * (os.cpu_count() or 1) + 4,
-         "--measure-compute starts one process per rank on this machine, and --world-size {world} is more than 4 "
-         "per core ({cores} cores): it measures a job this machine runs; drop --measure-compute for another "
+        ([], 4 * runtime.max_local_world_size(),
+         "--measure-compute starts one process per rank on this machine, and --world-size {world} is more than the "
+         "{most} ranks it can run: it measures a job this machine runs; drop --measure-compute for another "
          "machine's job"),
-        (["--model.flavor", "236B", "--parallelism.expert_parallel_degree", "4"], 4,
-         "--measure-compute builds the whole model (235,741M parameters) in each of 4 processes: 14,051.3 GiB of "
+        (["--job.config_file", "train_configs/llama4_debug_model.toml", "--model.flavor", "17bx16e",
+          "--parallelism.expert_parallel_degree", "4"], 4,
+         "--measure-compute builds the whole model (107,770M parameters) in each of 4 processes: 6,423.6 GiB of "
          "parameters and optimizer state, more than half of this machine's"),
     ],
 )
 def test_compute_that_cannot_be_measured_here_is_refused(overrides, world_size, message):
     from torchtitan_ext.train import load_job_config
 
-    job_config = load_job_config([*DEBUG_JOB, *overrides], device_type=None, world_size=world_size)
+    job_config = load_job_config(overrides or DEBUG_JOB, device_type="cpu", world_size=world_size)
     with pytest.raises(ConfigError) as error:
         check_measurable(job_config, world_size)
-    assert str(error.value).startswith(message.format(world=world_size, cores=os.cpu_count() or 1))
+    assert str(error.value).startswith(message.format(world=world_size, most=runtime.max_local_world_size()))
+
+
+def test_measure_compute_refuses_a_gpu_machine(monkeypatch):
+    from torchtitan_ext.train import load_job_config
+
+    job_config = load_job_config(DEBUG_JOB, device_type="cpu", world_size=2)
+    monkeypatch.setattr(runtime, "device_type", lambda: "cuda")
+    with pytest.raises(ConfigError, match=r"^--measure-compute times a CPU job, and this machine trains on CUDA"):
+        check_measurable(job_config, 2)
 
 
 def test_measure_compute_needs_a_topology(capsys):

@@ -7,8 +7,8 @@ measures, all processes at once:
 - GEMM throughput at the dtype a CPU job trains in here (runtime's choice);
 - an all-to-all of a few bytes (the latency), and an all-to-all, an
   all-gather and a reduce-scatter of several MB per rank (their bandwidths:
-  bytes a rank moves over the time above the latency; gloo's all-gather and
-  reduce-scatter reach a third to a half of its all-to-all here).
+  bytes a rank moves over the time above the latency: gloo's all-gather and
+  reduce-scatter differ from its all-to-all, and FSDP uses them).
 
 and writes a topology file (``overlap = false``: a gloo collective blocks its process).
 """

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from torchtitan_ext.config import ConfigError
-from torchtitan_ext.topology import Topology
+from torchtitan_ext.topology import Collective, Topology
 
 
 # ---- the paper's equations, its notation (D: a GPU's token bytes, P_E: expert bytes, B: bandwidth) ----
@@ -319,7 +319,7 @@ def _miss(experts: int, top_k: int, held: int) -> float:
     return math.comb(experts - held, top_k) / math.comb(experts, top_k)
 
 
-def _transfer(topology: Topology, bytes_per_level: dict[int, float], collective: str = "all_to_all") -> float:
+def _transfer(topology: Topology, bytes_per_level: dict[int, float], collective: Collective = "all_to_all") -> float:
     """Levels' links run side by side: the slowest level's bytes / the collective's bandwidth + start-up."""
     return max(
         (volume / topology.levels[level].bandwidth(collective) + topology.levels[level].latency_us * 1e-6
@@ -413,37 +413,60 @@ def layer_costs(
 
 
 @dataclass(frozen=True)
-class DenseFSDP:
-    """FSDP's traffic for the parameters outside the routed experts, per rank and step.
+class DataParallelSync:
+    """Data parallelism's traffic outside the routed experts' FSDP, per rank and step: FSDP's all-gathers
+    and reduce-scatters of the dense parameters, and HSDP's (or DDP's) all-reduce of every gradient
+    shard across replicas.
 
-    Not the paper's (its blocks hold experts only), and the same for every EP
-    layout of a job (the FSDP group does not change with EP), but on a machine
-    where communication does not overlap compute it is part of every step.
+    Not the paper's (its blocks hold experts only), and the same for every EP layout of a job (EP does
+    not change these groups), but on a machine where communication does not overlap compute it is part
+    of every step. torchtitan keeps gradient sync on for every microbatch of gradient accumulation, so
+    each repeats it all.
     """
 
-    parameters: int
-    """Parameters FSDP shards over ``degree`` ranks (all but the routed experts')."""
+    dense_parameters: int
+    """Parameters FSDP shards over ``fsdp_degree`` ranks (all but the routed experts'), of one
+    pipeline stage and tensor-parallel shard. >= 0."""
     units: int
-    """``fully_shard`` units: one all-gather and one reduce-scatter each, a start-up each."""
-    degree: int
-    """Ranks of the FSDP group (data-parallel shard x context parallel)."""
-    stride: int
-    """Ranks between two members of the group (torchtitan's mesh puts tensor parallel inside)."""
+    """``fully_shard`` units: one all-gather and one reduce-scatter each (and one all-reduce across
+    replicas), one start-up each. >= 1."""
+    fsdp_degree: int
+    """Ranks of the FSDP group (data-parallel shard x context parallel); 1: no FSDP traffic. >= 1."""
+    fsdp_stride: int
+    """Ranks between two members of the FSDP group (torchtitan's mesh puts tensor parallel inside). >= 1."""
+    replicas: int
+    """Data-parallel replicas (HSDP, or DDP without FSDP); 1: no all-reduce. >= 1."""
+    replica_stride: int
+    """Ranks between two replicas of one shard. >= 1."""
+    shard_parameters: int
+    """Parameters one rank holds and all-reduces across replicas: its shard of every parameter. >= 0."""
     gather_bytes: int
+    """Bytes per element FSDP gathers: the parameter dtype it casts to before the all-gather."""
     reduce_bytes: int
+    """Bytes per element of gradients in the reduce-scatter and the all-reduce."""
     regather_in_backward: bool
+    """FSDP reshards after forward, so backward gathers every unit again."""
+    accumulation_steps: int
+    """Forward-backward passes per optimizer step (gradient accumulation). >= 1."""
 
     def communication(self, topology: Topology, world_size: int) -> float:
-        """Seconds of all-gathers (one per unit, two when backward gathers again) and reduce-scatters."""
-        if self.degree == 1:
-            return 0.0
+        """Seconds per step: per accumulation step, the all-gathers (two when backward gathers again)
+        and the reduce-scatter over the FSDP group, then the all-reduce across replicas (a
+        reduce-scatter and an all-gather of the rank's gradient shard)."""
         sizes = topology.group_sizes(world_size)
-        level = topology.level_of(sizes, 0, (self.degree - 1) * self.stride)
-        link = topology.levels[level]
-        moved = self.parameters * (self.degree - 1) / self.degree
 
-        def seconds(collective: str, element_bytes: int) -> float:
+        def seconds(collective: Collective, size: int, stride: int, elements: float, element_bytes: int) -> float:
+            if size == 1:
+                return 0.0
+            link = topology.levels[topology.level_of(sizes, 0, (size - 1) * stride)]
+            moved = elements * (size - 1) / size
             return moved * element_bytes / link.bandwidth(collective) + self.units * link.latency_us * 1e-6
 
-        gathers = 2 if self.regather_in_backward else 1
-        return gathers * seconds("all_gather", self.gather_bytes) + seconds("reduce_scatter", self.reduce_bytes)
+        fsdp = (2 if self.regather_in_backward else 1) * seconds(
+            "all_gather", self.fsdp_degree, self.fsdp_stride, self.dense_parameters, self.gather_bytes
+        ) + seconds("reduce_scatter", self.fsdp_degree, self.fsdp_stride, self.dense_parameters, self.reduce_bytes)
+        all_reduce = sum(
+            seconds(collective, self.replicas, self.replica_stride, self.shard_parameters, self.reduce_bytes)
+            for collective in ("reduce_scatter", "all_gather")
+        )
+        return self.accumulation_steps * (fsdp + all_reduce)

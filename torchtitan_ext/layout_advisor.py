@@ -17,7 +17,7 @@ from torchtitan.config import TORCH_DTYPE_MAP
 
 from torchtitan_ext.config import comm_backend, ConfigError
 from torchtitan_ext.cost_model import (
-    DenseFSDP,
+    DataParallelSync,
     eq3_a2a_volume,
     eq4_ag_volume,
     layer_costs,
@@ -54,13 +54,14 @@ class JobShape:
     the recomputed forwards' share."""
     recompute_factor: float
     """Forward-backward passes' cost with activation checkpointing over without (a recomputed
-    forward: a third of a pass, counted for the recomputed share of the MoE layers)."""
+    forward: a third of a pass, counted for the recomputed share of the MoE layers), in [1, 4/3]."""
     expert_world: int
     """Ranks the experts are spread over: EP degree x expert-FSDP degree."""
-    dense: DenseFSDP
-    """FSDP's traffic for the rest of the model (the same at every EP layout)."""
+    data_parallel_sync: DataParallelSync
+    """FSDP's traffic outside the routed experts and HSDP's across replicas (the same at every EP layout)."""
     parameter_share: float
-    """The fraction of the model's parameters one rank holds and steps (FSDP and EP shard them all)."""
+    """The fraction of the model's parameters one rank holds and steps (FSDP and EP shard them all), in
+    (0, 1]."""
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,8 @@ class Layout:
     recomputed_layers: int = 0
     dispatches: int = 1
     compute_s: float = 0.0
-    dense_fsdp_s: float = 0.0
-    """FSDP's all-gathers and reduce-scatters of the parameters outside the routed experts, per step."""
+    data_parallel_s: float = 0.0
+    """Data parallelism's traffic outside the routed experts' FSDP, per step (:class:`DataParallelSync`)."""
     overlap: bool = True
     gathered_expert_bytes: int = 0
     """Experts one layer's all-gather materialises on this rank (transient)."""
@@ -100,16 +101,16 @@ class Layout:
         return self._per_step(lambda recomputed: self.costs.exposed(self.overlap, recomputed))
 
     @property
-    def dense_exposed_s(self) -> float:
-        """Dense FSDP time the step waits for: with overlap, what compute cannot hide (FSDP prefetches
+    def data_parallel_exposed_s(self) -> float:
+        """Data-parallel time the step waits for: with overlap, what compute cannot hide (FSDP prefetches
         the next unit's gather during this one's compute); without, all of it."""
-        return max(0.0, self.dense_fsdp_s - self.compute_s) if self.overlap else self.dense_fsdp_s
+        return max(0.0, self.data_parallel_s - self.compute_s) if self.overlap else self.data_parallel_s
 
     @property
     def step_s(self) -> float:
-        """Predicted step time: compute, plus the exposed MoE and dense FSDP communication (the
+        """Predicted step time: compute, plus the exposed MoE and data-parallel communication (the
         smaller collectives, the loss's and the gradient norm's all-reduces, are left out)."""
-        return self.compute_s + self.exposed_s + self.dense_exposed_s
+        return self.compute_s + self.exposed_s + self.data_parallel_exposed_s
 
     def overrides(self) -> list[str]:
         return ["--parallelism.expert_parallel_comm_backend", self.backend, "--parallelism.expert_parallel_degree", str(self.ep)]
@@ -169,21 +170,29 @@ def job_shape(job_config, world_size: int) -> JobShape:
     expert_world = world_size // (
         p.pipeline_parallel_degree * p.data_parallel_replicate_degree * p.expert_tensor_parallel_degree
     )
-    dense = DenseFSDP(
-        # the blocks, and the embeddings and the output layer, one unit each (torchtitan's apply_fsdp);
-        # every unit counts as re-gathered in backward, though the output layer is not by default
-        parameters=dense_parameters // (p.pipeline_parallel_degree * p.tensor_parallel_degree),
+    # every parameter is split over all ranks but the replicas (FSDP and EP, TP and PP shard it)
+    parameter_share = p.data_parallel_replicate_degree / world_size
+    fsdp_degree = data_parallel // p.data_parallel_replicate_degree * p.context_parallel_degree
+    data_parallel_sync = DataParallelSync(
+        dense_parameters=dense_parameters // (p.pipeline_parallel_degree * p.tensor_parallel_degree),
+        # the blocks, the embeddings and the output layer, one unit each (torchtitan's apply_fsdp); every
+        # unit counts as re-gathered in backward, though the output layer is not by default, and as on
+        # every stage, though only the first and last hold the embeddings and the output
         units=model_args.n_layers // p.pipeline_parallel_degree + 2,
-        degree=data_parallel // p.data_parallel_replicate_degree * p.context_parallel_degree,
-        stride=p.tensor_parallel_degree,
+        fsdp_degree=fsdp_degree,
+        fsdp_stride=p.tensor_parallel_degree,
+        replicas=p.data_parallel_replicate_degree,
+        # torchtitan's mesh: pp, dp_replicate, dp_shard, cp, tp (innermost last)
+        replica_stride=fsdp_degree * p.tensor_parallel_degree,
+        shard_parameters=round((dense_parameters + expert_parameters) * parameter_share),
         gather_bytes=work.gather_bytes,
         reduce_bytes=work.reduce_bytes,
         regather_in_backward=work.regather_in_backward,
+        accumulation_steps=accumulation,
     )
-    parameter_share = p.data_parallel_replicate_degree / world_size
     return JobShape(
-        work, len(moe_layers), recomputed, dispatches, step_flops, recompute_factor, expert_world, dense,
-        parameter_share,
+        work, len(moe_layers), recomputed, dispatches, step_flops, recompute_factor, expert_world,
+        data_parallel_sync, parameter_share,
     )
 
 
@@ -206,8 +215,8 @@ def _check_nvlink_domain(backend, candidate, topology: Topology, sizes: list[int
     if domain is not None and domain > sizes[0]:
         raise ConfigError(
             f"{backend.config_section}.ranks_per_nvlink_domain = {domain}, but topology '{topology.name}' groups "
-            f"{sizes[0]} ranks in its innermost level '{topology.levels[0].name}': set it to {sizes[0]} or a "
-            "divisor of it"
+            f"{sizes[0]} ranks in its innermost level '{topology.levels[0].name}': set it to at most {sizes[0]} "
+            "(a divisor of the EP degree)"
         )
 
 
@@ -233,7 +242,7 @@ def advise(
         compute_s = shape.step_flops / (topology.compute_tflops * 1e12)
     else:
         compute_s = measured_compute.step_seconds(shape.dispatches * shape.recompute_factor, shape.parameter_share)
-    dense_fsdp_s = shape.dense.communication(topology, world_size)
+    data_parallel_s = shape.data_parallel_sync.communication(topology, world_size)
     moe_shape = MoEShape(work.hidden, work.experts, work.top_k, work.tokens)
     sizes = topology.group_sizes(world_size)
 
@@ -261,7 +270,7 @@ def advise(
                 recomputed_layers=shape.recomputed_layers,
                 dispatches=shape.dispatches,
                 compute_s=compute_s,
-                dense_fsdp_s=dense_fsdp_s,
+                data_parallel_s=data_parallel_s,
                 overlap=topology.overlap,
                 gathered_expert_bytes=work.experts // ep * work.expert_parameters * work.gather_bytes,
                 buffer_bytes=backend.planned_buffer(candidate, moe_shape)[0],
@@ -353,7 +362,8 @@ def format_advice(
         lines.append(
             f"  {first.moe_layers} MoE layers ({first.recomputed_layers} recomputed by activation checkpointing), "
             f"{first.dispatches} MoE call(s) per layer and step; compute {_ms(first.compute_s)} ms per step "
-            f"{compute}; dense FSDP {_ms(first.dense_fsdp_s)} ms per step ({_ms(first.dense_exposed_s)} exposed); "
+            f"{compute}; data-parallel sync {_ms(first.data_parallel_s)} ms per step "
+            f"({_ms(first.data_parallel_exposed_s)} exposed); "
             "times per rank"
         )
         header = (

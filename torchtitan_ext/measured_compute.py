@@ -8,12 +8,14 @@ not FLOP-bound. ``python -m torchtitan_ext.plan ... --topology T
 the job (one thread each, all at once, as a CPU job of that many ranks shares
 this machine's cores), and each builds the job's model as the trainer does on
 this machine (its dtypes, its expert path), runs forward and backward on one
-rank's batch of random tokens, and steps the optimizer over the whole model.
-No process communicates: the collectives are the cost model's part.
+rank's batch of random tokens, clips the gradients and steps the job's
+optimizer (torchtitan's, with the job's settings) over the whole model. No process communicates: the collectives are the cost model's part.
 
 What it leaves out: a layout's own compute differences (the rank runs E/ep
-experts on ep times the tokens: the same GEMM FLOPs, fewer and larger GEMMs)
-and the permutation around the all-to-all.
+experts on ep times the tokens: the same GEMM FLOPs, fewer and larger GEMMs),
+the permutation around the all-to-all, activation checkpointing's recomputed
+forwards (the advisor adds a third of a pass for each recomputed layer's
+share) and torch.compile (CPU jobs here run eager).
 """
 
 import copy
@@ -24,7 +26,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.multiprocessing as mp
+from torchtitan.components.optimizer import build_optimizers
 from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.distributed import ParallelDims
 from torchtitan.protocols.train_spec import get_train_spec
 
 from torchtitan_ext import runtime
@@ -36,20 +40,20 @@ from torchtitan_ext.train import load_job_config
 
 WARMUP_STEPS = 2
 TIMED_STEPS = 4
-MAX_PROCESSES_PER_CORE = 4
 BYTES_PER_PARAMETER = 16
-"""A float32 parameter, its gradient and AdamW's two moments."""
+"""A float32 parameter, its gradient and AdamW's two moments (activations and a low-precision copy come on
+top: the memory check refuses well before it matters)."""
 
 
 @dataclass(frozen=True)
 class MeasuredCompute:
-    """Medians over the timed steps, of the slowest process (a synchronous step waits for it)."""
+    """Medians over the timed steps of the slowest process's time in each (a synchronous step waits for it)."""
 
     forward_backward_s: float
     """One microbatch's forward and backward through the whole model, in seconds."""
     optimizer_s: float
-    """The optimizer's step over all of the model's parameters, in seconds (FSDP steps only a
-    rank's shards: the advisor scales it by the rank's share)."""
+    """Gradient clipping and the optimizer's step over all of the model's parameters, in seconds
+    (FSDP steps only a rank's shards: the advisor scales it by the rank's share)."""
     processes: int
     """Processes that ran at once."""
 
@@ -60,7 +64,15 @@ class MeasuredCompute:
 
 
 def check_measurable(job_config, world_size: int) -> None:
-    """ConfigError unless this machine can measure the job's per-rank compute as a whole-model pass."""
+    """ConfigError unless this machine can measure the job's per-rank compute as a whole-model pass.
+
+    ``job_config`` is the job as a CPU job here runs it (loaded with ``device_type="cpu"``, so that what
+    a CPU job refuses is refused here, before any process starts)."""
+    if runtime.device_type() != "cpu":
+        raise ConfigError(
+            "--measure-compute times a CPU job, and this machine trains on CUDA: drop --measure-compute "
+            "(FLOPs at the topology's compute_tflops)"
+        )
     p = job_config.parallelism
     for field, degree in (
         ("tensor_parallel_degree", p.tensor_parallel_degree),
@@ -73,12 +85,12 @@ def check_measurable(job_config, world_size: int) -> None:
                 f"parallelism.{field} = {degree} splits: drop --measure-compute (FLOPs at the topology's "
                 f"compute_tflops), or ask about the job with {field} = 1"
             )
-    cores = os.cpu_count() or 1
-    if world_size > MAX_PROCESSES_PER_CORE * cores:
+    most = runtime.max_local_world_size()
+    if world_size > most:
         raise ConfigError(
             f"--measure-compute starts one process per rank on this machine, and --world-size {world_size} is more "
-            f"than {MAX_PROCESSES_PER_CORE} per core ({cores} cores): it measures a job this machine runs; drop "
-            "--measure-compute for another machine's job"
+            f"than the {most} ranks it can run: it measures a job this machine runs; drop --measure-compute for "
+            "another machine's job"
         )
     parameters = sum(parameter.numel() for parameter in meta_model(job_config).parameters())
     needed = world_size * parameters * BYTES_PER_PARAMETER
@@ -91,40 +103,58 @@ def check_measurable(job_config, world_size: int) -> None:
         )
 
 
-def _measure(rank: int, train_args: list[str], world_size: int, start, results) -> None:
+def _measure(rank: int, train_args: list[str], world_size: int, barrier, results) -> None:
     torch.set_num_threads(1)
     runtime.configure()
     register_embedded_dataset()
     register_train_specs()
     job_config = load_job_config(train_args, device_type="cpu", world_size=world_size)
+    spec = get_train_spec(job_config.model.name)
     model_args = model_args_of(job_config)
     model_args.update_from_config(job_config)
     torch.manual_seed(rank)
-    model = get_train_spec(job_config.model.name).model_cls(model_args)
+    model = spec.model_cls(model_args)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=job_config.optimizer.lr)
-    # FSDP runs forward and backward in the parameter dtype and steps float32 shards
-    compute_dtype = TORCH_DTYPE_MAP[job_config.training.mixed_precision_param]
-    compute_model = model if compute_dtype == torch.float32 else copy.deepcopy(model).to(compute_dtype)
+    one_rank = ParallelDims(dp_shard=1, dp_replicate=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    # torchtitan's optimizers with the job's settings; the train spec's MoE hook (the expert-bias update, a few
+    # small tensors and an all-reduce) needs a process group, which this process has not
+    optimizers = build_optimizers([model], job_config.optimizer, one_rank)
+    compute_model = _in_parameter_dtype(model, TORCH_DTYPE_MAP[job_config.training.mixed_precision_param])
     training = job_config.training
     tokens = torch.randint(0, model_args.vocab_size, (training.local_batch_size, training.seq_len))
-    passes, steps = [], []
-    start.wait()
+    timings = []
     for step in range(WARMUP_STEPS + TIMED_STEPS):
+        # every step starts together, as the ranks of a synchronous step do
+        barrier.wait()
         began = time.perf_counter()
+        if compute_model is not model:
+            with torch.no_grad():
+                for master, cast in zip(model.parameters(), compute_model.parameters()):
+                    cast.copy_(master)
         logits = compute_model(tokens)
         torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten()).backward()
         if compute_model is not model:
             for master, cast in zip(model.parameters(), compute_model.parameters()):
                 master.grad, cast.grad = (None if cast.grad is None else cast.grad.float()), None
         passed = time.perf_counter()
-        optimizer.step()
-        optimizer.zero_grad()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), training.max_norm)
+        optimizers.step()
+        optimizers.zero_grad()
         if step >= WARMUP_STEPS:
-            passes.append(passed - began)
-            steps.append(time.perf_counter() - passed)
-    results[rank] = (statistics.median(passes), statistics.median(steps))
+            timings.append((passed - began, time.perf_counter() - passed))
+    results[rank] = timings
+
+
+def _in_parameter_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """The model FSDP's mixed precision computes with: parameters cast to ``dtype`` (copied from the float32
+    master before each step, as FSDP casts at its all-gather), buffers as they are."""
+    if dtype == torch.float32:
+        return model
+    cast = copy.deepcopy(model)
+    for parameter in cast.parameters():
+        parameter.data = parameter.data.to(dtype)
+    return cast
 
 
 def measure_compute(train_args: list[str], world_size: int) -> MeasuredCompute:
@@ -133,10 +163,13 @@ def measure_compute(train_args: list[str], world_size: int) -> MeasuredCompute:
     print(f"[measure-compute] {world_size} processes, one thread each: {WARMUP_STEPS} warm-up and "
           f"{TIMED_STEPS} timed forward/backward passes and optimizer steps of the job's model", flush=True)
     with mp.Manager() as manager:
-        results, start = manager.dict(), manager.Barrier(world_size)
-        mp.spawn(_measure, args=(train_args, world_size, start, results), nprocs=world_size, join=True)
-        forward_backward = max(passes for passes, _ in results.values())
-        optimizer = max(steps for _, steps in results.values())
-    print(f"[measure-compute] forward + backward {forward_backward:.3f} s, optimizer over all parameters "
-          f"{optimizer:.3f} s (the slowest process's medians)", flush=True)
+        results, barrier = manager.dict(), manager.Barrier(world_size)
+        mp.spawn(_measure, args=(train_args, world_size, barrier, results), nprocs=world_size, join=True)
+        per_rank = list(results.values())
+    # a step lasts as long as its slowest rank's
+    slowest = [max(steps) for steps in zip(*per_rank)]
+    forward_backward = statistics.median(passed for passed, _ in slowest)
+    optimizer = statistics.median(stepped for _, stepped in slowest)
+    print(f"[measure-compute] forward + backward {forward_backward:.3f} s, clipping and optimizer over all "
+          f"parameters {optimizer:.3f} s (medians over steps of the slowest process)", flush=True)
     return MeasuredCompute(forward_backward, optimizer, world_size)

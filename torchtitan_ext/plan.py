@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.measure_compute and topology is None:
             raise ConfigError("--measure-compute sets the layout advice's compute: add --topology")
         if args.measure_compute:
-            check_measurable(job_config, world_size)
+            check_measurable(load_job_config(train_args, device_type="cpu", world_size=world_size), world_size)
         stats = None
         if args.routing_stats is not None:
             stats = load(args.routing_stats) if args.routing_stats.is_file() else load_folder(args.routing_stats)

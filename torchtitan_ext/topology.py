@@ -28,10 +28,14 @@ holds both.
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from torchtitan_ext.config import ConfigError
 
 SHIPPED = Path(__file__).resolve().parent.parent / "topologies"
+
+
+Collective = Literal["all_to_all", "all_gather", "reduce_scatter"]
 
 
 @dataclass(frozen=True)
@@ -48,13 +52,13 @@ class Level:
     microseconds. >= 0."""
     all_gather_bandwidth_GBps: float
     """Bandwidth of an all-gather (FSDP's parameter gather), counted as ``bandwidth_GBps``:
-    bytes one worker receives per second, in GB/s. > 0. Defaults to ``bandwidth_GBps``;
-    gloo's ring all-gather reaches a third to a half of its all-to-all here."""
+    bytes one worker receives per second, in GB/s. > 0. Defaults to ``bandwidth_GBps`` (gloo's
+    all-gather on a CPU is slower than its all-to-all: ``--calibrate`` measures both)."""
     reduce_scatter_bandwidth_GBps: float
     """Bandwidth of a reduce-scatter (FSDP's gradient reduction): bytes one worker sends per
     second, in GB/s. > 0. Defaults to ``bandwidth_GBps``."""
 
-    def bandwidth(self, collective: str) -> float:
+    def bandwidth(self, collective: Collective) -> float:
         """Bytes per second of ``collective``: "all_to_all", "all_gather" or "reduce_scatter"."""
         return {
             "all_to_all": self.bandwidth_GBps,
