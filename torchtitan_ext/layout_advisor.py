@@ -174,6 +174,7 @@ def job_shape(job_config, world_size: int) -> JobShape:
     parameter_share = p.data_parallel_replicate_degree / world_size
     fsdp_degree = data_parallel // p.data_parallel_replicate_degree * p.context_parallel_degree
     data_parallel_sync = DataParallelSync(
+        # PP and TP split as if evenly (TP leaves norms and routers whole: each rank holds a little more)
         dense_parameters=dense_parameters // (p.pipeline_parallel_degree * p.tensor_parallel_degree),
         # the blocks, the embeddings and the output layer, one unit each (torchtitan's apply_fsdp); every
         # unit counts as re-gathered in backward, though the output layer is not by default, and as on
