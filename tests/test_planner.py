@@ -12,6 +12,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torchtitan.models.moe.moe import GroupedExperts
 
 from tests.helpers import REPO_ROOT, run_distributed
+from torchtitan_ext import plan as plan_module
 from torchtitan_ext import runtime
 from torchtitan_ext.data import register_embedded_dataset
 from torchtitan_ext.models import register_train_specs
@@ -119,11 +120,13 @@ def test_expected_drops_follow_the_contract_example():
     assert expected_drop_rates(balanced, dims, num_rows=96, pad=32)[0] == 0.0
 
 
-def test_cli(tmp_path):
+def test_cli(capsys):
+    with pytest.raises(SystemExit) as missing:
+        plan_module.main(JOB)
+    assert missing.value.code == 2
+    assert "data_parallel_shard_degree = -1 leaves the world size open: pass --world-size N" in capsys.readouterr().err
+    # the module's own entry point, as a user runs it
     command = [sys.executable, "-m", "torchtitan_ext.plan", *JOB]
-    missing = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT)
-    assert missing.returncode == 2
-    assert "data_parallel_shard_degree = -1 leaves the world size open: pass --world-size N" in missing.stderr
     result = subprocess.run(command + ["--world-size", "2"], capture_output=True, text=True, cwd=REPO_ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "EP plan: deepseek_v3 debugmodel on 2 ranks, for one rank" in result.stdout
