@@ -49,12 +49,9 @@ class JobShape:
     included (those whose dispatched rows are not saved)."""
     dispatches: int
     """MoE calls per layer and step: gradient-accumulation steps x pipeline microbatches."""
-    step_flops: float
-    """FLOPs of one rank's step: torchtitan's count (6 x active parameters + attention), plus
-    the recomputed forwards' share."""
-    recompute_factor: float
-    """Forward-backward passes' cost with activation checkpointing over without (a recomputed
-    forward: a third of a pass, counted for the recomputed share of the MoE layers), in [1, 4/3]."""
+    pass_flops: float
+    """FLOPs of one forward-backward pass of one rank's microbatch: torchtitan's count (6 x active
+    parameters + attention)."""
     expert_world: int
     """Ranks the experts are spread over: EP degree x expert-FSDP degree."""
     data_parallel_sync: DataParallelSync
@@ -62,6 +59,17 @@ class JobShape:
     parameter_share: float
     """The fraction of the model's parameters one rank holds and steps (FSDP and EP shard them all), in
     (0, 1]."""
+
+    @property
+    def recompute_factor(self) -> float:
+        """Forward-backward passes' cost with activation checkpointing over without (a recomputed
+        forward: a third of a pass, counted for the recomputed share of the MoE layers), in [1, 4/3]."""
+        return 1 + self.recomputed_layers / self.moe_layers / 3
+
+    @property
+    def step_flops(self) -> float:
+        """FLOPs of one rank's step: every MoE call's pass, plus the recomputed forwards' share."""
+        return self.pass_flops * self.dispatches * self.recompute_factor
 
 
 @dataclass(frozen=True)
@@ -164,9 +172,6 @@ def job_shape(job_config, world_size: int) -> JobShape:
         pre_expert_flops=forward_outside_experts * tokens,
         regather_in_backward=reshard == "always" or (reshard == "default" and p.pipeline_parallel_degree == 1),
     )
-    # a recomputed forward costs a third of forward + backward again
-    recompute_factor = 1 + recomputed / len(moe_layers) / 3
-    step_flops = flops_per_token * tokens * dispatches * recompute_factor
     expert_world = world_size // (
         p.pipeline_parallel_degree * p.data_parallel_replicate_degree * p.expert_tensor_parallel_degree
     )
@@ -192,8 +197,8 @@ def job_shape(job_config, world_size: int) -> JobShape:
         accumulation_steps=accumulation,
     )
     return JobShape(
-        work, len(moe_layers), recomputed, dispatches, step_flops, recompute_factor, expert_world,
-        data_parallel_sync, parameter_share,
+        work, len(moe_layers), recomputed, dispatches, flops_per_token * tokens, expert_world, data_parallel_sync,
+        parameter_share,
     )
 
 
