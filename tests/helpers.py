@@ -162,11 +162,14 @@ def run_distributed(world_size: int, fn, *args, device: str = "cpu", deadline_s:
     import torch
     import torch.multiprocessing as mp
 
+    # A child forked by the fork server cannot use CUDA once the server's imports have queried it
+    # ("Cannot re-initialize CUDA in forked subprocess", seen on an H100): CUDA workers are spawned.
+    start_method = "spawn" if device == "cuda" else "forkserver"
     multiprocessing.get_context("forkserver").set_forkserver_preload(WORKER_PRELOAD)
     with tempfile.TemporaryDirectory() as tmp:
         context = mp.start_processes(
             _worker, args=(world_size, tmp, device, fn, args), nprocs=world_size, join=False,
-            start_method="forkserver",
+            start_method=start_method,
         )
         deadline = time.monotonic() + deadline_s
         while not context.join(timeout=min(5.0, max(deadline - time.monotonic(), 0.1))):
