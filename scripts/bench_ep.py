@@ -2,7 +2,12 @@
 
     python scripts/bench_ep.py --nproc 2 --tokens 2048 8192 --hidden 1024 --experts 8 --top-k 2
 
-Launches ``--nproc`` processes (gloo on CPU, NCCL with one GPU each on CUDA).
+Launches ``--nproc`` processes (gloo on CPU, NCCL with one GPU each on CUDA),
+in EP groups of ``--ep-degree`` (default: all of them). ``--ep-degree 1``
+times each backend's local work alone: every process is its own EP group, so
+the backend's permutations and kernels run as at EP = ``--nproc``, sharing the
+machine with the same number of processes, with no traffic between them
+(the layout check adds it to the modelled communication).
 For every shape and backend it times one dispatch + combine forward and
 backward (the experts are the identity, so only EP costs are timed): warm-up
 iterations first, then ``--iters`` timed ones; an iteration's time is the
@@ -36,16 +41,14 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from functools import partial
-
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.distributed_c10d import _resolve_process_group
-from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from torchtitan_ext.collective_recorder import CollectiveRecorder  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -58,70 +61,6 @@ class Shape:
 
     def label(self) -> str:
         return f"T={self.tokens} H={self.hidden} E={self.experts} K={self.top_k} EP={self.ep}"
-
-
-class CollectiveRecorder(TorchDispatchMode):
-    """Records the collectives one iteration issues.
-
-    torch.distributed calls are recorded at the Python level (so also inside
-    custom ops, where dispatch modes do not reach); functional collectives
-    (upstream torchtitan, the nccl backend's count exchange, and the autograd
-    backward of functional all-to-alls) through the dispatch mode.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-        self._originals = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops._c10d_functional.all_to_all_single.default:
-            tensor, out_splits, in_splits, group_name = args
-            self.calls.append(("a2a", tensor, out_splits, in_splits, _resolve_process_group(group_name)))
-        return func(*args, **(kwargs or {}))
-
-    def __enter__(self):
-        def record(name, kind):
-            original = getattr(dist, name)
-            self._originals[name] = original
-
-            def recorded(output, tensor, *args, **kwargs):
-                if kind == "a2a":
-                    out_splits = args[0] if args else kwargs.get("output_split_sizes")
-                    in_splits = args[1] if len(args) > 1 else kwargs.get("input_split_sizes")
-                    self.calls.append(("a2a", tensor, out_splits, in_splits, kwargs.get("group")))
-                else:
-                    self.calls.append(("all_gather", tensor, None, None, kwargs.get("group")))
-                return original(output, tensor, *args, **kwargs)
-
-            setattr(dist, name, recorded)
-
-        record("all_to_all_single", "a2a")
-        record("all_gather_single", "all_gather")
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        for name, original in self._originals.items():
-            setattr(dist, name, original)
-        return super().__exit__(*exc)
-
-    def replay_plan(self):
-        """(the recorded collectives as callables on prepared buffers, bytes this rank sends)."""
-        plan, sent = [], 0
-        for kind, tensor, out_splits, in_splits, group in self.calls:
-            group = group or dist.group.WORLD
-            size = dist.get_world_size(group)
-            inp = tensor.detach().clone()
-            if kind == "all_gather":
-                out = inp.new_empty((size * inp.shape[0], *inp.shape[1:]))
-                plan.append(partial(dist.all_gather_single, out, inp, group=group))
-                sent += inp.numel() * inp.element_size() * size
-                continue
-            rows = sum(out_splits) if out_splits else inp.shape[0]
-            out = inp.new_empty((rows, *inp.shape[1:]))
-            plan.append(partial(dist.all_to_all_single, out, inp, out_splits, in_splits, group=group))
-            sent += inp.numel() * inp.element_size()
-        return plan, sent
 
 
 def _make_style(backend: str, shape: Shape, job_args):
@@ -233,7 +172,8 @@ def _worker(rank, world_size, rendezvous, args, result_file):
 
     if runtime.configure() == "cpu":
         runtime.keep_freed_memory_in_heap()  # see docs/benchmarks.md: page faults would dominate the copies
-    mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("ep",))
+    ep = args.ep_degree or world_size
+    mesh = init_device_mesh(device.type, (world_size // ep, ep), mesh_dim_names=("replica", "ep"))["ep"]
     dtype = getattr(torch, args.dtype)
     rows = []
     cases = [(tokens, backend) for tokens in args.tokens for backend in args.backends]
@@ -243,7 +183,7 @@ def _worker(rank, world_size, rendezvous, args, result_file):
 
         progress = tqdm(total=len(cases), desc="bench_ep", unit="case")
     for tokens, backend in cases:
-        shape = Shape(tokens, args.hidden, args.experts, args.top_k, world_size)
+        shape = Shape(tokens, args.hidden, args.experts, args.top_k, ep)
         step = _iteration_fn(backend, shape, mesh, device, dtype, backward=not args.forward_only)
         step()
         with CollectiveRecorder() as recorder:
@@ -257,6 +197,7 @@ def _worker(rank, world_size, rendezvous, args, result_file):
         rows.append({
             "backend": backend,
             **asdict(shape),
+            "processes": world_size,
             "min_ms": min(times) * 1e3, "median_ms": median * 1e3, "max_ms": max(times) * 1e3,
             "bare_min_ms": min(bare) * 1e3, "bare_median_ms": bare_median * 1e3, "bare_max_ms": max(bare) * 1e3,
             "ratio": median / bare_median,
@@ -284,6 +225,11 @@ def machine() -> str:
     return f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores, torch {torch.__version__}, gloo"
 
 
+def _label(row) -> str:
+    label = Shape(row["tokens"], row["hidden"], row["experts"], row["top_k"], row["ep"]).label()
+    return label if row["processes"] == row["ep"] else f"{label} x {row['processes'] // row['ep']} groups"
+
+
 def markdown(rows, command: str, forward_only: bool) -> str:
     lines = [
         f"### bench_ep ({time.strftime('%Y-%m-%d')})",
@@ -298,7 +244,7 @@ def markdown(rows, command: str, forward_only: bool) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        shape = Shape(r["tokens"], r["hidden"], r["experts"], r["top_k"], r["ep"]).label()
+        shape = _label(r)
         lines.append(
             f"| {r['backend']} | {shape} | {r['min_ms']:.2f} | {r['median_ms']:.2f} | {r['max_ms']:.2f} | "
             f"{r['bare_median_ms']:.2f} | {r['ratio']:.2f} | {r['overhead_us']:.0f} | "
@@ -309,7 +255,9 @@ def markdown(rows, command: str, forward_only: bool) -> str:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nproc", type=int, default=2, help="EP degree = processes")
+    parser.add_argument("--nproc", type=int, default=2, help="processes")
+    parser.add_argument("--ep-degree", type=int,
+                        help="processes per EP group, a divisor of --nproc (default: --nproc; 1: local work alone)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192], help="tokens per rank")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--experts", type=int, default=8)
@@ -325,10 +273,12 @@ def main(argv=None):
                         help="append a table here ('-' to skip)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+    if args.ep_degree is not None and (args.ep_degree < 1 or args.nproc % args.ep_degree):
+        parser.error(f"--ep-degree {args.ep_degree}: use a divisor of --nproc {args.nproc}")
     command = "python scripts/bench_ep.py " + " ".join(argv if argv is not None else sys.argv[1:])
     rows = run_ranks(_worker, args.nproc, args)
     for r in rows:
-        print(f"{r['backend']:>12}  {Shape(r['tokens'], r['hidden'], r['experts'], r['top_k'], r['ep']).label()}  "
+        print(f"{r['backend']:>12}  {_label(r)}  "
               f"median {r['median_ms']:8.2f} ms  bare {r['bare_median_ms']:8.2f} ms  ratio {r['ratio']:.2f}  "
               f"{r['gbps']:.2f} GB/s")
     if args.json:

@@ -1,6 +1,7 @@
 """The layout advisor's predictions against runs on this machine.
 
     python scripts/check_layout_advisor.py [--steps 10] [--warmup 3] [--rounds 2] [--tokens 2048]
+                                           [--checks step bench]
 
 1. Calibrates this machine (``plan --calibrate``, 4 gloo processes) and
    measures the debug job's per-rank compute (``plan --measure-compute``).
@@ -10,9 +11,11 @@
    ``--warmup``, ``--rounds`` times in turn (EP 4, 2, 1, 4, 2, 1, ...); the
    table gives the median over rounds and each round's value, so that a
    difference smaller than the spread reads as one.
-3. For every backend, predicts one dispatch + combine, forward and backward
-   (four all-to-alls) at EP = 2 and 4 and measures it with
-   ``scripts/bench_ep.py`` (its median, and the median of the bare collectives).
+3. For every backend, predicts one dispatch + combine, forward and backward,
+   at EP = 2 and 4: the cost model's four all-to-alls plus the backend's local
+   work (permutations, kernels) measured alone, ``scripts/bench_ep.py
+   --ep-degree 1`` with as many processes (its median less its collectives'),
+   and measures it with ``scripts/bench_ep.py``.
 
 Prints both tables, predicted against measured, the ratio and whether the
 predicted ranking equals the measured one.
@@ -55,15 +58,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="step times dropped at the start of each run")
     parser.add_argument("--rounds", type=int, default=2, help="training runs per EP degree, in turn")
     parser.add_argument("--tokens", type=int, default=2048, help="bench_ep tokens per rank")
+    parser.add_argument("--checks", nargs="+", choices=["step", "bench"], default=["step", "bench"],
+                        help="the step-time check (2), the bench_ep check (3), or both")
     args = parser.parse_args()
 
     from torchtitan_ext import runtime
     from torchtitan_ext.calibrate import calibrate
-    from torchtitan_ext.cost_model import layer_costs, MoEWorkload
     from torchtitan_ext.data import register_embedded_dataset
-    from torchtitan_ext.ep import BACKENDS
-    from torchtitan_ext.layout_advisor import advise
-    from torchtitan_ext.measured_compute import measure_compute
     from torchtitan_ext.models import register_train_specs
     from torchtitan_ext.topology import load_topology
 
@@ -73,6 +74,16 @@ def main() -> None:
     topology_file = ROOT / "outputs" / "this_machine_topology.toml"
     calibrate(4, topology_file)
     topology = load_topology(str(topology_file))
+    if "step" in args.checks:
+        check_step_time(args, topology)
+    if "bench" in args.checks:
+        check_bench_ep(args, topology)
+
+
+def check_step_time(args, topology) -> None:
+    from torchtitan_ext.layout_advisor import advise
+    from torchtitan_ext.measured_compute import measure_compute
+
     train_args = ["--job.config_file", "train_configs/debug_model.toml", *JOB]
     compute = measure_compute(train_args, 4)
     predicted = {
@@ -86,41 +97,57 @@ def main() -> None:
             runs[ep].append(measured_step_time(ep, args.steps, args.warmup, Path(tmp) / f"run{index}"))
     rows = [(ep, 4 // ep, predicted[ep].step_s, statistics.median(times)) for ep, times in runs.items()]
     print("\nDebug model, NGPU=4, nccl: step time")
-    print("| EP | efsdp | compute s | data-parallel s | MoE comm s | predicted s | measured s (rounds) | "
-          "predicted / measured |")
-    print("|----|-------|-----------|-----------------|------------|-------------|---------------------|"
-          "----------------------|")
+    print("| EP | efsdp | compute s | data-parallel s | MoE comm s | backend local work s | predicted s | "
+          "measured s (rounds) | predicted / measured |")
+    print("|----|-------|-----------|-----------------|------------|----------------------|-------------|"
+          "---------------------|----------------------|")
     for ep, efsdp, p, m in rows:
         layout = predicted[ep]
         each = ", ".join(f"{t:.3f}" for t in runs[ep])
         print(f"| {ep} | {efsdp} | {layout.compute_s:.3f} | {layout.data_parallel_exposed_s:.3f} | {layout.exposed_s:.3f} | "
-              f"{p:.3f} | {m:.3f} ({each}) | {p / m:.2f} |")
+              f"{layout.local_work_s:.3f} | {p:.3f} | {m:.3f} ({each}) | {p / m:.2f} |")
     ranking = lambda index: [row[0] for row in sorted(rows, key=lambda row: row[index])]  # noqa: E731
     print(f"predicted ranking (EP): {ranking(2)}; measured: {ranking(3)}")
 
-    print("\nbench_ep: one dispatch + combine, forward and backward (four all-to-alls), ms")
-    print("| EP | backend | predicted | measured | bare collectives | predicted / measured | predicted / bare |")
-    print("|----|---------|-----------|----------|------------------|----------------------|------------------|")
+
+def check_bench_ep(args, topology) -> None:
+    from torchtitan_ext.cost_model import layer_costs, MoEWorkload
+    from torchtitan_ext.ep import BACKENDS
+
+    print("\nbench_ep: one dispatch + combine, forward and backward, ms")
+    print("| EP | backend | modelled communication | measured local work | predicted | measured | "
+          "predicted / measured |")
+    print("|----|---------|------------------------|---------------------|-----------|----------|"
+          "----------------------|")
     for ep in (2, 4):
-        with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            subprocess.run(
-                [sys.executable, "scripts/bench_ep.py", "--nproc", str(ep), "--tokens", str(args.tokens),
-                 "--backends", *BENCH_BACKENDS, "--json", out.name, "--markdown", "-", "--no-progress"],
-                cwd=ROOT, check=True, stdout=subprocess.DEVNULL,
-            )
-            results = json.loads(Path(out.name).read_text())["rows"]
-        for entry in results:
+        full, local = bench_ep(ep, ep, args.tokens), bench_ep(ep, 1, args.tokens)
+        predicted = {}
+        for backend, entry in full.items():
             work = MoEWorkload(
                 tokens=args.tokens, hidden=entry["hidden"], top_k=entry["top_k"], experts=entry["experts"],
                 expert_parameters=0, activation_bytes=4, gather_bytes=4, reduce_bytes=4, pre_expert_flops=0.0,
                 regather_in_backward=False,
             )
-            backend = BACKENDS[entry["backend"]]
-            costs = layer_costs(work, topology, ep, ep, 1, backend.sends_each_token_once_per_rank)
-            p = 4 * costs.a2a * 1e3
-            print(f"| {ep} | {entry['backend']} | {p:.2f} | {entry['median_ms']:.2f} | {entry['bare_median_ms']:.2f} | "
-                  f"{p / entry['median_ms']:.2f} | {p / entry['bare_median_ms']:.2f} |")
+            costs = layer_costs(work, topology, ep, ep, 1, BACKENDS[backend].sends_each_token_once_per_rank)
+            communication = 4 * costs.a2a * 1e3
+            local_work = local[backend]["median_ms"] - local[backend]["bare_median_ms"]
+            predicted[backend] = communication + local_work
+            print(f"| {ep} | {backend} | {communication:.2f} | {local_work:.2f} | {predicted[backend]:.2f} | "
+                  f"{entry['median_ms']:.2f} | {predicted[backend] / entry['median_ms']:.2f} |")
+        print(f"EP={ep} predicted ranking: {sorted(predicted, key=predicted.get)}; "
+              f"measured: {sorted(full, key=lambda backend: full[backend]['median_ms'])}")
 
+
+def bench_ep(processes: int, ep_degree: int, tokens: int) -> dict:
+    """bench_ep's rows by backend: ``processes`` processes in EP groups of ``ep_degree``."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        subprocess.run(
+            [sys.executable, "scripts/bench_ep.py", "--nproc", str(processes), "--ep-degree", str(ep_degree),
+             "--tokens", str(tokens), "--backends", *BENCH_BACKENDS, "--json", out.name, "--markdown", "-",
+             "--no-progress"],
+            cwd=ROOT, check=True, stdout=subprocess.DEVNULL,
+        )
+        return {row["backend"]: row for row in json.loads(Path(out.name).read_text())["rows"]}
 
 if __name__ == "__main__":
     main()

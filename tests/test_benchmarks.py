@@ -24,6 +24,37 @@ def test_bench_ep_runs(tmp_path):
     assert "| nccl | T=32 H=16 E=4 K=2 EP=2 |" in table.read_text()
 
 
+def test_bench_ep_local_work_runs_each_process_as_its_own_group(tmp_path):
+    """--ep-degree 1: the backends' local work alone, as many processes sharing the machine."""
+    out = tmp_path / "ep.json"
+    result = subprocess.run(
+        [sys.executable, "scripts/bench_ep.py", "--nproc", "2", "--ep-degree", "1", "--tokens", "32",
+         "--hidden", "16", "--experts", "4", "--top-k", "2", "--warmup", "1", "--iters", "2", "--no-progress",
+         "--backends", "nccl", "hybridep", "--json", str(out), "--markdown", "-"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["backend"], r["ep"], r["processes"]) for r in rows] == [("nccl", 1, 2), ("hybridep", 1, 2)]
+    for row in rows:
+        assert 0 < row["bare_median_ms"] and 0 < row["median_ms"]
+    assert "T=32 H=16 E=4 K=2 EP=1 x 2 groups" in result.stdout
+
+
+def test_bench_ep_refuses_an_ep_degree_that_does_not_divide_the_processes(capsys):
+    import importlib.util
+
+    import pytest
+
+    spec = importlib.util.spec_from_file_location("bench_ep", REPO_ROOT / "scripts" / "bench_ep.py")
+    bench_ep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_ep)
+    with pytest.raises(SystemExit) as exit_info:
+        bench_ep.main(["--nproc", "4", "--ep-degree", "3"])
+    assert exit_info.value.code == 2
+    assert "--ep-degree 3: use a divisor of --nproc 4" in capsys.readouterr().err
+
+
 def test_bench_step_runs(tmp_path):
     out, table = tmp_path / "step.json", tmp_path / "bench.md"
     result = subprocess.run(

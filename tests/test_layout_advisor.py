@@ -9,7 +9,7 @@ import pytest
 from torchtitan_ext import plan, runtime
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.cost_model import MeasuredRouting
-from torchtitan_ext.layout_advisor import advise
+from torchtitan_ext.layout_advisor import advise, format_advice
 from torchtitan_ext.measured_compute import check_measurable, MeasuredCompute
 from torchtitan_ext.topology import load_topology, parse_topology, SHIPPED
 
@@ -264,11 +264,16 @@ THIS_MACHINE = parse_topology(
 )
 
 
+LOCAL_WORK = {"nccl": 0.004, "deepep": 0.030, "hybridep": 0.050}
+"""Per MoE call, seconds: the reference kernels' local work is larger than nccl's permutation here."""
+
+
 def test_measured_compute_and_data_parallel_sync_make_the_step_time():
     """Compute is the measured forward-backward per microbatch plus the rank's share of the optimizer; FSDP's
     traffic (25.1M parameters outside the experts, 8 units, gathered twice, once per microbatch) adds in full
-    without overlap. The suite trains in float32 on every CPU (conftest), so FSDP gathers 4 bytes a parameter."""
-    compute = MeasuredCompute(forward_backward_s=1.5, optimizer_s=0.8, processes=4)
+    without overlap; each EP layout adds its backend's local work per MoE call. The suite trains in float32 on
+    every CPU (conftest), so FSDP gathers 4 bytes a parameter."""
+    compute = MeasuredCompute(forward_backward_s=1.5, optimizer_s=0.8, processes=4, dispatch_local_s=LOCAL_WORK)
     layouts, _ = advise([*DEBUG_JOB, "--training.local_batch_size", "2", "--training.global_batch_size", "16"], 4,
                         THIS_MACHINE, measured_compute=compute)
     runnable = [layout for layout in layouts if layout.refused is None]
@@ -276,12 +281,37 @@ def test_measured_compute_and_data_parallel_sync_make_the_step_time():
     per_microbatch = 2 * (moved * 4 / 0.3e9 + 8 * 2e-3) + moved * 4 / 0.2e9 + 8 * 2e-3
     for layout in runnable:
         assert layout.dispatches == 2  # two microbatches of gradient accumulation
+        assert (layout.moe_layers, layout.recomputed_layers) == (5, 0)
+        local_work = 0.0 if layout.ep == 1 else 2 * 5 * LOCAL_WORK[layout.backend]
+        assert layout.local_work_s == pytest.approx(local_work)
         assert layout.compute_s == pytest.approx(2 * 1.5 + 0.8 / 4)
         assert layout.data_parallel_s == pytest.approx(2 * per_microbatch)
         assert layout.data_parallel_exposed_s == layout.data_parallel_s
-        assert layout.step_s == pytest.approx(layout.compute_s + 2 * per_microbatch + layout.exposed_s)
-    # compute and data-parallel sync are the same at every layout: the step times rank as the MoE communication
+        assert layout.step_s == pytest.approx(layout.compute_s + 2 * per_microbatch + layout.exposed_s + local_work)
+    # compute and data-parallel sync are the same at every layout: the step times rank as what the layout adds
     assert sorted(runnable, key=lambda layout: layout.step_s) == runnable
+
+
+def test_measured_local_work_decides_between_backends():
+    """By bytes alone deepep and hybridep (each token once per rank) beat nccl at EP=4; with the reference
+    kernels' measured local work on this machine, nccl's step is the shortest, and the reason says why."""
+    job = [*DEBUG_JOB, "--training.local_batch_size", "2"]
+    by_bytes = [layout for layout in advise(job, 4, THIS_MACHINE)[0] if layout.refused is None]
+    assert by_bytes[0].backend in ("deepep", "hybridep") and by_bytes[0].local_work_s == 0.0
+    compute = MeasuredCompute(forward_backward_s=1.5, optimizer_s=0.8, processes=4, dispatch_local_s=LOCAL_WORK)
+    layouts, routing = advise(job, 4, THIS_MACHINE, measured_compute=compute)
+    runnable = [layout for layout in layouts if layout.refused is None]
+    assert (runnable[0].backend, runnable[0].ep) == ("nccl", 4)
+    lines = format_advice(layouts, THIS_MACHINE, 4, "deepseek_v3 debugmodel", None, routing, compute)
+    recommended = next(line for line in lines if line.startswith("  recommended:"))
+    found = re.match(r"  recommended: nccl at EP=4, efsdp=1: least exposed MoE communication plus the backend's "
+                     r"local work per step, ([0-9.]+) ms: ([0-9.]+) exposed communication \+ ([0-9.]+) local work; "
+                     r"(deepep|hybridep) \(best at EP=4\) takes ([0-9.]+) ms", recommended)
+    assert found, recommended
+    best, rival = runnable[0], next(layout for layout in runnable if layout.backend == found[4])
+    shown = [float(found[index]) / 1e3 for index in (1, 2, 3, 5)]
+    assert shown == pytest.approx([best.moe_s, best.exposed_s, best.local_work_s, rival.moe_s], rel=5e-3)
+    assert best.exposed_s > rival.exposed_s and best.moe_s < rival.moe_s
 
 
 def test_data_parallel_sync_hides_behind_compute_where_it_overlaps():
@@ -332,7 +362,8 @@ def test_measure_compute_needs_a_topology(capsys):
 
 def test_cli_measures_the_compute(capsys):
     """Two processes train the small debug flavour at 32 tokens; the table's compute is what they measured:
-    one forward-backward and half of the optimizer (each rank holds half of the parameters)."""
+    one forward-backward and half of the optimizer (each rank holds half of the parameters), and each EP
+    layout's local work is its backend's measured dispatch + combine."""
     plan.main(["--topology", "hgx_h100_ib", "--world-size", "2", "--measure-compute", *DEBUG_JOB,
                "--model.flavor", "debugmodel_small", "--training.local_batch_size", "1", "--training.seq_len", "32"])
     out = capsys.readouterr().out
@@ -342,3 +373,13 @@ def test_cli_measures_the_compute(capsys):
     step_ms, forward_backward, optimizer = float(found[1].replace(",", "")), float(found[2]), float(found[3])
     assert forward_backward > 0 and optimizer > 0
     assert step_ms == pytest.approx((forward_backward + optimizer / 2) * 1e3, abs=1.5, rel=0.01)
+    # each backend's local work per MoE call, measured; an EP=2 layout adds it for each of the 5 MoE layers
+    found = re.search(r"dispatch \+ combine without its collectives: nccl ([0-9.]+) ms, deepep ([0-9.]+) ms, "
+                      r"hybridep ([0-9.]+) ms", out)
+    assert found, out
+    per_call = dict(zip(("nccl", "deepep", "hybridep"), (float(found[index]) for index in (1, 2, 3))))
+    assert all(ms > 0 for ms in per_call.values())
+    for backend, ms in per_call.items():
+        row = re.search(rf"^ +\d+ +{backend} +2 +1 .*$", out, re.MULTILINE)
+        assert row, out
+        assert float(row[0].split()[10].replace(",", "")) == pytest.approx(5 * ms, rel=0.01)

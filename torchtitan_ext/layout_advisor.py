@@ -84,6 +84,10 @@ class Layout:
     recomputed_layers: int = 0
     dispatches: int = 1
     compute_s: float = 0.0
+    dispatch_work_s: float = 0.0
+    """The backend's local work per MoE call (dispatch and combine, forward and backward, without the
+    collectives), measured on this machine; 0 at EP = 1 and without a measurement (on GPUs the library
+    kernels fuse their permutes into the transfers, which the cost model's bytes stand for)."""
     data_parallel_s: float = 0.0
     """Data parallelism's traffic outside the routed experts' FSDP, per step (:class:`DataParallelSync`)."""
     overlap: bool = True
@@ -109,6 +113,16 @@ class Layout:
         return self._per_step(lambda recomputed: self.costs.exposed(self.overlap, recomputed))
 
     @property
+    def local_work_s(self) -> float:
+        """The backend's local work per step; a recomputed layer runs its forward half again."""
+        return self._per_step(lambda recomputed: self.dispatch_work_s * (1.5 if recomputed else 1.0))
+
+    @property
+    def moe_s(self) -> float:
+        """What the layout adds to the step: exposed MoE communication and the backend's local work."""
+        return self.exposed_s + self.local_work_s
+
+    @property
     def data_parallel_exposed_s(self) -> float:
         """Data-parallel time the step waits for: with overlap, what compute cannot hide (FSDP prefetches
         the next unit's gather during this one's compute); without, all of it."""
@@ -116,9 +130,9 @@ class Layout:
 
     @property
     def step_s(self) -> float:
-        """Predicted step time: compute, plus the exposed MoE and data-parallel communication (the
-        smaller collectives, the loss's and the gradient norm's all-reduces, are left out)."""
-        return self.compute_s + self.exposed_s + self.data_parallel_exposed_s
+        """Predicted step time: compute, the backend's local work, and the exposed MoE and data-parallel
+        communication (the smaller collectives, the loss's and the gradient norm's all-reduces, are left out)."""
+        return self.compute_s + self.moe_s + self.data_parallel_exposed_s
 
     def overrides(self) -> list[str]:
         return ["--parallelism.expert_parallel_comm_backend", self.backend, "--parallelism.expert_parallel_degree", str(self.ep)]
@@ -230,7 +244,8 @@ def advise(
     train_args: list[str], world_size: int, topology: Topology, routing_stats: dict | None = None, routing_source: str = "",
     measured_compute: MeasuredCompute | None = None,
 ) -> tuple[list[Layout], MeasuredRouting | None]:
-    """Every backend x EP degree: runnable ones ranked by exposed MoE communication per step, then the
+    """Every backend x EP degree: runnable ones ranked by what each adds to the step (exposed MoE
+    communication, and with a measured compute the backend's local work), then the
     refused; and the measured routing used for token bytes (from ``routing_stats``, a loaded dump), if any.
 
     Compute per step is ``measured_compute`` (this machine's, :mod:`torchtitan_ext.measured_compute`)
@@ -276,6 +291,7 @@ def advise(
                 recomputed_layers=shape.recomputed_layers,
                 dispatches=shape.dispatches,
                 compute_s=compute_s,
+                dispatch_work_s=0.0 if measured_compute is None or ep == 1 else measured_compute.dispatch_local_s[backend_name],
                 data_parallel_s=data_parallel_s,
                 overlap=topology.overlap,
                 gathered_expert_bytes=work.experts // ep * work.expert_parameters * work.gather_bytes,
@@ -285,7 +301,7 @@ def advise(
             ))
     # equal predictions keep the job's own backend first
     configured = comm_backend(job_config)
-    runnable.sort(key=lambda layout: (layout.exposed_s, layout.backend != configured, layout.ep))
+    runnable.sort(key=lambda layout: (layout.moe_s, layout.backend != configured, layout.ep))
     return runnable + refused, routing
 
 
@@ -309,19 +325,31 @@ def _gib(value: int | None) -> str:
 
 def _reason(best: Layout, others: list[Layout]) -> str:
     """Why ``best`` wins: against the best layout of another backend, and the best layout at another EP degree."""
-    parts = [f"least exposed MoE communication, {_ms(best.exposed_s)} ms per step"]
+    measured = any(layout.local_work_s for layout in (best, *others))
+
+    def moe_time(layout: Layout) -> str:
+        if not measured:
+            return f"{_ms(layout.exposed_s)} ms"
+        return f"{_ms(layout.moe_s)} ms: {_ms(layout.exposed_s)} exposed communication + {_ms(layout.local_work_s)} local work"
+
+    if measured:
+        parts = [f"least exposed MoE communication plus the backend's local work per step, {moe_time(best)}"]
+    else:
+        parts = [f"least exposed MoE communication, {_ms(best.exposed_s)} ms per step"]
     rival = next((o for o in others if o.backend != best.backend), None)
-    if rival is not None and rival.exposed_s == best.exposed_s:
+    copies = "" if rival is None else (
+        f"{best.backend} sends {best.costs.token_copies:.2f} copies of each token per dispatch, "
+        f"{rival.backend} {rival.costs.token_copies:.2f}"
+    )
+    if rival is not None and rival.moe_s == best.moe_s:
         parts.append(
             f"{rival.backend} at EP={rival.ep} ties (the same bytes over the same links: the model does not "
             f"separate them, and keeps the job's own backend first)"
         )
+    elif rival is not None and measured:
+        parts.append(f"{rival.backend} (best at EP={rival.ep}) takes {moe_time(rival)} ({copies})")
     elif rival is not None:
-        parts.append(
-            f"{rival.backend} (best at EP={rival.ep}) exposes {_ms(rival.exposed_s)} ms: {best.backend} sends "
-            f"{best.costs.token_copies:.2f} copies of each token per dispatch, {rival.backend} "
-            f"{rival.costs.token_copies:.2f}"
-        )
+        parts.append(f"{rival.backend} (best at EP={rival.ep}) exposes {_ms(rival.exposed_s)} ms: {copies}")
     neighbour = next((o for o in others if o.ep != best.ep), None)
     if neighbour is not None:
         def describe(layout: Layout) -> str:
@@ -334,7 +362,7 @@ def _reason(best: Layout, others: list[Layout]) -> str:
 
         parts.append(
             f"per layer, EP={best.ep} has {describe(best)}; the best other EP degree, {neighbour.backend} at "
-            f"EP={neighbour.ep} ({_ms(neighbour.exposed_s)} ms), has {describe(neighbour)}"
+            f"EP={neighbour.ep} ({moe_time(neighbour)}), has {describe(neighbour)}"
         )
     return "; ".join(parts)
 
@@ -374,7 +402,8 @@ def format_advice(
         )
         header = (
             f"  {'#':>3}  {'backend':<9} {'EP':>4} {'efsdp':>5} {'copies':>6} {'A2A ms':>9} {'AG ms':>9} "
-            f"{'RS ms':>9} {'comm ms/step':>12} {'exposed ms/step':>15} {'step ms':>9} "
+            f"{'RS ms':>9} {'comm ms/step':>12} {'exposed ms/step':>15} "
+            f"{'local ms/step ' if measured_compute is not None else ''}{'step ms':>9} "
             f"{'gathered GiB':>12} {'buffer GiB':>10}  all-to-all over"
         )
         lines.append(header)
@@ -383,7 +412,8 @@ def format_advice(
             lines.append(
                 f"  {index:>3}  {layout.backend:<9} {layout.ep:>4} {layout.efsdp:>5} {c.token_copies:>6.2f} "
                 f"{_ms(c.a2a):>9} {_ms(c.all_gather):>9} {_ms(c.reduce_scatter):>9} "
-                f"{_ms(layout.communication_s):>12} {_ms(layout.exposed_s):>15} {_ms(layout.step_s):>9} "
+                f"{_ms(layout.communication_s):>12} {_ms(layout.exposed_s):>15} "
+                f"{f'{_ms(layout.local_work_s):>13} ' if measured_compute is not None else ''}{_ms(layout.step_s):>9} "
                 f"{_gib(layout.gathered_expert_bytes):>12} {_gib(layout.buffer_bytes):>10}  {layout.a2a_level or '-'}"
             )
         lines.append(f"  recommended: {first.backend} at EP={first.ep}, efsdp={first.efsdp}: {_reason(first, runnable[1:])}")

@@ -9,13 +9,23 @@ the job (one thread each, all at once, as a CPU job of that many ranks shares
 this machine's cores), and each builds the job's model as the trainer does on
 this machine (its dtypes, its expert path), runs forward and backward on one
 rank's batch of random tokens, clips the gradients and steps the job's
-optimizer (torchtitan's, with the job's settings) over the whole model. No process communicates: the collectives are the cost model's part.
+optimizer (torchtitan's, with the job's settings) over the whole model.
+
+Then each process times every backend's local work on its tokens: one MoE
+call's dispatch and combine, forward and backward, with the experts as the
+identity, in a process group of its own (the backend permutes and runs its
+kernels as at any EP degree; its collectives only copy), less the time of
+exactly those collectives replayed alone. On this machine that is the
+reference kernels' work, which an EP layout adds to its step; the library
+kernels on GPUs fuse it into their transfers, and the advisor counts none
+without a measurement. No process communicates with another: the collectives
+are the cost model's part.
 
 What it leaves out: a layout's own compute differences (the rank runs E/ep
 experts on ep times the tokens: the same GEMM FLOPs, fewer and larger GEMMs),
-the permutation around the all-to-all, activation checkpointing's recomputed
-forwards (the advisor adds a third of a pass for each recomputed layer's
-share) and torch.compile (CPU jobs here run eager).
+activation checkpointing's recomputed forwards (the advisor adds a third of a
+pass for each recomputed layer's share) and torch.compile (CPU jobs here run
+eager).
 """
 
 import copy
@@ -25,6 +35,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.config import TORCH_DTYPE_MAP
@@ -32,9 +43,11 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.protocols.train_spec import get_train_spec
 
 from torchtitan_ext import runtime
+from torchtitan_ext.collective_recorder import CollectiveRecorder
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.data import register_embedded_dataset
-from torchtitan_ext.job_config import meta_model, model_args_of
+from torchtitan_ext.ep import BACKENDS, MoEShape
+from torchtitan_ext.job_config import meta_model, model_args_of, parse
 from torchtitan_ext.models import register_train_specs
 from torchtitan_ext.train import load_job_config
 
@@ -56,6 +69,9 @@ class MeasuredCompute:
     (FSDP steps only a rank's shards: the advisor scales it by the rank's share)."""
     processes: int
     """Processes that ran at once."""
+    dispatch_local_s: dict[str, float]
+    """Per backend: one MoE call's dispatch and combine, forward and backward, on one rank's tokens,
+    without its collectives, in seconds (0 where the collectives took all of the time)."""
 
     def step_seconds(self, passes: float, parameter_share: float) -> float:
         """One rank's step: ``passes`` forward-backward passes (microbatches, more with recomputation) and
@@ -143,7 +159,51 @@ def _measure(rank: int, train_args: list[str], world_size: int, barrier, results
         optimizers.zero_grad()
         if step >= WARMUP_STEPS:
             timings.append((passed - began, time.perf_counter() - passed))
-    results[rank] = timings
+    dtype = next(compute_model.parameters()).dtype
+    results[rank] = (timings, _time_dispatch(train_args, model_args, tokens.numel(), dtype, barrier))
+
+
+def _time_dispatch(train_args: list[str], model_args, tokens: int, dtype: torch.dtype, barrier) -> dict:
+    """Per backend: (times of one MoE call's dispatch + combine, forward and backward; times of its collectives
+    alone), in a process group of this process alone."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        moe = model_args.moe_args
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(tokens, model_args.dim, generator=generator).to(dtype)
+        grad = torch.randn(tokens, model_args.dim, generator=generator).to(dtype)
+        scores = torch.rand(tokens, moe.top_k, generator=generator)
+        expert_ids = torch.rand(tokens, moe.num_experts, generator=generator).argsort(dim=1)[:, : moe.top_k]
+        shape = MoEShape(model_args.dim, moe.num_experts, moe.top_k, tokens)
+        timings = {}
+        for name, backend in BACKENDS.items():
+            config = parse([*train_args, "--parallelism.expert_parallel_comm_backend", name])
+            style = backend.layer_factory(config, shape)(score_before_experts=moe.score_before_experts)
+
+            def call():
+                rows, _ = style.dispatch(x.detach().requires_grad_(), scores.detach().requires_grad_(),
+                                         expert_ids, moe.num_experts, dist.group.WORLD)
+                style.combine(rows, dist.group.WORLD).backward(grad)
+
+            with CollectiveRecorder() as recorder:
+                call()
+            collectives, _ = recorder.replay_plan()
+            timings[name] = (_timed(call, barrier), _timed(lambda: [c() for c in collectives], barrier))
+        return timings
+    finally:
+        dist.destroy_process_group()
+
+
+def _timed(fn, barrier) -> list[float]:
+    """Seconds of each timed call of ``fn``, every call started with all processes together."""
+    times = []
+    for step in range(WARMUP_STEPS + TIMED_STEPS):
+        barrier.wait()
+        began = time.perf_counter()
+        fn()
+        if step >= WARMUP_STEPS:
+            times.append(time.perf_counter() - began)
+    return times
 
 
 def _in_parameter_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -161,15 +221,27 @@ def measure_compute(train_args: list[str], world_size: int) -> MeasuredCompute:
     """Time the job's per-rank compute with ``world_size`` processes at once (about a minute on 2 cores for
     the debug model at 4 ranks, half of it starting the processes)."""
     print(f"[measure-compute] {world_size} processes, one thread each: {WARMUP_STEPS} warm-up and "
-          f"{TIMED_STEPS} timed forward/backward passes and optimizer steps of the job's model", flush=True)
+          f"{TIMED_STEPS} timed forward/backward passes and optimizer steps of the job's model, then of each "
+          "backend's dispatch + combine", flush=True)
     with mp.Manager() as manager:
         results, barrier = manager.dict(), manager.Barrier(world_size)
         mp.spawn(_measure, args=(train_args, world_size, barrier, results), nprocs=world_size, join=True)
         per_rank = list(results.values())
     # a step lasts as long as its slowest rank's
-    slowest = [max(steps) for steps in zip(*per_rank)]
+    slowest = [max(steps) for steps in zip(*(timings for timings, _ in per_rank))]
     forward_backward = statistics.median(passed for passed, _ in slowest)
     optimizer = statistics.median(stepped for _, stepped in slowest)
+
+    def slowest_median(series) -> float:
+        return statistics.median(max(calls) for calls in zip(*series))
+
+    dispatch_local = {}
+    for name in BACKENDS:
+        calls = slowest_median([dispatch[name][0] for _, dispatch in per_rank])
+        collectives = slowest_median([dispatch[name][1] for _, dispatch in per_rank])
+        dispatch_local[name] = max(0.0, calls - collectives)
+    local = ", ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in dispatch_local.items())
     print(f"[measure-compute] forward + backward {forward_backward:.3f} s, clipping and optimizer over all "
-          f"parameters {optimizer:.3f} s (medians over steps of the slowest process)", flush=True)
-    return MeasuredCompute(forward_backward, optimizer, world_size)
+          f"parameters {optimizer:.3f} s; one MoE call's dispatch + combine without its collectives: {local} "
+          "(medians over steps of the slowest process)", flush=True)
+    return MeasuredCompute(forward_backward, optimizer, world_size, dispatch_local)
