@@ -21,7 +21,8 @@ With ``--topology`` (a file, or a name in ``topologies/``) it adds the layout
 advisor's ranked table (:mod:`torchtitan_ext.layout_advisor`): every backend and
 EP degree the job can run, the predicted MoE communication and exposed time per
 step, and the overrides that select the winner; ``--measure-compute`` times the
-job's per-rank compute on this machine for it (:mod:`torchtitan_ext.measured_compute`).
+job's per-rank compute, and each backend's local dispatch and combine work, on this
+machine for it (:mod:`torchtitan_ext.measured_compute`).
 ``--paper`` evaluates the seed paper's own one-level setting; ``--calibrate``
 measures this machine and writes its topology file (:mod:`torchtitan_ext.calibrate`).
 
@@ -225,7 +226,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--topology", help="topology TOML (a path, or a name in topologies/): add the layout advice")
     parser.add_argument(
         "--measure-compute", action="store_true",
-        help="with --topology: time the job's per-rank compute on this machine (one process per rank) instead of FLOPs",
+        help="with --topology: time the job's per-rank compute and each backend's local dispatch work on this "
+             "machine (one process per rank) instead of FLOPs",
     )
     parser.add_argument("--paper", action="store_true", help="evaluate the seed paper's one-level setting (needs --topology)")
     parser.add_argument("--paper-data-mb", type=float, help="--paper: D, MB of tokens one worker dispatches")
