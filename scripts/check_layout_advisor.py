@@ -3,22 +3,22 @@
     python scripts/check_layout_advisor.py [--steps 10] [--warmup 3] [--rounds 2] [--tokens 2048]
                                            [--checks step bench]
 
-1. Calibrates this machine (``plan --calibrate``, 4 gloo processes) and
-   measures the debug job's per-rank compute (``plan --measure-compute``).
-2. For the debug model at NGPU=4 (nccl), predicts the step time of
+1. Calibrates this machine (``plan --calibrate``, 4 gloo processes).
+2. (``--checks step``) Measures the debug job's per-rank compute and its
+   backends' local work (``plan --measure-compute``). For the debug model at NGPU=4 (nccl), predicts the step time of
    (EP, efsdp) = (4, 1), (2, 2), (1, 4) with that topology and compute, and
    measures it: ``./run_train.sh`` at each EP degree, median step time after
    ``--warmup``, ``--rounds`` times in turn (EP 4, 2, 1, 4, 2, 1, ...); the
    table gives the median over rounds and each round's value, so that a
    difference smaller than the spread reads as one.
-3. For every backend, predicts one dispatch + combine, forward and backward,
+3. (``--checks bench``) For every backend, predicts one dispatch + combine, forward and backward,
    at EP = 2 and 4: the cost model's four all-to-alls plus the backend's local
    work (permutations, kernels) measured alone, ``scripts/bench_ep.py
    --ep-degree 1`` with as many processes (its median less its collectives'),
    and measures it with ``scripts/bench_ep.py``.
 
-Prints both tables, predicted against measured, the ratio and whether the
-predicted ranking equals the measured one.
+Prints each check's table, predicted against measured, the ratio and
+whether the predicted ranking equals the measured one.
 """
 
 import argparse
@@ -130,7 +130,7 @@ def check_bench_ep(args, topology) -> None:
             )
             costs = layer_costs(work, topology, ep, ep, 1, BACKENDS[backend].sends_each_token_once_per_rank)
             communication = 4 * costs.a2a * 1e3
-            local_work = local[backend]["median_ms"] - local[backend]["bare_median_ms"]
+            local_work = max(0.0, local[backend]["median_ms"] - local[backend]["bare_median_ms"])
             predicted[backend] = communication + local_work
             print(f"| {ep} | {backend} | {communication:.2f} | {local_work:.2f} | {predicted[backend]:.2f} | "
                   f"{entry['median_ms']:.2f} | {predicted[backend] / entry['median_ms']:.2f} |")

@@ -29,9 +29,10 @@ WORKERS_DEADLINE_S = 420.0
 WORKER_PRELOAD = ["torchtitan_ext.train", "tests.training_cases", "tests.ep_cases", "tests.gradient_cases"]
 """Modules the fork server imports once for the whole session: every worker it forks starts with
 torch and torchtitan already imported (importing them again costs ~25 s of a 2-core machine per
-``run_distributed`` call). Nothing here may start a thread or touch a device at import. Workers
-get the environment the fork server started with (the suite's, from conftest), not a test's later
-``os.environ`` changes: pass such settings to the worker as arguments."""
+``run_distributed`` call). Nothing here may start a thread at import. Workers get the environment
+the fork server started with (the suite's, from conftest), not a test's later ``os.environ``
+changes: pass such settings to the worker as arguments. CUDA workers are spawned instead (see
+``run_distributed``), without this preload."""
 
 
 def launcher_env(**overrides: str) -> dict[str, str]:
@@ -165,7 +166,8 @@ def run_distributed(world_size: int, fn, *args, device: str = "cpu", deadline_s:
     # A child forked by the fork server cannot use CUDA once the server's imports have queried it
     # ("Cannot re-initialize CUDA in forked subprocess", seen on an H100): CUDA workers are spawned.
     start_method = "spawn" if device == "cuda" else "forkserver"
-    multiprocessing.get_context("forkserver").set_forkserver_preload(WORKER_PRELOAD)
+    if start_method == "forkserver":
+        multiprocessing.get_context("forkserver").set_forkserver_preload(WORKER_PRELOAD)
     with tempfile.TemporaryDirectory() as tmp:
         context = mp.start_processes(
             _worker, args=(world_size, tmp, device, fn, args), nprocs=world_size, join=False,

@@ -4,7 +4,9 @@ For every backend and every (EP degree, expert-FSDP degree) the job can run at
 its world size, :func:`advise` predicts the MoE communication per step and the
 part of it the step waits for (:mod:`torchtitan_ext.cost_model`), the
 per-rank memory the layout changes (the experts FSDP gathers for a layer, the
-planner's buffer and dispatched rows), and ranks the layouts by exposed time.
+planner's buffer and dispatched rows), and ranks the layouts by what each adds
+to the step: its exposed MoE communication, plus with a measured compute
+(:mod:`torchtitan_ext.measured_compute`) its backend's local work.
 Feasibility is the job config's own validation: a layout it refuses is listed
 with the reason, never ranked.
 """
@@ -291,7 +293,7 @@ def advise(
                 recomputed_layers=shape.recomputed_layers,
                 dispatches=shape.dispatches,
                 compute_s=compute_s,
-                dispatch_work_s=0.0 if measured_compute is None or ep == 1 else measured_compute.dispatch_local_s[backend_name],
+                dispatch_work_s=0.0 if measured_compute is None or ep == 1 else measured_compute.dispatch_work_s[backend_name],
                 data_parallel_s=data_parallel_s,
                 overlap=topology.overlap,
                 gathered_expert_bytes=work.experts // ep * work.expert_parameters * work.gather_bytes,

@@ -13,13 +13,17 @@ optimizer (torchtitan's, with the job's settings) over the whole model.
 
 Then each process times every backend's local work on its tokens: one MoE
 call's dispatch and combine, forward and backward, with the experts as the
-identity, in a process group of its own (the backend permutes and runs its
-kernels as at any EP degree; its collectives only copy), less the time of
-exactly those collectives replayed alone. On this machine that is the
-reference kernels' work, which an EP layout adds to its step; the library
-kernels on GPUs fuse it into their transfers, and the advisor counts none
-without a measurement. No process communicates with another: the collectives
-are the cost model's part.
+identity, in a process group of its own (the backend permutes its tokens and
+runs its kernels; its collectives only copy), less the time of exactly those
+collectives replayed alone, and less torchtitan's own sort around the
+experts, which the forward-backward above contains and an EP backend
+replaces. On this machine that is the reference kernels' work, which an EP
+layout adds to its step; the library kernels on GPUs fuse it into their
+transfers, and the advisor counts none without a measurement. A group of one
+receives each token once, where at EP > 1 DeepEP and HybridEP receive a
+token once per destination rank: their receive-side work is undercounted.
+No process communicates with another: the collectives are the cost model's
+part.
 
 What it leaves out: a layout's own compute differences (the rank runs E/ep
 experts on ep times the tokens: the same GEMM FLOPs, fewer and larger GEMMs),
@@ -40,6 +44,7 @@ import torch.multiprocessing as mp
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
+from torchtitan.models.moe.moe import TokenReorderer
 from torchtitan.protocols.train_spec import get_train_spec
 
 from torchtitan_ext import runtime
@@ -69,9 +74,10 @@ class MeasuredCompute:
     (FSDP steps only a rank's shards: the advisor scales it by the rank's share)."""
     processes: int
     """Processes that ran at once."""
-    dispatch_local_s: dict[str, float]
+    dispatch_work_s: dict[str, float]
     """Per backend: one MoE call's dispatch and combine, forward and backward, on one rank's tokens,
-    without its collectives, in seconds (0 where the collectives took all of the time)."""
+    without its collectives and beyond torchtitan's own sort (which the forward-backward contains), in
+    seconds; 0 where those took all of the time."""
 
     def step_seconds(self, passes: float, parameter_share: float) -> float:
         """One rank's step: ``passes`` forward-backward passes (microbatches, more with recomputation) and
@@ -165,7 +171,8 @@ def _measure(rank: int, train_args: list[str], world_size: int, barrier, results
 
 def _time_dispatch(train_args: list[str], model_args, tokens: int, dtype: torch.dtype, barrier) -> dict:
     """Per backend: (times of one MoE call's dispatch + combine, forward and backward; times of its collectives
-    alone), in a process group of this process alone."""
+    alone), in a process group of this process alone; and under ``None`` torchtitan's own sort around the
+    experts (its MoE.forward at EP = 1, the experts as the identity)."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         moe = model_args.moe_args
@@ -173,9 +180,27 @@ def _time_dispatch(train_args: list[str], model_args, tokens: int, dtype: torch.
         x = torch.randn(tokens, model_args.dim, generator=generator).to(dtype)
         grad = torch.randn(tokens, model_args.dim, generator=generator).to(dtype)
         scores = torch.rand(tokens, moe.top_k, generator=generator)
-        expert_ids = torch.rand(tokens, moe.num_experts, generator=generator).argsort(dim=1)[:, : moe.top_k]
+        picks = torch.rand(tokens, moe.num_experts, generator=generator).argsort(dim=1)
+        expert_ids = picks[:, : moe.top_k].contiguous()
         shape = MoEShape(model_args.dim, moe.num_experts, moe.top_k, tokens)
-        timings = {}
+        reorderer = TokenReorderer(moe.num_experts, moe.top_k)
+
+        def torchtitan_sort():
+            token, score = x.detach().requires_grad_(), scores.detach().requires_grad_()
+            sorted_scores, sorted_picks, _ = reorderer(score, expert_ids)
+            routed = token[sorted_picks // moe.top_k]
+            if moe.score_before_experts:
+                routed = (routed.float() * sorted_scores.reshape(-1, 1)).to(dtype)
+            unsorted = torch.zeros((tokens * moe.top_k, model_args.dim), dtype=dtype)
+            unsorted[sorted_picks] = routed
+            unsorted = unsorted.reshape(tokens, moe.top_k, model_args.dim)
+            if moe.score_before_experts:
+                out = unsorted.sum(dim=1)
+            else:
+                out = torch.bmm(score.reshape(-1, 1, moe.top_k), unsorted.float()).to(dtype).squeeze(1)
+            out.backward(grad)
+
+        timings = {None: (_timed(torchtitan_sort, barrier), None)}
         for name, backend in BACKENDS.items():
             config = parse([*train_args, "--parallelism.expert_parallel_comm_backend", name])
             style = backend.layer_factory(config, shape)(score_before_experts=moe.score_before_experts)
@@ -227,21 +252,21 @@ def measure_compute(train_args: list[str], world_size: int) -> MeasuredCompute:
         results, barrier = manager.dict(), manager.Barrier(world_size)
         mp.spawn(_measure, args=(train_args, world_size, barrier, results), nprocs=world_size, join=True)
         per_rank = list(results.values())
-    # a step lasts as long as its slowest rank's
-    slowest = [max(steps) for steps in zip(*(timings for timings, _ in per_rank))]
-    forward_backward = statistics.median(passed for passed, _ in slowest)
-    optimizer = statistics.median(stepped for _, stepped in slowest)
-
     def slowest_median(series) -> float:
+        """Median over steps of the slowest process's time: a synchronous step waits for it."""
         return statistics.median(max(calls) for calls in zip(*series))
 
-    dispatch_local = {}
+    forward_backward = slowest_median([[passed for passed, _ in timings] for timings, _ in per_rank])
+    optimizer = slowest_median([[stepped for _, stepped in timings] for timings, _ in per_rank])
+    torchtitan_sort = slowest_median([dispatch[None][0] for _, dispatch in per_rank])
+    dispatch_work = {}
     for name in BACKENDS:
         calls = slowest_median([dispatch[name][0] for _, dispatch in per_rank])
         collectives = slowest_median([dispatch[name][1] for _, dispatch in per_rank])
-        dispatch_local[name] = max(0.0, calls - collectives)
-    local = ", ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in dispatch_local.items())
+        dispatch_work[name] = max(0.0, calls - collectives - torchtitan_sort)
+    work = ", ".join(f"{name} {seconds * 1e3:.3g} ms" for name, seconds in dispatch_work.items())
     print(f"[measure-compute] forward + backward {forward_backward:.3f} s, clipping and optimizer over all "
-          f"parameters {optimizer:.3f} s; one MoE call's dispatch + combine without its collectives: {local} "
-          "(medians over steps of the slowest process)", flush=True)
-    return MeasuredCompute(forward_backward, optimizer, world_size, dispatch_local)
+          f"parameters {optimizer:.3f} s; one MoE call's dispatch + combine beyond its collectives and "
+          f"torchtitan's own sort ({torchtitan_sort * 1e3:.3g} ms): {work} (medians over steps of the slowest "
+          "process)", flush=True)
+    return MeasuredCompute(forward_backward, optimizer, world_size, dispatch_work)
