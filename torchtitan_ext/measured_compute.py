@@ -169,10 +169,10 @@ def _measure(rank: int, train_args: list[str], world_size: int, barrier, results
     results[rank] = (timings, _time_dispatch(train_args, model_args, tokens.numel(), dtype, barrier))
 
 
-def _time_dispatch(train_args: list[str], model_args, tokens: int, dtype: torch.dtype, barrier) -> dict:
-    """Per backend: (times of one MoE call's dispatch + combine, forward and backward; times of its collectives
-    alone), in a process group of this process alone; and under ``None`` torchtitan's own sort around the
-    experts (its MoE.forward at EP = 1, the experts as the identity)."""
+def _time_dispatch(train_args: list[str], model_args, tokens: int, dtype: torch.dtype, barrier) -> tuple:
+    """(times of torchtitan's own sort around the experts: its MoE.forward at EP = 1, the experts as the
+    identity; per backend: (times of one MoE call's dispatch + combine, forward and backward; times of its
+    collectives alone)), in a process group of this process alone."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         moe = model_args.moe_args
@@ -200,7 +200,7 @@ def _time_dispatch(train_args: list[str], model_args, tokens: int, dtype: torch.
                 out = torch.bmm(score.reshape(-1, 1, moe.top_k), unsorted.float()).to(dtype).squeeze(1)
             out.backward(grad)
 
-        timings = {None: (_timed(torchtitan_sort, barrier), None)}
+        sort_times, timings = _timed(torchtitan_sort, barrier), {}
         for name, backend in BACKENDS.items():
             config = parse([*train_args, "--parallelism.expert_parallel_comm_backend", name])
             style = backend.layer_factory(config, shape)(score_before_experts=moe.score_before_experts)
@@ -214,7 +214,7 @@ def _time_dispatch(train_args: list[str], model_args, tokens: int, dtype: torch.
                 call()
             collectives, _ = recorder.replay_plan()
             timings[name] = (_timed(call, barrier), _timed(lambda: [c() for c in collectives], barrier))
-        return timings
+        return sort_times, timings
     finally:
         dist.destroy_process_group()
 
@@ -258,11 +258,11 @@ def measure_compute(train_args: list[str], world_size: int) -> MeasuredCompute:
 
     forward_backward = slowest_median([[passed for passed, _ in timings] for timings, _ in per_rank])
     optimizer = slowest_median([[stepped for _, stepped in timings] for timings, _ in per_rank])
-    torchtitan_sort = slowest_median([dispatch[None][0] for _, dispatch in per_rank])
+    torchtitan_sort = slowest_median([sort_times for _, (sort_times, _) in per_rank])
     dispatch_work = {}
     for name in BACKENDS:
-        calls = slowest_median([dispatch[name][0] for _, dispatch in per_rank])
-        collectives = slowest_median([dispatch[name][1] for _, dispatch in per_rank])
+        calls = slowest_median([dispatch[name][0] for _, (_, dispatch) in per_rank])
+        collectives = slowest_median([dispatch[name][1] for _, (_, dispatch) in per_rank])
         dispatch_work[name] = max(0.0, calls - collectives - torchtitan_sort)
     work = ", ".join(f"{name} {seconds * 1e3:.3g} ms" for name, seconds in dispatch_work.items())
     print(f"[measure-compute] forward + backward {forward_backward:.3f} s, clipping and optimizer over all "
