@@ -8,7 +8,7 @@ source "${ROOT}/scripts/env.sh"
 cd "${ROOT}"
 # an environment set up before pytest-xdist joined the test extras would stop at pytest's "-n" option
 if ! python -c "import xdist" >/dev/null 2>&1; then
-    echo "error: pytest-xdist is missing (the suite runs its files in parallel): pip install -e \"${ROOT}[test]\"" >&2
+    echo "error: pytest-xdist is missing (the suite runs its files in parallel): \"${TTE_PYTHON}\" -m pip install -e \"${ROOT}[test]\"" >&2
     exit 2
 fi
 exec python -m pytest "$@"
