@@ -8,8 +8,9 @@ plan (and pipeline split) to the other copy exactly as training does, runs one
 forward and backward on this rank's share of a global batch (loss: summed
 cross-entropy over the global valid tokens, as torchtitan's trainer), and
 returns the loss, every parameter's full gradient and the gradient norm
-(torchtitan's ``clip_grad_norm_``, before clipping). The test compares them
-with the dense copy's, computed in fp32 on the whole batch.
+(torchtitan's ``clip_grad_norm_``, before clipping), and where TP shards the
+gradients, every gradient after torchtitan's clipping to half that norm. The
+test compares them with the dense copy's, computed in fp32 on the whole batch.
 """
 
 import copy
@@ -150,6 +151,14 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().float().clone()
 
 
+def _full_grads(parts) -> dict[str, torch.Tensor]:
+    """{name: full gradient, zeros for a parameter the step did not reach}."""
+    return {
+        _plain_name(name): _full(param.grad if param.grad is not None else torch.zeros_like(param))
+        for part in parts for name, param in part.named_parameters()
+    }
+
+
 def _plain_name(name: str) -> str:
     return name.replace("_checkpoint_wrapped_module.", "")
 
@@ -232,20 +241,19 @@ def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
             loss.backward()
         result["loss"] = _global_loss(_full(loss), parallel_dims)
 
-    grads = {}
-    for part in parts:
-        for name, param in part.named_parameters():
-            grad = param.grad if param.grad is not None else torch.zeros_like(param)
-            grads[_plain_name(name)] = _full(grad)
-    result["grads"] = grads
+    result["grads"] = _full_grads(parts)
+    params = [param for part in parts for param in part.parameters()]
+    clip_args = {"foreach": True, "pp_mesh": parallel_dims.get_optional_mesh("pp"),
+                 "ep_enabled": parallel_dims.ep_enabled}
     # torchtitan's norm, without its clipping: clipping at an unreachable norm multiplies every
-    # gradient by 1, and on DTensors that took a quarter of the matrix's time. Clipping itself
-    # runs for real in the training tests (max_norm 1.0), under FSDP, EP and PP but not TP
+    # gradient by 1, and on DTensors that took a quarter of the matrix's time
     with mock.patch("torch.nn.utils.clip_grads_with_norm_"):
-        result["grad_norm"] = float(dist_utils.clip_grad_norm_(
-            [param for part in parts for param in part.parameters()], max_norm=1e30, foreach=True,
-            pp_mesh=parallel_dims.get_optional_mesh("pp"), ep_enabled=parallel_dims.ep_enabled,
-        ))
+        result["grad_norm"] = float(dist_utils.clip_grad_norm_(params, max_norm=1e30, **clip_args))
+    if parallel_dims.tp_enabled:
+        # The training tests clip for real (max_norm 1.0) under FSDP, EP and PP; TP-sharded
+        # gradients are clipped here, to half their norm, so that every one must be scaled
+        dist_utils.clip_grad_norm_(params, max_norm=result["grad_norm"] / 2, **clip_args)
+        result["clipped_grads"] = _full_grads(parts)
     result["score_dtypes"] = sorted(set(score_dtypes))
 
     if rank == 0:

@@ -18,6 +18,10 @@ twice that of the same model computed in bf16 on one process, or one bf16
 rounding (2^-8 relative) if that is larger; loss and gradient norm within one
 bf16 rounding; and the scores every backend receives must still be fp32.
 
+Where TP shards the gradients, torchtitan's clipping (to half the gradient
+norm) scales every gradient, TP-sharded, expert-sharded or replicated, by the
+coefficient the dense model's norm gives, within the same tolerances.
+
 A control re-introduces an old defect (EP borrowing TP without gathering the
 split tokens' gradients) and must fail the comparison.
 """
@@ -33,6 +37,7 @@ BF16_ROUNDING = 2.0**-8
 """One bf16 rounding, relative: the least any bf16 result may differ from fp32."""
 CELLS = [cell for cell in cells() if cell.mutant is None]
 CONTROLS = [cell for cell in cells() if cell.mutant is not None]
+TP_CELLS = [cell for cell in CELLS if "--parallelism.tensor_parallel_degree" in cell.overrides]
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +90,22 @@ def test_gradients_equal_dense_single_process(results, cell, record_property):
     assert grad_norm == pytest.approx(reference["grad_norm"], rel=tolerance)
     if cell.backend is not None:
         assert dtypes == {"torch.float32"}, "routing scores reach the backend in fp32"
+
+
+@pytest.mark.parametrize("cell", TP_CELLS, ids=lambda cell: cell.id)
+def test_tp_sharded_gradients_clip_as_dense(results, cell):
+    ranks = [rank_results[cell.id] for rank_results in results[cell.world_size]]
+    clipped = {}
+    for rank in ranks:
+        clipped.update(rank["clipped_grads"])
+    grad_norm, reference = ranks[0]["grad_norm"], ranks[0]["reference"]
+    # torch's clip coefficient: max_norm / (norm + 1e-6), with max_norm half the norm measured
+    coefficient = (grad_norm / 2) / (grad_norm + 1e-6)
+    scaled = [None if ref is None else {"grads": {name: grad * coefficient for name, grad in ref["grads"].items()}}
+              for ref in (reference, ranks[0].get("reference_bf16"))]
+    errors = _errors(cell, clipped, *scaled)
+    failed = {name: error for name, error in errors.items() if error[0] > error[1]}
+    assert not failed, failed
 
 
 @pytest.mark.parametrize("cell", CONTROLS, ids=lambda cell: cell.id)
