@@ -1,5 +1,7 @@
 """Expert-parallel metrics: exact counters, their reduction and summary, the drop warning."""
 
+import functools
+import itertools
 import logging
 
 import pytest
@@ -8,6 +10,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tests.helpers import run_launcher
 from torchtitan_ext.ep.base import DispatchStats
+from torchtitan_ext import metrics
 from torchtitan_ext.metrics import ExpertParallelMetrics
 from torchtitan_ext.routing_stats import load
 from torchtitan_ext.tools import routing_report
@@ -136,18 +139,18 @@ def _metrics_processor(log_freq: int):
 
 
 @pytest.mark.parametrize("log_freq", [1, 5])
-def test_step_time_after_a_resume_counts_only_the_steps_since_the_last_log(log_freq):
+def test_step_time_after_a_resume_counts_only_the_steps_since_the_last_log(log_freq, monkeypatch):
     """Resumed at step 10, the first line's step time covers the steps trained, not 10 + them."""
-    import time
-
     processor, logged = _metrics_processor(log_freq)
-    processor.time_last_log = time.perf_counter() - 3.0
+    # a clock that reads 3 s later at each call: the suite's other processes cannot stretch the interval
+    processor.time_last_log = 100.0
+    monkeypatch.setattr(metrics.time, "perf_counter", functools.partial(next, itertools.count(103.0, 3.0)))
     for step in range(11, 16):  # torchtitan's train_step asks should_log once per step
         if processor.should_log(step):
             processor.log(step, 1.0, 1.0, 0.5)
     logged_step = 11 if log_freq == 1 else 15
     step_time = logged[logged_step]["time_metrics/end_to_end(s)"]
-    assert step_time == pytest.approx(3.0 / (1 if log_freq == 1 else 5), rel=0.05)
+    assert step_time == pytest.approx(3.0 / (1 if log_freq == 1 else 5), rel=1e-9)
 
 
 def test_evaluation_forwards_are_not_counted():
