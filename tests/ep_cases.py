@@ -192,7 +192,10 @@ def run_backend(
     }
     result = {k: v.float().cpu() if isinstance(v, torch.Tensor) else v for k, v in result.items()}
     if isinstance(style, HybridEPExpertParallel):
-        result["dropped_pairs"] = int(style.stats.dropped_pairs)
+        # what the metrics compute, for this rank's experts: the pairs routed to them from every rank
+        # less the pairs they kept
+        routed = int(((inputs["ids"] >= local.start) & (inputs["ids"] < local.stop)).sum())
+        result["dropped_pairs"] = routed - int(style.stats.kept_pairs)
     return result
 
 

@@ -116,6 +116,61 @@ def test_fp32_tokens_are_refused_before_the_library():
             assert "take bf16 tokens only, not torch.float32" in error and "mixed_precision_param" in error
 
 
+@pytest.fixture
+def installed_build(monkeypatch):
+    """``use(build)``: in this process, ``import deep_ep`` is that build's double, on a CUDA machine."""
+
+    def use(build: str) -> None:
+        monkeypatch.syspath_prepend(str(DOUBLE_DIR))
+        monkeypatch.setenv("DEEP_EP_DOUBLE_BUILD", build)
+        for name in [name for name in sys.modules if name == "deep_ep" or name.startswith("deep_ep.")]:
+            monkeypatch.delitem(sys.modules, name)
+
+    return use
+
+
+@pytest.mark.parametrize("build, api", [("main", "elastic"), ("hybrid-ep", "legacy")])
+def test_deepep_default_api_follows_the_installed_build(installed_build, build, api):
+    """[deepep] left at its defaults on CUDA: V2 where the build has ElasticBuffer, v1 on the
+    hybrid-ep branch (which has none), and the job config validates on both."""
+    from torchtitan_ext.ep.deepep import resolve_api
+    from torchtitan_ext.models import register_train_specs
+    from torchtitan_ext.train import load_job_config
+
+    register_train_specs()
+    installed_build(build)
+    job_config = load_job_config([
+        "--job.config_file", "train_configs/debug_model.toml",
+        "--parallelism.expert_parallel_comm_backend", "deepep", "--training.mixed_precision_param", "bfloat16",
+    ], "cuda", 2)
+    assert resolve_api(job_config.deepep.api, job_config.deepep.implementation, "cuda") == api
+
+
+@pytest.mark.parametrize("build, refused", [("main", ()), ("hybrid-ep", (48, 96))])
+def test_deepep_v1_rank_counts_follow_the_installed_build(installed_build, build, refused):
+    """The v1 kernel configs differ between builds: EP 48 and 96 exist on DeepEP main only, and the
+    hybrid-ep branch's Buffer would assert at the first dispatch. Validation asks the installed build."""
+    from torchtitan_ext.config import ConfigError
+    from torchtitan_ext.ep.base import MoEShape
+    from torchtitan_ext.ep.deepep import DeepEPExpertParallel
+    from torchtitan_ext.job_config import parse
+
+    installed_build(build)
+    job_config = parse(["--job.config_file", "train_configs/debug_model.toml", "--deepep.api", "legacy",
+                        "--training.mixed_precision_param", "bfloat16"])
+    shape = MoEShape(hidden_dim=256, num_experts=192, top_k=8, max_tokens_per_rank=4096)
+    for ep in (8, 16, 48, 64, 96, 128):
+        job_config.parallelism.expert_parallel_degree = ep
+        if ep in refused:
+            with pytest.raises(ConfigError, match=(
+                f"^parallelism.expert_parallel_degree = {ep}: the installed deep_ep's v1 Buffer has no kernel "
+                f"config for it \\(Unsupported number of EP ranks: {ep}\\): .* deepep.api = 'elastic'$"
+            )):
+                DeepEPExpertParallel.validate_config(job_config, "cuda", shape)
+        else:
+            DeepEPExpertParallel.validate_config(job_config, "cuda", shape)
+
+
 @pytest.mark.parametrize("failure, shown", [("nccl", "Invalid NCCL versions"), ("cuda_home", "cuda_home")])
 def test_import_failure_is_a_clear_config_error(monkeypatch, failure, shown):
     """DeepEP main's import checks (NCCL binary identity, CUDA home) raise AssertionError: it becomes

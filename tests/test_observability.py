@@ -23,11 +23,11 @@ def test_dispatch_counters_are_exact():
     stats.record_routing(torch.tensor([[2, 3]]), num_experts=4)
     stats.record_rows(torch.tensor([8, 0, 16]))
     stats.record_rows(torch.tensor([8, 8, 0]))
-    stats.record_drops(torch.tensor(0))
-    stats.record_drops(torch.tensor(5))
-    routed, rows, dropped = stats.read_and_reset()
+    stats.record_kept(torch.tensor([3, 0]))
+    stats.record_kept(torch.tensor([1, 1]))
+    routed, rows, kept = stats.read_and_reset()
     assert routed.tolist() == [2, 1, 1, 4]
-    assert (int(rows), int(dropped)) == (40, 5)
+    assert (int(rows), int(kept)) == (40, 5)
     assert stats.read_and_reset() == (None, None, None)
 
 
@@ -63,14 +63,16 @@ def _summary(sums, maxima, dims=None):
 
 
 def test_summary_of_reduced_counters(caplog):
-    # layer 0 dense (no holder); layer 1: routed [10, 30, 20, 20], 100 rows over 2 ranks (max 60), 8 dropped
-    sums = [[0, 0, 0, 0, 0, 0, 0], [10, 30, 20, 20, 100, 8, 2], [20, 20, 20, 20, 80, 0, 2]]
+    # columns: routed per expert (4), rows, kept pairs, ranks holding the layer, ranks counting kept pairs.
+    # layer 0 dense (no holder); layer 1: routed [10, 30, 20, 20], 100 rows over 2 ranks (max 60), 72 of
+    # the 80 pairs kept (8 dropped); layer 2: a backend that cannot drop (no kept counts)
+    sums = [[0, 0, 0, 0, 0, 0, 0, 0], [10, 30, 20, 20, 100, 72, 2, 2], [20, 20, 20, 20, 80, 0, 2, 0]]
     with caplog.at_level(logging.WARNING):
         metrics, values, console = _summary(sums, [0, 60, 40])
     assert values["ep/layer_1/load_imbalance"] == pytest.approx(30 / 20)
     assert values["ep/layer_1/drop_rate"] == pytest.approx(8 / 80)
     assert values["ep/layer_1/recv_rows_max"] == 60 and values["ep/layer_1/recv_rows_mean"] == 50
-    assert values["ep/layer_2/load_imbalance"] == pytest.approx(1.0)
+    assert values["ep/layer_2/load_imbalance"] == pytest.approx(1.0) and values["ep/layer_2/dropped_pairs"] == 0
     assert "ep/layer_0/drop_rate" not in values
     assert values["ep/dropped_pairs"] == 8 and values["ep/drop_rate"] == pytest.approx(8 / 160)
     assert values["ep/load_imbalance_worst_layer"] == 1
@@ -85,10 +87,16 @@ def test_summary_of_reduced_counters(caplog):
 
 
 def test_replicated_routing_and_dispatch_are_not_double_counted():
-    # TP=2 replicates routing (counts arrive twice); expert TP=2 duplicates dispatches (drops twice)
-    sums = [[20, 60, 40, 40, 200, 16, 4]]
+    # expert TP=2: both expert-TP ranks route and dispatch the same tokens (routed and kept counts arrive twice)
+    sums = [[20, 60, 40, 40, 200, 144, 4, 4]]
     _, values, _ = _summary(sums, [60], _Dims(tp=2, etp=2))
     assert values["ep/dropped_pairs"] == 8 and values["ep/drop_rate"] == pytest.approx(8 / 80)
+
+
+def test_kept_counts_from_only_some_ranks_are_an_error():
+    """Routed less kept is a drop count only if every rank holding the layer counted its kept pairs."""
+    with pytest.raises(RuntimeError, match="MoE layer 0: 1 of the 2 ranks holding it counted kept pairs"):
+        _summary([[10, 30, 20, 20, 100, 72, 2, 1]], [60])
 
 
 def test_training_log_reports_drops_once_and_records_routing(tmp_path):
@@ -161,7 +169,7 @@ def test_evaluation_forwards_are_not_counted():
     stats.counting = False
     stats.record_routing(torch.tensor([[0, 1]]), num_experts=2)
     stats.record_rows(torch.tensor([8, 8]))
-    stats.record_drops(torch.tensor(3))
+    stats.record_kept(torch.tensor([3]))
     assert stats.read_and_reset() == (None, None, None)
 
     router = torch.nn.Linear(4, 2)

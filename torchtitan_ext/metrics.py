@@ -4,7 +4,9 @@ Every logged step reports, through torchtitan's loggers (console, TensorBoard,
 W&B), for each MoE layer and in total since the previous log:
 
 - ``ep/dropped_pairs``, ``ep/drop_rate``: (token, expert) pairs dropped by
-  non-blocking HybridEP, and their share of all routed pairs;
+  non-blocking HybridEP, and their share of all routed pairs: the pairs routed
+  (counted at their source ranks) less the pairs kept (counted at the ranks of
+  their experts), both summed over all ranks;
 - ``ep/load_imbalance``: max / mean tokens per expert (1.0 is perfect balance);
 - ``ep/recv_rows_max``, ``ep/recv_rows_mean``: rows the experts of one EP rank
   processed (one per received (token, local expert) pair, plus pad rows),
@@ -58,17 +60,19 @@ class ExpertParallelMetrics:
         device = next(model_parts[0].parameters()).device
         if device.type == "meta":
             return {}, ""
-        sums = torch.zeros(num_layers, num_experts + 3, dtype=torch.int64, device=device)
+        # per layer: routed pairs per expert, rows, kept pairs, ranks holding it, ranks counting kept pairs
+        sums = torch.zeros(num_layers, num_experts + 4, dtype=torch.int64, device=device)
         maxima = torch.zeros(num_layers, dtype=torch.int64, device=device)
         for layer, stats in self.layer_stats(model_parts).items():
-            routed, rows, dropped = stats.read_and_reset()
+            routed, rows, kept = stats.read_and_reset()
             if routed is not None:
                 sums[layer, :num_experts] = routed
             if rows is not None:
                 sums[layer, num_experts] = rows
                 maxima[layer] = rows
-            if dropped is not None:
-                sums[layer, num_experts + 1] = dropped
+            if kept is not None:
+                sums[layer, num_experts + 1] = kept
+                sums[layer, num_experts + 3] = 1
             sums[layer, num_experts + 2] = 1
         dist.all_reduce(sums, op=dist.ReduceOp.SUM)
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
@@ -78,12 +82,17 @@ class ExpertParallelMetrics:
         metrics, total_dropped, total_routed = {}, 0, 0
         worst, worst_recv = (0.0, -1), 0.0
         for layer, row in enumerate(sums):
-            holders = row[num_experts + 2]
+            holders, kept_counters = row[num_experts + 2], row[num_experts + 3]
             routed = [count / self.dispatch_copies for count in row[:num_experts]]
             if not holders or not sum(routed):
                 continue
-            dropped = row[num_experts + 1] / self.dispatch_copies
             pairs = sum(routed)
+            if kept_counters not in (0, holders):
+                raise RuntimeError(
+                    f"MoE layer {layer}: {kept_counters} of the {holders} ranks holding it counted kept pairs; "
+                    "every rank of a layer runs the same backend, so the drop count would be wrong"
+                )
+            dropped = pairs - row[num_experts + 1] / self.dispatch_copies if kept_counters else 0
             imbalance = max(routed) / (pairs / num_experts)
             prefix = f"ep/layer_{layer}"
             metrics.update({

@@ -50,7 +50,7 @@ MANIFEST = {
         "num_gpu_timeout_secs=100, explicitly_destroy=False)", None, *DEEPEP_MAIN, ELASTIC + ":228"),
     "ElasticBuffer.get_theoretical_num_sms": (
         "(num_experts, num_topk, num_scaleout_topk=0, rdma_gbs=0, nvlink_gbs=0, sm_read_gbs=200, sm_write_gbs=50)",
-        None, *DEEPEP_MAIN, ELASTIC + ":728"),
+        None, *DEEPEP_MAIN, ELASTIC + ":729"),
     "ElasticBuffer.dispatch": (
         "(self, x, topk_idx=None, topk_weights=None, cumulative_local_expert_recv_stats=None, num_experts=None, "
         "num_max_tokens_per_rank=None, expert_alignment=None, num_sms=0, num_qps=0, previous_event=None, "
@@ -66,7 +66,7 @@ MANIFEST = {
         "num_recv_tokens, num_expanded_tokens, num_recv_tokens_per_expert_list, "
         "psum_num_recv_tokens_per_scaleup_rank, psum_num_recv_tokens_per_expert, "
         "num_unaligned_recv_tokens_per_expert, recv_src_metadata, dst_buffer_slot_idx, "
-        "token_metadata_at_forward, channel_linked_list)", None, *DEEPEP_MAIN, ELASTIC + ":25"),
+        "token_metadata_at_forward, channel_linked_list)", None, *DEEPEP_MAIN, ELASTIC + ":59"),
     "HybridEPBuffer.__init__": (
         "(self, group, hidden_dim, max_num_of_tokens_per_rank, num_local_experts, use_fp8=False, "
         "num_sms_dispatch_api=None, num_sms_combine_api=None, num_sms_preprocessing_api=None, "

@@ -129,8 +129,10 @@ class DispatchStats:
         """[E] (token, expert) picks routed to each global expert, from this rank's router."""
         self.received_rows: torch.Tensor | None = None
         """Rows this rank's experts processed (one per received pair, plus pad rows)."""
-        self.dropped_pairs: torch.Tensor | None = None
-        """(token, expert) pairs dropped at this rank (non-blocking HybridEP only)."""
+        self.kept_pairs: torch.Tensor | None = None
+        """(token, expert) pairs this rank's experts received and kept, for a backend that can drop
+        (HybridEP): the pairs routed to them less the dropped ones. The dropped pairs are the routed
+        pairs less the kept ones, summed over all ranks at the log step."""
 
     def _counts(self) -> bool:
         return self.counting and not recomputing()
@@ -148,14 +150,14 @@ class DispatchStats:
         if self._counts():
             self.received_rows = _accumulate(self.received_rows, rows_per_expert.detach().sum())
 
-    def record_drops(self, dropped: torch.Tensor) -> None:
+    def record_kept(self, kept_per_local_expert: torch.Tensor) -> None:
         if self._counts():
-            self.dropped_pairs = _accumulate(self.dropped_pairs, dropped.detach())
+            self.kept_pairs = _accumulate(self.kept_pairs, kept_per_local_expert.detach().sum())
 
     def read_and_reset(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """(routed per expert, received rows, dropped pairs) since the last read; None if nothing happened."""
-        counters = (self.routed_per_expert, self.received_rows, self.dropped_pairs)
-        self.routed_per_expert = self.received_rows = self.dropped_pairs = None
+        """(routed per expert, received rows, kept pairs) since the last read; None if nothing happened."""
+        counters = (self.routed_per_expert, self.received_rows, self.kept_pairs)
+        self.routed_per_expert = self.received_rows = self.kept_pairs = None
         return counters
 
 

@@ -37,7 +37,7 @@ from torchtitan_ext.ep.base import (
 from torchtitan_ext.ep.handle import DispatchHandle, KernelBuffer
 from torchtitan_ext.ep.in_flight import in_flight, Landing
 from torchtitan_ext.ep.kernels import implementation_description as _implementation_description
-from torchtitan_ext.ep.kernels import library_has, resolve_implementation, uses_library
+from torchtitan_ext.ep.kernels import import_library, library_has, resolve_implementation, uses_library
 from torchtitan_ext.ep.kernels.deepep_apis import APIS
 from torchtitan_ext.ep.layout import block_destinations
 
@@ -51,17 +51,33 @@ INTERNODE_NODES = (2, 3, 4, 6, 8, 12, 16, 18, 20)
 """Nodes of 8 ranks its v1 internode kernels are instantiated for."""
 
 
-def resolve_api(api: str, implementation: str) -> str:
-    """``"elastic"`` or ``"legacy"`` for ``[deepep] api`` with the resolved implementation.
+def resolve_api(api: str, implementation: str, device_type: str | None) -> str:
+    """``"elastic"`` or ``"legacy"`` for ``[deepep] api`` and ``implementation`` on ``device_type``.
 
-    ``auto``: V2 (elastic), unless the deep_ep build has no ``ElasticBuffer``
-    (the hybrid-ep branch, or a release before v2), where v1 is all there is.
+    ``auto``: V2 (elastic), unless the job runs the installed deep_ep and that
+    build has no ``ElasticBuffer`` (the hybrid-ep branch, or a release before
+    v2), where v1 is all there is. ``device_type`` None (a plan for a machine
+    not known yet) assumes DeepEP main.
     """
     if api != "auto":
         return api
-    if implementation == "deep_ep" and not library_has("ElasticBuffer"):
+    if device_type is not None and uses_library(implementation, device_type) and not library_has("ElasticBuffer"):
         return "legacy"
     return "elastic"
+
+
+def _check_library_rank_count(ep: int) -> None:
+    """ConfigError unless the installed deep_ep's v1 ``Buffer`` has kernel configs for ``ep`` ranks:
+    its own table decides (the hybrid-ep branch's lacks 48 and 96, which DeepEP main has)."""
+    buffer_class = import_library().Buffer
+    try:
+        buffer_class.get_dispatch_config(ep)
+        buffer_class.get_combine_config(ep)
+    except AssertionError as e:
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree = {ep}: the installed deep_ep's v1 Buffer has no kernel config "
+            f"for it ({e}): pick another EP degree, or install DeepEP main and set deepep.api = 'elastic'"
+        ) from None
 
 
 @torch.library.custom_op("torchtitan_ext::deepep_dispatch", mutates_args=())
@@ -155,7 +171,7 @@ def hidden_bytes(hidden_dim: int, element_size: int) -> int:
 
 def _create_kernels(section, shape: MoEShape, group, example: torch.Tensor):
     """The API adapter over a new buffer: the library's or the reference's."""
-    class_name = LIBRARY_CLASS[resolve_api(section.api, section.implementation)]
+    class_name = LIBRARY_CLASS[resolve_api(section.api, section.implementation, example.device.type)]
     implementation = resolve_implementation("deepep", section.implementation, example.device.type, class_name)
     api = "elastic" if class_name == "ElasticBuffer" else "legacy"
     if implementation == "deep_ep":
@@ -264,7 +280,7 @@ class DeepEPExpertParallel(RoutedExpertParallel):
             )
         if not uses_library(section.implementation, device_type):
             return
-        api = resolve_api(section.api, section.implementation if device_type is not None else "reference")
+        api = resolve_api(section.api, section.implementation, device_type)
         check_kernels("deepep", section.implementation, device_type, LIBRARY_CLASS[api])
         dtype = job_config.training.mixed_precision_param
         if dtype != "bfloat16":
@@ -281,11 +297,13 @@ class DeepEPExpertParallel(RoutedExpertParallel):
                 f"or on 8 x {{{', '.join(map(str, INTERNODE_NODES))}}} across nodes: pick one of those, "
                 "or deepep.api = 'elastic'"
             )
+        if api == "legacy" and device_type is not None:
+            _check_library_rank_count(ep)
 
     @classmethod
     def planned_buffer(cls, job_config, shape: MoEShape) -> tuple[int | None, str]:
         section = job_config.deepep
-        if resolve_api(section.api, section.implementation) == "elastic":
+        if resolve_api(section.api, section.implementation, None) == "elastic":
             return None, (
                 "ElasticBuffer sizes itself from the NCCL communicator (get_buffer_size_hint needs the live group); "
                 "the reference allocates none"

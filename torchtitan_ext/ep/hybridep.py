@@ -10,8 +10,10 @@ for ``score_before_experts``). Picks with score 0 are dispatched like any other.
 Blocking mode (``non_blocking_capacity_factor`` unset) is dropless: the
 library syncs with the host once per layer to size its output. Non-blocking
 mode sizes the output from the config (:func:`non_blocking_rows`), never
-syncs, and drops the tail pairs that do not fit: the overflow flag is set and
-the dropped pairs are counted on the device (``stats.dropped_pairs``).
+syncs, and drops the tail pairs that do not fit: the overflow flag is set, and
+each rank counts the pairs its experts kept on the device (``stats.kept_pairs``);
+the dropped pairs are the routed ones less the kept ones, summed over all
+ranks at the log step (:mod:`torchtitan_ext.metrics`).
 
 Kernels: the real ``deep_ep.HybridEPBuffer`` or the reference
 (``[hybridep] implementation``). One buffer serves every MoE layer, sized once
@@ -88,7 +90,8 @@ def hybridep_dispatch(
     pad_multiple: int,
     num_padded_tokens: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, DispatchHandle]:
-    """(rows [M, H], probs [M], padded rows per local expert (on x's device), dropped pairs, handle).
+    """(rows [M, H], probs [M], padded rows per local expert (on x's device), kept pairs per local
+    expert (on x's device), handle).
 
     ``num_permuted_tokens`` < 0 selects blocking mode. Every rank passes
     ``num_padded_tokens`` rows (the library all-gathers a dense routing map and
@@ -111,13 +114,11 @@ def hybridep_dispatch(
         pad_multiple=_library_pad(pad_multiple),
         non_blocking=non_blocking,
     )
-    # blocking mode cannot drop, and its overflow flag is never written: nothing to read
-    dropped = kernels.dropped_pairs(raw) if non_blocking else torch.zeros((), dtype=torch.int64, device=x.device)
     return (
         rows,
         row_probs,
         to_device(tokens_per_expert, x.device),  # pinned host memory in blocking mode
-        dropped,
+        kernels.kept_pairs_per_expert(raw),
         DispatchHandle((kernels, raw, pad_multiple, num_tokens, num_padded_tokens)),
     )
 
@@ -480,11 +481,11 @@ class HybridEPExpertParallel(RoutedExpertParallel):
                 self.max_tokens_per_rank, ep_degree, num_experts // ep_degree, top_k,
                 self.capacity_factor, self.pad_multiple,
             )
-        rows, row_probs, tokens_per_expert, dropped, handle = hybridep_dispatch(
+        rows, row_probs, tokens_per_expert, kept_per_expert, handle = hybridep_dispatch(
             x, expert_ids, scores.float(), self.buffer.get(group, x),
             num_experts, num_rows, self.pad_multiple, self.max_tokens_per_rank,
         )
-        self.stats.record_drops(dropped)
+        self.stats.record_kept(kept_per_expert)
         if self.score_before_experts:
             rows = scale_rows(rows, row_probs)
         self._pending = _HybridEPDispatchState(

@@ -19,8 +19,9 @@ kernels:
 - dtype limits: combine kernels refuse anything but bf16 ("Unsupported
   type"); HybridEP without FP8 reads fp32 tokens as 16-bit words and returns
   garbage instead of refusing them;
-- uninitialised memory: HybridEP's overflow flag in blocking mode, rows past
-  the padded total;
+- uninitialised memory: HybridEP's overflow flag in blocking mode, its
+  handle's local_expert_routing_map (never written with the permute fused),
+  rows past the padded total;
 - asserts the adapters can trip: supported rank counts, even SM counts,
   deterministic mode, layout limits, ``num_permuted_tokens`` rules;
 - library syncs: each call that makes the host wait (v1 and V2 dispatch with

@@ -6,14 +6,18 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from deep_ep._double import check_torch_deterministic, library_call, record_creation, runtime_assert
+from deep_ep._double import BUILD, check_torch_deterministic, library_call, record_creation, runtime_assert
 from torchtitan_ext.ep.kernels.reference import ReferenceBuffer, ReferenceElasticBuffer
 
 topk_idx_t = torch.int64
 """deep_ep.topk_idx_t (EP_NUM_TOPK_IDX_BITS = 64 by default)."""
 
-_DISPATCH_RANKS = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160)
-"""get_dispatch_config / get_combine_config table keys (legacy.py:233-290)."""
+_DISPATCH_RANKS = {
+    "main": (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160),
+    "hybrid-ep": (2, 4, 8, 16, 24, 32, 64, 128, 144, 160),
+}[BUILD]
+"""get_dispatch_config / get_combine_config table keys: main's legacy.py:233-290; the hybrid-ep
+branch's deep_ep/buffer.py:240-282 has no 48 or 96."""
 
 
 class EventHandle:
@@ -83,11 +87,23 @@ class _LegacyHandle(tuple):
 
 
 def _check_topk(topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor]) -> None:
+    """csrc/legacy/buffer.hpp:485-486, csrc/elastic/buffer.hpp:776-785."""
     runtime_assert(topk_idx.dim() == 2 and topk_idx.is_contiguous(), "topk_idx 2-D contiguous")
     runtime_assert(topk_idx.dtype == topk_idx_t, f"topk_idx dtype {topk_idx.dtype} != topk_idx_t")
     if topk_weights is not None:
-        runtime_assert(topk_weights.dtype == torch.float32, "topk_weights.scalar_type() == torch::kFloat32")
+        _check_weights(topk_weights)
         runtime_assert(topk_weights.shape == topk_idx.shape, "topk_weights and topk_idx shapes")
+
+
+def _check_weights(topk_weights: torch.Tensor) -> None:
+    """csrc/legacy/buffer.hpp:772-774 (combine), :486 (dispatch); csrc/elastic/buffer.hpp:785, 1233-1234."""
+    runtime_assert(topk_weights.dim() == 2 and topk_weights.is_contiguous(), "topk_weights 2-D contiguous")
+    runtime_assert(topk_weights.dtype == torch.float32, "topk_weights.scalar_type() == torch::kFloat32")
+
+
+def _check_tokens(x: torch.Tensor) -> None:
+    """csrc/legacy/buffer.hpp:457 (dispatch), :732 (combine); csrc/elastic/buffer.hpp:754, 1202."""
+    runtime_assert(x.dim() == 2 and x.is_contiguous(), "x.dim() == 2 and x.is_contiguous()")
 
 
 class Buffer:
@@ -148,6 +164,7 @@ class Buffer:
                  previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                  allocate_on_comm_stream: bool = False):
         check_torch_deterministic()
+        _check_tokens(x)
         runtime_assert((x.shape[1] * x.element_size()) % 16 == 0, "hidden bytes % 16 == 0")
         event = EventOverlap(EventHandle() if async_finish else None)
         if handle is not None:
@@ -181,9 +198,10 @@ class Buffer:
                 bias=None, config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
                 async_finish: bool = False, allocate_on_comm_stream: bool = False):
         check_torch_deterministic()
+        _check_tokens(x)
         runtime_assert(x.dtype == torch.bfloat16, 'false and "Unsupported type"')
         if topk_weights is not None:
-            runtime_assert(topk_weights.dtype == torch.float32 and topk_weights.dim() == 2, "topk_weights float32 2-D")
+            _check_weights(topk_weights)
         with library_call():
             combined, weights, event = self._reference.combine(x, handle.reference, topk_weights, async_finish)
         return combined, weights, EventOverlap(EventHandle(event.current_stream_wait) if async_finish else None)
@@ -265,6 +283,7 @@ class ElasticBuffer:
             num_sms = self.get_theoretical_num_sms(num_experts, num_topk)
         event = EventOverlap(EventHandle() if async_with_compute_stream else None)
         runtime_assert(not do_zero_padding or do_expand, "not do_zero_padding or do_expand")
+        _check_tokens(x)
         runtime_assert((x.shape[1] * x.element_size()) % 16 == 0, "hidden bytes % 16 == 0")
         if handle is not None:
             assert topk_idx is None
@@ -299,8 +318,12 @@ class ElasticBuffer:
                 bias=None, num_sms: int = 0, num_qps: int = 0, previous_event: EventHandle = None,
                 previous_event_before_epilogue: Optional[EventHandle] = None,
                 async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False):
+        check_torch_deterministic()  # elastic.py:1083
+        _check_tokens(x)
         runtime_assert(x.dtype == torch.bfloat16, "x.scalar_type() == torch::kBFloat16")
         runtime_assert(x.shape[0] == handle.recv_src_metadata.shape[0], "src_metadata.size(0) == x.size(0)")
+        if topk_weights is not None:
+            _check_weights(topk_weights)
         with library_call():
             combined, weights, event = self._reference.combine(
                 x, handle.reference, topk_weights, async_with_compute_stream=async_with_compute_stream

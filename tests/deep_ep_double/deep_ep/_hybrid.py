@@ -15,6 +15,11 @@ TOKENS_PER_CHUNK = 64
 UNINITIALISED_FLAG = 7
 """What the never-written overflow flag of a blocking dispatch holds here (the library: whatever was in memory)."""
 
+UNINITIALISED_MAP = True
+"""What the never-written local_expert_routing_map holds here: dispatch_with_permute always fuses the
+permute, and the fused preprocessing never writes that map (executor.cu:110-112 allocates it with
+torch::empty; hybrid_ep_backend.cuh:5584-5586: "Valid only when permute fusion is NOT enabled")."""
+
 
 def indices_to_map(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_of_tokens: int, num_of_experts: int):
     """hybrid_ep_buffer.py:9-31: (routing_map bool [T, E], probs fp32 [T, E] or None)."""
@@ -25,6 +30,14 @@ def indices_to_map(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_of_to
         probs = torch.zeros(num_of_tokens, num_of_experts, dtype=torch.float32)
         probs.scatter_(1, topk_idx.to(torch.int64), topk_weights.float())
     return routing_map, probs
+
+
+def _check_inputs(hidden: torch.Tensor, probs: torch.Tensor | None) -> None:
+    """The tokens, and the probs when given, contiguous; probs fp32."""
+    c_assert(hidden.is_contiguous(), "hidden.is_contiguous()")
+    if probs is not None:
+        c_assert(probs.is_contiguous(), "probs.value().is_contiguous()")
+        c_assert(probs.dtype == torch.float32, "probs.value().dtype() == torch::kFloat32")
 
 
 class _HybridHandle(tuple):
@@ -74,6 +87,7 @@ class HybridEPBuffer:
                               non_blocking: bool = False, fuse_permute_dispatch: bool = False,
                               num_dispatched_tokens: int = None, use_host_meta: bool = None):
         num_tokens = hidden.shape[0]
+        _check_inputs(hidden, probs)  # hybrid_ep.cu:279-285
         remainder = num_tokens % TOKENS_PER_CHUNK
         if remainder and (remainder * self.num_of_hybrid_ep_ranks_per_nvlink_domain * 4) % 16:
             raise RuntimeError("TMA 16B alignment error")
@@ -108,7 +122,7 @@ class HybridEPBuffer:
             torch.zeros(num_tokens, 1, dtype=torch.bool),
             torch.zeros(num_tokens, 0, dtype=torch.bool),
             dispatched if non_blocking else HostTensor.wrap(dispatched),
-            reference.local_routing_map,
+            torch.full((num_tokens * self.group_size, self.num_local_experts), UNINITIALISED_MAP),
             torch.zeros(1, dtype=torch.int32),
             torch.where(reference.local_routing_map, reference.pair_rows, -1).to(torch.int32),
             kept,
@@ -126,6 +140,7 @@ class HybridEPBuffer:
                                num_dispatched_tokens: int = None):
         assert handle is not None, "The handle is necessary in the combine pass."
         c_assert(hidden.element_size() == 2, "elementSize(hidden) == 2")
+        _check_inputs(hidden, probs)  # hybrid_ep.cu:348-356
         c_assert(hidden.dtype == torch.bfloat16, "args.permuted_tokens.dtype() == torch::kBFloat16")
         with library_call():
             return self._reference.combine_with_unpermute(hidden=hidden, probs=probs, handle=handle.reference)

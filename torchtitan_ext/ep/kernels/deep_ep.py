@@ -3,7 +3,7 @@
 ``deep_ep.Buffer`` and ``deep_ep.ElasticBuffer`` are driven through
 :mod:`torchtitan_ext.ep.kernels.deepep_apis`. :class:`LibraryHybridEPBuffer` adds to ``deep_ep.HybridEPBuffer``
 the one thing the backend asks beyond the library's calls: how many pairs a
-non-blocking dispatch dropped.
+dispatch kept, from which the metrics count the dropped ones.
 
 This module is imported only when ``implementation`` resolves to ``deep_ep``.
 The test suite runs it against a double of the library that follows its
@@ -56,9 +56,9 @@ def elastic_buffer(group, shape):
 class LibraryHybridEPBuffer:
     """``deep_ep.HybridEPBuffer`` behind the interface the HybridEP backend calls.
 
-    The calls pass through unchanged; :meth:`dropped_pairs` reads the dropped
-    (token, expert) count of a non-blocking dispatch from the library's handle
-    (the library itself reports only an overflow flag).
+    The calls pass through unchanged; :meth:`kept_pairs_per_expert` reads the
+    kept (token, expert) counts from the library's handle (the library itself
+    reports only an overflow flag).
     """
 
     def __init__(self, group, hidden_dim, max_num_of_tokens_per_rank, num_local_experts,
@@ -90,15 +90,16 @@ class LibraryHybridEPBuffer:
             non_blocking=non_blocking, handle=handle,
         )
 
-    def dropped_pairs(self, handle: tuple) -> torch.Tensor:
-        """Pairs a non-blocking dispatch dropped on this rank, from its handle, on the device.
+    def kept_pairs_per_expert(self, handle: tuple) -> torch.Tensor:
+        """[L] (token, local expert) pairs the dispatch kept on this rank (int64, on the device).
 
-        The handle holds the all-gathered routing map of this rank's experts
-        (element 4) and the per-expert counts kept after the drop (element 7,
-        clipped in non-blocking mode): their difference, with no communication.
+        Element 7 of the handle, the raw tokens_per_expert the preprocessing
+        scan writes: padding excluded, clipped where a non-blocking dispatch
+        drops. The routed count is not in the handle: its local_expert_routing_map
+        (element 4) is never written when the permute is fused, as it always is
+        in dispatch_with_permute (the library's note on metadata_preprocessing).
         """
-        routed, kept = handle[4], handle[7]
-        return routed.sum(dtype=torch.int64) - kept.sum(dtype=torch.int64)
+        return handle[7].to(torch.int64)
 
     def combine_with_unpermute(self, *, hidden, probs=None, handle, pad_multiple=None):
         return self.library.combine_with_unpermute(

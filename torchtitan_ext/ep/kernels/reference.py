@@ -302,6 +302,8 @@ class ReferenceHybridEPHandle:
     """int32 device scalar: 1 when pairs were dropped."""
     num_dropped: torch.Tensor
     """int64 device scalar: dropped (token, expert) pairs on this rank."""
+    kept_per_expert: torch.Tensor
+    """[L] (token, local expert) pairs kept, padding excluded (int64): the library's raw tokens_per_expert."""
 
 
 class ReferenceHybridEPBuffer:
@@ -425,9 +427,9 @@ class ReferenceHybridEPBuffer:
         # like the library: the cached path computes no tokens per expert
         return tokens, out_probs, None, None if cached else handle.tokens_per_expert, handle
 
-    def dropped_pairs(self, handle: ReferenceHybridEPHandle) -> torch.Tensor:
-        """(token, expert) pairs a non-blocking dispatch dropped on this rank (int64 device scalar)."""
-        return handle.num_dropped
+    def kept_pairs_per_expert(self, handle: ReferenceHybridEPHandle) -> torch.Tensor:
+        """[L] (token, local expert) pairs the dispatch kept on this rank (int64, on the device)."""
+        return handle.kept_per_expert
 
     def _plan(self, hidden, routing_map, probs, local_experts, num_permuted_tokens, pad, non_blocking):
         num_tokens = hidden.shape[0]
@@ -491,6 +493,7 @@ class ReferenceHybridEPBuffer:
             tokens_per_expert=torch.minimum(padded, (num_rows - offsets).clamp(min=0)),
             overflow_flag=dropped.any().to(torch.int32),
             num_dropped=dropped.sum(),
+            kept_per_expert=kept.sum(0),
             **exchange,
         )
         return handle, pair_probs
