@@ -25,6 +25,9 @@ LIBRARY_BACKENDS = {
 }
 """What each build of the library serves: main has the V2 and v1 APIs, the hybrid-ep branch v1 and HybridEP."""
 
+DROPPING_FACTOR = 0.3
+"""A non-blocking capacity factor at which the double's cases drop pairs."""
+
 
 def use_double(build: str) -> None:
     """In this process, ``import deep_ep`` is the double of ``build``, and the adapters may use it on CPU."""
@@ -51,6 +54,12 @@ def adapters_worker(rank: int, ep: int, build: str, cases: tuple, ac_case: Case)
                 results[case.name, backend, implementation] = run_backend(
                     rank, ep, case, backend, mesh, dtype=torch.bfloat16, grouped_mm=True,
                     implementation=implementation,
+                )
+        if build == "hybrid-ep":  # non-blocking with too few rows: the dropped count through the library
+            for implementation in ("deep_ep", "reference"):
+                results[case.name, "hybridep_drops", implementation] = run_backend(
+                    rank, ep, case, "hybridep", mesh, dtype=torch.bfloat16, grouped_mm=True,
+                    implementation=implementation, capacity_factor=DROPPING_FACTOR,
                 )
     results["checkpointing"] = _checkpointed_runs(rank, ep, build, ac_case, mesh)
     torch.use_deterministic_algorithms(True)  # what torchtitan's debug.deterministic turns on

@@ -76,8 +76,26 @@ def test_every_backend_equals_the_reference_bitwise(adapters):
                 for key in ("out", "grad_x", "grad_scores", "grad_w1", "grad_w2", "grad_w3"):
                     assert torch.equal(library[key], reference[key]), (build, case.name, backend, key)
                 if backend.startswith("hybridep"):
-                    # blocking mode leaves the overflow flag unwritten (the double: 7); nothing reads it
+                    # routed less kept, kept read from the library's handle (its routing map is unwritten)
                     assert library["dropped_pairs"] == 0
+
+
+def test_dropped_pairs_through_the_library_equal_the_reference(adapters):
+    """Non-blocking HybridEP with too few rows: the same outputs and gradients, and the same dropped
+    count per rank, read from the library's handle as from the reference's."""
+    build, results = adapters
+    if build != "hybrid-ep":
+        pytest.skip("DeepEP main has no HybridEP: the hybrid-ep build's parameter runs this")
+    total = 0
+    for rank_results in results:
+        for case in CASES:
+            library = rank_results[case.name, "hybridep_drops", "deep_ep"]
+            reference = rank_results[case.name, "hybridep_drops", "reference"]
+            for key in ("out", "grad_x", "grad_scores", "grad_w1", "grad_w2", "grad_w3"):
+                assert torch.equal(library[key], reference[key]), (case.name, key)
+            assert library["dropped_pairs"] == reference["dropped_pairs"]
+            total += library["dropped_pairs"]
+    assert total > 0, "the cases must drop pairs at this factor"
 
 
 def test_checkpointed_backward_and_buffer_creation(adapters):

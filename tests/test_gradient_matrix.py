@@ -18,9 +18,9 @@ twice that of the same model computed in bf16 on one process, or one bf16
 rounding (2^-8 relative) if that is larger; loss and gradient norm within one
 bf16 rounding; and the scores every backend receives must still be fp32.
 
-Where TP shards the gradients, torchtitan's clipping (to half the gradient
-norm) scales every gradient, TP-sharded, expert-sharded or replicated, by the
-coefficient the dense model's norm gives, within the same tolerances.
+Where TP shards the gradients, torchtitan's clipping scales every gradient,
+TP-sharded, expert-sharded or replicated, by the coefficient the dense
+model's norm gives (max_norm / (norm + 1e-6)), within the same tolerances.
 
 A control re-introduces an old defect (EP borrowing TP without gathering the
 split tokens' gradients) and must fail the comparison.
@@ -28,7 +28,7 @@ split tokens' gradients) and must fail the comparison.
 
 import pytest
 
-from tests.gradient_cases import cells, matrix_worker
+from tests.gradient_cases import CLIP_MAX_NORM, cells, matrix_worker
 from tests.helpers import run_distributed
 
 FP32_TOLERANCE = 1e-5
@@ -98,9 +98,9 @@ def test_tp_sharded_gradients_clip_as_dense(results, cell):
     clipped = {}
     for rank in ranks:
         clipped.update(rank["clipped_grads"])
-    grad_norm, reference = ranks[0]["grad_norm"], ranks[0]["reference"]
-    # torch's clip coefficient: max_norm / (norm + 1e-6), with max_norm half the norm measured
-    coefficient = (grad_norm / 2) / (grad_norm + 1e-6)
+    reference = ranks[0]["reference"]
+    assert reference["grad_norm"] > 100 * CLIP_MAX_NORM, "the clipping must scale"
+    coefficient = CLIP_MAX_NORM / (reference["grad_norm"] + 1e-6)
     scaled = [None if ref is None else {"grads": {name: grad * coefficient for name, grad in ref["grads"].items()}}
               for ref in (reference, ranks[0].get("reference_bf16"))]
     errors = _errors(cell, clipped, *scaled)

@@ -10,7 +10,6 @@ from torch.utils.checkpoint import checkpoint
 
 from tests.helpers import run_launcher
 from torchtitan_ext.ep.base import DispatchStats
-from torchtitan_ext import metrics
 from torchtitan_ext.metrics import ExpertParallelMetrics
 from torchtitan_ext.routing_stats import load
 from torchtitan_ext.tools import routing_report
@@ -93,10 +92,13 @@ def test_replicated_routing_and_dispatch_are_not_double_counted():
     assert values["ep/dropped_pairs"] == 8 and values["ep/drop_rate"] == pytest.approx(8 / 80)
 
 
-def test_kept_counts_from_only_some_ranks_are_an_error():
-    """Routed less kept is a drop count only if every rank holding the layer counted its kept pairs."""
+def test_inconsistent_kept_counts_are_an_error():
+    """Routed less kept is a drop count only if every rank holding the layer counted its kept pairs,
+    and never negative."""
     with pytest.raises(RuntimeError, match="MoE layer 0: 1 of the 2 ranks holding it counted kept pairs"):
         _summary([[10, 30, 20, 20, 100, 72, 2, 1]], [60])
+    with pytest.raises(RuntimeError, match="MoE layer 0: 2 more pairs kept than routed"):
+        _summary([[10, 30, 20, 20, 100, 82, 2, 2]], [60])
 
 
 def test_training_log_reports_drops_once_and_records_routing(tmp_path):
@@ -152,7 +154,7 @@ def test_step_time_after_a_resume_counts_only_the_steps_since_the_last_log(log_f
     processor, logged = _metrics_processor(log_freq)
     # a clock that reads 3 s later at each call: the suite's other processes cannot stretch the interval
     processor.time_last_log = 100.0
-    monkeypatch.setattr(metrics.time, "perf_counter", functools.partial(next, itertools.count(103.0, 3.0)))
+    monkeypatch.setattr("torchtitan_ext.metrics.time.perf_counter", functools.partial(next, itertools.count(103.0, 3.0)))
     for step in range(11, 16):  # torchtitan's train_step asks should_log once per step
         if processor.should_log(step):
             processor.log(step, 1.0, 1.0, 0.5)

@@ -93,6 +93,10 @@ class ExpertParallelMetrics:
                     "every rank of a layer runs the same backend, so the drop count would be wrong"
                 )
             dropped = pairs - row[num_experts + 1] / self.dispatch_copies if kept_counters else 0
+            if dropped < 0:
+                raise RuntimeError(
+                    f"MoE layer {layer}: {-dropped:,.0f} more pairs kept than routed; a backend counts its kept pairs wrong"
+                )
             imbalance = max(routed) / (pairs / num_experts)
             prefix = f"ep/layer_{layer}"
             metrics.update({

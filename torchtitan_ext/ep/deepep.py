@@ -56,12 +56,13 @@ def resolve_api(api: str, implementation: str, device_type: str | None) -> str:
 
     ``auto``: V2 (elastic), unless the job runs the installed deep_ep and that
     build has no ``ElasticBuffer`` (the hybrid-ep branch, or a release before
-    v2), where v1 is all there is. ``device_type`` None (a plan for a machine
-    not known yet) assumes DeepEP main.
+    v2), where v1 is all there is. With ``device_type`` None (a plan for a
+    machine not known yet) ``auto`` kernels assume DeepEP main.
     """
     if api != "auto":
         return api
-    if device_type is not None and uses_library(implementation, device_type) and not library_has("ElasticBuffer"):
+    runs_library = implementation == "deep_ep" or (device_type is not None and uses_library(implementation, device_type))
+    if runs_library and not library_has("ElasticBuffer"):
         return "legacy"
     return "elastic"
 
@@ -73,7 +74,7 @@ def _check_library_rank_count(ep: int) -> None:
     try:
         buffer_class.get_dispatch_config(ep)
         buffer_class.get_combine_config(ep)
-    except AssertionError as e:
+    except (AssertionError, KeyError) as e:  # KeyError: the table lookup when Python runs with -O
         raise ConfigError(
             f"parallelism.expert_parallel_degree = {ep}: the installed deep_ep's v1 Buffer has no kernel config "
             f"for it ({e}): pick another EP degree, or install DeepEP main and set deepep.api = 'elastic'"

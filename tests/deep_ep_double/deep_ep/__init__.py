@@ -20,7 +20,7 @@ kernels:
   type"); HybridEP without FP8 reads fp32 tokens as 16-bit words and returns
   garbage instead of refusing them;
 - uninitialised memory: HybridEP's overflow flag in blocking mode, its
-  handle's local_expert_routing_map (never written with the permute fused),
+  handle's local_expert_routing_map (never written by dispatch_with_permute),
   rows past the padded total;
 - asserts the adapters can trip: supported rank counts, even SM counts,
   deterministic mode, layout limits, ``num_permuted_tokens`` rules;

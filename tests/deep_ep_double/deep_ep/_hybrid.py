@@ -16,8 +16,8 @@ UNINITIALISED_FLAG = 7
 """What the never-written overflow flag of a blocking dispatch holds here (the library: whatever was in memory)."""
 
 UNINITIALISED_MAP = True
-"""What the never-written local_expert_routing_map holds here: dispatch_with_permute always fuses the
-permute, and the fused preprocessing never writes that map (executor.cu:110-112 allocates it with
+"""What the never-written local_expert_routing_map holds here: dispatch_with_permute always runs the
+preprocessing with enable_permute (its permute-fusion build), which never writes that map (executor.cu:110-112 allocates it with
 torch::empty; hybrid_ep_backend.cuh:5584-5586: "Valid only when permute fusion is NOT enabled")."""
 
 

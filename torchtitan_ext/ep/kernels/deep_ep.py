@@ -96,8 +96,9 @@ class LibraryHybridEPBuffer:
         Element 7 of the handle, the raw tokens_per_expert the preprocessing
         scan writes: padding excluded, clipped where a non-blocking dispatch
         drops. The routed count is not in the handle: its local_expert_routing_map
-        (element 4) is never written when the permute is fused, as it always is
-        in dispatch_with_permute (the library's note on metadata_preprocessing).
+        (element 4) is never written when the preprocessing runs with permute
+        (enable_permute, always on in dispatch_with_permute; the library's note on
+        metadata_preprocessing).
         """
         return handle[7].to(torch.int64)
 
