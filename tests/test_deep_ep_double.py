@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from tests.deep_ep_double.manifest import MANIFEST
+from tests.deep_ep_double.manifest import HYBRID_EP_BUILD, MANIFEST
 from tests.double_cases import adapters_worker, DOUBLE_DIR, fp32_worker, host_sync_worker, LIBRARY_BACKENDS
 from tests.ep_cases import Case
 from tests.helpers import run_distributed
@@ -38,8 +38,9 @@ def _rendered(signature: inspect.Signature) -> str:
     return str(signature.replace(parameters=parameters, return_annotation=inspect.Signature.empty))
 
 
-@pytest.fixture
-def double_modules(monkeypatch):
+@pytest.fixture(params=["main", "hybrid-ep"])
+def double_modules(request, monkeypatch):
+    monkeypatch.setenv("DEEP_EP_DOUBLE_BUILD", request.param)
     monkeypatch.syspath_prepend(str(DOUBLE_DIR))
     for name in [name for name in sys.modules if name == "deep_ep" or name.startswith("deep_ep.")]:
         monkeypatch.delitem(sys.modules, name)
@@ -48,7 +49,8 @@ def double_modules(monkeypatch):
 
 def test_double_has_the_manifests_signatures(double_modules):
     buffers, hybrid = double_modules
-    for qualified, (signature, _, repo, commit, path) in MANIFEST.items():
+    manifest = MANIFEST | (HYBRID_EP_BUILD if buffers.BUILD == "hybrid-ep" else {})
+    for qualified, (signature, _, repo, commit, path) in manifest.items():
         owner_name, _, member = qualified.partition(".")
         module = hybrid if owner_name in ("HybridEPBuffer", "indices_to_map") else buffers
         target = getattr(module, owner_name)
@@ -192,7 +194,7 @@ def test_deepep_v1_rank_counts_follow_the_installed_build(installed_build, build
 @pytest.mark.parametrize("failure, shown", [("nccl", "Invalid NCCL versions"), ("cuda_home", "cuda_home")])
 def test_import_failure_is_a_clear_config_error(monkeypatch, failure, shown):
     """DeepEP main's import checks (NCCL binary identity, CUDA home) raise AssertionError: it becomes
-    the one-line "cannot be used" error, not a traceback."""
+    a one-line error that says the import failed, not a traceback."""
     import torchtitan_ext.ep.kernels as kernels
     from torchtitan_ext.config import ConfigError
     from torchtitan_ext.models import register_train_specs
@@ -212,8 +214,38 @@ def test_import_failure_is_a_clear_config_error(monkeypatch, failure, shown):
                 "--training.mixed_precision_param", "bfloat16",
             ], "cpu", 2)
         message = str(error.value)
-        assert "cannot be used (import deep_ep failed: AssertionError" in message and shown in message
+        assert "but import deep_ep failed: AssertionError" in message and shown in message
         assert f"{backend}.implementation = 'reference'" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("build, backend, missing, hint", [
+    ("main", "hybridep", "HybridEPBuffer", "hybrid-ep branch"),
+    ("hybrid-ep", "deepep", "ElasticBuffer", "DeepEP main"),
+])
+def test_a_build_without_the_backend_class_names_it(monkeypatch, build, backend, missing, hint):
+    """DeepEP main has no HybridEPBuffer and the hybrid-ep branch no ElasticBuffer: the error names the
+    missing class and the build that has it."""
+    import torchtitan_ext.ep.kernels as kernels
+    from torchtitan_ext.config import ConfigError
+    from torchtitan_ext.models import register_train_specs
+    from torchtitan_ext.train import load_job_config
+
+    register_train_specs()
+    monkeypatch.syspath_prepend(str(DOUBLE_DIR))
+    for name in [name for name in sys.modules if name == "deep_ep" or name.startswith("deep_ep.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setenv("DEEP_EP_DOUBLE_BUILD", build)
+    monkeypatch.setattr(kernels, "LIBRARY_DEVICE_TYPE", "cpu")
+    api = ["--deepep.api", "elastic"] if backend == "deepep" else []
+    with pytest.raises(ConfigError) as error:
+        load_job_config([
+            "--job.config_file", "train_configs/debug_model.toml",
+            "--parallelism.expert_parallel_comm_backend", backend, f"--{backend}.implementation", "deep_ep",
+            *api, "--training.mixed_precision_param", "bfloat16",
+        ], "cpu", 2)
+    message = str(error.value)
+    assert f"but the installed deep_ep has no {missing}: " in message and hint in message
+    assert f"{backend}.implementation = 'reference'" in message and "\n" not in message
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,8 @@
 Each entry: qualified name -> (parameters as ``inspect.signature`` renders them
 without annotations, number of values returned (None: not a call whose result
 the adapters unpack), repository, path, commit read). tests/test_deep_ep_double.py
-checks that the double has exactly these signatures, so that an adapter call
+checks that the double has exactly these signatures (on the hybrid-ep build, with
+HYBRID_EP_BUILD's in place of the same names), so that an adapter call
 that would not bind against the library does not bind against the double.
 """
 
@@ -83,3 +84,11 @@ MANIFEST = {
         "num_dispatched_tokens=None)", 2, *DEEPEP_HYBRID, HYBRID + ":434"),
     "indices_to_map": ("(topk_idx, topk_weights, num_of_tokens, num_of_experts)", 2, *DEEPEP_HYBRID, HYBRID + ":9"),
 }
+
+HYBRID_EP_BUILD = {
+    "Buffer.__init__": (
+        "(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False, num_qps_per_rank=24, "
+        "allow_nvlink_for_normal_mode=True, allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, "
+        "use_fabric=False, explicitly_destroy=False, comm=None)", None, *DEEPEP_HYBRID, "deep_ep/buffer.py:33"),
+}
+"""Where the hybrid-ep branch's build differs from MANIFEST (the rest of its v1 ``Buffer`` is the same)."""

@@ -1,5 +1,6 @@
 """``Buffer`` (v1 API, deep_ep/buffers/legacy.py) and ``ElasticBuffer`` (V2, deep_ep/buffers/elastic.py)
-of DeepEP main at dd758caf, on top of torchtitan_ext's reference kernels."""
+of DeepEP main at dd758caf, on top of torchtitan_ext's reference kernels; ``Buffer``'s constructor is
+the one of the build DEEP_EP_DOUBLE_BUILD names."""
 
 from typing import Optional
 
@@ -111,10 +112,25 @@ class Buffer:
 
     num_sms: int = 20
 
-    def __init__(self, group: Optional[dist.ProcessGroup], num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
-                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
-                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
-                 explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None) -> None:
+    if BUILD == "main":
+        def __init__(self, group: Optional[dist.ProcessGroup], num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                     low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                     allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
+                     explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None) -> None:
+            """legacy.py:33-43."""
+            self._connect(group, comm, num_nvl_bytes, num_rdma_bytes, low_latency_mode, explicitly_destroy)
+    else:
+        def __init__(self, group: Optional[dist.ProcessGroup], num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                     low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                     allow_nvlink_for_normal_mode: bool = True, allow_nvlink_for_low_latency_mode: bool = True,
+                     allow_mnnvl: bool = False, use_fabric: bool = False, explicitly_destroy: bool = False,
+                     comm=None) -> None:
+            """The hybrid-ep branch's deep_ep/buffer.py:33-41 (no enable_shrink; allow_nvlink_for_normal_mode
+            and use_fabric instead)."""
+            self._connect(group, comm, num_nvl_bytes, num_rdma_bytes, low_latency_mode, explicitly_destroy)
+
+    def _connect(self, group, comm, num_nvl_bytes: int, num_rdma_bytes: int, low_latency_mode: bool,
+                 explicitly_destroy: bool) -> None:
         if group is None and comm is None:
             raise ValueError("Either 'group' or 'comm' must be provided.")
         record_creation()

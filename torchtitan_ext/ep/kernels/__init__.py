@@ -76,14 +76,15 @@ def resolve_implementation(backend: str, implementation: str, device_type: str, 
             "use implementation = 'reference' (or 'auto') on CPU"
         )
     try:
-        library = import_library()
-        getattr(library, class_name)
-    except (KernelUnavailable, AttributeError) as e:
+        missing = "" if hasattr(import_library(), class_name) else f"the installed deep_ep has no {class_name}"
+    except KernelUnavailable as e:
+        missing = str(e)
+    if missing:
         raise KernelUnavailable(
-            f"{backend}.implementation resolves to the deep_ep library on CUDA, but "
-            f"deep_ep.{class_name} cannot be used ({e}): {INSTALL_HINT[class_name]}, or set "
-            f"{backend}.implementation = 'reference' to run the (slow) reference kernels"
-        ) from None
+            f"{backend}.implementation resolves to the deep_ep library on CUDA, but {missing}: "
+            f"{INSTALL_HINT[class_name]}, or set {backend}.implementation = 'reference' to run the (slow) "
+            "reference kernels"
+        )
     return "deep_ep"
 
 
