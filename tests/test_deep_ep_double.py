@@ -39,11 +39,8 @@ def _rendered(signature: inspect.Signature) -> str:
 
 
 @pytest.fixture(params=["main", "hybrid-ep"])
-def double_modules(request, monkeypatch):
-    monkeypatch.setenv("DEEP_EP_DOUBLE_BUILD", request.param)
-    monkeypatch.syspath_prepend(str(DOUBLE_DIR))
-    for name in [name for name in sys.modules if name == "deep_ep" or name.startswith("deep_ep.")]:
-        monkeypatch.delitem(sys.modules, name)
+def double_modules(request, installed_build):
+    installed_build(request.param)
     return importlib.import_module("deep_ep._buffers"), importlib.import_module("deep_ep._hybrid")
 
 
@@ -192,28 +189,13 @@ def test_deepep_v1_rank_counts_follow_the_installed_build(installed_build, build
 
 
 @pytest.mark.parametrize("failure, shown", [("nccl", "Invalid NCCL versions"), ("cuda_home", "cuda_home")])
-def test_import_failure_is_a_clear_config_error(monkeypatch, failure, shown):
+def test_import_failure_is_a_clear_config_error(monkeypatch, installed_build, failure, shown):
     """DeepEP main's import checks (NCCL binary identity, CUDA home) raise AssertionError: it becomes
     a one-line error that says the import failed, not a traceback."""
-    import torchtitan_ext.ep.kernels as kernels
-    from torchtitan_ext.config import ConfigError
-    from torchtitan_ext.models import register_train_specs
-    from torchtitan_ext.train import load_job_config
-
-    register_train_specs()
-    monkeypatch.syspath_prepend(str(DOUBLE_DIR))
-    for name in [name for name in sys.modules if name == "deep_ep" or name.startswith("deep_ep.")]:
-        monkeypatch.delitem(sys.modules, name)
+    installed_build("main")
     monkeypatch.setenv("DEEP_EP_DOUBLE_IMPORT_FAILURE", failure)
-    monkeypatch.setattr(kernels, "LIBRARY_DEVICE_TYPE", "cpu")
     for backend in ("deepep", "hybridep"):
-        with pytest.raises(ConfigError) as error:
-            load_job_config([
-                "--job.config_file", "train_configs/debug_model.toml",
-                "--parallelism.expert_parallel_comm_backend", backend, f"--{backend}.implementation", "deep_ep",
-                "--training.mixed_precision_param", "bfloat16",
-            ], "cpu", 2)
-        message = str(error.value)
+        message = _library_job_error(monkeypatch, backend)
         assert "but import deep_ep failed: AssertionError" in message and shown in message
         assert f"{backend}.implementation = 'reference'" in message and "\n" not in message
 
@@ -222,30 +204,31 @@ def test_import_failure_is_a_clear_config_error(monkeypatch, failure, shown):
     ("main", "hybridep", "HybridEPBuffer", "hybrid-ep branch"),
     ("hybrid-ep", "deepep", "ElasticBuffer", "DeepEP main"),
 ])
-def test_a_build_without_the_backend_class_names_it(monkeypatch, build, backend, missing, hint):
+def test_a_build_without_the_backend_class_names_it(monkeypatch, installed_build, build, backend, missing, hint):
     """DeepEP main has no HybridEPBuffer and the hybrid-ep branch no ElasticBuffer: the error names the
     missing class and the build that has it."""
+    installed_build(build)
+    message = _library_job_error(monkeypatch, backend, *(["--deepep.api", "elastic"] if backend == "deepep" else []))
+    assert f"but the installed deep_ep has no {missing}: " in message and hint in message
+    assert f"{backend}.implementation = 'reference'" in message and "\n" not in message
+
+
+def _library_job_error(monkeypatch, backend: str, *overrides: str) -> str:
+    """The ConfigError's message for a job that asks for the library, with this CPU standing in for CUDA."""
     import torchtitan_ext.ep.kernels as kernels
     from torchtitan_ext.config import ConfigError
     from torchtitan_ext.models import register_train_specs
     from torchtitan_ext.train import load_job_config
 
     register_train_specs()
-    monkeypatch.syspath_prepend(str(DOUBLE_DIR))
-    for name in [name for name in sys.modules if name == "deep_ep" or name.startswith("deep_ep.")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setenv("DEEP_EP_DOUBLE_BUILD", build)
     monkeypatch.setattr(kernels, "LIBRARY_DEVICE_TYPE", "cpu")
-    api = ["--deepep.api", "elastic"] if backend == "deepep" else []
     with pytest.raises(ConfigError) as error:
         load_job_config([
             "--job.config_file", "train_configs/debug_model.toml",
             "--parallelism.expert_parallel_comm_backend", backend, f"--{backend}.implementation", "deep_ep",
-            *api, "--training.mixed_precision_param", "bfloat16",
+            *overrides, "--training.mixed_precision_param", "bfloat16",
         ], "cpu", 2)
-    message = str(error.value)
-    assert f"but the installed deep_ep has no {missing}: " in message and hint in message
-    assert f"{backend}.implementation = 'reference'" in message and "\n" not in message
+    return str(error.value)
 
 
 @pytest.fixture(scope="module")
