@@ -222,7 +222,7 @@ def _worker(rank, world_size, rendezvous, args, result_file):
 def machine() -> str:
     if torch.cuda.is_available():
         return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
-    # the vector unit decides the CPU's GEMM speed (and, without bf16 units, the runtime's precision)
+    # the vector unit (AVX2, AVX512, ...) bounds the CPU's GEMM speed, which the times depend on
     vector_unit = torch.backends.cpu.get_cpu_capability()
     return (f"{platform.processor() or platform.machine()} CPU ({vector_unit}), {os.cpu_count()} cores, "
             f"torch {torch.__version__}, gloo")

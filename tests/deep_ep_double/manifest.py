@@ -90,5 +90,7 @@ HYBRID_EP_BUILD = {
         "(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False, num_qps_per_rank=24, "
         "allow_nvlink_for_normal_mode=True, allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, "
         "use_fabric=False, explicitly_destroy=False, comm=None)", None, *DEEPEP_HYBRID, "deep_ep/buffer.py:33"),
+    "EventOverlap.current_stream_wait": ("(self)", None, *DEEPEP_HYBRID, "deep_ep/utils.py:36"),
 }
-"""Where the hybrid-ep branch's build differs from MANIFEST (the rest of its v1 ``Buffer`` is the same)."""
+"""Where the hybrid-ep branch's build differs from MANIFEST in what the adapters call (the rest of
+its v1 ``Buffer`` has main's signatures)."""

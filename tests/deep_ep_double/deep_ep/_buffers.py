@@ -33,21 +33,23 @@ class EventHandle:
 
 
 class EventOverlap:
-    """deep_ep/utils/event.py:8-96."""
+    """deep_ep/utils/event.py:8-96 (the hybrid-ep branch: deep_ep/utils.py:12-64)."""
 
     def __init__(self, event: Optional[EventHandle] = None, extra_tensors: Optional[tuple] = None) -> None:
         self.event = event
         self.extra_tensors = extra_tensors
-        self.hook_after_wait = None
 
-    def current_stream_wait(self, release_handle: bool = False) -> None:
-        assert self.event is not None
-        self.event.current_stream_wait()
-        if self.hook_after_wait is not None:
-            hook, self.hook_after_wait = self.hook_after_wait, None
-            hook()
-        if release_handle:
-            self.event = None
+    if BUILD == "main":
+        def current_stream_wait(self, release_handle: bool = False) -> None:
+            assert self.event is not None
+            self.event.current_stream_wait()
+            if release_handle:
+                self.event = None
+    else:
+        def current_stream_wait(self) -> None:
+            """The hybrid-ep branch's deep_ep/utils.py:36 (no release_handle)."""
+            assert self.event is not None
+            self.event.current_stream_wait()
 
 
 class Config:
