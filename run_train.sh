@@ -19,8 +19,8 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-# shellcheck source=scripts/env.sh
-source "${ROOT}/scripts/env.sh"
+# shellcheck source=env.sh
+source "${ROOT}/env.sh"
 
 if [ -z "${NGPU:-}" ]; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
@@ -41,7 +41,7 @@ case " $* " in
 esac
 
 if [ "${COMM_MODE}" = "fake_backend" ]; then
-    exec python -m torchtitan_ext.dry_run --ngpu "${NGPU}" -- "${config_args[@]}" "$@"
+    exec python -m torchtitan_ext.planning.dry_run --ngpu "${NGPU}" -- "${config_args[@]}" "$@"
 elif [ -n "${COMM_MODE}" ]; then
     NGPU="${NGPU}" LOCAL_RANK=0 RANK=0 WORLD_SIZE=1 exec python -m torchtitan_ext.train \
         "${config_args[@]}" "$@" --comm.mode "${COMM_MODE}" --training.steps 1
@@ -54,7 +54,7 @@ if [ -n "${MASTER_PORT:-}" ]; then
 else
     rdzv_endpoint="localhost:0"
 fi
-launch_info="$(python -m torchtitan_ext.launch --ngpu "${NGPU}" "${port_args[@]}" --print-launch-info -- \
+launch_info="$(python -m torchtitan_ext.launch.preflight --ngpu "${NGPU}" "${port_args[@]}" --print-launch-info -- \
     "${config_args[@]}" "$@")"
 eval "${launch_info}"
 # by default the log shown is the first rank that computes the loss (the last pipeline stage's)

@@ -48,7 +48,7 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from torchtitan_ext.collective_recorder import CollectiveRecorder  # noqa: E402
+from torchtitan_ext.planning.collective_recorder import CollectiveRecorder  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class Shape:
 
 
 def _make_style(backend: str, shape: Shape, job_args):
-    from torchtitan_ext.job_config import parse as parse_job_config
+    from torchtitan_ext.config import parse as parse_job_config
     from torchtitan_ext.ep import BACKENDS, MoEShape
 
     name = backend.partition("_")[0]

@@ -36,7 +36,7 @@ def _moe_layer(backend: str, args, mesh, device, dtype):
     from torch.distributed.tensor.parallel import parallelize_module
     from torchtitan.models.moe.moe import MoE, MoEArgs
 
-    from torchtitan_ext.job_config import parse as parse_job_config
+    from torchtitan_ext.config import parse as parse_job_config
     from torchtitan_ext.ep import BACKENDS, MoEShape
     from torchtitan_ext.models.moe import ExpertParallelMoE
 

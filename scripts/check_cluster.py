@@ -8,7 +8,7 @@ and writes into one markdown report:
 1. versions: torch, CUDA, NCCL, GPUs, deep_ep (its version and which of
    ``Buffer``, ``ElasticBuffer``, ``HybridEPBuffer`` it has, or why it cannot
    be imported);
-2. the tests marked ``deep_ep`` and ``gpu`` (tests/test_deep_ep.py): every
+2. the tests marked ``deep_ep`` and ``gpu`` (tests/ep/test_deep_ep.py): every
    backend the build serves against the dense MoE, pass / fail / skip with
    the reason;
 3. ``scripts/bench_ep.py`` in bf16 on all local GPUs (up to 8) for nccl and the
@@ -63,7 +63,7 @@ def versions() -> tuple[list[str], list[str]]:
 
 
 def tests() -> list[str]:
-    result = run([sys.executable, "-m", "pytest", "-m", "deep_ep or gpu", "-rA", "-q", "tests/test_deep_ep.py"], 3600)
+    result = run([sys.executable, "-m", "pytest", "-m", "deep_ep or gpu", "-rA", "-q", "tests/ep/test_deep_ep.py"], 3600)
     summary = [line for line in result.stdout.splitlines() if line.startswith(("PASSED", "FAILED", "SKIPPED", "ERROR"))]
     return [f"exit status {result.returncode}", "", "```", *summary, result.stdout.strip().splitlines()[-1], "```"]
 
@@ -117,14 +117,14 @@ def main(argv=None) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("check_cluster: no CUDA device on this machine: nothing to check here (the CPU suite is ./scripts/test.sh)")
+        print("check_cluster: no CUDA device on this machine: nothing to check here (the CPU suite is ./test.sh)")
         return 0
     gpus = min(torch.cuda.device_count(), 8)
     version_lines, classes = versions()
     sections = [
         f"# Cluster check ({datetime.datetime.now():%Y-%m-%d %H:%M}, {os.uname().nodename})", "",
         "## Versions", "", *version_lines, "",
-        "## deep_ep conformance (tests/test_deep_ep.py)", "", *tests(), "",
+        "## deep_ep conformance (tests/ep/test_deep_ep.py)", "", *tests(), "",
         f"## bench_ep: dispatch + combine, bf16, {gpus} GPUs", "", *bench(classes, gpus), "",
     ]
     if not args.skip_training:

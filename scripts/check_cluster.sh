@@ -7,7 +7,7 @@
 # Without CUDA it says so in one line and exits 0.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-# shellcheck source=env.sh
-source "${ROOT}/scripts/env.sh"
+# shellcheck source=../env.sh
+source "${ROOT}/env.sh"
 cd "${ROOT}"
 exec python scripts/check_cluster.py "$@"

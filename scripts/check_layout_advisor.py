@@ -62,15 +62,11 @@ def main() -> None:
                         help="the step-time check (2), the bench_ep check (3), or both")
     args = parser.parse_args()
 
-    from torchtitan_ext import runtime
-    from torchtitan_ext.calibrate import calibrate
-    from torchtitan_ext.data import register_embedded_dataset
-    from torchtitan_ext.models import register_train_specs
-    from torchtitan_ext.topology import load_topology
+    from torchtitan_ext.planning.calibrate import calibrate
+    from torchtitan_ext.planning.topology import load_topology
+    from torchtitan_ext.training import prepare
 
-    runtime.configure()
-    register_embedded_dataset()
-    register_train_specs()
+    prepare()
     topology_file = ROOT / "outputs" / "this_machine_topology.toml"
     calibrate(4, topology_file)
     topology = load_topology(str(topology_file))
@@ -81,8 +77,8 @@ def main() -> None:
 
 
 def check_step_time(args, topology) -> None:
-    from torchtitan_ext.layout_advisor import advise
-    from torchtitan_ext.measured_compute import measure_compute
+    from torchtitan_ext.planning.layout_advisor import advise
+    from torchtitan_ext.planning.measured_compute import measure_compute
 
     train_args = ["--job.config_file", "train_configs/debug_model.toml", *JOB]
     compute = measure_compute(train_args, 4)
@@ -111,7 +107,7 @@ def check_step_time(args, topology) -> None:
 
 
 def check_bench_ep(args, topology) -> None:
-    from torchtitan_ext.cost_model import layer_costs, MoEWorkload
+    from torchtitan_ext.planning.cost_model import layer_costs, MoEWorkload
     from torchtitan_ext.ep import BACKENDS
 
     print("\nbench_ep: one dispatch + combine, forward and backward, ms")

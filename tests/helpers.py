@@ -26,7 +26,7 @@ PROCESS_GROUP_TIMEOUT = timedelta(seconds=120)
 WORKERS_DEADLINE_S = 420.0
 """Default wall-clock limit of one ``run_distributed`` call."""
 
-WORKER_PRELOAD = ["torchtitan_ext.train", "tests.training_cases", "tests.ep_cases", "tests.gradient_cases"]
+WORKER_PRELOAD = ["torchtitan_ext.train", "tests.training.cases", "tests.ep.cases", "tests.models.gradient_cases"]
 """Modules the fork server imports once for the whole session: every worker it forks starts with
 torch and torchtitan already imported (importing them again costs ~25 s of a 2-core machine per
 ``run_distributed`` call). Nothing here may start a thread at import. Workers get the environment

@@ -1,168 +1,17 @@
-"""Run a job's torchrun, relay its output, and end a failed job with one line that explains it.
+"""Supervise a job's torchrun (:class:`torchtitan_ext.launch.supervisor.Supervisor`):
 
     python -m torchtitan_ext.supervise [--checkpoint-folder DIR] -- torchrun [torchrun args]
 
-``run_train.sh`` (and the SLURM script, one per node) starts torchrun through
-this module, which
-
-- relays torchrun's output as it comes, remembering the last step logged;
-- forwards preemption signals (SIGTERM, SIGUSR1, as SLURM sends them) to the
-  training processes themselves, which save a checkpoint at the next step
-  boundary and exit cleanly (torchrun, given SIGTERM, would kill them after
-  30 s, and SIGUSR1 would kill torchrun); other signals (Ctrl-C) go to torchrun;
-- exits with torchrun's status; when that is not 0, the last line names the
-  rank that most likely caused the failure, how (its signal or exit status),
-  the last step logged, and the last complete checkpoint the same command
-  resumes from.
-
-torchrun orders failures by when it observed them, and a rank killed by a
-signal leaves no error file, so its observed time is torchrun's next poll: a
-peer that exited with status 1 because its collective lost that rank is often
-"observed" first. A rank killed by a signal that torchrun did not send (its
-stop is SIGTERM, then SIGKILL after 30 s, each announced in its log) is
-therefore named before ranks that exited with a status.
+relays its output, forwards preemption signals to the training processes, and
+ends a failed job with one line naming the rank, how it stopped, the last
+step and where the same command resumes.
 """
 
 import argparse
-import os
-import re
-import signal
-import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-STEP_LINE = re.compile(r"step:\s*(\d+)\s+loss:")
-ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
-FAILURE_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
-FAILURE_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)")
-ROOT_CAUSE_HEADING = "Root Cause (first observed failure):"
-STOPPED_BY_TORCHRUN = re.compile(r"Sending process (\d+) closing signal")
-
-
-def complete_checkpoints(folder: Path | None) -> list[int]:
-    """Steps of the checkpoints in ``folder`` whose write completed (DCP writes .metadata last)."""
-    if folder is None or not folder.is_dir():
-        return []
-    steps = []
-    for entry in folder.iterdir():
-        match = re.fullmatch(r"step-(\d+)", entry.name)
-        if match and (entry / ".metadata").is_file():
-            steps.append(int(match.group(1)))
-    return sorted(steps)
-
-
-def children(pid: int) -> list[int]:
-    """Child process ids of ``pid`` (Linux /proc)."""
-    found = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            found += [int(child) for child in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return found
-
-
-def signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
-
-
-@dataclass
-class Failure:
-    """One entry of torchrun's failure report."""
-
-    rank: int
-    root_cause: bool
-    exit_code: int | None = None
-    pid: int | None = None
-
-
-class Supervisor:
-    def __init__(self, command: list[str], checkpoint_folder: Path | None):
-        self.command = command
-        self.checkpoint_folder = checkpoint_folder
-        self.last_step: int | None = None
-        self.failures: list[Failure] = []
-        self.in_root_cause = False
-        self.stopped_by_torchrun: set[int] = set()
-        self.process: subprocess.Popen | None = None
-
-    def forward(self, signum, frame) -> None:
-        if self.process is None:
-            return
-        if signum in PREEMPTION_SIGNALS:
-            workers = children(self.process.pid)
-            for pid in workers or [self.process.pid]:
-                try:
-                    os.kill(pid, signum if workers else signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-            return
-        self.process.send_signal(signum)
-
-    def run(self) -> int:
-        for signum in (*PREEMPTION_SIGNALS, signal.SIGINT):
-            signal.signal(signum, self.forward)
-        self.process = subprocess.Popen(
-            self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
-        )
-        for line in self.process.stdout:
-            sys.stdout.write(line)
-            sys.stdout.flush()
-            self._read(ANSI_ESCAPE.sub("", line))
-        returncode = self.process.wait()
-        if returncode != 0:
-            print(self.explain(returncode), file=sys.stderr, flush=True)
-        return returncode
-
-    def _read(self, line: str) -> None:
-        step = STEP_LINE.search(line)
-        if step:
-            self.last_step = int(step.group(1))
-        stopped = STOPPED_BY_TORCHRUN.search(line)
-        if stopped:
-            self.stopped_by_torchrun.add(int(stopped.group(1)))
-        if ROOT_CAUSE_HEADING in line:
-            self.in_root_cause = True
-        rank = FAILURE_RANK.match(line)
-        if rank:
-            self.failures.append(Failure(rank=int(rank.group(1)), root_cause=self.in_root_cause))
-        exit_code = FAILURE_EXIT.match(line)
-        if exit_code and self.failures:
-            self.failures[-1].exit_code, self.failures[-1].pid = int(exit_code.group(1)), int(exit_code.group(2))
-
-    def culprit(self) -> "Failure | None":
-        """The failure to name: a rank killed by a signal torchrun did not send, else torchrun's root cause."""
-        killed = [
-            f for f in self.failures
-            if f.exit_code is not None and f.exit_code < 0 and f.pid not in self.stopped_by_torchrun
-        ]
-        ordered = sorted(killed, key=lambda f: not f.root_cause) or [f for f in self.failures if f.root_cause]
-        return (ordered or self.failures or [None])[0]
-
-    def explain(self, returncode: int) -> str:
-        """The one line that ends a failed job."""
-        who = "a training process"
-        failure = self.culprit()
-        if failure is not None and failure.exit_code is not None:
-            code = failure.exit_code
-            how = f"was killed by {signal_name(-code)}" if code < 0 else f"exited with status {code}"
-            who = f"rank {failure.rank} (pid {failure.pid}) {how}"
-        elif failure is not None:
-            who = f"rank {failure.rank} failed"
-        after = f"after step {self.last_step}" if self.last_step is not None else "before the first step"
-        steps = complete_checkpoints(self.checkpoint_folder)
-        if steps:
-            resume = f"rerun the same command to resume from the last complete checkpoint, step {steps[-1]} ({self.checkpoint_folder / f'step-{steps[-1]}'})"
-        elif self.checkpoint_folder is not None:
-            resume = f"no complete checkpoint in {self.checkpoint_folder} yet: a rerun starts over"
-        else:
-            resume = "checkpointing is off (checkpoint.enable): a rerun starts over"
-        return f"error: {who}; the job stopped {after} (exit {returncode}); {resume}"
+from torchtitan_ext.launch.supervisor import Supervisor
 
 
 def main(argv: list[str] | None = None) -> int:

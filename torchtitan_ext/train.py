@@ -1,232 +1,33 @@
-"""Entry point: ``python -m torchtitan_ext.train [--job.config_file X] [overrides]``.
+"""Train a job: ``python -m torchtitan_ext.train [--job.config_file X] [overrides]`` (under torchrun).
 
-torchtitan's trainer, extended only through its own seams: our config
-sections merged into its ``JobConfig``, our train specs registered with
-``register_train_spec``, our dataset in its dataset registry, and the
-``Trainer`` subclass below.
+A bad config is one line on stderr (from local rank 0) and exit status 2,
+before any process group exists; the run itself is :func:`torchtitan_ext.training.trainer.run`.
 """
 
 import os
 import sys
 
-import torch
-from torch.distributed.tensor import DTensor
-from torchtitan.tools.logging import init_logger, logger
-from torchtitan.train import Trainer as TorchTitanTrainer
+from torchtitan.tools.logging import init_logger
 
-from torchtitan_ext import faults, routing_stats, runtime
-from torchtitan_ext import job_config as job_config_module
-from torchtitan_ext.config import ConfigError, explicit_settings
-from torchtitan_ext.data import prepare_embedded_assets, register_embedded_dataset
-from torchtitan_ext.expert_migration import ExpertPlacement
-from torchtitan_ext.models import register_train_specs
-
-
-class Trainer(TorchTitanTrainer):
-    """torchtitan's ``Trainer`` plus the runtime accommodations, the routing recorder, the expert
-    placement (:mod:`torchtitan_ext.expert_migration`), pipeline
-    gradients normalized like the others' (:mod:`torchtitan_ext.loss`), and the fault handling of
-    :mod:`torchtitan_ext.faults` (preemption, non-finite values, named collective failures)."""
-
-    def __init__(self, job_config, preemption: faults.PreemptionRequest | None = None):
-        super().__init__(job_config)
-        runtime.adapt_model_parts(self.model_parts)
-        self.routing_recorder = routing_stats.recorder_for(job_config, self.model_parts, self.parallel_dims)
-        moe_args = getattr(self.model_parts[0].model_args, "moe_args", None)
-        if moe_args is not None:
-            placement = ExpertPlacement(
-                job_config, self.model_parts, self.optimizers, job_config_module.moe_layer_ids(job_config),
-                moe_args.num_experts, self.device,
-            )
-            placement.attach(self.checkpointer)
-        self.preemption = preemption or faults.PreemptionRequest()
-        args = self.model_parts[0].model_args
-        self.router_health = (
-            faults.RouterHealth(self.model_parts, args.n_layers, self.device)
-            if getattr(args, "moe_args", None) is not None else None
-        )
-        self._step_losses: list[torch.Tensor] = []
-        self._preempt_now = False
-        self.optimizers.step = self._checked(self.optimizers.step)
-        if self.parallel_dims.pp_enabled:
-            _metadata_inference_in_eval_mode(self.pp_schedule, self.model_parts)
-
-    def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
-        if not self.parallel_dims.pp_enabled:
-            loss = super().forward_backward_step(
-                input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
-            )
-        else:
-            # the schedule runs backward on each microbatch's loss: normalize it there (torchtitan_ext.loss)
-            with self.loss_fn.normalized_by(global_valid_tokens):
-                loss = super().forward_backward_step(
-                    input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
-                )
-        # under loss parallelism the loss is a DTensor (replicated): its local value is the whole of it
-        self._step_losses.append(loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach())
-        return loss
-
-    def _checked(self, optimizer_step):
-        """The optimizer's step behind the ranks' agreement on this step's health and on preemption."""
-
-        def step(*args, **kwargs):
-            local_loss = torch.stack([loss.reshape(-1).sum() for loss in self._step_losses]).sum() if self._step_losses else None
-            self._step_losses = []
-            state = faults.agree(self.preemption.signal_name is not None, local_loss, self.router_health, self.device)
-            if self.router_health is not None:
-                self.router_health.reset()
-            self._preempt_now = state["preempt"]
-            if state["nonfinite_loss"] or state["layer"] is not None:
-                message = faults.describe_nonfinite(self.step, state)
-                if self.job_config.faults.on_nonfinite == "stop":
-                    raise faults.NonFiniteLoss(
-                        f"{message}: stopped (faults.on_nonfinite = 'stop'); the last checkpoint is untouched, "
-                        "or set faults.on_nonfinite = 'skip_step' to skip such steps"
-                    )
-                logger.warning(f"{message}: this step's update is skipped (faults.on_nonfinite = 'skip_step')")
-                return None
-            return optimizer_step(*args, **kwargs)
-
-        return step
-
-    def train_step(self, data_iterator):
-        try:
-            super().train_step(data_iterator)
-        except (faults.NonFiniteLoss, faults.CollectiveFailed):
-            raise
-        except RuntimeError as e:
-            named = faults.name_other_collective(e)
-            if named is None:
-                raise
-            raise named from e
-        if self.routing_recorder is not None:
-            self.routing_recorder.end_step(self.step)
-            config = self.job_config
-            if self.step % config.routing_stats.save_every == 0 or self.step == config.training.steps:
-                path = self.routing_recorder.save(routing_stats.output_folder(config))
-                if path is not None:
-                    logger.info(f"Routing statistics saved to {path}")
-        if self._preempt_now:
-            self._save_for_resume()
-            raise faults.Preempted(
-                f"preempted ({self.preemption.signal_name}) at the end of step {self.step}: "
-                + (
-                    f"checkpoint saved in {self.checkpointer.folder}/step-{self.step}; rerun the same command to resume"
-                    if self.checkpointer.enable
-                    else "nothing saved (checkpoint.enable = false)"
-                )
-            )
-
-    def _save_for_resume(self) -> None:
-        """A full checkpoint of this step (model, optimizer, schedulers, data loader, step), as at a
-        checkpoint interval; torchtitan's last-step save may keep the model only."""
-        checkpointer = self.checkpointer
-        interval, checkpointer.interval = checkpointer.interval, 1
-        try:
-            checkpointer.save(self.step)
-        finally:
-            checkpointer.interval = interval
-
-    def train(self):
-        if self.checkpointer.enable:
-            faults.report_incomplete_checkpoints(self.checkpointer.folder)
-        super().train()
-
-
-def _metadata_inference_in_eval_mode(schedule, model_parts) -> None:
-    """Run the pipeline schedule's stage initialization with the model in eval mode.
-
-    Before its first microbatch, torch's pipeline schedule runs each stage forward and backward
-    once on uninitialized tensors (``torch.empty``) to infer shapes. That pass is not training: in
-    eval mode the router health check, the EP counters and the routing statistics (which count
-    training forwards only) ignore it, instead of reporting its garbage as non-finite router output
-    or counting its tokens in step 1. torchtitan's MoE adds every forward's expert counts to
-    ``tokens_per_expert`` whatever the mode; they are zeroed after the pass, so that the first
-    expert-bias update sees only the step's own tokens.
-    """
-    initialize = schedule._initialize_pp_stages
-
-    def initialize_in_eval_mode(*args, **kwargs):
-        modes = [part.training for part in model_parts]
-        for part in model_parts:
-            part.eval()
-        try:
-            return initialize(*args, **kwargs)
-        finally:
-            for part, mode in zip(model_parts, modes):
-                part.train(mode)
-                with torch.no_grad():
-                    for name, buffer in part.named_buffers():
-                        if name.endswith("tokens_per_expert"):
-                            buffer.zero_()
-
-    schedule._initialize_pp_stages = initialize_in_eval_mode
-
-
-def load_job_config(args: list[str], device_type: str | None, world_size: int | None = None):
-    """Parse, fit to the CPU (:func:`runtime.choose_cpu_precision`) and validate;
-    raises ConfigError with a one-line message.
-
-    ``world_size`` defaults to the job's: NGPU under the fake backend, else
-    torchrun's WORLD_SIZE.
-    """
-    job_config = job_config_module.parse(args)
-    if device_type == "cpu":
-        logger.info(runtime.choose_cpu_precision(job_config, explicit_settings(args)))
-    if world_size is None:
-        world_size = _world_size_from_env(job_config.comm.mode)
-    job_config_module.validate(job_config, device_type=device_type, world_size=world_size)
-    return job_config
-
-
-def _world_size_from_env(comm_mode: str) -> int | None:
-    value = os.environ.get("NGPU" if comm_mode != "default" else "WORLD_SIZE", "")
-    return int(value) if value.isdigit() else None
+from torchtitan_ext.config import ConfigError, load_job_config
+from torchtitan_ext.data import prepare_embedded_assets
+from torchtitan_ext.training import prepare
+from torchtitan_ext.training.trainer import run
 
 
 def main(args: list[str] | None = None) -> None:
     init_logger()
-    device_type = runtime.configure()
-    register_embedded_dataset()
-    register_train_specs()
+    device_type = prepare()
     try:
         job_config = load_job_config(sys.argv[1:] if args is None else args, device_type)
+        if job_config.checkpoint.create_seed_checkpoint and int(os.environ.get("WORLD_SIZE", "1")) != 1:
+            raise ConfigError("checkpoint.create_seed_checkpoint needs a single process: run with NGPU=1")
     except ConfigError as e:
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     prepare_embedded_assets(job_config)
-    preemption = faults.PreemptionRequest()
-    preemption.install()
-
-    trainer: Trainer | None = None
-    failure = None
-    try:
-        trainer = Trainer(job_config, preemption)
-        if job_config.checkpoint.create_seed_checkpoint:
-            if int(os.environ.get("WORLD_SIZE", "1")) != 1:
-                raise ConfigError(
-                    "checkpoint.create_seed_checkpoint needs a single process: run with NGPU=1"
-                )
-            trainer.checkpointer.save(curr_step=0, last_step=True)
-            logger.info("Created seed checkpoint")
-        else:
-            trainer.train()
-    except faults.Preempted as e:
-        logger.info(str(e))
-    except (faults.NonFiniteLoss, faults.CollectiveFailed) as e:
-        # one line, not a traceback (torchrun tears the peers down), and before the trainer's
-        # teardown, which can wait on the same stuck peer
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        failure = e
-    finally:
-        if trainer is not None:
-            trainer.close()
-    if failure is not None:
-        sys.exit(1)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-        logger.info("Process group destroyed")
+    sys.exit(run(job_config))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,11 @@
-"""Embedded default data: a corpus and tokenizer built from local text, no network."""
+"""Embedded default data: a corpus and tokenizer built from local text, no network.
+
+Owns: the embedded corpus and tokenizer (:mod:`.embedded`), their entry in
+torchtitan's dataset registry, and the check of a job's dataset options
+(registered with :mod:`torchtitan_ext.config` on import).
+
+May import: :mod:`torchtitan_ext.config` (see the tiers in :mod:`torchtitan_ext`).
+"""
 
 from pathlib import Path
 
@@ -6,7 +13,7 @@ from datasets import Dataset
 from torchtitan.hf_datasets import DatasetConfig
 from torchtitan.hf_datasets.text_datasets import DATASETS
 
-from torchtitan_ext.config import ConfigError
+from torchtitan_ext.config import ConfigError, register_check, ValidationContext
 
 from .embedded import (
     DATASET_NAME,
@@ -57,13 +64,14 @@ def prepare_embedded_assets(job_config) -> None:
         ensure_assets(root)
 
 
-def check_dataset_options(job_config) -> None:
+def check_dataset_options(job_config, context: ValidationContext) -> None:
     """ConfigError where a job points the embedded corpus at a path it would silently ignore.
 
     The embedded corpus is built from the interpreter's standard library into
     ``./assets/embedded``; a ``dataset_path`` is accepted only where such a build
     already is, so that ``--training.dataset_path /data/c4`` without
     ``--training.dataset c4`` is not trained on stdlib sources without a word.
+    The same on every machine and model: ``context`` does not matter.
     """
     sections = [("training", job_config.training)]
     if job_config.validation.enable:
@@ -76,3 +84,6 @@ def check_dataset_options(job_config) -> None:
                 f"(built in ./{DEFAULT_ASSETS_DIR}), which does not read it: set {name}.dataset to the "
                 "dataset stored there (e.g. c4), or unset dataset_path"
             )
+
+
+register_check(check_dataset_options)

@@ -1,26 +1,34 @@
-"""Expert-parallel backends: one ``ExpertParallel`` subclass per backend.
+"""Expert-parallel backends: one ``ExpertParallel`` subclass per backend, each owning its config section.
 
-``BACKENDS`` is the single map from ``[parallelism] expert_parallel_comm_backend``
-to its class; shared code looks the class up here and never branches on the name.
+Owns: the backend contract (:mod:`.base`), one module per backend
+(:mod:`.nccl`, :mod:`.deepep`, :mod:`.hybridep`) with its custom ops in
+:mod:`.ops` (registered at first use), the kernels behind DeepEP and HybridEP
+(:mod:`.kernels`: deep_ep adapters and the reference implementation), and the
+backend checks of a job config (:mod:`.validation`). Importing it registers
+each backend's section and the checks with :mod:`torchtitan_ext.config`.
+
+May import: :mod:`torchtitan_ext.config`, :mod:`torchtitan_ext.runtime`
+(see the tiers in :mod:`torchtitan_ext`).
 """
 
-from torchtitan_ext.config import comm_backend
-from torchtitan_ext.ep.base import MoEShape, RoutedExpertParallel
+from torchtitan_ext.config import MoEShape, register_check, register_section
+from torchtitan_ext.ep.backends import backend_class, BACKENDS
+from torchtitan_ext.ep.base import RoutedExpertParallel
 from torchtitan_ext.ep.deepep import DeepEPExpertParallel
 from torchtitan_ext.ep.hybridep import HybridEPExpertParallel
 from torchtitan_ext.ep.nccl import NcclExpertParallel
-
-BACKENDS: dict[str, type[RoutedExpertParallel]] = {
-    "nccl": NcclExpertParallel,
-    "deepep": DeepEPExpertParallel,
-    "hybridep": HybridEPExpertParallel,
-}
+from torchtitan_ext.ep.validation import check_backend
 
 
-def backend_class(job_config) -> type[RoutedExpertParallel]:
-    """The ``ExpertParallel`` class the job config selects."""
-    return BACKENDS[comm_backend(job_config)]
 
+def _register_config() -> None:
+    for backend in BACKENDS.values():
+        if backend.config_section is not None:
+            register_section(backend.config_section, backend.Config, backend.config_ranges)
+    register_check(check_backend)
+
+
+_register_config()
 
 __all__ = [
     "BACKENDS",

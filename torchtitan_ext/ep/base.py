@@ -15,9 +15,9 @@ or the expert outputs before combine (DeepSeek-V3); either way in fp32,
 rounded to the activation dtype.
 """
 
+import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -25,8 +25,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torchtitan.components.quantization import FP8_GROUP_ALIGNMENT_SIZE, MXFP8_GROUP_ALIGNMENT_SIZE
 from torchtitan.distributed.expert_parallel import ExpertParallel
 
-from torchtitan_ext.config import ConfigError, Range
-from torchtitan_ext.faults import naming_collective
+from torchtitan_ext.config import ConfigError, MoEShape, Range
+from torchtitan_ext.runtime.collectives import naming_collective
 from torchtitan_ext.ep.handle import KernelBuffer
 from torchtitan_ext.ep.kernels import KernelUnavailable, resolve_implementation
 
@@ -50,18 +50,6 @@ class Routing:
         """[N, K] global expert ids, int64."""
 
 
-@dataclass(frozen=True)
-class MoEShape:
-    """The MoE layers a backend serves, as fixed by the job config."""
-
-    hidden_dim: int
-    num_experts: int
-    top_k: int
-    max_tokens_per_rank: int
-    """Most tokens one rank brings to one dispatch: a microbatch's tokens on this
-    rank, in training or validation, whichever is larger."""
-
-
 def check_kernels(backend: str, implementation: str, device_type: str | None, class_name: str) -> None:
     """ConfigError unless ``[backend] implementation`` can run on ``device_type`` (the library's
     ``class_name`` importable where it is needed)."""
@@ -81,21 +69,6 @@ def token_group_alignment(job_config) -> int:
     if "quantize.grouped_mm.float8" in converters:
         return FP8_GROUP_ALIGNMENT_SIZE
     return 1
-
-
-def max_tokens_per_rank(job_config) -> int:
-    """Most tokens one rank dispatches per MoE call: a microbatch (of training, or of
-    validation when it is on), split by CP, and by TP when EP borrows it."""
-    parallelism = job_config.parallelism
-    jobs = [(job_config.training.local_batch_size, job_config.training.seq_len)]
-    if job_config.validation.enable:
-        jobs.append((job_config.validation.local_batch_size, job_config.validation.seq_len))
-    if parallelism.pipeline_parallel_degree > 1:
-        jobs = [(parallelism.pipeline_parallel_microbatch_size, seq_len) for _, seq_len in jobs]
-    tokens = max(batch * seq_len for batch, seq_len in jobs) // parallelism.context_parallel_degree
-    if parallelism.tensor_parallel_degree > 1 and parallelism.expert_tensor_parallel_degree == 1:
-        tokens //= parallelism.tensor_parallel_degree
-    return tokens
 
 
 def recomputing() -> bool:
@@ -218,8 +191,13 @@ class RoutedExpertParallel(ExpertParallel, ABC):
     config_ranges: ClassVar[dict[str, Range]] = {}
     """Valid ranges of the section's numeric fields, keyed "section.field"."""
 
-    sac_save_ops: ClassVar[tuple] = ()
-    """Ops whose outputs selective activation checkpointing must save, so that
+
+    ops_module: ClassVar[str | None] = None
+    """Module of this backend's custom ops: imported when the backend first builds a layer or names its
+    saved ops, so that parsing a config that selects it registers no op with torch."""
+
+    saved_ops: ClassVar[tuple[str, ...]] = ()
+    """Ops ("namespace::name") whose outputs selective activation checkpointing must save, so that
     recomputation never repeats a collective."""
 
     min_pad_multiple: ClassVar[int] = 1
@@ -248,6 +226,16 @@ class RoutedExpertParallel(ExpertParallel, ABC):
         self.layer_name = "an MoE layer"
         """Which layer this style serves ("MoE layer 3"), for error messages; set by the parallelize plan."""
         self._pending = None
+
+    @classmethod
+    def sac_save_ops(cls) -> tuple:
+        """The overloads of :attr:`saved_ops`, after importing :attr:`ops_module` (which registers them)."""
+        if cls.ops_module is not None:
+            importlib.import_module(cls.ops_module)
+        return tuple(
+            getattr(getattr(torch.ops, namespace), name).default
+            for namespace, _, name in (op.partition("::") for op in cls.saved_ops)
+        )
 
     @classmethod
     @abstractmethod
@@ -280,8 +268,10 @@ class RoutedExpertParallel(ExpertParallel, ABC):
         return None
 
     @classmethod
-    def planned_modes(cls, job_config) -> list[tuple[str, float | None]]:
-        """The planner's rows for this backend: (mode label, non-blocking capacity factor or None)."""
+    def planned_modes(cls, job_config, shape: MoEShape, pad_multiple: int) -> list[tuple[str, int | None]]:
+        """The planner's rows for this backend: (mode label, rows per dispatch when the mode fixes them,
+        dropping the pairs beyond; None when the rows follow the routing and nothing is dropped).
+        ``pad_multiple``: the row multiple of each expert group."""
         return [("", None)]
 
     @classmethod

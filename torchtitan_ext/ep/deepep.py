@@ -23,19 +23,17 @@ from typing import Literal
 import torch
 from torchtitan.config import TORCH_DTYPE_MAP
 
-from torchtitan_ext.config import ConfigError, Range
+from torchtitan_ext.config import ConfigError, MoEShape, Range
 from torchtitan_ext.ep.base import (
     check_kernels,
-    MoEShape,
-    recomputing,
     RoutedExpertParallel,
     scale_rows,
     SharedKernelBuffer,
     to_device,
     token_group_alignment,
 )
-from torchtitan_ext.ep.handle import DispatchHandle, KernelBuffer
-from torchtitan_ext.ep.in_flight import in_flight, Landing
+from torchtitan_ext.ep.handle import DispatchHandle
+from torchtitan_ext.ep.in_flight import in_flight
 from torchtitan_ext.ep.kernels import implementation_description as _implementation_description
 from torchtitan_ext.ep.kernels import import_library, library_has, resolve_implementation, uses_library
 from torchtitan_ext.ep.kernels.deepep_apis import APIS
@@ -79,90 +77,6 @@ def _check_library_rank_count(ep: int) -> None:
             f"parallelism.expert_parallel_degree = {ep}: the installed deep_ep's v1 Buffer has no kernel config "
             f"for it ({e}): pick another EP degree, or install DeepEP main and set deepep.api = 'elastic'"
         ) from None
-
-
-@torch.library.custom_op("torchtitan_ext::deepep_dispatch", mutates_args=())
-def deepep_dispatch(
-    x: torch.Tensor,
-    topk_idx: torch.Tensor,
-    topk_weights: torch.Tensor,
-    buffer: KernelBuffer,
-    num_experts: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, DispatchHandle]:
-    """(recv_x, recv local ids, recv weights, per-expert counts (host memory), handle).
-
-    The counts are the library's host list (its CPU sync): they stay on the host,
-    where the layout is computed from them.
-    """
-    kernels = buffer.value
-    recv_x, recv_idx, recv_weights, counts, handle = kernels.dispatch(x, topk_idx, topk_weights, num_experts)
-    return recv_x, recv_idx, recv_weights, torch.tensor(counts, dtype=torch.int64), DispatchHandle((kernels, handle))
-
-
-@torch.library.custom_op("torchtitan_ext::deepep_combine", mutates_args=())
-def deepep_combine(x: torch.Tensor, handle: DispatchHandle) -> tuple[torch.Tensor, Landing]:
-    """Unweighted combine of one partial row per received token: (combined, its landing).
-
-    Asynchronous: the output lands at the first wait on it or on the landing,
-    which makes the current stream wait for DeepEP's communication stream (the
-    reference: waits for its all-to-all and sums).
-    """
-    kernels, raw = handle.value
-    combined, _, wait = kernels.combine(x, raw, asynchronous=True)
-    landing = Landing(combined, wait)
-    if recomputing():
-        landing.wait()
-    return combined, landing
-
-
-@torch.library.custom_op("torchtitan_ext::deepep_dispatch_backward", mutates_args=())
-def deepep_dispatch_backward(
-    grad_x: torch.Tensor, grad_weights: torch.Tensor | None, handle: DispatchHandle
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatch's backward: combine of the received rows' (and weights') gradients.
-
-    The weights' gradient comes back empty when none was given.
-    """
-    kernels, raw = handle.value
-    combined, combined_weights, _ = kernels.combine(grad_x, raw, topk_weights=grad_weights)
-    if combined_weights is None:
-        combined_weights = grad_x.new_empty((0,), dtype=torch.float32)
-    return combined, combined_weights
-
-
-@torch.library.custom_op("torchtitan_ext::deepep_cached_dispatch", mutates_args=())
-def deepep_cached_dispatch(x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-    """Combine's backward: dispatch along the handle's layout."""
-    kernels, raw = handle.value
-    return kernels.cached_dispatch(x, raw)
-
-
-def _dispatch_setup(ctx, inputs, output):
-    ctx.handle = output[-1]
-    ctx.dtype = inputs[0].dtype
-    ctx.weights_dtype = inputs[2].dtype
-
-
-def _dispatch_backward(ctx, grad_x, grad_idx, grad_weights, grad_counts, grad_handle):
-    grad_in, grad_topk = deepep_dispatch_backward(
-        grad_x.contiguous(), None if grad_weights is None else grad_weights.float(), ctx.handle
-    )
-    grad_topk = grad_topk.to(ctx.weights_dtype) if grad_weights is not None else None
-    return grad_in.to(ctx.dtype), None, grad_topk, None, None
-
-
-def _combine_setup(ctx, inputs, output):
-    ctx.handle = inputs[1]
-    ctx.landing = output[1]
-
-
-def _combine_backward(ctx, grad, grad_landing):
-    ctx.landing.wait()  # completes the forward's communication even if nothing used its output
-    return deepep_cached_dispatch(grad.contiguous(), ctx.handle), None
-
-
-deepep_dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
-deepep_combine.register_autograd(_combine_backward, setup_context=_combine_setup)
 
 
 def hidden_bytes(hidden_dim: int, element_size: int) -> int:
@@ -262,10 +176,8 @@ class DeepEPExpertParallel(RoutedExpertParallel):
 
     shared_experts_overlap = "yes: combine runs asynchronously on DeepEP's communication stream"
     sends_each_token_once_per_rank = True
-    sac_save_ops = (
-        torch.ops.torchtitan_ext.deepep_dispatch.default,
-        torch.ops.torchtitan_ext.deepep_combine.default,
-    )
+    ops_module = "torchtitan_ext.ep.ops.deepep"
+    saved_ops = ("torchtitan_ext::deepep_dispatch", "torchtitan_ext::deepep_combine")
 
     @classmethod
     def layer_factory(cls, job_config, shape: MoEShape):
@@ -339,6 +251,8 @@ class DeepEPExpertParallel(RoutedExpertParallel):
         self.buffer = buffer
 
     def dispatch(self, x, scores, expert_ids, num_experts, group):
+        from torchtitan_ext.ep.ops.deepep import deepep_dispatch
+
         # a pick with score 0 contributes nothing; DeepEP does not send it
         expert_ids = expert_ids.masked_fill(scores == 0, -1)
         recv_x, recv_idx, recv_weights, counts, handle = deepep_dispatch(
@@ -367,6 +281,8 @@ class DeepEPExpertParallel(RoutedExpertParallel):
         return routed, to_device(padded, x.device)
 
     def combine(self, routed_output, group):
+        from torchtitan_ext.ep.ops.deepep import deepep_combine
+
         state = self._take_pending()
         rows = routed_output.index_select(0, state.destinations).float()
         if state.pair_scores is not None:

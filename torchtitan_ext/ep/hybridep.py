@@ -13,7 +13,7 @@ mode sizes the output from the config (:func:`non_blocking_rows`), never
 syncs, and drops the tail pairs that do not fit: the overflow flag is set, and
 each rank counts the pairs its experts kept on the device (``stats.kept_pairs``);
 the dropped pairs are the routed ones less the kept ones, summed over all
-ranks at the log step (:mod:`torchtitan_ext.metrics`).
+ranks at the log step (:mod:`torchtitan_ext.training.metrics`).
 
 Kernels: the real ``deep_ep.HybridEPBuffer`` or the reference
 (``[hybridep] implementation``). One buffer serves every MoE layer, sized once
@@ -29,17 +29,15 @@ import torch
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools.logging import logger
 
-from torchtitan_ext.config import ConfigError, Range
+from torchtitan_ext.config import ConfigError, MoEShape, Range
 from torchtitan_ext.ep.base import (
     check_kernels,
-    MoEShape,
     RoutedExpertParallel,
     scale_rows,
     SharedKernelBuffer,
-    to_device,
     token_group_alignment,
 )
-from torchtitan_ext.ep.handle import DispatchHandle, KernelBuffer
+from torchtitan_ext.ep.handle import DispatchHandle
 from torchtitan_ext.ep.kernels import implementation_description as _implementation_description
 from torchtitan_ext.ep.kernels import resolve_implementation, uses_library
 from torchtitan_ext.ep.layout import round_up
@@ -65,134 +63,6 @@ def library_environment(section) -> dict[str, str]:
     if section.use_mnnvl is not None:
         environment["USE_MNNVL"] = "1" if section.use_mnnvl else "0"
     return environment
-
-
-def _library_pad(pad_multiple: int) -> int | None:
-    """The library zeroes pad rows only when a pad multiple is passed; 1 means none."""
-    return pad_multiple if pad_multiple > 1 else None
-
-
-def _padded_rows(tensor: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """``tensor`` with zero rows appended up to ``num_rows``."""
-    if tensor.shape[0] == num_rows:
-        return tensor
-    return torch.cat([tensor, tensor.new_zeros((num_rows - tensor.shape[0], *tensor.shape[1:]))])
-
-
-@torch.library.custom_op("torchtitan_ext::hybridep_dispatch", mutates_args=())
-def hybridep_dispatch(
-    x: torch.Tensor,
-    topk_idx: torch.Tensor,
-    topk_weights: torch.Tensor,
-    buffer: KernelBuffer,
-    num_experts: int,
-    num_permuted_tokens: int,
-    pad_multiple: int,
-    num_padded_tokens: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, DispatchHandle]:
-    """(rows [M, H], probs [M], padded rows per local expert (on x's device), kept pairs per local
-    expert (on x's device), handle).
-
-    ``num_permuted_tokens`` < 0 selects blocking mode. Every rank passes
-    ``num_padded_tokens`` rows (the library all-gathers a dense routing map and
-    needs the same count everywhere): this rank's tokens, then rows routed to
-    no expert, which the library neither sends nor counts.
-    """
-    kernels = buffer.value
-    num_tokens = x.shape[0]
-    routing_map = torch.zeros((num_padded_tokens, num_experts), dtype=torch.bool, device=x.device)
-    routing_map[:num_tokens].scatter_(1, topk_idx, True)
-    probs = torch.zeros((num_padded_tokens, num_experts), dtype=torch.float32, device=x.device)
-    probs[:num_tokens].scatter_(1, topk_idx, topk_weights.float())
-    non_blocking = num_permuted_tokens >= 0
-    rows, row_probs, _, tokens_per_expert, raw = kernels.dispatch_with_permute(
-        hidden=_padded_rows(x, num_padded_tokens),
-        routing_map=routing_map,
-        probs=probs,
-        num_of_experts_per_rank=num_experts // kernels.group.size(),
-        num_permuted_tokens=num_permuted_tokens if non_blocking else None,
-        pad_multiple=_library_pad(pad_multiple),
-        non_blocking=non_blocking,
-    )
-    return (
-        rows,
-        row_probs,
-        to_device(tokens_per_expert, x.device),  # pinned host memory in blocking mode
-        kernels.kept_pairs_per_expert(raw),
-        DispatchHandle((kernels, raw, pad_multiple, num_tokens, num_padded_tokens)),
-    )
-
-
-@torch.library.custom_op("torchtitan_ext::hybridep_combine", mutates_args=())
-def hybridep_combine(x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-    """Unweighted combine of the expert-major rows back to this rank's [N, H] tokens."""
-    kernels, raw, pad_multiple, num_tokens, _ = handle.value
-    combined, _ = kernels.combine_with_unpermute(hidden=x, handle=raw, pad_multiple=_library_pad(pad_multiple))
-    return combined[:num_tokens].clone() if combined.shape[0] > num_tokens else combined
-
-
-@torch.library.custom_op("torchtitan_ext::hybridep_dispatch_backward", mutates_args=())
-def hybridep_dispatch_backward(
-    grad_rows: torch.Tensor, grad_probs: torch.Tensor | None, handle: DispatchHandle
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatch's backward: combine of the rows' gradient, with dense [N, E] probs gradients
-    (empty when no probs gradient was given)."""
-    kernels, raw, pad_multiple, num_tokens, _ = handle.value
-    grad_x, grad_probs_dense = kernels.combine_with_unpermute(
-        hidden=grad_rows, probs=grad_probs, handle=raw, pad_multiple=_library_pad(pad_multiple)
-    )
-    if grad_probs_dense is None:
-        grad_probs_dense = grad_rows.new_empty((0,), dtype=torch.float32)
-    return grad_x[:num_tokens].clone(), grad_probs_dense[:num_tokens].clone()
-
-
-@torch.library.custom_op("torchtitan_ext::hybridep_cached_dispatch", mutates_args=())
-def hybridep_cached_dispatch(x: torch.Tensor, handle: DispatchHandle, num_rows: int) -> torch.Tensor:
-    """Combine's backward: dispatch along the handle's layout into ``num_rows`` rows.
-
-    Only the tokens are kept: on this cached path the library returns no
-    tokens-per-expert (None) and no new handle.
-    """
-    kernels, raw, pad_multiple, _, num_padded_tokens = handle.value
-    rows, _, _, _, _ = kernels.dispatch_with_permute(
-        hidden=_padded_rows(x, num_padded_tokens),
-        handle=raw,
-        num_permuted_tokens=num_rows,
-        pad_multiple=_library_pad(pad_multiple),
-    )
-    return rows
-
-
-def _dispatch_setup(ctx, inputs, output):
-    x, topk_idx, topk_weights = inputs[:3]
-    ctx.handle = output[-1]
-    ctx.dtype = x.dtype
-    ctx.weights_dtype = topk_weights.dtype
-    ctx.save_for_backward(topk_idx)
-
-
-def _dispatch_backward(ctx, grad_rows, grad_probs, *unused_grads):
-    (topk_idx,) = ctx.saved_tensors
-    grad_x, grad_probs_dense = hybridep_dispatch_backward(
-        grad_rows.contiguous(), None if grad_probs is None else grad_probs.float(), ctx.handle
-    )
-    grad_weights = None
-    if grad_probs is not None:
-        grad_weights = grad_probs_dense.gather(1, topk_idx).to(ctx.weights_dtype)
-    return grad_x.to(ctx.dtype), None, grad_weights, None, None, None, None, None
-
-
-def _combine_setup(ctx, inputs, output):
-    ctx.handle = inputs[1]
-    ctx.num_rows = inputs[0].shape[0]
-
-
-def _combine_backward(ctx, grad):
-    return hybridep_cached_dispatch(grad.contiguous(), ctx.handle, ctx.num_rows), None
-
-
-hybridep_dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
-hybridep_combine.register_autograd(_combine_backward, setup_context=_combine_setup)
 
 
 def _create_buffer(shape: MoEShape, section, group, example: torch.Tensor):
@@ -301,10 +171,8 @@ class HybridEPExpertParallel(RoutedExpertParallel):
 
     shared_experts_overlap = "no: HybridEP's combine_with_unpermute has no asynchronous mode"
     sends_each_token_once_per_rank = True
-    sac_save_ops = (
-        torch.ops.torchtitan_ext.hybridep_dispatch.default,
-        torch.ops.torchtitan_ext.hybridep_combine.default,
-    )
+    ops_module = "torchtitan_ext.ep.ops.hybridep"
+    saved_ops = ("torchtitan_ext::hybridep_dispatch", "torchtitan_ext::hybridep_combine")
 
     @classmethod
     def layer_factory(cls, job_config, shape: MoEShape):
@@ -411,11 +279,13 @@ class HybridEPExpertParallel(RoutedExpertParallel):
         )
 
     @classmethod
-    def planned_modes(cls, job_config) -> list[tuple[str, float | None]]:
+    def planned_modes(cls, job_config, shape: MoEShape, pad_multiple: int) -> list[tuple[str, int | None]]:
         factor = job_config.hybridep.non_blocking_capacity_factor
         modes = [("blocking", None)]
         if factor is not None:
-            modes.append((f"non-blocking (capacity factor {factor})", factor))
+            ep = job_config.parallelism.expert_parallel_degree
+            rows = non_blocking_rows(shape.max_tokens_per_rank, ep, shape.num_experts // ep, shape.top_k, factor, pad_multiple)
+            modes.append((f"non-blocking (capacity factor {factor})", rows))
         return modes
 
     @classmethod
@@ -467,6 +337,8 @@ class HybridEPExpertParallel(RoutedExpertParallel):
         self.capacity_factor = capacity_factor
 
     def dispatch(self, x, scores, expert_ids, num_experts, group):
+        from torchtitan_ext.ep.ops.hybridep import hybridep_dispatch
+
         num_tokens, top_k = expert_ids.shape
         if num_tokens > self.max_tokens_per_rank:
             raise ValueError(
@@ -494,6 +366,8 @@ class HybridEPExpertParallel(RoutedExpertParallel):
         return rows, tokens_per_expert
 
     def combine(self, routed_output, group):
+        from torchtitan_ext.ep.ops.hybridep import hybridep_combine
+
         state = self._take_pending()
         if state.row_probs is not None:
             routed_output = scale_rows(routed_output, state.row_probs)

@@ -24,7 +24,7 @@ from torch._C._distributed_c10d import _register_work, Work
 from torch._library.opaque_object import OpaqueBase, register_opaque_type
 from torch.distributed._functional_collectives import _maybe_wrap_tensor
 
-from torchtitan_ext.faults import naming_collective
+from torchtitan_ext.runtime.collectives import naming_collective
 
 
 class Landing(OpaqueBase):

@@ -1,27 +1,11 @@
-"""Train specs for DeepSeek-V3 and Llama4, registered under torchtitan's names.
+"""DeepSeek-V3 and Llama4: torchtitan's models with our parallelize plans and model args.
 
-A spec registered with ``register_train_spec`` takes precedence over
-torchtitan's built-in one of the same name, so configs keep
-``model.name = "deepseek_v3"`` / ``"llama4"``.
+Owns: one ``parallelize_<model>`` per model (:mod:`.deepseek_v3`,
+:mod:`.llama4`) over the shared plan (:mod:`.parallelize`), each model's
+flavours, and the MoE layer that hands routing to the EP backend
+(:mod:`.moe`). Their train specs (with training's loss and metrics) are
+registered by :mod:`torchtitan_ext.training.specs`.
+
+May import: :mod:`torchtitan_ext.config`, :mod:`torchtitan_ext.runtime`,
+:mod:`torchtitan_ext.ep` (see the tiers in :mod:`torchtitan_ext`).
 """
-
-from torchtitan.protocols.train_spec import get_train_spec, register_train_spec
-
-from torchtitan_ext.models import deepseek_v3, llama4
-
-MODEL_NAMES = ("deepseek_v3", "llama4")
-_SPECS = {"deepseek_v3": deepseek_v3.train_spec, "llama4": llama4.train_spec}
-_PARALLELIZE = {
-    "deepseek_v3": deepseek_v3.parallelize_deepseekv3,
-    "llama4": llama4.parallelize_llama4,
-}
-
-
-def register_train_specs() -> None:
-    """Register our specs as "deepseek_v3" and "llama4" (idempotent)."""
-    for name, build_spec in _SPECS.items():
-        try:
-            register_train_spec(name, build_spec())
-        except ValueError:
-            if get_train_spec(name).parallelize_fn is not _PARALLELIZE[name]:
-                raise

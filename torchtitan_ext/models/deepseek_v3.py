@@ -1,16 +1,14 @@
-"""DeepSeek-V3: torchtitan's model with our parallelize plan."""
+"""DeepSeek-V3: torchtitan's model with our parallelize plan and two extra flavours."""
 
 import dataclasses
 from functools import partial
 
-from torchtitan.models.deepseek_v3 import deepseekv3_args, get_train_spec
+from torchtitan.models.deepseek_v3 import deepseekv3_args
 from torchtitan.models.deepseek_v3.infra.parallelize import _op_sac_save_list, apply_non_moe_tp
 from torchtitan.models.deepseek_v3.model.args import DeepSeekV3ModelArgs as TorchTitanArgs
 from torchtitan.tools.logging import logger
 
-from torchtitan_ext import runtime
-from torchtitan_ext.loss import build_loss_fn
-from torchtitan_ext.metrics import build_metrics_processor
+from torchtitan_ext.config.machine import fit_experts
 from torchtitan_ext.models.parallelize import parallelize_moe_model
 
 
@@ -21,7 +19,7 @@ class DeepSeekV3ModelArgs(TorchTitanArgs):
         # Every EP backend is applied by the parallelize plan to torchtitan's standard
         # MoE; its "deepep" MoE would import deep_ep while the model is built.
         self.moe_impl = "standard"
-        self.moe_args, change = runtime.fit_experts(self.moe_args)
+        self.moe_args, change = fit_experts(self.moe_args)
         if change:
             logger.info(change)
 
@@ -61,18 +59,12 @@ parameters, not 33M; its MoE layers unchanged). The multi-process tests train it
 step is mostly gloo moving FSDP's parameters, 2.6x less of them here."""
 
 
-def train_spec():
-    flavors = {
+def flavors() -> dict[str, DeepSeekV3ModelArgs]:
+    """torchtitan's DeepSeek-V3 flavours as our model args, plus "16B_4layers" and "debugmodel_small"."""
+    found = {
         name: DeepSeekV3ModelArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args)})
         for name, args in deepseekv3_args.items()
     }
-    flavors[f"16B_{CUT_LAYERS}layers"] = dataclasses.replace(flavors["16B"], n_layers=CUT_LAYERS)
-    flavors["debugmodel_small"] = dataclasses.replace(flavors["debugmodel"], **SMALL_DEBUG_ATTENTION)
-    upstream = get_train_spec()
-    return dataclasses.replace(
-        upstream,
-        model_args=flavors,
-        parallelize_fn=parallelize_deepseekv3,
-        build_metrics_processor_fn=build_metrics_processor,
-        build_loss_fn=build_loss_fn(upstream.build_loss_fn),
-    )
+    found[f"16B_{CUT_LAYERS}layers"] = dataclasses.replace(found["16B"], n_layers=CUT_LAYERS)
+    found["debugmodel_small"] = dataclasses.replace(found["debugmodel"], **SMALL_DEBUG_ATTENTION)
+    return found

@@ -3,14 +3,12 @@
 import dataclasses
 from functools import partial
 
-from torchtitan.models.llama4 import get_train_spec, llama4_args
+from torchtitan.models.llama4 import llama4_args
 from torchtitan.models.llama4.model.args import TransformerModelArgs
 from torchtitan.models.llama4.infra.parallelize import _op_sac_save_list, apply_non_moe_tp
 from torchtitan.tools.logging import logger
 
-from torchtitan_ext import runtime
-from torchtitan_ext.loss import build_loss_fn
-from torchtitan_ext.metrics import build_metrics_processor
+from torchtitan_ext.config.machine import fit_experts
 from torchtitan_ext.models.parallelize import parallelize_moe_model
 
 
@@ -18,7 +16,7 @@ from torchtitan_ext.models.parallelize import parallelize_moe_model
 class Llama4ModelArgs(TransformerModelArgs):
     def update_from_config(self, job_config, **kwargs) -> None:
         super().update_from_config(job_config, **kwargs)
-        self.moe_args, change = runtime.fit_experts(self.moe_args)
+        self.moe_args, change = fit_experts(self.moe_args)
         if change:
             logger.info(change)
 
@@ -50,16 +48,9 @@ def _apply_dense_tp(model, tp_mesh, *, loss_parallel: bool, enable_float8_tensor
     )
 
 
-def train_spec():
-    upstream = get_train_spec()
-    flavors = {
+def flavors() -> dict[str, Llama4ModelArgs]:
+    """torchtitan's Llama4 flavours as our model args."""
+    return {
         name: Llama4ModelArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args)})
         for name, args in llama4_args.items()
     }
-    return dataclasses.replace(
-        upstream,
-        model_args=flavors,
-        parallelize_fn=parallelize_llama4,
-        build_metrics_processor_fn=build_metrics_processor,
-        build_loss_fn=build_loss_fn(upstream.build_loss_fn),
-    )

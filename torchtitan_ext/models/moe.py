@@ -61,7 +61,7 @@ class ExpertParallelMoE(MoE):
 
     token_split: TensorParallelTokenSplit | None = None
     expert_slot: torch.Tensor | None = None
-    """Physical slot of each logical expert under an expert placement (torchtitan_ext.expert_migration);
+    """Physical slot of each logical expert under an expert placement (torchtitan_ext.balancing.migration);
     None: expert e in slot e."""
 
     @classmethod

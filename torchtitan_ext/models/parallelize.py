@@ -31,8 +31,8 @@ from torchtitan.models.llama3.infra.parallelize import apply_ddp
 from torchtitan.models.llama4.infra.parallelize import apply_compile, apply_fsdp
 from torchtitan.tools.logging import logger
 
-from torchtitan_ext.ep import backend_class, MoEShape
-from torchtitan_ext.ep.base import max_tokens_per_rank
+from torchtitan_ext.config import max_tokens_per_rank, MoEShape
+from torchtitan_ext.ep import backend_class
 from torchtitan_ext.models.moe import ExpertParallelMoE, TensorParallelTokenSplit
 
 _layer_factories: dict[int, tuple[weakref.ref, Callable]] = {}
@@ -183,7 +183,7 @@ def parallelize_moe_model(
     if job_config.activation_checkpoint.mode != "none":
         ignore_profiler_ranges_in_selective_checkpointing()
         if parallel_dims.ep_enabled:
-            op_sac_save_list = op_sac_save_list | set(backend_class(job_config).sac_save_ops)
+            op_sac_save_list = op_sac_save_list | set(backend_class(job_config).sac_save_ops())
         apply_ac(
             model,
             job_config.activation_checkpoint,

@@ -7,7 +7,7 @@ dispatch kept, from which the metrics count the dropped ones.
 
 This module is imported only when ``implementation`` resolves to ``deep_ep``.
 The test suite runs it against a double of the library that follows its
-pinned sources (tests/deep_ep_double); only a CUDA machine with the library
+pinned sources (tests/ep/deep_ep_double); only a CUDA machine with the library
 built (the tests marked ``deep_ep``, scripts/check_cluster.sh) runs the real kernels.
 """
 

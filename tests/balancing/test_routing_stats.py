@@ -1,0 +1,111 @@
+"""Routing statistics: exact counts and samples, the cross-rank sum, the file schema, the plots."""
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import run_distributed
+from torchtitan_ext.balancing.routing_stats import load, RoutingRecorder
+from torchtitan_ext import routing_report
+
+E = 4
+
+
+def _recorder(num_layers=4, sample_tokens=2):
+    recorder = RoutingRecorder(
+        num_layers=num_layers, num_experts=E, top_k=2, device=torch.device("cpu"), sample_tokens=sample_tokens
+    )
+    recorder.moe_layers = {1, 2, 3}
+    recorder._next_layer = {1: 2, 2: 3}
+    return recorder
+
+
+def test_exact_counts_on_hand_built_routing(tmp_path):
+    recorder = _recorder()
+    layer1 = torch.tensor([[0, 1], [0, 2], [3, 0]])
+    layer2 = torch.tensor([[1, 2], [2, 3], [1, 0]])
+    layer3 = torch.tensor([[3, 2], [3, 1], [3, 0]])
+    for layer, ids in ((1, layer1), (2, layer2), (3, layer3)):
+        recorder.observe(layer, ids)
+    recorder.end_step(5)
+    recorder.observe(1, torch.tensor([[2, 3]]))
+    recorder.end_step(6)
+    data = load(recorder.save(tmp_path))
+
+    assert data["steps"].tolist() == [5, 6]
+    assert data["layers"].tolist() == [1, 2, 3]
+    assert data["tokens_per_expert"][0].tolist() == [[3, 1, 1, 1], [1, 2, 2, 1], [1, 1, 1, 3]]
+    assert data["tokens_per_expert"][1].tolist() == [[0, 0, 1, 1], [0, 0, 0, 0], [0, 0, 0, 0]]
+    # layer 1: tokens {0,1}, {0,2}, {3,0} in step 5 and {2,3} in step 6
+    assert data["coactivation"][0].tolist() == [
+        [3, 1, 1, 1],
+        [1, 1, 0, 0],
+        [1, 0, 2, 1],
+        [1, 0, 1, 2],
+    ]
+    # layer 1 -> 2, token by token: {0,1}x{1,2}, {0,2}x{2,3}, {3,0}x{1,0}
+    expected = np.zeros((E, E), dtype=np.int64)
+    for before, after in zip(layer1.tolist(), layer2.tolist()):
+        for a in before:
+            for b in after:
+                expected[a, b] += 1
+    assert data["transitions"][0].tolist() == expected.tolist()
+    assert data["transitions"][0].sum() == 3 * 2 * 2
+    assert data["transitions"][2].sum() == 0, "the last MoE layer has no successor"
+    assert int(data["top_k"]) == 2
+    # the first 2 tokens per step and layer, -1 where a step had fewer
+    assert data["sampled_expert_ids"].dtype == np.int16
+    assert data["sampled_expert_ids"][0].tolist() == [[[0, 1], [0, 2]], [[1, 2], [2, 3]], [[3, 2], [3, 1]]]
+    assert data["sampled_expert_ids"][1].tolist() == [[[2, 3], [-1, -1]], [[-1, -1], [-1, -1]], [[-1, -1], [-1, -1]]]
+
+
+def test_only_consecutive_layers_of_one_forward_chain():
+    recorder = _recorder()
+    recorder.observe(2, torch.tensor([[0, 1]]))
+    recorder.observe(1, torch.tensor([[2, 3]]))  # a new forward starts: no 2 -> 1 transition
+    recorder.observe(3, torch.tensor([[0, 1]]))  # 1 -> 3 skips layer 2: not a transition
+    assert recorder.transitions.sum() == 0
+
+
+def _half_batch_worker(rank, world_size, folder):
+    recorder = _recorder(sample_tokens=4)
+    generator = torch.Generator().manual_seed(0)
+    for step in (1, 2):
+        batches = [torch.randint(0, E, (8, 2), generator=generator) for _ in range(3)]  # layers 1..3
+        for layer, ids in zip((1, 2, 3), batches):
+            recorder.observe(layer, ids[rank * 4 : (rank + 1) * 4])
+        recorder.end_step(step)
+    return recorder.save(folder)
+
+
+def test_sum_over_ranks_equals_one_process_seeing_both_halves(tmp_path):
+    paths = run_distributed(2, _half_batch_worker, str(tmp_path / "two"))
+    assert paths[1] is None, "only rank 0 writes"
+    two_ranks = load(paths[0])
+
+    recorder = _recorder(sample_tokens=8)  # rank-major samples: rank 0's 4 tokens, then rank 1's
+    generator = torch.Generator().manual_seed(0)
+    for step in (1, 2):
+        batches = [torch.randint(0, E, (8, 2), generator=generator) for _ in range(3)]
+        for layer, ids in zip((1, 2, 3), batches):
+            recorder.observe(layer, ids)
+        recorder.end_step(step)
+    one_rank = load(recorder.save(tmp_path / "one"))
+    for key in one_rank:
+        assert np.array_equal(one_rank[key], two_ranks[key]), key
+
+
+def test_report_writes_plots(tmp_path):
+    recorder = _recorder()
+    generator = torch.Generator().manual_seed(1)
+    for step in range(1, 4):
+        for layer in (1, 2, 3):
+            recorder.observe(layer, torch.randint(0, E, (16, 2), generator=generator))
+        recorder.end_step(step)
+    recorder.save(tmp_path)
+    written = routing_report.main([str(tmp_path), "--layer", "2"])
+    assert [p.name for p in written] == ["expert_load.png", "coactivation_layer2.png"]
+    for path in written:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+    with pytest.raises(SystemExit):
+        routing_report.main([str(tmp_path), "--layer", "0"])

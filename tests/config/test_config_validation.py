@@ -1,0 +1,284 @@
+"""Config parsing and validation: torchtitan keys unchanged, bad input named with its fix."""
+
+import dataclasses
+
+import pytest
+import tomli_w
+from torchtitan.config import JobConfig as TorchTitanJobConfig
+
+from torchtitan_ext.config import comm_backend, ConfigError, load_job_config, validate
+from torchtitan_ext.config import parse as parse_job_config
+from torchtitan_ext.config.ranges import check_ranges, numeric_fields
+from torchtitan_ext.config.registry import field_ranges, job_config_class
+from torchtitan_ext.training.specs import register_train_specs  # importing training registers every section
+
+DEBUG_TOML = "train_configs/debug_model.toml"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def specs():
+    register_train_specs()
+
+
+def _without_none(value):
+    if isinstance(value, dict):
+        return {k: _without_none(v) for k, v in value.items() if v is not None}
+    return value
+
+
+def test_every_torchtitan_key_is_accepted(tmp_path):
+    """A TOML with every torchtitan 0.2.2 section and key parses to the same values."""
+    values = _without_none(dataclasses.asdict(TorchTitanJobConfig()))
+    values["training"]["steps"] = 7
+    values["parallelism"]["expert_parallel_degree"] = 2
+    path = tmp_path / "all_keys.toml"
+    path.write_bytes(tomli_w.dumps(values).encode())
+    config = parse_job_config(["--job.config_file", str(path)])
+    parsed = dataclasses.asdict(config)
+    for section, keys in values.items():
+        for key, value in keys.items():
+            assert _without_none(parsed[section][key]) == value, f"{section}.{key}"
+
+
+def test_cli_overrides_of_torchtitan_and_our_keys():
+    config = parse_job_config([
+        "--job.config_file", DEBUG_TOML,
+        "--training.steps", "3",
+        "--training.no-enable-cpu-offload",
+        "--parallelism.expert_parallel_comm_backend", "hybridep",
+        "--hybridep.non_blocking_capacity_factor", "0.5",
+        "--activation_checkpoint.mode", "full",
+    ])
+    assert config.training.steps == 3
+    assert config.hybridep.non_blocking_capacity_factor == 0.5
+    assert config.activation_checkpoint.mode == "full"
+    assert comm_backend(config) == "hybridep"
+
+
+def test_standard_is_an_alias_of_nccl():
+    config = parse_job_config(["--job.config_file", DEBUG_TOML, "--parallelism.expert_parallel_comm_backend", "standard"])
+    assert comm_backend(config) == "nccl"
+
+
+def _load(*overrides, device_type="cpu", world_size=2):
+    return load_job_config(["--job.config_file", DEBUG_TOML, *overrides], device_type, world_size)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (("--parallelism.expert_parallel_comm_backend", "alltoall"),
+         "parallelism.expert_parallel_comm_backend = 'alltoall' is not a backend"),
+        (("--parallelism.expert_parallel_comm_backend", "hybridep", "--hybridep.non_blocking_capacity_factor", "1.5"),
+         "hybridep.non_blocking_capacity_factor = 1.5: use a value > 0 and <= 1"),
+        (("--parallelism.expert_parallel_comm_backend", "hybridep", "--hybridep.non_blocking_capacity_factor", "0"),
+         "hybridep.non_blocking_capacity_factor = 0.0: use a value > 0 and <= 1"),
+        (("--hybridep.non_blocking_capacity_factor", "0.5"),
+         "[hybridep] non_blocking_capacity_factor is set but parallelism.expert_parallel_comm_backend is 'nccl'"),
+        (("--parallelism.expert_parallel_comm_backend", "hybridep", "--deepep.implementation", "reference"),
+         "[deepep] implementation is set but parallelism.expert_parallel_comm_backend is 'hybridep'"),
+        (("--parallelism.expert_parallel_degree", "3"),
+         "parallelism.expert_parallel_degree = 3 does not divide the model's 8 experts"),
+        (("--parallelism.expert_parallel_comm_backend", "hybridep", "--hybridep.ranks_per_nvlink_domain", "4"),
+         "hybridep.ranks_per_nvlink_domain = 4 does not divide parallelism.expert_parallel_degree = 2"),
+        (("--parallelism.expert_parallel_comm_backend", "deepep", "--deepep.implementation", "deep_ep"),
+         "deepep.implementation = 'deep_ep' needs CUDA"),
+        (("--parallelism.expert_parallel_comm_backend", "hybridep", "--hybridep.implementation", "deep_ep"),
+         "hybridep.implementation = 'deep_ep' needs CUDA"),
+        (("--parallelism.expert_parallel_comm_backend", "deepep", "--deepep.num_sms", "3"),
+         "deepep.num_sms = 3: use an even integer >= 2"),
+        (("--parallelism.data_parallel_shard_degree", "4"),
+         "dp_replicate x dp_shard x cp x tp x pp = 4 but the world size is 2"),
+        (("--model.flavor", "tiny"), "model.flavor = 'tiny' is not a flavour of deepseek_v3"),
+        (("--parallelism.expert_parallel_comm_backend", "hybridep", "--parallelism.expert_parallel_degree", "1"),
+         "'hybridep' needs expert parallelism, but expert_parallel_degree = 1"),
+        (("--model.name", "gpt9"), "model.name = 'gpt9' is not a registered model: use one of deepseek_v3,"),
+        (("--training.steps", "0"), "training.steps = 0: use a value >= 1 (training steps)"),
+        (("--training.steps", "-3"), "training.steps = -3: use a value >= 1"),
+        (("--training.seq_len", "0"), "training.seq_len = 0: use a value >= 1 (tokens per sequence)"),
+        (("--training.local_batch_size", "0"), "training.local_batch_size = 0: use a value >= 1"),
+        (("--metrics.log_freq", "0"), "metrics.log_freq = 0: use a value >= 1"),
+        (("--optimizer.lr", "-1"), "optimizer.lr = -1.0: use a value > 0"),
+        (("--training.global_batch_size", "6"),
+         "training.global_batch_size = 6 is not a multiple of local_batch_size x data-parallel ranks = 4 x 2"),
+        (("--training.steps", "abc"), "--training.steps abc: use an integer"),
+        (("--activation_checkpoint.mode", "sometimes"),
+         "--activation_checkpoint.mode sometimes: use one of 'selective', 'full', 'memory_budget', 'none'"),
+        (("--activation_checkpoint.mode", "memory_budget"),
+         "activation_checkpoint.mode = 'memory_budget' works through torch.compile"),
+        (("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "banana"),
+         "activation_checkpoint.selective_ac_option = 'banana': use 'op' (per operator) or a positive integer N"),
+        (("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "0"),
+         "activation_checkpoint.selective_ac_option = '0'"),
+        (("--parallelism.expert_parallel_comm_backend", "hybridep", "--hybridep.non_blocking_capacity_factor", "1e-9"),
+         "hybridep.non_blocking_capacity_factor = 1e-09 leaves 0 rows per dispatch"),
+        (("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "DualPipeV",
+          "--activation_checkpoint.mode", "full"),
+         "'DualPipeV' overlapping expert parallelism cannot run with activation_checkpoint.mode = 'full'"),
+        (("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "DualPipeV"),
+         "overlaps expert parallelism on CUDA streams, which a CPU does not have"),
+        (("--training.dataset_path", "/data/c4"),
+         "training.dataset_path = '/data/c4' but training.dataset = 'stdlib_code', the embedded corpus"),
+        (("--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "1",
+          "--parallelism.data_parallel_shard_degree", "1", "--parallelism.expert_parallel_comm_backend", "nccl",
+          "--training.local_batch_size", "3", "--parallelism.pipeline_parallel_degree", "1"),
+         None),
+    ],
+)
+def test_invalid_values_name_the_field(overrides, message):
+    if message is None:  # a valid neighbour of the cases above
+        _load(*overrides)
+        return
+    world_size = 4 if "DualPipeV" in overrides else 2
+    with pytest.raises(ConfigError) as error:
+        _load(*overrides, world_size=world_size)
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_non_blocking_hybridep_rejects_overlapped_dualpipev():
+    """Validated for a GPU cluster (device None): on CPU, DualPipeV's overlap is refused before."""
+    with pytest.raises(ConfigError, match="non-blocking HybridEP cannot serve pipeline_parallel_schedule = 'DualPipeV'"):
+        _load(
+            "--parallelism.expert_parallel_comm_backend", "hybridep", "--hybridep.non_blocking_capacity_factor", "0.8",
+            "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "DualPipeV",
+            device_type=None, world_size=4,
+        )
+    _load("--parallelism.expert_parallel_comm_backend", "hybridep",
+          "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "DualPipeV",
+          device_type=None, world_size=4)
+
+
+def test_expert_tensor_parallel_rejected_for_kernel_backends():
+    with pytest.raises(ConfigError, match="expert_tensor_parallel_degree = 2 is not supported by the 'deepep' backend"):
+        _load(
+            "--parallelism.expert_parallel_comm_backend", "deepep",
+            "--parallelism.tensor_parallel_degree", "2",
+            "--parallelism.expert_tensor_parallel_degree", "2",
+            world_size=4,
+        )
+
+
+def test_valid_backend_configs_pass():
+    for overrides in (
+        (),
+        ("--parallelism.expert_parallel_comm_backend", "deepep", "--deepep.implementation", "reference"),
+        ("--parallelism.expert_parallel_comm_backend", "hybridep", "--hybridep.non_blocking_capacity_factor", "1.0",
+         "--hybridep.ranks_per_nvlink_domain", "2", "--hybridep.use_mnnvl", "True"),
+    ):
+        _load(*overrides)
+
+
+def test_auto_on_cuda_without_deep_ep_is_an_error():
+    """No silent fallback: on CUDA, auto means the library, and its absence says how to install it."""
+    import importlib.util
+
+    if importlib.util.find_spec("deep_ep") is not None:
+        pytest.skip("deep_ep is installed here")  # the error path needs a machine without it
+    for backend, branch in (("deepep", "DeepEP"), ("hybridep", "hybrid-ep branch")):
+        with pytest.raises(ConfigError) as error:
+            _load("--parallelism.expert_parallel_comm_backend", backend, device_type="cuda")
+        message = str(error.value)
+        assert f"{backend}.implementation resolves to the deep_ep library on CUDA" in message
+        assert branch in message and f"{backend}.implementation = 'reference'" in message
+
+
+def test_validate_needs_no_process_group():
+    config = parse_job_config(["--job.config_file", DEBUG_TOML])
+    validate(config, device_type="cpu", world_size=None)
+
+
+def test_every_numeric_field_has_a_range():
+    """A numeric field added to torchtitan's sections or ours cannot slip past range checking."""
+    assert set(numeric_fields(job_config_class())) == set(field_ranges())
+
+
+@pytest.mark.parametrize("key", sorted(field_ranges()))
+def test_each_range_rejects_a_value_outside_it(key):
+    """Every numeric field refuses a value just outside its range, naming the field."""
+    valid = field_ranges()[key]
+    outside = valid.minimum - 1 if valid.minimum is not None else valid.maximum + 1
+    while outside in valid.also:
+        outside -= 1
+    config = parse_job_config(["--job.config_file", DEBUG_TOML])
+    section, _, name = key.rpartition(".")
+    target = config
+    for part in section.split("."):
+        target = getattr(target, part)
+    setattr(target, name, outside)
+
+    with pytest.raises(ConfigError, match=f"^{key} = "):
+        check_ranges(config, {key: valid})
+
+
+def test_toml_values_are_type_checked(tmp_path):
+    config = tmp_path / "bad.toml"
+    config.write_text(open(DEBUG_TOML).read().replace("steps = 40", 'steps = "forty"'))
+    with pytest.raises(ConfigError, match=f"training.steps = 'forty' in {config}: use an integer"):
+        parse_job_config(["--job.config_file", str(config)])
+
+
+def _cluster(*overrides, config=DEBUG_TOML, world_size=2):
+    """Validated for a GPU cluster (a dry run: device unknown, 'auto' means the library)."""
+    return load_job_config(["--job.config_file", config, *overrides], None, world_size)
+
+
+@pytest.mark.parametrize("backend", ["deepep", "hybridep"])
+def test_library_kernels_need_bf16(backend):
+    with pytest.raises(ConfigError, match=(
+        f"training.mixed_precision_param = 'float32', but .* bf16 .*{backend}.implementation resolves to deep_ep"
+    )):
+        _cluster("--parallelism.expert_parallel_comm_backend", backend, "--training.mixed_precision_param", "float32")
+    _cluster("--parallelism.expert_parallel_comm_backend", backend, "--training.mixed_precision_param", "bfloat16")
+    # the reference has no dtype limit
+    _cluster("--parallelism.expert_parallel_comm_backend", backend, f"--{backend}.implementation", "reference",
+             "--training.mixed_precision_param", "float32")
+
+
+def test_deepep_v1_rank_counts(tmp_path):
+    """256 experts: the 671B job, its [hybridep] section left out."""
+    text = open("train_configs/deepseek_v3_671b_gb200.toml").read()
+    start = text.index("[hybridep]")
+    end = text.index("\n[", start + 1) if "\n[" in text[start + 1:] else len(text)
+    config = tmp_path / "671b_deepep.toml"
+    config.write_text(text[:start] + text[end:])
+    config = str(config)
+    with pytest.raises(ConfigError, match="expert_parallel_degree = 256: DeepEP's v1 kernels run on 2, 4 or 8 ranks"):
+        _cluster("--parallelism.expert_parallel_comm_backend", "deepep", "--deepep.api", "legacy",
+                 "--parallelism.expert_parallel_degree", "256", config=config, world_size=256)
+    _cluster("--parallelism.expert_parallel_comm_backend", "deepep", "--deepep.api", "legacy",
+             "--parallelism.expert_parallel_degree", "128", config=config, world_size=256)
+
+
+@pytest.mark.parametrize(
+    "shape, overrides, message",
+    [
+        ((100, 8, 2, 1024), (), "hidden size 100: HybridEP needs a multiple of 16"),
+        ((256, 6, 2, 1024), ("--hybridep.ranks_per_nvlink_domain", "2"),
+         "3 local experts x 2 ranks per NVLink domain = 6: HybridEP needs a multiple of 4"),
+        ((256, 8, 2, 97), (), "97 tokens per rank per dispatch leave 33 in the last chunk of 64"),
+    ],
+)
+def test_hybridep_library_limits(shape, overrides, message):
+    from torchtitan_ext.ep import HybridEPExpertParallel, MoEShape
+
+    job_config = _cluster("--parallelism.expert_parallel_comm_backend", "hybridep", *overrides)
+    with pytest.raises(ConfigError, match=message):
+        HybridEPExpertParallel._check_library_limits(job_config, MoEShape(*shape))
+
+
+def test_hybridep_beyond_one_nvlink_domain_needs_the_multinode_build():
+    config = "train_configs/deepseek_v3_16b.toml"
+    args = ("--parallelism.expert_parallel_comm_backend", "hybridep", "--parallelism.expert_parallel_degree", "16")
+    with pytest.raises(ConfigError, match="spans 2 NVLink domains of 8 ranks .* HYBRID_EP_MULTINODE=1"):
+        _cluster(*args, config=config, world_size=16)
+    _cluster(*args, "--hybridep.multinode_build", config=config, world_size=16)
+
+
+def test_profiling_on_cpu_is_refused_before_the_first_step():
+    """torchtitan 0.2.2's profiler fails on every rank of a CPU job; on CUDA the flag passes through."""
+    with pytest.raises(ConfigError) as error:
+        _load("--profiling.enable_profiling", device_type="cpu")
+    assert str(error.value).startswith("profiling.enable_profiling on CPU: torchtitan 0.2.2's profiler asks")
+    assert "unset it on CPU" in str(error.value)
+    _load("--profiling.enable_profiling", device_type="cuda")

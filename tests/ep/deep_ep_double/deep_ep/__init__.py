@@ -1,0 +1,48 @@
+"""A test double of the ``deep_ep`` package, for the adapters' tests on CPU.
+
+Never importable by the product: only tests put ``tests/ep/deep_ep_double`` on
+``sys.path``. It follows the pinned library sources (tests/ep/deep_ep_double/
+manifest.py names each signature and the commit it was read at) in what the
+adapters can observe, and computes on top of torchtitan_ext's reference
+kernels:
+
+- signatures: keyword names, defaults, keyword-only markers, return arity;
+- ``DEEP_EP_DOUBLE_BUILD``: "main" (DeepEP v2.1.0: ``Buffer`` and
+  ``ElasticBuffer``) or "hybrid-ep" (the branch build: ``Buffer`` and
+  ``HybridEPBuffer``); one build never has both HybridEP and V2;
+- ``DEEP_EP_DOUBLE_IMPORT_FAILURE``: "nccl" raises the NCCL binary check's
+  AssertionError at import, "cuda_home" the JIT setup's;
+- host vs device: what the library returns in pinned host memory comes back
+  as a :class:`HostTensor`, which refuses to take part in any computation
+  until it is copied to the device with ``.to(device, non_blocking=True)``;
+- None where the library returns None (cached dispatches);
+- dtype limits: combine kernels refuse anything but bf16 ("Unsupported
+  type"); HybridEP without FP8 reads fp32 tokens as 16-bit words and returns
+  garbage instead of refusing them;
+- uninitialised memory: HybridEP's overflow flag in blocking mode, its
+  handle's local_expert_routing_map (never written by dispatch_with_permute),
+  rows past the padded total;
+- asserts the adapters can trip: supported rank counts, even SM counts,
+  deterministic mode, layout limits, ``num_permuted_tokens`` rules;
+- library syncs: each call that makes the host wait (v1 and V2 dispatch with
+  the CPU sync, blocking HybridEP) reports one through
+  :data:`_double.LISTENERS`, and the adapters' own code is told apart from the
+  library's by :func:`_double.inside_library`.
+"""
+
+import os
+
+from deep_ep import _double
+
+_double.check_import()
+
+from deep_ep._buffers import Buffer, Config, EventHandle, EventOverlap, topk_idx_t  # noqa: E402
+
+__version__ = "2.1.0" if _double.BUILD == "main" else "1.2.1+hybrid-ep"
+
+if _double.BUILD == "main":
+    from deep_ep._buffers import ElasticBuffer, EPHandle  # noqa: E402,F401
+elif _double.BUILD == "hybrid-ep":
+    from deep_ep._hybrid import HybridEPBuffer, indices_to_map  # noqa: E402,F401
+else:
+    raise ImportError(f"DEEP_EP_DOUBLE_BUILD={os.environ.get('DEEP_EP_DOUBLE_BUILD')!r}: use 'main' or 'hybrid-ep'")

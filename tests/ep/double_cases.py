@@ -1,0 +1,164 @@
+"""Per-rank workers that run the deep_ep adapters against the library's test double.
+
+Each worker puts tests/ep/deep_ep_double on ``sys.path`` (with the build it
+stands for) and lets the adapters use it on the CPU, in place of the CUDA
+library. The backends then run exactly the code they run on a cluster with
+``implementation = "deep_ep"``; the double computes with the reference kernels.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import parallelize_module
+
+from tests.ep.cases import _experts, _rank_slice, Case, global_inputs, make_style, run_backend
+from tests.ep.host_sync import HostSyncCounter
+
+DOUBLE_DIR = Path(__file__).resolve().parent / "deep_ep_double"
+
+LIBRARY_BACKENDS = {
+    "main": ("deepep", "deepep_legacy"),
+    "hybrid-ep": ("deepep_legacy", "hybridep", "hybridep_non_blocking"),
+}
+"""What each build of the library serves: main has the V2 and v1 APIs, the hybrid-ep branch v1 and HybridEP."""
+
+DROPPING_FACTOR = 0.3
+"""A non-blocking capacity factor at which the double's cases drop pairs."""
+
+
+def use_double(build: str) -> None:
+    """In this process, ``import deep_ep`` is the double of ``build``, and the adapters may use it on CPU."""
+    os.environ["DEEP_EP_DOUBLE_BUILD"] = build
+    if str(DOUBLE_DIR) not in sys.path:
+        sys.path.insert(0, str(DOUBLE_DIR))
+    import torchtitan_ext.ep.kernels as kernels
+
+    kernels.LIBRARY_DEVICE_TYPE = "cpu"
+
+
+def adapters_worker(rank: int, ep: int, build: str, cases: tuple, ac_case: Case) -> dict:
+    """Every backend the build serves, through the double (bf16, grouped GEMM experts) and through
+    the reference (same dtype), per case; then checkpointed iterations, deterministic mode, and the
+    dispatch modes active when the buffers were created."""
+    use_double(build)
+    from deep_ep import _double
+
+    mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
+    results = {}
+    for case in cases:
+        for backend in LIBRARY_BACKENDS[build]:
+            for implementation in ("deep_ep", "reference"):
+                results[case.name, backend, implementation] = run_backend(
+                    rank, ep, case, backend, mesh, dtype=torch.bfloat16, grouped_mm=True,
+                    implementation=implementation,
+                )
+        if build == "hybrid-ep":  # non-blocking with too few rows: the dropped count through the library
+            for implementation in ("deep_ep", "reference"):
+                results[case.name, "hybridep_drops", implementation] = run_backend(
+                    rank, ep, case, "hybridep", mesh, dtype=torch.bfloat16, grouped_mm=True,
+                    implementation=implementation, capacity_factor=DROPPING_FACTOR,
+                )
+    results["checkpointing"] = _checkpointed_runs(rank, ep, build, ac_case, mesh)
+    torch.use_deterministic_algorithms(True)  # what torchtitan's debug.deterministic turns on
+    try:
+        results["deterministic"] = {
+            backend: run_backend(rank, ep, ac_case, backend, mesh, dtype=torch.bfloat16, implementation="deep_ep")["out"]
+            for backend in LIBRARY_BACKENDS[build]
+        }
+    finally:
+        torch.use_deterministic_algorithms(False)
+    results["creation_mode_stacks"] = list(_double.CREATION_MODE_STACKS)
+    return results
+
+
+def _checkpointed_runs(rank, ep, build, case, mesh) -> dict:
+    """Forward + backward under per-op selective and full activation checkpointing (the buffer is
+    created inside the checkpointed region, at the first dispatch)."""
+    from torchtitan.config.job_config import ActivationCheckpoint
+    from torchtitan.distributed.activation_checkpoint import _apply_full_ac, _apply_op_sac
+    from torchtitan.models.deepseek_v3.infra.parallelize import _op_sac_save_list
+
+    from tests.ep.cases import _CheckpointedExperts
+
+    inputs = global_inputs(case)
+    rows = _rank_slice(rank, case, ep)
+    results = {}
+    for backend in LIBRARY_BACKENDS[build]:
+        for mode in ("selective_op", "full"):
+            experts = _experts(case, inputs, grouped_mm=True).to(torch.bfloat16)
+            style = make_style(backend, case, ep, implementation="deep_ep")
+            parallelize_module(experts, mesh, style)
+            module = _CheckpointedExperts(experts)
+            ac = ActivationCheckpoint(mode="selective", selective_ac_option="op")
+            if mode == "selective_op":
+                module = _apply_op_sac(module, ac, op_sac_save_list=_op_sac_save_list | set(style.sac_save_ops()))
+            else:
+                module = _apply_full_ac(module, ac)
+            x = inputs["x"][rows].to(torch.bfloat16).requires_grad_()
+            scores = inputs["scores"][rows].clone().requires_grad_()
+            out = module(x, scores, inputs["ids"][rows])
+            out.backward(inputs["grad_out"][rows].to(torch.bfloat16))
+            results[backend, mode] = {"out": out.detach().float(), "grad_x": x.grad.float(), "grad_scores": scores.grad}
+    return results
+
+
+def fp32_worker(rank: int, ep: int, build: str, case: Case) -> dict:
+    """What each backend says when fp32 tokens reach the library."""
+    use_double(build)
+    mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
+    errors = {}
+    for backend in LIBRARY_BACKENDS[build]:
+        try:
+            run_backend(rank, ep, case, backend, mesh, dtype=torch.float32, implementation="deep_ep")
+            errors[backend] = None
+        except (TypeError, RuntimeError) as e:
+            errors[backend] = f"{type(e).__name__}: {e}"
+    return errors
+
+
+def host_sync_worker(rank: int, ep: int, build: str | None, case: Case, inject: str | None = None) -> dict:
+    """Host syncs and collectives in one MoE layer's forward + backward, per backend, counted
+    by :class:`tests.ep.host_sync.HostSyncCounter` (the library's own syncs apart).
+
+    The experts are torchtitan's grouped GEMM, which reads nothing on the host.
+    ``inject``: a backend whose dispatch op reads a device scalar inside its body (the counter's control).
+    """
+    from tests.ep.cases import Routing
+
+    backends = ("nccl",)
+    implementation = "reference"
+    if build is not None:
+        use_double(build)
+        backends = LIBRARY_BACKENDS[build]
+        implementation = "deep_ep"
+    mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
+    inputs = global_inputs(case)
+    rows = _rank_slice(rank, case, ep)
+    results = {}
+    for backend in backends:
+        experts = _experts(case, inputs, grouped_mm=True).to(torch.bfloat16)
+        style = make_style(backend, case, ep, implementation=implementation)
+        parallelize_module(experts, mesh, style)
+        if inject == backend:
+            import torchtitan_ext.ep.ops.hybridep as hybridep
+
+            padded_rows = hybridep._padded_rows
+
+            def padded_rows_reading_a_scalar(tensor, num_rows, _padded_rows=padded_rows):
+                tensor.sum().item()
+                return _padded_rows(tensor, num_rows)
+
+            # called inside the dispatch op's body, and in combine's backward (a cached dispatch)
+            hybridep._padded_rows = padded_rows_reading_a_scalar
+        x = inputs["x"][rows].to(torch.bfloat16).requires_grad_()
+        scores = inputs["scores"][rows].clone().requires_grad_()
+        experts(x, Routing(scores, inputs["ids"][rows])).sum().backward()  # builds the buffer outside the count
+        counter = HostSyncCounter()
+        with counter:
+            out = experts(x, Routing(scores, inputs["ids"][rows]))
+            out.backward(inputs["grad_out"][rows].to(torch.bfloat16))
+        results[backend] = {"events": dict(counter.events), "library_syncs": counter.library_syncs}
+    return results

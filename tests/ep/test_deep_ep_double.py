@@ -1,0 +1,273 @@
+"""Library fidelity: the adapters to deep_ep, run against a double faithful to the library's sources.
+
+The real deep_ep cannot run here (CUDA, built from source). tests/ep/deep_ep_double
+is a double of it whose signatures are the manifest's (read at pinned commits
+of DeepEP main and of its hybrid-ep branch) and whose observable behaviour
+follows the sources where an adapter can trip: pinned host memory in blocking
+HybridEP, None on cached paths, an uninitialised overflow flag, bf16-only
+kernels, rank-count and layout asserts, deterministic mode, import failures.
+Every backend the library serves runs here through ``implementation =
+"deep_ep"`` exactly as on a cluster, and must give the same numbers as the
+reference implementation at the same dtype, bit for bit.
+"""
+
+import importlib
+import inspect
+import sys
+
+import pytest
+import torch
+
+from tests.ep.deep_ep_double.manifest import HYBRID_EP_BUILD, MANIFEST
+from tests.ep.double_cases import adapters_worker, DOUBLE_DIR, fp32_worker, host_sync_worker, LIBRARY_BACKENDS
+from tests.ep.cases import Case
+from tests.helpers import run_distributed
+
+EP = 2
+CASES = (
+    Case("double_top2_after", num_experts=8, top_k=2, score_before_experts=False, seed=61, total_tokens=64, hidden=32),
+    Case("double_top3_before_pad", num_experts=4, top_k=3, score_before_experts=True, seed=62, total_tokens=64,
+         hidden=32, pad_multiple=16),
+)
+AC_CASE = CASES[0]
+
+
+def _rendered(signature: inspect.Signature) -> str:
+    """A signature as the manifest writes it: names, defaults and the keyword-only marker, no annotations."""
+    parameters = [parameter.replace(annotation=inspect.Parameter.empty) for parameter in signature.parameters.values()]
+    return str(signature.replace(parameters=parameters, return_annotation=inspect.Signature.empty))
+
+
+@pytest.fixture(params=["main", "hybrid-ep"])
+def double_modules(request, installed_build):
+    installed_build(request.param)
+    return importlib.import_module("deep_ep._buffers"), importlib.import_module("deep_ep._hybrid")
+
+
+def test_double_has_the_manifests_signatures(double_modules):
+    buffers, hybrid = double_modules
+    manifest = MANIFEST | (HYBRID_EP_BUILD if buffers.BUILD == "hybrid-ep" else {})
+    for qualified, (signature, _, repo, commit, path) in manifest.items():
+        owner_name, _, member = qualified.partition(".")
+        module = hybrid if owner_name in ("HybridEPBuffer", "indices_to_map") else buffers
+        target = getattr(module, owner_name)
+        if member:
+            target = getattr(target, member)
+        assert _rendered(inspect.signature(target)) == signature, (qualified, repo, commit, path)
+
+
+@pytest.fixture(scope="module", params=sorted(LIBRARY_BACKENDS))
+def adapters(request):
+    return request.param, run_distributed(EP, adapters_worker, request.param, CASES, AC_CASE)
+
+
+def test_every_backend_equals_the_reference_bitwise(adapters):
+    """Forward and backward (outputs, tokens', scores' and experts' gradients): the adapters call
+    the library as the reference is called, so results are identical at the same dtype. The
+    experts read their group sizes on the device (grouped GEMM): a count left in pinned host
+    memory would fail here."""
+    build, results = adapters
+    for rank_results in results:
+        for case in CASES:
+            for backend in LIBRARY_BACKENDS[build]:
+                library = rank_results[case.name, backend, "deep_ep"]
+                reference = rank_results[case.name, backend, "reference"]
+                for key in ("out", "grad_x", "grad_scores", "grad_w1", "grad_w2", "grad_w3"):
+                    assert torch.equal(library[key], reference[key]), (build, case.name, backend, key)
+                if backend.startswith("hybridep"):
+                    # routed less kept, kept read from the library's handle (its routing map is unwritten)
+                    assert library["dropped_pairs"] == 0
+
+
+def test_dropped_pairs_through_the_library_equal_the_reference(adapters):
+    """Non-blocking HybridEP with too few rows: the same outputs and gradients, and the same dropped
+    count per rank, read from the library's handle as from the reference's."""
+    build, results = adapters
+    if build != "hybrid-ep":
+        pytest.skip("DeepEP main has no HybridEP: the hybrid-ep build's parameter runs this")
+    total = 0
+    for rank_results in results:
+        for case in CASES:
+            library = rank_results[case.name, "hybridep_drops", "deep_ep"]
+            reference = rank_results[case.name, "hybridep_drops", "reference"]
+            for key in ("out", "grad_x", "grad_scores", "grad_w1", "grad_w2", "grad_w3"):
+                assert torch.equal(library[key], reference[key]), (case.name, key)
+            assert library["dropped_pairs"] == reference["dropped_pairs"]
+            total += library["dropped_pairs"]
+    assert total > 0, "the cases must drop pairs at this factor"
+
+
+def test_checkpointed_backward_and_buffer_creation(adapters):
+    """Per-op selective and full activation checkpointing run forward and backward through the
+    library (the cached path of HybridEP's dispatch returns no tokens-per-expert), equal to each
+    other; every buffer was created with no dispatch mode active, so selective checkpointing's
+    cache never records the creation's collectives."""
+    build, results = adapters
+    for rank_results in results:
+        runs = rank_results["checkpointing"]
+        for backend in LIBRARY_BACKENDS[build]:
+            selective, full = runs[backend, "selective_op"], runs[backend, "full"]
+            for key in ("out", "grad_x", "grad_scores"):
+                assert torch.equal(selective[key], full[key]), (backend, key)
+        assert rank_results["creation_mode_stacks"] and set(rank_results["creation_mode_stacks"]) == {0}
+
+
+def test_deterministic_mode_runs(adapters):
+    """torchtitan's debug.deterministic: DeepEP asserts against fill_uninitialized_memory; the adapters
+    run its calls without it (deterministic algorithms stay on)."""
+    build, results = adapters
+    for rank_results in results:
+        for backend in LIBRARY_BACKENDS[build]:
+            assert torch.equal(
+                rank_results["deterministic"][backend], rank_results[AC_CASE.name, backend, "deep_ep"]["out"]
+            )
+
+
+def test_fp32_tokens_are_refused_before_the_library():
+    """The library would misread fp32 (HybridEP) or raise "Unsupported type" (DeepEP's combine, after
+    the dispatch communicated): the adapter refuses first, naming the dtype setting."""
+    for build in sorted(LIBRARY_BACKENDS):
+        errors = run_distributed(EP, fp32_worker, build, AC_CASE)[0]
+        for backend, error in errors.items():
+            assert error is not None and error.startswith("TypeError"), (build, backend, error)
+            assert "take bf16 tokens only, not torch.float32" in error and "mixed_precision_param" in error
+
+
+@pytest.fixture
+def installed_build(monkeypatch):
+    """``use(build)``: in this process, ``import deep_ep`` is that build's double, on a CUDA machine."""
+
+    def use(build: str) -> None:
+        monkeypatch.syspath_prepend(str(DOUBLE_DIR))
+        monkeypatch.setenv("DEEP_EP_DOUBLE_BUILD", build)
+        for name in [name for name in sys.modules if name == "deep_ep" or name.startswith("deep_ep.")]:
+            monkeypatch.delitem(sys.modules, name)
+
+    return use
+
+
+@pytest.mark.parametrize("build, api", [("main", "elastic"), ("hybrid-ep", "legacy")])
+def test_deepep_default_api_follows_the_installed_build(installed_build, build, api):
+    """[deepep] left at its defaults on CUDA: V2 where the build has ElasticBuffer, v1 on the
+    hybrid-ep branch (which has none), and the job config validates on both."""
+    from torchtitan_ext.ep.deepep import resolve_api
+    from torchtitan_ext.training.specs import register_train_specs
+    from torchtitan_ext.config import load_job_config
+
+    register_train_specs()
+    installed_build(build)
+    job_config = load_job_config([
+        "--job.config_file", "train_configs/debug_model.toml",
+        "--parallelism.expert_parallel_comm_backend", "deepep", "--training.mixed_precision_param", "bfloat16",
+    ], "cuda", 2)
+    assert resolve_api(job_config.deepep.api, job_config.deepep.implementation, "cuda") == api
+
+
+@pytest.mark.parametrize("build, refused", [("main", ()), ("hybrid-ep", (48, 96))])
+def test_deepep_v1_rank_counts_follow_the_installed_build(installed_build, build, refused):
+    """The v1 kernel configs differ between builds: EP 48 and 96 exist on DeepEP main only, and the
+    hybrid-ep branch's Buffer would assert at the first dispatch. Validation asks the installed build."""
+    from torchtitan_ext.config import ConfigError
+    from torchtitan_ext.config import MoEShape
+    from torchtitan_ext.ep.deepep import DeepEPExpertParallel
+    from torchtitan_ext.config import parse
+
+    installed_build(build)
+    job_config = parse(["--job.config_file", "train_configs/debug_model.toml", "--deepep.api", "legacy",
+                        "--training.mixed_precision_param", "bfloat16"])
+    shape = MoEShape(hidden_dim=256, num_experts=192, top_k=8, max_tokens_per_rank=4096)
+    for ep in (8, 16, 48, 64, 96, 128):
+        job_config.parallelism.expert_parallel_degree = ep
+        if ep in refused:
+            with pytest.raises(ConfigError, match=(
+                f"^parallelism.expert_parallel_degree = {ep}: the installed deep_ep's v1 Buffer has no kernel "
+                f"config for it \\(Unsupported number of EP ranks: {ep}\\): .* deepep.api = 'elastic'$"
+            )):
+                DeepEPExpertParallel.validate_config(job_config, "cuda", shape)
+        else:
+            DeepEPExpertParallel.validate_config(job_config, "cuda", shape)
+
+
+@pytest.mark.parametrize("failure, shown", [("nccl", "Invalid NCCL versions"), ("cuda_home", "cuda_home")])
+def test_import_failure_is_a_clear_config_error(monkeypatch, installed_build, failure, shown):
+    """DeepEP main's import checks (NCCL binary identity, CUDA home) raise AssertionError: it becomes
+    a one-line error that says the import failed, not a traceback."""
+    installed_build("main")
+    monkeypatch.setenv("DEEP_EP_DOUBLE_IMPORT_FAILURE", failure)
+    for backend in ("deepep", "hybridep"):
+        message = _library_job_error(monkeypatch, backend)
+        assert "but import deep_ep failed: AssertionError" in message and shown in message
+        assert f"{backend}.implementation = 'reference'" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("build, backend, missing, hint", [
+    ("main", "hybridep", "HybridEPBuffer", "hybrid-ep branch"),
+    ("hybrid-ep", "deepep", "ElasticBuffer", "DeepEP main"),
+])
+def test_a_build_without_the_backend_class_names_it(monkeypatch, installed_build, build, backend, missing, hint):
+    """DeepEP main has no HybridEPBuffer and the hybrid-ep branch no ElasticBuffer: the error names the
+    missing class and the build that has it."""
+    installed_build(build)
+    message = _library_job_error(monkeypatch, backend, *(["--deepep.api", "elastic"] if backend == "deepep" else []))
+    assert f"but the installed deep_ep has no {missing}: " in message and hint in message
+    assert f"{backend}.implementation = 'reference'" in message and "\n" not in message
+
+
+def _library_job_error(monkeypatch, backend: str, *overrides: str) -> str:
+    """The ConfigError's message for a job that asks for the library, with this CPU standing in for CUDA."""
+    import torchtitan_ext.ep.kernels as kernels
+    from torchtitan_ext.config import ConfigError
+    from torchtitan_ext.training.specs import register_train_specs
+    from torchtitan_ext.config import load_job_config
+
+    register_train_specs()
+    monkeypatch.setattr(kernels, "LIBRARY_DEVICE_TYPE", "cpu")
+    with pytest.raises(ConfigError) as error:
+        load_job_config([
+            "--job.config_file", "train_configs/debug_model.toml",
+            "--parallelism.expert_parallel_comm_backend", backend, f"--{backend}.implementation", "deep_ep",
+            *overrides, "--training.mixed_precision_param", "bfloat16",
+        ], "cpu", 2)
+    return str(error.value)
+
+
+@pytest.fixture(scope="module")
+def host_syncs():
+    case = Case("host_sync", num_experts=8, top_k=2, score_before_experts=False, seed=31, total_tokens=64,
+                hidden=32, pad_multiple=8)
+    return {
+        "nccl": run_distributed(EP, host_sync_worker, None, case),
+        "control": run_distributed(EP, host_sync_worker, "hybrid-ep", case, "hybridep_non_blocking"),
+        **{build: run_distributed(EP, host_sync_worker, build, case) for build in sorted(LIBRARY_BACKENDS)},
+    }
+
+
+def test_host_sync_budget_of_every_backend(host_syncs):
+    """One MoE layer's forward + backward, the custom ops' bodies included:
+
+    - nccl: one device-to-host read per dispatch (the all-to-all split sizes), nothing else;
+    - deepep (V2 and v1 APIs) and blocking hybridep: the library's one sync per dispatch, none of ours;
+    - non-blocking hybridep: none at all.
+
+    Host data reaches the device only with non_blocking copies, and blocking HybridEP issues
+    no collective of its own beside the library's.
+    """
+    for rank_results in host_syncs["nccl"]:
+        events = rank_results["nccl"]["events"]
+        assert {k: v for k, v in events.items() if not k.startswith("collective")} == {
+            "device-to-host sync (Tensor.cpu)": 1
+        }
+    expected_library = {"deepep": 1, "deepep_legacy": 1, "hybridep": 1, "hybridep_non_blocking": 0}
+    for build in sorted(LIBRARY_BACKENDS):
+        for rank_results in host_syncs[build]:
+            for backend, got in rank_results.items():
+                assert got["events"] == {}, (build, backend, got)
+                assert got["library_syncs"] == expected_library[backend], (build, backend, got)
+
+
+def test_counter_sees_into_custom_ops(host_syncs):
+    """The control: a scalar read injected into a helper that non-blocking HybridEP's dispatch op
+    and its combine's backward (a cached dispatch) call inside their bodies is counted, twice."""
+    for rank_results in host_syncs["control"]:
+        events = rank_results["hybridep_non_blocking"]["events"]
+        assert events == {"device-to-host sync (Tensor.item)": 2}, events

@@ -1,0 +1,160 @@
+"""run_train.sh: overrides pass through, bad input fails once with one clear line."""
+
+import socket
+import subprocess
+
+import pytest
+
+from tests.helpers import REPO_ROOT, run_launcher, step_losses
+from torchtitan_ext.launch.supervisor import Supervisor
+
+
+DEFAULT_CONFIG = ["--job.config_file", "train_configs/debug_model.toml"]
+
+
+def _error_line(result: subprocess.CompletedProcess) -> str:
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert result.returncode == 2, result.stdout[-3000:]
+    assert "Traceback" not in result.stdout, result.stdout[-3000:]
+    assert lines and lines[-1].startswith("error: "), result.stdout[-3000:]
+    return lines[-1]
+
+
+def _check_error(capsys, main, argv: list[str]) -> str:
+    """The one line a launcher check (``python -m torchtitan_ext.launch.preflight`` or ``.planning.dry_run``, as
+    run_train.sh calls them) prints for bad input, run in this process: exit status 2, no traceback."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert lines and lines[-1].startswith("error: "), lines
+    return lines[-1]
+
+
+@pytest.mark.parametrize(
+    "ngpu, args, expected",
+    [
+        ("2", ["--job.config_file", "train_configs/missing.toml"], "config file 'train_configs/missing.toml' not found"),
+        ("2", [*DEFAULT_CONFIG, "--training.stepz", "3"],
+         "unknown config key 'training.stepz' in the command line: did you mean 'steps'?"),
+        ("999", DEFAULT_CONFIG, "NGPU=999 but this machine"),
+        ("2", [*DEFAULT_CONFIG, "--parallelism.expert_parallel_degree", "3"], "does not divide the model's 8 experts"),
+        ("2", [*DEFAULT_CONFIG, "--model.name", "gpt9"], "model.name = 'gpt9' is not a registered model"),
+        ("2", [*DEFAULT_CONFIG, "--training.steps", "0"], "training.steps = 0: use a value >= 1"),
+    ],
+)
+def test_bad_input_is_one_line(capsys, ngpu, args, expected):
+    from torchtitan_ext.launch import preflight
+
+    assert expected in _check_error(capsys, preflight.main, ["--ngpu", ngpu, "--", *args])
+
+
+def test_launcher_passes_ngpu_to_its_checks():
+    line = _error_line(run_launcher(timeout=120, NGPU="two"))
+    assert "NGPU='two' is not an integer" in line
+
+
+def test_config_file_given_twice_is_one_line():
+    """run_train.sh passes CONFIG_FILE and the user's --job.config_file; both at once is refused."""
+    line = _error_line(run_launcher(
+        "--job.config_file", "train_configs/llama4_debug_model.toml", timeout=120, CONFIG_FILE="train_configs/debug_model.toml",
+    ))
+    assert (
+        "--job.config_file is given twice ('train_configs/debug_model.toml' and 'train_configs/llama4_debug_model.toml')"
+        in line
+    )
+
+
+def test_unknown_toml_key_names_section_and_file(capsys, tmp_path):
+    from torchtitan_ext.launch import preflight
+
+    config = tmp_path / "bad.toml"
+    config.write_text(
+        (REPO_ROOT / "train_configs/debug_model.toml").read_text()
+        + "\n[hybridep]\nnon_blocking_capacity_facter = 0.5\n"
+    )
+    line = _check_error(capsys, preflight.main, ["--ngpu", "2", "--", "--job.config_file", str(config)])
+    assert f"'hybridep.non_blocking_capacity_facter' in {config}" in line
+    assert "did you mean 'non_blocking_capacity_factor'?" in line
+
+
+def test_port_clash_is_reported():
+    with socket.socket() as busy:
+        busy.bind(("localhost", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        line = _error_line(run_launcher(timeout=120, MASTER_PORT=str(port)))
+    assert f"port {port} (MASTER_PORT) is in use" in line
+
+
+def test_fake_backend_is_a_dry_run():
+    result = run_launcher(timeout=300, COMM_MODE="fake_backend", NGPU="8", LOG_RANK="0")
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "dry run: deepseek_v3 debugmodel on 8 ranks" in result.stdout
+    assert "mesh: batch=8 loss=8 fsdp=8 ep=2 efsdp=4" in result.stdout
+    assert step_losses(result.stdout) == {}
+
+
+def test_config_file_on_the_command_line_is_the_job():
+    """./run_train.sh --job.config_file X runs X, not the default config."""
+    result = run_launcher(
+        "--job.config_file", "train_configs/llama4_debug_model.toml", timeout=300, COMM_MODE="fake_backend", NGPU="2"
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "dry run: llama4 debugmodel on 2 ranks" in result.stdout
+
+
+def test_dry_run_rejects_bad_degrees(capsys):
+    from torchtitan_ext.planning import dry_run
+
+    line = _check_error(
+        capsys, dry_run.main, ["--ngpu", "8", "--", *DEFAULT_CONFIG, "--parallelism.tensor_parallel_degree", "3"]
+    )
+    assert "world size 8 is not a multiple of dp_replicate x cp x tp x pp = 3" in line
+
+
+TORCHRUN_REPORT = """\
+============================================================
+torchtitan_ext.train FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-22_10:00:03
+  host      : node
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 4321)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 4321
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-22_10:00:02
+  host      : node
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 4320)
+  error_file: /tmp/error.json
+  traceback : RuntimeError: Connection closed by peer
+============================================================
+"""
+
+
+@pytest.mark.parametrize(
+    "report, named",
+    [
+        (TORCHRUN_REPORT, "rank 1 (pid 4321) was killed by SIGKILL"),
+        (
+            "W1122 10:00:33 api.py:1029] Sending process 4321 closing signal SIGTERM\n" + TORCHRUN_REPORT,
+            "rank 0 (pid 4320) exited with status 1",
+        ),
+    ],
+    ids=["signal_before_status", "torchrun_stop_not_a_cause"],
+)
+def test_supervisor_names_the_rank_that_caused_the_failure(report, named):
+    """torchrun observes a SIGKILLed rank's failure after its peer's status-1 exit; the signal is the cause."""
+    supervisor = Supervisor([], checkpoint_folder=None)
+    for line in ["[rank0]: step:  3  loss:  7.5", *report.splitlines()]:
+        supervisor._read(line)
+    assert supervisor.explain(1) == (
+        f"error: {named}; the job stopped after step 3 (exit 1); "
+        "checkpointing is off (checkpoint.enable): a rerun starts over"
+    )

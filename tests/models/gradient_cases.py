@@ -1,0 +1,393 @@
+"""The gradient matrix's cells and their per-rank worker.
+
+A cell is one (model, EP backend, parallelism) combination. Its worker builds a
+tiny DeepSeek-V3 or Llama4 on every rank with the same seed, keeps an
+unparallelized copy whose MoE layers compute densely (every expert applied to
+the tokens that picked it, no dispatch at all), applies the job's parallelize
+plan (and pipeline split) to the other copy exactly as training does, runs one
+forward and backward on this rank's share of a global batch (loss: summed
+cross-entropy over the global valid tokens, as torchtitan's trainer), and
+returns the loss, every parameter's full gradient and the gradient norm
+(torchtitan's ``clip_grad_norm_``, before clipping), and where TP shards the
+gradients, every gradient after torchtitan's clipping (``CLIP_MAX_NORM``). The
+test compares them with the dense copy's, computed in fp32 on the whole batch.
+"""
+
+import copy
+import types
+from dataclasses import dataclass
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+BACKENDS = {
+    "nccl": ["--parallelism.expert_parallel_comm_backend", "nccl"],
+    "deepep": ["--parallelism.expert_parallel_comm_backend", "deepep"],
+    "hybridep": ["--parallelism.expert_parallel_comm_backend", "hybridep"],
+    # factor 1.0 without padding cannot drop: every token to every local expert fits
+    "hybridep_nb": ["--parallelism.expert_parallel_comm_backend", "hybridep",
+                    "--hybridep.non_blocking_capacity_factor", "1.0"],
+}
+SEQ_LEN = 16
+VOCAB = 128
+SEED = 7
+CLIP_MAX_NORM = 1e-4
+"""max_norm of the real clipping in TP cells: far below any cell's gradient norm, so that the clip
+coefficient is torchtitan's norm itself (max_norm / (norm + 1e-6))."""
+
+
+@dataclass(frozen=True)
+class Cell:
+    name: str
+    model: str
+    backend: str | None
+    """None: no EP (the backend is not used)."""
+    world_size: int
+    overrides: tuple[str, ...] = ()
+    batch_per_rank: tuple[int, ...] = ()
+    """Sequences of each data-parallel rank; empty: 2 each."""
+    bf16: bool = False
+    """Computation in bf16 somewhere (mixed precision, grouped GEMM): compare at bf16 rounding."""
+    grouped_mm: bool = False
+    empty_last_rank: bool = False
+    """The router never picks the last EP rank's experts: that rank receives nothing."""
+    mutant: str | None = None
+    """A known defect re-introduced, to show that the comparison catches it."""
+
+    @property
+    def id(self) -> str:
+        return f"{self.model}-{self.backend or 'no_ep'}-{self.name}"
+
+
+def tiny_model_args(model: str, grouped_mm: bool, load_balance: bool = True):
+    from torchtitan.models.deepseek_v3.model.args import DeepSeekV3ModelArgs
+    from torchtitan.models.llama4.model.args import TransformerModelArgs
+    from torchtitan.models.moe.moe import MoEArgs
+
+    coeff = 1e-3 if load_balance else None
+    if model == "deepseek_v3":
+        args = DeepSeekV3ModelArgs(
+            vocab_size=VOCAB, dim=32, inter_dim=64, moe_inter_dim=16, n_layers=4, n_dense_layers=1,
+            n_heads=2, q_lora_rank=0, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+            v_head_dim=8, max_seq_len=64,
+            moe_args=MoEArgs(num_experts=8, num_shared_experts=1, score_func="softmax", top_k=3,
+                             score_before_experts=False, use_grouped_mm=grouped_mm, load_balance_coeff=coeff),
+        )
+        args.moe_impl = "standard"  # what our train spec's update_from_config sets
+        return args
+    return TransformerModelArgs(
+        dim=32, n_layers=4, n_heads=2, vocab_size=VOCAB, multiple_of=16, max_seq_len=64,
+        interleave_moe_layer_step=2,
+        moe_args=MoEArgs(num_experts=8, num_shared_experts=1, score_func="sigmoid", top_k=1,
+                         score_before_experts=True, use_grouped_mm=grouped_mm, load_balance_coeff=coeff),
+    )
+
+
+def dense_moe_forward(moe, x: torch.Tensor) -> torch.Tensor:
+    """The MoE layer by definition: out[t] = sum_k score[t,k] * expert_{id[t,k]}(x[t]) (Llama4: the
+    expert of score * x[t]) + shared experts(x[t]); the router is the layer's own."""
+    bs, slen, dim = x.shape
+    x = x.reshape(-1, dim)
+    scores, ids, _ = moe.router(x, moe.expert_bias)
+    out = torch.zeros_like(x)
+    w1, w2, w3 = moe.experts.w1, moe.experts.w2, moe.experts.w3
+    for expert in range(w1.shape[0]):
+        token, slot = (ids == expert).nonzero(as_tuple=True)
+        if token.numel() == 0:
+            continue
+        score = scores[token, slot].unsqueeze(1)  # fp32; products rounded to the activation dtype
+        rows = (x[token] * score).to(x.dtype) if moe.score_before_experts else x[token]
+        result = (F.silu(rows @ w1[expert].t()) * (rows @ w3[expert].t())) @ w2[expert].t()
+        out = out.index_add(0, token, result if moe.score_before_experts else (result * score).to(x.dtype))
+    if moe.shared_experts is not None:
+        out = out + moe.shared_experts(x)
+    return out.view(bs, slen, dim)
+
+
+def _batch(cell: Cell, dp_size: int):
+    sizes = cell.batch_per_rank or (2,) * dp_size
+    generator = torch.Generator().manual_seed(SEED)
+    total = sum(sizes)
+    tokens = torch.randint(0, VOCAB, (total, SEQ_LEN), generator=generator)
+    labels = torch.randint(0, VOCAB, (total, SEQ_LEN), generator=generator)
+    starts = [sum(sizes[:r]) for r in range(dp_size)]
+    return tokens, labels, [(start, start + size) for start, size in zip(starts, sizes)]
+
+
+def _job_config(cell: Cell, dp_shard: int, world_size: int):
+    """The debug job with the cell's overrides, validated for the world size.
+
+    Parsing a job config (tyro) costs about half a second, more than a cell's
+    step: the debug job is parsed once per process and each cell sets its
+    overrides on a copy, then goes through the same validation as training.
+    """
+    from torchtitan_ext.config import load_job_config, validate
+
+    if "base" not in _BASE_CONFIG:
+        _BASE_CONFIG["base"] = load_job_config(
+            ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", str(SEQ_LEN)], "cpu"
+        )
+    job_config = copy.deepcopy(_BASE_CONFIG["base"])
+    overrides = [
+        "--model.name", cell.model,
+        "--training.local_batch_size", str(max(cell.batch_per_rank or (2,))),
+        "--parallelism.data_parallel_shard_degree", str(dp_shard),
+        *BACKENDS.get(cell.backend, []),
+        *cell.overrides,
+    ]
+    for key, value in zip(overrides[::2], overrides[1::2]):
+        section, name = key.removeprefix("--").split(".")
+        target = getattr(job_config, section)
+        current = getattr(target, name)
+        setattr(target, name, value if isinstance(current, str) else (type(current) if current is not None else float)(value))
+    validate(job_config, device_type="cpu", world_size=world_size)
+    return job_config
+
+
+_BASE_CONFIG: dict = {}
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().float().clone()
+
+
+def _full_grads(parts) -> dict[str, torch.Tensor]:
+    """{name: full gradient, zeros for a parameter the step did not reach}."""
+    return {
+        _plain_name(name): _full(param.grad if param.grad is not None else torch.zeros_like(param))
+        for part in parts for name, param in part.named_parameters()
+    }
+
+
+def _plain_name(name: str) -> str:
+    return name.replace("_checkpoint_wrapped_module.", "")
+
+
+def _mesh_size(parallel_dims, name: str) -> tuple[int, int]:
+    mesh = parallel_dims.get_optional_mesh(name)
+    return (1, 0) if mesh is None else (mesh.size(), mesh.get_local_rank())
+
+
+def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
+    """One cell on this rank: {"loss", "grads" {name: full gradient}, "grad_norm", ...}."""
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from torchtitan_ext import runtime
+    from torchtitan_ext.ep.base import RoutedExpertParallel
+    from torchtitan_ext.models.moe import TensorParallelTokenSplit
+
+    p_args = _parallel_args(cell)
+    job_config = _job_config(cell, p_args["dp_shard"], world_size)
+    p = job_config.parallelism
+    degrees = (p.data_parallel_shard_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree,
+               p.expert_parallel_degree, p.expert_tensor_parallel_degree)
+    if degrees not in _PARALLEL_DIMS:  # one set of process groups per layout, as in one job
+        dp_shard, tp, pp, ep, etp = degrees
+        parallel_dims = ParallelDims(
+            dp_shard=dp_shard, dp_replicate=1, cp=1, tp=tp, pp=pp, ep=ep, etp=etp, world_size=world_size
+        )
+        parallel_dims.build_mesh()
+        _PARALLEL_DIMS[degrees] = parallel_dims
+    parallel_dims = _PARALLEL_DIMS[degrees]
+    spec = get_train_spec(cell.model)
+    model_args = tiny_model_args(cell.model, cell.grouped_mm)
+    torch.manual_seed(SEED)
+    model = spec.model_cls(model_args)
+    with torch.no_grad():
+        model.init_weights()
+        if cell.empty_last_rank:
+            local = model_args.moe_args.num_experts // p.expert_parallel_degree
+            for block in model.layers.values():
+                if block.moe_enabled:
+                    block.moe.expert_bias[-local:] = -1e4
+    reference = _dense(copy.deepcopy(model))
+    reference_bf16 = _dense(copy.deepcopy(model).to(torch.bfloat16)) if cell.bf16 else None
+
+    score_dtypes = []
+    RoutedExpertParallel._token_dispatch = _recording_score_dtypes(score_dtypes)
+    if cell.mutant == "tp_borrow_without_gradient_gather":
+        TensorParallelTokenSplit.split = _split_without_gradient_gather
+
+    dp_size, dp_rank = _mesh_size(parallel_dims, "batch")
+    tokens, labels, slices = _batch(cell, dp_size)
+    start, end = slices[dp_rank]
+    global_tokens = torch.tensor(float(labels.numel()))
+    result = {"rank": rank}
+
+    loss_fn = spec.build_loss_fn(job_config)
+    if parallel_dims.pp_enabled:
+        schedule, parts, has_first, has_last = spec.pipelining_fn(
+            model, parallel_dims, job_config, torch.device("cpu"), model_args, spec.parallelize_fn, loss_fn,
+        )
+        runtime.adapt_model_parts(parts)  # as the trainer does
+        losses = [] if has_last else None
+        with loss_fn.normalized_by(global_tokens):
+            targets = labels[start:end] if has_last else None
+            if has_first:
+                schedule.step(tokens[start:end], target=targets, losses=losses)
+            else:
+                schedule.step(target=targets, losses=losses)
+        if has_last:
+            result["loss"] = _global_loss(torch.stack(losses).sum() / global_tokens, parallel_dims)
+    else:
+        parts = [spec.parallelize_fn(model, parallel_dims, job_config)]
+        runtime.adapt_model_parts(parts)  # as the trainer does
+        loss_parallel = parallel_dims.tp_enabled and not p.disable_loss_parallel
+        with dist_utils.get_train_context(loss_parallel)():
+            pred = parts[0](tokens[start:end])
+            loss = loss_fn(pred, labels[start:end]) / global_tokens
+            loss.backward()
+        result["loss"] = _global_loss(_full(loss), parallel_dims)
+
+    result["grads"] = _full_grads(parts)
+    params = [param for part in parts for param in part.parameters()]
+    clip_args = {"foreach": True, "pp_mesh": parallel_dims.get_optional_mesh("pp"),
+                 "ep_enabled": parallel_dims.ep_enabled}
+    # torchtitan's norm, without its clipping: clipping at an unreachable norm multiplies every
+    # gradient by 1, and on DTensors that took a quarter of the matrix's time
+    with mock.patch("torch.nn.utils.clip_grads_with_norm_"):
+        result["grad_norm"] = float(dist_utils.clip_grad_norm_(params, max_norm=1e30, **clip_args))
+    if parallel_dims.tp_enabled:
+        # The training tests clip for real (max_norm 1.0) under FSDP, EP and PP; TP-sharded
+        # gradients are clipped here, each by the coefficient torchtitan's norm gives
+        dist_utils.clip_grad_norm_(params, max_norm=CLIP_MAX_NORM, **clip_args)
+        result["clipped_grads"] = _full_grads(parts)
+    result["score_dtypes"] = sorted(set(score_dtypes))
+
+    if rank == 0:
+        # the same problem (weights, routing bias, batch) recurs for every backend and parallelism
+        key = (cell.model, cell.grouped_mm, cell.empty_last_rank and p.expert_parallel_degree, tuple(slices))
+        if key not in _REFERENCES:
+            _REFERENCES[key] = _reference_step(reference, loss_fn, tokens, labels, global_tokens)
+        result["reference"] = _REFERENCES[key]
+        if reference_bf16 is not None:
+            if (key, "bf16") not in _REFERENCES:
+                _REFERENCES[key, "bf16"] = _reference_step(reference_bf16, loss_fn, tokens, labels, global_tokens)
+            result["reference_bf16"] = _REFERENCES[key, "bf16"]
+    return result
+
+
+_PARALLEL_DIMS: dict[tuple, object] = {}
+_REFERENCES: dict[tuple, dict] = {}
+
+
+def _dense(model):
+    """``model`` with every MoE layer computing :func:`dense_moe_forward`."""
+    for block in model.layers.values():
+        if block.moe_enabled:
+            block.moe.forward = types.MethodType(dense_moe_forward, block.moe)
+    return model
+
+
+def _reference_step(model, loss_fn, tokens, labels, global_tokens) -> dict:
+    """Loss, gradients (fp32) and gradient norm of one process computing the whole batch."""
+    loss = loss_fn(model(tokens), labels) / global_tokens
+    loss.backward()
+    grads = {name: param.grad.detach().float().clone() for name, param in model.named_parameters()}
+    return {
+        "loss": float(loss.detach()),
+        "grads": grads,
+        "grad_norm": float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()]))),
+    }
+
+
+def _global_loss(loss: torch.Tensor, parallel_dims) -> float:
+    """This rank's share of the loss summed over the data-parallel ranks."""
+    from torchtitan.distributed import utils as dist_utils
+
+    mesh = parallel_dims.get_optional_mesh("loss")
+    return float(loss if mesh is None else dist_utils.dist_sum(loss.detach(), mesh))
+
+
+def _parallel_args(cell: Cell) -> dict:
+    """dp_shard for the cell: the world divided by the other degrees in its overrides."""
+    degrees = {"tensor_parallel_degree": 1, "pipeline_parallel_degree": 1}
+    for key, value in zip(cell.overrides, cell.overrides[1:]):
+        name = key.removeprefix("--parallelism.")
+        if name in degrees:
+            degrees[name] = int(value)
+    return {"dp_shard": cell.world_size // (degrees["tensor_parallel_degree"] * degrees["pipeline_parallel_degree"])}
+
+
+def _recording_score_dtypes(dtypes: list):
+    """``RoutedExpertParallel._token_dispatch`` that also records the dtype of the scores it
+    receives (fp32 expected, whatever the parameter dtype)."""
+    from torchtitan_ext.ep.base import RoutedExpertParallel
+
+    original = RoutedExpertParallel._token_dispatch
+
+    def token_dispatch(self, mod, inputs, device_mesh):
+        dtypes.append(str(inputs[1].scores.dtype))
+        return original(self, mod, inputs, device_mesh)
+
+    return token_dispatch
+
+
+def _split_without_gradient_gather(self, tensor):
+    """Defect 1 as it was: each TP rank dispatches its slice, and its gradient is left partial."""
+    return tensor.chunk(self.mesh.size())[self.mesh.get_local_rank()]
+
+
+def matrix_worker(rank: int, world_size: int, cells: list[Cell]) -> dict:
+    """Every cell of one world size, in one set of processes."""
+    import os
+
+    from tests.helpers import REPO_ROOT
+    from torchtitan_ext.training import prepare
+
+    os.chdir(REPO_ROOT)
+    prepare()
+    results = {}
+    from torchtitan_ext.ep.base import RoutedExpertParallel
+    from torchtitan_ext.models.moe import TensorParallelTokenSplit
+
+    original_split, original_dispatch = TensorParallelTokenSplit.split, RoutedExpertParallel._token_dispatch
+    for cell in cells:
+        try:
+            results[cell.id] = run_cell(rank, world_size, cell)
+        finally:
+            TensorParallelTokenSplit.split = original_split
+            RoutedExpertParallel._token_dispatch = original_dispatch
+    return results
+
+
+def cells() -> list[Cell]:
+    """The matrix: every backend x both scoring styles x each parallelism, plus the controls."""
+    ac = {
+        "ac_full": ("--activation_checkpoint.mode", "full"),
+        "ac_selective_op": ("--activation_checkpoint.mode", "selective",
+                            "--activation_checkpoint.selective_ac_option", "op"),
+        "ac_selective_layer": ("--activation_checkpoint.mode", "selective",
+                               "--activation_checkpoint.selective_ac_option", "1"),
+    }
+    ep2 = ("--parallelism.expert_parallel_degree", "2")
+    tp2 = ("--parallelism.tensor_parallel_degree", "2")
+    bf16 = ("--training.mixed_precision_param", "bfloat16")
+    pp2 = ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B",
+           "--parallelism.pipeline_parallel_microbatch_size", "1")
+    result = []
+    for model in ("deepseek_v3", "llama4"):
+        for backend in BACKENDS:
+            result += [
+                Cell("ep2_fsdp", model, backend, 2, ep2),
+                Cell("ep2_fsdp_bf16", model, backend, 2, ep2 + bf16, bf16=True),
+                Cell("ep2_borrowing_tp_batch1", model, backend, 2, ep2 + tp2, batch_per_rank=(1,)),
+                Cell("ep2_borrowing_tp_batch2", model, backend, 2, ep2 + tp2),
+                *(Cell(f"ep2_{name}", model, backend, 2, ep2 + args) for name, args in ac.items()),
+                Cell("ep2_grouped_mm", model, backend, 2, ep2, bf16=True, grouped_mm=True),
+                Cell("ep2_uneven_tokens", model, backend, 2, ep2, batch_per_rank=(2, 1)),
+                Cell("ep2_rank_receives_nothing", model, backend, 2, ep2, empty_last_rank=True),
+                Cell("ep2_pp2_fsdp2", model, backend, 4, ep2 + pp2),
+            ]
+        result += [
+            Cell("tp2_only", model, None, 2, tp2 + ("--parallelism.expert_parallel_degree", "1")),
+            Cell("ep2_expert_tp2", model, "nccl", 4,
+                 ep2 + tp2 + ("--parallelism.expert_tensor_parallel_degree", "2")),
+        ]
+    result.append(Cell("mutant_defect1", "deepseek_v3", "nccl", 2, ep2 + tp2,
+                       mutant="tp_borrow_without_gradient_gather"))
+    return result

@@ -1,0 +1,401 @@
+"""The layout advisor: topology files, its ranking, its CLI and its bad-input errors."""
+
+import math
+import re
+
+import numpy as np
+import pytest
+
+from torchtitan_ext import plan, runtime
+from torchtitan_ext.config import ConfigError
+from torchtitan_ext.planning.cost_model import MeasuredRouting
+from torchtitan_ext.planning.layout_advisor import advise, format_advice
+from torchtitan_ext.planning.measured_compute import check_measurable, MeasuredCompute
+from torchtitan_ext.planning.topology import load_topology, parse_topology, SHIPPED
+
+DEBUG_JOB = ["--job.config_file", "train_configs/debug_model.toml"]
+LEVELS = [{"name": "node", "workers": 8, "bandwidth_GBps": 400.0, "latency_us": 3.0},
+          {"name": "network", "bandwidth_GBps": 50.0, "latency_us": 10.0}]
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in SHIPPED.glob("*.toml")))
+def test_shipped_topologies_load(name):
+    topology = load_topology(name)
+    assert topology.levels and topology.compute_tflops > 0
+    assert topology.group_sizes(64)[-1] == 64
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"compute_tflops": 0}, "test.compute_tflops = 0.0: use a throughput > 0 (TFLOP/s per worker)"),
+        ({"levels": []}, "test.levels is missing or empty: add one [[levels]] table per level, innermost first"),
+        ({"levels": [{**LEVELS[0], "bandwidth_GBps": 0}, LEVELS[1]]},
+         "test.levels[0].bandwidth_GBps = 0.0: use a bandwidth > 0 (GB/s per worker)"),
+        ({"levels": [LEVELS[0], {**LEVELS[1], "bandwidth_GBps": -5}]},
+         "test.levels[1].bandwidth_GBps = -5.0: use a bandwidth > 0 (GB/s per worker)"),
+        ({"levels": [{**LEVELS[0], "latency_us": -1}, LEVELS[1]]},
+         "test.levels[0].latency_us = -1.0: use a latency >= 0 (microseconds)"),
+        ({"levels": [{**LEVELS[0], "workers": 0}, LEVELS[1]]}, "test.levels[0].workers = 0: use a count >= 1"),
+        ({"levels": [{k: v for k, v in LEVELS[0].items() if k != "workers"}, LEVELS[1]]},
+         "test.levels[0].workers is missing: only the outermost level may omit it"),
+        ({"overlap": "yes"}, "test.overlap = 'yes': expected a bool"),
+        ({"levels": [{**LEVELS[0], "all_gather_bandwidth_GBps": 0}, LEVELS[1]]},
+         "test.levels[0].all_gather_bandwidth_GBps = 0.0: use a bandwidth > 0 (GB/s per worker)"),
+        ({"levels": [LEVELS[0], {**LEVELS[1], "reduce_scatter_bandwidth_GBps": -1}]},
+         "test.levels[1].reduce_scatter_bandwidth_GBps = -1.0: use a bandwidth > 0 (GB/s per worker)"),
+    ],
+)
+def test_bad_topology_fields_are_named(change, message):
+    data = {"name": "test", "compute_tflops": 100.0, "overlap": True, "levels": LEVELS, **change}
+    with pytest.raises(ConfigError) as error:
+        parse_topology(data, "test")
+    assert str(error.value) == message
+
+
+def test_fsdp_collectives_default_to_the_all_to_all_bandwidth():
+    levels = [{**LEVELS[0], "all_gather_bandwidth_GBps": 200.0, "reduce_scatter_bandwidth_GBps": 100.0}, LEVELS[1]]
+    topology = parse_topology({"compute_tflops": 1.0, "overlap": True, "levels": levels}, "test")
+    node, network = topology.levels
+    assert [node.bandwidth(c) for c in ("all_to_all", "all_gather", "reduce_scatter")] == [400e9, 200e9, 100e9]
+    assert [network.bandwidth(c) for c in ("all_to_all", "all_gather", "reduce_scatter")] == [50e9] * 3
+
+
+def test_a_level_that_does_not_divide_the_world_size():
+    topology = load_topology("hgx_h100_ib")
+    with pytest.raises(ConfigError, match=r"level 'NVLink \(one node\)' has workers = 8, which does not divide the world size 12"):
+        topology.group_sizes(12)
+    assert topology.group_sizes(4) == [4, 4]  # a job inside one node
+    assert topology.group_sizes(32) == [8, 32]
+
+
+def _run_cli(capsys, *argv):
+    with pytest.raises(SystemExit) as exit_info:
+        plan.main(list(argv))
+    captured = capsys.readouterr()
+    return exit_info.value.code, captured.err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--topology", "no_such_cluster", "--world-size", "4", *DEBUG_JOB],
+         "error: --topology no_such_cluster: no such file, and not a shipped topology (cross_dc, gb200_nvl72, hgx_h100_ib)\n"),
+        (["--topology", "hgx_h100_ib", "--world-size", "12", *DEBUG_JOB],
+         "error: topology 'HGX H100, InfiniBand NDR': level 'NVLink (one node)' has workers = 8, which does not divide "
+         "the world size 12: use a world size that is a multiple of 8\n"),
+        (["--paper", "--topology", "cross_dc", "--world-size", "8"],
+         "error: --paper needs --paper-data-mb, --paper-expert-mb, --paper-pre-expert-ms\n"),
+        (["--paper", "--topology", "cross_dc", "--world-size", "8", "--paper-data-mb", "0", "--paper-expert-mb", "1",
+          "--paper-pre-expert-ms", "1"], "error: --paper-data-mb 0.0: use a value > 0\n"),
+        (["--calibrate", "--nproc", "1"], "error: --nproc 1: an all-to-all needs at least 2 processes\n"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(capsys, argv, message):
+    code, err = _run_cli(capsys, *argv)
+    assert code == 2
+    assert err == message
+
+
+def test_paper_mode_prints_every_domain_size(capsys):
+    plan.main(["--paper", "--topology", "cross_dc", "--world-size", "8", "--paper-data-mb", "3",
+               "--paper-expert-mb", "0.094", "--paper-pre-expert-ms", "0.099"])
+    out = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in out[2:6]]
+    assert [(int(r[0]), r[2], r[3]) for r in rows] == [(1, "56", "0"), (2, "24", "8"), (4, "8", "24"), (8, "0", "56")]
+    # Table IV's AG-only row: all-gather only (S = G, p = 0) by both the search and the closed form
+    assert out[-1].startswith("  best feasible: S=8 (p=0.000") and out[-1].endswith("p*=0.000")
+
+
+def test_advice_ranks_runnable_layouts_and_lists_refused_ones():
+    layouts, _ = advise(DEBUG_JOB, 4, load_topology("hgx_h100_ib"))
+    runnable = [layout for layout in layouts if layout.refused is None]
+    refused = [layout for layout in layouts if layout.refused is not None]
+    assert {(layout.backend, layout.ep) for layout in runnable} == {
+        (backend, ep) for backend in ("nccl", "deepep", "hybridep") for ep in (1, 2, 4)
+    } - {("deepep", 1), ("hybridep", 1)}
+    assert {(layout.backend, layout.ep) for layout in refused} == {("deepep", 1), ("hybridep", 1)}
+    assert all("needs expert parallelism" in layout.refused for layout in refused)
+    assert [layout.exposed_s for layout in runnable] == sorted(layout.exposed_s for layout in runnable)
+    assert all(layout.ep * layout.efsdp == 4 for layout in layouts)
+    # at equal layout, de-duplicating backends move fewer token copies than per-pair all-to-all
+    by_key = {(layout.backend, layout.ep): layout for layout in runnable}
+    for ep in (2, 4):
+        assert by_key["hybridep", ep].costs.token_copies < by_key["nccl", ep].costs.token_copies
+        assert by_key["deepep", ep].costs.token_copies == by_key["hybridep", ep].costs.token_copies
+
+
+@pytest.fixture(scope="module")
+def advice_671b():
+    job = ["--job.config_file", "train_configs/deepseek_v3_671b_gb200.toml"]
+    return {name: advise(job, 256, load_topology(name))[0] for name in ("gb200_nvl72", "hgx_h100_ib")}
+
+
+def test_671b_advice_quoted_in_docs(advice_671b):
+    """docs/planning.md's tables: the winners, the tie, and the numbers its text explains them with."""
+    gb200 = {(layout.backend, layout.ep): layout for layout in advice_671b["gb200_nvl72"] if layout.refused is None}
+    first = advice_671b["gb200_nvl72"][0]
+    assert (first.backend, first.ep, first.efsdp) == ("hybridep", 64, 4)  # the job's own backend wins the tie
+    assert first.exposed_s == gb200["deepep", 64].exposed_s < gb200["nccl", 64].exposed_s
+    assert (first.moe_layers, first.recomputed_layers, first.dispatches) == (58, 58, 1)
+    # FSDP of the 17.1G dense parameters over all 256 ranks, at the outer level's 50 GB/s on both, hidden behind
+    # compute
+    for layouts in advice_671b.values():
+        assert round(layouts[0].data_parallel_s * 1e3) == 2730 and layouts[0].data_parallel_exposed_s == 0.0
+    ep32 = gb200["deepep", 32]
+    assert round(ep32.costs.token_copies, 2) == 7.04 and round(first.costs.token_copies, 2) == 7.56
+    assert round(ep32.costs.exposed(True) - 4 * ep32.costs.a2a, 5) == pytest.approx(8.62e-3, abs=1e-5)
+    assert round(ep32.exposed_s, 3) == 1.141 and round(first.exposed_s, 3) == 0.687
+    assert gb200["nccl", 64].costs.token_copies == pytest.approx(8 * 63 / 64)
+    assert round(gb200["deepep", 128].costs.token_copies, 2) == 4.88
+    assert gb200["deepep", 128].a2a_level == "RDMA between racks"
+    assert ("hybridep", 32) not in gb200  # the config's ranks_per_nvlink_domain = 64 refuses it
+    hgx = {(layout.backend, layout.ep): layout for layout in advice_671b["hgx_h100_ib"] if layout.refused is None}
+    first = advice_671b["hgx_h100_ib"][0]
+    assert (first.backend, first.ep, first.efsdp) == ("deepep", 16, 16)
+    assert round(first.costs.token_copies, 2) == 3.85 and round(hgx["nccl", 16].costs.token_copies, 2) == 7.50
+
+
+def test_a_larger_nvlink_domain_than_the_topology_has_is_refused(advice_671b):
+    """The 671B job tells HybridEP that 64 ranks share NVLink: right on GB200 NVL72, wrong on HGX nodes of 8."""
+    expected = (
+        "hybridep.ranks_per_nvlink_domain = 64, but topology 'HGX H100, InfiniBand NDR' groups 8 ranks in its "
+        "innermost level 'NVLink (one node)': set it to at most 8 (a divisor of the EP degree)"
+    )
+    hgx = {layout.ep: layout.refused for layout in advice_671b["hgx_h100_ib"] if layout.backend == "hybridep"}
+    assert hgx[64] == expected  # 128 and 256 are refused earlier: they need the multinode build
+    assert not any("innermost level" in (layout.refused or "") for layout in advice_671b["gb200_nvl72"])
+
+
+@pytest.mark.parametrize(
+    "overrides, recomputed, dispatches, regather",
+    [
+        ([], 0, 1, True),
+        (["--activation_checkpoint.mode", "full"], 5, 1, True),
+        (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"], 0, 1, True),
+        (["--training.local_batch_size", "2", "--training.global_batch_size", "16"], 0, 2, True),
+        (["--parallelism.fsdp_reshard_after_forward", "never"], 0, 1, False),
+    ],
+)
+def test_job_shape_follows_checkpointing_accumulation_and_resharding(overrides, recomputed, dispatches, regather):
+    from torchtitan_ext.planning.layout_advisor import job_shape
+    from torchtitan_ext.config import load_job_config
+
+    job_config = load_job_config([*DEBUG_JOB, *overrides], device_type=None, world_size=4)
+    shape = job_shape(job_config, 4)
+    assert (shape.moe_layers, shape.recomputed_layers, shape.dispatches) == (5, recomputed, dispatches)
+    assert shape.work.regather_in_backward is regather
+    assert shape.expert_world == 4
+
+
+def _dump(sampled: np.ndarray, experts: int) -> dict:
+    """The keys of a loaded routing-statistics dump, from [steps, layers, tokens, top_k] expert ids."""
+    counts = np.stack([[np.bincount(ids.ravel(), minlength=experts) for ids in step] for step in sampled])
+    return {"steps": np.arange(1, len(sampled) + 1), "layers": np.arange(1, sampled.shape[1] + 1),
+            "tokens_per_expert": counts, "top_k": np.array(sampled.shape[3]), "sampled_expert_ids": sampled}
+
+
+def test_measured_uniform_routing_matches_the_uniform_expectation():
+    rng = np.random.default_rng(0)
+    experts, top_k = 32, 4
+    sampled = np.stack([[rng.permutation(experts)[:top_k] for _ in range(4000)] for _ in range(2)])[:, None]
+    routing = MeasuredRouting.from_dump(_dump(sampled, experts), "uniform", experts, top_k)
+    assert routing.dispatches == 2
+    for ep in (2, 4, 8):
+        # the busiest of ep ranks: over the mean by sampling noise only
+        assert routing.pair_share(ep) == pytest.approx(1 / ep, rel=0.05)
+        expected = 1 - math.comb(experts - experts // ep, top_k) / math.comb(experts, top_k)
+        assert routing.reach(ep, 1) == pytest.approx(expected, abs=0.03)
+        assert routing.reach(ep, ep) == 1.0
+
+
+def test_measured_skew_sets_the_token_copies():
+    """Every token of the debug model (8 experts, top-3) picks experts 0-2: at EP=2 all on rank 1's peer
+    rank 0, so the busiest receiver gets every pair (nccl) and every token (deepep, hybridep)."""
+    sampled = np.tile(np.array([0, 1, 2], dtype=np.int16), (2, 5, 64, 1))
+    layouts, routing = advise(DEBUG_JOB, 4, load_topology("hgx_h100_ib"), _dump(sampled, 8), "skewed")
+    uniform, _ = advise(DEBUG_JOB, 4, load_topology("hgx_h100_ib"))
+    measured = {(layout.backend, layout.ep): layout.costs for layout in layouts if layout.refused is None}
+    expected = {(layout.backend, layout.ep): layout.costs for layout in uniform if layout.refused is None}
+    assert routing.pair_share(2) == 1.0 and routing.reach(2, 1) == 1.0
+    assert measured["nccl", 2].token_copies == 3.0 and expected["nccl", 2].token_copies == 1.5
+    assert measured["deepep", 2].token_copies == 1.0
+    assert expected["deepep", 2].token_copies == pytest.approx(1 - math.comb(4, 3) / math.comb(8, 3))
+    assert measured["nccl", 2].a2a > expected["nccl", 2].a2a
+    # at EP=4 experts 0-1 are on rank 0 and 2 on rank 1: the busiest receives 2 of 3 pairs
+    assert measured["nccl", 4].token_copies == pytest.approx(3 * 3 * 2 / 3)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda d: {**d, "top_k": np.array(2)},
+         "--routing-stats dump records 8 experts, top-2; the job's model has 8, top-3: use a dump of this model"),
+        (lambda d: {k: v for k, v in d.items() if k != "sampled_expert_ids"},
+         "--routing-stats dump has no sampled tokens, which the layout advice needs for the copies per token: "
+         "record with routing_stats.sample_tokens > 0"),
+        (lambda d: {**d, "sampled_expert_ids": np.full_like(d["sampled_expert_ids"], -1)},
+         "--routing-stats dump: a step and layer with no sampled token; record more steps"),
+    ],
+)
+def test_a_dump_the_advice_cannot_use_is_named(change, message):
+    sampled = np.tile(np.array([0, 1, 2], dtype=np.int16), (1, 5, 4, 1))
+    with pytest.raises(ConfigError) as error:
+        MeasuredRouting.from_dump(change(_dump(sampled, 8)), "dump", 8, 3)
+    assert str(error.value) == message
+
+
+def test_cli_uses_a_routing_dump(capsys, tmp_path):
+    sampled = np.tile(np.array([0, 1, 2], dtype=np.int16), (2, 5, 64, 1))
+    dump = _dump(sampled, 8)
+    dump["layers"] = np.array([1, 2, 3, 4, 5])
+    np.savez(tmp_path / "routing_step000002.npz", coactivation=np.zeros((5, 8, 8)), transitions=np.zeros((5, 8, 8)),
+             **dump)
+    plan.main(["--topology", "hgx_h100_ib", "--world-size", "4", "--routing-stats", str(tmp_path), *DEBUG_JOB])
+    out = capsys.readouterr().out
+    assert f"token bytes from measured routing ({tmp_path}: 10 step x layer dispatches)" in out
+
+
+THIS_MACHINE = parse_topology(
+    {"compute_tflops": 0.03, "overlap": False, "levels": [
+        {"name": "gloo", "bandwidth_GBps": 0.6, "all_gather_bandwidth_GBps": 0.3, "reduce_scatter_bandwidth_GBps": 0.2,
+         "latency_us": 2000.0}]},
+    "this machine",
+)
+
+
+LOCAL_WORK = {"nccl": 0.004, "deepep": 0.030, "hybridep": 0.050}
+"""Per MoE call, seconds: the reference kernels' local work is larger than nccl's permutation here."""
+
+
+def test_measured_compute_and_data_parallel_sync_make_the_step_time():
+    """Compute is the measured forward-backward per microbatch plus the rank's share of the optimizer; FSDP's
+    traffic (25.1M parameters outside the experts, 8 units, gathered twice, once per microbatch) adds in full
+    without overlap; each EP layout adds its backend's local work per MoE call. The suite trains in float32 on
+    every CPU (conftest), so FSDP gathers 4 bytes a parameter."""
+    compute = MeasuredCompute(forward_backward_s=1.5, optimizer_s=0.8, processes=4, dispatch_work_s=LOCAL_WORK)
+    layouts, _ = advise([*DEBUG_JOB, "--training.local_batch_size", "2", "--training.global_batch_size", "16"], 4,
+                        THIS_MACHINE, measured_compute=compute)
+    runnable = [layout for layout in layouts if layout.refused is None]
+    moved = 25_149_696 * 3 / 4
+    per_microbatch = 2 * (moved * 4 / 0.3e9 + 8 * 2e-3) + moved * 4 / 0.2e9 + 8 * 2e-3
+    for layout in runnable:
+        assert layout.dispatches == 2  # two microbatches of gradient accumulation
+        assert (layout.moe_layers, layout.recomputed_layers) == (5, 0)
+        local_work = 0.0 if layout.ep == 1 else 2 * 5 * LOCAL_WORK[layout.backend]
+        assert layout.local_work_s == pytest.approx(local_work)
+        assert layout.compute_s == pytest.approx(2 * 1.5 + 0.8 / 4)
+        assert layout.data_parallel_s == pytest.approx(2 * per_microbatch)
+        assert layout.data_parallel_exposed_s == layout.data_parallel_s
+        assert layout.step_s == pytest.approx(layout.compute_s + 2 * per_microbatch + layout.exposed_s + local_work)
+    # compute and data-parallel sync are the same at every layout: the step times rank as what the layout adds
+    assert sorted(runnable, key=lambda layout: layout.step_s) == runnable
+
+
+def test_recomputed_layers_run_the_backends_forward_again():
+    """Under full activation checkpointing every MoE layer's forward (half of its dispatch and combine work)
+    runs again in backward, as its two forward all-to-alls do."""
+    compute = MeasuredCompute(forward_backward_s=1.5, optimizer_s=0.8, processes=4, dispatch_work_s=LOCAL_WORK)
+    layouts, _ = advise([*DEBUG_JOB, "--activation_checkpoint.mode", "full"], 4, THIS_MACHINE,
+                        measured_compute=compute)
+    runnable = [layout for layout in layouts if layout.refused is None and layout.ep > 1]
+    assert runnable
+    for layout in runnable:
+        kept = layout.moe_layers - layout.recomputed_layers
+        assert layout.recomputed_layers == 5
+        assert layout.local_work_s == pytest.approx(
+            layout.dispatches * (kept + 1.5 * layout.recomputed_layers) * LOCAL_WORK[layout.backend]
+        )
+
+
+def test_measured_local_work_decides_between_backends():
+    """By bytes alone deepep and hybridep (each token once per rank) beat nccl at EP=4; with the reference
+    kernels' measured local work on this machine, nccl's step is the shortest, and the reason says why."""
+    job = [*DEBUG_JOB, "--training.local_batch_size", "2"]
+    by_bytes = [layout for layout in advise(job, 4, THIS_MACHINE)[0] if layout.refused is None]
+    assert by_bytes[0].backend in ("deepep", "hybridep") and by_bytes[0].local_work_s == 0.0
+    compute = MeasuredCompute(forward_backward_s=1.5, optimizer_s=0.8, processes=4, dispatch_work_s=LOCAL_WORK)
+    layouts, routing = advise(job, 4, THIS_MACHINE, measured_compute=compute)
+    runnable = [layout for layout in layouts if layout.refused is None]
+    assert (runnable[0].backend, runnable[0].ep) == ("nccl", 4)
+    lines = format_advice(layouts, THIS_MACHINE, 4, "deepseek_v3 debugmodel", None, routing, compute)
+    recommended = next(line for line in lines if line.startswith("  recommended:"))
+    found = re.match(r"  recommended: nccl at EP=4, efsdp=1: least exposed MoE communication plus the backend's "
+                     r"local work per step, ([0-9.]+) ms: ([0-9.]+) exposed communication \+ ([0-9.]+) local work; "
+                     r"(deepep|hybridep) \(best at EP=4\) takes ([0-9.]+) ms", recommended)
+    assert found, recommended
+    best, rival = runnable[0], next(layout for layout in runnable if layout.backend == found[4])
+    shown = [float(found[index]) / 1e3 for index in (1, 2, 3, 5)]
+    assert shown == pytest.approx([best.moe_s, best.exposed_s, best.local_work_s, rival.moe_s], rel=5e-3)
+    assert best.exposed_s > rival.exposed_s and best.moe_s < rival.moe_s
+
+
+def test_data_parallel_sync_hides_behind_compute_where_it_overlaps():
+    layout = next(layout for layout in advise(DEBUG_JOB, 4, load_topology("hgx_h100_ib"))[0] if layout.refused is None)
+    assert 0 < layout.data_parallel_s < layout.compute_s and layout.data_parallel_exposed_s == 0.0
+    assert layout.step_s == layout.compute_s + layout.exposed_s
+
+
+@pytest.mark.parametrize(
+    "overrides, world_size, message",
+    [
+        ([*DEBUG_JOB, "--parallelism.tensor_parallel_degree", "2"], 4,
+         "--measure-compute times one rank's forward and backward through the whole model, which "
+         "parallelism.tensor_parallel_degree = 2 splits: drop --measure-compute (FLOPs at the topology's "
+         "compute_tflops), or ask about the job with tensor_parallel_degree = 1"),
+        ([], 4 * runtime.max_local_world_size(),
+         "--measure-compute starts one process per rank on this machine, and --world-size {world} is more than the "
+         "{most} ranks it can run: it measures a job this machine runs; drop --measure-compute for another "
+         "machine's job"),
+        (["--job.config_file", "train_configs/llama4_debug_model.toml", "--model.flavor", "17bx16e",
+          "--parallelism.expert_parallel_degree", "4"], 4,
+         "--measure-compute builds the whole model (107,770M parameters) in each of 4 processes: 6,423.6 GiB of "
+         "parameters and optimizer state, more than half of this machine's"),
+    ],
+)
+def test_compute_that_cannot_be_measured_here_is_refused(overrides, world_size, message):
+    from torchtitan_ext.config import load_job_config
+
+    job_config = load_job_config(overrides or DEBUG_JOB, device_type="cpu", world_size=world_size)
+    with pytest.raises(ConfigError) as error:
+        check_measurable(job_config, world_size)
+    assert str(error.value).startswith(message.format(world=world_size, most=runtime.max_local_world_size()))
+
+
+def test_measure_compute_refuses_a_gpu_machine(monkeypatch):
+    from torchtitan_ext.config import load_job_config
+
+    job_config = load_job_config(DEBUG_JOB, device_type="cpu", world_size=2)
+    monkeypatch.setattr(runtime, "device_type", lambda: "cuda")
+    with pytest.raises(ConfigError, match=r"^--measure-compute times a CPU job, and this machine trains on CUDA"):
+        check_measurable(job_config, 2)
+
+
+def test_measure_compute_needs_a_topology(capsys):
+    code, err = _run_cli(capsys, "--measure-compute", "--world-size", "2", *DEBUG_JOB)
+    assert (code, err) == (2, "error: --measure-compute sets the layout advice's compute: add --topology\n")
+
+
+def test_cli_measures_the_compute(capsys):
+    """Two processes train the small debug flavour at 32 tokens; the table's compute is what they measured:
+    one forward-backward and half of the optimizer (each rank holds half of the parameters), and each EP
+    layout's local work is its backend's measured dispatch + combine beyond torchtitan's own sort."""
+    plan.main(["--topology", "hgx_h100_ib", "--world-size", "2", "--measure-compute", *DEBUG_JOB,
+               "--model.flavor", "debugmodel_small", "--training.local_batch_size", "1", "--training.seq_len", "32"])
+    out = capsys.readouterr().out
+    found = re.search(r"compute ([0-9.,]+) ms per step measured on this machine \(2 processes: forward \+ backward "
+                      r"([0-9.]+) s, optimizer ([0-9.]+) s for all parameters\)", out)
+    assert found, out
+    step_ms, forward_backward, optimizer = float(found[1].replace(",", "")), float(found[2]), float(found[3])
+    assert forward_backward > 0 and optimizer > 0
+    assert step_ms == pytest.approx((forward_backward + optimizer / 2) * 1e3, abs=1.5, rel=0.01)
+    # each backend's local work per MoE call, measured; an EP=2 layout adds it for each of the 5 MoE layers
+    found = re.search(r"dispatch \+ combine beyond its collectives and torchtitan's own sort \(([0-9.]+) ms\): "
+                      r"nccl ([0-9.]+) ms, deepep ([0-9.]+) ms, hybridep ([0-9.]+) ms", out)
+    assert found, out
+    assert float(found[1]) > 0
+    per_call = dict(zip(("nccl", "deepep", "hybridep"), (float(found[index]) for index in (2, 3, 4))))
+    for backend, ms in per_call.items():
+        row = re.search(rf"^ +\d+ +{backend} +2 +1 .*$", out, re.MULTILINE)
+        assert row, out
+        assert float(row[0].split()[10].replace(",", "")) == pytest.approx(5 * ms, rel=0.01, abs=0.01)

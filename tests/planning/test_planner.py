@@ -1,0 +1,132 @@
+"""EP planner: its sizes equal what the runtime allocates; drop estimates follow the tail rule."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import parallelize_module
+from torchtitan.models.moe.moe import GroupedExperts
+
+from tests.helpers import REPO_ROOT, run_distributed
+from torchtitan_ext import plan as plan_module
+from torchtitan_ext.config import load_job_config
+from torchtitan_ext.planning.memory_plan import Dimensions, expected_drop_rates, plan
+from torchtitan_ext.training import prepare
+from torchtitan_ext.training.specs import register_train_specs
+
+WORLD = 2
+JOB = [
+    "--job.config_file", str(REPO_ROOT / "train_configs/debug_model.toml"),
+    "--parallelism.expert_parallel_comm_backend", "hybridep",
+    "--hybridep.non_blocking_capacity_factor", "0.5",
+    "--training.local_batch_size", "2", "--training.seq_len", "64",
+]
+
+
+@pytest.fixture(scope="module")
+def harness():
+    prepare()
+
+
+def _plan(args):
+    try:
+        return plan(load_job_config(args, device_type=None, world_size=WORLD), WORLD)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _allocate_worker(rank, world_size, args):
+    """Build the job's HybridEP layers as training does; dispatch once; report allocations."""
+    from torchtitan_ext.config import max_tokens_per_rank
+    from torchtitan_ext.ep.base import Routing
+    from torchtitan_ext.models.parallelize import expert_parallel_layers
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    register_train_specs()
+    job_config = load_job_config(list(args), device_type="cpu", world_size=world_size)
+    model_args = get_train_spec("deepseek_v3").model_args["debugmodel"]
+    style = expert_parallel_layers(job_config, model_args)(score_before_experts=False)
+    experts = GroupedExperts(model_args.dim, model_args.moe_inter_dim, model_args.moe_args.num_experts, False)
+    experts = experts.to(torch.bfloat16)
+    torch.nn.init.normal_(experts.w1), torch.nn.init.normal_(experts.w2), torch.nn.init.normal_(experts.w3)
+    parallelize_module(experts, init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",)), style)
+    tokens = max_tokens_per_rank(job_config)
+    top_k = model_args.moe_args.top_k
+    x = torch.randn(tokens, model_args.dim, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(model_args.moe_args.num_experts)[:top_k] for _ in range(tokens)])
+    captured = {}
+    dispatch = style.dispatch
+
+    def capture(*a):
+        rows, counts = dispatch(*a)
+        captured["rows"] = rows
+        return rows, counts
+
+    style.dispatch = capture
+    experts(x, Routing(torch.rand(tokens, top_k), ids))
+    buffer = style.buffer.get(None, x).value
+    return {
+        "backend": type(style).__name__,
+        "buffer_bytes": buffer.nbytes,
+        "rows": captured["rows"].shape[0],
+        "row_bytes": captured["rows"][0].numel() * captured["rows"].element_size(),
+        "regrowths": buffer.regrowths,
+    }
+
+
+def test_planner_sizes_equal_the_allocations(harness):
+    result = _plan(JOB)
+    allocated = run_distributed(WORLD, _allocate_worker, JOB)
+    by_name = {b.name: b for b in result.backends}
+    non_blocking = by_name["hybridep non-blocking (capacity factor 0.5)"]
+    for rank in allocated:
+        assert rank["backend"] == "HybridEPExpertParallel"
+        assert rank["buffer_bytes"] == non_blocking.buffer_bytes == by_name["hybridep blocking"].buffer_bytes
+        assert rank["rows"] == non_blocking.rows_worst == non_blocking.rows_balanced
+        assert rank["row_bytes"] == result.dims.hidden * result.dims.activation_bytes
+        assert rank["regrowths"] == 0, "sized once from the config"
+    # 5 MoE layers x 4 local experts x (w1, w2, w3) of 256 x 256
+    assert result.dry_run.rank_expert_parameters == 5 * (8 // WORLD) * 3 * 256 * 256
+    assert by_name["nccl"].buffer_bytes == 0 and not by_name["nccl"].can_drop
+    assert non_blocking.can_drop
+
+
+def test_saved_layers_follow_activation_checkpointing(harness):
+    modes = {
+        "none": ["--activation_checkpoint.mode", "none"],
+        "full": ["--activation_checkpoint.mode", "full"],
+        "op": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
+        "every 2": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"],
+    }
+    saved = {name: _plan(JOB + args).backends[0].saved_layers for name, args in modes.items()}
+    # debug model: 6 layers, layer 0 dense; every 2nd block (layers 1, 3, 5) is checkpointed
+    assert saved == {"none": 5, "full": 0, "op": 5, "every 2": 2}
+
+
+def test_expected_drops_follow_the_contract_example():
+    """R=2, N=48, L=2, K=1, P=32, M=96: counts 49/47 pad to 64+64 rows, 15 of 96 pairs drop."""
+    stats = {"tokens_per_expert": np.array([[[49, 47, 0, 0]]]), "layers": np.array([3])}
+    dims = Dimensions(tokens=48, ep=2, local_experts=2, top_k=1, hidden=8, activation_bytes=2)
+    overall, (layer, worst) = expected_drop_rates(stats, dims, num_rows=96, pad=32)
+    assert overall == pytest.approx(15 / 96) and (layer, worst) == (3, pytest.approx(15 / 96))
+    balanced = {"tokens_per_expert": np.array([[[24, 24, 24, 24]]]), "layers": np.array([3])}
+    assert expected_drop_rates(balanced, dims, num_rows=96, pad=32)[0] == 0.0
+
+
+def test_cli(capsys):
+    with pytest.raises(SystemExit) as missing:
+        plan_module.main(JOB)
+    assert missing.value.code == 2
+    assert "data_parallel_shard_degree = -1 leaves the world size open: pass --world-size N" in capsys.readouterr().err
+    # the module's own entry point, as a user runs it
+    command = [sys.executable, "-m", "torchtitan_ext.plan", *JOB]
+    result = subprocess.run(command + ["--world-size", "2"], capture_output=True, text=True, cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "EP plan: deepseek_v3 debugmodel on 2 ranks, for one rank" in result.stdout
+    assert "[hybridep non-blocking (capacity factor 0.5)]" in result.stdout
+    assert "can drop tokens: yes" in result.stdout

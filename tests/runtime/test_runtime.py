@@ -1,0 +1,135 @@
+"""The runtime module: device choice and the CPU accommodations for torchtitan."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torchtitan.components.metrics as tt_metrics
+import torchtitan.distributed.utils as tt_dist_utils
+import torchtitan.tools.utils as tt_utils
+from torch.distributed.fsdp import fully_shard
+
+from torchtitan_ext import runtime
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU accommodations apply only without CUDA")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_runtime():
+    assert runtime.configure() == "cpu"
+
+
+def test_torchtitan_sees_cpu_device():
+    assert tt_utils.device_type == "cpu"
+    assert tt_dist_utils.device_type == "cpu"
+    assert tt_metrics.device_type == "cpu"
+    assert tt_utils.device_module is torch.cpu
+
+
+def test_configure_is_idempotent():
+    histc = torch.histc
+    assert runtime.configure() == "cpu"
+    assert torch.histc is histc
+
+
+def test_histc_counts_integer_ids_like_cuda():
+    ids = torch.tensor([[0, 3], [3, 7], [5, 3]], dtype=torch.int64)
+    counts = torch.histc(ids.view(-1), bins=8, min=0, max=8)
+    assert counts.dtype == torch.int64
+    assert counts.tolist() == torch.bincount(ids.view(-1), minlength=8).tolist()
+
+
+def test_histc_floats_unchanged():
+    values = torch.tensor([0.1, 0.2, 0.9, 1.5])
+    assert torch.histc(values, bins=2, min=0, max=1).tolist() == [2.0, 1.0]
+
+
+def test_permute_indices_run_on_host():
+    import torchtitan.models.moe.utils as moe_utils
+
+    # two ranks x two local experts; expert 0 gets 2+1 tokens, expert 1 gets 0+3
+    counts = torch.tensor([2, 0, 1, 3], dtype=torch.int64)
+    indices, sizes, _ = moe_utils.generate_permute_indices(counts, 2, 2, 32, 8)
+    assert sizes.tolist() == [8, 8]
+    assert indices[:3].tolist() == [0, 1, 2]
+    assert indices[8:11].tolist() == [3, 4, 5]
+
+
+def test_memory_monitor_reports_process_memory():
+    monitor = tt_metrics.build_device_memory_monitor()
+    stats = monitor.get_peak_stats()
+    assert 0 < stats.max_active_gib <= stats.max_reserved_gib + 1e-6
+    assert 0 < stats.max_reserved_pct < 100
+    monitor.reset_peak_stats()
+
+
+def test_mfu_is_undefined_on_cpu():
+    assert math.isnan(tt_utils.get_peak_flops("cpu"))
+
+
+def test_fsdp_reductions_forced_to_sum(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+        runtime.adapt_model_parts([model])
+        groups = [m._get_fsdp_state()._fsdp_param_group for m in [*model, model]]
+        assert all(g.force_sum_reduction_for_comms for g in groups if g is not None)
+        model(torch.randn(2, 4)).sum().backward()
+        # set_pg_timeouts: gloo's barrier without device ids
+        from torchtitan.distributed import ParallelDims
+
+        dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+        dims.build_mesh()
+        from datetime import timedelta
+
+        tt_dist_utils.set_pg_timeouts(timedelta(seconds=30), dims)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_process_limit_on_cpu():
+    import os
+
+    assert runtime.max_local_world_size() == 4 * os.cpu_count()
+
+
+_HEAP_PROBE = """
+import torch
+from torchtitan_ext import runtime
+from torchtitan_ext.runtime.memory import _rss_bytes
+
+runtime.configure()
+
+def rss_kept_after_freeing_64_mib():
+    before, _ = _rss_bytes()
+    block = torch.ones(64 * 2**20 // 4)  # touched, so resident
+    del block
+    after, _ = _rss_bytes()
+    return after - before
+
+print(rss_kept_after_freeing_64_mib())
+runtime.keep_freed_memory_in_heap()
+print(rss_kept_after_freeing_64_mib())
+before, _ = _rss_bytes()
+runtime.release_freed_memory()
+after, _ = _rss_bytes()
+print(before - after)
+"""
+
+
+def test_freed_memory_goes_back_unless_kept_and_release_returns_it():
+    """Training returns freed blocks to the kernel; the benchmarks' setting keeps them until released.
+
+    In a fresh interpreter, since the glibc setting is process-wide.
+    """
+    result = subprocess.run([sys.executable, "-c", _HEAP_PROBE], capture_output=True, text=True, check=True)
+    returned, kept, released = (int(line) for line in result.stdout.split())
+    assert returned < 8 * 2**20, result.stdout
+    assert kept > 32 * 2**20, result.stdout
+    assert released > 32 * 2**20, result.stdout

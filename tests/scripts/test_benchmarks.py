@@ -1,0 +1,100 @@
+"""Smoke tests of the benchmark scripts: they run on one tiny shape (not how fast)."""
+
+import json
+import subprocess
+import sys
+
+from tests.helpers import REPO_ROOT
+
+
+def test_bench_ep_runs(tmp_path):
+    out, table = tmp_path / "ep.json", tmp_path / "bench.md"
+    result = subprocess.run(
+        [sys.executable, "scripts/bench_ep.py", "--nproc", "2", "--tokens", "32", "--hidden", "16",
+         "--experts", "4", "--top-k", "2", "--warmup", "1", "--iters", "2", "--no-progress",
+         "--json", str(out), "--markdown", str(table)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["backend"] for r in rows] == ["nccl", "deepep", "hybridep", "hybridep_nb", "upstream"]
+    for row in rows:
+        assert 0 < row["min_ms"] <= row["median_ms"] <= row["max_ms"]
+        assert row["bare_median_ms"] > 0 and row["bytes_sent_per_rank"] > 0 and row["collectives"] > 0
+    assert "| nccl | T=32 H=16 E=4 K=2 EP=2 |" in table.read_text()
+
+
+def test_bench_ep_local_work_runs_each_process_as_its_own_group(tmp_path):
+    """--ep-degree 1: the backends' local work alone, as many processes sharing the machine."""
+    out = tmp_path / "ep.json"
+    result = subprocess.run(
+        [sys.executable, "scripts/bench_ep.py", "--nproc", "2", "--ep-degree", "1", "--tokens", "32",
+         "--hidden", "16", "--experts", "4", "--top-k", "2", "--warmup", "1", "--iters", "2", "--no-progress",
+         "--backends", "nccl", "hybridep", "--json", str(out), "--markdown", "-"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["backend"], r["ep"], r["processes"]) for r in rows] == [("nccl", 1, 2), ("hybridep", 1, 2)]
+    for row in rows:
+        assert 0 < row["bare_median_ms"] and 0 < row["median_ms"]
+    assert "T=32 H=16 E=4 K=2 EP=1 x 2 groups" in result.stdout
+
+
+def test_bench_ep_refuses_an_ep_degree_that_does_not_divide_the_processes(capsys):
+    import importlib.util
+
+    import pytest
+
+    spec = importlib.util.spec_from_file_location("bench_ep", REPO_ROOT / "scripts" / "bench_ep.py")
+    bench_ep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_ep)
+    with pytest.raises(SystemExit) as exit_info:
+        bench_ep.main(["--nproc", "4", "--ep-degree", "3"])
+    assert exit_info.value.code == 2
+    assert "--ep-degree 3: use a divisor of --nproc 4" in capsys.readouterr().err
+
+
+def test_bench_step_runs(tmp_path):
+    out, table = tmp_path / "step.json", tmp_path / "bench.md"
+    result = subprocess.run(
+        [sys.executable, "scripts/bench_step.py", "--rounds", "1", "--steps", "2", "--warmup", "1",
+         "--no-progress", "--json", str(out), "--markdown", str(table), "--",
+         "--training.seq_len", "32", "--training.local_batch_size", "1"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert len(data["times"]["upstream"]) == len(data["times"]["ours"]) == 1
+    assert data["ratio"] > 0
+    assert "Ratio ours / upstream" in table.read_text()
+
+
+def test_bench_overlap_runs(tmp_path):
+    table = tmp_path / "bench.md"
+    result = subprocess.run(
+        [sys.executable, "scripts/bench_overlap.py", "--nproc", "2", "--tokens", "32", "--hidden", "16",
+         "--ffn", "8", "--experts", "4", "--top-k", "2", "--warmup", "1", "--iters", "2", "--no-progress",
+         "--markdown", str(table)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in table.read_text().splitlines() if line.startswith("| ")][1:]
+    assert [row[0].strip() for row in rows] == ["nccl", "deepep", "hybridep"]
+    for _, overlapped, landed_first, ratio in rows:
+        assert float(overlapped) > 0 and float(landed_first) > 0 and float(ratio) > 0
+
+
+def test_check_cluster_without_cuda_is_one_line():
+    """scripts/check_cluster.sh is the first command on a cluster; without CUDA it says so and exits 0."""
+    import torch
+
+    if torch.cuda.is_available():
+        import pytest
+
+        pytest.skip("this machine has CUDA: the check would run for real")
+    result = subprocess.run(["./scripts/check_cluster.sh"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines() == [
+        "check_cluster: no CUDA device on this machine: nothing to check here (the CPU suite is ./test.sh)"
+    ]

@@ -1,0 +1,61 @@
+"""Training runs inside test worker processes: torchtitan's Trainer, losses recorded per step."""
+
+import os
+
+from tests.helpers import REPO_ROOT
+
+TINY = [
+    "--training.local_batch_size", "2",
+    "--training.seq_len", "64",
+    "--training.mixed_precision_param", "float32",
+    "--debug.deterministic",
+    "--metrics.disable_color_printing",
+]
+"""A small, deterministic fp32 debug job: bf16 rounding differs between backends
+(the combine sums in a different order), and training amplifies that."""
+
+
+def train_worker(
+    rank: int, world_size: int, runs: list[tuple[str, list[str]]], setup=None, after_step=None,
+) -> dict[str, dict[int, float]]:
+    """Train each (name, args) job in turn; {name: {step: global loss}} (-1 on non-loss PP ranks).
+
+    ``setup(trainer)`` runs before training, ``after_step(trainer)`` after each step.
+    """
+    os.environ["LOCAL_RANK"] = str(rank)
+    os.chdir(REPO_ROOT)
+    from torchtitan_ext.config import load_job_config
+    from torchtitan_ext.data import prepare_embedded_assets
+    from torchtitan_ext.training import prepare
+    from torchtitan_ext.training.trainer import Trainer
+
+    prepare()
+    results = {}
+    for name, args in runs:
+        job_config = load_job_config(args, "cpu", world_size)
+        prepare_embedded_assets(job_config)
+        trainer = Trainer(job_config)
+        losses = {}
+        log = trainer.metrics_processor.log
+
+        def record(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None, _log=log, _losses=losses):
+            _losses[step] = float(global_avg_loss)
+            _log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
+
+        trainer.metrics_processor.log = record
+        if setup is not None:
+            setup(trainer)
+        if after_step is not None:
+            train_step = trainer.train_step
+
+            def stepped(data_iterator, _train_step=train_step, _trainer=trainer):
+                _train_step(data_iterator)
+                after_step(_trainer)
+
+            trainer.train_step = stepped
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+        results[name] = losses
+    return results

@@ -1,0 +1,47 @@
+"""Job configs: torchtitan's sections, ours, their ranges and checks; loading TOML + CLI into a JobConfig.
+
+Owns: the error of a bad job (:class:`ConfigError`), TOML + command-line
+parsing, the valid range of numeric fields, the shared ``[parallelism]``
+widening, the registry through which each feature adds its section and checks
+(:mod:`.registry`), what a config fixes about the job (:mod:`.job`), the
+defaults this machine decides (:mod:`.machine`), validation and
+:func:`load_job_config`.
+
+May import: torch, torchtitan and the standard library; nothing else of this
+package (the bottom tier, see :mod:`torchtitan_ext`).
+"""
+
+from torchtitan_ext.config.errors import ConfigError
+from torchtitan_ext.config.job import (
+    job_world_size,
+    max_tokens_per_rank,
+    meta_model,
+    model_args_of,
+    moe_layer_ids,
+    moe_shape,
+    MoEShape,
+)
+from torchtitan_ext.config.loading import load_job_config, parse
+from torchtitan_ext.config.ranges import Range
+from torchtitan_ext.config.registry import register_check, register_section, ValidationContext
+from torchtitan_ext.config.sections import comm_backend
+from torchtitan_ext.config.validation import validate
+
+__all__ = [
+    "comm_backend",
+    "ConfigError",
+    "job_world_size",
+    "load_job_config",
+    "max_tokens_per_rank",
+    "meta_model",
+    "model_args_of",
+    "moe_layer_ids",
+    "moe_shape",
+    "MoEShape",
+    "parse",
+    "Range",
+    "register_check",
+    "register_section",
+    "validate",
+    "ValidationContext",
+]

@@ -1,0 +1,191 @@
+"""TOML + command-line parsing into a job config class, with bad keys and values named in one line.
+
+Every torchtitan 0.2.2 key keeps its meaning: the parse itself is torchtitan's
+``ConfigManager``. Before it sees the arguments, unknown keys (with the
+closest valid one), ill-typed values and a missing or malformed file raise
+:class:`~torchtitan_ext.config.errors.ConfigError` naming them.
+"""
+
+import difflib
+import importlib
+import math
+import types
+import typing
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from torchtitan.config import ConfigManager
+
+from torchtitan_ext.config.errors import ConfigError
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+CONFIG_FILE_KEYS = ("--job.config_file", "--job.config-file")
+
+
+def parse_job_config(args: list[str], config_cls) -> tuple[Any, set[str]]:
+    """TOML (``--job.config_file``) + CLI overrides -> (a ``config_cls`` instance, the dotted keys the TOML
+    or the command line sets explicitly, which defaults chosen for the machine never override).
+
+    Unknown keys, ill-typed values, a missing or malformed file raise
+    ``ConfigError`` with one line, before torchtitan's parser sees them.
+    """
+    config_file = _config_file_from_args(args)
+    toml_values = _load_toml(config_file) if config_file else {}
+    custom_module = _custom_config_module(args, toml_values)
+    if custom_module:
+        config_cls = ConfigManager._merge_configs(config_cls, importlib.import_module(custom_module).JobConfig)
+    _check_toml(config_cls, toml_values, config_file)
+    _check_cli(config_cls, args)
+    return ConfigManager(config_cls=config_cls).parse_args(args), _explicit_settings(toml_values, args)
+
+
+def _config_file_from_args(args: list[str]) -> str | None:
+    found = None
+    for i, arg in enumerate(args):
+        key, _, value = arg.partition("=")
+        if key in CONFIG_FILE_KEYS:
+            if not value:
+                if i + 1 >= len(args):
+                    raise ConfigError(f"{key} needs a path: {key}=train_configs/debug_model.toml")
+                value = args[i + 1]
+            if found is not None and value != found:
+                raise ConfigError(
+                    f"--job.config_file is given twice ('{found}' and '{value}'): pass one "
+                    "(with run_train.sh: CONFIG_FILE=... or --job.config_file, not both)"
+                )
+            found = value
+    return found
+
+
+def _load_toml(path: str) -> dict[str, Any]:
+    if not Path(path).is_file():
+        raise ConfigError(
+            f"config file '{path}' not found: set CONFIG_FILE (or --job.config_file) "
+            "to an existing TOML, e.g. train_configs/debug_model.toml"
+        )
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file '{path}' is not valid TOML: {e}") from None
+
+
+def _custom_config_module(args: list[str], toml_values: dict[str, Any]) -> str:
+    for i, arg in enumerate(args):
+        key, _, value = arg.partition("=")
+        if key in ("--job.custom_config_module", "--job.custom-config-module"):
+            return value or (args[i + 1] if i + 1 < len(args) else "")
+    job = toml_values.get("job", {})
+    return job.get("custom_config_module", "") if isinstance(job, dict) else ""
+
+
+def _field_types(cls) -> dict[str, Any]:
+    return {f.name: f.type for f in fields(cls)}
+
+
+def _unknown_key_error(section: str, key: str, known: list[str], where: str) -> ConfigError:
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(sorted(known))}"
+    return ConfigError(f"unknown config key '{section}{key}' in {where}: {hint}")
+
+
+def _check_toml(cls, values: dict[str, Any], path: str | None, prefix: str = "") -> None:
+    types_ = _field_types(cls)
+    for key, value in values.items():
+        if key not in types_:
+            raise _unknown_key_error(prefix, key, list(types_), path or "the config")
+        if is_dataclass(types_[key]) and isinstance(value, dict):
+            _check_toml(types_[key], value, path, f"{prefix}{key}.")
+            continue
+        problem = _type_problem(types_[key], value)
+        if problem:
+            raise ConfigError(f"{prefix}{key} = {value!r} in {path or 'the config'}: {problem}")
+
+
+def _cli_keys(args: list[str]) -> list[str]:
+    """Dotted keys the command line sets ("training.steps"; "--x.no-flag" gives "x.no_flag")."""
+    return [
+        arg[2:].partition("=")[0].replace("-", "_")
+        for arg in args
+        if arg.startswith("--") and arg not in ("--help", "-h")
+    ]
+
+
+def _explicit_settings(toml_values: dict[str, Any], args: list[str]) -> set[str]:
+    def flatten(values: dict[str, Any], prefix: str = ""):
+        for key, value in values.items():
+            if isinstance(value, dict):
+                yield from flatten(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}"
+
+    cli = {key if not key.split(".")[-1].startswith("no_") else key.replace(".no_", ".", 1) for key in _cli_keys(args)}
+    return set(flatten(toml_values)) | cli
+
+
+def _check_cli(cls, args: list[str]) -> None:
+    for index, arg in enumerate(args):
+        if not arg.startswith("--") or arg in ("--help", "-h"):
+            continue
+        dotted, has_value, value = arg[2:].partition("=")
+        *sections, key = dotted.replace("-", "_").split(".")
+        target, prefix = cls, ""
+        for section in sections:
+            types_ = _field_types(target)
+            if section not in types_ or not is_dataclass(types_[section]):
+                raise _unknown_key_error(prefix, section, list(types_), "the command line")
+            target, prefix = types_[section], f"{prefix}{section}."
+        types_ = _field_types(target)
+        if key not in types_ and not (key.startswith("no_") and key[3:] in types_):
+            raise _unknown_key_error(prefix, key, list(types_), "the command line")
+        if key not in types_:
+            continue
+        if not has_value and index + 1 < len(args) and not args[index + 1].startswith("--"):
+            value, has_value = args[index + 1], True
+        if has_value:
+            problem = _type_problem(types_[key], value, from_text=True)
+            if problem:
+                raise ConfigError(f"--{prefix}{key} {value}: {problem}")
+
+
+def _type_problem(field_type, value, from_text: bool = False) -> str | None:
+    """Why ``value`` cannot be a ``field_type`` (None if it can, or if the type is not checked here).
+
+    ``from_text``: the value is command-line text, to be read as that type.
+    """
+    origin = typing.get_origin(field_type)
+    if origin is Literal:
+        choices = typing.get_args(field_type)
+        if value in choices or (from_text and value in [str(c) for c in choices]):
+            return None
+        return f"use one of {', '.join(repr(c) for c in choices)}"
+    if origin in (typing.Union, types.UnionType):
+        members = typing.get_args(field_type)
+        if type(None) in members and (value is None or (from_text and value == "None")):
+            return None
+        problems = [_type_problem(member, value, from_text) for member in members if member is not type(None)]
+        return None if any(p is None for p in problems) else problems[0]
+    if field_type is bool:
+        if isinstance(value, bool) or (from_text and value in ("True", "False", "true", "false")):
+            return None
+        return "use true or false"
+    if field_type in (int, float):
+        if from_text:
+            try:
+                number = int(value) if field_type is int else float(value)
+            except ValueError:
+                return f"use {'an integer' if field_type is int else 'a number'}"
+            return None if field_type is int or math.isfinite(number) else "use a finite number"
+        if isinstance(value, bool) or not isinstance(value, (int, float) if field_type is float else int):
+            return f"use {'an integer' if field_type is int else 'a number'}"
+        return None
+    if field_type is str and not from_text and not isinstance(value, str):
+        return "use a string"
+    return None
+
+

@@ -1,0 +1,33 @@
+"""The shared section that no feature owns: ``[parallelism]``'s EP backend field, widened to our backends."""
+
+from dataclasses import dataclass
+
+from torchtitan_ext.config.registry import register_section
+
+BACKEND_ALIASES = {"standard": "nccl"}
+"""torchtitan's backend names that mean one of ours."""
+
+
+@dataclass
+class Parallelism:
+    expert_parallel_comm_backend: str = "standard"
+    """
+    Expert-parallel communication backend, used when expert_parallel_degree > 1.
+
+    - "nccl": all-to-all over torch.distributed (NCCL on GPU, gloo on CPU).
+      "standard", torchtitan's name for it, is accepted as an alias.
+    - "deepep": DeepEP's kernels; knobs in [deepep].
+    - "hybridep": DeepEP's HybridEP kernels (fused permute, optional
+      non-blocking mode); knobs in [hybridep].
+
+    No effect for models without MoE layers or when expert_parallel_degree = 1.
+    """
+
+
+register_section("parallelism", Parallelism)
+
+
+def comm_backend(job_config) -> str:
+    """The EP backend's canonical name (aliases resolved)."""
+    name = job_config.parallelism.expert_parallel_comm_backend
+    return BACKEND_ALIASES.get(name, name)

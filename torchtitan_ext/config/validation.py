@@ -1,0 +1,164 @@
+"""Validation of a job config: the shared checks, then every feature's registered ones.
+
+:func:`validate` rejects bad values and combinations with one line naming the
+field and the fix (:class:`~torchtitan_ext.config.errors.ConfigError`), before
+any process group, buffer or model exists.
+"""
+
+from torchtitan_ext.config.errors import ConfigError
+from torchtitan_ext.config.job import model_args_of, moe_shape, MoEShape
+from torchtitan_ext.config.ranges import check_ranges
+from torchtitan_ext.config.registry import field_ranges, registered_checks, ValidationContext
+
+
+def validate(job_config, *, device_type: str | None, world_size: int | None = None) -> None:
+    """Reject invalid values and combinations before anything is allocated.
+
+    ``device_type`` is where the job runs ("cuda"/"cpu"; None when validating
+    for another machine, which skips the checks of what this machine can run);
+    ``world_size`` the number of processes in the job, when known.
+    """
+    check_ranges(job_config, field_ranges())
+    shape = moe_shape(job_config)
+    _check_attention(job_config, device_type)
+    _check_profiling(job_config, device_type)
+    _check_experts_divide(job_config, shape)
+    _check_activation_checkpointing(job_config)
+    _check_pipeline(job_config, device_type)
+    if world_size is not None:
+        _check_world_size(job_config, world_size)
+    context = ValidationContext(device_type, world_size, shape)
+    for check in registered_checks():
+        check(job_config, context)
+
+
+def _check_experts_divide(job_config, shape: MoEShape | None) -> None:
+    ep = job_config.parallelism.expert_parallel_degree
+    if shape is not None and shape.num_experts % ep:
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree = {ep} does not divide the model's "
+            f"{shape.num_experts} experts: pick a divisor of {shape.num_experts}"
+        )
+
+
+def _check_attention(job_config, device_type: str | None) -> None:
+    attention = getattr(model_args_of(job_config), "attn_type", "sdpa")
+    if attention == "flex" and device_type == "cpu":
+        raise ConfigError(
+            f"model.flavor = '{job_config.model.flavor}' uses FlexAttention, whose backward PyTorch does not "
+            "implement on CPU: use an SDPA flavour (e.g. debugmodel) on CPU"
+        )
+
+
+def _check_profiling(job_config, device_type: str | None) -> None:
+    if job_config.profiling.enable_profiling and device_type == "cpu":
+        raise ConfigError(
+            "profiling.enable_profiling on CPU: torchtitan 0.2.2's profiler asks torch.profiler for a GPU activity "
+            "that a CPU-only machine does not have (it passes None, and every rank fails at the first step); "
+            "unset it on CPU (py-spy record --subprocesses profiles a CPU job)"
+        )
+
+
+def _check_activation_checkpointing(job_config) -> None:
+    ac = job_config.activation_checkpoint
+    if ac.mode == "memory_budget" and not (job_config.compile.enable and "model" in job_config.compile.components):
+        raise ConfigError(
+            "activation_checkpoint.mode = 'memory_budget' works through torch.compile: set compile.enable = true "
+            "(with 'model' in compile.components), or use mode 'selective' or 'full'"
+        )
+    if ac.mode == "selective" and ac.selective_ac_option != "op":
+        option = ac.selective_ac_option
+        if not option.isdigit() or int(option) < 1:
+            raise ConfigError(
+                f"activation_checkpoint.selective_ac_option = '{option}': use 'op' (per operator) "
+                "or a positive integer N (every N-th layer)"
+            )
+
+
+def _check_pipeline(job_config, device_type: str | None) -> None:
+    p = job_config.parallelism
+    overlapped_dual_pipe = (
+        p.pipeline_parallel_degree > 1
+        and p.expert_parallel_degree > 1
+        and p.pipeline_parallel_schedule.lower() == "dualpipev"
+        and p.pipeline_parallel_expert_parallel_overlap
+    )
+    if not overlapped_dual_pipe:
+        return
+    if job_config.activation_checkpoint.mode != "none":
+        raise ConfigError(
+            "pipeline_parallel_schedule = 'DualPipeV' overlapping expert parallelism cannot run with "
+            f"activation_checkpoint.mode = '{job_config.activation_checkpoint.mode}' (torchtitan 0.2.2): set "
+            "activation_checkpoint.mode = 'none' or parallelism.pipeline_parallel_expert_parallel_overlap = false"
+        )
+    if device_type == "cpu":
+        raise ConfigError(
+            "pipeline_parallel_schedule = 'DualPipeV' overlaps expert parallelism on CUDA streams, which a CPU "
+            "does not have: set parallelism.pipeline_parallel_expert_parallel_overlap = false on CPU"
+        )
+
+
+def _check_world_size(job_config, world_size: int) -> None:
+    p = job_config.parallelism
+    fixed = p.data_parallel_replicate_degree * p.context_parallel_degree
+    fixed *= p.tensor_parallel_degree * p.pipeline_parallel_degree
+    shard = p.data_parallel_shard_degree
+    if shard == -1:
+        if world_size % fixed:
+            raise ConfigError(
+                f"world size {world_size} is not a multiple of dp_replicate x cp x tp x pp = {fixed}: "
+                f"change NGPU (or the node count) or those degrees"
+            )
+        shard = world_size // fixed
+    elif shard * fixed != world_size:
+        raise ConfigError(
+            f"dp_replicate x dp_shard x cp x tp x pp = {shard * fixed} but the world size is "
+            f"{world_size}: set parallelism.data_parallel_shard_degree = -1 or NGPU = {shard * fixed}"
+        )
+    ep, etp, tp = p.expert_parallel_degree, p.expert_tensor_parallel_degree, p.tensor_parallel_degree
+    divisor = tp * 2 * p.context_parallel_degree
+    seq_len = job_config.training.seq_len
+    if seq_len % divisor:
+        raise ConfigError(
+            f"training.seq_len = {seq_len} is not divisible by TP x 2 x CP = {divisor}: use a multiple of {divisor}"
+        )
+    batch_ranks = p.data_parallel_replicate_degree * shard
+    global_batch = job_config.training.global_batch_size
+    local_batch = job_config.training.local_batch_size
+    if global_batch != -1 and global_batch % (local_batch * batch_ranks):
+        raise ConfigError(
+            f"training.global_batch_size = {global_batch} is not a multiple of local_batch_size x data-parallel "
+            f"ranks = {local_batch} x {batch_ranks}: use a multiple of {local_batch * batch_ranks} (or -1)"
+        )
+    if p.pipeline_parallel_degree > 1 and local_batch % p.pipeline_parallel_microbatch_size:
+        raise ConfigError(
+            f"training.local_batch_size = {local_batch} is not a multiple of "
+            f"parallelism.pipeline_parallel_microbatch_size = {p.pipeline_parallel_microbatch_size}: "
+            "use a multiple of it"
+        )
+    microbatches = local_batch // p.pipeline_parallel_microbatch_size
+    stages = 2 * p.pipeline_parallel_degree  # DualPipeV runs two stages per rank (the V)
+    if p.pipeline_parallel_degree > 1 and p.pipeline_parallel_schedule.lower() == "dualpipev" and microbatches < stages:
+        raise ConfigError(
+            f"pipeline_parallel_schedule = 'DualPipeV' runs {stages} stages and needs as many microbatches, but "
+            f"training.local_batch_size = {local_batch} / pipeline_parallel_microbatch_size = "
+            f"{p.pipeline_parallel_microbatch_size} gives {microbatches}: raise local_batch_size to "
+            f"{stages * p.pipeline_parallel_microbatch_size} or more"
+        )
+    if ep == 1:
+        return
+    if etp not in (1, tp):
+        raise ConfigError(f"parallelism.expert_tensor_parallel_degree = {etp}: use 1 or tensor_parallel_degree ({tp})")
+    borrowed = shard * p.context_parallel_degree * tp
+    if borrowed % (ep * etp):
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree = {ep} (x expert TP {etp}) must divide "
+            f"dp_shard x cp x tp = {borrowed}: choose an EP degree that divides {borrowed}"
+        )
+    expert_shards = borrowed // (ep * etp)
+    if shard * p.context_parallel_degree == 1 and expert_shards > 1:
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree = {ep} leaves {expert_shards} ranks holding the same "
+            f"experts, but there is no data-parallel shard dimension to shard them over "
+            f"(dp_shard x cp = 1): set expert_parallel_degree = {borrowed // etp} or add data parallelism"
+        )

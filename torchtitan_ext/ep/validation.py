@@ -1,0 +1,57 @@
+"""The EP backend's checks of a job config, registered with :mod:`torchtitan_ext.config`.
+
+The backend named must exist; only its own section may be set; it must
+support the job's expert parallel degrees; then the backend checks its
+section and combinations itself (``RoutedExpertParallel.validate_config``).
+"""
+
+from dataclasses import fields
+
+from torchtitan_ext.config import comm_backend, ConfigError, ValidationContext
+from torchtitan_ext.ep.backends import BACKENDS
+
+
+def check_backend(job_config, context: ValidationContext) -> None:
+    backend = comm_backend(job_config)
+    if backend not in BACKENDS:
+        raise ConfigError(
+            f"parallelism.expert_parallel_comm_backend = '{backend}' is not a backend: "
+            f"use one of {', '.join(BACKENDS)} ('standard' means nccl)"
+        )
+    _check_foreign_sections(job_config, backend)
+    if context.moe_shape is None:
+        return
+    _check_degrees(job_config, backend)
+    BACKENDS[backend].validate_config(job_config, context.device_type, context.moe_shape)
+
+
+def _check_foreign_sections(job_config, backend: str) -> None:
+    """A backend's knobs live in its own section: setting another backend's is a mistake."""
+    for name, backend_class in BACKENDS.items():
+        section_name = backend_class.config_section
+        if section_name is None or name == backend:
+            continue
+        section = getattr(job_config, section_name)
+        changed = [f.name for f in fields(section) if getattr(section, f.name) != f.default]
+        if changed:
+            raise ConfigError(
+                f"[{section_name}] {changed[0]} is set but parallelism.expert_parallel_comm_backend "
+                f"is '{backend}': remove the [{section_name}] settings or select "
+                f"expert_parallel_comm_backend = '{name}'"
+            )
+
+
+def _check_degrees(job_config, backend: str) -> None:
+    backend_class = BACKENDS[backend]
+    ep = job_config.parallelism.expert_parallel_degree
+    if backend_class.needs_expert_parallelism and ep == 1:
+        raise ConfigError(
+            f"parallelism.expert_parallel_comm_backend = '{backend}' needs expert parallelism, but "
+            "expert_parallel_degree = 1: set expert_parallel_degree > 1 or use the nccl backend"
+        )
+    etp = job_config.parallelism.expert_tensor_parallel_degree
+    if not backend_class.supports_expert_tensor_parallel and ep > 1 and etp > 1:
+        raise ConfigError(
+            f"parallelism.expert_tensor_parallel_degree = {etp} is not supported by the "
+            f"'{backend}' backend: set expert_tensor_parallel_degree = 1 or use the nccl backend"
+        )

@@ -1,0 +1,10 @@
+"""Launching jobs: the launchers' pre-flight checks and the torchrun supervisor.
+
+Owns: :mod:`.preflight` (``python -m torchtitan_ext.launch.preflight``, what
+``run_train.sh`` and the SLURM script check before starting any process) and
+:mod:`.supervisor` (``python -m torchtitan_ext.supervise``).
+
+May import: every tier below it (see the tiers in :mod:`torchtitan_ext`); the
+supervisor imports nothing of this package, so that it starts fast and
+survives what the job does.
+"""

@@ -1,0 +1,110 @@
+"""Checks the launchers make before starting any process.
+
+``python -m torchtitan_ext.launch.preflight --ngpu N [--nnodes M] [--port P] [--device-type cpu|cuda] [--print-env] [--print-launch-info] -- [train args]``
+validates the process count, an explicitly requested rendezvous port and the
+job config (TOML + overrides) for N x M ranks (on ``--device-type``, default
+this machine's device), and builds the embedded assets
+the job needs. Any problem is one line on stderr naming it and the fix, with
+exit status 2, so that a bad launch fails once, before torchrun starts N copies
+of it. ``--print-env`` prints ``export NAME=value`` lines for the environment
+the EP backend's kernel library reads (e.g. HybridEP's NVLink-domain size), for
+``eval`` in a launcher script; ``--print-launch-info`` what run_train.sh needs:
+the rank whose log shows the loss (its default LOG_RANK) and the checkpoint
+folder (for the supervisor's account of a failure).
+"""
+
+import argparse
+import os
+import shlex
+import socket
+import sys
+
+from torchtitan_ext import runtime
+from torchtitan_ext.config import ConfigError, load_job_config
+from torchtitan_ext.data import prepare_embedded_assets
+from torchtitan_ext.ep import backend_class
+from torchtitan_ext.training import prepare
+
+
+def check_process_count(ngpu: str) -> int:
+    try:
+        count = int(ngpu)
+    except ValueError:
+        raise ConfigError(f"NGPU='{ngpu}' is not an integer: set NGPU to the process count, e.g. NGPU=2") from None
+    limit = runtime.max_local_world_size()
+    if count < 1:
+        raise ConfigError(f"NGPU={count}: set NGPU to at least 1")
+    if count > limit:
+        where = (
+            f"this machine has {limit} CUDA device(s)"
+            if runtime.device_type() == "cuda"
+            else f"this machine runs at most {limit} CPU processes (4 per core)"
+        )
+        raise ConfigError(f"NGPU={count} but {where}: set NGPU <= {limit}")
+    return count
+
+
+def check_port_free(port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("localhost", port))
+        except OSError:
+            raise ConfigError(
+                f"rendezvous port {port} (MASTER_PORT) is in use: unset MASTER_PORT to let "
+                "torchrun pick a free port, or set it to a free one"
+            ) from None
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--ngpu", required=True, help="processes on this machine (NGPU)")
+    parser.add_argument("--nnodes", type=int, default=1, help="machines in the job")
+    parser.add_argument("--port", type=int, help="explicit rendezvous port to check")
+    parser.add_argument(
+        "--device-type", choices=("cpu", "cuda"),
+        help="validate the job for this device type (default: this machine's); for a batch script that "
+        "checks a job on a host other than the ones that run it",
+    )
+    parser.add_argument("--print-env", action="store_true", help="print the kernel library's environment")
+    parser.add_argument(
+        "--print-launch-info", action="store_true",
+        help="print export lines for the launcher: TTE_LOSS_RANK (the first rank that computes the loss, "
+        "the default LOG_RANK) and TTE_CHECKPOINT_FOLDER (empty when checkpointing is off)",
+    )
+    parser.add_argument("train_args", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    try:
+        count = check_process_count(args.ngpu)
+        if args.port is not None:
+            check_port_free(args.port)
+        device_type = prepare()
+        job_config = load_job_config(train_args, args.device_type or device_type, world_size=count * args.nnodes)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    prepare_embedded_assets(job_config)
+    if args.print_env:
+        for name, value in backend_class(job_config).library_environment(job_config).items():
+            print(f"export {name}={shlex.quote(value)}")
+    if args.print_launch_info:
+        folder = os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder) if job_config.checkpoint.enable else ""
+        print(f"export TTE_LOSS_RANK={loss_rank(job_config, count * args.nnodes)}")
+        print(f"export TTE_CHECKPOINT_FOLDER={shlex.quote(folder)}")
+
+
+V_SCHEDULES = ("dualpipev", "zbvzerobubble")
+"""Pipeline schedules whose stages fold back (a V): the last stage is on the first pipeline rank."""
+
+
+def loss_rank(job_config, world_size: int) -> int:
+    """The first rank that holds the last pipeline stage: with PP the other stages log a loss of -1."""
+    parallelism = job_config.parallelism
+    pp = parallelism.pipeline_parallel_degree
+    if pp == 1 or parallelism.pipeline_parallel_schedule.lower() in V_SCHEDULES:
+        return 0
+    return world_size - world_size // pp
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,13 @@
+"""Planning before launch: what a job costs in memory and communication, and which backend and layout to use.
+
+Owns: the dry run on a fake process group (:mod:`.dry_run`), the per-rank
+memory and drop-risk plan (:mod:`.memory_plan`), topology files
+(:mod:`.topology`), the seed paper's cost model (:mod:`.cost_model`), the
+layout advisor (:mod:`.layout_advisor`), this machine's calibration
+(:mod:`.calibrate`), measured compute (:mod:`.measured_compute`) and the
+collective recorder it replays collectives with (:mod:`.collective_recorder`).
+The command line is ``python -m torchtitan_ext.plan``.
+
+May import: every tier below it, up to :mod:`torchtitan_ext.training` (see
+the tiers in :mod:`torchtitan_ext`).
+"""

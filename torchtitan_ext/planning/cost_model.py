@@ -1,0 +1,472 @@
+"""Communication cost of an MoE layer under an EP layout: the stream model of the seed paper.
+
+The paper ("HybridEP: Scaling Expert Parallelism to Cross-Datacenter Scenario
+via Hybrid Expert/Data Transmission", seeds/000) models one MoE block as two
+streams, computation and communication, and chooses how many peers receive
+this GPU's *tokens* by all-to-all (A2A) and how many receive its *experts* by
+all-gather (AG). Its equations are the functions ``eq3_*`` .. ``eq13_*``
+below, in its notation; :class:`PaperSetting` evaluates its one-level setting
+and :func:`pair_counts` its Algorithm 1 (Table VII).
+
+In torchtitan terms an expert domain of S ranks is expert FSDP (``efsdp``:
+the domain all-gathers its experts before use and reduce-scatters their
+gradients) and the A2A group is the EP group. :func:`layer_costs` applies the
+paper's streams to a torchtitan job: token bytes from the job's dims and
+dtype, each backend's copies per token (one per (token, expert) pair for
+all-to-all; one per destination rank, and over outer levels one per
+destination domain, for DeepEP and HybridEP), forward and backward, every
+level of the topology. Where this goes beyond the paper (several levels,
+backward, FSDP's re-gather) is said at the function.
+"""
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from torchtitan_ext.config import ConfigError
+from torchtitan_ext.planning.topology import Collective, Topology
+
+
+# ---- the paper's equations, its notation (D: a GPU's token bytes, P_E: expert bytes, B: bandwidth) ----
+
+
+def eq3_a2a_volume(D: float, a2a_group: int) -> float:
+    """Eq. 3: bytes one GPU sends by all-to-all: its D split in |G^A2A| chunks, all but its own leave."""
+    return D / a2a_group * (a2a_group - 1)
+
+
+def eq4_ag_volume(P_E: float, ag_group: int) -> float:
+    """Eq. 4: bytes one GPU receives by the experts' all-gather: one P_E from each other GPU of its domain."""
+    return P_E * (ag_group - 1)
+
+
+def eq2_compute_latency(pre_expert: float, n: int, expert: float) -> float:
+    """Eq. 2: Lat_comp = Lat^PE + n Lat^Ep (pre-expert blocks, then n local experts)."""
+    return pre_expert + n * expert
+
+
+def eq5_comm_latency(ag: float, a2a: float) -> float:
+    """Eq. 5: Lat_comm = Lat^AG + 2 Lat^A2A (experts gathered once; tokens dispatched and combined)."""
+    return ag + 2 * a2a
+
+
+def eq7_overlap_latency(pre_expert: float, ag: float, n: int, expert: float) -> float:
+    """Eq. 7: pre-expert compute hides the experts' all-gather; expert compute hides under communication."""
+    return min(pre_expert, ag) + n * expert
+
+
+def eq8_final_latency(compute: float, comm: float, overlap: float) -> float:
+    """Eq. 8: one GPU's latency, the two streams less what overlaps."""
+    return compute + comm - overlap
+
+
+def eq9_system_latency(per_gpu: list[float]) -> float:
+    """Eq. 9: a synchronous step waits for its slowest GPU."""
+    return max(per_gpu)
+
+
+def eq11_latency(p: float, G: int, D: float, B: float, pre_expert: float) -> float:
+    """Eq. 11, case 1 (Lat^PE >= Lat^AG): the all-gather is hidden, latency grows with p."""
+    return pre_expert + 2 * D * (G - 1) / (B * G) * p
+
+
+def eq12_latency(p: float, G: int, D: float, P_E: float, B: float) -> float:
+    """Eq. 12, case 2 (Lat^PE < Lat^AG): the all-gather is exposed."""
+    return p * (G - 1) * (2 * D - G * P_E) / (B * G) + (G - 1) * P_E / B
+
+
+def case_boundary_p(G: int, P_E: float, B: float, pre_expert: float) -> float:
+    """The p at which Lat^AG = Lat^PE (eqs. 11-12's ranges): 1 - B Lat^PE / (P_E (G-1))."""
+    return 1 - B * pre_expert / (P_E * (G - 1))
+
+
+def eq10_latency(p: float, G: int, D: float, P_E: float, B: float, pre_expert: float) -> float:
+    """Eq. 10: eq. 11 where the all-gather hides behind pre-expert compute, else eq. 12."""
+    if p >= case_boundary_p(G, P_E, B, pre_expert):
+        return eq11_latency(p, G, D, B, pre_expert)
+    return eq12_latency(p, G, D, P_E, B)
+
+
+def optimal_p(G: int, D: float, P_E: float, B: float, pre_expert: float) -> float:
+    """The paper's summary: p* = the case boundary when 2D < G P_E (case 2.1), else 0 (AG only, case 2.2).
+
+    Clamped to [0, 1]: the boundary is negative when pre-expert compute hides a full all-gather.
+    """
+    if 2 * D >= G * P_E:
+        return 0.0
+    return min(1.0, max(0.0, case_boundary_p(G, P_E, B, pre_expert)))
+
+
+def p_of_domain_size(G: int, S: int) -> float:
+    """The A2A proportion of expert-domain size S: the G-1 peers minus the S-1 gathered from, over G-1."""
+    return (G - S) / (G - 1)
+
+
+@dataclass(frozen=True)
+class PaperSetting:
+    """The paper's one-level setting: G GPUs, one expert each, bandwidth-only links (no latency terms)."""
+
+    G: int
+    D: float
+    """Bytes of tokens one GPU dispatches."""
+    P_E: float
+    """Bytes of one GPU's experts."""
+    B: float
+    """Bandwidth, bytes per second."""
+    pre_expert: float
+    """Lat^PE_comp, seconds."""
+
+    def latency(self, S: int) -> float:
+        """Eqs. 2-8 at expert-domain size S (A2A among the G/S domains, AG within one)."""
+        a2a = eq3_a2a_volume(self.D, self.G // S) / self.B
+        ag = eq4_ag_volume(self.P_E, S) / self.B
+        compute = eq2_compute_latency(self.pre_expert, 1, 0.0)
+        return eq8_final_latency(compute, eq5_comm_latency(ag, a2a), eq7_overlap_latency(self.pre_expert, ag, 1, 0.0))
+
+    def domain_sizes(self) -> list[int]:
+        return [S for S in range(1, self.G + 1) if self.G % S == 0]
+
+    def best_domain_size(self) -> int:
+        """The feasible S (a divisor of G) of least latency; ties go to the smaller domain."""
+        return min(self.domain_sizes(), key=lambda S: (self.latency(S), S))
+
+
+def eq13_coordinates(rank: int, fanouts: list[int]) -> list[int]:
+    """Eq. 13: a global rank's coordinate at each level, outermost first (fanouts SF^0..SF^{L-1})."""
+    coordinates = []
+    for level in range(len(fanouts)):
+        inner = math.prod(fanouts[level + 1 :])
+        coordinates.append(rank // inner % fanouts[level])
+    return coordinates
+
+
+def pair_kind(rank_a: int, rank_b: int, fanouts: list[int], domain_sizes: list[int]) -> str | None:
+    """Algorithm 1: "AG" when two ranks share an expert domain, "A2A" when they hold the same offset in
+    different domains, None (no direct transfer) otherwise.
+
+    The level compared is the one where the ranks' coordinates differ, all others equal (the
+    paper's text reads as suffix-equality only, which would put all-gathers across data
+    centres; this is the reading that keeps AG inside a domain).
+    """
+    a, b = eq13_coordinates(rank_a, fanouts), eq13_coordinates(rank_b, fanouts)
+    differing = [level for level in range(len(fanouts)) if a[level] != b[level]]
+    if len(differing) != 1:
+        return None
+    level = differing[0]
+    S = domain_sizes[level]
+    same_domain = a[level] // S == b[level] // S
+    same_offset = a[level] % S == b[level] % S
+    if same_domain and not same_offset:
+        return "AG"
+    if not same_domain and same_offset:
+        return "A2A"
+    return None
+
+
+def pair_counts(fanouts: list[int], domain_sizes: list[int]) -> dict[str, int]:
+    """Table VII: ordered GPU pairs that exchange experts (AG) or tokens (A2A)."""
+    G = math.prod(fanouts)
+    counts = {"AG": 0, "A2A": 0}
+    for a, b in itertools.permutations(range(G), 2):
+        kind = pair_kind(a, b, fanouts, domain_sizes)
+        if kind is not None:
+            counts[kind] += 1
+    return counts
+
+
+# ---- the same streams for a torchtitan job ----
+
+
+@dataclass(frozen=True)
+class MeasuredRouting:
+    """Routing a run recorded (a routing-statistics dump), in place of uniform routing.
+
+    Each (step, MoE layer) of the dump is one dispatch. An all-to-all ends when
+    its busiest receiver has its rows, so each measure is, per dispatch, the
+    busiest rank's (or group of ranks') share, averaged over the dispatches;
+    the copies per token the advice reports then count every peer as the
+    busiest. Experts sit on EP ranks in logical order (E/ep consecutive experts
+    per rank, no expert placement).
+    """
+
+    source: str
+    tokens_per_expert: np.ndarray
+    """[dispatches, E]: (token, expert) pairs per expert."""
+    sampled_expert_ids: tuple[np.ndarray, ...]
+    """Per dispatch, [tokens, top_k] expert ids of the sampled tokens."""
+
+    @classmethod
+    def from_dump(cls, stats: dict, source: str, experts: int, top_k: int) -> "MeasuredRouting":
+        """From a loaded dump (``routing_stats.load``/``load_folder``) of a model with ``experts`` and ``top_k``."""
+        counts = stats["tokens_per_expert"]
+        if counts.shape[-1] != experts or int(stats["top_k"]) != top_k:
+            raise ConfigError(
+                f"--routing-stats {source} records {counts.shape[-1]} experts, top-{int(stats['top_k'])}; the job's "
+                f"model has {experts}, top-{top_k}: use a dump of this model"
+            )
+        if "sampled_expert_ids" not in stats or stats["sampled_expert_ids"].shape[2] == 0:
+            raise ConfigError(
+                f"--routing-stats {source} has no sampled tokens, which the layout advice needs for the copies "
+                "per token: record with routing_stats.sample_tokens > 0"
+            )
+        sampled = stats["sampled_expert_ids"].reshape(-1, *stats["sampled_expert_ids"].shape[2:])
+        rows = tuple(ids[(ids >= 0).all(axis=1)].astype(np.int64) for ids in sampled)
+        if not all(len(r) for r in rows):
+            raise ConfigError(f"--routing-stats {source}: a step and layer with no sampled token; record more steps")
+        return cls(source, counts.reshape(-1, experts).astype(np.float64), rows)
+
+    @property
+    def dispatches(self) -> int:
+        return len(self.tokens_per_expert)
+
+    def pair_share(self, ep: int) -> float:
+        """The busiest EP rank's share of the (token, expert) pairs: 1/ep under uniform routing."""
+        per_rank = self.tokens_per_expert.reshape(self.dispatches, ep, -1).sum(axis=2)
+        return float(np.mean(per_rank.max(axis=1) / per_rank.sum(axis=1)))
+
+    def reach(self, ep: int, ranks: int) -> float:
+        """The largest fraction of tokens with an expert on one group of EP ranks: the groups of
+        ``ranks`` consecutive ranks from rank 0 (each rank, or a level's domains; the last may be
+        partial). Under uniform routing the mean over groups is 1 - ``_miss(E, k, E/ep x ranks)``;
+        the largest is above it by the sampling noise, more so with few sampled tokens."""
+        experts = self.tokens_per_expert.shape[1]
+        held = experts // ep * ranks
+        fractions = []
+        for ids in self.sampled_expert_ids:
+            hit = np.zeros((len(ids), -(-experts // held)), dtype=bool)
+            hit[np.arange(len(ids))[:, None], ids // held] = True
+            fractions.append(hit.mean(axis=0).max())
+        return float(np.mean(fractions))
+
+
+@dataclass(frozen=True)
+class MoEWorkload:
+    """What one rank moves and computes per MoE layer and step."""
+
+    tokens: int
+    """Tokens this rank dispatches per MoE layer call (local batch x sequence)."""
+    hidden: int
+    top_k: int
+    experts: int
+    expert_parameters: int
+    """Parameters of one routed expert."""
+    activation_bytes: int
+    """Bytes per element of dispatched tokens (and of their combine and gradients)."""
+    gather_bytes: int
+    """Bytes per element of FSDP's all-gather (the parameter dtype FSDP casts to)."""
+    reduce_bytes: int
+    """Bytes per element of FSDP's gradient reduce-scatter."""
+    pre_expert_flops: float
+    """Forward FLOPs of one layer outside its routed experts (attention, router, shared
+    experts), for this rank's tokens: the compute FSDP's prefetch can hide an all-gather behind."""
+    regather_in_backward: bool
+    """FSDP reshards after forward, so backward gathers the experts again."""
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Seconds per MoE layer and training step, for one rank (the paper's Lat terms)."""
+
+    a2a: float
+    """One all-to-all of tokens (dispatch, or combine), one direction."""
+    all_gather: float
+    """One all-gather of this rank's experts over its expert-FSDP group."""
+    reduce_scatter: float
+    pre_expert_forward: float
+    token_copies: float
+    """Copies of each token that leave the rank per dispatch."""
+    all_gathers: int
+    """All-gathers of the experts per step: 2 when backward gathers again, else 1."""
+
+    def all_to_alls(self, recomputed: bool) -> int:
+        """Dispatch and combine, forward and backward; two more when activation checkpointing
+        recomputes the layer's forward in backward (collectives included)."""
+        return 6 if recomputed else 4
+
+    def communication(self, recomputed: bool = False) -> float:
+        return self.all_to_alls(recomputed) * self.a2a + self.all_gathers * self.all_gather + self.reduce_scatter
+
+    def exposed(self, overlap: bool, recomputed: bool = False) -> float:
+        """Communication the step waits for. With overlap: forward as eq. 10 (the all-gather hides
+        behind pre-expert compute; the all-to-alls cannot, their input is its output); in backward
+        the re-gather and the gradients' reduce-scatter share the expert-FSDP link and hide together
+        behind the pre-expert backward (twice the forward's FLOPs). The paper's eq. 7 also hides
+        expert compute under the all-to-alls; here expert compute stays in the step's compute and
+        every all-to-all is exposed. Without overlap: all of it."""
+        if not overlap:
+            return self.communication(recomputed)
+        forward_gather = max(0.0, self.all_gather - self.pre_expert_forward)
+        regather = self.all_gather if self.all_gathers > 1 else 0.0
+        backward_fsdp = max(0.0, regather + self.reduce_scatter - 2 * self.pre_expert_forward)
+        return self.all_to_alls(recomputed) * self.a2a + forward_gather + backward_fsdp
+
+
+def _levels_of_peers(topology: Topology, sizes: list[int], peers: list[int]) -> dict[int, int]:
+    """{level index: how many of ``peers`` rank 0 reaches first at that level}."""
+    counts: dict[int, int] = {}
+    for peer in peers:
+        level = topology.level_of(sizes, 0, peer)
+        counts[level] = counts.get(level, 0) + 1
+    return counts
+
+
+def _miss(experts: int, top_k: int, held: int) -> float:
+    """Probability that none of a token's top_k distinct experts (uniform) is among ``held`` experts."""
+    if experts - held < top_k:
+        return 0.0
+    return math.comb(experts - held, top_k) / math.comb(experts, top_k)
+
+
+def _transfer(topology: Topology, bytes_per_level: dict[int, float], collective: Collective = "all_to_all") -> float:
+    """Levels' links run side by side: the slowest level's bytes / the collective's bandwidth + start-up."""
+    return max(
+        (volume / topology.levels[level].bandwidth(collective) + topology.levels[level].latency_us * 1e-6
+         for level, volume in bytes_per_level.items() if volume > 0),
+        default=0.0,
+    )
+
+
+def token_bytes_per_level(
+    work: MoEWorkload, topology: Topology, sizes: list[int], ep: int, copies_per_rank: bool,
+    routing: MeasuredRouting | None = None,
+) -> tuple[dict[int, float], float]:
+    """({level: bytes rank 0 sends there per all-to-all}, token copies leaving the rank).
+
+    Uniform routing, or with ``routing`` the busiest receiver's measured share
+    (pairs per rank; tokens reaching a rank or a domain). The EP group is ranks
+    0..ep-1 (torchtitan's mesh puts ep innermost).
+    Per pair (all-to-all): each of the tokens x top_k pairs goes to its expert's rank.
+    Per rank (DeepEP, HybridEP): a token goes once to each rank holding one of its experts;
+    over an outer level once to each domain (the EP ranks of one inner-level group) holding
+    one, and the rank it lands on forwards it inside the domain (counted on the innermost
+    level, also for a domain reached over the third level or beyond).
+    """
+    row = work.hidden * work.activation_bytes
+    local = work.experts // ep
+    by_level = _levels_of_peers(topology, sizes, list(range(1, ep)))
+    volume: dict[int, float] = {}
+    copies = 0.0
+    if not copies_per_rank:
+        per_peer = work.tokens * work.top_k * (routing.pair_share(ep) if routing else 1 / ep)
+        for level, peers in by_level.items():
+            volume[level] = peers * per_peer * row
+            copies += peers * per_peer / work.tokens
+        return volume, copies
+
+    def reach(ranks: int, domain_size: int) -> float:
+        """Of a domain of ``domain_size`` ranks of which ``ranks`` are in the EP group."""
+        if routing:
+            return routing.reach(ep, domain_size)
+        return 1 - _miss(work.experts, work.top_k, local * ranks)
+
+    reach_rank = reach(1, 1)
+    for level, peers in by_level.items():
+        if level == 0:
+            volume[0] = volume.get(0, 0.0) + peers * work.tokens * reach_rank * row
+            copies += peers * reach_rank
+            continue
+        domains: dict[int, int] = {}
+        for peer in range(1, ep):
+            if topology.level_of(sizes, 0, peer) == level:
+                domains[peer // sizes[level - 1]] = domains.get(peer // sizes[level - 1], 0) + 1
+        for ranks in domains.values():
+            reach_domain = reach(ranks, sizes[level - 1])
+            volume[level] = volume.get(level, 0.0) + work.tokens * reach_domain * row
+            copies += reach_domain
+            # the rank a token lands on forwards it to the domain's other ranks that hold its experts
+            volume[0] = volume.get(0, 0.0) + (ranks - 1) * work.tokens * reach_rank * row
+    return volume, copies
+
+
+def layer_costs(
+    work: MoEWorkload, topology: Topology, world_size: int, ep: int, efsdp: int, copies_per_rank: bool,
+    routing: MeasuredRouting | None = None,
+) -> LayerCosts:
+    """The paper's streams for one MoE layer of a torchtitan job at (ep, efsdp), per rank and step.
+
+    Tokens: eq. 3's A2A over the EP group, with the backend's copies per token (four per step,
+    six when activation checkpointing recomputes the layer). Experts: eq. 4's AG over the expert-FSDP group
+    (ranks ep apart), of this rank's E/ep experts in FSDP's shards, once or twice per step, and
+    the gradients' reduce-scatter of the same bytes at the reduce dtype.
+    """
+    sizes = topology.group_sizes(world_size)
+    volume, copies = token_bytes_per_level(work, topology, sizes, ep, copies_per_rank, routing)
+    a2a = _transfer(topology, volume)
+    gathered = work.experts // ep * work.expert_parameters * (efsdp - 1) / efsdp
+    if efsdp > 1:
+        level = max(topology.level_of(sizes, 0, j * ep) for j in range(1, efsdp))
+        all_gather = _transfer(topology, {level: gathered * work.gather_bytes}, "all_gather")
+        reduce_scatter = _transfer(topology, {level: gathered * work.reduce_bytes}, "reduce_scatter")
+    else:
+        all_gather = reduce_scatter = 0.0
+    pre_expert = work.pre_expert_flops / (topology.compute_tflops * 1e12)
+    return LayerCosts(
+        a2a=a2a,
+        all_gather=all_gather,
+        reduce_scatter=reduce_scatter,
+        pre_expert_forward=pre_expert,
+        token_copies=copies,
+        all_gathers=2 if work.regather_in_backward and efsdp > 1 else 1,
+    )
+
+
+@dataclass(frozen=True)
+class DataParallelSync:
+    """Data parallelism's traffic outside the routed experts' FSDP, per rank and step: FSDP's all-gathers
+    and reduce-scatters of the dense parameters, and HSDP's (or DDP's) all-reduce of every gradient
+    shard across replicas.
+
+    Not the paper's (its blocks hold experts only), and the same for every EP layout of a job (EP does
+    not change these groups), but on a machine where communication does not overlap compute it is part
+    of every step. torchtitan keeps gradient sync on for every microbatch of gradient accumulation, so
+    each repeats it all.
+    """
+
+    dense_parameters: int
+    """Parameters FSDP shards over ``fsdp_degree`` ranks (all but the routed experts'), of one
+    pipeline stage and tensor-parallel shard. >= 0."""
+    units: int
+    """``fully_shard`` units: one all-gather and one reduce-scatter each (and one all-reduce across
+    replicas), one start-up each. >= 1."""
+    fsdp_degree: int
+    """Ranks of the FSDP group (data-parallel shard x context parallel); 1: no FSDP traffic. >= 1."""
+    fsdp_stride: int
+    """Ranks between two members of the FSDP group (torchtitan's mesh puts tensor parallel inside). >= 1."""
+    replicas: int
+    """Data-parallel replicas (HSDP, or DDP without FSDP); 1: no all-reduce. >= 1."""
+    replica_stride: int
+    """Ranks between two replicas of one shard. >= 1."""
+    shard_parameters: int
+    """Parameters one rank holds and all-reduces across replicas: its shard of every parameter. >= 0."""
+    gather_bytes: int
+    """Bytes per element FSDP gathers: the parameter dtype it casts to before the all-gather."""
+    reduce_bytes: int
+    """Bytes per element of gradients in the reduce-scatter and the all-reduce."""
+    regather_in_backward: bool
+    """FSDP reshards after forward, so backward gathers every unit again."""
+    accumulation_steps: int
+    """Forward-backward passes per optimizer step (gradient accumulation). >= 1."""
+
+    def communication(self, topology: Topology, world_size: int) -> float:
+        """Seconds per step: per accumulation step, the all-gathers (two when backward gathers again)
+        and the reduce-scatter over the FSDP group, then the all-reduce across replicas (a
+        reduce-scatter and an all-gather of the rank's gradient shard)."""
+        sizes = topology.group_sizes(world_size)
+
+        def seconds(collective: Collective, size: int, stride: int, elements: float, element_bytes: int) -> float:
+            if size == 1:
+                return 0.0
+            link = topology.levels[topology.level_of(sizes, 0, (size - 1) * stride)]
+            moved = elements * (size - 1) / size
+            return moved * element_bytes / link.bandwidth(collective) + self.units * link.latency_us * 1e-6
+
+        fsdp = (2 if self.regather_in_backward else 1) * seconds(
+            "all_gather", self.fsdp_degree, self.fsdp_stride, self.dense_parameters, self.gather_bytes
+        ) + seconds("reduce_scatter", self.fsdp_degree, self.fsdp_stride, self.dense_parameters, self.reduce_bytes)
+        all_reduce = sum(
+            seconds(collective, self.replicas, self.replica_stride, self.shard_parameters, self.reduce_bytes)
+            for collective in ("reduce_scatter", "all_gather")
+        )
+        return self.accumulation_steps * (fsdp + all_reduce)

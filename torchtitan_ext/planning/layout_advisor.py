@@ -1,0 +1,451 @@
+"""Which EP backend and EP layout a job should use on a topology, and why.
+
+For every backend and every (EP degree, expert-FSDP degree) the job can run at
+its world size, :func:`advise` predicts the MoE communication per step and the
+part of it the step waits for (:mod:`.cost_model`), the
+per-rank memory the layout changes (the experts FSDP gathers for a layer, the
+planner's buffer and dispatched rows), and ranks the layouts by what each adds
+to the step: its exposed MoE communication, plus with a measured compute
+(:mod:`.measured_compute`) its backend's local work.
+Feasibility is the job config's own validation: a layout it refuses is listed
+with the reason, never ranked.
+"""
+
+import copy
+from dataclasses import dataclass, replace
+
+import torch
+from torchtitan.config import TORCH_DTYPE_MAP
+
+from torchtitan_ext.config import comm_backend, ConfigError, load_job_config, meta_model, MoEShape, validate
+from torchtitan_ext.ep import BACKENDS
+from torchtitan_ext.planning.cost_model import (
+    DataParallelSync,
+    eq3_a2a_volume,
+    eq4_ag_volume,
+    layer_costs,
+    LayerCosts,
+    MeasuredRouting,
+    MoEWorkload,
+    optimal_p,
+    p_of_domain_size,
+    pair_counts,
+    PaperSetting,
+)
+from torchtitan_ext.planning.measured_compute import MeasuredCompute
+from torchtitan_ext.planning.memory_plan import saved_moe_layers
+from torchtitan_ext.planning.topology import Topology
+
+
+@dataclass(frozen=True)
+class JobShape:
+    """What the cost model needs from a job, for one rank and step."""
+
+    work: MoEWorkload
+    moe_layers: int
+    """MoE layers in the model (every rank runs each, no pipeline split assumed)."""
+    recomputed_layers: int
+    """MoE layers whose forward activation checkpointing recomputes in backward, collectives
+    included (those whose dispatched rows are not saved)."""
+    dispatches: int
+    """MoE calls per layer and step: gradient-accumulation steps x pipeline microbatches."""
+    pass_flops: float
+    """FLOPs of one forward-backward pass of one rank's microbatch: torchtitan's count (6 x active
+    parameters + attention)."""
+    expert_world: int
+    """Ranks the experts are spread over: EP degree x expert-FSDP degree."""
+    data_parallel_sync: DataParallelSync
+    """FSDP's traffic outside the routed experts and HSDP's across replicas (the same at every EP layout)."""
+    parameter_share: float
+    """The fraction of the model's parameters one rank holds and steps (FSDP and EP shard them all), in
+    (0, 1]."""
+
+    @property
+    def recompute_factor(self) -> float:
+        """Forward-backward passes' cost with activation checkpointing over without (a recomputed
+        forward: a third of a pass, counted for the recomputed share of the MoE layers), in [1, 4/3]."""
+        return 1 + self.recomputed_layers / self.moe_layers / 3
+
+    @property
+    def step_flops(self) -> float:
+        """FLOPs of one rank's step: every MoE call's pass, plus the recomputed forwards' share."""
+        return self.pass_flops * self.dispatches * self.recompute_factor
+
+
+@dataclass(frozen=True)
+class Layout:
+    backend: str
+    ep: int
+    efsdp: int
+    refused: str | None
+    """The job config's validation error for this layout; None when it runs."""
+    costs: LayerCosts | None = None
+    moe_layers: int = 0
+    recomputed_layers: int = 0
+    dispatches: int = 1
+    compute_s: float = 0.0
+    dispatch_work_s: float = 0.0
+    """The backend's local work per MoE call (dispatch and combine, forward and backward, without the
+    collectives), measured on this machine; 0 at EP = 1 and without a measurement (on GPUs the library
+    kernels fuse their permutes into the transfers, which the cost model's bytes stand for)."""
+    data_parallel_s: float = 0.0
+    """Data parallelism's traffic outside the routed experts' FSDP, per step (:class:`DataParallelSync`)."""
+    overlap: bool = True
+    gathered_expert_bytes: int = 0
+    """Experts one layer's all-gather materialises on this rank (transient)."""
+    buffer_bytes: int | None = None
+    """The backend's communication buffer on one rank (the planner's count; None: unknown here)."""
+    a2a_level: str = ""
+    """The outermost topology level the EP group's all-to-all crosses ("" at EP = 1)."""
+    gather_level: str = ""
+    """The outermost level the expert-FSDP group's all-gather crosses ("" at efsdp = 1)."""
+
+    def _per_step(self, per_layer) -> float:
+        kept = self.moe_layers - self.recomputed_layers
+        return self.dispatches * (per_layer(False) * kept + per_layer(True) * self.recomputed_layers)
+
+    @property
+    def communication_s(self) -> float:
+        return self._per_step(self.costs.communication)
+
+    @property
+    def exposed_s(self) -> float:
+        return self._per_step(lambda recomputed: self.costs.exposed(self.overlap, recomputed))
+
+    @property
+    def local_work_s(self) -> float:
+        """The backend's local work per step; a recomputed layer runs its forward half again."""
+        return self._per_step(lambda recomputed: self.dispatch_work_s * (1.5 if recomputed else 1.0))
+
+    @property
+    def moe_s(self) -> float:
+        """What the layout adds to the step: exposed MoE communication and the backend's local work."""
+        return self.exposed_s + self.local_work_s
+
+    @property
+    def data_parallel_exposed_s(self) -> float:
+        """Data-parallel time the step waits for: with overlap, what compute cannot hide (FSDP prefetches
+        the next unit's gather during this one's compute); without, all of it."""
+        return max(0.0, self.data_parallel_s - self.compute_s) if self.overlap else self.data_parallel_s
+
+    @property
+    def step_s(self) -> float:
+        """Predicted step time: compute, the backend's local work, and the exposed MoE and data-parallel
+        communication (the smaller collectives, the loss's and the gradient norm's all-reduces, are left out)."""
+        return self.compute_s + self.moe_s + self.data_parallel_exposed_s
+
+    def overrides(self) -> list[str]:
+        return ["--parallelism.expert_parallel_comm_backend", self.backend, "--parallelism.expert_parallel_degree", str(self.ep)]
+
+
+def job_shape(job_config, world_size: int) -> JobShape:
+    """The job's MoE dims, dtypes and FLOPs, from its model built on the meta device."""
+    model = meta_model(job_config)
+    model_args = model.model_args
+    expert_parameters, dense_parameters, layers, moe_layers = 0, 0, {}, set()
+    for name, parameter in model.named_parameters():
+        parts = name.split(".")
+        if parts[0] == "layers":
+            layers[int(parts[1])] = None
+        if ".moe.experts." in f".{name}":
+            expert_parameters += parameter.numel()
+            moe_layers.add(int(parts[1]))
+        else:
+            dense_parameters += parameter.numel()
+    if not moe_layers:
+        raise ConfigError(f"model {job_config.model.name} {job_config.model.flavor} has no MoE layers: nothing to advise")
+    moe_args = model_args.moe_args
+    per_expert = expert_parameters // len(moe_layers) // moe_args.num_experts
+    _, flops_per_token = model_args.get_nparams_and_flops(model, job_config.training.seq_len)
+    p, training = job_config.parallelism, job_config.training
+    saved, _ = saved_moe_layers(job_config, tuple(layers), tuple(sorted(moe_layers)))
+    recomputed = len(moe_layers) - saved
+    microbatch = p.pipeline_parallel_microbatch_size if p.pipeline_parallel_degree > 1 else training.local_batch_size
+    tokens = microbatch * training.seq_len // p.context_parallel_degree
+    if p.tensor_parallel_degree > 1 and p.expert_tensor_parallel_degree == 1:
+        tokens //= p.tensor_parallel_degree
+    data_parallel = world_size // (p.pipeline_parallel_degree * p.tensor_parallel_degree * p.context_parallel_degree)
+    accumulation = max(1, training.global_batch_size // (training.local_batch_size * data_parallel))
+    dispatches = accumulation * (training.local_batch_size // microbatch)
+    routed_flops = 6 * len(moe_layers) * moe_args.top_k * per_expert
+    forward_outside_experts = (flops_per_token - routed_flops) / 3 / model_args.n_layers
+
+    def element(dtype: str) -> int:
+        return torch.empty((), dtype=TORCH_DTYPE_MAP[dtype]).element_size()
+
+    reshard = p.fsdp_reshard_after_forward
+    work = MoEWorkload(
+        tokens=tokens,
+        hidden=model_args.dim,
+        top_k=moe_args.top_k,
+        experts=moe_args.num_experts,
+        expert_parameters=per_expert,
+        activation_bytes=element(training.mixed_precision_param),
+        gather_bytes=element(training.mixed_precision_param),
+        reduce_bytes=element(training.mixed_precision_reduce),
+        pre_expert_flops=forward_outside_experts * tokens,
+        regather_in_backward=reshard == "always" or (reshard == "default" and p.pipeline_parallel_degree == 1),
+    )
+    expert_world = world_size // (
+        p.pipeline_parallel_degree * p.data_parallel_replicate_degree * p.expert_tensor_parallel_degree
+    )
+    # every parameter is split over all ranks but the replicas (FSDP and EP, TP and PP shard it)
+    parameter_share = p.data_parallel_replicate_degree / world_size
+    fsdp_degree = data_parallel // p.data_parallel_replicate_degree * p.context_parallel_degree
+    data_parallel_sync = DataParallelSync(
+        # PP and TP split as if evenly (TP leaves norms and routers whole: each rank holds a little more)
+        dense_parameters=dense_parameters // (p.pipeline_parallel_degree * p.tensor_parallel_degree),
+        # the blocks, the embeddings and the output layer, one unit each (torchtitan's apply_fsdp); every
+        # unit counts as re-gathered in backward, though the output layer is not by default, and as on
+        # every stage, though only the first and last hold the embeddings and the output
+        units=model_args.n_layers // p.pipeline_parallel_degree + 2,
+        fsdp_degree=fsdp_degree,
+        fsdp_stride=p.tensor_parallel_degree,
+        replicas=p.data_parallel_replicate_degree,
+        # torchtitan's mesh: pp, dp_replicate, dp_shard, cp, tp (innermost last)
+        replica_stride=fsdp_degree * p.tensor_parallel_degree,
+        shard_parameters=round((dense_parameters + expert_parameters) * parameter_share),
+        gather_bytes=work.gather_bytes,
+        reduce_bytes=work.reduce_bytes,
+        regather_in_backward=work.regather_in_backward,
+        accumulation_steps=accumulation,
+    )
+    return JobShape(
+        work, len(moe_layers), recomputed, dispatches, flops_per_token * tokens, expert_world, data_parallel_sync,
+        parameter_share,
+    )
+
+
+def _candidate(job_config, backend_name: str, ep: int):
+    """The job at this backend and EP degree, the other backends' sections at their defaults (the
+    job's own section for this backend is kept: its knobs are part of the question)."""
+    candidate = copy.deepcopy(job_config)
+    candidate.parallelism.expert_parallel_comm_backend = backend_name
+    candidate.parallelism.expert_parallel_degree = ep
+    for other_name, other in BACKENDS.items():
+        if other.config_section is not None and other_name != backend_name:
+            setattr(candidate, other.config_section, other.Config())
+    return candidate
+
+
+def _check_nvlink_domain(backend, candidate, topology: Topology, sizes: list[int]) -> None:
+    """ConfigError when the backend is told that more ranks share an NVLink domain than the topology's
+    innermost level groups: it would treat ranks over the slower level as NVLink peers."""
+    domain = backend.nvlink_domain_ranks(candidate)
+    if domain is not None and domain > sizes[0]:
+        raise ConfigError(
+            f"{backend.config_section}.ranks_per_nvlink_domain = {domain}, but topology '{topology.name}' groups "
+            f"{sizes[0]} ranks in its innermost level '{topology.levels[0].name}': set it to at most {sizes[0]} "
+            "(a divisor of the EP degree)"
+        )
+
+
+def advise(
+    train_args: list[str], world_size: int, topology: Topology, routing_stats: dict | None = None, routing_source: str = "",
+    measured_compute: MeasuredCompute | None = None,
+) -> tuple[list[Layout], MeasuredRouting | None]:
+    """Every backend x EP degree: runnable ones ranked by what each adds to the step (exposed MoE
+    communication, and with a measured compute the backend's local work), then the
+    refused; and the measured routing used for token bytes (from ``routing_stats``, a loaded dump), if any.
+
+    Compute per step is ``measured_compute`` (this machine's, :mod:`.measured_compute`)
+    when given, else the job's FLOPs at the topology's ``compute_tflops``. A measured compute makes the job
+    the one this machine runs: its dtypes are the ones a CPU job here trains in (the bytes every
+    collective moves)."""
+    device_type = None if measured_compute is None else "cpu"
+    job_config = load_job_config(train_args, device_type=device_type, world_size=world_size)
+    shape = job_shape(job_config, world_size)
+    work = shape.work
+    routing = None
+    if routing_stats is not None:
+        routing = MeasuredRouting.from_dump(routing_stats, routing_source, work.experts, work.top_k)
+    if measured_compute is None:
+        compute_s = shape.step_flops / (topology.compute_tflops * 1e12)
+    else:
+        compute_s = measured_compute.step_seconds(shape.dispatches * shape.recompute_factor, shape.parameter_share)
+    data_parallel_s = shape.data_parallel_sync.communication(topology, world_size)
+    moe_shape = MoEShape(work.hidden, work.experts, work.top_k, work.tokens)
+    sizes = topology.group_sizes(world_size)
+
+    def level_name(last_peer: int) -> str:
+        return topology.levels[topology.level_of(sizes, 0, last_peer)].name if last_peer else ""
+
+    runnable, refused = [], []
+    for ep in range(1, shape.expert_world + 1):
+        if shape.expert_world % ep or work.experts % ep:
+            continue
+        efsdp = shape.expert_world // ep
+        for backend_name, backend in BACKENDS.items():
+            layout = Layout(backend_name, ep, efsdp, refused=None)
+            candidate = _candidate(job_config, backend_name, ep)
+            try:
+                validate(candidate, device_type=device_type, world_size=world_size)
+                _check_nvlink_domain(backend, candidate, topology, sizes)
+            except ConfigError as e:
+                refused.append(replace(layout, refused=str(e)))
+                continue
+            runnable.append(replace(
+                layout,
+                costs=layer_costs(work, topology, world_size, ep, efsdp, backend.sends_each_token_once_per_rank, routing),
+                moe_layers=shape.moe_layers,
+                recomputed_layers=shape.recomputed_layers,
+                dispatches=shape.dispatches,
+                compute_s=compute_s,
+                dispatch_work_s=0.0 if measured_compute is None or ep == 1 else measured_compute.dispatch_work_s[backend_name],
+                data_parallel_s=data_parallel_s,
+                overlap=topology.overlap,
+                gathered_expert_bytes=work.experts // ep * work.expert_parameters * work.gather_bytes,
+                buffer_bytes=backend.planned_buffer(candidate, moe_shape)[0],
+                a2a_level=level_name(ep - 1),
+                gather_level=level_name((efsdp - 1) * ep),
+            ))
+    # equal predictions keep the job's own backend first
+    configured = comm_backend(job_config)
+    runnable.sort(key=lambda layout: (layout.moe_s, layout.backend != configured, layout.ep))
+    return runnable + refused, routing
+
+
+def overrides_problem(train_args: list[str], world_size: int, layout: Layout) -> str | None:
+    """What the job config itself still needs changed for ``layout.overrides()`` to run; None if nothing."""
+    try:
+        load_job_config([*train_args, *layout.overrides()], device_type=None, world_size=world_size)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def _ms(seconds: float) -> str:
+    value = seconds * 1e3
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
+def _gib(value: int | None) -> str:
+    return "n/a" if value is None else f"{value / 2**30:,.2f}"
+
+
+def _reason(best: Layout, others: list[Layout]) -> str:
+    """Why ``best`` wins: against the best layout of another backend, and the best layout at another EP degree."""
+    measured = any(layout.local_work_s for layout in (best, *others))
+
+    def moe_time(layout: Layout) -> str:
+        if not measured:
+            return f"{_ms(layout.exposed_s)} ms"
+        return f"{_ms(layout.moe_s)} ms: {_ms(layout.exposed_s)} exposed communication + {_ms(layout.local_work_s)} local work"
+
+    if measured:
+        parts = [f"least exposed MoE communication plus the backend's local work per step, {moe_time(best)}"]
+    else:
+        parts = [f"least exposed MoE communication, {_ms(best.exposed_s)} ms per step"]
+    rival = next((o for o in others if o.backend != best.backend), None)
+    copies = "" if rival is None else (
+        f"{best.backend} sends {best.costs.token_copies:.2f} copies of each token per dispatch, "
+        f"{rival.backend} {rival.costs.token_copies:.2f}"
+    )
+    if rival is not None and rival.moe_s == best.moe_s:
+        parts.append(
+            f"{rival.backend} at EP={rival.ep} ties (the same bytes over the same links: the model does not "
+            f"separate them, and keeps the job's own backend first)"
+        )
+    elif rival is not None and measured:
+        parts.append(f"{rival.backend} (best at EP={rival.ep}) takes {moe_time(rival)} ({copies})")
+    elif rival is not None:
+        parts.append(f"{rival.backend} (best at EP={rival.ep}) exposes {_ms(rival.exposed_s)} ms: {copies}")
+    neighbour = next((o for o in others if o.ep != best.ep), None)
+    if neighbour is not None:
+        def describe(layout: Layout) -> str:
+            a2a = f"all-to-all {_ms(layout.costs.a2a)} ms" + (f" over {layout.a2a_level}" if layout.a2a_level else "")
+            exposed_gather = layout.costs.exposed(layout.overlap) - layout.costs.all_to_alls(False) * layout.costs.a2a
+            gather = f"expert gather/scatter {_ms(exposed_gather)} ms exposed" + (
+                f" over {layout.gather_level}" if layout.gather_level else ""
+            )
+            return f"{a2a}, {gather}"
+
+        parts.append(
+            f"per layer, EP={best.ep} has {describe(best)}; the best other EP degree, {neighbour.backend} at "
+            f"EP={neighbour.ep} ({moe_time(neighbour)}), has {describe(neighbour)}"
+        )
+    return "; ".join(parts)
+
+
+def format_advice(
+    layouts: list[Layout], topology: Topology, world_size: int, model: str, overrides_problem: str | None,
+    routing: MeasuredRouting | None = None, measured_compute: MeasuredCompute | None = None,
+) -> list[str]:
+    runnable = [layout for layout in layouts if layout.refused is None]
+    lines = [
+        f"Layout advice: {model} on {world_size} ranks, topology '{topology.name}' "
+        f"(communication {'overlaps' if topology.overlap else 'does not overlap'} compute)",
+    ]
+    if routing is not None:
+        lines.append(
+            f"  token bytes from measured routing ({routing.source}: {routing.dispatches} step x layer dispatches), "
+            "the busiest receiving rank's share, experts in logical order"
+        )
+    else:
+        lines.append("  token bytes assume uniform routing (--routing-stats DUMP uses a run's measured routing)")
+    if runnable:
+        first = runnable[0]
+        if measured_compute is None:
+            compute = f"at {topology.compute_tflops:g} TFLOP/s"
+        else:
+            compute = (
+                f"measured on this machine ({measured_compute.processes} processes: forward + backward "
+                f"{measured_compute.forward_backward_s:.3f} s, optimizer {measured_compute.optimizer_s:.3f} s for all "
+                "parameters)"
+            )
+        lines.append(
+            f"  {first.moe_layers} MoE layers ({first.recomputed_layers} recomputed by activation checkpointing), "
+            f"{first.dispatches} MoE call(s) per layer and step; compute {_ms(first.compute_s)} ms per step "
+            f"{compute}; data-parallel sync {_ms(first.data_parallel_s)} ms per step "
+            f"({_ms(first.data_parallel_exposed_s)} exposed); "
+            "times per rank"
+        )
+        header = (
+            f"  {'#':>3}  {'backend':<9} {'EP':>4} {'efsdp':>5} {'copies':>6} {'A2A ms':>9} {'AG ms':>9} "
+            f"{'RS ms':>9} {'comm ms/step':>12} {'exposed ms/step':>15} "
+            f"{'local ms/step ' if measured_compute is not None else ''}{'step ms':>9} "
+            f"{'gathered GiB':>12} {'buffer GiB':>10}  all-to-all over"
+        )
+        lines.append(header)
+        for index, layout in enumerate(runnable, start=1):
+            c = layout.costs
+            lines.append(
+                f"  {index:>3}  {layout.backend:<9} {layout.ep:>4} {layout.efsdp:>5} {c.token_copies:>6.2f} "
+                f"{_ms(c.a2a):>9} {_ms(c.all_gather):>9} {_ms(c.reduce_scatter):>9} "
+                f"{_ms(layout.communication_s):>12} {_ms(layout.exposed_s):>15} "
+                f"{f'{_ms(layout.local_work_s):>13} ' if measured_compute is not None else ''}{_ms(layout.step_s):>9} "
+                f"{_gib(layout.gathered_expert_bytes):>12} {_gib(layout.buffer_bytes):>10}  {layout.a2a_level or '-'}"
+            )
+        lines.append(f"  recommended: {first.backend} at EP={first.ep}, efsdp={first.efsdp}: {_reason(first, runnable[1:])}")
+        lines.append(f"  overrides: {' '.join(first.overrides())}")
+        if overrides_problem is not None:
+            lines.append(f"  with those, this job config still fails its checks: {overrides_problem}")
+    refused = [layout for layout in layouts if layout.refused is not None]
+    if refused:
+        lines.append("  not runnable (the job's config checks; other backends' sections at their defaults):")
+        lines += [f"    {layout.backend} EP={layout.ep}: {layout.refused}" for layout in refused]
+    return lines
+
+
+def format_paper(setting: PaperSetting, link: str) -> list[str]:
+    """The seed paper's one-level setting at every feasible expert-domain size, in its notation."""
+    G, D, P_E, B = setting.G, setting.D, setting.P_E, setting.B
+    case = "2.2: 2D >= G P_E, all-gather only" if 2 * D >= G * P_E else "2.1: 2D < G P_E, both transfers"
+    lines = [
+        f"Paper setting (one worker per entry, bandwidth only): G={G}, D={D / 1e6:g} MB, P_E={P_E / 1e6:g} MB, "
+        f"B={B / 1e9:g} GB/s ({link}), Lat^PE={setting.pre_expert * 1e3:g} ms",
+        f"  {'S':>4} {'p':>6} {'A2A pairs':>9} {'AG pairs':>8} {'Lat^A2A ms':>10} {'Lat^AG ms':>9} {'Lat ms':>9}",
+    ]
+    for S in setting.domain_sizes():
+        pairs = pair_counts([G], [S])
+        lines.append(
+            f"  {S:>4} {p_of_domain_size(G, S):>6.3f} {pairs['A2A']:>9} {pairs['AG']:>8} "
+            f"{_ms(eq3_a2a_volume(D, G // S) / B):>10} {_ms(eq4_ag_volume(P_E, S) / B):>9} {_ms(setting.latency(S)):>9}"
+        )
+    best = setting.best_domain_size()
+    p_star = optimal_p(G, D, P_E, B, setting.pre_expert)
+    lines.append(
+        f"  best feasible: S={best} (p={p_of_domain_size(G, best):.3f}, {_ms(setting.latency(best))} ms); "
+        f"closed form (case {case}): p*={p_star:.3f}"
+    )
+    return lines

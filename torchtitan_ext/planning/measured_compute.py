@@ -1,0 +1,267 @@
+"""One rank's compute per training step, measured on this machine: the layout advisor's compute stream.
+
+FLOPs over a GEMM's throughput miss most of a CPU step: the model's small
+GEMMs run far below a 512^3 GEMM's rate, and the non-GEMM operators (norms,
+softmax, the router's sort, the experts' permutation) and the optimizer are
+not FLOP-bound. ``python -m torchtitan_ext.plan ... --topology T
+--measure-compute`` times them instead: it starts one process per rank of
+the job (one thread each, all at once, as a CPU job of that many ranks shares
+this machine's cores), and each builds the job's model as the trainer does on
+this machine (its dtypes, its expert path), runs forward and backward on one
+rank's batch of random tokens, clips the gradients and steps the job's
+optimizer (torchtitan's, with the job's settings) over the whole model.
+
+Then each process times every backend's local work on its tokens: one MoE
+call's dispatch and combine, forward and backward, with the experts as the
+identity, in a process group of its own (the backend permutes its tokens and
+runs its kernels; its collectives only copy), less the time of exactly those
+collectives replayed alone, and less torchtitan's own sort around the
+experts, which the forward-backward above contains and an EP backend
+replaces. On this machine that is the reference kernels' work, which an EP
+layout adds to its step; the library kernels on GPUs fuse it into their
+transfers, and the advisor counts none without a measurement. A group of one
+receives each token once, where at EP > 1 DeepEP and HybridEP receive a
+token once per destination rank: their receive-side work is undercounted.
+No process communicates with another: the collectives are the cost model's
+part.
+
+What it leaves out: a layout's own compute differences (the rank runs E/ep
+experts on ep times the tokens: the same GEMM FLOPs, fewer and larger GEMMs),
+activation checkpointing's recomputed forwards (the advisor adds a third of a
+pass for each recomputed layer's share) and torch.compile (CPU jobs here run
+eager).
+"""
+
+import copy
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torchtitan.components.optimizer import build_optimizers
+from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.distributed import ParallelDims
+from torchtitan.models.moe.moe import TokenReorderer
+from torchtitan.protocols.train_spec import get_train_spec
+
+from torchtitan_ext import runtime
+from torchtitan_ext.config import ConfigError, load_job_config, meta_model, model_args_of, MoEShape, parse
+from torchtitan_ext.ep import BACKENDS
+from torchtitan_ext.planning.collective_recorder import CollectiveRecorder
+from torchtitan_ext.training import prepare
+
+WARMUP_STEPS = 2
+TIMED_STEPS = 4
+BYTES_PER_PARAMETER = 16
+"""A float32 parameter, its gradient and AdamW's two moments (activations and a low-precision copy come on
+top: the memory check refuses well before it matters)."""
+
+
+@dataclass(frozen=True)
+class MeasuredCompute:
+    """Medians over the timed steps of the slowest process's time in each (a synchronous step waits for it)."""
+
+    forward_backward_s: float
+    """One microbatch's forward and backward through the whole model, in seconds."""
+    optimizer_s: float
+    """Gradient clipping and the optimizer's step over all of the model's parameters, in seconds
+    (FSDP steps only a rank's shards: the advisor scales it by the rank's share)."""
+    processes: int
+    """Processes that ran at once."""
+    dispatch_work_s: dict[str, float]
+    """Per backend: one MoE call's dispatch and combine, forward and backward, on one rank's tokens,
+    without its collectives and beyond torchtitan's own sort (which the forward-backward contains), in
+    seconds; 0 where those took all of the time."""
+
+    def step_seconds(self, passes: float, parameter_share: float) -> float:
+        """One rank's step: ``passes`` forward-backward passes (microbatches, more with recomputation) and
+        the optimizer over ``parameter_share`` of the parameters."""
+        return passes * self.forward_backward_s + parameter_share * self.optimizer_s
+
+
+def check_measurable(job_config, world_size: int) -> None:
+    """ConfigError unless this machine can measure the job's per-rank compute as a whole-model pass.
+
+    ``job_config`` is the job as a CPU job here runs it (loaded with ``device_type="cpu"``, so that what
+    a CPU job refuses is refused here, before any process starts)."""
+    if runtime.device_type() != "cpu":
+        raise ConfigError(
+            "--measure-compute times a CPU job, and this machine trains on CUDA: drop --measure-compute "
+            "(FLOPs at the topology's compute_tflops)"
+        )
+    p = job_config.parallelism
+    for field, degree in (
+        ("tensor_parallel_degree", p.tensor_parallel_degree),
+        ("pipeline_parallel_degree", p.pipeline_parallel_degree),
+        ("context_parallel_degree", p.context_parallel_degree),
+    ):
+        if degree > 1:
+            raise ConfigError(
+                f"--measure-compute times one rank's forward and backward through the whole model, which "
+                f"parallelism.{field} = {degree} splits: drop --measure-compute (FLOPs at the topology's "
+                f"compute_tflops), or ask about the job with {field} = 1"
+            )
+    most = runtime.max_local_world_size()
+    if world_size > most:
+        raise ConfigError(
+            f"--measure-compute starts one process per rank on this machine, and --world-size {world_size} is more "
+            f"than the {most} ranks it can run: it measures a job this machine runs; drop --measure-compute for "
+            "another machine's job"
+        )
+    parameters = sum(parameter.numel() for parameter in meta_model(job_config).parameters())
+    needed = world_size * parameters * BYTES_PER_PARAMETER
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if needed > memory // 2:
+        raise ConfigError(
+            f"--measure-compute builds the whole model ({parameters / 1e6:,.0f}M parameters) in each of "
+            f"{world_size} processes: {needed / 2**30:,.1f} GiB of parameters and optimizer state, more than half "
+            f"of this machine's {memory / 2**30:,.1f} GiB; drop --measure-compute for a model this machine cannot train"
+        )
+
+
+def _measure(rank: int, train_args: list[str], world_size: int, barrier, results) -> None:
+    torch.set_num_threads(1)
+    prepare()
+    job_config = load_job_config(train_args, device_type="cpu", world_size=world_size)
+    spec = get_train_spec(job_config.model.name)
+    model_args = model_args_of(job_config)
+    model_args.update_from_config(job_config)
+    torch.manual_seed(rank)
+    model = spec.model_cls(model_args)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    one_rank = ParallelDims(dp_shard=1, dp_replicate=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    # torchtitan's optimizers with the job's settings; the train spec's MoE hook (the expert-bias update, a few
+    # small tensors and an all-reduce) needs a process group, which this process has not
+    optimizers = build_optimizers([model], job_config.optimizer, one_rank)
+    compute_model = _in_parameter_dtype(model, TORCH_DTYPE_MAP[job_config.training.mixed_precision_param])
+    training = job_config.training
+    tokens = torch.randint(0, model_args.vocab_size, (training.local_batch_size, training.seq_len))
+    timings = []
+    for step in range(WARMUP_STEPS + TIMED_STEPS):
+        # every step starts together, as the ranks of a synchronous step do
+        barrier.wait()
+        began = time.perf_counter()
+        if compute_model is not model:
+            with torch.no_grad():
+                for master, cast in zip(model.parameters(), compute_model.parameters()):
+                    cast.copy_(master)
+        logits = compute_model(tokens)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten()).backward()
+        if compute_model is not model:
+            for master, cast in zip(model.parameters(), compute_model.parameters()):
+                master.grad, cast.grad = (None if cast.grad is None else cast.grad.float()), None
+        passed = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), training.max_norm)
+        optimizers.step()
+        optimizers.zero_grad()
+        if step >= WARMUP_STEPS:
+            timings.append((passed - began, time.perf_counter() - passed))
+    dtype = next(compute_model.parameters()).dtype
+    results[rank] = (timings, _time_dispatch(train_args, model_args, tokens.numel(), dtype, barrier))
+
+
+def _time_dispatch(train_args: list[str], model_args, tokens: int, dtype: torch.dtype, barrier) -> tuple:
+    """(times of torchtitan's own sort around the experts: its MoE.forward at EP = 1, the experts as the
+    identity; per backend: (times of one MoE call's dispatch + combine, forward and backward; times of its
+    collectives alone)), in a process group of this process alone."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        moe = model_args.moe_args
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(tokens, model_args.dim, generator=generator).to(dtype)
+        grad = torch.randn(tokens, model_args.dim, generator=generator).to(dtype)
+        scores = torch.rand(tokens, moe.top_k, generator=generator)
+        picks = torch.rand(tokens, moe.num_experts, generator=generator).argsort(dim=1)
+        expert_ids = picks[:, : moe.top_k].contiguous()
+        shape = MoEShape(model_args.dim, moe.num_experts, moe.top_k, tokens)
+        reorderer = TokenReorderer(moe.num_experts, moe.top_k)
+
+        def torchtitan_sort():
+            token, score = x.detach().requires_grad_(), scores.detach().requires_grad_()
+            sorted_scores, sorted_picks, _ = reorderer(score, expert_ids)
+            routed = token[sorted_picks // moe.top_k]
+            if moe.score_before_experts:
+                routed = (routed.float() * sorted_scores.reshape(-1, 1)).to(dtype)
+            unsorted = torch.zeros((tokens * moe.top_k, model_args.dim), dtype=dtype)
+            unsorted[sorted_picks] = routed
+            unsorted = unsorted.reshape(tokens, moe.top_k, model_args.dim)
+            if moe.score_before_experts:
+                out = unsorted.sum(dim=1)
+            else:
+                out = torch.bmm(score.reshape(-1, 1, moe.top_k), unsorted.float()).to(dtype).squeeze(1)
+            out.backward(grad)
+
+        sort_times, timings = _timed(torchtitan_sort, barrier), {}
+        for name, backend in BACKENDS.items():
+            config = parse([*train_args, "--parallelism.expert_parallel_comm_backend", name])
+            style = backend.layer_factory(config, shape)(score_before_experts=moe.score_before_experts)
+
+            def call():
+                rows, _ = style.dispatch(x.detach().requires_grad_(), scores.detach().requires_grad_(),
+                                         expert_ids, moe.num_experts, dist.group.WORLD)
+                style.combine(rows, dist.group.WORLD).backward(grad)
+
+            with CollectiveRecorder() as recorder:
+                call()
+            collectives, _ = recorder.replay_plan()
+            timings[name] = (_timed(call, barrier), _timed(lambda: [c() for c in collectives], barrier))
+        return sort_times, timings
+    finally:
+        dist.destroy_process_group()
+
+
+def _timed(fn, barrier) -> list[float]:
+    """Seconds of each timed call of ``fn``, every call started with all processes together."""
+    times = []
+    for step in range(WARMUP_STEPS + TIMED_STEPS):
+        barrier.wait()
+        began = time.perf_counter()
+        fn()
+        if step >= WARMUP_STEPS:
+            times.append(time.perf_counter() - began)
+    return times
+
+
+def _in_parameter_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """The model FSDP's mixed precision computes with: parameters cast to ``dtype`` (copied from the float32
+    master before each step, as FSDP casts at its all-gather), buffers as they are."""
+    if dtype == torch.float32:
+        return model
+    cast = copy.deepcopy(model)
+    for parameter in cast.parameters():
+        parameter.data = parameter.data.to(dtype)
+    return cast
+
+
+def measure_compute(train_args: list[str], world_size: int) -> MeasuredCompute:
+    """Time the job's per-rank compute with ``world_size`` processes at once (about a minute on 2 cores for
+    the debug model at 4 ranks, half of it starting the processes)."""
+    print(f"[measure-compute] {world_size} processes, one thread each: {WARMUP_STEPS} warm-up and "
+          f"{TIMED_STEPS} timed forward/backward passes and optimizer steps of the job's model, then of each "
+          "backend's dispatch + combine", flush=True)
+    with mp.Manager() as manager:
+        results, barrier = manager.dict(), manager.Barrier(world_size)
+        mp.spawn(_measure, args=(train_args, world_size, barrier, results), nprocs=world_size, join=True)
+        per_rank = list(results.values())
+    def slowest_median(series) -> float:
+        """Median over steps of the slowest process's time: a synchronous step waits for it."""
+        return statistics.median(max(calls) for calls in zip(*series))
+
+    forward_backward = slowest_median([[passed for passed, _ in timings] for timings, _ in per_rank])
+    optimizer = slowest_median([[stepped for _, stepped in timings] for timings, _ in per_rank])
+    torchtitan_sort = slowest_median([sort_times for _, (sort_times, _) in per_rank])
+    dispatch_work = {}
+    for name in BACKENDS:
+        calls = slowest_median([dispatch[name][0] for _, (_, dispatch) in per_rank])
+        collectives = slowest_median([dispatch[name][1] for _, (_, dispatch) in per_rank])
+        dispatch_work[name] = max(0.0, calls - collectives - torchtitan_sort)
+    work = ", ".join(f"{name} {seconds * 1e3:.3g} ms" for name, seconds in dispatch_work.items())
+    print(f"[measure-compute] forward + backward {forward_backward:.3f} s, clipping and optimizer over all "
+          f"parameters {optimizer:.3f} s; one MoE call's dispatch + combine beyond its collectives and "
+          f"torchtitan's own sort ({torchtitan_sort * 1e3:.3g} ms): {work} (medians over steps of the slowest "
+          "process)", flush=True)
+    return MeasuredCompute(forward_backward, optimizer, world_size, dispatch_work)

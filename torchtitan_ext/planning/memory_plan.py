@@ -1,0 +1,203 @@
+"""EP memory plan: memory and drop risk of each backend for a job, before launch
+(``python -m torchtitan_ext.plan`` prints it).
+
+For one rank, and for each backend (nccl, deepep, hybridep blocking,
+hybridep non-blocking at the configured capacity factor), prints:
+
+- the communication buffer's bytes;
+- the permuted rows per MoE layer (the experts' input; bytes at the
+  activation dtype), and that times the MoE layers whose dispatch output
+  stays alive for backward under the configured activation checkpointing;
+- the expert parameter bytes this rank holds;
+- whether the config can drop tokens, and with a routing-statistics dump the
+  expected drop rate for that routing (the contract's tail rule and padding).
+
+Every size comes from the code the runtime runs: the model is built on the
+meta device and parallelized as in training (:mod:`.dry_run`), each backend
+gives its rows per dispatch where a mode fixes them (``planned_modes``) and its
+buffer's bytes (``planned_buffer``: the reference buffer's allocation, and
+DeepEP's own size hints when deep_ep is importable). Nothing is allocated; no
+GPU is needed.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.protocols.train_spec import get_train_spec
+
+from torchtitan_ext.config import ConfigError, max_tokens_per_rank, MoEShape
+from torchtitan_ext.ep import BACKENDS
+from torchtitan_ext.ep.base import token_group_alignment
+from torchtitan_ext.planning.dry_run import dry_run, DryRunReport
+
+
+@dataclass(frozen=True)
+class Dimensions:
+    tokens: int
+    """N: tokens one rank dispatches per MoE call."""
+    ep: int
+    local_experts: int
+    top_k: int
+    hidden: int
+    activation_bytes: int
+    """Bytes per element of the activations the experts see."""
+
+
+@dataclass(frozen=True)
+class BackendPlan:
+    name: str
+    pad_multiple: int
+    buffer_bytes: int | None
+    buffer_note: str
+    rows_balanced: int
+    """Rows with perfectly balanced routing: N * K, plus worst-case padding."""
+    rows_worst: int
+    """Rows at most (every token to min(L, K) local experts from every rank), padded;
+    for non-blocking HybridEP the fixed M."""
+    saved_layers: int
+    can_drop: bool
+    expected_drop_rate: float | None
+    worst_layer_drop_rate: tuple[int, float] | None
+
+
+@dataclass(frozen=True)
+class Plan:
+    dims: Dimensions
+    dry_run: DryRunReport
+    saved_layers_reason: str
+    backends: list[BackendPlan]
+
+
+def expected_drop_rates(stats, dims: Dimensions, num_rows: int, pad: int) -> tuple[float, tuple[int, float]]:
+    """(overall, (worst layer, its rate)) expected drop rates of non-blocking dispatch.
+
+    Each step's per-expert counts, scaled to one dispatch of N tokens on each of
+    the R ranks, give every rank's expected per-expert counts; the contract's
+    tail rule (padded groups, rows >= M dropped) gives the drops. This uses
+    mean loads: microbatch-to-microbatch fluctuation adds drops it cannot see.
+    """
+    counts = stats["tokens_per_expert"].astype(np.float64)  # [S, L, E]
+    num_experts = counts.shape[2]
+    if num_experts != dims.ep * dims.local_experts:
+        raise ConfigError(
+            f"the routing statistics have {num_experts} experts but the job has "
+            f"{dims.ep * dims.local_experts}: record them with the same model flavour"
+        )
+    per_layer_dropped = np.zeros(counts.shape[1])
+    per_layer_routed = np.zeros(counts.shape[1])
+    for step_counts in counts:
+        for layer, per_expert in enumerate(step_counts):
+            tokens = per_expert.sum() / dims.top_k
+            if tokens == 0:
+                continue
+            expected = per_expert * (dims.tokens * dims.ep / tokens)
+            for rank in range(dims.ep):
+                local = np.ceil(expected[rank * dims.local_experts : (rank + 1) * dims.local_experts])
+                padded = np.ceil(local / pad) * pad
+                offsets = np.cumsum(padded) - padded
+                kept = np.minimum(local, np.maximum(num_rows - offsets, 0))
+                per_layer_dropped[layer] += (local - kept).sum()
+                per_layer_routed[layer] += local.sum()
+    rates = per_layer_dropped / np.maximum(per_layer_routed, 1)
+    worst = int(np.argmax(rates))
+    return (
+        float(per_layer_dropped.sum() / max(per_layer_routed.sum(), 1)),
+        (int(stats["layers"][worst]), float(rates[worst])),
+    )
+
+
+def _plan_rows(dims: Dimensions, pad: int) -> tuple[int, int]:
+    padding = dims.local_experts * (pad - 1)
+    worst = dims.tokens * dims.ep * min(dims.local_experts, dims.top_k) + padding
+    return dims.tokens * dims.top_k + padding, worst
+
+
+def plan(job_config, world_size: int, routing_stats=None) -> Plan:
+    report = dry_run(job_config, world_size)
+    if "name" not in report.ep_settings:
+        raise ConfigError("the planner needs an MoE model with expert_parallel_degree > 1")
+    model_args = get_train_spec(job_config.model.name).model_args[job_config.model.flavor]
+    ep = job_config.parallelism.expert_parallel_degree
+    activation_dtype = TORCH_DTYPE_MAP[job_config.training.mixed_precision_param]
+    dims = Dimensions(
+        tokens=max_tokens_per_rank(job_config),
+        ep=ep,
+        local_experts=model_args.moe_args.num_experts // ep,
+        top_k=model_args.moe_args.top_k,
+        hidden=model_args.dim,
+        activation_bytes=torch.empty((), dtype=activation_dtype).element_size(),
+    )
+    saved, reason = saved_moe_layers(job_config, report.rank_layers, report.rank_moe_layers)
+    align = token_group_alignment(job_config)
+    shape = MoEShape(dims.hidden, dims.ep * dims.local_experts, dims.top_k, dims.tokens)
+    backends = []
+    for backend_name, backend in BACKENDS.items():
+        pad = max(align, backend.min_pad_multiple)
+        buffer_bytes, note = backend.planned_buffer(job_config, shape)
+        for mode, fixed_rows in backend.planned_modes(job_config, shape, pad):
+            balanced, worst = _plan_rows(dims, pad)
+            can_drop, rate, worst_layer = False, None, None
+            if fixed_rows is not None:
+                can_drop = fixed_rows < worst
+                balanced = worst = fixed_rows
+                if routing_stats is not None:
+                    rate, worst_layer = expected_drop_rates(routing_stats, dims, fixed_rows, pad)
+            name = f"{backend_name} {mode}".strip()
+            backends.append(
+                BackendPlan(name, pad, buffer_bytes, note, balanced, worst, saved, can_drop, rate, worst_layer)
+            )
+    return Plan(dims, report, reason, backends)
+
+
+def _gib(value: int | None) -> str:
+    return "n/a" if value is None else f"{value / 2**30:,.2f} GiB"
+
+
+def format_plan(result: Plan, world_size: int) -> list[str]:
+    d, report = result.dims, result.dry_run
+    row_bytes = d.hidden * d.activation_bytes
+    lines = [
+        f"EP plan: {report.model} on {world_size} ranks, for one rank",
+        f"  N={d.tokens:,} tokens per dispatch, EP R={d.ep}, L={d.local_experts} local experts, "
+        f"top_k K={d.top_k}, hidden H={d.hidden:,} ({d.activation_bytes}-byte activations)",
+        f"  expert parameters on this rank: {report.rank_expert_parameters:,} "
+        f"({_gib(report.rank_expert_parameter_bytes)}); MoE layers on this rank: {len(report.rank_moe_layers)}",
+        f"  saved MoE layers: {result.saved_layers_reason}",
+    ]
+    for b in result.backends:
+        lines += [
+            f"  [{b.name}]  groups padded to {b.pad_multiple}",
+            f"    communication buffer: {_gib(b.buffer_bytes)}  ({b.buffer_note})",
+            f"    permuted rows per MoE layer: {b.rows_balanced:,} balanced ({_gib(b.rows_balanced * row_bytes)}), "
+            f"{b.rows_worst:,} worst case ({_gib(b.rows_worst * row_bytes)})"
+            if b.rows_balanced != b.rows_worst
+            else f"    permuted rows per MoE layer: {b.rows_worst:,} fixed ({_gib(b.rows_worst * row_bytes)})",
+            f"    x {b.saved_layers} saved layers: {_gib(b.rows_balanced * row_bytes * b.saved_layers)} balanced, "
+            f"{_gib(b.rows_worst * row_bytes * b.saved_layers)} worst case",
+            f"    can drop tokens: {'yes' if b.can_drop else 'no'}",
+        ]
+        if b.expected_drop_rate is not None:
+            layer, rate = b.worst_layer_drop_rate
+            lines.append(
+                f"    expected drop rate for the recorded routing: {b.expected_drop_rate:.3%} "
+                f"(worst: layer {layer}, {rate:.3%})"
+            )
+    return lines
+
+
+def saved_moe_layers(job_config, rank_layers, rank_moe_layers) -> tuple[int, str]:
+    """MoE layers on this rank whose dispatch output stays alive for backward, and why."""
+    ac = job_config.activation_checkpoint
+    moe = len(rank_moe_layers)
+    if ac.mode == "none":
+        return moe, "no activation checkpointing: every MoE layer keeps its dispatched rows"
+    if ac.mode == "full":
+        return 0, "full activation checkpointing: rows are recomputed in backward (one layer's are live at a time)"
+    if ac.selective_ac_option == "op":
+        return moe, "per-op selective checkpointing: dispatch is on the save list, so every MoE layer keeps its rows"
+    every = int(ac.selective_ac_option)
+    wrapped = {layer for index, layer in enumerate(rank_layers, start=1) if index % every == 0}
+    kept = sum(layer not in wrapped for layer in rank_moe_layers)
+    return kept, f"per-layer selective checkpointing every {every} layers: {kept} of {moe} MoE layers keep their rows"

@@ -1,0 +1,183 @@
+"""Cluster topologies for the layout advisor: levels of workers, their links, their compute.
+
+A topology is a TOML file (shipped ones in ``topologies/``)::
+
+    name = "HGX H100, InfiniBand"
+    compute_tflops = 400.0   # achieved dense bf16 TFLOP/s per worker
+    overlap = true           # communication runs beside compute (CUDA streams)
+
+    [[levels]]               # innermost first
+    name = "NVLink (one HGX node)"
+    workers = 8              # workers in one group of this level
+    bandwidth_GBps = 360.0   # per worker, per direction, to a peer in the same group
+    latency_us = 3.0
+    # optional: what FSDP's collectives reach, when it differs from the all-to-all's
+    all_gather_bandwidth_GBps = 360.0
+    reduce_scatter_bandwidth_GBps = 360.0
+
+    [[levels]]               # the outermost level may omit workers: the rest of the job
+    name = "InfiniBand"
+    bandwidth_GBps = 45.0
+    latency_us = 10.0
+
+Ranks are numbered as torchtitan numbers them (the innermost level's groups
+are consecutive ranks), so two ranks talk over the innermost level whose group
+holds both.
+"""
+
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from torchtitan_ext.config import ConfigError
+
+SHIPPED = Path(__file__).resolve().parents[2] / "topologies"
+
+
+Collective = Literal["all_to_all", "all_gather", "reduce_scatter"]
+
+
+@dataclass(frozen=True)
+class Level:
+    name: str
+    workers: int | None
+    """Workers in one group of this level, counting the inner levels' workers (a node of 8 GPUs:
+    8; a rack of 64 GPUs: 64). None: the outermost level, whatever the job's size. >= 1."""
+    bandwidth_GBps: float
+    """Bandwidth per worker, per direction, to a worker whose innermost shared group is this
+    level's, in GB/s (1e9 bytes/s). > 0."""
+    latency_us: float
+    """Time of one collective's start-up over this level (a zero-byte message), in
+    microseconds. >= 0."""
+    all_gather_bandwidth_GBps: float
+    """Bandwidth of an all-gather (FSDP's parameter gather), counted as ``bandwidth_GBps``:
+    bytes one worker receives per second, in GB/s. > 0. Defaults to ``bandwidth_GBps`` (gloo's
+    all-gather on a CPU is slower than its all-to-all: ``--calibrate`` measures both)."""
+    reduce_scatter_bandwidth_GBps: float
+    """Bandwidth of a reduce-scatter (FSDP's gradient reduction): bytes one worker sends per
+    second, in GB/s. > 0. Defaults to ``bandwidth_GBps``."""
+
+    def bandwidth(self, collective: Collective) -> float:
+        """Bytes per second of ``collective``: "all_to_all", "all_gather" or "reduce_scatter"."""
+        return {
+            "all_to_all": self.bandwidth_GBps,
+            "all_gather": self.all_gather_bandwidth_GBps,
+            "reduce_scatter": self.reduce_scatter_bandwidth_GBps,
+        }[collective] * 1e9
+
+
+@dataclass(frozen=True)
+class Topology:
+    name: str
+    compute_tflops: float
+    """Achieved dense matrix-multiply throughput of one worker at the training dtype, in
+    TFLOP/s. > 0. Sets the compute that FSDP's expert all-gather can hide behind."""
+    overlap: bool
+    """Whether communication runs beside compute. True on GPUs (separate streams: FSDP
+    prefetches the next all-gather during compute); False on a CPU with gloo, where a
+    collective blocks the process and every byte's time adds to the step."""
+    levels: tuple[Level, ...]
+    """Innermost first."""
+
+    def group_sizes(self, world_size: int) -> list[int]:
+        """Ranks in one group of each level for a job of ``world_size`` ranks; the last is the job.
+
+        Raises ConfigError when a level's group does not divide the world size.
+        """
+        sizes = []
+        for level in self.levels:
+            size = level.workers if level.workers is not None else world_size
+            if size > world_size:
+                size = world_size
+            if world_size % size:
+                raise ConfigError(
+                    f"topology '{self.name}': level '{level.name}' has workers = {size}, which does not divide "
+                    f"the world size {world_size}: use a world size that is a multiple of {size}"
+                )
+            if sizes and size % sizes[-1]:
+                raise ConfigError(
+                    f"topology '{self.name}': level '{level.name}' has workers = {size}, not a multiple of the "
+                    f"inner level's {sizes[-1]}: each level's group must hold whole groups of the level inside it"
+                )
+            sizes.append(size)
+        if sizes[-1] != world_size:
+            raise ConfigError(
+                f"topology '{self.name}': its outermost level '{self.levels[-1].name}' holds "
+                f"{sizes[-1]} workers but the job has {world_size}: omit workers on the outermost level, "
+                "or add a level that connects its groups"
+            )
+        return sizes
+
+    def level_of(self, sizes: list[int], rank_a: int, rank_b: int) -> int:
+        """Index of the innermost level whose group holds both ranks."""
+        for index, size in enumerate(sizes):
+            if rank_a // size == rank_b // size:
+                return index
+        raise ValueError(f"ranks {rank_a} and {rank_b} are outside a job of {sizes[-1]} ranks")
+
+
+def _field(table: dict, key: str, kind, where: str, default=None):
+    if key not in table:
+        if default is not None:
+            return default
+        raise ConfigError(f"{where}.{key} is missing: add it (the format: torchtitan_ext/planning/topology.py)")
+    value = table[key]
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ConfigError(f"{where}.{key} = {value!r}: expected a {kind.__name__}")
+    return value
+
+
+def _bandwidth(table: dict, key: str, where: str, default: float | None = None) -> float:
+    value = _field(table, key, float, where, default)
+    if value <= 0:
+        raise ConfigError(f"{where}.{key} = {value}: use a bandwidth > 0 (GB/s per worker)")
+    return value
+
+
+def parse_topology(data: dict, source: str) -> Topology:
+    """A Topology from a TOML document's table; every bad field is a ConfigError naming it."""
+    compute = _field(data, "compute_tflops", float, source)
+    if compute <= 0:
+        raise ConfigError(f"{source}.compute_tflops = {compute}: use a throughput > 0 (TFLOP/s per worker)")
+    overlap = _field(data, "overlap", bool, source)
+    tables = data.get("levels")
+    if not isinstance(tables, list) or not tables:
+        raise ConfigError(f"{source}.levels is missing or empty: add one [[levels]] table per level, innermost first")
+    levels = []
+    for index, table in enumerate(tables):
+        where = f"{source}.levels[{index}]"
+        name = _field(table, "name", str, where)
+        workers = table.get("workers")
+        if workers is None and index != len(tables) - 1:
+            raise ConfigError(f"{where}.workers is missing: only the outermost level may omit it")
+        if workers is not None:
+            workers = _field(table, "workers", int, where)
+            if workers < 1:
+                raise ConfigError(f"{where}.workers = {workers}: use a count >= 1")
+        bandwidth = _bandwidth(table, "bandwidth_GBps", where)
+        latency = _field(table, "latency_us", float, where)
+        if latency < 0:
+            raise ConfigError(f"{where}.latency_us = {latency}: use a latency >= 0 (microseconds)")
+        gather = _bandwidth(table, "all_gather_bandwidth_GBps", where, default=bandwidth)
+        scatter = _bandwidth(table, "reduce_scatter_bandwidth_GBps", where, default=bandwidth)
+        levels.append(Level(name, workers, bandwidth, latency, gather, scatter))
+    name = data.get("name", source)
+    return Topology(str(name), compute, overlap, tuple(levels))
+
+
+def load_topology(spec: str) -> Topology:
+    """A topology from a TOML path, or the name of a shipped one (``topologies/<name>.toml``)."""
+    path = Path(spec)
+    if not path.is_file():
+        path = SHIPPED / f"{spec}.toml"
+    if not path.is_file():
+        shipped = ", ".join(sorted(p.stem for p in SHIPPED.glob("*.toml")))
+        raise ConfigError(f"--topology {spec}: no such file, and not a shipped topology ({shipped})")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--topology {path}: not valid TOML ({e})") from None
+    return parse_topology(data, path.stem)

@@ -1,0 +1,57 @@
+"""Collective failures named by where they happened: an MoE layer's dispatch or combine, FSDP's
+all-gather or reduce-scatter, or the training code's function that issued it.
+
+A collective that fails (a gloo timeout after ``comm.train_timeout_seconds``,
+a closed connection) is re-raised as :class:`CollectiveFailed`, so that a stuck
+or dead peer reads as one line saying which collective lost it.
+"""
+
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+
+
+class CollectiveFailed(RuntimeError):
+    """A collective failed (timed out, lost its peer); the message names which one."""
+
+
+@contextmanager
+def naming_collective(what: str):
+    """Re-raise a failure inside ``what`` (e.g. "MoE layer 3 dispatch (nccl)") as CollectiveFailed naming it."""
+    try:
+        yield
+    except CollectiveFailed:
+        raise
+    except RuntimeError as e:
+        raise CollectiveFailed(f"{what} failed: {_reason(e)}") from e
+
+
+def _reason(error: BaseException) -> str:
+    text = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+    if "Timed out" in text or "timed out" in text:
+        return f"a peer did not answer in time, likely a stuck or dead rank ({text})"
+    return text
+
+
+def name_other_collective(error: RuntimeError) -> CollectiveFailed | None:
+    """A collective failure outside the MoE layers, named by where it happened; None if not one."""
+    text = str(error)
+    if not any(key in text for key in ("Timed out", "timed out", "Connection closed by peer", "Connection reset")):
+        return None
+    frames = traceback.extract_tb(error.__traceback__)
+    if any("fsdp" in frame.filename.lower() for frame in frames):
+        where = "FSDP's all-gather or reduce-scatter"
+    else:
+        where = "a collective" + _caller(frames)
+    return CollectiveFailed(f"{where} failed: {_reason(error)}")
+
+
+def _caller(frames: traceback.StackSummary) -> str:
+    """' called from fn (package/file.py:line)': the innermost training-code frame, where the collective was issued."""
+    for frame in reversed(frames):
+        parts = Path(frame.filename).parts
+        for package in ("torchtitan_ext", "torchtitan"):
+            if package in parts:
+                inside = "/".join(parts[parts.index(package):])
+                return f" called from {frame.name} ({inside}:{frame.lineno})"
+    return ""
