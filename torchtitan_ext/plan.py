@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from torchtitan_ext.balancing.routing_stats import load, load_folder
+from torchtitan_ext.balancing.routing_stats import load_path
 from torchtitan_ext.config import ConfigError, job_world_size, load_job_config
 from torchtitan_ext.planning.calibrate import calibrate
 from torchtitan_ext.planning.cost_model import PaperSetting
@@ -82,14 +82,14 @@ def main(argv: list[str] | None = None) -> None:
             check_measurable(load_job_config(train_args, device_type="cpu", world_size=world_size), world_size)
         stats = None
         if args.routing_stats is not None:
-            stats = load(args.routing_stats) if args.routing_stats.is_file() else load_folder(args.routing_stats)
+            stats = load_path(args.routing_stats)
         result = plan(job_config, world_size, stats)
         compute = measure_compute(train_args, world_size) if args.measure_compute else None
         advice, routing = (None, None) if topology is None else advise(
             train_args, world_size, topology, stats, str(args.routing_stats), compute
         )
         problem = overrides_problem(train_args, world_size, advice[0]) if advice and advice[0].refused is None else None
-    except (ConfigError, FileNotFoundError) as e:
+    except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     finally:

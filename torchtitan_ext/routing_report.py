@@ -7,10 +7,12 @@ or one file. Writes ``expert_load.png`` and ``coactivation_layer<L>.png``
 """
 
 import argparse
+import sys
 from pathlib import Path
 
 from torchtitan_ext.balancing.routing_report import most_imbalanced_layer, write_report
-from torchtitan_ext.balancing.routing_stats import load, load_folder
+from torchtitan_ext.balancing.routing_stats import load_path
+from torchtitan_ext.config import ConfigError
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
@@ -19,7 +21,11 @@ def main(argv: list[str] | None = None) -> list[Path]:
     parser.add_argument("--layer", type=int, help="layer for the co-activation plot (default: most imbalanced)")
     parser.add_argument("--out", type=Path, help="output folder (default: the dump folder)")
     args = parser.parse_args(argv)
-    stats = load(args.dump) if args.dump.is_file() else load_folder(args.dump)
+    try:
+        stats = load_path(args.dump)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     layer = most_imbalanced_layer(stats) if args.layer is None else args.layer
     if layer not in stats["layers"]:
         parser.error(f"--layer {layer} is not a MoE layer here; MoE layers: {stats['layers'].tolist()}")

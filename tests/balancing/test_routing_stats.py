@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from tests.helpers import run_distributed
-from torchtitan_ext.balancing.routing_stats import load, RoutingRecorder
+from torchtitan_ext.balancing.routing_stats import load, load_folder, RoutingRecorder
+from torchtitan_ext.config import ConfigError
 from torchtitan_ext import routing_report
 
 E = 4
@@ -109,3 +110,89 @@ def test_report_writes_plots(tmp_path):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
     with pytest.raises(SystemExit):
         routing_report.main([str(tmp_path), "--layer", "0"])
+
+
+def _record(recorder, steps, seed=2):
+    generator = torch.Generator().manual_seed(seed)
+    for step in steps:
+        for layer in (1, 2, 3):
+            recorder.observe(layer, torch.randint(0, E, (8, 2), generator=generator))
+        recorder.end_step(step)
+
+
+def test_files_are_named_by_their_steps_and_a_resume_adds_one(tmp_path):
+    """Saved every 4 steps, preempted after 6 (saved there), resumed from 6: three files, no step lost or
+    written twice. Named by the last step only (as before), the resumed run's steps 7-8 replaced 5-8."""
+    first = _recorder()
+    _record(first, [1, 2, 3, 4])
+    first.save(tmp_path)
+    _record(first, [5, 6])
+    first.save(tmp_path)  # the save at preemption
+    resumed = _recorder()
+    _record(resumed, [7, 8], seed=3)
+    resumed.save(tmp_path)
+    names = sorted(path.name for path in tmp_path.iterdir())
+    assert names == ["routing_step000001-000004.npz", "routing_step000005-000006.npz", "routing_step000007-000008.npz"]
+    assert load_folder(tmp_path)["steps"].tolist() == list(range(1, 9))
+
+
+def test_a_later_run_sets_aside_what_it_records_again(tmp_path):
+    """A second job in the same folder: the first job's files are set aside, not mixed in (before, loading
+    gave steps [1..4, 1..5, 7..10] and the placement tool used them). A resume from step 2 of a run
+    that recorded 1-4: that file reaches past the checkpoint and is set aside too (a window cannot be split)."""
+    first = _recorder()
+    _record(first, [1, 2, 3, 4])
+    first.save(tmp_path)
+    _record(first, [5, 6, 7, 8])
+    first.save(tmp_path)
+    second = _recorder()
+    _record(second, [1, 2, 3], seed=4)
+    second.save(tmp_path)
+    assert load_folder(tmp_path)["steps"].tolist() == [1, 2, 3]
+    assert sorted(path.name for path in tmp_path.glob("superseded_*")) == [
+        "superseded_routing_step000001-000004.npz", "superseded_routing_step000005-000008.npz"
+    ]
+    resumed = _recorder()
+    _record(resumed, [3, 4], seed=5)
+    resumed.save(tmp_path)
+    assert load_folder(tmp_path)["steps"].tolist() == [3, 4]
+
+
+def test_overlapping_files_are_refused_naming_both(tmp_path):
+    for name, steps in (("a", [1, 2, 3, 4]), ("b", [3, 4, 5])):
+        recorder = _recorder()
+        _record(recorder, steps)
+        recorder.save(tmp_path / name)
+    for path in (tmp_path / "b").iterdir():
+        path.rename(tmp_path / "a" / path.name)
+    with pytest.raises(ConfigError, match=r"routing_step000001-000004.npz \(steps 1-4\) and routing_step000003-000005.npz "
+                                          r"\(steps 3-5\) overlap: two runs recorded into one folder"):
+        load_folder(tmp_path / "a")
+
+
+def test_a_write_is_whole_or_absent(tmp_path, monkeypatch):
+    """A kill during the write leaves the hidden partial file, which no reader lists."""
+    recorder = _recorder()
+    _record(recorder, [1, 2])
+
+    def killed_mid_write(file, **arrays):
+        file.write(b"PK\x03\x04 half an archive")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(np, "savez", killed_mid_write)
+    with pytest.raises(KeyboardInterrupt):
+        recorder.save(tmp_path)
+    assert [path.name for path in tmp_path.iterdir()] == [".routing_step000001-000002.npz.partial"]
+    with pytest.raises(ConfigError, match="no routing_step"):
+        load_folder(tmp_path)
+
+
+def test_a_truncated_file_is_one_line_naming_it(tmp_path):
+    recorder = _recorder()
+    _record(recorder, [1, 2])
+    path = recorder.save(tmp_path)
+    path.write_bytes(path.read_bytes()[:200])
+    with pytest.raises(ConfigError) as error:
+        load_folder(tmp_path)
+    assert str(error.value).startswith(f"routing statistics file {path} cannot be read (")
+    assert "\n" not in str(error.value)

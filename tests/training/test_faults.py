@@ -201,6 +201,58 @@ def test_the_supervisor_passes_preemption_to_the_ranks_not_to_torchrun(tmp_path,
     assert reports == ["rank ready", f"rank got {signal.Signals(signum).name}"], supervised.output
 
 
+def _preempted_worker(rank: int, world_size: int, args: list[str]) -> dict:
+    """Train with SIGTERM's flag raised after step 2; report what the preemption claimed and what was on
+    disk at that moment. Every checkpoint write is held up 2 s before its .metadata, as a slow disk would."""
+    import torch.distributed.checkpoint.filesystem as dcp_filesystem
+
+    from torchtitan_ext.training import faults
+    from torchtitan_ext.training.trainer import Trainer
+
+    finish = dcp_filesystem.FileSystemWriter.finish
+
+    def slow_finish(self, *a, **k):
+        time.sleep(2)
+        return finish(self, *a, **k)
+
+    dcp_filesystem.FileSystemWriter.finish = slow_finish
+    claimed = {}
+    preempted = Trainer._preempted
+
+    def preempted_and_checked(trainer):
+        error = preempted(trainer)
+        path = re.search(r"checkpoint saved in (\S+);", str(error))
+        claimed.update(message=str(error), on_disk=bool(path) and (Path(path.group(1)) / ".metadata").is_file())
+        return error
+
+    Trainer._preempted = preempted_and_checked
+
+    def preempt_after_step_2(trainer):
+        if trainer.step == 2:
+            trainer.preemption.signal_name = "SIGTERM"
+
+    try:
+        train_worker(rank, world_size, [("run", args)], after_step=preempt_after_step_2)
+    except faults.Preempted:
+        return claimed
+    return {}
+
+
+@pytest.mark.parametrize("async_mode", ["async", "disabled"])
+def test_a_preemption_save_is_complete_before_it_is_reported(tmp_path, async_mode):
+    """With --checkpoint.async_mode async (the 671B config's) the save used to be only staged when
+    "checkpoint saved" was logged, and the process exited under it: nothing on disk. The routing
+    statistics of the steps since their last save are written too."""
+    args = ["--job.config_file", "train_configs/debug_model.toml",
+            *_job(tmp_path, "--checkpoint.enable", "--checkpoint.interval", "100", "--checkpoint.async_mode", async_mode,
+                  "--routing_stats.enable", "--routing_stats.save_every", "100")]
+    claimed = run_distributed(2, _preempted_worker, args)
+    for rank in (0, 1):
+        assert claimed[rank]["message"].startswith("preempted (SIGTERM) at the end of step 3: checkpoint saved in "), claimed
+        assert claimed[rank]["on_disk"], claimed
+    assert [path.name for path in (tmp_path / "routing_stats").iterdir()] == ["routing_step000001-000003.npz"]
+
+
 def test_an_interrupted_checkpoint_is_never_loaded(tmp_path, uninterrupted_run):
     """The uninterrupted run's steps 2 and 4, step 4's write torn (DCP writes .metadata last): the
     start says so and resumes from step 2, with the uninterrupted run's losses."""
@@ -213,7 +265,8 @@ def test_an_interrupted_checkpoint_is_never_loaded(tmp_path, uninterrupted_run):
 
     resumed = run_launcher(*_job(tmp_path, *CHECKPOINT_EVERY_2), timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
-    assert f"Checkpoint {torn} is incomplete (no .metadata: its write was interrupted); it is ignored and training resumes from step 2" in resumed.stdout
+    assert (f"Checkpoint {torn} is incomplete (no .metadata: its write was interrupted); set aside as "
+            f"{torn.parent / 'incomplete_step_4'}, never loaded or counted; training resumes from step 2") in resumed.stdout
     _assert_resumes(resumed.stdout, 3, losses)
 
 

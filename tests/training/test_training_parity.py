@@ -170,6 +170,29 @@ def test_checkpoint_resumes_under_another_backend_ep_degree_and_placement(tmp_pa
             assert resumed[step] == pytest.approx(written[step], rel=RESUME_TOLERANCE), (name, step, resumed, written)
 
 
+def test_a_model_only_load_reads_the_recorded_placement(tmp_path):
+    """torchtitan's initial_load_path loads the model only (initial_load_model_only), without the
+    placement record: the placed checkpoint's experts were taken as logical order, scrambled (first-step
+    losses 4.2e-3 apart). Two runs, placed and not, each save step 2; a model-only load of each gives
+    the same first-step loss."""
+    written = {"placed": tmp_path / "placed", "unplaced": tmp_path / "unplaced"}
+    runs = [
+        ("placed", _job("deepseek_v3", written["placed"], *CHECKPOINT, "--expert_placement.file",
+                        crossing_placement(tmp_path), steps=3)),
+        ("unplaced", _job("deepseek_v3", written["unplaced"], *CHECKPOINT, steps=3)),
+    ]
+    runs += [
+        (f"from_{name}", _job("deepseek_v3", tmp_path / f"from_{name}", "--checkpoint.enable",
+                              "--checkpoint.initial_load_path", str(folder / "checkpoint/step-2"), steps=1))
+        for name, folder in written.items()
+    ]
+    losses = run_distributed(2, train_worker, runs)[0]
+    assert losses["placed"][2] == pytest.approx(losses["unplaced"][2], rel=RESUME_TOLERANCE)
+    recorded = FileSystemReader(str(written["placed"] / "checkpoint/step-2")).read_metadata().state_dict_metadata
+    assert "expert_placement.expert_at_slot" in recorded
+    assert losses["from_placed"][1] == pytest.approx(losses["from_unplaced"][1], rel=RESUME_TOLERANCE), losses
+
+
 def test_four_process_fsdp_ep_and_pipeline_ep(tmp_path):
     """FSDP+EP on 4 ranks: a checkpoint written at EP=2 x expert FSDP 2 under a placement resumes at EP=4
     under another, with the same losses; and PP+EP.

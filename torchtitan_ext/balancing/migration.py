@@ -12,9 +12,10 @@ routers' load balancing all keep speaking of logical experts.
 
 - the placement the weights are in, recorded in every full checkpoint
   (``expert_placement`` in torchtitan's checkpoint states);
-- at load (start or resume): a full checkpoint's weights are in the placement
-  it recorded; a model-only checkpoint (seed, export), a checkpoint from before
-  placements, or fresh weights are in the identity. They move to the job's
+- at load (start or resume): a checkpoint's weights are in the placement it
+  recorded, also when only its model is loaded (``initial_load_model_only``);
+  a checkpoint without a record (seed, export, from before placements) or
+  fresh weights are in the identity. They move to the job's
   placement (identity when ``[expert_placement] file`` is empty), so any
   checkpoint resumes under any placement;
 - a model-only checkpoint at the last step (torchtitan's export) is written in
@@ -105,13 +106,17 @@ class ExpertMigration:
         load, dcp_load, save = checkpointer.load, checkpointer.dcp_load, checkpointer.save
 
         def dcp_load_recorded(state_dict, checkpoint_id, from_hf, from_quantized):
-            # a checkpoint written before placements were recorded holds the identity
-            if STATE_KEY in state_dict and (from_hf or not _records_placement(checkpoint_id)):
+            # the weights are in the placement the checkpoint records, whatever part of it is loaded (a
+            # model-only load leaves the record out of torchtitan's states); none recorded: the identity
+            records = not from_hf and _records_placement(checkpoint_id)
+            if records:
+                state_dict = {**state_dict, STATE_KEY: self.record}
+            else:
                 state_dict = {key: value for key, value in state_dict.items() if key != STATE_KEY}
             return dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
 
         def load_then_place(step: int = -1) -> bool:
-            # a model-only checkpoint, or none, leaves the weights in the identity
+            # no checkpoint, or one without a record, leaves the weights in the identity
             self.record.reset()
             loaded = load(step)
             self.move_to(self.target, f"the job's placement ({self.source})")

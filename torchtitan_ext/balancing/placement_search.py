@@ -295,10 +295,7 @@ def _rows(sampled: np.ndarray, top_k: int) -> np.ndarray:
 
 def load_dump(folder: str) -> dict:
     """A routing-statistics folder with the per-file co-activation kept apart (for the fit/held-out split)."""
-    try:
-        stats = load_folder(folder)
-    except FileNotFoundError as e:
-        raise ConfigError(f"--routing-stats: {e}") from None
+    stats = load_folder(folder)
     if "sampled_expert_ids" not in stats or stats["sampled_expert_ids"].shape[2] == 0:
         raise ConfigError(
             f"--routing-stats {folder} has no sampled routing (sampled_expert_ids): record it again with this "

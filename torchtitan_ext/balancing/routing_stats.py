@@ -10,9 +10,12 @@ on every MoE router accumulates on the device (no host sync):
   model chunk: for each token, every pair (a picked at the layer, b picked at
   the next), so a token adds top_k x top_k counts.
 
-Every ``save_every`` steps (and at the last step) the counts are summed over
-all ranks (the routers of tensor-parallel ranks see the same tokens and count
-once) and rank 0 writes ``<dump_folder>/<folder>/routing_step<STEP>.npz``:
+Every ``save_every`` steps (and at the last step, and at a preemption) the
+counts are summed over all ranks (the routers of tensor-parallel ranks see the
+same tokens and count once) and rank 0 writes
+``<dump_folder>/<folder>/routing_step<FIRST>-<LAST>.npz`` (the steps it
+covers; written to a hidden file, then renamed, so that a file is whole or
+absent). Loading refuses a damaged file and steps recorded twice:
 
 =====================  ==================  ====================================================
 key                    shape               meaning
@@ -34,14 +37,16 @@ Recomputation under activation checkpointing and validation passes are not count
 
 import os
 import re
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torchtitan.tools.logging import logger
 
-from torchtitan_ext.config import Range, register_section
+from torchtitan_ext.config import ConfigError, Range, register_section
 from torchtitan_ext.ep.base import recomputing
 
 
@@ -102,6 +107,8 @@ class RoutingRecorder:
         self.moe_layers: set[int] = set()
         self._next_layer: dict[int, int] = {}
         self._previous: tuple[int, torch.Tensor] | None = None
+        self.saved = False
+        """Whether this recorder has written a file (its first write sets earlier runs' later files aside)."""
 
     def attach(self, model_parts) -> None:
         """Hook every MoE router of ``model_parts``; a chunk's layers chain into transitions."""
@@ -176,31 +183,126 @@ class RoutingRecorder:
             "top_k": np.array(self.top_k, dtype=np.int64),
             "sampled_expert_ids": sampled.to(torch.int16).cpu().numpy(),
         }
-        path = Path(folder) / f"routing_step{self.steps[-1]:06d}.npz"
+        first_step = self.steps[0]
+        path = Path(folder) / f"routing_step{first_step:06d}-{self.steps[-1]:06d}.npz"
         self.history, self.steps, self.sample_history = [], [], []
         self.coactivation.zero_()
         self.transitions.zero_()
         if dist.is_initialized() and dist.get_rank() != 0:
             return None
         path.parent.mkdir(parents=True, exist_ok=True)
-        np.savez(path, **arrays)
+        if not self.saved:
+            _set_aside_from(path.parent, first_step)
+        self.saved = True
+        # written whole or not at all: a kill during the write leaves only the hidden partial file
+        partial = path.with_name(f".{path.name}.partial")
+        with open(partial, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, path)
         return path
 
 
+def _set_aside_from(folder: Path, first_step: int) -> None:
+    """Rename the files in ``folder`` that reach ``first_step`` or later to ``superseded_<name>``: another run
+    recorded them (a job before this one in the same folder, or the run this one resumes, past its
+    checkpoint), and a file's window cannot be split."""
+    for path in sorted(folder.glob("routing_step*.npz")):
+        match = FILE_NAME.fullmatch(path.name)
+        if match is None or int(match.group(2)) >= first_step:
+            target = path.with_name(f"superseded_{path.name}")
+            os.replace(path, target)
+            logger.warning(
+                f"Routing statistics {path.name} reach step {first_step} or later, which this run records again: "
+                f"set aside as {target.name}"
+            )
+
+
+FILE_NAME = re.compile(r"routing_step(\d+)-(\d+)\.npz")
+"""A file's name: the first and last step it covers."""
+
+REQUIRED = {"steps": 1, "layers": 1, "tokens_per_expert": 3, "coactivation": 3, "transitions": 3, "top_k": 0}
+"""Every file's arrays and their number of dimensions (``sampled_expert_ids``, 4, is optional)."""
+
+
 def load(path: Path | str) -> dict[str, np.ndarray]:
-    """One saved file's arrays (see the module docstring for the schema)."""
-    with np.load(path) as data:
-        return {key: data[key] for key in data.files}
+    """One saved file's arrays (see the module docstring for the schema); ConfigError naming the file and
+    what is wrong with it (unreadable, a missing or ill-shaped array, negative counts, unordered steps)."""
+    where = f"routing statistics file {path}"
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            if not isinstance(data, np.lib.npyio.NpzFile):
+                raise ValueError("a single array, not an .npz archive")
+            arrays = {key: data[key] for key in data.files}
+    except FileNotFoundError:
+        raise ConfigError(f"{where} does not exist: pass a routing_stats folder or one of its .npz files") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise ConfigError(
+            f"{where} cannot be read ({type(e).__name__}: {e}): an interrupted write? remove it, or record again"
+        ) from None
+    _check_arrays(arrays, where)
+    return arrays
+
+
+def _check_arrays(arrays: dict[str, np.ndarray], where: str) -> None:
+    for key, ndim in REQUIRED.items():
+        if key not in arrays:
+            raise ConfigError(f"{where} has no '{key}' array: it is not a routing-statistics file of this harness")
+        if arrays[key].ndim != ndim or not np.issubdtype(arrays[key].dtype, np.integer):
+            raise ConfigError(f"{where}: '{key}' is {arrays[key].dtype} with {arrays[key].ndim} dimensions, "
+                              f"expected integers with {ndim}: record it again")
+    steps, layers, counts = arrays["steps"], arrays["layers"], arrays["tokens_per_expert"]
+    experts, top_k = counts.shape[-1] if counts.ndim == 3 else 0, int(arrays["top_k"])
+    expected = {
+        "tokens_per_expert": (len(steps), len(layers), experts),
+        "coactivation": (len(layers), experts, experts),
+        "transitions": (len(layers), experts, experts),
+    }
+    if "sampled_expert_ids" in arrays:
+        sampled = arrays["sampled_expert_ids"]
+        expected["sampled_expert_ids"] = (len(steps), len(layers), sampled.shape[2] if sampled.ndim == 4 else -1, top_k)
+    for key, shape in expected.items():
+        if arrays[key].shape != shape:
+            raise ConfigError(f"{where}: '{key}' has shape {arrays[key].shape}, expected {shape} "
+                              f"({len(steps)} steps, {len(layers)} layers, {experts} experts, top_k {top_k})")
+    if not len(steps) or not len(layers) or experts < 1 or not 1 <= top_k <= experts:
+        raise ConfigError(f"{where}: {len(steps)} steps, {len(layers)} layers, {experts} experts and top_k {top_k}: "
+                          "an empty or inconsistent recording; record it again")
+    if (np.diff(steps) <= 0).any() or steps[0] < 1:
+        raise ConfigError(f"{where}: steps {steps.tolist()} are not increasing training steps >= 1")
+    for key in ("tokens_per_expert", "coactivation", "transitions"):
+        if (arrays[key] < 0).any():
+            raise ConfigError(f"{where}: '{key}' has negative counts: the file is damaged; record it again")
+    if counts.sum() == 0:
+        raise ConfigError(f"{where}: every count is 0 (no token was routed): record a run that trains")
+    if "sampled_expert_ids" in arrays and ((arrays["sampled_expert_ids"] < -1) | (arrays["sampled_expert_ids"] >= experts)).any():
+        raise ConfigError(f"{where}: 'sampled_expert_ids' holds ids outside -1 .. {experts - 1}: record it again")
 
 
 def load_folder(folder: Path | str) -> dict[str, np.ndarray]:
     """All files of a dump folder merged in step order: per-step arrays concatenated, matrices summed;
     ``file_steps`` [F] and ``file_coactivation`` [F, L, E, E] keep each file's steps and co-activation
-    (for splitting a dump in time); ``sampled_expert_ids`` only when every file has it."""
-    files = sorted(Path(folder).glob("routing_step*.npz"))
+    (for splitting a dump in time); ``sampled_expert_ids`` only when every file has it. ConfigError for
+    a bad file, files of different models, or steps recorded twice (two runs in one folder, a resume
+    that recorded them again)."""
+    files = list(Path(folder).glob("routing_step*.npz"))
     if not files:
-        raise FileNotFoundError(f"no routing_step*.npz files in {folder}: train with [routing_stats] enable = true")
-    parts = [load(path) for path in files]
+        raise ConfigError(f"no routing_step*.npz files in {folder}: train with [routing_stats] enable = true")
+    parts = sorted(((load(path), path) for path in files), key=lambda item: int(item[0]["steps"][0]))
+    first, first_path = parts[0]
+    for (part, path), (previous, previous_path) in zip(parts[1:], parts):
+        if not np.array_equal(part["layers"], first["layers"]) or part["tokens_per_expert"].shape[2] != first[
+            "tokens_per_expert"].shape[2] or int(part["top_k"]) != int(first["top_k"]):
+            raise ConfigError(f"routing statistics in {folder}: {path.name} and {first_path.name} record different "
+                              "layers, experts or top_k: keep one model's files per folder")
+        if part["steps"][0] <= previous["steps"][-1]:
+            raise ConfigError(
+                f"routing statistics in {folder}: {previous_path.name} (steps {previous['steps'][0]}-"
+                f"{previous['steps'][-1]}) and {path.name} (steps {part['steps'][0]}-{part['steps'][-1]}) overlap: "
+                "two runs recorded into one folder, or a resume recorded steps again; keep one run's files"
+            )
+    parts = [part for part, _ in parts]
     merged = {
         "steps": np.concatenate([p["steps"] for p in parts]),
         "layers": parts[0]["layers"],
@@ -214,6 +316,14 @@ def load_folder(folder: Path | str) -> dict[str, np.ndarray]:
     if all("sampled_expert_ids" in p for p in parts):
         merged["sampled_expert_ids"] = np.concatenate([p["sampled_expert_ids"] for p in parts])
     return merged
+
+
+def load_path(path: Path | str) -> dict[str, np.ndarray]:
+    """A routing-statistics folder (:func:`load_folder`) or one of its files (:func:`load`)."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"routing statistics {path} do not exist: pass <dump_folder>/routing_stats or one of its .npz files")
+    return load(path) if path.is_file() else load_folder(path)
 
 
 def recorder_for(job_config, model_parts, parallel_dims) -> "RoutingRecorder | None":

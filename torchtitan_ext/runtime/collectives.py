@@ -10,19 +10,34 @@ import traceback
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch.distributed as dist
+
 
 class CollectiveFailed(RuntimeError):
     """A collective failed (timed out, lost its peer); the message names which one."""
 
 
+FAILURE_TEXTS = ("Timed out", "timed out", "Connection closed by peer", "Connection reset")
+"""What gloo's and NCCL's errors of a lost or stuck peer say, where they raise a plain RuntimeError."""
+
+
+def is_collective_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a collective that failed (torch.distributed's error, or a timeout or lost peer),
+    not an error of the computation around it (out of memory, a shape mismatch), which keeps its traceback."""
+    return isinstance(error, dist.DistError) or any(text in str(error) for text in FAILURE_TEXTS)
+
+
 @contextmanager
 def naming_collective(what: str):
-    """Re-raise a failure inside ``what`` (e.g. "MoE layer 3 dispatch (nccl)") as CollectiveFailed naming it."""
+    """Re-raise a collective failure inside ``what`` (e.g. "MoE layer 3 dispatch (nccl)") as CollectiveFailed
+    naming it; any other error passes unchanged."""
     try:
         yield
     except CollectiveFailed:
         raise
     except RuntimeError as e:
+        if not is_collective_failure(e):
+            raise
         raise CollectiveFailed(f"{what} failed: {_reason(e)}") from e
 
 
@@ -35,8 +50,7 @@ def _reason(error: BaseException) -> str:
 
 def name_other_collective(error: RuntimeError) -> CollectiveFailed | None:
     """A collective failure outside the MoE layers, named by where it happened; None if not one."""
-    text = str(error)
-    if not any(key in text for key in ("Timed out", "timed out", "Connection closed by peer", "Connection reset")):
+    if not is_collective_failure(error):
         return None
     frames = traceback.extract_tb(error.__traceback__)
     if any("fsdp" in frame.filename.lower() for frame in frames):

@@ -13,21 +13,17 @@
   the same facts, and goes on.
 - **Stuck or dead peers**: a failed collective is named by where it was
   (:mod:`torchtitan_ext.runtime.collectives`).
-- **Torn checkpoints**: a checkpoint whose write was interrupted has no
-  ``.metadata`` (DCP writes it last). torchtitan skips such a step when it
-  looks for the latest; :func:`report_incomplete_checkpoints` says so.
+- **Torn checkpoints**: see :mod:`.checkpoints`.
 
 The per-step agreement costs one small all-reduce and one host read per step.
 """
 
 import signal
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 import torch
 import torch.distributed as dist
-from torchtitan.tools.logging import logger
 
 from torchtitan_ext.config import register_section
 
@@ -57,7 +53,12 @@ register_section("faults", Faults)
 
 
 class Preempted(Exception):
-    """The ranks stopped at a step boundary after a preemption signal, with a checkpoint saved."""
+    """The ranks stopped at a step boundary after a preemption signal; ``saved``: whatever the job
+    saves is complete on disk."""
+
+    def __init__(self, message: str, saved: bool):
+        super().__init__(message)
+        self.saved = saved
 
 
 class NonFiniteLoss(RuntimeError):
@@ -129,21 +130,3 @@ def describe_nonfinite(step: int, state: dict) -> str:
         else "no MoE router produced a non-finite score: the loss went non-finite elsewhere"
     )
     return f"non-finite {what} at step {step} ({where})"
-
-
-def report_incomplete_checkpoints(folder: str | Path) -> list[int]:
-    """Log each checkpoint step in ``folder`` whose write never finished; their steps."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return []
-    complete, torn = [], []
-    for entry in folder.iterdir():
-        if entry.name.startswith("step-") and entry.name[5:].isdigit():
-            (complete if (entry / ".metadata").is_file() else torn).append(int(entry.name[5:]))
-    resume = f"step {max(complete)}" if complete else "the start (no complete checkpoint)"
-    for step in sorted(torn):
-        logger.warning(
-            f"Checkpoint {folder / f'step-{step}'} is incomplete (no .metadata: its write was interrupted); "
-            f"it is ignored and training resumes from {resume}"
-        )
-    return sorted(torn)

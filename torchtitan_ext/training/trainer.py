@@ -7,6 +7,8 @@ beyond torchtitan's loop.
 """
 
 import sys
+from functools import partial
+from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -18,7 +20,7 @@ from torchtitan_ext.balancing import routing_stats
 from torchtitan_ext.balancing.migration import ExpertMigration
 from torchtitan_ext.config import moe_layer_ids
 from torchtitan_ext.runtime.collectives import CollectiveFailed, name_other_collective
-from torchtitan_ext.training import faults
+from torchtitan_ext.training import checkpoints, faults
 
 
 class Trainer(TorchTitanTrainer):
@@ -43,6 +45,7 @@ class Trainer(TorchTitanTrainer):
             faults.RouterHealth(self.model_parts, args.n_layers, self.device)
             if getattr(args, "moe_args", None) is not None else None
         )
+        self.checkpointer._purge_stale_checkpoints = partial(checkpoints.purge_keeping_complete, self.checkpointer)
         self._step_losses: list[torch.Tensor] = []
         self._preempt_now = False
         self.optimizers.step = self._checked(self.optimizers.step)
@@ -100,35 +103,36 @@ class Trainer(TorchTitanTrainer):
         if self.routing_recorder is not None:
             self.routing_recorder.end_step(self.step)
             config = self.job_config
-            if self.step % config.routing_stats.save_every == 0 or self.step == config.training.steps:
+            last = self.step == config.training.steps or self._preempt_now
+            if self.step % config.routing_stats.save_every == 0 or last:
                 path = self.routing_recorder.save(routing_stats.output_folder(config))
                 if path is not None:
                     logger.info(f"Routing statistics saved to {path}")
         if self._preempt_now:
-            self._save_for_resume()
-            raise faults.Preempted(
-                f"preempted ({self.preemption.signal_name}) at the end of step {self.step}: "
-                + (
-                    f"checkpoint saved in {self.checkpointer.folder}/step-{self.step}; rerun the same command to resume"
-                    if self.checkpointer.enable
-                    else "nothing saved (checkpoint.enable = false)"
-                )
-            )
+            raise self._preempted()
 
-    def _save_for_resume(self) -> None:
-        """A full checkpoint of this step (model, optimizer, schedulers, data loader, step), as at a
-        checkpoint interval; torchtitan's last-step save may keep the model only."""
+    def _preempted(self) -> faults.Preempted:
+        """Save this step in full (torchtitan's last-step save may keep the model only) and say where,
+        once it is complete on disk."""
+        where = f"preempted ({self.preemption.signal_name}) at the end of step {self.step}"
         checkpointer = self.checkpointer
-        interval, checkpointer.interval = checkpointer.interval, 1
-        try:
-            checkpointer.save(self.step)
-        finally:
-            checkpointer.interval = interval
+        if not checkpointer.enable or checkpointer.load_only:
+            setting = "checkpoint.enable = false" if not checkpointer.enable else "checkpoint.load_only = true"
+            return faults.Preempted(f"{where}: nothing saved ({setting})", saved=True)
+        path = checkpoints.save_now(checkpointer, self.step)
+        if path is None:
+            return faults.Preempted(
+                f"{where}: its checkpoint {checkpointer.folder}/step-{self.step} is incomplete (no .metadata); "
+                "a rerun resumes from the last complete one", saved=False,
+            )
+        return faults.Preempted(f"{where}: checkpoint saved in {path}; rerun the same command to resume", saved=True)
 
     def train(self):
         if self.checkpointer.enable:
-            faults.report_incomplete_checkpoints(self.checkpointer.folder)
+            checkpoints.set_aside_torn(self.checkpointer.folder)
         super().train()
+        # an asynchronous save still in flight is finished, not dropped when the process exits
+        checkpoints.wait_for_saves(self.checkpointer)
 
 
 def _metadata_inference_in_eval_mode(schedule, model_parts) -> None:
@@ -164,8 +168,8 @@ def _metadata_inference_in_eval_mode(schedule, model_parts) -> None:
 def run(job_config) -> int:
     """Train (or write the seed checkpoint of) a validated job in this process; the exit status.
 
-    Preemption ends it cleanly (0) after its checkpoint; a non-finite step under
-    ``on_nonfinite = "stop"`` or a failed collective is one line on stderr (1).
+    Preemption ends it cleanly (0) once its checkpoint is complete on disk (1 if it is not); a
+    non-finite step under ``on_nonfinite = "stop"`` or a failed collective is one line on stderr (1).
     """
     preemption = faults.PreemptionRequest()
     preemption.install()
@@ -175,11 +179,18 @@ def run(job_config) -> int:
         trainer = Trainer(job_config, preemption)
         if job_config.checkpoint.create_seed_checkpoint:
             trainer.checkpointer.save(curr_step=0, last_step=True)
-            logger.info("Created seed checkpoint")
+            seed = Path(trainer.checkpointer.folder) / "step-0"
+            if not checkpoints.is_complete(seed):
+                raise RuntimeError(f"the seed checkpoint {seed} has no .metadata after its save")
+            logger.info(f"Created seed checkpoint in {seed}")
         else:
             trainer.train()
     except faults.Preempted as e:
-        logger.info(str(e))
+        if e.saved:
+            logger.info(str(e))
+        else:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            failure = e
     except (faults.NonFiniteLoss, CollectiveFailed) as e:
         # one line, not a traceback (torchrun tears the peers down), and before the trainer's
         # teardown, which can wait on the same stuck peer
@@ -191,6 +202,8 @@ def run(job_config) -> int:
     if failure is not None:
         return 1
     if torch.distributed.is_initialized():
+        # every rank is done with its collectives before any tears the group down
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
         logger.info("Process group destroyed")
     return 0

@@ -1,0 +1,58 @@
+"""Checkpoints are counted, loaded and reported only once complete on disk (torchtitan_ext.training.checkpoints)."""
+
+import queue
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from torchtitan_ext.config import ConfigError, load_job_config
+from torchtitan_ext.training import checkpoints
+from torchtitan_ext.training.specs import register_train_specs
+
+
+def _folder(tmp_path: Path, complete: list[int], torn: list[int]) -> Path:
+    folder = tmp_path / "checkpoint"
+    for step in complete + torn:
+        (folder / f"step-{step}").mkdir(parents=True)
+        (folder / f"step-{step}" / "__0_0.distcp").write_bytes(b"x")
+    for step in complete:
+        (folder / f"step-{step}" / ".metadata").write_bytes(b"x")
+    return folder
+
+
+def _purged(folder: Path, keep: int) -> list[str]:
+    checkpointer = SimpleNamespace(folder=str(folder), keep_latest_k=keep, purge_queue=queue.Queue())
+    checkpoints.purge_keeping_complete(checkpointer)
+    return sorted(Path(checkpointer.purge_queue.get_nowait()).name for _ in range(checkpointer.purge_queue.qsize()))
+
+
+def test_torn_folders_are_set_aside_and_never_counted(tmp_path):
+    """Complete 4, 6, 8 and a torn 7, keep_latest_k = 2: torchtitan's own purge deleted 4 and 6 (it counts
+    7); here 7 is set aside at start and only 4 goes."""
+    folder = _folder(tmp_path, complete=[4, 6, 8], torn=[7])
+    moved = checkpoints.set_aside_torn(folder)
+    assert moved == [folder / "incomplete_step_7"]
+    assert sorted(p.name for p in folder.iterdir()) == ["incomplete_step_7", "step-4", "step-6", "step-8"]
+    assert _purged(folder, keep=2) == ["step-4"]
+
+
+def test_a_write_in_flight_does_not_push_a_complete_checkpoint_out(tmp_path):
+    """Async mode purges while the newest write (step 8, no .metadata yet) is in flight: 4 and 6 stay,
+    so a crash now still leaves two complete checkpoints."""
+    folder = _folder(tmp_path, complete=[4, 6], torn=[8])
+    assert _purged(folder, keep=2) == []
+    (folder / "step-8" / ".metadata").write_bytes(b"x")
+    assert _purged(folder, keep=2) == ["step-4"]
+
+
+def test_set_aside_names_never_collide(tmp_path):
+    folder = _folder(tmp_path, complete=[], torn=[3])
+    (folder / "incomplete_step_3").mkdir()
+    assert checkpoints.set_aside_torn(folder) == [folder / "incomplete_step_3_2"]
+
+
+def test_keep_latest_k_of_one_is_refused_before_any_process():
+    register_train_specs()
+    with pytest.raises(ConfigError, match=r"checkpoint.keep_latest_k = 1: torchtitan keeps at least 2"):
+        load_job_config(["--job.config_file", "train_configs/debug_model.toml", "--checkpoint.keep_latest_k", "1"], "cpu", 2)

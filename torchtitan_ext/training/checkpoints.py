@@ -1,0 +1,115 @@
+"""Checkpoints that are complete on disk, or not counted: torchtitan's CheckpointManager, made safe.
+
+A DCP checkpoint is complete once its ``.metadata`` exists (the coordinator
+writes it last). Around torchtitan 0.2.2's manager this module
+
+- sets torn folders aside at start: ``step-N`` without ``.metadata`` is renamed
+  ``incomplete_step_N`` (a name torchtitan's ``step-(\\d+)`` pattern never
+  matches), reported, and never loaded or counted;
+- counts only complete checkpoints for ``keep_latest_k``, so that the purge
+  never deletes a complete checkpoint to make room for one still being
+  written (async mode purges while the newest write is in flight);
+- finishes a save before reporting it: :func:`save_now` waits for an async
+  save and says whether ``.metadata`` is on disk; a trainer's close waits for
+  one still in flight instead of dropping it;
+- refuses ``keep_latest_k = 1`` (torchtitan raises on every rank) with the
+  other config checks.
+"""
+
+import os
+import re
+from pathlib import Path
+
+import torch.distributed as dist
+from torchtitan.tools.logging import logger
+
+from torchtitan_ext.config import ConfigError, register_check, ValidationContext
+
+CHECKPOINT_NAME = re.compile(r"step-(\d+)")
+SET_ASIDE_PREFIX = "incomplete_step_"
+
+
+def is_complete(path: Path) -> bool:
+    return (path / ".metadata").is_file()
+
+
+def checkpoint_steps(folder: Path) -> tuple[list[int], list[int]]:
+    """(complete steps, torn steps) of the ``step-N`` folders in ``folder``, each sorted."""
+    complete, torn = [], []
+    if folder.is_dir():
+        for entry in folder.iterdir():
+            match = CHECKPOINT_NAME.fullmatch(entry.name)
+            if match and entry.is_dir():
+                (complete if is_complete(entry) else torn).append(int(match.group(1)))
+    return sorted(complete), sorted(torn)
+
+
+def set_aside_torn(folder: str | Path) -> list[Path]:
+    """Rename every torn ``step-N`` in ``folder`` to ``incomplete_step_N`` (``_2``, ... if taken) and log it;
+    the new paths. Global rank 0 renames; every rank waits for it."""
+    folder = Path(folder)
+    moved = []
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        complete, torn = checkpoint_steps(folder)
+        resume = f"step {complete[-1]}" if complete else "the start (no complete checkpoint)"
+        for step in torn:
+            target = folder / f"{SET_ASIDE_PREFIX}{step}"
+            copy = 1
+            while target.exists():
+                copy += 1
+                target = folder / f"{SET_ASIDE_PREFIX}{step}_{copy}"
+            os.rename(folder / f"step-{step}", target)
+            moved.append(target)
+            logger.warning(
+                f"Checkpoint {folder / f'step-{step}'} is incomplete (no .metadata: its write was interrupted); "
+                f"set aside as {target}, never loaded or counted; training resumes from {resume}"
+            )
+    if dist.is_initialized():
+        dist.barrier()
+    return moved
+
+
+def purge_keeping_complete(checkpointer) -> None:
+    """torchtitan's purge with ``keep_latest_k`` counted over complete checkpoints only (rank 0)."""
+    if checkpointer.keep_latest_k <= 0 or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    folder = Path(checkpointer.folder)
+    complete, _ = checkpoint_steps(folder)
+    for step in complete[: -checkpointer.keep_latest_k]:
+        checkpointer.purge_queue.put(str(folder / f"step-{step}"))
+
+
+def wait_for_saves(checkpointer) -> None:
+    """Block until an asynchronous save in flight is on disk (a no-op without one)."""
+    if checkpointer.enable:
+        checkpointer.maybe_wait_for_staging()
+        # torchtitan 0.2.2 has no public wait: _async_wait is what its own next save calls first
+        checkpointer._async_wait()
+
+
+def save_now(checkpointer, step: int) -> Path | None:
+    """A full checkpoint of ``step`` (model, optimizer, schedulers, data loader, step) whatever the
+    interval, waited for in async modes; its path once complete on disk, else None (checkpointing
+    off or load-only, or a write that did not complete). Every rank calls it."""
+    interval, checkpointer.interval = checkpointer.interval, 1
+    try:
+        checkpointer.save(step)
+        wait_for_saves(checkpointer)
+    finally:
+        checkpointer.interval = interval
+    if dist.is_initialized():
+        dist.barrier()  # the coordinator writes .metadata last: every rank looks after it has finished
+    path = Path(checkpointer.folder) / f"step-{step}"
+    return path if checkpointer.enable and is_complete(path) else None
+
+
+def check_checkpoint_options(job_config, context: ValidationContext) -> None:
+    keep = job_config.checkpoint.keep_latest_k
+    if keep == 1:  # torchtitan's manager refuses it whether or not checkpointing is on
+        raise ConfigError(
+            "checkpoint.keep_latest_k = 1: torchtitan keeps at least 2 (the newest may still be being written): "
+            "set it to 0 (keep all) or 2 or more"
+        )
+
+
+register_check(check_checkpoint_options)
