@@ -15,6 +15,7 @@
 #                ranks (meta-device model, parallelize plan applied, report; no step)
 #                "local_tensor": torchtitan's one-process simulation of NGPU ranks
 #   MASTER_PORT  rendezvous port; unset picks a free one, so runs can share a machine
+#   SHUTDOWN_TIMEOUT  seconds torchrun gives the ranks to save and exit after a stop signal (default 600)
 # Extra arguments are config overrides (--section.key value), passed through.
 set -euo pipefail
 
@@ -24,7 +25,8 @@ source "${ROOT}/env.sh"
 
 if [ -z "${NGPU:-}" ]; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-        NGPU="$(nvidia-smi -L | wc -l)"
+        # one "GPU n:" line per device; MIG instances are listed under it, indented
+        NGPU="$(nvidia-smi -L | grep -c '^GPU ')"
     else
         NGPU=2
     fi
@@ -34,11 +36,19 @@ export PYTHONUNBUFFERED=1
 COMM_MODE="${COMM_MODE:-}"
 # --job.config_file among the overrides takes the place of CONFIG_FILE; both at once is an error
 # (the config parser reports two different files in one line)
+# (each argument compared whole: a value that mentions the flag is not the flag)
+config_in_args=false
+for arg in "$@"; do
+    case "${arg}" in
+        --job.config_file | --job.config_file=* | --job.config-file | --job.config-file=*) config_in_args=true ;;
+    esac
+done
 config_args=()
-case " $* " in
-    *" --job.config_file"* | *" --job.config-file"*) [ -n "${CONFIG_FILE:-}" ] && config_args=(--job.config_file "${CONFIG_FILE}") ;;
-    *) config_args=(--job.config_file "${CONFIG_FILE:-train_configs/debug_model.toml}") ;;
-esac
+if [ "${config_in_args}" = true ]; then
+    [ -n "${CONFIG_FILE:-}" ] && config_args=(--job.config_file "${CONFIG_FILE}")
+else
+    config_args=(--job.config_file "${CONFIG_FILE:-train_configs/debug_model.toml}")
+fi
 
 if [ "${COMM_MODE}" = "fake_backend" ]; then
     exec python -m torchtitan_ext.planning.dry_run --ngpu "${NGPU}" -- "${config_args[@]}" "$@"
@@ -62,7 +72,10 @@ export LOG_RANK="${LOG_RANK:-${TTE_LOSS_RANK}}"
 
 # the supervisor relays the output, forwards SIGTERM/SIGUSR1 (preemption) to the training processes,
 # and ends a failed job with one line: which rank, how, after which step, where to resume
+# a preemption signal that reaches torchrun itself (a process-group kill, scancel) goes to the ranks too,
+# SIGUSR1 included, and torchrun waits SHUTDOWN_TIMEOUT seconds for their checkpoint before SIGKILL
 exec python -m torchtitan_ext.supervise --checkpoint-folder "${TTE_CHECKPOINT_FOLDER}" -- \
     torchrun --nproc_per_node="${NGPU}" --rdzv_backend c10d --rdzv_endpoint="${rdzv_endpoint}" \
+    --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout "${SHUTDOWN_TIMEOUT:-600}" \
     --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 \
     -m torchtitan_ext.train "${config_args[@]}" "$@"

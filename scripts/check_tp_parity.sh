@@ -19,7 +19,12 @@ declare -A BACKEND=(
     [hybridep]="--parallelism.expert_parallel_comm_backend hybridep"
     [hybridep_nb]="--parallelism.expert_parallel_comm_backend hybridep --hybridep.non_blocking_capacity_factor 1.0"
 )
-rm -rf "${WORK}" && mkdir -p "${WORK}"
+# the folder is emptied: only one this script made (its marker file), a new one or an empty one
+if [ -z "${WORK}" ] || { [ -e "${WORK}" ] && [ -n "$(ls -A "${WORK}" 2>/dev/null)" ] && [ ! -f "${WORK}/.check_tp_parity" ]; }; then
+    echo "error: work folder '${WORK}' is not empty and was not made by this script: pass a new or empty folder" >&2
+    exit 2
+fi
+rm -rf "${WORK}" && mkdir -p "${WORK}" && touch "${WORK}/.check_tp_parity"
 NGPU=1 ./run_train.sh "${COMMON[@]}" --parallelism.expert_parallel_degree 1 --checkpoint.enable \
     --checkpoint.create_seed_checkpoint --job.dump_folder "${WORK}/seed" > "${WORK}/seed.log" 2>&1
 losses() { grep -oE 'step: +[0-9]+ +loss: +[0-9.]+' "$1" | awk '{print $4}' | tr '\n' ' '; }

@@ -20,6 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("no command to supervise: python -m torchtitan_ext.supervise [--checkpoint-folder DIR] -- torchrun ...")
     folder = Path(args.checkpoint_folder) if args.checkpoint_folder else None
     return Supervisor(command, folder).run()
 

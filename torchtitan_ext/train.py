@@ -5,17 +5,21 @@ before any process group exists; the run itself is :func:`torchtitan_ext.trainin
 """
 
 import os
+import signal
 import sys
 
 from torchtitan.tools.logging import init_logger
 
 from torchtitan_ext.config import ConfigError, load_job_config
 from torchtitan_ext.data import prepare_embedded_assets
+from torchtitan_ext.launch.processes import die_with_parent
 from torchtitan_ext.training import prepare
 from torchtitan_ext.training.trainer import run
 
 
 def main(args: list[str] | None = None) -> None:
+    # a rank whose torchrun is gone (killed, even by SIGKILL) stops as on preemption instead of running on
+    die_with_parent(signal.SIGTERM, os.getppid())
     init_logger()
     device_type = prepare()
     try:

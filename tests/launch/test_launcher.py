@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from tests.helpers import REPO_ROOT, run_launcher, step_losses
+from tests.helpers import launcher_env, REPO_ROOT, run_launcher, step_losses
 from torchtitan_ext.launch.supervisor import Supervisor
 
 
@@ -158,3 +158,39 @@ def test_supervisor_names_the_rank_that_caused_the_failure(report, named):
         f"error: {named}; the job stopped after step 3 (exit 1); "
         "checkpointing is off (checkpoint.enable): a rerun starts over"
     )
+
+
+def test_ngpu_counts_gpus_not_mig_instances(tmp_path):
+    """nvidia-smi -L lists each MIG instance under its GPU; `wc -l` counted them as GPUs."""
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(
+        "#!/bin/sh\n"
+        "printf 'GPU 0: NVIDIA A100-SXM4-80GB (UUID: GPU-1)\\n  MIG 3g.40gb     Device  0: (UUID: MIG-1)\\n"
+        "  MIG 3g.40gb     Device  1: (UUID: MIG-2)\\nGPU 1: NVIDIA A100-SXM4-80GB (UUID: GPU-2)\\n'\n"
+    )
+    fake.chmod(0o755)
+    env = launcher_env(COMM_MODE="fake_backend")
+    env.pop("NGPU")
+    env["PATH"] = f"{tmp_path}:{env['PATH']}"
+    result = subprocess.run(["./run_train.sh"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "dry run: deepseek_v3 debugmodel on 2 ranks" in result.stdout + result.stderr
+
+
+def test_a_value_that_mentions_the_config_flag_is_not_the_flag():
+    """--job.description "see --job.config_file docs" used to drop the default config (the whole
+    command line was matched as one string)."""
+    result = run_launcher("--job.description", "see --job.config_file docs", timeout=300,
+                          COMM_MODE="fake_backend", NGPU="2")
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "dry run: deepseek_v3 debugmodel on 2 ranks" in result.stdout
+
+
+def test_tp_parity_check_never_empties_a_folder_it_did_not_make(tmp_path):
+    (tmp_path / "precious.txt").write_text("kept")
+    result = subprocess.run(["./scripts/check_tp_parity.sh", str(tmp_path)], cwd=REPO_ROOT, env=launcher_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (f"error: work folder '{tmp_path}' is not empty and was not made by this script: "
+                                      "pass a new or empty folder")
+    assert (tmp_path / "precious.txt").read_text() == "kept"

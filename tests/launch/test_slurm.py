@@ -60,6 +60,8 @@ def test_gb200_command_and_environment(fake_slurm, tmp_path):
     ]
     assert argv[7] == "torchrun"
     assert "--nnodes 64 --nproc_per_node 4" in command
+    # a signal that reaches torchrun itself (scancel) goes to the ranks, which get time to save
+    assert "--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout 600" in command
     assert "--rdzv_id 4242 --rdzv_backend c10d --rdzv_endpoint gb-r1-t01:29500" in command
     assert f"--log-dir {tmp_path / 'logs'} --redirects 3" in command
     assert "-m torchtitan_ext.train --job.config_file train_configs/deepseek_v3_671b_gb200.toml --training.steps 7" in command

@@ -162,6 +162,27 @@ def test_preemption_saves_exits_cleanly_and_resumes(tmp_path, uninterrupted, rec
     _assert_resumes(resumed.stdout, step + 1, uninterrupted)
 
 
+def test_a_preemption_signal_that_reaches_torchrun_itself_saves_too(tmp_path):
+    """scancel and process-group kills signal torchrun directly, not through the supervisor. SIGUSR1
+    (SLURM's warning) killed torchrun outright, and the ranks with it, nothing saved; torchrun now
+    passes it on to the ranks (--signals-to-handle) and waits for their checkpoint (--shutdown-timeout)."""
+    job = _job(tmp_path, "--checkpoint.enable", "--checkpoint.interval", "100")
+    launcher = LauncherProcess(*job)
+    try:
+        launcher.wait_for(r"step:\s+2\s", timeout=300)
+        torchrun = [pid for pid in descendants(launcher.process.pid)
+                    if b"torch.distributed.run" in Path(f"/proc/{pid}/cmdline").read_bytes()
+                    or b"/torchrun\0" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(torchrun) == 1, torchrun
+        os.kill(torchrun[0], signal.SIGUSR1)
+        launcher.finish(timeout=300)
+    finally:
+        launcher.kill()
+    saved = re.search(r"preempted \(SIGUSR1\) at the end of step (\d+): checkpoint saved in (\S+);", launcher.output)
+    assert saved, launcher.output[-3000:]
+    assert (Path(saved.group(2)) / ".metadata").is_file()
+
+
 FAKE_TORCHRUN = """\
 import signal, subprocess, sys
 for signum in (signal.SIGTERM, signal.SIGUSR1):

@@ -44,8 +44,17 @@ def check_process_count(ngpu: str) -> int:
     return count
 
 
-def check_port_free(port: int) -> None:
+def check_port_free(text: str) -> int:
+    """The rendezvous port MASTER_PORT names, once it is a port number no process listens on."""
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise ConfigError(
+            f"MASTER_PORT='{text}' is not a port number: set it to an integer from 1 to 65535, "
+            "or unset it to let torchrun pick a free port"
+        )
+    port = int(text)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # connections of an earlier run still in TIME_WAIT do not stop torchrun's store from binding
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("localhost", port))
         except OSError:
@@ -53,13 +62,14 @@ def check_port_free(port: int) -> None:
                 f"rendezvous port {port} (MASTER_PORT) is in use: unset MASTER_PORT to let "
                 "torchrun pick a free port, or set it to a free one"
             ) from None
+    return port
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--ngpu", required=True, help="processes on this machine (NGPU)")
     parser.add_argument("--nnodes", type=int, default=1, help="machines in the job")
-    parser.add_argument("--port", type=int, help="explicit rendezvous port to check")
+    parser.add_argument("--port", help="explicit rendezvous port to check (MASTER_PORT)")
     parser.add_argument(
         "--device-type", choices=("cpu", "cuda"),
         help="validate the job for this device type (default: this machine's); for a batch script that "

@@ -26,8 +26,12 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+
+from torchtitan_ext.launch.processes import die_with_parent
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 STEP_LINE = re.compile(r"step:\s*(\d+)\s+loss:")
@@ -36,6 +40,9 @@ FAILURE_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 FAILURE_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)")
 ROOT_CAUSE_HEADING = "Root Cause (first observed failure):"
 STOPPED_BY_TORCHRUN = re.compile(r"Sending process (\d+) closing signal")
+SHUTDOWN_GRACE_S = 30
+"""How long processes left in the job's group after torchrun ends (or after this supervisor is told to
+stop) get between SIGTERM and SIGKILL."""
 
 
 def complete_checkpoints(folder: Path | None) -> list[int]:
@@ -87,6 +94,7 @@ class Supervisor:
         self.in_root_cause = False
         self.stopped_by_torchrun: set[int] = set()
         self.process: subprocess.Popen | None = None
+        self.closed_streams: set[int] = set()
 
     def forward(self, signum, frame) -> None:
         if self.process is None:
@@ -102,19 +110,57 @@ class Supervisor:
         self.process.send_signal(signum)
 
     def run(self) -> int:
+        """Run the command to its end; its exit status (128 + N for a command killed by signal N, as a shell
+        reports it). The command runs in its own process group, ended with this process whatever ends it."""
         for signum in (*PREEMPTION_SIGNALS, signal.SIGINT):
             signal.signal(signum, self.forward)
+        # a closed terminal: the job saves and stops as on preemption, instead of running on unseen
+        signal.signal(signal.SIGHUP, lambda signum, frame: self.forward(signal.SIGTERM, frame))
         self.process = subprocess.Popen(
-            self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
+            self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+            process_group=0, preexec_fn=partial(die_with_parent, signal.SIGTERM, os.getpid()),
         )
-        for line in self.process.stdout:
-            sys.stdout.write(line)
-            sys.stdout.flush()
-            self._read(ANSI_ESCAPE.sub("", line))
-        returncode = self.process.wait()
-        if returncode != 0:
-            print(self.explain(returncode), file=sys.stderr, flush=True)
-        return returncode
+        try:
+            for line in self.process.stdout:
+                self._relay(line)
+                self._read(ANSI_ESCAPE.sub("", line))
+            returncode = self.process.wait()
+        finally:
+            self._end_process_group()
+        status = 128 - returncode if returncode < 0 else returncode
+        if status != 0:
+            self._relay(self.explain(status) + "\n", sys.stderr)
+        return status
+
+    def _relay(self, text: str, stream=None) -> None:
+        """Write to stdout (or ``stream``); once the reader has gone (``| head``), keep reading the job's output
+        without writing it, so that the job is neither blocked nor killed by a full pipe."""
+        stream = stream or sys.stdout
+        if stream.fileno() in self.closed_streams:
+            return
+        try:
+            stream.write(text)
+            stream.flush()
+        except (BrokenPipeError, ValueError):
+            self.closed_streams.add(stream.fileno())
+            # Python's own flush at exit would report the closed pipe again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+
+    def _end_process_group(self) -> None:
+        """SIGTERM, then SIGKILL after SHUTDOWN_GRACE_S, to whatever of the command's process group is left."""
+        deadline = time.monotonic() + SHUTDOWN_GRACE_S
+        for signum in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.process.pid, signum)
+            except ProcessLookupError:
+                return
+            while time.monotonic() < deadline:
+                self.process.poll()  # reaps the command itself once it exits
+                try:
+                    os.killpg(self.process.pid, 0)
+                except ProcessLookupError:
+                    return
+                time.sleep(0.1)
 
     def _read(self, line: str) -> None:
         step = STEP_LINE.search(line)
