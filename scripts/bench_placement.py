@@ -57,7 +57,7 @@ def write_dump(folder: Path, steps: int, tokens: int, seed: int = 0) -> None:
                 coactivation[layer] += (picks.T @ picks).astype(np.int64)
                 sampled[i, layer] = ids
         np.savez(
-            folder / f"routing_step{file_steps[-1]:06d}.npz",
+            folder / f"routing_step{file_steps[0]:06d}-{file_steps[-1]:06d}.npz",
             steps=file_steps, layers=np.array(MOE_LAYERS), tokens_per_expert=counts, coactivation=coactivation,
             transitions=np.zeros_like(coactivation), top_k=np.array(TOP_K), sampled_expert_ids=sampled,
         )

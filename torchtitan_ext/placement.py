@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("-o", "--output", default="placement.json", help="placement file to write")
     args, train_args = parser.parse_known_args(argv)
     try:
-        check_search_options(args.holdout, args.load_tolerance)
+        check_search_options(args.holdout, args.load_tolerance, args.first_step, args.ranks_per_domain, args.world_size)
         prepare()
         job_config = load_job_config(train_args, device_type=None, world_size=args.world_size)
         lines = search(

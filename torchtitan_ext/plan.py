@@ -21,13 +21,14 @@ measures this machine and writes its topology file
 """
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
 import torch.distributed as dist
 
-from torchtitan_ext.balancing.routing_stats import load_path
-from torchtitan_ext.config import ConfigError, job_world_size, load_job_config
+from torchtitan_ext.balancing.routing_stats import check_fits, load_path
+from torchtitan_ext.config import ConfigError, job_world_size, load_job_config, moe_layer_ids, moe_shape
 from torchtitan_ext.planning.calibrate import calibrate
 from torchtitan_ext.planning.cost_model import PaperSetting
 from torchtitan_ext.planning.layout_advisor import advise, format_advice, format_paper, overrides_problem
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         topology = load_topology(args.topology) if args.topology else None
         job_config = load_job_config(train_args, device_type=None)
-        world_size = args.world_size or job_world_size(job_config)
+        world_size = args.world_size if args.world_size is not None else job_world_size(job_config)
         if world_size < 1:
             raise ConfigError(f"--world-size {world_size}: use a rank count >= 1")
         if topology is not None:
@@ -83,6 +84,9 @@ def main(argv: list[str] | None = None) -> None:
         stats = None
         if args.routing_stats is not None:
             stats = load_path(args.routing_stats)
+            shape = moe_shape(job_config)
+            if shape is not None:
+                check_fits(stats, moe_layer_ids(job_config), shape.num_experts, f"--routing-stats {args.routing_stats}")
         result = plan(job_config, world_size, stats)
         compute = measure_compute(train_args, world_size) if args.measure_compute else None
         advice, routing = (None, None) if topology is None else advise(
@@ -124,10 +128,10 @@ def _paper(args) -> list[str]:
         raise ConfigError(f"--paper needs {', '.join(missing)}")
     for flag, value in (("--world-size", args.world_size), ("--paper-data-mb", args.paper_data_mb),
                         ("--paper-expert-mb", args.paper_expert_mb)):
-        if value <= 0:
-            raise ConfigError(f"{flag} {value}: use a value > 0")
-    if args.paper_pre_expert_ms < 0:
-        raise ConfigError(f"--paper-pre-expert-ms {args.paper_pre_expert_ms}: use a time >= 0")
+        if not 0 < value < math.inf:
+            raise ConfigError(f"{flag} {value}: use a finite value > 0")
+    if not 0 <= args.paper_pre_expert_ms < math.inf:
+        raise ConfigError(f"--paper-pre-expert-ms {args.paper_pre_expert_ms}: use a finite time >= 0")
     topology = load_topology(args.topology)
     link = topology.levels[-1]
     setting = PaperSetting(

@@ -10,7 +10,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from torchtitan_ext.balancing.routing_report import most_imbalanced_layer, write_report
 from torchtitan_ext.balancing.routing_stats import load_path
 from torchtitan_ext.config import ConfigError
 
@@ -22,13 +21,17 @@ def main(argv: list[str] | None = None) -> list[Path]:
     parser.add_argument("--out", type=Path, help="output folder (default: the dump folder)")
     args = parser.parse_args(argv)
     try:
+        try:
+            from torchtitan_ext.balancing.routing_report import most_imbalanced_layer, write_report
+        except ModuleNotFoundError as e:
+            raise ConfigError(f"the routing report needs matplotlib ({e}): pip install -e '.[plots]'") from None
         stats = load_path(args.dump)
+        layer = most_imbalanced_layer(stats) if args.layer is None else args.layer
+        if layer not in stats["layers"]:
+            raise ConfigError(f"--layer {layer} is not a MoE layer of {args.dump}: use one of {stats['layers'].tolist()}")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    layer = most_imbalanced_layer(stats) if args.layer is None else args.layer
-    if layer not in stats["layers"]:
-        parser.error(f"--layer {layer} is not a MoE layer here; MoE layers: {stats['layers'].tolist()}")
     written = write_report(stats, args.out or (args.dump.parent if args.dump.is_file() else args.dump), layer)
     for path in written:
         print(f"wrote {path}")

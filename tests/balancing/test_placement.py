@@ -342,7 +342,9 @@ def _migrate_one(layout):
         fully_shard(module, mesh=mesh["efsdp"], shard_placement_fn=lambda _: Shard(dim_of_shard))
     optimizer = torch.optim.AdamW(module.parameters(), lr=0.1)
     for parameter in module.parameters():
-        parameter.grad = torch.ones_like(parameter)
+        # a gradient that differs per expert row: with a uniform one every row's exp_avg_sq is equal, and
+        # a move that left the optimizer state behind would pass unseen
+        parameter.grad = parameter.detach() * 3 + 1
     optimizer.step()
 
     class Optimizers:
@@ -354,6 +356,7 @@ def _migrate_one(layout):
     sent = move_rows([model], Optimizers(), {1: source})
     after = {name: p.full_tensor() for name, p in module.named_parameters()}
     moved = {name: optimizer.state[p]["exp_avg_sq"].full_tensor() for name, p in module.named_parameters()}
+    assert all(not torch.equal(m[0], m[1]) for m in moments.values()), "the state must differ between experts"
     return {
         "weights": all(torch.equal(after[n], before[n][source]) for n in before),
         "state": all(torch.equal(moved[n], moments[n][source]) for n in moments),

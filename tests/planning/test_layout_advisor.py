@@ -87,7 +87,7 @@ def _run_cli(capsys, *argv):
         (["--paper", "--topology", "cross_dc", "--world-size", "8"],
          "error: --paper needs --paper-data-mb, --paper-expert-mb, --paper-pre-expert-ms\n"),
         (["--paper", "--topology", "cross_dc", "--world-size", "8", "--paper-data-mb", "0", "--paper-expert-mb", "1",
-          "--paper-pre-expert-ms", "1"], "error: --paper-data-mb 0.0: use a value > 0\n"),
+          "--paper-pre-expert-ms", "1"], "error: --paper-data-mb 0.0: use a finite value > 0\n"),
         (["--calibrate", "--nproc", "1"], "error: --nproc 1: an all-to-all needs at least 2 processes\n"),
     ],
 )
@@ -249,8 +249,9 @@ def test_cli_uses_a_routing_dump(capsys, tmp_path):
     sampled = np.tile(np.array([0, 1, 2], dtype=np.int16), (2, 5, 64, 1))
     dump = _dump(sampled, 8)
     dump["layers"] = np.array([1, 2, 3, 4, 5])
-    np.savez(tmp_path / "routing_step000002.npz", coactivation=np.zeros((5, 8, 8)), transitions=np.zeros((5, 8, 8)),
-             **dump)
+    # the file schema: integer counts (torchtitan_ext/balancing/routing_stats.py)
+    np.savez(tmp_path / "routing_step000001-000002.npz", coactivation=np.zeros((5, 8, 8), dtype=np.int64),
+             transitions=np.zeros((5, 8, 8), dtype=np.int64), **dump)
     plan.main(["--topology", "hgx_h100_ib", "--world-size", "4", "--routing-stats", str(tmp_path), *DEBUG_JOB])
     out = capsys.readouterr().out
     assert f"token bytes from measured routing ({tmp_path}: 10 step x layer dispatches)" in out

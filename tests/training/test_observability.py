@@ -9,7 +9,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from tests.helpers import run_launcher
-from torchtitan_ext.ep.base import DispatchStats
+from torchtitan_ext.ep.base import DispatchStats, Routing
 from torchtitan_ext.training.metrics import ExpertParallelMetrics
 from torchtitan_ext.balancing.routing_stats import load
 from torchtitan_ext import routing_report
@@ -122,8 +122,8 @@ def test_training_log_reports_drops_once_and_records_routing(tmp_path):
     assert len(warnings) == 1 and "raise hybridep.non_blocking_capacity_factor" in warnings[0]
 
     folder = tmp_path / "routing_stats"
-    assert sorted(p.name for p in folder.glob("*.npz")) == ["routing_step000001.npz", "routing_step000002.npz"]
-    data = load(folder / "routing_step000002.npz")
+    assert sorted(p.name for p in folder.glob("*.npz")) == ["routing_step000001-000001.npz", "routing_step000002-000002.npz"]
+    data = load(folder / "routing_step000002-000002.npz")
     # debug model: MoE layers 1-5, 8 experts, top-3; 2 ranks x 4 sequences x 256 tokens
     assert data["layers"].tolist() == [1, 2, 3, 4, 5]
     assert data["tokens_per_expert"].shape == (1, 5, 8)
@@ -167,12 +167,26 @@ def test_evaluation_forwards_are_not_counted():
     """Validation runs the model in eval mode: neither the dispatch counters nor the routing recorder count it."""
     from torchtitan_ext.balancing.routing_stats import RoutingRecorder
 
-    stats = DispatchStats()
-    stats.counting = False
-    stats.record_routing(torch.tensor([[0, 1]]), num_experts=2)
-    stats.record_rows(torch.tensor([8, 8]))
-    stats.record_kept(torch.tensor([3]))
-    assert stats.read_and_reset() == (None, None, None)
+    from types import SimpleNamespace
+
+    from torchtitan_ext.ep import NcclExpertParallel
+
+    class WithoutCommunication(NcclExpertParallel):
+        """The nccl backend's dispatch path with its collectives left out: each pick is a row."""
+
+        def dispatch(self, x, scores, expert_ids, num_experts, group):
+            return x.repeat_interleave(expert_ids.shape[1], dim=0), torch.bincount(expert_ids.reshape(-1), minlength=2)
+
+    style = WithoutCommunication(score_before_experts=False)
+    experts = torch.nn.Module()
+    experts.num_experts = 2
+    mesh = SimpleNamespace(ndim=1, get_group=lambda: None)
+    routing = Routing(torch.ones(3, 2), torch.tensor([[0, 1], [1, 1], [0, 0]]))
+    for training in (True, False, True):
+        experts.train(training)
+        style._token_dispatch(experts, (torch.zeros(3, 4), routing), mesh)
+    routed, rows, _ = style.stats.read_and_reset()
+    assert routed.tolist() == [6, 6] and int(rows) == 12, "two training forwards counted, the eval one not"
 
     router = torch.nn.Linear(4, 2)
     model = torch.nn.ModuleDict({"layers": torch.nn.ModuleDict({"1": torch.nn.Module()})})

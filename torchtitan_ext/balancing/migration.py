@@ -30,6 +30,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
@@ -78,12 +79,38 @@ class PlacementRecord(Stateful):
         return {"layers": self.layers, "expert_at_slot": self.expert_at_slot}
 
     def load_state_dict(self, state_dict) -> None:
-        if not torch.equal(state_dict["layers"], self.layers):
-            raise ValueError(
-                f"the checkpoint's expert placement covers MoE layers {state_dict['layers'].tolist()}, "
-                f"this model's are {self.layers.tolist()}: it is another model's checkpoint"
-            )
+        problem = record_problem(state_dict["layers"], state_dict["expert_at_slot"], self.layers.tolist(),
+                                 self.expert_at_slot.shape[1])
+        if problem:
+            raise ValueError(f"the checkpoint's expert placement record {problem}")
         self.expert_at_slot.copy_(state_dict["expert_at_slot"])
+
+
+def record_problem(layers: torch.Tensor, expert_at_slot: torch.Tensor, moe_layers: list[int], num_experts: int) -> str | None:
+    """Why a recorded placement cannot be this model's (None when it can): other MoE layers, another
+    expert count, or a row that is not a permutation of the experts."""
+    if layers.tolist() != list(moe_layers):
+        return f"covers MoE layers {layers.tolist()}, this model's are {list(moe_layers)}: it is another model's checkpoint"
+    if tuple(expert_at_slot.shape) != (len(moe_layers), num_experts):
+        return f"has shape {tuple(expert_at_slot.shape)}, not {len(moe_layers)} layers x {num_experts} experts"
+    for layer, row in zip(moe_layers, expert_at_slot):
+        if sorted(row.tolist()) != list(range(num_experts)):
+            return f"for MoE layer {layer} is {row.tolist()}, not a permutation of the experts: the checkpoint is damaged"
+    return None
+
+
+def read_record(checkpoint_id: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(layers, expert_at_slot) that a DCP checkpoint records, read in this process alone; None without a record."""
+    metadata = FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+    names = ("layers", "expert_at_slot")
+    if not all(f"{STATE_KEY}.{name}" in metadata for name in names):
+        return None
+    state = {STATE_KEY: {
+        name: torch.empty(tuple(metadata[f"{STATE_KEY}.{name}"].size), dtype=metadata[f"{STATE_KEY}.{name}"].properties.dtype)
+        for name in names
+    }}
+    dcp.load(state, checkpoint_id=checkpoint_id, no_dist=True)
+    return state[STATE_KEY]["layers"], state[STATE_KEY]["expert_at_slot"]
 
 
 class ExpertMigration:

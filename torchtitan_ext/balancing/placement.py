@@ -89,45 +89,55 @@ class Placement:
 def load_placement(path: str) -> Placement:
     """A placement file; ConfigError naming the problem (the file's own consistency: not the job's)."""
     where = f"expert_placement.file = '{path}'"
+    remake = "make it with python -m torchtitan_ext.placement"
     try:
         data = json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise ConfigError(f"{where} does not exist: make one with python -m torchtitan_ext.placement") from None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{where} is not a JSON placement file ({e})") from None
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ConfigError(f"{where} is not a JSON placement file ({type(e).__name__}: {e}): {remake}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} holds a JSON {type(data).__name__}, not an object with num_experts, "
+                          f"expert_parallel_degree and layers: {remake}")
     missing = [key for key in ("num_experts", "expert_parallel_degree", "layers") if key not in data]
-    if not isinstance(data, dict) or missing:
-        raise ConfigError(f"{where} lacks {', '.join(missing) or 'its keys'}: make it with python -m torchtitan_ext.placement")
+    if missing:
+        raise ConfigError(f"{where} lacks {', '.join(missing)}: {remake}")
     experts, ep = data["num_experts"], data["expert_parallel_degree"]
-    if not isinstance(experts, int) or not isinstance(ep, int) or experts < 1 or ep < 1 or experts % ep:
-        raise ConfigError(f"{where}: num_experts = {experts} and expert_parallel_degree = {ep} must be positive "
+    if not _is_count(experts) or not _is_count(ep) or experts % ep:
+        raise ConfigError(f"{where}: num_experts = {experts!r} and expert_parallel_degree = {ep!r} must be positive "
                           "integers, the second dividing the first")
+    if not isinstance(data["layers"], dict) or not data["layers"]:
+        raise ConfigError(f"{where}: layers must be an object mapping each MoE layer id to its slots, "
+                          f"not {json.dumps(data['layers'])[:40]}: {remake}")
     layers = {}
     for key, slots in data["layers"].items():
         if not key.isdigit():
             raise ConfigError(f"{where}: layer id '{key}' is not a model layer number")
-        if not isinstance(slots, list) or sorted(slots) != list(range(experts)):
-            raise ConfigError(
-                f"{where}: layer {key} is not a permutation of the experts 0..{experts - 1} "
-                f"({_permutation_problem(slots, experts)})"
-            )
+        problem = _permutation_problem(slots, experts)
+        if problem:
+            raise ConfigError(f"{where}: layer {key} is not a permutation of the experts 0..{experts - 1} ({problem})")
         layers[int(key)] = tuple(slots)
     return Placement(experts, ep, layers)
 
 
-def _permutation_problem(slots, experts: int) -> str:
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _permutation_problem(slots, experts: int) -> str | None:
+    """Why ``slots`` is not a permutation of 0 .. experts-1 (None when it is one)."""
     if not isinstance(slots, list):
-        return "not a list"
+        return f"{type(slots).__name__}, not a list"
     if len(slots) != experts:
         return f"{len(slots)} slots for {experts} experts"
     seen = set()
     for value in slots:
-        if not isinstance(value, int) or not 0 <= value < experts:
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < experts:
             return f"{value!r} is not an expert id"
         if value in seen:
             return f"expert {value} appears twice"
         seen.add(value)
-    return "unordered"
+    return None
 
 
 def check_placement_file(job_config, context: ValidationContext) -> None:

@@ -33,6 +33,7 @@ to their home rank, and with a token-load constraint where ExFlow balances only
 expert counts.
 """
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +42,7 @@ import numpy as np
 from tqdm import tqdm
 
 from torchtitan_ext.balancing.placement import Placement
-from torchtitan_ext.balancing.routing_stats import load_folder
+from torchtitan_ext.balancing.routing_stats import check_fits, load_folder
 from torchtitan_ext.config import comm_backend, ConfigError, moe_layer_ids, moe_shape
 from torchtitan_ext.ep import BACKENDS
 
@@ -55,8 +56,11 @@ def balance_loads(loads: np.ndarray, ranks: int) -> np.ndarray:
     Longest-processing-time first over the ranks that still have a free slot,
     then swaps between the most loaded rank and another while one lowers the
     larger of the two: each swap lowers the most loaded rank's load or leaves
-    fewer ranks at it, so the loop ends.
+    fewer ranks at it, so the loop ends (bounded at experts^2 swaps besides: a tie at float precision
+    must not make it spin). ``loads`` must be finite and >= 0.
     """
+    if not np.isfinite(loads).all() or (loads < 0).any():
+        raise ValueError(f"expert loads must be finite and >= 0, got {loads}")
     experts = len(loads)
     per_rank = experts // ranks
     rank_of = np.empty(experts, dtype=np.int64)
@@ -68,7 +72,7 @@ def balance_loads(loads: np.ndarray, ranks: int) -> np.ndarray:
         rank_of[expert] = rank
         rank_load[rank] += loads[expert]
         free[rank] -= 1
-    while True:
+    for _ in range(experts * experts):
         hot = int(np.argmax(rank_load))
         mine = np.flatnonzero(rank_of == hot)
         others = np.flatnonzero(rank_of != hot)
@@ -82,6 +86,7 @@ def balance_loads(loads: np.ndarray, ranks: int) -> np.ndarray:
         rank_load[hot] -= delta[best]
         rank_load[rank_of[b]] += delta[best]
         rank_of[a], rank_of[b] = rank_of[b], hot
+    return rank_of
 
 
 def group_by_affinity(
@@ -337,11 +342,19 @@ def format_results(results: list[LayerResult], top_k: int, tokens_per_step: floa
     return lines
 
 
-def check_search_options(holdout: float, load_tolerance: float) -> None:
+def check_search_options(holdout: float, load_tolerance: float, first_step: int, ranks_per_domain: int | None,
+                         world_size: int | None) -> None:
+    """ConfigError for a search flag out of its range (NaN is out of every range)."""
     if not 0 < holdout < 1:
         raise ConfigError(f"--holdout {holdout}: use a fraction between 0 and 1, e.g. 0.5")
-    if load_tolerance < 0:
-        raise ConfigError(f"--load-tolerance {load_tolerance}: use a fraction >= 0, e.g. 0.02")
+    if not 0 <= load_tolerance < math.inf:
+        raise ConfigError(f"--load-tolerance {load_tolerance}: use a finite fraction >= 0, e.g. 0.02")
+    if first_step < 1:
+        raise ConfigError(f"--first-step {first_step}: use a training step >= 1")
+    if ranks_per_domain is not None and ranks_per_domain < 1:
+        raise ConfigError(f"--ranks-per-domain {ranks_per_domain}: use a rank count >= 1, or leave it out")
+    if world_size is not None and world_size < 1:
+        raise ConfigError(f"--world-size {world_size}: use a rank count >= 1, or leave it out")
 
 
 def search(
@@ -360,11 +373,7 @@ def search(
     stats = from_step(load_dump(routing_stats), first_step)
     experts = stats["tokens_per_expert"].shape[-1]
     moe_layers = moe_layer_ids(job_config)
-    if experts != shape.num_experts or sorted(stats["layers"].tolist()) != sorted(moe_layers):
-        raise ConfigError(
-            f"--routing-stats {routing_stats} records {experts} experts on layers {stats['layers'].tolist()}, "
-            f"but the job's model has {shape.num_experts} on {sorted(moe_layers)}: use a dump of this model"
-        )
+    check_fits(stats, moe_layers, shape.num_experts, f"--routing-stats {routing_stats}")
     # a domain at least as large as the EP group holds all of it
     domain = min(ranks_per_domain or BACKENDS[comm_backend(job_config)].nvlink_domain_ranks(job_config) or ep, ep)
     if domain < 1 or ep % domain:

@@ -231,9 +231,10 @@ def load(path: Path | str) -> dict[str, np.ndarray]:
     what is wrong with it (unreadable, a missing or ill-shaped array, negative counts, unordered steps)."""
     where = f"routing statistics file {path}"
     try:
-        with np.load(path, allow_pickle=False) as data:
-            if not isinstance(data, np.lib.npyio.NpzFile):
-                raise ValueError("a single array, not an .npz archive")
+        data = np.load(path, allow_pickle=False)
+        if not isinstance(data, np.lib.npyio.NpzFile):
+            raise ValueError("a single array, not an .npz archive")
+        with data:
             arrays = {key: data[key] for key in data.files}
     except FileNotFoundError:
         raise ConfigError(f"{where} does not exist: pass a routing_stats folder or one of its .npz files") from None
@@ -261,7 +262,10 @@ def _check_arrays(arrays: dict[str, np.ndarray], where: str) -> None:
     }
     if "sampled_expert_ids" in arrays:
         sampled = arrays["sampled_expert_ids"]
-        expected["sampled_expert_ids"] = (len(steps), len(layers), sampled.shape[2] if sampled.ndim == 4 else -1, top_k)
+        if sampled.ndim != 4:
+            raise ConfigError(f"{where}: 'sampled_expert_ids' has {sampled.ndim} dimensions, expected 4 "
+                              "(steps, layers, tokens, top_k): record it again")
+        expected["sampled_expert_ids"] = (len(steps), len(layers), sampled.shape[2], top_k)
     for key, shape in expected.items():
         if arrays[key].shape != shape:
             raise ConfigError(f"{where}: '{key}' has shape {arrays[key].shape}, expected {shape} "
@@ -316,6 +320,16 @@ def load_folder(folder: Path | str) -> dict[str, np.ndarray]:
     if all("sampled_expert_ids" in p for p in parts):
         merged["sampled_expert_ids"] = np.concatenate([p["sampled_expert_ids"] for p in parts])
     return merged
+
+
+def check_fits(stats: dict[str, np.ndarray], moe_layers: list[int], num_experts: int, where: str) -> None:
+    """ConfigError unless the loaded dump ``stats`` records this model's MoE layers and experts."""
+    experts = stats["tokens_per_expert"].shape[-1]
+    if experts != num_experts or sorted(stats["layers"].tolist()) != sorted(moe_layers):
+        raise ConfigError(
+            f"{where} records {experts} experts on layers {stats['layers'].tolist()}, "
+            f"but the job's model has {num_experts} on {sorted(moe_layers)}: use a dump of this model"
+        )
 
 
 def load_path(path: Path | str) -> dict[str, np.ndarray]:

@@ -38,7 +38,14 @@ def parse_job_config(args: list[str], config_cls) -> tuple[Any, set[str]]:
     toml_values = _load_toml(config_file) if config_file else {}
     custom_module = _custom_config_module(args, toml_values)
     if custom_module:
-        config_cls = ConfigManager._merge_configs(config_cls, importlib.import_module(custom_module).JobConfig)
+        try:
+            custom = importlib.import_module(custom_module)
+        except ImportError as e:
+            raise ConfigError(f"job.custom_config_module = '{custom_module}' cannot be imported ({e}): "
+                              "give an importable module that defines JobConfig") from None
+        if not hasattr(custom, "JobConfig"):
+            raise ConfigError(f"job.custom_config_module = '{custom_module}' defines no JobConfig: add one")
+        config_cls = ConfigManager._merge_configs(config_cls, custom.JobConfig)
     _check_toml(config_cls, toml_values, config_file)
     _check_cli(config_cls, args)
     return ConfigManager(config_cls=config_cls).parse_args(args), _explicit_settings(toml_values, args)
@@ -71,8 +78,8 @@ def _load_toml(path: str) -> dict[str, Any]:
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file '{path}' is not valid TOML: {e}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file '{path}' is not valid UTF-8 TOML: {e}") from None
 
 
 def _custom_config_module(args: list[str], toml_values: dict[str, Any]) -> str:

@@ -25,6 +25,8 @@ are consecutive ranks), so two ranks talk over the innermost level whose group
 holds both.
 """
 
+import difflib
+import math
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,6 +119,19 @@ class Topology:
         raise ValueError(f"ranks {rank_a} and {rank_b} are outside a job of {sizes[-1]} ranks")
 
 
+TOP_KEYS = {"name", "compute_tflops", "overlap", "levels"}
+LEVEL_KEYS = {"name", "workers", "bandwidth_GBps", "latency_us", "all_gather_bandwidth_GBps",
+              "reduce_scatter_bandwidth_GBps"}
+
+
+def _check_keys(table: dict, known: set[str], where: str) -> None:
+    unknown = sorted(set(table) - known)
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], known, n=1)
+        hint = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(sorted(known))}"
+        raise ConfigError(f"{where}.{unknown[0]} is not a topology key: {hint}")
+
+
 def _field(table: dict, key: str, kind, where: str, default=None):
     if key not in table:
         if default is not None:
@@ -127,6 +142,8 @@ def _field(table: dict, key: str, kind, where: str, default=None):
         value = float(value)
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise ConfigError(f"{where}.{key} = {value!r}: expected a {kind.__name__}")
+    if kind is float and not math.isfinite(value):
+        raise ConfigError(f"{where}.{key} = {value}: use a finite number")
     return value
 
 
@@ -139,6 +156,7 @@ def _bandwidth(table: dict, key: str, where: str, default: float | None = None) 
 
 def parse_topology(data: dict, source: str) -> Topology:
     """A Topology from a TOML document's table; every bad field is a ConfigError naming it."""
+    _check_keys(data, TOP_KEYS, source)
     compute = _field(data, "compute_tflops", float, source)
     if compute <= 0:
         raise ConfigError(f"{source}.compute_tflops = {compute}: use a throughput > 0 (TFLOP/s per worker)")
@@ -149,6 +167,10 @@ def parse_topology(data: dict, source: str) -> Topology:
     levels = []
     for index, table in enumerate(tables):
         where = f"{source}.levels[{index}]"
+        if not isinstance(table, dict):
+            raise ConfigError(f"{where} = {table!r}: each level is a [[levels]] table with name, workers, bandwidth_GBps, "
+                              "latency_us")
+        _check_keys(table, LEVEL_KEYS, where)
         name = _field(table, "name", str, where)
         workers = table.get("workers")
         if workers is None and index != len(tables) - 1:
@@ -157,6 +179,9 @@ def parse_topology(data: dict, source: str) -> Topology:
             workers = _field(table, "workers", int, where)
             if workers < 1:
                 raise ConfigError(f"{where}.workers = {workers}: use a count >= 1")
+            if levels and levels[-1].workers > workers:
+                raise ConfigError(f"{where}.workers = {workers}: an outer level holds fewer workers than the one "
+                                  f"inside it ({levels[-1].workers}); list levels innermost first")
         bandwidth = _bandwidth(table, "bandwidth_GBps", where)
         latency = _field(table, "latency_us", float, where)
         if latency < 0:
@@ -164,8 +189,8 @@ def parse_topology(data: dict, source: str) -> Topology:
         gather = _bandwidth(table, "all_gather_bandwidth_GBps", where, default=bandwidth)
         scatter = _bandwidth(table, "reduce_scatter_bandwidth_GBps", where, default=bandwidth)
         levels.append(Level(name, workers, bandwidth, latency, gather, scatter))
-    name = data.get("name", source)
-    return Topology(str(name), compute, overlap, tuple(levels))
+    name = _field(data, "name", str, source, default=source)
+    return Topology(name, compute, overlap, tuple(levels))
 
 
 def load_topology(spec: str) -> Topology:
@@ -177,7 +202,7 @@ def load_topology(spec: str) -> Topology:
         shipped = ", ".join(sorted(p.stem for p in SHIPPED.glob("*.toml")))
         raise ConfigError(f"--topology {spec}: no such file, and not a shipped topology ({shipped})")
     try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"--topology {path}: not valid TOML ({e})") from None
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--topology {path}: not a valid UTF-8 TOML file ({type(e).__name__}: {e})") from None
     return parse_topology(data, path.stem)

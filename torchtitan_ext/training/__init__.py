@@ -17,7 +17,7 @@ import torchtitan_ext.ep  # noqa: F401  (each backend's section and checks)
 from torchtitan_ext.data import register_embedded_dataset  # (the dataset options check)
 import torchtitan_ext.balancing  # noqa: F401  ([routing_stats], [expert_placement] and its check)
 from torchtitan_ext import runtime
-from torchtitan_ext.training import faults  # noqa: F401  (registers [faults])
+from torchtitan_ext.training import checkpoints, faults  # noqa: F401  (register [faults] and the checkpoint checks)
 from torchtitan_ext.training.specs import register_train_specs
 
 

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch.distributed as dist
 from torchtitan.tools.logging import logger
 
-from torchtitan_ext.config import ConfigError, register_check, ValidationContext
+from torchtitan_ext.balancing.migration import read_record, record_problem
+from torchtitan_ext.config import ConfigError, moe_layer_ids, register_check, ValidationContext
 
 CHECKPOINT_NAME = re.compile(r"step-(\d+)")
 SET_ASIDE_PREFIX = "incomplete_step_"
@@ -103,6 +104,21 @@ def save_now(checkpointer, step: int) -> Path | None:
     return path if checkpointer.enable and is_complete(path) else None
 
 
+def checkpoint_to_load(job_config) -> Path | None:
+    """The checkpoint a start of this job loads, as torchtitan chooses it: ``load_step``, else the latest
+    complete one in the job's folder, else ``initial_load_path``; None when it loads none."""
+    checkpoint = job_config.checkpoint
+    if not checkpoint.enable:
+        return None
+    folder = Path(job_config.job.dump_folder) / checkpoint.folder
+    if checkpoint.load_step != -1:
+        return folder / f"step-{checkpoint.load_step}"
+    complete, _ = checkpoint_steps(folder)
+    if complete:
+        return folder / f"step-{complete[-1]}"
+    return Path(checkpoint.initial_load_path) if checkpoint.initial_load_path else None
+
+
 def check_checkpoint_options(job_config, context: ValidationContext) -> None:
     keep = job_config.checkpoint.keep_latest_k
     if keep == 1:  # torchtitan's manager refuses it whether or not checkpointing is on
@@ -110,6 +126,18 @@ def check_checkpoint_options(job_config, context: ValidationContext) -> None:
             "checkpoint.keep_latest_k = 1: torchtitan keeps at least 2 (the newest may still be being written): "
             "set it to 0 (keep all) or 2 or more"
         )
+    path = checkpoint_to_load(job_config)
+    if context.device_type is None or path is None or context.moe_shape is None or not is_complete(path):
+        return
+    try:
+        record = read_record(str(path))
+    except Exception as e:  # a damaged .metadata or record: whatever DCP raises, named in one line
+        raise ConfigError(f"checkpoint {path}: its expert placement record cannot be read ({type(e).__name__}: {e}): "
+                          "load another checkpoint (checkpoint.load_step) or move this one away") from None
+    if record is not None:
+        problem = record_problem(*record, moe_layer_ids(job_config), context.moe_shape.num_experts)
+        if problem:
+            raise ConfigError(f"checkpoint {path}: the expert placement record {problem}")
 
 
 register_check(check_checkpoint_options)

@@ -1,0 +1,383 @@
+"""Every file and flag the harness reads, malformed: one line naming it and the fix, exit 2, no traceback.
+
+The corpus covers each format the tools read (job configs, placement files,
+routing-statistics dumps, topologies, the placement record in a checkpoint)
+and each command line (the launcher's pre-flight, plan, placement,
+routing_report, supervise), through the tool a user runs, in this process.
+Every case states the text its one line must hold.
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import REPO_ROOT
+
+DEBUG = ["--job.config_file", str(REPO_ROOT / "train_configs/debug_model.toml")]
+MOE_LAYERS, EXPERTS, TOP_K = [1, 2, 3, 4, 5], 8, 3
+GOOD_PLACEMENT = {"num_experts": 8, "expert_parallel_degree": 2,
+                  "layers": {str(layer): list(range(8)) for layer in MOE_LAYERS}}
+
+
+def _dump_arrays(steps=(1, 2), layers=MOE_LAYERS, experts=EXPERTS, top_k=TOP_K, samples=4) -> dict:
+    generator = np.random.default_rng(0)
+    return {
+        "steps": np.array(steps, dtype=np.int64),
+        "layers": np.array(layers, dtype=np.int64),
+        "tokens_per_expert": generator.integers(1, 50, (len(steps), len(layers), experts)),
+        "coactivation": generator.integers(0, 20, (len(layers), experts, experts)),
+        "transitions": generator.integers(0, 20, (len(layers), experts, experts)),
+        "top_k": np.array(top_k, dtype=np.int64),
+        "sampled_expert_ids": generator.integers(0, experts, (len(steps), len(layers), samples, top_k)).astype(np.int16),
+    }
+
+
+def _write_dump(folder: Path, **changes) -> Path:
+    """A routing-statistics folder with one file, ``changes`` applied (None removes an array)."""
+    arrays = _dump_arrays()
+    for key, value in changes.items():
+        if value is None:
+            del arrays[key]
+        else:
+            arrays[key] = value
+    folder.mkdir(parents=True, exist_ok=True)
+    np.savez(folder / "routing_step000001-000002.npz", **arrays)
+    return folder
+
+
+# ---- how each tool is run -------------------------------------------------------------------------
+
+
+def _preflight(args):
+    from torchtitan_ext.launch import preflight
+
+    return preflight.main(["--ngpu", "2", "--", *args])
+
+
+def _preflight_flags(args):
+    from torchtitan_ext.launch import preflight
+
+    return preflight.main(args)
+
+
+def _plan(args):
+    from torchtitan_ext import plan
+
+    return plan.main(args)
+
+
+def _placement(args):
+    from torchtitan_ext import placement
+
+    return placement.main(args)
+
+
+def _routing_report(args):
+    from torchtitan_ext import routing_report
+
+    return routing_report.main(args)
+
+
+def _supervise(args):
+    from torchtitan_ext import supervise
+
+    return supervise.main(args)
+
+
+# ---- the corpus: (id, tool, argv builder taking tmp_path, text the line holds) ------------------------
+
+CASES = []
+
+
+def case(name, tool, argv, expected):
+    CASES.append(pytest.param(tool, argv, expected, id=name))
+
+
+def _file(name: str, content) -> callable:
+    def write(tmp_path: Path) -> str:
+        path = tmp_path / name
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        return str(path)
+
+    return write
+
+
+# job configs (TOML and command line), through the launcher's pre-flight
+for name, args, expected in [
+    ("unknown_key", ["--training.stepz", "3"], "unknown config key 'training.stepz' in the command line: did you mean 'steps'?"),
+    ("unknown_section", ["--trainin.steps", "3"], "unknown config key 'trainin' in the command line: did you mean 'training'?"),
+    ("text_for_int", ["--training.steps", "many"], "--training.steps many: use an integer"),
+    ("float_for_int", ["--training.steps", "2.5"], "--training.steps 2.5: use an integer"),
+    ("nan_float", ["--optimizer.lr", "nan"], "--optimizer.lr nan: use a finite number"),
+    ("inf_float", ["--optimizer.lr", "inf"], "--optimizer.lr inf: use a finite number"),
+    ("zero_steps", ["--training.steps", "0"], "training.steps = 0: use a value >= 1"),
+    ("negative_lr", ["--optimizer.lr", "-0.1"], "optimizer.lr = -0.1: use a value > 0"),
+    ("beta_one", ["--optimizer.beta2", "1.0"], "optimizer.beta2 = 1.0: use a value >= 0 and < 1"),
+    ("bad_bool", ["--training.enable_cpu_offload=maybe"], "use true or false"),
+    ("bad_choice", ["--faults.on_nonfinite", "ignore"], "use one of 'stop', 'skip_step'"),
+    ("unknown_backend", ["--parallelism.expert_parallel_comm_backend", "mpi"], "'mpi' is not a backend: use one of nccl, deepep, hybridep"),
+    ("foreign_section", ["--hybridep.num_sms_dispatch", "8"], "[hybridep] num_sms_dispatch is set but parallelism.expert_parallel_comm_backend is 'nccl'"),
+    ("ep_not_dividing", ["--parallelism.expert_parallel_degree", "3"], "does not divide the model's 8 experts"),
+    ("unknown_model", ["--model.name", "gpt9"], "model.name = 'gpt9' is not a registered model"),
+    ("unknown_flavor", ["--model.flavor", "huge"], "model.flavor = 'huge' is not a flavour of deepseek_v3"),
+    ("capacity_zero", ["--parallelism.expert_parallel_comm_backend", "hybridep", "--hybridep.non_blocking_capacity_factor", "0"],
+     "hybridep.non_blocking_capacity_factor = 0.0: use a value > 0 and <= 1"),
+    ("keep_latest_one", ["--checkpoint.keep_latest_k", "1"], "checkpoint.keep_latest_k = 1: torchtitan keeps at least 2"),
+    ("bad_batch", ["--training.global_batch_size", "3"], "training.global_batch_size = 3 is not a multiple of local_batch_size"),
+    ("seq_not_divisible", ["--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "1023"],
+     "training.seq_len = 1023 is not divisible by TP x 2 x CP = 4"),
+    ("custom_module_missing", ["--job.custom_config_module", "no_such_module_here"],
+     "job.custom_config_module = 'no_such_module_here' cannot be imported"),
+    ("custom_module_without_config", ["--job.custom_config_module", "json"], "job.custom_config_module = 'json' defines no JobConfig"),
+]:
+    case(f"config_cli_{name}", _preflight, lambda tmp, args=args: [*DEBUG, *args], expected)
+
+for name, content, expected in [
+    ("invalid_toml", "[training\nsteps = 3\n", "is not valid UTF-8 TOML"),
+    ("non_utf8", b"[training]\nsteps = 3 # \xff\xfe\n", "is not valid UTF-8 TOML"),
+    ("unknown_key", "[training]\nstepz = 3\n", "unknown config key 'training.stepz'"),
+    ("string_for_int", '[training]\nsteps = "3"\n', "training.steps = '3'"),
+    ("table_for_value", "[training.steps]\nx = 1\n", "training.steps = {'x': 1}"),
+    ("unknown_table", "[trainer]\nsteps = 3\n", "unknown config key 'trainer'"),
+    ("bool_for_int", "[training]\nsteps = true\n", "training.steps = True"),
+    ("nan_in_toml", "[optimizer]\nlr = nan\n", "optimizer.lr = nan"),
+]:
+    case(f"config_toml_{name}", _preflight, lambda tmp, name=name, content=content: ["--job.config_file", _file(f"{name}.toml", content)(tmp)], expected)
+case("config_file_missing", _preflight, lambda tmp: ["--job.config_file", str(tmp / "none.toml")], "none.toml' not found")
+case("config_file_is_a_folder", _preflight, lambda tmp: ["--job.config_file", str(tmp)], "not found: set CONFIG_FILE")
+case("config_file_without_path", _preflight, lambda tmp: ["--job.config_file"], "--job.config_file needs a path")
+case("ngpu_not_a_number", _preflight_flags,
+     lambda tmp: ["--ngpu", "two", "--", *DEBUG], "NGPU='two' is not an integer")
+case("ngpu_zero", _preflight_flags,
+     lambda tmp: ["--ngpu", "0", "--", *DEBUG], "NGPU=0: set NGPU to at least 1")
+case("master_port_not_a_port", _preflight_flags,
+     lambda tmp: ["--ngpu", "2", "--port", "99999", "--", *DEBUG], "MASTER_PORT='99999' is not a port number")
+
+# placement files, through the pre-flight of a job that trains with one
+for name, content, expected in [
+    ("null", "null", "holds a JSON NoneType, not an object"),
+    ("number", "5", "holds a JSON int, not an object"),
+    ("string", '"placement"', "holds a JSON str, not an object"),
+    ("list", "[1, 2]", "holds a JSON list, not an object"),
+    ("empty_object", "{}", "lacks num_experts, expert_parallel_degree, layers"),
+    ("no_layers", json.dumps({"num_experts": 8, "expert_parallel_degree": 2}), "lacks layers"),
+    ("layers_list", json.dumps({**GOOD_PLACEMENT, "layers": [list(range(8))] * 5}), "layers must be an object"),
+    ("layers_empty", json.dumps({**GOOD_PLACEMENT, "layers": {}}), "layers must be an object"),
+    ("experts_text", json.dumps({**GOOD_PLACEMENT, "num_experts": "8"}), "num_experts = '8' and expert_parallel_degree = 2 must be positive"),
+    ("experts_zero", json.dumps({**GOOD_PLACEMENT, "num_experts": 0}), "num_experts = 0"),
+    ("experts_bool", json.dumps({**GOOD_PLACEMENT, "num_experts": True}), "num_experts = True"),
+    ("ep_not_dividing", json.dumps({**GOOD_PLACEMENT, "expert_parallel_degree": 3}), "the second dividing the first"),
+    ("layer_id_text", json.dumps({**GOOD_PLACEMENT, "layers": {"one": list(range(8))}}), "layer id 'one' is not a model layer number"),
+    ("slots_number", json.dumps({**GOOD_PLACEMENT, "layers": {**GOOD_PLACEMENT["layers"], "1": 5}}), "layer 1 is not a permutation of the experts 0..7 (int, not a list)"),
+    ("slots_floats", json.dumps({**GOOD_PLACEMENT, "layers": {**GOOD_PLACEMENT["layers"], "1": [float(s) for s in range(8)]}}), "(0.0 is not an expert id)"),
+    ("slot_out_of_range", json.dumps({**GOOD_PLACEMENT, "layers": {**GOOD_PLACEMENT["layers"], "2": [*range(7), 8]}}), "(8 is not an expert id)"),
+    ("slot_negative", json.dumps({**GOOD_PLACEMENT, "layers": {**GOOD_PLACEMENT["layers"], "2": [-1, *range(1, 8)]}}), "(-1 is not an expert id)"),
+    ("slot_twice", json.dumps({**GOOD_PLACEMENT, "layers": {**GOOD_PLACEMENT["layers"], "3": [0, 0, *range(2, 8)]}}), "(expert 0 appears twice)"),
+    ("too_few_slots", json.dumps({**GOOD_PLACEMENT, "layers": {**GOOD_PLACEMENT["layers"], "4": list(range(4))}}), "(4 slots for 8 experts)"),
+    ("slots_bool", json.dumps({**GOOD_PLACEMENT, "layers": {**GOOD_PLACEMENT["layers"], "5": [True, *range(1, 8)]}}), "(True is not an expert id)"),
+    ("truncated", json.dumps(GOOD_PLACEMENT)[:40], "is not a JSON placement file (JSONDecodeError"),
+    ("empty_file", "", "is not a JSON placement file (JSONDecodeError"),
+    ("non_utf8", b"\xff\xfe{}", "is not a JSON placement file (UnicodeDecodeError"),
+    ("other_ep", json.dumps({**GOOD_PLACEMENT, "expert_parallel_degree": 4}), "placement made for expert_parallel_degree = 4 but the job runs 2"),
+    ("other_expert_count", json.dumps({"num_experts": 16, "expert_parallel_degree": 2,
+                                       "layers": {str(layer): list(range(16)) for layer in MOE_LAYERS}}),
+     "placement for 16 experts but the model has 8"),
+    ("other_layers", json.dumps({**GOOD_PLACEMENT, "layers": {"1": list(range(8))}}), "placement layers [1] are not the model's MoE layers [1, 2, 3, 4, 5]"),
+]:
+    case(f"placement_file_{name}", _preflight,
+         lambda tmp, name=name, content=content: [*DEBUG, "--expert_placement.file", _file(f"{name}.json", content)(tmp)], expected)
+case("placement_file_missing", _preflight, lambda tmp: [*DEBUG, "--expert_placement.file", str(tmp / "none.json")],
+     "does not exist: make one with python -m torchtitan_ext.placement")
+case("placement_file_is_a_folder", _preflight, lambda tmp: [*DEBUG, "--expert_placement.file", str(tmp)],
+     "is not a JSON placement file (IsADirectoryError")
+case("placement_without_ep", _preflight, lambda tmp: [*DEBUG, "--parallelism.expert_parallel_degree", "1",
+                                                       "--expert_placement.file", _file("p.json", json.dumps(GOOD_PLACEMENT))(tmp)],
+     "a placement needs expert parallelism")
+
+
+def _npz_file(tmp: Path, content: bytes) -> str:
+    folder = tmp / "dump"
+    folder.mkdir()
+    (folder / "routing_step000001-000002.npz").write_bytes(content)
+    return str(folder)
+
+
+def _good_npz_bytes(tmp: Path) -> bytes:
+    return (Path(_write_dump(tmp / "good")) / "routing_step000001-000002.npz").read_bytes()
+
+
+# routing-statistics dumps, through the routing report (and a few through plan and placement)
+for name, build, expected in [
+    ("empty_file", lambda tmp: _npz_file(tmp, b""), "cannot be read ("),
+    ("truncated", lambda tmp: _npz_file(tmp, _good_npz_bytes(tmp)[:300]), "cannot be read ("),
+    ("random_bytes", lambda tmp: _npz_file(tmp, bytes(range(256)) * 4), "cannot be read ("),
+    ("single_array", lambda tmp: (np.save(tmp / "one.npy", np.zeros(3)), _npz_file(tmp, (tmp / "one.npy").read_bytes()))[1],
+     "a single array, not an .npz archive"),
+    ("no_steps", lambda tmp: str(_write_dump(tmp / "d", steps=None)), "has no 'steps' array"),
+    ("no_counts", lambda tmp: str(_write_dump(tmp / "d", tokens_per_expert=None)), "has no 'tokens_per_expert' array"),
+    ("no_top_k", lambda tmp: str(_write_dump(tmp / "d", top_k=None)), "has no 'top_k' array"),
+    ("float_counts", lambda tmp: str(_write_dump(tmp / "d", tokens_per_expert=np.ones((2, 5, 8)))),
+     "'tokens_per_expert' is float64 with 3 dimensions, expected integers with 3"),
+    ("counts_2d", lambda tmp: str(_write_dump(tmp / "d", tokens_per_expert=np.ones((2, 40), dtype=np.int64))),
+     "'tokens_per_expert' is int64 with 2 dimensions"),
+    ("negative_counts", lambda tmp: str(_write_dump(tmp / "d", coactivation=-np.ones((5, 8, 8), dtype=np.int64))),
+     "'coactivation' has negative counts"),
+    ("all_zero", lambda tmp: str(_write_dump(tmp / "d", tokens_per_expert=np.zeros((2, 5, 8), dtype=np.int64))),
+     "every count is 0"),
+    ("steps_unordered", lambda tmp: str(_write_dump(tmp / "d", steps=np.array([2, 1]))), "steps [2, 1] are not increasing"),
+    ("step_zero", lambda tmp: str(_write_dump(tmp / "d", steps=np.array([0, 1]))), "steps [0, 1] are not increasing training steps >= 1"),
+    ("top_k_zero", lambda tmp: str(_write_dump(tmp / "d", top_k=np.array(0), sampled_expert_ids=None)), "top_k 0"),
+    ("top_k_over_experts", lambda tmp: str(_write_dump(tmp / "d", top_k=np.array(9), sampled_expert_ids=None)), "top_k 9"),
+    ("coactivation_shape", lambda tmp: str(_write_dump(tmp / "d", coactivation=np.ones((5, 8, 7), dtype=np.int64))),
+     "'coactivation' has shape (5, 8, 7), expected (5, 8, 8)"),
+    ("transitions_shape", lambda tmp: str(_write_dump(tmp / "d", transitions=np.ones((4, 8, 8), dtype=np.int64))),
+     "'transitions' has shape (4, 8, 8), expected (5, 8, 8)"),
+    ("steps_counts_mismatch", lambda tmp: str(_write_dump(tmp / "d", steps=np.array([1, 2, 3]))),
+     "'tokens_per_expert' has shape (2, 5, 8), expected (3, 5, 8)"),
+    ("sample_out_of_range", lambda tmp: str(_write_dump(tmp / "d", sampled_expert_ids=np.full((2, 5, 4, 3), 8, dtype=np.int16))),
+     "'sampled_expert_ids' holds ids outside -1 .. 7"),
+    ("sample_shape", lambda tmp: str(_write_dump(tmp / "d", sampled_expert_ids=np.zeros((2, 5, 4), dtype=np.int16))),
+     "'sampled_expert_ids' has 3 dimensions, expected 4"),
+    ("object_array", lambda tmp: str(_write_dump(tmp / "d", layers=np.array([{"a": 1}], dtype=object))), "cannot be read (ValueError"),
+    ("missing_folder", lambda tmp: str(tmp / "nothing"), "do not exist: pass <dump_folder>/routing_stats"),
+    ("empty_folder", lambda tmp: (tmp / "empty").mkdir() or str(tmp / "empty"), "no routing_step*.npz files in"),
+]:
+    case(f"routing_stats_{name}", _routing_report, lambda tmp, build=build: [build(tmp)], expected)
+
+
+def _two_files(tmp: Path, second: dict) -> str:
+    folder = _write_dump(tmp / "d")
+    np.savez(folder / "routing_step000002-000003.npz", **{**_dump_arrays(), **second})
+    return str(folder)
+
+
+case("routing_stats_overlapping_files", _routing_report,
+     lambda tmp: [_two_files(tmp, {"steps": np.array([2, 3])})], "overlap: two runs recorded into one folder")
+case("routing_stats_files_of_two_models", _routing_report,
+     lambda tmp: [_two_files(tmp, {"steps": np.array([3, 4]), "layers": np.array([1, 2, 3, 4, 6])})],
+     "record different layers, experts or top_k")
+case("routing_stats_not_a_moe_layer", _routing_report, lambda tmp: [str(_write_dump(tmp / "d")), "--layer", "9"],
+     "--layer 9 is not a MoE layer of")
+case("routing_stats_other_model_in_plan", _plan,
+     lambda tmp: ["--world-size", "2", "--routing-stats", str(_write_dump(tmp / "d", **_dump_arrays(experts=16))), *DEBUG],
+     "records 16 experts on layers [1, 2, 3, 4, 5], but the job's model has 8")
+case("routing_stats_damaged_in_plan", _plan, lambda tmp: ["--world-size", "2", "--routing-stats",
+                                                            _npz_file(tmp, b"PK\x03\x04"), *DEBUG], "cannot be read (")
+case("routing_stats_damaged_in_placement", _placement,
+     lambda tmp: ["--routing-stats", _npz_file(tmp, b"PK\x03\x04"), "--world-size", "2", *DEBUG], "cannot be read (")
+case("routing_stats_other_model_in_placement", _placement,
+     lambda tmp: ["--routing-stats", str(_write_dump(tmp / "d", **_dump_arrays(experts=16))), "--world-size", "2", *DEBUG],
+     "records 16 experts on layers [1, 2, 3, 4, 5], but the job's model has 8")
+
+# topologies, through the planner's layout advice
+LEVEL = '[[levels]]\nname = "node"\nworkers = 2\nbandwidth_GBps = 10.0\nlatency_us = 1.0\n'
+OUTER = '[[levels]]\nname = "net"\nbandwidth_GBps = 1.0\nlatency_us = 5.0\n'
+TOPOLOGY = f'name = "t"\ncompute_tflops = 1.0\noverlap = false\n{LEVEL}{OUTER}'
+for name, content, expected in [
+    ("levels_numbers", 'compute_tflops = 1.0\noverlap = false\nlevels = [1, 2]\n', "t.levels[0] = 1: each level is a [[levels]] table"),
+    ("non_utf8", TOPOLOGY.encode() + b"# \xff\n", "not a valid UTF-8 TOML file (UnicodeDecodeError"),
+    ("invalid_toml", TOPOLOGY + "[[levels]\n", "not a valid UTF-8 TOML file (TOMLDecodeError"),
+    ("nan_bandwidth", TOPOLOGY.replace("bandwidth_GBps = 10.0", "bandwidth_GBps = nan"), "t.levels[0].bandwidth_GBps = nan: use a finite number"),
+    ("inf_bandwidth", TOPOLOGY.replace("bandwidth_GBps = 10.0", "bandwidth_GBps = inf"), "t.levels[0].bandwidth_GBps = inf: use a finite number"),
+    ("zero_bandwidth", TOPOLOGY.replace("bandwidth_GBps = 10.0", "bandwidth_GBps = 0.0"), "t.levels[0].bandwidth_GBps = 0.0: use a bandwidth > 0"),
+    ("negative_bandwidth", TOPOLOGY.replace("bandwidth_GBps = 1.0", "bandwidth_GBps = -1.0"), "t.levels[1].bandwidth_GBps = -1.0"),
+    ("nan_compute", TOPOLOGY.replace("compute_tflops = 1.0", "compute_tflops = nan"), "t.compute_tflops = nan: use a finite number"),
+    ("zero_compute", TOPOLOGY.replace("compute_tflops = 1.0", "compute_tflops = 0.0"), "t.compute_tflops = 0.0: use a throughput > 0"),
+    ("no_compute", TOPOLOGY.replace("compute_tflops = 1.0\n", ""), "t.compute_tflops is missing"),
+    ("overlap_text", TOPOLOGY.replace("overlap = false", 'overlap = "no"'), "t.overlap = 'no': expected a bool"),
+    ("no_levels", 'compute_tflops = 1.0\noverlap = false\n', "t.levels is missing or empty"),
+    ("workers_zero", TOPOLOGY.replace("workers = 2", "workers = 0"), "t.levels[0].workers = 0: use a count >= 1"),
+    ("workers_text", TOPOLOGY.replace("workers = 2", 'workers = "2"'), "t.levels[0].workers = '2': expected a int"),
+    ("workers_bool", TOPOLOGY.replace("workers = 2", "workers = true"), "t.levels[0].workers = True: expected a int"),
+    ("inner_without_workers", TOPOLOGY.replace("workers = 2\n", ""), "t.levels[0].workers is missing: only the outermost level may omit it"),
+    ("negative_latency", TOPOLOGY.replace("latency_us = 1.0", "latency_us = -1.0"), "t.levels[0].latency_us = -1.0: use a latency >= 0"),
+    ("nan_latency", TOPOLOGY.replace("latency_us = 1.0", "latency_us = nan"), "t.levels[0].latency_us = nan: use a finite number"),
+    ("level_key_typo", TOPOLOGY.replace("latency_us = 1.0\n", "latency_us = 1.0\nall_gather_bandwith_GBps = 5.0\n"),
+     "t.levels[0].all_gather_bandwith_GBps is not a topology key: did you mean 'all_gather_bandwidth_GBps'?"),
+    ("top_key_typo", TOPOLOGY.replace("overlap = false", "overlap = false\ncompute_tflop = 2.0"),
+     "t.compute_tflop is not a topology key: did you mean 'compute_tflops'?"),
+    ("name_table", TOPOLOGY.replace('name = "t"\n', "") + "[name]\nx = 1\n", "t.name = {'x': 1}: expected a str"),
+    ("outer_smaller", TOPOLOGY.replace(OUTER, OUTER.replace('name = "net"\n', 'name = "net"\nworkers = 1\n') + OUTER),
+     "t.levels[1].workers = 1: an outer level holds fewer workers"),
+    ("workers_not_dividing", TOPOLOGY.replace("workers = 2", "workers = 3"),
+     "level 'node' has workers = 3, which does not divide the world size 4"),
+]:
+    case(f"topology_{name}", _plan,
+         lambda tmp, content=content: ["--topology", _file("t.toml", content)(tmp), "--world-size", "4", *DEBUG,
+                                       "--parallelism.expert_parallel_degree", "2"], expected)
+case("topology_missing", _plan, lambda tmp: ["--topology", "no_such_topology", "--world-size", "2", *DEBUG],
+     "--topology no_such_topology: no such file, and not a shipped topology")
+
+# command-line flags of the tools
+for name, tool, args, expected in [
+    ("plan_world_size_zero", _plan, ["--world-size", "0", *DEBUG], "--world-size 0: use a rank count >= 1"),
+    ("plan_world_size_negative", _plan, ["--world-size", "-2", *DEBUG], "--world-size -2: use a rank count >= 1"),
+    ("plan_measure_without_topology", _plan, ["--world-size", "2", "--measure-compute", *DEBUG],
+     "--measure-compute sets the layout advice's compute: add --topology"),
+    ("plan_paper_missing_flags", _plan, ["--paper", "--topology", "cross_dc"], "--paper needs --world-size, --paper-data-mb"),
+    ("plan_paper_nan", _plan, ["--paper", "--topology", "cross_dc", "--world-size", "8", "--paper-data-mb", "nan",
+                               "--paper-expert-mb", "1", "--paper-pre-expert-ms", "1"], "--paper-data-mb nan: use a finite value > 0"),
+    ("plan_paper_negative_time", _plan, ["--paper", "--topology", "cross_dc", "--world-size", "8", "--paper-data-mb", "1",
+                                         "--paper-expert-mb", "1", "--paper-pre-expert-ms", "-1"],
+     "--paper-pre-expert-ms -1.0: use a finite time >= 0"),
+    ("plan_calibrate_one_process", _plan, ["--calibrate", "--nproc", "1"], "--nproc 1: an all-to-all needs at least 2 processes"),
+    ("plan_dense_shard_open", _plan, [*DEBUG, "--parallelism.data_parallel_shard_degree", "-1"],
+     "data_parallel_shard_degree = -1 leaves the world size open: pass --world-size N"),
+    ("placement_holdout_over_one", _placement, ["--routing-stats", "x", "--holdout", "2", *DEBUG], "--holdout 2.0: use a fraction between 0 and 1"),
+    ("placement_holdout_nan", _placement, ["--routing-stats", "x", "--holdout", "nan", *DEBUG], "--holdout nan"),
+    ("placement_tolerance_nan", _placement, ["--routing-stats", "x", "--load-tolerance", "nan", *DEBUG],
+     "--load-tolerance nan: use a finite fraction >= 0"),
+    ("placement_tolerance_negative", _placement, ["--routing-stats", "x", "--load-tolerance", "-1", *DEBUG],
+     "--load-tolerance -1.0: use a finite fraction >= 0"),
+    ("placement_first_step_zero", _placement, ["--routing-stats", "x", "--first-step", "0", *DEBUG], "--first-step 0: use a training step >= 1"),
+    ("placement_domain_zero", _placement, ["--routing-stats", "x", "--ranks-per-domain", "0", *DEBUG],
+     "--ranks-per-domain 0: use a rank count >= 1"),
+    ("placement_world_zero", _placement, ["--routing-stats", "x", "--world-size", "0", *DEBUG], "--world-size 0: use a rank count >= 1"),
+    ("supervise_no_command", _supervise, [], "no command to supervise"),
+]:
+    case(f"flag_{name}", tool, lambda tmp, args=args: list(args), expected)
+
+
+def _checkpoint(tmp: Path, layers, expert_at_slot) -> list[str]:
+    """A job folder whose latest checkpoint records ``expert_at_slot`` for ``layers``."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp / "job" / "checkpoint" / "step-2"
+    dcp.save({"expert_placement": {"layers": torch.tensor(layers), "expert_at_slot": torch.tensor(expert_at_slot)}},
+             checkpoint_id=str(folder), no_dist=True)
+    return [*DEBUG, "--checkpoint.enable", "--job.dump_folder", str(tmp / "job")]
+
+
+IDENTITY = [list(range(8))] * 5
+for name, build, expected in [
+    ("record_not_a_permutation", lambda tmp: _checkpoint(tmp, MOE_LAYERS, [[0] * 8] + IDENTITY[1:]),
+     "the expert placement record for MoE layer 1 is [0, 0, 0, 0, 0, 0, 0, 0], not a permutation"),
+    ("record_other_layers", lambda tmp: _checkpoint(tmp, [1, 2, 3], IDENTITY[:3]),
+     "the expert placement record covers MoE layers [1, 2, 3], this model's are [1, 2, 3, 4, 5]"),
+    ("record_other_expert_count", lambda tmp: _checkpoint(tmp, MOE_LAYERS, [list(range(16))] * 5),
+     "the expert placement record has shape (5, 16), not 5 layers x 8 experts"),
+    ("record_metadata_damaged", lambda tmp: (_checkpoint(tmp, MOE_LAYERS, IDENTITY),
+                                             (tmp / "job/checkpoint/step-2/.metadata").write_bytes(b"not a pickle"))[0],
+     "its expert placement record cannot be read ("),
+]:
+    case(f"checkpoint_{name}", _preflight, build, expected)
+
+
+def test_the_corpus_is_large():
+    assert len(CASES) >= 100, len(CASES)
+
+
+@pytest.mark.parametrize("tool, argv, expected", CASES)
+def test_a_malformed_input_is_one_line(tool, argv, expected, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO_ROOT)
+    with pytest.raises(SystemExit) as exit_info:
+        tool(argv(tmp_path))
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if line.startswith("error:") or "error:" in line[:40]]
+    assert exit_info.value.code == 2, captured.err[-2000:]
+    assert "Traceback" not in captured.err + captured.out
+    assert len(errors) == 1, captured.err[-2000:]
+    assert expected in errors[0], errors[0]
