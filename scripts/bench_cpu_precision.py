@@ -12,7 +12,7 @@ AVX512_BF16/AMX), alternating in one session:
 
 Each run trains ``--steps`` steps; the first ``--warmup`` step times of each run
 are dropped. Reports medians and the ratio default / float32 (goal <= 1.2), and
-appends a section to ``--markdown`` (default docs/benchmarks.md).
+appends a section to ``--markdown`` where one is given (nothing is written otherwise).
 """
 
 import argparse
@@ -62,7 +62,7 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=2, help="first steps of each run not timed")
     parser.add_argument("--with-bf16", action="store_true", help="also time bf16 forced (slow on such CPUs)")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--markdown", type=Path, default=ROOT / "docs/benchmarks.md", help="'-' to skip")
+    parser.add_argument("--markdown", type=Path, help="append the results, with the command and the machine, to this markdown file (e.g. docs/benchmarks.md)")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("overrides", nargs="*", help="config overrides for every variant (after --)")
     args = parser.parse_args(argv)
@@ -92,7 +92,7 @@ def main(argv=None):
         args.json.write_text(json.dumps(
             {"command": command, "times": times, "medians": medians, "ratio": ratio, "precision": precision}, indent=2
         ))
-    if str(args.markdown) != "-":
+    if args.markdown is not None:
         from bench_ep import machine
 
         with open(args.markdown, "a") as f:
@@ -109,6 +109,7 @@ def main(argv=None):
                 )
                 + f"\nRatio default / float32 (medians): **{ratio:.3f}** (goal <= 1.2)\n"
             )
+        print(f"results appended to {args.markdown}")
     return ratio
 
 

@@ -25,7 +25,7 @@ for scale), and ``deepep_lib`` / ``deepep_legacy_lib`` / ``hybridep_lib`` (the
 real deep_ep kernels, when importable on CUDA).
 
 Results go to ``--json`` and, as a markdown table with the command line and the
-machine, are appended to ``--markdown`` (default docs/benchmarks.md).
+machine, are appended to ``--markdown`` where one is given.
 """
 
 import argparse
@@ -272,8 +272,7 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--markdown", type=Path, default=ROOT / "docs/benchmarks.md",
-                        help="append a table here ('-' to skip)")
+    parser.add_argument("--markdown", type=Path, help="append the table, with the command and the machine, to this markdown file (e.g. docs/benchmarks.md)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     if args.ep_degree is not None and (args.ep_degree < 1 or args.nproc % args.ep_degree):
@@ -286,9 +285,10 @@ def main(argv=None):
               f"{r['gbps']:.2f} GB/s")
     if args.json:
         args.json.write_text(json.dumps({"command": command, "machine": machine(), "rows": rows}, indent=2))
-    if str(args.markdown) != "-":
+    if args.markdown is not None:
         with open(args.markdown, "a") as f:
             f.write("\n" + markdown(rows, command, args.forward_only))
+        print(f"table appended to {args.markdown}")
     return rows
 
 

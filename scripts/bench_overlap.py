@@ -14,7 +14,7 @@ the slowest rank. ``hybridep`` cannot overlap and is the control: its ratio
 shows the noise.
 
 Results are printed and appended as a markdown table, with the command line
-and the machine, to ``--markdown`` (default docs/benchmarks.md).
+and the machine, to ``--markdown`` where one is given.
 """
 
 import argparse
@@ -151,8 +151,7 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (CPU)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--markdown", type=Path, default=ROOT / "docs/benchmarks.md",
-                        help="append a table here ('-' to skip)")
+    parser.add_argument("--markdown", type=Path, help="append the table, with the command and the machine, to this markdown file (e.g. docs/benchmarks.md)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     command = "python scripts/bench_overlap.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -160,9 +159,10 @@ def main(argv=None):
     for r in rows:
         print(f"{r['backend']:>10}  overlapped {r['overlapped_ms']:8.2f} ms  landed first {r['landed_first_ms']:8.2f} ms  "
               f"ratio {r['ratio']:.3f}")
-    if str(args.markdown) != "-":
+    if args.markdown is not None:
         with open(args.markdown, "a") as f:
             f.write("\n" + markdown(rows, args, command))
+        print(f"table appended to {args.markdown}")
     return rows
 
 

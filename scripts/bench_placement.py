@@ -76,12 +76,13 @@ def main() -> None:
             "--job.config_file", "train_configs/deepseek_v3_671b_gb200.toml", "--world-size", "256",
             "--ranks-per-domain", str(args.ranks_per_domain), "-o", str(Path(tmp) / "placement.json"),
         ]
-        print("$", " ".join(command[1:]))
+        print("$ python", " ".join(command[1:]).replace(tmp, "<synthetic dump>"))
         began = time.perf_counter()
         result = subprocess.run(command, cwd=REPO_ROOT, text=True, stdout=subprocess.PIPE)
         wall = time.perf_counter() - began
-    report = result.stdout.splitlines()
-    print("\n".join(report[:2] + report[-2:]))
+    # the placement file went with the temporary folder: its "Wrote ..." line is left out
+    report = [line for line in result.stdout.splitlines() if not line.startswith("Wrote ")]
+    print("\n".join(report[:2] + report[-1:]))
     print(f"tool wall time (process, including imports and the job config): {wall:.1f} s")
     sys.exit(result.returncode)
 

@@ -11,8 +11,8 @@ time of each and the ratio ours / upstream. Both runs get the same CPU
 runtime accommodations (torchtitan_ext.runtime), so the ratio isolates the EP
 path and everything our spec changes.
 
-Results go to ``--json`` and are appended to ``--markdown`` (default
-docs/benchmarks.md) with the command line and the machine.
+Results go to ``--json`` and are appended to ``--markdown`` (where one is
+given) with the command line and the machine.
 """
 
 import argparse
@@ -96,7 +96,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=8, help="steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="first steps of each run not timed")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--markdown", type=Path, default=ROOT / "docs/benchmarks.md", help="'-' to skip")
+    parser.add_argument("--markdown", type=Path, help="append the results, with the command and the machine, to this markdown file (e.g. docs/benchmarks.md)")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("overrides", nargs="*", help="config overrides for both variants (after --)")
     args = parser.parse_args(argv)
@@ -111,7 +111,7 @@ def main(argv=None):
           f"({len(times['ours'])} steps each)")
     if args.json:
         args.json.write_text(json.dumps({"command": command, "times": times, "ratio": ratio}, indent=2))
-    if str(args.markdown) != "-":
+    if args.markdown is not None:
         from bench_ep import machine
 
         with open(args.markdown, "a") as f:
@@ -127,6 +127,7 @@ def main(argv=None):
                 )
                 + f"\nRatio ours / upstream (medians): **{ratio:.3f}**\n"
             )
+        print(f"results appended to {args.markdown}")
     return ratio
 
 

@@ -110,9 +110,10 @@ def training(classes: list[str], gpus: int, steps: int) -> list[str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--report", type=Path, default=ROOT / "outputs" / "cluster_check.md")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--skip-training", action="store_true")
+    parser.add_argument("--report", type=Path, default=ROOT / "outputs" / "cluster_check.md",
+                        help="markdown report to write (default: outputs/cluster_check.md)")
+    parser.add_argument("--steps", type=int, default=10, help="training steps of each backend's short run (default: 10)")
+    parser.add_argument("--skip-training", action="store_true", help="run the kernel tests and benchmarks only")
     args = parser.parse_args(argv)
     import torch
 

@@ -139,7 +139,7 @@ def bench_ep(processes: int, ep_degree: int, tokens: int) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         subprocess.run(
             [sys.executable, "scripts/bench_ep.py", "--nproc", str(processes), "--ep-degree", str(ep_degree),
-             "--tokens", str(tokens), "--backends", *BENCH_BACKENDS, "--json", out.name, "--markdown", "-",
+             "--tokens", str(tokens), "--backends", *BENCH_BACKENDS, "--json", out.name,
              "--no-progress"],
             cwd=ROOT, check=True, stdout=subprocess.DEVNULL,
         )

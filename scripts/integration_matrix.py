@@ -1,6 +1,6 @@
 """torchtitan 0.2.2's own DeepSeek-V3 and Llama4 integration tests, on CPU, for every EP backend.
 
-    python scripts/integration_matrix.py [--steps 2] [--only NAME ...] [--markdown docs/integration_matrix.md]
+    python scripts/integration_matrix.py [--steps 2] [--only NAME ...] [--markdown FILE]
 
 torchtitan's tests/integration_tests/models.py (v0.2.2) runs these combinations
 of parallelisms on 4 or 8 GPUs. Each is run here through ``./run_train.sh``
@@ -32,7 +32,7 @@ COMBINATIONS = {
     "pp_dualpipev": (4, ["--model.name", "deepseek_v3", "--parallelism.pipeline_parallel_degree", "2",
                          "--parallelism.expert_parallel_degree", "2",
                          "--parallelism.pipeline_parallel_schedule", "DualPipeV", "--activation_checkpoint.mode", "none"]),
-    "pp_dualpipev, overlap off (ours)": (4, ["--model.name", "deepseek_v3", "--parallelism.pipeline_parallel_degree", "2",
+    "pp_dualpipev_no_overlap": (4, ["--model.name", "deepseek_v3", "--parallelism.pipeline_parallel_degree", "2",
                                              "--parallelism.expert_parallel_degree", "2",
                                              "--parallelism.pipeline_parallel_schedule", "DualPipeV",
                                              "--activation_checkpoint.mode", "none",
@@ -108,12 +108,17 @@ def run(name: str, backend: str, steps: int, timeout: float, dump_folder: str) -
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=2)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="combinations (--only):\n" + "\n".join(f"  {name}" for name in sorted(COMBINATIONS)),
+    )
+    parser.add_argument("--steps", type=int, default=2, help="training steps per run")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
-    parser.add_argument("--only", nargs="*", choices=sorted(COMBINATIONS), help="combinations to run (default: all)")
-    parser.add_argument("--backends", nargs="*", choices=sorted(BACKENDS), default=list(BACKENDS))
-    parser.add_argument("--markdown", type=Path, default=ROOT / "docs/integration_matrix.md", help="'-' to skip")
+    parser.add_argument("--only", nargs="*", choices=sorted(COMBINATIONS), metavar="NAME",
+                        help="combinations to run (default: all; listed below)")
+    parser.add_argument("--backends", nargs="*", choices=sorted(BACKENDS), default=list(BACKENDS), metavar="BACKEND",
+                        help=f"backends to run each combination with (default: all: {', '.join(BACKENDS)})")
+    parser.add_argument("--markdown", type=Path, help="write the results table to this markdown file")
     parser.add_argument("--logs", type=Path, help="folder for each run's full output")
     args = parser.parse_args(argv)
     command = "python scripts/integration_matrix.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -129,7 +134,7 @@ def main(argv=None) -> int:
             if args.logs:
                 args.logs.mkdir(parents=True, exist_ok=True)
                 (args.logs / f"{name}-{backend}.log").write_text(result["output"])
-    if str(args.markdown) != "-":
+    if args.markdown is not None:
         table = "".join(
             f"| {r['name']} | {r['backend']} | {r['nproc']} | {r['outcome']} | {r['seconds']:.0f} | "
             f"{r['detail'].replace('|', '/')} |\n"
@@ -146,6 +151,7 @@ def main(argv=None) -> int:
             "| combination | backend | processes | outcome | seconds | losses or message |\n"
             "|---|---|---|---|---|---|\n" + table
         )
+        print(f"results written to {args.markdown}")
     return 0 if all(r["outcome"] in ("trains", "refused") for r in results) else 1
 
 

@@ -30,7 +30,7 @@ def test_bench_ep_local_work_runs_each_process_as_its_own_group(tmp_path):
     result = subprocess.run(
         [sys.executable, "scripts/bench_ep.py", "--nproc", "2", "--ep-degree", "1", "--tokens", "32",
          "--hidden", "16", "--experts", "4", "--top-k", "2", "--warmup", "1", "--iters", "2", "--no-progress",
-         "--backends", "nccl", "hybridep", "--json", str(out), "--markdown", "-"],
+         "--backends", "nccl", "hybridep", "--json", str(out)],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
