@@ -7,13 +7,13 @@
 #   COMM_MODE=fake_backend NGPU=256 CONFIG_FILE=... ./run_train.sh   # dry run: validate, no weights
 #
 # Environment:
-#   NGPU         processes on this machine (default: the number of GPUs, or 2 on CPU)
+#   NGPU         processes on this machine (default: the number of GPUs, or 2 on CPU; for a dry run
+#                the config's degrees, when they fix the world size)
 #   CONFIG_FILE  TOML job config (default: train_configs/debug_model.toml); --job.config_file X works too
 #   LOG_RANK     ranks whose output is shown, comma separated (default: the first rank that
 #                computes the loss: 0, or the last pipeline stage's first rank)
 #   COMM_MODE    "fake_backend": one-process dry run over a fake process group of NGPU
 #                ranks (meta-device model, parallelize plan applied, report; no step)
-#                "local_tensor": torchtitan's one-process simulation of NGPU ranks
 #   MASTER_PORT  rendezvous port; unset picks a free one, so runs can share a machine
 #   SHUTDOWN_TIMEOUT  seconds torchrun gives the ranks to save and exit after a stop signal (default 600)
 # Extra arguments are config overrides (--section.key value), passed through.
@@ -23,17 +23,18 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=env.sh
 source "${ROOT}/env.sh"
 
-if [ -z "${NGPU:-}" ]; then
-    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-        # one "GPU n:" line per device; MIG instances are listed under it, indented
-        NGPU="$(nvidia-smi -L | grep -c '^GPU ')"
-    else
-        NGPU=2
-    fi
-fi
+COMM_MODE="${COMM_MODE:-}"
+case "${COMM_MODE}" in
+    "" | fake_backend) ;;
+    *)
+        # torchtitan's local_tensor mode stops in its dataset sharding on this harness's jobs
+        echo "error: COMM_MODE='${COMM_MODE}' is not a mode of this launcher: use COMM_MODE=fake_backend for a" \
+            "one-process dry run, or unset COMM_MODE to train" >&2
+        exit 2
+        ;;
+esac
 # torchrun relays the ranks' logs through its own stdout: unbuffered, they reach a pipe (| tee) as they happen
 export PYTHONUNBUFFERED=1
-COMM_MODE="${COMM_MODE:-}"
 # --job.config_file among the overrides takes the place of CONFIG_FILE; both at once is an error
 # (the config parser reports two different files in one line)
 # (each argument compared whole: a value that mentions the flag is not the flag)
@@ -51,10 +52,17 @@ else
 fi
 
 if [ "${COMM_MODE}" = "fake_backend" ]; then
-    exec python -m torchtitan_ext.planning.dry_run --ngpu "${NGPU}" -- "${config_args[@]}" "$@"
-elif [ -n "${COMM_MODE}" ]; then
-    NGPU="${NGPU}" LOCAL_RANK=0 RANK=0 WORLD_SIZE=1 exec python -m torchtitan_ext.train \
-        "${config_args[@]}" "$@" --comm.mode "${COMM_MODE}" --training.steps 1
+    # the world size as every tool takes it: NGPU, else the config's degrees (a dry run is for another machine)
+    NGPU="${NGPU:-}" exec python -m torchtitan_ext.planning.dry_run -- "${config_args[@]}" "$@"
+fi
+
+if [ -z "${NGPU:-}" ]; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        # one "GPU n:" line per device; MIG instances are listed under it, indented
+        NGPU="$(nvidia-smi -L | grep -c '^GPU ')"
+    else
+        NGPU=2
+    fi
 fi
 
 port_args=()
@@ -64,7 +72,8 @@ if [ -n "${MASTER_PORT:-}" ]; then
 else
     rdzv_endpoint="localhost:0"
 fi
-launch_info="$(python -m torchtitan_ext.launch.preflight --ngpu "${NGPU}" "${port_args[@]}" --print-launch-info -- \
+launch_info="$(python -m torchtitan_ext.launch.preflight --ngpu "${NGPU}" "${port_args[@]}" \
+    ${LOG_RANK:+--log-rank "${LOG_RANK}"} --print-launch-info -- \
     "${config_args[@]}" "$@")"
 eval "${launch_info}"
 # by default the log shown is the first rank that computes the loss (the last pipeline stage's)

@@ -313,8 +313,8 @@ case("topology_missing", _plan, lambda tmp: ["--topology", "no_such_topology", "
 
 # command-line flags of the tools
 for name, tool, args, expected in [
-    ("plan_world_size_zero", _plan, ["--world-size", "0", *DEBUG], "--world-size 0: use a rank count >= 1"),
-    ("plan_world_size_negative", _plan, ["--world-size", "-2", *DEBUG], "--world-size -2: use a rank count >= 1"),
+    ("plan_world_size_zero", _plan, ["--world-size", "0", *DEBUG], "world size 0: set NGPU (or --world-size) to a rank count >= 1"),
+    ("plan_world_size_negative", _plan, ["--world-size", "-2", *DEBUG], "world size -2: set NGPU (or --world-size)"),
     ("plan_measure_without_topology", _plan, ["--world-size", "2", "--measure-compute", *DEBUG],
      "--measure-compute sets the layout advice's compute: add --topology"),
     ("plan_paper_missing_flags", _plan, ["--paper", "--topology", "cross_dc"], "--paper needs --world-size, --paper-data-mb"),
@@ -325,7 +325,7 @@ for name, tool, args, expected in [
      "--paper-pre-expert-ms -1.0: use a finite time >= 0"),
     ("plan_calibrate_one_process", _plan, ["--calibrate", "--nproc", "1"], "--nproc 1: an all-to-all needs at least 2 processes"),
     ("plan_dense_shard_open", _plan, [*DEBUG, "--parallelism.data_parallel_shard_degree", "-1"],
-     "data_parallel_shard_degree = -1 leaves the world size open: pass --world-size N"),
+     "the world size is open (parallelism.data_parallel_shard_degree = -1): set NGPU=N (the python -m tools also take --world-size N)"),
     ("placement_holdout_over_one", _placement, ["--routing-stats", "x", "--holdout", "2", *DEBUG], "--holdout 2.0: use a fraction between 0 and 1"),
     ("placement_holdout_nan", _placement, ["--routing-stats", "x", "--holdout", "nan", *DEBUG], "--holdout nan"),
     ("placement_tolerance_nan", _placement, ["--routing-stats", "x", "--load-tolerance", "nan", *DEBUG],
@@ -335,7 +335,7 @@ for name, tool, args, expected in [
     ("placement_first_step_zero", _placement, ["--routing-stats", "x", "--first-step", "0", *DEBUG], "--first-step 0: use a training step >= 1"),
     ("placement_domain_zero", _placement, ["--routing-stats", "x", "--ranks-per-domain", "0", *DEBUG],
      "--ranks-per-domain 0: use a rank count >= 1"),
-    ("placement_world_zero", _placement, ["--routing-stats", "x", "--world-size", "0", *DEBUG], "--world-size 0: use a rank count >= 1"),
+    ("placement_world_zero", _placement, ["--routing-stats", "x", "--world-size", "0", *DEBUG], "world size 0: set NGPU (or --world-size)"),
     ("supervise_no_command", _supervise, [], "no command to supervise"),
 ]:
     case(f"flag_{name}", tool, lambda tmp, args=args: list(args), expected)

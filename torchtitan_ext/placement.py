@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from torchtitan_ext.balancing.placement_search import check_search_options, search
-from torchtitan_ext.config import ConfigError, job_world_size, load_job_config
+from torchtitan_ext.config import ConfigError, job_world_size, load_job_config, parse
 from torchtitan_ext.training import prepare
 
 
@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> None:
         epilog="Other arguments are the job's config overrides (--job.config_file X, --section.key value).",
     )
     parser.add_argument("--routing-stats", required=True, help="routing-statistics folder of a run ([routing_stats])")
-    parser.add_argument("--world-size", type=int, help="processes of the job that will use the placement (default: NGPU or the config's degrees)")
+    parser.add_argument("--world-size", type=int, help="processes of the job that will use the placement (default: NGPU, else the config's degrees)")
     parser.add_argument("--ranks-per-domain", type=int,
                         help="EP ranks per NVLink domain (default: the backend's configured domain, else all EP ranks)")
     parser.add_argument("--first-step", type=int, default=1, help="use the dump's files from this training step on")
@@ -33,11 +33,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("-o", "--output", default="placement.json", help="placement file to write")
     args, train_args = parser.parse_known_args(argv)
     try:
-        check_search_options(args.holdout, args.load_tolerance, args.first_step, args.ranks_per_domain, args.world_size)
+        check_search_options(args.holdout, args.load_tolerance, args.first_step, args.ranks_per_domain)
         prepare()
-        job_config = load_job_config(train_args, device_type=None, world_size=args.world_size)
+        world_size = job_world_size(parse(train_args), args.world_size)
+        job_config = load_job_config(train_args, device_type=None, world_size=world_size)
         lines = search(
-            job_config, args.routing_stats, args.output, world_size=args.world_size or job_world_size(job_config),
+            job_config, args.routing_stats, args.output, world_size=world_size,
             ranks_per_domain=args.ranks_per_domain, first_step=args.first_step, holdout=args.holdout,
             load_tolerance=args.load_tolerance,
         )

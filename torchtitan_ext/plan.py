@@ -28,7 +28,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from torchtitan_ext.balancing.routing_stats import check_fits, load_path
-from torchtitan_ext.config import ConfigError, job_world_size, load_job_config, moe_layer_ids, moe_shape
+from torchtitan_ext.config import ConfigError, job_world_size, load_job_config, moe_layer_ids, moe_shape, parse
 from torchtitan_ext.planning.calibrate import calibrate
 from torchtitan_ext.planning.cost_model import PaperSetting
 from torchtitan_ext.planning.layout_advisor import advise, format_advice, format_paper, overrides_problem
@@ -40,7 +40,7 @@ from torchtitan_ext.training import prepare
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world-size", type=int, help="ranks in the job (default: dp x cp x tp x pp from the config)")
+    parser.add_argument("--world-size", type=int, help="ranks in the job (default: NGPU, else the config's degrees)")
     parser.add_argument("--routing-stats", type=Path,
                         help="routing_stats folder or .npz file: the expected drop rate, and with --topology the measured token bytes")
     parser.add_argument("--topology", help="topology TOML (a path, or a name in topologies/): add the layout advice")
@@ -70,10 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     prepare()
     try:
         topology = load_topology(args.topology) if args.topology else None
-        job_config = load_job_config(train_args, device_type=None)
-        world_size = args.world_size if args.world_size is not None else job_world_size(job_config)
-        if world_size < 1:
-            raise ConfigError(f"--world-size {world_size}: use a rank count >= 1")
+        world_size = job_world_size(parse(train_args), args.world_size)
         if topology is not None:
             topology.group_sizes(world_size)
         job_config = load_job_config(train_args, device_type=None, world_size=world_size)

@@ -108,7 +108,7 @@ def test_dry_run_rejects_bad_degrees(capsys):
     from torchtitan_ext.planning import dry_run
 
     line = _check_error(
-        capsys, dry_run.main, ["--ngpu", "8", "--", *DEFAULT_CONFIG, "--parallelism.tensor_parallel_degree", "3"]
+        capsys, dry_run.main, ["--world-size", "8", "--", *DEFAULT_CONFIG, "--parallelism.tensor_parallel_degree", "3"]
     )
     assert "world size 8 is not a multiple of dp_replicate x cp x tp x pp = 3" in line
 
@@ -161,7 +161,8 @@ def test_supervisor_names_the_rank_that_caused_the_failure(report, named):
 
 
 def test_ngpu_counts_gpus_not_mig_instances(tmp_path):
-    """nvidia-smi -L lists each MIG instance under its GPU; `wc -l` counted them as GPUs."""
+    """nvidia-smi -L lists each MIG instance under its GPU; `wc -l` counted them as GPUs. A job that needs 3
+    processes is refused naming the world size the launcher counted: 2."""
     fake = tmp_path / "nvidia-smi"
     fake.write_text(
         "#!/bin/sh\n"
@@ -169,12 +170,12 @@ def test_ngpu_counts_gpus_not_mig_instances(tmp_path):
         "  MIG 3g.40gb     Device  1: (UUID: MIG-2)\\nGPU 1: NVIDIA A100-SXM4-80GB (UUID: GPU-2)\\n'\n"
     )
     fake.chmod(0o755)
-    env = launcher_env(COMM_MODE="fake_backend")
+    env = launcher_env()
     env.pop("NGPU")
     env["PATH"] = f"{tmp_path}:{env['PATH']}"
-    result = subprocess.run(["./run_train.sh"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "dry run: deepseek_v3 debugmodel on 2 ranks" in result.stdout + result.stderr
+    result = subprocess.run(["./run_train.sh", "--parallelism.data_parallel_shard_degree", "3"], cwd=REPO_ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert "but the world size is 2: set parallelism.data_parallel_shard_degree = -1 or NGPU = 3" in _error_line(result)
 
 
 def test_a_value_that_mentions_the_config_flag_is_not_the_flag():

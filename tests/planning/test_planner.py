@@ -122,7 +122,8 @@ def test_cli(capsys):
     with pytest.raises(SystemExit) as missing:
         plan_module.main(JOB)
     assert missing.value.code == 2
-    assert "data_parallel_shard_degree = -1 leaves the world size open: pass --world-size N" in capsys.readouterr().err
+    assert ("the world size is open (parallelism.data_parallel_shard_degree = -1): set NGPU=N (the python -m tools also take --world-size N)"
+            in capsys.readouterr().err)
     # the module's own entry point, as a user runs it
     command = [sys.executable, "-m", "torchtitan_ext.plan", *JOB]
     result = subprocess.run(command + ["--world-size", "2"], capture_output=True, text=True, cwd=REPO_ROOT)

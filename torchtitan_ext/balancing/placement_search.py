@@ -342,8 +342,7 @@ def format_results(results: list[LayerResult], top_k: int, tokens_per_step: floa
     return lines
 
 
-def check_search_options(holdout: float, load_tolerance: float, first_step: int, ranks_per_domain: int | None,
-                         world_size: int | None) -> None:
+def check_search_options(holdout: float, load_tolerance: float, first_step: int, ranks_per_domain: int | None) -> None:
     """ConfigError for a search flag out of its range (NaN is out of every range)."""
     if not 0 < holdout < 1:
         raise ConfigError(f"--holdout {holdout}: use a fraction between 0 and 1, e.g. 0.5")
@@ -353,8 +352,6 @@ def check_search_options(holdout: float, load_tolerance: float, first_step: int,
         raise ConfigError(f"--first-step {first_step}: use a training step >= 1")
     if ranks_per_domain is not None and ranks_per_domain < 1:
         raise ConfigError(f"--ranks-per-domain {ranks_per_domain}: use a rank count >= 1, or leave it out")
-    if world_size is not None and world_size < 1:
-        raise ConfigError(f"--world-size {world_size}: use a rank count >= 1, or leave it out")
 
 
 def search(

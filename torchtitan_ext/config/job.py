@@ -1,7 +1,7 @@
 """What a job config fixes about the job: its model's arguments and MoE shape, its tokens per dispatch,
 its world size. Read from the config and torchtitan's train-spec registry; nothing is allocated."""
 
-import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -73,14 +73,30 @@ def moe_layer_ids(job_config) -> list[int]:
     return sorted(int(layer_id) for layer_id, block in meta_model(job_config).layers.items() if block.moe_enabled)
 
 
-def job_world_size(job_config) -> int:
-    """The world size the job's degrees fix; ConfigError when data_parallel_shard_degree = -1 leaves it open."""
+def job_world_size(job_config, given: int | None = None) -> int:
+    """The job's world size, by one rule for every tool: ``given`` (a ``--world-size`` flag), else the
+    ``NGPU`` environment variable, else the product of the config's degrees when they fix it.
+
+    ConfigError when none says it, or when ``given``/NGPU is not a rank count.
+    """
+    if given is None and os.environ.get("NGPU"):
+        text = os.environ["NGPU"]
+        if not text.isdigit():
+            raise ConfigError(f"NGPU='{text}' is not an integer: set NGPU to the process count, e.g. NGPU=2")
+        given = int(text)
+    if given is not None:
+        if given < 1:
+            raise ConfigError(f"world size {given}: set NGPU (or --world-size) to a rank count >= 1")
+        return given
     p = job_config.parallelism
-    if p.data_parallel_shard_degree < 0:
-        raise ConfigError(
-            "data_parallel_shard_degree = -1 leaves the world size open: pass --world-size N"
-        )
-    return math.prod((
-        p.data_parallel_replicate_degree, p.data_parallel_shard_degree, p.context_parallel_degree,
-        p.tensor_parallel_degree, p.pipeline_parallel_degree,
-    ))
+    fixed = p.data_parallel_replicate_degree * p.context_parallel_degree * p.tensor_parallel_degree
+    fixed *= p.pipeline_parallel_degree
+    if p.data_parallel_shard_degree > 0:
+        return fixed * p.data_parallel_shard_degree
+    experts_span = p.expert_parallel_degree * p.expert_tensor_parallel_degree
+    smallest = next(shard for shard in range(1, experts_span + 1)
+                    if (shard * p.context_parallel_degree * p.tensor_parallel_degree) % experts_span == 0)
+    raise ConfigError(
+        "the world size is open (parallelism.data_parallel_shard_degree = -1): set NGPU=N (the python -m tools "
+        f"also take --world-size N) to the job's process count, a multiple of {fixed * smallest} for this config"
+    )

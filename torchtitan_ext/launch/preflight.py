@@ -44,6 +44,17 @@ def check_process_count(ngpu: str) -> int:
     return count
 
 
+def check_log_ranks(text: str, local_processes: int) -> None:
+    """LOG_RANK: comma-separated local ranks of this machine's processes (torchrun's --local-ranks-filter)."""
+    ranks = text.split(",")
+    bad = [rank for rank in ranks if not rank.strip().isdigit() or int(rank) >= local_processes]
+    if bad:
+        raise ConfigError(
+            f"LOG_RANK='{text}': {bad[0]!r} is not a rank of the {local_processes} processes on this machine: "
+            f"use ranks from 0 to {local_processes - 1}, comma separated, or unset LOG_RANK"
+        )
+
+
 def check_port_free(text: str) -> int:
     """The rendezvous port MASTER_PORT names, once it is a port number no process listens on."""
     if not text.isdigit() or not 1 <= int(text) <= 65535:
@@ -70,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ngpu", required=True, help="processes on this machine (NGPU)")
     parser.add_argument("--nnodes", type=int, default=1, help="machines in the job")
     parser.add_argument("--port", help="explicit rendezvous port to check (MASTER_PORT)")
+    parser.add_argument("--log-rank", help="ranks whose output is shown (LOG_RANK), to check against the process count")
     parser.add_argument(
         "--device-type", choices=("cpu", "cuda"),
         help="validate the job for this device type (default: this machine's); for a batch script that "
@@ -88,6 +100,8 @@ def main(argv: list[str] | None = None) -> None:
         count = check_process_count(args.ngpu)
         if args.port is not None:
             check_port_free(args.port)
+        if args.log_rank is not None:
+            check_log_ranks(args.log_rank, count)
         device_type = prepare()
         job_config = load_job_config(train_args, args.device_type or device_type, world_size=count * args.nnodes)
     except ConfigError as e:

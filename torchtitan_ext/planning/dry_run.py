@@ -1,7 +1,8 @@
 """Validate a job on one CPU process, without allocating model weights.
 
 ``COMM_MODE=fake_backend NGPU=<world size> ./run_train.sh`` (or
-``python -m torchtitan_ext.planning.dry_run --ngpu N -- --job.config_file X [overrides]``)
+``python -m torchtitan_ext.planning.dry_run [--world-size N] -- --job.config_file X [overrides]``; the
+world size as every tool takes it: the flag, else NGPU, else the config's degrees)
 parses and validates the config, builds the device mesh over a fake process
 group of the job's world size, builds the model on the meta device, applies the
 same parallelize plan (and pipeline split) that training applies, and reports
@@ -22,7 +23,7 @@ from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools import utils
 from torchtitan.tools.logging import init_logger, logger
 
-from torchtitan_ext.config import comm_backend, ConfigError, load_job_config, max_tokens_per_rank, MoEShape
+from torchtitan_ext.config import comm_backend, ConfigError, job_world_size, load_job_config, max_tokens_per_rank, MoEShape, parse
 from torchtitan_ext.ep import backend_class
 from torchtitan_ext.training import prepare
 
@@ -131,15 +132,16 @@ def dry_run(job_config, world_size: int) -> DryRunReport:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ngpu", type=int, required=True, help="world size to validate for")
+    parser.add_argument("--world-size", type=int, help="world size to validate for (default: NGPU, else the config's degrees)")
     parser.add_argument("train_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
     init_logger()
     prepare()
     try:
-        job_config = load_job_config(train_args, device_type=None, world_size=args.ngpu)
-        report = dry_run(job_config, args.ngpu)
+        world_size = job_world_size(parse(train_args), args.world_size)
+        job_config = load_job_config(train_args, device_type=None, world_size=world_size)
+        report = dry_run(job_config, world_size)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
