@@ -35,6 +35,8 @@ case "${COMM_MODE}" in
 esac
 # torchrun relays the ranks' logs through its own stdout: unbuffered, they reach a pipe (| tee) as they happen
 export PYTHONUNBUFFERED=1
+# torchrun's own default, set here so that it does not print a 4-line notice about it at every start
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # --job.config_file among the overrides takes the place of CONFIG_FILE; both at once is an error
 # (the config parser reports two different files in one line)
 # (each argument compared whole: a value that mentions the flag is not the flag)

@@ -8,11 +8,10 @@ import os
 import signal
 import sys
 
-from torchtitan.tools.logging import init_logger
-
 from torchtitan_ext.config import ConfigError, load_job_config
 from torchtitan_ext.data import prepare_embedded_assets
 from torchtitan_ext.launch.processes import die_with_parent
+from torchtitan_ext.runtime.console import init_logger
 from torchtitan_ext.training import prepare
 from torchtitan_ext.training.trainer import run
 

@@ -75,7 +75,7 @@ def test_summary_of_reduced_counters(caplog):
     assert "ep/layer_0/drop_rate" not in values
     assert values["ep/dropped_pairs"] == 8 and values["ep/drop_rate"] == pytest.approx(8 / 160)
     assert values["ep/load_imbalance_worst_layer"] == 1
-    assert console == "dropped: 8 (5.00%)  load max/mean: 1.50 (layer 1)  recv max/mean: 1.20"
+    assert console == "recv max/mean: 1.20  dropped: 5.00%"
     warnings = [r.message for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "in MoE layer 1 by step 7" in warnings[0]
     assert "raise hybridep.non_blocking_capacity_factor (now 0.3" in warnings[0]
@@ -116,8 +116,8 @@ def test_training_log_reports_drops_once_and_records_routing(tmp_path):
     rank0 = [line for line in result.stdout.splitlines() if line.startswith("[rank0]:")]
     step_lines = [line for line in rank0 if "step:" in line and "loss:" in line]
     assert len(step_lines) == 2
-    assert all("dropped: " in line and "load max/mean: " in line and "recv max/mean: " in line for line in step_lines)
-    assert "dropped: 0 " not in step_lines[0]
+    assert all("recv max/mean: " in line for line in step_lines)
+    assert "dropped: " in step_lines[0], "the first step drops: its line shows the rate"
     warnings = [line for line in rank0 if "(token, expert) pairs" in line and "dropped" in line]
     assert len(warnings) == 1 and "raise hybridep.non_blocking_capacity_factor" in warnings[0]
 

@@ -1,11 +1,10 @@
-"""Config defaults this machine decides: a CPU job's training precision and expert path.
+"""Config defaults this machine decides: a CPU job's training precision.
 
 On a CPU without native bf16 matrix units, bf16 only makes every GEMM
-slower: such a CPU trains in float32 unless the job says otherwise, and its
-experts skip torchtitan's bf16 grouped GEMM. GPU jobs never call this.
+slower: such a CPU trains in float32 unless the job says otherwise. GPU jobs
+never call this.
 """
 
-import dataclasses
 import os
 
 import torch
@@ -44,39 +43,15 @@ def cpu_bf16_support() -> tuple[bool, str]:
     return False, f"the CPU has no AVX512_BF16 or AMX (vector unit: {capability})"
 
 
-_loop_experts = False
-"""Set by :func:`choose_cpu_precision`: the CPU emulates bf16, so experts run torchtitan's per-expert loop."""
-
-
-def fit_experts(moe_args):
-    """(MoE args, line to log or None): ``moe_args`` as the trainer builds the model on this machine.
-
-    torchtitan's grouped-GEMM expert path casts tokens and weights to bf16
-    whatever the training dtype, so on a CPU that emulates bf16 the experts run
-    its per-expert loop instead, in the training dtype (3.5x faster here on
-    the debug model's expert shapes, measured). Returns a changed copy, never
-    mutating the flavour's shared arguments.
-    """
-    if not (_loop_experts and moe_args.use_grouped_mm):
-        return moe_args, None
-    return dataclasses.replace(moe_args, use_grouped_mm=False), (
-        "CPU experts: per-expert GEMMs in the training dtype instead of torchtitan's bf16 grouped GEMM "
-        "(bf16 is emulated on this CPU)"
-    )
-
-
 def choose_cpu_precision(job_config, explicit: set[str]) -> str:
     """Pick the parameter dtype of a CPU job; returns the one-line reason to log.
 
     On a CPU without native bf16 matrix multiply, ``training.mixed_precision_param``
     becomes float32 unless the TOML or the command line sets it (``explicit``):
     bf16 there only makes every GEMM slower and buys nothing. The reduce dtype
-    is float32 in torchtitan 0.2.2 already. Such a CPU also runs the experts
-    without the bf16 grouped GEMM (:func:`fit_experts`). GPU jobs never call this.
+    is float32 in torchtitan 0.2.2 already. GPU jobs never call this.
     """
-    global _loop_experts
     native, evidence = cpu_bf16_support()
-    _loop_experts = not native
     current = job_config.training.mixed_precision_param
     if native or current == "float32":
         return f"CPU precision: {PRECISION_KEY} = {current} ({evidence})"

@@ -4,7 +4,7 @@ Owns: the embedded corpus and tokenizer (:mod:`.embedded`), their entry in
 torchtitan's dataset registry, and the check of a job's dataset options
 (registered with :mod:`torchtitan_ext.config` on import).
 
-May import: :mod:`torchtitan_ext.config` (see the tiers in :mod:`torchtitan_ext`).
+May import: :mod:`torchtitan_ext.config`, :mod:`torchtitan_ext.runtime` (see the tiers in :mod:`torchtitan_ext`).
 """
 
 from pathlib import Path
@@ -14,6 +14,7 @@ from torchtitan.hf_datasets import DatasetConfig
 from torchtitan.hf_datasets.text_datasets import DATASETS
 
 from torchtitan_ext.config import ConfigError, register_check, ValidationContext
+from torchtitan_ext.runtime.console import quiet
 
 from .embedded import (
     DATASET_NAME,
@@ -87,3 +88,18 @@ def check_dataset_options(job_config, context: ValidationContext) -> None:
 
 
 register_check(check_dataset_options)
+
+
+def _embedded_assets_noise(message: str) -> bool:
+    """torchtitan's warnings about the embedded assets folder, which are no fault of the job: the folder is
+    built after the config is read and before any rank reads it (the build says so), and its tokenizer
+    has no safetensors index because no job loads HF weights from it."""
+    for prefix, suffix in (("HF assets path ", " does not exist!"), ("model.safetensors.index.json not found at hf_assets_path: ", "")):
+        if message.startswith(prefix) and message.endswith(suffix):
+            path = message.removeprefix(prefix).removesuffix(suffix).split()[0]
+            folder = Path(path).parent if path.endswith(".json") else Path(path)
+            return folder.resolve() == DEFAULT_ASSETS_DIR.resolve()
+    return False
+
+
+quiet(_embedded_assets_noise)

@@ -14,6 +14,7 @@ folder (for the supervisor's account of a failure).
 """
 
 import argparse
+import logging
 import os
 import shlex
 import socket
@@ -23,6 +24,7 @@ from torchtitan_ext import runtime
 from torchtitan_ext.config import ConfigError, load_job_config
 from torchtitan_ext.data import prepare_embedded_assets
 from torchtitan_ext.ep import backend_class
+from torchtitan_ext.runtime.console import init_logger
 from torchtitan_ext.training import prepare
 
 
@@ -96,6 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("train_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    init_logger(logging.WARNING)
     try:
         count = check_process_count(args.ngpu)
         if args.port is not None:

@@ -40,6 +40,12 @@ FAILURE_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 FAILURE_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)")
 ROOT_CAUSE_HEADING = "Root Cause (first observed failure):"
 STOPPED_BY_TORCHRUN = re.compile(r"Sending process (\d+) closing signal")
+TORCHRUN_TRACEBACK = "Traceback (most recent call last):"
+"""How torchrun's own traceback starts (a rank's lines start with its "[rankN]:" prefix)."""
+CHILD_FAILED = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
+PEER_TIMEOUT = "a peer did not answer in time"
+"""What a rank's one-line error says when a collective timed out (torchtitan_ext.runtime.collectives)."""
+STALLED_STATES = {"T": "stopped (SIGSTOP or a debugger)", "t": "stopped by a debugger", "D": "in uninterruptible sleep (I/O or a driver)"}
 SHUTDOWN_GRACE_S = 30
 """How long processes left in the job's group after torchrun ends (or after this supervisor is told to
 stop) get between SIGTERM and SIGKILL."""
@@ -75,6 +81,21 @@ def signal_name(number: int) -> str:
         return f"signal {number}"
 
 
+def stalled_ranks(torchrun_pid: int) -> list[tuple[int, int, str]]:
+    """(rank, pid, state) of torchrun's training processes that are stopped or in uninterruptible sleep."""
+    found = []
+    for pid in children(torchrun_pid):
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ranks = [int(entry[5:]) for entry in environ if entry.startswith(b"RANK=")]
+        if state in STALLED_STATES and ranks:
+            found.append((ranks[0], pid, state))
+    return sorted(found)
+
+
 @dataclass
 class Failure:
     """One entry of torchrun's failure report."""
@@ -95,6 +116,9 @@ class Supervisor:
         self.stopped_by_torchrun: set[int] = set()
         self.process: subprocess.Popen | None = None
         self.closed_streams: set[int] = set()
+        self.stalled: list[tuple[int, int, str]] = []
+        """(rank, pid, process state) of the local ranks that had stopped making progress when a peer's
+        collective timed out."""
 
     def forward(self, signum, frame) -> None:
         if self.process is None:
@@ -120,12 +144,23 @@ class Supervisor:
             self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
             process_group=0, preexec_fn=partial(die_with_parent, signal.SIGTERM, os.getpid()),
         )
+        held: list[str] = []
         try:
             for line in self.process.stdout:
+                plain = ANSI_ESCAPE.sub("", line)
+                self._read(plain)
+                # torchrun's own traceback of a failed rank says nothing its failure report does not: it is
+                # held back, and dropped once it turns out to be that (any other traceback is shown whole)
+                if plain.startswith(TORCHRUN_TRACEBACK) or held:
+                    held.append(line)
+                    if CHILD_FAILED in plain:
+                        held = []
+                    continue
                 self._relay(line)
-                self._read(ANSI_ESCAPE.sub("", line))
             returncode = self.process.wait()
         finally:
+            for line in held:
+                self._relay(line)
             self._end_process_group()
         status = 128 - returncode if returncode < 0 else returncode
         if status != 0:
@@ -163,6 +198,8 @@ class Supervisor:
                 time.sleep(0.1)
 
     def _read(self, line: str) -> None:
+        if PEER_TIMEOUT in line and not self.stalled and self.process is not None:
+            self.stalled = stalled_ranks(self.process.pid)
         step = STEP_LINE.search(line)
         if step:
             self.last_step = int(step.group(1))
@@ -191,7 +228,10 @@ class Supervisor:
         """The one line that ends a failed job."""
         who = "a training process"
         failure = self.culprit()
-        if failure is not None and failure.exit_code is not None:
+        if self.stalled:
+            rank, pid, state = self.stalled[0]
+            who = f"rank {rank} (pid {pid}) stopped making progress: it was {STALLED_STATES[state]} when its peers' collective timed out"
+        elif failure is not None and failure.exit_code is not None:
             code = failure.exit_code
             how = f"was killed by {signal_name(-code)}" if code < 0 else f"exited with status {code}"
             who = f"rank {failure.rank} (pid {failure.pid}) {how}"

@@ -6,22 +6,19 @@ from functools import partial
 from torchtitan.models.deepseek_v3 import deepseekv3_args
 from torchtitan.models.deepseek_v3.infra.parallelize import _op_sac_save_list, apply_non_moe_tp
 from torchtitan.models.deepseek_v3.model.args import DeepSeekV3ModelArgs as TorchTitanArgs
-from torchtitan.tools.logging import logger
 
-from torchtitan_ext.config.machine import fit_experts
+from torchtitan_ext.models.moe import grouped_mm_where_supported
 from torchtitan_ext.models.parallelize import parallelize_moe_model
 
 
 @dataclasses.dataclass
 class DeepSeekV3ModelArgs(TorchTitanArgs):
     def update_from_config(self, job_config, **kwargs) -> None:
+        self.moe_args = grouped_mm_where_supported(self.moe_args)
         super().update_from_config(job_config, **kwargs)
         # Every EP backend is applied by the parallelize plan to torchtitan's standard
         # MoE; its "deepep" MoE would import deep_ep while the model is built.
         self.moe_impl = "standard"
-        self.moe_args, change = fit_experts(self.moe_args)
-        if change:
-            logger.info(change)
 
 
 def parallelize_deepseekv3(model, parallel_dims, job_config):

@@ -6,19 +6,16 @@ from functools import partial
 from torchtitan.models.llama4 import llama4_args
 from torchtitan.models.llama4.model.args import TransformerModelArgs
 from torchtitan.models.llama4.infra.parallelize import _op_sac_save_list, apply_non_moe_tp
-from torchtitan.tools.logging import logger
 
-from torchtitan_ext.config.machine import fit_experts
+from torchtitan_ext.models.moe import grouped_mm_where_supported
 from torchtitan_ext.models.parallelize import parallelize_moe_model
 
 
 @dataclasses.dataclass
 class Llama4ModelArgs(TransformerModelArgs):
     def update_from_config(self, job_config, **kwargs) -> None:
+        self.moe_args = grouped_mm_where_supported(self.moe_args)
         super().update_from_config(job_config, **kwargs)
-        self.moe_args, change = fit_experts(self.moe_args)
-        if change:
-            logger.info(change)
 
 
 def parallelize_llama4(model, parallel_dims, job_config):

@@ -10,12 +10,24 @@ without EP keep torchtitan's forward. Under an expert placement the routers'
 logical expert ids are mapped to physical slots before dispatch.
 """
 
+import dataclasses
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torchtitan.models.moe.moe import MoE
+from torchtitan.models.moe.moe import MoE, MoEArgs
+from torchtitan.tools.utils import has_cuda_capability
 
 from torchtitan_ext.ep.base import Routing
+
+
+def grouped_mm_where_supported(moe_args: MoEArgs) -> MoEArgs:
+    """``moe_args`` with grouped GEMMs off where torchtitan turns them off itself (below SM90, and on a CPU),
+    as a copy: torchtitan's model args do it in place, in the flavour that every job of the process
+    shares, with a warning at every model build that says nothing about the job."""
+    if moe_args.use_grouped_mm and not has_cuda_capability(9, 0):
+        return dataclasses.replace(moe_args, use_grouped_mm=False)
+    return moe_args
 
 
 class TensorParallelTokenSplit:

@@ -21,10 +21,11 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
 from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools import utils
-from torchtitan.tools.logging import init_logger, logger
+from torchtitan.tools.logging import logger
 
 from torchtitan_ext.config import comm_backend, ConfigError, job_world_size, load_job_config, max_tokens_per_rank, MoEShape, parse
 from torchtitan_ext.ep import backend_class
+from torchtitan_ext.runtime.console import init_logger
 from torchtitan_ext.training import prepare
 
 

@@ -7,6 +7,7 @@ installed package is touched. Each accommodation below carries a one-line reason
 """
 
 import os
+import warnings
 from datetime import timedelta
 
 import torch
@@ -115,6 +116,15 @@ def _enable_cpu() -> None:
     # 17" with PP + TP + EP + compile, Llama4): each process compiles its own graphs.
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
+    # torchtitan sets NCCL's error-handling mode to 3, warning that torchrun's 1 is overridden: under gloo it
+    # means nothing, so it is 3 from the start and the warning (nothing the user did) goes
+    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "3"
+    # DTensor warns at every run that its random ops "may not have complete support on cpu device mesh": the
+    # initial weights of a sharded CPU job may differ from a GPU job's; the computation given the weights is
+    # exact (the gradient matrix checks every sharded layout against the dense model)
+    warnings.filterwarnings("ignore", message=r"DTensor .* may not have complete support on cpu device mesh")
+    # torchdata's data loader calls torch.set_vital, deprecated: nothing the user can act on
+    warnings.filterwarnings("ignore", message=r"'set_vital' is deprecated")
     logger.info("No CUDA device: training on CPU with the gloo backend")
 
 

@@ -6,6 +6,7 @@ dataset in its dataset registry, and the subclass below adds what a run needs
 beyond torchtitan's loop.
 """
 
+import os
 import sys
 from functools import partial
 from pathlib import Path
@@ -18,7 +19,7 @@ from torchtitan.train import Trainer as TorchTitanTrainer
 from torchtitan_ext import runtime
 from torchtitan_ext.balancing import routing_stats
 from torchtitan_ext.balancing.migration import ExpertMigration
-from torchtitan_ext.config import moe_layer_ids
+from torchtitan_ext.config import comm_backend, moe_layer_ids
 from torchtitan_ext.runtime.collectives import CollectiveFailed, name_other_collective
 from torchtitan_ext.training import checkpoints, faults
 
@@ -30,6 +31,8 @@ class Trainer(TorchTitanTrainer):
     :mod:`torchtitan_ext.training.faults` (preemption, non-finite values, named collective failures)."""
 
     def __init__(self, job_config, preemption: faults.PreemptionRequest | None = None):
+        # torchtitan's "Starting job:" line shows job.description, which overrides make stale
+        job_config.job.description = job_banner(job_config)
         super().__init__(job_config)
         runtime.adapt_model_parts(self.model_parts)
         self.routing_recorder = routing_stats.recorder_for(job_config, self.model_parts, self.parallel_dims)
@@ -133,6 +136,15 @@ class Trainer(TorchTitanTrainer):
         super().train()
         # an asynchronous save still in flight is finished, not dropped when the process exits
         checkpoints.wait_for_saves(self.checkpointer)
+
+
+def job_banner(job_config) -> str:
+    """What the job is, from the resolved config: model, flavour, EP backend and degree, ranks, config file."""
+    p = job_config.parallelism
+    ep = f"{comm_backend(job_config)} EP={p.expert_parallel_degree}" if p.expert_parallel_degree > 1 else "no EP"
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    source = job_config.job.config_file or "no config file"
+    return f"{job_config.model.name} {job_config.model.flavor}, {ep}, {ranks} rank{'s' * (ranks != 1)} ({source})"
 
 
 def _metadata_inference_in_eval_mode(schedule, model_parts) -> None:
