@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("train_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
-    init_logger(logging.WARNING)
+    init_logger(logging.WARNING, sys.stderr)
     try:
         count = check_process_count(args.ngpu)
         if args.port is not None:

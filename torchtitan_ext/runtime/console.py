@@ -10,6 +10,7 @@ features register with :func:`quiet`, each with its reason.
 
 import logging
 from collections.abc import Callable
+from typing import TextIO
 
 from torchtitan.tools import logging as tt_logging
 
@@ -50,14 +51,17 @@ def quiet(rule: Callable[[str], bool]) -> None:
         _quiet_rules.append(rule)
 
 
-def init_logger(level: int = logging.INFO) -> None:
-    """torchtitan's console logging with this harness's line format and noise filter, from ``level`` up
-    (the launchers' checks show warnings only)."""
+def init_logger(level: int = logging.INFO, stream: TextIO | None = None) -> None:
+    """torchtitan's console logging with this harness's line format and noise filter, from ``level`` up, to
+    ``stream`` (default stdout, as torchtitan's; the launchers' checks: warnings only, on stderr, since the
+    launchers read their stdout)."""
     tt_logging.init_logger()
     root = logging.getLogger()
     root.setLevel(level)
     for handler in root.handlers:
         handler.setFormatter(_Console())
         handler.setLevel(level)
+        if stream is not None:
+            handler.setStream(stream)
     if not any(isinstance(f, _KnownNoise) for f in root.filters):
         root.addFilter(_KnownNoise())
