@@ -190,7 +190,7 @@ def _worker(rank, world_size, rendezvous, args, result_file):
             step()
         bare_plan, sent = recorder.replay_plan()
         times = _time(step, args.warmup, args.iters, device)
-        bare = _time(lambda: [call() for call in bare_plan], args.warmup, args.iters, device)
+        bare = _time(lambda plan=bare_plan: [call() for call in plan], args.warmup, args.iters, device)
         sent_total = torch.tensor([sent], dtype=torch.float64)
         dist.all_reduce(sent_total, op=dist.ReduceOp.MAX)
         median, bare_median = statistics.median(times), statistics.median(bare)

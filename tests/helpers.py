@@ -199,7 +199,11 @@ def _worker(rank, world_size, tmp, device, fn, args):
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, f"{tmp}/result{rank}.pt")
-        # no rank tears its process group down while a peer may still use it
+        # as a training run ends: kernel buffers destroyed (a collective) before the process group, and no
+        # rank tears the group down while a peer may still use it
+        from torchtitan_ext.ep.base import destroy_kernel_buffers
+
+        destroy_kernel_buffers()
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -3,11 +3,12 @@
 Each worker puts tests/ep/deep_ep_double on ``sys.path`` (with the build it
 stands for) and lets the adapters use it on the CPU, in place of the CUDA
 library. The backends then run exactly the code they run on a cluster with
-``implementation = "deep_ep"``; the double computes with the reference kernels.
+``implementation = "deep_ep"``; the double computes with arithmetic of its own.
 """
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -18,6 +19,18 @@ from tests.ep.cases import _experts, _rank_slice, Case, global_inputs, make_styl
 from tests.ep.host_sync import HostSyncCounter
 
 DOUBLE_DIR = Path(__file__).resolve().parent / "deep_ep_double"
+
+
+def stand_in_cuda_home() -> Path:
+    """A folder whose bin/nvcc is an executable that does nothing (the double checks that it is there)."""
+    home = Path(tempfile.gettempdir()) / "deep_ep_double_cuda_home"
+    nvcc = home / "bin" / "nvcc"
+    if not nvcc.is_file():
+        nvcc.parent.mkdir(parents=True, exist_ok=True)
+        nvcc.write_text("#!/bin/sh\nexit 0\n")
+        nvcc.chmod(0o755)
+    return home
+
 
 LIBRARY_BACKENDS = {
     "main": ("deepep", "deepep_legacy"),
@@ -30,10 +43,13 @@ DROPPING_FACTOR = 0.3
 
 
 def use_double(build: str) -> None:
-    """In this process, ``import deep_ep`` is the double of ``build``, and the adapters may use it on CPU."""
+    """In this process, ``import deep_ep`` is the double of ``build``, and the adapters may use it on CPU.
+
+    HybridEP compiles its kernels at the first dispatch: a stand-in ``$CUDA_HOME/bin/nvcc`` is provided."""
     os.environ["DEEP_EP_DOUBLE_BUILD"] = build
     if str(DOUBLE_DIR) not in sys.path:
         sys.path.insert(0, str(DOUBLE_DIR))
+    os.environ["CUDA_HOME"] = str(stand_in_cuda_home())
     import torchtitan_ext.ep.kernels as kernels
 
     kernels.LIBRARY_DEVICE_TYPE = "cpu"
@@ -162,3 +178,72 @@ def host_sync_worker(rank: int, ep: int, build: str | None, case: Case, inject: 
             out.backward(inputs["grad_out"][rows].to(torch.bfloat16))
         results[backend] = {"events": dict(counter.events), "library_syncs": counter.library_syncs}
     return results
+
+
+def _trained_steps(rank: int, ep: int, case: Case, backend: str, mesh, steps: int = 1):
+    """One backend's experts module (kept by the caller, as a model keeps its layers) after ``steps``
+    forward-backward passes through the library."""
+    from tests.ep.cases import Routing
+
+    inputs = global_inputs(case)
+    experts = _experts(case, inputs, grouped_mm=True).to(torch.bfloat16)
+    parallelize_module(experts, mesh, make_style(backend, case, ep, implementation="deep_ep"))
+    rows = _rank_slice(rank, case, ep)
+    for _ in range(steps):
+        x = inputs["x"][rows].to(torch.bfloat16).requires_grad_()
+        scores = inputs["scores"][rows].clone().requires_grad_()
+        experts(x, Routing(scores, inputs["ids"][rows])).sum().backward()
+    return experts
+
+
+def lifetime_worker(rank: int, ep: int, build: str, case: Case) -> list[bool]:
+    """Every backend the build serves, its layers alive to the end; each library buffer's explicitly_destroy
+    flag. The harness then ends as a training run does (destroy_kernel_buffers, then the process group),
+    which the double checks."""
+    use_double(build)
+    from deep_ep import _double
+
+    mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
+    _KEPT.extend(_trained_steps(rank, ep, case, backend, mesh) for backend in LIBRARY_BACKENDS[build])
+    return [buffer.explicitly_destroy for buffer in _double._state().live]
+
+
+_KEPT: list = []
+"""The layers of :func:`lifetime_worker`, alive until its process ends (as a model's until training ends)."""
+
+
+def unmeasurable_bandwidth_worker(rank: int, ep: int, case: Case) -> dict:
+    """V2 with num_sms unset, where the library reads 0 GB/s for RDMA across two "nodes" of one rank each:
+    one layer, two steps; the SM count it dispatched with, and the warnings about it."""
+    import logging
+
+    os.environ["DEEP_EP_DOUBLE_DETECTED_GBPS"] = "0"
+    os.environ["DEEP_EP_DOUBLE_RANKS_PER_NODE"] = "1"
+    use_double("main")
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger().addHandler(handler)
+    try:
+        experts = _trained_steps(rank, ep, case, "deepep", init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",)), 2)
+    finally:
+        logging.getLogger().removeHandler(handler)
+    from torchtitan_ext.ep.base import _created_buffers
+
+    sms = [buffer._buffer.value.num_sms for buffer in _created_buffers if buffer._buffer is not None]
+    del experts  # kept alive until here: its style holds the shared buffer
+    return {"num_sms": sms, "warnings": sum("could not estimate its SM count" in w for w in warnings)}
+
+
+def fresh_group_worker(rank: int, ep: int) -> bool:
+    """An ElasticBuffer through the adapter on a process group that has run no collective yet."""
+    import torch.distributed as dist
+
+    use_double("main")
+    from torchtitan_ext.config import MoEShape
+    from torchtitan_ext.ep.kernels.deep_ep import elastic_buffer
+
+    group = dist.new_group(ranks=list(range(ep)))
+    buffer = elastic_buffer(group, MoEShape(hidden_dim=32, num_experts=8, top_k=2, max_tokens_per_rank=64))
+    buffer.destroy()
+    return buffer.destroyed

@@ -19,7 +19,10 @@ import pytest
 import torch
 
 from tests.ep.deep_ep_double.manifest import HYBRID_EP_BUILD, MANIFEST
-from tests.ep.double_cases import adapters_worker, DOUBLE_DIR, fp32_worker, host_sync_worker, LIBRARY_BACKENDS
+from tests.ep.double_cases import (
+    adapters_worker, DOUBLE_DIR, fp32_worker, fresh_group_worker, host_sync_worker, LIBRARY_BACKENDS, lifetime_worker,
+    unmeasurable_bandwidth_worker,
+)
 from tests.ep.cases import Case
 from tests.helpers import run_distributed
 
@@ -213,21 +216,27 @@ def test_a_build_without_the_backend_class_names_it(monkeypatch, installed_build
     assert f"{backend}.implementation = 'reference'" in message and "\n" not in message
 
 
-def _library_job_error(monkeypatch, backend: str, *overrides: str) -> str:
-    """The ConfigError's message for a job that asks for the library, with this CPU standing in for CUDA."""
+def _library_job(monkeypatch, backend: str, *overrides: str):
+    """A job that asks for the library, validated with this CPU standing in for CUDA."""
     import torchtitan_ext.ep.kernels as kernels
-    from torchtitan_ext.config import ConfigError
-    from torchtitan_ext.training.specs import register_train_specs
     from torchtitan_ext.config import load_job_config
+    from torchtitan_ext.training.specs import register_train_specs
 
     register_train_specs()
     monkeypatch.setattr(kernels, "LIBRARY_DEVICE_TYPE", "cpu")
+    return load_job_config([
+        "--job.config_file", "train_configs/debug_model.toml",
+        "--parallelism.expert_parallel_comm_backend", backend, f"--{backend}.implementation", "deep_ep",
+        *overrides, "--training.mixed_precision_param", "bfloat16",
+    ], "cpu", 2)
+
+
+def _library_job_error(monkeypatch, backend: str, *overrides: str) -> str:
+    """The ConfigError's message for a job that asks for the library (:func:`_library_job`)."""
+    from torchtitan_ext.config import ConfigError
+
     with pytest.raises(ConfigError) as error:
-        load_job_config([
-            "--job.config_file", "train_configs/debug_model.toml",
-            "--parallelism.expert_parallel_comm_backend", backend, f"--{backend}.implementation", "deep_ep",
-            *overrides, "--training.mixed_precision_param", "bfloat16",
-        ], "cpu", 2)
+        _library_job(monkeypatch, backend, *overrides)
     return str(error.value)
 
 
@@ -271,3 +280,72 @@ def test_counter_sees_into_custom_ops(host_syncs):
     for rank_results in host_syncs["control"]:
         events = rank_results["hybridep_non_blocking"]["events"]
         assert events == {"device-to-host sync (Tensor.item)": 2}, events
+
+
+@pytest.mark.parametrize("build", ["main", "hybrid-ep"])
+def test_deepep_v1_node_counts_follow_the_installed_build(installed_build, build):
+    """EP = 24 (3 nodes of 8) passed validation on both builds, but the hybrid-ep branch has v1 internode
+    kernels for 2, 4, 8, 16, 18 and 20 nodes only: its first dispatch failed with "Unsupported RDMA ranks"."""
+    from torchtitan_ext.config import ConfigError, MoEShape, parse
+    from torchtitan_ext.ep.deepep import DeepEPExpertParallel
+
+    installed_build(build)
+    job_config = parse(["--job.config_file", "train_configs/debug_model.toml", "--deepep.api", "legacy",
+                        "--training.mixed_precision_param", "bfloat16", "--parallelism.expert_parallel_degree", "24"])
+    shape = MoEShape(hidden_dim=256, num_experts=192, top_k=8, max_tokens_per_rank=4096)
+    if build == "main":
+        DeepEPExpertParallel.validate_config(job_config, "cuda", shape)
+        return
+    with pytest.raises(ConfigError, match=(
+        r"^parallelism.expert_parallel_degree = 24: the installed deep_ep \(a build of the hybrid-ep branch\) has v1 "
+        r"internode kernels for 2, 4, 8, 16, 18, 20 nodes of 8 ranks, not 3: pick one of those, or install DeepEP main"
+    )):
+        DeepEPExpertParallel.validate_config(job_config, "cuda", shape)
+
+
+@pytest.mark.parametrize("build", sorted(LIBRARY_BACKENDS))
+def test_buffers_are_destroyed_before_the_process_group(build):
+    """The buffers used to keep explicitly_destroy=False: their destructor ran a barrier and NCCL finalize
+    after the process group was destroyed (or hung a failure exit in it). They are created with
+    explicitly_destroy=True and destroyed first; the double fails a process group destroyed under a live
+    one (the workers end as a training run does: destroy_kernel_buffers, then the group)."""
+    created = run_distributed(EP, lifetime_worker, build, AC_CASE)
+    for flags in created:
+        assert flags and all(flags), created
+
+
+def test_an_unmeasurable_bandwidth_falls_back_to_20_sms():
+    """V2 with deepep.num_sms unset: the library estimates SMs from the bandwidths ibstat and nvidia-smi
+    report, and divides by them across nodes (elastic.py:809): 0 GB/s raised ZeroDivisionError at the first
+    dispatch. The adapter asks for the estimate itself, falls back to 20 SMs and says so once."""
+    results = run_distributed(EP, unmeasurable_bandwidth_worker, AC_CASE)
+    for result in results:
+        assert result["num_sms"] == [20] and result["warnings"] == 1, result
+
+
+def test_the_elastic_buffer_is_built_on_a_group_that_has_communicated():
+    """ElasticBuffer borrows the group's NCCL communicator, which torch creates at the group's first
+    collective: on a group that never communicated, the pointer is 0. The adapter runs a barrier first."""
+    assert run_distributed(EP, fresh_group_worker) == [True] * EP
+
+
+@pytest.mark.parametrize("cuda_home, message", [
+    (None, "HybridEP compiles its kernels at the first dispatch with $CUDA_HOME/bin/nvcc"),
+    ("empty", "bin/nvcc is not an executable"),
+    ("stand_in", None),
+])
+def test_hybridep_checks_its_kernel_compiler_before_the_job(monkeypatch, installed_build, tmp_path, cuda_home, message):
+    """HybridEP compiles its kernels with $CUDA_HOME/bin/nvcc at the first dispatch, on every rank; nothing
+    checked CUDA_HOME before. Now the job's validation (the launcher's pre-flight) does."""
+    from tests.ep.double_cases import stand_in_cuda_home
+
+    installed_build("hybrid-ep")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    if cuda_home is None:
+        monkeypatch.delenv("CUDA_HOME", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_HOME", str(tmp_path if cuda_home == "empty" else stand_in_cuda_home()))
+    if message is None:
+        _library_job(monkeypatch, "hybridep")
+        return
+    assert message in _library_job_error(monkeypatch, "hybridep")

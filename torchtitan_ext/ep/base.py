@@ -16,6 +16,7 @@ rounded to the activation dtype.
 """
 
 import importlib
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -139,6 +140,21 @@ def _accumulate(total: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor
     return value.clone() if total is None else total.add_(value)
 
 
+_created_buffers: "weakref.WeakSet[SharedKernelBuffer]" = weakref.WeakSet()
+
+
+def destroy_kernel_buffers() -> None:
+    """Destroy every kernel buffer this process created (each rank calls it, before the process group goes).
+
+    DeepEP's buffers are created with ``explicitly_destroy=True``: their destroy is a barrier and NCCL or
+    NVSHMEM finalization over the EP group's communicator, which must still be alive. Left to the
+    destructor, that barrier would run after the process group was destroyed, or hang an exit whose peer
+    is gone; a job that ends with a failed collective therefore exits without it.
+    """
+    for buffer in list(_created_buffers):
+        buffer.destroy()
+
+
 class SharedKernelBuffer:
     """One kernel buffer for every MoE layer of a job, created at the first dispatch.
 
@@ -150,6 +166,13 @@ class SharedKernelBuffer:
     def __init__(self, create: Callable[[Any, torch.Tensor], Any]):
         self._create = create
         self._buffer: KernelBuffer | None = None
+        _created_buffers.add(self)
+
+    def destroy(self) -> None:
+        """Release the buffer (a collective for DeepEP's); a later dispatch would create a new one."""
+        if self._buffer is not None:
+            self._buffer.value.destroy()
+            self._buffer = None
 
     def get(self, group, example: torch.Tensor) -> KernelBuffer:
         """The buffer; ``example`` (the first dispatched tokens) gives device and dtype."""

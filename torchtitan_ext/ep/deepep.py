@@ -46,7 +46,11 @@ INTRANODE_RANKS = (2, 4, 8)
 """EP degrees DeepEP's v1 intranode kernels are instantiated for."""
 
 INTERNODE_NODES = (2, 3, 4, 6, 8, 12, 16, 18, 20)
-"""Nodes of 8 ranks its v1 internode kernels are instantiated for."""
+"""Nodes of 8 ranks its v1 internode kernels are instantiated for on DeepEP main (csrc/kernels/legacy/launch.cuh)."""
+
+HYBRID_EP_BUILD_INTERNODE_NODES = (2, 4, 8, 16, 18, 20)
+"""The same on a build of the hybrid-ep branch (csrc/kernels/launch.cuh at 94a9f8f6): other node counts fail
+at the first dispatch ("Unsupported RDMA ranks")."""
 
 
 def resolve_api(api: str, implementation: str, device_type: str | None) -> str:
@@ -66,8 +70,9 @@ def resolve_api(api: str, implementation: str, device_type: str | None) -> str:
 
 
 def _check_library_rank_count(ep: int) -> None:
-    """ConfigError unless the installed deep_ep's v1 ``Buffer`` has kernel configs for ``ep`` ranks:
-    its own table decides (the hybrid-ep branch's lacks 48 and 96, which DeepEP main has)."""
+    """ConfigError unless the installed deep_ep's v1 ``Buffer`` runs on ``ep`` ranks: its kernel config table
+    (the hybrid-ep branch's lacks 48 and 96, which DeepEP main has), and across nodes the node counts its
+    internode kernels are built for, which differ per build."""
     buffer_class = import_library().Buffer
     try:
         buffer_class.get_dispatch_config(ep)
@@ -77,6 +82,15 @@ def _check_library_rank_count(ep: int) -> None:
             f"parallelism.expert_parallel_degree = {ep}: the installed deep_ep's v1 Buffer has no kernel config "
             f"for it ({e}): pick another EP degree, or install DeepEP main and set deepep.api = 'elastic'"
         ) from None
+    hybrid_ep_build = library_has("HybridEPBuffer")
+    nodes = HYBRID_EP_BUILD_INTERNODE_NODES if hybrid_ep_build else INTERNODE_NODES
+    if ep > 8 and ep // 8 not in nodes:
+        build = "a build of the hybrid-ep branch" if hybrid_ep_build else "DeepEP main"
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree = {ep}: the installed deep_ep ({build}) has v1 internode kernels "
+            f"for {', '.join(map(str, nodes))} nodes of 8 ranks, not {ep // 8}: pick one of those"
+            + (", or install DeepEP main and set deepep.api = 'elastic'" if hybrid_ep_build else "")
+        )
 
 
 def hidden_bytes(hidden_dim: int, element_size: int) -> int:

@@ -22,6 +22,7 @@ from the config and created at the first dispatch.
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from functools import partial
 from typing import Literal
 
@@ -101,6 +102,28 @@ class _HybridEPDispatchState:
     handle: DispatchHandle
     row_probs: torch.Tensor | None
     """Probs of the rows, when they multiply the expert outputs."""
+
+
+def _check_kernel_compiler() -> None:
+    """HybridEP compiles its kernels at the first dispatch, on every rank (hybrid-ep branch,
+    csrc/hybrid_ep/jit/compiler.cu): with ``$CUDA_HOME/bin/nvcc``, into
+    ``<HYBRID_EP_CACHE_DIR, else $HOME, else /tmp>/.deepep/hybrid_ep/jit``. Both are checked before any
+    process starts, instead of failing there."""
+    nvcc = Path(os.environ.get("CUDA_HOME", "")) / "bin" / "nvcc"
+    if not os.environ.get("CUDA_HOME") or not os.access(nvcc, os.X_OK):
+        raise ConfigError(
+            f"HybridEP compiles its kernels at the first dispatch with $CUDA_HOME/bin/nvcc, and {nvcc} is not an "
+            f"executable (CUDA_HOME={os.environ.get('CUDA_HOME', 'unset')!r}): set CUDA_HOME to the CUDA toolkit "
+            "deep_ep was built with"
+        )
+    base = Path(os.environ.get("HYBRID_EP_CACHE_DIR") or os.environ.get("HOME") or "/tmp")
+    cache = base / ".deepep" / "hybrid_ep" / "jit"
+    existing = next((folder for folder in (cache, *cache.parents) if folder.exists()), None)
+    if existing is None or not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"HybridEP writes its compiled kernels under {cache}, and {existing or base} is not writable: set "
+            "HYBRID_EP_CACHE_DIR to a writable folder"
+        )
 
 
 class HybridEPExpertParallel(RoutedExpertParallel):
@@ -222,6 +245,8 @@ class HybridEPExpertParallel(RoutedExpertParallel):
         check_kernels("hybridep", section.implementation, device_type, "HybridEPBuffer")
         if uses_library(section.implementation, device_type):
             cls._check_library_limits(job_config, shape)
+            if device_type is not None:  # this machine runs the job: its compiler is the one used
+                _check_kernel_compiler()
 
     @staticmethod
     def _check_library_limits(job_config, shape: MoEShape) -> None:

@@ -20,6 +20,7 @@ from torchtitan_ext import runtime
 from torchtitan_ext.balancing import routing_stats
 from torchtitan_ext.balancing.migration import ExpertMigration
 from torchtitan_ext.config import comm_backend, moe_layer_ids
+from torchtitan_ext.ep.base import destroy_kernel_buffers
 from torchtitan_ext.runtime.collectives import CollectiveFailed, name_other_collective
 from torchtitan_ext.training import checkpoints, faults
 
@@ -211,11 +212,15 @@ def run(job_config) -> int:
     finally:
         if trainer is not None:
             trainer.close()
-    if failure is not None:
+    if isinstance(failure, CollectiveFailed):
+        # a peer is lost: destroying the kernel buffers (a collective) or a barrier would wait for it; the
+        # buffers' destructors skip theirs (explicitly_destroy), so the process exits as it is
         return 1
     if torch.distributed.is_initialized():
-        # every rank is done with its collectives before any tears the group down
+        # the ranks agreed on how this run ended: each destroys its kernel buffers (collectives over the
+        # EP group's communicator) and, once all are done, the process group
+        destroy_kernel_buffers()
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
         logger.info("Process group destroyed")
-    return 0
+    return 0 if failure is None else 1

@@ -50,7 +50,7 @@ MANIFEST = {
         "prefer_overlap_with_compute=True, sl_idx=3, num_allocated_qps=0, num_cpu_timeout_secs=300, "
         "num_gpu_timeout_secs=100, explicitly_destroy=False)", None, *DEEPEP_MAIN, ELASTIC + ":228"),
     "ElasticBuffer.get_theoretical_num_sms": (
-        "(num_experts, num_topk, num_scaleout_topk=0, rdma_gbs=0, nvlink_gbs=0, sm_read_gbs=200, sm_write_gbs=50)",
+        "(self, num_experts, num_topk, num_scaleout_topk=0, rdma_gbs=0, nvlink_gbs=0, sm_read_gbs=200, sm_write_gbs=50)",
         None, *DEEPEP_MAIN, ELASTIC + ":729"),
     "ElasticBuffer.dispatch": (
         "(self, x, topk_idx=None, topk_weights=None, cumulative_local_expert_recv_stats=None, num_experts=None, "

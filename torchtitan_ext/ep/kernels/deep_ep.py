@@ -12,8 +12,11 @@ built (the tests marked ``deep_ep``, scripts/check_cluster.sh) runs the real ker
 """
 
 import os
+import time
 
 import torch
+import torch.distributed as dist
+from torchtitan.tools.logging import logger
 
 
 def deepep_buffer_bytes(group_size: int, hidden_bytes: int, num_sms: int | None) -> tuple[int, int]:
@@ -30,10 +33,11 @@ def deepep_buffer_bytes(group_size: int, hidden_bytes: int, num_sms: int | None)
 
 
 def deepep_buffer(group, hidden_bytes: int, num_sms: int | None):
-    """A DeepEP v1 normal-mode buffer sized by the library's own hints."""
+    """A DeepEP v1 normal-mode buffer sized by the library's own hints, destroyed explicitly
+    (:func:`torchtitan_ext.ep.base.destroy_kernel_buffers`)."""
     from deep_ep import Buffer
 
-    return Buffer(group, *deepep_buffer_bytes(group.size(), hidden_bytes, num_sms))
+    return Buffer(group, *deepep_buffer_bytes(group.size(), hidden_bytes, num_sms), explicitly_destroy=True)
 
 
 def elastic_buffer(group, shape):
@@ -44,12 +48,16 @@ def elastic_buffer(group, shape):
     """
     from deep_ep import ElasticBuffer
 
+    # the buffer borrows the EP group's NCCL communicator (backend._comm_ptr()), which torch creates at the
+    # group's first collective: a group that has not communicated yet would hand over a null pointer
+    dist.barrier(group=group)
     return ElasticBuffer(
         group,
         num_max_tokens_per_rank=shape.max_tokens_per_rank,
         hidden=shape.hidden_dim,
         num_topk=shape.top_k,
         deterministic=torch.are_deterministic_algorithms_enabled(),
+        explicitly_destroy=True,
     )
 
 
@@ -69,6 +77,7 @@ class LibraryHybridEPBuffer:
         os.environ.update(environment)
         self.group = group
         self.num_local_experts = num_local_experts
+        self.compiled = False
         self.library = HybridEPBuffer(
             group=group,
             hidden_dim=hidden_dim,
@@ -82,13 +91,25 @@ class LibraryHybridEPBuffer:
     def dispatch_with_permute(self, *, hidden, routing_map=None, probs=None,
                               num_of_experts_per_rank=None, num_permuted_tokens=None,
                               pad_multiple=None, non_blocking=False, handle=None):
-        """The library's call, unchanged: its handle is the library's 11-tuple."""
-        return self.library.dispatch_with_permute(
+        """The library's call, unchanged: its handle is the library's 11-tuple. The first one compiles the
+        kernels (nvcc, on every rank, into a per-process cache: the pinned branch cannot reuse another
+        process's), and says how long that took."""
+        began = time.perf_counter()
+        result = self.library.dispatch_with_permute(
             hidden=hidden, routing_map=routing_map, probs=probs,
             num_of_experts_per_rank=num_of_experts_per_rank,
             num_permuted_tokens=num_permuted_tokens, pad_multiple=pad_multiple,
             non_blocking=non_blocking, handle=handle,
         )
+        if not self.compiled:
+            self.compiled = True
+            logger.info(f"HybridEP's first dispatch, with its kernels compiled on this rank: {time.perf_counter() - began:.1f} s")
+        return result
+
+    def destroy(self) -> None:
+        """HybridEPBuffer has no destroy: its destructor frees its memory locally (no barrier); dropping it here
+        releases it before the process group it holds goes."""
+        self.library = None
 
     def kept_pairs_per_expert(self, handle: tuple) -> torch.Tensor:
         """[L] (token, local expert) pairs the dispatch kept on this rank (int64, on the device).

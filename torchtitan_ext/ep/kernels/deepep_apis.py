@@ -21,6 +21,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
+from torchtitan.tools.logging import logger
+
+FALLBACK_SMS = 20
+"""SMs for V2's dispatch and combine when the library cannot estimate them (torchtitan's choice)."""
 
 
 @contextmanager
@@ -44,6 +48,9 @@ class LegacyAPI:
     def __init__(self, buffer, num_sms: int | None = None):
         self.buffer = buffer
         self.group = buffer.group
+
+    def destroy(self) -> None:
+        _destroy(self.buffer)
 
     def dispatch(self, x, topk_idx, topk_weights, num_experts):
         """(recv_x, recv local expert ids (-1: not here), recv weights, per-expert counts (a host list), handle)."""
@@ -79,11 +86,30 @@ class ElasticAPI:
     def __init__(self, buffer, num_sms: int | None = None):
         self.buffer = buffer
         self.group = buffer.group
-        self.num_sms = num_sms or 0
-        """0: the library's theoretical SM count."""
+        self.num_sms = num_sms or None
+        """SMs of dispatch and combine; unset: the library's theoretical count, taken at the first dispatch
+        (:meth:`_sms_for`)."""
+
+    def destroy(self) -> None:
+        _destroy(self.buffer)
+
+    def _sms_for(self, num_experts: int, num_topk: int) -> int:
+        """The library's theoretical SM count, once. It divides by the RDMA and NVLink bandwidths it reads
+        from ibstat and nvidia-smi, which report 0 where they cannot tell (elastic.py:809: a
+        ZeroDivisionError at the first multi-node dispatch): then 20 SMs, said once, as torchtitan does."""
+        try:
+            return self.buffer.get_theoretical_num_sms(num_experts, num_topk)
+        except ZeroDivisionError:
+            logger.warning(
+                f"DeepEP could not estimate its SM count ({FALLBACK_SMS} used): it read 0 GB/s for RDMA or "
+                "NVLink from ibstat / nvidia-smi; set deepep.num_sms to choose"
+            )
+            return FALLBACK_SMS
 
     def dispatch(self, x, topk_idx, topk_weights, num_experts):
         """As :meth:`LegacyAPI.dispatch`; the counts come from the handle."""
+        if self.num_sms is None:
+            self.num_sms = self._sms_for(num_experts, topk_idx.shape[1])
         with _deterministic_mode_accepted():
             recv_x, recv_idx, recv_weights, handle, _ = self.buffer.dispatch(
                 x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
@@ -101,6 +127,12 @@ class ElasticAPI:
     def cached_dispatch(self, x, handle):
         with _deterministic_mode_accepted():
             return self.buffer.dispatch(x, handle=handle, num_sms=handle.num_sms, do_cpu_sync=False)[0]
+
+
+def _destroy(buffer) -> None:
+    """The library's buffers (built with explicitly_destroy) are destroyed; the reference's have nothing to free."""
+    if getattr(buffer, "explicitly_destroy", False):
+        buffer.destroy()
 
 
 APIS: dict[str, Callable] = {"legacy": LegacyAPI, "elastic": ElasticAPI}

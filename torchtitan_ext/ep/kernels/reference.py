@@ -206,6 +206,10 @@ class ReferenceElasticBuffer(_ReferenceDeepEP):
         self.hidden = hidden
         self.num_topk = num_topk
 
+    def get_theoretical_num_sms(self, num_experts: int, num_topk: int) -> int:
+        """The reference runs on no SMs: 0 (the library's count of the same name is an instance method too)."""
+        return 0
+
     def dispatch(
         self,
         x: torch.Tensor,
@@ -379,6 +383,9 @@ class ReferenceHybridEPBuffer:
         out = area[: self.group_size * local.shape[0]]
         dist.all_gather_single(out, local.contiguous(), group=self.group)
         return out
+
+    def destroy(self) -> None:
+        """Nothing to release: the reference's buffer is plain tensors (the library's is freed on deletion)."""
 
     def dispatch_with_permute(
         self,

@@ -3,8 +3,9 @@
 Never importable by the product: only tests put ``tests/ep/deep_ep_double`` on
 ``sys.path``. It follows the pinned library sources (tests/ep/deep_ep_double/
 manifest.py names each signature and the commit it was read at) in what the
-adapters can observe, and computes on top of torchtitan_ext's reference
-kernels:
+adapters can observe, and computes with arithmetic of its own
+(``_kernels.py``, written from the library's semantics and sharing no code with
+torchtitan_ext's reference kernels, which the tests compare against it):
 
 - signatures: keyword names, defaults, keyword-only markers, return arity;
 - ``DEEP_EP_DOUBLE_BUILD``: "main" (DeepEP v2.1.0: ``Buffer`` and
@@ -24,6 +25,16 @@ kernels:
   rows past the padded total;
 - asserts the adapters can trip: supported rank counts, even SM counts,
   deterministic mode, layout limits, ``num_permuted_tokens`` rules;
+- lifetimes: ``Buffer`` and ``ElasticBuffer`` have ``destroy()`` (with
+  ``explicitly_destroy``); destroying the process group while one is alive fails;
+- the borrowed communicator: ``ElasticBuffer`` on a group that has run no
+  collective gets a null NCCL communicator and fails;
+- the SM estimate: ``ElasticBuffer.get_theoretical_num_sms`` (an instance
+  method) divides by the bandwidths it detects, 0 with
+  ``DEEP_EP_DOUBLE_DETECTED_GBPS=0`` across scale-out ranks
+  (``DEEP_EP_DOUBLE_RANKS_PER_NODE``): ZeroDivisionError, as the library;
+- first-use compilation: HybridEP needs ``$CUDA_HOME/bin/nvcc`` and a writable
+  JIT cache folder at its first dispatch;
 - library syncs: each call that makes the host wait (v1 and V2 dispatch with
   the CPU sync, blocking HybridEP) reports one through
   :data:`_double.LISTENERS`, and the adapters' own code is told apart from the
@@ -36,7 +47,7 @@ from deep_ep import _double
 
 _double.check_import()
 
-from deep_ep._buffers import Buffer, Config, EventHandle, EventOverlap, topk_idx_t  # noqa: E402
+from deep_ep._buffers import Buffer, Config, EventHandle, EventOverlap, topk_idx_t  # noqa: E402,F401
 
 __version__ = "2.1.0" if _double.BUILD == "main" else "1.2.1+hybrid-ep"
 

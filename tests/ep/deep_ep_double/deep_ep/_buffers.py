@@ -1,17 +1,30 @@
 """``Buffer`` (v1 API, deep_ep/buffers/legacy.py) and ``ElasticBuffer`` (V2, deep_ep/buffers/elastic.py)
-of DeepEP main at dd758caf, on top of torchtitan_ext's reference kernels; ``Buffer``'s constructor is
-the one of the build DEEP_EP_DOUBLE_BUILD names."""
+of DeepEP main at dd758caf, computing with the double's own arithmetic (:mod:`deep_ep._kernels`);
+``Buffer``'s constructor is the one of the build DEEP_EP_DOUBLE_BUILD names.
 
+Both are created with ``explicitly_destroy`` by a careful caller: the library's ``destroy()`` is a
+barrier and NCCL/NVSHMEM finalization over the group's communicator, and without the flag the C++
+destructor runs it whenever the object goes. The double keeps every live buffer and fails a
+``torch.distributed.destroy_process_group`` that would leave one of them behind (see :mod:`deep_ep._double`).
+"""
+
+import os
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from deep_ep._double import BUILD, check_torch_deterministic, library_call, record_creation, runtime_assert
-from torchtitan_ext.ep.kernels.reference import ReferenceBuffer, ReferenceElasticBuffer
+from deep_ep import _kernels
+from deep_ep._double import (
+    BUILD, check_torch_deterministic, communicated, library_call, record_creation, register_live, runtime_assert,
+)
 
 topk_idx_t = torch.int64
 """deep_ep.topk_idx_t (EP_NUM_TOPK_IDX_BITS = 64 by default)."""
+
+_RDMA_NODES = {"main": (2, 3, 4, 6, 8, 12, 16, 18, 20), "hybrid-ep": (2, 4, 8, 16, 18, 20)}[BUILD]
+"""Nodes of 8 ranks the v1 internode kernels are instantiated for: main's csrc/kernels/legacy/launch.cuh:66-89,
+the hybrid-ep branch's csrc/kernels/launch.cuh:85-94 (SWITCH_RDMA_RANKS)."""
 
 _DISPATCH_RANKS = {
     "main": (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160),
@@ -86,7 +99,21 @@ class _LegacyHandle(tuple):
     """The intranode handle: a 6-tuple (rank_prefix_matrix, channel_prefix_matrix,
     recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head)."""
 
-    reference = None
+    layout = None
+
+
+def per_expert_count(num_tokens_per_expert: torch.Tensor) -> int:
+    """The expert count, as the library reads it from ``num_tokens_per_expert``'s size."""
+    return num_tokens_per_expert.numel()
+
+
+def _combined(combined: torch.Tensor, weights, asynchronous: bool):
+    """(combined, weights, event). Asynchronous: the output holds NaN until the event is waited on, so an
+    adapter that reads it before then sees it (the library: whatever was in memory)."""
+    if not asynchronous:
+        return combined, weights, EventOverlap(None)
+    landed = torch.full_like(combined, float("nan"))
+    return landed, weights, EventOverlap(EventHandle(lambda: landed.copy_(combined)))
 
 
 def _check_topk(topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor]) -> None:
@@ -146,7 +173,14 @@ class Buffer:
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
-        self._reference = ReferenceBuffer(group, num_nvl_bytes, num_rdma_bytes)
+        self.destroyed = False
+        register_live(self)
+
+    def destroy(self) -> None:
+        """legacy.py:138-147: asserts the flag; the runtime's destroy is a barrier and NVSHMEM finalization."""
+        assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
+        dist.barrier(group=self.group)
+        self.destroyed = True
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
@@ -169,8 +203,14 @@ class Buffer:
         _check_topk(topk_idx, None)
         runtime_assert(num_experts > 0, "num_experts > 0")
         with library_call():
-            per_rank, per_rdma_rank, per_expert, in_rank, _ = self._reference.get_dispatch_layout(topk_idx, num_experts)
-        return per_rank, per_rdma_rank, per_expert, in_rank, EventOverlap(EventHandle() if async_finish else None)
+            local = num_experts // self.group_size
+            valid = topk_idx >= 0
+            owner = torch.where(valid, topk_idx // local, -1)
+            in_rank = torch.stack([(owner == rank).any(dim=1) for rank in range(self.group_size)], dim=1)
+            per_rank = in_rank.sum(dim=0).to(torch.int32)
+            per_expert = torch.bincount(topk_idx[valid], minlength=num_experts).to(torch.int32)
+        # num_tokens_per_rdma_rank: None within one node (the intranode kernels)
+        return per_rank, None, per_expert, in_rank, EventOverlap(EventHandle() if async_finish else None)
 
     def dispatch(self, x, handle: Optional[tuple] = None,
                  num_tokens_per_rank: Optional[torch.Tensor] = None,
@@ -185,21 +225,22 @@ class Buffer:
         _check_tokens(x)
         runtime_assert((x.shape[1] * x.element_size()) % 16 == 0, "hidden bytes % 16 == 0")
         event = EventOverlap(EventHandle() if async_finish else None)
+        if self.group_size > 8:
+            runtime_assert(self.group_size // 8 in _RDMA_NODES, 'false and "Unsupported RDMA ranks"')
         if handle is not None:
             assert topk_idx is None and topk_weights is None
             with library_call():
-                recv_x = self._reference.dispatch(x, handle=handle.reference)[0]
+                recv_x = _kernels.deepep_cached_dispatch(x, handle.layout, self.group)
             return recv_x, None, None, None, None, event
         assert num_tokens_per_rank is not None and is_token_in_rank is not None and num_tokens_per_expert is not None
         runtime_assert((topk_idx is None) == (topk_weights is None), "topk_idx.has_value() == topk_weights.has_value()")
         _check_topk(topk_idx, topk_weights)
         # the exact receive count comes from a CPU busy-wait on mapped host memory
         with library_call(host_syncs=1):
-            recv_x, recv_idx, recv_weights, counts, reference, _ = self._reference.dispatch(
-                x, num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
-                num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
-                expert_alignment=expert_alignment,
+            recv_x, recv_idx, recv_weights, counts, layout = _kernels.deepep_dispatch(
+                x, topk_idx, topk_weights, per_expert_count(num_tokens_per_expert), self.group
             )
+        counts = [_kernels.round_up(count, expert_alignment) for count in counts]
         num_recv, channels = recv_x.shape[0], Buffer.num_sms // 2
         handle = _LegacyHandle((
             torch.zeros(self.group_size, self.group_size, dtype=torch.int32),
@@ -209,8 +250,8 @@ class Buffer:
             is_token_in_rank,
             torch.zeros(x.shape[0], self.group_size, dtype=torch.int32),
         ))
-        handle.reference = reference
-        return recv_x, recv_idx, recv_weights, list(counts), handle, event
+        handle.layout = layout
+        return recv_x, recv_idx, recv_weights, counts, handle, event
 
     def combine(self, x: torch.Tensor, handle: tuple, topk_weights: Optional[torch.Tensor] = None,
                 bias=None, config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
@@ -221,8 +262,11 @@ class Buffer:
         if topk_weights is not None:
             _check_weights(topk_weights)
         with library_call():
-            combined, weights, event = self._reference.combine(x, handle.reference, topk_weights, async_finish)
-        return combined, weights, EventOverlap(EventHandle(event.current_stream_wait) if async_finish else None)
+            combined = _kernels.deepep_combine(x, handle.layout, self.group)
+            weights = None
+            if topk_weights is not None:
+                weights = _kernels.deepep_combine_weights_summed(topk_weights, handle.layout, self.group)
+        return _combined(combined, weights, async_finish)
 
 
 class EPHandle:
@@ -249,7 +293,7 @@ class EPHandle:
         self.dst_buffer_slot_idx = dst_buffer_slot_idx
         self.token_metadata_at_forward = token_metadata_at_forward
         self.channel_linked_list = channel_linked_list
-        self.reference = None
+        self.layout = None
 
 
 class ElasticBuffer:
@@ -266,24 +310,45 @@ class ElasticBuffer:
             runtime_assert(num_max_tokens_per_rank > 0 and hidden > 0, "sizes for calculate_elastic_buffer_size")
             num_bytes = 2 ** 21
         runtime_assert(num_bytes > 0 and num_bytes % 2 ** 21 == 0, "Must be aligned to 2 MB")
-        names = [None] * group.size()
-        dist.all_gather_object(names, ("nccl comm", group.rank()), group=group)
-        dist.barrier(group=group)
+        # comm.py:61-64: the group's NCCL communicator, borrowed (backend._comm_ptr()); torch creates it lazily,
+        # at the group's first collective, and hands over 0 before
+        runtime_assert(communicated(group), "the EP group's NCCL communicator (_comm_ptr) is 0: no collective has "
+                                            "run on the group yet")
         self.group, self.rank_idx, self.num_ranks = group, group.rank(), group.size()
+        # ranks that reach each other over NVLink; DEEP_EP_DOUBLE_RANKS_PER_NODE makes a CPU group "multi-node"
+        per_node = int(os.environ.get("DEEP_EP_DOUBLE_RANKS_PER_NODE", "8"))
+        self.num_scaleout_ranks = max(1, -(-self.num_ranks // per_node))
         self.num_bytes = num_bytes
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
         self.deterministic = deterministic
         self.explicitly_destroy = explicitly_destroy
-        self._reference = ReferenceElasticBuffer(
-            group, num_max_tokens_per_rank=num_max_tokens_per_rank, hidden=hidden, num_topk=num_topk,
-        )
+        self.destroyed = False
+        register_live(self)
 
-    @staticmethod
-    def get_theoretical_num_sms(num_experts: int, num_topk: int, num_scaleout_topk: int = 0, rdma_gbs: float = 0,
-                                nvlink_gbs: float = 0, sm_read_gbs: float = 200, sm_write_gbs: float = 50) -> int:
+    def destroy(self) -> None:
+        """elastic.py:369-378: the runtime's destroy is a barrier, then NCCL window deregistration and
+        device-communicator destruction on the borrowed communicator."""
+        assert self.explicitly_destroy
+        dist.barrier(group=self.group)
+        self.destroyed = True
+
+    def get_theoretical_num_sms(self, num_experts: int, num_topk: int, num_scaleout_topk: int = 0,
+                                rdma_gbs: float = 0, nvlink_gbs: float = 0, sm_read_gbs: float = 200,
+                                sm_write_gbs: float = 50) -> int:
+        """elastic.py:728-834, an instance method. The bandwidths come from ibstat and ``nvidia-smi nvlink``
+        (utils/envs.py:192-268), 0 when unreadable: DEEP_EP_DOUBLE_DETECTED_GBPS stands for what they read
+        (default 400), and on more than one scale-out rank a 0 divides by zero at elastic.py:809."""
         num_groups = 4
         assert num_experts % num_groups == 0
-        return max(4, 2 * ((num_topk + 1) // 2))
+        detected = float(os.environ.get("DEEP_EP_DOUBLE_DETECTED_GBPS", "400"))
+        if rdma_gbs == 0 and self.num_scaleout_ranks > 1:
+            rdma_gbs = detected
+        if nvlink_gbs == 0:
+            nvlink_gbs = detected
+        # the traffic model's shape (elastic.py:790-809), not its numbers: the double uses no SMs
+        traffic = float(num_topk)
+        rdma_bound = self.num_scaleout_ranks > 1 and (traffic / rdma_gbs) > (traffic / nvlink_gbs)
+        return max(4, 2 * ((num_topk + 1) // 2)) + (2 if rdma_bound else 0)
 
     def dispatch(self, x, topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
                  cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
@@ -307,7 +372,7 @@ class ElasticBuffer:
             assert topk_idx is None
             assert do_cpu_sync is None or not do_cpu_sync, "Cannot do CPU sync with cached handle"
             with library_call():
-                recv_x = self._reference.dispatch(x, handle=handle.reference)[0]
+                recv_x = _kernels.deepep_cached_dispatch(x, handle.layout, self.group)
             return recv_x, None, None, handle, event
         max_tokens = num_max_tokens_per_rank or self.num_max_tokens_per_rank
         runtime_assert(x.shape[0] <= max_tokens, "num_tokens <= num_max_tokens_per_rank")
@@ -316,12 +381,12 @@ class ElasticBuffer:
         do_cpu_sync = True if do_cpu_sync is None else do_cpu_sync
         runtime_assert(do_cpu_sync and not do_expand, "the double implements compact dispatch with the CPU sync")
         with library_call(host_syncs=1):
-            recv_x, recv_idx, recv_weights, reference, _ = self._reference.dispatch(
-                x, topk_idx=topk_idx, topk_weights=topk_weights,
-                cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats, num_experts=num_experts,
-                num_max_tokens_per_rank=max_tokens, expert_alignment=expert_alignment or 1,
+            recv_x, recv_idx, recv_weights, counts, layout = _kernels.deepep_dispatch(
+                x, topk_idx, topk_weights, num_experts, self.group
             )
-        counts = list(reference.num_recv_tokens_per_expert_list)
+        if cumulative_local_expert_recv_stats is not None:
+            cumulative_local_expert_recv_stats += torch.tensor(counts, dtype=cumulative_local_expert_recv_stats.dtype)
+        counts = [_kernels.round_up(count, expert_alignment or 1) for count in counts]
         handle = EPHandle(
             do_expand, num_experts, expert_alignment or 1, max_tokens, num_sms,
             topk_idx.clone() if do_handle_copy else topk_idx, recv_x.shape[0], sum(counts), counts,
@@ -329,7 +394,7 @@ class ElasticBuffer:
             torch.tensor(counts, dtype=torch.int32), torch.zeros(recv_x.shape[0], num_topk + 2, dtype=torch.int32),
             None, None, None,
         )
-        handle.reference = reference
+        handle.layout = layout
         return recv_x, recv_idx, recv_weights, handle, event
 
     def combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: Optional[torch.Tensor] = None,
@@ -343,7 +408,8 @@ class ElasticBuffer:
         if topk_weights is not None:
             _check_weights(topk_weights)
         with library_call():
-            combined, weights, event = self._reference.combine(
-                x, handle.reference, topk_weights, async_with_compute_stream=async_with_compute_stream
-            )
-        return combined, weights, EventOverlap(EventHandle(event.current_stream_wait) if async_with_compute_stream else None)
+            combined = _kernels.deepep_combine(x, handle.layout, self.group)
+            weights = None
+            if topk_weights is not None:
+                weights = _kernels.deepep_combine_weights_from_owner(topk_weights, handle.layout, self.group)
+        return _combined(combined, weights, async_with_compute_stream)

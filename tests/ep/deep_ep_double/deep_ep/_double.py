@@ -1,10 +1,15 @@
 """The double's own machinery: which build it is, import failures, host memory, accounting."""
 
+import functools
+import inspect
 import os
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 BUILD = os.environ.get("DEEP_EP_DOUBLE_BUILD", "main")
@@ -101,3 +106,61 @@ class HostTensor(torch.Tensor):
             f"deep_ep double: {name} on a tensor in pinned host memory; copy it to the device first "
             "(.to(device, non_blocking=True))"
         )
+
+
+# ---- buffer lifetimes and the borrowed communicator -------------------------------------------------
+
+
+def _state() -> SimpleNamespace:
+    """What the double tracks about torch.distributed, kept on that module: tests re-import ``deep_ep`` (one
+    per build), and the patches below must be made once and read one state."""
+    state = getattr(dist, "_deep_ep_double", None)
+    if state is None:
+        state = SimpleNamespace(live=weakref.WeakSet(), communicated=set())
+        dist._deep_ep_double = state
+        for name in ("barrier", "all_reduce", "all_gather", "all_gather_object", "all_to_all", "all_to_all_single",
+                     "broadcast", "reduce_scatter_tensor", "all_gather_into_tensor"):
+            setattr(dist, name, _noting_the_group(getattr(dist, name), state))
+        dist.destroy_process_group = _destroy_process_group_after_the_buffers(dist.destroy_process_group, state)
+    return state
+
+
+def register_live(buffer) -> None:
+    """A ``Buffer`` or ``ElasticBuffer`` whose ``destroy()`` (a barrier and finalization over the group's
+    communicator) must run before the process group is destroyed."""
+    _state().live.add(buffer)
+
+
+def communicated(group) -> bool:
+    """Whether ``group`` has run a collective: before, ``backend._comm_ptr()`` is 0 (comm.py:61-64), since torch
+    creates a group's NCCL communicator at its first collective."""
+    return group.group_name in _state().communicated
+
+
+def _noting_the_group(collective, state):
+    signature = inspect.signature(collective)
+
+    @functools.wraps(collective)
+    def noted(*args, **kwargs):
+        group = signature.bind_partial(*args, **kwargs).arguments.get("group")
+        state.communicated.add((group or dist.distributed_c10d._get_default_group()).group_name)
+        return collective(*args, **kwargs)
+
+    return noted
+
+
+def _destroy_process_group_after_the_buffers(destroy, state):
+    @functools.wraps(destroy)
+    def checked(group=None):
+        alive = [type(buffer).__name__ for buffer in state.live if not buffer.destroyed]
+        assert not alive, (
+            f"deep_ep double: the process group is destroyed under live {', '.join(alive)}: their destructor would "
+            "run a barrier and NCCL/NVSHMEM finalization on a communicator already gone (create them with "
+            "explicitly_destroy=True and call destroy() first)"
+        )
+        return destroy(group)
+
+    return checked
+
+
+_state()

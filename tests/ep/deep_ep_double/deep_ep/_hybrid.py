@@ -1,13 +1,20 @@
-"""``HybridEPBuffer`` of DeepEP's hybrid-ep branch at 94a9f8f6 (deep_ep/hybrid_ep_buffer.py), on top of
-torchtitan_ext's reference kernels."""
+"""``HybridEPBuffer`` of DeepEP's hybrid-ep branch at 94a9f8f6 (deep_ep/hybrid_ep_buffer.py), computing with
+the double's own arithmetic (:mod:`deep_ep._kernels`).
 
+Its kernels are compiled on first use (csrc/hybrid_ep/jit/compiler.cu): ``$CUDA_HOME/bin/nvcc`` into
+``<HYBRID_EP_CACHE_DIR, else $HOME, else /tmp>/.deepep/hybrid_ep/jit/proc-<pid>``; the double needs both at
+its first dispatch, as the library does.
+"""
+
+import dataclasses
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from deep_ep import _kernels
 from deep_ep._double import c_assert, HostTensor, library_call, record_creation
-from torchtitan_ext.ep.kernels.reference import ReferenceHybridEPBuffer
 
 TOKENS_PER_CHUNK = 64
 """NUM_OF_TOKENS_PER_CHUNK_DISPATCH_API's default."""
@@ -46,7 +53,17 @@ class _HybridHandle(tuple):
     dense_to_expert_map, tokens_per_expert (raw, clipped when dropping), num_of_tokens_per_rank,
     config, overflow_flag."""
 
-    reference = None
+    layout = None
+
+
+def jit_compile() -> None:
+    """What the first kernel build needs (compiler.cu:20-55, 149-151): nvcc at $CUDA_HOME/bin/nvcc and a
+    writable per-process cache folder."""
+    nvcc = Path(os.environ.get("CUDA_HOME", "") + "/bin/nvcc")
+    if not (nvcc.is_file() and os.access(nvcc, os.X_OK)):
+        raise RuntimeError(f"Failed to compile the code, compile command: {nvcc} ...")
+    base = os.environ.get("HYBRID_EP_CACHE_DIR") or os.environ.get("HOME") or "/tmp"
+    (Path(base) / ".deepep" / "hybrid_ep" / "jit" / f"proc-{os.getpid()}").mkdir(parents=True, exist_ok=True)
 
 
 class HybridEPBuffer:
@@ -75,9 +92,7 @@ class HybridEPBuffer:
         handles = [None] * self.group_size
         dist.all_gather_object(handles, ("ipc handle", self.rank), group=group)
         self.num_local_experts = num_local_experts
-        self._reference = ReferenceHybridEPBuffer(
-            group, hidden_dim, max_num_of_tokens_per_rank, num_local_experts, dtype=torch.bfloat16,
-        )
+        self.compiled = False
 
     def dispatch_with_permute(self, *, hidden: torch.Tensor, topk_idx: torch.Tensor = None,
                               topk_weights: torch.Tensor = None, num_of_experts_per_rank: int = None,
@@ -91,16 +106,24 @@ class HybridEPBuffer:
         remainder = num_tokens % TOKENS_PER_CHUNK
         if remainder and (remainder * self.num_of_hybrid_ep_ranks_per_nvlink_domain * 4) % 16:
             raise RuntimeError("TMA 16B alignment error")
+        if not self.compiled:
+            jit_compile()
+            self.compiled = True
         if handle is not None:
             if num_permuted_tokens is None:  # HandleImpl.num_permuted_tokens is a C++ int64_t
                 raise TypeError("incompatible function arguments: num_permuted_tokens must be an int")
             c_assert(num_permuted_tokens >= 0, "args.num_permuted_tokens >= 0")
+            layout = handle.layout
+            if num_permuted_tokens != layout.num_rows:
+                layout = dataclasses.replace(
+                    layout, num_rows=int(num_permuted_tokens),
+                    row_of=torch.where(layout.row_of < num_permuted_tokens, layout.row_of, -1),
+                    pad_rows=[(first, min(count, num_permuted_tokens - first))
+                              for first, count in layout.pad_rows if first < num_permuted_tokens],
+                )
             with library_call():
-                tokens = self._reference.dispatch_with_permute(
-                    hidden=self._as_read(hidden), handle=handle.reference,
-                    num_permuted_tokens=int(num_permuted_tokens), pad_multiple=pad_multiple,
-                )[0]
-            return tokens.to(hidden.dtype), None, None, None, handle
+                tokens, _ = _kernels.hybrid_permute(self._as_read(hidden), layout, self.group)
+            return self._as_written(tokens, hidden.dtype), None, None, None, handle
         if routing_map is not None:
             assert routing_map.dtype == torch.bool
         if non_blocking:
@@ -109,13 +132,16 @@ class HybridEPBuffer:
                 assert num_permuted_tokens % pad_multiple == 0
         assert hidden.shape[0] == routing_map.shape[0]
         with library_call(host_syncs=0 if non_blocking else 1):  # blocking: cudaStreamSynchronize for the sizes
-            tokens, out_probs, _, tokens_per_expert, reference = self._reference.dispatch_with_permute(
-                hidden=self._as_read(hidden), routing_map=routing_map, probs=probs,
-                num_of_experts_per_rank=num_of_experts_per_rank, num_permuted_tokens=num_permuted_tokens,
-                pad_multiple=pad_multiple, non_blocking=non_blocking,
+            layout = _kernels.hybrid_layout(
+                routing_map, num_of_experts_per_rank, num_permuted_tokens if non_blocking else None, pad_multiple,
+                self.group,
             )
-        kept = (reference.pair_rows < reference.num_permuted_tokens).sum(0).to(torch.int32)
-        flag = reference.overflow_flag.view(1) if non_blocking else torch.full((1,), UNINITIALISED_FLAG, dtype=torch.int32)
+            tokens, out_probs = _kernels.hybrid_permute(
+                self._as_read(hidden), layout, self.group, probs, num_of_experts_per_rank
+            )
+        tokens_per_expert = layout.tokens_per_expert
+        flag = (torch.tensor([int(layout.dropped)], dtype=torch.int32) if non_blocking
+                else torch.full((1,), UNINITIALISED_FLAG, dtype=torch.int32))
         dispatched = torch.tensor([tokens.shape[0]], dtype=torch.int32)
         handle = _HybridHandle((
             torch.zeros(num_tokens, self.num_of_hybrid_ep_ranks_per_nvlink_domain, dtype=torch.int32),
@@ -124,13 +150,13 @@ class HybridEPBuffer:
             dispatched if non_blocking else HostTensor.wrap(dispatched),
             torch.full((num_tokens * self.group_size, self.num_local_experts), UNINITIALISED_MAP),
             torch.zeros(1, dtype=torch.int32),
-            torch.where(reference.local_routing_map, reference.pair_rows, -1).to(torch.int32),
-            kept,
+            layout.row_of.to(torch.int32),
+            layout.kept,
             num_tokens,
             "HybridEpConfigInstance",
             flag,
         ))
-        handle.reference = reference
+        handle.layout = layout
         if not non_blocking:
             tokens_per_expert = HostTensor.wrap(tokens_per_expert)  # pinned host memory in blocking mode
         return self._as_written(tokens, hidden.dtype), out_probs, None, tokens_per_expert, handle
@@ -143,7 +169,7 @@ class HybridEPBuffer:
         _check_inputs(hidden, probs)  # hybrid_ep.cu:348-356
         c_assert(hidden.dtype == torch.bfloat16, "args.permuted_tokens.dtype() == torch::kBFloat16")
         with library_call():
-            return self._reference.combine_with_unpermute(hidden=hidden, probs=probs, handle=handle.reference)
+            return _kernels.hybrid_unpermute(hidden, handle.layout, self.group, probs)
 
     @staticmethod
     def _as_read(hidden: torch.Tensor) -> torch.Tensor:
