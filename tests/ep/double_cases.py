@@ -235,15 +235,26 @@ def unmeasurable_bandwidth_worker(rank: int, ep: int, case: Case) -> dict:
     return {"num_sms": sms, "warnings": sum("could not estimate its SM count" in w for w in warnings)}
 
 
-def fresh_group_worker(rank: int, ep: int) -> bool:
-    """An ElasticBuffer through the adapter on a process group that has run no collective yet."""
+def fresh_group_worker(rank: int, ep: int) -> dict:
+    """An ElasticBuffer through the adapter on a process group that has run no collective yet: whether it
+    was destroyed, and the adapter's log lines."""
+    import logging
+
     import torch.distributed as dist
 
     use_double("main")
     from torchtitan_ext.config import MoEShape
     from torchtitan_ext.ep.kernels.deep_ep import elastic_buffer
 
-    group = dist.new_group(ranks=list(range(ep)))
-    buffer = elastic_buffer(group, MoEShape(hidden_dim=32, num_experts=8, top_k=2, max_tokens_per_rank=64))
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger().addHandler(handler)
+    logging.getLogger().setLevel(logging.INFO)
+    try:
+        group = dist.new_group(ranks=list(range(ep)))
+        buffer = elastic_buffer(group, MoEShape(hidden_dim=32, num_experts=8, top_k=2, max_tokens_per_rank=64))
+    finally:
+        logging.getLogger().removeHandler(handler)
     buffer.destroy()
-    return buffer.destroyed
+    return {"destroyed": buffer.destroyed, "log": lines}

@@ -47,6 +47,20 @@ def double_modules(request, installed_build):
     return importlib.import_module("deep_ep._buffers"), importlib.import_module("deep_ep._hybrid")
 
 
+def test_double_computes_without_the_project():
+    """The double used to compute with torchtitan_ext's ReferenceBuffer, so "bit for bit equal to the
+    reference" compared the reference with itself. It imports nothing from the project now."""
+    import ast
+
+    sources = sorted(DOUBLE_DIR.rglob("*.py"))
+    assert len(sources) >= 5, sources
+    for source in sources:
+        for node in ast.walk(ast.parse(source.read_text())):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(name.split(".")[0] in ("torchtitan_ext", "tests") for name in names), (source, names)
+
+
 def test_double_has_the_manifests_signatures(double_modules):
     buffers, hybrid = double_modules
     manifest = MANIFEST | (HYBRID_EP_BUILD if buffers.BUILD == "hybrid-ep" else {})
@@ -325,26 +339,35 @@ def test_an_unmeasurable_bandwidth_falls_back_to_20_sms():
 
 def test_the_elastic_buffer_is_built_on_a_group_that_has_communicated():
     """ElasticBuffer borrows the group's NCCL communicator, which torch creates at the group's first
-    collective: on a group that never communicated, the pointer is 0. The adapter runs a barrier first."""
-    assert run_distributed(EP, fresh_group_worker) == [True] * EP
+    collective: on a group that never communicated, the pointer is 0. The adapter runs a barrier first.
+    Its size, which only the live communicator gives (the planner says n/a), is in the log: the double's
+    default is the library's 2 MB alignment unit."""
+    for result in run_distributed(EP, fresh_group_worker):
+        assert result["destroyed"], result
+        assert "DeepEP ElasticBuffer: 2 MiB per rank, sized by the library for 64 tokens per rank over 2 ranks" in (
+            result["log"]), result
 
 
-@pytest.mark.parametrize("cuda_home, message", [
+@pytest.mark.parametrize("setup, message", [
     (None, "HybridEP compiles its kernels at the first dispatch with $CUDA_HOME/bin/nvcc"),
     ("empty", "bin/nvcc is not an executable"),
     ("stand_in", None),
+    ("cache_in_a_file", "is not a writable folder: set HYBRID_EP_CACHE_DIR to a writable folder"),
 ])
-def test_hybridep_checks_its_kernel_compiler_before_the_job(monkeypatch, installed_build, tmp_path, cuda_home, message):
+def test_hybridep_checks_its_kernel_compiler_before_the_job(monkeypatch, installed_build, tmp_path, setup, message):
     """HybridEP compiles its kernels with $CUDA_HOME/bin/nvcc at the first dispatch, on every rank; nothing
     checked CUDA_HOME before. Now the job's validation (the launcher's pre-flight) does."""
     from tests.ep.double_cases import stand_in_cuda_home
 
     installed_build("hybrid-ep")
-    monkeypatch.setenv("HOME", str(tmp_path))
-    if cuda_home is None:
+    monkeypatch.setenv("HYBRID_EP_CACHE_DIR", str(tmp_path))
+    if setup == "cache_in_a_file":
+        (tmp_path / "a_file").write_text("")
+        monkeypatch.setenv("HYBRID_EP_CACHE_DIR", str(tmp_path / "a_file"))
+    if setup is None:
         monkeypatch.delenv("CUDA_HOME", raising=False)
     else:
-        monkeypatch.setenv("CUDA_HOME", str(tmp_path if cuda_home == "empty" else stand_in_cuda_home()))
+        monkeypatch.setenv("CUDA_HOME", str(tmp_path if setup == "empty" else stand_in_cuda_home()))
     if message is None:
         _library_job(monkeypatch, "hybridep")
         return

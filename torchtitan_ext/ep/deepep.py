@@ -232,8 +232,8 @@ class DeepEPExpertParallel(RoutedExpertParallel):
         section = job_config.deepep
         if resolve_api(section.api, section.implementation, None) == "elastic":
             return None, (
-                "ElasticBuffer sizes itself from the NCCL communicator (get_buffer_size_hint needs the live group); "
-                "the reference allocates none"
+                "ElasticBuffer sizes itself from the NCCL communicator (get_buffer_size_hint needs the live group): "
+                "the job logs its size at the first dispatch; the reference allocates none"
             )
         from torchtitan_ext.ep.kernels.deep_ep import deepep_buffer_bytes
 

@@ -51,7 +51,7 @@ def elastic_buffer(group, shape):
     # the buffer borrows the EP group's NCCL communicator (backend._comm_ptr()), which torch creates at the
     # group's first collective: a group that has not communicated yet would hand over a null pointer
     dist.barrier(group=group)
-    return ElasticBuffer(
+    buffer = ElasticBuffer(
         group,
         num_max_tokens_per_rank=shape.max_tokens_per_rank,
         hidden=shape.hidden_dim,
@@ -59,6 +59,12 @@ def elastic_buffer(group, shape):
         deterministic=torch.are_deterministic_algorithms_enabled(),
         explicitly_destroy=True,
     )
+    # the library sizes it from the live communicator, so the planner cannot: the log is where a user sees it
+    logger.info(
+        f"DeepEP ElasticBuffer: {buffer.num_bytes / 2**20:,.0f} MiB per rank, sized by the library for "
+        f"{shape.max_tokens_per_rank} tokens per rank over {group.size()} ranks"
+    )
+    return buffer
 
 
 class LibraryHybridEPBuffer:

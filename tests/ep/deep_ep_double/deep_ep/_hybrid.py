@@ -8,6 +8,7 @@ its first dispatch, as the library does.
 
 import dataclasses
 import os
+import pwd
 from pathlib import Path
 
 import torch
@@ -62,7 +63,11 @@ def jit_compile() -> None:
     nvcc = Path(os.environ.get("CUDA_HOME", "") + "/bin/nvcc")
     if not (nvcc.is_file() and os.access(nvcc, os.X_OK)):
         raise RuntimeError(f"Failed to compile the code, compile command: {nvcc} ...")
-    base = os.environ.get("HYBRID_EP_CACHE_DIR") or os.environ.get("HOME") or "/tmp"
+    try:
+        home = pwd.getpwuid(os.getuid()).pw_dir
+    except KeyError:
+        home = ""
+    base = os.environ.get("HYBRID_EP_CACHE_DIR") or home or "/tmp"
     (Path(base) / ".deepep" / "hybrid_ep" / "jit" / f"proc-{os.getpid()}").mkdir(parents=True, exist_ok=True)
 
 
