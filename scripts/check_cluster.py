@@ -2,8 +2,12 @@
 
     ./scripts/check_cluster.sh [--report outputs/cluster_check.md] [--steps 10] [--skip-training]
 
-On a machine without CUDA it says so in one line and exits 0. On CUDA it runs,
-and writes into one markdown report:
+On any machine it first prints what deep_ep needs there (the CUDA toolkit
+for the kernels compiled at first use, NCCL >= 2.30.4 for V2, NVSHMEM, writable
+kernel caches, the multi-node HybridEP prerequisites, pynvml, whether deep_ep
+imports): one line each, "ok", "missing" with the fix, or "not checkable here".
+Without CUDA it stops there (exit 0) and says what only a GPU node can tell. On
+CUDA it then runs, and writes into one markdown report with those lines:
 
 1. versions: torch, CUDA, NCCL, GPUs, deep_ep (its version and which of
    ``Buffer``, ``ElasticBuffer``, ``HybridEPBuffer`` it has, or why it cannot
@@ -117,13 +121,20 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    if not torch.cuda.is_available():
-        print("check_cluster: no CUDA device on this machine: nothing to check here (the CPU suite is ./test.sh)")
+    from torchtitan_ext.ep.kernels.prerequisites import machine_checks
+
+    cuda = torch.cuda.is_available()
+    checks = [f"- {check.requirement}: {check.status}: {check.detail}" for check in machine_checks(cuda)]
+    print("check_cluster: what deep_ep needs on this machine", *checks, sep="\n")
+    if not cuda:
+        print("check_cluster: no CUDA device on this machine: the kernels, benchmarks and training are not checked "
+              "(the CPU suite is ./test.sh)")
         return 0
     gpus = min(torch.cuda.device_count(), 8)
     version_lines, classes = versions()
     sections = [
         f"# Cluster check ({datetime.datetime.now():%Y-%m-%d %H:%M}, {os.uname().nodename})", "",
+        "## Prerequisites", "", *checks, "",
         "## Versions", "", *version_lines, "",
         "## deep_ep conformance (tests/ep/test_deep_ep.py)", "", *tests(), "",
         f"## bench_ep: dispatch + combine, bf16, {gpus} GPUs", "", *bench(classes, gpus), "",

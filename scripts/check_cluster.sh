@@ -4,7 +4,7 @@
 #
 #   ./scripts/check_cluster.sh [--report outputs/cluster_check.md] [--steps 10] [--skip-training]
 #
-# Without CUDA it says so in one line and exits 0.
+# Without CUDA it lists the prerequisites it can check, says what it cannot, and exits 0.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=../env.sh

@@ -1,6 +1,7 @@
 """Smoke tests of the benchmark scripts: they run on one tiny shape (not how fast)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -85,16 +86,27 @@ def test_bench_overlap_runs(tmp_path):
         assert float(overlapped) > 0 and float(landed_first) > 0 and float(ratio) > 0
 
 
-def test_check_cluster_without_cuda_is_one_line():
-    """scripts/check_cluster.sh is the first command on a cluster; without CUDA it says so and exits 0."""
+def test_check_cluster_without_cuda_lists_the_prerequisites_and_what_it_cannot_check():
+    """scripts/check_cluster.sh is the first command on a cluster. Without CUDA it lists what deep_ep needs
+    (one line each, with the fix where something is missing), says what only a GPU node can tell, and exits 0."""
     import torch
 
     if torch.cuda.is_available():
         import pytest
 
         pytest.skip("this machine has CUDA: the check would run for real")
-    result = subprocess.run(["./scripts/check_cluster.sh"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(["./scripts/check_cluster.sh"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "CUDA_HOME": "", "NCCL_DIR": "/nonexistent"})
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip().splitlines() == [
-        "check_cluster: no CUDA device on this machine: nothing to check here (the CPU suite is ./test.sh)"
+    lines = result.stdout.strip().splitlines()
+    assert lines[0] == "check_cluster: what deep_ep needs on this machine"
+    assert lines[-1].startswith("check_cluster: no CUDA device on this machine: the kernels, benchmarks and training")
+    checks = lines[1:-1]
+    assert [line.split(":")[0] for line in checks] == [
+        "- CUDA toolkit (nvcc, for the kernels compiled at first use)", "- NCCL >= 2.30.4 (DeepEP main, V2's Gin backend)",
+        "- NVSHMEM >= 3.3.9 (DeepEP main's build; the v1 API's internode kernels)", "- writable kernel caches",
+        "- multi-node HybridEP build (NIXL or DOCA)", "- pynvml (the hybrid-ep build's v1 Buffer checks NVLink pairs with it)",
+        "- deep_ep importable", "- GPUs, NVLink, RDMA, the NCCL torch actually loads, the kernels",
     ]
+    assert "- NCCL >= 2.30.4 (DeepEP main, V2's Gin backend): missing: NCCL_DIR=/nonexistent has no include/nccl.h" in checks
+    assert checks[-1].endswith(": not checkable here: no CUDA device: run this on a GPU node")

@@ -21,9 +21,7 @@ from the config and created at the first dispatch.
 """
 
 import os
-import pwd
 from dataclasses import dataclass
-from pathlib import Path
 from functools import partial
 from typing import Literal
 
@@ -42,6 +40,7 @@ from torchtitan_ext.ep.base import (
 from torchtitan_ext.ep.handle import DispatchHandle
 from torchtitan_ext.ep.kernels import implementation_description as _implementation_description
 from torchtitan_ext.ep.kernels import resolve_implementation, uses_library
+from torchtitan_ext.ep.kernels.prerequisites import check_hybridep_jit, PrerequisiteMissing
 from torchtitan_ext.ep.layout import round_up
 
 
@@ -103,37 +102,6 @@ class _HybridEPDispatchState:
     handle: DispatchHandle
     row_probs: torch.Tensor | None
     """Probs of the rows, when they multiply the expert outputs."""
-
-
-def _password_home() -> str | None:
-    try:
-        return pwd.getpwuid(os.getuid()).pw_dir or None
-    except KeyError:
-        return None
-
-
-def _check_kernel_compiler() -> None:
-    """HybridEP compiles its kernels at the first dispatch, on every rank (hybrid-ep branch,
-    csrc/hybrid_ep/jit/compiler.cu): with ``$CUDA_HOME/bin/nvcc``, into
-    ``<HYBRID_EP_CACHE_DIR, else the user's home from the password database (not $HOME), else
-    /tmp>/.deepep/hybrid_ep/jit/proc-<pid>``. Both are checked before any process starts, instead of failing
-    there. The folder is per process, so the library's ``load_cached_kernels`` could only find kernels this
-    same process compiled: every job compiles afresh, and the first dispatch logs how long it took."""
-    nvcc = Path(os.environ.get("CUDA_HOME", "")) / "bin" / "nvcc"
-    if not os.environ.get("CUDA_HOME") or not os.access(nvcc, os.X_OK):
-        raise ConfigError(
-            f"HybridEP compiles its kernels at the first dispatch with $CUDA_HOME/bin/nvcc, and {nvcc} is not an "
-            f"executable (CUDA_HOME={os.environ.get('CUDA_HOME', 'unset')!r}): set CUDA_HOME to the CUDA toolkit "
-            "deep_ep was built with"
-        )
-    base = Path(os.environ.get("HYBRID_EP_CACHE_DIR") or _password_home() or "/tmp")
-    cache = base / ".deepep" / "hybrid_ep" / "jit"
-    existing = next((folder for folder in (cache, *cache.parents) if folder.exists()), None)
-    if existing is None or not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(
-            f"HybridEP writes its compiled kernels under {cache}, and {existing or base} is not a writable folder: set "
-            "HYBRID_EP_CACHE_DIR to a writable folder"
-        )
 
 
 class HybridEPExpertParallel(RoutedExpertParallel):
@@ -256,7 +224,10 @@ class HybridEPExpertParallel(RoutedExpertParallel):
         if uses_library(section.implementation, device_type):
             cls._check_library_limits(job_config, shape)
             if device_type is not None:  # this machine runs the job: its compiler is the one used
-                _check_kernel_compiler()
+                try:
+                    check_hybridep_jit()
+                except PrerequisiteMissing as e:
+                    raise ConfigError(str(e)) from None
 
     @staticmethod
     def _check_library_limits(job_config, shape: MoEShape) -> None:
