@@ -38,6 +38,9 @@ def test_two_jobs_share_a_machine_and_their_losses_fall(tmp_path):
         step_lines = [line for line in result.stdout.splitlines() if "step:" in line and "loss:" in line]
         assert all("step_time:" in line and len(line) < 120 for line in step_lines), step_lines
         assert "training on CPU with the gloo backend" in result.stdout
+        # a fresh run warns only about the job: here the 5 steps that cut the LR schedule's warm-up and decay
+        warnings = [line for line in result.stdout.splitlines() if " WARNING " in line]
+        assert warnings and all("steps" in line and "exceed total steps" in line for line in warnings), warnings
         # the banner follows the overrides: model.name on the command line, not the config's description
         assert f"Starting job: {model} {'debugmodel'}, nccl EP=2, 2 ranks (train_configs/debug_model.toml)" in result.stdout
         # the suite runs as on a CPU without bf16 matrix units: the default job must pick fp32

@@ -96,7 +96,8 @@ def _embedded_assets_noise(message: str) -> bool:
     has no safetensors index because no job loads HF weights from it."""
     for prefix, suffix in (("HF assets path ", " does not exist!"), ("model.safetensors.index.json not found at hf_assets_path: ", "")):
         if message.startswith(prefix) and message.endswith(suffix):
-            path = message.removeprefix(prefix).removesuffix(suffix).split()[0]
+            # the index warning ends its path with the sentence's full stop
+            path = message.removeprefix(prefix).removesuffix(suffix).split()[0].removesuffix(".")
             folder = Path(path).parent if path.endswith(".json") else Path(path)
             return folder.resolve() == DEFAULT_ASSETS_DIR.resolve()
     return False

@@ -116,9 +116,9 @@ def _enable_cpu() -> None:
     # 17" with PP + TP + EP + compile, Llama4): each process compiles its own graphs.
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
-    # torchtitan sets NCCL's error-handling mode to 3, warning that torchrun's 1 is overridden: under gloo it
-    # means nothing, so it is 3 from the start and the warning (nothing the user did) goes
-    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "3"
+    # torchtitan sets NCCL's error-handling mode to 3 and warns whenever the variable exists (torchrun sets it):
+    # under gloo it means nothing, so torchrun's value goes and torchtitan sets its own without the warning
+    os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
     # DTensor warns at every run that its random ops "may not have complete support on cpu device mesh": the
     # initial weights of a sharded CPU job may differ from a GPU job's; the computation given the weights is
     # exact (the gradient matrix checks every sharded layout against the dense model)
