@@ -132,6 +132,16 @@ for name, args, expected in [
     ("custom_module_missing", ["--job.custom_config_module", "no_such_module_here"],
      "job.custom_config_module = 'no_such_module_here' cannot be imported"),
     ("custom_module_without_config", ["--job.custom_config_module", "json"], "job.custom_config_module = 'json' defines no JobConfig"),
+    ("replica_slots_beyond_experts", ["--expert_replication.slots_per_rank", "5"],
+     "expert_replication.slots_per_rank = 5: a rank can hold copies of the other ranks' 4 experts only: set it to at most 4"),
+    ("replica_slots_negative", ["--expert_replication.slots_per_rank", "-1"],
+     "expert_replication.slots_per_rank = -1: use a value >= 0"),
+    ("replica_adapt_every_zero", ["--expert_replication.slots_per_rank", "1", "--expert_replication.adapt_every", "0"],
+     "expert_replication.adapt_every = 0: use a value >= 1"),
+    ("replicas_without_ep", ["--expert_replication.slots_per_rank", "1", "--parallelism.expert_parallel_degree", "1"],
+     "expert_replication.slots_per_rank = 1 needs expert parallelism: set parallelism.expert_parallel_degree > 1"),
+    ("replicas_with_compile", ["--expert_replication.slots_per_rank", "1", "--compile.enable", "--compile.components", "model"],
+     "expert_replication.slots_per_rank = 1 is not supported with compile.enable"),
 ]:
     case(f"config_cli_{name}", _preflight, lambda tmp, args=args: [*DEBUG, *args], expected)
 
@@ -146,6 +156,10 @@ for name, content, expected in [
     ("nan_in_toml", "[optimizer]\nlr = nan\n", "optimizer.lr = nan"),
 ]:
     case(f"config_toml_{name}", _preflight, lambda tmp, name=name, content=content: ["--job.config_file", _file(f"{name}.toml", content)(tmp)], expected)
+case("config_cli_replicas_with_expert_tp", _preflight_flags,
+     lambda tmp: ["--ngpu", "4", "--", *DEBUG, "--expert_replication.slots_per_rank", "1",
+                  "--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "2"],
+     "expert_replication.slots_per_rank = 1 is not supported with parallelism.expert_tensor_parallel_degree = 2")
 case("config_file_missing", _preflight, lambda tmp: ["--job.config_file", str(tmp / "none.toml")], "none.toml' not found")
 case("config_file_is_a_folder", _preflight, lambda tmp: ["--job.config_file", str(tmp)], "not found: set CONFIG_FILE")
 case("config_file_without_path", _preflight, lambda tmp: ["--job.config_file"], "--job.config_file needs a path")

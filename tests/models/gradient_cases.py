@@ -55,6 +55,9 @@ class Cell:
     """The router never picks the last EP rank's experts: that rank receives nothing."""
     mutant: str | None = None
     """A known defect re-introduced, to show that the comparison catches it."""
+    replicas: int = 0
+    """Replica slots per EP rank ([expert_replication] slots_per_rank), each holding a copy of one of the
+    other rank's experts (:data:`REPLICAS`)."""
 
     @property
     def id(self) -> str:
@@ -116,6 +119,25 @@ def _batch(cell: Cell, dp_size: int):
     return tokens, labels, [(start, start + size) for start, size in zip(starts, sizes)]
 
 
+REPLICAS = {1: ((4,), (0,)), 2: ((4, 6), (0, 2))}
+"""EP = 2, 8 experts: the home slots each rank's replica slots copy."""
+
+
+def _set_replicas(parts, cell: Cell) -> list:
+    """Give every MoE layer the cell's replicas; returns the layers' routers, whose splits the cell reports."""
+    from torchtitan_ext.ep.replication import ReplicaPlan
+
+    routers = []
+    for part in parts:
+        for module in part.modules():
+            if getattr(module, "replicas", None) is not None:
+                plan = ReplicaPlan(8, 2, REPLICAS[cell.replicas])
+                module.replicas.set_plan(plan)
+                module.experts.set_plan(plan)
+                routers.append(module.replicas)
+    return routers
+
+
 def _job_config(cell: Cell, dp_shard: int, world_size: int):
     """The debug job with the cell's overrides, validated for the world size.
 
@@ -136,6 +158,7 @@ def _job_config(cell: Cell, dp_shard: int, world_size: int):
         "--parallelism.data_parallel_shard_degree", str(dp_shard),
         *BACKENDS.get(cell.backend, []),
         *cell.overrides,
+        "--expert_replication.slots_per_rank", str(cell.replicas),
     ]
     for key, value in zip(overrides[::2], overrides[1::2]):
         section, name = key.removeprefix("--").split(".")
@@ -224,6 +247,7 @@ def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
             model, parallel_dims, job_config, torch.device("cpu"), model_args, spec.parallelize_fn, loss_fn,
         )
         runtime.adapt_model_parts(parts)  # as the trainer does
+        routers = _set_replicas(parts, cell)
         losses = [] if has_last else None
         with loss_fn.normalized_by(global_tokens):
             targets = labels[start:end] if has_last else None
@@ -236,6 +260,7 @@ def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
     else:
         parts = [spec.parallelize_fn(model, parallel_dims, job_config)]
         runtime.adapt_model_parts(parts)  # as the trainer does
+        routers = _set_replicas(parts, cell)
         loss_parallel = parallel_dims.tp_enabled and not p.disable_loss_parallel
         with dist_utils.get_train_context(loss_parallel)():
             pred = parts[0](tokens[start:end])
@@ -257,6 +282,8 @@ def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
         dist_utils.clip_grad_norm_(params, max_norm=CLIP_MAX_NORM, **clip_args)
         result["clipped_grads"] = _full_grads(parts)
     result["score_dtypes"] = sorted(set(score_dtypes))
+    # pairs the replica copies took in this rank's layers (the split is the same on every rank)
+    result["replica_pairs"] = sum(int(router.last_quotas[:, 1:].sum()) for router in routers if router.last_quotas is not None)
 
     if rank == 0:
         # the same problem (weights, routing bias, batch) recurs for every backend and parallelism
@@ -383,7 +410,13 @@ def cells() -> list[Cell]:
                 Cell("ep2_rank_receives_nothing", model, backend, 2, ep2, empty_last_rank=True),
                 Cell("ep2_pp2_fsdp2", model, backend, 4, ep2 + pp2),
             ]
+            result += [Cell(f"ep2_replicas{slots}", model, backend, 2, ep2, replicas=slots) for slots in (1, 2)]
         result += [
+            Cell("ep2_replicas2_fsdp_bf16", model, "nccl", 2, ep2 + bf16, bf16=True, replicas=2),
+            Cell("ep2_replicas2_borrowing_tp_batch2", model, "nccl", 2, ep2 + tp2, replicas=2),
+            *(Cell(f"ep2_replicas2_{name}", model, "nccl", 2, ep2 + args, replicas=2) for name, args in ac.items()),
+            Cell("ep2_replicas2_grouped_mm", model, "nccl", 2, ep2, bf16=True, grouped_mm=True, replicas=2),
+            Cell("ep2_replicas2_pp2_fsdp2", model, "nccl", 4, ep2 + pp2, replicas=2),
             Cell("tp2_only", model, None, 2, tp2 + ("--parallelism.expert_parallel_degree", "1")),
             Cell("ep2_expert_tp2", model, "nccl", 4,
                  ep2 + tp2 + ("--parallelism.expert_tensor_parallel_degree", "2")),

@@ -8,7 +8,10 @@ gradients flow into all of them) and the gradient norm before clipping equal
 those of one process computing the whole batch densely, under: EP with FSDP
 (fp32 and bf16 mixed precision), EP borrowing TP (batch 1 and 2), expert TP,
 TP alone, EP with PP, every activation-checkpointing mode, the grouped-GEMM
-expert path, uneven tokens per rank and a rank whose experts receive nothing.
+expert path, uneven tokens per rank and a rank whose experts receive nothing;
+and with expert replication (1 and 2 replica slots per rank, every backend;
+2 slots with nccl under bf16, EP borrowing TP, each checkpointing mode, the
+grouped GEMM and PP), where the replicas must take some of the pairs.
 The gradient norm at DP=2 equals the single process's (DP=1) on the same
 global batch: gloo's sum-only FSDP reduction keeps the gradient's scale.
 
@@ -90,6 +93,9 @@ def test_gradients_equal_dense_single_process(results, cell, record_property):
     assert grad_norm == pytest.approx(reference["grad_norm"], rel=tolerance)
     if cell.backend is not None:
         assert dtypes == {"torch.float32"}, "routing scores reach the backend in fp32"
+    if cell.replicas:
+        replica_pairs = sum(rank_results[cell.id]["replica_pairs"] for rank_results in results[cell.world_size])
+        assert replica_pairs > 0, "the replicas must compute some pairs for the cell to check them"
 
 
 @pytest.mark.parametrize("cell", TP_CELLS, ids=lambda cell: cell.id)
@@ -125,4 +131,5 @@ def test_matrix_covers_the_contract():
                          "ep2_ac_full", "ep2_ac_selective_op", "ep2_ac_selective_layer", "ep2_grouped_mm",
                          "ep2_uneven_tokens", "ep2_rank_receives_nothing", "ep2_pp2_fsdp2"):
                 assert (model, backend, name) in names
+            assert {(model, backend, f"ep2_replicas{slots}") for slots in (1, 2)} <= names
         assert (model, None, "tp2_only") in names and (model, "nccl", "ep2_expert_tp2") in names

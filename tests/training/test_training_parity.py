@@ -8,14 +8,16 @@ deepep (reference; V2 ElasticBuffer API and v1 Buffer API), hybridep
 - Llama4: 5 steps under every backend; per-step losses agree with nccl's
   within 1e-4 relative.
 - DeepSeek-V3: 10 steps under every backend with an expert placement that
-  moves every expert to the other rank (``[expert_placement] file``); per-step
-  losses agree with nccl's without a placement within 1e-5 relative. The
+  moves every expert to the other rank (``[expert_placement] file``), and the
+  same with 2 replica slots per rank re-chosen every step (and nccl with 1
+  slot re-chosen every 5 steps, no placement); per-step losses agree with
+  nccl's without a placement or replicas within 1e-5 relative. The
   placed and unplaced nccl runs export their weights at the last step (model
   only): the placed export holds the experts in logical order.
 - Losses fall under every backend.
 
-Checkpoints (torchtitan DCP) written under one backend, EP degree and
-placement resume under another with the same next-step loss: the state has
+Checkpoints (torchtitan DCP) written under one backend, EP degree, placement
+and replication resume under another with the same next-step loss: the state has
 the same keys, DCP reshards the experts and the recorded placement tells
 where each expert is; what differs is only the order of floating-point sums.
 """
@@ -73,6 +75,17 @@ def crossing_placement(folder: Path) -> str:
 
 
 EXPORT = ["--checkpoint.enable", "--checkpoint.interval", str(PLACED_STEPS)]
+REPLICAS = ["--expert_replication.slots_per_rank", "2", "--expert_replication.adapt_every", "1"]
+
+
+def replicas_took_pairs(trainer) -> None:
+    """After each step of a replicated run, once a choice was made: some replica computed pairs in it."""
+    chooser = trainer.replica_chooser
+    if chooser is None or trainer.step <= chooser.adapt_every:
+        return
+    taken = sum(int(moe.replicas.last_quotas[:, 1:].sum()) for moe in chooser.layers.values()
+                if moe.replicas.last_quotas is not None)
+    assert taken > 0, f"step {trainer.step}: the replicas took no pairs"
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +106,15 @@ def deepseek_v3_parity(tmp_path_factory):
                                *(EXPORT if name == "nccl" else [])))
         for name, args in BACKENDS.items()
     ]
-    return "deepseek_v3", run_distributed(2, train_worker, runs)[0], tmp
+    runs += [
+        (f"replicated_{name}", job(tmp / f"replicated_{name}", *args, "--expert_placement.file", placement, *REPLICAS))
+        for name, args in BACKENDS.items()
+    ]
+    runs.append(("replicated_1_every_5_nccl", job(
+        tmp / "replicated_1_every_5", *BACKENDS["nccl"], "--expert_replication.slots_per_rank", "1",
+        "--expert_replication.adapt_every", "5",
+    )))
+    return "deepseek_v3", run_distributed(2, train_worker, runs, None, replicas_took_pairs)[0], tmp
 
 
 @pytest.fixture(params=["deepseek_v3", "llama4"])
@@ -107,7 +128,7 @@ def test_losses_agree_across_backends_and_placements(parity):
     steps = PLACED_STEPS if model == "deepseek_v3" else STEPS
     tolerance = PLACED_TOLERANCE if model == "deepseek_v3" else 1e-4
     assert list(reference) == list(range(1, steps + 1))
-    assert len(losses) == len(BACKENDS) + (model == "deepseek_v3")
+    assert len(losses) == len(BACKENDS) + (len(BACKENDS) + 2 if model == "deepseek_v3" else 0)
     for run, got in losses.items():
         for step, loss in reference.items():
             assert got[step] == pytest.approx(loss, rel=tolerance), (model, run, step, got, reference)
@@ -148,13 +169,14 @@ RESUME_TOLERANCE = 1e-5
 
 
 def test_checkpoint_resumes_under_another_backend_ep_degree_and_placement(tmp_path):
-    """2 ranks: written at EP=2 under nccl with the crossing placement; resumed at EP=2 under hybridep
-    with another placement, and at EP=1 (no placement: the experts go back to logical order)."""
+    """2 ranks: written at EP=2 under nccl with the crossing placement and 2 replica slots per rank; resumed
+    at EP=2 under hybridep with another placement and no replicas, and at EP=1 (no placement: the experts go
+    back to logical order)."""
     folder = tmp_path / "run"
     other = _placement(tmp_path, "other", lambda layer: [(3 * s + layer) % 8 for s in range(8)])
     runs = [
         ("written_nccl_ep2", _job("deepseek_v3", folder, *BACKENDS["nccl"], *CHECKPOINT,
-                                  "--expert_placement.file", crossing_placement(tmp_path))),
+                                  "--expert_placement.file", crossing_placement(tmp_path), *REPLICAS)),
         ("resumed_hybridep_ep2", _job("deepseek_v3", folder, *BACKENDS["hybridep"], *RESUME,
                                       "--expert_placement.file", other)),
         ("resumed_nccl_ep1", _job("deepseek_v3", folder, "--parallelism.expert_parallel_degree", "1", *RESUME)),

@@ -17,6 +17,7 @@ from torchtitan_ext.ep.base import RoutedExpertParallel
 from torchtitan_ext.ep.deepep import DeepEPExpertParallel
 from torchtitan_ext.ep.hybridep import HybridEPExpertParallel
 from torchtitan_ext.ep.nccl import NcclExpertParallel
+from torchtitan_ext.ep.replication import check_replication, ExpertReplication, REPLICATION_RANGES
 from torchtitan_ext.ep.validation import check_backend
 
 
@@ -25,6 +26,8 @@ def _register_config() -> None:
     for backend in BACKENDS.values():
         if backend.config_section is not None:
             register_section(backend.config_section, backend.Config, backend.config_ranges)
+    register_section("expert_replication", ExpertReplication, REPLICATION_RANGES)
+    register_check(check_replication)
     register_check(check_backend)
 
 

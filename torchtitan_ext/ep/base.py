@@ -42,13 +42,15 @@ class Routing:
     end (their gradient flows back to the router), as in torchtitan's own MoE.
     """
 
-    __slots__ = ("scores", "expert_ids")
+    __slots__ = ("scores", "expert_ids", "logical_ids")
 
-    def __init__(self, scores: torch.Tensor, expert_ids: torch.Tensor):
+    def __init__(self, scores: torch.Tensor, expert_ids: torch.Tensor, logical_ids: torch.Tensor | None = None):
         self.scores = scores
         """[N, K] top-k routing scores, fp32."""
         self.expert_ids = expert_ids
-        """[N, K] global expert ids, int64."""
+        """[N, K] dispatched expert ids (slots under a placement or replication), int64."""
+        self.logical_ids = expert_ids if logical_ids is None else logical_ids
+        """[N, K] the router's expert ids, which the load statistics count."""
 
 
 def check_kernels(backend: str, implementation: str, device_type: str | None, class_name: str) -> None:
@@ -331,10 +333,12 @@ class RoutedExpertParallel(ExpertParallel, ABC):
     def _token_dispatch(self, mod, inputs, device_mesh):
         x, routing = inputs
         self.stats.counting = mod.training
-        self.stats.record_routing(routing.expert_ids, mod.num_experts)
+        self.stats.record_routing(routing.logical_ids, mod.num_experts)
+        # replica slots (torchtitan_ext.ep.replicated_experts) add to the experts dispatched over
+        dispatched = getattr(mod, "dispatched_experts", mod.num_experts)
         with naming_collective(self.collective_name("dispatch")):
             rows, rows_per_expert = self.dispatch(
-                x, routing.scores, routing.expert_ids, mod.num_experts, device_mesh.get_group()
+                x, routing.scores, routing.expert_ids, dispatched, device_mesh.get_group()
             )
         self.stats.record_rows(rows_per_expert)
         return rows, rows_per_expert

@@ -9,6 +9,7 @@ from dataclasses import fields
 
 from torchtitan_ext.config import comm_backend, ConfigError, ValidationContext
 from torchtitan_ext.ep.backends import BACKENDS
+from torchtitan_ext.ep.replication import dispatched_shape
 
 
 def check_backend(job_config, context: ValidationContext) -> None:
@@ -22,7 +23,7 @@ def check_backend(job_config, context: ValidationContext) -> None:
     if context.moe_shape is None:
         return
     _check_degrees(job_config, backend)
-    BACKENDS[backend].validate_config(job_config, context.device_type, context.moe_shape)
+    BACKENDS[backend].validate_config(job_config, context.device_type, dispatched_shape(job_config, context.moe_shape))
 
 
 def _check_foreign_sections(job_config, backend: str) -> None:

@@ -19,6 +19,7 @@ from torchtitan.models.moe.moe import MoE, MoEArgs
 from torchtitan.tools.utils import has_cuda_capability
 
 from torchtitan_ext.ep.base import Routing
+from torchtitan_ext.ep.replica_split import ReplicaRouter
 
 
 def grouped_mm_where_supported(moe_args: MoEArgs) -> MoEArgs:
@@ -75,6 +76,8 @@ class ExpertParallelMoE(MoE):
     expert_slot: torch.Tensor | None = None
     """Physical slot of each logical expert under an expert placement (torchtitan_ext.balancing.migration);
     None: expert e in slot e."""
+    replicas: ReplicaRouter | None = None
+    """Under expert replication: the per-step split of each pair among its expert's copies."""
 
     @classmethod
     def adopt(cls, moe: MoE, token_split: TensorParallelTokenSplit | None = None) -> "ExpertParallelMoE":
@@ -89,13 +92,17 @@ class ExpertParallelMoE(MoE):
         top_scores, expert_ids, num_tokens_per_expert = self.router(x, self.expert_bias)
         with torch.no_grad():
             self.tokens_per_expert.add_(num_tokens_per_expert)
-        if self.expert_slot is not None:
-            # after the router's own counts: statistics and load balancing stay per logical expert
-            expert_ids = self.expert_slot[expert_ids]
-        tokens, routing = x, Routing(top_scores, expert_ids)
+        # after the router's own counts: statistics and load balancing stay per logical expert
+        logical_ids = expert_ids
+        slots = expert_ids if self.expert_slot is None else self.expert_slot[expert_ids]
+        tokens, scores = x, top_scores
         if self.token_split is not None:
             split = self.token_split.split
-            tokens, routing = split(x), Routing(split(top_scores), split(expert_ids))
+            tokens, scores, slots, logical_ids = split(x), split(top_scores), split(slots), split(logical_ids)
+        if self.replicas is not None:
+            # on the pairs this rank dispatches: the split counts what each rank sends
+            slots = self.replicas.assign(slots, counting=self.training)
+        routing = Routing(scores, slots, logical_ids)
         # a backend may return the routed output with its combine still in flight
         # (torchtitan_ext.ep.in_flight): the shared experts run before its first use,
         # which is the un-split under TP borrowing, or the sum

@@ -33,6 +33,9 @@ from torchtitan.tools.logging import logger
 
 from torchtitan_ext.config import max_tokens_per_rank, MoEShape
 from torchtitan_ext.ep import backend_class
+from torchtitan_ext.ep.replica_split import replica_save_ops, ReplicaRouter
+from torchtitan_ext.ep.replicated_experts import ExpertsWithReplicas
+from torchtitan_ext.ep.replication import dispatched_shape, ReplicaPlan
 from torchtitan_ext.models.moe import ExpertParallelMoE, TensorParallelTokenSplit
 
 _layer_factories: dict[int, tuple[weakref.ref, Callable]] = {}
@@ -47,12 +50,12 @@ def expert_parallel_layers(job_config, model_args) -> Callable:
     cached = _layer_factories.get(id(job_config))
     if cached is None or cached[0]() is not job_config:
         moe_args = model_args.moe_args
-        shape = MoEShape(
+        shape = dispatched_shape(job_config, MoEShape(
             hidden_dim=model_args.dim,
             num_experts=moe_args.num_experts,
             top_k=moe_args.top_k,
             max_tokens_per_rank=max_tokens_per_rank(job_config),
-        )
+        ))
         backend = backend_class(job_config)
         factory = backend.layer_factory(job_config, shape)
         for key in [k for k, (ref, _) in _layer_factories.items() if ref() is None]:
@@ -123,6 +126,12 @@ def apply_moe_parallelism(model: torch.nn.Module, parallel_dims, job_config) -> 
             continue
         token_split = TensorParallelTokenSplit(tp_mesh) if tp_mesh is not None and not etp_enabled else None
         ExpertParallelMoE.adopt(block.moe, token_split)
+        slots = job_config.expert_replication.slots_per_rank
+        if slots:
+            # no replicas until the first choice (torchtitan_ext.balancing.replica_choice)
+            plan = ReplicaPlan.empty(block.moe.experts.num_experts, ep_mesh.size(), slots)
+            block.moe.replicas = ReplicaRouter(plan, ep_mesh.get_group())
+            ExpertsWithReplicas.adopt(block.moe.experts, plan, ep_mesh.get_group())
         style = make_layer(score_before_experts=block.moe.score_before_experts)
         style.layer_name = f"MoE layer {layer_id}"
         # the metrics processor reads each layer's dispatch counters from its experts module
@@ -184,6 +193,8 @@ def parallelize_moe_model(
         ignore_profiler_ranges_in_selective_checkpointing()
         if parallel_dims.ep_enabled:
             op_sac_save_list = op_sac_save_list | set(backend_class(job_config).sac_save_ops())
+        if job_config.expert_replication.slots_per_rank:
+            op_sac_save_list = op_sac_save_list | replica_save_ops()
         apply_ac(
             model,
             job_config.activation_checkpoint,

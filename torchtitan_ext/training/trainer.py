@@ -19,6 +19,7 @@ from torchtitan.train import Trainer as TorchTitanTrainer
 from torchtitan_ext import runtime
 from torchtitan_ext.balancing import routing_stats
 from torchtitan_ext.balancing.migration import ExpertMigration
+from torchtitan_ext.balancing.replica_choice import ReplicaChooser
 from torchtitan_ext.config import comm_backend, moe_layer_ids
 from torchtitan_ext.ep.base import destroy_kernel_buffers
 from torchtitan_ext.runtime.collectives import CollectiveFailed, name_other_collective
@@ -27,7 +28,8 @@ from torchtitan_ext.training import checkpoints, faults
 
 class Trainer(TorchTitanTrainer):
     """torchtitan's ``Trainer`` plus the runtime accommodations, the routing recorder, the expert
-    placement (:mod:`torchtitan_ext.balancing.migration`), pipeline
+    placement (:mod:`torchtitan_ext.balancing.migration`) and replicas
+    (:mod:`torchtitan_ext.balancing.replica_choice`), pipeline
     gradients normalized like the others' (:mod:`torchtitan_ext.training.loss`), and the fault handling of
     :mod:`torchtitan_ext.training.faults` (preemption, non-finite values, named collective failures)."""
 
@@ -43,6 +45,9 @@ class Trainer(TorchTitanTrainer):
                 job_config, self.model_parts, self.optimizers, moe_layer_ids(job_config), moe_args.num_experts, self.device
             )
             migration.attach(self.checkpointer)
+        self.replica_chooser = (
+            ReplicaChooser(job_config, self.model_parts) if job_config.expert_replication.slots_per_rank else None
+        )
         self.preemption = preemption or faults.PreemptionRequest()
         args = self.model_parts[0].model_args
         self.router_health = (
@@ -95,6 +100,8 @@ class Trainer(TorchTitanTrainer):
         return step
 
     def train_step(self, data_iterator):
+        if self.replica_chooser is not None:
+            self.replica_chooser.before_step(self.step)
         try:
             super().train_step(data_iterator)
         except (faults.NonFiniteLoss, CollectiveFailed):

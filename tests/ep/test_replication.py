@@ -1,0 +1,164 @@
+"""Expert replication's mechanics: the per-step split, the plan, the replica weights' way out and back.
+
+The split must give every copy an integer share summing to the expert's pairs and reach the least
+possible busiest-rank load for its expert given the others (checked against brute force); every rank
+must send each pair to a copy of its expert, with the copies taking exactly their quotas over all
+ranks; replica weights must equal their home weights, and a replica's gradient must arrive home,
+summed with the home's own.
+"""
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from tests.helpers import run_distributed
+from torchtitan_ext.ep.replica_split import split_quotas, SplitTables, water_fill
+from torchtitan_ext.ep.replicated_experts import exchange_arguments
+from torchtitan_ext.ep.replication import ReplicaPlan
+
+EP = 2
+
+
+def _best_max(loads: list[int], amount: int) -> int:
+    """The least max(loads + q) over all integer q >= 0 summing to amount (brute force)."""
+    best = None
+    for split in itertools.product(range(amount + 1), repeat=len(loads)):
+        if sum(split) == amount:
+            worst = max(load + share for load, share in zip(loads, split))
+            best = worst if best is None else min(best, worst)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_water_fill_is_optimal_and_exact(seed):
+    generator = random.Random(seed)
+    loads = [generator.randint(0, 9) for _ in range(generator.randint(1, 4))]
+    amount = generator.randint(0, 12)
+    shares = water_fill(torch.tensor(loads), torch.tensor(amount)).tolist()
+    assert sum(shares) == amount and min(shares) >= 0, (loads, amount, shares)
+    assert max(load + share for load, share in zip(loads, shares)) == _best_max(loads, amount), (loads, amount, shares)
+
+
+def test_water_fill_breaks_ties_by_copy_order():
+    assert water_fill(torch.tensor([5, 5, 5]), torch.tensor(2)).tolist() == [1, 1, 0]
+
+
+def _loads(quotas: torch.Tensor, tables: SplitTables) -> list[int]:
+    loads = [0] * tables.plan.expert_parallel_degree
+    for home, ranks in enumerate(tables.copy_ranks):
+        for copy, rank in enumerate(ranks):
+            loads[rank] += int(quotas[home, copy])
+    return loads
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_split_never_loads_a_rank_more_than_without_replicas(seed):
+    generator = random.Random(seed)
+    ranks, per_rank, slots = 4, 2, 2
+    experts = ranks * per_rank
+    counts = torch.tensor([generator.randint(0, 100) for _ in range(experts)])
+    replicas = []
+    for rank in range(ranks):
+        others = [home for home in range(experts) if home // per_rank != rank]
+        replicas.append(tuple(generator.sample(others, slots)))
+    tables = SplitTables(ReplicaPlan(experts, ranks, tuple(replicas)), torch.device("cpu"))
+    quotas = split_quotas(counts, tables)
+    assert quotas.sum(1).tolist() == counts.tolist()
+    assert (quotas >= 0).all()
+    home_only = [int(counts[rank * per_rank:(rank + 1) * per_rank].sum()) for rank in range(ranks)]
+    assert max(_loads(quotas, tables)) <= max(home_only)
+
+
+def test_split_of_one_hot_expert_over_two_ranks():
+    """Expert 0 (rank 0) takes 100 pairs, the others 10 each; with a copy on rank 1 the two ranks even out."""
+    plan = ReplicaPlan(4, 2, ((-1,), (0,)))
+    tables = SplitTables(plan, torch.device("cpu"))
+    quotas = split_quotas(torch.tensor([100, 10, 10, 10]), tables)
+    assert _loads(quotas, tables) == [65, 65]
+
+
+@pytest.mark.parametrize("replicas, message", [
+    (((0,), (-1,)), "rank 0's replicas (0,)"),
+    (((2, 2), (-1, -1)), "rank 0's replicas (2, 2)"),
+    (((9,), (-1,)), "rank 0's replicas (9,)"),
+])
+def test_a_plan_never_copies_its_own_or_twice(replicas, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ReplicaPlan(4, 2, replicas)
+
+
+def test_exchange_arguments_pair_up_across_ranks():
+    """What rank s sends to rank d, in order, is what d expects from s, in order."""
+    plan = ReplicaPlan(8, 4, ((2, 5), (0, -1), (7, 1), (-1, 3)))
+    per_rank = plan.experts_per_rank
+    arguments = [exchange_arguments(plan, rank) for rank in range(4)]
+    for source in range(4):
+        send_local, send_counts, _, _ = arguments[source]
+        offsets = [sum(send_counts[:d]) for d in range(4)]
+        for destination in range(4):
+            sent = send_local[offsets[destination]:offsets[destination] + send_counts[destination]]
+            _, _, recv_counts, recv_slot = arguments[destination]
+            start = sum(recv_counts[:source])
+            slots = recv_slot[start:start + recv_counts[source]]
+            assert [plan.replicas[destination][slot] for slot in slots] == [source * per_rank + s for s in sent]
+
+
+def _assign_worker(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    from torchtitan_ext.ep.replica_split import ReplicaRouter
+
+    plan = ReplicaPlan(4, world_size, ((2,), (0,)))
+    router = ReplicaRouter(plan, dist.group.WORLD)
+    generator = torch.Generator().manual_seed(rank)
+    home_slots = torch.multinomial(torch.tensor([8.0, 1.0, 2.0, 1.0]), 60, replacement=True, generator=generator)
+    home_slots = home_slots.view(20, 3)
+    dispatched = router.assign(home_slots, counting=True)
+    return {"home": home_slots, "dispatched": dispatched, "quotas": router.last_quotas,
+            "window": router.take_window(), "copies": plan.copies()}
+
+
+def test_every_pair_goes_to_a_copy_of_its_expert_and_copies_take_their_quotas():
+    results = run_distributed(EP, _assign_worker)
+    copies = results[0]["copies"]
+    quotas = results[0]["quotas"]
+    taken = {}
+    for result in results:
+        assert torch.equal(result["quotas"], quotas), "every rank computes the same split"
+        for home, dispatched in zip(result["home"].reshape(-1).tolist(), result["dispatched"].reshape(-1).tolist()):
+            slots = [slot for _, slot in copies[home]]
+            assert dispatched in slots, (home, dispatched)
+            taken[home, slots.index(dispatched)] = taken.get((home, slots.index(dispatched)), 0) + 1
+    for home, home_copies in enumerate(copies):
+        for copy in range(len(home_copies)):
+            assert taken.get((home, copy), 0) == int(quotas[home, copy]), (home, copy)
+    totals = sum(torch.bincount(result["home"].reshape(-1), minlength=4) for result in results)
+    assert torch.equal(results[0]["window"], totals)
+    assert int(quotas[0, 1]) > 0, "the hot expert's copy takes pairs"
+
+
+def _weights_worker(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_process_group_name
+
+    from torchtitan_ext.ep.replica_split import replica_ops
+
+    plan = ReplicaPlan(4, world_size, ((3, 2), (0, -1)))
+    home = torch.arange(2 * 3, dtype=torch.float32).view(2, 3).add(100 * rank).requires_grad_()
+    fetched = replica_ops().replica_weights(home, *exchange_arguments(plan, rank), 2, _get_process_group_name(dist.group.WORLD))
+    weight = torch.tensor([[1.0], [10.0]])
+    (fetched * weight).sum().backward()
+    return {"fetched": fetched.detach(), "grad": home.grad}
+
+
+def test_replica_weights_equal_home_and_gradients_return_home():
+    results = run_distributed(EP, _weights_worker)
+    home = [torch.arange(6, dtype=torch.float32).view(2, 3).add(100 * rank) for rank in range(EP)]
+    assert torch.equal(results[0]["fetched"], torch.stack([home[1][1], home[1][0]]))
+    assert torch.equal(results[1]["fetched"], torch.stack([home[0][0], torch.zeros(3)]))
+    # rank 0's expert 0 is copied into rank 1's slot 0 (weight 1); rank 1's experts 1 and 0 into rank 0's
+    # slots 0 (weight 1) and 1 (weight 10)
+    assert torch.equal(results[0]["grad"], torch.tensor([[1.0] * 3, [0.0] * 3]))
+    assert torch.equal(results[1]["grad"], torch.tensor([[10.0] * 3, [1.0] * 3]))

@@ -1,0 +1,96 @@
+"""Which experts get replicas, re-chosen every ``[expert_replication] adapt_every`` steps.
+
+:func:`choose_replicas` fills the replica slots one at a time: the home slot
+with the most pairs per copy gets a copy on the least-loaded rank that has a
+free slot and no copy of it yet, and its pairs are re-split over its copies
+(the per-step rule, :func:`torchtitan_ext.ep.replica_split.water_fill`). It
+stops when every slot is used or no expert with pairs can be copied further,
+so it always ends (at most EP x S rounds), and since the split may leave a
+copy empty, a plan is never worse than no replicas on the counts it was chosen
+from.
+
+:class:`ReplicaChooser` runs it for every MoE layer before the steps where a
+choice is due, from the global counts of the steps since the last one (the
+same on every rank: the choice needs no communication). Replicas are derived
+state: nothing of them is checkpointed, and a resumed job chooses afresh.
+"""
+
+import torch
+from torchtitan.tools.logging import logger
+
+from torchtitan_ext.balancing.migration import moe_modules
+from torchtitan_ext.ep.replica_split import water_fill
+from torchtitan_ext.ep.replicated_experts import exchange_arguments
+from torchtitan_ext.ep.replication import ReplicaPlan
+
+
+def choose_replicas(counts: list[int], expert_parallel_degree: int, slots: int) -> ReplicaPlan:
+    """The replicas for pairs ``counts`` per home slot, ``slots`` per rank."""
+    experts = len(counts)
+    per_rank = experts // expert_parallel_degree
+    copy_ranks = [[home // per_rank] for home in range(experts)]
+    shares = [[count] for count in counts]
+    loads = [0] * expert_parallel_degree
+    for home, count in enumerate(counts):
+        loads[home // per_rank] += count
+    held: list[list[int]] = [[] for _ in range(expert_parallel_degree)]
+    for _ in range(expert_parallel_degree * slots):
+        candidates = [home for home in range(experts) if counts[home] and _free_rank(home, copy_ranks, held, slots)]
+        if not candidates:
+            break
+        home = max(candidates, key=lambda h: (counts[h] / len(copy_ranks[h]), -h))
+        rank = min(_free_ranks(home, copy_ranks, held, slots), key=lambda r: (loads[r], r))
+        held[rank].append(home)
+        copy_ranks[home].append(rank)
+        others = [loads[r] - share for r, share in zip(copy_ranks[home], shares[home] + [0])]
+        shares[home] = water_fill(torch.tensor(others), torch.tensor(counts[home])).tolist()
+        for r, other, share in zip(copy_ranks[home], others, shares[home]):
+            loads[r] = other + share
+    replicas = tuple(tuple(homes + [-1] * (slots - len(homes))) for homes in held)
+    return ReplicaPlan(experts, expert_parallel_degree, replicas)
+
+
+def _free_ranks(home: int, copy_ranks, held, slots: int) -> list[int]:
+    return [rank for rank in range(len(held)) if len(held[rank]) < slots and rank not in copy_ranks[home]]
+
+
+def _free_rank(home: int, copy_ranks, held, slots: int) -> bool:
+    return bool(_free_ranks(home, copy_ranks, held, slots))
+
+
+class ReplicaChooser:
+    """Chooses every MoE layer's replicas before each step where a choice is due."""
+
+    def __init__(self, job_config, model_parts):
+        section = job_config.expert_replication
+        self.slots = section.slots_per_rank
+        self.adapt_every = section.adapt_every
+        self.layers = {layer: moe for layer, moe in moe_modules(model_parts).items() if moe.replicas is not None}
+        self.reported = False
+
+    def before_step(self, step: int) -> None:
+        """Choose from the counts of steps ``step - adapt_every`` .. ``step - 1`` when a choice is due."""
+        if step == 1 or (step - 1) % self.adapt_every:
+            return
+        refreshed = 0
+        for moe in self.layers.values():
+            window = moe.replicas.take_window()
+            if window is None:
+                continue
+            plan = choose_replicas(window.tolist(), moe.replicas.plan.expert_parallel_degree, self.slots)
+            moe.replicas.set_plan(plan)
+            moe.experts.set_plan(plan)
+            refreshed += self._bytes(moe, plan)
+        if not self.reported and refreshed:
+            self.reported = True
+            logger.info(
+                f"Expert replicas chosen before step {step} (every {self.adapt_every} step(s)): fetching their "
+                f"weights sends {refreshed / 2**20:,.2f} MiB per step from this rank, and as much gradient back"
+            )
+
+    @staticmethod
+    def _bytes(moe, plan: ReplicaPlan) -> int:
+        """Bytes this rank sends to replicas per step (forward; the gradients' return is as many), in the
+        dtype the experts computed in last."""
+        send_local, *_ = exchange_arguments(plan, torch.distributed.get_rank(moe.replicas.group))
+        return len(send_local) * moe.experts.bytes_per_expert

@@ -1,0 +1,140 @@
+"""The per-step split: which copy of a replicated expert each (token, expert) pair goes to.
+
+Every step and MoE layer, the EP ranks exchange their pair counts per home
+slot (one all-gather of E integers, on the device). From those global counts
+each rank computes the same quotas: how many of an expert's pairs each copy
+takes, so that the busiest rank's pairs are as few as the copies allow
+(:func:`split_quotas`). The pairs of an expert are then taken in one global
+order (source rank, then the source's own order) and cut at the quotas, so
+every rank knows, without further exchange, which copy each of its pairs goes
+to. No host sync: everything stays on the device.
+"""
+
+import importlib
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _get_process_group_name
+
+from torchtitan_ext.ep.base import recomputing
+from torchtitan_ext.ep.replication import ReplicaPlan
+
+OPS_MODULE = "torchtitan_ext.ep.ops.replicas"
+
+
+def replica_ops():
+    """``torch.ops.torchtitan_ext`` with the replication ops registered (on first use)."""
+    importlib.import_module(OPS_MODULE)
+    return torch.ops.torchtitan_ext
+
+
+def replica_save_ops() -> set:
+    """The replication ops whose outputs selective activation checkpointing saves."""
+    ops = replica_ops()
+    return {ops.replica_weights.default, ops.replica_counts.default}
+
+SWEEPS = 2
+"""Passes of water-filling over the replicated experts (each pass never raises the busiest rank's load)."""
+
+
+def water_fill(loads: torch.Tensor, amount: torch.Tensor) -> torch.Tensor:
+    """Integer quotas q (summing to ``amount``) over ranks with ``loads``, minimising max(loads + q).
+
+    The lowest-loaded ranks are filled to a common level; the remainder goes one pair each to the
+    lowest-loaded of them (ties: the earlier copy). All on the device.
+    """
+    count = loads.shape[0]
+    ordered, order = torch.sort(loads, stable=True)
+    prefix = ordered.cumsum(0)
+    participants = torch.arange(1, count + 1, device=loads.device)
+    levels = torch.div(amount + prefix, participants, rounding_mode="floor")
+    # the levels that reach the next-lowest load form a prefix: its length is how many ranks fill
+    filled = (levels >= ordered).sum().clamp(min=1)
+    level = levels.gather(0, (filled - 1).reshape(1))
+    remainder = amount + prefix.gather(0, (filled - 1).reshape(1)) - level * filled
+    quotas_ordered = (level - ordered).clamp(min=0) + (participants - 1 < remainder).to(loads.dtype)
+    return torch.empty_like(quotas_ordered).scatter_(0, order, quotas_ordered)
+
+
+class SplitTables:
+    """A plan's copies as tensors on the device, built once per plan."""
+
+    def __init__(self, plan: ReplicaPlan, device: torch.device):
+        copies = plan.copies()
+        width = max(len(c) for c in copies)
+        self.plan = plan
+        self.copy_ranks = [[rank for rank, _ in c] for c in copies]
+        """Host: for each home slot, the ranks of its copies (home first)."""
+        self.replicated = [home for home, c in enumerate(copies) if len(c) > 1]
+        self.dispatched = torch.tensor([[slot for _, slot in c] + [c[0][1]] * (width - len(c)) for c in copies],
+                                       dtype=torch.int64, device=device)
+        """[E, C] dispatched id of each copy (padded with the home's)."""
+        self.home_rank = torch.tensor([c[0][0] for c in copies], dtype=torch.int64, device=device)
+        self.width = width
+        self.rank_index = [torch.tensor(ranks, dtype=torch.int64, device=device) for ranks in self.copy_ranks]
+
+
+def split_quotas(counts: torch.Tensor, tables: SplitTables) -> torch.Tensor:
+    """[E, C] pairs each copy of each home slot takes, from the global ``counts`` [E] of this step."""
+    experts, ranks = counts.shape[0], tables.plan.expert_parallel_degree
+    quotas = torch.zeros(experts, tables.width, dtype=torch.int64, device=counts.device)
+    quotas[:, 0] = counts
+    loads = torch.zeros(ranks, dtype=torch.int64, device=counts.device).index_add_(0, tables.home_rank, counts)
+    for _ in range(SWEEPS if tables.replicated else 0):
+        for home in tables.replicated:
+            at = tables.rank_index[home]
+            width = at.shape[0]
+            others = loads.index_select(0, at) - quotas[home, :width]
+            share = water_fill(others, counts[home])
+            loads.index_copy_(0, at, others + share)
+            quotas[home, :width] = share
+    return quotas
+
+
+class ReplicaRouter:
+    """One MoE layer's per-step split, and the counts the next choice of replicas is made from."""
+
+    def __init__(self, plan: ReplicaPlan, group):
+        self.group = group
+        self.plan = plan
+        self._tables: SplitTables | None = None
+        self.window: torch.Tensor | None = None
+        """Global pairs per home slot over the steps since the plan was last chosen (training forwards)."""
+        self.last_quotas: torch.Tensor | None = None
+        """[E, C] the last split (for reports and tests)."""
+
+    def set_plan(self, plan: ReplicaPlan) -> None:
+        self.plan, self._tables = plan, None
+
+    def take_window(self) -> torch.Tensor | None:
+        window, self.window = self.window, None
+        return window
+
+    def assign(self, home_slots: torch.Tensor, counting: bool) -> torch.Tensor:
+        """Dispatched ids for ``home_slots`` [N, K] (home slot of each pair): each pair's copy."""
+        if self._tables is None or self._tables.dispatched.device != home_slots.device:
+            # built on first use: the model is parallelized on the meta device
+            self._tables = SplitTables(self.plan, home_slots.device)
+        tables = self._tables
+        with torch.no_grad():
+            flat = home_slots.reshape(-1)
+            experts = tables.plan.num_experts
+            local = torch.bincount(flat, minlength=experts)
+            counts = replica_ops().replica_counts(local, _get_process_group_name(self.group))
+            total = counts.sum(0)
+            if counting and not recomputing():
+                self.window = total.clone() if self.window is None else self.window.add_(total)
+            if not tables.replicated:
+                self.last_quotas = None
+                return tables.dispatched[flat, 0].view_as(home_slots)
+            quotas = split_quotas(total, tables)
+            self.last_quotas = quotas
+            rank = dist.get_rank(self.group)
+            earlier = counts[:rank].sum(0)
+            order = torch.argsort(flat, stable=True)
+            starts = local.cumsum(0) - local
+            within = torch.empty_like(flat)
+            within[order] = torch.arange(flat.shape[0], device=flat.device) - starts[flat[order]]
+            position = earlier[flat] + within
+            copy = (position.unsqueeze(1) >= quotas.cumsum(1)[flat]).sum(1)
+            return tables.dispatched[flat, copy].view_as(home_slots)

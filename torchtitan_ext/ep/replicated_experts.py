@@ -1,0 +1,66 @@
+"""Routed experts with replica slots: home weights (parameters) plus copies fetched every forward.
+
+:class:`ExpertsWithReplicas` is torchtitan's ``GroupedExperts`` turned, in
+place, into experts that compute L + S local slots: the L home experts (this
+rank's shard of the parameters) and S replica slots whose weights come from
+their home ranks through ``torchtitan_ext::replica_weights`` (one all-to-all
+of whole experts, forward; the gradients' way home, backward). Home weights
+stay the only parameters, so the optimizer, FSDP and checkpoints see logical
+experts only.
+"""
+
+import torch
+from torch.distributed.distributed_c10d import _get_process_group_name
+from torch.distributed.tensor import DTensor
+from torchtitan.models.moe.moe import _run_experts_for_loop, _run_experts_grouped_mm, GroupedExperts
+
+from torchtitan_ext.ep.replica_split import replica_ops
+from torchtitan_ext.ep.replication import ReplicaPlan
+
+
+def exchange_arguments(plan: ReplicaPlan, rank: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    """(send_local, send_counts, recv_counts, recv_slot) of ``replica_weights`` for ``rank``."""
+    per_rank, ranks = plan.experts_per_rank, plan.expert_parallel_degree
+    send_local, send_counts = [], []
+    for destination in range(ranks):
+        sent = [home % per_rank for home in plan.replicas[destination] if home >= 0 and home // per_rank == rank]
+        send_local += sent
+        send_counts.append(len(sent))
+    held = [(home // per_rank, slot) for slot, home in enumerate(plan.replicas[rank]) if home >= 0]
+    recv_counts = [sum(source == s for source, _ in held) for s in range(ranks)]
+    recv_slot = [slot for _, slot in sorted(held)]
+    return send_local, send_counts, recv_counts, recv_slot
+
+
+class ExpertsWithReplicas(GroupedExperts):
+    """GroupedExperts computing home experts and replica slots (adopted in place)."""
+
+    slots: int
+    group = None
+    exchange: tuple[list[int], list[int], list[int], list[int]]
+    bytes_per_expert: int = 0
+    """One expert's weights as the last forward fetched them (its compute dtype), for reports."""
+
+    @classmethod
+    def adopt(cls, experts: GroupedExperts, plan: ReplicaPlan, group) -> "ExpertsWithReplicas":
+        experts.__class__ = cls
+        experts.slots = plan.slots
+        experts.group = group
+        experts.dispatched_experts = plan.expert_parallel_degree * (plan.experts_per_rank + plan.slots)
+        experts.set_plan(plan)
+        return experts
+
+    def set_plan(self, plan: ReplicaPlan) -> None:
+        self.exchange = exchange_arguments(plan, torch.distributed.get_rank(self.group))
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        home = [w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3)]
+        local = home[0].shape[0]
+        flat = torch.cat([w.reshape(local, -1) for w in home], dim=1)
+        self.bytes_per_expert = flat.shape[1] * flat.element_size()
+        fetched = replica_ops().replica_weights(flat, *self.exchange, self.slots, _get_process_group_name(self.group))
+        pieces = fetched.split([w[0].numel() for w in home], dim=1)
+        w1, w2, w3 = (torch.cat([w, piece.view(self.slots, *w.shape[1:])]) for w, piece in zip(home, pieces))
+        if self.use_grouped_mm:
+            return _run_experts_grouped_mm(w1, w2, w3, x, num_tokens_per_expert)
+        return _run_experts_for_loop(w1, w2, w3, x, num_tokens_per_expert)

@@ -1,0 +1,145 @@
+"""Expert replication: extra expert slots on every EP rank that hold copies of hot experts.
+
+Under ``[expert_replication] slots_per_rank = S`` each EP rank r holds its L
+home experts (slots r*L .. r*L+L-1 of the placement, :mod:`torchtitan_ext.balancing.placement`)
+and S replica slots. A :class:`ReplicaPlan` says which home slot each replica
+slot copies; it changes every ``adapt_every`` steps
+(:mod:`torchtitan_ext.balancing.replica_choice`). The backends dispatch over
+``EP x (L + S)`` slots (:func:`dispatched_shape`): rank r's dispatched slots
+are ``r*(L+S) + j``, its home experts first (j < L), then its replicas.
+
+Every step, each MoE layer divides the (token, expert) pairs of a replicated
+expert among its copies from that step's global counts
+(:mod:`.replica_split`), and the experts compute with their replicas' weights
+fetched from home (:mod:`.replicated_experts`): only home weights are
+parameters, so gradients of replicas return home and are summed there, the
+optimizer and checkpoints see logical experts only, and replicas equal their
+home weights bit for bit at every step.
+"""
+
+from dataclasses import dataclass, replace
+
+from torchtitan_ext.config import ConfigError, MoEShape, Range, ValidationContext
+
+
+@dataclass
+class ExpertReplication:
+    slots_per_rank: int = 0
+    """
+    Extra expert slots per EP rank, each holding a copy of another rank's
+    expert (weights fetched from home every step; no optimizer state). 0: off.
+    Range 0 .. experts - experts per rank (a rank can copy only the others'
+    experts); needs expert_parallel_degree > 1. Memory per slot and rank: one
+    routed expert's weights and gradients per MoE layer.
+    """
+    adapt_every: int = 1
+    """
+    Steps between choices of which experts get replicas, made from the global
+    token counts of the steps since the last choice (the first steps, before
+    any choice, run without replicas). How a replicated expert's tokens are
+    divided among its copies is decided every step from that step's counts.
+    Range >= 1. 1 re-chooses every step from the previous step's counts, at
+    no extra communication (replica weights are fetched every step anyway)
+    and one host read of the counts per step.
+    """
+
+
+REPLICATION_RANGES = {
+    "expert_replication.slots_per_rank": Range(minimum=0, meaning="replica slots per EP rank"),
+    "expert_replication.adapt_every": Range(minimum=1, meaning="steps between replica choices"),
+}
+
+
+def dispatched_shape(job_config, shape: MoEShape) -> MoEShape:
+    """The shape the backend dispatches over: ``shape`` with EP x (L + S) experts under replication."""
+    slots = job_config.expert_replication.slots_per_rank
+    if not slots:
+        return shape
+    ep = job_config.parallelism.expert_parallel_degree
+    return replace(shape, num_experts=shape.num_experts + ep * slots)
+
+
+def check_replication(job_config, context: ValidationContext) -> None:
+    """ConfigError, naming the field and the fix, for a replication the job cannot run."""
+    slots = job_config.expert_replication.slots_per_rank
+    if not slots:
+        return
+    where = f"expert_replication.slots_per_rank = {slots}"
+    if context.moe_shape is None:
+        raise ConfigError(f"{where}, but the model has no MoE layers: set it to 0")
+    parallelism = job_config.parallelism
+    ep = parallelism.expert_parallel_degree
+    if ep == 1:
+        raise ConfigError(f"{where} needs expert parallelism: set parallelism.expert_parallel_degree > 1, or slots to 0")
+    experts = context.moe_shape.num_experts
+    if slots > experts - experts // ep:
+        raise ConfigError(
+            f"{where}: a rank can hold copies of the other ranks' {experts - experts // ep} experts only: "
+            f"set it to at most {experts - experts // ep}"
+        )
+    if parallelism.expert_tensor_parallel_degree > 1:
+        raise ConfigError(
+            f"{where} is not supported with parallelism.expert_tensor_parallel_degree = "
+            f"{parallelism.expert_tensor_parallel_degree} (replica weights are fetched whole): set one of them to 1"
+        )
+    if job_config.compile.enable and "model" in job_config.compile.components:
+        raise ConfigError(
+            f"{where} is not supported with compile.enable and 'model' in compile.components (the per-step split "
+            "is not compiled): turn one of them off"
+        )
+    if parallelism.pipeline_parallel_expert_parallel_overlap and parallelism.pipeline_parallel_schedule.lower() == "dualpipev":
+        raise ConfigError(
+            f"{where} is not supported with DualPipeV's overlapped expert parallelism: set "
+            "parallelism.pipeline_parallel_expert_parallel_overlap = false, or slots to 0"
+        )
+
+
+@dataclass(frozen=True)
+class ReplicaPlan:
+    """Which home slot each replica slot copies, for one MoE layer.
+
+    ``replicas[r][j]``: the home slot (0 .. E-1, the placement's physical
+    numbering) that replica slot j of EP rank r copies, or -1 when unused. A
+    rank never copies its own experts, nor one expert twice.
+    """
+
+    num_experts: int
+    expert_parallel_degree: int
+    replicas: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def empty(cls, num_experts: int, expert_parallel_degree: int, slots: int) -> "ReplicaPlan":
+        return cls(num_experts, expert_parallel_degree, ((-1,) * slots,) * expert_parallel_degree)
+
+    def __post_init__(self):
+        per_rank = self.experts_per_rank
+        for rank, held in enumerate(self.replicas):
+            used = [slot for slot in held if slot >= 0]
+            if len(set(used)) != len(used) or any(slot // per_rank == rank or slot >= self.num_experts for slot in used):
+                raise ValueError(f"rank {rank}'s replicas {held}: each another rank's expert, at most once")
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.expert_parallel_degree
+
+    @property
+    def slots(self) -> int:
+        return len(self.replicas[0])
+
+    def dispatched_slot(self, rank: int, local_slot: int) -> int:
+        """Dispatched id of local slot ``local_slot`` (home experts first, then replicas) of ``rank``."""
+        return rank * (self.experts_per_rank + self.slots) + local_slot
+
+    def copies(self) -> list[list[tuple[int, int]]]:
+        """For each home slot, its copies as (rank, dispatched id): home first, then replicas by rank."""
+        per_rank = self.experts_per_rank
+        result = [[(home // per_rank, self.dispatched_slot(home // per_rank, home % per_rank))]
+                  for home in range(self.num_experts)]
+        for rank, held in enumerate(self.replicas):
+            for j, home in enumerate(held):
+                if home >= 0:
+                    result[home].append((rank, self.dispatched_slot(rank, per_rank + j)))
+        return result
+
+    def replicated(self) -> int:
+        return sum(home >= 0 for held in self.replicas for home in held)
