@@ -162,3 +162,31 @@ def test_replica_weights_equal_home_and_gradients_return_home():
     # slots 0 (weight 1) and 1 (weight 10)
     assert torch.equal(results[0]["grad"], torch.tensor([[1.0] * 3, [0.0] * 3]))
     assert torch.equal(results[1]["grad"], torch.tensor([[10.0] * 3, [1.0] * 3]))
+
+
+def _host_sync_worker(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_process_group_name
+
+    from tests.ep.host_sync import HostSyncCounter
+    from torchtitan_ext.ep.replica_split import replica_ops, ReplicaRouter
+
+    plan = ReplicaPlan(4, world_size, ((2,), (0,)))
+    router = ReplicaRouter(plan, dist.group.WORLD)
+    home_slots = torch.tensor([[0, 1], [0, 2], [3, 0]])
+    home = torch.randn(2, 6, requires_grad=True)
+    router.assign(home_slots, counting=True)  # builds the plan's tables outside the count
+    counter = HostSyncCounter()
+    with counter:
+        router.assign(home_slots, counting=True)
+        fetched = replica_ops().replica_weights(home, *exchange_arguments(plan, rank), 1,
+                                                _get_process_group_name(dist.group.WORLD))
+        fetched.sum().backward()
+    return dict(counter.events)
+
+
+def test_the_split_and_the_replica_weights_never_make_the_host_wait():
+    """The per-step split and the weights' way out and back issue their collectives and nothing that
+    reads the device from the host (the count exchange is one all-gather)."""
+    for events in run_distributed(EP, _host_sync_worker):
+        assert events == {"collective (c10d.allgather_.default)": 1, "collective (c10d.alltoall_base_.default)": 2}, events

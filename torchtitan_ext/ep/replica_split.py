@@ -119,7 +119,8 @@ class ReplicaRouter:
         with torch.no_grad():
             flat = home_slots.reshape(-1)
             experts = tables.plan.num_experts
-            local = torch.bincount(flat, minlength=experts)
+            # scatter-add, not bincount: bincount reads the largest id back to size its output
+            local = torch.zeros(experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
             counts = replica_ops().replica_counts(local, _get_process_group_name(self.group))
             total = counts.sum(0)
             if counting and not recomputing():

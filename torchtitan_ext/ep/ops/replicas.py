@@ -11,6 +11,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from torchtitan_ext.ep.base import to_device
+
+
+def _indices(values: list[int], device: torch.device) -> torch.Tensor:
+    """Host indices on ``device`` without making the host wait (pinned, non-blocking)."""
+    return to_device(torch.tensor(values, dtype=torch.int64), device)
+
 
 @torch.library.custom_op("torchtitan_ext::replica_weights", mutates_args=())
 def replica_weights(
@@ -27,11 +34,11 @@ def replica_weights(
     Sends ``home[send_local]`` in that order, ``send_counts[d]`` rows to rank d; receives
     ``recv_counts[s]`` rows from rank s, in order, into replica slots ``recv_slot``. Unused slots are 0.
     """
-    sent = home.index_select(0, torch.tensor(send_local, dtype=torch.int64, device=home.device))
+    sent = home.index_select(0, _indices(send_local, home.device))
     received = home.new_empty((sum(recv_counts), home.shape[1]))
     dist.all_to_all_single(received, sent, recv_counts, send_counts, group=_resolve_process_group(group_name))
     out = home.new_zeros((slots, home.shape[1]))
-    return out.index_copy_(0, torch.tensor(recv_slot, dtype=torch.int64, device=home.device), received)
+    return out.index_copy_(0, _indices(recv_slot, home.device), received)
 
 
 @replica_weights.register_fake
@@ -48,11 +55,11 @@ def _backward(ctx, grad):
     """Each replica's gradient to its home rank, summed into the home expert's."""
     send_local, send_counts, recv_counts, recv_slot, _, group_name = ctx.args
     device = grad.device
-    returned = grad.index_select(0, torch.tensor(recv_slot, dtype=torch.int64, device=device)).contiguous()
+    returned = grad.index_select(0, _indices(recv_slot, device)).contiguous()
     arrived = grad.new_empty((sum(send_counts), grad.shape[1]))
     dist.all_to_all_single(arrived, returned, send_counts, recv_counts, group=_resolve_process_group(group_name))
     home_grad = grad.new_zeros((ctx.home_rows, grad.shape[1]))
-    home_grad.index_add_(0, torch.tensor(send_local, dtype=torch.int64, device=device), arrived)
+    home_grad.index_add_(0, _indices(send_local, device), arrived)
     return home_grad, None, None, None, None, None, None
 
 
