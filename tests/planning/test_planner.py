@@ -108,6 +108,22 @@ def test_saved_layers_follow_activation_checkpointing(harness):
     assert saved == {"none": 5, "full": 0, "op": 5, "every 2": 2}
 
 
+def test_replica_slots_enter_the_plan(harness):
+    """2 slots: the debug model's expert is 3 x 256 x 256 weights; non-blocking HybridEP's fixed rows follow
+    the dispatched slots (N x R x min(L + S, K) x factor), the worst case of the others as well."""
+    from torchtitan_ext.planning.memory_plan import format_plan
+
+    result = _plan(JOB + ["--expert_replication.slots_per_rank", "2"])
+    dims = result.dims
+    assert (dims.replica_slots, dims.expert_elements, dims.local_experts) == (2, 3 * 256 * 256, 4)
+    non_blocking = next(b for b in result.backends if "non-blocking" in b.name)
+    assert non_blocking.rows_worst == int(dims.tokens * 2 * min(4 + 2, 3) * 0.5)
+    line = next(line for line in format_plan(result, WORLD) if "replica slots" in line)
+    # 2 slots x 196,608 weights x 2 bytes (bf16) = 0.75 MiB, x 5 MoE layers
+    assert line.startswith("  replica slots: 2 per MoE layer, weights fetched every step: 0.75 MiB per layer"), line
+    assert line.endswith("3.75 MiB over the 5 MoE layers when all are kept for backward"), line
+
+
 def test_expected_drops_follow_the_contract_example():
     """R=2, N=48, L=2, K=1, P=32, M=96: counts 49/47 pad to 64+64 rows, 15 of 96 pairs drop."""
     stats = {"tokens_per_expert": np.array([[[49, 47, 0, 0]]]), "layers": np.array([3])}

@@ -8,7 +8,9 @@ hybridep non-blocking at the configured capacity factor), prints:
 - the permuted rows per MoE layer (the experts' input; bytes at the
   activation dtype), and that times the MoE layers whose dispatch output
   stays alive for backward under the configured activation checkpointing;
-- the expert parameter bytes this rank holds;
+- the expert parameter bytes this rank holds, and under expert replication
+  the replica slots' weights and gradients (fetched every step, no optimizer
+  state);
 - whether the config can drop tokens, and with a routing-statistics dump the
   expected drop rate for that routing (the contract's tail rule and padding).
 
@@ -27,9 +29,10 @@ import torch
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.protocols.train_spec import get_train_spec
 
-from torchtitan_ext.config import ConfigError, max_tokens_per_rank, MoEShape
+from torchtitan_ext.config import ConfigError, max_tokens_per_rank, meta_model, MoEShape
 from torchtitan_ext.ep import BACKENDS
 from torchtitan_ext.ep.base import token_group_alignment
+from torchtitan_ext.ep.replication import dispatched_shape
 from torchtitan_ext.planning.dry_run import dry_run, DryRunReport
 
 
@@ -43,6 +46,10 @@ class Dimensions:
     hidden: int
     activation_bytes: int
     """Bytes per element of the activations the experts see."""
+    replica_slots: int = 0
+    """S: replica slots per rank ([expert_replication] slots_per_rank)."""
+    expert_elements: int = 0
+    """Elements of one routed expert's weights (w1, w2, w3)."""
 
 
 @dataclass(frozen=True)
@@ -109,8 +116,9 @@ def expected_drop_rates(stats, dims: Dimensions, num_rows: int, pad: int) -> tup
 
 
 def _plan_rows(dims: Dimensions, pad: int) -> tuple[int, int]:
-    padding = dims.local_experts * (pad - 1)
-    worst = dims.tokens * dims.ep * min(dims.local_experts, dims.top_k) + padding
+    slots = dims.local_experts + dims.replica_slots
+    padding = slots * (pad - 1)
+    worst = dims.tokens * dims.ep * min(slots, dims.top_k) + padding
     return dims.tokens * dims.top_k + padding, worst
 
 
@@ -128,10 +136,12 @@ def plan(job_config, world_size: int, routing_stats=None) -> Plan:
         top_k=model_args.moe_args.top_k,
         hidden=model_args.dim,
         activation_bytes=torch.empty((), dtype=activation_dtype).element_size(),
+        replica_slots=job_config.expert_replication.slots_per_rank,
+        expert_elements=_expert_elements(job_config),
     )
     saved, reason = saved_moe_layers(job_config, report.rank_layers, report.rank_moe_layers)
     align = token_group_alignment(job_config)
-    shape = MoEShape(dims.hidden, dims.ep * dims.local_experts, dims.top_k, dims.tokens)
+    shape = dispatched_shape(job_config, MoEShape(dims.hidden, dims.ep * dims.local_experts, dims.top_k, dims.tokens))
     backends = []
     for backend_name, backend in BACKENDS.items():
         pad = max(align, backend.min_pad_multiple)
@@ -151,6 +161,15 @@ def plan(job_config, world_size: int, routing_stats=None) -> Plan:
     return Plan(dims, report, reason, backends)
 
 
+def _expert_elements(job_config) -> int:
+    """Elements of one routed expert's weights, from the model built on the meta device."""
+    for block in meta_model(job_config).layers.values():
+        if block.moe_enabled:
+            experts = block.moe.experts
+            return sum(weight[0].numel() for weight in (experts.w1, experts.w2, experts.w3))
+    return 0
+
+
 def _gib(value: int | None) -> str:
     return "n/a" if value is None else f"{value / 2**30:,.2f} GiB"
 
@@ -166,6 +185,14 @@ def format_plan(result: Plan, world_size: int) -> list[str]:
         f"({_gib(report.rank_expert_parameter_bytes)}); MoE layers on this rank: {len(report.rank_moe_layers)}",
         f"  saved MoE layers: {result.saved_layers_reason}",
     ]
+    if d.replica_slots:
+        replica_bytes = d.replica_slots * d.expert_elements * d.activation_bytes
+        layers = len(report.rank_moe_layers)
+        lines.append(
+            f"  replica slots: {d.replica_slots} per MoE layer, weights fetched every step: {replica_bytes / 2**20:,.2f} "
+            f"MiB per layer while it computes, and as much gradient in its backward (no optimizer state); "
+            f"{replica_bytes * layers / 2**20:,.2f} MiB over the {layers} MoE layers when all are kept for backward"
+        )
     for b in result.backends:
         lines += [
             f"  [{b.name}]  groups padded to {b.pad_multiple}",
