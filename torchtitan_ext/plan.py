@@ -1,7 +1,7 @@
 """EP planner: memory and drop risk of each backend for a job, and which backend and EP layout to use.
 
     python -m torchtitan_ext.plan --job.config_file X [overrides] [--world-size N] [--routing-stats DUMP]
-        [--topology T [--measure-compute]]
+        [--topology T [--measure-compute] [--replica-slots 0,1,2]]
     python -m torchtitan_ext.plan --paper --topology T --world-size G --paper-data-mb D --paper-expert-mb P_E
         --paper-pre-expert-ms PE
     python -m torchtitan_ext.plan --calibrate [--nproc N] [--calibrate-output FILE]
@@ -14,7 +14,9 @@ a name in ``topologies/``) it adds the layout advisor's ranked table
 the job can run, the predicted MoE communication and exposed time per step,
 and the overrides that select the winner; ``--measure-compute`` times the
 job's per-rank compute, and each backend's local dispatch and combine work, on
-this machine for it (:mod:`torchtitan_ext.planning.measured_compute`).
+this machine for it (:mod:`torchtitan_ext.planning.measured_compute`);
+``--replica-slots`` prices every layout at each of those
+``expert_replication.slots_per_rank`` values (default: the job's own).
 ``--paper`` evaluates the seed paper's own one-level setting; ``--calibrate``
 measures this machine and writes its topology file
 (:mod:`torchtitan_ext.planning.calibrate`).
@@ -49,6 +51,11 @@ def main(argv: list[str] | None = None) -> None:
         help="with --topology: time the job's per-rank compute and each backend's local dispatch work on this "
              "machine (one process per rank) instead of FLOPs",
     )
+    parser.add_argument(
+        "--replica-slots", type=_slot_counts, metavar="S[,S...]",
+        help="with --topology: price every layout at each of these expert_replication.slots_per_rank values "
+             "(default: the job's own); with --routing-stats, from the busiest rank's rows after the split",
+    )
     parser.add_argument("--paper", action="store_true", help="evaluate the seed paper's one-level setting (needs --topology)")
     parser.add_argument("--paper-data-mb", type=float, help="--paper: D, MB of tokens one worker dispatches")
     parser.add_argument("--paper-expert-mb", type=float, help="--paper: P_E, MB of one worker's experts")
@@ -76,6 +83,8 @@ def main(argv: list[str] | None = None) -> None:
         job_config = load_job_config(train_args, device_type=None, world_size=world_size)
         if args.measure_compute and topology is None:
             raise ConfigError("--measure-compute sets the layout advice's compute: add --topology")
+        if args.replica_slots is not None and topology is None:
+            raise ConfigError("--replica-slots prices the layout advice's layouts: add --topology")
         if args.measure_compute:
             check_measurable(load_job_config(train_args, device_type="cpu", world_size=world_size), world_size)
         stats = None
@@ -87,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         result = plan(job_config, world_size, stats)
         compute = measure_compute(train_args, world_size) if args.measure_compute else None
         advice, routing = (None, None) if topology is None else advise(
-            train_args, world_size, topology, stats, str(args.routing_stats), compute
+            train_args, world_size, topology, stats, str(args.routing_stats), compute, args.replica_slots, progress=True
         )
         problem = overrides_problem(train_args, world_size, advice[0]) if advice and advice[0].refused is None else None
     except ConfigError as e:
@@ -99,6 +108,17 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(format_plan(result, world_size)))
     if advice is not None:
         print("\n".join(format_advice(advice, topology, world_size, result.dry_run.model, problem, routing, compute)))
+
+
+def _slot_counts(text: str) -> list[int]:
+    """``--replica-slots``: comma-separated integers >= 0."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        counts = [-1]
+    if any(count < 0 for count in counts):
+        raise argparse.ArgumentTypeError(f"'{text}': use comma-separated slot counts >= 0, e.g. 0,1,2")
+    return counts
 
 
 def _exit_on_error(fn, *args):

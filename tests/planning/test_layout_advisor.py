@@ -254,7 +254,7 @@ def test_cli_uses_a_routing_dump(capsys, tmp_path):
              transitions=np.zeros((5, 8, 8), dtype=np.int64), **dump)
     plan.main(["--topology", "hgx_h100_ib", "--world-size", "4", "--routing-stats", str(tmp_path), *DEBUG_JOB])
     out = capsys.readouterr().out
-    assert f"token bytes from measured routing ({tmp_path}: 10 step x layer dispatches)" in out
+    assert f"token bytes and rank loads from measured routing ({tmp_path}: 10 step x layer dispatches)" in out
 
 
 THIS_MACHINE = parse_topology(

@@ -110,3 +110,32 @@ def test_check_cluster_without_cuda_lists_the_prerequisites_and_what_it_cannot_c
     ]
     assert "- NCCL >= 2.30.4 (DeepEP main, V2's Gin backend): missing: NCCL_DIR=/nonexistent has no include/nccl.h" in checks
     assert checks[-1].endswith(": not checkable here: no CUDA device: run this on a GPU node")
+
+
+def _script(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_replication_reads_both_ranks_step_lines(capsys):
+    """The step line as the launcher prints it with LOG_RANK=0,1; too few steps for a warm-up is refused."""
+    import pytest
+
+    bench = _script("bench_replication")
+    lines = "\n".join(
+        f"[rank{rank}]:09:14:1{step} step:  {step}  loss:  8.0{step}  grad_norm:  2.1352  step_time:  {step + rank}.5s"
+        f"  recv max/mean: 1.{step}0"
+        for rank in (0, 1) for step in range(1, 6)
+    )
+    found = bench.STEP.findall(lines)
+    assert len(found) == 10 and found[-1] == ("1", "5", "8.05", "6.5", "1.50")
+    times = {rank: {step: step + rank + 0.5 for step in range(1, 6)} for rank in (0, 1)}
+    assert bench.slowest_median(times) == 6.0  # rank 1, steps 4 and 5: 5.5 and 6.5
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--steps", "4"])
+    assert exit_info.value.code == 2
+    assert "--steps 4: use more than 4 (the first 3 are warm-up)" in capsys.readouterr().err

@@ -15,6 +15,8 @@ same on every rank: the choice needs no communication). Replicas are derived
 state: nothing of them is checkpointed, and a resumed job chooses afresh.
 """
 
+import heapq
+
 import torch
 from torchtitan.tools.logging import logger
 
@@ -34,28 +36,26 @@ def choose_replicas(counts: list[int], expert_parallel_degree: int, slots: int) 
     for home, count in enumerate(counts):
         loads[home // per_rank] += count
     held: list[list[int]] = [[] for _ in range(expert_parallel_degree)]
-    for _ in range(expert_parallel_degree * slots):
-        candidates = [home for home in range(experts) if counts[home] and _free_rank(home, copy_ranks, held, slots)]
-        if not candidates:
-            break
-        home = max(candidates, key=lambda h: (counts[h] / len(copy_ranks[h]), -h))
-        rank = min(_free_ranks(home, copy_ranks, held, slots), key=lambda r: (loads[r], r))
+    # most pairs per copy first, ties to the lower slot; a slot that finds no free rank never will again (free
+    # ranks only fill, copies only grow), so it leaves the heap for good
+    heap = [(-count, home) for home, count in enumerate(counts) if count]
+    heapq.heapify(heap)
+    while heap:
+        _, home = heapq.heappop(heap)
+        free = [rank for rank in range(expert_parallel_degree)
+                if len(held[rank]) < slots and rank not in copy_ranks[home]]
+        if not free:
+            continue
+        rank = min(free, key=lambda r: (loads[r], r))
         held[rank].append(home)
         copy_ranks[home].append(rank)
         others = [loads[r] - share for r, share in zip(copy_ranks[home], shares[home] + [0])]
         shares[home] = water_fill(torch.tensor(others), torch.tensor(counts[home])).tolist()
         for r, other, share in zip(copy_ranks[home], others, shares[home]):
             loads[r] = other + share
+        heapq.heappush(heap, (-counts[home] / len(copy_ranks[home]), home))
     replicas = tuple(tuple(homes + [-1] * (slots - len(homes))) for homes in held)
     return ReplicaPlan(experts, expert_parallel_degree, replicas)
-
-
-def _free_ranks(home: int, copy_ranks, held, slots: int) -> list[int]:
-    return [rank for rank in range(len(held)) if len(held[rank]) < slots and rank not in copy_ranks[home]]
-
-
-def _free_rank(home: int, copy_ranks, held, slots: int) -> bool:
-    return bool(_free_ranks(home, copy_ranks, held, slots))
 
 
 class ReplicaChooser:

@@ -196,6 +196,8 @@ class MeasuredRouting:
     """[dispatches, E]: (token, expert) pairs per expert."""
     sampled_expert_ids: tuple[np.ndarray, ...]
     """Per dispatch, [tokens, top_k] expert ids of the sampled tokens."""
+    layers: int = 1
+    """MoE layers per recorded step: the dispatches are step-major, ``layers`` per step."""
 
     @classmethod
     def from_dump(cls, stats: dict, source: str, experts: int, top_k: int) -> "MeasuredRouting":
@@ -215,11 +217,15 @@ class MeasuredRouting:
         rows = tuple(ids[(ids >= 0).all(axis=1)].astype(np.int64) for ids in sampled)
         if not all(len(r) for r in rows):
             raise ConfigError(f"--routing-stats {source}: a step and layer with no sampled token; record more steps")
-        return cls(source, counts.reshape(-1, experts).astype(np.float64), rows)
+        return cls(source, counts.reshape(-1, experts).astype(np.float64), rows, counts.shape[1] if counts.ndim == 3 else 1)
 
     @property
     def dispatches(self) -> int:
         return len(self.tokens_per_expert)
+
+    @property
+    def steps(self) -> int:
+        return self.dispatches // self.layers
 
     def pair_share(self, ep: int) -> float:
         """The busiest EP rank's share of the (token, expert) pairs: 1/ep under uniform routing."""
@@ -319,7 +325,7 @@ def _miss(experts: int, top_k: int, held: int) -> float:
     return math.comb(experts - held, top_k) / math.comb(experts, top_k)
 
 
-def _transfer(topology: Topology, bytes_per_level: dict[int, float], collective: Collective = "all_to_all") -> float:
+def transfer_seconds(topology: Topology, bytes_per_level: dict[int, float], collective: Collective = "all_to_all") -> float:
     """Levels' links run side by side: the slowest level's bytes / the collective's bandwidth + start-up."""
     return max(
         (volume / topology.levels[level].bandwidth(collective) + topology.levels[level].latency_us * 1e-6
@@ -330,7 +336,7 @@ def _transfer(topology: Topology, bytes_per_level: dict[int, float], collective:
 
 def token_bytes_per_level(
     work: MoEWorkload, topology: Topology, sizes: list[int], ep: int, copies_per_rank: bool,
-    routing: MeasuredRouting | None = None,
+    routing: MeasuredRouting | None = None, pair_share: float | None = None,
 ) -> tuple[dict[int, float], float]:
     """({level: bytes rank 0 sends there per all-to-all}, token copies leaving the rank).
 
@@ -342,18 +348,28 @@ def token_bytes_per_level(
     over an outer level once to each domain (the EP ranks of one inner-level group) holding
     one, and the rank it lands on forwards it inside the domain (counted on the innermost
     level, also for a domain reached over the third level or beyond).
+    ``pair_share``, when given, is the busiest receiver's share of the pairs in place of the
+    routing's (under expert replication: after the split, :mod:`.replica_cost`). Which ranks a
+    token reaches through its experts' copies is not replayed; since sending each token once per
+    rank never sends more than once per pair, the per-rank backends' bytes are then bounded by the
+    per-pair bytes at that share, level by level.
     """
     row = work.hidden * work.activation_bytes
     local = work.experts // ep
     by_level = _levels_of_peers(topology, sizes, list(range(1, ep)))
     volume: dict[int, float] = {}
     copies = 0.0
-    if not copies_per_rank:
-        per_peer = work.tokens * work.top_k * (routing.pair_share(ep) if routing else 1 / ep)
+    if not copies_per_rank or pair_share is not None:
+        if pair_share is None:
+            pair_share = routing.pair_share(ep) if routing else 1 / ep
+        per_peer = work.tokens * work.top_k * pair_share
         for level, peers in by_level.items():
             volume[level] = peers * per_peer * row
             copies += peers * per_peer / work.tokens
-        return volume, copies
+        if not copies_per_rank:
+            return volume, copies
+        per_rank_volume, per_rank_copies = token_bytes_per_level(work, topology, sizes, ep, True, routing)
+        return {level: min(v, per_rank_volume.get(level, 0.0)) for level, v in volume.items()}, min(copies, per_rank_copies)
 
     def reach(ranks: int, domain_size: int) -> float:
         """Of a domain of ``domain_size`` ranks of which ``ranks`` are in the EP group."""
@@ -382,7 +398,7 @@ def token_bytes_per_level(
 
 def layer_costs(
     work: MoEWorkload, topology: Topology, world_size: int, ep: int, efsdp: int, copies_per_rank: bool,
-    routing: MeasuredRouting | None = None,
+    routing: MeasuredRouting | None = None, pair_share: float | None = None,
 ) -> LayerCosts:
     """The paper's streams for one MoE layer of a torchtitan job at (ep, efsdp), per rank and step.
 
@@ -392,13 +408,13 @@ def layer_costs(
     the gradients' reduce-scatter of the same bytes at the reduce dtype.
     """
     sizes = topology.group_sizes(world_size)
-    volume, copies = token_bytes_per_level(work, topology, sizes, ep, copies_per_rank, routing)
-    a2a = _transfer(topology, volume)
+    volume, copies = token_bytes_per_level(work, topology, sizes, ep, copies_per_rank, routing, pair_share)
+    a2a = transfer_seconds(topology, volume)
     gathered = work.experts // ep * work.expert_parameters * (efsdp - 1) / efsdp
     if efsdp > 1:
         level = max(topology.level_of(sizes, 0, j * ep) for j in range(1, efsdp))
-        all_gather = _transfer(topology, {level: gathered * work.gather_bytes}, "all_gather")
-        reduce_scatter = _transfer(topology, {level: gathered * work.reduce_bytes}, "reduce_scatter")
+        all_gather = transfer_seconds(topology, {level: gathered * work.gather_bytes}, "all_gather")
+        reduce_scatter = transfer_seconds(topology, {level: gathered * work.reduce_bytes}, "reduce_scatter")
     else:
         all_gather = reduce_scatter = 0.0
     pre_expert = work.pre_expert_flops / (topology.compute_tflops * 1e12)

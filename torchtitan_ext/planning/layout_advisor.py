@@ -6,7 +6,12 @@ part of it the step waits for (:mod:`.cost_model`), the
 per-rank memory the layout changes (the experts FSDP gathers for a layer, the
 planner's buffer and dispatched rows), and ranks the layouts by what each adds
 to the step: its exposed MoE communication, plus with a measured compute
-(:mod:`.measured_compute`) its backend's local work.
+(:mod:`.measured_compute`) its backend's local work, plus under measured
+routing the busiest EP rank's expert compute above the mean rank's. With
+replica slots to price (the job's ``[expert_replication]``, or
+``replica_slots``), each layout is also priced at each slot count: the
+busiest rank's rows after the split and the replicas' traffic
+(:mod:`.replica_cost`).
 Feasibility is the job config's own validation: a layout it refuses is listed
 with the reason, never ranked.
 """
@@ -19,6 +24,7 @@ from torchtitan.config import TORCH_DTYPE_MAP
 
 from torchtitan_ext.config import comm_backend, ConfigError, load_job_config, meta_model, MoEShape, validate
 from torchtitan_ext.ep import BACKENDS
+from torchtitan_ext.ep.replication import dispatched_shape
 from torchtitan_ext.planning.cost_model import (
     DataParallelSync,
     eq3_a2a_volume,
@@ -34,6 +40,7 @@ from torchtitan_ext.planning.cost_model import (
 )
 from torchtitan_ext.planning.measured_compute import MeasuredCompute
 from torchtitan_ext.planning.memory_plan import saved_moe_layers
+from torchtitan_ext.planning.replica_cost import busiest_rows_ratio, check_replayable, replica_traffic
 from torchtitan_ext.planning.topology import Topology
 
 
@@ -59,6 +66,9 @@ class JobShape:
     parameter_share: float
     """The fraction of the model's parameters one rank holds and steps (FSDP and EP shard them all), in
     (0, 1]."""
+    expert_flop_share: float
+    """The routed experts' share of a pass's FLOPs, in [0, 1): the part of the compute that an EP rank's
+    load scales."""
 
     @property
     def recompute_factor(self) -> float:
@@ -99,6 +109,19 @@ class Layout:
     """The outermost topology level the EP group's all-to-all crosses ("" at EP = 1)."""
     gather_level: str = ""
     """The outermost level the expert-FSDP group's all-gather crosses ("" at efsdp = 1)."""
+    replica_slots: int = 0
+    """This layout's ``expert_replication.slots_per_rank``."""
+    job_replica_slots: int = 0
+    """The job's own ``expert_replication.slots_per_rank`` (the overrides name the slots when they differ)."""
+    rows_ratio: float = 1.0
+    """The busiest EP rank's expert rows over the mean rank's, >= 1: 1 under uniform routing; under measured
+    routing the dump's, after the replicas' split (:mod:`.replica_cost`)."""
+    expert_compute_s: float = 0.0
+    """The routed experts' part of ``compute_s`` (their FLOP share), which a rank's load scales."""
+    replica_fetch_s: float = 0.0
+    """One forward's fetch of the replicas' weights and exchange of the pair counts, per MoE layer and call."""
+    replica_return_s: float = 0.0
+    """One backward's return of the replicas' gradients, per MoE layer and call."""
 
     def _per_step(self, per_layer) -> float:
         kept = self.moe_layers - self.recomputed_layers
@@ -118,9 +141,20 @@ class Layout:
         return self._per_step(lambda recomputed: self.dispatch_work_s * (1.5 if recomputed else 1.0))
 
     @property
+    def imbalance_s(self) -> float:
+        """The busiest rank's expert compute above the mean rank's, per step."""
+        return self.expert_compute_s * (self.rows_ratio - 1)
+
+    @property
+    def replica_s(self) -> float:
+        """The replicas' traffic per step; a recomputed layer fetches (and counts) again."""
+        return self._per_step(lambda recomputed: self.replica_fetch_s * (2 if recomputed else 1) + self.replica_return_s)
+
+    @property
     def moe_s(self) -> float:
-        """What the layout adds to the step: exposed MoE communication and the backend's local work."""
-        return self.exposed_s + self.local_work_s
+        """What the layout adds to the step: exposed MoE communication, the backend's local work, the busiest
+        rank's extra expert compute and the replicas' traffic."""
+        return self.exposed_s + self.local_work_s + self.imbalance_s + self.replica_s
 
     @property
     def data_parallel_exposed_s(self) -> float:
@@ -135,7 +169,10 @@ class Layout:
         return self.compute_s + self.moe_s + self.data_parallel_exposed_s
 
     def overrides(self) -> list[str]:
-        return ["--parallelism.expert_parallel_comm_backend", self.backend, "--parallelism.expert_parallel_degree", str(self.ep)]
+        selected = ["--parallelism.expert_parallel_comm_backend", self.backend, "--parallelism.expert_parallel_degree", str(self.ep)]
+        if self.replica_slots != self.job_replica_slots:
+            selected += ["--expert_replication.slots_per_rank", str(self.replica_slots)]
+        return selected
 
 
 def job_shape(job_config, world_size: int) -> JobShape:
@@ -212,7 +249,7 @@ def job_shape(job_config, world_size: int) -> JobShape:
     )
     return JobShape(
         work, len(moe_layers), recomputed, dispatches, flops_per_token * tokens, expert_world, data_parallel_sync,
-        parameter_share,
+        parameter_share, routed_flops / flops_per_token,
     )
 
 
@@ -242,23 +279,30 @@ def _check_nvlink_domain(backend, candidate, topology: Topology, sizes: list[int
 
 def advise(
     train_args: list[str], world_size: int, topology: Topology, routing_stats: dict | None = None, routing_source: str = "",
-    measured_compute: MeasuredCompute | None = None,
+    measured_compute: MeasuredCompute | None = None, replica_slots: list[int] | None = None, progress: bool = False,
 ) -> tuple[list[Layout], MeasuredRouting | None]:
-    """Every backend x EP degree: runnable ones ranked by what each adds to the step (exposed MoE
-    communication, and with a measured compute the backend's local work), then the
-    refused; and the measured routing used for token bytes (from ``routing_stats``, a loaded dump), if any.
+    """Every backend x EP degree (x replica slot count): runnable ones ranked by what each adds to the step
+    (:attr:`Layout.moe_s`), then the refused; and the measured routing used for token bytes and rank loads
+    (from ``routing_stats``, a loaded dump), if any.
 
     Compute per step is ``measured_compute`` (this machine's, :mod:`.measured_compute`)
     when given, else the job's FLOPs at the topology's ``compute_tflops``. A measured compute makes the job
     the one this machine runs: its dtypes are the ones a CPU job here trains in (the bytes every
-    collective moves)."""
+    collective moves). ``replica_slots``: the ``expert_replication.slots_per_rank`` values to price (default:
+    the job's own); replicas need EP > 1, so with 0 among them EP = 1 is priced without replicas only.
+    ``progress``: a progress bar while the dump is replayed under replicas."""
     device_type = None if measured_compute is None else "cpu"
     job_config = load_job_config(train_args, device_type=device_type, world_size=world_size)
     shape = job_shape(job_config, world_size)
     work = shape.work
+    replication = job_config.expert_replication
+    slot_counts = sorted(set(replica_slots)) if replica_slots is not None else [replication.slots_per_rank]
+    prices_replicas = any(slot_counts)
     routing = None
     if routing_stats is not None:
         routing = MeasuredRouting.from_dump(routing_stats, routing_source, work.experts, work.top_k)
+        if prices_replicas:
+            check_replayable(routing, replication.adapt_every)
     if measured_compute is None:
         compute_s = shape.step_flops / (topology.compute_tflops * 1e12)
     else:
@@ -270,38 +314,68 @@ def advise(
     def level_name(last_peer: int) -> str:
         return topology.levels[topology.level_of(sizes, 0, last_peer)].name if last_peer else ""
 
+    ratios: dict[tuple[int, int], float] = {}
+
+    def rows_ratio(ep: int, slots: int) -> float:
+        """The busiest rank's rows over the mean's, the same for every backend; under replicas priced, every
+        slot count on the dispatches after the first choice."""
+        if routing is None:
+            return 1.0
+        if (ep, slots) not in ratios:
+            ratios[ep, slots] = (
+                busiest_rows_ratio(routing, ep, slots, replication.adapt_every, progress) if prices_replicas
+                else routing.pair_share(ep) * ep
+            )
+        return ratios[ep, slots]
+
     runnable, refused = [], []
     for ep in range(1, shape.expert_world + 1):
         if shape.expert_world % ep or work.experts % ep:
             continue
         efsdp = shape.expert_world // ep
         for backend_name, backend in BACKENDS.items():
-            layout = Layout(backend_name, ep, efsdp, refused=None)
-            candidate = _candidate(job_config, backend_name, ep)
-            try:
-                validate(candidate, device_type=device_type, world_size=world_size)
-                _check_nvlink_domain(backend, candidate, topology, sizes)
-            except ConfigError as e:
-                refused.append(replace(layout, refused=str(e)))
-                continue
-            runnable.append(replace(
-                layout,
-                costs=layer_costs(work, topology, world_size, ep, efsdp, backend.sends_each_token_once_per_rank, routing),
-                moe_layers=shape.moe_layers,
-                recomputed_layers=shape.recomputed_layers,
-                dispatches=shape.dispatches,
-                compute_s=compute_s,
-                dispatch_work_s=0.0 if measured_compute is None or ep == 1 else measured_compute.dispatch_work_s[backend_name],
-                data_parallel_s=data_parallel_s,
-                overlap=topology.overlap,
-                gathered_expert_bytes=work.experts // ep * work.expert_parameters * work.gather_bytes,
-                buffer_bytes=backend.planned_buffer(candidate, moe_shape)[0],
-                a2a_level=level_name(ep - 1),
-                gather_level=level_name((efsdp - 1) * ep),
-            ))
-    # equal predictions keep the job's own backend first
+            for slots in slot_counts:
+                if ep == 1 and slots and 0 in slot_counts:
+                    continue  # replicas need EP > 1: this EP = 1 layout is priced without them
+                layout = Layout(backend_name, ep, efsdp, refused=None, replica_slots=slots,
+                                job_replica_slots=replication.slots_per_rank)
+                candidate = _candidate(job_config, backend_name, ep)
+                candidate.expert_replication.slots_per_rank = slots
+                try:
+                    validate(candidate, device_type=device_type, world_size=world_size)
+                    _check_nvlink_domain(backend, candidate, topology, sizes)
+                except ConfigError as e:
+                    refused.append(replace(layout, refused=str(e)))
+                    continue
+                ratio = rows_ratio(ep, slots)
+                fetch_s, return_s = replica_traffic(work, topology, world_size, ep, slots)
+                runnable.append(replace(
+                    layout,
+                    costs=layer_costs(
+                        work, topology, world_size, ep, efsdp, backend.sends_each_token_once_per_rank, routing,
+                        ratio / ep if routing is not None and prices_replicas else None,
+                    ),
+                    moe_layers=shape.moe_layers,
+                    recomputed_layers=shape.recomputed_layers,
+                    dispatches=shape.dispatches,
+                    compute_s=compute_s,
+                    dispatch_work_s=0.0 if measured_compute is None or ep == 1 else measured_compute.dispatch_work_s[backend_name],
+                    data_parallel_s=data_parallel_s,
+                    overlap=topology.overlap,
+                    gathered_expert_bytes=work.experts // ep * work.expert_parameters * work.gather_bytes,
+                    buffer_bytes=backend.planned_buffer(candidate, dispatched_shape(candidate, moe_shape))[0],
+                    a2a_level=level_name(ep - 1),
+                    gather_level=level_name((efsdp - 1) * ep),
+                    rows_ratio=ratio,
+                    expert_compute_s=compute_s * shape.expert_flop_share,
+                    replica_fetch_s=fetch_s,
+                    replica_return_s=return_s,
+                ))
+    # equal predictions keep the job's own backend (and slot count) first
     configured = comm_backend(job_config)
-    runnable.sort(key=lambda layout: (layout.moe_s, layout.backend != configured, layout.ep))
+    runnable.sort(key=lambda layout: (
+        layout.moe_s, layout.backend != configured, layout.replica_slots != replication.slots_per_rank, layout.ep,
+    ))
     return runnable + refused, routing
 
 
@@ -325,15 +399,25 @@ def _gib(value: int | None) -> str:
 
 def _reason(best: Layout, others: list[Layout]) -> str:
     """Why ``best`` wins: against the best layout of another backend, and the best layout at another EP degree."""
-    measured = any(layout.local_work_s for layout in (best, *others))
+    layouts = (best, *others)
+    # (what the ranking adds up, its short name in a breakdown, its value): the terms some layout has
+    terms = [
+        (name, short, value) for name, short, value in (
+            ("the backend's local work", "local work", lambda layout: layout.local_work_s),
+            ("the busiest rank's expert compute above the mean", "busiest-rank compute", lambda layout: layout.imbalance_s),
+            ("the replicas' traffic", "replica traffic", lambda layout: layout.replica_s),
+        ) if any(value(layout) for layout in layouts)
+    ]
 
     def moe_time(layout: Layout) -> str:
-        if not measured:
+        if not terms:
             return f"{_ms(layout.exposed_s)} ms"
-        return f"{_ms(layout.moe_s)} ms: {_ms(layout.exposed_s)} exposed communication + {_ms(layout.local_work_s)} local work"
+        added = " + ".join(f"{_ms(value(layout))} {short}" for _, short, value in terms)
+        return f"{_ms(layout.moe_s)} ms: {_ms(layout.exposed_s)} exposed communication + {added}"
 
-    if measured:
-        parts = [f"least exposed MoE communication plus the backend's local work per step, {moe_time(best)}"]
+    if terms:
+        names = " plus ".join(name for name, _, _ in terms)
+        parts = [f"least exposed MoE communication plus {names} per step, {moe_time(best)}"]
     else:
         parts = [f"least exposed MoE communication, {_ms(best.exposed_s)} ms per step"]
     rival = next((o for o in others if o.backend != best.backend), None)
@@ -346,10 +430,22 @@ def _reason(best: Layout, others: list[Layout]) -> str:
             f"{rival.backend} at EP={rival.ep} ties (the same bytes over the same links: the model does not "
             f"separate them, and keeps the job's own backend first)"
         )
-    elif rival is not None and measured:
+    elif rival is not None and terms:
         parts.append(f"{rival.backend} (best at EP={rival.ep}) takes {moe_time(rival)} ({copies})")
     elif rival is not None:
         parts.append(f"{rival.backend} (best at EP={rival.ep}) exposes {_ms(rival.exposed_s)} ms: {copies}")
+    without = next((o for o in others if (o.backend, o.ep, o.replica_slots) == (best.backend, best.ep, 0)), None)
+    if best.replica_slots and without is not None:
+        parts.append(
+            f"with {best.replica_slots} replica slot(s) the busiest rank computes {best.rows_ratio:.3f}x the mean rank's "
+            f"expert rows ({without.rows_ratio:.3f}x without), {_ms(best.imbalance_s)} ms above the mean per step "
+            f"({_ms(without.imbalance_s)} without), for {_ms(best.replica_s)} ms of replica traffic"
+        )
+    elif best.rows_ratio > 1:
+        parts.append(
+            f"the busiest rank computes {best.rows_ratio:.3f}x the mean rank's expert rows, "
+            f"{_ms(best.imbalance_s)} ms above the mean per step"
+        )
     neighbour = next((o for o in others if o.ep != best.ep), None)
     if neighbour is not None:
         def describe(layout: Layout) -> str:
@@ -378,11 +474,23 @@ def format_advice(
     ]
     if routing is not None:
         lines.append(
-            f"  token bytes from measured routing ({routing.source}: {routing.dispatches} step x layer dispatches), "
-            "the busiest receiving rank's share, experts in logical order"
+            f"  token bytes and rank loads from measured routing ({routing.source}: {routing.dispatches} step x layer "
+            "dispatches), the busiest receiving rank's share, experts in logical order"
         )
     else:
         lines.append("  token bytes assume uniform routing (--routing-stats DUMP uses a run's measured routing)")
+    priced_slots = sorted({layout.replica_slots for layout in layouts})
+    prices_replicas = any(priced_slots)
+    if prices_replicas and routing is None:
+        lines.append(
+            "  replica slots priced under uniform routing, where every rank computes the mean: they only add "
+            "their traffic (--routing-stats DUMP prices the imbalance they remove)"
+        )
+    elif prices_replicas:
+        lines.append(
+            f"  replica slots {', '.join(map(str, priced_slots))} priced by replaying the dump as training splits it, "
+            "from the steps after the first choice of replicas (every slot count on the same dispatches)"
+        )
     if runnable:
         first = runnable[0]
         if measured_compute is None:
@@ -401,29 +509,40 @@ def format_advice(
             "times per rank"
         )
         header = (
-            f"  {'#':>3}  {'backend':<9} {'EP':>4} {'efsdp':>5} {'copies':>6} {'A2A ms':>9} {'AG ms':>9} "
-            f"{'RS ms':>9} {'comm ms/step':>12} {'exposed ms/step':>15} "
-            f"{'local ms/step ' if measured_compute is not None else ''}{'step ms':>9} "
-            f"{'gathered GiB':>12} {'buffer GiB':>10}  all-to-all over"
+            f"  {'#':>3}  {'backend':<9} {'EP':>4} {'efsdp':>5} {'slots ' if prices_replicas else ''}{'copies':>6} "
+            f"{'A2A ms':>9} {'AG ms':>9} {'RS ms':>9} {'comm ms/step':>12} {'exposed ms/step':>15} "
+            f"{'local ms/step ' if measured_compute is not None else ''}"
+            f"{'rows max/mean ' if routing is not None else ''}{'replicas ms/step ' if prices_replicas else ''}"
+            f"{'step ms':>9} {'gathered GiB':>12} {'buffer GiB':>10}  all-to-all over"
         )
         lines.append(header)
         for index, layout in enumerate(runnable, start=1):
             c = layout.costs
             lines.append(
-                f"  {index:>3}  {layout.backend:<9} {layout.ep:>4} {layout.efsdp:>5} {c.token_copies:>6.2f} "
+                f"  {index:>3}  {layout.backend:<9} {layout.ep:>4} {layout.efsdp:>5} "
+                f"{f'{layout.replica_slots:>5} ' if prices_replicas else ''}{c.token_copies:>6.2f} "
                 f"{_ms(c.a2a):>9} {_ms(c.all_gather):>9} {_ms(c.reduce_scatter):>9} "
                 f"{_ms(layout.communication_s):>12} {_ms(layout.exposed_s):>15} "
-                f"{f'{_ms(layout.local_work_s):>13} ' if measured_compute is not None else ''}{_ms(layout.step_s):>9} "
+                f"{f'{_ms(layout.local_work_s):>13} ' if measured_compute is not None else ''}"
+                f"{f'{layout.rows_ratio:>13.3f} ' if routing is not None else ''}"
+                f"{f'{_ms(layout.replica_s):>16} ' if prices_replicas else ''}{_ms(layout.step_s):>9} "
                 f"{_gib(layout.gathered_expert_bytes):>12} {_gib(layout.buffer_bytes):>10}  {layout.a2a_level or '-'}"
             )
-        lines.append(f"  recommended: {first.backend} at EP={first.ep}, efsdp={first.efsdp}: {_reason(first, runnable[1:])}")
+        with_slots = f", {first.replica_slots} replica slot(s) per rank" if prices_replicas else ""
+        lines.append(
+            f"  recommended: {first.backend} at EP={first.ep}, efsdp={first.efsdp}{with_slots}: "
+            f"{_reason(first, runnable[1:])}"
+        )
         lines.append(f"  overrides: {' '.join(first.overrides())}")
         if overrides_problem is not None:
             lines.append(f"  with those, this job config still fails its checks: {overrides_problem}")
     refused = [layout for layout in layouts if layout.refused is not None]
     if refused:
         lines.append("  not runnable (the job's config checks; other backends' sections at their defaults):")
-        lines += [f"    {layout.backend} EP={layout.ep}: {layout.refused}" for layout in refused]
+        lines += [
+            f"    {layout.backend} EP={layout.ep}{f' slots={layout.replica_slots}' if prices_replicas else ''}: "
+            f"{layout.refused}" for layout in refused
+        ]
     return lines
 
 

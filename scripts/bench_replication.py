@@ -1,0 +1,111 @@
+"""Expert replication on a real training run: rank load per step and step time, with and without replicas.
+
+    python scripts/bench_replication.py [--steps 20] [--rounds 1] [--markdown FILE] [-- extra run_train args]
+
+Runs the default job (``./run_train.sh``, NGPU=2, EP=2) once per setting, the
+settings alternating within each round so that machine noise spreads evenly:
+no replication, then ``--expert_replication.slots_per_rank`` 1 and 2 with
+``adapt_every`` 1 and 5. Both ranks log their step lines (LOG_RANK=0,1).
+Prints, per setting: the step log's ``recv max/mean`` (the worst MoE layer's
+busiest rank's rows over the mean) at every step, its median and worst after
+step 1, and the slowest rank's median step time after a warm-up of 3 steps,
+as a ratio to the run without replicas of the same round, and how far the
+losses of the first round's runs are from the run without replicas.
+"""
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+STEP = re.compile(r"\[rank(\d+)\]:.*step:\s+(\d+)\s+loss:\s+([0-9.]+).*step_time:\s+([0-9.]+)s\s+recv max/mean:\s+([0-9.]+)")
+SETTINGS = {
+    "no replicas": [],
+    "1 slot, adapt every 1": ["--expert_replication.slots_per_rank", "1", "--expert_replication.adapt_every", "1"],
+    "2 slots, adapt every 1": ["--expert_replication.slots_per_rank", "2", "--expert_replication.adapt_every", "1"],
+    "1 slot, adapt every 5": ["--expert_replication.slots_per_rank", "1", "--expert_replication.adapt_every", "5"],
+    "2 slots, adapt every 5": ["--expert_replication.slots_per_rank", "2", "--expert_replication.adapt_every", "5"],
+}
+WARMUP = 3
+
+
+def run(args: list[str], steps: int) -> dict:
+    """{"recv": {step: max/mean}, "time": {rank: [step times]}, "loss": {step: loss}} of one run."""
+    result = subprocess.run(
+        ["./run_train.sh", "--training.steps", str(steps), "--metrics.disable_color_printing", *args],
+        cwd=REPO_ROOT, env={**os.environ, "NGPU": "2", "LOG_RANK": "0,1"}, capture_output=True, text=True,
+    )
+    if result.returncode != 0:
+        sys.exit(f"error: run_train.sh {' '.join(args)} exited {result.returncode}:\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
+    recv, times, losses = {}, {}, {}
+    for rank, step, loss, step_time, ratio in STEP.findall(result.stdout):
+        times.setdefault(int(rank), {})[int(step)] = float(step_time)
+        if rank == "0":
+            recv[int(step)] = float(ratio)
+            losses[int(step)] = float(loss)
+    return {"recv": recv, "time": times, "loss": losses}
+
+
+def slowest_median(times: dict[int, dict[int, float]]) -> float:
+    return max(statistics.median(t for step, t in per_rank.items() if step > WARMUP) for per_rank in times.values())
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20, help="training steps per run (default: 20)")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of all settings, alternating (default: 1)")
+    parser.add_argument("--markdown", type=Path, help="also append the table to this markdown file")
+    parser.add_argument("extra", nargs="*", help="more run_train.sh arguments for every run (after --)")
+    args = parser.parse_args(argv)
+    if args.steps <= WARMUP + 1:
+        parser.error(f"--steps {args.steps}: use more than {WARMUP + 1} (the first {WARMUP} are warm-up)")
+    rows = {name: [] for name in SETTINGS}
+    with tqdm(total=args.rounds * len(SETTINGS), desc="bench_replication", unit="run") as progress:
+        for _ in range(args.rounds):
+            baseline = None
+            for name, setting in SETTINGS.items():
+                measured = run([*setting, *args.extra], args.steps)
+                median_time = slowest_median(measured["time"])
+                baseline = median_time if baseline is None else baseline
+                rows[name].append({**measured, "median_time": median_time, "time_ratio": median_time / baseline})
+                progress.update()
+    lines = [
+        f"| setting | recv max/mean per step (steps 1-{args.steps}) | median, worst after step 1 | "
+        f"slowest rank's median step time (s) | vs no replicas |",
+        "|---|---|---|---|---|",
+    ]
+    for name, measured_rounds in rows.items():
+        for measured in measured_rounds:
+            recv = measured["recv"]
+            later = [ratio for step, ratio in recv.items() if step > 1]
+            lines.append(
+                f"| {name} | {' '.join(f'{recv[s]:.2f}' for s in sorted(recv))} | "
+                f"{statistics.median(later):.2f}, {max(later):.2f} | {measured['median_time']:.3f} | "
+                f"{measured['time_ratio']:.3f} |"
+            )
+    losses = {name: measured_rounds[0]["loss"] for name, measured_rounds in rows.items()}
+    reference = losses["no replicas"]
+    differences = {step: max(abs(got[step] - loss) / loss for got in losses.values()) for step, loss in reference.items()}
+    first_differing = next((step for step in sorted(differences) if differences[step]), None)
+    lines.append("")
+    lines.append(
+        f"Largest relative loss difference to the run without replicas: steps 1-10 "
+        f"{max(differences[step] for step in sorted(differences)[:10]):.1e}, any step {max(differences.values()):.1e}; "
+        f"first step whose logged loss differs: {first_differing or 'none'}"
+    )
+    print("\n".join(lines))
+    if args.markdown is not None:
+        with args.markdown.open("a") as out:
+            out.write("\n".join(lines) + "\n")
+        print(f"table appended to {args.markdown}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""The advisor prices expert replication: the busiest rank's rows after training's split, and the replicas' traffic."""
+
+import numpy as np
+import pytest
+
+from torchtitan_ext import plan
+from torchtitan_ext.config import ConfigError
+from torchtitan_ext.planning.cost_model import MeasuredRouting, MoEWorkload
+from torchtitan_ext.planning.layout_advisor import advise, format_advice
+from torchtitan_ext.planning.replica_cost import busiest_rows_ratio, replica_traffic, rows_per_rank
+from torchtitan_ext.planning.topology import load_topology, parse_topology
+
+DEBUG_JOB = ["--job.config_file", "train_configs/debug_model.toml"]
+EXPERTS, TOP_K = 8, 3
+COLLAPSED = [2045, 2045, 2045, 3, 1, 1, 1, 2]
+"""Routing near collapse, as in the default job: 3 of 8 experts take almost all of a step's pairs (here all
+three on rank 0 at EP = 2)."""
+ONE_LINK = parse_topology(
+    {"compute_tflops": 100.0, "overlap": False, "levels": [
+        {"name": "link", "bandwidth_GBps": 10.0, "all_gather_bandwidth_GBps": 5.0, "latency_us": 100.0}]},
+    "one link",
+)
+
+
+def _routing(counts: np.ndarray) -> MeasuredRouting:
+    """A measured routing from [steps, layers, E] counts (sampled tokens: one per dispatch, unused here)."""
+    steps, layers, experts = counts.shape
+    sampled = tuple(np.array([[0, 1, 2]]) for _ in range(steps * layers))
+    return MeasuredRouting("counts", counts.reshape(-1, experts).astype(np.float64), sampled, layers)
+
+
+def _dump(counts: np.ndarray) -> dict:
+    """A loaded dump's keys with these [steps, layers, E] counts (every sampled token picks experts 0-2)."""
+    steps, layers, _ = counts.shape
+    return {"steps": np.arange(1, steps + 1), "layers": np.arange(1, layers + 1), "tokens_per_expert": counts,
+            "top_k": np.array(TOP_K), "sampled_expert_ids": np.tile(np.array([0, 1, 2], dtype=np.int16),
+                                                                     (steps, layers, 4, 1))}
+
+
+def test_without_slots_a_rank_computes_its_own_experts():
+    rng = np.random.default_rng(0)
+    counts = rng.integers(0, 100, size=(4, 2, EXPERTS))
+    rows = rows_per_rank(_routing(counts), ep=4, slots=0, adapt_every=1)
+    # steps 2-4 of both layers, step-major; each rank holds two consecutive experts
+    assert np.array_equal(rows, counts[1:].reshape(6, 4, 2).sum(axis=2))
+
+
+def test_replicas_chosen_from_the_previous_step_split_the_next():
+    """A collapsed layer that stays collapsed: 2 slots per rank bring the busiest rank to the mean (plus one
+    pair of rounding); 1 slot cannot (rank 0 keeps two hot experts whole): 4,093 of 6,143 pairs, 1.33x the
+    mean; every pair is computed once."""
+    counts = np.array([[COLLAPSED]] * 3)
+    routing = _routing(counts)
+    total = sum(COLLAPSED)
+    for slots in (0, 1, 2):
+        rows = rows_per_rank(routing, ep=2, slots=slots, adapt_every=1)
+        assert rows.shape == (2, 2) and (rows.sum(axis=1) == total).all()
+    assert rows_per_rank(routing, 2, 2, 1).max() == -(-total // 2)
+    ratios = [busiest_rows_ratio(routing, 2, slots, 1) for slots in (0, 1, 2)]
+    assert ratios == pytest.approx([(3 * 2045 + 3) / (total / 2), 4093 / (total / 2), 3072 / (total / 2)])
+
+
+def test_a_choice_from_an_older_window_misses_when_the_hot_experts_move():
+    """Step 1 is hot on expert 0, steps 2-3 on expert 1 (both homed on rank 0), one slot per rank. Re-chosen
+    every step, step 3 uses step 2's counts and splits expert 1; chosen every 2 steps, step 3's replica
+    still copies expert 0 and rank 0 computes all of expert 1."""
+    first, moved = [6000] + [1] * 7, [1, 6000] + [1] * 6
+    routing = _routing(np.array([[first], [moved], [moved]]))
+    every_step = rows_per_rank(routing, 2, 1, adapt_every=1)
+    every_two = rows_per_rank(routing, 2, 1, adapt_every=2)
+    assert every_step.shape == (2, 2) and every_two.shape == (1, 2)  # steps after the first choice only
+    assert every_step[1].max() <= -(-sum(moved) // 2) + 1
+    assert every_two[0].max() >= 6000
+
+
+def test_a_dump_without_a_step_after_the_first_choice_is_named():
+    with pytest.raises(ConfigError) as error:
+        rows_per_rank(_routing(np.array([[COLLAPSED]] * 2)), 2, 1, adapt_every=2)
+    assert str(error.value) == (
+        "--routing-stats counts records 2 step(s); pricing replicas chosen every 2 step(s) needs at least 3: record "
+        "more steps, or lower expert_replication.adapt_every"
+    )
+
+
+def test_replica_traffic_is_whole_experts_out_and_their_gradients_back():
+    work = MoEWorkload(tokens=1024, hidden=256, top_k=2, experts=8, expert_parameters=3 * 256 * 512,
+                       activation_bytes=2, gather_bytes=2, reduce_bytes=4, pre_expert_flops=1e9,
+                       regather_in_backward=True)
+    fetch, back = replica_traffic(work, ONE_LINK, world_size=4, ep=4, slots=2)
+    weights = 2 * 3 * 256 * 512 * 2 / 10e9 + 100e-6
+    counts = 8 * 8 * 3 / 5e9 + 100e-6
+    assert fetch == pytest.approx(weights + counts) and back == pytest.approx(weights)
+    assert replica_traffic(work, ONE_LINK, world_size=4, ep=4, slots=0) == (0.0, 0.0)
+
+
+def test_replicas_win_where_the_busiest_rank_sets_the_step():
+    """Collapsed routing on a slow-compute machine with fast all-to-alls (and a slow all-gather, so that EP=1,
+    where FSDP gathers every expert and each rank computes its own tokens, does not win): the busiest rank's
+    extra expert compute outweighs the replicas' traffic, so the advice adds slots and the overrides name them."""
+    slow = parse_topology({"compute_tflops": 0.01, "overlap": False, "levels": [
+        {"name": "link", "bandwidth_GBps": 1000.0, "all_gather_bandwidth_GBps": 0.01, "latency_us": 1.0}]},
+        "slow compute")
+    dump = _dump(np.array([[COLLAPSED] * 5] * 3))
+    layouts, routing = advise(DEBUG_JOB, 2, slow, dump, "collapsed", replica_slots=[0, 1, 2])
+    runnable = [layout for layout in layouts if layout.refused is None]
+    best = runnable[0]
+    assert (best.ep, best.replica_slots) == (2, 2), best
+    without = next(layout for layout in runnable if (layout.backend, layout.ep, layout.replica_slots) ==
+                   (best.backend, 2, 0))
+    assert best.rows_ratio < 1.01 < 1.9 < without.rows_ratio
+    assert best.imbalance_s < without.imbalance_s and best.replica_s > 0 == without.replica_s
+    assert best.moe_s == pytest.approx(best.exposed_s + best.imbalance_s + best.replica_s)
+    assert not any(layout.ep == 1 and layout.replica_slots for layout in layouts)  # EP=1 is priced without only
+    assert best.overrides()[-2:] == ["--expert_replication.slots_per_rank", "2"]
+    lines = format_advice(layouts, slow, 2, "debug", None, routing)
+    recommended = next(line for line in lines if line.startswith("  recommended:"))
+    assert f"with 2 replica slot(s) the busiest rank computes {best.rows_ratio:.3f}x the mean rank's" in recommended
+
+
+def test_under_uniform_routing_replicas_only_cost():
+    layouts, routing = advise(DEBUG_JOB, 4, load_topology("hgx_h100_ib"), replica_slots=[0, 1])
+    runnable = [layout for layout in layouts if layout.refused is None]
+    assert runnable[0].replica_slots == 0 and all(layout.rows_ratio == 1.0 for layout in runnable)
+    assert all(layout.replica_s > 0 for layout in runnable if layout.replica_slots)
+    lines = format_advice(layouts, load_topology("hgx_h100_ib"), 4, "debug", None, routing)
+    assert any("replica slots priced under uniform routing" in line for line in lines)
+
+
+def test_the_jobs_own_slots_are_priced_by_default():
+    layouts, _ = advise([*DEBUG_JOB, "--expert_replication.slots_per_rank", "1"], 4, load_topology("hgx_h100_ib"))
+    assert {layout.replica_slots for layout in layouts} == {1}
+    refused = {(layout.backend, layout.ep) for layout in layouts if layout.refused is not None}
+    assert ("nccl", 1) in refused  # replication needs EP > 1
+    runnable = [layout for layout in layouts if layout.refused is None]
+    assert all(layout.overrides()[-2:] != ["--expert_replication.slots_per_rank", "1"] for layout in runnable)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--topology", "hgx_h100_ib", "--replica-slots", "1,x"],
+         "argument --replica-slots: '1,x': use comma-separated slot counts >= 0, e.g. 0,1,2"),
+        (["--topology", "hgx_h100_ib", "--replica-slots", "-1"],
+         "argument --replica-slots: '-1': use comma-separated slot counts >= 0, e.g. 0,1,2"),
+        (["--replica-slots", "1"], "--replica-slots prices the layout advice's layouts: add --topology"),
+    ],
+)
+def test_bad_replica_slots_are_one_line_exit_2(capsys, argv, message):
+    with pytest.raises(SystemExit) as exited:
+        plan.main([*argv, "--world-size", "4", *DEBUG_JOB])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(message)
+
+
+def test_per_rank_backends_never_send_more_than_per_pair_under_replicas():
+    """Which ranks a token reaches through replicas is not replayed: DeepEP's and HybridEP's bytes are bounded by
+    all-to-all's at the split's share, so replicas never make them the costlier choice on bytes."""
+    dump = _dump(np.array([[COLLAPSED] * 5] * 3))
+    layouts, _ = advise(DEBUG_JOB, 4, load_topology("hgx_h100_ib"), dump, "collapsed", replica_slots=[0, 2])
+    costs = {(layout.backend, layout.ep, layout.replica_slots): layout.costs for layout in layouts if layout.refused is None}
+    for ep in (2, 4):
+        assert costs["deepep", ep, 2].token_copies <= costs["nccl", ep, 2].token_copies
+        assert costs["deepep", ep, 2].a2a <= costs["nccl", ep, 2].a2a
+        assert costs["deepep", ep, 0].token_copies < costs["nccl", ep, 0].token_copies
