@@ -1,11 +1,12 @@
 """Expert replication on a real training run: rank load per step and step time, with and without replicas.
 
-    python scripts/bench_replication.py [--steps 20] [--rounds 1] [--markdown FILE] [-- extra run_train args]
+    python scripts/bench_replication.py [--steps 20] [--rounds 1] [--settings 1x1,2x1,1x5,2x5] [--markdown FILE]
+        [-- extra run_train args]
 
 Runs the default job (``./run_train.sh``, NGPU=2, EP=2) once per setting, the
 settings alternating within each round so that machine noise spreads evenly:
 no replication, then ``--expert_replication.slots_per_rank`` 1 and 2 with
-``adapt_every`` 1 and 5. Both ranks log their step lines (LOG_RANK=0,1).
+``adapt_every`` 1 and 5 (``--settings``: which of them, as SLOTSxADAPT_EVERY). Both ranks log their step lines (LOG_RANK=0,1).
 Prints, per setting: the step log's ``recv max/mean`` (the worst MoE layer's
 busiest rank's rows over the mean) at every step, its median and worst after
 step 1, and the slowest rank's median step time after a warm-up of 3 steps,
@@ -60,16 +61,25 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20, help="training steps per run (default: 20)")
     parser.add_argument("--rounds", type=int, default=1, help="rounds of all settings, alternating (default: 1)")
+    parser.add_argument("--settings", default="1x1,2x1,1x5,2x5",
+                        help="replica settings besides none, as SLOTSxADAPT_EVERY (default: 1x1,2x1,1x5,2x5)")
     parser.add_argument("--markdown", type=Path, help="also append the table to this markdown file")
     parser.add_argument("extra", nargs="*", help="more run_train.sh arguments for every run (after --)")
     args = parser.parse_args(argv)
     if args.steps <= WARMUP + 1:
         parser.error(f"--steps {args.steps}: use more than {WARMUP + 1} (the first {WARMUP} are warm-up)")
-    rows = {name: [] for name in SETTINGS}
-    with tqdm(total=args.rounds * len(SETTINGS), desc="bench_replication", unit="run") as progress:
+    settings = {"no replicas": SETTINGS["no replicas"]}
+    for code in args.settings.split(","):
+        slots, _, adapt_every = code.partition("x")
+        name = f"{slots} slot{'s' if slots != '1' else ''}, adapt every {adapt_every}"
+        if name not in SETTINGS:
+            parser.error(f"--settings {code}: use SLOTSxADAPT_EVERY codes among 1x1, 2x1, 1x5, 2x5")
+        settings[name] = SETTINGS[name]
+    rows = {name: [] for name in settings}
+    with tqdm(total=args.rounds * len(settings), desc="bench_replication", unit="run") as progress:
         for _ in range(args.rounds):
             baseline = None
-            for name, setting in SETTINGS.items():
+            for name, setting in settings.items():
                 measured = run([*setting, *args.extra], args.steps)
                 median_time = slowest_median(measured["time"])
                 baseline = median_time if baseline is None else baseline

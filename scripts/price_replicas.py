@@ -28,12 +28,12 @@ from bench_placement import write_dump  # noqa: E402
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=4, help="steps in the dump (the first is not priced)")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per step and layer")
     parser.add_argument("--topology", default="gb200_nvl72", help="topology name or file")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.steps < 2 or args.tokens < 1:
         parser.error("--steps needs at least 2 (the first step is not priced) and --tokens at least 1")
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,7 +1,7 @@
 """EP planner: memory and drop risk of each backend for a job, and which backend and EP layout to use.
 
     python -m torchtitan_ext.plan --job.config_file X [overrides] [--world-size N] [--routing-stats DUMP]
-        [--topology T [--measure-compute] [--replica-slots 0,1,2]]
+        [--topology T [--measure-compute] [--replica-slots 0,1,2] [--json FILE]]
     python -m torchtitan_ext.plan --paper --topology T --world-size G --paper-data-mb D --paper-expert-mb P_E
         --paper-pre-expert-ms PE
     python -m torchtitan_ext.plan --calibrate [--nproc N] [--calibrate-output FILE]
@@ -16,14 +16,18 @@ and the overrides that select the winner; ``--measure-compute`` times the
 job's per-rank compute, and each backend's local dispatch and combine work, on
 this machine for it (:mod:`torchtitan_ext.planning.measured_compute`);
 ``--replica-slots`` prices every layout at each of those
-``expert_replication.slots_per_rank`` values (default: the job's own).
+``expert_replication.slots_per_rank`` values (default: the job's own);
+``--json FILE`` also writes every layout considered, with its predicted
+times, as a list of objects.
 ``--paper`` evaluates the seed paper's own one-level setting; ``--calibrate``
 measures this machine and writes its topology file
 (:mod:`torchtitan_ext.planning.calibrate`).
 """
 
 import argparse
+import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -33,7 +37,7 @@ from torchtitan_ext.balancing.routing_stats import check_fits, load_path
 from torchtitan_ext.config import ConfigError, job_world_size, load_job_config, moe_layer_ids, moe_shape, parse
 from torchtitan_ext.planning.calibrate import calibrate
 from torchtitan_ext.planning.cost_model import PaperSetting
-from torchtitan_ext.planning.layout_advisor import advise, format_advice, format_paper, overrides_problem
+from torchtitan_ext.planning.layout_advisor import advise, format_advice, format_paper, layouts_record, overrides_problem
 from torchtitan_ext.planning.measured_compute import check_measurable, measure_compute
 from torchtitan_ext.planning.memory_plan import format_plan, plan
 from torchtitan_ext.planning.topology import load_topology
@@ -56,6 +60,9 @@ def main(argv: list[str] | None = None) -> None:
         help="with --topology: price every layout at each of these expert_replication.slots_per_rank values "
              "(default: the job's own); with --routing-stats, from the busiest rank's rows after the split",
     )
+    parser.add_argument("--json", type=Path, metavar="FILE",
+                        help="with --topology: also write every layout considered (backend, ep_degree, runnable, "
+                             "step_s, ...) to FILE as JSON")
     parser.add_argument("--paper", action="store_true", help="evaluate the seed paper's one-level setting (needs --topology)")
     parser.add_argument("--paper-data-mb", type=float, help="--paper: D, MB of tokens one worker dispatches")
     parser.add_argument("--paper-expert-mb", type=float, help="--paper: P_E, MB of one worker's experts")
@@ -85,6 +92,8 @@ def main(argv: list[str] | None = None) -> None:
             raise ConfigError("--measure-compute sets the layout advice's compute: add --topology")
         if args.replica_slots is not None and topology is None:
             raise ConfigError("--replica-slots prices the layout advice's layouts: add --topology")
+        if args.json is not None:
+            _check_writable(args.json, topology)
         if args.measure_compute:
             check_measurable(load_job_config(train_args, device_type="cpu", world_size=world_size), world_size)
         stats = None
@@ -108,6 +117,20 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(format_plan(result, world_size)))
     if advice is not None:
         print("\n".join(format_advice(advice, topology, world_size, result.dry_run.model, problem, routing, compute)))
+    if args.json is not None:
+        written = args.json.with_name(f".{args.json.name}.partial")
+        written.write_text(json.dumps(layouts_record(advice), indent=1) + "\n", encoding="utf-8")
+        os.replace(written, args.json)
+        print(f"Wrote {len(advice)} layouts to {args.json}")
+
+
+def _check_writable(path: Path, topology) -> None:
+    """ConfigError unless the layouts can be written to ``path`` (and there are layouts: --topology)."""
+    if topology is None:
+        raise ConfigError("--json writes the layout advice's layouts: add --topology")
+    folder = path.parent
+    if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise ConfigError(f"--json {path}: not a file in a writable folder: give a path in an existing folder you can write")
 
 
 def _slot_counts(text: str) -> list[int]:

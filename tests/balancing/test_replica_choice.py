@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from torchtitan_ext.balancing.replica_choice import choose_replicas
-from torchtitan_ext.ep.replica_split import split_quotas, SplitTables
+from torchtitan_ext.ep.replica_split import split_quotas, SplitTables, water_fill
 
 
 def _busiest(counts: list[int], plan) -> int:
@@ -50,3 +50,41 @@ def test_two_slots_split_a_collapsed_layer_evenly():
     plan = choose_replicas(counts, expert_parallel_degree=2, slots=2)
     total = sum(counts)
     assert _busiest(counts, plan) <= -(-total // 2) + 1
+
+
+def _scan_every_round(counts: list[int], expert_parallel_degree: int, slots: int) -> tuple:
+    """The choice's rule read literally, each round scanning every expert: the expert of most pairs per copy
+    (ties: the lower) that has a free rank without a copy gets one on the least-loaded such rank (ties: the
+    lower), and its pairs are re-split."""
+    per_rank = len(counts) // expert_parallel_degree
+    copies = [[home // per_rank] for home in range(len(counts))]
+    shares = [[count] for count in counts]
+    loads = [sum(counts[r * per_rank:(r + 1) * per_rank]) for r in range(expert_parallel_degree)]
+    held = [[] for _ in range(expert_parallel_degree)]
+
+    def free(home):
+        return [r for r in range(expert_parallel_degree) if len(held[r]) < slots and r not in copies[home]]
+
+    while True:
+        candidates = [home for home in range(len(counts)) if counts[home] and free(home)]
+        if not candidates:
+            break
+        home = max(candidates, key=lambda h: (counts[h] / len(copies[h]), -h))
+        rank = min(free(home), key=lambda r: (loads[r], r))
+        held[rank].append(home)
+        copies[home].append(rank)
+        others = [loads[r] - share for r, share in zip(copies[home], shares[home] + [0])]
+        shares[home] = water_fill(torch.tensor(others), torch.tensor(counts[home])).tolist()
+        for r, other, share in zip(copies[home], others, shares[home]):
+            loads[r] = other + share
+    return tuple(tuple(homes + [-1] * (slots - len(homes))) for homes in held)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_choice_equals_the_rule_read_literally(seed):
+    generator = random.Random(seed)
+    ranks = generator.choice([2, 4, 8])
+    per_rank = generator.choice([1, 2, 4])
+    slots = generator.randint(1, min(4, per_rank * (ranks - 1)))
+    counts = [int(generator.paretovariate(1.2) * 10) * generator.choice([0, 1, 1]) for _ in range(ranks * per_rank)]
+    assert choose_replicas(counts, ranks, slots).replicas == _scan_every_round(counts, ranks, slots)

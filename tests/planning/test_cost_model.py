@@ -226,3 +226,29 @@ def test_replicas_all_reduce_each_gradient_shard():
     ddp = replace(sync, fsdp_degree=1, replica_stride=1, shard_parameters=11_000_000)
     two = Topology("two ranks", 1.0, False, (Level("network", None, 8.0, 10.0, 4.0, 2.0),))
     assert ddp.communication(two, 2) == pytest.approx(5.5e6 * 4 / 2e9 + 5.5e6 * 4 / 4e9 + 2 * 5 * 10e-6)
+
+
+def test_group_limited_reach_is_the_uniform_one_without_a_limit():
+    """Drawn through torchtitan's gate with every group kept, the reach is the closed form's (top_k distinct
+    experts, uniform) within the draw's noise."""
+    for held in (4, 32, 64):
+        drawn = cm.group_limited_reach(256, 8, 8, 8, held)
+        assert drawn == pytest.approx(1 - cm._miss(256, 8, held), abs=0.005)
+
+
+def test_group_limited_routing_sends_fewer_copies_across_nodes():
+    """DeepSeek-V3 671B's gate (8 groups of 32 experts, 4 kept per token) at EP=64 on HGX nodes of 8: a node
+    holds one group, so a token reaches at most 4 of the 8 nodes; DeepEP's copies per token drop by about a
+    fifth, all of it across nodes, and the per-pair all-to-all's do not change."""
+    hgx = Topology("hgx", 400.0, True, (_level("NVLink", 8, 360.0), _level("IB", None, 50.0)))
+    work = cm.MoEWorkload(**{**WORK.__dict__, "experts": 256, "top_k": 8})
+    limited = replace(work, expert_groups=8, limited_groups=4)
+    sizes = hgx.group_sizes(256)
+    free_volume, free_copies = cm.token_bytes_per_level(work, hgx, sizes, 64, copies_per_rank=True)
+    limited_volume, limited_copies = cm.token_bytes_per_level(limited, hgx, sizes, 64, copies_per_rank=True)
+    assert round(free_copies, 2) == 5.47
+    assert 0.70 * free_copies < limited_copies < 0.85 * free_copies
+    assert limited_volume[1] < 0.8 * free_volume[1]
+    # within the node a token's copies barely change (a rank holds 4 experts of one group)
+    assert limited_volume[0] == pytest.approx(free_volume[0], rel=0.1)
+    assert cm.token_bytes_per_level(limited, hgx, sizes, 64, False) == cm.token_bytes_per_level(work, hgx, sizes, 64, False)

@@ -1,5 +1,6 @@
 """The layout advisor: topology files, its ranking, its CLI and its bad-input errors."""
 
+import json
 import math
 import re
 
@@ -12,6 +13,7 @@ from torchtitan_ext.planning.cost_model import MeasuredRouting
 from torchtitan_ext.planning.layout_advisor import advise, format_advice
 from torchtitan_ext.planning.measured_compute import check_measurable, MeasuredCompute
 from torchtitan_ext.planning.topology import load_topology, parse_topology, SHIPPED
+from torchtitan_ext.training import prepare
 
 DEBUG_JOB = ["--job.config_file", "train_configs/debug_model.toml"]
 LEVELS = [{"name": "node", "workers": 8, "bandwidth_GBps": 400.0, "latency_us": 3.0},
@@ -143,17 +145,18 @@ def test_671b_advice_quoted_in_docs(advice_671b):
     for layouts in advice_671b.values():
         assert round(layouts[0].data_parallel_s * 1e3) == 2730 and layouts[0].data_parallel_exposed_s == 0.0
     ep32 = gb200["deepep", 32]
-    assert round(ep32.costs.token_copies, 2) == 7.04 and round(first.costs.token_copies, 2) == 7.56
+    assert round(ep32.costs.token_copies, 2) == 6.65 and round(first.costs.token_copies, 2) == 7.38
     assert round(ep32.costs.exposed(True) - 4 * ep32.costs.a2a, 5) == pytest.approx(8.62e-3, abs=1e-5)
-    assert round(ep32.exposed_s, 3) == 1.141 and round(first.exposed_s, 3) == 0.687
+    assert round(ep32.exposed_s, 3) == 1.105 and round(first.exposed_s, 3) == 0.671
     assert gb200["nccl", 64].costs.token_copies == pytest.approx(8 * 63 / 64)
-    assert round(gb200["deepep", 128].costs.token_copies, 2) == 4.88
+    assert round(gb200["deepep", 128].costs.token_copies, 2) == 4.84
     assert gb200["deepep", 128].a2a_level == "RDMA between racks"
     assert ("hybridep", 32) not in gb200  # the config's ranks_per_nvlink_domain = 64 refuses it
     hgx = {(layout.backend, layout.ep): layout for layout in advice_671b["hgx_h100_ib"] if layout.refused is None}
     first = advice_671b["hgx_h100_ib"][0]
     assert (first.backend, first.ep, first.efsdp) == ("deepep", 16, 16)
-    assert round(first.costs.token_copies, 2) == 3.85 and round(hgx["nccl", 16].costs.token_copies, 2) == 7.50
+    assert round(first.costs.token_copies, 2) == 3.49 and round(hgx["nccl", 16].costs.token_copies, 2) == 7.50
+    assert round(hgx["deepep", 64].costs.token_copies, 2) == 4.28
 
 
 def test_a_larger_nvlink_domain_than_the_topology_has_is_refused(advice_671b):
@@ -400,3 +403,79 @@ def test_cli_measures_the_compute(capsys):
         row = re.search(rf"^ +\d+ +{backend} +2 +1 .*$", out, re.MULTILINE)
         assert row, out
         assert float(row[0].split()[10].replace(",", "")) == pytest.approx(5 * ms, rel=0.01, abs=0.01)
+
+
+def test_a_kernel_domain_smaller_than_the_nvlink_group_goes_over_the_next_link():
+    gb200 = load_topology("gb200_nvl72")
+    split = gb200.within_kernel_domain(8, "deepep")
+    assert split.group_sizes(256) == [8, 64, 256]
+    assert [level.bandwidth_GBps for level in split.levels] == [900.0, 50.0, 50.0]
+    assert split.levels[1].name == "RDMA between racks's link, between deepep's kernel domains in NVLink domain (one rack)"
+    assert gb200.within_kernel_domain(64, "hybridep") is gb200 and gb200.within_kernel_domain(128, "x") is gb200
+
+
+def _advice_16b(*overrides: str) -> dict:
+    prepare()  # our model args: every backend builds torchtitan's standard MoE (its "deepep" one imports deep_ep)
+    job = ["--job.config_file", "train_configs/deepseek_v3_16b.toml", *overrides]
+    return {(layout.backend, layout.ep): layout for layout in advise(job, 64, load_topology("gb200_nvl72"))[0]
+            if layout.refused is None}
+
+
+def test_kernels_that_reach_fewer_nvlink_peers_pay_the_network_for_the_rest():
+    """DeepEP's v1 kernels have at most 8 NVLink peers (LEGACY_NUM_MAX_NVL_PEERS = 8 in DeepEP main's
+    csrc/kernels/legacy/compiled.cuh), and HybridEP told of 8 ranks per NVLink domain uses RDMA beyond them: on
+    a GB200 rack their EP=64 all-to-all crosses the 50 GB/s link, where DeepEP V2 and HybridEP left to the
+    machine stay on NVLink (the 16B model: 64 experts, on 64 ranks of one rack)."""
+    hybridep = ("--parallelism.expert_parallel_comm_backend", "hybridep", "--parallelism.expert_parallel_degree", "64")
+    machine = {
+        "deepep": _advice_16b("--deepep.api", "elastic")["deepep", 64],
+        "hybridep": _advice_16b(*hybridep, "--hybridep.ranks_per_nvlink_domain", "64")["hybridep", 64],
+    }
+    limited = {
+        "deepep": _advice_16b("--deepep.api", "legacy")["deepep", 64],
+        "hybridep": _advice_16b(*hybridep, "--hybridep.ranks_per_nvlink_domain", "8",
+                                "--hybridep.multinode_build")["hybridep", 64],
+    }
+    for backend, layout in limited.items():
+        assert layout.a2a_level == (
+            f"RDMA between racks's link, between {backend}'s kernel domains in NVLink domain (one rack)"
+        )
+        assert layout.costs.a2a > 5 * machine[backend].costs.a2a
+        assert machine[backend].a2a_level == "NVLink domain (one rack)"
+    legacy, elastic = _advice_16b("--deepep.api", "legacy"), _advice_16b("--deepep.api", "elastic")
+    assert legacy["nccl", 64].costs == elastic["nccl", 64].costs
+    assert legacy["deepep", 8].costs == elastic["deepep", 8].costs  # 8 ranks: all within its reach
+
+
+def test_json_lists_every_layout_considered(capsys, tmp_path):
+    out = tmp_path / "layouts.json"
+    plan.main(["--topology", "hgx_h100_ib", "--world-size", "4", "--json", str(out), *DEBUG_JOB])
+    assert capsys.readouterr().out.splitlines()[-1] == f"Wrote 9 layouts to {out}"
+    records = json.loads(out.read_text())
+    layouts, _ = advise(DEBUG_JOB, 4, load_topology("hgx_h100_ib"))
+    assert [(r["backend"], r["ep_degree"], r["runnable"]) for r in records] == [
+        (layout.backend, layout.ep, layout.refused is None) for layout in layouts
+    ]
+    runnable = [r for r in records if r["runnable"]]
+    assert [r["step_s"] for r in runnable] == pytest.approx([layout.step_s for layout in layouts[:len(runnable)]])
+    assert [r["rank"] for r in runnable] == list(range(1, len(runnable) + 1))
+    assert runnable[0]["overrides"] == layouts[0].overrides()
+    assert all(r["refused"] and "step_s" not in r for r in records if not r["runnable"])
+    assert not list(tmp_path.glob(".*partial"))
+
+
+@pytest.mark.parametrize(
+    "where, topology, message",
+    [
+        ("missing/layouts.json", True, "not a file in a writable folder: give a path in an existing folder you can write"),
+        (".", True, "not a file in a writable folder: give a path in an existing folder you can write"),
+        ("layouts.json", False, "--json writes the layout advice's layouts: add --topology"),
+    ],
+)
+def test_a_json_file_that_cannot_be_written_is_refused_first(capsys, tmp_path, where, topology, message):
+    argv = ["--world-size", "4", "--json", str(tmp_path / where), *DEBUG_JOB]
+    with pytest.raises(SystemExit) as exited:
+        plan.main(["--topology", "hgx_h100_ib", *argv] if topology else argv)
+    assert exited.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.err.splitlines()[-1].endswith(message) and "Layout advice" not in captured.out

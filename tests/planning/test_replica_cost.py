@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 
 from torchtitan_ext import plan
-from torchtitan_ext.config import ConfigError
+from torchtitan_ext.config import ConfigError, load_job_config
 from torchtitan_ext.planning.cost_model import MeasuredRouting, MoEWorkload
-from torchtitan_ext.planning.layout_advisor import advise, format_advice
-from torchtitan_ext.planning.replica_cost import busiest_rows_ratio, replica_traffic, rows_per_rank
+from torchtitan_ext.planning.layout_advisor import advise, format_advice, job_shape
+from torchtitan_ext.planning.replica_cost import replay, replica_traffic
 from torchtitan_ext.planning.topology import load_topology, parse_topology
 
 DEBUG_JOB = ["--job.config_file", "train_configs/debug_model.toml"]
@@ -22,11 +22,16 @@ ONE_LINK = parse_topology(
 )
 
 
-def _routing(counts: np.ndarray) -> MeasuredRouting:
+def _routing(counts: np.ndarray, first_step: int = 1) -> MeasuredRouting:
     """A measured routing from [steps, layers, E] counts (sampled tokens: one per dispatch, unused here)."""
     steps, layers, experts = counts.shape
     sampled = tuple(np.array([[0, 1, 2]]) for _ in range(steps * layers))
-    return MeasuredRouting("counts", counts.reshape(-1, experts).astype(np.float64), sampled, layers)
+    return MeasuredRouting("counts", counts.reshape(-1, experts).astype(np.float64), sampled, layers,
+                           tuple(range(first_step, first_step + steps)))
+
+
+def _rows(routing: MeasuredRouting, ep: int, slots: int, adapt_every: int) -> np.ndarray:
+    return replay(routing, ep, slots, adapt_every).rows
 
 
 def _dump(counts: np.ndarray) -> dict:
@@ -40,7 +45,7 @@ def _dump(counts: np.ndarray) -> dict:
 def test_without_slots_a_rank_computes_its_own_experts():
     rng = np.random.default_rng(0)
     counts = rng.integers(0, 100, size=(4, 2, EXPERTS))
-    rows = rows_per_rank(_routing(counts), ep=4, slots=0, adapt_every=1)
+    rows = _rows(_routing(counts), ep=4, slots=0, adapt_every=1)
     # steps 2-4 of both layers, step-major; each rank holds two consecutive experts
     assert np.array_equal(rows, counts[1:].reshape(6, 4, 2).sum(axis=2))
 
@@ -53,44 +58,92 @@ def test_replicas_chosen_from_the_previous_step_split_the_next():
     routing = _routing(counts)
     total = sum(COLLAPSED)
     for slots in (0, 1, 2):
-        rows = rows_per_rank(routing, ep=2, slots=slots, adapt_every=1)
+        rows = _rows(routing, ep=2, slots=slots, adapt_every=1)
         assert rows.shape == (2, 2) and (rows.sum(axis=1) == total).all()
-    assert rows_per_rank(routing, 2, 2, 1).max() == -(-total // 2)
-    ratios = [busiest_rows_ratio(routing, 2, slots, 1) for slots in (0, 1, 2)]
+    assert _rows(routing, 2, 2, 1).max() == -(-total // 2)
+    ratios = [replay(routing, 2, slots, 1).rows_ratio for slots in (0, 1, 2)]
     assert ratios == pytest.approx([(3 * 2045 + 3) / (total / 2), 4093 / (total / 2), 3072 / (total / 2)])
 
 
-def test_a_choice_from_an_older_window_misses_when_the_hot_experts_move():
-    """Step 1 is hot on expert 0, steps 2-3 on expert 1 (both homed on rank 0), one slot per rank. Re-chosen
-    every step, step 3 uses step 2's counts and splits expert 1; chosen every 2 steps, step 3's replica
-    still copies expert 0 and rank 0 computes all of expert 1."""
-    first, moved = [6000] + [1] * 7, [1, 6000] + [1] * 6
-    routing = _routing(np.array([[first], [moved], [moved]]))
-    every_step = rows_per_rank(routing, 2, 1, adapt_every=1)
-    every_two = rows_per_rank(routing, 2, 1, adapt_every=2)
-    assert every_step.shape == (2, 2) and every_two.shape == (1, 2)  # steps after the first choice only
-    assert every_step[1].max() <= -(-sum(moved) // 2) + 1
-    assert every_two[0].max() >= 6000
+def _hot(expert: int, pairs: int) -> list[int]:
+    return [pairs if e == expert else 1 for e in range(EXPERTS)]
+
+
+@pytest.mark.parametrize(
+    "first, second, misses_every_two",
+    [
+        # steps 1-2 together favour expert 0 (6,001 pairs to 3,001): chosen every 2 steps, step 3 keeps expert 0's
+        # replica and rank 0 computes all of expert 1
+        (_hot(0, 6000), _hot(1, 3000), True),
+        # expert 1 leads over steps 1-2 (6,001 to 3,001): step 3's choice made from both steps splits it
+        (_hot(0, 3000), _hot(1, 6000), False),
+    ],
+)
+def test_replicas_come_from_the_window_before_each_choice(first, second, misses_every_two):
+    """Step 3 is hot on expert 1 (both experts are homed on rank 0; one slot per rank). Re-chosen every step,
+    step 3's replica comes from step 2 alone and splits expert 1; chosen every 2 steps, from steps 1-2."""
+    routing = _routing(np.array([[first], [second], [_hot(1, 6000)]]))
+    every_step = _rows(routing, 2, 1, adapt_every=1)
+    every_two = _rows(routing, 2, 1, adapt_every=2)
+    assert every_step.shape == (2, 2) and every_two.shape == (1, 2)  # steps 2-3 and step 3 are priced
+    balanced = -(-(6000 + 7) // 2) + 1
+    assert every_step[1].max() <= balanced
+    assert bool(every_two[0].max() >= 6000) == misses_every_two
+    assert bool(every_two[0].max() <= balanced) != misses_every_two
+
+
+def test_a_dump_that_starts_later_is_priced_from_its_first_full_window():
+    """Steps 3-6, a choice every 2 steps: the choices before steps 3 and 5 use steps 1-2 (not recorded) and 3-4,
+    so steps 5 and 6 are priced, both from steps 3-4."""
+    routing = _routing(np.array([[_hot(0, 10)], [_hot(0, 6000)], [_hot(0, 6000)], [_hot(1, 6000)]]), first_step=3)
+    rows = _rows(routing, 2, 1, adapt_every=2)
+    assert rows.shape == (2, 2)
+    assert rows[0].max() <= -(-(6000 + 7) // 2) + 1 and rows[1].max() >= 6000
+
+
+def test_a_dump_with_a_gap_is_refused():
+    routing = _routing(np.array([[COLLAPSED]] * 3))
+    routing = MeasuredRouting(routing.source, routing.tokens_per_expert, routing.sampled_expert_ids, 1, (1, 2, 4))
+    with pytest.raises(ConfigError) as error:
+        replay(routing, 2, 1, adapt_every=1)
+    assert str(error.value) == (
+        "--routing-stats counts records steps 1..4 with gaps: replaying replica choices needs consecutive steps; "
+        "use the files of one uninterrupted run"
+    )
 
 
 def test_a_dump_without_a_step_after_the_first_choice_is_named():
     with pytest.raises(ConfigError) as error:
-        rows_per_rank(_routing(np.array([[COLLAPSED]] * 2)), 2, 1, adapt_every=2)
+        replay(_routing(np.array([[COLLAPSED]] * 2)), 2, 1, adapt_every=2)
     assert str(error.value) == (
-        "--routing-stats counts records 2 step(s); pricing replicas chosen every 2 step(s) needs at least 3: record "
-        "more steps, or lower expert_replication.adapt_every"
+        "--routing-stats counts records steps 1..2; pricing replicas chosen every 2 step(s) needs a step whose "
+        "choice's 2 step(s) before it are recorded too: record more steps, or lower expert_replication.adapt_every"
     )
+
+
+def test_the_busiest_sender_sets_the_replica_traffic():
+    """Three hot experts homed on ranks 0 and 1 of 4, two slots each: the hot experts' homes send a copy to
+    most other ranks, more than the 2 experts each rank receives."""
+    moved = replay(_routing(np.array([[COLLAPSED]] * 2)), 4, 2, 1).experts_moved
+    assert moved > 2
+    topology = load_topology("hgx_h100_ib")
+    dump = _dump(np.array([[COLLAPSED] * 5] * 2))
+    layouts, _ = advise(DEBUG_JOB, 4, topology, dump, "collapsed", replica_slots=[0, 2])
+    layout = next(layout for layout in layouts if layout.refused is None and (layout.ep, layout.replica_slots) == (4, 2))
+    work = job_shape(load_job_config(DEBUG_JOB, device_type=None, world_size=4), 4).work
+    assert layout.replica_fetch_s == pytest.approx(replica_traffic(work, topology, 4, 4, moved)[0])
+    assert layout.replica_fetch_s > replica_traffic(work, topology, 4, 4, 2)[0]
 
 
 def test_replica_traffic_is_whole_experts_out_and_their_gradients_back():
     work = MoEWorkload(tokens=1024, hidden=256, top_k=2, experts=8, expert_parameters=3 * 256 * 512,
                        activation_bytes=2, gather_bytes=2, reduce_bytes=4, pre_expert_flops=1e9,
                        regather_in_backward=True)
-    fetch, back = replica_traffic(work, ONE_LINK, world_size=4, ep=4, slots=2)
+    fetch, back = replica_traffic(work, ONE_LINK, world_size=4, ep=4, experts_moved=2)
     weights = 2 * 3 * 256 * 512 * 2 / 10e9 + 100e-6
     counts = 8 * 8 * 3 / 5e9 + 100e-6
     assert fetch == pytest.approx(weights + counts) and back == pytest.approx(weights)
-    assert replica_traffic(work, ONE_LINK, world_size=4, ep=4, slots=0) == (0.0, 0.0)
+    assert replica_traffic(work, ONE_LINK, world_size=4, ep=4, experts_moved=0) == (0.0, 0.0)
 
 
 def test_replicas_win_where_the_busiest_rank_sets_the_step():
@@ -152,13 +205,20 @@ def test_bad_replica_slots_are_one_line_exit_2(capsys, argv, message):
     assert capsys.readouterr().err.splitlines()[-1].endswith(message)
 
 
-def test_per_rank_backends_never_send_more_than_per_pair_under_replicas():
-    """Which ranks a token reaches through replicas is not replayed: DeepEP's and HybridEP's bytes are bounded by
-    all-to-all's at the split's share, so replicas never make them the costlier choice on bytes."""
+def test_per_rank_backends_are_priced_per_pair_under_replicas():
+    """Which ranks a token reaches through replicas is not replayed: with slots DeepEP and HybridEP are priced as
+    all-to-all (once per pair, at the split's busiest share), without slots by their own model."""
     dump = _dump(np.array([[COLLAPSED] * 5] * 3))
     layouts, _ = advise(DEBUG_JOB, 4, load_topology("hgx_h100_ib"), dump, "collapsed", replica_slots=[0, 2])
     costs = {(layout.backend, layout.ep, layout.replica_slots): layout.costs for layout in layouts if layout.refused is None}
     for ep in (2, 4):
-        assert costs["deepep", ep, 2].token_copies <= costs["nccl", ep, 2].token_copies
-        assert costs["deepep", ep, 2].a2a <= costs["nccl", ep, 2].a2a
+        assert costs["deepep", ep, 2] == costs["nccl", ep, 2]
         assert costs["deepep", ep, 0].token_copies < costs["nccl", ep, 0].token_copies
+
+
+@pytest.mark.parametrize("flavor, share", [("debugmodel", 0.083), ("debugmodel_small", 0.385),
+                                           ("debugmodel_wide_experts", 0.526)])
+def test_the_routed_experts_share_of_the_flops(flavor, share):
+    """The share the advisor scales by the busiest rank's load; the flavours' docstrings quote it."""
+    job_config = load_job_config([*DEBUG_JOB, "--model.flavor", flavor], device_type=None, world_size=2)
+    assert job_shape(job_config, 2).expert_flop_share == pytest.approx(share, abs=5e-4)

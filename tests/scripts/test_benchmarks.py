@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import REPO_ROOT
 
 
@@ -123,8 +125,6 @@ def _script(name: str):
 
 def test_bench_replication_reads_both_ranks_step_lines(capsys):
     """The step line as the launcher prints it with LOG_RANK=0,1; too few steps for a warm-up is refused."""
-    import pytest
-
     bench = _script("bench_replication")
     lines = "\n".join(
         f"[rank{rank}]:09:14:1{step} step:  {step}  loss:  8.0{step}  grad_norm:  2.1352  step_time:  {step + rank}.5s"
@@ -139,3 +139,20 @@ def test_bench_replication_reads_both_ranks_step_lines(capsys):
         bench.main(["--steps", "4"])
     assert exit_info.value.code == 2
     assert "--steps 4: use more than 4 (the first 3 are warm-up)" in capsys.readouterr().err
+
+
+def test_bench_replica_split_runs():
+    result = subprocess.run([sys.executable, "scripts/bench_replica_split.py", "--calls", "1"], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    rows = [line.split("|")[1:-1] for line in result.stdout.splitlines()[2:]]
+    assert [(int(r[0]), int(r[1]), int(r[2])) for r in rows] == [(2, 8, 2), (8, 64, 2), (64, 256, 1), (64, 256, 2)]
+    assert all(int(r[4].replace(",", "")) > 0 for r in rows)
+
+
+def test_price_replicas_refuses_a_dump_too_short_to_price(capsys):
+    price = _script("price_replicas")
+    with pytest.raises(SystemExit) as exit_info:
+        price.main(["--steps", "1"])
+    assert exit_info.value.code == 2
+    assert "--steps needs at least 2" in capsys.readouterr().err

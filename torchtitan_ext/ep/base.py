@@ -293,6 +293,13 @@ class RoutedExpertParallel(ExpertParallel, ABC):
         return None
 
     @classmethod
+    def kernel_nvlink_ranks(cls, job_config) -> int | None:
+        """At most how many consecutive EP ranks this backend's kernels reach over NVLink (the others over the
+        network, even inside one NVLink domain), or None when they use every NVLink peer the machine has. The
+        layout advisor prices the all-to-all's links by it."""
+        return cls.nvlink_domain_ranks(job_config)
+
+    @classmethod
     def planned_modes(cls, job_config, shape: MoEShape, pad_multiple: int) -> list[tuple[str, int | None]]:
         """The planner's rows for this backend: (mode label, rows per dispatch when the mode fixes them,
         dropping the pairs beyond; None when the rows follow the routing and nothing is dropped).

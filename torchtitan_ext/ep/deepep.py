@@ -53,6 +53,10 @@ HYBRID_EP_BUILD_INTERNODE_NODES = (2, 4, 8, 16, 18, 20)
 at the first dispatch ("Unsupported RDMA ranks")."""
 
 
+LEGACY_NVLINK_PEERS = 8
+"""Ranks DeepEP's v1 kernels reach over NVLink; the others over RDMA (a "node" of its internode kernels)."""
+
+
 def resolve_api(api: str, implementation: str, device_type: str | None) -> str:
     """``"elastic"`` or ``"legacy"`` for ``[deepep] api`` and ``implementation`` on ``device_type``.
 
@@ -226,6 +230,13 @@ class DeepEPExpertParallel(RoutedExpertParallel):
             )
         if api == "legacy" and device_type is not None:
             _check_library_rank_count(ep)
+
+    @classmethod
+    def kernel_nvlink_ranks(cls, job_config) -> int | None:
+        """v1: 8, its kernels' NVLink peers at most (``LEGACY_NUM_MAX_NVL_PEERS`` in DeepEP main's
+        csrc/kernels/legacy/compiled.cuh; not GB200's multi-node NVLink, DeepEP issue #392); V2: the machine's."""
+        section = job_config.deepep
+        return LEGACY_NVLINK_PEERS if resolve_api(section.api, section.implementation, None) == "legacy" else None
 
     @classmethod
     def planned_buffer(cls, job_config, shape: MoEShape) -> tuple[int | None, str]:

@@ -56,12 +56,21 @@ parameters, not 33M; its MoE layers unchanged). The multi-process tests train it
 step is mostly gloo moving FSDP's parameters, 2.6x less of them here."""
 
 
+WIDE_EXPERTS_INTER_DIM = 1024
+"""The "debugmodel_wide_experts" flavour: "debugmodel_small" with 4x wider experts (routed and shared), so
+that the MoE layers take most of a step's FLOPs (the routed experts 53%, against 8% in the debug model and
+38% in "debugmodel_small"): the shape on which expert load balancing shows in the step time
+(scripts/bench_replication.py)."""
+
+
 def flavors() -> dict[str, DeepSeekV3ModelArgs]:
-    """torchtitan's DeepSeek-V3 flavours as our model args, plus "16B_4layers" and "debugmodel_small"."""
+    """torchtitan's DeepSeek-V3 flavours as our model args, plus "16B_4layers", "debugmodel_small" and
+    "debugmodel_wide_experts"."""
     found = {
         name: DeepSeekV3ModelArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args)})
         for name, args in deepseekv3_args.items()
     }
     found[f"16B_{CUT_LAYERS}layers"] = dataclasses.replace(found["16B"], n_layers=CUT_LAYERS)
     found["debugmodel_small"] = dataclasses.replace(found["debugmodel"], **SMALL_DEBUG_ATTENTION)
+    found["debugmodel_wide_experts"] = dataclasses.replace(found["debugmodel_small"], moe_inter_dim=WIDE_EXPERTS_INTER_DIM)
     return found

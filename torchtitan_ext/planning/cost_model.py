@@ -19,6 +19,7 @@ level of the topology. Where this goes beyond the paper (several levels,
 backward, FSDP's re-gather) is said at the function.
 """
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -198,6 +199,8 @@ class MeasuredRouting:
     """Per dispatch, [tokens, top_k] expert ids of the sampled tokens."""
     layers: int = 1
     """MoE layers per recorded step: the dispatches are step-major, ``layers`` per step."""
+    step_numbers: tuple[int, ...] = ()
+    """The training step of each recorded step (empty: 1, 2, ...)."""
 
     @classmethod
     def from_dump(cls, stats: dict, source: str, experts: int, top_k: int) -> "MeasuredRouting":
@@ -217,7 +220,8 @@ class MeasuredRouting:
         rows = tuple(ids[(ids >= 0).all(axis=1)].astype(np.int64) for ids in sampled)
         if not all(len(r) for r in rows):
             raise ConfigError(f"--routing-stats {source}: a step and layer with no sampled token; record more steps")
-        return cls(source, counts.reshape(-1, experts).astype(np.float64), rows, counts.shape[1] if counts.ndim == 3 else 1)
+        return cls(source, counts.reshape(-1, experts).astype(np.float64), rows, counts.shape[1] if counts.ndim == 3 else 1,
+                   tuple(int(step) for step in stats["steps"]))
 
     @property
     def dispatches(self) -> int:
@@ -269,6 +273,10 @@ class MoEWorkload:
     experts), for this rank's tokens: the compute FSDP's prefetch can hide an all-gather behind."""
     regather_in_backward: bool
     """FSDP reshards after forward, so backward gathers the experts again."""
+    expert_groups: int | None = None
+    """Group-limited routing (DeepSeek-V3's node-limited gate): the experts form this many groups of
+    consecutive experts, and each token picks its top_k among ``limited_groups`` of them. None: no limit."""
+    limited_groups: int | None = None
 
 
 @dataclass(frozen=True)
@@ -325,6 +333,27 @@ def _miss(experts: int, top_k: int, held: int) -> float:
     return math.comb(experts - held, top_k) / math.comb(experts, top_k)
 
 
+GROUP_LIMITED_SAMPLES = 16384
+"""Tokens drawn to estimate reach under group-limited routing (standard error below 0.4%)."""
+
+
+@functools.lru_cache(maxsize=64)
+def group_limited_reach(experts: int, top_k: int, groups: int, limited: int, held: int) -> float:
+    """The fraction of tokens with an expert among ``held`` consecutive experts (averaged over where they
+    start, in steps of ``held``), under torchtitan's group-limited gate with independent, identically
+    distributed scores: each group scores the sum of its top 2, a token keeps its ``limited`` best
+    groups and picks its top_k experts among theirs. Drawn (fixed seed), not enumerated: the gate's
+    choice of groups and of experts within them are not independent."""
+    rng = np.random.default_rng(0)
+    scores = rng.random((GROUP_LIMITED_SAMPLES, groups, experts // groups))
+    group_scores = np.sort(scores, axis=2)[:, :, -2:].sum(axis=2)
+    dropped = np.argsort(group_scores, axis=1)[:, : groups - limited]
+    np.put_along_axis(scores, dropped[:, :, None].repeat(experts // groups, axis=2), -1.0, axis=1)
+    ids = np.argpartition(-scores.reshape(GROUP_LIMITED_SAMPLES, experts), top_k - 1, axis=1)[:, :top_k]
+    starts = range(0, experts - held + 1, held)
+    return float(np.mean([((ids >= start) & (ids < start + held)).any(axis=1).mean() for start in starts]))
+
+
 def transfer_seconds(topology: Topology, bytes_per_level: dict[int, float], collective: Collective = "all_to_all") -> float:
     """Levels' links run side by side: the slowest level's bytes / the collective's bandwidth + start-up."""
     return max(
@@ -340,41 +369,38 @@ def token_bytes_per_level(
 ) -> tuple[dict[int, float], float]:
     """({level: bytes rank 0 sends there per all-to-all}, token copies leaving the rank).
 
-    Uniform routing, or with ``routing`` the busiest receiver's measured share
-    (pairs per rank; tokens reaching a rank or a domain). The EP group is ranks
-    0..ep-1 (torchtitan's mesh puts ep innermost).
+    Uniform routing (through the model's group-limited gate where it has one:
+    :func:`group_limited_reach`), or with ``routing`` the busiest receiver's
+    measured share (pairs per rank; tokens reaching a rank or a domain). The EP
+    group is ranks 0..ep-1 (torchtitan's mesh puts ep innermost).
     Per pair (all-to-all): each of the tokens x top_k pairs goes to its expert's rank.
     Per rank (DeepEP, HybridEP): a token goes once to each rank holding one of its experts;
     over an outer level once to each domain (the EP ranks of one inner-level group) holding
     one, and the rank it lands on forwards it inside the domain (counted on the innermost
     level, also for a domain reached over the third level or beyond).
     ``pair_share``, when given, is the busiest receiver's share of the pairs in place of the
-    routing's (under expert replication: after the split, :mod:`.replica_cost`). Which ranks a
-    token reaches through its experts' copies is not replayed; since sending each token once per
-    rank never sends more than once per pair, the per-rank backends' bytes are then bounded by the
-    per-pair bytes at that share, level by level.
+    routing's, for per-pair sends (under expert replication: after the split, :mod:`.replica_cost`).
     """
     row = work.hidden * work.activation_bytes
     local = work.experts // ep
     by_level = _levels_of_peers(topology, sizes, list(range(1, ep)))
     volume: dict[int, float] = {}
     copies = 0.0
-    if not copies_per_rank or pair_share is not None:
+    if not copies_per_rank:
         if pair_share is None:
             pair_share = routing.pair_share(ep) if routing else 1 / ep
         per_peer = work.tokens * work.top_k * pair_share
         for level, peers in by_level.items():
             volume[level] = peers * per_peer * row
             copies += peers * per_peer / work.tokens
-        if not copies_per_rank:
-            return volume, copies
-        per_rank_volume, per_rank_copies = token_bytes_per_level(work, topology, sizes, ep, True, routing)
-        return {level: min(v, per_rank_volume.get(level, 0.0)) for level, v in volume.items()}, min(copies, per_rank_copies)
+        return volume, copies
 
     def reach(ranks: int, domain_size: int) -> float:
         """Of a domain of ``domain_size`` ranks of which ``ranks`` are in the EP group."""
         if routing:
             return routing.reach(ep, domain_size)
+        if work.expert_groups is not None:
+            return group_limited_reach(work.experts, work.top_k, work.expert_groups, work.limited_groups, local * ranks)
         return 1 - _miss(work.experts, work.top_k, local * ranks)
 
     reach_rank = reach(1, 1)
@@ -398,18 +424,20 @@ def token_bytes_per_level(
 
 def layer_costs(
     work: MoEWorkload, topology: Topology, world_size: int, ep: int, efsdp: int, copies_per_rank: bool,
-    routing: MeasuredRouting | None = None, pair_share: float | None = None,
+    routing: MeasuredRouting | None = None, pair_share: float | None = None, token_links: Topology | None = None,
 ) -> LayerCosts:
     """The paper's streams for one MoE layer of a torchtitan job at (ep, efsdp), per rank and step.
 
     Tokens: eq. 3's A2A over the EP group, with the backend's copies per token (four per step,
-    six when activation checkpointing recomputes the layer). Experts: eq. 4's AG over the expert-FSDP group
-    (ranks ep apart), of this rank's E/ep experts in FSDP's shards, once or twice per step, and
-    the gradients' reduce-scatter of the same bytes at the reduce dtype.
+    six when activation checkpointing recomputes the layer), over ``token_links`` when the backend's
+    kernels see the links otherwise (:meth:`Topology.within_kernel_domain`). Experts: eq. 4's AG over the
+    expert-FSDP group (ranks ep apart), of this rank's E/ep experts in FSDP's shards, once or twice per
+    step, and the gradients' reduce-scatter of the same bytes at the reduce dtype.
     """
     sizes = topology.group_sizes(world_size)
-    volume, copies = token_bytes_per_level(work, topology, sizes, ep, copies_per_rank, routing, pair_share)
-    a2a = transfer_seconds(topology, volume)
+    links = topology if token_links is None else token_links
+    volume, copies = token_bytes_per_level(work, links, links.group_sizes(world_size), ep, copies_per_rank, routing, pair_share)
+    a2a = transfer_seconds(links, volume)
     gathered = work.experts // ep * work.expert_parameters * (efsdp - 1) / efsdp
     if efsdp > 1:
         level = max(topology.level_of(sizes, 0, j * ep) for j in range(1, efsdp))

@@ -11,7 +11,10 @@ routing the busiest EP rank's expert compute above the mean rank's. With
 replica slots to price (the job's ``[expert_replication]``, or
 ``replica_slots``), each layout is also priced at each slot count: the
 busiest rank's rows after the split and the replicas' traffic
-(:mod:`.replica_cost`).
+(:mod:`.replica_cost`). Which ranks a token reaches through its experts'
+copies is not replayed, so with slots DeepEP and HybridEP are priced as
+sending each token once per pair, as all-to-all does (an upper bound: they
+never send more).
 Feasibility is the job config's own validation: a layout it refuses is listed
 with the reason, never ranked.
 """
@@ -40,7 +43,7 @@ from torchtitan_ext.planning.cost_model import (
 )
 from torchtitan_ext.planning.measured_compute import MeasuredCompute
 from torchtitan_ext.planning.memory_plan import saved_moe_layers
-from torchtitan_ext.planning.replica_cost import busiest_rows_ratio, check_replayable, replica_traffic
+from torchtitan_ext.planning.replica_cost import check_replayable, replay, replica_traffic, ReplicaReplay
 from torchtitan_ext.planning.topology import Topology
 
 
@@ -222,6 +225,8 @@ def job_shape(job_config, world_size: int) -> JobShape:
         reduce_bytes=element(training.mixed_precision_reduce),
         pre_expert_flops=forward_outside_experts * tokens,
         regather_in_backward=reshard == "always" or (reshard == "default" and p.pipeline_parallel_degree == 1),
+        expert_groups=moe_args.num_expert_groups,
+        limited_groups=moe_args.num_limited_groups,
     )
     expert_world = world_size // (
         p.pipeline_parallel_degree * p.data_parallel_replicate_degree * p.expert_tensor_parallel_degree
@@ -311,22 +316,20 @@ def advise(
     moe_shape = MoEShape(work.hidden, work.experts, work.top_k, work.tokens)
     sizes = topology.group_sizes(world_size)
 
-    def level_name(last_peer: int) -> str:
-        return topology.levels[topology.level_of(sizes, 0, last_peer)].name if last_peer else ""
+    def level_name(links: Topology, last_peer: int) -> str:
+        if not last_peer:
+            return ""
+        return links.levels[links.level_of(links.group_sizes(world_size), 0, last_peer)].name
 
-    ratios: dict[tuple[int, int], float] = {}
+    replays: dict[tuple[int, int], ReplicaReplay] = {}
 
-    def rows_ratio(ep: int, slots: int) -> float:
-        """The busiest rank's rows over the mean's, the same for every backend; under replicas priced, every
-        slot count on the dispatches after the first choice."""
-        if routing is None:
-            return 1.0
-        if (ep, slots) not in ratios:
-            ratios[ep, slots] = (
-                busiest_rows_ratio(routing, ep, slots, replication.adapt_every, progress) if prices_replicas
-                else routing.pair_share(ep) * ep
-            )
-        return ratios[ep, slots]
+    def replayed(ep: int, slots: int) -> ReplicaReplay | None:
+        """The dump replayed under replicas (the same for every backend); None without a dump or slots to price."""
+        if routing is None or not prices_replicas:
+            return None
+        if (ep, slots) not in replays:
+            replays[ep, slots] = replay(routing, ep, slots, replication.adapt_every, progress)
+        return replays[ep, slots]
 
     runnable, refused = [], []
     for ep in range(1, shape.expert_world + 1):
@@ -344,17 +347,23 @@ def advise(
                 try:
                     validate(candidate, device_type=device_type, world_size=world_size)
                     _check_nvlink_domain(backend, candidate, topology, sizes)
+                    kernel_ranks = backend.kernel_nvlink_ranks(candidate)
+                    links = topology if kernel_ranks is None else topology.within_kernel_domain(kernel_ranks, backend_name)
+                    links.group_sizes(world_size)
                 except ConfigError as e:
                     refused.append(replace(layout, refused=str(e)))
                     continue
-                ratio = rows_ratio(ep, slots)
-                fetch_s, return_s = replica_traffic(work, topology, world_size, ep, slots)
+                replayed_here = replayed(ep, slots)
+                if replayed_here is None:
+                    ratio, moved, pair_share = (routing.pair_share(ep) * ep if routing else 1.0), slots, None
+                else:
+                    ratio, moved = replayed_here.rows_ratio, replayed_here.experts_moved
+                    pair_share = ratio / ep
+                fetch_s, return_s = replica_traffic(work, links, world_size, ep, moved)
+                copies_per_rank = backend.sends_each_token_once_per_rank and not slots
                 runnable.append(replace(
                     layout,
-                    costs=layer_costs(
-                        work, topology, world_size, ep, efsdp, backend.sends_each_token_once_per_rank, routing,
-                        ratio / ep if routing is not None and prices_replicas else None,
-                    ),
+                    costs=layer_costs(work, topology, world_size, ep, efsdp, copies_per_rank, routing, pair_share, links),
                     moe_layers=shape.moe_layers,
                     recomputed_layers=shape.recomputed_layers,
                     dispatches=shape.dispatches,
@@ -364,8 +373,8 @@ def advise(
                     overlap=topology.overlap,
                     gathered_expert_bytes=work.experts // ep * work.expert_parameters * work.gather_bytes,
                     buffer_bytes=backend.planned_buffer(candidate, dispatched_shape(candidate, moe_shape))[0],
-                    a2a_level=level_name(ep - 1),
-                    gather_level=level_name((efsdp - 1) * ep),
+                    a2a_level=level_name(links, ep - 1),
+                    gather_level=level_name(topology, (efsdp - 1) * ep),
                     rows_ratio=ratio,
                     expert_compute_s=compute_s * shape.expert_flop_share,
                     replica_fetch_s=fetch_s,
@@ -488,8 +497,9 @@ def format_advice(
         )
     elif prices_replicas:
         lines.append(
-            f"  replica slots {', '.join(map(str, priced_slots))} priced by replaying the dump as training splits it, "
-            "from the steps after the first choice of replicas (every slot count on the same dispatches)"
+            f"  replica slots {', '.join(map(str, priced_slots))} priced by replaying the dump's counts through "
+            "training's choice and split of replicas, from the steps after the first choice (every slot count on "
+            "the same dispatches)"
         )
     if runnable:
         first = runnable[0]
@@ -544,6 +554,28 @@ def format_advice(
             f"{layout.refused}" for layout in refused
         ]
     return lines
+
+
+def layouts_record(layouts: list[Layout]) -> list[dict]:
+    """Every layout considered, ranked ones first, as JSON-ready objects (times in seconds per step and rank)."""
+    records = []
+    for rank, layout in enumerate(layouts, start=1):
+        record = {
+            "backend": layout.backend, "ep_degree": layout.ep, "efsdp_degree": layout.efsdp,
+            "replica_slots": layout.replica_slots, "runnable": layout.refused is None, "refused": layout.refused,
+        }
+        if layout.refused is None:
+            record.update(
+                rank=rank, step_s=layout.step_s, moe_s=layout.moe_s, compute_s=layout.compute_s,
+                exposed_communication_s=layout.exposed_s, communication_s=layout.communication_s,
+                local_work_s=layout.local_work_s, busiest_rank_compute_s=layout.imbalance_s,
+                replica_traffic_s=layout.replica_s, data_parallel_exposed_s=layout.data_parallel_exposed_s,
+                token_copies=layout.costs.token_copies, all_to_all_s=layout.costs.a2a, rows_max_over_mean=layout.rows_ratio,
+                all_to_all_over=layout.a2a_level, gathered_expert_bytes=layout.gathered_expert_bytes,
+                buffer_bytes=layout.buffer_bytes, overrides=layout.overrides(),
+            )
+        records.append(record)
+    return records
 
 
 def format_paper(setting: PaperSetting, link: str) -> list[str]:

@@ -2,25 +2,37 @@
 
 Each EP rank computes the (token, expert) pairs of its experts, and a step
 waits for the busiest rank. Under measured routing (a routing-statistics
-dump), :func:`busiest_rows_ratio` replays the dump as training runs it
-(:mod:`torchtitan_ext.balancing.replica_choice` chooses the replicas from
-the counts of the ``adapt_every`` steps before each choice;
-:mod:`torchtitan_ext.ep.replica_split` splits every step's pairs among the
-copies), with experts in logical order (no placement), and returns the
-busiest rank's rows over the mean rank's. Steps before the first choice are
-left out at every slot count, so that 0 and S slots are priced on the same
-dispatches. Under uniform routing every rank computes the mean: replicas then
-only add their traffic.
+dump), :func:`replay` runs the dump's counts through training's rules: the
+replicas are chosen (:func:`torchtitan_ext.balancing.replica_choice.choose_replicas`)
+before steps 1 + k x ``adapt_every`` from the counts of the ``adapt_every``
+steps before, and every step's pairs are split among the copies
+(:func:`torchtitan_ext.ep.replica_split.split_quotas`), with the experts in
+logical order (no placement). It returns the rows each rank computes and the
+whole experts the busiest rank sends or receives per fetch. Steps whose
+choice needs counts from before the dump are left out at every slot count,
+so that 0 and S slots are priced on the same dispatches.
 
-:func:`replica_traffic` is that traffic per MoE layer and call, one rank:
-the forward fetches the S replicas' weights (whole experts, in the dtype
-FSDP gathers them in) and all-gathers the pair counts (E int64 per rank) for
-the split; the backward returns as many gradient elements home. A forward
-that activation checkpointing recomputes fetches and counts again. It runs
-over the EP group's outermost link at the all-to-all bandwidth, and the step
+What the replay does not follow: the dump's counts are the job's, summed
+over its EP groups and microbatches, while training chooses and splits per
+EP group and MoE call, from that group's counts. With several EP groups
+(expert FSDP, HSDP replicas) or several MoE calls per step (gradient
+accumulation, pipeline microbatches) each group's counts are noisier than
+their sum, so the replay understates both the imbalance and what replicas
+remove. Under uniform routing every rank computes the mean, and each rank
+is taken to receive (and send) S experts per fetch: replicas then only add
+their traffic.
+
+:func:`replica_traffic` prices that traffic per MoE layer and call: the
+forward fetches the replicas' weights (whole experts, in the dtype FSDP
+gathers them in) and all-gathers the pair counts (E int64 per rank) for the
+split; the backward returns as many gradient elements home. A forward that
+activation checkpointing recomputes fetches and counts again. It runs over
+the EP group's outermost link at the all-to-all bandwidth, and the step
 waits for it (the fetch is issued inside the layer, just before the experts
 compute).
 """
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -29,6 +41,8 @@ from tqdm import tqdm
 from torchtitan_ext.balancing.replica_choice import choose_replicas
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.ep.replica_split import split_quotas, SplitTables
+from torchtitan_ext.ep.replicated_experts import exchange_arguments
+from torchtitan_ext.ep.replication import ReplicaPlan
 from torchtitan_ext.planning.cost_model import MeasuredRouting, MoEWorkload, transfer_seconds
 from torchtitan_ext.planning.topology import Topology
 
@@ -36,56 +50,97 @@ COUNT_BYTES = 8
 """An int64 pair count, as the split all-gathers them."""
 
 
-def check_replayable(routing: MeasuredRouting, adapt_every: int) -> None:
-    """ConfigError when the dump has no step after the first choice of replicas."""
-    if routing.steps <= adapt_every:
+@dataclass(frozen=True)
+class ReplicaReplay:
+    """A dump replayed at one EP degree and slot count."""
+
+    rows: np.ndarray
+    """[priced dispatches, ep]: the pairs each EP rank computes."""
+    experts_moved: float
+    """Whole experts the busiest rank sends or receives per fetch (the larger), averaged over the priced
+    dispatches; 0 without slots."""
+
+    @property
+    def rows_ratio(self) -> float:
+        """The busiest rank's rows over the mean rank's, averaged over the dispatches with pairs (1: balanced)."""
+        totals = self.rows.sum(axis=1)
+        busy = totals > 0
+        if not busy.any():
+            return 1.0
+        return float(np.mean(self.rows[busy].max(axis=1) * self.rows.shape[1] / totals[busy]))
+
+
+def _priced(routing: MeasuredRouting, adapt_every: int) -> list[tuple[int, int]]:
+    """(dump index of each priced step, dump index of the first step of its choice's window)."""
+    steps = routing.step_numbers or tuple(range(1, routing.steps + 1))
+    first = steps[0]
+    if list(steps) != list(range(first, first + len(steps))):
         raise ConfigError(
-            f"--routing-stats {routing.source} records {routing.steps} step(s); pricing replicas chosen every "
-            f"{adapt_every} step(s) needs at least {adapt_every + 1}: record more steps, or lower "
-            "expert_replication.adapt_every"
+            f"--routing-stats {routing.source} records steps {steps[0]}..{steps[-1]} with gaps: replaying replica "
+            "choices needs consecutive steps; use the files of one uninterrupted run"
         )
+    priced = []
+    for index, step in enumerate(steps):
+        chosen_before = (step - 1) // adapt_every * adapt_every + 1
+        if chosen_before > 1 and chosen_before - adapt_every >= first:
+            priced.append((index, chosen_before - adapt_every - first))
+    if not priced:
+        raise ConfigError(
+            f"--routing-stats {routing.source} records steps {first}..{steps[-1]}; pricing replicas chosen every "
+            f"{adapt_every} step(s) needs a step whose choice's {adapt_every} step(s) before it are recorded too: "
+            "record more steps, or lower expert_replication.adapt_every"
+        )
+    return priced
 
 
-def rows_per_rank(routing: MeasuredRouting, ep: int, slots: int, adapt_every: int, progress: bool = False) -> np.ndarray:
-    """[priced dispatches, ep]: the pairs each EP rank computes at every dispatch after the first choice."""
-    check_replayable(routing, adapt_every)
+def check_replayable(routing: MeasuredRouting, adapt_every: int) -> None:
+    """ConfigError when no step of the dump can be priced under replicas."""
+    _priced(routing, adapt_every)
+
+
+def _busiest_transfer(plan: ReplicaPlan) -> int:
+    """Whole experts the busiest rank sends or receives in one fetch of ``plan``'s replicas."""
+    busiest = 0
+    for rank in range(plan.expert_parallel_degree):
+        send_local, _, recv_counts, _ = exchange_arguments(plan, rank)
+        busiest = max(busiest, len(send_local), sum(recv_counts))
+    return busiest
+
+
+def replay(routing: MeasuredRouting, ep: int, slots: int, adapt_every: int, progress: bool = False) -> ReplicaReplay:
+    """The dump at ``ep`` ranks with ``slots`` replica slots each, chosen every ``adapt_every`` steps."""
+    priced = _priced(routing, adapt_every)
     experts = routing.tokens_per_expert.shape[1]
     counts = routing.tokens_per_expert.reshape(routing.steps, routing.layers, experts).astype(np.int64)
     slots_per_rank = experts // ep + slots
-    rows = []
-    steps = range(adapt_every, routing.steps)
-    for step in tqdm(steps, desc=f"replaying EP={ep}, {slots} slot(s)", unit="step", disable=not progress, leave=False):
-        chosen_at = step // adapt_every * adapt_every
+    rows, moved = [], []
+    plans: dict[tuple[int, int], tuple[SplitTables, int]] = {}
+    for index, window in tqdm(priced, desc=f"replaying EP={ep}, {slots} slot(s)", unit="step", disable=not progress,
+                              leave=False):
         for layer in range(routing.layers):
-            current = counts[step, layer]
+            current = counts[index, layer]
             if not slots:
                 rows.append(current.reshape(ep, -1).sum(axis=1))
                 continue
-            window = counts[chosen_at - adapt_every:chosen_at, layer].sum(axis=0)
-            tables = SplitTables(choose_replicas(window.tolist(), ep, slots), torch.device("cpu"))
+            if (window, layer) not in plans:
+                plan = choose_replicas(counts[window:window + adapt_every, layer].sum(axis=0).tolist(), ep, slots)
+                plans[window, layer] = SplitTables(plan, torch.device("cpu")), _busiest_transfer(plan)
+            tables, busiest = plans[window, layer]
             quotas = split_quotas(torch.from_numpy(current), tables)
             ranks = torch.div(tables.dispatched, slots_per_rank, rounding_mode="floor")
             rows.append(torch.zeros(ep, dtype=torch.int64).index_add_(0, ranks.flatten(), quotas.flatten()).numpy())
-    return np.stack(rows)
+            moved.append(busiest)
+    return ReplicaReplay(np.stack(rows), float(np.mean(moved)) if moved else 0.0)
 
 
-def busiest_rows_ratio(routing: MeasuredRouting, ep: int, slots: int, adapt_every: int, progress: bool = False) -> float:
-    """The busiest EP rank's rows over the mean rank's, averaged over the priced dispatches (1: balanced)."""
-    rows = rows_per_rank(routing, ep, slots, adapt_every, progress)
-    totals = rows.sum(axis=1)
-    busy = totals > 0
-    if not busy.any():
-        return 1.0
-    return float(np.mean(rows[busy].max(axis=1) * ep / totals[busy]))
-
-
-def replica_traffic(work: MoEWorkload, topology: Topology, world_size: int, ep: int, slots: int) -> tuple[float, float]:
-    """(one forward's fetch and count exchange, one backward's gradient return), seconds per MoE layer and call."""
-    if not slots:
+def replica_traffic(work: MoEWorkload, topology: Topology, world_size: int, ep: int, experts_moved: float) -> tuple[float, float]:
+    """(one forward's fetch and count exchange, one backward's gradient return), seconds per MoE layer and call,
+    when the busiest rank sends or receives ``experts_moved`` whole experts per fetch."""
+    if not experts_moved:
         return 0.0, 0.0
     sizes = topology.group_sizes(world_size)
     level = topology.level_of(sizes, 0, ep - 1)
-    weights = slots * work.expert_parameters * work.gather_bytes
+    weights = experts_moved * work.expert_parameters * work.gather_bytes
     fetch = transfer_seconds(topology, {level: weights})
     exchange = transfer_seconds(topology, {level: work.experts * COUNT_BYTES * (ep - 1)}, "all_gather")
     return fetch + exchange, fetch

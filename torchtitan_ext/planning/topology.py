@@ -28,7 +28,7 @@ holds both.
 import difflib
 import math
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -110,6 +110,22 @@ class Topology:
                 "or add a level that connects its groups"
             )
         return sizes
+
+    def within_kernel_domain(self, ranks: int, backend: str) -> "Topology":
+        """This topology as a backend whose kernels reach only ``ranks`` consecutive ranks over the innermost
+        level's links sees it: the other ranks of an innermost group are reached over the next level's link
+        (a level of its own, named for why). Unchanged when ``ranks`` covers the innermost group, or when
+        there is no outer link to use."""
+        inner = self.levels[0]
+        if len(self.levels) == 1 or ranks >= inner.workers:
+            return self
+        outer = self.levels[1]
+        return replace(self, levels=(
+            replace(inner, name=f"{inner.name}, within {backend}'s {ranks}-rank kernel domain", workers=ranks),
+            replace(outer, name=f"{outer.name}'s link, between {backend}'s kernel domains in {inner.name}",
+                    workers=inner.workers),
+            *self.levels[1:],
+        ))
 
     def level_of(self, sizes: list[int], rank_a: int, rank_b: int) -> int:
         """Index of the innermost level whose group holds both ranks."""

@@ -1,0 +1,64 @@
+"""The per-step split of expert replication at scale: operators per MoE layer and call, and their host time.
+
+    python scripts/bench_replica_split.py [--calls 20]
+
+For EP degrees up to DeepSeek-V3's 256 experts at EP=64, 1 and 2 slots per
+rank, counts drawn from a Zipf 0.8 popularity (512 pairs per expert on
+average), replicas chosen from them: counts the tensor operators one
+``split_quotas`` call dispatches (on a GPU each is at least one kernel
+launch, so their number bounds the split's time from below at a few
+microseconds each) and times the call on this CPU, one thread.
+"""
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from torchtitan_ext.balancing.replica_choice import choose_replicas
+from torchtitan_ext.ep.replica_split import split_quotas, SplitTables
+
+SHAPES = [(2, 8, 2), (8, 64, 2), (64, 256, 1), (64, 256, 2)]
+"""(EP degree, experts, slots per rank)."""
+
+
+class OperatorCount(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=20, help="timed calls per shape (median reported)")
+    args = parser.parse_args()
+    if args.calls < 1:
+        parser.error("--calls: use at least 1")
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    print("| EP | experts | slots per rank | replicated experts | operators per call | host ms per call (median) |")
+    print("|---|---|---|---|---|---|")
+    for ep, experts, slots in SHAPES:
+        popularity = 1 / np.arange(1, experts + 1) ** 0.8
+        counts = torch.tensor(rng.multinomial(experts * 512, popularity / popularity.sum()))
+        tables = SplitTables(choose_replicas(counts.tolist(), ep, slots), torch.device("cpu"))
+        with OperatorCount() as operators:
+            split_quotas(counts, tables)
+        times = []
+        for _ in range(args.calls):
+            began = time.perf_counter()
+            split_quotas(counts, tables)
+            times.append(time.perf_counter() - began)
+        print(f"| {ep} | {experts} | {slots} | {len(tables.replicated)} | {operators.count:,} | "
+              f"{statistics.median(times) * 1e3:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
