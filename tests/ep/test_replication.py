@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.helpers import run_distributed
-from torchtitan_ext.ep.replica_split import split_quotas, SplitTables, water_fill
+from torchtitan_ext.ep.replica_split import split_quotas, SplitTables, SWEEPS, UNREACHABLE, water_fill
 from torchtitan_ext.ep.replicated_experts import exchange_arguments
 from torchtitan_ext.ep.replication import ReplicaPlan
 
@@ -69,6 +69,56 @@ def test_split_never_loads_a_rank_more_than_without_replicas(seed):
     assert (quotas >= 0).all()
     home_only = [int(counts[rank * per_rank:(rank + 1) * per_rank].sum()) for rank in range(ranks)]
     assert max(_loads(quotas, tables)) <= max(home_only)
+
+
+def test_water_fill_fills_each_row_alone_and_never_a_padded_copy():
+    generator = random.Random(0)
+    loads = torch.tensor([[generator.randint(0, 50) for _ in range(4)] for _ in range(6)])
+    loads[:, 3] = UNREACHABLE
+    amounts = torch.tensor([generator.randint(0, 90) for _ in range(6)])
+    batched = water_fill(loads, amounts)
+    assert batched.tolist() == [water_fill(row, amount).tolist() for row, amount in zip(loads, amounts)]
+    assert (batched[:, 3] == 0).all() and batched.sum(1).tolist() == amounts.tolist()
+
+
+def _split_one_expert_at_a_time(counts: torch.Tensor, tables: SplitTables, order: list[int]) -> torch.Tensor:
+    """The split's rule read literally: each replicated expert in ``order``, its copies water-filled alone."""
+    quotas = torch.zeros(counts.shape[0], tables.width, dtype=torch.int64)
+    quotas[:, 0] = counts
+    loads = [0] * tables.plan.expert_parallel_degree
+    for home, count in enumerate(counts.tolist()):
+        loads[tables.copy_ranks[home][0]] += count
+    for _ in range(SWEEPS):
+        for home in order:
+            ranks = tables.copy_ranks[home]
+            others = [loads[rank] - int(quotas[home, copy]) for copy, rank in enumerate(ranks)]
+            share = water_fill(torch.tensor(others), counts[home]).tolist()
+            for copy, rank in enumerate(ranks):
+                loads[rank] = others[copy] + share[copy]
+                quotas[home, copy] = share[copy]
+    return quotas
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_rounds_fill_disjoint_copies_at_once_as_one_at_a_time_would(seed):
+    """A round's experts have copies on disjoint ranks, every replicated expert is in one round, and the
+    batched split equals filling the experts one after another in the rounds' order."""
+    generator = random.Random(seed)
+    ranks, per_rank = generator.choice([(4, 2), (8, 2), (8, 4)])
+    slots = generator.randint(1, 3)
+    experts = ranks * per_rank
+    replicas = []
+    for rank in range(ranks):
+        others = [home for home in range(experts) if home // per_rank != rank]
+        replicas.append(tuple(generator.sample(others, slots)))
+    tables = SplitTables(ReplicaPlan(experts, ranks, tuple(replicas)), torch.device("cpu"))
+    order = [int(home) for homes, _, _ in tables.rounds for home in homes]
+    assert sorted(order) == tables.replicated
+    for homes, at, real in tables.rounds:
+        used = [int(rank) for rank in at[real]]
+        assert len(used) == len(set(used))
+    counts = torch.tensor([generator.randint(0, 500) for _ in range(experts)])
+    assert split_quotas(counts, tables).tolist() == _split_one_expert_at_a_time(counts, tables, order).tolist()
 
 
 def test_split_of_one_hot_expert_over_two_ranks():

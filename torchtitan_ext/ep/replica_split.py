@@ -36,28 +36,38 @@ def replica_save_ops() -> set:
 SWEEPS = 2
 """Passes of water-filling over the replicated experts (each pass never raises the busiest rank's load)."""
 
+UNREACHABLE = 2**40
+"""The load a padded copy is given, so that water-filling never gives it a pair: above any step's pairs,
+and a row's sum of them stays far inside int64."""
+
 
 def water_fill(loads: torch.Tensor, amount: torch.Tensor) -> torch.Tensor:
     """Integer quotas q (summing to ``amount``) over ranks with ``loads``, minimising max(loads + q).
 
-    The lowest-loaded ranks are filled to a common level; the remainder goes one pair each to the
-    lowest-loaded of them (ties: the earlier copy). All on the device.
+    ``loads`` [..., C] and ``amount`` [...]: one fill per row. The lowest-loaded ranks are filled to a
+    common level; the remainder goes one pair each to the lowest-loaded of them (ties: the earlier copy).
+    All on the device.
     """
-    count = loads.shape[0]
-    ordered, order = torch.sort(loads, stable=True)
-    prefix = ordered.cumsum(0)
+    count = loads.shape[-1]
+    amount = amount.unsqueeze(-1)
+    ordered, order = torch.sort(loads, dim=-1, stable=True)
+    prefix = ordered.cumsum(-1)
     participants = torch.arange(1, count + 1, device=loads.device)
     levels = torch.div(amount + prefix, participants, rounding_mode="floor")
     # the levels that reach the next-lowest load form a prefix: its length is how many ranks fill
-    filled = (levels >= ordered).sum().clamp(min=1)
-    level = levels.gather(0, (filled - 1).reshape(1))
-    remainder = amount + prefix.gather(0, (filled - 1).reshape(1)) - level * filled
+    filled = (levels >= ordered).sum(-1, keepdim=True).clamp(min=1)
+    level = levels.gather(-1, filled - 1)
+    remainder = amount + prefix.gather(-1, filled - 1) - level * filled
     quotas_ordered = (level - ordered).clamp(min=0) + (participants - 1 < remainder).to(loads.dtype)
-    return torch.empty_like(quotas_ordered).scatter_(0, order, quotas_ordered)
+    return torch.empty_like(quotas_ordered).scatter_(-1, order, quotas_ordered)
 
 
 class SplitTables:
-    """A plan's copies as tensors on the device, built once per plan."""
+    """A plan's copies as tensors on the device, built once per plan.
+
+    The split fills the replicated experts in rounds: the experts of one round have copies on disjoint
+    ranks, so one batched water-fill serves them all, exactly as filling them one after another would
+    (a few rounds per pass, where one expert at a time would take up to EP x S)."""
 
     def __init__(self, plan: ReplicaPlan, device: torch.device):
         copies = plan.copies()
@@ -71,7 +81,27 @@ class SplitTables:
         """[E, C] dispatched id of each copy (padded with the home's)."""
         self.home_rank = torch.tensor([c[0][0] for c in copies], dtype=torch.int64, device=device)
         self.width = width
-        self.rank_index = [torch.tensor(ranks, dtype=torch.int64, device=device) for ranks in self.copy_ranks]
+        self.rounds = [self._round_tensors(homes, device) for homes in self._rounds()]
+        """Per round: (home slots [R], their copies' ranks [R, C] padded with EP, which copies are real [R, C])."""
+
+    def _rounds(self) -> list[list[int]]:
+        """The replicated experts, in order, each in the first round whose ranks it does not share."""
+        rounds: list[tuple[list[int], set[int]]] = []
+        for home in self.replicated:
+            ranks = set(self.copy_ranks[home])
+            target = next((r for r in rounds if not r[1] & ranks), None)
+            if target is None:
+                rounds.append(([home], ranks))
+            else:
+                target[0].append(home)
+                target[1].update(ranks)
+        return [homes for homes, _ in rounds]
+
+    def _round_tensors(self, homes: list[int], device: torch.device):
+        sink = self.plan.expert_parallel_degree
+        ranks = [self.copy_ranks[home] + [sink] * (self.width - len(self.copy_ranks[home])) for home in homes]
+        at = torch.tensor(ranks, dtype=torch.int64, device=device)
+        return torch.tensor(homes, dtype=torch.int64, device=device), at, at != sink
 
 
 def split_quotas(counts: torch.Tensor, tables: SplitTables) -> torch.Tensor:
@@ -79,15 +109,14 @@ def split_quotas(counts: torch.Tensor, tables: SplitTables) -> torch.Tensor:
     experts, ranks = counts.shape[0], tables.plan.expert_parallel_degree
     quotas = torch.zeros(experts, tables.width, dtype=torch.int64, device=counts.device)
     quotas[:, 0] = counts
-    loads = torch.zeros(ranks, dtype=torch.int64, device=counts.device).index_add_(0, tables.home_rank, counts)
-    for _ in range(SWEEPS if tables.replicated else 0):
-        for home in tables.replicated:
-            at = tables.rank_index[home]
-            width = at.shape[0]
-            others = loads.index_select(0, at) - quotas[home, :width]
-            share = water_fill(others, counts[home])
-            loads.index_copy_(0, at, others + share)
-            quotas[home, :width] = share
+    # one more entry: the padded copies' rank, read and written but never a real rank's
+    loads = torch.zeros(ranks + 1, dtype=torch.int64, device=counts.device).index_add_(0, tables.home_rank, counts)
+    for _ in range(SWEEPS if tables.rounds else 0):
+        for homes, at, real in tables.rounds:
+            others = torch.where(real, loads[at] - quotas.index_select(0, homes), UNREACHABLE)
+            share = water_fill(others, counts.index_select(0, homes))
+            loads.index_copy_(0, at.flatten(), (others + share).flatten())
+            quotas.index_copy_(0, homes, share)
     return quotas
 
 
