@@ -74,6 +74,9 @@ def main(argv: list[str] | None = None) -> None:
         help="--calibrate: where to write the topology (default outputs/this_machine_topology.toml)",
     )
     args, train_args = parser.parse_known_args(argv)
+    if args.json is not None and (args.calibrate or args.paper):
+        _exit_on_error(_refuse, "--json writes the layout advice's layouts, which --calibrate and --paper do not give: "
+                                "drop one of them")
     if args.calibrate:
         _exit_on_error(_check_process_count, args.nproc)
         calibrate(args.nproc, args.calibrate_output)
@@ -119,9 +122,19 @@ def main(argv: list[str] | None = None) -> None:
         print("\n".join(format_advice(advice, topology, world_size, result.dry_run.model, problem, routing, compute)))
     if args.json is not None:
         written = args.json.with_name(f".{args.json.name}.partial")
-        written.write_text(json.dumps(layouts_record(advice), indent=1) + "\n", encoding="utf-8")
-        os.replace(written, args.json)
+        try:
+            written.write_text(json.dumps(layouts_record(advice), indent=1) + "\n", encoding="utf-8")
+            os.replace(written, args.json)
+        except OSError as e:
+            written.unlink(missing_ok=True)
+            print(f"error: --json {args.json}: could not write it ({e.strerror}): free space or choose another path",
+                  file=sys.stderr)
+            sys.exit(2)
         print(f"Wrote {len(advice)} layouts to {args.json}")
+
+
+def _refuse(message: str) -> None:
+    raise ConfigError(message)
 
 
 def _check_writable(path: Path, topology) -> None:

@@ -228,6 +228,22 @@ def test_replicas_all_reduce_each_gradient_shard():
     assert ddp.communication(two, 2) == pytest.approx(5.5e6 * 4 / 2e9 + 5.5e6 * 4 / 4e9 + 2 * 5 * 10e-6)
 
 
+def test_group_limited_choice_is_torchtitans_gate():
+    """The same scores through torchtitan 0.2.2's router (its group mask, then top-k) pick the same experts."""
+    import types
+
+    import numpy as np
+    import torch
+    from torchtitan.models.moe.moe import TokenChoiceTopKRouter
+
+    scores = np.random.default_rng(3).random((512, 256))
+    ours = np.sort(cm.group_limited_choice(scores, 8, 8, 4), axis=1)
+    router = types.SimpleNamespace(num_experts=256, num_expert_groups=8, num_limited_groups=4)
+    masked = TokenChoiceTopKRouter._get_node_limited_routing_scores(router, torch.from_numpy(scores))
+    theirs = np.sort(torch.topk(masked, k=8, dim=-1).indices.numpy(), axis=1)
+    assert (ours == theirs).all()
+
+
 def test_group_limited_reach_is_the_uniform_one_without_a_limit():
     """Drawn through torchtitan's gate with every group kept, the reach is the closed form's (top_k distinct
     experts, uniform) within the draw's noise."""

@@ -479,3 +479,26 @@ def test_a_json_file_that_cannot_be_written_is_refused_first(capsys, tmp_path, w
     assert exited.value.code == 2
     captured = capsys.readouterr()
     assert captured.err.splitlines()[-1].endswith(message) and "Layout advice" not in captured.out
+
+
+def test_json_with_a_mode_that_gives_no_layouts_is_refused(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exited:
+        plan.main(["--calibrate", "--json", str(tmp_path / "layouts.json")])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --json writes the layout advice's layouts, which --calibrate and --paper do not give: drop one of them"
+    )
+
+
+def test_replica_traffic_uses_the_physical_links_whatever_the_kernels_reach():
+    """The replicas' weights and gradients move by torch.distributed collectives, not the backend's kernels:
+    DeepEP v1 and V2 pay the same for them, on NVLink, though v1's own all-to-all crosses RDMA."""
+    prepare()
+    job = ["--job.config_file", "train_configs/deepseek_v3_16b.toml"]
+    priced = {}
+    for api in ("legacy", "elastic"):
+        layouts, _ = advise([*job, "--deepep.api", api], 64, load_topology("gb200_nvl72"), replica_slots=[1])
+        priced[api] = next(layout for layout in layouts if (layout.backend, layout.ep) == ("deepep", 64))
+    assert priced["legacy"].refused is None and priced["elastic"].refused is None
+    assert priced["legacy"].replica_fetch_s == priced["elastic"].replica_fetch_s > 0
+    assert priced["legacy"].costs.a2a > 5 * priced["elastic"].costs.a2a

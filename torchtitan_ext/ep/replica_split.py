@@ -66,8 +66,8 @@ class SplitTables:
     """A plan's copies as tensors on the device, built once per plan.
 
     The split fills the replicated experts in rounds: the experts of one round have copies on disjoint
-    ranks, so one batched water-fill serves them all, exactly as filling them one after another would
-    (a few rounds per pass, where one expert at a time would take up to EP x S)."""
+    ranks, so one batched water-fill serves them all, exactly as filling them one after another in the
+    rounds' order would (a few rounds per pass, where one expert at a time would take up to EP x S)."""
 
     def __init__(self, plan: ReplicaPlan, device: torch.device):
         copies = plan.copies()

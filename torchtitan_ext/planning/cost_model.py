@@ -337,6 +337,17 @@ GROUP_LIMITED_SAMPLES = 16384
 """Tokens drawn to estimate reach under group-limited routing (standard error below 0.4%)."""
 
 
+def group_limited_choice(scores: np.ndarray, top_k: int, groups: int, limited: int) -> np.ndarray:
+    """[tokens, top_k] experts the group-limited gate picks from ``scores`` [tokens, E] (in [0, 1)): each
+    group scores the sum of its top 2, the ``limited`` best groups stay, the top_k of their experts win."""
+    tokens, experts = scores.shape
+    grouped = scores.reshape(tokens, groups, experts // groups).copy()
+    group_scores = np.sort(grouped, axis=2)[:, :, -2:].sum(axis=2)
+    dropped = np.argsort(group_scores, axis=1)[:, : groups - limited]
+    np.put_along_axis(grouped, dropped[:, :, None].repeat(experts // groups, axis=2), -1.0, axis=1)
+    return np.argpartition(-grouped.reshape(tokens, experts), top_k - 1, axis=1)[:, :top_k]
+
+
 @functools.lru_cache(maxsize=64)
 def group_limited_reach(experts: int, top_k: int, groups: int, limited: int, held: int) -> float:
     """The fraction of tokens with an expert among ``held`` consecutive experts (averaged over where they
@@ -344,12 +355,8 @@ def group_limited_reach(experts: int, top_k: int, groups: int, limited: int, hel
     distributed scores: each group scores the sum of its top 2, a token keeps its ``limited`` best
     groups and picks its top_k experts among theirs. Drawn (fixed seed), not enumerated: the gate's
     choice of groups and of experts within them are not independent."""
-    rng = np.random.default_rng(0)
-    scores = rng.random((GROUP_LIMITED_SAMPLES, groups, experts // groups))
-    group_scores = np.sort(scores, axis=2)[:, :, -2:].sum(axis=2)
-    dropped = np.argsort(group_scores, axis=1)[:, : groups - limited]
-    np.put_along_axis(scores, dropped[:, :, None].repeat(experts // groups, axis=2), -1.0, axis=1)
-    ids = np.argpartition(-scores.reshape(GROUP_LIMITED_SAMPLES, experts), top_k - 1, axis=1)[:, :top_k]
+    scores = np.random.default_rng(0).random((GROUP_LIMITED_SAMPLES, experts))
+    ids = group_limited_choice(scores, top_k, groups, limited)
     starts = range(0, experts - held + 1, held)
     return float(np.mean([((ids >= start) & (ids < start + held)).any(axis=1).mean() for start in starts]))
 

@@ -282,6 +282,25 @@ def _check_nvlink_domain(backend, candidate, topology: Topology, sizes: list[int
         )
 
 
+def _kernel_links(backend, backend_name: str, candidate, topology: Topology, world_size: int, ep: int) -> Topology:
+    """The links the backend's all-to-all kernels use at this EP degree: the topology, or where they reach
+    fewer NVLink peers than its innermost group holds (and the EP group has more), the topology with the
+    other peers on the next level's link. ConfigError when that split does not fit the job."""
+    kernel_ranks = backend.kernel_nvlink_ranks(candidate)
+    if kernel_ranks is None or ep <= kernel_ranks:
+        return topology
+    links = topology.within_kernel_domain(kernel_ranks, backend_name)
+    try:
+        links.group_sizes(world_size)
+    except ConfigError:
+        raise ConfigError(
+            f"{backend_name}'s kernels reach {kernel_ranks} ranks over NVLink, which do not tile topology "
+            f"'{topology.name}''s level '{topology.levels[0].name}' for {world_size} ranks: use an EP degree of at "
+            f"most {kernel_ranks}, or a world size that is a multiple of {kernel_ranks}"
+        ) from None
+    return links
+
+
 def advise(
     train_args: list[str], world_size: int, topology: Topology, routing_stats: dict | None = None, routing_source: str = "",
     measured_compute: MeasuredCompute | None = None, replica_slots: list[int] | None = None, progress: bool = False,
@@ -347,9 +366,7 @@ def advise(
                 try:
                     validate(candidate, device_type=device_type, world_size=world_size)
                     _check_nvlink_domain(backend, candidate, topology, sizes)
-                    kernel_ranks = backend.kernel_nvlink_ranks(candidate)
-                    links = topology if kernel_ranks is None else topology.within_kernel_domain(kernel_ranks, backend_name)
-                    links.group_sizes(world_size)
+                    links = _kernel_links(backend, backend_name, candidate, topology, world_size, ep)
                 except ConfigError as e:
                     refused.append(replace(layout, refused=str(e)))
                     continue
@@ -359,7 +376,7 @@ def advise(
                 else:
                     ratio, moved = replayed_here.rows_ratio, replayed_here.experts_moved
                     pair_share = ratio / ep
-                fetch_s, return_s = replica_traffic(work, links, world_size, ep, moved)
+                fetch_s, return_s = replica_traffic(work, topology, world_size, ep, moved)
                 copies_per_rank = backend.sends_each_token_once_per_rank and not slots
                 runnable.append(replace(
                     layout,
