@@ -502,3 +502,19 @@ def test_replica_traffic_uses_the_physical_links_whatever_the_kernels_reach():
     assert priced["legacy"].refused is None and priced["elastic"].refused is None
     assert priced["legacy"].replica_fetch_s == priced["elastic"].replica_fetch_s > 0
     assert priced["legacy"].costs.a2a > 5 * priced["elastic"].costs.a2a
+
+
+def test_margins_under_the_models_resolution_are_said(advice_671b):
+    """On GB200 the 671B job's best layouts are within 1% of each other (hybridep, deepep and nccl at EP=64);
+    on HGX nodes DeepEP at EP=32 is 9.96% behind EP=16: both are said, each layout named."""
+    for name, expected in (("gb200_nvl72", ["deepep EP=64", "nccl EP=64", "deepep EP=32"]), ("hgx_h100_ib", ["deepep EP=32"])):
+        layouts = advice_671b[name]
+        runnable = [layout for layout in layouts if layout.refused is None]
+        close = [layout for layout in runnable[1:] if layout.step_s <= runnable[0].step_s * 1.1]
+        assert [f"{layout.backend} EP={layout.ep}" for layout in close[:3]] == expected
+        lines = format_advice(layouts, load_topology(name), 256, "671B", None)
+        flagged = [line for line in lines if line.startswith("  within the model's resolution:")]
+        assert flagged == [
+            f"  within the model's resolution: {len(close)} other layout(s) predict a step within 10% of this one "
+            f"({', '.join(expected)}{', ...' if len(close) > 3 else ''}): measure them before choosing"
+        ]

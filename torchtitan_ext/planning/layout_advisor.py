@@ -414,6 +414,11 @@ def overrides_problem(train_args: list[str], world_size: int, layout: Layout) ->
     return None
 
 
+RESOLUTION = 0.10
+"""Relative step-time margin under which the advisor cannot tell layouts apart: it prices every backend at
+the topology's nominal link rates, without each library's achieved bandwidth, fixed costs or SM use."""
+
+
 def _ms(seconds: float) -> str:
     value = seconds * 1e3
     return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
@@ -560,6 +565,14 @@ def format_advice(
             f"  recommended: {first.backend} at EP={first.ep}, efsdp={first.efsdp}{with_slots}: "
             f"{_reason(first, runnable[1:])}"
         )
+        close = [layout for layout in runnable[1:] if layout.step_s <= first.step_s * (1 + RESOLUTION)]
+        if close:
+            named = ", ".join(f"{layout.backend} EP={layout.ep}" + (f" {layout.replica_slots} slots" if prices_replicas else "")
+                              for layout in close[:3])
+            lines.append(
+                f"  within the model's resolution: {len(close)} other layout(s) predict a step within "
+                f"{RESOLUTION:.0%} of this one ({named}{', ...' if len(close) > 3 else ''}): measure them before choosing"
+            )
         lines.append(f"  overrides: {' '.join(first.overrides())}")
         if overrides_problem is not None:
             lines.append(f"  with those, this job config still fails its checks: {overrides_problem}")
