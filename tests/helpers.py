@@ -174,19 +174,42 @@ def run_distributed(world_size: int, fn, *args, device: str = "cpu", deadline_s:
             start_method=start_method,
         )
         deadline = time.monotonic() + deadline_s
-        while not context.join(timeout=min(5.0, max(deadline - time.monotonic(), 0.1))):
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    if process.is_alive():
-                        process.kill()
-                raise TimeoutError(f"{fn.__name__} on {world_size} processes ran past {deadline_s} s")
+        try:
+            while not context.join(timeout=min(5.0, max(deadline - time.monotonic(), 0.1))):
+                if time.monotonic() > deadline:
+                    for process in context.processes:
+                        if process.is_alive():
+                            process.kill()
+                    raise TimeoutError(f"{fn.__name__} on {world_size} processes ran past {deadline_s} s")
+        except (mp.ProcessRaisedException, mp.ProcessExitedException, TimeoutError) as failure:
+            raise RuntimeError(f"{failure}\n{_ranks_report(context, tmp, world_size)}") from failure
         return [torch.load(f"{tmp}/result{rank}.pt", weights_only=False) for rank in range(world_size)]
 
 
+def _ranks_report(context, tmp: str, world_size: int) -> str:
+    """Every rank's exit code and the end of its stderr: torch names only the first rank it finds
+    failed, which may be a peer that died of another rank's failure (a gloo peer closing its socket)."""
+    for process in context.processes:
+        process.join(timeout=10)
+    lines = []
+    for rank, process in enumerate(context.processes):
+        stderr = Path(f"{tmp}/stderr{rank}")
+        tail = stderr.read_text(errors="replace")[-4000:] if stderr.exists() else ""
+        lines.append(f"--- rank {rank}: exit code {process.exitcode}, stderr's end:\n{tail}")
+    return "\n".join(lines)
+
+
 def _worker(rank, world_size, tmp, device, fn, args):
+    import faulthandler
+
     import torch
     import torch.distributed as dist
 
+    # a native crash (a C++ abort in gloo, a segfault) leaves its message and every thread's Python
+    # stack where run_distributed reports them
+    stderr = open(f"{tmp}/stderr{rank}", "w")
+    os.dup2(stderr.fileno(), 2)
+    faulthandler.enable(file=stderr, all_threads=True)
     torch.set_num_threads(1)
     backend = "gloo"
     if device == "cuda":

@@ -29,6 +29,7 @@ from torchtitan.distributed.expert_parallel import ExpertParallel
 from torchtitan_ext.config import ConfigError, MoEShape, Range
 from torchtitan_ext.runtime.collectives import naming_collective
 from torchtitan_ext.ep.handle import KernelBuffer
+from torchtitan_ext.ep.published_rates import PublishedRate
 from torchtitan_ext.ep.kernels import KernelUnavailable, resolve_implementation
 
 
@@ -298,6 +299,12 @@ class RoutedExpertParallel(ExpertParallel, ABC):
         network, even inside one NVLink domain), or None when they use every NVLink peer the machine has. The
         layout advisor prices the all-to-all's links by it."""
         return cls.nvlink_domain_ranks(job_config)
+
+    @classmethod
+    def published_rates(cls, job_config) -> tuple[PublishedRate, ...]:
+        """What this backend's kernels achieve per kind of link as configured (API, SMs), one figure per
+        fabric, from the library's own publications; a link without one is priced at its nominal rate."""
+        return ()
 
     @classmethod
     def planned_modes(cls, job_config, shape: MoEShape, pad_multiple: int) -> list[tuple[str, int | None]]:

@@ -38,6 +38,7 @@ from torchtitan_ext.ep.kernels import implementation_description as _implementat
 from torchtitan_ext.ep.kernels import import_library, library_has, resolve_implementation, uses_library
 from torchtitan_ext.ep.kernels.deepep_apis import APIS
 from torchtitan_ext.ep.layout import block_destinations
+from torchtitan_ext.ep.published_rates import nearest_sms, PublishedRate
 
 LIBRARY_CLASS = {"legacy": "Buffer", "elastic": "ElasticBuffer"}
 """The deep_ep class behind each API."""
@@ -55,6 +56,36 @@ at the first dispatch ("Unsupported RDMA ranks")."""
 
 LEGACY_NVLINK_PEERS = 8
 """Ranks DeepEP's v1 kernels reach over NVLink; the others over RDMA (a "node" of its internode kernels)."""
+
+LEGACY_DEFAULT_SMS = 20
+"""v1's ``Buffer.num_sms`` when ``set_num_sms`` is not called (DeepEP main's deep_ep/buffers/legacy.py)."""
+
+PUBLISHED_RATES = {
+    "legacy": (
+        PublishedRate("nvlink", 153.0, 158.0, 200.0, 8, 24,
+                      "docs/published_ep_figures.md 1.1: DeepEP docs/legacy.md, H800 intranode EP8 (NVLink nominal "
+                      "200 GB/s: DeepEP issue #16), 24 SMs in its test script"),
+        # v1 on one B200 node's NVLink 5 (900 GB/s, as GB200's): HybridEP's README measured it
+        *(PublishedRate("mnnvl", dispatch, combine, 900.0, 8, sms,
+                        f"docs/published_ep_figures.md 4b: DeepEP on B200, 8 ranks, {sms} SMs, BF16, Torch API "
+                        "(DeepEP hybrid-ep branch docs/README_Hybrid-EP.md)")
+          for sms, dispatch, combine in ((16, 348.0, 302.0), (24, 494.0, 420.0), (32, 619.0, 524.0),
+                                         (40, 629.0, 570.0), (48, 646.0, 586.0))),
+        PublishedRate("rdma", 51.0, 50.0, 50.0, 8, 24,
+                      "docs/published_ep_figures.md 1.4: DeepEP docs/legacy.md, H800 + CX7 400 Gbit/s internode EP64 "
+                      "(8 nodes), 24 SMs in its test script"),
+    ),
+    "elastic": (
+        *(PublishedRate(fabric, dispatch, combine, 900.0, 8, sms,
+                        f"docs/published_ep_figures.md {row}: DeepEP main README, SM100 NVLink EP8, {sms} SMs")
+          for fabric in ("nvlink", "mnnvl")
+          for row, sms, dispatch, combine in (("3.5", 24, 643.0, 675.0), ("3.4", 64, 726.0, 740.0))),
+        PublishedRate("rdma", 61.0, 61.0, 50.0, 4, 6,
+                      "docs/published_ep_figures.md 3.2: DeepEP main README, SM90 + CX7 EP 8 x 4, 6 SMs"),
+    ),
+}
+"""Per API: the figures DeepEP publishes for its normal kernels (V2 has none for NVLink at SM90: its SM100
+figures, as a fraction of NVLink 5's rate, stand for both NVLink kinds)."""
 
 
 def resolve_api(api: str, implementation: str, device_type: str | None) -> str:
@@ -237,6 +268,12 @@ class DeepEPExpertParallel(RoutedExpertParallel):
         csrc/kernels/legacy/compiled.cuh; not GB200's multi-node NVLink, DeepEP issue #392); V2: the machine's."""
         section = job_config.deepep
         return LEGACY_NVLINK_PEERS if resolve_api(section.api, section.implementation, None) == "legacy" else None
+
+    @classmethod
+    def published_rates(cls, job_config) -> tuple[PublishedRate, ...]:
+        section = job_config.deepep
+        api = resolve_api(section.api, section.implementation, None)
+        return nearest_sms(PUBLISHED_RATES[api], section.num_sms or (LEGACY_DEFAULT_SMS if api == "legacy" else None))
 
     @classmethod
     def planned_buffer(cls, job_config, shape: MoEShape) -> tuple[int | None, str]:

@@ -21,7 +21,7 @@ from the config and created at the first dispatch.
 """
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Literal
 
@@ -42,6 +42,7 @@ from torchtitan_ext.ep.kernels import implementation_description as _implementat
 from torchtitan_ext.ep.kernels import resolve_implementation, uses_library
 from torchtitan_ext.ep.kernels.prerequisites import check_hybridep_jit, PrerequisiteMissing
 from torchtitan_ext.ep.layout import round_up
+from torchtitan_ext.ep.published_rates import nearest_sms, PublishedRate
 
 
 LIBRARY_TOKEN_CHUNK = 64
@@ -102,6 +103,25 @@ class _HybridEPDispatchState:
     handle: DispatchHandle
     row_probs: torch.Tensor | None
     """Probs of the rows, when they multiply the expert outputs."""
+
+
+PUBLISHED_RATES = (
+    *(PublishedRate("mnnvl", dispatch, combine, 900.0, 32, sms,
+                    f"docs/published_ep_figures.md 4c: HybridEP on GB200 NVL72, 32 ranks, {sms} SMs, BF16, Torch API "
+                    "(DeepEP hybrid-ep branch docs/README_Hybrid-EP.md)")
+      for sms, dispatch, combine in ((16, 485.50, 423.19), (32, 484.22, 464.54))),
+    *(PublishedRate("nvlink", dispatch, combine, 450.0, 8, sms,
+                    f"docs/published_ep_figures.md {row}: HybridEP on DGX H100 (8 GPUs), {sms} CUDA blocks "
+                    "(Megatron-LM's DeepSeek-V3 GB200 guide, figure 6)")
+      for row, sms, dispatch, combine in (("4d.5", 4, 177.76, 191.24), ("4d.6", 8, 344.06, 358.93),
+                                          ("4d.7", 12, 349.29, 363.05), ("4d.8", 16, 368.9, 368.87))),
+    # the NIC's bus bandwidth, as the same figure prints it beside the algorithm bandwidth
+    *(PublishedRate("rdma", dispatch, combine, 50.0, None, sms,
+                    f"docs/published_ep_figures.md {row}: HybridEP on 4 x DGX H100, NIC bus bandwidth, {sms} CUDA "
+                    "blocks (Megatron-LM's DeepSeek-V3 GB200 guide, figure 6; 400 Gbit/s NICs assumed)")
+      for row, sms, dispatch, combine in (("4d.9", 2, 24.4, 20.8), ("4d.10", 4, 43.4, 42.7), ("4d.11", 8, 44.2, 45.0))),
+)
+"""The figures HybridEP's authors publish for its kernels, per link and SM count."""
 
 
 class HybridEPExpertParallel(RoutedExpertParallel):
@@ -270,6 +290,19 @@ class HybridEPExpertParallel(RoutedExpertParallel):
     @classmethod
     def nvlink_domain_ranks(cls, job_config) -> int | None:
         return job_config.hybridep.ranks_per_nvlink_domain
+
+    @classmethod
+    def published_rates(cls, job_config) -> tuple[PublishedRate, ...]:
+        """Dispatch's figure at the dispatch SMs, combine's at the combine SMs."""
+        section = job_config.hybridep
+        combine = {rate.fabric: rate for rate in nearest_sms(PUBLISHED_RATES, section.num_sms_combine)}
+        rates = []
+        for rate in nearest_sms(PUBLISHED_RATES, section.num_sms_dispatch):
+            other = combine[rate.fabric]
+            if other is not rate:
+                rate = replace(rate, combine_GBps=other.combine_GBps, source=f"dispatch: {rate.source}; combine: {other.source}")
+            rates.append(rate)
+        return tuple(rates)
 
     @classmethod
     def library_environment(cls, job_config) -> dict[str, str]:

@@ -31,6 +31,7 @@ from torch.distributed.tensor import distribute_tensor, DTensor, Partial, Replic
 from torchtitan_ext.config import MoEShape
 from torchtitan_ext.ep.base import RoutedExpertParallel, Routing, scale_rows, to_device, token_group_alignment
 from torchtitan_ext.ep.in_flight import in_flight
+from torchtitan_ext.ep.published_rates import PublishedRate
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,18 @@ class NcclExpertParallel(RoutedExpertParallel):
 
     ops_module = "torchtitan_ext.ep.ops.nccl"
     saved_ops = ("_c10d_functional::all_to_all_single", "torchtitan_ext::nccl_dispatch", "torchtitan_ext::nccl_combine")
+
+    PUBLISHED_RATES = (
+        # NVIDIA publishes no large-message all-to-all bandwidth for NVLink or NVL72 (the NCCL and
+        # nccl-tests sources hold small-message latencies only): those links are priced at nominal
+        PublishedRate("rdma", 46.0, 46.0, 50.0, None, None,
+                      "docs/published_ep_figures.md 5.6: nccl-tests alltoall busbw, 2 x DGX-H100, 400 Gbit/s NIC, "
+                      "NVLink disabled (a user's report, DeepEP issue #3)"),
+    )
+
+    @classmethod
+    def published_rates(cls, job_config) -> tuple[PublishedRate, ...]:
+        return cls.PUBLISHED_RATES
 
     @classmethod
     def layer_factory(cls, job_config, shape: MoEShape):

@@ -361,10 +361,16 @@ def group_limited_reach(experts: int, top_k: int, groups: int, limited: int, hel
     return float(np.mean([((ids >= start) & (ids < start + held)).any(axis=1).mean() for start in starts]))
 
 
-def transfer_seconds(topology: Topology, bytes_per_level: dict[int, float], collective: Collective = "all_to_all") -> float:
-    """Levels' links run side by side: the slowest level's bytes / the collective's bandwidth + start-up."""
+def transfer_seconds(
+    topology: Topology, bytes_per_level: dict[int, float], collective: Collective = "all_to_all",
+    rate_fractions: dict[int, float] | None = None,
+) -> float:
+    """Levels' links run side by side: the slowest level's bytes / the collective's bandwidth + start-up.
+    ``rate_fractions``: {level: the fraction of its bandwidth the transfer reaches there} (default 1)."""
+    fractions = rate_fractions or {}
     return max(
-        (volume / topology.levels[level].bandwidth(collective) + topology.levels[level].latency_us * 1e-6
+        (volume / (topology.levels[level].bandwidth(collective) * fractions.get(level, 1.0))
+         + topology.levels[level].latency_us * 1e-6
          for level, volume in bytes_per_level.items() if volume > 0),
         default=0.0,
     )
@@ -432,19 +438,22 @@ def token_bytes_per_level(
 def layer_costs(
     work: MoEWorkload, topology: Topology, world_size: int, ep: int, efsdp: int, copies_per_rank: bool,
     routing: MeasuredRouting | None = None, pair_share: float | None = None, token_links: Topology | None = None,
+    token_rate_fractions: dict[int, float] | None = None,
 ) -> LayerCosts:
     """The paper's streams for one MoE layer of a torchtitan job at (ep, efsdp), per rank and step.
 
     Tokens: eq. 3's A2A over the EP group, with the backend's copies per token (four per step,
     six when activation checkpointing recomputes the layer), over ``token_links`` when the backend's
-    kernels see the links otherwise (:meth:`Topology.within_kernel_domain`). Experts: eq. 4's AG over the
+    kernels see the links otherwise (:meth:`Topology.within_kernel_domain`), each level at the fraction
+    of its rate the backend's kernels reach there (``token_rate_fractions``, by level of ``token_links``;
+    default: the nominal rate). Experts: eq. 4's AG over the
     expert-FSDP group (ranks ep apart), of this rank's E/ep experts in FSDP's shards, once or twice per
     step, and the gradients' reduce-scatter of the same bytes at the reduce dtype.
     """
     sizes = topology.group_sizes(world_size)
     links = topology if token_links is None else token_links
     volume, copies = token_bytes_per_level(work, links, links.group_sizes(world_size), ep, copies_per_rank, routing, pair_share)
-    a2a = transfer_seconds(links, volume)
+    a2a = transfer_seconds(links, volume, rate_fractions=token_rate_fractions)
     gathered = work.experts // ep * work.expert_parameters * (efsdp - 1) / efsdp
     if efsdp > 1:
         level = max(topology.level_of(sizes, 0, j * ep) for j in range(1, efsdp))

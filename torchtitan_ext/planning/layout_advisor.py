@@ -20,6 +20,7 @@ with the reason, never ranked.
 """
 
 import copy
+import textwrap
 from dataclasses import dataclass, replace
 
 import torch
@@ -125,6 +126,17 @@ class Layout:
     """One forward's fetch of the replicas' weights and exchange of the pair counts, per MoE layer and call."""
     replica_return_s: float = 0.0
     """One backward's return of the replicas' gradients, per MoE layer and call."""
+    kernel_rates: str = ""
+    """Which published figures priced this backend's all-to-all on each link (:func:`describe_kernel_rates`)."""
+    step_flops: float = 0.0
+    """FLOPs of one rank's step (torchtitan's count, with the recomputed forwards), for TFLOP/s per GPU."""
+    memory_bytes: int = 0
+    """What one rank needs at least: its shard of parameters, gradients and AdamW state, two layers'
+    gathered experts (the one computing and the one FSDP prefetches), the backend's buffer and the
+    dispatched rows kept for backward. Activations outside the MoE are not counted: a lower bound."""
+    nominal_links: tuple[str, ...] = ()
+    """Links of a named fabric that this layout's all-to-all crosses, priced at their nominal rate because
+    the backend publishes no figure for them: its time there is a lower bound."""
 
     def _per_step(self, per_layer) -> float:
         kept = self.moe_layers - self.recomputed_layers
@@ -158,6 +170,11 @@ class Layout:
         """What the layout adds to the step: exposed MoE communication, the backend's local work, the busiest
         rank's extra expert compute and the replicas' traffic."""
         return self.exposed_s + self.local_work_s + self.imbalance_s + self.replica_s
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        """Predicted model TFLOP/s per GPU: the step's FLOPs over its predicted time (as torchtitan reports)."""
+        return self.step_flops / self.step_s / 1e12
 
     @property
     def data_parallel_exposed_s(self) -> float:
@@ -258,6 +275,19 @@ def job_shape(job_config, world_size: int) -> JobShape:
     )
 
 
+STATE_BYTES_PER_PARAMETER = 16
+"""fp32 parameter, fp32 gradient and AdamW's two fp32 moments: what FSDP shards for each parameter."""
+
+
+def memory_needed(shape: JobShape, ep: int, gathered_expert_bytes: int, buffer_bytes: int | None, rows_ratio: float) -> int:
+    """:attr:`Layout.memory_bytes` of a layout at ``ep``."""
+    work = shape.work
+    state = shape.data_parallel_sync.shard_parameters * STATE_BYTES_PER_PARAMETER
+    saved_layers = shape.moe_layers - shape.recomputed_layers
+    rows = work.tokens * work.top_k * rows_ratio * work.hidden * work.activation_bytes * saved_layers if ep > 1 else 0
+    return round(state + 2 * gathered_expert_bytes + (buffer_bytes or 0) + rows)
+
+
 def _candidate(job_config, backend_name: str, ep: int):
     """The job at this backend and EP degree, the other backends' sections at their defaults (the
     job's own section for this backend is kept: its knobs are part of the question)."""
@@ -299,6 +329,38 @@ def _kernel_links(backend, backend_name: str, candidate, topology: Topology, wor
             f"most {kernel_ranks}, or a world size that is a multiple of {kernel_ranks}"
         ) from None
     return links
+
+
+def kernel_rate_fractions(backend, candidate, links: Topology) -> dict[int, float]:
+    """{level of ``links``: the fraction of its rate the backend's all-to-all reaches there}, from the
+    backend's published figures for the level's fabric: dispatch's and combine's fractions combined as the
+    step runs them, one of each per direction (their harmonic mean). Levels without a figure: absent
+    (nominal)."""
+    rates = {rate.fabric: rate for rate in backend.published_rates(candidate)}
+    fractions = {}
+    for index, level in enumerate(links.levels):
+        rate = rates.get(level.fabric)
+        if rate is not None:
+            fractions[index] = 2 / (1 / rate.dispatch_fraction + 1 / rate.combine_fraction)
+    return fractions
+
+
+def describe_kernel_rates(backend_name: str, backend, candidate, topology: Topology) -> str:
+    """One backend's published figures on the topology's links, for the advice."""
+    rates = {rate.fabric: rate for rate in backend.published_rates(candidate)}
+    parts = []
+    for level in topology.levels:
+        rate = rates.get(level.fabric)
+        if level.fabric is None:
+            parts.append(f"{level.name}: nominal (the topology names no fabric)")
+        elif rate is None:
+            parts.append(f"{level.name}: nominal (no published {level.fabric} figure)")
+        else:
+            parts.append(
+                f"{level.name}: dispatch {rate.dispatch_fraction:.2f}, combine {rate.combine_fraction:.2f} of nominal "
+                f"({rate.source.split(':')[0].removeprefix('docs/published_ep_figures.md ')})"
+            )
+    return f"{backend_name}: " + "; ".join(parts)
 
 
 def advise(
@@ -376,11 +438,26 @@ def advise(
                 else:
                     ratio, moved = replayed_here.rows_ratio, replayed_here.experts_moved
                     pair_share = ratio / ep
+                gathered = work.experts // ep * work.expert_parameters * work.gather_bytes
+                buffer_bytes = backend.planned_buffer(candidate, dispatched_shape(candidate, moe_shape))[0]
+                memory = memory_needed(shape, ep, gathered, buffer_bytes, ratio)
+                if topology.memory_GB is not None and memory > topology.memory_GB * 1e9:
+                    refused.append(replace(layout, refused=(
+                        f"one rank needs at least {memory / 1e9:,.1f} GB (sharded state, two layers' gathered experts, "
+                        f"the buffer, the saved dispatched rows), more than topology '{topology.name}''s memory_GB = "
+                        f"{topology.memory_GB:g}: use more EP or expert-FSDP ranks, or activation checkpointing"
+                    )))
+                    continue
                 fetch_s, return_s = replica_traffic(work, topology, world_size, ep, moved)
+                fractions = kernel_rate_fractions(backend, candidate, links)
+                crossed = links.level_of(links.group_sizes(world_size), 0, ep - 1) + 1 if ep > 1 else 0
+                nominal = tuple(level.name for index, level in enumerate(links.levels[:crossed])
+                                if level.fabric is not None and index not in fractions)
                 copies_per_rank = backend.sends_each_token_once_per_rank and not slots
                 runnable.append(replace(
                     layout,
-                    costs=layer_costs(work, topology, world_size, ep, efsdp, copies_per_rank, routing, pair_share, links),
+                    costs=layer_costs(work, topology, world_size, ep, efsdp, copies_per_rank, routing, pair_share, links,
+                                      fractions),
                     moe_layers=shape.moe_layers,
                     recomputed_layers=shape.recomputed_layers,
                     dispatches=shape.dispatches,
@@ -388,14 +465,18 @@ def advise(
                     dispatch_work_s=0.0 if measured_compute is None or ep == 1 else measured_compute.dispatch_work_s[backend_name],
                     data_parallel_s=data_parallel_s,
                     overlap=topology.overlap,
-                    gathered_expert_bytes=work.experts // ep * work.expert_parameters * work.gather_bytes,
-                    buffer_bytes=backend.planned_buffer(candidate, dispatched_shape(candidate, moe_shape))[0],
+                    gathered_expert_bytes=gathered,
+                    buffer_bytes=buffer_bytes,
+                    step_flops=shape.step_flops,
+                    memory_bytes=memory,
                     a2a_level=level_name(links, ep - 1),
                     gather_level=level_name(topology, (efsdp - 1) * ep),
                     rows_ratio=ratio,
                     expert_compute_s=compute_s * shape.expert_flop_share,
                     replica_fetch_s=fetch_s,
                     replica_return_s=return_s,
+                    kernel_rates=describe_kernel_rates(backend_name, backend, candidate, topology),
+                    nominal_links=nominal,
                 ))
     # equal predictions keep the job's own backend (and slot count) first
     configured = comm_backend(job_config)
@@ -424,8 +505,30 @@ def _ms(seconds: float) -> str:
     return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
 
 
-def _gib(value: int | None) -> str:
-    return "n/a" if value is None else f"{value / 2**30:,.2f}"
+def _tflops(value: float) -> str:
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
+WIDTH = 118
+"""The advice's lines stay within this many columns."""
+
+
+def _wrapped(text: str, indent: str) -> list[str]:
+    """``text`` as lines of at most :data:`WIDTH` columns, the first at ``indent``, the rest two further in."""
+    return textwrap.wrap(text, WIDTH, initial_indent=indent, subsequent_indent=indent + "  ", break_on_hyphens=False)
+
+
+def _command(prefix: str, arguments: list[str]) -> list[str]:
+    """``prefix`` and the (flag, value) pairs of ``arguments``, continued with backslashes past :data:`WIDTH`."""
+    pairs = [" ".join(arguments[i:i + 2]) for i in range(0, len(arguments), 2)]
+    lines, current = [], prefix + pairs[0]
+    for pair in pairs[1:]:
+        if len(current) + len(pair) + 3 > WIDTH:
+            lines.append(current + " \\")
+            current = " " * len(prefix) + pair
+        else:
+            current += " " + pair
+    return [*lines, current]
 
 
 def _reason(best: Layout, others: list[Layout]) -> str:
@@ -540,50 +643,66 @@ def format_advice(
             f"({_ms(first.data_parallel_exposed_s)} exposed); "
             "times per rank"
         )
-        header = (
-            f"  {'#':>3}  {'backend':<9} {'EP':>4} {'efsdp':>5} {'slots ' if prices_replicas else ''}{'copies':>6} "
-            f"{'A2A ms':>9} {'AG ms':>9} {'RS ms':>9} {'comm ms/step':>12} {'exposed ms/step':>15} "
-            f"{'local ms/step ' if measured_compute is not None else ''}"
-            f"{'rows max/mean ' if routing is not None else ''}{'replicas ms/step ' if prices_replicas else ''}"
-            f"{'step ms':>9} {'gathered GiB':>12} {'buffer GiB':>10}  all-to-all over"
+        lines.append("  all-to-all at the fraction of each link's nominal rate its kernels reach, as published "
+                     "(docs/published_ep_figures.md):")
+        for rates in dict.fromkeys(layout.kernel_rates for layout in runnable):
+            lines += _wrapped(rates, "    ")
+        links = {name: f"L{index}" for index, name in enumerate(dict.fromkeys(
+            layout.a2a_level for layout in runnable if layout.a2a_level), start=1)}
+        lines.append(
+            f"  {'#':>3} {'backend':<8} {'EP':>4} {'efsdp':>5} {'slots ' if prices_replicas else ''}{'copies':>6} "
+            f"{'A2A ms':>7} {'AG ms':>7} {'exposed':>8} {'local ' if measured_compute is not None else ''}"
+            f"{'rows x ' if routing is not None else ''}{'replica ' if prices_replicas else ''}"
+            f"{'step ms':>8} {'TFLOPS':>6} {'mem GB':>6} over"
         )
-        lines.append(header)
         for index, layout in enumerate(runnable, start=1):
             c = layout.costs
             lines.append(
-                f"  {index:>3}  {layout.backend:<9} {layout.ep:>4} {layout.efsdp:>5} "
+                f"  {index:>3} {layout.backend:<8} {layout.ep:>4} {layout.efsdp:>5} "
                 f"{f'{layout.replica_slots:>5} ' if prices_replicas else ''}{c.token_copies:>6.2f} "
-                f"{_ms(c.a2a):>9} {_ms(c.all_gather):>9} {_ms(c.reduce_scatter):>9} "
-                f"{_ms(layout.communication_s):>12} {_ms(layout.exposed_s):>15} "
-                f"{f'{_ms(layout.local_work_s):>13} ' if measured_compute is not None else ''}"
-                f"{f'{layout.rows_ratio:>13.3f} ' if routing is not None else ''}"
-                f"{f'{_ms(layout.replica_s):>16} ' if prices_replicas else ''}{_ms(layout.step_s):>9} "
-                f"{_gib(layout.gathered_expert_bytes):>12} {_gib(layout.buffer_bytes):>10}  {layout.a2a_level or '-'}"
+                f"{_ms(c.a2a):>7} {_ms(c.all_gather):>7} {_ms(layout.exposed_s):>8} "
+                f"{f'{_ms(layout.local_work_s):>5} ' if measured_compute is not None else ''}"
+                f"{f'{layout.rows_ratio:>6.3f} ' if routing is not None else ''}"
+                f"{f'{_ms(layout.replica_s):>7} ' if prices_replicas else ''}{_ms(layout.step_s):>8} "
+                f"{_tflops(layout.tflops_per_gpu):>6} {layout.memory_bytes / 1e9:>6.3g} {links.get(layout.a2a_level, '-')}"
             )
+        lines += _wrapped(
+            "columns: A2A ms and AG ms per layer and call; exposed, local, replica and step ms per step; rows x: the "
+            "busiest rank's expert rows over the mean rank's; TFLOPS: model TFLOP/s per GPU at the predicted step; "
+            "mem GB: what a rank needs at least; over: the outermost link the all-to-all crosses, "
+            + ", ".join(f"{short} = {name}" for name, short in links.items()), "  ")
         with_slots = f", {first.replica_slots} replica slot(s) per rank" if prices_replicas else ""
         lines.append(
             f"  recommended: {first.backend} at EP={first.ep}, efsdp={first.efsdp}{with_slots}: "
-            f"{_reason(first, runnable[1:])}"
+            f"{_ms(first.step_s)} ms per step, {_tflops(first.tflops_per_gpu)} TFLOPS/GPU"
         )
+        lines += _wrapped(f"why: {_reason(first, runnable[1:])}", "    ")
         close = [layout for layout in runnable[1:] if layout.step_s <= first.step_s * (1 + RESOLUTION)]
         if close:
             named = ", ".join(f"{layout.backend} EP={layout.ep}" + (f" {layout.replica_slots} slots" if prices_replicas else "")
                               for layout in close[:3])
-            lines.append(
-                f"  within the model's resolution: {len(close)} other layout(s) predict a step within "
-                f"{RESOLUTION:.0%} of this one ({named}{', ...' if len(close) > 3 else ''}): measure them before choosing"
-            )
-        lines.append(f"  overrides: {' '.join(first.overrides())}")
+            lines += _wrapped(
+                f"within the model's resolution: {len(close)} other layout(s) predict a step within "
+                f"{RESOLUTION:.0%} of this one ({named}{', ...' if len(close) > 3 else ''}): measure them before choosing",
+                "  ")
+        unpublished = [layout for layout in [first, *close] if layout.nominal_links]
+        if unpublished and any(not layout.nominal_links for layout in runnable):
+            named = ", ".join(dict.fromkeys(f"{layout.backend} over {' and '.join(layout.nominal_links)}" for layout in unpublished))
+            lines += _wrapped(
+                f"not ranked against the published backends: {named} is priced at the nominal rate (no published "
+                "figure), a bound it may not reach: time it (scripts/bench_ep.py) before choosing it", "  ")
+        lines += _command("  overrides: ", first.overrides())
         if overrides_problem is not None:
-            lines.append(f"  with those, this job config still fails its checks: {overrides_problem}")
+            lines += _wrapped(f"with those, this job config still fails its checks: {overrides_problem}", "  ")
     refused = [layout for layout in layouts if layout.refused is not None]
     if refused:
         lines.append("  not runnable (the job's config checks; other backends' sections at their defaults):")
-        lines += [
-            f"    {layout.backend} EP={layout.ep}{f' slots={layout.replica_slots}' if prices_replicas else ''}: "
-            f"{layout.refused}" for layout in refused
-        ]
-    return lines
+        for layout in refused:
+            lines += _wrapped(
+                f"{layout.backend} EP={layout.ep}{f' slots={layout.replica_slots}' if prices_replicas else ''}: "
+                f"{layout.refused}", "    ")
+    return [wrapped for line in lines for wrapped in (_wrapped(line.lstrip(), line[:len(line) - len(line.lstrip())])
+                                                      if len(line) > WIDTH else [line])]
 
 
 def layouts_record(layouts: list[Layout]) -> list[dict]:
@@ -602,7 +721,9 @@ def layouts_record(layouts: list[Layout]) -> list[dict]:
                 replica_traffic_s=layout.replica_s, data_parallel_exposed_s=layout.data_parallel_exposed_s,
                 token_copies=layout.costs.token_copies, all_to_all_s=layout.costs.a2a, rows_max_over_mean=layout.rows_ratio,
                 all_to_all_over=layout.a2a_level, gathered_expert_bytes=layout.gathered_expert_bytes,
-                buffer_bytes=layout.buffer_bytes, overrides=layout.overrides(),
+                buffer_bytes=layout.buffer_bytes, overrides=layout.overrides(), kernel_rates=layout.kernel_rates,
+                tflops_per_gpu=layout.tflops_per_gpu, memory_bytes=layout.memory_bytes,
+                nominal_links=list(layout.nominal_links),
             )
         records.append(record)
     return records

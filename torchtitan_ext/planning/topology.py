@@ -5,6 +5,7 @@ A topology is a TOML file (shipped ones in ``topologies/``)::
     name = "HGX H100, InfiniBand"
     compute_tflops = 400.0   # achieved dense bf16 TFLOP/s per worker
     overlap = true           # communication runs beside compute (CUDA streams)
+    memory_GB = 80.0         # optional: device memory per worker; layouts that need more are refused
 
     [[levels]]               # innermost first
     name = "NVLink (one HGX node)"
@@ -14,6 +15,8 @@ A topology is a TOML file (shipped ones in ``topologies/``)::
     # optional: what FSDP's collectives reach, when it differs from the all-to-all's
     all_gather_bandwidth_GBps = 360.0
     reduce_scatter_bandwidth_GBps = 360.0
+    # optional: the link's kind, which prices each EP backend at its published kernel rates
+    fabric = "nvlink"
 
     [[levels]]               # the outermost level may omit workers: the rest of the job
     name = "InfiniBand"
@@ -33,6 +36,7 @@ from pathlib import Path
 from typing import Literal
 
 from torchtitan_ext.config import ConfigError
+from torchtitan_ext.ep.published_rates import FABRICS
 
 SHIPPED = Path(__file__).resolve().parents[2] / "topologies"
 
@@ -59,6 +63,11 @@ class Level:
     reduce_scatter_bandwidth_GBps: float
     """Bandwidth of a reduce-scatter (FSDP's gradient reduction): bytes one worker sends per
     second, in GB/s. > 0. Defaults to ``bandwidth_GBps``."""
+    fabric: str | None = None
+    """What kind of link this is, for the EP backends' published kernel rates: "nvlink" (one node's
+    NVSwitch), "mnnvl" (GB200 NVL72's multi-node NVLink) or "rdma" (a NIC per GPU); see
+    :data:`torchtitan_ext.ep.published_rates.FABRICS`. None: no published figure applies, and every
+    backend's all-to-all is priced at ``bandwidth_GBps``."""
 
     def bandwidth(self, collective: Collective) -> float:
         """Bytes per second of ``collective``: "all_to_all", "all_gather" or "reduce_scatter"."""
@@ -81,6 +90,9 @@ class Topology:
     collective blocks the process and every byte's time adds to the step."""
     levels: tuple[Level, ...]
     """Innermost first."""
+    memory_GB: float | None = None
+    """Device memory of one worker, GB (1e9 bytes). > 0. The advisor refuses a layout whose rank needs more
+    (:attr:`~torchtitan_ext.planning.layout_advisor.Layout.memory_bytes`); None: not checked."""
 
     def group_sizes(self, world_size: int) -> list[int]:
         """Ranks in one group of each level for a job of ``world_size`` ranks; the last is the job.
@@ -135,9 +147,9 @@ class Topology:
         raise ValueError(f"ranks {rank_a} and {rank_b} are outside a job of {sizes[-1]} ranks")
 
 
-TOP_KEYS = {"name", "compute_tflops", "overlap", "levels"}
+TOP_KEYS = {"name", "compute_tflops", "overlap", "levels", "memory_GB"}
 LEVEL_KEYS = {"name", "workers", "bandwidth_GBps", "latency_us", "all_gather_bandwidth_GBps",
-              "reduce_scatter_bandwidth_GBps"}
+              "reduce_scatter_bandwidth_GBps", "fabric"}
 
 
 def _check_keys(table: dict, known: set[str], where: str) -> None:
@@ -177,6 +189,11 @@ def parse_topology(data: dict, source: str) -> Topology:
     if compute <= 0:
         raise ConfigError(f"{source}.compute_tflops = {compute}: use a throughput > 0 (TFLOP/s per worker)")
     overlap = _field(data, "overlap", bool, source)
+    memory = data.get("memory_GB")
+    if memory is not None:
+        memory = _field(data, "memory_GB", float, source)
+        if memory <= 0:
+            raise ConfigError(f"{source}.memory_GB = {memory}: use the device memory per worker in GB, > 0, or omit it")
     tables = data.get("levels")
     if not isinstance(tables, list) or not tables:
         raise ConfigError(f"{source}.levels is missing or empty: add one [[levels]] table per level, innermost first")
@@ -204,9 +221,13 @@ def parse_topology(data: dict, source: str) -> Topology:
             raise ConfigError(f"{where}.latency_us = {latency}: use a latency >= 0 (microseconds)")
         gather = _bandwidth(table, "all_gather_bandwidth_GBps", where, default=bandwidth)
         scatter = _bandwidth(table, "reduce_scatter_bandwidth_GBps", where, default=bandwidth)
-        levels.append(Level(name, workers, bandwidth, latency, gather, scatter))
+        fabric = table.get("fabric")
+        if fabric is not None and fabric not in FABRICS:
+            kinds = "; ".join(f"'{kind}': {meaning}" for kind, meaning in FABRICS.items())
+            raise ConfigError(f"{where}.fabric = {fabric!r}: use one of {kinds}; or omit it (nominal rates)")
+        levels.append(Level(name, workers, bandwidth, latency, gather, scatter, fabric))
     name = _field(data, "name", str, source, default=source)
-    return Topology(name, compute, overlap, tuple(levels))
+    return Topology(name, compute, overlap, tuple(levels), memory)
 
 
 def load_topology(spec: str) -> Topology:
