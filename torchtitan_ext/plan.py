@@ -1,7 +1,7 @@
 """EP planner: memory and drop risk of each backend for a job, and which backend and EP layout to use.
 
     python -m torchtitan_ext.plan --job.config_file X [overrides] [--world-size N] [--routing-stats DUMP]
-        [--topology T [--measure-compute] [--replica-slots 0,1,2] [--json FILE]]
+        [--topology T [--measure-compute] [--replica-slots 0,1,2] [--json FILE] [--emit-config FILE]]
     python -m torchtitan_ext.plan --paper --topology T --world-size G --paper-data-mb D --paper-expert-mb P_E
         --paper-pre-expert-ms PE
     python -m torchtitan_ext.plan --calibrate [--nproc N] [--calibrate-output FILE]
@@ -18,7 +18,8 @@ this machine for it (:mod:`torchtitan_ext.planning.measured_compute`);
 ``--replica-slots`` prices every layout at each of those
 ``expert_replication.slots_per_rank`` values (default: the job's own);
 ``--json FILE`` also writes every layout considered, with its predicted
-times, as a list of objects.
+times, as a list of objects; ``--emit-config FILE`` writes the recommended
+layout's job config as TOML (checked by loading it back).
 ``--paper`` evaluates the seed paper's own one-level setting; ``--calibrate``
 measures this machine and writes its topology file
 (:mod:`torchtitan_ext.planning.calibrate`).
@@ -35,9 +36,12 @@ import torch.distributed as dist
 
 from torchtitan_ext.balancing.routing_stats import check_fits, load_path
 from torchtitan_ext.config import ConfigError, job_world_size, load_job_config, moe_layer_ids, moe_shape, parse
+from torchtitan_ext.config.writing import write_job_config
 from torchtitan_ext.planning.calibrate import calibrate
 from torchtitan_ext.planning.cost_model import PaperSetting
-from torchtitan_ext.planning.layout_advisor import advise, format_advice, format_paper, layouts_record, overrides_problem
+from torchtitan_ext.planning.layout_advisor import (
+    advise, advised_config, format_advice, format_paper, layouts_record, overrides_problem,
+)
 from torchtitan_ext.planning.measured_compute import check_measurable, measure_compute
 from torchtitan_ext.planning.memory_plan import format_plan, plan
 from torchtitan_ext.planning.topology import load_topology
@@ -63,6 +67,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, metavar="FILE",
                         help="with --topology: also write every layout considered (backend, ep_degree, runnable, "
                              "step_s, ...) to FILE as JSON")
+    parser.add_argument("--emit-config", type=Path, metavar="FILE",
+                        help="with --topology: write the recommended layout's job config (every field, the other "
+                             "backends' sections at their defaults) to FILE as TOML, checked by loading it back")
     parser.add_argument("--paper", action="store_true", help="evaluate the seed paper's one-level setting (needs --topology)")
     parser.add_argument("--paper-data-mb", type=float, help="--paper: D, MB of tokens one worker dispatches")
     parser.add_argument("--paper-expert-mb", type=float, help="--paper: P_E, MB of one worker's experts")
@@ -74,9 +81,10 @@ def main(argv: list[str] | None = None) -> None:
         help="--calibrate: where to write the topology (default outputs/this_machine_topology.toml)",
     )
     args, train_args = parser.parse_known_args(argv)
-    if args.json is not None and (args.calibrate or args.paper):
-        _exit_on_error(_refuse, "--json writes the layout advice's layouts, which --calibrate and --paper do not give: "
-                                "drop one of them")
+    for flag, value in (("--json", args.json), ("--emit-config", args.emit_config)):
+        if value is not None and (args.calibrate or args.paper):
+            _exit_on_error(_refuse, f"{flag} writes from the layout advice, which --calibrate and --paper do not give: "
+                                    "drop one of them")
     if args.calibrate:
         _exit_on_error(_check_process_count, args.nproc)
         calibrate(args.nproc, args.calibrate_output)
@@ -95,8 +103,9 @@ def main(argv: list[str] | None = None) -> None:
             raise ConfigError("--measure-compute sets the layout advice's compute: add --topology")
         if args.replica_slots is not None and topology is None:
             raise ConfigError("--replica-slots prices the layout advice's layouts: add --topology")
-        if args.json is not None:
-            _check_writable(args.json, topology)
+        for flag, path in (("--json", args.json), ("--emit-config", args.emit_config)):
+            if path is not None:
+                _check_writable(flag, path, topology)
         if args.measure_compute:
             check_measurable(load_job_config(train_args, device_type="cpu", world_size=world_size), world_size)
         stats = None
@@ -111,6 +120,17 @@ def main(argv: list[str] | None = None) -> None:
             train_args, world_size, topology, stats, str(args.routing_stats), compute, args.replica_slots, progress=True
         )
         problem = overrides_problem(train_args, world_size, advice[0]) if advice and advice[0].refused is None else None
+        if args.emit_config is not None:
+            if advice[0].refused is not None:
+                raise ConfigError(f"--emit-config {args.emit_config}: no layout of this job runs on {world_size} ranks "
+                                  "(the advice lists why): nothing to write")
+            layout = advice[0]
+            write_job_config(
+                advised_config(train_args, world_size, layout), args.emit_config, world_size,
+                f"Written by python -m torchtitan_ext.plan {' '.join(argv if argv is not None else sys.argv[1:])}\n"
+                f"the recommended layout on topology '{topology.name}': {layout.backend} at EP={layout.ep}, "
+                f"efsdp={layout.efsdp}, {layout.replica_slots} replica slot(s) per rank; every field of the job's config",
+            )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -131,19 +151,22 @@ def main(argv: list[str] | None = None) -> None:
                   file=sys.stderr)
             sys.exit(2)
         print(f"Wrote {len(advice)} layouts to {args.json}")
+    if args.emit_config is not None:
+        print(f"Wrote the recommended layout's job config to {args.emit_config} "
+              f"(train with: ./run_train.sh --job.config_file {args.emit_config})")
 
 
 def _refuse(message: str) -> None:
     raise ConfigError(message)
 
 
-def _check_writable(path: Path, topology) -> None:
-    """ConfigError unless the layouts can be written to ``path`` (and there are layouts: --topology)."""
+def _check_writable(flag: str, path: Path, topology) -> None:
+    """ConfigError unless ``flag``'s file can be written to ``path`` (and there is advice: --topology)."""
     if topology is None:
-        raise ConfigError("--json writes the layout advice's layouts: add --topology")
+        raise ConfigError(f"{flag} writes from the layout advice: add --topology")
     folder = path.parent
     if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
-        raise ConfigError(f"--json {path}: not a file in a writable folder: give a path in an existing folder you can write")
+        raise ConfigError(f"{flag} {path}: not a file in a writable folder: give a path in an existing folder you can write")
 
 
 def _slot_counts(text: str) -> list[int]:

@@ -9,7 +9,7 @@ import pytest
 
 from tests.planning.advice_text import paragraph
 from torchtitan_ext import plan, runtime
-from torchtitan_ext.config import ConfigError
+from torchtitan_ext.config import ConfigError, load_job_config
 from torchtitan_ext.planning.cost_model import MeasuredRouting
 from torchtitan_ext.planning.layout_advisor import advise, format_advice
 from torchtitan_ext.planning.measured_compute import check_measurable, MeasuredCompute
@@ -522,7 +522,7 @@ def test_json_lists_every_layout_considered(capsys, tmp_path):
     [
         ("missing/layouts.json", True, "not a file in a writable folder: give a path in an existing folder you can write"),
         (".", True, "not a file in a writable folder: give a path in an existing folder you can write"),
-        ("layouts.json", False, "--json writes the layout advice's layouts: add --topology"),
+        ("layouts.json", False, "--json writes from the layout advice: add --topology"),
     ],
 )
 def test_a_json_file_that_cannot_be_written_is_refused_first(capsys, tmp_path, where, topology, message):
@@ -539,8 +539,29 @@ def test_json_with_a_mode_that_gives_no_layouts_is_refused(capsys, tmp_path):
         plan.main(["--calibrate", "--json", str(tmp_path / "layouts.json")])
     assert exited.value.code == 2
     assert capsys.readouterr().err.strip() == (
-        "error: --json writes the layout advice's layouts, which --calibrate and --paper do not give: drop one of them"
+        "error: --json writes from the layout advice, which --calibrate and --paper do not give: drop one of them"
     )
+
+
+def test_emit_config_writes_the_recommended_layout_as_a_job_config(capsys, tmp_path):
+    """The 671B GB200 job: the file selects the winner (nccl, EP=64), drops the [hybridep] settings the switch
+    leaves behind (the overrides alone still fail the job's checks), and loads back as the config the advisor
+    priced; its header says how it was made."""
+    out = tmp_path / "advised.toml"
+    job = ["--job.config_file", "train_configs/deepseek_v3_671b_gb200.toml"]
+    plan.main(["--topology", "gb200_nvl72", "--world-size", "256", "--emit-config", str(out), *job])
+    printed = capsys.readouterr().out
+    assert printed.splitlines()[-1] == (
+        f"Wrote the recommended layout's job config to {out} (train with: ./run_train.sh --job.config_file {out})")
+    assert "with those, this job config still fails its checks" in " ".join(printed.split())
+    text = out.read_text()
+    assert text.startswith("# Written by python -m torchtitan_ext.plan --topology gb200_nvl72 --world-size 256 ")
+    loaded = load_job_config(["--job.config_file", str(out)], device_type=None, world_size=256)
+    assert (loaded.parallelism.expert_parallel_comm_backend, loaded.parallelism.expert_parallel_degree) == ("nccl", 64)
+    assert loaded.hybridep.ranks_per_nvlink_domain is None
+    original = load_job_config(job, device_type=None, world_size=256)
+    assert loaded.model.flavor == original.model.flavor and loaded.training.seq_len == original.training.seq_len
+    assert not list(tmp_path.glob(".*partial"))
 
 
 def test_replica_traffic_uses_the_physical_links_whatever_the_kernels_reach():

@@ -486,6 +486,15 @@ def advise(
     return runnable + refused, routing
 
 
+def advised_config(train_args: list[str], world_size: int, layout: Layout):
+    """The job config the advisor priced for ``layout``: the job's, at its backend, EP degree and replica slots,
+    the other backends' sections at their defaults; validated for ``world_size`` ranks."""
+    candidate = _candidate(load_job_config(train_args, device_type=None, world_size=world_size), layout.backend, layout.ep)
+    candidate.expert_replication.slots_per_rank = layout.replica_slots
+    validate(candidate, device_type=None, world_size=world_size)
+    return candidate
+
+
 def overrides_problem(train_args: list[str], world_size: int, layout: Layout) -> str | None:
     """What the job config itself still needs changed for ``layout.overrides()`` to run; None if nothing."""
     try:
