@@ -170,11 +170,15 @@ def test_671b_advice_quoted_in_docs(advice_671b):
     predict against the published ones, and the numbers the text explains them with."""
     gb200 = {(layout.backend, layout.ep): layout for layout in advice_671b["gb200_nvl72"] if layout.refused is None}
     first = advice_671b["gb200_nvl72"][0]
-    # NCCL has no published NVLink figure: priced at the nominal rate, it ranks first and is flagged
-    assert (first.backend, first.ep, first.efsdp) == ("nccl", 64, 4)
+    # NCCL has no published NVLink figure: priced at the nominal rate, it ranks first and is flagged; EP=32's
+    # expert FSDP crosses racks, and hides behind the previous block's forward (torchtitan's prefetch)
+    assert (first.backend, first.ep, first.efsdp) == ("nccl", 32, 8)
     assert first.nominal_links == ("NVLink domain (one rack)",)
-    assert [(layout.backend, layout.ep) for layout in advice_671b["gb200_nvl72"][:4]] == [
-        ("nccl", 64), ("deepep", 64), ("nccl", 32), ("hybridep", 64)]
+    assert [(layout.backend, layout.ep) for layout in advice_671b["gb200_nvl72"][:5]] == [
+        ("nccl", 32), ("nccl", 64), ("deepep", 32), ("deepep", 64), ("hybridep", 64)]
+    # the RDMA NIC carries the FSDP sync and EP=32's expert gathers: 5.6 s of the 6.8 s step, not hidden for free
+    assert first.busiest_link[0] == "RDMA between racks" and round(first.busiest_link[1], 2) == 5.59
+    assert round(first.step_s, 2) == 6.85 and not first.link_bound
     # the published gains at EP=64 (torchtitan PR #2207: HybridEP over all-to-all 1.31x; Megatron-Core:
     # HybridEP over DeepEP 1.137x) against the predicted ones: the order is not reproduced
     hybridep, deepep, nccl = gb200["hybridep", 64], gb200["deepep", 64], gb200["nccl", 64]
@@ -188,8 +192,8 @@ def test_671b_advice_quoted_in_docs(advice_671b):
         assert round(layouts[0].data_parallel_s * 1e3) == 2730 and layouts[0].data_parallel_exposed_s == 0.0
     ep32 = gb200["deepep", 32]
     assert round(ep32.costs.token_copies, 2) == 6.65 and round(hybridep.costs.token_copies, 2) == 7.38
-    assert round(ep32.costs.exposed(True) - 4 * ep32.costs.a2a, 5) == pytest.approx(8.62e-3, abs=1e-5)
-    assert [round(layout.exposed_s * 1e3) for layout in (nccl, deepep, hybridep, ep32)] == [716, 1048, 1378, 1444]
+    assert ep32.costs.exposed(True) == pytest.approx(4 * ep32.costs.a2a)  # the gathers hide
+    assert [round(layout.exposed_s * 1e3) for layout in (nccl, deepep, hybridep, ep32)] == [716, 1048, 1378, 944]
     assert nccl.costs.token_copies == pytest.approx(8 * 63 / 64)
     assert round(gb200["deepep", 128].costs.token_copies, 2) == 4.84
     assert gb200["deepep", 128].a2a_level == "RDMA between racks"
@@ -199,7 +203,7 @@ def test_671b_advice_quoted_in_docs(advice_671b):
     hgx = {(layout.backend, layout.ep): layout for layout in advice_671b["hgx_h100_ib"] if layout.refused is None}
     first = advice_671b["hgx_h100_ib"][0]
     assert (first.backend, first.ep, first.efsdp) == ("deepep", 16, 16)
-    assert round(first.step_s / hgx["nccl", 16].step_s, 3) == 0.767
+    assert round(hgx["nccl", 16].step_s / first.step_s, 3) == 1.313
     assert round(first.costs.token_copies, 2) == 3.49 and round(hgx["nccl", 16].costs.token_copies, 2) == 7.50
     assert round(hgx["deepep", 64].costs.token_copies, 2) == 4.28
     # on 80 GB, EP=1 (87.0 GB at least) needs more than an H100 has
@@ -385,9 +389,21 @@ def test_measured_local_work_decides_between_backends():
 
 
 def test_data_parallel_sync_hides_behind_compute_where_it_overlaps():
-    layout = next(layout for layout in advise(DEBUG_JOB, 4, load_topology("hgx_h100_ib"))[0] if layout.refused is None)
-    assert 0 < layout.data_parallel_s < layout.compute_s and layout.data_parallel_exposed_s == 0.0
-    assert layout.step_s == layout.compute_s + layout.exposed_s
+    """Hidden traffic still occupies its link: the debug model on 4 H100s computes 0.54 ms a step, and at EP=1
+    its FSDP traffic (dense parameters and all experts, on NVLink) takes 0.56 ms: that link sets the step. At
+    EP=4 the same link carries the FSDP sync and the all-to-alls, 0.52 ms: compute and exposed time set it."""
+    runnable = {(layout.backend, layout.ep): layout
+                for layout in advise(DEBUG_JOB, 4, load_topology("hgx_h100_ib"))[0] if layout.refused is None}
+    for layout in runnable.values():
+        assert 0 < layout.data_parallel_s < layout.compute_s and layout.data_parallel_exposed_s == 0.0
+        assert layout.step_s == max(layout.compute_s + layout.exposed_s, layout.busiest_link[1])
+        assert [link for link, _ in layout.link_busy] == ["NVLink (one node)"]
+    gathered, dispatched = runnable["nccl", 1], runnable["nccl", 4]
+    assert gathered.link_bound and gathered.step_s == gathered.busiest_link[1] > gathered.compute_s
+    assert gathered.busiest_link[1] == pytest.approx(
+        gathered.data_parallel_s + gathered.moe_layers * (2 * gathered.costs.all_gather + gathered.costs.reduce_scatter))
+    assert not dispatched.link_bound and dispatched.step_s == dispatched.compute_s + dispatched.exposed_s
+    assert dispatched.busiest_link[1] == pytest.approx(dispatched.data_parallel_s + 4 * dispatched.moe_layers * dispatched.costs.a2a)
 
 
 @pytest.mark.parametrize(
@@ -544,7 +560,7 @@ def test_json_with_a_mode_that_gives_no_layouts_is_refused(capsys, tmp_path):
 
 
 def test_emit_config_writes_the_recommended_layout_as_a_job_config(capsys, tmp_path):
-    """The 671B GB200 job: the file selects the winner (nccl, EP=64), drops the [hybridep] settings the switch
+    """The 671B GB200 job: the file selects the winner (nccl, EP=32), drops the [hybridep] settings the switch
     leaves behind (the overrides alone still fail the job's checks), and loads back as the config the advisor
     priced; its header says how it was made."""
     out = tmp_path / "advised.toml"
@@ -557,7 +573,7 @@ def test_emit_config_writes_the_recommended_layout_as_a_job_config(capsys, tmp_p
     text = out.read_text()
     assert text.startswith("# Written by python -m torchtitan_ext.plan --topology gb200_nvl72 --world-size 256 ")
     loaded = load_job_config(["--job.config_file", str(out)], device_type=None, world_size=256)
-    assert (loaded.parallelism.expert_parallel_comm_backend, loaded.parallelism.expert_parallel_degree) == ("nccl", 64)
+    assert (loaded.parallelism.expert_parallel_comm_backend, loaded.parallelism.expert_parallel_degree) == ("nccl", 32)
     assert loaded.hybridep.ranks_per_nvlink_domain is None
     original = load_job_config(job, device_type=None, world_size=256)
     assert loaded.model.flavor == original.model.flavor and loaded.training.seq_len == original.training.seq_len
@@ -579,10 +595,10 @@ def test_replica_traffic_uses_the_physical_links_whatever_the_kernels_reach():
 
 
 def test_margins_under_the_models_resolution_are_said(advice_671b):
-    """On GB200 the 671B job's four best layouts are within 10% of each other (nccl, deepep and hybridep at
-    EP=64, nccl at EP=32), and NCCL's NVLink rate is nominal, not published: both are said. On HGX nodes DeepEP
-    at EP=32 is 11% behind EP=16 and every backend has a published figure on each link: neither is said."""
-    for name, expected in (("gb200_nvl72", ["deepep EP=64", "nccl EP=32", "hybridep EP=64"]), ("hgx_h100_ib", [])):
+    """On GB200 the 671B job's five best layouts are within 10% of each other (nccl and deepep at EP=32 and 64,
+    hybridep at EP=64), and NCCL's NVLink rate is nominal, not published: both are said. On HGX nodes DeepEP at
+    EP=8 is 8.3% behind EP=16 and every backend has a published figure on each link there."""
+    for name, expected in (("gb200_nvl72", ["nccl EP=64", "deepep EP=32", "deepep EP=64"]), ("hgx_h100_ib", ["deepep EP=8"])):
         layouts = advice_671b[name]
         runnable = [layout for layout in layouts if layout.refused is None]
         close = [layout for layout in runnable[1:] if layout.step_s <= runnable[0].step_s * 1.1]
@@ -591,13 +607,13 @@ def test_margins_under_the_models_resolution_are_said(advice_671b):
         assert max(len(line) for line in lines) <= 118
         flagged = [line for line in lines if line.startswith("  within the model's resolution:")]
         unpublished = [line for line in lines if line.startswith("  not ranked against the published backends:")]
-        if not expected:
-            assert flagged == unpublished == []
-            continue
         assert paragraph(lines, "  within the model's resolution:") == (
             f"  within the model's resolution: {len(close)} other layout(s) predict a step within 10% of this one "
-            f"({', '.join(expected)}): measure them before choosing"
+            f"({', '.join(expected)}{', ...' if len(close) > 3 else ''}): measure them before choosing"
         )
+        if name == "hgx_h100_ib":
+            assert unpublished == []
+            continue
         assert paragraph(lines, "  not ranked against the published backends:") == (
             "  not ranked against the published backends: nccl over NVLink domain (one rack) is priced at the nominal "
             "rate (no published figure), a bound it may not reach: time it (scripts/bench_ep.py) before choosing it"

@@ -277,6 +277,11 @@ class MoEWorkload:
     """Group-limited routing (DeepSeek-V3's node-limited gate): the experts form this many groups of
     consecutive experts, and each token picks its top_k among ``limited_groups`` of them. None: no limit."""
     limited_groups: int | None = None
+    prefetch_flops: float | None = None
+    """Forward FLOPs, for this rank's tokens, that FSDP's all-gather of a layer's experts runs beside:
+    torchtitan's FSDP issues the next block's all-gather while the CPU runs ahead of the current block, so
+    that is the whole previous block's forward (attention, router, shared and routed experts). None: the
+    layer's own pre-expert compute only (the paper's eq. 7)."""
 
 
 @dataclass(frozen=True)
@@ -293,6 +298,9 @@ class LayerCosts:
     """Copies of each token that leave the rank per dispatch."""
     all_gathers: int
     """All-gathers of the experts per step: 2 when backward gathers again, else 1."""
+    prefetch_window: float | None = None
+    """Seconds of forward compute an all-gather of the experts hides behind (:attr:`MoEWorkload.prefetch_flops`);
+    None: ``pre_expert_forward``."""
 
     def all_to_alls(self, recomputed: bool) -> int:
         """Dispatch and combine, forward and backward; two more when activation checkpointing
@@ -304,16 +312,18 @@ class LayerCosts:
 
     def exposed(self, overlap: bool, recomputed: bool = False) -> float:
         """Communication the step waits for. With overlap: forward as eq. 10 (the all-gather hides
-        behind pre-expert compute; the all-to-alls cannot, their input is its output); in backward
-        the re-gather and the gradients' reduce-scatter share the expert-FSDP link and hide together
-        behind the pre-expert backward (twice the forward's FLOPs). The paper's eq. 7 also hides
-        expert compute under the all-to-alls; here expert compute stays in the step's compute and
-        every all-to-all is exposed. Without overlap: all of it."""
+        behind the prefetch window, the paper's pre-expert compute or torchtitan's previous block; the
+        all-to-alls cannot, their input is the pre-expert output); in backward the re-gather and the
+        gradients' reduce-scatter share the expert-FSDP link and hide together behind twice that
+        window (a backward's FLOPs). The paper's eq. 7 also hides expert compute under the
+        all-to-alls; here expert compute stays in the step's compute and every all-to-all is exposed.
+        Without overlap: all of it."""
         if not overlap:
             return self.communication(recomputed)
-        forward_gather = max(0.0, self.all_gather - self.pre_expert_forward)
+        window = self.pre_expert_forward if self.prefetch_window is None else self.prefetch_window
+        forward_gather = max(0.0, self.all_gather - window)
         regather = self.all_gather if self.all_gathers > 1 else 0.0
-        backward_fsdp = max(0.0, regather + self.reduce_scatter - 2 * self.pre_expert_forward)
+        backward_fsdp = max(0.0, regather + self.reduce_scatter - 2 * window)
         return self.all_to_alls(recomputed) * self.a2a + forward_gather + backward_fsdp
 
 
@@ -462,6 +472,7 @@ def layer_costs(
     else:
         all_gather = reduce_scatter = 0.0
     pre_expert = work.pre_expert_flops / (topology.compute_tflops * 1e12)
+    window = None if work.prefetch_flops is None else work.prefetch_flops / (topology.compute_tflops * 1e12)
     return LayerCosts(
         a2a=a2a,
         all_gather=all_gather,
@@ -469,6 +480,7 @@ def layer_costs(
         pre_expert_forward=pre_expert,
         token_copies=copies,
         all_gathers=2 if work.regather_in_backward and efsdp > 1 else 1,
+        prefetch_window=window,
     )
 
 
@@ -513,20 +525,25 @@ class DataParallelSync:
         """Seconds per step: per accumulation step, the all-gathers (two when backward gathers again)
         and the reduce-scatter over the FSDP group, then the all-reduce across replicas (a
         reduce-scatter and an all-gather of the rank's gradient shard)."""
+        return sum(self.per_level(topology, world_size).values())
+
+    def per_level(self, topology: Topology, world_size: int) -> dict[int, float]:
+        """:meth:`communication` by the level whose link carries it (each group's outermost)."""
         sizes = topology.group_sizes(world_size)
+        busy: dict[int, float] = {}
 
-        def seconds(collective: Collective, size: int, stride: int, elements: float, element_bytes: int) -> float:
+        def add(collective: Collective, size: int, stride: int, elements: float, element_bytes: int, times: int) -> None:
             if size == 1:
-                return 0.0
-            link = topology.levels[topology.level_of(sizes, 0, (size - 1) * stride)]
+                return
+            level = topology.level_of(sizes, 0, (size - 1) * stride)
+            link = topology.levels[level]
             moved = elements * (size - 1) / size
-            return moved * element_bytes / link.bandwidth(collective) + self.units * link.latency_us * 1e-6
+            seconds = moved * element_bytes / link.bandwidth(collective) + self.units * link.latency_us * 1e-6
+            busy[level] = busy.get(level, 0.0) + times * self.accumulation_steps * seconds
 
-        fsdp = (2 if self.regather_in_backward else 1) * seconds(
-            "all_gather", self.fsdp_degree, self.fsdp_stride, self.dense_parameters, self.gather_bytes
-        ) + seconds("reduce_scatter", self.fsdp_degree, self.fsdp_stride, self.dense_parameters, self.reduce_bytes)
-        all_reduce = sum(
-            seconds(collective, self.replicas, self.replica_stride, self.shard_parameters, self.reduce_bytes)
-            for collective in ("reduce_scatter", "all_gather")
-        )
-        return self.accumulation_steps * (fsdp + all_reduce)
+        add("all_gather", self.fsdp_degree, self.fsdp_stride, self.dense_parameters, self.gather_bytes,
+            2 if self.regather_in_backward else 1)
+        add("reduce_scatter", self.fsdp_degree, self.fsdp_stride, self.dense_parameters, self.reduce_bytes, 1)
+        for collective in ("reduce_scatter", "all_gather"):
+            add(collective, self.replicas, self.replica_stride, self.shard_parameters, self.reduce_bytes, 1)
+        return busy

@@ -134,6 +134,10 @@ class Layout:
     """What one rank needs at least: its shard of parameters, gradients and AdamW state, two layers'
     gathered experts (the one computing and the one FSDP prefetches), the backend's buffer and the
     dispatched rows kept for backward. Activations outside the MoE are not counted: a lower bound."""
+    link_busy: tuple[tuple[str, float], ...] = ()
+    """(link, seconds per step it carries) for each physical link: the EP all-to-alls, expert FSDP's
+    gathers and reduce-scatters, the data-parallel sync and the replicas' traffic, hidden or not: a
+    link that carries more than the step can hide bounds the step."""
     nominal_links: tuple[str, ...] = ()
     """Links of a named fabric that this layout's all-to-all crosses, priced at their nominal rate because
     the backend publishes no figure for them: its time there is a lower bound."""
@@ -183,10 +187,22 @@ class Layout:
         return max(0.0, self.data_parallel_s - self.compute_s) if self.overlap else self.data_parallel_s
 
     @property
+    def busiest_link(self) -> tuple[str, float]:
+        """(link, seconds per step) of the link that carries the most."""
+        return max(self.link_busy, key=lambda item: item[1], default=("", 0.0))
+
+    @property
     def step_s(self) -> float:
         """Predicted step time: compute, the backend's local work, and the exposed MoE and data-parallel
-        communication (the smaller collectives, the loss's and the gradient norm's all-reduces, are left out)."""
-        return self.compute_s + self.moe_s + self.data_parallel_exposed_s
+        communication (the smaller collectives, the loss's and the gradient norm's all-reduces, are left out);
+        at least the busiest link's traffic, which overlap cannot hide from itself."""
+        return max(self.compute_s + self.moe_s + self.data_parallel_exposed_s, self.busiest_link[1])
+
+    @property
+    def link_bound(self) -> bool:
+        """Whether the busiest link's traffic, not compute and exposed communication, sets the step."""
+        return self.busiest_link[1] > self.compute_s + self.moe_s + self.data_parallel_exposed_s
+
 
     def overrides(self) -> list[str]:
         selected = ["--parallelism.expert_parallel_comm_backend", self.backend, "--parallelism.expert_parallel_degree", str(self.ep)]
@@ -241,6 +257,7 @@ def job_shape(job_config, world_size: int) -> JobShape:
         gather_bytes=element(training.mixed_precision_param),
         reduce_bytes=element(training.mixed_precision_reduce),
         pre_expert_flops=forward_outside_experts * tokens,
+        prefetch_flops=flops_per_token / 3 / model_args.n_layers * tokens,
         regather_in_backward=reshard == "always" or (reshard == "default" and p.pipeline_parallel_degree == 1),
         expert_groups=moe_args.num_expert_groups,
         limited_groups=moe_args.num_limited_groups,
@@ -363,6 +380,28 @@ def describe_kernel_rates(backend_name: str, backend, candidate, topology: Topol
     return f"{backend_name}: " + "; ".join(parts)
 
 
+def link_busy(layout: Layout, topology: Topology, links: Topology, world_size: int,
+              data_parallel_busy: dict[int, float]) -> tuple[tuple[str, float], ...]:
+    """:attr:`Layout.link_busy`: each collective's time per step on the physical link of its group's outermost
+    level (an all-to-all's on its outermost level, whose bytes set its time; over a backend's kernel-domain
+    split, the next level's link)."""
+    sizes = topology.group_sizes(world_size)
+    busy = dict(data_parallel_busy)
+    costs = layout.costs
+    if layout.ep > 1:
+        crossed = links.level_of(links.group_sizes(world_size), 0, layout.ep - 1)
+        physical = crossed if links is topology else min(crossed, 1) + max(0, crossed - 2)
+        a2a = layout._per_step(lambda recomputed: costs.all_to_alls(recomputed) * costs.a2a)
+        busy[physical] = busy.get(physical, 0.0) + a2a
+        ep_level = topology.level_of(sizes, 0, layout.ep - 1)
+        busy[ep_level] = busy.get(ep_level, 0.0) + layout.replica_s
+    if layout.efsdp > 1:
+        gather_level = topology.level_of(sizes, 0, (layout.efsdp - 1) * layout.ep)
+        fsdp = layout.dispatches * layout.moe_layers * (costs.all_gathers * costs.all_gather + costs.reduce_scatter)
+        busy[gather_level] = busy.get(gather_level, 0.0) + fsdp
+    return tuple((topology.levels[level].name, seconds) for level, seconds in sorted(busy.items()) if seconds > 0)
+
+
 def advise(
     train_args: list[str], world_size: int, topology: Topology, routing_stats: dict | None = None, routing_source: str = "",
     measured_compute: MeasuredCompute | None = None, replica_slots: list[int] | None = None, progress: bool = False,
@@ -393,7 +432,8 @@ def advise(
         compute_s = shape.step_flops / (topology.compute_tflops * 1e12)
     else:
         compute_s = measured_compute.step_seconds(shape.dispatches * shape.recompute_factor, shape.parameter_share)
-    data_parallel_s = shape.data_parallel_sync.communication(topology, world_size)
+    data_parallel_busy = shape.data_parallel_sync.per_level(topology, world_size)
+    data_parallel_s = sum(data_parallel_busy.values())
     moe_shape = MoEShape(work.hidden, work.experts, work.top_k, work.tokens)
     sizes = topology.group_sizes(world_size)
 
@@ -454,7 +494,7 @@ def advise(
                 nominal = tuple(level.name for index, level in enumerate(links.levels[:crossed])
                                 if level.fabric is not None and index not in fractions)
                 copies_per_rank = backend.sends_each_token_once_per_rank and not slots
-                runnable.append(replace(
+                priced = replace(
                     layout,
                     costs=layer_costs(work, topology, world_size, ep, efsdp, copies_per_rank, routing, pair_share, links,
                                       fractions),
@@ -477,11 +517,12 @@ def advise(
                     replica_return_s=return_s,
                     kernel_rates=describe_kernel_rates(backend_name, backend, candidate, topology),
                     nominal_links=nominal,
-                ))
+                )
+                runnable.append(replace(priced, link_busy=link_busy(priced, topology, links, world_size, data_parallel_busy)))
     # equal predictions keep the job's own backend (and slot count) first
     configured = comm_backend(job_config)
     runnable.sort(key=lambda layout: (
-        layout.moe_s, layout.backend != configured, layout.replica_slots != replication.slots_per_rank, layout.ep,
+        layout.step_s, layout.moe_s, layout.backend != configured, layout.replica_slots != replication.slots_per_rank, layout.ep,
     ))
     return runnable + refused, routing
 
@@ -662,7 +703,7 @@ def format_advice(
             f"  {'#':>3} {'backend':<8} {'EP':>4} {'efsdp':>5} {'slots ' if prices_replicas else ''}{'copies':>6} "
             f"{'A2A ms':>7} {'AG ms':>7} {'exposed':>8} {'local ' if measured_compute is not None else ''}"
             f"{'rows x ' if routing is not None else ''}{'replica ' if prices_replicas else ''}"
-            f"{'step ms':>8} {'TFLOPS':>6} {'mem GB':>6} over"
+            f"{'step ms':>8} {'TFLOPS':>6} {'mem GB':>6} {'link%':>5} over"
         )
         for index, layout in enumerate(runnable, start=1):
             c = layout.costs
@@ -673,12 +714,14 @@ def format_advice(
                 f"{f'{_ms(layout.local_work_s):>5} ' if measured_compute is not None else ''}"
                 f"{f'{layout.rows_ratio:>6.3f} ' if routing is not None else ''}"
                 f"{f'{_ms(layout.replica_s):>7} ' if prices_replicas else ''}{_ms(layout.step_s):>8} "
-                f"{_tflops(layout.tflops_per_gpu):>6} {layout.memory_bytes / 1e9:>6.3g} {links.get(layout.a2a_level, '-')}"
+                f"{_tflops(layout.tflops_per_gpu):>6} {layout.memory_bytes / 1e9:>6.3g} "
+                f"{layout.busiest_link[1] / layout.step_s:>5.0%} {links.get(layout.a2a_level, '-')}"
             )
         lines += _wrapped(
             "columns: A2A ms and AG ms per layer and call; exposed, local, replica and step ms per step; rows x: the "
             "busiest rank's expert rows over the mean rank's; TFLOPS: model TFLOP/s per GPU at the predicted step; "
-            "mem GB: what a rank needs at least; over: the outermost link the all-to-all crosses, "
+            "mem GB: what a rank needs at least; link%: the busiest link's traffic per step (hidden or not) over the "
+            "step (100%: the link sets the step); over: the outermost link the all-to-all crosses, "
             + ", ".join(f"{short} = {name}" for name, short in links.items()), "  ")
         with_slots = f", {first.replica_slots} replica slot(s) per rank" if prices_replicas else ""
         lines.append(
@@ -686,6 +729,11 @@ def format_advice(
             f"{_ms(first.step_s)} ms per step, {_tflops(first.tflops_per_gpu)} TFLOPS/GPU"
         )
         lines += _wrapped(f"why: {_reason(first, runnable[1:])}", "    ")
+        link, busy = first.busiest_link
+        if busy:
+            lines += _wrapped(
+                f"busiest link: {link} carries {_ms(busy)} ms per step ({busy / first.step_s:.0%} of the step"
+                + ("; it sets the step: its traffic cannot all hide)" if first.link_bound else ")"), "    ")
         close = [layout for layout in runnable[1:] if layout.step_s <= first.step_s * (1 + RESOLUTION)]
         if close:
             named = ", ".join(f"{layout.backend} EP={layout.ep}" + (f" {layout.replica_slots} slots" if prices_replicas else "")
@@ -732,7 +780,8 @@ def layouts_record(layouts: list[Layout]) -> list[dict]:
                 all_to_all_over=layout.a2a_level, gathered_expert_bytes=layout.gathered_expert_bytes,
                 buffer_bytes=layout.buffer_bytes, overrides=layout.overrides(), kernel_rates=layout.kernel_rates,
                 tflops_per_gpu=layout.tflops_per_gpu, memory_bytes=layout.memory_bytes,
-                nominal_links=list(layout.nominal_links),
+                nominal_links=list(layout.nominal_links), link_busy_s=dict(layout.link_busy),
+                link_bound=layout.link_bound,
             )
         records.append(record)
     return records
