@@ -605,7 +605,6 @@ def test_margins_under_the_models_resolution_are_said(advice_671b):
         assert [f"{layout.backend} EP={layout.ep}" for layout in close[:3]] == expected
         lines = format_advice(layouts, load_topology(name), 256, "671B", None)
         assert max(len(line) for line in lines) <= 118
-        flagged = [line for line in lines if line.startswith("  within the model's resolution:")]
         unpublished = [line for line in lines if line.startswith("  not ranked against the published backends:")]
         assert paragraph(lines, "  within the model's resolution:") == (
             f"  within the model's resolution: {len(close)} other layout(s) predict a step within 10% of this one "
