@@ -701,7 +701,7 @@ def format_advice(
             layout.a2a_level for layout in runnable if layout.a2a_level), start=1)}
         lines.append(
             f"  {'#':>3} {'backend':<8} {'EP':>4} {'efsdp':>5} {'slots ' if prices_replicas else ''}{'copies':>6} "
-            f"{'A2A ms':>7} {'AG ms':>7} {'exposed':>8} {'local ' if measured_compute is not None else ''}"
+            f"{'A2A ms':>7} {'AG ms':>7} {'exposed':>7} {'local ' if measured_compute is not None else ''}"
             f"{'rows x ' if routing is not None else ''}{'replica ' if prices_replicas else ''}"
             f"{'step ms':>8} {'TFLOPS':>6} {'mem GB':>6} {'link%':>5} over"
         )
@@ -710,7 +710,7 @@ def format_advice(
             lines.append(
                 f"  {index:>3} {layout.backend:<8} {layout.ep:>4} {layout.efsdp:>5} "
                 f"{f'{layout.replica_slots:>5} ' if prices_replicas else ''}{c.token_copies:>6.2f} "
-                f"{_ms(c.a2a):>7} {_ms(c.all_gather):>7} {_ms(layout.exposed_s):>8} "
+                f"{_ms(c.a2a):>7} {_ms(c.all_gather):>7} {_ms(layout.exposed_s):>7} "
                 f"{f'{_ms(layout.local_work_s):>5} ' if measured_compute is not None else ''}"
                 f"{f'{layout.rows_ratio:>6.3f} ' if routing is not None else ''}"
                 f"{f'{_ms(layout.replica_s):>7} ' if prices_replicas else ''}{_ms(layout.step_s):>8} "
