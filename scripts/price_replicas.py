@@ -7,7 +7,7 @@ Writes the 671B-shaped synthetic routing dump of ``scripts/bench_placement.py``
 groups of 8, the same every step: no drift), then runs
 
     python -m torchtitan_ext.plan --job.config_file train_configs/deepseek_v3_671b_gb200.toml --world-size 256
-        --topology gb200_nvl72 --routing-stats <dump> --replica-slots 0,1,2 --compile.no-enable
+        --topology gb200_nvl72 --ranks-per-group 64 --routing-stats <dump> --replica-slots 0,1,2 --compile.no-enable
 
 and prints the advice, which replays the dump through training's choice and
 split of replicas at every EP degree (the steps after the first are priced).
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
         write_dump(Path(tmp), args.steps, args.tokens)
         command = [
             sys.executable, "-m", "torchtitan_ext.plan", "--job.config_file", "train_configs/deepseek_v3_671b_gb200.toml",
-            "--world-size", "256", "--topology", args.topology, "--routing-stats", tmp, "--replica-slots", "0,1,2", "--compile.no-enable",
+            "--world-size", "256", "--topology", args.topology, "--ranks-per-group", "64", "--routing-stats", tmp, "--replica-slots", "0,1,2", "--compile.no-enable",
         ]
         print("$ python", " ".join(command[1:]).replace(tmp, "<synthetic dump>"), flush=True)
         began = time.perf_counter()

@@ -177,9 +177,12 @@ def run_distributed(world_size: int, fn, *args, device: str = "cpu", deadline_s:
         try:
             while not context.join(timeout=min(5.0, max(deadline - time.monotonic(), 0.1))):
                 if time.monotonic() > deadline:
-                    for process in context.processes:
-                        if process.is_alive():
-                            process.kill()
+                    alive = [process for process in context.processes if process.is_alive()]
+                    for process in alive:  # every thread's stack into the rank's stderr file (see _worker)
+                        os.kill(process.pid, signal.SIGUSR1)
+                    time.sleep(1.0)
+                    for process in alive:
+                        process.kill()
                     raise TimeoutError(f"{fn.__name__} on {world_size} processes ran past {deadline_s} s")
         except (mp.ProcessRaisedException, mp.ProcessExitedException, TimeoutError) as failure:
             raise RuntimeError(f"{failure}\n{_ranks_report(context, tmp, world_size)}") from failure
@@ -210,6 +213,7 @@ def _worker(rank, world_size, tmp, device, fn, args):
     stderr = open(f"{tmp}/stderr{rank}", "w")
     os.dup2(stderr.fileno(), 2)
     faulthandler.enable(file=stderr, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=stderr, all_threads=True)  # a hang: run_distributed asks for stacks
     torch.set_num_threads(1)
     backend = "gloo"
     if device == "cuda":

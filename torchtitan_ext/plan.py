@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--routing-stats", type=Path,
                         help="routing_stats folder or .npz file: the expected drop rate, and with --topology the measured token bytes")
     parser.add_argument("--topology", help="topology TOML (a path, or a name in topologies/): add the layout advice")
+    parser.add_argument("--ranks-per-group", type=int, metavar="N",
+                        help="with --topology: ranks the job places in each group of the topology's innermost level "
+                             "(default: all its workers; a 256-GPU job on NVL72 racks of 72 places 64 per rack)")
     parser.add_argument(
         "--measure-compute", action="store_true",
         help="with --topology: time the job's per-rank compute and each backend's local dispatch work on this "
@@ -95,6 +98,10 @@ def main(argv: list[str] | None = None) -> None:
     prepare()
     try:
         topology = load_topology(args.topology) if args.topology else None
+        if args.ranks_per_group is not None:
+            if topology is None:
+                raise ConfigError("--ranks-per-group places ranks in the topology's groups: add --topology")
+            topology = topology.placing(args.ranks_per_group)
         world_size = job_world_size(parse(train_args), args.world_size)
         if topology is not None:
             topology.group_sizes(world_size)
@@ -122,8 +129,8 @@ def main(argv: list[str] | None = None) -> None:
         problem = overrides_problem(train_args, world_size, advice[0]) if advice and advice[0].refused is None else None
         if args.emit_config is not None:
             if advice[0].refused is not None:
-                raise ConfigError(f"--emit-config {args.emit_config}: no layout of this job runs on {world_size} ranks "
-                                  "(the advice lists why): nothing to write")
+                raise ConfigError(f"--emit-config {args.emit_config}: no layout of this job runs on {world_size} ranks, "
+                                  f"nothing to write; {advice[0].backend} at EP={advice[0].ep}: {advice[0].refused}")
             layout = advice[0]
             write_job_config(
                 advised_config(train_args, world_size, layout), args.emit_config, world_size,

@@ -92,7 +92,8 @@ def _run_cli(capsys, *argv):
          "error: --topology no_such_cluster: no such file, and not a shipped topology (cross_dc, gb200_nvl72, hgx_h100_ib)\n"),
         (["--topology", "hgx_h100_ib", "--world-size", "12", *DEBUG_JOB],
          "error: topology 'HGX H100, InfiniBand NDR': level 'NVLink (one node)' has workers = 8, which does not divide "
-         "the world size 12: use a world size that is a multiple of 8\n"),
+         "the world size 12: use a world size that is a multiple of 8, or say how many ranks the job places in each "
+         "with --ranks-per-group\n"),
         (["--paper", "--topology", "cross_dc", "--world-size", "8"],
          "error: --paper needs --paper-data-mb, --paper-expert-mb, --paper-pre-expert-ms\n"),
         (["--paper", "--topology", "cross_dc", "--world-size", "8", "--paper-data-mb", "0", "--paper-expert-mb", "1",
@@ -159,10 +160,14 @@ def test_advice_ranks_runnable_layouts_and_lists_refused_ones():
         assert by_key["deepep", ep].costs.token_copies == by_key["hybridep", ep].costs.token_copies
 
 
+TOPOLOGIES_671B = {"gb200_nvl72": load_topology("gb200_nvl72").placing(64), "hgx_h100_ib": load_topology("hgx_h100_ib")}
+"""The 671B job's 256 GPUs: 64 of each NVL72 rack's 72, or 32 HGX nodes."""
+
+
 @pytest.fixture(scope="module")
 def advice_671b():
     job = ["--job.config_file", "train_configs/deepseek_v3_671b_gb200.toml"]
-    return {name: advise(job, 256, load_topology(name))[0] for name in ("gb200_nvl72", "hgx_h100_ib")}
+    return {name: advise(job, 256, topology)[0] for name, topology in TOPOLOGIES_671B.items()}
 
 
 def test_671b_advice_quoted_in_docs(advice_671b):
@@ -179,12 +184,13 @@ def test_671b_advice_quoted_in_docs(advice_671b):
     # the RDMA NIC carries the FSDP sync and EP=32's expert gathers: 5.6 s of the 6.8 s step, not hidden for free
     assert first.busiest_link[0] == "RDMA between racks" and round(first.busiest_link[1], 2) == 5.59
     assert round(first.step_s, 2) == 6.85 and not first.link_bound
+    assert sorted(ep for (_, ep), layout in gb200.items() if layout.link_bound) == [1, 2, 2, 4, 4, 8, 8, 16, 16]
     # the published gains at EP=64 (torchtitan PR #2207: HybridEP over all-to-all 1.31x; Megatron-Core:
     # HybridEP over DeepEP 1.137x) against the predicted ones: the order is not reproduced
     hybridep, deepep, nccl = gb200["hybridep", 64], gb200["deepep", 64], gb200["nccl", 64]
     assert round(nccl.step_s / hybridep.step_s, 3) == 0.912
     assert round(deepep.step_s / hybridep.step_s, 3) == 0.956
-    assert [round(layout.tflops_per_gpu) for layout in (nccl, deepep, hybridep)] == [896, 854, 817]
+    assert [round(layout.tflops_per_gpu) for layout in (nccl, deepep, hybridep)] == [672, 641, 613]
     assert (first.moe_layers, first.recomputed_layers, first.dispatches) == (58, 58, 1)
     # FSDP of the 17.1G dense parameters over all 256 ranks, at the outer level's 50 GB/s on both, hidden behind
     # compute
@@ -206,9 +212,9 @@ def test_671b_advice_quoted_in_docs(advice_671b):
     assert round(hgx["nccl", 16].step_s / first.step_s, 3) == 1.313
     assert round(first.costs.token_copies, 2) == 3.49 and round(hgx["nccl", 16].costs.token_copies, 2) == 7.50
     assert round(hgx["deepep", 64].costs.token_copies, 2) == 4.28
-    # on 80 GB, EP=1 (87.0 GB at least) needs more than an H100 has
+    # on 80 GiB (85.9 GB), EP=1 (87.0 GB at least) needs more than an H100 has
     refused = {layout.ep: layout.refused for layout in advice_671b["hgx_h100_ib"] if layout.backend == "nccl" and layout.refused}
-    assert sorted(refused) == [1] and all("more than topology 'HGX H100, InfiniBand NDR''s memory_GB = 80" in r
+    assert sorted(refused) == [1] and all("more than topology 'HGX H100, InfiniBand NDR''s memory_GB = 85.9" in r
                                             for r in refused.values())
 
 
@@ -472,8 +478,23 @@ def test_cli_measures_the_compute(capsys):
         assert float(row[0].split()[8].replace(",", "")) == pytest.approx(5 * ms, rel=0.01, abs=0.01)
 
 
-def test_a_kernel_domain_smaller_than_the_nvlink_group_goes_over_the_next_link():
+def test_nvl72_racks_hold_72_and_a_job_says_how_many_it_uses():
+    """World sizes of whole racks run as they are; the 671B job's 256 GPUs are 64 of each of 4 racks."""
     gb200 = load_topology("gb200_nvl72")
+    assert [gb200.group_sizes(world) for world in (72, 144, 288)] == [[72, 72], [72, 144], [72, 288]]
+    with pytest.raises(ConfigError, match=r"has workers = 72, which does not divide the world size 256: use a world size "
+                                          r"that is a multiple of 72, or say how many ranks the job places in each with "
+                                          r"--ranks-per-group$"):
+        gb200.group_sizes(256)
+    placed = gb200.placing(64)
+    assert placed.group_sizes(256) == [64, 256] and placed.name == "GB200 NVL72, 64 ranks per NVLink domain (one rack)"
+    with pytest.raises(ConfigError, match=r"^--ranks-per-group 80: topology 'GB200 NVL72''s level 'NVLink domain "
+                                          r"\(one rack\)' holds 72 workers: use a count from 1 to 72$"):
+        gb200.placing(80)
+
+
+def test_a_kernel_domain_smaller_than_the_nvlink_group_goes_over_the_next_link():
+    gb200 = load_topology("gb200_nvl72").placing(64)
     split = gb200.within_kernel_domain(8, "deepep")
     assert split.group_sizes(256) == [8, 64, 256]
     assert [level.bandwidth_GBps for level in split.levels] == [900.0, 50.0, 50.0]
@@ -514,6 +535,16 @@ def test_kernels_that_reach_fewer_nvlink_peers_pay_the_network_for_the_rest():
     # 8 ranks: all within v1's reach, the same bytes over the same link, each API at its own published rate
     assert legacy["deepep", 8].costs.token_copies == elastic["deepep", 8].costs.token_copies
     assert legacy["deepep", 8].a2a_level == elastic["deepep", 8].a2a_level == "NVLink domain (one rack)"
+
+
+def test_an_all_to_all_beyond_the_kernels_reach_occupies_the_next_link():
+    """DeepEP v1 at EP=64 in one rack: its all-to-all runs over the RDMA NICs between its 8-rank kernel domains,
+    so that link carries it (the rack's NVLink carries FSDP's sync); V2's stays on NVLink."""
+    legacy, elastic = _advice_16b("--deepep.api", "legacy")["deepep", 64], _advice_16b("--deepep.api", "elastic")["deepep", 64]
+    assert legacy.efsdp == 1 and dict(legacy.link_busy)["RDMA between racks"] == pytest.approx(legacy.communication_s)
+    assert "RDMA between racks" not in dict(elastic.link_busy)
+    assert dict(elastic.link_busy)["NVLink domain (one rack)"] == pytest.approx(
+        elastic.communication_s + elastic.data_parallel_s)
 
 
 def test_json_lists_every_layout_considered(capsys, tmp_path):
@@ -565,13 +596,14 @@ def test_emit_config_writes_the_recommended_layout_as_a_job_config(capsys, tmp_p
     priced; its header says how it was made."""
     out = tmp_path / "advised.toml"
     job = ["--job.config_file", "train_configs/deepseek_v3_671b_gb200.toml"]
-    plan.main(["--topology", "gb200_nvl72", "--world-size", "256", "--emit-config", str(out), *job])
+    plan.main(["--topology", "gb200_nvl72", "--ranks-per-group", "64", "--world-size", "256", "--emit-config", str(out),
+               *job])
     printed = capsys.readouterr().out
     assert printed.splitlines()[-1] == (
         f"Wrote the recommended layout's job config to {out} (train with: ./run_train.sh --job.config_file {out})")
     assert "with those, this job config still fails its checks" in " ".join(printed.split())
     text = out.read_text()
-    assert text.startswith("# Written by python -m torchtitan_ext.plan --topology gb200_nvl72 --world-size 256 ")
+    assert text.startswith("# Written by python -m torchtitan_ext.plan --topology gb200_nvl72 --ranks-per-group 64 ")
     loaded = load_job_config(["--job.config_file", str(out)], device_type=None, world_size=256)
     assert (loaded.parallelism.expert_parallel_comm_backend, loaded.parallelism.expert_parallel_degree) == ("nccl", 32)
     assert loaded.hybridep.ranks_per_nvlink_domain is None
@@ -603,7 +635,7 @@ def test_margins_under_the_models_resolution_are_said(advice_671b):
         runnable = [layout for layout in layouts if layout.refused is None]
         close = [layout for layout in runnable[1:] if layout.step_s <= runnable[0].step_s * 1.1]
         assert [f"{layout.backend} EP={layout.ep}" for layout in close[:3]] == expected
-        lines = format_advice(layouts, load_topology(name), 256, "671B", None)
+        lines = format_advice(layouts, TOPOLOGIES_671B[name], 256, "671B", None)
         assert max(len(line) for line in lines) <= 118
         unpublished = [line for line in lines if line.startswith("  not ranked against the published backends:")]
         assert paragraph(lines, "  within the model's resolution:") == (

@@ -21,25 +21,44 @@ ALL_RATES = [*nccl.NcclExpertParallel.PUBLISHED_RATES, *hybridep.PUBLISHED_RATES
 DEBUG_JOB = ["--job.config_file", "train_configs/debug_model.toml"]
 
 
-def _figure(value: float) -> str:
-    """How the document prints a figure: 485.50 and 485.5, 46 and 46.0 are the same number."""
-    text = f"{value:.2f}".rstrip("0").rstrip(".")
-    return rf"(?<![\d.]){re.escape(text)}(?:\.0+|0+)?(?![\d])"
+def _cells(line: str) -> list[str]:
+    return [cell.strip() for cell in line.strip().strip("|").split("|")]
+
+
+def _number(cell: str) -> float:
+    return float(re.search(r"\d+(?:\.\d+)?", cell)[0])
+
+
+def _cited_row(rate: PublishedRate) -> tuple[list[str], int, int, int | None]:
+    """The document's table row a rate cites, and which of its cells hold dispatch, combine and the SMs."""
+    row = re.match(r"docs/published_ep_figures\.md (\S+):", rate.source)[1]
+    if row in ("4b", "4c"):  # a section: its row for the rate's SMs (4b: DeepEP's Torch API; 4c: 32 ranks)
+        section = FIGURES.split(f"### {row}.")[1].split("###")[0]
+        lead = ["DeepEP", "Torch API", str(rate.sms)] if row == "4b" else ["32", str(rate.sms)]
+        rows = [cells for cells in map(_cells, section.splitlines()) if cells[:len(lead)] == lead]
+        assert len(rows) == 1, (row, rows)
+        return (rows[0], 4, 5, 2) if row == "4b" else (rows[0], 3, 4, 1)
+    rows = [_cells(line) for line in FIGURES.splitlines() if line.startswith(f"| {row} |")]
+    assert len(rows) == 1, (row, rows)
+    if row.startswith("1."):
+        return rows[0], 6, 7, None
+    if row.startswith("3."):
+        return rows[0], 4, 5, 6
+    if row.startswith("4d."):  # algorithm bandwidth, or for the RDMA level the NIC bus bandwidth beside it
+        return (rows[0], 6, 7, 3) if rate.fabric == "rdma" else (rows[0], 4, 5, 3)
+    return rows[0], 4, 4, None  # 5.6: one busbw for the all-to-all
 
 
 @pytest.mark.parametrize("rate", ALL_RATES, ids=lambda rate: f"{rate.fabric}-{rate.sms}-{rate.dispatch_GBps}")
 def test_every_figure_is_quoted_in_the_document_at_its_row(rate):
-    """The row the source names holds both figures (the section's table line that starts with the row's id,
-    or for a whole section, some line of it); the fabric is one the topology may name."""
+    """The row the source names holds the dispatch figure in its dispatch column (BF16 where the table has
+    both), the combine figure in its combine column and the SM count in its SM column; the fabric is one a
+    topology may name."""
     assert rate.fabric in FABRICS
-    row = re.match(r"docs/published_ep_figures\.md (\S+):", rate.source)[1]
-    if re.fullmatch(r"\d+\.\d+|4d\.\d+", row):
-        lines = [line for line in FIGURES.splitlines() if line.startswith(f"| {row} |")]
-    else:  # a section such as 4b or 4c: one of its table lines holds the SM count and both figures
-        section = FIGURES.split(f"### {row}.")[1].split("###")[0]
-        lines = [line for line in section.splitlines() if re.search(rf"\| {rate.sms} \|", line)]
-    assert any(re.search(_figure(rate.dispatch_GBps), line) and re.search(_figure(rate.combine_GBps), line)
-               for line in lines), (rate.source, lines)
+    cells, dispatch, combine, sms = _cited_row(rate)
+    assert (_number(cells[dispatch]), _number(cells[combine])) == (rate.dispatch_GBps, rate.combine_GBps), cells
+    if sms is not None:
+        assert _number(cells[sms]) == rate.sms, cells
 
 
 def test_a_figure_becomes_the_share_of_the_nominal_rate_that_leaves_the_rank():

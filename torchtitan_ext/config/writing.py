@@ -35,7 +35,8 @@ def write_job_config(job_config, path: Path, world_size: int, header: str) -> No
         partial.write_text(text, encoding="utf-8")
         loaded = load_job_config(["--job.config_file", str(partial)], device_type=None, world_size=world_size)
         if _fields(loaded) != _fields(job_config):
-            raise ConfigError(f"--emit-config {path}: the written config does not load back as the advised one")
+            raise ConfigError(f"--emit-config {path}: the written config does not load back as the advised one (a "
+                              "field TOML cannot hold): pass the advice's overrides on the command line instead")
         os.replace(partial, path)
     except OSError as e:
         raise ConfigError(f"--emit-config {path}: could not write it ({e.strerror}): free space or choose another path") from None

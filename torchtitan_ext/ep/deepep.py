@@ -65,12 +65,13 @@ PUBLISHED_RATES = {
         PublishedRate("nvlink", 153.0, 158.0, 200.0, 8, 24,
                       "docs/published_ep_figures.md 1.1: DeepEP docs/legacy.md, H800 intranode EP8 (NVLink nominal "
                       "200 GB/s: DeepEP issue #16), 24 SMs in its test script"),
-        # v1 on one B200 node's NVLink 5 (900 GB/s, as GB200's): HybridEP's README measured it
+        # v1 within its 8 NVLink peers of a GB200 rack: the figures on one B200 node's NVLink 5 (900 GB/s, as
+        # GB200's), which HybridEP's README measured; "nvlink" (HGX H100/H800, NVLink 4) keeps DeepEP's own H800 one
         *(PublishedRate("mnnvl", dispatch, combine, 900.0, 8, sms,
                         f"docs/published_ep_figures.md 4b: DeepEP on B200, 8 ranks, {sms} SMs, BF16, Torch API "
                         "(DeepEP hybrid-ep branch docs/README_Hybrid-EP.md)")
-          for sms, dispatch, combine in ((16, 348.0, 302.0), (24, 494.0, 420.0), (32, 619.0, 524.0),
-                                         (40, 629.0, 570.0), (48, 646.0, 586.0))),
+          for sms, dispatch, combine in ((16, 348.0, 302.0), (24, 494.0, 420.0), (28, 560.0, 477.0), (32, 619.0, 524.0),
+                                         (36, 635.0, 549.0), (40, 629.0, 570.0), (44, 640.0, 577.0), (48, 646.0, 586.0))),
         PublishedRate("rdma", 51.0, 50.0, 50.0, 8, 24,
                       "docs/published_ep_figures.md 1.4: DeepEP docs/legacy.md, H800 + CX7 400 Gbit/s internode EP64 "
                       "(8 nodes), 24 SMs in its test script"),

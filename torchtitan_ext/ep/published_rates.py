@@ -12,6 +12,12 @@ over RDMA: the tokens whose experts are on its own node). The advisor counts
 only bytes that leave the rank, so a figure is converted with the share of its
 bytes that stayed home under the uniform routing it was measured with: one
 unit in ``units`` (ranks over NVLink, nodes over RDMA).
+
+A figure's fraction of its own link's nominal rate is what carries over to a
+topology's link of the same kind, whatever its GPU generation. Dispatch dtypes
+differ between publications: DeepEP's own tables dispatch FP8 (bytes counted
+as such), HybridEP's README and Megatron-LM's figure BF16; both are bytes per
+second, which is what the advisor prices.
 """
 
 from dataclasses import dataclass

@@ -128,8 +128,9 @@ class Layout:
     """One backward's return of the replicas' gradients, per MoE layer and call."""
     kernel_rates: str = ""
     """Which published figures priced this backend's all-to-all on each link (:func:`describe_kernel_rates`)."""
-    step_flops: float = 0.0
-    """FLOPs of one rank's step (torchtitan's count, with the recomputed forwards), for TFLOP/s per GPU."""
+    model_flops: float = 0.0
+    """Model FLOPs of one rank's step as torchtitan counts them for its TFLOPS (6 x active parameters +
+    attention, per token; recomputed forwards not counted)."""
     memory_bytes: int = 0
     """What one rank needs at least: its shard of parameters, gradients and AdamW state, two layers'
     gathered experts (the one computing and the one FSDP prefetches), the backend's buffer and the
@@ -177,8 +178,8 @@ class Layout:
 
     @property
     def tflops_per_gpu(self) -> float:
-        """Predicted model TFLOP/s per GPU: the step's FLOPs over its predicted time (as torchtitan reports)."""
-        return self.step_flops / self.step_s / 1e12
+        """Predicted model TFLOP/s per GPU: the step's model FLOPs over its predicted time (as torchtitan reports)."""
+        return self.model_flops / self.step_s / 1e12
 
     @property
     def data_parallel_exposed_s(self) -> float:
@@ -485,7 +486,8 @@ def advise(
                     refused.append(replace(layout, refused=(
                         f"one rank needs at least {memory / 1e9:,.1f} GB (sharded state, two layers' gathered experts, "
                         f"the buffer, the saved dispatched rows), more than topology '{topology.name}''s memory_GB = "
-                        f"{topology.memory_GB:g}: use more EP or expert-FSDP ranks, or activation checkpointing"
+                        f"{topology.memory_GB:g}: use a higher EP degree, more ranks or activation checkpointing (or "
+                        "raise memory_GB if the device has more)"
                     )))
                     continue
                 fetch_s, return_s = replica_traffic(work, topology, world_size, ep, moved)
@@ -507,7 +509,7 @@ def advise(
                     overlap=topology.overlap,
                     gathered_expert_bytes=gathered,
                     buffer_bytes=buffer_bytes,
-                    step_flops=shape.step_flops,
+                    model_flops=shape.pass_flops * shape.dispatches,
                     memory_bytes=memory,
                     a2a_level=level_name(links, ep - 1),
                     gather_level=level_name(topology, (efsdp - 1) * ep),
@@ -609,10 +611,13 @@ def _reason(best: Layout, others: list[Layout]) -> str:
         f"{best.backend} sends {best.costs.token_copies:.2f} copies of each token per dispatch, "
         f"{rival.backend} {rival.costs.token_copies:.2f}"
     )
-    if rival is not None and rival.moe_s == best.moe_s:
+    if best.link_bound:
+        parts.insert(0, f"the least predicted step, set by its busiest link ({best.busiest_link[0]} carries "
+                        f"{_ms(best.busiest_link[1])} ms per step)")
+    if rival is not None and rival.step_s == best.step_s:
         parts.append(
-            f"{rival.backend} at EP={rival.ep} ties (the same bytes over the same links: the model does not "
-            f"separate them, and keeps the job's own backend first)"
+            f"{rival.backend} at EP={rival.ep} ties (the same predicted step: the model does not separate them, and "
+            f"keeps the job's own backend first)"
         )
     elif rival is not None and terms:
         parts.append(f"{rival.backend} (best at EP={rival.ep}) takes {moe_time(rival)} ({copies})")

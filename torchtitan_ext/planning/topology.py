@@ -108,6 +108,7 @@ class Topology:
                 raise ConfigError(
                     f"topology '{self.name}': level '{level.name}' has workers = {size}, which does not divide "
                     f"the world size {world_size}: use a world size that is a multiple of {size}"
+                    + ("" if sizes else ", or say how many ranks the job places in each with --ranks-per-group")
                 )
             if sizes and size % sizes[-1]:
                 raise ConfigError(
@@ -122,6 +123,21 @@ class Topology:
                 "or add a level that connects its groups"
             )
         return sizes
+
+    def placing(self, ranks: int) -> "Topology":
+        """This topology as a job sees it that places ``ranks`` ranks in each group of the innermost level (a
+        256-GPU job on NVL72 racks of 72: 64 per rack), the outer levels' groups holding as many of those
+        groups as before. ConfigError when that is more than the group holds."""
+        inner = self.levels[0]
+        if not 1 <= ranks <= inner.workers:
+            raise ConfigError(
+                f"--ranks-per-group {ranks}: topology '{self.name}''s level '{inner.name}' holds {inner.workers} "
+                f"workers: use a count from 1 to {inner.workers}"
+            )
+        outer = [replace(level, workers=None if level.workers is None else level.workers // inner.workers * ranks)
+                 for level in self.levels[1:]]
+        return replace(self, name=f"{self.name}, {ranks} ranks per {inner.name}",
+                       levels=(replace(inner, workers=ranks), *outer))
 
     def within_kernel_domain(self, ranks: int, backend: str) -> "Topology":
         """This topology as a backend whose kernels reach only ``ranks`` consecutive ranks over the innermost
@@ -221,7 +237,7 @@ def parse_topology(data: dict, source: str) -> Topology:
             raise ConfigError(f"{where}.latency_us = {latency}: use a latency >= 0 (microseconds)")
         gather = _bandwidth(table, "all_gather_bandwidth_GBps", where, default=bandwidth)
         scatter = _bandwidth(table, "reduce_scatter_bandwidth_GBps", where, default=bandwidth)
-        fabric = table.get("fabric")
+        fabric = _field(table, "fabric", str, where) if "fabric" in table else None
         if fabric is not None and fabric not in FABRICS:
             kinds = "; ".join(f"'{kind}': {meaning}" for kind, meaning in FABRICS.items())
             raise ConfigError(f"{where}.fabric = {fabric!r}: use one of {kinds}; or omit it (nominal rates)")
