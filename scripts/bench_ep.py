@@ -205,6 +205,9 @@ def _worker(rank, world_size, rendezvous, args, result_file):
             "bytes_sent_per_rank": int(sent_total),
             "gbps": float(sent_total) / median / 1e9,
             "collectives": len(bare_plan),
+            # what plan --calibrate-from reads: the EP backend, the rows' dtype, the passes timed
+            "comm_backend": None if backend == "upstream" else backend.partition("_")[0],
+            "dtype": args.dtype, "forward_only": args.forward_only,
         })
         del step, bare_plan, recorder
         gc.collect()

@@ -1,7 +1,8 @@
 """EP planner: memory and drop risk of each backend for a job, and which backend and EP layout to use.
 
     python -m torchtitan_ext.plan --job.config_file X [overrides] [--world-size N] [--routing-stats DUMP]
-        [--topology T [--measure-compute] [--replica-slots 0,1,2] [--json FILE] [--emit-config FILE]]
+        [--topology T [--ranks-per-group N] [--measure-compute] [--replica-slots 0,1,2] [--calibrate-from BENCH_JSON]
+         [--json FILE] [--emit-config FILE]]
     python -m torchtitan_ext.plan --paper --topology T --world-size G --paper-data-mb D --paper-expert-mb P_E
         --paper-pre-expert-ms PE
     python -m torchtitan_ext.plan --calibrate [--nproc N] [--calibrate-output FILE]
@@ -19,7 +20,9 @@ this machine for it (:mod:`torchtitan_ext.planning.measured_compute`);
 ``expert_replication.slots_per_rank`` values (default: the job's own);
 ``--json FILE`` also writes every layout considered, with its predicted
 times, as a list of objects; ``--emit-config FILE`` writes the recommended
-layout's job config as TOML (checked by loading it back).
+layout's job config as TOML (checked by loading it back); ``--calibrate-from``
+prices each backend at the all-to-all rate ``scripts/bench_ep.py --json``
+measured on the cluster (:mod:`torchtitan_ext.planning.measured_rates`).
 ``--paper`` evaluates the seed paper's own one-level setting; ``--calibrate``
 measures this machine and writes its topology file
 (:mod:`torchtitan_ext.planning.calibrate`).
@@ -43,6 +46,7 @@ from torchtitan_ext.planning.layout_advisor import (
     advise, advised_config, format_advice, format_paper, layouts_record, overrides_problem,
 )
 from torchtitan_ext.planning.measured_compute import check_measurable, measure_compute
+from torchtitan_ext.planning.measured_rates import measured_rates
 from torchtitan_ext.planning.memory_plan import format_plan, plan
 from torchtitan_ext.planning.topology import load_topology
 from torchtitan_ext.training import prepare
@@ -70,6 +74,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, metavar="FILE",
                         help="with --topology: also write every layout considered (backend, ep_degree, runnable, "
                              "step_s, ...) to FILE as JSON")
+    parser.add_argument("--calibrate-from", type=Path, metavar="FILE",
+                        help="with --topology: price each backend's all-to-all at the rate scripts/bench_ep.py --json "
+                             "measured on your cluster (FILE), on the links its rows spanned, in place of the published "
+                             "figures")
     parser.add_argument("--emit-config", type=Path, metavar="FILE",
                         help="with --topology: write the recommended layout's job config (every field, the other "
                              "backends' sections at their defaults) to FILE as TOML, checked by loading it back")
@@ -110,6 +118,9 @@ def main(argv: list[str] | None = None) -> None:
             raise ConfigError("--measure-compute sets the layout advice's compute: add --topology")
         if args.replica_slots is not None and topology is None:
             raise ConfigError("--replica-slots prices the layout advice's layouts: add --topology")
+        if args.calibrate_from is not None and topology is None:
+            raise ConfigError("--calibrate-from prices the layout advice's layouts: add --topology")
+        rates = None if args.calibrate_from is None else measured_rates(args.calibrate_from, topology)
         for flag, path in (("--json", args.json), ("--emit-config", args.emit_config)):
             if path is not None:
                 _check_writable(flag, path, topology)
@@ -124,7 +135,8 @@ def main(argv: list[str] | None = None) -> None:
         result = plan(job_config, world_size, stats)
         compute = measure_compute(train_args, world_size) if args.measure_compute else None
         advice, routing = (None, None) if topology is None else advise(
-            train_args, world_size, topology, stats, str(args.routing_stats), compute, args.replica_slots, progress=True
+            train_args, world_size, topology, stats, str(args.routing_stats), compute, args.replica_slots, progress=True,
+            measured_rates=rates,
         )
         problem = overrides_problem(train_args, world_size, advice[0]) if advice and advice[0].refused is None else None
         if args.emit_config is not None:
@@ -135,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
             write_job_config(
                 advised_config(train_args, world_size, layout), args.emit_config, world_size,
                 f"Written by python -m torchtitan_ext.plan {' '.join(argv if argv is not None else sys.argv[1:])}\n"
-                f"the recommended layout on topology '{topology.name}': {layout.backend} at EP={layout.ep}, "
+                f"the recommended layout on topology '{topology.name}': {layout.label} at EP={layout.ep}, "
                 f"efsdp={layout.efsdp}, {layout.replica_slots} replica slot(s) per rank; every field of the job's config",
             )
     except ConfigError as e:

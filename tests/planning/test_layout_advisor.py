@@ -146,15 +146,18 @@ def test_advice_ranks_runnable_layouts_and_lists_refused_ones():
     layouts, _ = advise(DEBUG_JOB, 4, load_topology("hgx_h100_ib"))
     runnable = [layout for layout in layouts if layout.refused is None]
     refused = [layout for layout in layouts if layout.refused is not None]
-    assert {(layout.backend, layout.ep) for layout in runnable} == {
-        (backend, ep) for backend in ("nccl", "deepep", "hybridep") for ep in (1, 2, 4)
-    } - {("deepep", 1), ("hybridep", 1)}
-    assert {(layout.backend, layout.ep) for layout in refused} == {("deepep", 1), ("hybridep", 1)}
+    # DeepEP also at its other API (the job's "auto" resolves to V2 here: v1 is priced beside it)
+    assert {(layout.label, layout.ep) for layout in runnable} == {
+        (backend, ep) for backend in ("nccl", "deepep", "deepep legacy", "hybridep") for ep in (1, 2, 4)
+    } - {("deepep", 1), ("deepep legacy", 1), ("hybridep", 1)}
+    assert {(layout.label, layout.ep) for layout in refused} == {("deepep", 1), ("deepep legacy", 1), ("hybridep", 1)}
     assert all("needs expert parallelism" in layout.refused for layout in refused)
-    assert [layout.exposed_s for layout in runnable] == sorted(layout.exposed_s for layout in runnable)
+    assert [layout.step_s for layout in runnable] == sorted(layout.step_s for layout in runnable)
+    legacy = next(layout for layout in runnable if layout.label == "deepep legacy")
+    assert legacy.settings == (("deepep", "api", "legacy"),) and legacy.overrides()[-2:] == ["--deepep.api", "legacy"]
     assert all(layout.ep * layout.efsdp == 4 for layout in layouts)
     # at equal layout, de-duplicating backends move fewer token copies than per-pair all-to-all
-    by_key = {(layout.backend, layout.ep): layout for layout in runnable}
+    by_key = {(layout.label, layout.ep): layout for layout in runnable}
     for ep in (2, 4):
         assert by_key["hybridep", ep].costs.token_copies < by_key["nccl", ep].costs.token_copies
         assert by_key["deepep", ep].costs.token_copies == by_key["hybridep", ep].costs.token_copies
@@ -173,18 +176,18 @@ def advice_671b():
 def test_671b_advice_quoted_in_docs(advice_671b):
     """docs/planning.md's tables: the winners, the published rates that separate the backends, the gains they
     predict against the published ones, and the numbers the text explains them with."""
-    gb200 = {(layout.backend, layout.ep): layout for layout in advice_671b["gb200_nvl72"] if layout.refused is None}
+    gb200 = {(layout.label, layout.ep): layout for layout in advice_671b["gb200_nvl72"] if layout.refused is None}
     first = advice_671b["gb200_nvl72"][0]
     # NCCL has no published NVLink figure: priced at the nominal rate, it ranks first and is flagged; EP=32's
     # expert FSDP crosses racks, and hides behind the previous block's forward (torchtitan's prefetch)
     assert (first.backend, first.ep, first.efsdp) == ("nccl", 32, 8)
     assert first.nominal_links == ("NVLink domain (one rack)",)
-    assert [(layout.backend, layout.ep) for layout in advice_671b["gb200_nvl72"][:5]] == [
+    assert [(layout.label, layout.ep) for layout in advice_671b["gb200_nvl72"][:5]] == [
         ("nccl", 32), ("nccl", 64), ("deepep", 32), ("deepep", 64), ("hybridep", 64)]
     # the RDMA NIC carries the FSDP sync and EP=32's expert gathers: 5.6 s of the 6.8 s step, not hidden for free
     assert first.busiest_link[0] == "RDMA between racks" and round(first.busiest_link[1], 2) == 5.59
     assert round(first.step_s, 2) == 6.85 and not first.link_bound
-    assert sorted(ep for (_, ep), layout in gb200.items() if layout.link_bound) == [1, 2, 2, 4, 4, 8, 8, 16, 16]
+    assert sorted(ep for (_, ep), layout in gb200.items() if layout.link_bound) == [1, 2, 2, 2, 4, 4, 4, 8, 8, 16, 16, 16]
     # the published gains at EP=64 (torchtitan PR #2207: HybridEP over all-to-all 1.31x; Megatron-Core:
     # HybridEP over DeepEP 1.137x) against the predicted ones: the order is not reproduced
     hybridep, deepep, nccl = gb200["hybridep", 64], gb200["deepep", 64], gb200["nccl", 64]
@@ -206,10 +209,11 @@ def test_671b_advice_quoted_in_docs(advice_671b):
     assert ("hybridep", 32) not in gb200  # the config's ranks_per_nvlink_domain = 64 refuses it
     # every layout fits GB200's 186 GB; one rank's state alone is 671B x 16 bytes / 256
     assert max(layout.memory_bytes for layout in gb200.values()) / 1e9 == pytest.approx(87.0, abs=0.05)
-    hgx = {(layout.backend, layout.ep): layout for layout in advice_671b["hgx_h100_ib"] if layout.refused is None}
+    hgx = {(layout.label, layout.ep): layout for layout in advice_671b["hgx_h100_ib"] if layout.refused is None}
     first = advice_671b["hgx_h100_ib"][0]
     assert (first.backend, first.ep, first.efsdp) == ("deepep", 16, 16)
     assert round(hgx["nccl", 16].step_s / first.step_s, 3) == 1.313
+    assert [round(layout.step_s * 1e3) for layout in (first, hgx["deepep legacy", 16])] == [17113, 17176]
     assert round(first.costs.token_copies, 2) == 3.49 and round(hgx["nccl", 16].costs.token_copies, 2) == 7.50
     assert round(hgx["deepep", 64].costs.token_copies, 2) == 4.28
     # on 80 GiB (85.9 GB), EP=1 (87.0 GB at least) needs more than an H100 has
@@ -277,8 +281,8 @@ def test_measured_skew_sets_the_token_copies():
     sampled = np.tile(np.array([0, 1, 2], dtype=np.int16), (2, 5, 64, 1))
     layouts, routing = advise(DEBUG_JOB, 4, load_topology("hgx_h100_ib"), _dump(sampled, 8), "skewed")
     uniform, _ = advise(DEBUG_JOB, 4, load_topology("hgx_h100_ib"))
-    measured = {(layout.backend, layout.ep): layout.costs for layout in layouts if layout.refused is None}
-    expected = {(layout.backend, layout.ep): layout.costs for layout in uniform if layout.refused is None}
+    measured = {(layout.label, layout.ep): layout.costs for layout in layouts if layout.refused is None}
+    expected = {(layout.label, layout.ep): layout.costs for layout in uniform if layout.refused is None}
     assert routing.pair_share(2) == 1.0 and routing.reach(2, 1) == 1.0
     assert measured["nccl", 2].token_copies == 3.0 and expected["nccl", 2].token_copies == 1.5
     assert measured["deepep", 2].token_copies == 1.0
@@ -398,7 +402,7 @@ def test_data_parallel_sync_hides_behind_compute_where_it_overlaps():
     """Hidden traffic still occupies its link: the debug model on 4 H100s computes 0.54 ms a step, and at EP=1
     its FSDP traffic (dense parameters and all experts, on NVLink) takes 0.56 ms: that link sets the step. At
     EP=4 the same link carries the FSDP sync and the all-to-alls, 0.52 ms: compute and exposed time set it."""
-    runnable = {(layout.backend, layout.ep): layout
+    runnable = {(layout.label, layout.ep): layout
                 for layout in advise(DEBUG_JOB, 4, load_topology("hgx_h100_ib"))[0] if layout.refused is None}
     for layout in runnable.values():
         assert 0 < layout.data_parallel_s < layout.compute_s and layout.data_parallel_exposed_s == 0.0
@@ -505,7 +509,7 @@ def test_a_kernel_domain_smaller_than_the_nvlink_group_goes_over_the_next_link()
 def _advice_16b(*overrides: str) -> dict:
     prepare()  # our model args: every backend builds torchtitan's standard MoE (its "deepep" one imports deep_ep)
     job = ["--job.config_file", "train_configs/deepseek_v3_16b.toml", *overrides]
-    return {(layout.backend, layout.ep): layout for layout in advise(job, 64, load_topology("gb200_nvl72"))[0]
+    return {(layout.label, layout.ep): layout for layout in advise(job, 64, load_topology("gb200_nvl72"))[0]
             if layout.refused is None}
 
 
@@ -550,12 +554,14 @@ def test_an_all_to_all_beyond_the_kernels_reach_occupies_the_next_link():
 def test_json_lists_every_layout_considered(capsys, tmp_path):
     out = tmp_path / "layouts.json"
     plan.main(["--topology", "hgx_h100_ib", "--world-size", "4", "--json", str(out), *DEBUG_JOB])
-    assert capsys.readouterr().out.splitlines()[-1] == f"Wrote 9 layouts to {out}"
+    assert capsys.readouterr().out.splitlines()[-1] == f"Wrote 12 layouts to {out}"
     records = json.loads(out.read_text())
     layouts, _ = advise(DEBUG_JOB, 4, load_topology("hgx_h100_ib"))
-    assert [(r["backend"], r["ep_degree"], r["runnable"]) for r in records] == [
-        (layout.backend, layout.ep, layout.refused is None) for layout in layouts
+    assert [(r["backend"], r["settings"], r["ep_degree"], r["runnable"]) for r in records] == [
+        (layout.backend, {f"{section}.{field}": value for section, field, value in layout.settings}, layout.ep,
+         layout.refused is None) for layout in layouts
     ]
+    assert {"deepep.api": "legacy"} in [r["settings"] for r in records]
     runnable = [r for r in records if r["runnable"]]
     assert [r["step_s"] for r in runnable] == pytest.approx([layout.step_s for layout in layouts[:len(runnable)]])
     assert [r["rank"] for r in runnable] == list(range(1, len(runnable) + 1))
@@ -620,7 +626,7 @@ def test_replica_traffic_uses_the_physical_links_whatever_the_kernels_reach():
     priced = {}
     for api in ("legacy", "elastic"):
         layouts, _ = advise([*job, "--deepep.api", api], 64, load_topology("gb200_nvl72"), replica_slots=[1])
-        priced[api] = next(layout for layout in layouts if (layout.backend, layout.ep) == ("deepep", 64))
+        priced[api] = next(layout for layout in layouts if (layout.label, layout.ep) == ("deepep", 64))
     assert priced["legacy"].refused is None and priced["elastic"].refused is None
     assert priced["legacy"].replica_fetch_s == priced["elastic"].replica_fetch_s > 0
     assert priced["legacy"].costs.a2a > 5 * priced["elastic"].costs.a2a
@@ -628,13 +634,15 @@ def test_replica_traffic_uses_the_physical_links_whatever_the_kernels_reach():
 
 def test_margins_under_the_models_resolution_are_said(advice_671b):
     """On GB200 the 671B job's five best layouts are within 10% of each other (nccl and deepep at EP=32 and 64,
-    hybridep at EP=64), and NCCL's NVLink rate is nominal, not published: both are said. On HGX nodes DeepEP at
-    EP=8 is 8.3% behind EP=16 and every backend has a published figure on each link there."""
-    for name, expected in (("gb200_nvl72", ["nccl EP=64", "deepep EP=32", "deepep EP=64"]), ("hgx_h100_ib", ["deepep EP=8"])):
+    hybridep at EP=64), and NCCL's NVLink rate is nominal, not published: both are said. On HGX nodes DeepEP v1
+    at EP=16 and both APIs at EP=8 are within 8.3% of EP=16 with V2, and every backend has a published figure on
+    each link there."""
+    for name, expected in (("gb200_nvl72", ["nccl EP=64", "deepep EP=32", "deepep EP=64"]),
+                           ("hgx_h100_ib", ["deepep legacy EP=16", "deepep legacy EP=8", "deepep EP=8"])):
         layouts = advice_671b[name]
         runnable = [layout for layout in layouts if layout.refused is None]
         close = [layout for layout in runnable[1:] if layout.step_s <= runnable[0].step_s * 1.1]
-        assert [f"{layout.backend} EP={layout.ep}" for layout in close[:3]] == expected
+        assert [f"{layout.label} EP={layout.ep}" for layout in close[:3]] == expected
         lines = format_advice(layouts, TOPOLOGIES_671B[name], 256, "671B", None)
         assert max(len(line) for line in lines) <= 118
         unpublished = [line for line in lines if line.startswith("  not ranked against the published backends:")]

@@ -2,17 +2,19 @@
 fraction of a link's nominal rate that bytes leaving the rank reach, chosen by the configured SMs, and used
 by the advisor's all-to-all price."""
 
+import json
 import re
 
 import pytest
 
 from tests.helpers import REPO_ROOT
-from torchtitan_ext.config import load_job_config
+from torchtitan_ext.config import ConfigError, load_job_config
 from torchtitan_ext.ep import BACKENDS
 from torchtitan_ext.ep import deepep, hybridep, nccl
 from torchtitan_ext.ep.published_rates import FABRICS, nearest_sms, PublishedRate
 from torchtitan_ext.planning import cost_model as cm
 from torchtitan_ext.planning.layout_advisor import kernel_rate_fractions
+from torchtitan_ext.planning.measured_rates import measured_rates
 from torchtitan_ext.planning.topology import Level, Topology
 
 FIGURES = (REPO_ROOT / "docs" / "published_ep_figures.md").read_text(encoding="utf-8")
@@ -102,7 +104,7 @@ def test_the_all_to_all_takes_the_backends_share_of_each_link():
     topology = Topology("t", 1.0, True, (level, outer))
     job_config = load_job_config([*DEBUG_JOB, "--parallelism.expert_parallel_comm_backend", "hybridep",
                                   "--parallelism.expert_parallel_degree", "4"], device_type=None, world_size=8)
-    fractions = kernel_rate_fractions(BACKENDS["hybridep"], job_config, topology)
+    fractions = kernel_rate_fractions("hybridep", BACKENDS["hybridep"], job_config, topology, topology)
     rate = next(r for r in hybridep.PUBLISHED_RATES if r.fabric == "nvlink" and r.sms == 16)
     assert fractions == {0: pytest.approx(2 / (1 / rate.dispatch_fraction + 1 / rate.combine_fraction))}
     work = cm.MoEWorkload(tokens=1024, hidden=256, top_k=2, experts=8, expert_parameters=1000, activation_bytes=2,
@@ -113,3 +115,51 @@ def test_the_all_to_all_takes_the_backends_share_of_each_link():
     assert (priced.all_gather, priced.token_copies) == (nominal.all_gather, nominal.token_copies)
     across = cm.layer_costs(work, topology, 8, 8, 1, True, token_rate_fractions=fractions)
     assert across.a2a == cm.layer_costs(work, topology, 8, 8, 1, True).a2a  # the network's bytes set it, nominal
+
+
+def _bench_row(backend, tokens, median_ms, ep=2, processes=2, forward_only=False):
+    """A row as scripts/bench_ep.py --json writes it (the fields a calibration reads, and some it does not)."""
+    return {"backend": backend, "comm_backend": None if backend == "upstream" else backend.partition("_")[0],
+            "tokens": tokens, "hidden": 256, "experts": 8, "top_k": 2, "ep": ep, "processes": processes,
+            "median_ms": median_ms, "bare_median_ms": median_ms / 2, "dtype": "bfloat16", "forward_only": forward_only}
+
+
+def test_a_measured_rate_replaces_the_published_one(tmp_path):
+    """The measured fraction is the model's nominal time for the timed all-to-alls over the measured time; the
+    row with the most tokens wins; upstream's rows and local-work rows (EP = 1) calibrate nothing; the advisor
+    then prices that backend's all-to-all on that link at it, and the others at their published figures."""
+    level = Level("node", 8, 100.0, 0.0, 100.0, 100.0, "nvlink")
+    topology = Topology("t", 1.0, True, (level, Level("network", None, 10.0, 0.0, 10.0, 10.0, "rdma")))
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"command": "python scripts/bench_ep.py ...", "machine": "test", "rows": [
+        _bench_row("nccl", 512, 1.0), _bench_row("nccl", 4096, 20.0), _bench_row("upstream", 4096, 5.0),
+        _bench_row("hybridep", 4096, 3.0, ep=1), _bench_row("deepep_lib", 4096, 8.0, forward_only=True)]}))
+    rates = measured_rates(bench, topology)
+    assert sorted(rates) == [("deepep", 0), ("nccl", 0)]
+    work = cm.MoEWorkload(tokens=4096, hidden=256, top_k=2, experts=8, expert_parameters=0, activation_bytes=2,
+                          gather_bytes=2, reduce_bytes=2, pre_expert_flops=0.0, regather_in_backward=False)
+    nccl_nominal = 4 * cm.layer_costs(work, topology, 2, 2, 1, False).a2a
+    deepep_nominal = 2 * cm.layer_costs(work, topology, 2, 2, 1, True).a2a
+    assert rates["nccl", 0].fraction == pytest.approx(nccl_nominal / 20e-3)
+    assert rates["deepep", 0].fraction == pytest.approx(deepep_nominal / 8e-3)
+    job_config = load_job_config([*DEBUG_JOB, "--parallelism.expert_parallel_degree", "4"], device_type=None, world_size=8)
+    fractions = kernel_rate_fractions("nccl", BACKENDS["nccl"], job_config, topology, topology, rates)
+    assert fractions == {0: rates["nccl", 0].fraction, 1: pytest.approx(0.92)}  # the network: NCCL's published RDMA figure
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda row: row.pop("median_ms"),
+     "rows[0].median_ms is missing: write the file with scripts/bench_ep.py --json (this version)"),
+    (lambda row: row.update(median_ms=0), "rows[0].median_ms = 0: a measured time is finite and > 0"),
+    (lambda row: row.update(dtype="fp8"), "rows[0].dtype = 'fp8': one of float32, bfloat16"),
+    (lambda row: row.update(ep="2"), "rows[0].ep = '2': not what scripts/bench_ep.py --json writes"),
+])
+def test_a_bench_file_that_is_not_bench_eps_is_one_line(tmp_path, change, message):
+    row = _bench_row("nccl", 512, 1.0)
+    change(row)
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"rows": [row]}))
+    topology = Topology("t", 1.0, True, (Level("node", None, 100.0, 0.0, 100.0, 100.0, "nvlink"),))
+    with pytest.raises(ConfigError) as error:
+        measured_rates(bench, topology)
+    assert str(error.value) == f"--calibrate-from {bench}: {message}"

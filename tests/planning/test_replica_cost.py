@@ -159,7 +159,7 @@ def test_replicas_win_where_the_busiest_rank_sets_the_step():
     runnable = [layout for layout in layouts if layout.refused is None]
     best = runnable[0]
     assert (best.ep, best.replica_slots) == (2, 2), best
-    without = next(layout for layout in runnable if (layout.backend, layout.ep, layout.replica_slots) ==
+    without = next(layout for layout in runnable if (layout.label, layout.ep, layout.replica_slots) ==
                    (best.backend, 2, 0))
     assert best.rows_ratio < 1.01 < 1.9 < without.rows_ratio
     assert best.imbalance_s < without.imbalance_s and best.replica_s > 0 == without.replica_s
@@ -183,7 +183,7 @@ def test_under_uniform_routing_replicas_only_cost():
 def test_the_jobs_own_slots_are_priced_by_default():
     layouts, _ = advise([*DEBUG_JOB, "--expert_replication.slots_per_rank", "1"], 4, load_topology("hgx_h100_ib"))
     assert {layout.replica_slots for layout in layouts} == {1}
-    refused = {(layout.backend, layout.ep) for layout in layouts if layout.refused is not None}
+    refused = {(layout.label, layout.ep) for layout in layouts if layout.refused is not None}
     assert ("nccl", 1) in refused  # replication needs EP > 1
     runnable = [layout for layout in layouts if layout.refused is None]
     assert all(layout.overrides()[-2:] != ["--expert_replication.slots_per_rank", "1"] for layout in runnable)
@@ -211,7 +211,7 @@ def test_per_rank_backends_are_priced_per_pair_under_replicas():
     all-to-all (once per pair, at the split's busiest share), without slots by their own model."""
     dump = _dump(np.array([[COLLAPSED] * 5] * 3))
     layouts, _ = advise(DEBUG_JOB, 4, load_topology("hgx_h100_ib"), dump, "collapsed", replica_slots=[0, 2])
-    costs = {(layout.backend, layout.ep, layout.replica_slots): layout.costs for layout in layouts if layout.refused is None}
+    costs = {(layout.label, layout.ep, layout.replica_slots): layout.costs for layout in layouts if layout.refused is None}
     for ep in (2, 4):
         # the same copies; each backend's all-to-all at its own published rate
         assert costs["deepep", ep, 2].token_copies == costs["nccl", ep, 2].token_copies

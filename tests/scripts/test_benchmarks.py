@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -25,6 +26,20 @@ def test_bench_ep_runs(tmp_path):
         assert 0 < row["min_ms"] <= row["median_ms"] <= row["max_ms"]
         assert row["bare_median_ms"] > 0 and row["bytes_sent_per_rank"] > 0 and row["collectives"] > 0
     assert "| nccl | T=32 H=16 E=4 K=2 EP=2 |" in table.read_text()
+    assert [(r["comm_backend"], r["dtype"], r["forward_only"]) for r in rows] == [
+        ("nccl", "float32", False), ("deepep", "float32", False), ("hybridep", "float32", False),
+        ("hybridep", "float32", False), (None, "float32", False)]
+    # the file calibrates the layout advisor: each backend's rate on the link these 2 processes share
+    advice = subprocess.run(
+        [sys.executable, "-m", "torchtitan_ext.plan", "--job.config_file", "train_configs/debug_model.toml",
+         "--topology", "hgx_h100_ib", "--world-size", "2", "--calibrate-from", str(out)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert advice.returncode == 0, advice.stderr[-3000:]
+    text = " ".join(advice.stdout.split())
+    for backend in ("nccl", "deepep", "hybridep"):
+        assert re.search(rf"{backend}: NVLink \(one node\): [0-9.]+ of nominal, measured \(ep\.json: T=32 H=16 EP=2, "
+                         r"[0-9.e-]+ ms measured, [0-9.e-]+ ms at the nominal rate\)", text), text
 
 
 def test_bench_ep_local_work_runs_each_process_as_its_own_group(tmp_path):

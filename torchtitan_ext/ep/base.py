@@ -301,6 +301,12 @@ class RoutedExpertParallel(ExpertParallel, ABC):
         return cls.nvlink_domain_ranks(job_config)
 
     @classmethod
+    def advised_alternatives(cls, job_config) -> tuple[dict[str, object], ...]:
+        """Settings of this backend's own section that the layout advisor prices beside the job's, each
+        {field: value}: the choices its published figures can tell apart. Empty: the job's settings only."""
+        return ()
+
+    @classmethod
     def published_rates(cls, job_config) -> tuple[PublishedRate, ...]:
         """What this backend's kernels achieve per kind of link as configured (API, SMs), one figure per
         fabric, from the library's own publications; a link without one is priced at its nominal rate."""

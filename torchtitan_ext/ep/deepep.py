@@ -271,6 +271,12 @@ class DeepEPExpertParallel(RoutedExpertParallel):
         return LEGACY_NVLINK_PEERS if resolve_api(section.api, section.implementation, None) == "legacy" else None
 
     @classmethod
+    def advised_alternatives(cls, job_config) -> tuple[dict[str, object], ...]:
+        """The other API: v1's kernels reach 8 NVLink peers, V2's the machine's, and each has its own figures."""
+        section = job_config.deepep
+        return ({"api": "legacy" if resolve_api(section.api, section.implementation, None) == "elastic" else "elastic"},)
+
+    @classmethod
     def published_rates(cls, job_config) -> tuple[PublishedRate, ...]:
         section = job_config.deepep
         api = resolve_api(section.api, section.implementation, None)

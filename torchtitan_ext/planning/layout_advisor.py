@@ -43,6 +43,7 @@ from torchtitan_ext.planning.cost_model import (
     PaperSetting,
 )
 from torchtitan_ext.planning.measured_compute import MeasuredCompute
+from torchtitan_ext.planning.measured_rates import MeasuredRate
 from torchtitan_ext.planning.memory_plan import saved_moe_layers
 from torchtitan_ext.planning.replica_cost import check_replayable, replay, replica_traffic, ReplicaReplay
 from torchtitan_ext.planning.topology import Topology
@@ -115,6 +116,9 @@ class Layout:
     """The outermost level the expert-FSDP group's all-gather crosses ("" at efsdp = 1)."""
     replica_slots: int = 0
     """This layout's ``expert_replication.slots_per_rank``."""
+    settings: tuple[tuple[str, str, object], ...] = ()
+    """(section, field, value) of the backend's own section priced in place of the job's
+    (:meth:`~torchtitan_ext.ep.base.RoutedExpertParallel.advised_alternatives`); empty: the job's."""
     job_replica_slots: int = 0
     """The job's own ``expert_replication.slots_per_rank`` (the overrides name the slots when they differ)."""
     rows_ratio: float = 1.0
@@ -205,8 +209,15 @@ class Layout:
         return self.busiest_link[1] > self.compute_s + self.moe_s + self.data_parallel_exposed_s
 
 
+    @property
+    def label(self) -> str:
+        """The backend, and the settings of its section priced in place of the job's ("deepep legacy")."""
+        return " ".join([self.backend, *(str(value) for _, _, value in self.settings)])
+
     def overrides(self) -> list[str]:
         selected = ["--parallelism.expert_parallel_comm_backend", self.backend, "--parallelism.expert_parallel_degree", str(self.ep)]
+        for section, field, value in self.settings:
+            selected += [f"--{section}.{field}", str(value)]
         if self.replica_slots != self.job_replica_slots:
             selected += ["--expert_replication.slots_per_rank", str(self.replica_slots)]
         return selected
@@ -318,6 +329,15 @@ def _candidate(job_config, backend_name: str, ep: int):
     return candidate
 
 
+def _priced_settings(job_config, ep: int, slot_counts: list[int]):
+    """(backend name, backend, settings of its section, replica slots) for every layout priced at ``ep``: each
+    backend with the job's settings ({}) and with each of its advised alternatives, at each slot count."""
+    for backend_name, backend in BACKENDS.items():
+        for settings in ({}, *backend.advised_alternatives(_candidate(job_config, backend_name, ep))):
+            for slots in slot_counts:
+                yield backend_name, backend, settings, slots
+
+
 def _check_nvlink_domain(backend, candidate, topology: Topology, sizes: list[int]) -> None:
     """ConfigError when the backend is told that more ranks share an NVLink domain than the topology's
     innermost level groups: it would treat ranks over the slower level as NVLink peers."""
@@ -349,27 +369,46 @@ def _kernel_links(backend, backend_name: str, candidate, topology: Topology, wor
     return links
 
 
-def kernel_rate_fractions(backend, candidate, links: Topology) -> dict[int, float]:
-    """{level of ``links``: the fraction of its rate the backend's all-to-all reaches there}, from the
-    backend's published figures for the level's fabric: dispatch's and combine's fractions combined as the
-    step runs them, one of each per direction (their harmonic mean). Levels without a figure: absent
-    (nominal)."""
+def physical_level(topology: Topology, links: Topology, index: int) -> int:
+    """The level of ``topology`` whose link carries level ``index`` of ``links`` (the topology, or its split into a
+    backend's kernel domains, :meth:`Topology.within_kernel_domain`: the link between kernel domains is the next
+    level's)."""
+    return index if links is topology or index == 0 else max(1, index - 1)
+
+
+def kernel_rate_fractions(
+    backend_name: str, backend, candidate, topology: Topology, links: Topology,
+    measured: dict[tuple[str, int], MeasuredRate] | None = None,
+) -> dict[int, float]:
+    """{level of ``links``: the fraction of its rate the backend's all-to-all reaches there}: measured on the
+    cluster (``measured``, :mod:`.measured_rates`) where it was, else from the backend's published figures for
+    the level's fabric, dispatch's and combine's fractions combined as the step runs them, one of each per
+    direction (their harmonic mean). Levels with neither: absent (nominal)."""
     rates = {rate.fabric: rate for rate in backend.published_rates(candidate)}
     fractions = {}
     for index, level in enumerate(links.levels):
+        own = (measured or {}).get((backend_name, physical_level(topology, links, index)))
         rate = rates.get(level.fabric)
-        if rate is not None:
+        if own is not None:
+            fractions[index] = own.fraction
+        elif rate is not None:
             fractions[index] = 2 / (1 / rate.dispatch_fraction + 1 / rate.combine_fraction)
     return fractions
 
 
-def describe_kernel_rates(backend_name: str, backend, candidate, topology: Topology) -> str:
-    """One backend's published figures on the topology's links, for the advice."""
+def describe_kernel_rates(
+    label: str, backend_name: str, backend, candidate, topology: Topology,
+    measured: dict[tuple[str, int], MeasuredRate] | None = None,
+) -> str:
+    """One backend's rate (as ``label`` configures it) on each of the topology's links, and where it comes from."""
     rates = {rate.fabric: rate for rate in backend.published_rates(candidate)}
     parts = []
-    for level in topology.levels:
+    for index, level in enumerate(topology.levels):
+        own = (measured or {}).get((backend_name, index))
         rate = rates.get(level.fabric)
-        if level.fabric is None:
+        if own is not None:
+            parts.append(f"{level.name}: {own.fraction:.2f} of nominal, measured ({own.source})")
+        elif level.fabric is None:
             parts.append(f"{level.name}: nominal (the topology names no fabric)")
         elif rate is None:
             parts.append(f"{level.name}: nominal (no published {level.fabric} figure)")
@@ -378,7 +417,7 @@ def describe_kernel_rates(backend_name: str, backend, candidate, topology: Topol
                 f"{level.name}: dispatch {rate.dispatch_fraction:.2f}, combine {rate.combine_fraction:.2f} of nominal "
                 f"({rate.source.split(':')[0].removeprefix('docs/published_ep_figures.md ')})"
             )
-    return f"{backend_name}: " + "; ".join(parts)
+    return f"{label}: " + "; ".join(parts)
 
 
 def link_busy(layout: Layout, topology: Topology, links: Topology, world_size: int,
@@ -390,8 +429,7 @@ def link_busy(layout: Layout, topology: Topology, links: Topology, world_size: i
     busy = dict(data_parallel_busy)
     costs = layout.costs
     if layout.ep > 1:
-        crossed = links.level_of(links.group_sizes(world_size), 0, layout.ep - 1)
-        physical = crossed if links is topology else min(crossed, 1) + max(0, crossed - 2)
+        physical = physical_level(topology, links, links.level_of(links.group_sizes(world_size), 0, layout.ep - 1))
         a2a = layout._per_step(lambda recomputed: costs.all_to_alls(recomputed) * costs.a2a)
         busy[physical] = busy.get(physical, 0.0) + a2a
         ep_level = topology.level_of(sizes, 0, layout.ep - 1)
@@ -406,6 +444,7 @@ def link_busy(layout: Layout, topology: Topology, links: Topology, world_size: i
 def advise(
     train_args: list[str], world_size: int, topology: Topology, routing_stats: dict | None = None, routing_source: str = "",
     measured_compute: MeasuredCompute | None = None, replica_slots: list[int] | None = None, progress: bool = False,
+    measured_rates: dict[tuple[str, int], MeasuredRate] | None = None,
 ) -> tuple[list[Layout], MeasuredRouting | None]:
     """Every backend x EP degree (x replica slot count): runnable ones ranked by what each adds to the step
     (:attr:`Layout.moe_s`), then the refused; and the measured routing used for token bytes and rank loads
@@ -416,7 +455,8 @@ def advise(
     the one this machine runs: its dtypes are the ones a CPU job here trains in (the bytes every
     collective moves). ``replica_slots``: the ``expert_replication.slots_per_rank`` values to price (default:
     the job's own); replicas need EP > 1, so with 0 among them EP = 1 is priced without replicas only.
-    ``progress``: a progress bar while the dump is replayed under replicas."""
+    ``progress``: a progress bar while the dump is replayed under replicas. ``measured_rates``: backends' all-to-all
+    rates measured on the cluster (:mod:`.measured_rates`), in place of their published figures."""
     device_type = None if measured_compute is None else "cpu"
     job_config = load_job_config(train_args, device_type=device_type, world_size=world_size)
     shape = job_shape(job_config, world_size)
@@ -458,73 +498,76 @@ def advise(
         if shape.expert_world % ep or work.experts % ep:
             continue
         efsdp = shape.expert_world // ep
-        for backend_name, backend in BACKENDS.items():
-            for slots in slot_counts:
-                if ep == 1 and slots and 0 in slot_counts:
-                    continue  # replicas need EP > 1: this EP = 1 layout is priced without them
-                layout = Layout(backend_name, ep, efsdp, refused=None, replica_slots=slots,
-                                job_replica_slots=replication.slots_per_rank)
-                candidate = _candidate(job_config, backend_name, ep)
-                candidate.expert_replication.slots_per_rank = slots
-                try:
-                    validate(candidate, device_type=device_type, world_size=world_size)
-                    _check_nvlink_domain(backend, candidate, topology, sizes)
-                    links = _kernel_links(backend, backend_name, candidate, topology, world_size, ep)
-                except ConfigError as e:
-                    refused.append(replace(layout, refused=str(e)))
-                    continue
-                replayed_here = replayed(ep, slots)
-                if replayed_here is None:
-                    ratio, moved, pair_share = (routing.pair_share(ep) * ep if routing else 1.0), slots, None
-                else:
-                    ratio, moved = replayed_here.rows_ratio, replayed_here.experts_moved
-                    pair_share = ratio / ep
-                gathered = work.experts // ep * work.expert_parameters * work.gather_bytes
-                buffer_bytes = backend.planned_buffer(candidate, dispatched_shape(candidate, moe_shape))[0]
-                memory = memory_needed(shape, ep, gathered, buffer_bytes, ratio)
-                if topology.memory_GB is not None and memory > topology.memory_GB * 1e9:
-                    refused.append(replace(layout, refused=(
-                        f"one rank needs at least {memory / 1e9:,.1f} GB (sharded state, two layers' gathered experts, "
-                        f"the buffer, the saved dispatched rows), more than topology '{topology.name}''s memory_GB = "
-                        f"{topology.memory_GB:g}: use a higher EP degree, more ranks or activation checkpointing (or "
-                        "raise memory_GB if the device has more)"
-                    )))
-                    continue
-                fetch_s, return_s = replica_traffic(work, topology, world_size, ep, moved)
-                fractions = kernel_rate_fractions(backend, candidate, links)
-                crossed = links.level_of(links.group_sizes(world_size), 0, ep - 1) + 1 if ep > 1 else 0
-                nominal = tuple(level.name for index, level in enumerate(links.levels[:crossed])
-                                if level.fabric is not None and index not in fractions)
-                copies_per_rank = backend.sends_each_token_once_per_rank and not slots
-                priced = replace(
-                    layout,
-                    costs=layer_costs(work, topology, world_size, ep, efsdp, copies_per_rank, routing, pair_share, links,
-                                      fractions),
-                    moe_layers=shape.moe_layers,
-                    recomputed_layers=shape.recomputed_layers,
-                    dispatches=shape.dispatches,
-                    compute_s=compute_s,
-                    dispatch_work_s=0.0 if measured_compute is None or ep == 1 else measured_compute.dispatch_work_s[backend_name],
-                    data_parallel_s=data_parallel_s,
-                    overlap=topology.overlap,
-                    gathered_expert_bytes=gathered,
-                    buffer_bytes=buffer_bytes,
-                    model_flops=shape.pass_flops * shape.dispatches,
-                    memory_bytes=memory,
-                    a2a_level=level_name(links, ep - 1),
-                    gather_level=level_name(topology, (efsdp - 1) * ep),
-                    rows_ratio=ratio,
-                    expert_compute_s=compute_s * shape.expert_flop_share,
-                    replica_fetch_s=fetch_s,
-                    replica_return_s=return_s,
-                    kernel_rates=describe_kernel_rates(backend_name, backend, candidate, topology),
-                    nominal_links=nominal,
-                )
-                runnable.append(replace(priced, link_busy=link_busy(priced, topology, links, world_size, data_parallel_busy)))
+        for backend_name, backend, settings, slots in _priced_settings(job_config, ep, slot_counts):
+            if ep == 1 and slots and 0 in slot_counts:
+                continue  # replicas need EP > 1: this EP = 1 layout is priced without them
+            layout = Layout(backend_name, ep, efsdp, refused=None, replica_slots=slots,
+                            job_replica_slots=replication.slots_per_rank,
+                            settings=tuple((backend.config_section, field, value) for field, value in settings.items()))
+            candidate = _candidate(job_config, backend_name, ep)
+            for field, value in settings.items():
+                setattr(getattr(candidate, backend.config_section), field, value)
+            candidate.expert_replication.slots_per_rank = slots
+            try:
+                validate(candidate, device_type=device_type, world_size=world_size)
+                _check_nvlink_domain(backend, candidate, topology, sizes)
+                links = _kernel_links(backend, backend_name, candidate, topology, world_size, ep)
+            except ConfigError as e:
+                refused.append(replace(layout, refused=str(e)))
+                continue
+            replayed_here = replayed(ep, slots)
+            if replayed_here is None:
+                ratio, moved, pair_share = (routing.pair_share(ep) * ep if routing else 1.0), slots, None
+            else:
+                ratio, moved = replayed_here.rows_ratio, replayed_here.experts_moved
+                pair_share = ratio / ep
+            gathered = work.experts // ep * work.expert_parameters * work.gather_bytes
+            buffer_bytes = backend.planned_buffer(candidate, dispatched_shape(candidate, moe_shape))[0]
+            memory = memory_needed(shape, ep, gathered, buffer_bytes, ratio)
+            if topology.memory_GB is not None and memory > topology.memory_GB * 1e9:
+                refused.append(replace(layout, refused=(
+                    f"one rank needs at least {memory / 1e9:,.1f} GB (sharded state, two layers' gathered experts, "
+                    f"the buffer, the saved dispatched rows), more than topology '{topology.name}''s memory_GB = "
+                    f"{topology.memory_GB:g}: use a higher EP degree, more ranks or activation checkpointing (or "
+                    "raise memory_GB if the device has more)"
+                )))
+                continue
+            fetch_s, return_s = replica_traffic(work, topology, world_size, ep, moved)
+            fractions = kernel_rate_fractions(backend_name, backend, candidate, topology, links, measured_rates)
+            crossed = links.level_of(links.group_sizes(world_size), 0, ep - 1) + 1 if ep > 1 else 0
+            nominal = tuple(level.name for index, level in enumerate(links.levels[:crossed])
+                            if level.fabric is not None and index not in fractions)
+            copies_per_rank = backend.sends_each_token_once_per_rank and not slots
+            priced = replace(
+                layout,
+                costs=layer_costs(work, topology, world_size, ep, efsdp, copies_per_rank, routing, pair_share, links,
+                                  fractions),
+                moe_layers=shape.moe_layers,
+                recomputed_layers=shape.recomputed_layers,
+                dispatches=shape.dispatches,
+                compute_s=compute_s,
+                dispatch_work_s=0.0 if measured_compute is None or ep == 1 else measured_compute.dispatch_work_s[backend_name],
+                data_parallel_s=data_parallel_s,
+                overlap=topology.overlap,
+                gathered_expert_bytes=gathered,
+                buffer_bytes=buffer_bytes,
+                model_flops=shape.pass_flops * shape.dispatches,
+                memory_bytes=memory,
+                a2a_level=level_name(links, ep - 1),
+                gather_level=level_name(topology, (efsdp - 1) * ep),
+                rows_ratio=ratio,
+                expert_compute_s=compute_s * shape.expert_flop_share,
+                replica_fetch_s=fetch_s,
+                replica_return_s=return_s,
+                kernel_rates=describe_kernel_rates(layout.label, backend_name, backend, candidate, topology, measured_rates),
+                nominal_links=nominal,
+            )
+            runnable.append(replace(priced, link_busy=link_busy(priced, topology, links, world_size, data_parallel_busy)))
     # equal predictions keep the job's own backend (and slot count) first
     configured = comm_backend(job_config)
     runnable.sort(key=lambda layout: (
-        layout.step_s, layout.moe_s, layout.backend != configured, layout.replica_slots != replication.slots_per_rank, layout.ep,
+        layout.step_s, layout.moe_s, layout.backend != configured, bool(layout.settings),
+        layout.replica_slots != replication.slots_per_rank, layout.ep,
     ))
     return runnable + refused, routing
 
@@ -533,6 +576,8 @@ def advised_config(train_args: list[str], world_size: int, layout: Layout):
     """The job config the advisor priced for ``layout``: the job's, at its backend, EP degree and replica slots,
     the other backends' sections at their defaults; validated for ``world_size`` ranks."""
     candidate = _candidate(load_job_config(train_args, device_type=None, world_size=world_size), layout.backend, layout.ep)
+    for section, field, value in layout.settings:
+        setattr(getattr(candidate, section), field, value)
     candidate.expert_replication.slots_per_rank = layout.replica_slots
     validate(candidate, device_type=None, world_size=world_size)
     return candidate
@@ -608,22 +653,22 @@ def _reason(best: Layout, others: list[Layout]) -> str:
         parts = [f"least exposed MoE communication, {_ms(best.exposed_s)} ms per step"]
     rival = next((o for o in others if o.backend != best.backend), None)
     copies = "" if rival is None else (
-        f"{best.backend} sends {best.costs.token_copies:.2f} copies of each token per dispatch, "
-        f"{rival.backend} {rival.costs.token_copies:.2f}"
+        f"{best.label} sends {best.costs.token_copies:.2f} copies of each token per dispatch, "
+        f"{rival.label} {rival.costs.token_copies:.2f}"
     )
     if best.link_bound:
         parts.insert(0, f"the least predicted step, set by its busiest link ({best.busiest_link[0]} carries "
                         f"{_ms(best.busiest_link[1])} ms per step)")
     if rival is not None and rival.step_s == best.step_s:
         parts.append(
-            f"{rival.backend} at EP={rival.ep} ties (the same predicted step: the model does not separate them, and "
+            f"{rival.label} at EP={rival.ep} ties (the same predicted step: the model does not separate them, and "
             f"keeps the job's own backend first)"
         )
     elif rival is not None and terms:
-        parts.append(f"{rival.backend} (best at EP={rival.ep}) takes {moe_time(rival)} ({copies})")
+        parts.append(f"{rival.label} (best at EP={rival.ep}) takes {moe_time(rival)} ({copies})")
     elif rival is not None:
-        parts.append(f"{rival.backend} (best at EP={rival.ep}) exposes {_ms(rival.exposed_s)} ms: {copies}")
-    without = next((o for o in others if (o.backend, o.ep, o.replica_slots) == (best.backend, best.ep, 0)), None)
+        parts.append(f"{rival.label} (best at EP={rival.ep}) exposes {_ms(rival.exposed_s)} ms: {copies}")
+    without = next((o for o in others if (o.label, o.ep, o.replica_slots) == (best.label, best.ep, 0)), None)
     if best.replica_slots and without is not None:
         parts.append(
             f"with {best.replica_slots} replica slot(s) the busiest rank computes {best.rows_ratio:.3f}x the mean rank's "
@@ -646,7 +691,7 @@ def _reason(best: Layout, others: list[Layout]) -> str:
             return f"{a2a}, {gather}"
 
         parts.append(
-            f"per layer, EP={best.ep} has {describe(best)}; the best other EP degree, {neighbour.backend} at "
+            f"per layer, EP={best.ep} has {describe(best)}; the best other EP degree, {neighbour.label} at "
             f"EP={neighbour.ep} ({moe_time(neighbour)}), has {describe(neighbour)}"
         )
     return "; ".join(parts)
@@ -705,32 +750,32 @@ def format_advice(
         links = {name: f"L{index}" for index, name in enumerate(dict.fromkeys(
             layout.a2a_level for layout in runnable if layout.a2a_level), start=1)}
         lines.append(
-            f"  {'#':>3} {'backend':<8} {'EP':>4} {'efsdp':>5} {'slots ' if prices_replicas else ''}{'copies':>6} "
-            f"{'A2A ms':>7} {'AG ms':>7} {'exposed':>7} {'local ' if measured_compute is not None else ''}"
+            f"  {'#':>3} {'backend':<14} {'EP':>4} {'efsdp':>5} {'slots ' if prices_replicas else ''}{'copy':>5} "
+            f"{'A2A ms':>6} {'AG ms':>6} {'exposed':>7} {'local ' if measured_compute is not None else ''}"
             f"{'rows x ' if routing is not None else ''}{'replica ' if prices_replicas else ''}"
-            f"{'step ms':>8} {'TFLOPS':>6} {'mem GB':>6} {'link%':>5} over"
+            f"{'step ms':>7} {'TFLOPS':>6} {'mem GB':>5} {'link%':>5} over"
         )
         for index, layout in enumerate(runnable, start=1):
             c = layout.costs
             lines.append(
-                f"  {index:>3} {layout.backend:<8} {layout.ep:>4} {layout.efsdp:>5} "
-                f"{f'{layout.replica_slots:>5} ' if prices_replicas else ''}{c.token_copies:>6.2f} "
-                f"{_ms(c.a2a):>7} {_ms(c.all_gather):>7} {_ms(layout.exposed_s):>7} "
+                f"  {index:>3} {layout.label:<14} {layout.ep:>4} {layout.efsdp:>5} "
+                f"{f'{layout.replica_slots:>5} ' if prices_replicas else ''}{c.token_copies:>5.2f} "
+                f"{_ms(c.a2a):>6} {_ms(c.all_gather):>6} {_ms(layout.exposed_s):>7} "
                 f"{f'{_ms(layout.local_work_s):>5} ' if measured_compute is not None else ''}"
                 f"{f'{layout.rows_ratio:>6.3f} ' if routing is not None else ''}"
-                f"{f'{_ms(layout.replica_s):>7} ' if prices_replicas else ''}{_ms(layout.step_s):>8} "
-                f"{_tflops(layout.tflops_per_gpu):>6} {layout.memory_bytes / 1e9:>6.3g} "
+                f"{f'{_ms(layout.replica_s):>7} ' if prices_replicas else ''}{_ms(layout.step_s):>7} "
+                f"{_tflops(layout.tflops_per_gpu):>6} {layout.memory_bytes / 1e9:>5.3g} "
                 f"{layout.busiest_link[1] / layout.step_s:>5.0%} {links.get(layout.a2a_level, '-')}"
             )
         lines += _wrapped(
-            "columns: A2A ms and AG ms per layer and call; exposed, local, replica and step ms per step; rows x: the "
+            "columns: copy: copies of each token that leave the rank per dispatch; A2A ms and AG ms per layer and call; exposed, local, replica and step ms per step; rows x: the "
             "busiest rank's expert rows over the mean rank's; TFLOPS: model TFLOP/s per GPU at the predicted step; "
             "mem GB: what a rank needs at least; link%: the busiest link's traffic per step (hidden or not) over the "
             "step (100%: the link sets the step); over: the outermost link the all-to-all crosses, "
             + ", ".join(f"{short} = {name}" for name, short in links.items()), "  ")
         with_slots = f", {first.replica_slots} replica slot(s) per rank" if prices_replicas else ""
         lines.append(
-            f"  recommended: {first.backend} at EP={first.ep}, efsdp={first.efsdp}{with_slots}: "
+            f"  recommended: {first.label} at EP={first.ep}, efsdp={first.efsdp}{with_slots}: "
             f"{_ms(first.step_s)} ms per step, {_tflops(first.tflops_per_gpu)} TFLOPS/GPU"
         )
         lines += _wrapped(f"why: {_reason(first, runnable[1:])}", "    ")
@@ -741,7 +786,7 @@ def format_advice(
                 + ("; it sets the step: its traffic cannot all hide)" if first.link_bound else ")"), "    ")
         close = [layout for layout in runnable[1:] if layout.step_s <= first.step_s * (1 + RESOLUTION)]
         if close:
-            named = ", ".join(f"{layout.backend} EP={layout.ep}" + (f" {layout.replica_slots} slots" if prices_replicas else "")
+            named = ", ".join(f"{layout.label} EP={layout.ep}" + (f" {layout.replica_slots} slots" if prices_replicas else "")
                               for layout in close[:3])
             lines += _wrapped(
                 f"within the model's resolution: {len(close)} other layout(s) predict a step within "
@@ -749,7 +794,7 @@ def format_advice(
                 "  ")
         unpublished = [layout for layout in [first, *close] if layout.nominal_links]
         if unpublished and any(not layout.nominal_links for layout in runnable):
-            named = ", ".join(dict.fromkeys(f"{layout.backend} over {' and '.join(layout.nominal_links)}" for layout in unpublished))
+            named = ", ".join(dict.fromkeys(f"{layout.label} over {' and '.join(layout.nominal_links)}" for layout in unpublished))
             lines += _wrapped(
                 f"not ranked against the published backends: {named} is priced at the nominal rate (no published "
                 "figure), a bound it may not reach: time it (scripts/bench_ep.py) before choosing it", "  ")
@@ -761,7 +806,7 @@ def format_advice(
         lines.append("  not runnable (the job's config checks; other backends' sections at their defaults):")
         for layout in refused:
             lines += _wrapped(
-                f"{layout.backend} EP={layout.ep}{f' slots={layout.replica_slots}' if prices_replicas else ''}: "
+                f"{layout.label} EP={layout.ep}{f' slots={layout.replica_slots}' if prices_replicas else ''}: "
                 f"{layout.refused}", "    ")
     return [wrapped for line in lines for wrapped in (_wrapped(line.lstrip(), line[:len(line) - len(line.lstrip())])
                                                       if len(line) > WIDTH else [line])]
@@ -773,6 +818,7 @@ def layouts_record(layouts: list[Layout]) -> list[dict]:
     for rank, layout in enumerate(layouts, start=1):
         record = {
             "backend": layout.backend, "ep_degree": layout.ep, "efsdp_degree": layout.efsdp,
+            "settings": {f"{section}.{field}": value for section, field, value in layout.settings},
             "replica_slots": layout.replica_slots, "runnable": layout.refused is None, "refused": layout.refused,
         }
         if layout.refused is None:

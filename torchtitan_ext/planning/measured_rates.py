@@ -1,0 +1,105 @@
+"""Each backend's all-to-all rate as measured on the user's cluster, in place of its published figure.
+
+``scripts/bench_ep.py --json FILE`` times one dispatch + combine (forward and
+backward, or forward only) per backend and shape on the machines it runs on.
+For each of its rows the cost model prices the same all-to-alls at the
+topology's nominal rate on the link the row's EP group spans; the nominal time
+over the measured one is the fraction of that link's rate the backend reached
+there, kernels, permutes and fixed costs included. The layout advisor then
+prices that backend on that link at the measured fraction
+(``plan --calibrate-from FILE``).
+"""
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from torchtitan_ext.config import ConfigError
+from torchtitan_ext.ep import BACKENDS
+from torchtitan_ext.planning.cost_model import layer_costs, MoEWorkload
+from torchtitan_ext.planning.topology import Topology
+
+ROW_FIELDS = {"comm_backend": (str, type(None)), "tokens": int, "hidden": int, "experts": int, "top_k": int, "ep": int,
+              "processes": int, "median_ms": (int, float), "dtype": str, "forward_only": bool}
+"""The fields of a bench_ep row that a calibration reads, and their JSON types."""
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class MeasuredRate:
+    """One backend's measured share of one link's nominal rate."""
+
+    backend: str
+    level: int
+    """Index of the topology level whose link the measured EP group's all-to-all crossed."""
+    fraction: float
+    """The cost model's time for the measured all-to-alls at the nominal rate over the measured time. > 0."""
+    source: str
+    """The row it comes from, for the advice."""
+
+
+def _check_row(row, where: str) -> None:
+    if not isinstance(row, dict):
+        raise ConfigError(f"{where} = {row!r}: expected an object as scripts/bench_ep.py --json writes")
+    for field, kind in ROW_FIELDS.items():
+        if field not in row:
+            raise ConfigError(f"{where}.{field} is missing: write the file with scripts/bench_ep.py --json (this version)")
+        value = row[field]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ConfigError(f"{where}.{field} = {value!r}: not what scripts/bench_ep.py --json writes")
+    if row["dtype"] not in DTYPE_BYTES:
+        raise ConfigError(f"{where}.dtype = {row['dtype']!r}: one of {', '.join(DTYPE_BYTES)}")
+    if not (math.isfinite(row["median_ms"]) and row["median_ms"] > 0):
+        raise ConfigError(f"{where}.median_ms = {row['median_ms']}: a measured time is finite and > 0")
+    if min(row["tokens"], row["hidden"], row["experts"], row["top_k"], row["ep"], row["processes"]) < 1:
+        raise ConfigError(f"{where}: tokens, hidden, experts, top_k, ep and processes are counts >= 1")
+    if row["processes"] % row["ep"] or row["experts"] % row["ep"]:
+        raise ConfigError(f"{where}: ep = {row['ep']} divides neither processes = {row['processes']} nor "
+                          f"experts = {row['experts']}: not a bench_ep row")
+
+
+def measured_rates(path: Path, topology: Topology) -> dict[tuple[str, int], MeasuredRate]:
+    """{(backend, level): its measured rate} from a bench_ep JSON file, for the rows timed between ranks
+    (EP > 1) of a backend the advisor prices; where several rows measure one backend on one link, the one
+    with the most tokens (the least dominated by fixed costs). ConfigError, naming the field, for a file
+    that is not bench_ep's."""
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--calibrate-from {path}: not a readable JSON file ({type(e).__name__}: {e})") from None
+    rows = document.get("rows") if isinstance(document, dict) else None
+    if not isinstance(rows, list) or not rows:
+        raise ConfigError(f"--calibrate-from {path}: no 'rows' list: write it with scripts/bench_ep.py --json")
+    chosen: dict[tuple[str, int], tuple[int, MeasuredRate]] = {}
+    for index, row in enumerate(rows):
+        where = f"--calibrate-from {path}: rows[{index}]"
+        _check_row(row, where)
+        backend = BACKENDS.get(row["comm_backend"])
+        if backend is None or row["ep"] < 2:
+            continue  # torchtitan's own ExpertParallel, or local work without traffic
+        processes, ep = row["processes"], row["ep"]
+        try:
+            sizes = topology.group_sizes(processes)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {processes} processes on topology '{topology.name}': {e}") from None
+        level = topology.level_of(sizes, 0, ep - 1)
+        element = DTYPE_BYTES[row["dtype"]]
+        work = MoEWorkload(
+            tokens=row["tokens"], hidden=row["hidden"], top_k=row["top_k"], experts=row["experts"], expert_parameters=0,
+            activation_bytes=element, gather_bytes=element, reduce_bytes=element, pre_expert_flops=0.0,
+            regather_in_backward=False,
+        )
+        costs = layer_costs(work, topology, processes, ep, 1, backend.sends_each_token_once_per_rank)
+        nominal = costs.a2a * (2 if row["forward_only"] else 4)
+        measured = row["median_ms"] / 1e3
+        rate = MeasuredRate(
+            row["comm_backend"], level, nominal / measured,
+            f"{path.name}: T={row['tokens']} H={row['hidden']} EP={ep}, {row['median_ms']:.3g} ms measured, "
+            f"{nominal * 1e3:.3g} ms at the nominal rate",
+        )
+        key = (row["comm_backend"], level)
+        if key not in chosen or row["tokens"] > chosen[key][0]:
+            chosen[key] = (row["tokens"], rate)
+    return {key: rate for key, (_, rate) in chosen.items()}
