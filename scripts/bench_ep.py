@@ -63,20 +63,26 @@ class Shape:
         return f"T={self.tokens} H={self.hidden} E={self.experts} K={self.top_k} EP={self.ep}"
 
 
-def _make_style(backend: str, shape: Shape, job_args):
+def job_args(backend: str) -> list[str]:
+    """The job-config overrides that select ``backend`` (a label of --backends) as this script runs it."""
+    name = backend.partition("_")[0]
+    args = ["--parallelism.expert_parallel_comm_backend", name]
+    if name != "nccl":
+        args += [f"--{name}.implementation", "deep_ep" if backend.endswith("_lib") else "reference"]
+    if name == "deepep":  # named, not "auto": the row says which API it timed
+        args += ["--deepep.api", "legacy" if backend.startswith("deepep_legacy") else "elastic"]
+    if backend == "hybridep_nb":
+        args += ["--hybridep.non_blocking_capacity_factor", "1.0"]
+    return args
+
+
+def _make_style(backend: str, shape: Shape):
     from torchtitan_ext.config import parse as parse_job_config
     from torchtitan_ext.ep import BACKENDS, MoEShape
 
-    name = backend.partition("_")[0]
-    args = ["--parallelism.expert_parallel_comm_backend", name] + job_args
-    if name != "nccl":
-        args += [f"--{name}.implementation", "deep_ep" if backend.endswith("_lib") else "reference"]
-    if backend.startswith("deepep_legacy"):
-        args += ["--deepep.api", "legacy"]
-    if backend == "hybridep_nb":
-        args += ["--hybridep.non_blocking_capacity_factor", "1.0"]
     moe = MoEShape(shape.hidden, shape.experts, shape.top_k, shape.tokens)
-    return BACKENDS[name].layer_factory(parse_job_config(args), moe)(score_before_experts=False)
+    return BACKENDS[backend.partition("_")[0]].layer_factory(parse_job_config(job_args(backend)), moe)(
+        score_before_experts=False)
 
 
 def _iteration_fn(backend, shape, mesh, device, dtype, backward: bool = True):
@@ -110,7 +116,7 @@ def _iteration_fn(backend, shape, mesh, device, dtype, backward: bool = True):
                 out.to(dtype).squeeze(1).backward(grad)
 
         return step
-    style = _make_style(backend, shape, [])
+    style = _make_style(backend, shape)
 
     def step():
         inp = x.detach().requires_grad_()
@@ -205,8 +211,9 @@ def _worker(rank, world_size, rendezvous, args, result_file):
             "bytes_sent_per_rank": int(sent_total),
             "gbps": float(sent_total) / median / 1e9,
             "collectives": len(bare_plan),
-            # what plan --calibrate-from reads: the EP backend, the rows' dtype, the passes timed
+            # what plan --calibrate-from reads: the EP backend and its settings, the rows' dtype, the passes timed
             "comm_backend": None if backend == "upstream" else backend.partition("_")[0],
+            "job_args": [] if backend == "upstream" else job_args(backend),
             "dtype": args.dtype, "forward_only": args.forward_only,
         })
         del step, bare_plan, recorder

@@ -76,8 +76,8 @@ def main(argv: list[str] | None = None) -> None:
                              "step_s, ...) to FILE as JSON")
     parser.add_argument("--calibrate-from", type=Path, metavar="FILE",
                         help="with --topology: price each backend's all-to-all at the rate scripts/bench_ep.py --json "
-                             "measured on your cluster (FILE), on the links its rows spanned, in place of the published "
-                             "figures")
+                             "measured on one of your cluster's machines (FILE), on the link its rows spanned (the "
+                             "innermost), in place of the published figures")
     parser.add_argument("--emit-config", type=Path, metavar="FILE",
                         help="with --topology: write the recommended layout's job config (every field, the other "
                              "backends' sections at their defaults) to FILE as TOML, checked by loading it back")
@@ -106,6 +106,13 @@ def main(argv: list[str] | None = None) -> None:
     prepare()
     try:
         topology = load_topology(args.topology) if args.topology else None
+        if args.calibrate_from is not None and topology is None:
+            raise ConfigError("--calibrate-from prices the layout advice's layouts: add --topology")
+        if args.calibrate_from is not None and args.measure_compute:
+            raise ConfigError("--calibrate-from's rates hold each backend's local work, which --measure-compute adds "
+                              "again: drop one of them")
+        # bench_ep's processes fill the machines it ran on: its rows are placed before the job's ranks per group
+        rates = None if args.calibrate_from is None else measured_rates(args.calibrate_from, topology)
         if args.ranks_per_group is not None:
             if topology is None:
                 raise ConfigError("--ranks-per-group places ranks in the topology's groups: add --topology")
@@ -118,9 +125,6 @@ def main(argv: list[str] | None = None) -> None:
             raise ConfigError("--measure-compute sets the layout advice's compute: add --topology")
         if args.replica_slots is not None and topology is None:
             raise ConfigError("--replica-slots prices the layout advice's layouts: add --topology")
-        if args.calibrate_from is not None and topology is None:
-            raise ConfigError("--calibrate-from prices the layout advice's layouts: add --topology")
-        rates = None if args.calibrate_from is None else measured_rates(args.calibrate_from, topology)
         for flag, path in (("--json", args.json), ("--emit-config", args.emit_config)):
             if path is not None:
                 _check_writable(flag, path, topology)

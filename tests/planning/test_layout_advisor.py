@@ -11,7 +11,7 @@ from tests.planning.advice_text import paragraph
 from torchtitan_ext import plan, runtime
 from torchtitan_ext.config import ConfigError, load_job_config
 from torchtitan_ext.planning.cost_model import MeasuredRouting
-from torchtitan_ext.planning.layout_advisor import advise, format_advice
+from torchtitan_ext.planning.layout_advisor import advise, advised_config, format_advice, overrides_problem
 from torchtitan_ext.planning.measured_compute import check_measurable, MeasuredCompute
 from torchtitan_ext.planning.topology import load_topology, parse_topology, SHIPPED
 from torchtitan_ext.training import prepare
@@ -155,6 +155,10 @@ def test_advice_ranks_runnable_layouts_and_lists_refused_ones():
     assert [layout.step_s for layout in runnable] == sorted(layout.step_s for layout in runnable)
     legacy = next(layout for layout in runnable if layout.label == "deepep legacy")
     assert legacy.settings == (("deepep", "api", "legacy"),) and legacy.overrides()[-2:] == ["--deepep.api", "legacy"]
+    # its overrides select it, and the config the advisor priced is the one they give
+    assert overrides_problem(DEBUG_JOB, 4, legacy) is None
+    assert advised_config(DEBUG_JOB, 4, legacy).deepep.api == "legacy"
+    assert load_job_config([*DEBUG_JOB, *legacy.overrides()], device_type=None, world_size=4).deepep.api == "legacy"
     assert all(layout.ep * layout.efsdp == 4 for layout in layouts)
     # at equal layout, de-duplicating backends move fewer token copies than per-pair all-to-all
     by_key = {(layout.label, layout.ep): layout for layout in runnable}

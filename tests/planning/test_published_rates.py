@@ -2,6 +2,8 @@
 fraction of a link's nominal rate that bytes leaving the rank reach, chosen by the configured SMs, and used
 by the advisor's all-to-all price."""
 
+import copy
+import importlib.util
 import json
 import re
 
@@ -13,7 +15,7 @@ from torchtitan_ext.ep import BACKENDS
 from torchtitan_ext.ep import deepep, hybridep, nccl
 from torchtitan_ext.ep.published_rates import FABRICS, nearest_sms, PublishedRate
 from torchtitan_ext.planning import cost_model as cm
-from torchtitan_ext.planning.layout_advisor import kernel_rate_fractions
+from torchtitan_ext.planning.layout_advisor import advise, kernel_rate_fractions
 from torchtitan_ext.planning.measured_rates import measured_rates
 from torchtitan_ext.planning.topology import Level, Topology
 
@@ -117,49 +119,109 @@ def test_the_all_to_all_takes_the_backends_share_of_each_link():
     assert across.a2a == cm.layer_costs(work, topology, 8, 8, 1, True).a2a  # the network's bytes set it, nominal
 
 
+def _bench_job_args():
+    """scripts/bench_ep.py's own job_args (the overrides each --backends label runs with)."""
+    spec = importlib.util.spec_from_file_location("bench_ep", REPO_ROOT / "scripts" / "bench_ep.py")
+    bench_ep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_ep)
+    return bench_ep.job_args
+
+
+JOB_ARGS = _bench_job_args()
+
+
 def _bench_row(backend, tokens, median_ms, ep=2, processes=2, forward_only=False):
     """A row as scripts/bench_ep.py --json writes it (the fields a calibration reads, and some it does not)."""
     return {"backend": backend, "comm_backend": None if backend == "upstream" else backend.partition("_")[0],
+            "job_args": [] if backend == "upstream" else JOB_ARGS(backend),
             "tokens": tokens, "hidden": 256, "experts": 8, "top_k": 2, "ep": ep, "processes": processes,
             "median_ms": median_ms, "bare_median_ms": median_ms / 2, "dtype": "bfloat16", "forward_only": forward_only}
 
 
+TWO_LEVELS = Topology("t", 1.0, True, (Level("node", 8, 100.0, 0.0, 100.0, 100.0, "nvlink"),
+                                       Level("network", None, 10.0, 0.0, 10.0, 10.0, "rdma")))
+
+
+def _bench(tmp_path, *rows):
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"command": "python scripts/bench_ep.py ...", "machine": "test", "rows": list(rows)}))
+    return bench
+
+
 def test_a_measured_rate_replaces_the_published_one(tmp_path):
     """The measured fraction is the model's nominal time for the timed all-to-alls over the measured time; the
-    row with the most tokens wins; upstream's rows and local-work rows (EP = 1) calibrate nothing; the advisor
-    then prices that backend's all-to-all on that link at it, and the others at their published figures."""
-    level = Level("node", 8, 100.0, 0.0, 100.0, 100.0, "nvlink")
-    topology = Topology("t", 1.0, True, (level, Level("network", None, 10.0, 0.0, 10.0, 10.0, "rdma")))
-    bench = tmp_path / "bench.json"
-    bench.write_text(json.dumps({"command": "python scripts/bench_ep.py ...", "machine": "test", "rows": [
-        _bench_row("nccl", 512, 1.0), _bench_row("nccl", 4096, 20.0), _bench_row("upstream", 4096, 5.0),
-        _bench_row("hybridep", 4096, 3.0, ep=1), _bench_row("deepep_lib", 4096, 8.0, forward_only=True)]}))
-    rates = measured_rates(bench, topology)
-    assert sorted(rates) == [("deepep", 0), ("nccl", 0)]
+    row with the most tokens wins; upstream's rows and local-work rows (EP = 1) calibrate nothing; each DeepEP API
+    is its own rate. The advisor then prices that backend's all-to-all on that link at it, and every other
+    backend and link at its published figure."""
+    bench = _bench(tmp_path, _bench_row("nccl", 512, 1.0), _bench_row("nccl", 4096, 20.0),
+                   _bench_row("upstream", 4096, 5.0), _bench_row("hybridep", 4096, 3.0, ep=1),
+                   _bench_row("deepep_lib", 4096, 8.0, forward_only=True), _bench_row("deepep_legacy_lib", 4096, 9.0))
+    rates = measured_rates(bench, TWO_LEVELS)
+    assert sorted(rates) == [("deepep", ("elastic",), 0), ("deepep", ("legacy",), 0), ("nccl", (), 0)]
     work = cm.MoEWorkload(tokens=4096, hidden=256, top_k=2, experts=8, expert_parameters=0, activation_bytes=2,
                           gather_bytes=2, reduce_bytes=2, pre_expert_flops=0.0, regather_in_backward=False)
-    nccl_nominal = 4 * cm.layer_costs(work, topology, 2, 2, 1, False).a2a
-    deepep_nominal = 2 * cm.layer_costs(work, topology, 2, 2, 1, True).a2a
-    assert rates["nccl", 0].fraction == pytest.approx(nccl_nominal / 20e-3)
-    assert rates["deepep", 0].fraction == pytest.approx(deepep_nominal / 8e-3)
+    nccl_nominal = 4 * cm.layer_costs(work, TWO_LEVELS, 2, 2, 1, False).a2a
+    deepep_nominal = cm.layer_costs(work, TWO_LEVELS, 2, 2, 1, True).a2a
+    assert rates["nccl", (), 0].fraction == pytest.approx(nccl_nominal / 20e-3)
+    assert rates["deepep", ("elastic",), 0].fraction == pytest.approx(2 * deepep_nominal / 8e-3)
+    assert rates["deepep", ("legacy",), 0].fraction == pytest.approx(4 * deepep_nominal / 9e-3)
     job_config = load_job_config([*DEBUG_JOB, "--parallelism.expert_parallel_degree", "4"], device_type=None, world_size=8)
-    fractions = kernel_rate_fractions("nccl", BACKENDS["nccl"], job_config, topology, topology, rates)
-    assert fractions == {0: rates["nccl", 0].fraction, 1: pytest.approx(0.92)}  # the network: NCCL's published RDMA figure
+    fractions = kernel_rate_fractions("nccl", BACKENDS["nccl"], job_config, TWO_LEVELS, TWO_LEVELS, rates)
+    assert fractions == {0: rates["nccl", (), 0].fraction, 1: pytest.approx(0.92)}  # the network: the published figure
+    published = kernel_rate_fractions("hybridep", BACKENDS["hybridep"], job_config, TWO_LEVELS, TWO_LEVELS)
+    assert kernel_rate_fractions("hybridep", BACKENDS["hybridep"], job_config, TWO_LEVELS, TWO_LEVELS, rates) == published
+    # and the advice prices with it: nccl's all-to-all within a node takes nominal / fraction
+    calibrated, _ = advise(DEBUG_JOB, 8, TWO_LEVELS, measured_rates=rates)
+    nominal, _ = advise(DEBUG_JOB, 8, TWO_LEVELS)
+    pick = {layout.label: layout for layout in calibrated if (layout.ep, layout.refused) == (8, None)}
+    plain = {layout.label: layout for layout in nominal if (layout.ep, layout.refused) == (8, None)}
+    assert pick["nccl"].costs.a2a == pytest.approx(plain["nccl"].costs.a2a / rates["nccl", (), 0].fraction)
+    assert pick["deepep legacy"].costs.a2a == pytest.approx(
+        plain["deepep legacy"].costs.a2a * (1 / rates["deepep", ("legacy",), 0].fraction) / (
+            1 / kernel_rate_fractions("deepep", BACKENDS["deepep"], _legacy(job_config), TWO_LEVELS, TWO_LEVELS)[0]))
+    assert pick["hybridep"].costs == plain["hybridep"].costs
+
+
+def _legacy(job_config):
+    job_config = copy.deepcopy(job_config)
+    job_config.parallelism.expert_parallel_comm_backend = "deepep"
+    job_config.deepep.api = "legacy"
+    return job_config
 
 
 @pytest.mark.parametrize("change, message", [
     (lambda row: row.pop("median_ms"),
      "rows[0].median_ms is missing: write the file with scripts/bench_ep.py --json (this version)"),
     (lambda row: row.update(median_ms=0), "rows[0].median_ms = 0: a measured time is finite and > 0"),
+    (lambda row: row.update(median_ms=True), "rows[0].median_ms = True: not what scripts/bench_ep.py --json writes"),
     (lambda row: row.update(dtype="fp8"), "rows[0].dtype = 'fp8': one of float32, bfloat16"),
     (lambda row: row.update(ep="2"), "rows[0].ep = '2': not what scripts/bench_ep.py --json writes"),
+    (lambda row: row.update(ep=3), "rows[0].ep = 3 does not divide processes = 2: not a bench_ep row"),
+    (lambda row: row.update(median_ms=1e-6),
+     "rows[0].median_ms = 1e-06: faster than the 0.0105 ms its all-to-alls take at the nominal rate of 'node': it "
+     "was timed on another link, or that level's bandwidth_GBps is below the link's"),
+    (lambda row: row.update(comm_backend="deepep", job_args=JOB_ARGS("deepep_legacy_lib"), ep=16, processes=16,
+                            experts=16),
+     "rows[0].ep = 16: deepep's kernels reach 8 ranks over NVLink, and a group of 16 spans their split: time it at "
+     "EP <= 8"),
+    (lambda row: row.update(ep=1), "no row times an EP backend between ranks (ep > 1): run scripts/bench_ep.py with "
+                                   "--nproc and --ep-degree >= 2"),
 ])
 def test_a_bench_file_that_is_not_bench_eps_is_one_line(tmp_path, change, message):
     row = _bench_row("nccl", 512, 1.0)
     change(row)
-    bench = tmp_path / "bench.json"
-    bench.write_text(json.dumps({"rows": [row]}))
-    topology = Topology("t", 1.0, True, (Level("node", None, 100.0, 0.0, 100.0, 100.0, "nvlink"),))
+    bench = _bench(tmp_path, row)
     with pytest.raises(ConfigError) as error:
-        measured_rates(bench, topology)
-    assert str(error.value) == f"--calibrate-from {bench}: {message}"
+        measured_rates(bench, TWO_LEVELS)
+    assert str(error.value).replace(f"--calibrate-from {bench}: ", "") == message
+
+
+def test_two_rows_for_one_rate_are_refused(tmp_path):
+    """HybridEP's blocking and non-blocking rows are two rates; two blocking rows at one shape are one too many."""
+    both = measured_rates(_bench(tmp_path, _bench_row("hybridep", 512, 1.0), _bench_row("hybridep_nb", 512, 2.0)),
+                          TWO_LEVELS)
+    assert sorted(both) == [("hybridep", ("blocking",), 0), ("hybridep", ("non-blocking",), 0)]
+    bench = _bench(tmp_path, _bench_row("hybridep", 512, 1.0), _bench_row("hybridep", 512, 2.0))
+    with pytest.raises(ConfigError, match=r"rows\[1\]: times hybridep blocking at T=512 on the link rows\[0\] times "
+                                          r"it: keep one of them"):
+        measured_rates(bench, TWO_LEVELS)

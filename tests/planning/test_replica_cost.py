@@ -160,7 +160,7 @@ def test_replicas_win_where_the_busiest_rank_sets_the_step():
     best = runnable[0]
     assert (best.ep, best.replica_slots) == (2, 2), best
     without = next(layout for layout in runnable if (layout.label, layout.ep, layout.replica_slots) ==
-                   (best.backend, 2, 0))
+                   (best.label, 2, 0))
     assert best.rows_ratio < 1.01 < 1.9 < without.rows_ratio
     assert best.imbalance_s < without.imbalance_s and best.replica_s > 0 == without.replica_s
     assert best.moe_s == pytest.approx(best.exposed_s + best.imbalance_s + best.replica_s)

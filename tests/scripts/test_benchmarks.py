@@ -37,9 +37,11 @@ def test_bench_ep_runs(tmp_path):
     )
     assert advice.returncode == 0, advice.stderr[-3000:]
     text = " ".join(advice.stdout.split())
-    for backend in ("nccl", "deepep", "hybridep"):
-        assert re.search(rf"{backend}: NVLink \(one node\): [0-9.]+ of nominal, measured \(ep\.json: T=32 H=16 EP=2, "
-                         r"[0-9.e-]+ ms measured, [0-9.e-]+ ms at the nominal rate\)", text), text
+    # the job's own settings: DeepEP V2 (its rows[1]), HybridEP blocking (rows[2]); and DeepEP v1, not timed
+    for backend, row in (("nccl", 0), ("deepep", 1), ("hybridep", 2)):
+        assert re.search(rf"{backend}: NVLink \(one node\): [0-9.]+ of nominal, measured \(ep\.json rows\[{row}\]: T=32 "
+                         r"H=16 EP=2[^,]*, [0-9.e-]+ ms measured, [0-9.e-]+ ms at the nominal rate\)", text), text
+    assert re.search(r"deepep legacy: NVLink \(one node\): dispatch 0\.67, combine 0\.69 of nominal \(1\.1\)", text), text
 
 
 def test_bench_ep_local_work_runs_each_process_as_its_own_group(tmp_path):

@@ -307,6 +307,12 @@ class RoutedExpertParallel(ExpertParallel, ABC):
         return ()
 
     @classmethod
+    def rate_settings(cls, job_config) -> tuple:
+        """The settings of this backend that change how fast its kernels move bytes (beyond SMs): a measured rate
+        applies to the layouts whose settings are these. Empty: one rate for the backend."""
+        return ()
+
+    @classmethod
     def published_rates(cls, job_config) -> tuple[PublishedRate, ...]:
         """What this backend's kernels achieve per kind of link as configured (API, SMs), one figure per
         fabric, from the library's own publications; a link without one is priced at its nominal rate."""

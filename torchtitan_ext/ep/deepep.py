@@ -277,6 +277,12 @@ class DeepEPExpertParallel(RoutedExpertParallel):
         return ({"api": "legacy" if resolve_api(section.api, section.implementation, None) == "elastic" else "elastic"},)
 
     @classmethod
+    def rate_settings(cls, job_config) -> tuple:
+        """The API: v1 and V2 are different kernels."""
+        section = job_config.deepep
+        return (resolve_api(section.api, section.implementation, None),)
+
+    @classmethod
     def published_rates(cls, job_config) -> tuple[PublishedRate, ...]:
         section = job_config.deepep
         api = resolve_api(section.api, section.implementation, None)

@@ -292,6 +292,11 @@ class HybridEPExpertParallel(RoutedExpertParallel):
         return job_config.hybridep.ranks_per_nvlink_domain
 
     @classmethod
+    def rate_settings(cls, job_config) -> tuple:
+        """The mode: non-blocking dispatch skips the host sync blocking dispatch waits for."""
+        return ("blocking" if job_config.hybridep.non_blocking_capacity_factor is None else "non-blocking",)
+
+    @classmethod
     def published_rates(cls, job_config) -> tuple[PublishedRate, ...]:
         """Dispatch's figure at the dispatch SMs, combine's at the combine SMs."""
         section = job_config.hybridep

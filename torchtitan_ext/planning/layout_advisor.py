@@ -378,16 +378,17 @@ def physical_level(topology: Topology, links: Topology, index: int) -> int:
 
 def kernel_rate_fractions(
     backend_name: str, backend, candidate, topology: Topology, links: Topology,
-    measured: dict[tuple[str, int], MeasuredRate] | None = None,
+    measured: dict[tuple[str, tuple, int], MeasuredRate] | None = None,
 ) -> dict[int, float]:
     """{level of ``links``: the fraction of its rate the backend's all-to-all reaches there}: measured on the
     cluster (``measured``, :mod:`.measured_rates`) where it was, else from the backend's published figures for
     the level's fabric, dispatch's and combine's fractions combined as the step runs them, one of each per
     direction (their harmonic mean). Levels with neither: absent (nominal)."""
     rates = {rate.fabric: rate for rate in backend.published_rates(candidate)}
+    settings = backend.rate_settings(candidate)
     fractions = {}
     for index, level in enumerate(links.levels):
-        own = (measured or {}).get((backend_name, physical_level(topology, links, index)))
+        own = (measured or {}).get((backend_name, settings, physical_level(topology, links, index)))
         rate = rates.get(level.fabric)
         if own is not None:
             fractions[index] = own.fraction
@@ -398,13 +399,14 @@ def kernel_rate_fractions(
 
 def describe_kernel_rates(
     label: str, backend_name: str, backend, candidate, topology: Topology,
-    measured: dict[tuple[str, int], MeasuredRate] | None = None,
+    measured: dict[tuple[str, tuple, int], MeasuredRate] | None = None,
 ) -> str:
     """One backend's rate (as ``label`` configures it) on each of the topology's links, and where it comes from."""
     rates = {rate.fabric: rate for rate in backend.published_rates(candidate)}
+    settings = backend.rate_settings(candidate)
     parts = []
     for index, level in enumerate(topology.levels):
-        own = (measured or {}).get((backend_name, index))
+        own = (measured or {}).get((backend_name, settings, index))
         rate = rates.get(level.fabric)
         if own is not None:
             parts.append(f"{level.name}: {own.fraction:.2f} of nominal, measured ({own.source})")
@@ -444,7 +446,7 @@ def link_busy(layout: Layout, topology: Topology, links: Topology, world_size: i
 def advise(
     train_args: list[str], world_size: int, topology: Topology, routing_stats: dict | None = None, routing_source: str = "",
     measured_compute: MeasuredCompute | None = None, replica_slots: list[int] | None = None, progress: bool = False,
-    measured_rates: dict[tuple[str, int], MeasuredRate] | None = None,
+    measured_rates: dict[tuple[str, tuple, int], MeasuredRate] | None = None,
 ) -> tuple[list[Layout], MeasuredRouting | None]:
     """Every backend x EP degree (x replica slot count): runnable ones ranked by what each adds to the step
     (:attr:`Layout.moe_s`), then the refused; and the measured routing used for token bytes and rank loads
@@ -744,7 +746,7 @@ def format_advice(
             "times per rank"
         )
         lines.append("  all-to-all at the fraction of each link's nominal rate its kernels reach, as published "
-                     "(docs/published_ep_figures.md):")
+                     "(docs/published_ep_figures.md) or measured (--calibrate-from):")
         for rates in dict.fromkeys(layout.kernel_rates for layout in runnable):
             lines += _wrapped(rates, "    ")
         links = {name: f"L{index}" for index, name in enumerate(dict.fromkeys(

@@ -6,8 +6,12 @@ For each of its rows the cost model prices the same all-to-alls at the
 topology's nominal rate on the link the row's EP group spans; the nominal time
 over the measured one is the fraction of that link's rate the backend reached
 there, kernels, permutes and fixed costs included. The layout advisor then
-prices that backend on that link at the measured fraction
-(``plan --calibrate-from FILE``).
+prices that backend, at the settings that set its rate (DeepEP: its API), on
+that link at the measured fraction (``plan --calibrate-from FILE``).
+
+bench_ep starts its processes on one machine, so its rows calibrate the
+innermost link (NVLink within a node or a GB200 tray); a rate is per link, not
+per EP degree, so a row at EP = 8 stands for every EP group on that link.
 """
 
 import json
@@ -15,27 +19,32 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from torchtitan_ext.config import ConfigError
+from torchtitan_ext.config import ConfigError, parse
 from torchtitan_ext.ep import BACKENDS
 from torchtitan_ext.planning.cost_model import layer_costs, MoEWorkload
 from torchtitan_ext.planning.topology import Topology
 
-ROW_FIELDS = {"comm_backend": (str, type(None)), "tokens": int, "hidden": int, "experts": int, "top_k": int, "ep": int,
-              "processes": int, "median_ms": (int, float), "dtype": str, "forward_only": bool}
+ROW_FIELDS = {"comm_backend": (str, type(None)), "job_args": list, "tokens": int, "hidden": int, "experts": int,
+              "top_k": int, "ep": int, "processes": int, "median_ms": (int, float), "dtype": str, "forward_only": bool}
 """The fields of a bench_ep row that a calibration reads, and their JSON types."""
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
+MAX_PROCESSES = 65536
+"""More processes than any bench runs: a larger count is not a bench_ep row."""
+
 
 @dataclass(frozen=True)
 class MeasuredRate:
-    """One backend's measured share of one link's nominal rate."""
+    """One backend's measured share of one link's nominal rate, at the settings it was timed with."""
 
     backend: str
+    settings: tuple
+    """The backend's :meth:`~torchtitan_ext.ep.base.RoutedExpertParallel.rate_settings` in the timed job."""
     level: int
     """Index of the topology level whose link the measured EP group's all-to-all crossed."""
     fraction: float
-    """The cost model's time for the measured all-to-alls at the nominal rate over the measured time. > 0."""
+    """The cost model's time for the measured all-to-alls at the nominal rate over the measured time, in (0, 1]."""
     source: str
     """The row it comes from, for the advice."""
 
@@ -47,24 +56,26 @@ def _check_row(row, where: str) -> None:
         if field not in row:
             raise ConfigError(f"{where}.{field} is missing: write the file with scripts/bench_ep.py --json (this version)")
         value = row[field]
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
             raise ConfigError(f"{where}.{field} = {value!r}: not what scripts/bench_ep.py --json writes")
     if row["dtype"] not in DTYPE_BYTES:
         raise ConfigError(f"{where}.dtype = {row['dtype']!r}: one of {', '.join(DTYPE_BYTES)}")
     if not (math.isfinite(row["median_ms"]) and row["median_ms"] > 0):
         raise ConfigError(f"{where}.median_ms = {row['median_ms']}: a measured time is finite and > 0")
-    if min(row["tokens"], row["hidden"], row["experts"], row["top_k"], row["ep"], row["processes"]) < 1:
-        raise ConfigError(f"{where}: tokens, hidden, experts, top_k, ep and processes are counts >= 1")
-    if row["processes"] % row["ep"] or row["experts"] % row["ep"]:
-        raise ConfigError(f"{where}: ep = {row['ep']} divides neither processes = {row['processes']} nor "
-                          f"experts = {row['experts']}: not a bench_ep row")
+    for field in ("tokens", "hidden", "experts", "top_k", "ep", "processes"):
+        if not 1 <= row[field] <= (MAX_PROCESSES if field in ("ep", "processes") else 2**31):
+            raise ConfigError(f"{where}.{field} = {row[field]}: not what scripts/bench_ep.py --json writes")
+    for field in ("processes", "experts"):
+        if row[field] % row["ep"]:
+            raise ConfigError(f"{where}.ep = {row['ep']} does not divide {field} = {row[field]}: not a bench_ep row")
 
 
-def measured_rates(path: Path, topology: Topology) -> dict[tuple[str, int], MeasuredRate]:
-    """{(backend, level): its measured rate} from a bench_ep JSON file, for the rows timed between ranks
-    (EP > 1) of a backend the advisor prices; where several rows measure one backend on one link, the one
-    with the most tokens (the least dominated by fixed costs). ConfigError, naming the field, for a file
-    that is not bench_ep's."""
+def measured_rates(path: Path, topology: Topology) -> dict[tuple[str, tuple, int], MeasuredRate]:
+    """{(backend, its rate settings, level): the measured rate} from a bench_ep JSON file, for the rows timed
+    between ranks (EP > 1) of a backend the advisor prices; where several rows measure one backend at one
+    setting on one link, the one with the most tokens (the least dominated by fixed costs). ``topology`` as the
+    bench ran on it: its processes fill the innermost groups in order. ConfigError, naming the field, for a
+    file that is not bench_ep's, for rows that calibrate nothing and for a time faster than the nominal rate."""
     try:
         document = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -72,7 +83,7 @@ def measured_rates(path: Path, topology: Topology) -> dict[tuple[str, int], Meas
     rows = document.get("rows") if isinstance(document, dict) else None
     if not isinstance(rows, list) or not rows:
         raise ConfigError(f"--calibrate-from {path}: no 'rows' list: write it with scripts/bench_ep.py --json")
-    chosen: dict[tuple[str, int], tuple[int, MeasuredRate]] = {}
+    chosen: dict[tuple[str, tuple, int], tuple[int, int, MeasuredRate]] = {}
     for index, row in enumerate(rows):
         where = f"--calibrate-from {path}: rows[{index}]"
         _check_row(row, where)
@@ -81,9 +92,18 @@ def measured_rates(path: Path, topology: Topology) -> dict[tuple[str, int], Meas
             continue  # torchtitan's own ExpertParallel, or local work without traffic
         processes, ep = row["processes"], row["ep"]
         try:
+            job_config = parse(["--parallelism.expert_parallel_comm_backend", row["comm_backend"],
+                                *map(str, row["job_args"])])
+        except ConfigError as e:
+            raise ConfigError(f"{where}.job_args: {e}") from None
+        reach = backend.kernel_nvlink_ranks(job_config)
+        if reach is not None and ep > reach:
+            raise ConfigError(f"{where}.ep = {ep}: {row['comm_backend']}'s kernels reach {reach} ranks over NVLink, "
+                              f"and a group of {ep} spans their split: time it at EP <= {reach}")
+        try:
             sizes = topology.group_sizes(processes)
         except ConfigError as e:
-            raise ConfigError(f"{where}: {processes} processes on topology '{topology.name}': {e}") from None
+            raise ConfigError(f"{where}.processes = {processes} on topology '{topology.name}': {e}") from None
         level = topology.level_of(sizes, 0, ep - 1)
         element = DTYPE_BYTES[row["dtype"]]
         work = MoEWorkload(
@@ -94,12 +114,29 @@ def measured_rates(path: Path, topology: Topology) -> dict[tuple[str, int], Meas
         costs = layer_costs(work, topology, processes, ep, 1, backend.sends_each_token_once_per_rank)
         nominal = costs.a2a * (2 if row["forward_only"] else 4)
         measured = row["median_ms"] / 1e3
+        if nominal > measured:
+            raise ConfigError(
+                f"{where}.median_ms = {row['median_ms']}: faster than the {nominal * 1e3:.3g} ms its all-to-alls take at "
+                f"the nominal rate of '{topology.levels[level].name}': it was timed on another link, or that level's "
+                "bandwidth_GBps is below the link's"
+            )
+        settings = backend.rate_settings(job_config)
         rate = MeasuredRate(
-            row["comm_backend"], level, nominal / measured,
-            f"{path.name}: T={row['tokens']} H={row['hidden']} EP={ep}, {row['median_ms']:.3g} ms measured, "
-            f"{nominal * 1e3:.3g} ms at the nominal rate",
+            row["comm_backend"], settings, level, nominal / measured,
+            f"{path.name} rows[{index}]: T={row['tokens']} H={row['hidden']} EP={ep}"
+            f"{' ' + ' '.join(map(str, row['job_args'][2:])) if len(row['job_args']) > 2 else ''}, "
+            f"{row['median_ms']:.3g} ms measured, {nominal * 1e3:.3g} ms at the nominal rate",
         )
-        key = (row["comm_backend"], level)
+        key = (row["comm_backend"], settings, level)
+        if key in chosen and chosen[key][0] == row["tokens"]:
+            raise ConfigError(
+                f"{where}: times {row['comm_backend']} {' '.join(map(str, settings))} at T={row['tokens']} on the link "
+                f"rows[{chosen[key][1]}] times it: keep one of them (settings that do not change the backend's rate "
+                "calibrate one rate)"
+            )
         if key not in chosen or row["tokens"] > chosen[key][0]:
-            chosen[key] = (row["tokens"], rate)
-    return {key: rate for key, (_, rate) in chosen.items()}
+            chosen[key] = (row["tokens"], index, rate)
+    if not chosen:
+        raise ConfigError(f"--calibrate-from {path}: no row times an EP backend between ranks (ep > 1): run "
+                          "scripts/bench_ep.py with --nproc and --ep-degree >= 2")
+    return {key: rate for key, (_, _, rate) in chosen.items()}
