@@ -1,7 +1,7 @@
 """EP planner: memory and drop risk of each backend for a job, and which backend and EP layout to use.
 
     python -m torchtitan_ext.plan --job.config_file X [overrides] [--world-size N] [--routing-stats DUMP]
-        [--topology T [--ranks-per-group N] [--measure-compute] [--replica-slots 0,1,2] [--calibrate-from BENCH_JSON]
+        [--topology T [--ranks-per-group N] [--measure-compute] [--replica-slots 0,1,2] [--calibrate-from FILE ...]
          [--json FILE] [--emit-config FILE]]
     python -m torchtitan_ext.plan --paper --topology T --world-size G --paper-data-mb D --paper-expert-mb P_E
         --paper-pre-expert-ms PE
@@ -21,8 +21,9 @@ this machine for it (:mod:`torchtitan_ext.planning.measured_compute`);
 ``--json FILE`` also writes every layout considered, with its predicted
 times, as a list of objects; ``--emit-config FILE`` writes the recommended
 layout's job config as TOML (checked by loading it back); ``--calibrate-from``
-prices each backend at the all-to-all rate ``scripts/bench_ep.py --json``
-measured on the cluster (:mod:`torchtitan_ext.planning.measured_rates`).
+(repeatable) prices each backend at the all-to-all rate ``scripts/bench_ep.py
+--json`` or nccl-tests' ``alltoall_perf`` measured on the cluster
+(:mod:`torchtitan_ext.planning.measured_rates`).
 ``--paper`` evaluates the seed paper's own one-level setting; ``--calibrate``
 measures this machine and writes its topology file
 (:mod:`torchtitan_ext.planning.calibrate`).
@@ -46,7 +47,7 @@ from torchtitan_ext.planning.layout_advisor import (
     advise, advised_config, format_advice, format_paper, layouts_record, overrides_problem,
 )
 from torchtitan_ext.planning.measured_compute import check_measurable, measure_compute
-from torchtitan_ext.planning.measured_rates import measured_rates
+from torchtitan_ext.planning.measured_rates import calibration_rates
 from torchtitan_ext.planning.memory_plan import format_plan, plan
 from torchtitan_ext.planning.topology import load_topology
 from torchtitan_ext.training import prepare
@@ -74,10 +75,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, metavar="FILE",
                         help="with --topology: also write every layout considered (backend, ep_degree, runnable, "
                              "step_s, ...) to FILE as JSON")
-    parser.add_argument("--calibrate-from", type=Path, metavar="FILE",
-                        help="with --topology: price each backend's all-to-all at the rate scripts/bench_ep.py --json "
-                             "measured on one of your cluster's machines (FILE), on the link its rows spanned (the "
-                             "innermost), in place of the published figures")
+    parser.add_argument("--calibrate-from", type=Path, metavar="FILE", action="append",
+                        help="with --topology (repeatable): price each backend's all-to-all at the rate measured on "
+                             "your cluster, on the link the measurement spanned, in place of the published figures: "
+                             "FILE is scripts/bench_ep.py --json output (one machine: the innermost link) or the log "
+                             "of nccl-tests' alltoall_perf (the nccl backend, on as many nodes as it ran)")
     parser.add_argument("--emit-config", type=Path, metavar="FILE",
                         help="with --topology: write the recommended layout's job config (every field, the other "
                              "backends' sections at their defaults) to FILE as TOML, checked by loading it back")
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
             raise ConfigError("--calibrate-from's rates hold each backend's local work, which --measure-compute adds "
                               "again: drop one of them")
         # bench_ep's processes fill the machines it ran on: its rows are placed before the job's ranks per group
-        rates = None if args.calibrate_from is None else measured_rates(args.calibrate_from, topology)
+        rates = None if args.calibrate_from is None else calibration_rates(args.calibrate_from, topology)
         if args.ranks_per_group is not None:
             if topology is None:
                 raise ConfigError("--ranks-per-group places ranks in the topology's groups: add --topology")

@@ -16,7 +16,7 @@ from torchtitan_ext.ep import deepep, hybridep, nccl
 from torchtitan_ext.ep.published_rates import FABRICS, nearest_sms, PublishedRate
 from torchtitan_ext.planning import cost_model as cm
 from torchtitan_ext.planning.layout_advisor import advise, kernel_rate_fractions
-from torchtitan_ext.planning.measured_rates import measured_rates
+from torchtitan_ext.planning.measured_rates import calibration_rates
 from torchtitan_ext.planning.topology import Level, Topology
 
 FIGURES = (REPO_ROOT / "docs" / "published_ep_figures.md").read_text(encoding="utf-8")
@@ -156,7 +156,7 @@ def test_a_measured_rate_replaces_the_published_one(tmp_path):
     bench = _bench(tmp_path, _bench_row("nccl", 512, 1.0), _bench_row("nccl", 4096, 20.0),
                    _bench_row("upstream", 4096, 5.0), _bench_row("hybridep", 4096, 3.0, ep=1),
                    _bench_row("deepep_lib", 4096, 8.0, forward_only=True), _bench_row("deepep_legacy_lib", 4096, 9.0))
-    rates = measured_rates(bench, TWO_LEVELS)
+    rates = calibration_rates([bench], TWO_LEVELS)
     assert sorted(rates) == [("deepep", ("elastic",), 0), ("deepep", ("legacy",), 0), ("nccl", (), 0)]
     work = cm.MoEWorkload(tokens=4096, hidden=256, top_k=2, experts=8, expert_parameters=0, activation_bytes=2,
                           gather_bytes=2, reduce_bytes=2, pre_expert_flops=0.0, regather_in_backward=False)
@@ -212,16 +212,16 @@ def test_a_bench_file_that_is_not_bench_eps_is_one_line(tmp_path, change, messag
     change(row)
     bench = _bench(tmp_path, row)
     with pytest.raises(ConfigError) as error:
-        measured_rates(bench, TWO_LEVELS)
+        calibration_rates([bench], TWO_LEVELS)
     assert str(error.value).replace(f"--calibrate-from {bench}: ", "") == message
 
 
 def test_two_rows_for_one_rate_are_refused(tmp_path):
     """HybridEP's blocking and non-blocking rows are two rates; two blocking rows at one shape are one too many."""
-    both = measured_rates(_bench(tmp_path, _bench_row("hybridep", 512, 1.0), _bench_row("hybridep_nb", 512, 2.0)),
-                          TWO_LEVELS)
+    both = calibration_rates([_bench(tmp_path, _bench_row("hybridep", 512, 1.0), _bench_row("hybridep_nb", 512, 2.0))],
+                             TWO_LEVELS)
     assert sorted(both) == [("hybridep", ("blocking",), 0), ("hybridep", ("non-blocking",), 0)]
     bench = _bench(tmp_path, _bench_row("hybridep", 512, 1.0), _bench_row("hybridep", 512, 2.0))
     with pytest.raises(ConfigError, match=r"rows\[1\]: times hybridep blocking at T=512 on the link rows\[0\] times "
                                           r"it: keep one of them"):
-        measured_rates(bench, TWO_LEVELS)
+        calibration_rates([bench], TWO_LEVELS)

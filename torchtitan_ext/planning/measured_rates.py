@@ -1,17 +1,25 @@
 """Each backend's all-to-all rate as measured on the user's cluster, in place of its published figure.
 
-``scripts/bench_ep.py --json FILE`` times one dispatch + combine (forward and
-backward, or forward only) per backend and shape on the machines it runs on.
-For each of its rows the cost model prices the same all-to-alls at the
-topology's nominal rate on the link the row's EP group spans; the nominal time
-over the measured one is the fraction of that link's rate the backend reached
-there, kernels, permutes and fixed costs included. The layout advisor then
-prices that backend, at the settings that set its rate (DeepEP: its API), on
-that link at the measured fraction (``plan --calibrate-from FILE``).
+``plan --calibrate-from FILE`` (repeatable) reads two kinds of file:
 
-bench_ep starts its processes on one machine, so its rows calibrate the
-innermost link (NVLink within a node or a GB200 tray); a rate is per link, not
-per EP degree, so a row at EP = 8 stands for every EP group on that link.
+- ``scripts/bench_ep.py --json FILE``: one dispatch + combine (forward and
+  backward, or forward only) per backend and shape, timed on the machines it
+  ran on. For each row the cost model prices the same all-to-alls at the
+  topology's nominal rate on the link the row's EP group spans; the nominal
+  time over the measured one is the fraction of that link's rate the backend
+  reached there, kernels, permutes and fixed costs included. bench_ep starts
+  its processes on one machine, so its rows calibrate the innermost link.
+- nccl-tests' ``alltoall_perf`` log (:mod:`.nccl_tests_log`): NCCL's
+  all-to-all alone, over as many nodes as it ran on, so it calibrates the
+  nccl backend on the link its ranks span, inner or outer (its permutes and
+  the host sync of its splits are not in it). The same fraction: the model's
+  time for its largest message at the nominal rate over the measured time.
+
+The layout advisor then prices that backend, at the settings that set its
+rate (DeepEP: its API), on that link at the measured fraction. A rate is per
+link, not per EP degree: a row at EP = 8 stands for every EP group on that link.
+Files are placed on the topology as they ran: their ranks fill the innermost
+groups in order.
 """
 
 import json
@@ -22,6 +30,7 @@ from pathlib import Path
 from torchtitan_ext.config import ConfigError, parse
 from torchtitan_ext.ep import BACKENDS
 from torchtitan_ext.planning.cost_model import layer_costs, MoEWorkload
+from torchtitan_ext.planning.nccl_tests_log import all_to_all_runs
 from torchtitan_ext.planning.topology import Topology
 
 ROW_FIELDS = {"comm_backend": (str, type(None)), "job_args": list, "tokens": int, "hidden": int, "experts": int,
@@ -70,15 +79,89 @@ def _check_row(row, where: str) -> None:
             raise ConfigError(f"{where}.ep = {row['ep']} does not divide {field} = {row[field]}: not a bench_ep row")
 
 
-def measured_rates(path: Path, topology: Topology) -> dict[tuple[str, tuple, int], MeasuredRate]:
-    """{(backend, its rate settings, level): the measured rate} from a bench_ep JSON file, for the rows timed
-    between ranks (EP > 1) of a backend the advisor prices; where several rows measure one backend at one
+def calibration_rates(paths: list[Path], topology: Topology) -> dict[tuple[str, tuple, int], MeasuredRate]:
+    """{(backend, its rate settings, level): the measured rate} from bench_ep JSON files and nccl-tests
+    alltoall_perf logs (told apart by their content). ConfigError, naming the file, for a file of neither kind
+    and for two files that measure one rate."""
+    rates: dict[tuple[str, tuple, int], MeasuredRate] = {}
+    for path in paths:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--calibrate-from {path}: not a readable text file ({type(e).__name__}: {e})") from None
+        if text.lstrip().startswith("{"):
+            found = measured_rates(path, topology, text)
+        elif text.lstrip().startswith("#"):
+            found = nccl_tests_rates(path, topology, text)
+        else:
+            raise ConfigError(f"--calibrate-from {path}: neither scripts/bench_ep.py --json output nor an nccl-tests "
+                              "alltoall_perf log")
+        for key, rate in found.items():
+            if key in rates:
+                raise ConfigError(f"--calibrate-from {path}: measures {' '.join((key[0], *key[1]))} on "
+                                  f"'{topology.levels[key[2]].name}' as {rates[key].source} does: keep one of them")
+            rates[key] = rate
+    return rates
+
+
+def nccl_tests_rates(path: Path, topology: Topology, text: str) -> dict[tuple[str, tuple, int], MeasuredRate]:
+    """{("nccl", its rate settings, level): the rate} of each alltoall_perf run in the log ``text``, at its
+    largest message. ConfigError for a run the topology cannot place as it ran (ranks of different hosts in one
+    group of a one-node NVLink level), a time faster than the nominal rate, or two runs on one link."""
+    settings = BACKENDS["nccl"].rate_settings(parse(["--parallelism.expert_parallel_comm_backend", "nccl"]))
+    rates: dict[tuple[str, tuple, int], MeasuredRate] = {}
+    for run in all_to_all_runs(path, text):
+        where = f"--calibrate-from {path}: line {run.line}"
+        if run.ranks < 2:
+            raise ConfigError(f"{where}: an all-to-all on 1 rank moves nothing between ranks: run it on 2 or more")
+        try:
+            sizes = topology.group_sizes(run.ranks)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {run.ranks} ranks: {e}") from None
+        for index, level in enumerate(topology.levels):
+            for start in range(0, run.ranks, sizes[index]) if level.fabric == "nvlink" else ():
+                hosts = set(run.hosts[start:start + sizes[index]])
+                if len(hosts) > 1:
+                    raise ConfigError(
+                        f"{where}: ranks {start}-{start + sizes[index] - 1} ran on hosts {', '.join(sorted(hosts))}, "
+                        f"but fill one group of '{level.name}', one node's NVLink: run as many ranks per node as "
+                        f"the level's workers ({level.workers})"
+                    )
+        level = topology.level_of(sizes, 0, run.ranks - 1)
+        # a uniform all-to-all: each rank sends size / ranks bytes to every rank, itself included
+        work = MoEWorkload(
+            tokens=run.size_bytes, hidden=1, top_k=1, experts=run.ranks, expert_parameters=0, activation_bytes=1,
+            gather_bytes=1, reduce_bytes=1, pre_expert_flops=0.0, regather_in_backward=False,
+        )
+        nominal = layer_costs(work, topology, run.ranks, run.ranks, 1, False).a2a
+        measured = run.time_us * 1e-6
+        if nominal > measured:
+            raise ConfigError(
+                f"{where}: time = {run.time_us:g} us: faster than the {nominal * 1e6:.3g} us a {run.size_bytes}-byte "
+                f"all-to-all takes at the nominal rate of '{topology.levels[level].name}': it ran on another link, or "
+                "that level's bandwidth_GBps is below the link's"
+            )
+        key = ("nccl", settings, level)
+        if key in rates:
+            raise ConfigError(f"{where}: a second alltoall_perf run on '{topology.levels[level].name}' "
+                              f"({rates[key].source}): keep one of them")
+        rates[key] = MeasuredRate(
+            "nccl", settings, level, nominal / measured,
+            f"{path.name} line {run.line}: alltoall_perf on {run.ranks} ranks ({len(set(run.hosts))} host(s)), "
+            f"{run.size_bytes} B, {run.time_us:g} us measured, {nominal * 1e6:.3g} us at the nominal rate",
+        )
+    return rates
+
+
+def measured_rates(path: Path, topology: Topology, text: str) -> dict[tuple[str, tuple, int], MeasuredRate]:
+    """{(backend, its rate settings, level): the measured rate} from a bench_ep JSON file's ``text``, for the rows
+    timed between ranks (EP > 1) of a backend the advisor prices; where several rows measure one backend at one
     setting on one link, the one with the most tokens (the least dominated by fixed costs). ``topology`` as the
     bench ran on it: its processes fill the innermost groups in order. ConfigError, naming the field, for a
     file that is not bench_ep's, for rows that calibrate nothing and for a time faster than the nominal rate."""
     try:
-        document = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        document = json.loads(text)
+    except json.JSONDecodeError as e:
         raise ConfigError(f"--calibrate-from {path}: not a readable JSON file ({type(e).__name__}: {e})") from None
     rows = document.get("rows") if isinstance(document, dict) else None
     if not isinstance(rows, list) or not rows:

@@ -1,0 +1,181 @@
+"""plan --calibrate-from reads nccl-tests' alltoall_perf log: the nccl backend's rate on the link its ranks
+spanned is the model's time for the largest message at the nominal rate over the measured time; a log that is
+not one alltoall_perf run per link, placed as it ran, is refused in one line naming the line."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import REPO_ROOT
+from torchtitan_ext.config import ConfigError
+from torchtitan_ext.planning.layout_advisor import advise
+from torchtitan_ext.planning.measured_rates import calibration_rates
+from torchtitan_ext.planning.topology import Level, Topology
+
+NODE_GBPS, NETWORK_GBPS = 100.0, 10.0
+TWO_LEVELS = Topology("t", 1.0, True, (Level("node", 8, NODE_GBPS, 0.0, NODE_GBPS, NODE_GBPS, "nvlink"),
+                                       Level("network", None, NETWORK_GBPS, 0.0, NETWORK_GBPS, NETWORK_GBPS, "rdma")))
+DEBUG_JOB = ["--job.config_file", "train_configs/debug_model.toml"]
+MiB = 2**20
+
+
+def _log(hosts, rows, program="alltoall_perf", groups=None, out_of_bounds=0):
+    """An nccl-tests log as its printf formats lay it out; rows: (size in bytes, out-of-place time in us, #wrong)."""
+    lines = [
+        "# nccl-tests version 2.17.6 nccl-headers=22803 nccl-library=22803",
+        f"# Collective test starting: {program}",
+        f"# nThread 1 nGpus 1 minBytes {rows[0][0]} maxBytes {rows[-1][0]} step: 2(factor) warmup iters: 5 "
+        "iters: 20 agg iters: 1 validation: 1 graph: 0 unalign: 0",
+        "#",
+        "# Using devices",
+    ]
+    for rank, host in enumerate(hosts):
+        group = 0 if groups is None else groups[rank]
+        lines.append(f"#  Rank {rank:2d} Group {group:2d} Pid {40000 + rank:6d} on {host:>10s} device {rank % 8:2d} "
+                     f"[0000:{0x18 + rank % 8:02x}:00] NVIDIA H100 80GB HBM3")
+    lines += ["#", "# " + " " * 52 + "out-of-place                       in-place",
+              "#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw   "
+              "busbw #wrong",
+              "#        (B)    (elements)                               (us)  (GB/s)  (GB/s)            (us)  (GB/s)  "
+              "(GB/s)"]
+    n = len(hosts)
+    for size, time_us, wrong in rows:
+        algbw = size / time_us / 1e3
+        busbw = algbw * (n - 1) / n
+        lines.append(f"{size:12d}  {size // 4 // n:12d}  {'float':>8s}  {'none':>6s}  {-1:6d}  {time_us:7.2f}  "
+                     f"{algbw:6.2f}  {busbw:6.2f}  {wrong:6}  {time_us:7.2f}  {algbw:6.2f}  {busbw:6.2f}  {wrong:6}")
+    lines += [f"# Out of bounds values : {out_of_bounds} {'FAILED' if out_of_bounds else 'OK'}",
+              "# Avg bus bandwidth    : 12.5 ", "#", f"# Collective test concluded: {program}", ""]
+    return "\n".join(lines)
+
+
+def _time_us(size, ranks, peers_gbps, fraction):
+    """The out-of-place time of a ``size``-byte all-to-all over ``ranks`` ranks whose off-rank bytes' slowest link
+    runs at ``peers_gbps`` x ``fraction``: (peers on that link) x size / ranks over its rate."""
+    return size * peers_gbps[0] / ranks / (peers_gbps[1] * 1e9 * fraction) * 1e6
+
+
+def _write(tmp_path, text, name="alltoall.log"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_a_log_calibrates_nccl_on_the_link_its_ranks_spanned(tmp_path):
+    """8 ranks on one host: the node's link, 7 of 8 shares leave the rank; 16 ranks on two hosts: the network's
+    link carries the 8 shares of the other node, which set the time. The largest message is the one read."""
+    inside = _log(["node-a"] * 8, [(MiB, 40.0, 0), (64 * MiB, _time_us(64 * MiB, 8, (7, NODE_GBPS), 0.6), 0)])
+    across = _log(["node-a"] * 8 + ["node-b"] * 8,
+                  [(MiB, 500.0, 0), (256 * MiB, _time_us(256 * MiB, 16, (8, NETWORK_GBPS), 0.8), "N/A")])
+    rates = calibration_rates([_write(tmp_path, inside + across)], TWO_LEVELS)
+    assert sorted(rates) == [("nccl", (), 0), ("nccl", (), 1)]
+    assert rates["nccl", (), 0].fraction == pytest.approx(0.6, rel=1e-3)  # the printed time has two decimals
+    assert rates["nccl", (), 1].fraction == pytest.approx(0.8, rel=1e-3)
+    assert "alltoall_perf on 16 ranks (2 host(s)), 268435456 B" in rates["nccl", (), 1].source
+
+
+
+def test_the_advice_prices_nccl_at_the_measured_rates(tmp_path):
+    """Nodes of 4: a 4-rank run calibrates the node's link, an 8-rank run on two hosts the network's. nccl's
+    all-to-all at EP = 8 (across the network) takes its published RDMA figure (0.92) to the measured 0.8, at
+    EP = 4 (one node, where NCCL publishes no figure) nominal to the measured 0.6; other backends keep theirs."""
+    topology = Topology("t4", 1.0, True, (Level("node", 4, NODE_GBPS, 0.0, NODE_GBPS, NODE_GBPS, "nvlink"),
+                                          TWO_LEVELS.levels[1]))
+    inside = _log(["node-a"] * 4, [(64 * MiB, _time_us(64 * MiB, 4, (3, NODE_GBPS), 0.6), 0)])
+    across = _log(["node-a"] * 4 + ["node-b"] * 4, [(256 * MiB, _time_us(256 * MiB, 8, (4, NETWORK_GBPS), 0.8), 0)])
+    rates = calibration_rates([_write(tmp_path, inside + across)], topology)
+    calibrated, _ = advise(DEBUG_JOB, 16, topology, measured_rates=rates)
+    plain, _ = advise(DEBUG_JOB, 16, topology)
+    pick = {(layout.label, layout.ep): layout for layout in calibrated if layout.refused is None}
+    nominal = {(layout.label, layout.ep): layout for layout in plain if layout.refused is None}
+    assert pick["nccl", 8].costs.a2a == pytest.approx(nominal["nccl", 8].costs.a2a * 0.92 / 0.8, rel=1e-3)
+    assert pick["nccl", 4].costs.a2a == pytest.approx(nominal["nccl", 4].costs.a2a / 0.6, rel=1e-3)
+    assert pick["hybridep", 8].costs == nominal["hybridep", 8].costs
+
+
+def test_a_log_and_a_bench_file_combine_and_may_not_measure_one_rate_twice(tmp_path):
+    log = _write(tmp_path, _log(["node-a"] * 8, [(64 * MiB, _time_us(64 * MiB, 8, (7, NODE_GBPS), 0.5), 0)]))
+    bench = _write(tmp_path, json.dumps({"rows": [{
+        "comm_backend": "hybridep", "job_args": [], "tokens": 4096, "hidden": 256, "experts": 8, "top_k": 2,
+        "ep": 2, "processes": 2, "median_ms": 5.0, "dtype": "bfloat16", "forward_only": False}]}), "bench.json")
+    rates = calibration_rates([log, bench], TWO_LEVELS)
+    assert sorted(rates) == [("hybridep", ("blocking",), 0), ("nccl", (), 0)]
+    again = _write(tmp_path, _log(["node-b"] * 8, [(MiB, 1000.0, 0)]), "again.log")
+    with pytest.raises(ConfigError) as error:
+        calibration_rates([log, again], TWO_LEVELS)
+    assert str(error.value) == (f"--calibrate-from {again}: measures nccl on 'node' as alltoall.log line 18: "
+                                "alltoall_perf on 8 ranks (1 host(s)), 67108864 B, "
+                                f"{_time_us(64 * MiB, 8, (7, NODE_GBPS), 0.5):.2f} us measured, 587 us at the "
+                                "nominal rate does: keep one of them")
+
+
+FAST = _time_us(MiB, 8, (7, NODE_GBPS), 1.0) / 2
+
+
+@pytest.mark.parametrize("text, message", [
+    (_log(["a"] * 8, [(MiB, 100.0, 0)], program="all_reduce_perf"),
+     "line 2: a all_reduce_perf run: the advisor calibrates the all-to-all, run nccl-tests' alltoall_perf"),
+    (_log(["a"] * 8, [(MiB, 100.0, 3)]),
+     "line 18: #wrong = 3: the all-to-all delivered wrong data; fix the cluster before timing it"),
+    (_log(["a"] * 8, [(MiB, 100.0, 0)], out_of_bounds=2),
+     "line 19: 2 out-of-bounds values: the all-to-all delivered wrong data; fix the cluster before timing it"),
+    (_log(["a"] * 8, [(MiB, 100.0, 0)]).replace("  100.00  ", "  nan  ", 1), "line 18: time = nan us: a measured "
+                                                                            "time is > 0"),
+    (_log(["a"] * 8, [(MiB, 100.0, 0)]).replace("  100.00  ", "  fast  ", 1), "line 18: time = 'fast' is not a number"),
+    (_log(["a"] * 8, [(MiB, 100.0, 0)]).replace("  float", "", 1),
+     "line 18: not an nccl-tests result row (size count type redop root time algbw busbw #wrong)"),
+    ("\n".join(_log(["a"] * 8, [(MiB, 100.0, 0)]).splitlines()[:14]),
+     "the alltoall_perf run has no result row: the log ends before its first size"),
+    (_log(["a"] * 8, [(MiB, 100.0, 0)]).replace("#  Rank  3", "#  Rank 13"),
+     "the alltoall_perf run lists ranks [0, 1, 2, 4, 5, 6, 7, 13]: expected every rank from 0 (a log cut short?)"),
+    (_log(["a"] * 8, [(MiB, 100.0, 0)], groups=[0] * 4 + [1] * 4),
+     "the alltoall_perf run splits its ranks into groups [0, 1]: run one all-to-all over all of them "
+     "(NCCL_TESTS_SPLIT unset)"),
+    (_log(["a"], [(MiB, 100.0, 0)]), "line 11: an all-to-all on 1 rank moves nothing between ranks: run it on 2 or more"),
+    (_log(["a", "b", "c", "d", "e", "f", "g", "h"], [(MiB, 100.0, 0)]),
+     "line 18: ranks 0-7 ran on hosts a, b, c, d, e, f, g, h, but fill one group of 'node', one node's NVLink: run "
+     "as many ranks per node as the level's workers (8)"),
+    (_log(["a"] * 8, [(MiB, FAST, 0)]),
+     f"line 18: time = {round(FAST, 2):g} us: faster than the 9.18 us a 1048576-byte all-to-all takes at the nominal "
+     "rate of 'node': it ran on another link, or that level's bandwidth_GBps is below the link's"),
+    (_log(["a"] * 12, [(MiB, 100.0, 0)]),
+     "line 22: 12 ranks: topology 't': level 'node' has workers = 8, which does not divide the world "
+     "size 12: use a world size that is a multiple of 8, or say how many ranks the job places in each with "
+     "--ranks-per-group"),
+    (_log(["a"] * 8, [(MiB, 100.0, 0)]) + _log(["b"] * 8, [(MiB, 200.0, 0)]),
+     "line 40: a second alltoall_perf run on 'node' (alltoall.log line 18: alltoall_perf on 8 ranks (1 host(s)), "
+     "1048576 B, 100 us measured, 9.18 us at the nominal rate): keep one of them"),
+    ("# size count type\n1048576 262144 float none -1 100.0 10.5 9.2 0\n",
+     "no '# Collective test starting: alltoall_perf' line: write the log with nccl-tests' alltoall_perf (v2.16.7 or "
+     "later prints that line)"),
+    ("size,time\n1048576,100\n", "neither scripts/bench_ep.py --json output nor an nccl-tests alltoall_perf log"),
+])
+def test_a_log_that_cannot_calibrate_is_one_line(tmp_path, text, message):
+    log = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as error:
+        calibration_rates([log], TWO_LEVELS)
+    assert str(error.value) == f"--calibrate-from {log}: {message}"
+
+
+def test_the_cli_prices_nccl_at_the_logs_rate(tmp_path):
+    """Through plan: two files, the advice's rate line names the log's measurement on the InfiniBand link."""
+    log = _write(tmp_path, _log([f"node-{i // 8}" for i in range(16)],
+                                [(256 * MiB, _time_us(256 * MiB, 16, (8, 50.0), 0.7), 0)]))
+    run = subprocess.run(
+        [sys.executable, "-m", "torchtitan_ext.plan", *DEBUG_JOB, "--world-size", "16", "--topology", "hgx_h100_ib",
+         "--calibrate-from", str(log), "--calibrate-from", str(log)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().splitlines()[-1].startswith(f"error: --calibrate-from {log}: measures nccl on "
+                                                          "'InfiniBand' as alltoall.log line 26")
+    run = subprocess.run(
+        [sys.executable, "-m", "torchtitan_ext.plan", *DEBUG_JOB, "--world-size", "16", "--topology", "hgx_h100_ib",
+         "--calibrate-from", str(log)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "InfiniBand: 0.70 of nominal, measured (alltoall.log line 26: alltoall_perf on 16 ranks (2 host(s))" \
+        in " ".join(run.stdout.split()), run.stdout
