@@ -21,8 +21,9 @@ DEBUG_JOB = ["--job.config_file", "train_configs/debug_model.toml"]
 MiB = 2**20
 
 
-def _log(hosts, rows, program="alltoall_perf", groups=None, out_of_bounds=0):
-    """An nccl-tests log as its printf formats lay it out; rows: (size in bytes, out-of-place time in us, #wrong)."""
+def _log(hosts, rows, program="alltoall_perf", groups=None, time_column="time", per_iteration=False, noise=()):
+    """An nccl-tests log as its printf formats lay it out; rows: (size in bytes, out-of-place time in us, #wrong).
+    ``per_iteration``: -I 1's four columns after each half's #wrong; ``noise``: NCCL INFO lines after the ranks."""
     lines = [
         "# nccl-tests version 2.17.6 nccl-headers=22803 nccl-library=22803",
         f"# Collective test starting: {program}",
@@ -35,19 +36,23 @@ def _log(hosts, rows, program="alltoall_perf", groups=None, out_of_bounds=0):
         group = 0 if groups is None else groups[rank]
         lines.append(f"#  Rank {rank:2d} Group {group:2d} Pid {40000 + rank:6d} on {host:>10s} device {rank % 8:2d} "
                      f"[0000:{0x18 + rank % 8:02x}:00] NVIDIA H100 80GB HBM3")
+    lines += list(noise)
+    extra = "    i_min    i_max    i_p99    i_cv%" if per_iteration else ""
     lines += ["#", "# " + " " * 52 + "out-of-place                       in-place",
-              "#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw   "
-              "busbw #wrong",
+              f"#       size         count      type   redop    root  {time_column:>7s}   algbw   busbw #wrong{extra}  "
+              f"{time_column:>7s}   algbw   busbw #wrong{extra}",
               "#        (B)    (elements)                               (us)  (GB/s)  (GB/s)            (us)  (GB/s)  "
               "(GB/s)"]
     n = len(hosts)
     for size, time_us, wrong in rows:
         algbw = size / time_us / 1e3
         busbw = algbw * (n - 1) / n
+        columns = f"  {time_us * 0.9:7.2f}  {time_us * 1.1:7.2f}  {time_us * 1.1:7.2f}  {1.5:7.2f}" if per_iteration else ""
         lines.append(f"{size:12d}  {size // 4 // n:12d}  {'float':>8s}  {'none':>6s}  {-1:6d}  {time_us:7.2f}  "
-                     f"{algbw:6.2f}  {busbw:6.2f}  {wrong:6}  {time_us:7.2f}  {algbw:6.2f}  {busbw:6.2f}  {wrong:6}")
-    lines += [f"# Out of bounds values : {out_of_bounds} {'FAILED' if out_of_bounds else 'OK'}",
-              "# Avg bus bandwidth    : 12.5 ", "#", f"# Collective test concluded: {program}", ""]
+                     f"{algbw:6.2f}  {busbw:6.2f}  {wrong:>6}{columns}  {time_us:7.2f}  {algbw:6.2f}  {busbw:6.2f}  "
+                     f"{'N/A':>6}{columns}")
+    lines += ["# Out of bounds values : 0 OK", "# Avg bus bandwidth    : 12.5 ", "#",
+              f"# Collective test concluded: {program}", ""]
     return "\n".join(lines)
 
 
@@ -114,40 +119,52 @@ def test_a_log_and_a_bench_file_combine_and_may_not_measure_one_rate_twice(tmp_p
 FAST = _time_us(MiB, 8, (7, NODE_GBPS), 1.0) / 2
 
 
+ONE_ROW = [(MiB, 100.0, 0)]
+
+
 @pytest.mark.parametrize("text, message", [
-    (_log(["a"] * 8, [(MiB, 100.0, 0)], program="all_reduce_perf"),
+    (_log(["a"] * 8, ONE_ROW, program="all_reduce_perf"),
      "line 2: a all_reduce_perf run: the advisor calibrates the all-to-all, run nccl-tests' alltoall_perf"),
+    (_log(["a"] * 8, ONE_ROW, program="alltoallv_perf"),
+     "line 2: a alltoallv_perf run: the advisor calibrates the all-to-all, run nccl-tests' alltoall_perf"),
     (_log(["a"] * 8, [(MiB, 100.0, 3)]),
      "line 18: #wrong = 3: the all-to-all delivered wrong data; fix the cluster before timing it"),
-    (_log(["a"] * 8, [(MiB, 100.0, 0)], out_of_bounds=2),
-     "line 19: 2 out-of-bounds values: the all-to-all delivered wrong data; fix the cluster before timing it"),
-    (_log(["a"] * 8, [(MiB, 100.0, 0)]).replace("  100.00  ", "  nan  ", 1), "line 18: time = nan us: a measured "
-                                                                            "time is > 0"),
-    (_log(["a"] * 8, [(MiB, 100.0, 0)]).replace("  100.00  ", "  fast  ", 1), "line 18: time = 'fast' is not a number"),
-    (_log(["a"] * 8, [(MiB, 100.0, 0)]).replace("  float", "", 1),
-     "line 18: not an nccl-tests result row (size count type redop root time algbw busbw #wrong)"),
-    ("\n".join(_log(["a"] * 8, [(MiB, 100.0, 0)]).splitlines()[:14]),
-     "the alltoall_perf run has no result row: the log ends before its first size"),
-    (_log(["a"] * 8, [(MiB, 100.0, 0)]).replace("#  Rank  3", "#  Rank 13"),
-     "the alltoall_perf run lists ranks [0, 1, 2, 4, 5, 6, 7, 13]: expected every rank from 0 (a log cut short?)"),
-    (_log(["a"] * 8, [(MiB, 100.0, 0)], groups=[0] * 4 + [1] * 4),
-     "the alltoall_perf run splits its ranks into groups [0, 1]: run one all-to-all over all of them "
-     "(NCCL_TESTS_SPLIT unset)"),
-    (_log(["a"], [(MiB, 100.0, 0)]), "line 11: an all-to-all on 1 rank moves nothing between ranks: run it on 2 or more"),
-    (_log(["a", "b", "c", "d", "e", "f", "g", "h"], [(MiB, 100.0, 0)]),
-     "line 18: ranks 0-7 ran on hosts a, b, c, d, e, f, g, h, but fill one group of 'node', one node's NVLink: run "
-     "as many ranks per node as the level's workers (8)"),
+    (_log(["a"] * 8, ONE_ROW).replace("  100.00  ", "  nan  ", 1), "line 18: time = nan us: a measured time is > 0"),
+    (_log(["a"] * 8, ONE_ROW).replace("  100.00  ", "  fast  ", 1), "line 18: time = 'fast' is not a number"),
+    (_log(["a"] * 8, ONE_ROW).replace("  float", "", 1),
+     "line 18: not an nccl-tests result row (size count type redop root time algbw busbw #wrong and the in-place "
+     "half)"),
+    (_log(["a"] * 8, ONE_ROW, time_column="cputime"),
+     "line 16: the run reports cputime (-C 1): time the GPUs, without -C"),
+    ("\n".join(_log(["a"] * 8, ONE_ROW).splitlines()[:19]),
+     "the alltoall_perf run at line 2 did not conclude (no '# Collective test concluded' line): it failed, or the "
+     "log is cut short"),
+    ("\n".join(_log(["a"] * 8, ONE_ROW).splitlines()[:14]) + "\n" + _log(["a"] * 8, ONE_ROW),
+     "the alltoall_perf run at line 2 did not conclude (no '# Collective test concluded' line before the next run): "
+     "it failed"),
+    (_log(["a"] * 8, [(0, 20.0, 0)]),
+     "line 18: its largest message is 0 bytes (each peer's share rounds down to 16 bytes): run alltoall_perf with -e "
+     "of at least a few MB"),
+    (_log(["a"] * 8, ONE_ROW).replace("#  Rank  3", "#  Rank 13"),
+     "the alltoall_perf run at line 2 lists ranks [0, 1, 2, 4, 5, 6, 7, 13]: expected every rank from 0 (a log cut "
+     "short?)"),
+    (_log(["a"] * 8, ONE_ROW, groups=[0] * 4 + [1] * 4),
+     "the alltoall_perf run at line 2 splits its ranks into groups [0, 1]: run one all-to-all over all of them "
+     "(NCCL_TESTS_SPLIT and NCCL_TESTS_SPLIT_MASK unset)"),
+    (_log(["a"], ONE_ROW), "line 11: an all-to-all on 1 rank moves nothing between ranks: run it on 2 or more"),
+    (_log(["a", "b"] * 4, ONE_ROW),
+     "line 18: ranks 0-7 ran on hosts a, b, but fill one group of 'node', one node's NVLink: place ranks in blocks of "
+     "the level's workers (8) per node (mpirun --map-by slot, srun -m block)"),
     (_log(["a"] * 8, [(MiB, FAST, 0)]),
      f"line 18: time = {round(FAST, 2):g} us: faster than the 9.18 us a 1048576-byte all-to-all takes at the nominal "
      "rate of 'node': it ran on another link, or that level's bandwidth_GBps is below the link's"),
-    (_log(["a"] * 12, [(MiB, 100.0, 0)]),
-     "line 22: 12 ranks: topology 't': level 'node' has workers = 8, which does not divide the world "
-     "size 12: use a world size that is a multiple of 8, or say how many ranks the job places in each with "
-     "--ranks-per-group"),
-    (_log(["a"] * 8, [(MiB, 100.0, 0)]) + _log(["b"] * 8, [(MiB, 200.0, 0)]),
+    (_log(["a"] * 12, ONE_ROW),
+     "line 22: 12 ranks: topology 't': level 'node' has workers = 8, which does not divide the world size 12: use a "
+     "world size that is a multiple of 8, or say how many ranks the job places in each with --ranks-per-group"),
+    (_log(["a"] * 8, ONE_ROW) + _log(["b"] * 8, [(MiB, 200.0, 0)]),
      "line 40: a second alltoall_perf run on 'node' (alltoall.log line 18: alltoall_perf on 8 ranks (1 host(s)), "
      "1048576 B, 100 us measured, 9.18 us at the nominal rate): keep one of them"),
-    ("# size count type\n1048576 262144 float none -1 100.0 10.5 9.2 0\n",
+    ("# nThread 1 nGpus 1 minBytes 8 maxBytes 1048576\n# size count type\n1048576 262144 float none -1 100.0 10.5 9.2 0\n",
      "no '# Collective test starting: alltoall_perf' line: write the log with nccl-tests' alltoall_perf (v2.16.7 or "
      "later prints that line)"),
     ("size,time\n1048576,100\n", "neither scripts/bench_ep.py --json output nor an nccl-tests alltoall_perf log"),
@@ -157,6 +174,25 @@ def test_a_log_that_cannot_calibrate_is_one_line(tmp_path, text, message):
     with pytest.raises(ConfigError) as error:
         calibration_rates([log], TWO_LEVELS)
     assert str(error.value) == f"--calibrate-from {log}: {message}"
+
+
+def test_what_real_logs_hold_besides_the_run_is_read_past(tmp_path):
+    """A build's name suffix, -I 1's per-iteration columns, NCCL INFO lines, a launcher's banner before the run and
+    srun -l's rank prefixes on every line: the same rate as the plain log."""
+    rows = [(MiB, 40.0, 0), (64 * MiB, _time_us(64 * MiB, 8, (7, NODE_GBPS), 0.6), 0)]
+    plain = calibration_rates([_write(tmp_path, _log(["a"] * 8, rows), "plain.log")], TWO_LEVELS)
+    noise = ["a:40000:40000 [0] NCCL INFO Bootstrap: Using eth0:10.0.0.1<0>",
+             "a:40000:40000 [0] NCCL INFO NCCL version 2.28.3+cuda12.9"]
+    variants = [
+        _log(["a"] * 8, rows, program="alltoall_perf_mpi"),
+        _log(["a"] * 8, rows, per_iteration=True),
+        "Option -R (register) is not supported before NCCL 2.19. Ignoring\n" + _log(["a"] * 8, rows, noise=noise),
+        "\n".join(f"0: {line}" for line in _log(["a"] * 8, rows).splitlines()),
+    ]
+    for index, text in enumerate(variants):
+        rates = calibration_rates([_write(tmp_path, text, f"variant{index}.log")], TWO_LEVELS)
+        assert {key: rate.fraction for key, rate in rates.items()} == \
+            {key: rate.fraction for key, rate in plain.items()}, index
 
 
 def test_the_cli_prices_nccl_at_the_logs_rate(tmp_path):

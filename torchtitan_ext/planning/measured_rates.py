@@ -91,7 +91,7 @@ def calibration_rates(paths: list[Path], topology: Topology) -> dict[tuple[str, 
             raise ConfigError(f"--calibrate-from {path}: not a readable text file ({type(e).__name__}: {e})") from None
         if text.lstrip().startswith("{"):
             found = measured_rates(path, topology, text)
-        elif text.lstrip().startswith("#"):
+        elif "# Collective test starting: " in text or "# nThread " in text:
             found = nccl_tests_rates(path, topology, text)
         else:
             raise ConfigError(f"--calibrate-from {path}: neither scripts/bench_ep.py --json output nor an nccl-tests "
@@ -124,8 +124,8 @@ def nccl_tests_rates(path: Path, topology: Topology, text: str) -> dict[tuple[st
                 if len(hosts) > 1:
                     raise ConfigError(
                         f"{where}: ranks {start}-{start + sizes[index] - 1} ran on hosts {', '.join(sorted(hosts))}, "
-                        f"but fill one group of '{level.name}', one node's NVLink: run as many ranks per node as "
-                        f"the level's workers ({level.workers})"
+                        f"but fill one group of '{level.name}', one node's NVLink: place ranks in blocks of the "
+                        f"level's workers ({level.workers}) per node (mpirun --map-by slot, srun -m block)"
                     )
         level = topology.level_of(sizes, 0, run.ranks - 1)
         # a uniform all-to-all: each rank sends size / ranks bytes to every rank, itself included
