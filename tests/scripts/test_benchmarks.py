@@ -167,6 +167,19 @@ def test_bench_replica_split_runs():
     assert all(int(r[4].replace(",", "")) > 0 for r in rows)
 
 
+def test_bench_replica_transfer_runs():
+    """The debug model's expert (w1, w2, w3: 3 x 256 x 256 floats, 0.75 MiB in fp32) is sent once per slot and
+    direction, and each slot count gets its times."""
+    result = subprocess.run([sys.executable, "scripts/bench_replica_transfer.py", "--iterations", "1", "--slots", "1"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("deepseek_v3 debugmodel: 8 experts of 0.750 MiB in fp32, 5 MoE layers, EP=2"), lines
+    rows = [line.split("|")[1:-1] for line in lines[3:]]
+    assert [(int(r[0]), float(r[1])) for r in rows] == [(1, 0.75)]
+    assert all(float(cell) > 0 for row in rows for cell in row[2:])
+
+
 def test_price_replicas_refuses_a_dump_too_short_to_price(capsys):
     price = _script("price_replicas")
     with pytest.raises(SystemExit) as exit_info:

@@ -1,0 +1,111 @@
+"""Expert replication's transfers alone: the replicas' weights out (forward) and their gradients home (backward).
+
+    python scripts/bench_replica_transfer.py [--job.config_file F] [--slots 1,2] [--iterations 20] [job overrides]
+
+For the job's model (default: the debug model) and EP = 2 (two gloo processes
+on this machine, fp32), every replica slot filled: times one MoE layer's
+``torchtitan_ext::replica_weights`` forward (the fetch) and backward (the
+gradients' return, summed into the home experts'), the slower rank's median
+over ``--iterations`` after one warm-up, and prints the bytes each rank sends
+per layer and direction and both times per layer and per step (all MoE layers).
+"""
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from torchtitan_ext.config import ConfigError, load_job_config
+from torchtitan_ext.config.job import meta_model
+from torchtitan_ext.training import prepare
+
+EP = 2
+
+
+def expert_shape(config_args: list[str]) -> tuple[str, int, int, int]:
+    """(model and flavour, experts per MoE layer, floats in one expert's w1, w2 and w3, MoE layers)."""
+    job_config = load_job_config(config_args, device_type=None, world_size=EP)
+    moes = [block.moe for block in meta_model(job_config).layers.values() if block.moe_enabled]
+    if not moes:
+        raise ConfigError(f"model {job_config.model.name} {job_config.model.flavor} has no MoE layer to replicate")
+    experts = moes[0].experts
+    floats = sum(weight[0].numel() for weight in (experts.w1, experts.w2, experts.w3))
+    return f"{job_config.model.name} {job_config.model.flavor}", experts.num_experts, floats, len(moes)
+
+
+def worker(rank: int, tmp: str, experts: int, floats: int, slots: int, iterations: int, results) -> None:
+    from torch.distributed.distributed_c10d import _get_process_group_name
+
+    from torchtitan_ext.ep.replica_split import replica_ops
+    from torchtitan_ext.ep.replicated_experts import exchange_arguments
+    from torchtitan_ext.ep.replication import ReplicaPlan
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=EP)
+    per_rank = experts // EP
+    # every slot of a rank copies one of the other rank's experts
+    plan = ReplicaPlan(experts, EP, tuple(tuple((1 - r) * per_rank + j for j in range(slots)) for r in range(EP)))
+    exchange = exchange_arguments(plan, rank)
+    group = _get_process_group_name(dist.group.WORLD)
+    home = torch.randn(per_rank, floats, requires_grad=True)
+    fetch, back = [], []
+    for _ in range(iterations + 1):
+        dist.barrier()
+        began = time.perf_counter()
+        fetched = replica_ops().replica_weights(home, *exchange, slots, group)
+        middle = time.perf_counter()
+        fetched.backward(torch.ones_like(fetched))
+        ended = time.perf_counter()
+        fetch.append(middle - began)
+        back.append(ended - middle)
+        home.grad = None
+    results[rank] = (statistics.median(fetch[1:]), statistics.median(back[1:]))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--job.config_file", dest="config", default="train_configs/debug_model.toml")
+    parser.add_argument("--slots", default="1,2", help="replica slots per rank to time, comma-separated")
+    parser.add_argument("--iterations", type=int, default=20, help="timed fetch + return pairs (median reported)")
+    args, overrides = parser.parse_known_args(argv)
+    overrides = overrides[1:] if overrides[:1] == ["--"] else overrides
+    if args.iterations < 1:
+        parser.error("--iterations: use at least 1")
+    try:
+        slot_counts = [int(value) for value in args.slots.split(",")]
+    except ValueError:
+        parser.error(f"--slots {args.slots!r}: comma-separated whole numbers, e.g. 1,2")
+    prepare()
+    try:
+        name, experts, floats, layers = expert_shape(["--job.config_file", args.config, *overrides])
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    usable = experts // EP
+    if any(not 1 <= slots <= usable for slots in slot_counts):
+        parser.error(f"--slots {args.slots}: each from 1 to {usable} (the other rank's experts) at EP={EP}")
+    print(f"{name}: {experts} experts of {floats * 4 / 2**20:.3f} MiB in fp32, {layers} MoE layers, EP={EP}, gloo on "
+          f"this machine, median of {args.iterations}")
+    print("| slots per rank | MiB per layer each way | fetch ms per layer | return ms per layer | both, ms per step |")
+    print("|---|---|---|---|---|")
+    for slots in slot_counts:
+        with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
+            results = manager.dict()
+            mp.start_processes(worker, args=(tmp, experts, floats, slots, args.iterations, results), nprocs=EP,
+                               start_method="spawn")
+            fetch = max(results[rank][0] for rank in range(EP))
+            back = max(results[rank][1] for rank in range(EP))
+        print(f"| {slots} | {slots * floats * 4 / 2**20:.3f} | {fetch * 1e3:.3f} | {back * 1e3:.3f} | "
+              f"{(fetch + back) * layers * 1e3:.2f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
