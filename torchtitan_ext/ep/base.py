@@ -244,6 +244,11 @@ class RoutedExpertParallel(ExpertParallel, ABC):
     once to each rank holding any of its experts (and over RDMA once per node or NVLink
     domain, forwarded inside it); False when each (token, expert) pair travels on its own."""
 
+    moves_tokens_with_collective_all_to_all: ClassVar[bool] = False
+    """Whether dispatch and combine are the collective library's own all-to-all (torch.distributed's
+    all_to_all_single, NCCL on GPUs), whose transport nccl-tests' alltoall_perf times: such a log
+    calibrates this backend (:mod:`torchtitan_ext.planning.measured_rates`)."""
+
     def __init__(self, *, score_before_experts: bool, pad_multiple: int = 1):
         super().__init__()
         self.score_before_experts = score_before_experts

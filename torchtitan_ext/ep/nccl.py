@@ -56,6 +56,7 @@ class NcclExpertParallel(RoutedExpertParallel):
     min_pad_multiple = 8
     supports_expert_tensor_parallel = True
     needs_expert_parallelism = False
+    moves_tokens_with_collective_all_to_all = True
 
     ops_module = "torchtitan_ext.ep.ops.nccl"
     saved_ops = ("_c10d_functional::all_to_all_single", "torchtitan_ext::nccl_dispatch", "torchtitan_ext::nccl_combine")

@@ -105,10 +105,14 @@ def calibration_rates(paths: list[Path], topology: Topology) -> dict[tuple[str, 
 
 
 def nccl_tests_rates(path: Path, topology: Topology, text: str) -> dict[tuple[str, tuple, int], MeasuredRate]:
-    """{("nccl", its rate settings, level): the rate} of each alltoall_perf run in the log ``text``, at its
-    largest message. ConfigError for a run the topology cannot place as it ran (ranks of different hosts in one
-    group of a one-node NVLink level), a time faster than the nominal rate, or two runs on one link."""
-    settings = BACKENDS["nccl"].rate_settings(parse(["--parallelism.expert_parallel_comm_backend", "nccl"]))
+    """{(backend, its rate settings, level): the rate} of each alltoall_perf run in the log ``text``, at its
+    largest message, for every backend whose tokens move by the collective all-to-all it times. ConfigError for a
+    run the topology cannot place as it ran (ranks of different hosts in one group of a one-node NVLink level), a
+    time faster than the nominal rate, or two runs on one link."""
+    measured_backends = {
+        name: backend.rate_settings(parse(["--parallelism.expert_parallel_comm_backend", name]))
+        for name, backend in BACKENDS.items() if backend.moves_tokens_with_collective_all_to_all
+    }
     rates: dict[tuple[str, tuple, int], MeasuredRate] = {}
     for run in all_to_all_runs(path, text):
         where = f"--calibrate-from {path}: line {run.line}"
@@ -141,15 +145,14 @@ def nccl_tests_rates(path: Path, topology: Topology, text: str) -> dict[tuple[st
                 f"all-to-all takes at the nominal rate of '{topology.levels[level].name}': it ran on another link, or "
                 "that level's bandwidth_GBps is below the link's"
             )
-        key = ("nccl", settings, level)
-        if key in rates:
-            raise ConfigError(f"{where}: a second alltoall_perf run on '{topology.levels[level].name}' "
-                              f"({rates[key].source}): keep one of them")
-        rates[key] = MeasuredRate(
-            "nccl", settings, level, nominal / measured,
-            f"{path.name} line {run.line}: alltoall_perf on {run.ranks} ranks ({len(set(run.hosts))} host(s)), "
-            f"{run.size_bytes} B, {run.time_us:g} us measured, {nominal * 1e6:.3g} us at the nominal rate",
-        )
+        source = (f"{path.name} line {run.line}: alltoall_perf on {run.ranks} ranks ({len(set(run.hosts))} host(s)), "
+                  f"{run.size_bytes} B, {run.time_us:g} us measured, {nominal * 1e6:.3g} us at the nominal rate")
+        for name, settings in measured_backends.items():
+            key = (name, settings, level)
+            if key in rates:
+                raise ConfigError(f"{where}: a second alltoall_perf run on '{topology.levels[level].name}' "
+                                  f"({rates[key].source}): keep one of them")
+            rates[key] = MeasuredRate(name, settings, level, nominal / measured, source)
     return rates
 
 
