@@ -107,7 +107,7 @@ def all_to_all_runs(path: Path, text: str) -> list[AllToAllRun]:
             if run is not None:
                 raise ConfigError(f"--calibrate-from {path}: the {PROGRAM} run at line {run.line} did not conclude "
                                   "(no '# Collective test concluded' line before the next run): it failed")
-            if not start.group(1).startswith(PROGRAM) or start.group(1).startswith("alltoallv"):
+            if not start.group(1).startswith(PROGRAM):
                 raise ConfigError(f"{where}: a {start.group(1)} run: the advisor calibrates the all-to-all, run "
                                   f"nccl-tests' {PROGRAM}")
             run = _Run(number)

@@ -17,7 +17,11 @@ class CollectiveFailed(RuntimeError):
     """A collective failed (timed out, lost its peer); the message names which one."""
 
 
-FAILURE_TEXTS = ("Timed out", "timed out", "Connection closed by peer", "Connection reset")
+TIMEOUT_TEXTS = ("Timed out", "timed out", "Application timeout caused pair closure")
+"""What a collective that waited past its timeout says: gloo closes every pair of the group when one operation
+times out, so the operation that reports it may be another one in flight (an asynchronous combine)."""
+
+FAILURE_TEXTS = (*TIMEOUT_TEXTS, "Connection closed by peer", "Connection reset")
 """What gloo's and NCCL's errors of a lost or stuck peer say, where they raise a plain RuntimeError."""
 
 
@@ -43,7 +47,7 @@ def naming_collective(what: str):
 
 def _reason(error: BaseException) -> str:
     text = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
-    if "Timed out" in text or "timed out" in text:
+    if any(timeout in text for timeout in TIMEOUT_TEXTS):
         return f"a peer did not answer in time, likely a stuck or dead rank ({text})"
     return text
 
