@@ -196,17 +196,9 @@ def test_what_real_logs_hold_besides_the_run_is_read_past(tmp_path):
 
 
 def test_the_cli_prices_nccl_at_the_logs_rate(tmp_path):
-    """Through plan: two files, the advice's rate line names the log's measurement on the InfiniBand link."""
+    """Through plan: the advice's rate line names the log's measurement on the InfiniBand link."""
     log = _write(tmp_path, _log([f"node-{i // 8}" for i in range(16)],
                                 [(256 * MiB, _time_us(256 * MiB, 16, (8, 50.0), 0.7), 0)]))
-    run = subprocess.run(
-        [sys.executable, "-m", "torchtitan_ext.plan", *DEBUG_JOB, "--world-size", "16", "--topology", "hgx_h100_ib",
-         "--calibrate-from", str(log), "--calibrate-from", str(log)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-    )
-    assert run.returncode == 2, run.stderr
-    assert run.stderr.strip().splitlines()[-1].startswith(f"error: --calibrate-from {log}: measures nccl on "
-                                                          "'InfiniBand' as alltoall.log line 26")
     run = subprocess.run(
         [sys.executable, "-m", "torchtitan_ext.plan", *DEBUG_JOB, "--world-size", "16", "--topology", "hgx_h100_ib",
          "--calibrate-from", str(log)],
