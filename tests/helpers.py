@@ -162,6 +162,11 @@ Either aborts the process outside any code of ours or the test's. Not a collecti
 class WorkersFailed(RuntimeError):
     """A ``run_distributed`` call's workers failed: the first failure, then every rank's exit code and stderr."""
 
+    def __init__(self, message: str, transport_crash: bool):
+        super().__init__(message)
+        self.transport_crash = transport_crash
+        """Whether gloo's transport thread aborting is the run's only failure (see :func:`_only_transport_crash`)."""
+
 
 def run_distributed(world_size: int, fn, *args, device: str = "cpu", deadline_s: float = WORKERS_DEADLINE_S):
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes.
@@ -169,14 +174,15 @@ def run_distributed(world_size: int, fn, *args, device: str = "cpu", deadline_s:
     gloo on CPU, NCCL with one GPU per rank on CUDA. Returns the ranks' return
     values in rank order; a failure in any rank raises WorkersFailed with its
     traceback and every rank's stderr, and workers still running after
-    ``deadline_s`` seconds are killed. A run that failed because gloo's
-    transport thread aborted a worker (:data:`GLOO_TRANSPORT_CRASH`) runs once
-    more, with a warning that shows every rank's stderr in the test report.
+    ``deadline_s`` seconds are killed. A run whose only failure is gloo's
+    transport thread aborting a worker (:data:`GLOO_TRANSPORT_CRASH`; its peers
+    may only have lost it) runs once more, with a warning that shows every
+    rank's stderr in the test report.
     """
     try:
         return _run_workers(world_size, fn, args, device, deadline_s)
     except WorkersFailed as failure:
-        if GLOO_TRANSPORT_CRASH.search(str(failure)) is None or device != "cpu":
+        if not failure.transport_crash or device != "cpu":
             raise
         warnings.warn(f"{fn.__name__} on {world_size} processes: gloo's transport aborted a worker; running it "
                       f"again once:\n{failure}", stacklevel=2)
@@ -212,20 +218,56 @@ def _run_workers(world_size: int, fn, args: tuple, device: str, deadline_s: floa
                         process.kill()
                     raise TimeoutError(f"{fn.__name__} on {world_size} processes ran past {deadline_s} s")
         except (mp.ProcessRaisedException, mp.ProcessExitedException, TimeoutError) as failure:
-            raise WorkersFailed(f"{failure}\n{_ranks_report(context, tmp, world_size)}") from failure
+            report = _ranks_report(context, tmp, world_size)
+            raise WorkersFailed(f"{failure}\n{report}", _only_transport_crash(context, tmp)) from failure
         return [torch.load(f"{tmp}/result{rank}.pt", weights_only=False) for rank in range(world_size)]
 
 
+def _raised(context, rank: int) -> str | None:
+    """The traceback of the exception rank ``rank`` raised (torch's spawn writes it to the rank's error file)."""
+    import pickle
+
+    error_file = context.error_files[rank]
+    if error_file is None or not Path(error_file).exists():
+        return None
+    return pickle.loads(Path(error_file).read_bytes())
+
+
+def _only_transport_crash(context, tmp: str) -> bool:
+    """Whether some rank aborted with :data:`GLOO_TRANSPORT_CRASH` and every other rank succeeded, was stopped
+    after it (SIGTERM, SIGKILL, SIGINT) or raised only the loss of a peer. A rank whose own code failed in any
+    other way (an exception, another abort) makes it a defect to report, whichever rank torch names first."""
+    from torchtitan_ext.runtime.collectives import FAILURE_TEXTS
+
+    aborted = False
+    for rank, process in enumerate(context.processes):
+        code = process.exitcode
+        if code in (0, -signal.SIGTERM, -signal.SIGKILL, -signal.SIGINT):
+            continue
+        stderr = Path(f"{tmp}/stderr{rank}")
+        if code == -signal.SIGABRT and stderr.exists() and GLOO_TRANSPORT_CRASH.search(stderr.read_text(errors="replace")):
+            aborted = True
+            continue
+        raised = _raised(context, rank)
+        if code == 1 and raised and any(text in raised.strip().splitlines()[-1] for text in FAILURE_TEXTS):
+            continue
+        return False
+    return aborted
+
+
 def _ranks_report(context, tmp: str, world_size: int) -> str:
-    """Every rank's exit code and the end of its stderr: torch names only the first rank it finds
-    failed, which may be a peer that died of another rank's failure (a gloo peer closing its socket)."""
+    """Every rank's exit code, the end of the traceback it raised and of its stderr: torch names only the
+    first rank it finds failed, which may be a peer that died of another rank's failure (a gloo peer closing
+    its socket)."""
     for process in context.processes:
         process.join(timeout=10)
     lines = []
     for rank, process in enumerate(context.processes):
         stderr = Path(f"{tmp}/stderr{rank}")
         tail = stderr.read_text(errors="replace")[-4000:] if stderr.exists() else ""
-        lines.append(f"--- rank {rank}: exit code {process.exitcode}, stderr's end:\n{tail}")
+        raised = _raised(context, rank)
+        lines.append(f"--- rank {rank}: exit code {process.exitcode}"
+                     + (f", raised:\n{raised[-2000:]}" if raised else "") + f"\nstderr's end:\n{tail}")
     return "\n".join(lines)
 
 

@@ -28,8 +28,25 @@ def abort_once(rank, world_size, marker, message):
 def test_a_gloo_transport_abort_runs_again_once_with_a_warning(tmp_path, crash):
     with pytest.warns(UserWarning, match="gloo's transport aborted a worker; running it again once") as warned:
         assert run_distributed(2, abort_once, str(tmp_path / "marker"), crash) == [0, 1]
-    assert "--- rank 1: exit code -6" in str(warned[0].message)  # SIGABRT, with the rank's stderr
-    assert crash.splitlines()[-1] in str(warned[0].message)
+    [rerun] = [str(warning.message) for warning in warned if "running it again once" in str(warning.message)]
+    assert "--- rank 1: exit code -6" in rerun  # SIGABRT, with the rank's stderr
+    assert crash.splitlines()[-1] in rerun
+
+
+def fail_once(rank, world_size, marker):
+    """Rank 1's first run raises an error of its own; every other run returns the rank."""
+    if rank == 1 and not Path(marker).exists():
+        Path(marker).touch()
+        raise ValueError("a defect in the worker")
+    return rank
+
+
+def test_an_error_of_the_workers_own_is_never_run_again(tmp_path):
+    """Even when a peer's transport then aborts on the lost connection."""
+    with pytest.raises(WorkersFailed) as failure:
+        run_distributed(2, fail_once, str(tmp_path / "marker"))
+    assert not failure.value.transport_crash
+    assert "ValueError: a defect in the worker" in str(failure.value)
 
 
 def test_any_other_abort_fails_with_every_ranks_stderr(tmp_path):
@@ -39,6 +56,6 @@ def test_any_other_abort_fails_with_every_ranks_stderr(tmp_path):
     with pytest.raises(WorkersFailed) as failure:
         run_distributed(2, abort_once, str(tmp_path / "marker"), message)
     report = str(failure.value)
-    assert "process 1 terminated with signal SIGABRT" in report
-    assert f"--- rank 1: exit code -6, stderr's end:\n{message}" in report
+    assert not failure.value.transport_crash
+    assert f"--- rank 1: exit code -6\nstderr's end:\n{message}" in report
     assert "--- rank 0: exit code" in report
