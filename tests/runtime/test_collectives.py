@@ -17,7 +17,8 @@ def _raise_inside(error: BaseException):
     RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 8000ms for recv"),
     RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242"),
     RuntimeError("Application timeout caused pair closure"),
-], ids=["nccl_error", "gloo_timeout", "peer_gone", "gloo_timeout_of_another_operation"])
+    RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:598] Write error [127.0.0.1]:4242: Broken pipe"),
+], ids=["nccl_error", "gloo_timeout", "peer_gone", "gloo_timeout_of_another_operation", "peer_gone_while_sending"])
 def test_a_failed_collective_is_named(error):
     with pytest.raises(CollectiveFailed, match=r"^MoE layer 3 dispatch \(NcclExpertParallel\) failed: ") as raised:
         _raise_inside(error)

@@ -21,7 +21,7 @@ TIMEOUT_TEXTS = ("Timed out", "timed out", "Application timeout caused pair clos
 """What a collective that waited past its timeout says: gloo closes every pair of the group when one operation
 times out, so the operation that reports it may be another one in flight (an asynchronous combine)."""
 
-FAILURE_TEXTS = (*TIMEOUT_TEXTS, "Connection closed by peer", "Connection reset")
+FAILURE_TEXTS = (*TIMEOUT_TEXTS, "Connection closed by peer", "Connection reset", "Broken pipe")
 """What gloo's and NCCL's errors of a lost or stuck peer say, where they raise a plain RuntimeError."""
 
 
