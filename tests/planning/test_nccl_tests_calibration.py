@@ -100,6 +100,36 @@ def test_the_advice_prices_nccl_at_the_measured_rates(tmp_path):
     assert pick["hybridep", 8].costs == nominal["hybridep", 8].costs
 
 
+def test_a_log_is_placed_as_the_job_places_its_ranks(tmp_path):
+    """Racks of 72 of which the job uses 64 (plan --ranks-per-group 64): a 128-rank run over two racks, placed
+    as the job places its ranks, calibrates the link between racks; bench_ep's rows stay placed on whole machines."""
+    racks = Topology("racks", 1.0, True, (Level("rack", 72, 900.0, 0.0, 900.0, 900.0, "mnnvl"),
+                                          Level("between racks", None, 50.0, 0.0, 50.0, 50.0, "rdma")))
+    log = _write(tmp_path, _log([f"tray-{rank // 4}" for rank in range(128)],
+                                [(256 * MiB, _time_us(256 * MiB, 128, (64, 50.0), 0.9), 0)]))
+    with pytest.raises(ConfigError, match="level 'rack' has workers = 72, which does not divide the world size 128"):
+        calibration_rates([log], racks)
+    rates = calibration_rates([log], racks, racks.placing(64))
+    assert list(rates) == [("nccl", (), 1)]
+    assert rates["nccl", (), 1].fraction == pytest.approx(0.9, rel=1e-3)
+    assert not rates["nccl", (), 1].includes_local_work  # NCCL's all-to-all alone: --measure-compute may add it
+
+
+def test_measured_compute_is_refused_beside_bench_rows_only(tmp_path):
+    """bench_ep's rows hold each backend's permutes, which --measure-compute would count again; a log does not."""
+    bench = _write(tmp_path, json.dumps({"rows": [{
+        "comm_backend": "hybridep", "job_args": [], "tokens": 4096, "hidden": 256, "experts": 8, "top_k": 2,
+        "ep": 2, "processes": 2, "median_ms": 5.0, "dtype": "bfloat16", "forward_only": False}]}), "bench.json")
+    run = subprocess.run(
+        [sys.executable, "-m", "torchtitan_ext.plan", *DEBUG_JOB, "--world-size", "2", "--topology", "hgx_h100_ib",
+         "--calibrate-from", str(bench), "--measure-compute"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert (run.returncode, run.stderr.strip().splitlines()[-1]) == (
+        2, "error: --calibrate-from's bench_ep rates hold each backend's local work, which --measure-compute adds "
+           "again: drop one of them")
+
+
 def test_a_log_and_a_bench_file_combine_and_may_not_measure_one_rate_twice(tmp_path):
     log = _write(tmp_path, _log(["node-a"] * 8, [(64 * MiB, _time_us(64 * MiB, 8, (7, NODE_GBPS), 0.5), 0)]))
     bench = _write(tmp_path, json.dumps({"rows": [{
@@ -153,8 +183,8 @@ ONE_ROW = [(MiB, 100.0, 0)]
      "(NCCL_TESTS_SPLIT and NCCL_TESTS_SPLIT_MASK unset)"),
     (_log(["a"], ONE_ROW), "line 11: an all-to-all on 1 rank moves nothing between ranks: run it on 2 or more"),
     (_log(["a", "b"] * 4, ONE_ROW),
-     "line 18: ranks 0-7 ran on hosts a, b, but fill one group of 'node', one node's NVLink: place ranks in blocks of "
-     "the level's workers (8) per node (mpirun --map-by slot, srun -m block)"),
+     "line 18: ranks 0-7 ran on hosts a, b, but fill one group of 'node', one node's NVLink: run it with 8 ranks per "
+     "node, placed in blocks (mpirun --map-by slot, srun -m block)"),
     (_log(["a"] * 8, [(MiB, FAST, 0)]),
      f"line 18: time = {round(FAST, 2):g} us: faster than the 9.18 us a 1048576-byte all-to-all takes at the nominal "
      "rate of 'node': it ran on another link, or that level's bandwidth_GBps is below the link's"),

@@ -56,6 +56,9 @@ class MeasuredRate:
     """The cost model's time for the measured all-to-alls at the nominal rate over the measured time, in (0, 1]."""
     source: str
     """The row it comes from, for the advice."""
+    includes_local_work: bool
+    """Whether the measured time holds the backend's local work around its all-to-alls (bench_ep's rows: the
+    permutes; an nccl-tests log: no), which ``--measure-compute`` would add a second time."""
 
 
 def _check_row(row, where: str) -> None:
@@ -79,10 +82,14 @@ def _check_row(row, where: str) -> None:
             raise ConfigError(f"{where}.ep = {row['ep']} does not divide {field} = {row[field]}: not a bench_ep row")
 
 
-def calibration_rates(paths: list[Path], topology: Topology) -> dict[tuple[str, tuple, int], MeasuredRate]:
+def calibration_rates(
+    paths: list[Path], topology: Topology, placed: Topology | None = None,
+) -> dict[tuple[str, tuple, int], MeasuredRate]:
     """{(backend, its rate settings, level): the measured rate} from bench_ep JSON files and nccl-tests
-    alltoall_perf logs (told apart by their content). ConfigError, naming the file, for a file of neither kind
-    and for two files that measure one rate."""
+    alltoall_perf logs (told apart by their content). bench_ep's rows are placed on ``topology`` as they ran
+    (whole machines); an nccl-tests run, which spans as many nodes as the job's all-to-all, on ``placed``: the
+    topology as the job places its ranks (``plan --ranks-per-group``; default ``topology``). ConfigError, naming
+    the file, for a file of neither kind and for two files that measure one rate."""
     rates: dict[tuple[str, tuple, int], MeasuredRate] = {}
     for path in paths:
         try:
@@ -92,7 +99,7 @@ def calibration_rates(paths: list[Path], topology: Topology) -> dict[tuple[str, 
         if text.lstrip().startswith("{"):
             found = measured_rates(path, topology, text)
         elif "# Collective test starting: " in text or "# nThread " in text:
-            found = nccl_tests_rates(path, topology, text)
+            found = nccl_tests_rates(path, topology if placed is None else placed, text)
         else:
             raise ConfigError(f"--calibrate-from {path}: neither scripts/bench_ep.py --json output nor an nccl-tests "
                               "alltoall_perf log")
@@ -128,8 +135,8 @@ def nccl_tests_rates(path: Path, topology: Topology, text: str) -> dict[tuple[st
                 if len(hosts) > 1:
                     raise ConfigError(
                         f"{where}: ranks {start}-{start + sizes[index] - 1} ran on hosts {', '.join(sorted(hosts))}, "
-                        f"but fill one group of '{level.name}', one node's NVLink: place ranks in blocks of the "
-                        f"level's workers ({level.workers}) per node (mpirun --map-by slot, srun -m block)"
+                        f"but fill one group of '{level.name}', one node's NVLink: run it with {sizes[index]} "
+                        "ranks per node, placed in blocks (mpirun --map-by slot, srun -m block)"
                     )
         level = topology.level_of(sizes, 0, run.ranks - 1)
         # a uniform all-to-all: each rank sends size / ranks bytes to every rank, itself included
@@ -152,7 +159,7 @@ def nccl_tests_rates(path: Path, topology: Topology, text: str) -> dict[tuple[st
             if key in rates:
                 raise ConfigError(f"{where}: a second alltoall_perf run on '{topology.levels[level].name}' "
                                   f"({rates[key].source}): keep one of them")
-            rates[key] = MeasuredRate(name, settings, level, nominal / measured, source)
+            rates[key] = MeasuredRate(name, settings, level, nominal / measured, source, includes_local_work=False)
     return rates
 
 
@@ -212,6 +219,7 @@ def measured_rates(path: Path, topology: Topology, text: str) -> dict[tuple[str,
             f"{path.name} rows[{index}]: T={row['tokens']} H={row['hidden']} EP={ep}"
             f"{' ' + ' '.join(map(str, row['job_args'][2:])) if len(row['job_args']) > 2 else ''}, "
             f"{row['median_ms']:.3g} ms measured, {nominal * 1e3:.3g} ms at the nominal rate",
+            includes_local_work=True,
         )
         key = (row["comm_backend"], settings, level)
         if key in chosen and chosen[key][0] == row["tokens"]:
