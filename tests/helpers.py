@@ -224,13 +224,15 @@ def _run_workers(world_size: int, fn, args: tuple, device: str, deadline_s: floa
 
 
 def _raised(context, rank: int) -> str | None:
-    """The traceback of the exception rank ``rank`` raised (torch's spawn writes it to the rank's error file)."""
+    """The traceback of the exception rank ``rank`` raised (torch's spawn writes it to the rank's error file); None
+    when it raised none, or was stopped (torch's SIGTERM after another rank failed) before the file was written."""
     import pickle
 
     error_file = context.error_files[rank]
-    if error_file is None or not Path(error_file).exists():
+    try:
+        return pickle.loads(Path(error_file).read_bytes())
+    except (OSError, EOFError, pickle.UnpicklingError):
         return None
-    return pickle.loads(Path(error_file).read_bytes())
 
 
 def _only_transport_crash(context, tmp: str) -> bool:

@@ -59,3 +59,16 @@ def test_any_other_abort_fails_with_every_ranks_stderr(tmp_path):
     assert not failure.value.transport_crash
     assert f"--- rank 1: exit code -6\nstderr's end:\n{message}" in report
     assert "--- rank 0: exit code" in report
+
+
+def test_a_rank_stopped_while_writing_its_traceback_raised_nothing_readable(tmp_path):
+    """torch's spawn SIGTERMs the other ranks once one failed; a rank stopped inside its exception handler leaves
+    an empty error file (seen in a full-suite run): the report reads it as no traceback, not as an error of its own."""
+    from types import SimpleNamespace
+
+    from tests.helpers import _raised
+
+    empty, missing = tmp_path / "empty.pickle", tmp_path / "missing.pickle"
+    empty.write_bytes(b"")
+    context = SimpleNamespace(error_files=[str(empty), str(missing)])
+    assert (_raised(context, 0), _raised(context, 1)) == (None, None)
