@@ -9,7 +9,9 @@ no replication, then ``--expert_replication.slots_per_rank`` 1 and 2 with
 ``adapt_every`` 1 and 5 (``--settings``: which of them, as SLOTSxADAPT_EVERY). Both ranks log their step lines (LOG_RANK=0,1).
 Prints, per setting: the step log's ``recv max/mean`` (the worst MoE layer's
 busiest rank's rows over the mean) at every step, its median and worst after
-step 1, and the slowest rank's median step time after a warm-up of 3 steps,
+step 1, the median after the warm-up of its "all layers" ratio (the busiest
+ranks' rows summed over the MoE layers over the mean ranks': what the step's
+expert compute pays), and the slowest rank's median step time after a warm-up of 3 steps,
 as a ratio to the run without replicas of the same round, and how far the
 losses of the first round's runs are from the run without replicas.
 """
@@ -25,7 +27,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-STEP = re.compile(r"\[rank(\d+)\]:.*step:\s+(\d+)\s+loss:\s+([0-9.]+).*step_time:\s+([0-9.]+)s\s+recv max/mean:\s+([0-9.]+)")
+STEP = re.compile(
+    r"\[rank(\d+)\]:.*step:\s+(\d+)\s+loss:\s+([0-9.]+).*step_time:\s+([0-9.]+)s\s+"
+    r"recv max/mean:\s+([0-9.]+) \(all layers ([0-9.]+)\)"
+)
 SETTINGS = {
     "no replicas": [],
     "1 slot, adapt every 1": ["--expert_replication.slots_per_rank", "1", "--expert_replication.adapt_every", "1"],
@@ -37,20 +42,22 @@ WARMUP = 3
 
 
 def run(args: list[str], steps: int) -> dict:
-    """{"recv": {step: max/mean}, "time": {rank: [step times]}, "loss": {step: loss}} of one run."""
+    """{"recv": {step: max/mean}, "all_layers": {step: max/mean}, "time": {rank: {step: step time}},
+    "loss": {step: loss}} of one run."""
     result = subprocess.run(
         ["./run_train.sh", "--training.steps", str(steps), "--metrics.disable_color_printing", *args],
         cwd=REPO_ROOT, env={**os.environ, "NGPU": "2", "LOG_RANK": "0,1"}, capture_output=True, text=True,
     )
     if result.returncode != 0:
         sys.exit(f"error: run_train.sh {' '.join(args)} exited {result.returncode}:\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
-    recv, times, losses = {}, {}, {}
-    for rank, step, loss, step_time, ratio in STEP.findall(result.stdout):
+    recv, all_layers, times, losses = {}, {}, {}, {}
+    for rank, step, loss, step_time, ratio, all_layers_ratio in STEP.findall(result.stdout):
         times.setdefault(int(rank), {})[int(step)] = float(step_time)
         if rank == "0":
             recv[int(step)] = float(ratio)
+            all_layers[int(step)] = float(all_layers_ratio)
             losses[int(step)] = float(loss)
-    return {"recv": recv, "time": times, "loss": losses}
+    return {"recv": recv, "all_layers": all_layers, "time": times, "loss": losses}
 
 
 def slowest_median(times: dict[int, dict[int, float]]) -> float:
@@ -87,8 +94,8 @@ def main(argv=None) -> int:
                 progress.update()
     lines = [
         f"| setting | recv max/mean per step (steps 1-{args.steps}) | median, worst after step 1 | "
-        f"slowest rank's median step time (s) | vs no replicas |",
-        "|---|---|---|---|---|",
+        f"all layers, median after step {WARMUP} | slowest rank's median step time (s) | vs no replicas |",
+        "|---|---|---|---|---|---|",
     ]
     for name, measured_rounds in rows.items():
         for measured in measured_rounds:
@@ -96,7 +103,9 @@ def main(argv=None) -> int:
             later = [ratio for step, ratio in recv.items() if step > 1]
             lines.append(
                 f"| {name} | {' '.join(f'{recv[s]:.2f}' for s in sorted(recv))} | "
-                f"{statistics.median(later):.2f}, {max(later):.2f} | {measured['median_time']:.3f} | "
+                f"{statistics.median(later):.2f}, {max(later):.2f} | "
+                f"{statistics.median(r for step, r in measured['all_layers'].items() if step > WARMUP):.2f} | "
+                f"{measured['median_time']:.3f} | "
                 f"{measured['time_ratio']:.3f} |"
             )
     losses = {name: measured_rounds[0]["loss"] for name, measured_rounds in rows.items()}

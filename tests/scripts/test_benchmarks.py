@@ -145,11 +145,11 @@ def test_bench_replication_reads_both_ranks_step_lines(capsys):
     bench = _script("bench_replication")
     lines = "\n".join(
         f"[rank{rank}]:09:14:1{step} step:  {step}  loss:  8.0{step}  grad_norm:  2.1352  step_time:  {step + rank}.5s"
-        f"  recv max/mean: 1.{step}0"
+        f"  recv max/mean: 1.{step}0 (all layers 1.0{step})"
         for rank in (0, 1) for step in range(1, 6)
     )
     found = bench.STEP.findall(lines)
-    assert len(found) == 10 and found[-1] == ("1", "5", "8.05", "6.5", "1.50")
+    assert len(found) == 10 and found[-1] == ("1", "5", "8.05", "6.5", "1.50", "1.05")
     times = {rank: {step: step + rank + 0.5 for step in range(1, 6)} for rank in (0, 1)}
     assert bench.slowest_median(times) == 6.0  # rank 1, steps 4 and 5: 5.5 and 6.5
     with pytest.raises(SystemExit) as exit_info:

@@ -75,7 +75,9 @@ def test_summary_of_reduced_counters(caplog):
     assert "ep/layer_0/drop_rate" not in values
     assert values["ep/dropped_pairs"] == 8 and values["ep/drop_rate"] == pytest.approx(8 / 160)
     assert values["ep/load_imbalance_worst_layer"] == 1
-    assert console == "recv max/mean: 1.20  dropped: 5.00%"
+    # all layers: the busiest ranks' 60 + 40 rows over the mean ranks' 50 + 40
+    assert values["ep/recv_rows_max_over_mean_all_layers"] == pytest.approx(100 / 90)
+    assert console == "recv max/mean: 1.20 (all layers 1.11)  dropped: 5.00%"
     warnings = [r.message for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "in MoE layer 1 by step 7" in warnings[0]
     assert "raise hybridep.non_blocking_capacity_factor (now 0.3" in warnings[0]

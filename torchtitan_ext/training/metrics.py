@@ -11,7 +11,12 @@ W&B), for each MoE layer and in total since the previous log:
 - ``ep/recv_rows_max``, ``ep/recv_rows_mean``: rows the experts of one EP rank
   processed (one per received (token, local expert) pair, plus pad rows),
   the largest and the mean over ranks; the console shows the worst layer's
-  max/mean ratio, and the drop rate when pairs were dropped.
+  max/mean ratio, and the drop rate when pairs were dropped;
+- ``ep/recv_rows_max_over_mean_all_layers``: the busiest rank's rows summed
+  over the MoE layers over the mean rank's, also on the console ("all
+  layers"): each layer's experts wait for that layer's busiest rank, so this,
+  not the worst layer's ratio, is what the step's expert compute pays for
+  imbalance.
 
 The counters live on the device and are read once per logged step with one
 all-reduce (sum) and one all-reduce (max) over all ranks; the hot path never
@@ -81,6 +86,7 @@ class ExpertParallelMetrics:
     def _summarize(self, sums, maxima, num_experts, step) -> tuple[dict[str, float], str]:
         metrics, total_dropped, total_routed = {}, 0, 0
         worst, worst_recv = (0.0, -1), 0.0
+        busiest_rows, mean_rows = 0, 0.0
         for layer, row in enumerate(sums):
             holders, kept_counters = row[num_experts + 2], row[num_experts + 3]
             routed = [count / self.dispatch_copies for count in row[:num_experts]]
@@ -111,6 +117,8 @@ class ExpertParallelMetrics:
             worst = max(worst, (imbalance, layer))
             if row[num_experts]:
                 worst_recv = max(worst_recv, maxima[layer] / (row[num_experts] / holders))
+                busiest_rows += maxima[layer]
+                mean_rows += row[num_experts] / holders
             if dropped and not self.warned:
                 self.warned = True
                 logger.warning(
@@ -128,6 +136,9 @@ class ExpertParallelMetrics:
             "ep/recv_rows_max_over_mean_worst": worst_recv,
         })
         console = f"recv max/mean: {worst_recv:.2f}"
+        if mean_rows:
+            metrics["ep/recv_rows_max_over_mean_all_layers"] = busiest_rows / mean_rows
+            console += f" (all layers {busiest_rows / mean_rows:.2f})"
         if total_dropped:
             console += f"  dropped: {total_dropped / total_routed:.2%}"
         return metrics, console
