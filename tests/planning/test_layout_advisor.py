@@ -182,7 +182,7 @@ def test_671b_advice_quoted_in_docs(advice_671b):
     predict against the published ones, and the numbers the text explains them with."""
     gb200 = {(layout.label, layout.ep): layout for layout in advice_671b["gb200_nvl72"] if layout.refused is None}
     first = advice_671b["gb200_nvl72"][0]
-    # NCCL has no published NVLink figure: priced at the nominal rate, it ranks first and is flagged; EP=32's
+    # NCCL has no published NVL72 figure: priced at the nominal rate, it ranks first and is flagged; EP=32's
     # expert FSDP crosses racks, and hides behind the previous block's forward (torchtitan's prefetch)
     assert (first.backend, first.ep, first.efsdp) == ("nccl", 32, 8)
     assert first.nominal_links == ("NVLink domain (one rack)",)

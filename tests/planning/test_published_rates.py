@@ -50,7 +50,7 @@ def _cited_row(rate: PublishedRate) -> tuple[list[str], int, int, int | None]:
         return rows[0], 4, 5, 6
     if row.startswith("4d."):  # algorithm bandwidth, or for the RDMA level the NIC bus bandwidth beside it
         return (rows[0], 6, 7, 3) if rate.fabric == "rdma" else (rows[0], 4, 5, 3)
-    return rows[0], 4, 4, None  # 5.6: one busbw for the all-to-all
+    return rows[0], 4, 4, None  # 5.6, 5.8: one busbw for the all-to-all
 
 
 @pytest.mark.parametrize("rate", ALL_RATES, ids=lambda rate: f"{rate.fabric}-{rate.sms}-{rate.dispatch_GBps}")
@@ -95,7 +95,7 @@ def test_the_configured_sms_pick_the_figure():
     split = chosen("--parallelism.expert_parallel_comm_backend", "hybridep", "--hybridep.num_sms_dispatch", "32",
                    "--hybridep.num_sms_combine", "16")["mnnvl"]
     assert (split.dispatch_GBps, split.combine_GBps) == (484.22, 423.19)
-    assert set(chosen("--parallelism.expert_parallel_comm_backend", "nccl")) == {"rdma"}
+    assert set(chosen("--parallelism.expert_parallel_comm_backend", "nccl")) == {"nvlink", "rdma"}
 
 
 def test_the_all_to_all_takes_the_backends_share_of_each_link():
@@ -170,12 +170,15 @@ def test_a_measured_rate_replaces_the_published_one(tmp_path):
     assert fractions == {0: rates["nccl", (), 0].fraction, 1: pytest.approx(0.92)}  # the network: the published figure
     published = kernel_rate_fractions("hybridep", BACKENDS["hybridep"], job_config, TWO_LEVELS, TWO_LEVELS)
     assert kernel_rate_fractions("hybridep", BACKENDS["hybridep"], job_config, TWO_LEVELS, TWO_LEVELS, rates) == published
-    # and the advice prices with it: nccl's all-to-all within a node takes nominal / fraction
+    # and the advice prices with it: nccl's all-to-all within a node takes nominal / fraction, in place of
+    # nominal / the published NVLink fraction (docs/published_ep_figures.md 5.8: 370 of 450 GB/s)
     calibrated, _ = advise(DEBUG_JOB, 8, TWO_LEVELS, measured_rates=rates)
     nominal, _ = advise(DEBUG_JOB, 8, TWO_LEVELS)
     pick = {layout.label: layout for layout in calibrated if (layout.ep, layout.refused) == (8, None)}
     plain = {layout.label: layout for layout in nominal if (layout.ep, layout.refused) == (8, None)}
-    assert pick["nccl"].costs.a2a == pytest.approx(plain["nccl"].costs.a2a / rates["nccl", (), 0].fraction)
+    nccl_nvlink = kernel_rate_fractions("nccl", BACKENDS["nccl"], job_config, TWO_LEVELS, TWO_LEVELS)[0]
+    assert nccl_nvlink == pytest.approx(370 / 450)
+    assert pick["nccl"].costs.a2a == pytest.approx(plain["nccl"].costs.a2a * nccl_nvlink / rates["nccl", (), 0].fraction)
     assert pick["deepep legacy"].costs.a2a == pytest.approx(
         plain["deepep legacy"].costs.a2a * (1 / rates["deepep", ("legacy",), 0].fraction) / (
             1 / kernel_rate_fractions("deepep", BACKENDS["deepep"], _legacy(job_config), TWO_LEVELS, TWO_LEVELS)[0]))

@@ -62,8 +62,11 @@ class NcclExpertParallel(RoutedExpertParallel):
     saved_ops = ("_c10d_functional::all_to_all_single", "torchtitan_ext::nccl_dispatch", "torchtitan_ext::nccl_combine")
 
     PUBLISHED_RATES = (
-        # NVIDIA publishes no large-message all-to-all bandwidth for NVLink or NVL72 (the NCCL and
-        # nccl-tests sources hold small-message latencies only): those links are priced at nominal
+        # NVIDIA publishes no large-message all-to-all bandwidth for multi-node NVLink (NVL72), and a figure of
+        # one node's NVSwitch is not taken to carry over to it: there it is priced at nominal
+        PublishedRate("nvlink", 370.0, 370.0, 450.0, None, None,
+                      "docs/published_ep_figures.md 5.8: NCCL's effective NVLink rate for collectives other than "
+                      "all-reduce, seen as busBw, 8 x H100 (the NCCL maintainer, nccl-tests issue #212)"),
         PublishedRate("rdma", 46.0, 46.0, 50.0, None, None,
                       "docs/published_ep_figures.md 5.6: nccl-tests alltoall busbw, 2 x DGX-H100, 400 Gbit/s NIC, "
                       "NVLink disabled (a user's report, DeepEP issue #3)"),
