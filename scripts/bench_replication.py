@@ -9,7 +9,7 @@ no replication, then ``--expert_replication.slots_per_rank`` 1 and 2 with
 ``adapt_every`` 1 and 5 (``--settings``: which of them, as SLOTSxADAPT_EVERY). Both ranks log their step lines (LOG_RANK=0,1).
 Prints, per setting: the step log's ``recv max/mean`` (the worst MoE layer's
 busiest rank's rows over the mean) at every step, its median and worst after
-step 1, the median after the warm-up of its "all layers" ratio (the busiest
+step 1, the median after the warm-up of its "all" ratio (the busiest
 ranks' rows summed over the MoE layers over the mean ranks': what the step's
 expert compute pays), and the slowest rank's median step time after a warm-up of 3 steps,
 as a ratio to the run without replicas of the same round, and how far the
@@ -29,7 +29,7 @@ from tqdm import tqdm
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STEP = re.compile(
     r"\[rank(\d+)\]:.*step:\s+(\d+)\s+loss:\s+([0-9.]+).*step_time:\s+([0-9.]+)s\s+"
-    r"recv max/mean:\s+([0-9.]+) \(all layers ([0-9.]+)\)"
+    r"recv max/mean:\s+([0-9.]+) \(all ([0-9.]+)\)"
 )
 SETTINGS = {
     "no replicas": [],

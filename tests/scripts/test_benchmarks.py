@@ -145,7 +145,7 @@ def test_bench_replication_reads_both_ranks_step_lines(capsys):
     bench = _script("bench_replication")
     lines = "\n".join(
         f"[rank{rank}]:09:14:1{step} step:  {step}  loss:  8.0{step}  grad_norm:  2.1352  step_time:  {step + rank}.5s"
-        f"  recv max/mean: 1.{step}0 (all layers 1.0{step})"
+        f"  recv max/mean: 1.{step}0 (all 1.0{step})"
         for rank in (0, 1) for step in range(1, 6)
     )
     found = bench.STEP.findall(lines)

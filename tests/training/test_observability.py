@@ -78,7 +78,7 @@ def test_summary_of_reduced_counters(caplog):
     assert values["ep/load_imbalance_worst_layer"] == 1
     # all layers: the busiest ranks' 60 + 40 rows over the mean ranks' 50 + 40
     assert values["ep/recv_rows_max_over_mean_all_layers"] == pytest.approx(100 / 90)
-    assert console == "recv max/mean: 1.20 (all layers 1.11)  dropped: 5.00%"
+    assert console == "recv max/mean: 1.20 (all 1.11)  dropped: 5.00%"
     warnings = [r.message for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "in MoE layer 1 by step 7" in warnings[0]
     assert "raise hybridep.non_blocking_capacity_factor (now 0.3" in warnings[0]
@@ -119,7 +119,7 @@ def test_training_log_reports_drops_once_and_records_routing(tmp_path):
     rank0 = [line for line in result.stdout.splitlines() if line.startswith("[rank0]:")]
     step_lines = [line for line in rank0 if "step:" in line and "loss:" in line]
     assert len(step_lines) == 2
-    assert all(re.search(r"recv max/mean: \d\.\d\d \(all layers \d\.\d\d\)", line) for line in step_lines)
+    assert all(re.search(r"recv max/mean: \d\.\d\d \(all \d\.\d\d\)", line) for line in step_lines)
     assert "dropped: " in step_lines[0], "the first step drops: its line shows the rate"
     warnings = [line for line in rank0 if "(token, expert) pairs" in line and "dropped" in line]
     assert len(warnings) == 1 and "raise hybridep.non_blocking_capacity_factor" in warnings[0]
