@@ -9,9 +9,11 @@ no replication, then ``--expert_replication.slots_per_rank`` 1 and 2 with
 ``adapt_every`` 1 and 5 (``--settings``: which of them, as SLOTSxADAPT_EVERY). Both ranks log their step lines (LOG_RANK=0,1).
 Prints, per setting: the step log's ``recv max/mean`` (the worst MoE layer's
 busiest rank's rows over the mean) at every step, its median and worst after
-step 1, the median after the warm-up of its "all" ratio (the busiest
-ranks' rows summed over the MoE layers over the mean ranks': what the step's
-expert compute pays), and the slowest rank's median step time after a warm-up of 3 steps,
+step 1, the median after the warm-up of the "all layers" ratio (each MoE
+layer's busiest rank's rows summed over the layers, over the mean rank's:
+what the step's expert compute pays; TensorBoard's
+``ep/recv_rows_max_over_mean_all_layers``, read from the run's own dump
+folder), and the slowest rank's median step time after a warm-up of 3 steps,
 as a ratio to the run without replicas of the same round, and how far the
 losses of the first round's runs are from the run without replicas.
 """
@@ -22,15 +24,14 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from tqdm import tqdm
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-STEP = re.compile(
-    r"\[rank(\d+)\]:.*step:\s+(\d+)\s+loss:\s+([0-9.]+).*step_time:\s+([0-9.]+)s\s+"
-    r"recv max/mean:\s+([0-9.]+) \(all ([0-9.]+)\)"
-)
+STEP = re.compile(r"\[rank(\d+)\]:.*step:\s+(\d+)\s+loss:\s+([0-9.]+).*step_time:\s+([0-9.]+)s\s+recv max/mean:\s+([0-9.]+)")
+ALL_LAYERS = "ep/recv_rows_max_over_mean_all_layers"
 SETTINGS = {
     "no replicas": [],
     "1 slot, adapt every 1": ["--expert_replication.slots_per_rank", "1", "--expert_replication.adapt_every", "1"],
@@ -41,21 +42,36 @@ SETTINGS = {
 WARMUP = 3
 
 
+def logged_scalars(dump_folder: Path, tag: str) -> dict[int, float]:
+    """{step: value} of one TensorBoard scalar a run logged under ``dump_folder`` (torchtitan's ``tb/``)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    values = {}
+    for events in sorted((dump_folder / "tb").rglob("events.out.tfevents.*")):
+        accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0})
+        accumulator.Reload()
+        if tag in accumulator.Tags()["scalars"]:
+            values.update({event.step: event.value for event in accumulator.Scalars(tag)})
+    return values
+
+
 def run(args: list[str], steps: int) -> dict:
     """{"recv": {step: max/mean}, "all_layers": {step: max/mean}, "time": {rank: {step: step time}},
     "loss": {step: loss}} of one run."""
-    result = subprocess.run(
-        ["./run_train.sh", "--training.steps", str(steps), "--metrics.disable_color_printing", *args],
-        cwd=REPO_ROOT, env={**os.environ, "NGPU": "2", "LOG_RANK": "0,1"}, capture_output=True, text=True,
-    )
-    if result.returncode != 0:
-        sys.exit(f"error: run_train.sh {' '.join(args)} exited {result.returncode}:\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
-    recv, all_layers, times, losses = {}, {}, {}, {}
-    for rank, step, loss, step_time, ratio, all_layers_ratio in STEP.findall(result.stdout):
+    with tempfile.TemporaryDirectory() as dump_folder:
+        result = subprocess.run(
+            ["./run_train.sh", "--training.steps", str(steps), "--metrics.disable_color_printing", *args,
+             "--metrics.enable_tensorboard", "--job.dump_folder", dump_folder],
+            cwd=REPO_ROOT, env={**os.environ, "NGPU": "2", "LOG_RANK": "0,1"}, capture_output=True, text=True,
+        )
+        if result.returncode != 0:
+            sys.exit(f"error: run_train.sh {' '.join(args)} exited {result.returncode}:\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
+        all_layers = logged_scalars(Path(dump_folder), ALL_LAYERS)
+    recv, times, losses = {}, {}, {}
+    for rank, step, loss, step_time, ratio in STEP.findall(result.stdout):
         times.setdefault(int(rank), {})[int(step)] = float(step_time)
         if rank == "0":
             recv[int(step)] = float(ratio)
-            all_layers[int(step)] = float(all_layers_ratio)
             losses[int(step)] = float(loss)
     return {"recv": recv, "all_layers": all_layers, "time": times, "loss": losses}
 

@@ -145,17 +145,31 @@ def test_bench_replication_reads_both_ranks_step_lines(capsys):
     bench = _script("bench_replication")
     lines = "\n".join(
         f"[rank{rank}]:09:14:1{step} step:  {step}  loss:  8.0{step}  grad_norm:  2.1352  step_time:  {step + rank}.5s"
-        f"  recv max/mean: 1.{step}0 (all 1.0{step})"
+        f"  recv max/mean: 1.{step}0"
         for rank in (0, 1) for step in range(1, 6)
     )
     found = bench.STEP.findall(lines)
-    assert len(found) == 10 and found[-1] == ("1", "5", "8.05", "6.5", "1.50", "1.05")
+    assert len(found) == 10 and found[-1] == ("1", "5", "8.05", "6.5", "1.50")
     times = {rank: {step: step + rank + 0.5 for step in range(1, 6)} for rank in (0, 1)}
     assert bench.slowest_median(times) == 6.0  # rank 1, steps 4 and 5: 5.5 and 6.5
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["--steps", "4"])
     assert exit_info.value.code == 2
     assert "--steps 4: use more than 4 (the first 3 are warm-up)" in capsys.readouterr().err
+
+
+def test_bench_replication_reads_the_all_layers_ratio_from_tensorboard(tmp_path):
+    """torchtitan writes the metrics rank's scalars under dump_folder/tb/<time>/; other tags are left out."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    bench = _script("bench_replication")
+    writer = SummaryWriter(str(tmp_path / "tb" / "20261125-2300"))
+    for step in range(1, 4):
+        writer.add_scalar(bench.ALL_LAYERS, 1.0 + step / 10, step)
+        writer.add_scalar("loss_metrics/global_avg_loss", 8.0, step)
+    writer.close()
+    assert bench.logged_scalars(tmp_path, bench.ALL_LAYERS) == pytest.approx({1: 1.1, 2: 1.2, 3: 1.3})
+    assert bench.logged_scalars(tmp_path, "ep/absent") == {}
 
 
 def test_bench_replica_split_runs():
