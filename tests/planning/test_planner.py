@@ -119,9 +119,14 @@ def test_replica_slots_enter_the_plan(harness):
     non_blocking = next(b for b in result.backends if "non-blocking" in b.name)
     assert non_blocking.rows_worst == int(dims.tokens * 2 * min(4 + 2, 3) * 0.5)
     line = next(line for line in format_plan(result, WORLD) if "replica slots" in line)
-    # 2 slots x 196,608 weights x 2 bytes (bf16) = 0.75 MiB, x 5 MoE layers
+    # 2 slots x 196,608 weights x 2 bytes (bf16) = 0.75 MiB; the copy the experts compute from holds the 4 home
+    # experts too: 2.25 MiB per layer, kept by each of the 5 saved MoE layers
     assert line.startswith("  replica slots: 2 per MoE layer, weights fetched every step: 0.75 MiB per layer"), line
-    assert line.endswith("3.75 MiB over the 5 MoE layers when all are kept for backward"), line
+    assert line.endswith("a copy of the 4 home experts beside the replicas, 2.25 MiB per layer, kept for backward by "
+                         "the 5 saved MoE layers (11.25 MiB)"), line
+    recomputed = _plan(JOB + ["--expert_replication.slots_per_rank", "2", "--activation_checkpoint.mode", "full"])
+    line = next(line for line in format_plan(recomputed, WORLD) if "replica slots" in line)
+    assert line.endswith("2.25 MiB per layer, one layer at a time (every MoE layer is recomputed)"), line
 
 
 def test_expected_drops_follow_the_contract_example():

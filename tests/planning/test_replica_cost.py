@@ -178,6 +178,14 @@ def test_under_uniform_routing_replicas_only_cost():
     assert all(layout.replica_s > 0 for layout in runnable if layout.replica_slots)
     lines = format_advice(layouts, load_topology("hgx_h100_ib"), 4, "debug", None, routing)
     assert any("replica slots priced under uniform routing" in line for line in lines)
+    # the memory bound adds the copy each MoE layer computes from: its 8 / EP home experts beside the slot, kept
+    # by every saved layer (the debug job recomputes none: 5), at the gathered dtype (nccl: no buffer, whose size
+    # would follow the dispatched slots too)
+    nccl = {(layout.ep, layout.replica_slots): layout for layout in runnable if layout.label == "nccl"}
+    work = job_shape(load_job_config(DEBUG_JOB, device_type=None, world_size=4), 4).work
+    for ep in (2, 4):
+        copies = (8 // ep + 1) * work.expert_parameters * work.gather_bytes * 5
+        assert nccl[ep, 1].memory_bytes - nccl[ep, 0].memory_bytes == copies, ep
 
 
 def test_the_jobs_own_slots_are_priced_by_default():

@@ -137,8 +137,9 @@ class Layout:
     attention, per token; recomputed forwards not counted)."""
     memory_bytes: int = 0
     """What one rank needs at least: its shard of parameters, gradients and AdamW state, two layers'
-    gathered experts (the one computing and the one FSDP prefetches), the backend's buffer and the
-    dispatched rows kept for backward. Activations outside the MoE are not counted: a lower bound."""
+    gathered experts (the one computing and the one FSDP prefetches), the backend's buffer, the
+    dispatched rows kept for backward and, with replica slots, the copy of home and replica experts each
+    MoE layer computes from. Activations outside the MoE are not counted: a lower bound."""
     link_busy: tuple[tuple[str, float], ...] = ()
     """(link, seconds per step it carries) for each physical link: the EP all-to-alls, expert FSDP's
     gathers and reduce-scatters, the data-parallel sync and the replicas' traffic, hidden or not: a
@@ -308,13 +309,18 @@ STATE_BYTES_PER_PARAMETER = 16
 """fp32 parameter, fp32 gradient and AdamW's two fp32 moments: what FSDP shards for each parameter."""
 
 
-def memory_needed(shape: JobShape, ep: int, gathered_expert_bytes: int, buffer_bytes: int | None, rows_ratio: float) -> int:
+def memory_needed(shape: JobShape, ep: int, gathered_expert_bytes: int, buffer_bytes: int | None, rows_ratio: float,
+                  replica_slots: int = 0) -> int:
     """:attr:`Layout.memory_bytes` of a layout at ``ep``."""
     work = shape.work
     state = shape.data_parallel_sync.shard_parameters * STATE_BYTES_PER_PARAMETER
     saved_layers = shape.moe_layers - shape.recomputed_layers
     rows = work.tokens * work.top_k * rows_ratio * work.hidden * work.activation_bytes * saved_layers if ep > 1 else 0
-    return round(state + 2 * gathered_expert_bytes + (buffer_bytes or 0) + rows)
+    # with replica slots each MoE layer computes from a copy of its home experts beside the replicas, which
+    # backward keeps: every saved layer's, or the one layer computing when all are recomputed
+    copy_bytes = (work.experts // ep + replica_slots) * work.expert_parameters * work.gather_bytes
+    replica_copies = copy_bytes * max(saved_layers, 1) if replica_slots else 0
+    return round(state + 2 * gathered_expert_bytes + (buffer_bytes or 0) + rows + replica_copies)
 
 
 def _candidate(job_config, backend_name: str, ep: int):
@@ -525,11 +531,12 @@ def advise(
                 pair_share = ratio / ep
             gathered = work.experts // ep * work.expert_parameters * work.gather_bytes
             buffer_bytes = backend.planned_buffer(candidate, dispatched_shape(candidate, moe_shape))[0]
-            memory = memory_needed(shape, ep, gathered, buffer_bytes, ratio)
+            memory = memory_needed(shape, ep, gathered, buffer_bytes, ratio, slots)
             if topology.memory_GB is not None and memory > topology.memory_GB * 1e9:
                 refused.append(replace(layout, refused=(
                     f"one rank needs at least {memory / 1e9:,.1f} GB (sharded state, two layers' gathered experts, "
-                    f"the buffer, the saved dispatched rows), more than topology '{topology.name}''s memory_GB = "
+                    f"the buffer, the saved dispatched rows{', the replica copies' if slots else ''}), more than "
+                    f"topology '{topology.name}''s memory_GB = "
                     f"{topology.memory_GB:g}: use a higher EP degree, more ranks or activation checkpointing (or "
                     "raise memory_GB if the device has more)"
                 )))

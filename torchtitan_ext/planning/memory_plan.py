@@ -9,7 +9,8 @@ hybridep non-blocking at the configured capacity factor), prints:
   activation dtype), and that times the MoE layers whose dispatch output
   stays alive for backward under the configured activation checkpointing;
 - the expert parameter bytes this rank holds, and under expert replication
-  the replica slots' weights and gradients (fetched every step, no optimizer
+  the replica slots' weights and gradients and the copy of home and replica
+  experts each MoE layer computes from (fetched every step, no optimizer
   state);
 - whether the config can drop tokens, and with a routing-statistics dump the
   expected drop rate for that routing (the contract's tail rule and padding).
@@ -186,12 +187,18 @@ def format_plan(result: Plan, world_size: int) -> list[str]:
         f"  saved MoE layers: {result.saved_layers_reason}",
     ]
     if d.replica_slots:
-        replica_bytes = d.replica_slots * d.expert_elements * d.activation_bytes
-        layers = len(report.rank_moe_layers)
+        expert_bytes = d.expert_elements * d.activation_bytes
+        replica_bytes = d.replica_slots * expert_bytes
+        # the grouped GEMM takes one weight tensor: the home experts are copied beside the fetched replicas, and
+        # backward keeps that copy, not the parameters
+        copy_bytes = (d.local_experts + d.replica_slots) * expert_bytes
+        saved = result.backends[0].saved_layers if result.backends else len(report.rank_moe_layers)
+        kept = (f"kept for backward by the {saved} saved MoE layers ({copy_bytes * saved / 2**20:,.2f} MiB)" if saved
+                else "one layer at a time (every MoE layer is recomputed)")
         lines.append(
             f"  replica slots: {d.replica_slots} per MoE layer, weights fetched every step: {replica_bytes / 2**20:,.2f} "
-            f"MiB per layer while it computes, and as much gradient in its backward (no optimizer state); "
-            f"{replica_bytes * layers / 2**20:,.2f} MiB over the {layers} MoE layers when all are kept for backward"
+            f"MiB per layer, and as much gradient back (no optimizer state); the experts compute from a copy of the "
+            f"{d.local_experts} home experts beside the replicas, {copy_bytes / 2**20:,.2f} MiB per layer, {kept}"
         )
     for b in result.backends:
         lines += [
