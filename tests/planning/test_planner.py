@@ -120,13 +120,21 @@ def test_replica_slots_enter_the_plan(harness):
     assert non_blocking.rows_worst == int(dims.tokens * 2 * min(4 + 2, 3) * 0.5)
     line = next(line for line in format_plan(result, WORLD) if "replica slots" in line)
     # 2 slots x 196,608 weights x 2 bytes (bf16) = 0.75 MiB; the copy the experts compute from holds the 4 home
-    # experts too: 2.25 MiB per layer, kept by each of the 5 saved MoE layers
+    # experts too: 2.25 MiB per layer, kept by each of the 5 MoE layers without activation checkpointing
     assert line.startswith("  replica slots: 2 per MoE layer, weights fetched every step: 0.75 MiB per layer"), line
-    assert line.endswith("a copy of the 4 home experts beside the replicas, 2.25 MiB per layer, kept for backward by "
-                         "the 5 saved MoE layers (11.25 MiB)"), line
-    recomputed = _plan(JOB + ["--expert_replication.slots_per_rank", "2", "--activation_checkpoint.mode", "full"])
-    line = next(line for line in format_plan(recomputed, WORLD) if "replica slots" in line)
-    assert line.endswith("2.25 MiB per layer, one layer at a time (every MoE layer is recomputed)"), line
+    assert line.endswith("a copy of the 4 home experts beside the replicas, 2.25 MiB per layer, which backward keeps: "
+                         "11.25 MiB at the peak (5 layer(s)' copies under this activation checkpointing)"), line
+    # full: one layer's copy at a time; per op: every layer keeps its fetched replicas (replica_weights is on the
+    # save list) and one copy is rebuilt at a time; every 2 layers: MoE layers 2 and 4 keep theirs, and layer 5,
+    # the last, is recomputed beside them
+    for ac, peak in ((["--activation_checkpoint.mode", "full"], "2.25 MiB at the peak (1 layer(s)' copies"),
+                     (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
+                      "6.00 MiB at the peak (1 layer(s)' copies and 5 layers' fetched replicas"),
+                     (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"],
+                      "6.75 MiB at the peak (3 layer(s)' copies")):
+        checkpointed = _plan(JOB + ["--expert_replication.slots_per_rank", "2", *ac])
+        line = next(line for line in format_plan(checkpointed, WORLD) if "replica slots" in line)
+        assert peak in line, (ac, line)
 
 
 def test_expected_drops_follow_the_contract_example():

@@ -44,7 +44,7 @@ from torchtitan_ext.planning.cost_model import (
 )
 from torchtitan_ext.planning.measured_compute import MeasuredCompute
 from torchtitan_ext.planning.measured_rates import MeasuredRate
-from torchtitan_ext.planning.memory_plan import saved_moe_layers
+from torchtitan_ext.planning.memory_plan import replica_copies_alive, saved_moe_layers
 from torchtitan_ext.planning.replica_cost import check_replayable, replay, replica_traffic, ReplicaReplay
 from torchtitan_ext.planning.topology import Topology
 
@@ -74,6 +74,8 @@ class JobShape:
     expert_flop_share: float
     """The routed experts' share of a pass's FLOPs, in [0, 1): the part of the compute that an EP rank's
     load scales."""
+    replica_copies: tuple[int, int] = (0, 0)
+    """Under expert replication, :func:`~torchtitan_ext.planning.memory_plan.replica_copies_alive`."""
 
     @property
     def recompute_factor(self) -> float:
@@ -245,6 +247,7 @@ def job_shape(job_config, world_size: int) -> JobShape:
     _, flops_per_token = model_args.get_nparams_and_flops(model, job_config.training.seq_len)
     p, training = job_config.parallelism, job_config.training
     saved, _ = saved_moe_layers(job_config, tuple(layers), tuple(sorted(moe_layers)))
+    replica_copies = replica_copies_alive(job_config, tuple(layers), tuple(sorted(moe_layers)))
     recomputed = len(moe_layers) - saved
     microbatch = p.pipeline_parallel_microbatch_size if p.pipeline_parallel_degree > 1 else training.local_batch_size
     tokens = microbatch * training.seq_len // p.context_parallel_degree
@@ -301,7 +304,7 @@ def job_shape(job_config, world_size: int) -> JobShape:
     )
     return JobShape(
         work, len(moe_layers), recomputed, dispatches, flops_per_token * tokens, expert_world, data_parallel_sync,
-        parameter_share, routed_flops / flops_per_token,
+        parameter_share, routed_flops / flops_per_token, replica_copies,
     )
 
 
@@ -317,9 +320,11 @@ def memory_needed(shape: JobShape, ep: int, gathered_expert_bytes: int, buffer_b
     saved_layers = shape.moe_layers - shape.recomputed_layers
     rows = work.tokens * work.top_k * rows_ratio * work.hidden * work.activation_bytes * saved_layers if ep > 1 else 0
     # with replica slots each MoE layer computes from a copy of its home experts beside the replicas, which
-    # backward keeps: every saved layer's, or the one layer computing when all are recomputed
-    copy_bytes = (work.experts // ep + replica_slots) * work.expert_parameters * work.gather_bytes
-    replica_copies = copy_bytes * max(saved_layers, 1) if replica_slots else 0
+    # backward keeps; torchtitan's grouped GEMM saves a bf16 copy of it, so at most 2 bytes count (a bound)
+    expert_bytes = work.expert_parameters * min(work.gather_bytes, 2)
+    copies, fetched = shape.replica_copies
+    replica_copies = ((copies * (work.experts // ep + replica_slots) + fetched * replica_slots) * expert_bytes
+                      if replica_slots else 0)
     return round(state + 2 * gathered_expert_bytes + (buffer_bytes or 0) + rows + replica_copies)
 
 

@@ -76,6 +76,8 @@ class Plan:
     dry_run: DryRunReport
     saved_layers_reason: str
     backends: list[BackendPlan]
+    replica_copies: tuple[int, int] = (0, 0)
+    """Under expert replication, :func:`replica_copies_alive`."""
 
 
 def expected_drop_rates(stats, dims: Dimensions, num_rows: int, pad: int) -> tuple[float, tuple[int, float]]:
@@ -159,7 +161,8 @@ def plan(job_config, world_size: int, routing_stats=None) -> Plan:
             backends.append(
                 BackendPlan(name, pad, buffer_bytes, note, balanced, worst, saved, can_drop, rate, worst_layer)
             )
-    return Plan(dims, report, reason, backends)
+    copies = replica_copies_alive(job_config, report.rank_layers, report.rank_moe_layers)
+    return Plan(dims, report, reason, backends, copies)
 
 
 def _expert_elements(job_config) -> int:
@@ -189,16 +192,15 @@ def format_plan(result: Plan, world_size: int) -> list[str]:
     if d.replica_slots:
         expert_bytes = d.expert_elements * d.activation_bytes
         replica_bytes = d.replica_slots * expert_bytes
-        # the grouped GEMM takes one weight tensor: the home experts are copied beside the fetched replicas, and
-        # backward keeps that copy, not the parameters
         copy_bytes = (d.local_experts + d.replica_slots) * expert_bytes
-        saved = result.backends[0].saved_layers if result.backends else len(report.rank_moe_layers)
-        kept = (f"kept for backward by the {saved} saved MoE layers ({copy_bytes * saved / 2**20:,.2f} MiB)" if saved
-                else "one layer at a time (every MoE layer is recomputed)")
+        copies, fetched = result.replica_copies
+        peak = copies * copy_bytes + fetched * replica_bytes
+        alive = f"{copies} layer(s)' copies" + (f" and {fetched} layers' fetched replicas" if fetched else "")
         lines.append(
             f"  replica slots: {d.replica_slots} per MoE layer, weights fetched every step: {replica_bytes / 2**20:,.2f} "
             f"MiB per layer, and as much gradient back (no optimizer state); the experts compute from a copy of the "
-            f"{d.local_experts} home experts beside the replicas, {copy_bytes / 2**20:,.2f} MiB per layer, {kept}"
+            f"{d.local_experts} home experts beside the replicas, {copy_bytes / 2**20:,.2f} MiB per layer, which "
+            f"backward keeps: {peak / 2**20:,.2f} MiB at the peak ({alive} under this activation checkpointing)"
         )
     for b in result.backends:
         lines += [
@@ -221,6 +223,31 @@ def format_plan(result: Plan, world_size: int) -> list[str]:
     return lines
 
 
+def replica_copies_alive(job_config, rank_layers, rank_moe_layers) -> tuple[int, int]:
+    """(copies, fetched) at the peak under expert replication: how many MoE layers' copies of their L home
+    experts beside their S replicas are alive at once, and how many more layers keep only their S fetched
+    replicas. Each layer computes from such a copy (one tensor per projection), which backward keeps unless
+    activation checkpointing drops it: per-op selective checkpointing keeps the fetched replicas
+    (``replica_weights`` is on its save list) and rebuilds one layer's copy at a time; a recomputed layer's
+    copy lives beside those of the kept layers below it."""
+    ac = job_config.activation_checkpoint
+    moe = len(rank_moe_layers)
+    if ac.mode == "none":
+        return moe, 0
+    if ac.mode == "full":
+        return 1, 0
+    if ac.selective_ac_option == "op":
+        return 1, moe
+    wrapped = _checkpointed_layers(int(ac.selective_ac_option), rank_layers)
+    kept = sum(layer not in wrapped for layer in rank_moe_layers)
+    return kept + (bool(rank_moe_layers) and max(rank_moe_layers) in wrapped), 0
+
+
+def _checkpointed_layers(every: int, rank_layers) -> set[int]:
+    """The layers per-layer selective checkpointing wraps: every ``every``-th of the rank's, counted from 1."""
+    return {layer for index, layer in enumerate(rank_layers, start=1) if index % every == 0}
+
+
 def saved_moe_layers(job_config, rank_layers, rank_moe_layers) -> tuple[int, str]:
     """MoE layers on this rank whose dispatch output stays alive for backward, and why."""
     ac = job_config.activation_checkpoint
@@ -232,6 +259,6 @@ def saved_moe_layers(job_config, rank_layers, rank_moe_layers) -> tuple[int, str
     if ac.selective_ac_option == "op":
         return moe, "per-op selective checkpointing: dispatch is on the save list, so every MoE layer keeps its rows"
     every = int(ac.selective_ac_option)
-    wrapped = {layer for index, layer in enumerate(rank_layers, start=1) if index % every == 0}
+    wrapped = _checkpointed_layers(every, rank_layers)
     kept = sum(layer not in wrapped for layer in rank_moe_layers)
     return kept, f"per-layer selective checkpointing every {every} layers: {kept} of {moe} MoE layers keep their rows"
