@@ -313,7 +313,7 @@ STATE_BYTES_PER_PARAMETER = 16
 
 
 def memory_needed(shape: JobShape, ep: int, gathered_expert_bytes: int, buffer_bytes: int | None, rows_ratio: float,
-                  replica_slots: int = 0) -> int:
+                  replica_slots: int) -> int:
     """:attr:`Layout.memory_bytes` of a layout at ``ep``."""
     work = shape.work
     state = shape.data_parallel_sync.shard_parameters * STATE_BYTES_PER_PARAMETER
