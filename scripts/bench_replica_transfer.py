@@ -42,7 +42,7 @@ def worker(rank: int, tmp: str, experts: int, floats: int, slots: int, iteration
     from torch.distributed.distributed_c10d import _get_process_group_name
 
     from torchtitan_ext.ep.replica_split import replica_ops
-    from torchtitan_ext.ep.replicated_experts import exchange_arguments
+    from torchtitan_ext.ep.replicated_experts import exchange_arguments, redundancy_mapping
     from torchtitan_ext.ep.replication import ReplicaPlan
 
     torch.set_num_threads(1)
@@ -57,7 +57,7 @@ def worker(rank: int, tmp: str, experts: int, floats: int, slots: int, iteration
     for _ in range(iterations + 1):
         dist.barrier()
         began = time.perf_counter()
-        fetched = replica_ops().replica_weights(home, *exchange, slots, group)
+        fetched = replica_ops().replica_weights(home, *exchange, redundancy_mapping(plan), slots, group)
         middle = time.perf_counter()
         fetched.backward(torch.ones_like(fetched))
         ended = time.perf_counter()

@@ -35,8 +35,10 @@ def stand_in_cuda_home() -> Path:
 LIBRARY_BACKENDS = {
     "main": ("deepep", "deepep_legacy"),
     "hybrid-ep": ("deepep_legacy", "hybridep", "hybridep_non_blocking"),
+    "v2.5": ("deepep",),
 }
-"""What each build of the library serves: main has the V2 and v1 APIs, the hybrid-ep branch v1 and HybridEP."""
+"""What each build of the library serves: main has the V2 and v1 APIs, the hybrid-ep branch v1 and HybridEP,
+V2.5 its EPBuffer only (``deepep``'s default API there)."""
 
 DROPPING_FACTOR = 0.3
 """A non-blocking capacity factor at which the double's cases drop pairs."""
@@ -258,3 +260,78 @@ def fresh_group_worker(rank: int, ep: int) -> dict:
         logging.getLogger().removeHandler(handler)
     buffer.destroy()
     return {"destroyed": buffer.destroyed, "log": lines}
+
+
+def lb_fetch_worker(rank: int, ep: int) -> dict:
+    """One layer's replica weights out and their gradients home through ``replica_weights``: by all-to-all,
+    then through DeepEP V2.5's load-balancing kernels (the transport an ``EPBuffer`` registers), then by
+    all-to-all again once that buffer is destroyed. bf16 experts of 16 elements (32 bytes, the kernels'
+    row multiple); per run the fetched rows, the home gradient, the collectives and the LB calls."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_process_group_name
+
+    use_double("v2.5")
+    import deep_ep
+    from torchtitan_ext.config import MoEShape
+    from torchtitan_ext.ep.kernels.deep_ep import ep_buffer
+    from torchtitan_ext.ep.kernels.deepep_apis import EPBufferAPI
+    from torchtitan_ext.ep.replica_split import replica_ops
+    from torchtitan_ext.ep.replicated_experts import exchange_arguments, redundancy_mapping
+    from torchtitan_ext.ep.replication import ReplicaPlan
+
+    calls = []
+    for name in ("lb_prefetch_weights", "lb_reduce_grads"):
+        original = getattr(deep_ep.EPBuffer, name)
+        setattr(deep_ep.EPBuffer, name, lambda self, *a, _o=original, _n=name, **k: calls.append(_n) or _o(self, *a, **k))
+    group = dist.group.WORLD
+    plan = ReplicaPlan(4, ep, ((3, 2), (0, -1)))
+
+    def run() -> dict:
+        del calls[:]
+        home = torch.arange(2 * 16, dtype=torch.bfloat16).view(2, 16).add(100 * rank).requires_grad_()
+        counter = HostSyncCounter()
+        with counter:
+            fetched = replica_ops().replica_weights(
+                home, *exchange_arguments(plan, rank), redundancy_mapping(plan), 2, _get_process_group_name(group)
+            )
+            (fetched * torch.tensor([[1.0], [10.0]], dtype=torch.bfloat16)).sum().backward()
+        return {"fetched": fetched.detach().float(), "grad": home.grad.float(), "events": dict(counter.events),
+                "lb_calls": list(calls)}
+
+    results = {"all_to_all": run()}
+    shape = MoEShape(hidden_dim=32, num_experts=8, top_k=2, max_tokens_per_rank=64)
+    buffer, transport = ep_buffer(group, shape, 2, 16, torch.bfloat16)
+    api = EPBufferAPI(buffer, None, transport)
+    results["lb_kernels"] = run()
+    results["lb_region_bytes"] = buffer.num_lb_bytes
+    api.destroy()
+    results["after_destroy"] = run()
+    return results
+
+
+def lb_model_worker(rank: int, world_size: int, model: str) -> dict:
+    """A tiny ``model`` (the gradient matrix's) with 2 replica slots per rank, EP = 2, FSDP in bf16, over
+    deepep: through DeepEP V2.5's double (replicas by its load-balancing kernels) and through the reference
+    (replicas by all-to-all). Per implementation the loss and gradients, and the LB calls made."""
+    os.chdir(Path(__file__).resolve().parents[2])
+    use_double("v2.5")
+    import deep_ep
+    from tests.models.gradient_cases import Cell, run_cell
+    from torchtitan_ext.ep.base import destroy_kernel_buffers
+    from torchtitan_ext.training import prepare
+
+    prepare()
+    calls = []
+    for name in ("lb_prefetch_weights", "lb_reduce_grads"):
+        original = getattr(deep_ep.EPBuffer, name)
+        setattr(deep_ep.EPBuffer, name, lambda self, *a, _o=original, _n=name, **k: calls.append(_n) or _o(self, *a, **k))
+    results = {}
+    for implementation in ("deep_ep", "reference"):
+        overrides = ("--parallelism.expert_parallel_degree", "2", "--training.mixed_precision_param", "bfloat16",
+                     "--deepep.implementation", implementation)
+        cell = Cell(f"v2_5_{implementation}", model, "deepep", world_size, overrides, bf16=True, replicas=2)
+        del calls[:]
+        results[implementation] = {**run_cell(rank, world_size, cell), "lb_calls": sorted(set(calls)),
+                                   "lb_call_count": len(calls)}
+        destroy_kernel_buffers()  # as a job ends: the EPBuffer goes, and its transport with it
+    return results

@@ -18,10 +18,10 @@ import sys
 import pytest
 import torch
 
-from tests.ep.deep_ep_double.manifest import HYBRID_EP_BUILD, MANIFEST
+from tests.ep.deep_ep_double.manifest import HYBRID_EP_BUILD, MANIFEST, V2_5_BUILD, V2_5_REMOVED
 from tests.ep.double_cases import (
-    adapters_worker, DOUBLE_DIR, fp32_worker, fresh_group_worker, host_sync_worker, LIBRARY_BACKENDS, lifetime_worker,
-    unmeasurable_bandwidth_worker,
+    adapters_worker, DOUBLE_DIR, fp32_worker, fresh_group_worker, host_sync_worker, lb_fetch_worker, lb_model_worker,
+    LIBRARY_BACKENDS, lifetime_worker, unmeasurable_bandwidth_worker,
 )
 from tests.ep.cases import Case
 from tests.helpers import run_distributed
@@ -73,6 +73,20 @@ def test_double_has_the_manifests_signatures(double_modules):
         assert _rendered(inspect.signature(target)) == signature, (qualified, repo, commit, path)
 
 
+def test_v2_5_double_has_the_manifests_signatures_and_no_v1(installed_build):
+    """DeepEP V2.5 exports EPBuffer (V2's buffer split by job, with the load-balancing kernels) and no
+    Buffer or ElasticBuffer: the double of that build has exactly the manifest's signatures."""
+    installed_build("v2.5")
+    library = importlib.import_module("deep_ep")
+    assert library.__version__ == "2.5.0"
+    for qualified, (signature, _, repo, commit, path) in V2_5_BUILD.items():
+        target = library
+        for name in qualified.split("."):
+            target = getattr(target, name)
+        assert _rendered(inspect.signature(target)) == signature, (qualified, repo, commit, path)
+    assert not [name for name in V2_5_REMOVED if hasattr(library, name)]
+
+
 @pytest.fixture(scope="module", params=sorted(LIBRARY_BACKENDS))
 def adapters(request):
     return request.param, run_distributed(EP, adapters_worker, request.param, CASES, AC_CASE)
@@ -101,7 +115,7 @@ def test_dropped_pairs_through_the_library_equal_the_reference(adapters):
     count per rank, read from the library's handle as from the reference's."""
     build, results = adapters
     if build != "hybrid-ep":
-        pytest.skip("DeepEP main has no HybridEP: the hybrid-ep build's parameter runs this")
+        pytest.skip("this build has no HybridEP: the hybrid-ep build's parameter runs this")
     total = 0
     for rank_results in results:
         for case in CASES:
@@ -163,10 +177,10 @@ def installed_build(monkeypatch):
     return use
 
 
-@pytest.mark.parametrize("build, api", [("main", "elastic"), ("hybrid-ep", "legacy")])
+@pytest.mark.parametrize("build, api", [("main", "elastic"), ("hybrid-ep", "legacy"), ("v2.5", "ep")])
 def test_deepep_default_api_follows_the_installed_build(installed_build, build, api):
-    """[deepep] left at its defaults on CUDA: V2 where the build has ElasticBuffer, v1 on the
-    hybrid-ep branch (which has none), and the job config validates on both."""
+    """[deepep] left at its defaults on CUDA: V2.5 where the build has EPBuffer, V2 where it has
+    ElasticBuffer, v1 on the hybrid-ep branch (which has neither), and the job config validates on each."""
     from torchtitan_ext.ep.deepep import resolve_api
     from torchtitan_ext.training.specs import register_train_specs
     from torchtitan_ext.config import load_job_config
@@ -372,3 +386,61 @@ def test_hybridep_checks_its_kernel_compiler_before_the_job(monkeypatch, install
         _library_job(monkeypatch, "hybridep")
         return
     assert message in _library_job_error(monkeypatch, "hybridep")
+
+
+def test_replicas_move_through_deepep_v2_5_load_balancing_kernels():
+    """With an EPBuffer alive on the EP group, a layer's replica weights go out by lb_prefetch_weights and
+    their gradients home by lb_reduce_grads (no all-to-all), with the same rows and sums as the all-to-all;
+    the buffer reserved its LB region (weights bf16 and gradients fp32, each 2 MiB-aligned); once it is
+    destroyed, replicas move by all-to-all again."""
+    results = run_distributed(EP, lb_fetch_worker)
+    all_to_all = "collective (c10d.alltoall_base_.default)"
+    for rank_results in results:
+        by_all_to_all, by_kernels, after = (rank_results[k] for k in ("all_to_all", "lb_kernels", "after_destroy"))
+        assert by_all_to_all["events"] == {all_to_all: 2} and by_all_to_all["lb_calls"] == []
+        assert by_kernels["lb_calls"] == ["lb_prefetch_weights", "lb_reduce_grads"]
+        assert all_to_all not in by_kernels["events"]
+        for key in ("fetched", "grad"):
+            assert torch.equal(by_kernels[key], by_all_to_all[key]), key
+            assert torch.equal(after[key], by_all_to_all[key]), key
+        assert after["events"] == {all_to_all: 2} and after["lb_calls"] == []
+        assert rank_results["lb_region_bytes"] == 2 * 2 * 1024 * 1024
+    # rank 1's second slot is unused: 0, as the all-to-all leaves it
+    assert torch.equal(results[1]["lb_kernels"]["fetched"][1], torch.zeros(16))
+
+
+@pytest.mark.parametrize("model", ["deepseek_v3", "llama4"])
+def test_replication_through_deepep_v2_5_equals_the_reference(model):
+    """A whole model step with 2 replica slots per rank (EP = 2, FSDP, bf16) over deepep on V2.5: the
+    library's double (dispatch and combine through EPBuffer, replicas through its load-balancing kernels)
+    gives the reference's loss and gradients (all-to-all replicas), bit for bit."""
+    results = run_distributed(EP, lb_model_worker, model)
+    for rank_results in results:
+        library, reference = rank_results["deep_ep"], rank_results["reference"]
+        assert library["lb_calls"] == ["lb_prefetch_weights", "lb_reduce_grads"]
+        assert library["lb_call_count"] >= 4  # out and home, for every MoE layer
+        assert reference["lb_calls"] == []
+        assert library["loss"] == reference["loss"]
+        assert library["grads"].keys() == reference["grads"].keys()
+        for name, grad in library["grads"].items():
+            assert torch.equal(grad, reference["grads"][name]), name
+
+
+def test_an_expert_the_load_balancing_kernels_cannot_move_is_refused(installed_build, monkeypatch):
+    """DeepEP V2.5 moves replica rows of a multiple of 32 bytes: a model whose expert is not is refused
+    before the job, naming the fields and the fix (real shapes are multiples; this one is made up)."""
+    import torchtitan_ext.ep.deepep as deepep
+    from torchtitan_ext.config import ConfigError, MoEShape, parse
+
+    installed_build("v2.5")
+    job_config = parse(["--job.config_file", "train_configs/debug_model.toml", "--deepep.api", "ep",
+                        "--training.mixed_precision_param", "bfloat16", "--parallelism.expert_parallel_degree", "2",
+                        "--expert_replication.slots_per_rank", "1"])
+    shape = MoEShape(hidden_dim=256, num_experts=8, top_k=2, max_tokens_per_rank=4096)
+    deepep.DeepEPExpertParallel.validate_config(job_config, "cuda", shape)
+    monkeypatch.setattr(deepep, "routed_expert_elements", lambda job_config: 3 * 5 * 7)
+    with pytest.raises(ConfigError, match=(
+        r"^expert_replication.slots_per_rank = 1 with deepep.api = 'ep': DeepEP's load-balancing kernels move "
+        r"experts of a multiple of 32 bytes, and one routed expert is 210: set deepep.api = 'elastic'$"
+    )):
+        deepep.DeepEPExpertParallel.validate_config(job_config, "cuda", shape)

@@ -15,7 +15,7 @@ import torch
 
 from tests.helpers import run_distributed
 from torchtitan_ext.ep.replica_split import split_quotas, SplitTables, SWEEPS, UNREACHABLE, water_fill
-from torchtitan_ext.ep.replicated_experts import exchange_arguments
+from torchtitan_ext.ep.replicated_experts import exchange_arguments, redundancy_mapping
 from torchtitan_ext.ep.replication import ReplicaPlan
 
 EP = 2
@@ -197,7 +197,9 @@ def _weights_worker(rank: int, world_size: int) -> dict:
 
     plan = ReplicaPlan(4, world_size, ((3, 2), (0, -1)))
     home = torch.arange(2 * 3, dtype=torch.float32).view(2, 3).add(100 * rank).requires_grad_()
-    fetched = replica_ops().replica_weights(home, *exchange_arguments(plan, rank), 2, _get_process_group_name(dist.group.WORLD))
+    fetched = replica_ops().replica_weights(
+        home, *exchange_arguments(plan, rank), redundancy_mapping(plan), 2, _get_process_group_name(dist.group.WORLD)
+    )
     weight = torch.tensor([[1.0], [10.0]])
     (fetched * weight).sum().backward()
     return {"fetched": fetched.detach(), "grad": home.grad}
@@ -229,7 +231,7 @@ def _host_sync_worker(rank: int, world_size: int) -> dict:
     counter = HostSyncCounter()
     with counter:
         router.assign(home_slots, counting=True)
-        fetched = replica_ops().replica_weights(home, *exchange_arguments(plan, rank), 1,
+        fetched = replica_ops().replica_weights(home, *exchange_arguments(plan, rank), redundancy_mapping(plan), 1,
                                                 _get_process_group_name(dist.group.WORLD))
         fetched.sum().backward()
     return dict(counter.events)

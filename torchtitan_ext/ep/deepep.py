@@ -1,4 +1,4 @@
-"""The ``deepep`` backend: DeepEP's normal-mode kernels, through its V2 or its v1 API.
+"""The ``deepep`` backend: DeepEP's normal-mode kernels, through its V2.5, V2 or v1 API.
 
 Dispatch sends each token once to every rank that owns one of its experts;
 the received rows are expanded per local pick and stably sorted by local
@@ -10,10 +10,12 @@ whose score is exactly 0 are not sent (torchtitan's masking). Autograd:
 dispatch backward is a combine of the gradient (with the top-k weights'
 gradients), combine backward a cached dispatch.
 
-``[deepep] api`` picks DeepEP's V2 ``ElasticBuffer`` or its v1 ``Buffer``
-(:mod:`torchtitan_ext.ep.kernels.deepep_apis`); ``[deepep] implementation``
-the real library or the reference. One buffer is shared by all MoE layers
-and created at the first dispatch.
+``[deepep] api`` picks DeepEP V2.5's ``EPBuffer``, V2's ``ElasticBuffer`` or
+v1's ``Buffer`` (:mod:`torchtitan_ext.ep.kernels.deepep_apis`); ``[deepep]
+implementation`` the real library or the reference. One buffer is shared by
+all MoE layers and created at the first dispatch. Under expert replication,
+an ``EPBuffer`` whose NVLink domain is the whole EP group also carries the
+replicas' weights and gradients (its load-balancing kernels).
 """
 
 from dataclasses import dataclass
@@ -23,7 +25,7 @@ from typing import Literal
 import torch
 from torchtitan.config import TORCH_DTYPE_MAP
 
-from torchtitan_ext.config import ConfigError, MoEShape, Range
+from torchtitan_ext.config import ConfigError, meta_model, MoEShape, Range
 from torchtitan_ext.ep.base import (
     check_kernels,
     RoutedExpertParallel,
@@ -40,8 +42,12 @@ from torchtitan_ext.ep.kernels.deepep_apis import APIS
 from torchtitan_ext.ep.layout import block_destinations
 from torchtitan_ext.ep.published_rates import nearest_sms, PublishedRate
 
-LIBRARY_CLASS = {"legacy": "Buffer", "elastic": "ElasticBuffer"}
+LIBRARY_CLASS = {"legacy": "Buffer", "elastic": "ElasticBuffer", "ep": "EPBuffer"}
 """The deep_ep class behind each API."""
+
+LB_ROW_ALIGNMENT = 32
+"""Bytes one expert's row in DeepEP V2.5's load-balancing kernels is a multiple of (``deep_ep.get_num_tma_alignment()``,
+its README at 93eb6eb)."""
 
 INTRANODE_RANKS = (2, 4, 8)
 """EP degrees DeepEP's v1 intranode kernels are instantiated for."""
@@ -85,24 +91,27 @@ PUBLISHED_RATES = {
                       "docs/published_ep_figures.md 3.2: DeepEP main README, SM90 + CX7 EP 8 x 4, 6 SMs"),
     ),
 }
+PUBLISHED_RATES["ep"] = PUBLISHED_RATES["elastic"]
 """Per API: the figures DeepEP publishes for its normal kernels (V2 has none for NVLink at SM90: its SM100
-figures, as a fraction of NVLink 5's rate, stand for both NVLink kinds)."""
+figures, as a fraction of NVLink 5's rate, stand for both NVLink kinds). V2.5's ``EPBuffer`` is V2's buffer
+split by job, and its README (DeepEP 93eb6eb) publishes no figures of its own: V2's stand for it."""
 
 
 def resolve_api(api: str, implementation: str, device_type: str | None) -> str:
-    """``"elastic"`` or ``"legacy"`` for ``[deepep] api`` and ``implementation`` on ``device_type``.
+    """``"ep"``, ``"elastic"`` or ``"legacy"`` for ``[deepep] api`` and ``implementation`` on ``device_type``.
 
-    ``auto``: V2 (elastic), unless the job runs the installed deep_ep and that
-    build has no ``ElasticBuffer`` (the hybrid-ep branch, or a release before
-    v2), where v1 is all there is. With ``device_type`` None (a plan for a
-    machine not known yet) ``auto`` kernels assume DeepEP main.
+    ``auto``, when the job runs the installed deep_ep: V2.5 (ep) where it has
+    ``EPBuffer``, else V2 (elastic) where it has ``ElasticBuffer``, else v1
+    (the hybrid-ep branch, or a release before v2). Otherwise (the reference,
+    or ``device_type`` None: a plan for a machine not known yet) V2, DeepEP
+    main as pinned (v2.1.0).
     """
     if api != "auto":
         return api
     runs_library = implementation == "deep_ep" or (device_type is not None and uses_library(implementation, device_type))
-    if runs_library and not library_has("ElasticBuffer"):
-        return "legacy"
-    return "elastic"
+    if not runs_library:
+        return "elastic"
+    return next((api for api in ("ep", "elastic") if library_has(LIBRARY_CLASS[api])), "legacy")
 
 
 def _check_library_rank_count(ep: int) -> None:
@@ -134,19 +143,39 @@ def hidden_bytes(hidden_dim: int, element_size: int) -> int:
     return hidden_dim * max(element_size, 2)
 
 
-def _create_kernels(section, shape: MoEShape, group, example: torch.Tensor):
-    """The API adapter over a new buffer: the library's or the reference's."""
-    class_name = LIBRARY_CLASS[resolve_api(section.api, section.implementation, example.device.type)]
-    implementation = resolve_implementation("deepep", section.implementation, example.device.type, class_name)
-    api = "elastic" if class_name == "ElasticBuffer" else "legacy"
+def routed_expert_elements(job_config) -> int:
+    """Elements of one routed expert's weights, all projections, in the job's model (before it is built)."""
+    model = meta_model(job_config)
+    experts = next(block.moe.experts for block in model.layers.values() if block.moe_enabled)
+    return sum(weight[0].numel() for weight in (experts.w1, experts.w2, experts.w3))
+
+
+@dataclass
+class _ReplicaRows:
+    """What an ``EPBuffer``'s load-balancing region holds: ``slots`` replicas of ``elements`` each (one
+    routed expert's weights, all projections, as the layer the style is applied to has them)."""
+
+    slots: int
+    elements: int = 0
+
+
+def _create_kernels(job_config, shape: MoEShape, replica_rows: _ReplicaRows, group, example: torch.Tensor):
+    """The API adapter over a new buffer: the library's or the reference's (whose V2 buffer takes V2.5's
+    calls too; its replicas move by all-to-all)."""
+    section = job_config.deepep
+    api = resolve_api(section.api, section.implementation, example.device.type)
+    implementation = resolve_implementation("deepep", section.implementation, example.device.type, LIBRARY_CLASS[api])
     if implementation == "deep_ep":
         from torchtitan_ext.ep.kernels import deep_ep
 
         _check_library_dtype(example)
         if api == "legacy":
             buffer = deep_ep.deepep_buffer(group, hidden_bytes(shape.hidden_dim, example.element_size()), section.num_sms)
-        else:
+        elif api == "elastic":
             buffer = deep_ep.elastic_buffer(group, shape)
+        else:
+            buffer, transport = deep_ep.ep_buffer(group, shape, replica_rows.slots, replica_rows.elements, example.dtype)
+            return APIS[api](buffer, section.num_sms, transport)
     else:
         from torchtitan_ext.ep.kernels.reference import ReferenceBuffer, ReferenceElasticBuffer
 
@@ -179,7 +208,7 @@ class _DeepEPDispatchState:
 
 
 class DeepEPExpertParallel(RoutedExpertParallel):
-    """EP over DeepEP's normal-mode kernels (V2 ElasticBuffer or v1 Buffer)."""
+    """EP over DeepEP's normal-mode kernels (V2.5 EPBuffer, V2 ElasticBuffer or v1 Buffer)."""
 
     @dataclass
     class Config:
@@ -196,20 +225,28 @@ class DeepEPExpertParallel(RoutedExpertParallel):
           same calls with the same results, on any device. Slow; for debugging and CI.
         """
 
-        api: Literal["auto", "elastic", "legacy"] = "auto"
+        api: Literal["auto", "ep", "elastic", "legacy"] = "auto"
         """
         Which DeepEP API drives the kernels.
 
-        - "elastic": DeepEP V2's ``ElasticBuffer`` (DeepEP main, v2.1+): fewer SMs,
+        - "ep": DeepEP V2.5's ``EPBuffer`` (V2's buffer split by job; V2.5 removed
+          ``Buffer`` and ``ElasticBuffer``). Needs NCCL >= 2.32.3 and torch >= 2.10.
+          Under expert replication, with the whole EP group in one NVLink domain,
+          its load-balancing kernels carry the replicas' weights (out) and fp32
+          gradients (home) instead of all-to-alls; otherwise replicas move by
+          all-to-all, as the job's log says.
+        - "elastic": DeepEP V2's ``ElasticBuffer`` (DeepEP main, v2.1): fewer SMs,
           per-expert receive counts on the device. Needs NCCL >= 2.30.4, torch >= 2.10
           and NVSHMEM on the cluster.
-        - "legacy": the v1 ``Buffer`` (still exported by DeepEP main; the only one in
-          builds of the hybrid-ep branch). EP degrees 2, 4, 8 within a node, or
+        - "legacy": the v1 ``Buffer`` (exported by DeepEP main up to v2.1; the only one
+          in builds of the hybrid-ep branch). EP degrees 2, 4, 8 within a node, or
           multiples of 8 across nodes.
-        - "auto": elastic, unless the installed deep_ep has no ``ElasticBuffer``.
+        - "auto": with the installed deep_ep, the newest it has (ep, elastic, legacy);
+          with the reference, or in a plan for a machine not known yet, elastic.
 
-        Both take the same routing and give the same results; the reference
-        implements both.
+        All take the same routing and give the same results; the reference
+        implements elastic and legacy, and runs "ep" through its elastic buffer
+        (the same calls), moving replicas by all-to-all.
         """
 
         num_sms: int | None = None
@@ -231,8 +268,9 @@ class DeepEPExpertParallel(RoutedExpertParallel):
 
     @classmethod
     def layer_factory(cls, job_config, shape: MoEShape):
-        buffer = SharedKernelBuffer(partial(_create_kernels, job_config.deepep, shape))
-        return partial(cls, buffer=buffer, pad_multiple=token_group_alignment(job_config))
+        replica_rows = _ReplicaRows(job_config.expert_replication.slots_per_rank)
+        buffer = SharedKernelBuffer(partial(_create_kernels, job_config, shape, replica_rows))
+        return partial(cls, buffer=buffer, replica_rows=replica_rows, pad_multiple=token_group_alignment(job_config))
 
     @classmethod
     def validate_config(cls, job_config, device_type: str | None, shape: MoEShape) -> None:
@@ -262,6 +300,14 @@ class DeepEPExpertParallel(RoutedExpertParallel):
             )
         if api == "legacy" and device_type is not None:
             _check_library_rank_count(ep)
+        if api == "ep" and job_config.expert_replication.slots_per_rank:
+            row_bytes = routed_expert_elements(job_config) * 2
+            if row_bytes % LB_ROW_ALIGNMENT:
+                raise ConfigError(
+                    f"expert_replication.slots_per_rank = {job_config.expert_replication.slots_per_rank} with "
+                    f"deepep.api = 'ep': DeepEP's load-balancing kernels move experts of a multiple of "
+                    f"{LB_ROW_ALIGNMENT} bytes, and one routed expert is {row_bytes}: set deepep.api = 'elastic'"
+                )
 
     @classmethod
     def kernel_nvlink_ranks(cls, job_config) -> int | None:
@@ -272,9 +318,10 @@ class DeepEPExpertParallel(RoutedExpertParallel):
 
     @classmethod
     def advised_alternatives(cls, job_config) -> tuple[dict[str, object], ...]:
-        """The other API: v1's kernels reach 8 NVLink peers, V2's the machine's, and each has its own figures."""
+        """The other kernels: v1's reach 8 NVLink peers, V2's (and V2.5's, the same) the machine's, and each has
+        its own figures."""
         section = job_config.deepep
-        return ({"api": "legacy" if resolve_api(section.api, section.implementation, None) == "elastic" else "elastic"},)
+        return ({"api": "elastic" if resolve_api(section.api, section.implementation, None) == "legacy" else "legacy"},)
 
     @classmethod
     def rate_settings(cls, job_config) -> tuple:
@@ -291,9 +338,9 @@ class DeepEPExpertParallel(RoutedExpertParallel):
     @classmethod
     def planned_buffer(cls, job_config, shape: MoEShape) -> tuple[int | None, str]:
         section = job_config.deepep
-        if resolve_api(section.api, section.implementation, None) == "elastic":
+        if resolve_api(section.api, section.implementation, None) != "legacy":
             return None, (
-                "ElasticBuffer sizes itself from the NCCL communicator (get_buffer_size_hint needs the live group): "
+                "ElasticBuffer (V2.5: EPBuffer) sizes itself from the NCCL communicator (get_buffer_size_hint needs the live group): "
                 "the job logs its size at the first dispatch; the reference allocates none"
             )
         from torchtitan_ext.ep.kernels.deep_ep import deepep_buffer_bytes
@@ -312,7 +359,7 @@ class DeepEPExpertParallel(RoutedExpertParallel):
     @classmethod
     def describe(cls, job_config, shape: MoEShape) -> dict[str, str]:
         section = job_config.deepep
-        api = section.api if section.api != "auto" else "auto (elastic where deep_ep has ElasticBuffer)"
+        api = section.api if section.api != "auto" else "auto (the newest of ep, elastic, legacy deep_ep has)"
         return {
             **super().describe(job_config, shape),
             "kernels": _implementation_description(section.implementation),
@@ -320,10 +367,16 @@ class DeepEPExpertParallel(RoutedExpertParallel):
             "SMs": str(section.num_sms or "library default"),
         }
 
-    def __init__(self, *, buffer: SharedKernelBuffer, **base_kwargs):
+    def __init__(self, *, buffer: SharedKernelBuffer, replica_rows: _ReplicaRows | None = None, **base_kwargs):
         """``base_kwargs``: :class:`RoutedExpertParallel`'s (score_before_experts, ...)."""
         super().__init__(**base_kwargs)
         self.buffer = buffer
+        self.replica_rows = replica_rows
+
+    def _apply(self, module: torch.nn.Module, device_mesh):
+        if self.replica_rows is not None:
+            self.replica_rows.elements = sum(weight[0].numel() for weight in (module.w1, module.w2, module.w3))
+        return super()._apply(module, device_mesh)
 
     def dispatch(self, x, scores, expert_ids, num_experts, group):
         from torchtitan_ext.ep.ops.deepep import deepep_dispatch

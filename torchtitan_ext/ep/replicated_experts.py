@@ -6,7 +6,8 @@ rank's shard of the parameters) and S replica slots whose weights come from
 their home ranks through ``torchtitan_ext::replica_weights`` (one all-to-all
 of whole experts, forward; the gradients' way home, backward). Home weights
 stay the only parameters, so the optimizer, FSDP and checkpoints see logical
-experts only.
+experts only. Where the backend's library moves replicas itself (DeepEP V2.5's
+load-balancing kernels), the op goes through it (:mod:`torchtitan_ext.ep.ops.replicas`).
 """
 
 import torch
@@ -32,12 +33,18 @@ def exchange_arguments(plan: ReplicaPlan, rank: int) -> tuple[list[int], list[in
     return send_local, send_counts, recv_counts, recv_slot
 
 
+def redundancy_mapping(plan: ReplicaPlan) -> list[int]:
+    """The plan's replica slots, rank after rank: each one's home slot, -1 when unused."""
+    return [home for held in plan.replicas for home in held]
+
+
 class ExpertsWithReplicas(GroupedExperts):
     """GroupedExperts computing home experts and replica slots (adopted in place)."""
 
     slots: int
     group = None
     exchange: tuple[list[int], list[int], list[int], list[int]]
+    redundancy_mapping: list[int]
     bytes_per_expert: int = 0
     """One expert's weights as the last forward fetched them (its compute dtype), for reports."""
 
@@ -52,13 +59,16 @@ class ExpertsWithReplicas(GroupedExperts):
 
     def set_plan(self, plan: ReplicaPlan) -> None:
         self.exchange = exchange_arguments(plan, torch.distributed.get_rank(self.group))
+        self.redundancy_mapping = redundancy_mapping(plan)
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         home = [w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3)]
         local = home[0].shape[0]
         flat = torch.cat([w.reshape(local, -1) for w in home], dim=1)
         self.bytes_per_expert = flat.shape[1] * flat.element_size()
-        fetched = replica_ops().replica_weights(flat, *self.exchange, self.slots, _get_process_group_name(self.group))
+        fetched = replica_ops().replica_weights(
+            flat, *self.exchange, self.redundancy_mapping, self.slots, _get_process_group_name(self.group)
+        )
         pieces = fetched.split([w[0].numel() for w in home], dim=1)
         w1, w2, w3 = (torch.cat([w, piece.view(self.slots, *w.shape[1:])]) for w, piece in zip(home, pieces))
         if self.use_grouped_mm:

@@ -94,3 +94,51 @@ HYBRID_EP_BUILD = {
 }
 """Where the hybrid-ep branch's build differs from MANIFEST in what the adapters call (the rest of
 its v1 ``Buffer`` has main's signatures)."""
+
+DEEPEP_V2_5_EP = ("deepseek-ai/DeepEP", "13b3abaa6a896e65fc9a11d8aedc83afd80804ee")
+"""DeepEP V2.5's deep_ep/buffers/ep.py, as stored at that commit (the README of the release: 93eb6eb2)."""
+DEEPEP_V2_5_ALLOCATOR = ("deepseek-ai/DeepEP", "1a1ffbac1f9ba94e1f731f7647b5d6353fb38ade")
+DEEPEP_V2_5_EVENT = ("deepseek-ai/DeepEP", "def865146e95aa9ea223e277c0a8a4c6b81e5ac7")
+DEEPEP_V2_5_COMM = ("deepseek-ai/DeepEP", "93eb6eb238127e96c6d7a4a625a6dad158348509")
+
+EP = "deep_ep/buffers/ep.py"
+
+V2_5_BUILD = {
+    "EPBuffer.__init__": (
+        "(self, group, num_bytes=None, num_max_tokens_per_rank=0, hidden=0, num_topk=0, use_fp8_dispatch=False, "
+        "lb_allocation_plan_or_num_bytes=0, deterministic=False, allow_hybrid_mode=True, "
+        "allow_multiple_reduction=True, prefer_overlap_with_compute=True, sl_idx=None, num_allocated_qps=0, "
+        "num_cpu_timeout_secs=300, num_gpu_timeout_secs=100, explicitly_destroy=False)", None, *DEEPEP_V2_5_EP, EP),
+    "EPBuffer.get_theoretical_num_sms": (
+        "(self, num_experts, num_topk, num_scaleout_topk=0, rdma_gbs=0, nvlink_gbs=0, sm_read_gbs=0, sm_write_gbs=0)",
+        None, *DEEPEP_V2_5_EP, EP),
+    "EPBuffer.dispatch": (
+        "(self, x, topk_idx=None, topk_weights=None, cumulative_local_expert_recv_stats=None, num_experts=None, "
+        "num_max_tokens_per_rank=None, expert_alignment=None, num_sms=0, num_qps=0, previous_event=None, "
+        "async_with_compute_stream=False, allocate_on_comm_stream=False, handle=None, do_handle_copy=False, "
+        "do_cpu_sync=None, do_expand=False, do_zero_padding=False, use_tma_aligned_col_major_sf=False, "
+        "defer_epilogue=False)", 5, *DEEPEP_V2_5_EP, EP),
+    "EPBuffer.combine": (
+        "(self, x, handle, topk_weights=None, bias=None, num_sms=0, num_qps=0, previous_event=None, "
+        "async_with_compute_stream=False, allocate_on_comm_stream=False, defer_epilogue=False)",
+        3, *DEEPEP_V2_5_EP, EP),
+    "EPBuffer.lb_prefetch_weights": (
+        "(self, redundant_expert_weights, expert_weights, redundancy_mapping, num_sms=0, previous_event=None)",
+        None, *DEEPEP_V2_5_EP, EP),
+    "EPBuffer.lb_reduce_grads": (
+        "(self, redundant_expert_grads, expert_grads, redundancy_mapping, num_sms=0, previous_event=None)",
+        None, *DEEPEP_V2_5_EP, EP),
+    "EPBuffer.destroy": ("(self)", None, *DEEPEP_V2_5_EP, EP),
+    "EPHandle.__init__": MANIFEST["EPHandle.__init__"][:2] + (*DEEPEP_V2_5_EP, EP),
+    "BufferAllocator.__init__": ("(self)", None, *DEEPEP_V2_5_ALLOCATOR, "deep_ep/buffers/allocator.py"),
+    "BufferAllocator.allocate": ("(self, shape, dtype)", None, *DEEPEP_V2_5_ALLOCATOR, "deep_ep/buffers/allocator.py"),
+    "EventOverlap.__init__": ("(self, event=None, extra_tensors=None)", None, *DEEPEP_V2_5_EVENT,
+                              "deep_ep/utils/event.py"),
+    "EventOverlap.current_stream_wait": ("(self, release_handle=False)", None, *DEEPEP_V2_5_EVENT,
+                                         "deep_ep/utils/event.py"),
+    "get_physical_domain_size": ("(group)", None, *DEEPEP_V2_5_COMM, "deep_ep/comm (exported by deep_ep/__init__.py)"),
+}
+"""DeepEP V2.5's API as the adapters call it: the package exports these, and no ``Buffer`` or ``ElasticBuffer``
+("Fully remove V1"; ``ElasticBuffer`` split into ``EPBuffer`` and others)."""
+
+V2_5_REMOVED = ("Buffer", "Config", "ElasticBuffer", "HybridEPBuffer")

@@ -20,6 +20,7 @@ LIBRARY_DEVICE_TYPE = "cuda"
 INSTALL_HINT = {
     "Buffer": "build DeepEP from source on this CUDA machine (docs/backends.md#installing-deep_ep)",
     "ElasticBuffer": "build DeepEP main (v2.1+) from source on this CUDA machine (docs/backends.md#installing-deep_ep)",
+    "EPBuffer": "build DeepEP V2.5 (main after v2.1) from source on this CUDA machine (docs/backends.md#installing-deep_ep)",
     "HybridEPBuffer": "build DeepEP's hybrid-ep branch from source on this CUDA machine (docs/backends.md#installing-deep_ep)",
 }
 

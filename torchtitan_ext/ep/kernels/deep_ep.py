@@ -1,7 +1,9 @@
 """Constructors for the real deep_ep buffers (CUDA clusters only).
 
-``deep_ep.Buffer`` and ``deep_ep.ElasticBuffer`` are driven through
-:mod:`torchtitan_ext.ep.kernels.deepep_apis`. :class:`LibraryHybridEPBuffer` adds to ``deep_ep.HybridEPBuffer``
+``deep_ep.Buffer``, ``deep_ep.ElasticBuffer`` and ``deep_ep.EPBuffer`` are driven through
+:mod:`torchtitan_ext.ep.kernels.deepep_apis`; an ``EPBuffer`` (DeepEP V2.5) of a job
+with expert replication also moves the replicas' weights and gradients
+(:class:`LoadBalancingKernels`). :class:`LibraryHybridEPBuffer` adds to ``deep_ep.HybridEPBuffer``
 the one thing the backend asks beyond the library's calls: how many pairs a
 dispatch kept, from which the metrics count the dropped ones.
 
@@ -17,6 +19,8 @@ import time
 import torch
 import torch.distributed as dist
 from torchtitan.tools.logging import logger
+
+from torchtitan_ext.ep.base import to_device
 
 
 def deepep_buffer_bytes(group_size: int, hidden_bytes: int, num_sms: int | None) -> tuple[int, int]:
@@ -65,6 +69,86 @@ def elastic_buffer(group, shape):
         f"{shape.max_tokens_per_rank} tokens per rank over {group.size()} ranks"
     )
     return buffer
+
+
+class LoadBalancingKernels:
+    """Replica weights and gradients through DeepEP V2.5's ``lb_prefetch_weights`` / ``lb_reduce_grads``.
+
+    Both are collective over the buffer's NVLink domain, which must be the
+    whole EP group, so that the library's domain-local expert ids are the
+    plan's home slots. ``weights`` [S, F] (the experts' compute dtype) and
+    ``gradients`` [S, F] (fp32, the only dtype ``lb_reduce_grads`` takes) are
+    the buffer's load-balancing region, shared by every MoE layer: a fetch
+    copies the replicas out before the next layer's lands there. Gradients are
+    summed in fp32 at home and returned in the replicas' dtype.
+    """
+
+    def __init__(self, buffer, weights: torch.Tensor, gradients: torch.Tensor):
+        self.buffer = buffer
+        self.weights = weights
+        self.gradients = gradients
+
+    def _mapping(self, redundancy_mapping: list[int]) -> torch.Tensor:
+        """[ranks, S] int32 on the device, identical on every rank (the plan is)."""
+        table = torch.tensor(redundancy_mapping, dtype=torch.int32).view(-1, self.weights.shape[0])
+        return to_device(table, self.weights.device)
+
+    def fetch(self, home: torch.Tensor, redundancy_mapping: list[int]) -> torch.Tensor:
+        if home.dtype != self.weights.dtype or home.shape[1] != self.weights.shape[1]:
+            raise RuntimeError(
+                f"DeepEP's load-balancing region holds [{self.weights.shape[1]}] {self.weights.dtype} experts, "
+                f"these are [{home.shape[1]}] {home.dtype}: the experts' compute dtype must be the tokens' "
+                "(training.mixed_precision_param)"
+            )
+        mapping = self._mapping(redundancy_mapping)
+        self.buffer.lb_prefetch_weights(self.weights, home.contiguous(), mapping).current_stream_wait()
+        rank = dist.get_rank(self.buffer.group)
+        unused = (mapping[rank] < 0).unsqueeze(1)
+        return self.weights.masked_fill(unused, 0)
+
+    def return_gradients(self, grad: torch.Tensor, redundancy_mapping: list[int], home_rows: int) -> torch.Tensor:
+        self.gradients.copy_(grad)
+        summed = torch.zeros((home_rows, grad.shape[1]), dtype=torch.float32, device=grad.device)
+        self.buffer.lb_reduce_grads(self.gradients, summed, self._mapping(redundancy_mapping)).current_stream_wait()
+        return summed.to(grad.dtype)
+
+
+def ep_buffer(group, shape, replica_slots: int, expert_elements: int, weight_dtype: torch.dtype):
+    """A DeepEP V2.5 ``EPBuffer`` for ``shape``, sized by the library; with ``replica_slots``, its
+    load-balancing region for that many replicas of ``expert_elements`` each, when the EP group is one
+    NVLink domain. Returns (buffer, :class:`LoadBalancingKernels` or None: replicas move by all-to-all)."""
+    import deep_ep
+
+    # the buffer borrows the EP group's NCCL communicator, created at the group's first collective
+    dist.barrier(group=group)
+    plan = weights = gradients = None
+    if replica_slots:
+        _, nvlink_ranks = deep_ep.get_physical_domain_size(group)
+        if nvlink_ranks == group.size():
+            plan = deep_ep.BufferAllocator()
+            weights = plan.allocate((replica_slots, expert_elements), weight_dtype)
+            gradients = plan.allocate((replica_slots, expert_elements), torch.float32)
+        else:
+            logger.info(
+                f"Expert replicas move by all-to-all: DeepEP's load-balancing kernels reach one NVLink domain "
+                f"({nvlink_ranks} ranks), and the EP group has {group.size()}"
+            )
+    buffer = deep_ep.EPBuffer(
+        group,
+        num_max_tokens_per_rank=shape.max_tokens_per_rank,
+        hidden=shape.hidden_dim,
+        num_topk=shape.top_k,
+        lb_allocation_plan_or_num_bytes=plan if plan is not None else 0,
+        deterministic=torch.are_deterministic_algorithms_enabled(),
+        explicitly_destroy=True,
+    )
+    logger.info(
+        f"DeepEP EPBuffer: {buffer.num_bytes / 2**20:,.0f} MiB per rank, sized by the library for "
+        f"{shape.max_tokens_per_rank} tokens per rank over {group.size()} ranks"
+        + (f", and {buffer.num_lb_bytes / 2**20:,.1f} MiB for {replica_slots} replicas moved by its "
+           "load-balancing kernels" if plan is not None else "")
+    )
+    return buffer, (LoadBalancingKernels(buffer, weights, gradients) if plan is not None else None)
 
 
 class LibraryHybridEPBuffer:

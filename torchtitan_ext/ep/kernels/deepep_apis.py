@@ -1,4 +1,4 @@
-"""DeepEP's two APIs behind the three calls the ``deepep`` backend makes.
+"""DeepEP's three APIs behind the three calls the ``deepep`` backend makes.
 
 - :class:`LegacyAPI`: DeepEP v1 normal mode, ``deep_ep.Buffer`` (on DeepEP main
   the legacy API, deep_ep/buffers/legacy.py): ``get_dispatch_layout`` then
@@ -8,8 +8,12 @@
   ``combine(async_with_compute_stream=)``; its cached dispatch needs
   ``num_sms`` from the handle (the library computes its SM count before it
   reads the expert count from the handle).
+- :class:`EPBufferAPI`: DeepEP V2.5, ``deep_ep.EPBuffer`` (the V2 buffer split
+  by job; V2.5 exports neither ``Buffer`` nor ``ElasticBuffer``): the same three
+  calls as V2, and for a job with expert replication the replicas' transport
+  (its load-balancing kernels), registered for the EP group while the buffer lives.
 
-Each wraps a real buffer or the reference's (same signatures). Both APIs
+Each wraps a real buffer or the reference's (same signatures). Every API
 assert that torch's deterministic algorithms and
 ``fill_uninitialized_memory`` are not both on (torchtitan's
 ``debug.deterministic`` turns on both): the calls run with the latter off,
@@ -21,7 +25,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
+from torch.distributed.distributed_c10d import _get_process_group_name
 from torchtitan.tools.logging import logger
+
+from torchtitan_ext.ep.ops.replicas import register_transport, ReplicaTransport
 
 FALLBACK_SMS = 20
 """SMs for V2's dispatch and combine when the library cannot estimate them (torchtitan's choice)."""
@@ -129,11 +136,33 @@ class ElasticAPI:
             return self.buffer.dispatch(x, handle=handle, num_sms=handle.num_sms, do_cpu_sync=False)[0]
 
 
+class EPBufferAPI(ElasticAPI):
+    """DeepEP V2.5 ``EPBuffer`` (or the reference's V2 buffer, which takes the same calls).
+
+    ``replica_transport``: the buffer's load-balancing kernels, which carry the
+    EP group's replica weights until :meth:`destroy`; None: replicas move by all-to-all.
+    """
+
+    name = "ep"
+
+    def __init__(self, buffer, num_sms: int | None = None, replica_transport: ReplicaTransport | None = None):
+        super().__init__(buffer, num_sms)
+        self.replica_group = None
+        if replica_transport is not None:
+            self.replica_group = _get_process_group_name(self.group)
+            register_transport(self.replica_group, replica_transport)
+
+    def destroy(self) -> None:
+        if self.replica_group is not None:
+            register_transport(self.replica_group, None)
+        super().destroy()
+
+
 def _destroy(buffer) -> None:
     """The library's buffers (built with explicitly_destroy) are destroyed; the reference's have nothing to free."""
     if getattr(buffer, "explicitly_destroy", False):
         buffer.destroy()
 
 
-APIS: dict[str, Callable] = {"legacy": LegacyAPI, "elastic": ElasticAPI}
+APIS: dict[str, Callable] = {"legacy": LegacyAPI, "elastic": ElasticAPI, "ep": EPBufferAPI}
 """``[deepep] api`` -> its adapter."""

@@ -204,7 +204,7 @@ def _library() -> Check:
         library = import_library()
     except KernelUnavailable as e:
         return Check("deep_ep importable", "missing", str(e))
-    classes = [name for name in ("Buffer", "ElasticBuffer", "HybridEPBuffer") if hasattr(library, name)]
+    classes = [name for name in ("Buffer", "ElasticBuffer", "EPBuffer", "HybridEPBuffer") if hasattr(library, name)]
     return Check("deep_ep importable", "ok",
                  f"{getattr(library, '__version__', '(no __version__)')}: {', '.join(classes) or 'no buffer class'}")
 

@@ -5,13 +5,42 @@ Registered with torch (``torchtitan_ext::replica_weights``, ``replica_counts``)
 when a job with expert replication builds its first layer. Both are on
 selective activation checkpointing's save list, so recomputation repeats
 neither collective.
+
+Replica weights move by one all-to-all per direction, unless the EP group's
+kernel library moves them itself: a backend registers a
+:class:`ReplicaTransport` for its group (DeepEP V2.5's load-balancing kernels,
+:mod:`torchtitan_ext.ep.kernels.deep_ep`), and both directions go through it.
 """
+
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from torchtitan_ext.ep.base import to_device
+
+
+class ReplicaTransport(Protocol):
+    """Moves one MoE layer's replica weights from home, and their gradients back, for one EP group."""
+
+    def fetch(self, home: torch.Tensor, redundancy_mapping: list[int]) -> torch.Tensor:
+        """[slots, F] this rank's replica weights (0 in unused slots) from every rank's ``home`` [L, F]."""
+
+    def return_gradients(self, grad: torch.Tensor, redundancy_mapping: list[int], home_rows: int) -> torch.Tensor:
+        """[home_rows, F]: the sum, per home expert of this rank, of its replicas' gradients ``grad`` [slots, F]."""
+
+
+_transports: dict[str, ReplicaTransport] = {}
+"""Group name -> the transport its backend registered (absent: all-to-all)."""
+
+
+def register_transport(group_name: str, transport: ReplicaTransport | None) -> None:
+    """Replica weights of ``group_name`` move through ``transport`` from now on (None: by all-to-all again)."""
+    if transport is None:
+        _transports.pop(group_name, None)
+    else:
+        _transports[group_name] = transport
 
 
 def _indices(values: list[int], device: torch.device) -> torch.Tensor:
@@ -26,6 +55,7 @@ def replica_weights(
     send_counts: list[int],
     recv_counts: list[int],
     recv_slot: list[int],
+    redundancy_mapping: list[int],
     slots: int,
     group_name: str,
 ) -> torch.Tensor:
@@ -33,7 +63,12 @@ def replica_weights(
 
     Sends ``home[send_local]`` in that order, ``send_counts[d]`` rows to rank d; receives
     ``recv_counts[s]`` rows from rank s, in order, into replica slots ``recv_slot``. Unused slots are 0.
+    ``redundancy_mapping``: the layer's whole plan, rank after rank, each replica slot's home slot
+    (-1: unused), which a registered transport moves all ranks' replicas by.
     """
+    transport = _transports.get(group_name)
+    if transport is not None:
+        return transport.fetch(home, redundancy_mapping)
     sent = home.index_select(0, _indices(send_local, home.device))
     received = home.new_empty((sum(recv_counts), home.shape[1]))
     dist.all_to_all_single(received, sent, recv_counts, send_counts, group=_resolve_process_group(group_name))
@@ -42,7 +77,7 @@ def replica_weights(
 
 
 @replica_weights.register_fake
-def _(home, send_local, send_counts, recv_counts, recv_slot, slots, group_name):
+def _(home, send_local, send_counts, recv_counts, recv_slot, redundancy_mapping, slots, group_name):
     return home.new_empty((slots, home.shape[1]))
 
 
@@ -53,14 +88,17 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, grad):
     """Each replica's gradient to its home rank, summed into the home expert's."""
-    send_local, send_counts, recv_counts, recv_slot, _, group_name = ctx.args
+    send_local, send_counts, recv_counts, recv_slot, redundancy_mapping, _, group_name = ctx.args
+    transport = _transports.get(group_name)
+    if transport is not None:
+        return transport.return_gradients(grad, redundancy_mapping, ctx.home_rows), *[None] * 7
     device = grad.device
     returned = grad.index_select(0, _indices(recv_slot, device)).contiguous()
     arrived = grad.new_empty((sum(send_counts), grad.shape[1]))
     dist.all_to_all_single(arrived, returned, send_counts, recv_counts, group=_resolve_process_group(group_name))
     home_grad = grad.new_zeros((ctx.home_rows, grad.shape[1]))
     home_grad.index_add_(0, _indices(send_local, device), arrived)
-    return home_grad, None, None, None, None, None, None
+    return home_grad, *[None] * 7
 
 
 replica_weights.register_autograd(_backward, setup_context=_setup)

@@ -9,8 +9,10 @@ torchtitan_ext's reference kernels, which the tests compare against it):
 
 - signatures: keyword names, defaults, keyword-only markers, return arity;
 - ``DEEP_EP_DOUBLE_BUILD``: "main" (DeepEP v2.1.0: ``Buffer`` and
-  ``ElasticBuffer``) or "hybrid-ep" (the branch build: ``Buffer`` and
-  ``HybridEPBuffer``); one build never has both HybridEP and V2;
+  ``ElasticBuffer``), "hybrid-ep" (the branch build: ``Buffer`` and
+  ``HybridEPBuffer``) or "v2.5" (DeepEP V2.5: ``EPBuffer`` with its
+  load-balancing kernels and ``BufferAllocator``, no v1, no ``ElasticBuffer``);
+  one build never has both HybridEP and V2;
 - ``DEEP_EP_DOUBLE_IMPORT_FAILURE``: "nccl" raises the NCCL binary check's
   AssertionError at import, "cuda_home" the JIT setup's;
 - host vs device: what the library returns in pinned host memory comes back
@@ -47,13 +49,21 @@ from deep_ep import _double
 
 _double.check_import()
 
-from deep_ep._buffers import Buffer, Config, EventHandle, EventOverlap, topk_idx_t  # noqa: E402,F401
+from deep_ep._buffers import EventHandle, EventOverlap, topk_idx_t  # noqa: E402,F401
 
-__version__ = "2.1.0" if _double.BUILD == "main" else "1.2.1+hybrid-ep"
+__version__ = {"main": "2.1.0", "hybrid-ep": "1.2.1+hybrid-ep", "v2.5": "2.5.0"}.get(_double.BUILD)
 
 if _double.BUILD == "main":
-    from deep_ep._buffers import ElasticBuffer, EPHandle  # noqa: E402,F401
+    from deep_ep._buffers import Buffer, Config, ElasticBuffer, EPHandle  # noqa: E402,F401
 elif _double.BUILD == "hybrid-ep":
+    from deep_ep._buffers import Buffer, Config  # noqa: E402,F401
     from deep_ep._hybrid import HybridEPBuffer, indices_to_map  # noqa: E402,F401
+elif _double.BUILD == "v2.5":
+    from deep_ep._ep_buffer import (  # noqa: E402,F401
+        BufferAllocator, EPBuffer, EPHandle, get_num_allocation_alignment, get_num_tma_alignment,
+        get_physical_domain_size,
+    )
 else:
-    raise ImportError(f"DEEP_EP_DOUBLE_BUILD={os.environ.get('DEEP_EP_DOUBLE_BUILD')!r}: use 'main' or 'hybrid-ep'")
+    raise ImportError(
+        f"DEEP_EP_DOUBLE_BUILD={os.environ.get('DEEP_EP_DOUBLE_BUILD')!r}: use 'main', 'hybrid-ep' or 'v2.5'"
+    )

@@ -1,5 +1,6 @@
 """``Buffer`` (v1 API, deep_ep/buffers/legacy.py) and ``ElasticBuffer`` (V2, deep_ep/buffers/elastic.py)
-of DeepEP main at dd758caf, computing with the double's own arithmetic (:mod:`deep_ep._kernels`);
+of DeepEP main at dd758caf (V2.5's ``EPBuffer``, which keeps V2's dispatch and combine, is in
+:mod:`deep_ep._ep_buffer`), computing with the double's own arithmetic (:mod:`deep_ep._kernels`);
 ``Buffer``'s constructor is the one of the build DEEP_EP_DOUBLE_BUILD names.
 
 Both are created with ``explicitly_destroy`` by a careful caller: the library's ``destroy()`` is a
@@ -22,14 +23,14 @@ from deep_ep._double import (
 topk_idx_t = torch.int64
 """deep_ep.topk_idx_t (EP_NUM_TOPK_IDX_BITS = 64 by default)."""
 
-_RDMA_NODES = {"main": (2, 3, 4, 6, 8, 12, 16, 18, 20), "hybrid-ep": (2, 4, 8, 16, 18, 20)}[BUILD]
+_RDMA_NODES = {"main": (2, 3, 4, 6, 8, 12, 16, 18, 20), "hybrid-ep": (2, 4, 8, 16, 18, 20)}.get(BUILD, ())
 """Nodes of 8 ranks the v1 internode kernels are instantiated for: main's csrc/kernels/legacy/launch.cuh:66-89,
-the hybrid-ep branch's csrc/kernels/launch.cuh:85-94 (SWITCH_RDMA_RANKS)."""
+the hybrid-ep branch's csrc/kernels/launch.cuh:85-94 (SWITCH_RDMA_RANKS); V2.5 has no v1."""
 
 _DISPATCH_RANKS = {
     "main": (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160),
     "hybrid-ep": (2, 4, 8, 16, 24, 32, 64, 128, 144, 160),
-}[BUILD]
+}.get(BUILD, ())
 """get_dispatch_config / get_combine_config table keys: main's legacy.py:233-290; the hybrid-ep
 branch's deep_ep/buffer.py:240-282 has no 48 or 96."""
 
@@ -58,6 +59,26 @@ class EventOverlap:
             self.event.current_stream_wait()
             if release_handle:
                 self.event = None
+    elif BUILD == "v2.5":
+        hook_after_wait = None
+
+        def current_stream_wait(self, release_handle: bool = False):
+            """V2.5's deep_ep/utils/event.py: returns the registered hook's result (deferred epilogues)."""
+            assert self.event is not None
+            self.event.current_stream_wait()
+            result = None
+            if self.hook_after_wait is not None:
+                result, self.hook_after_wait = self.hook_after_wait(), None
+            if release_handle:
+                self.event = None
+            return result
+
+        def wait(self):
+            return self.current_stream_wait()
+
+        def register_hook_after_wait(self, hook_after_wait) -> None:
+            assert self.hook_after_wait is None, "A hook is already registered on this `EventOverlap`"
+            self.hook_after_wait = hook_after_wait
     else:
         def current_stream_wait(self) -> None:
             """The hybrid-ep branch's deep_ep/utils.py:36 (no release_handle)."""
@@ -335,20 +356,8 @@ class ElasticBuffer:
     def get_theoretical_num_sms(self, num_experts: int, num_topk: int, num_scaleout_topk: int = 0,
                                 rdma_gbs: float = 0, nvlink_gbs: float = 0, sm_read_gbs: float = 200,
                                 sm_write_gbs: float = 50) -> int:
-        """elastic.py:728-834, an instance method. The bandwidths come from ibstat and ``nvidia-smi nvlink``
-        (utils/envs.py:192-268), 0 when unreadable: DEEP_EP_DOUBLE_DETECTED_GBPS stands for what they read
-        (default 400), and on more than one scale-out rank a 0 divides by zero at elastic.py:809."""
-        num_groups = 4
-        assert num_experts % num_groups == 0
-        detected = float(os.environ.get("DEEP_EP_DOUBLE_DETECTED_GBPS", "400"))
-        if rdma_gbs == 0 and self.num_scaleout_ranks > 1:
-            rdma_gbs = detected
-        if nvlink_gbs == 0:
-            nvlink_gbs = detected
-        # the traffic model's shape (elastic.py:790-809), not its numbers: the double uses no SMs
-        traffic = float(num_topk)
-        rdma_bound = self.num_scaleout_ranks > 1 and (traffic / rdma_gbs) > (traffic / nvlink_gbs)
-        return max(4, 2 * ((num_topk + 1) // 2)) + (2 if rdma_bound else 0)
+        """elastic.py:728-834, an instance method (:func:`theoretical_num_sms`)."""
+        return theoretical_num_sms(self, num_experts, num_topk, rdma_gbs, nvlink_gbs)
 
     def dispatch(self, x, topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
                  cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
@@ -364,52 +373,91 @@ class ElasticBuffer:
         if num_sms == 0:
             # elastic.py:927: computed before num_experts is taken from a handle
             num_sms = self.get_theoretical_num_sms(num_experts, num_topk)
-        event = EventOverlap(EventHandle() if async_with_compute_stream else None)
-        runtime_assert(not do_zero_padding or do_expand, "not do_zero_padding or do_expand")
-        _check_tokens(x)
-        runtime_assert((x.shape[1] * x.element_size()) % 16 == 0, "hidden bytes % 16 == 0")
-        if handle is not None:
-            assert topk_idx is None
-            assert do_cpu_sync is None or not do_cpu_sync, "Cannot do CPU sync with cached handle"
-            with library_call():
-                recv_x = _kernels.deepep_cached_dispatch(x, handle.layout, self.group)
-            return recv_x, None, None, handle, event
-        max_tokens = num_max_tokens_per_rank or self.num_max_tokens_per_rank
-        runtime_assert(x.shape[0] <= max_tokens, "num_tokens <= num_max_tokens_per_rank")
-        _check_topk(topk_idx, topk_weights)
-        runtime_assert(num_experts % self.num_ranks == 0, "num_experts % num_ranks == 0")
-        do_cpu_sync = True if do_cpu_sync is None else do_cpu_sync
-        runtime_assert(do_cpu_sync and not do_expand, "the double implements compact dispatch with the CPU sync")
-        with library_call(host_syncs=1):
-            recv_x, recv_idx, recv_weights, counts, layout = _kernels.deepep_dispatch(
-                x, topk_idx, topk_weights, num_experts, self.group
-            )
-        if cumulative_local_expert_recv_stats is not None:
-            cumulative_local_expert_recv_stats += torch.tensor(counts, dtype=cumulative_local_expert_recv_stats.dtype)
-        counts = [_kernels.round_up(count, expert_alignment or 1) for count in counts]
-        handle = EPHandle(
-            do_expand, num_experts, expert_alignment or 1, max_tokens, num_sms,
-            topk_idx.clone() if do_handle_copy else topk_idx, recv_x.shape[0], sum(counts), counts,
-            torch.tensor([recv_x.shape[0]], dtype=torch.int32), torch.tensor(counts, dtype=torch.int32).cumsum(0),
-            torch.tensor(counts, dtype=torch.int32), torch.zeros(recv_x.shape[0], num_topk + 2, dtype=torch.int32),
-            None, None, None,
+        if handle is None and do_handle_copy:
+            topk_idx_kept = topk_idx.clone() if topk_idx is not None else None
+        else:
+            topk_idx_kept = topk_idx
+        return compact_dispatch(
+            self, EPHandle, x, topk_idx, topk_weights, topk_idx_kept, cumulative_local_expert_recv_stats, num_experts,
+            num_max_tokens_per_rank, expert_alignment, num_sms, async_with_compute_stream, handle, do_cpu_sync,
+            do_expand, do_zero_padding,
         )
-        handle.layout = layout
-        return recv_x, recv_idx, recv_weights, handle, event
 
     def combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: Optional[torch.Tensor] = None,
                 bias=None, num_sms: int = 0, num_qps: int = 0, previous_event: EventHandle = None,
                 previous_event_before_epilogue: Optional[EventHandle] = None,
                 async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False):
         check_torch_deterministic()  # elastic.py:1083
-        _check_tokens(x)
-        runtime_assert(x.dtype == torch.bfloat16, "x.scalar_type() == torch::kBFloat16")
-        runtime_assert(x.shape[0] == handle.recv_src_metadata.shape[0], "src_metadata.size(0) == x.size(0)")
-        if topk_weights is not None:
-            _check_weights(topk_weights)
+        return compact_combine(self, x, handle, topk_weights, async_with_compute_stream)
+
+
+def theoretical_num_sms(buffer, num_experts: int, num_topk: int, rdma_gbs: float, nvlink_gbs: float) -> int:
+    """V2's SM estimate (elastic.py:728-834; V2.5's ep.py keeps it). The bandwidths come from ibstat and
+    ``nvidia-smi nvlink`` (utils/envs.py:192-268), 0 when unreadable: DEEP_EP_DOUBLE_DETECTED_GBPS stands for
+    what they read (default 400), and on more than one scale-out rank a 0 divides by zero (elastic.py:809)."""
+    num_groups = 4
+    assert num_experts % num_groups == 0
+    detected = float(os.environ.get("DEEP_EP_DOUBLE_DETECTED_GBPS", "400"))
+    if rdma_gbs == 0 and buffer.num_scaleout_ranks > 1:
+        rdma_gbs = detected
+    if nvlink_gbs == 0:
+        nvlink_gbs = detected
+    # the traffic model's shape (elastic.py:790-809), not its numbers: the double uses no SMs
+    traffic = float(num_topk)
+    rdma_bound = buffer.num_scaleout_ranks > 1 and (traffic / rdma_gbs) > (traffic / nvlink_gbs)
+    return max(4, 2 * ((num_topk + 1) // 2)) + (2 if rdma_bound else 0)
+
+
+def compact_dispatch(buffer, handle_class, x, topk_idx, topk_weights, topk_idx_kept, cumulative_local_expert_recv_stats,
+                     num_experts, num_max_tokens_per_rank, expert_alignment, num_sms, asynchronous, handle,
+                     do_cpu_sync, do_expand, do_zero_padding):
+    """V2's (and V2.5's) dispatch once the SM count is set: (recv_x, recv_topk_idx, recv_topk_weights,
+    handle, event); a cached dispatch returns None for the indices and weights. ``topk_idx_kept``: what the
+    new handle keeps (V2 copies it by default, V2.5 keeps the caller's)."""
+    event = EventOverlap(EventHandle() if asynchronous else None)
+    runtime_assert(not do_zero_padding or do_expand, "not do_zero_padding or do_expand")
+    _check_tokens(x)
+    runtime_assert((x.shape[1] * x.element_size()) % 16 == 0, "hidden bytes % 16 == 0")
+    if handle is not None:
+        assert topk_idx is None
+        assert do_cpu_sync is None or not do_cpu_sync, "Cannot do CPU sync with cached handle"
         with library_call():
-            combined = _kernels.deepep_combine(x, handle.layout, self.group)
-            weights = None
-            if topk_weights is not None:
-                weights = _kernels.deepep_combine_weights_from_owner(topk_weights, handle.layout, self.group)
-        return _combined(combined, weights, async_with_compute_stream)
+            recv_x = _kernels.deepep_cached_dispatch(x, handle.layout, buffer.group)
+        return recv_x, None, None, handle, event
+    max_tokens = num_max_tokens_per_rank or buffer.num_max_tokens_per_rank
+    runtime_assert(x.shape[0] <= max_tokens, "num_tokens <= num_max_tokens_per_rank")
+    _check_topk(topk_idx, topk_weights)
+    runtime_assert(num_experts % buffer.num_ranks == 0, "num_experts % num_ranks == 0")
+    do_cpu_sync = True if do_cpu_sync is None else do_cpu_sync
+    runtime_assert(do_cpu_sync and not do_expand, "the double implements compact dispatch with the CPU sync")
+    with library_call(host_syncs=1):
+        recv_x, recv_idx, recv_weights, counts, layout = _kernels.deepep_dispatch(
+            x, topk_idx, topk_weights, num_experts, buffer.group
+        )
+    if cumulative_local_expert_recv_stats is not None:
+        cumulative_local_expert_recv_stats += torch.tensor(counts, dtype=cumulative_local_expert_recv_stats.dtype)
+    counts = [_kernels.round_up(count, expert_alignment or 1) for count in counts]
+    num_topk = topk_idx.shape[1]
+    handle = handle_class(
+        do_expand, num_experts, expert_alignment or 1, max_tokens, num_sms, topk_idx_kept, recv_x.shape[0],
+        sum(counts), counts, torch.tensor([recv_x.shape[0]], dtype=torch.int32),
+        torch.tensor(counts, dtype=torch.int32).cumsum(0), torch.tensor(counts, dtype=torch.int32),
+        torch.zeros(recv_x.shape[0], num_topk + 2, dtype=torch.int32), None, None, None,
+    )
+    handle.layout = layout
+    return recv_x, recv_idx, recv_weights, handle, event
+
+
+def compact_combine(buffer, x: torch.Tensor, handle, topk_weights: Optional[torch.Tensor], asynchronous: bool):
+    """V2's (and V2.5's) combine: (combined, combined weights, event)."""
+    _check_tokens(x)
+    runtime_assert(x.dtype == torch.bfloat16, "x.scalar_type() == torch::kBFloat16")
+    runtime_assert(x.shape[0] == handle.recv_src_metadata.shape[0], "src_metadata.size(0) == x.size(0)")
+    if topk_weights is not None:
+        _check_weights(topk_weights)
+    with library_call():
+        combined = _kernels.deepep_combine(x, handle.layout, buffer.group)
+        weights = None
+        if topk_weights is not None:
+            weights = _kernels.deepep_combine_weights_from_owner(topk_weights, handle.layout, buffer.group)
+    return _combined(combined, weights, asynchronous)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 BUILD = os.environ.get("DEEP_EP_DOUBLE_BUILD", "main")
-"""Which build of deep_ep this double stands for: "main" or "hybrid-ep"."""
+"""Which build of deep_ep this double stands for: "main", "hybrid-ep" or "v2.5"."""
 
 LISTENERS: list[Callable[[str], None]] = []
 """Called with "host_sync" each time a library call makes the host wait for the device."""
