@@ -298,14 +298,45 @@ def lb_fetch_worker(rank: int, ep: int) -> dict:
         return {"fetched": fetched.detach().float(), "grad": home.grad.float(), "events": dict(counter.events),
                 "lb_calls": list(calls)}
 
+    import logging
+
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger().addHandler(handler)
+    logging.getLogger().setLevel(logging.INFO)
     results = {"all_to_all": run()}
     shape = MoEShape(hidden_dim=32, num_experts=8, top_k=2, max_tokens_per_rank=64)
     buffer, transport = ep_buffer(group, shape, 2, 16, torch.bfloat16)
     api = EPBufferAPI(buffer, None, transport)
     results["lb_kernels"] = run()
     results["lb_region_bytes"] = buffer.num_lb_bytes
+    results["lb_sms"] = transport.num_sms
     api.destroy()
     results["after_destroy"] = run()
+
+    def transport_for(elements: int, **environment) -> dict:
+        """Whether a new EPBuffer carries replicas of ``elements`` bf16 under ``environment``, its kernels'
+        SMs, and what it logged."""
+        del lines[:]
+        deterministic = environment.pop("deterministic", False)
+        saved = {key: os.environ.get(key) for key in environment}
+        os.environ.update(environment)
+        torch.use_deterministic_algorithms(deterministic)
+        try:
+            buffer, transport = ep_buffer(group, shape, 2, elements, torch.bfloat16)
+        finally:
+            torch.use_deterministic_algorithms(False)
+            for key, value in saved.items():
+                os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+        buffer.destroy()
+        return {"carries": transport is not None, "sms": transport.num_sms if transport else None, "log": list(lines)}
+
+    results["unaligned"] = transport_for(105)
+    results["deterministic"] = transport_for(16, deterministic=True)
+    results["two_nodes"] = transport_for(16, DEEP_EP_DOUBLE_RANKS_PER_NODE="1")
+    results["unmeasured_nvlink"] = transport_for(16, DEEP_EP_DOUBLE_DETECTED_GBPS="0")
+    logging.getLogger().removeHandler(handler)
     return results
 
 

@@ -388,12 +388,17 @@ def test_hybridep_checks_its_kernel_compiler_before_the_job(monkeypatch, install
     assert message in _library_job_error(monkeypatch, "hybridep")
 
 
-def test_replicas_move_through_deepep_v2_5_load_balancing_kernels():
+@pytest.fixture(scope="module")
+def lb_fetch():
+    return run_distributed(EP, lb_fetch_worker)
+
+
+def test_replicas_move_through_deepep_v2_5_load_balancing_kernels(lb_fetch):
     """With an EPBuffer alive on the EP group, a layer's replica weights go out by lb_prefetch_weights and
     their gradients home by lb_reduce_grads (no all-to-all), with the same rows and sums as the all-to-all;
     the buffer reserved its LB region (weights bf16 and gradients fp32, each 2 MiB-aligned); once it is
     destroyed, replicas move by all-to-all again."""
-    results = run_distributed(EP, lb_fetch_worker)
+    results = lb_fetch
     all_to_all = "collective (c10d.alltoall_base_.default)"
     for rank_results in results:
         by_all_to_all, by_kernels, after = (rank_results[k] for k in ("all_to_all", "lb_kernels", "after_destroy"))
@@ -407,6 +412,27 @@ def test_replicas_move_through_deepep_v2_5_load_balancing_kernels():
         assert rank_results["lb_region_bytes"] == 2 * 2 * 1024 * 1024
     # rank 1's second slot is unused: 0, as the all-to-all leaves it
     assert torch.equal(results[1]["lb_kernels"]["fetched"][1], torch.zeros(16))
+
+
+def test_where_the_load_balancing_kernels_cannot_carry_replicas_the_log_says_why(lb_fetch):
+    """Replicas move by all-to-all, said in one line, where the kernels cannot carry them: an expert that is
+    not a multiple of 32 bytes, deterministic algorithms (their fp32 sums are in arrival order), an EP group
+    over two NVLink domains. Where the library cannot estimate the kernels' SMs (NVLink read as 0 GB/s, an
+    estimate of 0 its kernels refuse), 20 are used, with one warning."""
+    for rank_results in lb_fetch:
+        assert rank_results["lb_sms"] == 8  # the double's estimate at 400 GB/s
+        prefix = "Expert replicas move by all-to-all, not DeepEP's load-balancing kernels: "
+        for case, reason in (
+            ("unaligned", "they move experts of a multiple of 32 bytes, and one routed expert is 210"),
+            ("deterministic", "deterministic algorithms are on, and their gradient sums are in arrival order"),
+            ("two_nodes", "they reach one NVLink domain, here 1 of the EP group's 2 ranks"),
+        ):
+            assert not rank_results[case]["carries"], case
+            assert [line for line in rank_results[case]["log"] if line.startswith("Expert replicas")] == [prefix + reason]
+        unmeasured = rank_results["unmeasured_nvlink"]
+        assert unmeasured["carries"] and unmeasured["sms"] == 20
+        assert sum("could not estimate its load-balancing kernels' SM count (20 used)" in line
+                   for line in unmeasured["log"]) == 1
 
 
 @pytest.mark.parametrize("model", ["deepseek_v3", "llama4"])
@@ -425,22 +451,3 @@ def test_replication_through_deepep_v2_5_equals_the_reference(model):
         for name, grad in library["grads"].items():
             assert torch.equal(grad, reference["grads"][name]), name
 
-
-def test_an_expert_the_load_balancing_kernels_cannot_move_is_refused(installed_build, monkeypatch):
-    """DeepEP V2.5 moves replica rows of a multiple of 32 bytes: a model whose expert is not is refused
-    before the job, naming the fields and the fix (real shapes are multiples; this one is made up)."""
-    import torchtitan_ext.ep.deepep as deepep
-    from torchtitan_ext.config import ConfigError, MoEShape, parse
-
-    installed_build("v2.5")
-    job_config = parse(["--job.config_file", "train_configs/debug_model.toml", "--deepep.api", "ep",
-                        "--training.mixed_precision_param", "bfloat16", "--parallelism.expert_parallel_degree", "2",
-                        "--expert_replication.slots_per_rank", "1"])
-    shape = MoEShape(hidden_dim=256, num_experts=8, top_k=2, max_tokens_per_rank=4096)
-    deepep.DeepEPExpertParallel.validate_config(job_config, "cuda", shape)
-    monkeypatch.setattr(deepep, "routed_expert_elements", lambda job_config: 3 * 5 * 7)
-    with pytest.raises(ConfigError, match=(
-        r"^expert_replication.slots_per_rank = 1 with deepep.api = 'ep': DeepEP's load-balancing kernels move "
-        r"experts of a multiple of 32 bytes, and one routed expert is 210: set deepep.api = 'elastic'$"
-    )):
-        deepep.DeepEPExpertParallel.validate_config(job_config, "cuda", shape)

@@ -25,7 +25,7 @@ from typing import Literal
 import torch
 from torchtitan.config import TORCH_DTYPE_MAP
 
-from torchtitan_ext.config import ConfigError, meta_model, MoEShape, Range
+from torchtitan_ext.config import ConfigError, MoEShape, Range
 from torchtitan_ext.ep.base import (
     check_kernels,
     RoutedExpertParallel,
@@ -44,10 +44,6 @@ from torchtitan_ext.ep.published_rates import nearest_sms, PublishedRate
 
 LIBRARY_CLASS = {"legacy": "Buffer", "elastic": "ElasticBuffer", "ep": "EPBuffer"}
 """The deep_ep class behind each API."""
-
-LB_ROW_ALIGNMENT = 32
-"""Bytes one expert's row in DeepEP V2.5's load-balancing kernels is a multiple of (``deep_ep.get_num_tma_alignment()``,
-its README at 93eb6eb)."""
 
 INTRANODE_RANKS = (2, 4, 8)
 """EP degrees DeepEP's v1 intranode kernels are instantiated for."""
@@ -143,13 +139,6 @@ def hidden_bytes(hidden_dim: int, element_size: int) -> int:
     return hidden_dim * max(element_size, 2)
 
 
-def routed_expert_elements(job_config) -> int:
-    """Elements of one routed expert's weights, all projections, in the job's model (before it is built)."""
-    model = meta_model(job_config)
-    experts = next(block.moe.experts for block in model.layers.values() if block.moe_enabled)
-    return sum(weight[0].numel() for weight in (experts.w1, experts.w2, experts.w3))
-
-
 @dataclass
 class _ReplicaRows:
     """What an ``EPBuffer``'s load-balancing region holds: ``slots`` replicas of ``elements`` each (one
@@ -174,7 +163,9 @@ def _create_kernels(job_config, shape: MoEShape, replica_rows: _ReplicaRows, gro
         elif api == "elastic":
             buffer = deep_ep.elastic_buffer(group, shape)
         else:
-            buffer, transport = deep_ep.ep_buffer(group, shape, replica_rows.slots, replica_rows.elements, example.dtype)
+            buffer, transport = deep_ep.ep_buffer(
+                group, shape, replica_rows.slots, replica_rows.elements, example.dtype, section.num_sms
+            )
             return APIS[api](buffer, section.num_sms, transport)
     else:
         from torchtitan_ext.ep.kernels.reference import ReferenceBuffer, ReferenceElasticBuffer
@@ -231,10 +222,11 @@ class DeepEPExpertParallel(RoutedExpertParallel):
 
         - "ep": DeepEP V2.5's ``EPBuffer`` (V2's buffer split by job; V2.5 removed
           ``Buffer`` and ``ElasticBuffer``). Needs NCCL >= 2.32.3 and torch >= 2.10.
-          Under expert replication, with the whole EP group in one NVLink domain,
-          its load-balancing kernels carry the replicas' weights (out) and fp32
-          gradients (home) instead of all-to-alls; otherwise replicas move by
-          all-to-all, as the job's log says.
+          Under expert replication its load-balancing kernels carry the replicas'
+          weights (out) and fp32 gradients (home) instead of all-to-alls, where the
+          EP group is one NVLink domain, an expert is a multiple of 32 bytes and
+          deterministic algorithms are off; otherwise replicas move by all-to-all,
+          as the job's log says.
         - "elastic": DeepEP V2's ``ElasticBuffer`` (DeepEP main, v2.1): fewer SMs,
           per-expert receive counts on the device. Needs NCCL >= 2.30.4, torch >= 2.10
           and NVSHMEM on the cluster.
@@ -251,9 +243,10 @@ class DeepEPExpertParallel(RoutedExpertParallel):
 
         num_sms: int | None = None
         """
-        Streaming multiprocessors the kernels use (v1: ``Buffer.set_num_sms``; V2:
-        the ``num_sms`` of each call). Even integer >= 2 (one channel per 2 SMs);
-        unset keeps the library's default (v1: 20; V2: its computed minimum). More
+        Streaming multiprocessors the kernels use (v1: ``Buffer.set_num_sms``; V2 and
+        V2.5: the ``num_sms`` of each call, V2.5's load-balancing kernels' too). Even
+        integer >= 2 (one channel per 2 SMs); unset keeps the library's default (v1: 20;
+        V2, V2.5: its computed minimum, 20 where it cannot compute one). More
         SMs speed up communication and leave fewer for the experts' GEMMs. Ignored
         by the reference implementation.
         """
@@ -300,14 +293,7 @@ class DeepEPExpertParallel(RoutedExpertParallel):
             )
         if api == "legacy" and device_type is not None:
             _check_library_rank_count(ep)
-        if api == "ep" and job_config.expert_replication.slots_per_rank:
-            row_bytes = routed_expert_elements(job_config) * 2
-            if row_bytes % LB_ROW_ALIGNMENT:
-                raise ConfigError(
-                    f"expert_replication.slots_per_rank = {job_config.expert_replication.slots_per_rank} with "
-                    f"deepep.api = 'ep': DeepEP's load-balancing kernels move experts of a multiple of "
-                    f"{LB_ROW_ALIGNMENT} bytes, and one routed expert is {row_bytes}: set deepep.api = 'elastic'"
-                )
+
 
     @classmethod
     def kernel_nvlink_ranks(cls, job_config) -> int | None:
@@ -318,10 +304,13 @@ class DeepEPExpertParallel(RoutedExpertParallel):
 
     @classmethod
     def advised_alternatives(cls, job_config) -> tuple[dict[str, object], ...]:
-        """The other kernels: v1's reach 8 NVLink peers, V2's (and V2.5's, the same) the machine's, and each has
-        its own figures."""
+        """The other API: v1's kernels reach 8 NVLink peers, V2's the machine's, and each has its own figures.
+        V2.5 (ep) removed both others: none."""
         section = job_config.deepep
-        return ({"api": "elastic" if resolve_api(section.api, section.implementation, None) == "legacy" else "legacy"},)
+        api = resolve_api(section.api, section.implementation, None)
+        if api == "ep":
+            return ()
+        return ({"api": "elastic" if api == "legacy" else "legacy"},)
 
     @classmethod
     def rate_settings(cls, job_config) -> tuple:

@@ -136,7 +136,8 @@ V2_5_BUILD = {
                               "deep_ep/utils/event.py"),
     "EventOverlap.current_stream_wait": ("(self, release_handle=False)", None, *DEEPEP_V2_5_EVENT,
                                          "deep_ep/utils/event.py"),
-    "get_physical_domain_size": ("(group)", None, *DEEPEP_V2_5_COMM, "deep_ep/comm (exported by deep_ep/__init__.py)"),
+    "get_physical_domain_size": ("(group_or_buffer)", None, *DEEPEP_V2_5_COMM,
+                                 "deep_ep/comm/handle.py (exported by deep_ep/__init__.py)"),
 }
 """DeepEP V2.5's API as the adapters call it: the package exports these, and no ``Buffer`` or ``ElasticBuffer``
 ("Fully remove V1"; ``ElasticBuffer`` split into ``EPBuffer`` and others)."""

@@ -80,13 +80,17 @@ class LoadBalancingKernels:
     ``gradients`` [S, F] (fp32, the only dtype ``lb_reduce_grads`` takes) are
     the buffer's load-balancing region, shared by every MoE layer: a fetch
     copies the replicas out before the next layer's lands there. Gradients are
-    summed in fp32 at home and returned in the replicas' dtype.
+    summed in fp32 at home and returned in the replicas' dtype. Both kernels
+    open and close with a barrier over the domain (prefetch_weights.cuh,
+    reduce_grads.cuh), so once a call's event is waited on, no peer still
+    reads or writes this rank's region.
     """
 
-    def __init__(self, buffer, weights: torch.Tensor, gradients: torch.Tensor):
+    def __init__(self, buffer, weights: torch.Tensor, gradients: torch.Tensor, num_sms: int):
         self.buffer = buffer
         self.weights = weights
         self.gradients = gradients
+        self.num_sms = num_sms
 
     def _mapping(self, redundancy_mapping: list[int]) -> torch.Tensor:
         """[ranks, S] int32 on the device, identical on every rank (the plan is)."""
@@ -101,7 +105,7 @@ class LoadBalancingKernels:
                 "(training.mixed_precision_param)"
             )
         mapping = self._mapping(redundancy_mapping)
-        self.buffer.lb_prefetch_weights(self.weights, home.contiguous(), mapping).current_stream_wait()
+        self.buffer.lb_prefetch_weights(self.weights, home.contiguous(), mapping, self.num_sms).current_stream_wait()
         rank = dist.get_rank(self.buffer.group)
         unused = (mapping[rank] < 0).unsqueeze(1)
         return self.weights.masked_fill(unused, 0)
@@ -109,30 +113,70 @@ class LoadBalancingKernels:
     def return_gradients(self, grad: torch.Tensor, redundancy_mapping: list[int], home_rows: int) -> torch.Tensor:
         self.gradients.copy_(grad)
         summed = torch.zeros((home_rows, grad.shape[1]), dtype=torch.float32, device=grad.device)
-        self.buffer.lb_reduce_grads(self.gradients, summed, self._mapping(redundancy_mapping)).current_stream_wait()
+        mapping = self._mapping(redundancy_mapping)
+        self.buffer.lb_reduce_grads(self.gradients, summed, mapping, self.num_sms).current_stream_wait()
         return summed.to(grad.dtype)
 
 
-def ep_buffer(group, shape, replica_slots: int, expert_elements: int, weight_dtype: torch.dtype):
+LB_ROW_ALIGNMENT = 32
+"""Bytes one expert's row in DeepEP V2.5's load-balancing kernels is a multiple of (``get_num_tma_alignment()``)."""
+
+
+def _why_not_load_balancing_kernels(group, expert_elements: int, weight_dtype: torch.dtype) -> str | None:
+    """Why the EP group's replicas cannot go through DeepEP's load-balancing kernels, or None when they can.
+
+    The library runs them per NVLink domain, with domain-local expert ids; a
+    replica plan here may copy an expert across domains, so they serve an EP
+    group that is one domain. Their gradient sums are fp32 additions in
+    arrival order, not reproducible with three copies or more.
+    """
+    import deep_ep
+
+    _, nvlink_ranks = deep_ep.get_physical_domain_size(group)
+    if nvlink_ranks != group.size():
+        return f"they reach one NVLink domain, here {nvlink_ranks} of the EP group's {group.size()} ranks"
+    row_bytes = expert_elements * torch.empty((), dtype=weight_dtype).element_size()
+    if row_bytes % LB_ROW_ALIGNMENT:
+        return f"they move experts of a multiple of {LB_ROW_ALIGNMENT} bytes, and one routed expert is {row_bytes}"
+    if torch.are_deterministic_algorithms_enabled():
+        return "deterministic algorithms are on, and their gradient sums are in arrival order"
+    return None
+
+
+def _load_balancing_sms(buffer, configured: int | None) -> int:
+    """``[deepep] num_sms``, else the library's estimate, which reads NVLink's rate from ``nvidia-smi``: where
+    it reads 0 the estimate is 0, which the kernels refuse, so 20 SMs, said once."""
+    if configured:
+        return configured
+    estimate = buffer.lb_get_theoretical_num_sms()
+    if estimate > 0:
+        return estimate
+    logger.warning(
+        "DeepEP could not estimate its load-balancing kernels' SM count (20 used): it read 0 GB/s for NVLink "
+        "from nvidia-smi; set deepep.num_sms to choose"
+    )
+    return 20
+
+
+def ep_buffer(group, shape, replica_slots: int, expert_elements: int, weight_dtype: torch.dtype,
+              num_sms: int | None = None):
     """A DeepEP V2.5 ``EPBuffer`` for ``shape``, sized by the library; with ``replica_slots``, its
-    load-balancing region for that many replicas of ``expert_elements`` each, when the EP group is one
-    NVLink domain. Returns (buffer, :class:`LoadBalancingKernels` or None: replicas move by all-to-all)."""
+    load-balancing region for that many replicas of ``expert_elements`` each, where the kernels can carry
+    them (:func:`_why_not_load_balancing_kernels`). Returns (buffer, :class:`LoadBalancingKernels`, or None:
+    replicas move by all-to-all, as the log says)."""
     import deep_ep
 
     # the buffer borrows the EP group's NCCL communicator, created at the group's first collective
     dist.barrier(group=group)
     plan = weights = gradients = None
     if replica_slots:
-        _, nvlink_ranks = deep_ep.get_physical_domain_size(group)
-        if nvlink_ranks == group.size():
+        reason = _why_not_load_balancing_kernels(group, expert_elements, weight_dtype)
+        if reason is None:
             plan = deep_ep.BufferAllocator()
             weights = plan.allocate((replica_slots, expert_elements), weight_dtype)
             gradients = plan.allocate((replica_slots, expert_elements), torch.float32)
         else:
-            logger.info(
-                f"Expert replicas move by all-to-all: DeepEP's load-balancing kernels reach one NVLink domain "
-                f"({nvlink_ranks} ranks), and the EP group has {group.size()}"
-            )
+            logger.info(f"Expert replicas move by all-to-all, not DeepEP's load-balancing kernels: {reason}")
     buffer = deep_ep.EPBuffer(
         group,
         num_max_tokens_per_rank=shape.max_tokens_per_rank,
@@ -148,7 +192,9 @@ def ep_buffer(group, shape, replica_slots: int, expert_elements: int, weight_dty
         + (f", and {buffer.num_lb_bytes / 2**20:,.1f} MiB for {replica_slots} replicas moved by its "
            "load-balancing kernels" if plan is not None else "")
     )
-    return buffer, (LoadBalancingKernels(buffer, weights, gradients) if plan is not None else None)
+    if plan is None:
+        return buffer, None
+    return buffer, LoadBalancingKernels(buffer, weights, gradients, _load_balancing_sms(buffer, num_sms))
 
 
 class LibraryHybridEPBuffer:

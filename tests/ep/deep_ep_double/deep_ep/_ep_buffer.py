@@ -29,6 +29,9 @@ from deep_ep._double import (
 ALLOCATION_ALIGNMENT = 2 * 1024 * 1024
 """kNumAllocationAlignmentBytes (csrc/common/compiled.cuh)."""
 
+DEVICE_SMS = 132
+"""The SMs of the device the double stands for (an H100 SXM)."""
+
 TMA_ALIGNMENT = 32
 """kNumTMAAlignmentBytes, the multiple an LB row's bytes must be (README, "Expert load balancing")."""
 
@@ -51,11 +54,14 @@ def _domain(group) -> Tuple[int, int]:
     return -(-group.size() // per_node), min(group.size(), per_node)
 
 
-def get_physical_domain_size(group: dist.ProcessGroup) -> Tuple[int, int]:
-    """deep_ep/comm: the physical domain of the group's NCCL communicator, borrowed (it exists after the
-    group's first collective)."""
-    runtime_assert(communicated(group), "the group's NCCL communicator (_comm_ptr) is 0: no collective has run on it")
-    return _domain(group)
+def get_physical_domain_size(group_or_buffer) -> Tuple[int, int]:
+    """deep_ep/comm/handle.py: a buffer's domain, or a group's through its NCCL communicator, borrowed (it
+    exists after the group's first collective)."""
+    if isinstance(group_or_buffer, EPBuffer):
+        return group_or_buffer.num_rdma_ranks, group_or_buffer.num_nvlink_ranks
+    runtime_assert(communicated(group_or_buffer), "the group's NCCL communicator (_comm_ptr) is 0: no collective "
+                                                  "has run on it")
+    return _domain(group_or_buffer)
 
 
 class BufferAllocator:
@@ -217,7 +223,14 @@ class EPBuffer:
         return combined, weights, event
 
     def lb_get_theoretical_num_sms(self) -> int:
-        return 8
+        """ep.py: NVLink's rate over an SM's read and write rates, even; NVLink's rate is what
+        ``nvidia-smi nvlink`` reads (DEEP_EP_DOUBLE_DETECTED_GBPS), 0 where unreadable, and then so is this."""
+        nvlink_gbs = float(os.environ.get("DEEP_EP_DOUBLE_DETECTED_GBPS", "400"))
+        return _align(-(-int(nvlink_gbs) // 50), 2)
+
+    @staticmethod
+    def _check_sms(num_sms: int) -> None:
+        runtime_assert(0 < num_sms <= DEVICE_SMS, "num_sms > 0 and num_sms <= jit->device.get_num_sms()")
 
     def _check_in_lb_region(self, tensor: torch.Tensor, what: str) -> None:
         begin = self.lb_storage.data_ptr()
@@ -244,6 +257,7 @@ class EPBuffer:
                             expert_weights: Union[Sequence[torch.Tensor], torch.Tensor],
                             redundancy_mapping: torch.Tensor, num_sms: int = 0,
                             previous_event: Optional[EventHandle] = None) -> EventOverlap:
+        self._check_sms(self.lb_get_theoretical_num_sms() if num_sms == 0 else _align(num_sms, 2))
         destinations = [redundant_expert_weights] if isinstance(redundant_expert_weights, torch.Tensor) \
             else list(redundant_expert_weights)
         sources = [expert_weights] if isinstance(expert_weights, torch.Tensor) else list(expert_weights)
@@ -281,6 +295,7 @@ class EPBuffer:
     def lb_reduce_grads(self, redundant_expert_grads: torch.Tensor, expert_grads: torch.Tensor,
                         redundancy_mapping: torch.Tensor, num_sms: int = 0,
                         previous_event: Optional[EventHandle] = None) -> EventOverlap:
+        self._check_sms(self.lb_get_theoretical_num_sms() if num_sms == 0 else _align(num_sms, 2))
         runtime_assert(redundant_expert_grads.is_contiguous() and expert_grads.is_contiguous(), "contiguous grads")
         runtime_assert(redundant_expert_grads.dim() == 2 and expert_grads.dim() == 2, "2-D grads")
         num_local, hidden = expert_grads.shape
