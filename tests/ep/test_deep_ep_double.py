@@ -439,15 +439,18 @@ def test_where_the_load_balancing_kernels_cannot_carry_replicas_the_log_says_why
 def test_replication_through_deepep_v2_5_equals_the_reference(model):
     """A whole model step with 2 replica slots per rank (EP = 2, FSDP, bf16) over deepep on V2.5: the
     library's double (dispatch and combine through EPBuffer, replicas through its load-balancing kernels)
-    gives the reference's loss and gradients (all-to-all replicas), bit for bit."""
+    gives the reference's loss and gradients (all-to-all replicas), bit for bit; so does the reference
+    driven through the V2.5 adapter (``api = "ep"``), which has no load-balancing kernels."""
     results = run_distributed(EP, lb_model_worker, model)
     for rank_results in results:
-        library, reference = rank_results["deep_ep"], rank_results["reference"]
+        library = rank_results["deep_ep", "auto"]
         assert library["lb_calls"] == ["lb_prefetch_weights", "lb_reduce_grads"]
         assert library["lb_call_count"] >= 4  # out and home, for every MoE layer
-        assert reference["lb_calls"] == []
-        assert library["loss"] == reference["loss"]
-        assert library["grads"].keys() == reference["grads"].keys()
-        for name, grad in library["grads"].items():
-            assert torch.equal(grad, reference["grads"][name]), name
+        for api in ("auto", "ep"):
+            reference = rank_results["reference", api]
+            assert reference["lb_calls"] == []
+            assert library["loss"] == reference["loss"]
+            assert library["grads"].keys() == reference["grads"].keys()
+            for name, grad in library["grads"].items():
+                assert torch.equal(grad, reference["grads"][name]), (api, name)
 
