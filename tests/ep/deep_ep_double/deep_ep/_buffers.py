@@ -278,16 +278,8 @@ class Buffer:
                 bias=None, config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
                 async_finish: bool = False, allocate_on_comm_stream: bool = False):
         check_torch_deterministic()
-        _check_tokens(x)
-        runtime_assert(x.dtype == torch.bfloat16, 'false and "Unsupported type"')
-        if topk_weights is not None:
-            _check_weights(topk_weights)
-        with library_call():
-            combined = _kernels.deepep_combine(x, handle.layout, self.group)
-            weights = None
-            if topk_weights is not None:
-                weights = _kernels.deepep_combine_weights_summed(topk_weights, handle.layout, self.group)
-        return _combined(combined, weights, async_finish)
+        return _bf16_combine(self.group, x, handle, topk_weights, async_finish, 'false and "Unsupported type"',
+                             _kernels.deepep_combine_weights_summed)
 
 
 class EPHandle:
@@ -450,14 +442,22 @@ def compact_dispatch(buffer, handle_class, x, topk_idx, topk_weights, topk_idx_k
 
 def compact_combine(buffer, x: torch.Tensor, handle, topk_weights: Optional[torch.Tensor], asynchronous: bool):
     """V2's (and V2.5's) combine: (combined, combined weights, event)."""
+    runtime_assert(x.dim() != 2 or x.shape[0] == handle.recv_src_metadata.shape[0], "src_metadata.size(0) == x.size(0)")
+    return _bf16_combine(buffer.group, x, handle, topk_weights, asynchronous, "x.scalar_type() == torch::kBFloat16",
+                         _kernels.deepep_combine_weights_from_owner)
+
+
+def _bf16_combine(group, x: torch.Tensor, handle, topk_weights: Optional[torch.Tensor], asynchronous: bool,
+                  dtype_assert: str, combine_weights) -> tuple:
+    """The combine kernels' checks (2-D contiguous bf16 rows, fp32 weights) and arithmetic; ``combine_weights``:
+    how the API returns the top-k weights (v1 sums them, V2 takes the owner's)."""
     _check_tokens(x)
-    runtime_assert(x.dtype == torch.bfloat16, "x.scalar_type() == torch::kBFloat16")
-    runtime_assert(x.shape[0] == handle.recv_src_metadata.shape[0], "src_metadata.size(0) == x.size(0)")
+    runtime_assert(x.dtype == torch.bfloat16, dtype_assert)
     if topk_weights is not None:
         _check_weights(topk_weights)
     with library_call():
-        combined = _kernels.deepep_combine(x, handle.layout, buffer.group)
+        combined = _kernels.deepep_combine(x, handle.layout, group)
         weights = None
         if topk_weights is not None:
-            weights = _kernels.deepep_combine_weights_from_owner(topk_weights, handle.layout, buffer.group)
+            weights = combine_weights(topk_weights, handle.layout, group)
     return _combined(combined, weights, asynchronous)

@@ -21,6 +21,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from deep_ep import _buffers
 from deep_ep._buffers import compact_combine, compact_dispatch, EventHandle, EventOverlap, theoretical_num_sms
 from deep_ep._double import (
     check_torch_deterministic, communicated, library_call, record_creation, register_live, runtime_assert,
@@ -93,39 +94,20 @@ class BufferAllocator:
         self.materialized = True
 
 
-class EPHandle:
+class EPHandle(_buffers.EPHandle):
     """deep_ep.EPHandle (ep.py): V2's fields; ``topk_idx`` is the caller's, checked unchanged on every read."""
-
-    def __init__(self, do_expand, num_experts, expert_alignment, num_max_tokens_per_rank, num_sms, topk_idx,
-                 num_recv_tokens, num_expanded_tokens, num_recv_tokens_per_expert_list,
-                 psum_num_recv_tokens_per_scaleup_rank, psum_num_recv_tokens_per_expert,
-                 num_unaligned_recv_tokens_per_expert, recv_src_metadata, dst_buffer_slot_idx,
-                 token_metadata_at_forward, channel_linked_list) -> None:
-        assert topk_idx is not None
-        self.do_expand = do_expand
-        self.num_experts = num_experts
-        self.expert_alignment = expert_alignment
-        self.num_max_tokens_per_rank = num_max_tokens_per_rank
-        self.num_sms = num_sms
-        self.num_recv_tokens = num_recv_tokens
-        self.num_expanded_tokens = num_expanded_tokens
-        self.num_recv_tokens_per_expert_list = num_recv_tokens_per_expert_list
-        self.psum_num_recv_tokens_per_scaleup_rank = psum_num_recv_tokens_per_scaleup_rank
-        self.psum_num_recv_tokens_per_expert = psum_num_recv_tokens_per_expert
-        self.num_unaligned_recv_tokens_per_expert = num_unaligned_recv_tokens_per_expert
-        self.recv_src_metadata = recv_src_metadata
-        self.dst_buffer_slot_idx = dst_buffer_slot_idx
-        self.token_metadata_at_forward = token_metadata_at_forward
-        self.channel_linked_list = channel_linked_list
-        self._topk_idx = topk_idx
-        self._topk_idx_version = None if topk_idx.is_inference() else topk_idx._version
-        self.layout = None
 
     @property
     def topk_idx(self) -> torch.Tensor:
         assert self._topk_idx_version is None or self._topk_idx._version == self._topk_idx_version, \
             "`topk_idx` must not be modified while the EP handle is in use"
         return self._topk_idx
+
+    @topk_idx.setter
+    def topk_idx(self, topk_idx: torch.Tensor) -> None:
+        assert topk_idx is not None
+        self._topk_idx = topk_idx
+        self._topk_idx_version = None if topk_idx.is_inference() else topk_idx._version
 
 
 class EPBuffer:
