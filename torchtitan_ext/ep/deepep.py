@@ -294,7 +294,6 @@ class DeepEPExpertParallel(RoutedExpertParallel):
         if api == "legacy" and device_type is not None:
             _check_library_rank_count(ep)
 
-
     @classmethod
     def kernel_nvlink_ranks(cls, job_config) -> int | None:
         """v1: 8, its kernels' NVLink peers at most (``LEGACY_NUM_MAX_NVL_PEERS`` in DeepEP main's
@@ -329,8 +328,8 @@ class DeepEPExpertParallel(RoutedExpertParallel):
         section = job_config.deepep
         if resolve_api(section.api, section.implementation, None) != "legacy":
             return None, (
-                "ElasticBuffer (V2.5: EPBuffer) sizes itself from the NCCL communicator (get_buffer_size_hint needs the live group): "
-                "the job logs its size at the first dispatch; the reference allocates none"
+                "ElasticBuffer (V2.5: EPBuffer) sizes itself from the NCCL communicator (get_buffer_size_hint needs "
+                "the live group): the job logs its size at the first dispatch; the reference allocates none"
             )
         from torchtitan_ext.ep.kernels.deep_ep import deepep_buffer_bytes
 

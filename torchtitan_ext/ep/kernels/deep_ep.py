@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torchtitan.tools.logging import logger
 
 from torchtitan_ext.ep.base import to_device
+from torchtitan_ext.ep.kernels.deepep_apis import FALLBACK_SMS
 
 
 def deepep_buffer_bytes(group_size: int, hidden_bytes: int, num_sms: int | None) -> tuple[int, int]:
@@ -145,17 +146,17 @@ def _why_not_load_balancing_kernels(group, expert_elements: int, weight_dtype: t
 
 def _load_balancing_sms(buffer, configured: int | None) -> int:
     """``[deepep] num_sms``, else the library's estimate, which reads NVLink's rate from ``nvidia-smi``: where
-    it reads 0 the estimate is 0, which the kernels refuse, so 20 SMs, said once."""
+    it reads 0 the estimate is 0, which the kernels refuse, so 20 SMs (as for dispatch), said once."""
     if configured:
         return configured
     estimate = buffer.lb_get_theoretical_num_sms()
     if estimate > 0:
         return estimate
     logger.warning(
-        "DeepEP could not estimate its load-balancing kernels' SM count (20 used): it read 0 GB/s for NVLink "
-        "from nvidia-smi; set deepep.num_sms to choose"
+        f"DeepEP could not estimate its load-balancing kernels' SM count ({FALLBACK_SMS} used): it read 0 GB/s "
+        "for NVLink from nvidia-smi; set deepep.num_sms to choose"
     )
-    return 20
+    return FALLBACK_SMS
 
 
 def ep_buffer(group, shape, replica_slots: int, expert_elements: int, weight_dtype: torch.dtype,
