@@ -138,8 +138,8 @@ def make_style(
     args = ["--parallelism.expert_parallel_comm_backend", name]
     if name != "nccl":
         args += [f"--{name}.implementation", implementation]
-    if backend == "deepep_legacy":
-        args += ["--deepep.api", "legacy"]
+    if backend in ("deepep_legacy", "deepep_ep"):
+        args += ["--deepep.api", backend.removeprefix("deepep_")]
     if capacity_factor is not None:
         args += ["--hybridep.non_blocking_capacity_factor", str(capacity_factor)]
     shape = MoEShape(

@@ -2,8 +2,9 @@
 
 These run only on CUDA machines; elsewhere they are skipped with the reason
 (tests/ep/test_deep_ep_double.py runs the same adapters against a double of the
-library on every machine). On a cluster with DeepEP built (main for the V2
-and v1 APIs; its hybrid-ep branch for HybridEP, one build at a time):
+library on every machine). On a cluster with DeepEP built (main at v2.1 for
+the V2 and v1 APIs; V2.5 for EPBuffer; its hybrid-ep branch for HybridEP, one
+build at a time):
 
     ./test.sh -m "deep_ep or gpu" -rs
 
@@ -46,7 +47,7 @@ def _compare(results, backend, ep, tolerance):
 @pytest.mark.deep_ep
 @pytest.mark.parametrize(
     "backend, library, class_name",
-    [("deepep", "deepep", "ElasticBuffer"), ("deepep_legacy", "deepep", "Buffer"),
+    [("deepep", "deepep", "ElasticBuffer"), ("deepep_legacy", "deepep", "Buffer"), ("deepep_ep", "deepep", "EPBuffer"),
      ("hybridep", "hybridep", "HybridEPBuffer"), ("hybridep_non_blocking", "hybridep", "HybridEPBuffer")],
 )
 def test_real_library_matches_dense_moe(backend, library, class_name):
