@@ -43,6 +43,17 @@ def test_cuda_toolkit(clean_environment, monkeypatch):
     assert _check("CUDA toolkit").status == "ok"
 
 
+def test_deepep_v2_5_needs_a_newer_nccl(clean_environment, monkeypatch):
+    """DeepEP V2.5's README asks NCCL 2.32.3; 2.30.4 is enough for main v2.1 only."""
+    include = clean_environment / "nccl" / "include"
+    include.mkdir(parents=True)
+    (include / "nccl.h").write_text("#define NCCL_MAJOR 2\n#define NCCL_MINOR 30\n#define NCCL_PATCH 4\n")
+    monkeypatch.setenv("NCCL_DIR", str(clean_environment / "nccl"))
+    assert _check("NCCL >= 2.30.4 (DeepEP main v2.1").status == "ok"
+    check = _check("NCCL >= 2.32.3 (DeepEP V2.5)")
+    assert check.status == "missing" and 'is 2.30.4: pip install "nvidia-nccl-cu13>=2.32.3" --no-deps' in check.detail
+
+
 @pytest.mark.parametrize("patch, status", [(7, "missing"), (4, "ok")])
 def test_nccl_version_from_the_header_named_by_nccl_dir(clean_environment, monkeypatch, patch, status):
     include = clean_environment / "nccl" / "include"
@@ -91,7 +102,17 @@ def test_kernel_caches_must_be_folders(clean_environment, monkeypatch):
     (clean_environment / "a_file").write_text("")
     monkeypatch.setenv("EP_JIT_CACHE_DIR", str(clean_environment / "a_file" / "cache"))
     check = _check("writable kernel caches")
-    assert check.status == "missing" and "(DeepEP main; set EP_JIT_CACHE_DIR)" in check.detail, check
+    assert check.status == "missing" and "(EP_JIT_CACHE_DIR; set EP_JIT_CACHE_DIR)" in check.detail, check
+
+
+def test_unset_kernel_cache_means_each_builds_default(clean_environment, monkeypatch):
+    """Without EP_JIT_CACHE_DIR, DeepEP main v2.1 compiles into ~/.deep_ep and V2.5 (DeepJIT) into ~/.dj."""
+    monkeypatch.delenv("EP_JIT_CACHE_DIR")
+    home = clean_environment / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    check = _check("writable kernel caches")
+    assert check.status == "ok" and check.detail.startswith(f"{home / '.deep_ep'}, {home / '.dj'}, "), check
 
 
 def test_hybridep_jit_reads_cuda_home_only(clean_environment, monkeypatch):

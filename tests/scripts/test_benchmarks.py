@@ -122,12 +122,14 @@ def test_check_cluster_without_cuda_lists_the_prerequisites_and_what_it_cannot_c
     assert lines[-1].startswith("check_cluster: no CUDA device on this machine: the kernels, benchmarks and training")
     checks = lines[1:-1]
     assert [line.split(":")[0] for line in checks] == [
-        "- CUDA toolkit (nvcc, for the kernels compiled at first use)", "- NCCL >= 2.30.4 (DeepEP main, V2's Gin backend)",
-        "- NVSHMEM >= 3.3.9 (DeepEP main's build; the v1 API's internode kernels)", "- writable kernel caches",
+        "- CUDA toolkit (nvcc, for the kernels compiled at first use)",
+        "- NCCL >= 2.30.4 (DeepEP main v2.1, V2's Gin backend)", "- NCCL >= 2.32.3 (DeepEP V2.5)",
+        "- NVSHMEM >= 3.3.9 (DeepEP main v2.1's build, for the v1 API's internode kernels; V2.5 needs none)", "- writable kernel caches",
         "- multi-node HybridEP build (NIXL or DOCA)", "- pynvml (the hybrid-ep build's v1 Buffer checks NVLink pairs with it)",
         "- deep_ep importable", "- GPUs, NVLink, RDMA, the NCCL torch actually loads, the kernels",
     ]
-    assert "- NCCL >= 2.30.4 (DeepEP main, V2's Gin backend): missing: NCCL_DIR=/nonexistent has no include/nccl.h" in checks
+    assert "- NCCL >= 2.30.4 (DeepEP main v2.1, V2's Gin backend): missing: NCCL_DIR=/nonexistent has no include/nccl.h" \
+        in checks
     assert checks[-1].endswith(": not checkable here: no CUDA device: run this on a GPU node")
 
 

@@ -2,8 +2,9 @@
 
 Each check names the requirement, what this machine has, and the fix; the
 sources it follows are DeepEP main ``dd758caf`` (setup.py, deep_ep/__init__.py,
-deep_ep/utils/find_pkgs.py, README.md) and the hybrid-ep branch ``94a9f8f6``
-(setup.py, csrc/hybrid_ep/jit/compiler.cu, docs/README_Hybrid-EP.md).
+deep_ep/utils/find_pkgs.py, README.md), DeepEP V2.5's README (``93eb6eb2``) and
+the hybrid-ep branch ``94a9f8f6`` (setup.py, csrc/hybrid_ep/jit/compiler.cu,
+docs/README_Hybrid-EP.md).
 scripts/check_cluster.py prints them on any machine; the HybridEP backend runs
 :func:`check_hybridep_jit` in the job's validation.
 """
@@ -20,6 +21,9 @@ from torchtitan_ext.ep.kernels import import_library, KernelUnavailable
 
 MIN_NCCL_FOR_ELASTIC = (2, 30, 4)
 """DeepEP main's README: V2 runs on NCCL's Gin backend from 2.30.4 (torch 2.13's wheels bundle 2.29.7)."""
+
+MIN_NCCL_FOR_EP_BUFFER = (2, 32, 3)
+"""DeepEP V2.5's README: "NCCL 2.32.3 and above"."""
 
 MIN_NVSHMEM = (3, 3, 9)
 """DeepEP main's docs/nvshmem.md."""
@@ -122,8 +126,8 @@ def _cuda_toolkit() -> Check:
     return Check("CUDA toolkit (nvcc, for the kernels compiled at first use)", "ok", str(nvcc))
 
 
-def _nccl() -> Check:
-    requirement = f"NCCL >= {_shown(MIN_NCCL_FOR_ELASTIC)} (DeepEP main, V2's Gin backend)"
+def _nccl(minimum: tuple[int, ...], build: str) -> Check:
+    requirement = f"NCCL >= {_shown(minimum)} ({build})"
     from_env = _root_from_env("NCCL")
     if from_env is not None:
         variable, root = from_env
@@ -140,17 +144,18 @@ def _nccl() -> Check:
         package = _pip_package("nvidia-nccl-cu")
         if package is None:
             return Check(requirement, "missing",
-                         'no NCCL wheel and no EP_NCCL_ROOT_DIR/NCCL_DIR: pip install "nvidia-nccl-cu13>=2.30.4" --no-deps')
+                         f'no NCCL wheel and no EP_NCCL_ROOT_DIR/NCCL_DIR: pip install "nvidia-nccl-cu13>={_shown(minimum)}" '
+                         "--no-deps")
         version, where = _version(package[1]), f"pip {package[0]} {package[1]}"
-    if version < MIN_NCCL_FOR_ELASTIC:
+    if version < minimum:
         return Check(requirement, "missing", f"{where} is {_shown(version)}: pip install "
-                     f'"nvidia-nccl-cu13>={_shown(MIN_NCCL_FOR_ELASTIC)}" --no-deps (it replaces the NCCL torch loads; '
+                     f'"nvidia-nccl-cu13>={_shown(minimum)}" --no-deps (it replaces the NCCL torch loads; '
                      "--no-deps keeps pip from changing torch)")
     return Check(requirement, "ok", where)
 
 
 def _nvshmem() -> Check:
-    requirement = f"NVSHMEM >= {_shown(MIN_NVSHMEM)} (DeepEP main's build; the v1 API's internode kernels)"
+    requirement = f"NVSHMEM >= {_shown(MIN_NVSHMEM)} (DeepEP main v2.1's build, for the v1 API's internode kernels; V2.5 needs none)"
     from_env = _root_from_env("NVSHMEM")
     if from_env is not None:
         variable, root = from_env
@@ -168,13 +173,20 @@ def _nvshmem() -> Check:
 
 
 def _jit_caches() -> Check:
-    main_cache = Path(os.environ.get("EP_JIT_CACHE_DIR") or Path.home() / ".deep_ep")
-    problems = [] if _writable_folder(main_cache) else [f"{main_cache} (DeepEP main; set EP_JIT_CACHE_DIR)"]
+    """EP_JIT_CACHE_DIR, else DeepEP main's default ~/.deep_ep and V2.5's (DeepJIT's) ~/.dj; HybridEP's folder."""
+    configured = os.environ.get("EP_JIT_CACHE_DIR")
+    if configured:
+        caches = {"EP_JIT_CACHE_DIR": Path(configured)}
+    else:
+        caches = {"DeepEP main v2.1's default": Path.home() / ".deep_ep", "DeepEP V2.5's default": Path.home() / ".dj"}
+    problems = [f"{folder} ({what}; set EP_JIT_CACHE_DIR)" for what, folder in caches.items()
+                if not _writable_folder(folder)]
     if not _writable_folder(hybridep_jit_folder()):
         problems.append(f"{hybridep_jit_folder()} (HybridEP; set HYBRID_EP_CACHE_DIR)")
     if problems:
         return Check("writable kernel caches", "missing", "not writable: " + "; ".join(problems))
-    return Check("writable kernel caches", "ok", f"{main_cache}, {hybridep_jit_folder()}/proc-<pid>")
+    folders = ", ".join(str(folder) for folder in caches.values())
+    return Check("writable kernel caches", "ok", f"{folders}, {hybridep_jit_folder()}/proc-<pid>")
 
 
 def _hybridep_multinode() -> Check:
@@ -221,7 +233,11 @@ def _nvml() -> Check:
 
 def machine_checks(cuda_available: bool) -> list[Check]:
     """Every check; what only a GPU can tell is listed as such where there is none."""
-    checks = [_cuda_toolkit(), _nccl(), _nvshmem(), _jit_caches(), _hybridep_multinode(), _nvml(), _library()]
+    checks = [
+        _cuda_toolkit(), _nccl(MIN_NCCL_FOR_ELASTIC, "DeepEP main v2.1, V2's Gin backend"),
+        _nccl(MIN_NCCL_FOR_EP_BUFFER, "DeepEP V2.5"), _nvshmem(), _jit_caches(), _hybridep_multinode(), _nvml(),
+        _library(),
+    ]
     if not cuda_available:
         checks.append(Check("GPUs, NVLink, RDMA, the NCCL torch actually loads, the kernels", "not checkable here",
                             "no CUDA device: run this on a GPU node"))
