@@ -119,7 +119,7 @@ def _cuda_toolkit() -> Check:
     if home is None or not os.access(nvcc, os.X_OK):
         return Check("CUDA toolkit (nvcc, for the kernels compiled at first use)", "missing",
                      "no nvcc under CUDA_HOME, CUDA_PATH, PATH or /usr/local/cuda: install the CUDA toolkit "
-                     "(12.3+) and set CUDA_HOME")
+                     "(12.3+ for DeepEP main v2.1, 13.1+ for V2.5) and set CUDA_HOME")
     if not os.environ.get("CUDA_HOME"):
         return Check("CUDA toolkit (nvcc, for the kernels compiled at first use)", "missing",
                      f"{nvcc} found, enough for DeepEP main, but HybridEP reads CUDA_HOME only: export CUDA_HOME={home}")
