@@ -340,11 +340,11 @@ def lb_fetch_worker(rank: int, ep: int) -> dict:
     return results
 
 
-def lb_model_worker(rank: int, world_size: int, model: str) -> dict:
+def lb_model_worker(rank: int, world_size: int, model: str, checkpointing: tuple[str, ...] = ()) -> dict:
     """A tiny ``model`` (the gradient matrix's) with 2 replica slots per rank, EP = 2, FSDP in bf16, over
     deepep: through DeepEP V2.5's double (replicas by its load-balancing kernels) and through the reference
-    with the default API and with ``api = "ep"`` (replicas by all-to-all). Per run the loss and gradients, and
-    the LB calls made."""
+    with the default API and with ``api = "ep"`` (replicas by all-to-all); ``checkpointing``: activation
+    checkpointing overrides. Per run the loss and gradients, and the LB calls made."""
     os.chdir(Path(__file__).resolve().parents[2])
     use_double("v2.5")
     import deep_ep
@@ -360,10 +360,10 @@ def lb_model_worker(rank: int, world_size: int, model: str) -> dict:
     results = {}
     for implementation, api in (("deep_ep", "auto"), ("reference", "auto"), ("reference", "ep")):
         overrides = ("--parallelism.expert_parallel_degree", "2", "--training.mixed_precision_param", "bfloat16",
-                     "--deepep.implementation", implementation, "--deepep.api", api)
+                     "--deepep.implementation", implementation, "--deepep.api", api, *checkpointing)
         cell = Cell(f"v2_5_{implementation}_{api}", model, "deepep", world_size, overrides, bf16=True, replicas=2)
         del calls[:]
-        results[implementation, api] = {**run_cell(rank, world_size, cell), "lb_calls": sorted(set(calls)),
-                                   "lb_call_count": len(calls)}
+        results[implementation, api] = {**run_cell(rank, world_size, cell),
+                                        "lb_calls": {name: calls.count(name) for name in sorted(set(calls))}}
         destroy_kernel_buffers()  # as a job ends: the EPBuffer goes, and its transport with it
     return results
