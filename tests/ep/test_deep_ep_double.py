@@ -435,29 +435,41 @@ def test_where_the_load_balancing_kernels_cannot_carry_replicas_the_log_says_why
                    for line in unmeasured["log"]) == 1
 
 
-@pytest.mark.parametrize("model, checkpointing", [
-    ("deepseek_v3", ()), ("llama4", ()),
-    ("deepseek_v3", ("--activation_checkpoint.mode", "full")),
-    ("deepseek_v3", ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op")),
+PP2 = ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B",
+       "--parallelism.pipeline_parallel_microbatch_size", "1")
+
+
+@pytest.mark.parametrize("model, checkpointing, world_size", [
+    ("deepseek_v3", (), EP), ("llama4", (), EP),
+    ("deepseek_v3", ("--activation_checkpoint.mode", "full"), EP),
+    ("deepseek_v3", ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"),
+     EP),
+    ("deepseek_v3", PP2, 2 * EP),
 ])
-def test_replication_through_deepep_v2_5_equals_the_reference(model, checkpointing):
+def test_replication_through_deepep_v2_5_equals_the_reference(model, checkpointing, world_size):
     """A whole model step with 2 replica slots per rank (EP = 2, FSDP, bf16) over deepep on V2.5, without
-    and with activation checkpointing (full: the fetch is recomputed in backward; per op: it is saved):
+    and with activation checkpointing (full: the fetch is recomputed in backward; per op: it is saved),
+    and over 2 pipeline stages (each stage's EP group has its own buffer and kernels, two microbatches):
     the library's double (dispatch and combine through EPBuffer, replicas through its load-balancing
     kernels) gives the reference's loss and gradients (all-to-all replicas), bit for bit; so does the
     reference driven through the V2.5 adapter (``api = "ep"``), which has no load-balancing kernels."""
-    results = run_distributed(EP, lb_model_worker, model, checkpointing)
+    results = run_distributed(world_size, lb_model_worker, model, checkpointing)
     for rank_results in results:
         library = rank_results["deep_ep", "auto"]
-        moe_layers = 3 if model == "deepseek_v3" else 2
-        # out and home for every MoE layer; full checkpointing fetches again when it recomputes
-        recomputed = "full" in checkpointing
-        assert library["lb_calls"] == {"lb_prefetch_weights": moe_layers * (1 + recomputed),
-                                       "lb_reduce_grads": moe_layers}
+        calls = library["lb_calls"]
+        if checkpointing == PP2:
+            # this stage's MoE layers, every microbatch; a stage's forwards also run without backward
+            # (the schedule infers shapes), so fetches may outnumber returns
+            assert calls["lb_prefetch_weights"] >= calls["lb_reduce_grads"] > 0, calls
+        else:
+            # out and home for every MoE layer; full checkpointing fetches again when it recomputes
+            moe_layers = 3 if model == "deepseek_v3" else 2
+            recomputed = "full" in checkpointing
+            assert calls == {"lb_prefetch_weights": moe_layers * (1 + recomputed), "lb_reduce_grads": moe_layers}
         for api in ("auto", "ep"):
             reference = rank_results["reference", api]
             assert reference["lb_calls"] == {}
-            assert library["loss"] == reference["loss"]
+            assert library.get("loss") == reference.get("loss")  # a first pipeline stage has none
             assert library["grads"].keys() == reference["grads"].keys()
             for name, grad in library["grads"].items():
                 assert torch.equal(grad, reference["grads"][name]), (api, name)
