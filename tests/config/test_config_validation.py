@@ -235,6 +235,23 @@ def test_library_kernels_need_bf16(backend):
              "--training.mixed_precision_param", "float32")
 
 
+@pytest.mark.parametrize("backend", ["deepep", "hybridep"])
+def test_library_kernels_need_fsdp_for_bf16_tokens(backend):
+    """EP borrowing the TP ranks without a data-parallel shard: torchtitan runs the model in fp32 (its mixed
+    precision goes through FSDP), and the first dispatch handed the library fp32 tokens; refused before."""
+    borrowing_tp = ("--parallelism.expert_parallel_comm_backend", backend, "--training.mixed_precision_param",
+                    "bfloat16", "--parallelism.tensor_parallel_degree", "2")
+    with pytest.raises(ConfigError, match=(
+        rf"^parallelism.data_parallel_shard_degree is 1 \(and context_parallel_degree 1\): without FSDP, torchtitan "
+        rf"runs the model in fp32 \(training.mixed_precision_param applies through FSDP\), and the {backend} kernels "
+        rf"take bf16 tokens only: shard data parallelism \(data_parallel_shard_degree > 1\), or set "
+        rf"{backend}.implementation = 'reference'$"
+    )):
+        _cluster(*borrowing_tp)
+    _cluster(*borrowing_tp, world_size=4)  # the rest of the world shards data parallelism: FSDP casts
+    _cluster(*borrowing_tp, f"--{backend}.implementation", "reference")
+
+
 def test_deepep_v1_rank_counts(tmp_path):
     """256 experts: the 671B job, its [hybridep] section left out."""
     text = open("train_configs/deepseek_v3_671b_gb200.toml").read()

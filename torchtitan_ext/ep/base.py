@@ -284,6 +284,12 @@ class RoutedExpertParallel(ExpertParallel, ABC):
         """
 
     @classmethod
+    def kernels_take_bf16_tokens_only(cls, job_config, device_type: str | None) -> bool:
+        """Whether the job's kernels refuse or misread anything but bf16 tokens (a library's do; the
+        reference and torch.distributed take any dtype)."""
+        return False
+
+    @classmethod
     def drop_remedy(cls, job_config) -> str:
         """How to stop this backend from dropping tokens (only backends that can drop say more)."""
         return "this backend does not drop tokens"

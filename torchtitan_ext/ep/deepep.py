@@ -295,6 +295,10 @@ class DeepEPExpertParallel(RoutedExpertParallel):
             _check_library_rank_count(ep)
 
     @classmethod
+    def kernels_take_bf16_tokens_only(cls, job_config, device_type: str | None) -> bool:
+        return uses_library(job_config.deepep.implementation, device_type)
+
+    @classmethod
     def kernel_nvlink_ranks(cls, job_config) -> int | None:
         """v1: 8, its kernels' NVLink peers at most (``LEGACY_NUM_MAX_NVL_PEERS`` in DeepEP main's
         csrc/kernels/legacy/compiled.cuh; not GB200's multi-node NVLink, DeepEP issue #392); V2: the machine's."""

@@ -249,6 +249,10 @@ class HybridEPExpertParallel(RoutedExpertParallel):
                 except PrerequisiteMissing as e:
                     raise ConfigError(str(e)) from None
 
+    @classmethod
+    def kernels_take_bf16_tokens_only(cls, job_config, device_type: str | None) -> bool:
+        return uses_library(job_config.hybridep.implementation, device_type)
+
     @staticmethod
     def _check_library_limits(job_config, shape: MoEShape) -> None:
         """What the library asserts when it builds its buffer or dispatches, checked from the config."""

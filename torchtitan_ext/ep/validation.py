@@ -24,6 +24,29 @@ def check_backend(job_config, context: ValidationContext) -> None:
         return
     _check_degrees(job_config, backend)
     BACKENDS[backend].validate_config(job_config, context.device_type, dispatched_shape(job_config, context.moe_shape))
+    if BACKENDS[backend].kernels_take_bf16_tokens_only(job_config, context.device_type):
+        _check_tokens_reach_the_kernels_in_bf16(job_config, context.world_size, BACKENDS[backend].config_section)
+
+
+def _check_tokens_reach_the_kernels_in_bf16(job_config, world_size: int | None, section: str) -> None:
+    """torchtitan casts the model to ``training.mixed_precision_param`` through FSDP only: without it,
+    under TP or PP (which expert parallelism without a data-parallel shard implies) the model runs in
+    fp32, and a library's kernels would get fp32 tokens at the first dispatch."""
+    p = job_config.parallelism
+    shard = p.data_parallel_shard_degree
+    if shard == -1:
+        if world_size is None:
+            return
+        shard = world_size // (p.data_parallel_replicate_degree * p.context_parallel_degree
+                               * p.tensor_parallel_degree * p.pipeline_parallel_degree)
+    if shard > 1 or p.context_parallel_degree > 1:
+        return
+    raise ConfigError(
+        f"parallelism.data_parallel_shard_degree is {shard} (and context_parallel_degree 1): without FSDP, "
+        f"torchtitan runs the model in fp32 (training.mixed_precision_param applies through FSDP), and the "
+        f"{section} kernels take bf16 tokens only: shard data parallelism (data_parallel_shard_degree > 1), "
+        f"or set {section}.implementation = 'reference'"
+    )
 
 
 def _check_foreign_sections(job_config, backend: str) -> None:
