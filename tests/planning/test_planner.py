@@ -160,3 +160,22 @@ def test_cli(capsys):
     assert "EP plan: deepseek_v3 debugmodel on 2 ranks, for one rank" in result.stdout
     assert "[hybridep non-blocking (capacity factor 0.5)]" in result.stdout
     assert "can drop tokens: yes" in result.stdout
+
+
+def test_deepep_v2_5_plan_names_the_load_balancing_region():
+    """With api = 'ep' and replica slots, the EPBuffer also reserves the replicas' region (their weights in
+    the compute dtype and fp32 gradients, each tensor 2 MiB-aligned): 671B, 2 slots of 3 x 7168 x 2048
+    elements, bf16: 168 MiB + 336 MiB."""
+    from torchtitan_ext.config import MoEShape, parse
+    from torchtitan_ext.ep.deepep import DeepEPExpertParallel
+
+    register_train_specs()
+    job_config = parse(["--job.config_file", "train_configs/deepseek_v3_671b_gb200.toml", "--deepep.api", "ep",
+                        "--expert_replication.slots_per_rank", "2"])
+    shape = MoEShape(hidden_dim=7168, num_experts=256, top_k=8, max_tokens_per_rank=4096)
+    size, note = DeepEPExpertParallel.planned_buffer(job_config, shape)
+    assert size is None
+    assert note.endswith("; where its load-balancing kernels carry the replicas, a further 504 MiB (the 2 replicas' "
+                         "weights and fp32 gradients, each 2 MiB-aligned)"), note
+    job_config.deepep.api = "elastic"
+    assert "load-balancing" not in DeepEPExpertParallel.planned_buffer(job_config, shape)[1]

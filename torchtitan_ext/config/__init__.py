@@ -20,6 +20,7 @@ from torchtitan_ext.config.job import (
     moe_layer_ids,
     moe_shape,
     MoEShape,
+    routed_expert_elements,
 )
 from torchtitan_ext.config.loading import load_job_config, parse
 from torchtitan_ext.config.ranges import Range
@@ -38,6 +39,7 @@ __all__ = [
     "moe_layer_ids",
     "moe_shape",
     "MoEShape",
+    "routed_expert_elements",
     "parse",
     "Range",
     "register_check",

@@ -68,6 +68,16 @@ def meta_model(job_config):
         return get_train_spec(job_config.model.name).model_cls(model_args)
 
 
+def routed_expert_elements(job_config) -> int:
+    """Elements of one routed expert's weights, all projections, from the model built on the meta device
+    (0 for a dense model)."""
+    for block in meta_model(job_config).layers.values():
+        if block.moe_enabled:
+            experts = block.moe.experts
+            return sum(weight[0].numel() for weight in (experts.w1, experts.w2, experts.w3))
+    return 0
+
+
 def moe_layer_ids(job_config) -> list[int]:
     """Ids of the model's MoE layers (the ``layers.<id>`` of their parameters)."""
     return sorted(int(layer_id) for layer_id, block in meta_model(job_config).layers.items() if block.moe_enabled)

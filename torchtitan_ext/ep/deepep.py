@@ -25,7 +25,7 @@ from typing import Literal
 import torch
 from torchtitan.config import TORCH_DTYPE_MAP
 
-from torchtitan_ext.config import ConfigError, MoEShape, Range
+from torchtitan_ext.config import ConfigError, MoEShape, Range, routed_expert_elements
 from torchtitan_ext.ep.base import (
     check_kernels,
     RoutedExpertParallel,
@@ -44,6 +44,10 @@ from torchtitan_ext.ep.published_rates import nearest_sms, PublishedRate
 
 LIBRARY_CLASS = {"legacy": "Buffer", "elastic": "ElasticBuffer", "ep": "EPBuffer"}
 """The deep_ep class behind each API."""
+
+LB_ALLOCATION_ALIGNMENT = 2 * 1024 * 1024
+"""Bytes each tensor of DeepEP V2.5's load-balancing region is aligned to (``get_num_allocation_alignment()``,
+kNumAllocationAlignmentBytes)."""
 
 INTRANODE_RANKS = (2, 4, 8)
 """EP degrees DeepEP's v1 intranode kernels are instantiated for."""
@@ -330,11 +334,23 @@ class DeepEPExpertParallel(RoutedExpertParallel):
     @classmethod
     def planned_buffer(cls, job_config, shape: MoEShape) -> tuple[int | None, str]:
         section = job_config.deepep
-        if resolve_api(section.api, section.implementation, None) != "legacy":
-            return None, (
+        api = resolve_api(section.api, section.implementation, None)
+        if api != "legacy":
+            note = (
                 "ElasticBuffer (V2.5: EPBuffer) sizes itself from the NCCL communicator (get_buffer_size_hint needs "
                 "the live group): the job logs its size at the first dispatch; the reference allocates none"
             )
+            slots = job_config.expert_replication.slots_per_rank
+            if api == "ep" and slots:
+                element_size = TORCH_DTYPE_MAP[job_config.training.mixed_precision_param].itemsize
+                rows = slots * routed_expert_elements(job_config)
+                region = sum(-(-rows * size // LB_ALLOCATION_ALIGNMENT) * LB_ALLOCATION_ALIGNMENT
+                             for size in (element_size, 4))
+                note += (
+                    f"; where its load-balancing kernels carry the replicas, a further {region / 2**20:,.0f} MiB "
+                    f"(the {slots} replicas' weights and fp32 gradients, each 2 MiB-aligned)"
+                )
+            return None, note
         from torchtitan_ext.ep.kernels.deep_ep import deepep_buffer_bytes
 
         element_size = TORCH_DTYPE_MAP[job_config.training.mixed_precision_param].itemsize

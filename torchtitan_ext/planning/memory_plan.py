@@ -30,7 +30,7 @@ import torch
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.protocols.train_spec import get_train_spec
 
-from torchtitan_ext.config import ConfigError, max_tokens_per_rank, meta_model, MoEShape
+from torchtitan_ext.config import ConfigError, max_tokens_per_rank, MoEShape, routed_expert_elements
 from torchtitan_ext.ep import BACKENDS
 from torchtitan_ext.ep.base import token_group_alignment
 from torchtitan_ext.ep.replication import dispatched_shape
@@ -140,7 +140,7 @@ def plan(job_config, world_size: int, routing_stats=None) -> Plan:
         hidden=model_args.dim,
         activation_bytes=torch.empty((), dtype=activation_dtype).element_size(),
         replica_slots=job_config.expert_replication.slots_per_rank,
-        expert_elements=_expert_elements(job_config),
+        expert_elements=routed_expert_elements(job_config),
     )
     saved, reason = saved_moe_layers(job_config, report.rank_layers, report.rank_moe_layers)
     align = token_group_alignment(job_config)
@@ -163,15 +163,6 @@ def plan(job_config, world_size: int, routing_stats=None) -> Plan:
             )
     copies = replica_copies_alive(job_config, report.rank_layers, report.rank_moe_layers)
     return Plan(dims, report, reason, backends, copies)
-
-
-def _expert_elements(job_config) -> int:
-    """Elements of one routed expert's weights, from the model built on the meta device."""
-    for block in meta_model(job_config).layers.values():
-        if block.moe_enabled:
-            experts = block.moe.experts
-            return sum(weight[0].numel() for weight in (experts.w1, experts.w2, experts.w3))
-    return 0
 
 
 def _gib(value: int | None) -> str:
