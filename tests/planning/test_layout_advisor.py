@@ -3,9 +3,11 @@
 import json
 import math
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from tests.planning.advice_text import paragraph
 from torchtitan_ext import plan, runtime
@@ -340,11 +342,13 @@ LOCAL_WORK = {"nccl": 0.004, "deepep": 0.030, "hybridep": 0.050}
 
 
 def test_measured_compute_and_data_parallel_sync_make_the_step_time():
-    """Compute is the measured forward-backward per microbatch plus the rank's share of the optimizer; FSDP's
+    """Compute is the measured forward-backward per microbatch plus the rank's share of the optimizer, of which
+    the routed experts' measured time is what a rank's load scales; FSDP's
     traffic (25.1M parameters outside the experts, 8 units, gathered twice, once per microbatch) adds in full
     without overlap; each EP layout adds its backend's local work per MoE call. The suite trains in float32 on
     every CPU (conftest), so FSDP gathers 4 bytes a parameter."""
-    compute = MeasuredCompute(forward_backward_s=1.5, optimizer_s=0.8, processes=4, dispatch_work_s=LOCAL_WORK)
+    compute = MeasuredCompute(forward_backward_s=1.5, optimizer_s=0.8, processes=4, dispatch_work_s=LOCAL_WORK,
+                              routed_experts_s=0.3)
     layouts, _ = advise([*DEBUG_JOB, "--training.local_batch_size", "2", "--training.global_batch_size", "16"], 4,
                         THIS_MACHINE, measured_compute=compute)
     runnable = [layout for layout in layouts if layout.refused is None]
@@ -356,6 +360,7 @@ def test_measured_compute_and_data_parallel_sync_make_the_step_time():
         local_work = 0.0 if layout.ep == 1 else 2 * 5 * LOCAL_WORK[layout.backend]
         assert layout.local_work_s == pytest.approx(local_work)
         assert layout.compute_s == pytest.approx(2 * 1.5 + 0.8 / 4)
+        assert layout.expert_compute_s == pytest.approx(2 * 0.3)
         assert layout.data_parallel_s == pytest.approx(2 * per_microbatch)
         assert layout.data_parallel_exposed_s == layout.data_parallel_s
         assert layout.step_s == pytest.approx(layout.compute_s + 2 * per_microbatch + layout.exposed_s + local_work)
@@ -366,7 +371,8 @@ def test_measured_compute_and_data_parallel_sync_make_the_step_time():
 def test_recomputed_layers_run_the_backends_forward_again():
     """Under full activation checkpointing every MoE layer's forward (half of its dispatch and combine work)
     runs again in backward, as its two forward all-to-alls do."""
-    compute = MeasuredCompute(forward_backward_s=1.5, optimizer_s=0.8, processes=4, dispatch_work_s=LOCAL_WORK)
+    compute = MeasuredCompute(forward_backward_s=1.5, optimizer_s=0.8, processes=4, dispatch_work_s=LOCAL_WORK,
+                              routed_experts_s=0.3)
     layouts, _ = advise([*DEBUG_JOB, "--activation_checkpoint.mode", "full"], 4, THIS_MACHINE,
                         measured_compute=compute)
     runnable = [layout for layout in layouts if layout.refused is None and layout.ep > 1]
@@ -385,7 +391,8 @@ def test_measured_local_work_decides_between_backends():
     job = [*DEBUG_JOB, "--training.local_batch_size", "2"]
     by_bytes = [layout for layout in advise(job, 4, THIS_MACHINE)[0] if layout.refused is None]
     assert by_bytes[0].backend in ("deepep", "hybridep") and by_bytes[0].local_work_s == 0.0
-    compute = MeasuredCompute(forward_backward_s=1.5, optimizer_s=0.8, processes=4, dispatch_work_s=LOCAL_WORK)
+    compute = MeasuredCompute(forward_backward_s=1.5, optimizer_s=0.8, processes=4, dispatch_work_s=LOCAL_WORK,
+                              routed_experts_s=0.3)
     layouts, routing = advise(job, 4, THIS_MACHINE, measured_compute=compute)
     runnable = [layout for layout in layouts if layout.refused is None]
     assert (runnable[0].backend, runnable[0].ep) == ("nccl", 4)
@@ -462,17 +469,20 @@ def test_measure_compute_needs_a_topology(capsys):
 
 def test_cli_measures_the_compute(capsys):
     """Two processes train the small debug flavour at 32 tokens; the table's compute is what they measured:
-    one forward-backward and half of the optimizer (each rank holds half of the parameters), and each EP
+    one forward-backward and half of the optimizer (each rank holds half of the parameters), the routed experts
+    a part of that forward-backward, and each EP
     layout's local work is its backend's measured dispatch + combine beyond torchtitan's own sort."""
     plan.main(["--topology", "hgx_h100_ib", "--world-size", "2", "--measure-compute", *DEBUG_JOB,
                "--model.flavor", "debugmodel_small", "--training.local_batch_size", "1", "--training.seq_len", "32"])
     raw = capsys.readouterr().out
     out = " ".join(raw.split())  # the advice wraps its lines at 118 columns
     found = re.search(r"compute ([0-9.,]+) ms per step measured on this machine \(2 processes: forward \+ backward "
-                      r"([0-9.]+) s, optimizer ([0-9.]+) s for all parameters\)", out)
+                      r"([0-9.]+) s, the routed experts ([0-9.]+) s of it; optimizer ([0-9.]+) s for all parameters\)",
+                      out)
     assert found, out
-    step_ms, forward_backward, optimizer = float(found[1].replace(",", "")), float(found[2]), float(found[3])
+    step_ms, forward_backward, optimizer = float(found[1].replace(",", "")), float(found[2]), float(found[4])
     assert forward_backward > 0 and optimizer > 0
+    assert 0 < float(found[3]) < forward_backward
     assert step_ms == pytest.approx((forward_backward + optimizer / 2) * 1e3, abs=1.5, rel=0.01)
     # each backend's local work per MoE call, measured; an EP=2 layout adds it for each of the 5 MoE layers
     found = re.search(r"dispatch \+ combine beyond its collectives and torchtitan's own sort \(([0-9.]+) ms\): "
@@ -662,3 +672,78 @@ def test_margins_under_the_models_resolution_are_said(advice_671b):
             "rate (no published figure), a bound it may not reach: time it and give --calibrate-from the measurement "
             "(scripts/bench_ep.py --json, or an nccl-tests alltoall_perf log) before choosing it"
         )
+
+
+def test_the_routed_experts_are_timed_on_the_rows_each_layer_received():
+    """--measure-compute's experts pass runs each MoE layer's grouped experts once, on exactly the rows and
+    per-expert counts that layer received in a forward of the batch (every token's top-k pairs), forward and
+    backward, and leaves no gradient behind."""
+    from torchtitan.models.moe.moe import GroupedExperts
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from torchtitan_ext.config import model_args_of
+    from torchtitan_ext.planning.measured_compute import _routed_experts_pass
+
+    prepare()
+    job_config = load_job_config([*DEBUG_JOB, "--model.flavor", "debugmodel_small"], device_type="cpu", world_size=2)
+    model_args = model_args_of(job_config)
+    model_args.update_from_config(job_config)
+    torch.manual_seed(0)
+    model = get_train_spec(job_config.model.name).model_cls(model_args)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    tokens = torch.randint(0, model_args.vocab_size, (2, 32))
+    seen, backward = [], []
+
+    def record(experts, args, output):
+        seen.append((experts, args[0].detach().clone(), args[1].clone()))
+        output.register_hook(lambda grad: backward.append(experts))
+
+    experts_modules = [module for module in model.modules() if isinstance(module, GroupedExperts)]
+    with torch.no_grad():
+        forward_rows = []
+        handles = [module.register_forward_hook(lambda m, args, out: forward_rows.append(args[0].clone()))
+                   for module in experts_modules]
+        model(tokens)
+        for handle in handles:
+            handle.remove()
+    run = _routed_experts_pass(model, tokens)
+    for module in experts_modules:
+        module.register_forward_hook(record)
+    run()
+    assert len(experts_modules) == model_args.n_layers - model_args.n_dense_layers
+    assert [experts for experts, _, _ in seen] == experts_modules == backward  # each backward right after its forward
+    for (_, rows, counts), expected in zip(seen, forward_rows, strict=True):
+        assert int(counts.sum()) == tokens.numel() * model_args.moe_args.top_k
+        assert torch.equal(rows, expected)
+    assert all(parameter.grad is None for parameter in model.parameters())
+
+
+def test_memory_counts_deepep_v2_5s_load_balancing_region_within_one_nvlink_domain(tmp_path):
+    """With api = 'ep' and 2 replica slots, a DeepEP layout whose EP group is one NVLink domain (a GB200 rack:
+    EP <= 64) also holds the replicas' region (671B: 504 MiB, docs/planning.md); beyond a rack the replicas move
+    by all-to-all and the memory equals the elastic API's. Other backends reserve none."""
+    prepare()
+    text = Path("train_configs/deepseek_v3_671b_gb200.toml").read_text()
+    hybridep = '[hybridep]\nranks_per_nvlink_domain = 64\nuse_mnnvl = true\n'
+    assert hybridep in text and 'expert_parallel_comm_backend = "hybridep"' in text
+    text = text.replace(hybridep, "").replace('comm_backend = "hybridep"', 'comm_backend = "deepep"')
+    topology = TOPOLOGIES_671B["gb200_nvl72"]
+
+    def memory(api):
+        config = tmp_path / f"{api}.toml"
+        config.write_text(text)
+        job = ["--job.config_file", str(config), "--compile.no-enable", "--expert_replication.slots_per_rank", "2",
+               "--deepep.api", api]
+        layouts = advise(job, 256, topology)[0]
+        return {(layout.label, layout.ep): layout.memory_bytes for layout in layouts if layout.refused is None}
+
+    v2_5, elastic = memory("ep"), memory("elastic")
+    region = 504 * 2**20
+    deepep_eps = sorted(ep for label, ep in v2_5 if label == "deepep")
+    assert 64 in deepep_eps and 128 in deepep_eps
+    for (label, ep), held in v2_5.items():
+        if label == "deepep":
+            assert held - elastic[label, ep] == (region if ep <= 64 else 0), (label, ep)
+        elif (label, ep) in elastic:
+            assert held == elastic[label, ep], (label, ep)

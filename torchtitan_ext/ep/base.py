@@ -342,6 +342,13 @@ class RoutedExpertParallel(ExpertParallel, ABC):
         return 0, "no persistent buffer: each all-to-all allocates its rows"
 
     @classmethod
+    def planned_replica_region(cls, job_config) -> int:
+        """Bytes one rank reserves beside its buffer for the backend's own kernels to carry
+        ``expert_replication``'s replicas, where they can (within one NVLink domain); 0 where replicas move by
+        all-to-all."""
+        return 0
+
+    @classmethod
     def describe(cls, job_config, shape: MoEShape) -> dict[str, str]:
         """The backend's settings for this job, for reports (dry run, planner, logs)."""
         pad = max(token_group_alignment(job_config), cls.min_pad_multiple)

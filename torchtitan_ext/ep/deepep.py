@@ -332,6 +332,18 @@ class DeepEPExpertParallel(RoutedExpertParallel):
         return nearest_sms(PUBLISHED_RATES[api], section.num_sms or (LEGACY_DEFAULT_SMS if api == "legacy" else None))
 
     @classmethod
+    def planned_replica_region(cls, job_config) -> int:
+        """V2.5's load-balancing region: the replicas' weights in the compute dtype and their fp32 gradients,
+        each tensor 2 MiB-aligned."""
+        slots = job_config.expert_replication.slots_per_rank
+        section = job_config.deepep
+        if not slots or resolve_api(section.api, section.implementation, None) != "ep":
+            return 0
+        element_size = TORCH_DTYPE_MAP[job_config.training.mixed_precision_param].itemsize
+        rows = slots * routed_expert_elements(job_config)
+        return sum(-(-rows * size // LB_ALLOCATION_ALIGNMENT) * LB_ALLOCATION_ALIGNMENT for size in (element_size, 4))
+
+    @classmethod
     def planned_buffer(cls, job_config, shape: MoEShape) -> tuple[int | None, str]:
         section = job_config.deepep
         api = resolve_api(section.api, section.implementation, None)
@@ -340,15 +352,12 @@ class DeepEPExpertParallel(RoutedExpertParallel):
                 "ElasticBuffer (V2.5: EPBuffer) sizes itself from the NCCL communicator (get_buffer_size_hint needs "
                 "the live group): the job logs its size at the first dispatch; the reference allocates none"
             )
-            slots = job_config.expert_replication.slots_per_rank
-            if api == "ep" and slots:
-                element_size = TORCH_DTYPE_MAP[job_config.training.mixed_precision_param].itemsize
-                rows = slots * routed_expert_elements(job_config)
-                region = sum(-(-rows * size // LB_ALLOCATION_ALIGNMENT) * LB_ALLOCATION_ALIGNMENT
-                             for size in (element_size, 4))
+            region = cls.planned_replica_region(job_config)
+            if region:
                 note += (
                     f"; where its load-balancing kernels carry the replicas, a further {region / 2**20:,.0f} MiB "
-                    f"(the {slots} replicas' weights and fp32 gradients, each 2 MiB-aligned)"
+                    f"(the {job_config.expert_replication.slots_per_rank} replicas' weights and fp32 gradients, "
+                    "each 2 MiB-aligned)"
                 )
             return None, note
         from torchtitan_ext.ep.kernels.deep_ep import deepep_buffer_bytes

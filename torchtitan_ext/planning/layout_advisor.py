@@ -127,7 +127,8 @@ class Layout:
     """The busiest EP rank's expert rows over the mean rank's, >= 1: 1 under uniform routing; under measured
     routing the dump's, after the replicas' split (:mod:`.replica_cost`)."""
     expert_compute_s: float = 0.0
-    """The routed experts' part of ``compute_s`` (their FLOP share), which a rank's load scales."""
+    """The routed experts' part of ``compute_s``, which a rank's load scales: their FLOP share, or their
+    measured time under a measured compute."""
     replica_fetch_s: float = 0.0
     """One forward's fetch of the replicas' weights and exchange of the pair counts, per MoE layer and call."""
     replica_return_s: float = 0.0
@@ -484,8 +485,11 @@ def advise(
             check_replayable(routing, replication.adapt_every)
     if measured_compute is None:
         compute_s = shape.step_flops / (topology.compute_tflops * 1e12)
+        expert_compute_s = compute_s * shape.expert_flop_share
     else:
-        compute_s = measured_compute.step_seconds(shape.dispatches * shape.recompute_factor, shape.parameter_share)
+        passes = shape.dispatches * shape.recompute_factor
+        compute_s = measured_compute.step_seconds(passes, shape.parameter_share)
+        expert_compute_s = measured_compute.routed_experts_seconds(passes)
     data_parallel_busy = shape.data_parallel_sync.per_level(topology, world_size)
     data_parallel_s = sum(data_parallel_busy.values())
     moe_shape = MoEShape(work.hidden, work.experts, work.top_k, work.tokens)
@@ -536,6 +540,9 @@ def advise(
                 pair_share = ratio / ep
             gathered = work.experts // ep * work.expert_parameters * work.gather_bytes
             buffer_bytes = backend.planned_buffer(candidate, dispatched_shape(candidate, moe_shape))[0]
+            if ep > 1 and topology.level_of(sizes, 0, ep - 1) == 0:
+                # the kernels carry replicas within one NVLink domain only (elsewhere they move by all-to-all)
+                buffer_bytes = (buffer_bytes or 0) + backend.planned_replica_region(candidate)
             memory = memory_needed(shape, ep, gathered, buffer_bytes, ratio, slots)
             if topology.memory_GB is not None and memory > topology.memory_GB * 1e9:
                 refused.append(replace(layout, refused=(
@@ -570,7 +577,7 @@ def advise(
                 a2a_level=level_name(links, ep - 1),
                 gather_level=level_name(topology, (efsdp - 1) * ep),
                 rows_ratio=ratio,
-                expert_compute_s=compute_s * shape.expert_flop_share,
+                expert_compute_s=expert_compute_s,
                 replica_fetch_s=fetch_s,
                 replica_return_s=return_s,
                 kernel_rates=describe_kernel_rates(layout.label, backend_name, backend, candidate, topology, measured_rates),
@@ -747,8 +754,8 @@ def format_advice(
         else:
             compute = (
                 f"measured on this machine ({measured_compute.processes} processes: forward + backward "
-                f"{measured_compute.forward_backward_s:.3f} s, optimizer {measured_compute.optimizer_s:.3f} s for all "
-                "parameters)"
+                f"{measured_compute.forward_backward_s:.3f} s, the routed experts {measured_compute.routed_experts_s:.3f} "
+                f"s of it; optimizer {measured_compute.optimizer_s:.3f} s for all parameters)"
             )
         lines.append(
             f"  {first.moe_layers} MoE layers ({first.recomputed_layers} recomputed by activation checkpointing), "

@@ -11,6 +11,11 @@ this machine (its dtypes, its expert path), runs forward and backward on one
 rank's batch of random tokens, clips the gradients and steps the job's
 optimizer (torchtitan's, with the job's settings) over the whole model.
 
+It also times the routed experts alone: every MoE layer's grouped experts,
+forward and backward, on the rows and per-expert counts that layer saw in
+one forward of that batch (the share of the step that an EP rank's load
+scales: the layout advisor prices the busiest rank's excess from it).
+
 Then each process times every backend's local work on its tokens: one MoE
 call's dispatch and combine, forward and backward, with the experts as the
 identity, in a process group of its own (the backend permutes its tokens and
@@ -44,7 +49,7 @@ import torch.multiprocessing as mp
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
-from torchtitan.models.moe.moe import TokenReorderer
+from torchtitan.models.moe.moe import GroupedExperts, TokenReorderer
 from torchtitan.protocols.train_spec import get_train_spec
 
 from torchtitan_ext import runtime
@@ -75,11 +80,18 @@ class MeasuredCompute:
     """Per backend: one MoE call's dispatch and combine, forward and backward, on one rank's tokens,
     without its collectives and beyond torchtitan's own sort (which the forward-backward contains), in
     seconds; 0 where those took all of the time."""
+    routed_experts_s: float
+    """The routed experts' part of ``forward_backward_s``: every MoE layer's grouped experts, forward and
+    backward, on the rows that layer saw, in seconds."""
 
     def step_seconds(self, passes: float, parameter_share: float) -> float:
         """One rank's step: ``passes`` forward-backward passes (microbatches, more with recomputation) and
         the optimizer over ``parameter_share`` of the parameters."""
         return passes * self.forward_backward_s + parameter_share * self.optimizer_s
+
+    def routed_experts_seconds(self, passes: float) -> float:
+        """The routed experts' part of :meth:`step_seconds` at ``passes`` forward-backward passes."""
+        return passes * self.routed_experts_s
 
 
 def check_measurable(job_config, world_size: int) -> None:
@@ -160,8 +172,35 @@ def _measure(rank: int, train_args: list[str], world_size: int, barrier, results
         optimizers.zero_grad()
         if step >= WARMUP_STEPS:
             timings.append((passed - began, time.perf_counter() - passed))
+    experts_times = _timed(_routed_experts_pass(compute_model, tokens), barrier)
     dtype = next(compute_model.parameters()).dtype
-    results[rank] = (timings, _time_dispatch(train_args, model_args, tokens.numel(), dtype, barrier))
+    results[rank] = (timings, experts_times, _time_dispatch(train_args, model_args, tokens.numel(), dtype, barrier))
+
+
+def _routed_experts_pass(model: torch.nn.Module, tokens: torch.Tensor):
+    """A call that runs every MoE layer's routed experts forward and backward on the rows and per-expert
+    counts the layer received in one forward of ``tokens``."""
+    received = []
+
+    def keep(experts, args, output):
+        rows, counts = args
+        received.append((experts, rows.detach(), counts, torch.randn_like(output)))
+
+    handles = [module.register_forward_hook(keep) for module in model.modules() if isinstance(module, GroupedExperts)]
+    try:
+        with torch.no_grad():
+            model(tokens)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+    def run():
+        for experts, rows, counts, grad in received:
+            experts(rows.requires_grad_(), counts).backward(grad)
+            rows.grad = None
+        model.zero_grad(set_to_none=True)
+
+    return run
 
 
 def _time_dispatch(train_args: list[str], model_args, tokens: int, dtype: torch.dtype, barrier) -> tuple:
@@ -251,17 +290,19 @@ def measure_compute(train_args: list[str], world_size: int) -> MeasuredCompute:
         """Median over steps of the slowest process's time: a synchronous step waits for it."""
         return statistics.median(max(calls) for calls in zip(*series))
 
-    forward_backward = slowest_median([[passed for passed, _ in timings] for timings, _ in per_rank])
-    optimizer = slowest_median([[stepped for _, stepped in timings] for timings, _ in per_rank])
-    torchtitan_sort = slowest_median([sort_times for _, (sort_times, _) in per_rank])
+    forward_backward = slowest_median([[passed for passed, _ in timings] for timings, _, _ in per_rank])
+    optimizer = slowest_median([[stepped for _, stepped in timings] for timings, _, _ in per_rank])
+    routed_experts = slowest_median([experts_times for _, experts_times, _ in per_rank])
+    torchtitan_sort = slowest_median([sort_times for _, _, (sort_times, _) in per_rank])
     dispatch_work = {}
     for name in BACKENDS:
-        calls = slowest_median([dispatch[name][0] for _, (_, dispatch) in per_rank])
-        collectives = slowest_median([dispatch[name][1] for _, (_, dispatch) in per_rank])
+        calls = slowest_median([dispatch[name][0] for _, _, (_, dispatch) in per_rank])
+        collectives = slowest_median([dispatch[name][1] for _, _, (_, dispatch) in per_rank])
         dispatch_work[name] = max(0.0, calls - collectives - torchtitan_sort)
     work = ", ".join(f"{name} {seconds * 1e3:.3g} ms" for name, seconds in dispatch_work.items())
-    print(f"[measure-compute] forward + backward {forward_backward:.3f} s, clipping and optimizer over all "
+    print(f"[measure-compute] forward + backward {forward_backward:.3f} s (the routed experts {routed_experts:.3f} "
+          f"s of it, {routed_experts / forward_backward:.0%}), clipping and optimizer over all "
           f"parameters {optimizer:.3f} s; one MoE call's dispatch + combine beyond its collectives and "
           f"torchtitan's own sort ({torchtitan_sort * 1e3:.3g} ms): {work} (medians over steps of the slowest "
           "process)", flush=True)
-    return MeasuredCompute(forward_backward, optimizer, world_size, dispatch_work)
+    return MeasuredCompute(forward_backward, optimizer, world_size, dispatch_work, routed_experts)
