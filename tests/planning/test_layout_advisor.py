@@ -11,7 +11,8 @@ import torch
 
 from tests.planning.advice_text import paragraph
 from torchtitan_ext import plan, runtime
-from torchtitan_ext.config import ConfigError, load_job_config
+from torchtitan_ext.config import ConfigError, load_job_config, parse
+from torchtitan_ext.ep import BACKENDS
 from torchtitan_ext.planning.cost_model import MeasuredRouting
 from torchtitan_ext.planning.layout_advisor import advise, advised_config, format_advice, overrides_problem
 from torchtitan_ext.planning.measured_compute import check_measurable, MeasuredCompute
@@ -383,6 +384,8 @@ def test_recomputed_layers_run_the_backends_forward_again():
         assert layout.local_work_s == pytest.approx(
             layout.dispatches * (kept + 1.5 * layout.recomputed_layers) * LOCAL_WORK[layout.backend]
         )
+        # every MoE layer recomputed: a third of a pass more, for the experts as for the whole model
+        assert layout.expert_compute_s == pytest.approx(layout.dispatches * 4 / 3 * 0.3)
 
 
 def test_measured_local_work_decides_between_backends():
@@ -442,6 +445,10 @@ def test_data_parallel_sync_hides_behind_compute_where_it_overlaps():
           "--parallelism.expert_parallel_degree", "4"], 4,
          "--measure-compute builds the whole model (107,770M parameters) in each of 4 processes: 6,423.6 GiB of "
          "parameters and optimizer state, more than half of this machine's"),
+        ([*DEBUG_JOB, "--model.name", "llama3", "--model.flavor", "debugmodel", "--parallelism.expert_parallel_degree",
+          "1"], 2,
+         "--measure-compute times the routed experts as torchtitan's GroupedExperts, which model.name = 'llama3' does "
+         "not build: drop --measure-compute (FLOPs at the topology's compute_tflops)"),
     ],
 )
 def test_compute_that_cannot_be_measured_here_is_refused(overrides, world_size, message):
@@ -702,7 +709,7 @@ def test_the_routed_experts_are_timed_on_the_rows_each_layer_received():
     experts_modules = [module for module in model.modules() if isinstance(module, GroupedExperts)]
     with torch.no_grad():
         forward_rows = []
-        handles = [module.register_forward_hook(lambda m, args, out: forward_rows.append(args[0].clone()))
+        handles = [module.register_forward_hook(lambda m, args, out: forward_rows.append((args[0].clone(), args[1].clone())))
                    for module in experts_modules]
         model(tokens)
         for handle in handles:
@@ -713,9 +720,9 @@ def test_the_routed_experts_are_timed_on_the_rows_each_layer_received():
     run()
     assert len(experts_modules) == model_args.n_layers - model_args.n_dense_layers
     assert [experts for experts, _, _ in seen] == experts_modules == backward  # each backward right after its forward
-    for (_, rows, counts), expected in zip(seen, forward_rows, strict=True):
+    for (_, rows, counts), (expected_rows, expected_counts) in zip(seen, forward_rows, strict=True):
         assert int(counts.sum()) == tokens.numel() * model_args.moe_args.top_k
-        assert torch.equal(rows, expected)
+        assert torch.equal(rows, expected_rows) and torch.equal(counts, expected_counts)
     assert all(parameter.grad is None for parameter in model.parameters())
 
 
@@ -740,6 +747,13 @@ def test_memory_counts_deepep_v2_5s_load_balancing_region_within_one_nvlink_doma
 
     v2_5, elastic = memory("ep"), memory("elastic")
     region = 504 * 2**20
+    job_config = parse(["--job.config_file", str(tmp_path / "ep.toml"), "--compile.no-enable",
+                        "--expert_replication.slots_per_rank", "2", "--deepep.api", "ep"])
+    assert {name: backend.planned_replica_region(job_config) for name, backend in BACKENDS.items()} == {
+        "nccl": 0, "deepep": region, "hybridep": 0}
+    # the kernels' conditions that hold whatever the group: deterministic algorithms move replicas by all-to-all
+    job_config.debug.deterministic = True
+    assert BACKENDS["deepep"].planned_replica_region(job_config) == 0
     deepep_eps = sorted(ep for label, ep in v2_5 if label == "deepep")
     assert 64 in deepep_eps and 128 in deepep_eps
     for (label, ep), held in v2_5.items():

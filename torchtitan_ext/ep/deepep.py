@@ -38,6 +38,7 @@ from torchtitan_ext.ep.handle import DispatchHandle
 from torchtitan_ext.ep.in_flight import in_flight
 from torchtitan_ext.ep.kernels import implementation_description as _implementation_description
 from torchtitan_ext.ep.kernels import import_library, library_has, resolve_implementation, uses_library
+from torchtitan_ext.ep.kernels.deep_ep import LB_ROW_ALIGNMENT
 from torchtitan_ext.ep.kernels.deepep_apis import APIS
 from torchtitan_ext.ep.layout import block_destinations
 from torchtitan_ext.ep.published_rates import nearest_sms, PublishedRate
@@ -334,13 +335,17 @@ class DeepEPExpertParallel(RoutedExpertParallel):
     @classmethod
     def planned_replica_region(cls, job_config) -> int:
         """V2.5's load-balancing region: the replicas' weights in the compute dtype and their fp32 gradients,
-        each tensor 2 MiB-aligned."""
+        each tensor 2 MiB-aligned; none where the job moves replicas by all-to-all whatever the group (an expert
+        not a multiple of the kernels' 32-byte rows, or deterministic algorithms)."""
         slots = job_config.expert_replication.slots_per_rank
         section = job_config.deepep
-        if not slots or resolve_api(section.api, section.implementation, None) != "ep":
+        if not slots or resolve_api(section.api, section.implementation, None) != "ep" or job_config.debug.deterministic:
             return 0
         element_size = TORCH_DTYPE_MAP[job_config.training.mixed_precision_param].itemsize
-        rows = slots * routed_expert_elements(job_config)
+        elements = routed_expert_elements(job_config)
+        if elements * element_size % LB_ROW_ALIGNMENT:
+            return 0
+        rows = slots * elements
         return sum(-(-rows * size // LB_ALLOCATION_ALIGNMENT) * LB_ALLOCATION_ALIGNMENT for size in (element_size, 4))
 
     @classmethod

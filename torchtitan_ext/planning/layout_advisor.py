@@ -314,8 +314,9 @@ STATE_BYTES_PER_PARAMETER = 16
 
 
 def memory_needed(shape: JobShape, ep: int, gathered_expert_bytes: int, buffer_bytes: int | None, rows_ratio: float,
-                  replica_slots: int) -> int:
-    """:attr:`Layout.memory_bytes` of a layout at ``ep``."""
+                  replica_slots: int, replica_region_bytes: int = 0) -> int:
+    """:attr:`Layout.memory_bytes` of a layout at ``ep``; ``replica_region_bytes``: what the backend reserves beside
+    its buffer for its own kernels to carry the replicas (:meth:`~torchtitan_ext.ep.base.RoutedExpertParallel.planned_replica_region`)."""
     work = shape.work
     state = shape.data_parallel_sync.shard_parameters * STATE_BYTES_PER_PARAMETER
     saved_layers = shape.moe_layers - shape.recomputed_layers
@@ -326,7 +327,7 @@ def memory_needed(shape: JobShape, ep: int, gathered_expert_bytes: int, buffer_b
     copies, fetched = shape.replica_copies
     replica_copies = ((copies * (work.experts // ep + replica_slots) + fetched * replica_slots) * expert_bytes
                       if replica_slots else 0)
-    return round(state + 2 * gathered_expert_bytes + (buffer_bytes or 0) + rows + replica_copies)
+    return round(state + 2 * gathered_expert_bytes + (buffer_bytes or 0) + replica_region_bytes + rows + replica_copies)
 
 
 def _candidate(job_config, backend_name: str, ep: int):
@@ -540,14 +541,14 @@ def advise(
                 pair_share = ratio / ep
             gathered = work.experts // ep * work.expert_parameters * work.gather_bytes
             buffer_bytes = backend.planned_buffer(candidate, dispatched_shape(candidate, moe_shape))[0]
-            if ep > 1 and topology.level_of(sizes, 0, ep - 1) == 0:
-                # the kernels carry replicas within one NVLink domain only (elsewhere they move by all-to-all)
-                buffer_bytes = (buffer_bytes or 0) + backend.planned_replica_region(candidate)
-            memory = memory_needed(shape, ep, gathered, buffer_bytes, ratio, slots)
+            # a backend's kernels carry replicas within one NVLink domain only (elsewhere they move by all-to-all)
+            region = backend.planned_replica_region(candidate) if ep > 1 and topology.level_of(sizes, 0, ep - 1) == 0 else 0
+            memory = memory_needed(shape, ep, gathered, buffer_bytes, ratio, slots, region)
             if topology.memory_GB is not None and memory > topology.memory_GB * 1e9:
                 refused.append(replace(layout, refused=(
                     f"one rank needs at least {memory / 1e9:,.1f} GB (sharded state, two layers' gathered experts, "
-                    f"the buffer, the saved dispatched rows{', the replica copies' if slots else ''}), more than "
+                    f"the buffer{', its region for the replicas' if region else ''}, the saved dispatched rows"
+                    f"{', the replica copies' if slots else ''}), more than "
                     f"topology '{topology.name}''s memory_GB = "
                     f"{topology.memory_GB:g}: use a higher EP degree, more ranks or activation checkpointing (or "
                     "raise memory_GB if the device has more)"

@@ -123,7 +123,13 @@ def check_measurable(job_config, world_size: int) -> None:
             f"than the {most} ranks it can run: it measures a job this machine runs; drop --measure-compute for "
             "another machine's job"
         )
-    parameters = sum(parameter.numel() for parameter in meta_model(job_config).parameters())
+    model = meta_model(job_config)
+    if not any(isinstance(module, GroupedExperts) for module in model.modules()):
+        raise ConfigError(
+            f"--measure-compute times the routed experts as torchtitan's GroupedExperts, which model.name = "
+            f"'{job_config.model.name}' does not build: drop --measure-compute (FLOPs at the topology's compute_tflops)"
+        )
+    parameters = sum(parameter.numel() for parameter in model.parameters())
     needed = world_size * parameters * BYTES_PER_PARAMETER
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if needed > memory // 2:
