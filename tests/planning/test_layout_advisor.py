@@ -155,6 +155,11 @@ def test_advice_ranks_runnable_layouts_and_lists_refused_ones():
     } - {("deepep", 1), ("deepep legacy", 1), ("hybridep", 1)}
     assert {(layout.label, layout.ep) for layout in refused} == {("deepep", 1), ("deepep legacy", 1), ("hybridep", 1)}
     assert all("needs expert parallelism" in layout.refused for layout in refused)
+    # v1 is refused at EP = 1 for the reason V2 is: the advice lists that once
+    lines = format_advice(layouts, load_topology("hgx_h100_ib"), 4, "deepseek_v3 debugmodel", None)
+    listed = lines[lines.index("  not runnable (the job's config checks; other backends' sections at their defaults):") + 1:]
+    assert [line.split(":")[0].strip() for line in listed if not line.startswith("      ")] == [
+        "deepep EP=1", "hybridep EP=1"]
     assert [layout.step_s for layout in runnable] == sorted(layout.step_s for layout in runnable)
     legacy = next(layout for layout in runnable if layout.label == "deepep legacy")
     assert legacy.settings == (("deepep", "api", "legacy"),) and legacy.overrides()[-2:] == ["--deepep.api", "legacy"]
@@ -189,8 +194,8 @@ def test_671b_advice_quoted_in_docs(advice_671b):
     # expert FSDP crosses racks, and hides behind the previous block's forward (torchtitan's prefetch)
     assert (first.backend, first.ep, first.efsdp) == ("nccl", 32, 8)
     assert first.nominal_links == ("NVLink domain (one rack)",)
-    assert [(layout.label, layout.ep) for layout in advice_671b["gb200_nvl72"][:5]] == [
-        ("nccl", 32), ("nccl", 64), ("deepep", 32), ("deepep", 64), ("hybridep", 64)]
+    assert [(layout.label, layout.ep) for layout in advice_671b["gb200_nvl72"][:6]] == [
+        ("nccl", 32), ("nccl", 64), ("deepep", 32), ("deepep", 64), ("hybridep 16/32", 64), ("hybridep", 64)]
     # the RDMA NIC carries the FSDP sync and EP=32's expert gathers: 5.6 s of the 6.8 s step, not hidden for free
     assert first.busiest_link[0] == "RDMA between racks" and round(first.busiest_link[1], 2) == 5.59
     assert round(first.step_s, 2) == 6.85 and not first.link_bound
@@ -201,6 +206,13 @@ def test_671b_advice_quoted_in_docs(advice_671b):
     assert round(nccl.step_s / hybridep.step_s, 3) == 0.912
     assert round(deepep.step_s / hybridep.step_s, 3) == 0.956
     assert [round(layout.tflops_per_gpu) for layout in (nccl, deepep, hybridep)] == [672, 641, 613]
+    # HybridEP also at the published SM counts fastest on NVL72 (4c: dispatch 485.50 GB/s at 16 SMs against 484.22
+    # at 32, combine 423.19 against 464.54): faster than as configured, still not the published order
+    fastest = gb200["hybridep 16/32", 64]
+    assert fastest.settings == (("hybridep", "num_sms_dispatch", 16), ("hybridep", "num_sms_combine", 32))
+    assert fastest.overrides()[-4:] == ["--hybridep.num_sms_dispatch", "16", "--hybridep.num_sms_combine", "32"]
+    assert round(fastest.step_s * 1e3) == 7454 and fastest.step_s < hybridep.step_s
+    assert [round(layout.step_s / fastest.step_s, 3) for layout in (nccl, deepep)] == [0.92, 0.964]
     assert (first.moe_layers, first.recomputed_layers, first.dispatches) == (58, 58, 1)
     # FSDP of the 17.1G dense parameters over all 256 ranks, at the outer level's 50 GB/s on both, hidden behind
     # compute
@@ -761,3 +773,23 @@ def test_memory_counts_deepep_v2_5s_load_balancing_region_within_one_nvlink_doma
             assert held - elastic[label, ep] == (region if ep <= 64 else 0), (label, ep)
         elif (label, ep) in elastic:
             assert held == elastic[label, ep], (label, ep)
+
+
+@pytest.mark.parametrize("sms, fabric, alternative", [
+    (16, "mnnvl", {"num_sms_dispatch": 16, "num_sms_combine": 32}),  # 4c: combine 464.54 GB/s at 32 SMs, 423.19 at 16
+    (32, "mnnvl", {"num_sms_dispatch": 16, "num_sms_combine": 32}),  # dispatch 485.50 at 16 against 484.22 at 32
+    (16, "nvlink", None),  # 4d.8: 16 blocks are the fastest for both on DGX H100
+    (4, "nvlink", {"num_sms_dispatch": 16, "num_sms_combine": 16}),
+    (16, "rdma", None),  # 4d.11: 8 blocks, the nearest published count to 16, are the fastest
+    (16, None, None),  # a link the topology names no fabric for: nothing published to choose by
+])
+def test_hybridep_is_also_priced_at_the_fastest_published_sm_counts(sms, fabric, alternative):
+    from torchtitan_ext.ep.hybridep import HybridEPExpertParallel
+
+    job_config = parse([*DEBUG_JOB, "--parallelism.expert_parallel_comm_backend", "hybridep",
+                        "--hybridep.num_sms_dispatch", str(sms), "--hybridep.num_sms_combine", str(sms)])
+    expected = () if alternative is None else (alternative,)
+    assert HybridEPExpertParallel.advised_alternatives(job_config, fabric) == expected
+    if alternative is not None:
+        assert HybridEPExpertParallel.settings_label(alternative) == "{num_sms_dispatch}/{num_sms_combine}".format(
+            **alternative)

@@ -233,6 +233,8 @@ class RoutedExpertParallel(ExpertParallel, ABC):
     """Whether expert_tensor_parallel_degree > 1 works with this backend."""
 
     shared_experts_overlap: ClassVar[str] = "no: combine has landed when the experts return"
+    settings_legend: ClassVar[str] = ""
+    """What :meth:`settings_label` names, for the advisor's column legend ("" where it prices no alternative)."""
     """Whether the MoE's shared experts run while this backend's combine is in flight, and how."""
 
     needs_expert_parallelism: ClassVar[bool] = True
@@ -312,10 +314,17 @@ class RoutedExpertParallel(ExpertParallel, ABC):
         return cls.nvlink_domain_ranks(job_config)
 
     @classmethod
-    def advised_alternatives(cls, job_config) -> tuple[dict[str, object], ...]:
+    def advised_alternatives(cls, job_config, fabric: str | None) -> tuple[dict[str, object], ...]:
         """Settings of this backend's own section that the layout advisor prices beside the job's, each
-        {field: value}: the choices its published figures can tell apart. Empty: the job's settings only."""
+        {field: value}: the choices its published figures can tell apart. ``fabric``: the link kind
+        (:data:`~torchtitan_ext.ep.published_rates.FABRICS`) of the outermost link the layout's all-to-all
+        crosses, None where the topology names none. Empty: the job's settings only."""
         return ()
+
+    @classmethod
+    def settings_label(cls, settings: dict[str, object]) -> str:
+        """How the advisor's table names an alternative of :meth:`advised_alternatives` after the backend."""
+        return " ".join(str(value) for value in settings.values())
 
     @classmethod
     def rate_settings(cls, job_config) -> tuple:

@@ -260,6 +260,7 @@ class DeepEPExpertParallel(RoutedExpertParallel):
     config_ranges = {"deepep.num_sms": Range(2, meaning="SMs, an even count")}
 
     shared_experts_overlap = "yes: combine runs asynchronously on DeepEP's communication stream"
+    settings_legend = "deepep legacy/elastic: its API"
     sends_each_token_once_per_rank = True
     ops_module = "torchtitan_ext.ep.ops.deepep"
     saved_ops = ("torchtitan_ext::deepep_dispatch", "torchtitan_ext::deepep_combine")
@@ -311,9 +312,10 @@ class DeepEPExpertParallel(RoutedExpertParallel):
         return LEGACY_NVLINK_PEERS if resolve_api(section.api, section.implementation, None) == "legacy" else None
 
     @classmethod
-    def advised_alternatives(cls, job_config) -> tuple[dict[str, object], ...]:
+    def advised_alternatives(cls, job_config, fabric: str | None) -> tuple[dict[str, object], ...]:
         """The other API: v1's kernels reach 8 NVLink peers, V2's the machine's, and each has its own figures.
-        V2.5 (ep) removed both others: none."""
+        V2.5 (ep) removed both others: none. Not SM counts: DeepEP's combine runs beside the shared experts
+        (asynchronously), so SMs it takes slow that compute by an amount no published figure gives."""
         section = job_config.deepep
         api = resolve_api(section.api, section.implementation, None)
         if api == "ep":

@@ -191,6 +191,7 @@ class HybridEPExpertParallel(RoutedExpertParallel):
     }
 
     shared_experts_overlap = "no: HybridEP's combine_with_unpermute has no asynchronous mode"
+    settings_legend = "hybridep D/C: its dispatch/combine SMs"
     sends_each_token_once_per_rank = True
     ops_module = "torchtitan_ext.ep.ops.hybridep"
     saved_ops = ("torchtitan_ext::hybridep_dispatch", "torchtitan_ext::hybridep_combine")
@@ -294,6 +295,28 @@ class HybridEPExpertParallel(RoutedExpertParallel):
     @classmethod
     def nvlink_domain_ranks(cls, job_config) -> int | None:
         return job_config.hybridep.ranks_per_nvlink_domain
+
+    @classmethod
+    def advised_alternatives(cls, job_config, fabric: str | None) -> tuple[dict[str, object], ...]:
+        """The published SM counts whose figures on ``fabric`` are the fastest, dispatch's and combine's each,
+        where the job's counts are priced at slower figures. More SMs cost no compute the advisor counts: no
+        compute of this harness runs beside HybridEP's kernels (its combine has no asynchronous mode, so the
+        shared experts wait for it). Not blocking against non-blocking: no published figure separates their
+        speed (the planner gives a capacity factor's drops from recorded routing)."""
+        figures = [rate for rate in PUBLISHED_RATES if rate.fabric == fabric and rate.sms is not None]
+        if not figures:
+            return ()
+        fastest_dispatch = max(figures, key=lambda rate: (rate.dispatch_GBps, -rate.sms))
+        fastest_combine = max(figures, key=lambda rate: (rate.combine_GBps, -rate.sms))
+        priced = next(rate for rate in cls.published_rates(job_config) if rate.fabric == fabric)
+        if (priced.dispatch_GBps, priced.combine_GBps) == (fastest_dispatch.dispatch_GBps, fastest_combine.combine_GBps):
+            return ()
+        return ({"num_sms_dispatch": fastest_dispatch.sms, "num_sms_combine": fastest_combine.sms},)
+
+    @classmethod
+    def settings_label(cls, settings: dict[str, object]) -> str:
+        """Dispatch/combine SMs: "16/32"."""
+        return f"{settings['num_sms_dispatch']}/{settings['num_sms_combine']}"
 
     @classmethod
     def rate_settings(cls, job_config) -> tuple:

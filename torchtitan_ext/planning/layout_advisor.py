@@ -20,6 +20,7 @@ with the reason, never ranked.
 """
 
 import copy
+import re
 import textwrap
 from dataclasses import dataclass, replace
 
@@ -215,8 +216,11 @@ class Layout:
 
     @property
     def label(self) -> str:
-        """The backend, and the settings of its section priced in place of the job's ("deepep legacy")."""
-        return " ".join([self.backend, *(str(value) for _, _, value in self.settings)])
+        """The backend, and the settings of its section priced in place of the job's ("deepep legacy",
+        "hybridep 16/32")."""
+        if not self.settings:
+            return self.backend
+        return f"{self.backend} {BACKENDS[self.backend].settings_label({field: value for _, field, value in self.settings})}"
 
     def overrides(self) -> list[str]:
         selected = ["--parallelism.expert_parallel_comm_backend", self.backend, "--parallelism.expert_parallel_degree", str(self.ep)]
@@ -342,11 +346,25 @@ def _candidate(job_config, backend_name: str, ep: int):
     return candidate
 
 
-def _priced_settings(job_config, ep: int, slot_counts: list[int]):
+def _outermost_fabric(backend, backend_name: str, candidate, topology: Topology, world_size: int, ep: int) -> str | None:
+    """The link kind of the outermost link the backend's all-to-all crosses at ``ep`` (None: no fabric named, no
+    all-to-all, or kernel domains that do not fit the job, which pricing refuses)."""
+    if ep == 1:
+        return None
+    try:
+        links = _kernel_links(backend, backend_name, candidate, topology, world_size, ep)
+    except ConfigError:
+        return None
+    return links.levels[links.level_of(links.group_sizes(world_size), 0, ep - 1)].fabric
+
+
+def _priced_settings(job_config, ep: int, slot_counts: list[int], topology: Topology, world_size: int):
     """(backend name, backend, settings of its section, replica slots) for every layout priced at ``ep``: each
     backend with the job's settings ({}) and with each of its advised alternatives, at each slot count."""
     for backend_name, backend in BACKENDS.items():
-        for settings in ({}, *backend.advised_alternatives(_candidate(job_config, backend_name, ep))):
+        candidate = _candidate(job_config, backend_name, ep)
+        fabric = _outermost_fabric(backend, backend_name, candidate, topology, world_size, ep)
+        for settings in ({}, *backend.advised_alternatives(candidate, fabric)):
             for slots in slot_counts:
                 yield backend_name, backend, settings, slots
 
@@ -430,7 +448,7 @@ def describe_kernel_rates(
         else:
             parts.append(
                 f"{level.name}: dispatch {rate.dispatch_fraction:.2f}, combine {rate.combine_fraction:.2f} of nominal "
-                f"({rate.source.split(':')[0].removeprefix('docs/published_ep_figures.md ')})"
+                f"({'/'.join(dict.fromkeys(re.findall(r'docs/published_ep_figures.md ([^:]+):', rate.source)))})"
             )
     return f"{label}: " + "; ".join(parts)
 
@@ -516,7 +534,7 @@ def advise(
         if shape.expert_world % ep or work.experts % ep:
             continue
         efsdp = shape.expert_world // ep
-        for backend_name, backend, settings, slots in _priced_settings(job_config, ep, slot_counts):
+        for backend_name, backend, settings, slots in _priced_settings(job_config, ep, slot_counts, topology, world_size):
             if ep == 1 and slots and 0 in slot_counts:
                 continue  # replicas need EP > 1: this EP = 1 layout is priced without them
             layout = Layout(backend_name, ep, efsdp, refused=None, replica_slots=slots,
@@ -794,7 +812,9 @@ def format_advice(
             "busiest rank's expert rows over the mean rank's; TFLOPS: model TFLOP/s per GPU at the predicted step; "
             "mem GB: what a rank needs at least; link%: the busiest link's traffic per step (hidden or not) over the "
             "step (100%: the link sets the step); over: the outermost link the all-to-all crosses, "
-            + ", ".join(f"{short} = {name}" for name, short in links.items()), "  ")
+            + ", ".join(f"{short} = {name}" for name, short in links.items())
+            + "".join(f"; {legend}" for legend in dict.fromkeys(
+                BACKENDS[layout.backend].settings_legend for layout in runnable if layout.settings)), "  ")
         with_slots = f", {first.replica_slots} replica slot(s) per rank" if prices_replicas else ""
         lines.append(
             f"  recommended: {first.label} at EP={first.ep}, efsdp={first.efsdp}{with_slots}: "
@@ -824,7 +844,11 @@ def format_advice(
         lines += _command("  overrides: ", first.overrides())
         if overrides_problem is not None:
             lines += _wrapped(f"with those, this job config still fails its checks: {overrides_problem}", "  ")
-    refused = [layout for layout in layouts if layout.refused is not None]
+    as_configured = {(layout.backend, layout.ep, layout.replica_slots): layout.refused
+                     for layout in layouts if layout.refused is not None and not layout.settings}
+    # an alternative refused for the reason its backend as configured is, is listed once
+    refused = [layout for layout in layouts if layout.refused is not None and not (
+        layout.settings and as_configured.get((layout.backend, layout.ep, layout.replica_slots)) == layout.refused)]
     if refused:
         lines.append("  not runnable (the job's config checks; other backends' sections at their defaults):")
         for layout in refused:
