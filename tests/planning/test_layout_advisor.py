@@ -775,21 +775,54 @@ def test_memory_counts_deepep_v2_5s_load_balancing_region_within_one_nvlink_doma
             assert held == elastic[label, ep], (label, ep)
 
 
-@pytest.mark.parametrize("sms, fabric, alternative", [
-    (16, "mnnvl", {"num_sms_dispatch": 16, "num_sms_combine": 32}),  # 4c: combine 464.54 GB/s at 32 SMs, 423.19 at 16
-    (32, "mnnvl", {"num_sms_dispatch": 16, "num_sms_combine": 32}),  # dispatch 485.50 at 16 against 484.22 at 32
-    (16, "nvlink", None),  # 4d.8: 16 blocks are the fastest for both on DGX H100
-    (4, "nvlink", {"num_sms_dispatch": 16, "num_sms_combine": 16}),
-    (16, "rdma", None),  # 4d.11: 8 blocks, the nearest published count to 16, are the fastest
-    (16, None, None),  # a link the topology names no fabric for: nothing published to choose by
+@pytest.mark.parametrize("sms, fabrics, alternative", [
+    ((16, 16), ("mnnvl",), (16, 32)),  # 4c: combine 464.54 GB/s at 32 SMs against 423.19 at 16
+    ((32, 32), ("mnnvl",), (16, 32)),  # dispatch 485.50 at 16 against 484.22 at 32
+    ((20, 16), ("mnnvl",), (20, 32)),  # 20 dispatch SMs are priced at 16's figure, the fastest: they stay
+    ((16, 16), ("nvlink",), None),  # 4d.8: 16 blocks are the fastest for both on DGX H100
+    ((4, 4), ("nvlink",), (16, 16)),
+    ((16, 16), ("rdma",), None),  # 4d.11: 8 blocks, the nearest published count to 16, are the fastest
+    ((4, 4), ("nvlink", "rdma"), None),  # which link bounds it depends on its bytes there: not offered
+    ((16, 16), (None,), None),  # a link the topology names no fabric for: nothing published to choose by
+    ((16, 16), (), None),  # no all-to-all
 ])
-def test_hybridep_is_also_priced_at_the_fastest_published_sm_counts(sms, fabric, alternative):
+def test_hybridep_is_also_priced_at_the_fastest_published_sm_counts(sms, fabrics, alternative):
     from torchtitan_ext.ep.hybridep import HybridEPExpertParallel
 
     job_config = parse([*DEBUG_JOB, "--parallelism.expert_parallel_comm_backend", "hybridep",
-                        "--hybridep.num_sms_dispatch", str(sms), "--hybridep.num_sms_combine", str(sms)])
-    expected = () if alternative is None else (alternative,)
-    assert HybridEPExpertParallel.advised_alternatives(job_config, fabric) == expected
-    if alternative is not None:
-        assert HybridEPExpertParallel.settings_label(alternative) == "{num_sms_dispatch}/{num_sms_combine}".format(
-            **alternative)
+                        "--hybridep.num_sms_dispatch", str(sms[0]), "--hybridep.num_sms_combine", str(sms[1])])
+    expected = () if alternative is None else ({"num_sms_dispatch": alternative[0], "num_sms_combine": alternative[1]},)
+    assert HybridEPExpertParallel.advised_alternatives(job_config, fabrics) == expected
+    assert HybridEPExpertParallel.settings_label({"num_sms_dispatch": 16, "num_sms_combine": 32}) == "16/32"
+
+
+def test_no_sm_alternative_beside_dualpipev_overlapped_ep():
+    """There the other microbatch computes beside HybridEP's kernels: SMs they take would cost compute."""
+    from torchtitan_ext.ep.hybridep import HybridEPExpertParallel
+
+    job_config = parse([*DEBUG_JOB, "--parallelism.expert_parallel_comm_backend", "hybridep"])
+    assert HybridEPExpertParallel.advised_alternatives(job_config, ("mnnvl",))
+    parallelism = job_config.parallelism
+    parallelism.pipeline_parallel_degree, parallelism.pipeline_parallel_schedule = 2, "DualPipeV"
+    parallelism.pipeline_parallel_expert_parallel_overlap = True
+    assert HybridEPExpertParallel.advised_alternatives(job_config, ("mnnvl",)) == ()
+
+
+def test_a_measured_rate_leaves_out_an_alternative_it_would_price_alike():
+    """A rate measured on the cluster for blocking HybridEP prices every SM count alike: no 16/32 row; DeepEP's
+    other API keeps its own published rate, so it stays."""
+    from torchtitan_ext.planning.layout_advisor import _priced_settings
+
+    job_config = load_job_config(["--job.config_file", "train_configs/deepseek_v3_671b_gb200.toml"], device_type=None,
+                                 world_size=256)
+    topology = TOPOLOGIES_671B["gb200_nvl72"]
+
+    def alternatives(measured):
+        return {(name, tuple(settings.items())) for name, _, settings, _ in
+                _priced_settings(job_config, 64, [0], topology, 256, measured) if settings}
+
+    published = alternatives(None)
+    assert ("hybridep", (("num_sms_dispatch", 16), ("num_sms_combine", 32))) in published
+    assert ("deepep", (("api", "legacy"),)) in published
+    measured = {("hybridep", ("blocking",), 0): None, ("deepep", ("elastic",), 0): None}
+    assert alternatives(measured) == {("deepep", (("api", "legacy"),))}

@@ -233,9 +233,10 @@ class RoutedExpertParallel(ExpertParallel, ABC):
     """Whether expert_tensor_parallel_degree > 1 works with this backend."""
 
     shared_experts_overlap: ClassVar[str] = "no: combine has landed when the experts return"
+    """Whether the MoE's shared experts run while this backend's combine is in flight, and how."""
+
     settings_legend: ClassVar[str] = ""
     """What :meth:`settings_label` names, for the advisor's column legend ("" where it prices no alternative)."""
-    """Whether the MoE's shared experts run while this backend's combine is in flight, and how."""
 
     needs_expert_parallelism: ClassVar[bool] = True
     """Whether selecting this backend with expert_parallel_degree = 1 is a config error
@@ -314,11 +315,12 @@ class RoutedExpertParallel(ExpertParallel, ABC):
         return cls.nvlink_domain_ranks(job_config)
 
     @classmethod
-    def advised_alternatives(cls, job_config, fabric: str | None) -> tuple[dict[str, object], ...]:
+    def advised_alternatives(cls, job_config, fabrics: tuple[str | None, ...]) -> tuple[dict[str, object], ...]:
         """Settings of this backend's own section that the layout advisor prices beside the job's, each
-        {field: value}: the choices its published figures can tell apart. ``fabric``: the link kind
-        (:data:`~torchtitan_ext.ep.published_rates.FABRICS`) of the outermost link the layout's all-to-all
-        crosses, None where the topology names none. Empty: the job's settings only."""
+        {field: value}: the choices its published figures can tell apart. ``fabrics``: the link kinds
+        (:data:`~torchtitan_ext.ep.published_rates.FABRICS`) of the links the layout's all-to-all crosses,
+        innermost first (None for a link the topology names no fabric for; empty without an all-to-all).
+        Empty: the job's settings only."""
         return ()
 
     @classmethod

@@ -312,7 +312,7 @@ class DeepEPExpertParallel(RoutedExpertParallel):
         return LEGACY_NVLINK_PEERS if resolve_api(section.api, section.implementation, None) == "legacy" else None
 
     @classmethod
-    def advised_alternatives(cls, job_config, fabric: str | None) -> tuple[dict[str, object], ...]:
+    def advised_alternatives(cls, job_config, fabrics: tuple[str | None, ...]) -> tuple[dict[str, object], ...]:
         """The other API: v1's kernels reach 8 NVLink peers, V2's the machine's, and each has its own figures.
         V2.5 (ep) removed both others: none. Not SM counts: DeepEP's combine runs beside the shared experts
         (asynchronously), so SMs it takes slow that compute by an amount no published figure gives."""

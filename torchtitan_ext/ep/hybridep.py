@@ -297,21 +297,36 @@ class HybridEPExpertParallel(RoutedExpertParallel):
         return job_config.hybridep.ranks_per_nvlink_domain
 
     @classmethod
-    def advised_alternatives(cls, job_config, fabric: str | None) -> tuple[dict[str, object], ...]:
-        """The published SM counts whose figures on ``fabric`` are the fastest, dispatch's and combine's each,
-        where the job's counts are priced at slower figures. More SMs cost no compute the advisor counts: no
-        compute of this harness runs beside HybridEP's kernels (its combine has no asynchronous mode, so the
-        shared experts wait for it). Not blocking against non-blocking: no published figure separates their
-        speed (the planner gives a capacity factor's drops from recorded routing)."""
+    def advised_alternatives(cls, job_config, fabrics: tuple[str | None, ...]) -> tuple[dict[str, object], ...]:
+        """Where the all-to-all crosses one kind of link: the published SM counts whose figures there are the
+        fastest, dispatch's and combine's each, where the job's counts are priced at slower ones (a count
+        whose figure is already the fastest stays). More SMs cost no compute the advisor counts: nothing of
+        this harness computes beside HybridEP's kernels (its combine has no asynchronous mode, so the shared
+        experts wait for it), except the other microbatch under DualPipeV's overlapped EP, where none is
+        offered. Over two kinds of link, which one bounds the all-to-all depends on its bytes per link, so
+        none is offered either. Not blocking against non-blocking: no published figure separates their speed
+        (the planner gives a capacity factor's drops from recorded routing)."""
+        parallelism = job_config.parallelism
+        overlapping_pipeline = (
+            parallelism.pipeline_parallel_degree > 1
+            and parallelism.pipeline_parallel_expert_parallel_overlap
+            and parallelism.pipeline_parallel_schedule.lower() == "dualpipev"
+        )
+        if len(set(fabrics)) != 1 or overlapping_pipeline:
+            return ()
+        (fabric,) = set(fabrics)
         figures = [rate for rate in PUBLISHED_RATES if rate.fabric == fabric and rate.sms is not None]
         if not figures:
             return ()
         fastest_dispatch = max(figures, key=lambda rate: (rate.dispatch_GBps, -rate.sms))
         fastest_combine = max(figures, key=lambda rate: (rate.combine_GBps, -rate.sms))
         priced = next(rate for rate in cls.published_rates(job_config) if rate.fabric == fabric)
-        if (priced.dispatch_GBps, priced.combine_GBps) == (fastest_dispatch.dispatch_GBps, fastest_combine.combine_GBps):
+        section = job_config.hybridep
+        dispatch_sms = section.num_sms_dispatch if priced.dispatch_GBps == fastest_dispatch.dispatch_GBps else fastest_dispatch.sms
+        combine_sms = section.num_sms_combine if priced.combine_GBps == fastest_combine.combine_GBps else fastest_combine.sms
+        if (dispatch_sms, combine_sms) == (section.num_sms_dispatch, section.num_sms_combine):
             return ()
-        return ({"num_sms_dispatch": fastest_dispatch.sms, "num_sms_combine": fastest_combine.sms},)
+        return ({"num_sms_dispatch": dispatch_sms, "num_sms_combine": combine_sms},)
 
     @classmethod
     def settings_label(cls, settings: dict[str, object]) -> str:

@@ -346,25 +346,39 @@ def _candidate(job_config, backend_name: str, ep: int):
     return candidate
 
 
-def _outermost_fabric(backend, backend_name: str, candidate, topology: Topology, world_size: int, ep: int) -> str | None:
-    """The link kind of the outermost link the backend's all-to-all crosses at ``ep`` (None: no fabric named, no
-    all-to-all, or kernel domains that do not fit the job, which pricing refuses)."""
+def _crossed_fabrics(backend, backend_name: str, candidate, topology: Topology, world_size: int, ep: int) -> tuple:
+    """The link kinds of the links the backend's all-to-all crosses at ``ep``, innermost first (None for a link
+    the topology names none for); empty at EP = 1, or where its kernel domains do not fit the job (which pricing
+    refuses)."""
     if ep == 1:
-        return None
+        return ()
     try:
         links = _kernel_links(backend, backend_name, candidate, topology, world_size, ep)
     except ConfigError:
-        return None
-    return links.levels[links.level_of(links.group_sizes(world_size), 0, ep - 1)].fabric
+        return ()
+    crossed = links.level_of(links.group_sizes(world_size), 0, ep - 1) + 1
+    return tuple(level.fabric for level in links.levels[:crossed])
 
 
-def _priced_settings(job_config, ep: int, slot_counts: list[int], topology: Topology, world_size: int):
+def _priced_settings(job_config, ep: int, slot_counts: list[int], topology: Topology, world_size: int,
+                     measured_rates: dict[tuple[str, tuple, int], MeasuredRate] | None):
     """(backend name, backend, settings of its section, replica slots) for every layout priced at ``ep``: each
-    backend with the job's settings ({}) and with each of its advised alternatives, at each slot count."""
+    backend with the job's settings ({}) and with each of its advised alternatives, at each slot count. An
+    alternative chosen by published figures that a rate measured on the cluster replaces (the same rate
+    settings) would be priced as the job's settings are: it is left out."""
     for backend_name, backend in BACKENDS.items():
         candidate = _candidate(job_config, backend_name, ep)
-        fabric = _outermost_fabric(backend, backend_name, candidate, topology, world_size, ep)
-        for settings in ({}, *backend.advised_alternatives(candidate, fabric)):
+        fabrics = _crossed_fabrics(backend, backend_name, candidate, topology, world_size, ep)
+        measured_settings = {settings for name, settings, _ in (measured_rates or {}) if name == backend_name}
+        alternatives = []
+        for settings in backend.advised_alternatives(candidate, fabrics):
+            alternative = copy.deepcopy(candidate)
+            for field, value in settings.items():
+                setattr(getattr(alternative, backend.config_section), field, value)
+            rate_settings = backend.rate_settings(alternative)
+            if rate_settings not in measured_settings or rate_settings != backend.rate_settings(candidate):
+                alternatives.append(settings)
+        for settings in ({}, *alternatives):
             for slots in slot_counts:
                 yield backend_name, backend, settings, slots
 
@@ -534,7 +548,7 @@ def advise(
         if shape.expert_world % ep or work.experts % ep:
             continue
         efsdp = shape.expert_world // ep
-        for backend_name, backend, settings, slots in _priced_settings(job_config, ep, slot_counts, topology, world_size):
+        for backend_name, backend, settings, slots in _priced_settings(job_config, ep, slot_counts, topology, world_size, measured_rates):
             if ep == 1 and slots and 0 in slot_counts:
                 continue  # replicas need EP > 1: this EP = 1 layout is priced without them
             layout = Layout(backend_name, ep, efsdp, refused=None, replica_slots=slots,
@@ -814,7 +828,7 @@ def format_advice(
             "step (100%: the link sets the step); over: the outermost link the all-to-all crosses, "
             + ", ".join(f"{short} = {name}" for name, short in links.items())
             + "".join(f"; {legend}" for legend in dict.fromkeys(
-                BACKENDS[layout.backend].settings_legend for layout in runnable if layout.settings)), "  ")
+                BACKENDS[layout.backend].settings_legend for layout in runnable if layout.settings) if legend), "  ")
         with_slots = f", {first.replica_slots} replica slot(s) per rank" if prices_replicas else ""
         lines.append(
             f"  recommended: {first.label} at EP={first.ep}, efsdp={first.efsdp}{with_slots}: "
