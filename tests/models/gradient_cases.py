@@ -13,14 +13,17 @@ gradients, every gradient after torchtitan's clipping (``CLIP_MAX_NORM``). The
 test compares them with the dense copy's, computed in fp32 on the whole batch.
 """
 
+import contextlib
 import copy
 import types
+import weakref
 from dataclasses import dataclass
 from unittest import mock
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 BACKENDS = {
     "nccl": ["--parallelism.expert_parallel_comm_backend", "nccl"],
@@ -193,8 +196,45 @@ def _mesh_size(parallel_dims, name: str) -> tuple[int, int]:
     return (1, 0) if mesh is None else (mesh.size(), mesh.get_local_rank())
 
 
-def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
-    """One cell on this rank: {"loss", "grads" {name: full gradient}, "grad_norm", ...}."""
+class ReplicaCopyCounter(TorchDispatchMode):
+    """Counts, while they are alive, the tensors each MoE layer computes its experts from under replication:
+    its copy of the L home experts beside the S replicas (``torch.cat`` into [L + S, ...], one tensor per
+    projection) and its fetched replicas (``replica_weights``' output). A tensor counts until its storage is
+    freed, whoever holds it: autograd's saved tensors, activation checkpointing's, or the forward itself."""
+
+    def __init__(self, rows: int, projection_shapes: set[tuple[int, ...]]):
+        super().__init__()
+        self.rows, self.projection_shapes = rows, projection_shapes
+        self.alive = {"copies": 0, "fetched": 0}
+        self.most = dict(self.alive)
+        self.at_forward_end = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.cat.default and out.dim() == 3 and out.shape[0] == self.rows and (
+                tuple(out.shape[1:]) in self.projection_shapes):
+            self._born("copies", out)
+        elif func is torch.ops.torchtitan_ext.replica_weights.default:
+            self._born("fetched", out)
+        return out
+
+    def _born(self, kind: str, tensor: torch.Tensor) -> None:
+        self.alive[kind] += 1
+        self.most[kind] = max(self.most[kind], self.alive[kind])
+        # the storage, not the tensor: checkpointing keeps detached aliases of what it saves
+        weakref.finalize(tensor.untyped_storage(), self._died, kind)
+
+    def _died(self, kind: str) -> None:
+        self.alive[kind] -= 1
+
+    def forward_ended(self) -> None:
+        self.at_forward_end = dict(self.alive)
+
+
+def run_cell(rank: int, world_size: int, cell: Cell, count_replica_copies: bool = False) -> dict:
+    """One cell on this rank: {"loss", "grads" {name: full gradient}, "grad_norm", ...}; with
+    ``count_replica_copies`` (no pipeline parallelism), also "replica_copies": the most of each kind of
+    :class:`ReplicaCopyCounter` alive at once during forward and backward, and how many forward left alive."""
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.protocols.train_spec import get_train_spec
@@ -262,11 +302,20 @@ def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
         runtime.adapt_model_parts(parts)  # as the trainer does
         routers = _set_replicas(parts, cell)
         loss_parallel = parallel_dims.tp_enabled and not p.disable_loss_parallel
-        with dist_utils.get_train_context(loss_parallel)():
+        counter = None
+        if count_replica_copies:
+            local = model_args.moe_args.num_experts // p.expert_parallel_degree + cell.replicas
+            inner, dim = model_args.moe_inter_dim, model_args.dim
+            counter = ReplicaCopyCounter(local, {(inner, dim), (dim, inner)})
+        with dist_utils.get_train_context(loss_parallel)(), counter or contextlib.nullcontext():
             pred = parts[0](tokens[start:end])
             loss = loss_fn(pred, labels[start:end]) / global_tokens
+            if counter is not None:
+                counter.forward_ended()
             loss.backward()
         result["loss"] = _global_loss(_full(loss), parallel_dims)
+        if counter is not None:
+            result["replica_copies"] = {"most": counter.most, "at_forward_end": counter.at_forward_end}
 
     result["grads"] = _full_grads(parts)
     params = [param for part in parts for param in part.parameters()]
@@ -359,7 +408,7 @@ def _split_without_gradient_gather(self, tensor):
     return tensor.chunk(self.mesh.size())[self.mesh.get_local_rank()]
 
 
-def matrix_worker(rank: int, world_size: int, cells: list[Cell]) -> dict:
+def matrix_worker(rank: int, world_size: int, cells: list[Cell], count_replica_copies: bool = False) -> dict:
     """Every cell of one world size, in one set of processes."""
     import os
 
@@ -375,7 +424,7 @@ def matrix_worker(rank: int, world_size: int, cells: list[Cell]) -> dict:
     original_split, original_dispatch = TensorParallelTokenSplit.split, RoutedExpertParallel._token_dispatch
     for cell in cells:
         try:
-            results[cell.id] = run_cell(rank, world_size, cell)
+            results[cell.id] = run_cell(rank, world_size, cell, count_replica_copies)
         finally:
             TensorParallelTokenSplit.split = original_split
             RoutedExpertParallel._token_dispatch = original_dispatch
