@@ -15,6 +15,7 @@ test compares them with the dense copy's, computed in fp32 on the whole batch.
 
 import contextlib
 import copy
+import gc
 import types
 import weakref
 from dataclasses import dataclass
@@ -203,10 +204,14 @@ class ReplicaCopyCounter(TorchDispatchMode):
     freed, whoever holds it: autograd's saved tensors, activation checkpointing's, or the forward itself."""
 
     def __init__(self, rows: int, projection_shapes: set[tuple[int, ...]]):
+        from torchtitan_ext.ep.replica_split import replica_ops
+
         super().__init__()
         self.rows, self.projection_shapes = rows, projection_shapes
+        self.replica_weights = replica_ops().replica_weights.default
         self.alive = {"copies": 0, "fetched": 0}
         self.most = dict(self.alive)
+        self.most_in_backward = None
         self.at_forward_end = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -214,13 +219,15 @@ class ReplicaCopyCounter(TorchDispatchMode):
         if func is torch.ops.aten.cat.default and out.dim() == 3 and out.shape[0] == self.rows and (
                 tuple(out.shape[1:]) in self.projection_shapes):
             self._born("copies", out)
-        elif func is torch.ops.torchtitan_ext.replica_weights.default:
+        elif func is self.replica_weights:
             self._born("fetched", out)
         return out
 
     def _born(self, kind: str, tensor: torch.Tensor) -> None:
         self.alive[kind] += 1
         self.most[kind] = max(self.most[kind], self.alive[kind])
+        if self.most_in_backward is not None:
+            self.most_in_backward[kind] = max(self.most_in_backward[kind], self.alive[kind])
         # the storage, not the tensor: checkpointing keeps detached aliases of what it saves
         weakref.finalize(tensor.untyped_storage(), self._died, kind)
 
@@ -228,14 +235,19 @@ class ReplicaCopyCounter(TorchDispatchMode):
         self.alive[kind] -= 1
 
     def forward_ended(self) -> None:
+        """Forward is done: what is alive now is what it leaves for backward; the backward's most starts here."""
+        before = dict(self.alive)
+        gc.collect()
+        assert self.alive == before, "a counted tensor was held only by a reference cycle"
         self.at_forward_end = dict(self.alive)
+        self.most_in_backward = dict(self.alive)
 
 
 def run_cell(rank: int, world_size: int, cell: Cell, count_replica_copies: bool = False) -> dict:
     """One cell on this rank: {"loss", "grads" {name: full gradient}, "grad_norm", ...}; with
     ``count_replica_copies`` (no pipeline parallelism), also "replica_copies": the most of each kind of
     :class:`ReplicaCopyCounter` alive at once during forward and backward, and how many forward left alive."""
-    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import activation_checkpoint, ParallelDims
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.protocols.train_spec import get_train_spec
 
@@ -304,6 +316,8 @@ def run_cell(rank: int, world_size: int, cell: Cell, count_replica_copies: bool 
         loss_parallel = parallel_dims.tp_enabled and not p.disable_loss_parallel
         counter = None
         if count_replica_copies:
+            # torchtitan counts per-layer checkpointing's layers across the process: start this model at 0
+            activation_checkpoint._layer_sac_count = 0
             local = model_args.moe_args.num_experts // p.expert_parallel_degree + cell.replicas
             inner, dim = model_args.moe_inter_dim, model_args.dim
             counter = ReplicaCopyCounter(local, {(inner, dim), (dim, inner)})
@@ -315,7 +329,10 @@ def run_cell(rank: int, world_size: int, cell: Cell, count_replica_copies: bool 
             loss.backward()
         result["loss"] = _global_loss(_full(loss), parallel_dims)
         if counter is not None:
-            result["replica_copies"] = {"most": counter.most, "at_forward_end": counter.at_forward_end}
+            del pred
+            result["replica_copies"] = {"most": counter.most, "at_forward_end": counter.at_forward_end,
+                                        "most_in_backward": counter.most_in_backward,
+                                        "after_backward": dict(counter.alive)}
 
     result["grads"] = _full_grads(parts)
     params = [param for part in parts for param in part.parameters()]

@@ -43,8 +43,10 @@ def test_backward_keeps_the_replica_copies_the_planner_counts(counted, cell):
     copies, fetched = replica_copies_alive(job_config, [0, 1, 2, 3], [1, 2, 3])
     for rank_results in counted:
         result = rank_results[cell.id]["replica_copies"]
-        assert result["most"]["copies"] == copies * PROJECTIONS, result
+        # the planner's peak is backward's: what forward kept plus what backward recomputes beside it
+        assert result["most_in_backward"]["copies"] == result["most"]["copies"] == copies * PROJECTIONS, result
         assert result["at_forward_end"]["fetched"] == fetched, result
+        assert result["after_backward"] == {"copies": 0, "fetched": 0}, result
         # what forward leaves for backward: every layer's copy; none (recomputed); none (rebuilt from the
         # saved fetched replicas); layer 2's, the one layer that every-2-layers checkpointing does not wrap
         assert result["at_forward_end"]["copies"] == KEPT_BY_FORWARD[cell.name] * PROJECTIONS, result
