@@ -57,6 +57,15 @@ def non_blocking_rows(
     return round_up(int(num_tokens * ep_degree * min(local_experts, top_k) * capacity_factor), pad_multiple)
 
 
+def _overlaps_pipeline_ep(parallelism) -> bool:
+    """Whether DualPipeV runs one microbatch's EP communication beside the other's compute."""
+    return (
+        parallelism.pipeline_parallel_degree > 1
+        and parallelism.pipeline_parallel_expert_parallel_overlap
+        and parallelism.pipeline_parallel_schedule.lower() == "dualpipev"
+    )
+
+
 def library_environment(section) -> dict[str, str]:
     """The environment variables ``[hybridep]`` sets for the library."""
     environment = {}
@@ -228,12 +237,7 @@ class HybridEPExpertParallel(RoutedExpertParallel):
                     f"x {factor} < 1): every token would be dropped; raise it (the planner, "
                     "python -m torchtitan_ext.plan, shows the rows each value gives)"
                 )
-        overlapping_pipeline = (
-            parallelism.pipeline_parallel_degree > 1
-            and parallelism.pipeline_parallel_expert_parallel_overlap
-            and parallelism.pipeline_parallel_schedule.lower() == "dualpipev"
-        )
-        if factor is not None and overlapping_pipeline:
+        if factor is not None and _overlaps_pipeline_ep(parallelism):
             raise ConfigError(
                 "non-blocking HybridEP cannot serve pipeline_parallel_schedule = 'DualPipeV' with "
                 "pipeline_parallel_expert_parallel_overlap: the overlapped microbatch would launch its "
@@ -306,13 +310,7 @@ class HybridEPExpertParallel(RoutedExpertParallel):
         offered. Over two kinds of link, which one bounds the all-to-all depends on its bytes per link, so
         none is offered either. Not blocking against non-blocking: no published figure separates their speed
         (the planner gives a capacity factor's drops from recorded routing)."""
-        parallelism = job_config.parallelism
-        overlapping_pipeline = (
-            parallelism.pipeline_parallel_degree > 1
-            and parallelism.pipeline_parallel_expert_parallel_overlap
-            and parallelism.pipeline_parallel_schedule.lower() == "dualpipev"
-        )
-        if len(set(fabrics)) != 1 or overlapping_pipeline:
+        if len(set(fabrics)) != 1 or _overlaps_pipeline_ep(job_config.parallelism):
             return ()
         (fabric,) = set(fabrics)
         figures = [rate for rate in PUBLISHED_RATES if rate.fabric == fabric and rate.sms is not None]
