@@ -405,7 +405,6 @@ def token_bytes_per_level(
     routing's, for per-pair sends (under expert replication: after the split, :mod:`.replica_cost`).
     """
     row = work.hidden * work.activation_bytes
-    local = work.experts // ep
     by_level = _levels_of_peers(topology, sizes, list(range(1, ep)))
     volume: dict[int, float] = {}
     copies = 0.0
@@ -419,12 +418,7 @@ def token_bytes_per_level(
         return volume, copies
 
     def reach(ranks: int, domain_size: int) -> float:
-        """Of a domain of ``domain_size`` ranks of which ``ranks`` are in the EP group."""
-        if routing:
-            return routing.reach(ep, domain_size)
-        if work.expert_groups is not None:
-            return group_limited_reach(work.experts, work.top_k, work.expert_groups, work.limited_groups, local * ranks)
-        return 1 - _miss(work.experts, work.top_k, local * ranks)
+        return token_reach(work, ep, routing, ranks, domain_size)
 
     reach_rank = reach(1, 1)
     for level, peers in by_level.items():
@@ -443,6 +437,19 @@ def token_bytes_per_level(
             # the rank a token lands on forwards it to the domain's other ranks that hold its experts
             volume[0] = volume.get(0, 0.0) + (ranks - 1) * work.tokens * reach_rank * row
     return volume, copies
+
+
+def token_reach(work: MoEWorkload, ep: int, routing: MeasuredRouting | None, ranks: int = 1, domain_size: int = 1,
+                ) -> float:
+    """The share of tokens that reach a domain of ``domain_size`` ranks, ``ranks`` of them in the EP group: under
+    uniform routing (through the model's group-limited gate where it has one), or the busiest receiver's measured
+    share. ``ep`` x the share for one rank is the ranks one token reaches, its own among them."""
+    if routing:
+        return routing.reach(ep, domain_size)
+    local = work.experts // ep
+    if work.expert_groups is not None:
+        return group_limited_reach(work.experts, work.top_k, work.expert_groups, work.limited_groups, local * ranks)
+    return 1 - _miss(work.experts, work.top_k, local * ranks)
 
 
 def layer_costs(

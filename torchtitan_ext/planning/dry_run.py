@@ -67,9 +67,19 @@ class DryRunReport:
 
 
 def dry_run(job_config, world_size: int) -> DryRunReport:
-    """Apply the job's parallelisms to a meta-device model over a fake process group."""
-    if not dist.is_initialized():
+    """Apply the job's parallelisms to a meta-device model over a fake process group (its own, released before
+    it returns, unless one is already initialized)."""
+    created = not dist.is_initialized()
+    if created:
         dist.init_process_group("fake", rank=0, world_size=world_size)
+    try:
+        return _dry_run(job_config, world_size)
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def _dry_run(job_config, world_size: int) -> DryRunReport:
     p = job_config.parallelism
     parallel_dims = ParallelDims(
         dp_shard=p.data_parallel_shard_degree, dp_replicate=p.data_parallel_replicate_degree,

@@ -27,7 +27,9 @@ from dataclasses import dataclass, replace
 import torch
 from torchtitan.config import TORCH_DTYPE_MAP
 
-from torchtitan_ext.config import comm_backend, ConfigError, load_job_config, meta_model, MoEShape, validate
+from torchtitan_ext.config import (
+    comm_backend, ConfigError, load_job_config, meta_model, model_args_of, MoEShape, validate,
+)
 from torchtitan_ext.ep import BACKENDS
 from torchtitan_ext.ep.replication import dispatched_shape
 from torchtitan_ext.planning.cost_model import (
@@ -42,7 +44,9 @@ from torchtitan_ext.planning.cost_model import (
     p_of_domain_size,
     pair_counts,
     PaperSetting,
+    token_reach,
 )
+from torchtitan_ext.planning.local_traffic import count_local_traffic, LocalTraffic
 from torchtitan_ext.planning.measured_compute import MeasuredCompute
 from torchtitan_ext.planning.measured_rates import MeasuredRate
 from torchtitan_ext.planning.memory_plan import replica_copies_alive, saved_moe_layers
@@ -104,8 +108,14 @@ class Layout:
     compute_s: float = 0.0
     dispatch_work_s: float = 0.0
     """The backend's local work per MoE call (dispatch and combine, forward and backward, without the
-    collectives), measured on this machine; 0 at EP = 1 and without a measurement (on GPUs the library
-    kernels fuse their permutes into the transfers, which the cost model's bytes stand for)."""
+    collectives and library kernels): measured on this machine under a measured compute (0 at EP = 1, where the
+    measured step holds torchtitan's own sort); else its counted passes over the token rows
+    (``local_traffic``, torchtitan's sort at EP = 1) at the topology's memory bandwidth; 0 without either."""
+    dispatch_forward_share: float = 0.5
+    """The forward's part of ``dispatch_work_s``, which a recomputed layer runs again (a half where only the
+    whole call is timed)."""
+    local_traffic: LocalTraffic | None = None
+    """The bytes one MoE call moves outside the kernels (:mod:`.local_traffic`), when they price the local work."""
     data_parallel_s: float = 0.0
     """Data parallelism's traffic outside the routed experts' FSDP, per step (:class:`DataParallelSync`)."""
     overlap: bool = True
@@ -166,8 +176,10 @@ class Layout:
 
     @property
     def local_work_s(self) -> float:
-        """The backend's local work per step; a recomputed layer runs its forward half again."""
-        return self._per_step(lambda recomputed: self.dispatch_work_s * (1.5 if recomputed else 1.0))
+        """The backend's local work per step; a recomputed layer runs its forward part again."""
+        return self._per_step(
+            lambda recomputed: self.dispatch_work_s * (1 + self.dispatch_forward_share if recomputed else 1.0)
+        )
 
     @property
     def imbalance_s(self) -> float:
@@ -527,6 +539,24 @@ def advise(
     data_parallel_s = sum(data_parallel_busy.values())
     moe_shape = MoEShape(work.hidden, work.experts, work.top_k, work.tokens)
     sizes = topology.group_sizes(world_size)
+    score_before_experts = model_args_of(job_config).moe_args.score_before_experts
+
+    def local_work(backend_name: str, candidate, ep: int, received_copies: float | None,
+                   ) -> tuple[float, float, LocalTraffic | None]:
+        """(seconds per MoE call, the forward's share, the counted bytes) of the backend's local work;
+        ``received_copies``: for a backend that sends each token once per rank, the copies of each token that
+        ranks receive (its own rank's included), else None."""
+        if measured_compute is not None:
+            return (0.0 if ep == 1 else measured_compute.dispatch_work_s[backend_name]), 0.5, None
+        if topology.memory_bandwidth_GBps is None:
+            return 0.0, 0.5, None
+        traffic = count_local_traffic(
+            backend_name if ep > 1 else None, candidate, dispatched_shape(candidate, moe_shape), work.tokens,
+            TORCH_DTYPE_MAP[candidate.training.mixed_precision_param], score_before_experts,
+        )
+        if received_copies is not None:
+            traffic = traffic.receiving(received_copies)
+        return traffic.bytes / (topology.memory_bandwidth_GBps * 1e9), traffic.forward_share, traffic
 
     def level_name(links: Topology, last_peer: int) -> str:
         if not last_peer:
@@ -592,15 +622,21 @@ def advise(
             nominal = tuple(level.name for index, level in enumerate(links.levels[:crossed])
                             if level.fabric is not None and index not in fractions)
             copies_per_rank = backend.sends_each_token_once_per_rank and not slots
+            costs = layer_costs(work, topology, world_size, ep, efsdp, copies_per_rank, routing, pair_share, links,
+                                fractions)
+            # tokens a rank receives per token it sends: the EP ranks one token reaches, its own among them
+            received = ep * token_reach(work, ep, routing) if copies_per_rank and ep > 1 else None
+            work_s, forward_share, traffic = local_work(backend_name, candidate, ep, received)
             priced = replace(
                 layout,
-                costs=layer_costs(work, topology, world_size, ep, efsdp, copies_per_rank, routing, pair_share, links,
-                                  fractions),
+                costs=costs,
                 moe_layers=shape.moe_layers,
                 recomputed_layers=shape.recomputed_layers,
                 dispatches=shape.dispatches,
                 compute_s=compute_s,
-                dispatch_work_s=0.0 if measured_compute is None or ep == 1 else measured_compute.dispatch_work_s[backend_name],
+                dispatch_work_s=work_s,
+                dispatch_forward_share=forward_share,
+                local_traffic=traffic,
                 data_parallel_s=data_parallel_s,
                 overlap=topology.overlap,
                 gathered_expert_bytes=gathered,
@@ -801,11 +837,20 @@ def format_advice(
                      "(docs/published_ep_figures.md) or measured (--calibrate-from):")
         for rates in dict.fromkeys(layout.kernel_rates for layout in runnable):
             lines += _wrapped(rates, "    ")
+        shows_local = any(layout.dispatch_work_s for layout in runnable)
+        counted = {("torchtitan's own sort (EP=1)" if layout.ep == 1 else layout.label): layout.local_traffic
+                   for layout in runnable if layout.local_traffic is not None}
+        if counted:
+            lines += _wrapped(
+                "local: each backend's passes over the token rows outside its kernels, counted at the job's shape "
+                "(docs/planning.md), per MoE call forward and backward: "
+                + ", ".join(f"{label} {traffic.bytes / 1e9:.1f} GB" for label, traffic in counted.items())
+                + f"; at the {topology.memory_bandwidth_GBps:,.0f} GB/s memory bandwidth, a lower bound", "  ")
         links = {name: f"L{index}" for index, name in enumerate(dict.fromkeys(
             layout.a2a_level for layout in runnable if layout.a2a_level), start=1)}
         lines.append(
             f"  {'#':>3} {'backend':<14} {'EP':>4} {'efsdp':>5} {'slots ' if prices_replicas else ''}{'copy':>5} "
-            f"{'A2A ms':>6} {'AG ms':>6} {'exposed':>7} {'local ' if measured_compute is not None else ''}"
+            f"{'A2A ms':>6} {'AG ms':>6} {'exposed':>7} {'local ' if shows_local else ''}"
             f"{'rows x ' if routing is not None else ''}{'replica ' if prices_replicas else ''}"
             f"{'step ms':>7} {'TFLOPS':>6} {'mem GB':>5} {'link%':>5} over"
         )
@@ -815,7 +860,7 @@ def format_advice(
                 f"  {index:>3} {layout.label:<14} {layout.ep:>4} {layout.efsdp:>5} "
                 f"{f'{layout.replica_slots:>5} ' if prices_replicas else ''}{c.token_copies:>5.2f} "
                 f"{_ms(c.a2a):>6} {_ms(c.all_gather):>6} {_ms(layout.exposed_s):>7} "
-                f"{f'{_ms(layout.local_work_s):>5} ' if measured_compute is not None else ''}"
+                f"{f'{_ms(layout.local_work_s):>5} ' if shows_local else ''}"
                 f"{f'{layout.rows_ratio:>6.3f} ' if routing is not None else ''}"
                 f"{f'{_ms(layout.replica_s):>7} ' if prices_replicas else ''}{_ms(layout.step_s):>7} "
                 f"{_tflops(layout.tflops_per_gpu):>6} {layout.memory_bytes / 1e9:>5.3g} "

@@ -6,6 +6,8 @@ A topology is a TOML file (shipped ones in ``topologies/``)::
     compute_tflops = 400.0   # achieved dense bf16 TFLOP/s per worker
     overlap = true           # communication runs beside compute (CUDA streams)
     memory_GB = 80.0         # optional: device memory per worker; layouts that need more are refused
+    memory_bandwidth_GBps = 3350.0  # optional: device memory bandwidth per worker, prices the EP backends'
+                                    # passes over token rows outside their kernels
 
     [[levels]]               # innermost first
     name = "NVLink (one HGX node)"
@@ -93,6 +95,9 @@ class Topology:
     memory_GB: float | None = None
     """Device memory of one worker, GB (1e9 bytes). > 0. The advisor refuses a layout whose rank needs more
     (:attr:`~torchtitan_ext.planning.layout_advisor.Layout.memory_bytes`); None: not checked."""
+    memory_bandwidth_GBps: float | None = None
+    """Device memory bandwidth of one worker, GB/s (nominal). > 0. Prices each EP backend's passes over the token
+    rows outside its kernels (:mod:`~torchtitan_ext.planning.local_traffic`); None: not priced."""
 
     def group_sizes(self, world_size: int) -> list[int]:
         """Ranks in one group of each level for a job of ``world_size`` ranks; the last is the job.
@@ -163,7 +168,7 @@ class Topology:
         raise ValueError(f"ranks {rank_a} and {rank_b} are outside a job of {sizes[-1]} ranks")
 
 
-TOP_KEYS = {"name", "compute_tflops", "overlap", "levels", "memory_GB"}
+TOP_KEYS = {"name", "compute_tflops", "overlap", "levels", "memory_GB", "memory_bandwidth_GBps"}
 LEVEL_KEYS = {"name", "workers", "bandwidth_GBps", "latency_us", "all_gather_bandwidth_GBps",
               "reduce_scatter_bandwidth_GBps", "fabric"}
 
@@ -210,6 +215,12 @@ def parse_topology(data: dict, source: str) -> Topology:
         memory = _field(data, "memory_GB", float, source)
         if memory <= 0:
             raise ConfigError(f"{source}.memory_GB = {memory}: use the device memory per worker in GB, > 0, or omit it")
+    memory_bandwidth = data.get("memory_bandwidth_GBps")
+    if memory_bandwidth is not None:
+        memory_bandwidth = _field(data, "memory_bandwidth_GBps", float, source)
+        if memory_bandwidth <= 0:
+            raise ConfigError(f"{source}.memory_bandwidth_GBps = {memory_bandwidth}: use the device memory bandwidth "
+                              "per worker in GB/s, > 0, or omit it")
     tables = data.get("levels")
     if not isinstance(tables, list) or not tables:
         raise ConfigError(f"{source}.levels is missing or empty: add one [[levels]] table per level, innermost first")
@@ -243,7 +254,7 @@ def parse_topology(data: dict, source: str) -> Topology:
             raise ConfigError(f"{where}.fabric = {fabric!r}: use one of {kinds}; or omit it (nominal rates)")
         levels.append(Level(name, workers, bandwidth, latency, gather, scatter, fabric))
     name = _field(data, "name", str, source, default=source)
-    return Topology(name, compute, overlap, tuple(levels), memory)
+    return Topology(name, compute, overlap, tuple(levels), memory, memory_bandwidth)
 
 
 def load_topology(spec: str) -> Topology:

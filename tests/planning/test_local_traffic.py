@@ -1,0 +1,138 @@
+"""Each backend's passes over the token rows outside its kernels: what the counter counts, and what the advisor
+makes of it."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from torchtitan_ext.config import MoEShape, parse
+from torchtitan_ext.ep import BACKENDS
+from torchtitan_ext.ep.in_flight import in_flight, Landing
+from torchtitan_ext.planning.layout_advisor import advise, advised_config
+from torchtitan_ext.planning.local_traffic import (
+    _counted, backend_forward, count_local_traffic, counted_hidden_sizes, LocalTraffic, LocalTrafficCounter, MoECall,
+    torchtitan_sort_forward,
+)
+from torchtitan_ext.planning.topology import load_topology, parse_topology
+from torchtitan_ext.training import prepare
+
+DEBUG_JOB = ["--job.config_file", "train_configs/debug_model.toml"]
+
+prepare()
+
+
+@pytest.fixture
+def world_of_one():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_counter_counts_each_argument_and_output_once_and_no_views():
+    x, index = torch.randn(6, 4), torch.tensor([0, 2, 2, 5])
+    with LocalTrafficCounter() as counter:
+        rows = x.index_select(0, index)
+        rows.view(2, 8).t().detach()
+        torch.empty_like(x)
+        doubled = torch.zeros_like(rows)
+    assert counter.bytes == x.nbytes + index.nbytes + rows.nbytes + doubled.nbytes
+    with LocalTrafficCounter() as counter:
+        total = torch.zeros(6, 4).index_add_(0, index, rows)
+    # zeros writes its output; index_add_ reads self, index and rows and writes self
+    assert counter.bytes == total.nbytes + (total.nbytes + index.nbytes + rows.nbytes + total.nbytes)
+
+
+def test_counter_skips_collectives_and_counts_a_landing_sum(world_of_one):
+    """An all-to-all's copy is the link's cost, not a local pass; a combine that sums its rows when it lands does so
+    inside the wait for its result, and that sum is counted."""
+    x = torch.randn(8, 4)
+    with LocalTrafficCounter() as counter:
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x)
+    assert counter.bytes == 0  # empty_like allocates without writing
+    rows = torch.randn(8, 4)
+    combined = torch.empty(8, 4)
+    Landing(combined, lambda: combined.copy_(rows * 2))
+    pending = in_flight(combined)
+    with LocalTrafficCounter() as counter:
+        pending.trigger_wait()
+    # rows * 2 reads rows, writes a product; copy_ reads it and reads and writes combined
+    assert counter.bytes == rows.nbytes * 2 + rows.nbytes + combined.nbytes * 2
+    assert torch.equal(combined, rows * 2)
+
+
+@pytest.mark.parametrize("backend_name", [None, *BACKENDS])
+def test_the_count_is_the_line_through_the_two_small_hidden_sizes(backend_name, world_of_one):
+    """Every tensor grows with the hidden size or does not depend on it, so the count at any hidden size lies on
+    the line the advisor extends: checked against a direct count at a third size."""
+    job_config = parse(DEBUG_JOB if backend_name is None else
+                       [*DEBUG_JOB, "--parallelism.expert_parallel_comm_backend", backend_name])
+    shape, tokens = MoEShape(72, 8, 3, 64), 64
+    assert counted_hidden_sizes(shape) == (24, 40)
+    extended = count_local_traffic(backend_name, job_config, shape, tokens, torch.bfloat16, False)
+    call = MoECall.random(shape, tokens, torch.bfloat16)
+    if backend_name is None:
+        direct = _counted(lambda: torchtitan_sort_forward(call, shape, False), tokens, 72)
+    else:
+        style = BACKENDS[backend_name].layer_factory(job_config, shape)(score_before_experts=False)
+        direct = _counted(lambda: backend_forward(style, call, shape), tokens, 72)
+    assert dataclasses.astuple(extended) == pytest.approx(direct, rel=1e-12)
+    # at least one write of each (token, expert) row in the forward (the gather, or weighting by the scores)
+    assert extended.forward_bytes >= tokens * 3 * 72 * 2
+    assert 0 < extended.forward_share < 1
+    # DeepEP's adapter expands and sums received token vectors itself; HybridEP's kernels hand it rows
+    if backend_name == "deepep":
+        assert extended.forward_token_bytes > tokens * 72 * 2 * 4
+    if backend_name == "hybridep":
+        assert extended.forward_token_bytes == extended.backward_token_bytes == 0
+
+
+def test_received_token_vectors_grow_with_the_ranks_a_token_reaches():
+    traffic = LocalTraffic(forward_bytes=100.0, backward_bytes=50.0, forward_token_bytes=40.0, backward_token_bytes=10.0)
+    grown = traffic.receiving(3.0)
+    assert grown == LocalTraffic(180.0, 70.0, 120.0, 30.0)
+    assert traffic.receiving(1.0) == traffic
+
+
+def test_a_multi_rank_process_group_is_refused_in_one_line():
+    dist.init_process_group("fake", rank=0, world_size=4)
+    try:
+        with pytest.raises(Exception, match="needs a process group of this process alone"):
+            count_local_traffic("nccl", parse(DEBUG_JOB), MoEShape(64, 8, 3, 32), 32, torch.float32, False)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_advisor_prices_the_counted_bytes_at_the_memory_bandwidth():
+    topology = load_topology("hgx_h100_ib")
+    layouts = [layout for layout in advise([*DEBUG_JOB, "--activation_checkpoint.mode", "full"], 4, topology)[0]
+               if layout.refused is None]
+    assert {layout.ep for layout in layouts} == {1, 2, 4}
+    # the debug model: hidden 256, 8 experts, top-3, no expert groups; 4 x 256 tokens per rank, bf16 rows
+    shape = MoEShape(256, 8, 3, 1024)
+    for layout in layouts:
+        traffic = layout.local_traffic
+        assert layout.dispatch_work_s == pytest.approx(traffic.bytes / 3350e9)
+        if layout.ep > 1:
+            counted = count_local_traffic(layout.backend, advised_config(
+                [*DEBUG_JOB, "--activation_checkpoint.mode", "full"], 4, layout), shape, 1024, torch.bfloat16, False)
+            # DeepEP's received token vectors: one for each EP rank a token reaches (uniform routing, 8 experts)
+            reached = layout.ep * (1 - math.comb(8 - 8 // layout.ep, 3) / math.comb(8, 3))
+            assert traffic == (counted.receiving(reached) if layout.backend == "deepep" else counted)
+        assert layout.dispatch_forward_share == traffic.forward_share
+        # every MoE layer recomputed: its forward's passes run twice
+        assert layout.local_work_s == pytest.approx(
+            layout.moe_layers * layout.dispatches * layout.dispatch_work_s * (1 + traffic.forward_share))
+    # at EP = 1 every backend's layout is torchtitan's own sort
+    assert len({layout.local_traffic for layout in layouts if layout.ep == 1}) == 1
+
+
+def test_without_a_memory_bandwidth_nothing_is_priced():
+    data = {"compute_tflops": 400.0, "overlap": True,
+            "levels": [{"name": "node", "workers": 8, "bandwidth_GBps": 450.0, "latency_us": 3.0},
+                       {"name": "net", "bandwidth_GBps": 50.0, "latency_us": 8.0}]}
+    layouts = advise(DEBUG_JOB, 4, parse_topology(data, "test"))[0]
+    assert all(layout.dispatch_work_s == 0 and layout.local_traffic is None for layout in layouts)

@@ -1,0 +1,243 @@
+"""Each EP backend's passes over the token rows outside its kernels, counted: the layout advisor's local work on GPUs.
+
+The collectives and the library kernels (NCCL's all-to-all, DeepEP's and
+HybridEP's dispatch and combine) move the rows between ranks. Around them each
+backend runs PyTorch operators on the device, and each is a pass over device
+memory: the nccl backend gathers each (token, expert) row before its all-to-all
+and sums the returned rows after; DeepEP's adapter expands each received token
+into its experts' rows and sums them back before combine; every backend weights
+the rows by their scores in fp32 (HybridEP's permute is fused into its kernel,
+its scores are not). The published kernel figures that price the all-to-alls
+do not contain these passes. At EP = 1 no backend runs, and torchtitan's own
+sort around the experts makes the passes.
+
+:func:`count_local_traffic` runs one MoE call's dispatch and combine, forward
+and backward, in a process group of this process alone (the experts as the
+identity), under :class:`LocalTrafficCounter`: the bytes of every tensor each
+operator reads and writes, except views and what runs inside the backends' own
+operators (the collectives and the library calls). The advisor prices them at
+the topology's ``memory_bandwidth_GBps``.
+
+It is a lower bound: each tensor is read and written once at the nominal
+bandwidth (a gather's scattered reads and each kernel's launch are free). The
+rows grow with the hidden size and the indices do not, so it counts at two small
+hidden sizes, at the job's tokens per rank, experts and top-k, and extends the
+line to the job's hidden size (a test checks that the count is that line). A
+group of one receives each token once and holds every expert. At EP > 1 a
+backend that sends each token once per rank (DeepEP) holds a received token
+vector for each EP rank a token reaches: the advisor grows the counted token
+vectors by that many (:meth:`LocalTraffic.receiving`; the few a rank keeps of
+its own sent tokens grow with them). Padding covers all the experts here, where
+a rank pads only its own (at most ``experts x (pad multiple - 1)`` rows more).
+"""
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torchtitan.models.moe.moe import TokenReorderer
+
+from torchtitan_ext.config import ConfigError, MoEShape
+from torchtitan_ext.ep import BACKENDS
+from torchtitan_ext.ep.base import token_group_alignment
+from torchtitan_ext.ep.in_flight import finishing_kernel
+
+KERNEL_NAMESPACES = ("c10d", "torchtitan_ext")
+"""Operators whose inner work is a transfer or a library kernel: torch.distributed's collectives and the
+backends' custom ops (all-to-alls, DeepEP's and HybridEP's calls)."""
+
+_AFTER_PYTHON = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python).remove(
+    torch._C.DispatchKey.PythonDispatcher
+)
+
+_aten = torch.ops.aten
+_ALLOCATE_ONLY = {_aten.empty, _aten.empty_like, _aten.empty_strided, _aten.new_empty, _aten.new_empty_strided}
+"""Operators that allocate without writing: no pass over memory."""
+_SHAPE_FROM_ARGUMENTS = {_aten.zeros_like, _aten.ones_like, _aten.full_like, _aten.new_zeros, _aten.new_ones,
+                         _aten.new_full}
+"""Operators that read only their tensor arguments' shape and dtype: they write their output."""
+
+def counted_hidden_sizes(shape: MoEShape) -> tuple[int, int]:
+    """The two small hidden sizes counted (the job's is on the line through them): neither is the expert count
+    or top-k, so that a token vector's shape is no routing tensor's."""
+    low, high = [size for size in (24, 40, 56) if size not in (shape.num_experts, shape.top_k)][:2]
+    return low, high
+
+
+class LocalTrafficCounter(TorchDispatchMode):
+    """Adds up the bytes each ATen operator reads and writes (each tensor argument once, each output once),
+    skipping views and allocations, which move nothing (a ``*_like`` or ``new_*`` factory writes its output and
+    reads nothing), and every operator called inside a collective or a backend's own operator
+    (:data:`KERNEL_NAMESPACES`: the transfers and library calls that the all-to-all's price holds). A combine
+    that lands later is counted where it lands (inside the wait for its result), unless its landing finishes a
+    library kernel (:func:`~torchtitan_ext.ep.in_flight.finishing_kernel`).
+
+    ``token_bytes`` is the part in token vectors: [``tokens``, ``hidden``] tensors (a shape no other tensor
+    has). At EP > 1 a backend that sends each token once per rank receives more tokens than it sends."""
+
+    def __init__(self, tokens: int | None = None, hidden: int | None = None):
+        super().__init__()
+        self.token_shape = (tokens, hidden)
+        self.bytes = 0
+        self.token_bytes = 0
+        self._inside_kernel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops._c10d_functional.wait_tensor.default:
+            # a combine lands (sums its rows) inside the wait: run the wait's kernel with this mode on, to see them
+            with self:
+                return func.redispatch(torch._C._dispatch_keys(args[0]) & _AFTER_PYTHON, *args, **kwargs)
+        kernel = func.namespace in KERNEL_NAMESPACES
+        self._inside_kernel += kernel
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self._inside_kernel -= kernel
+        if (func.namespace not in ("aten", "prims") or self._inside_kernel or finishing_kernel() or func.is_view
+                or func.overloadpacket in _ALLOCATE_ONLY):
+            return out
+        read = () if func.overloadpacket in _SHAPE_FROM_ARGUMENTS else (args, kwargs)
+        for tensor in tree_leaves((read, out)):
+            if isinstance(tensor, torch.Tensor):
+                self.bytes += tensor.nbytes
+                if tuple(tensor.shape) == self.token_shape:
+                    self.token_bytes += tensor.nbytes
+        return out
+
+
+@dataclass(frozen=True)
+class LocalTraffic:
+    """Bytes one rank's MoE call moves through device memory outside its kernels, at the job's shape, as counted
+    in a group of one (every token received once)."""
+
+    forward_bytes: float
+    backward_bytes: float
+    forward_token_bytes: float = 0.0
+    """The part of ``forward_bytes`` in token vectors ([tokens, hidden] tensors)."""
+    backward_token_bytes: float = 0.0
+    """The part of ``backward_bytes`` in token vectors."""
+
+    def receiving(self, tokens_per_sent_token: float) -> "LocalTraffic":
+        """This traffic where a rank holds ``tokens_per_sent_token`` tokens for each token it sends (its token
+        vectors grow by that factor): a backend that sends each token once per rank, at EP > 1, which counts
+        its own sent tokens' vectors with the received ones."""
+        grown = tokens_per_sent_token - 1
+        return LocalTraffic(
+            self.forward_bytes + grown * self.forward_token_bytes, self.backward_bytes + grown * self.backward_token_bytes,
+            tokens_per_sent_token * self.forward_token_bytes, tokens_per_sent_token * self.backward_token_bytes,
+        )
+
+    @property
+    def bytes(self) -> float:
+        return self.forward_bytes + self.backward_bytes
+
+    @property
+    def forward_share(self) -> float:
+        """The forward's part, in [0, 1]: a recomputed layer moves it again."""
+        return self.forward_bytes / self.bytes if self.bytes else 0.0
+
+
+@dataclass(frozen=True)
+class MoECall:
+    """Random inputs of one MoE call: tokens, their scores and expert picks."""
+
+    x: torch.Tensor
+    scores: torch.Tensor
+    expert_ids: torch.Tensor
+
+    @classmethod
+    def random(cls, shape: MoEShape, tokens: int, dtype: torch.dtype) -> "MoECall":
+        generator = torch.Generator().manual_seed(0)
+        # the routing first: the same at every hidden size
+        scores = torch.rand(tokens, shape.top_k, generator=generator)
+        picks = torch.rand(tokens, shape.num_experts, generator=generator).argsort(dim=1)
+        x = torch.randn(tokens, shape.hidden_dim, generator=generator).to(dtype)
+        return cls(x, scores, picks[:, : shape.top_k].contiguous())
+
+
+def torchtitan_sort_forward(call: MoECall, shape: MoEShape, score_before_experts: bool) -> torch.Tensor:
+    """torchtitan's MoE.forward around the experts at EP = 1, the experts as the identity."""
+    tokens, top_k = call.expert_ids.shape
+    x, scores = call.x.detach().requires_grad_(), call.scores.detach().requires_grad_()
+    sorted_scores, sorted_picks, _ = TokenReorderer(shape.num_experts, top_k)(scores, call.expert_ids)
+    routed = x[sorted_picks // top_k]
+    if score_before_experts:
+        routed = (routed.float() * sorted_scores.reshape(-1, 1)).to(x.dtype)
+    unsorted = torch.zeros((tokens * top_k, shape.hidden_dim), dtype=x.dtype)
+    unsorted[sorted_picks] = routed
+    unsorted = unsorted.reshape(tokens, top_k, shape.hidden_dim)
+    if score_before_experts:
+        return unsorted.sum(dim=1)
+    return torch.bmm(scores.reshape(-1, 1, top_k), unsorted.float()).to(x.dtype).squeeze(1)
+
+
+def backend_forward(style, call: MoECall, shape: MoEShape) -> torch.Tensor:
+    """One MoE call's dispatch and combine through ``style`` (a backend's layer) in the default process group,
+    the experts as the identity."""
+    rows, _ = style.dispatch(call.x.detach().requires_grad_(), call.scores.detach().requires_grad_(),
+                             call.expert_ids, shape.num_experts, dist.group.WORLD)
+    return style.combine(rows, dist.group.WORLD)
+
+
+def _counted(forward, tokens: int, hidden: int) -> tuple[int, int, int, int]:
+    """(forward bytes, backward bytes, and their parts in token vectors) of ``forward()``, a call on ``tokens``
+    tokens of ``hidden`` elements, and of its output's backward."""
+    with LocalTrafficCounter(tokens, hidden) as forward_counter:
+        out = forward()
+        if isinstance(out, AsyncCollectiveTensor):
+            out = out.trigger_wait()  # a combine's sum runs when it lands
+    gradient = torch.ones_like(out)
+    with LocalTrafficCounter(tokens, hidden) as backward_counter:
+        out.backward(gradient)
+    return forward_counter.bytes, backward_counter.bytes, forward_counter.token_bytes, backward_counter.token_bytes
+
+
+_counts: dict[tuple, LocalTraffic] = {}
+
+
+def _count(backend_name: str | None, job_config, shape: MoEShape, tokens: int, dtype: torch.dtype,
+           score_before_experts: bool) -> LocalTraffic:
+    counts = []
+    low, high = counted_hidden_sizes(shape)
+    for hidden in (low, high):
+        small = replace(shape, hidden_dim=hidden)
+        call = MoECall.random(small, tokens, dtype)
+        if backend_name is None:
+            counts.append(_counted(lambda: torchtitan_sort_forward(call, small, score_before_experts), tokens, hidden))
+        else:
+            style = BACKENDS[backend_name].layer_factory(job_config, small)(score_before_experts=score_before_experts)
+            counts.append(_counted(lambda: backend_forward(style, call, small), tokens, hidden))
+    at_low, at_high = counts
+    return LocalTraffic(*(
+        low_bytes + (high_bytes - low_bytes) / (high - low) * (shape.hidden_dim - low)
+        for low_bytes, high_bytes in zip(at_low, at_high)
+    ))
+
+
+def count_local_traffic(backend_name: str | None, job_config, shape: MoEShape, tokens: int, dtype: torch.dtype,
+                        score_before_experts: bool) -> LocalTraffic:
+    """The bytes one MoE call of ``tokens`` tokens moves outside the kernels through ``backend_name``'s layer
+    (None: torchtitan's own sort, at EP = 1), at ``shape`` (the job's hidden size, experts and top-k), rows in
+    ``dtype``, with the backend's settings in ``job_config``. Counted once per process and setting; seconds at
+    DeepSeek-V3's shape."""
+    section = None if backend_name is None else BACKENDS[backend_name].config_section
+    key = (backend_name, repr(getattr(job_config, section)) if section else None, token_group_alignment(job_config),
+           job_config.expert_replication.slots_per_rank, shape, tokens, dtype, score_before_experts)
+    if key in _counts:
+        return _counts[key]
+    created = not dist.is_initialized()
+    if not created and dist.get_world_size() != 1:
+        raise ConfigError("counting a backend's local traffic needs a process group of this process alone: run the "
+                          "layout advisor outside a multi-process job")
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        _counts[key] = _count(backend_name, job_config, shape, tokens, dtype, score_before_experts)
+    finally:
+        if created:
+            dist.destroy_process_group()
+    return _counts[key]
