@@ -114,14 +114,16 @@ def test_the_advisor_prices_the_counted_bytes_at_the_memory_bandwidth():
     # the debug model: hidden 256, 8 experts, top-3, no expert groups; 4 x 256 tokens per rank, bf16 rows
     shape = MoEShape(256, 8, 3, 1024)
     for layout in layouts:
-        traffic = layout.local_traffic
-        assert layout.dispatch_work_s == pytest.approx(traffic.bytes / 3350e9)
         if layout.ep > 1:
             counted = count_local_traffic(layout.backend, advised_config(
                 [*DEBUG_JOB, "--activation_checkpoint.mode", "full"], 4, layout), shape, 1024, torch.bfloat16, False)
-            # DeepEP's received token vectors: one for each EP rank a token reaches (uniform routing, 8 experts)
-            reached = layout.ep * (1 - math.comb(8 - 8 // layout.ep, 3) / math.comb(8, 3))
-            assert traffic == (counted.receiving(reached) if layout.backend == "deepep" else counted)
+            assert layout.local_traffic == counted
+        # DeepEP's received token vectors: one for each EP rank a token reaches (uniform routing, 8 experts)
+        reached = layout.ep * (1 - math.comb(8 - 8 // layout.ep, 3) / math.comb(8, 3))
+        once_per_rank = BACKENDS[layout.backend].sends_each_token_once_per_rank and layout.ep > 1
+        assert layout.received_tokens == pytest.approx(reached if once_per_rank else 1)
+        traffic = layout.local_traffic.receiving(layout.received_tokens)
+        assert layout.dispatch_work_s == pytest.approx(traffic.bytes / 3350e9)
         assert layout.dispatch_forward_share == traffic.forward_share
         # every MoE layer recomputed: its forward's passes run twice
         assert layout.local_work_s == pytest.approx(

@@ -115,7 +115,11 @@ class Layout:
     """The forward's part of ``dispatch_work_s``, which a recomputed layer runs again (a half where only the
     whole call is timed)."""
     local_traffic: LocalTraffic | None = None
-    """The bytes one MoE call moves outside the kernels (:mod:`.local_traffic`), when they price the local work."""
+    """The bytes one MoE call moves outside the kernels as counted in a group of one (:mod:`.local_traffic`), when
+    they price the local work."""
+    received_tokens: float = 1.0
+    """Token vectors the mean rank holds per token it sends: for a backend that sends each token once per rank,
+    the EP ranks one token reaches (uniform routing); 1 otherwise."""
     data_parallel_s: float = 0.0
     """Data parallelism's traffic outside the routed experts' FSDP, per step (:class:`DataParallelSync`)."""
     overlap: bool = True
@@ -541,11 +545,10 @@ def advise(
     sizes = topology.group_sizes(world_size)
     score_before_experts = model_args_of(job_config).moe_args.score_before_experts
 
-    def local_work(backend_name: str, candidate, ep: int, received_copies: float | None,
+    def local_work(backend_name: str, candidate, ep: int, received_tokens: float,
                    ) -> tuple[float, float, LocalTraffic | None]:
-        """(seconds per MoE call, the forward's share, the counted bytes) of the backend's local work;
-        ``received_copies``: for a backend that sends each token once per rank, the copies of each token that
-        ranks receive (its own rank's included), else None."""
+        """(seconds per MoE call, the forward's share, the bytes counted in a group of one) of the backend's local
+        work, where the mean rank holds ``received_tokens`` token vectors per token it sends."""
         if measured_compute is not None:
             return (0.0 if ep == 1 else measured_compute.dispatch_work_s[backend_name]), 0.5, None
         if topology.memory_bandwidth_GBps is None:
@@ -554,9 +557,8 @@ def advise(
             backend_name if ep > 1 else None, candidate, dispatched_shape(candidate, moe_shape), work.tokens,
             TORCH_DTYPE_MAP[candidate.training.mixed_precision_param], score_before_experts,
         )
-        if received_copies is not None:
-            traffic = traffic.receiving(received_copies)
-        return traffic.bytes / (topology.memory_bandwidth_GBps * 1e9), traffic.forward_share, traffic
+        received = traffic.receiving(received_tokens)
+        return received.bytes / (topology.memory_bandwidth_GBps * 1e9), received.forward_share, traffic
 
     def level_name(links: Topology, last_peer: int) -> str:
         if not last_peer:
@@ -624,8 +626,8 @@ def advise(
             copies_per_rank = backend.sends_each_token_once_per_rank and not slots
             costs = layer_costs(work, topology, world_size, ep, efsdp, copies_per_rank, routing, pair_share, links,
                                 fractions)
-            # tokens a rank receives per token it sends: the EP ranks one token reaches, its own among them
-            received = ep * token_reach(work, ep, routing) if copies_per_rank and ep > 1 else None
+            # the mean rank's token vectors per token it sends: the EP ranks one token reaches, its own among them
+            received = ep * token_reach(work, ep, None) if copies_per_rank and ep > 1 else 1.0
             work_s, forward_share, traffic = local_work(backend_name, candidate, ep, received)
             priced = replace(
                 layout,
@@ -637,6 +639,7 @@ def advise(
                 dispatch_work_s=work_s,
                 dispatch_forward_share=forward_share,
                 local_traffic=traffic,
+                received_tokens=received,
                 data_parallel_s=data_parallel_s,
                 overlap=topology.overlap,
                 gathered_expert_bytes=gathered,
@@ -841,17 +844,21 @@ def format_advice(
         counted = {("torchtitan's own sort (EP=1)" if layout.ep == 1 else layout.label): layout.local_traffic
                    for layout in runnable if layout.local_traffic is not None}
         if counted:
+            growing = sorted({layout.label for layout in runnable if layout.received_tokens != 1.0 and (
+                layout.local_traffic.forward_token_bytes or layout.local_traffic.backward_token_bytes)})
             lines += _wrapped(
                 "local: each backend's passes over the token rows outside its kernels, counted at the job's shape "
-                "(docs/planning.md), per MoE call forward and backward: "
+                "in a group of one (docs/planning.md), per MoE call forward and backward: "
                 + ", ".join(f"{label} {traffic.bytes / 1e9:.1f} GB" for label, traffic in counted.items())
+                + (f"; {', '.join(growing)} hold a received token vector for each EP rank a token reaches"
+                   if growing else "")
                 + f"; at the {topology.memory_bandwidth_GBps:,.0f} GB/s memory bandwidth, a lower bound", "  ")
         links = {name: f"L{index}" for index, name in enumerate(dict.fromkeys(
             layout.a2a_level for layout in runnable if layout.a2a_level), start=1)}
         lines.append(
             f"  {'#':>3} {'backend':<14} {'EP':>4} {'efsdp':>5} {'slots ' if prices_replicas else ''}{'copy':>5} "
             f"{'A2A ms':>6} {'AG ms':>6} {'exposed':>7} {'local ' if shows_local else ''}"
-            f"{'rows x ' if routing is not None else ''}{'replica ' if prices_replicas else ''}"
+            f"{'rows x ' if routing is not None else ''}{' repl ' if prices_replicas else ''}"
             f"{'step ms':>7} {'TFLOPS':>6} {'mem GB':>5} {'link%':>5} over"
         )
         for index, layout in enumerate(runnable, start=1):
@@ -862,12 +869,12 @@ def format_advice(
                 f"{_ms(c.a2a):>6} {_ms(c.all_gather):>6} {_ms(layout.exposed_s):>7} "
                 f"{f'{_ms(layout.local_work_s):>5} ' if shows_local else ''}"
                 f"{f'{layout.rows_ratio:>6.3f} ' if routing is not None else ''}"
-                f"{f'{_ms(layout.replica_s):>7} ' if prices_replicas else ''}{_ms(layout.step_s):>7} "
+                f"{f'{_ms(layout.replica_s):>5} ' if prices_replicas else ''}{_ms(layout.step_s):>7} "
                 f"{_tflops(layout.tflops_per_gpu):>6} {layout.memory_bytes / 1e9:>5.3g} "
                 f"{layout.busiest_link[1] / layout.step_s:>5.0%} {links.get(layout.a2a_level, '-')}"
             )
         lines += _wrapped(
-            "columns: copy: copies of each token that leave the rank per dispatch; A2A ms and AG ms per layer and call; exposed, local, replica and step ms per step; rows x: the "
+            "columns: copy: copies of each token that leave the rank per dispatch; A2A ms and AG ms per layer and call; exposed, local, repl (the replicas' traffic) and step ms per step; rows x: the "
             "busiest rank's expert rows over the mean rank's; TFLOPS: model TFLOP/s per GPU at the predicted step; "
             "mem GB: what a rank needs at least; link%: the busiest link's traffic per step (hidden or not) over the "
             "step (100%: the link sets the step); over: the outermost link the all-to-all crosses, "

@@ -163,7 +163,8 @@ def torchtitan_sort_forward(call: MoECall, shape: MoEShape, score_before_experts
     """torchtitan's MoE.forward around the experts at EP = 1, the experts as the identity."""
     tokens, top_k = call.expert_ids.shape
     x, scores = call.x.detach().requires_grad_(), call.scores.detach().requires_grad_()
-    sorted_scores, sorted_picks, _ = TokenReorderer(shape.num_experts, top_k)(scores, call.expert_ids)
+    # float ids: torch.histc, which counts the picks, takes no integers on a CPU (the order and counts are the same)
+    sorted_scores, sorted_picks, _ = TokenReorderer(shape.num_experts, top_k)(scores, call.expert_ids.float())
     routed = x[sorted_picks // top_k]
     if score_before_experts:
         routed = (routed.float() * sorted_scores.reshape(-1, 1)).to(x.dtype)
