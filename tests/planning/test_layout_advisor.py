@@ -217,6 +217,8 @@ def test_671b_advice_quoted_in_docs(advice_671b):
     assert round(deepep.received_tokens, 2) == 7.5
     assert round(deepep.local_traffic.receiving(deepep.received_tokens).bytes / 1e9, 1) == 107.3
     assert [round(layout.local_work_s * 1e3) for layout in (nccl, deepep, hybridep)] == [542, 1125, 533]
+    assert [round(layout.step_s * 1e3) for layout in (nccl, hybridep, deepep, gb200["deepep", 32])] == [
+        7400, 8052, 8315, 8182]
     # HybridEP also at the published SM counts fastest on NVL72 (4c: dispatch 485.50 GB/s at 16 SMs against 484.22
     # at 32, combine 423.19 against 464.54): faster than as configured, still below all-to-all
     fastest = gb200["hybridep 16/32", 64]

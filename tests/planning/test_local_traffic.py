@@ -90,6 +90,20 @@ def test_the_count_is_the_line_through_the_two_small_hidden_sizes(backend_name, 
         assert extended.forward_token_bytes == extended.backward_token_bytes == 0
 
 
+@pytest.mark.parametrize("backend_name", list(BACKENDS))
+def test_replica_slots_do_not_change_a_group_of_ones_count(backend_name, world_of_one):
+    """The count is cached without the job's replica slots: a group of one has no replicas."""
+    shape, tokens = MoEShape(72, 8, 3, 64), 64
+    call = MoECall.random(shape, tokens, torch.bfloat16)
+    counts = []
+    for slots in ("0", "2"):
+        job_config = parse([*DEBUG_JOB, "--parallelism.expert_parallel_comm_backend", backend_name,
+                            "--expert_replication.slots_per_rank", slots])
+        style = BACKENDS[backend_name].layer_factory(job_config, shape)(score_before_experts=False)
+        counts.append(_counted(lambda: backend_forward(style, call, shape), tokens, 72))
+    assert counts[0] == counts[1]
+
+
 def test_received_token_vectors_grow_with_the_ranks_a_token_reaches():
     traffic = LocalTraffic(forward_bytes=100.0, backward_bytes=50.0, forward_token_bytes=40.0, backward_token_bytes=10.0)
     grown = traffic.receiving(3.0)

@@ -226,8 +226,9 @@ def count_local_traffic(backend_name: str | None, job_config, shape: MoEShape, t
     ``dtype``, with the backend's settings in ``job_config``. Counted once per process and setting; seconds at
     DeepSeek-V3's shape."""
     section = None if backend_name is None else BACKENDS[backend_name].config_section
+    # replica slots do not enter: a group of one has no replicas
     key = (backend_name, repr(getattr(job_config, section)) if section else None, token_group_alignment(job_config),
-           job_config.expert_replication.slots_per_rank, shape, tokens, dtype, score_before_experts)
+           shape, tokens, dtype, score_before_experts)
     if key in _counts:
         return _counts[key]
     created = not dist.is_initialized()
