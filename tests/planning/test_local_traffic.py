@@ -3,13 +3,16 @@ makes of it."""
 
 import dataclasses
 import math
+import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from torchtitan_ext.config import MoEShape, parse
+from torchtitan_ext.config import ConfigError, MoEShape, parse
 from torchtitan_ext.ep import BACKENDS
+from torchtitan_ext.ep.base import token_group_alignment
+from torchtitan_ext.ep.hybridep import non_blocking_rows
 from torchtitan_ext.ep.in_flight import in_flight, Landing
 from torchtitan_ext.planning.layout_advisor import advise, advised_config
 from torchtitan_ext.planning.local_traffic import (
@@ -59,8 +62,8 @@ def test_counter_skips_collectives_and_counts_a_landing_sum(world_of_one):
     pending = in_flight(combined)
     with LocalTrafficCounter() as counter:
         pending.trigger_wait()
-    # rows * 2 reads rows, writes a product; copy_ reads it and reads and writes combined
-    assert counter.bytes == rows.nbytes * 2 + rows.nbytes + combined.nbytes * 2
+    # rows * 2 reads rows, writes a product; copy_ reads it and writes combined (without reading it)
+    assert counter.bytes == rows.nbytes * 2 + rows.nbytes + combined.nbytes
     assert torch.equal(combined, rows * 2)
 
 
@@ -75,7 +78,8 @@ def test_the_count_is_the_line_through_the_two_small_hidden_sizes(backend_name, 
     extended = count_local_traffic(backend_name, job_config, shape, tokens, torch.bfloat16, False)
     call = MoECall.random(shape, tokens, torch.bfloat16)
     if backend_name is None:
-        direct = _counted(lambda: torchtitan_sort_forward(call, shape, False), tokens, 72)
+        alignment = token_group_alignment(job_config)
+        direct = _counted(lambda: torchtitan_sort_forward(call, shape, False, alignment), tokens, 72)
     else:
         style = BACKENDS[backend_name].layer_factory(job_config, shape)(score_before_experts=False)
         direct = _counted(lambda: backend_forward(style, call, shape), tokens, 72)
@@ -111,13 +115,63 @@ def test_received_token_vectors_grow_with_the_ranks_a_token_reaches():
     assert traffic.receiving(1.0) == traffic
 
 
-def test_a_multi_rank_process_group_is_refused_in_one_line():
-    dist.init_process_group("fake", rank=0, world_size=4)
+@pytest.mark.parametrize("world_size", [4, 1])
+def test_a_group_other_than_a_gloo_group_of_one_is_refused_in_one_line(world_size):
+    dist.init_process_group("fake", rank=0, world_size=world_size)
     try:
-        with pytest.raises(Exception, match="needs a process group of this process alone"):
+        with pytest.raises(ConfigError) as refused:
             count_local_traffic("nccl", parse(DEBUG_JOB), MoEShape(64, 8, 3, 32), 32, torch.float32, False)
+        assert str(refused.value) == (
+            "counting a backend's local traffic needs a gloo process group of this process alone (or none): run "
+            "the layout advisor outside a multi-process job")
     finally:
         dist.destroy_process_group()
+
+
+def test_a_landing_that_finishes_a_library_kernel_is_not_counted(world_of_one):
+    """DeepEP's combine lands the library's work (the reference kernels sum there on a CPU): the all-to-all's
+    price holds it."""
+    rows, combined = torch.randn(8, 4), torch.empty(8, 4)
+    Landing(combined, lambda: combined.copy_(rows * 2), finishes_kernel=True)
+    with LocalTrafficCounter() as counter:
+        in_flight(combined).trigger_wait()
+        after = rows + 1  # counted again once the landing is over
+    assert torch.equal(combined, rows * 2)
+    assert counter.bytes == rows.nbytes + after.nbytes
+
+
+def test_torchtitans_padding_for_grouped_gemms_is_counted_at_ep_1(world_of_one):
+    """Without EP torchtitan pads each expert's rows for its grouped GEMMs: a gather of the rows into padded
+    groups and a scatter back, each reading and writing at least every (token, expert) row."""
+    shape, tokens = MoEShape(72, 8, 3, 64), 64
+    call = MoECall.random(shape, tokens, torch.bfloat16)
+    plain = sum(_counted(lambda: torchtitan_sort_forward(call, shape, False), tokens, 72)[:2])
+    padded = sum(_counted(lambda: torchtitan_sort_forward(call, shape, False, 16), tokens, 72)[:2])
+    rows = tokens * 3 * 72 * 2
+    assert padded - plain >= 4 * rows
+
+
+def test_counting_leaves_the_process_environment_as_it_was(world_of_one, monkeypatch):
+    """HybridEP's buffer exports its library's environment (ranks per NVLink domain), as a training rank's must;
+    the advisor's process, and every later job it starts, keeps its own."""
+    monkeypatch.delenv("NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN", raising=False)
+    job_config = parse([*DEBUG_JOB, "--parallelism.expert_parallel_comm_backend", "hybridep",
+                        "--hybridep.ranks_per_nvlink_domain", "8"])
+    count_local_traffic("hybridep", job_config, MoEShape(64, 8, 3, 32), 32, torch.float32, False)
+    assert "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN" not in os.environ
+
+
+def test_non_blocking_hybridep_is_counted_at_the_rows_a_rank_of_the_ep_group_allocates():
+    """HybridEP's non-blocking dispatch allocates N x R x min(L, K) x factor rows at EP = R: the count in a
+    group of one runs at the factor that allocates as many."""
+    job_config = parse([*DEBUG_JOB, "--parallelism.expert_parallel_comm_backend", "hybridep",
+                        "--hybridep.non_blocking_capacity_factor", "0.5"])
+    shape = MoEShape(256, 64, 8, 4096)
+    for ep in (2, 8, 32):
+        factor = BACKENDS["hybridep"].counted_settings(job_config, shape, ep)["non_blocking_capacity_factor"]
+        assert non_blocking_rows(4096, 1, 64, 8, factor, 8) == non_blocking_rows(4096, ep, 64 // ep, 8, 0.5, 8)
+    assert BACKENDS["hybridep"].counted_settings(parse(DEBUG_JOB), shape, 8) == {}
+    assert BACKENDS["deepep"].counted_settings(job_config, shape, 8) == {}
 
 
 def test_the_advisor_prices_the_counted_bytes_at_the_memory_bandwidth():

@@ -353,6 +353,13 @@ class RoutedExpertParallel(ExpertParallel, ABC):
         return 0, "no persistent buffer: each all-to-all allocates its rows"
 
     @classmethod
+    def counted_settings(cls, job_config, shape: MoEShape, ep: int) -> dict[str, object]:
+        """Settings of the backend's section under which its layer, run in a group of one, allocates as many rows
+        as one rank of an EP group of ``ep`` does: the layout advisor counts its local traffic so
+        (:mod:`torchtitan_ext.planning.local_traffic`). None where a group of one allocates the same."""
+        return {}
+
+    @classmethod
     def planned_replica_region(cls, job_config) -> int:
         """Bytes one rank reserves beside its buffer for the backend's own kernels to carry
         ``expert_replication``'s replicas, where they can (within one NVLink domain); 0 where replicas move by

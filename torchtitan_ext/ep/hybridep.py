@@ -218,6 +218,15 @@ class HybridEPExpertParallel(RoutedExpertParallel):
         )
 
     @classmethod
+    def counted_settings(cls, job_config, shape: MoEShape, ep: int) -> dict[str, object]:
+        factor = job_config.hybridep.non_blocking_capacity_factor
+        if factor is None:
+            return {}
+        # non_blocking_rows: N x R x min(L, K) x factor rows at EP = R, N x K x factor in a group of one
+        local_experts = shape.num_experts // ep
+        return {"non_blocking_capacity_factor": factor * ep * min(local_experts, shape.top_k) / shape.top_k}
+
+    @classmethod
     def validate_config(cls, job_config, device_type: str | None, shape: MoEShape) -> None:
         section, parallelism = job_config.hybridep, job_config.parallelism
         factor = section.non_blocking_capacity_factor

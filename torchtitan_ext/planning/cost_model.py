@@ -439,8 +439,9 @@ def token_bytes_per_level(
     return volume, copies
 
 
-def token_reach(work: MoEWorkload, ep: int, routing: MeasuredRouting | None, ranks: int = 1, domain_size: int = 1,
-                ) -> float:
+def token_reach(
+    work: MoEWorkload, ep: int, routing: MeasuredRouting | None, ranks: int = 1, domain_size: int = 1
+) -> float:
     """The share of tokens that reach a domain of ``domain_size`` ranks, ``ranks`` of them in the EP group: under
     uniform routing (through the model's group-limited gate where it has one), or the busiest receiver's measured
     share. ``ep`` x the share for one rank is the ranks one token reaches, its own among them."""

@@ -156,9 +156,6 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
     for line in report.lines():
         logger.info(line)
 

@@ -545,16 +545,22 @@ def advise(
     sizes = topology.group_sizes(world_size)
     score_before_experts = model_args_of(job_config).moe_args.score_before_experts
 
-    def local_work(backend_name: str, candidate, ep: int, received_tokens: float,
-                   ) -> tuple[float, float, LocalTraffic | None]:
+    def local_work(
+        backend_name: str, candidate, ep: int, received_tokens: float
+    ) -> tuple[float, float, LocalTraffic | None]:
         """(seconds per MoE call, the forward's share, the bytes counted in a group of one) of the backend's local
         work, where the mean rank holds ``received_tokens`` token vectors per token it sends."""
         if measured_compute is not None:
             return (0.0 if ep == 1 else measured_compute.dispatch_work_s[backend_name]), 0.5, None
         if topology.memory_bandwidth_GBps is None:
             return 0.0, 0.5, None
+        # the job's experts: a group of one has no replica slots
+        counted = copy.deepcopy(candidate)
+        backend = BACKENDS[backend_name]
+        for field, value in backend.counted_settings(candidate, moe_shape, ep).items():
+            setattr(getattr(counted, backend.config_section), field, value)
         traffic = count_local_traffic(
-            backend_name if ep > 1 else None, candidate, dispatched_shape(candidate, moe_shape), work.tokens,
+            backend_name if ep > 1 else None, counted, moe_shape, work.tokens,
             TORCH_DTYPE_MAP[candidate.training.mixed_precision_param], score_before_experts,
         )
         received = traffic.receiving(received_tokens)
@@ -627,7 +633,7 @@ def advise(
             costs = layer_costs(work, topology, world_size, ep, efsdp, copies_per_rank, routing, pair_share, links,
                                 fractions)
             # the mean rank's token vectors per token it sends: the EP ranks one token reaches, its own among them
-            received = ep * token_reach(work, ep, None) if copies_per_rank and ep > 1 else 1.0
+            received = ep * token_reach(work, ep, None) if backend.sends_each_token_once_per_rank and ep > 1 else 1.0
             work_s, forward_share, traffic = local_work(backend_name, candidate, ep, received)
             priced = replace(
                 layout,
@@ -852,7 +858,7 @@ def format_advice(
                 + ", ".join(f"{label} {traffic.bytes / 1e9:.1f} GB" for label, traffic in counted.items())
                 + (f"; {', '.join(growing)} hold a received token vector for each EP rank a token reaches"
                    if growing else "")
-                + f"; at the {topology.memory_bandwidth_GBps:,.0f} GB/s memory bandwidth, a lower bound", "  ")
+                + f"; at the {topology.memory_bandwidth_GBps:,.0f} GB/s memory bandwidth, eager mode", "  ")
         links = {name: f"L{index}" for index, name in enumerate(dict.fromkeys(
             layout.a2a_level for layout in runnable if layout.a2a_level), start=1)}
         lines.append(

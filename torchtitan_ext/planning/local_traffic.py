@@ -8,18 +8,21 @@ and sums the returned rows after; DeepEP's adapter expands each received token
 into its experts' rows and sums them back before combine; every backend weights
 the rows by their scores in fp32 (HybridEP's permute is fused into its kernel,
 its scores are not). The published kernel figures that price the all-to-alls
-do not contain these passes. At EP = 1 no backend runs, and torchtitan's own
-sort around the experts makes the passes.
+do not contain these passes. At EP = 1 no backend runs: torchtitan's own sort
+around the experts makes the passes, and its padding of each expert's rows for
+its grouped GEMMs.
 
 :func:`count_local_traffic` runs one MoE call's dispatch and combine, forward
 and backward, in a process group of this process alone (the experts as the
 identity), under :class:`LocalTrafficCounter`: the bytes of every tensor each
-operator reads and writes, except views and what runs inside the backends' own
-operators (the collectives and the library calls). The advisor prices them at
-the topology's ``memory_bandwidth_GBps``.
+operator reads and writes, except views and what runs inside any operator (the
+collectives, and the backends' own operators with the library calls in them).
+The advisor prices them at the topology's ``memory_bandwidth_GBps``.
 
-It is a lower bound: each tensor is read and written once at the nominal
-bandwidth (a gather's scattered reads and each kernel's launch are free). The
+It prices eager mode, each tensor read and written once at the nominal
+bandwidth: a gather's scattered reads and each kernel's launch are free (which
+it understates), and torch.compile's fusion of the elementwise passes (the
+fp32 weighting by the scores) is not applied (which it overstates). The
 rows grow with the hidden size and the indices do not, so it counts at two small
 hidden sizes, at the job's tokens per rank, experts and top-k, and extends the
 line to the job's hidden size (a test checks that the count is that line). A
@@ -29,25 +32,30 @@ vector for each EP rank a token reaches: the advisor grows the counted token
 vectors by that many (:meth:`LocalTraffic.receiving`; the few a rank keeps of
 its own sent tokens grow with them). Padding covers all the experts here, where
 a rank pads only its own (at most ``experts x (pad multiple - 1)`` rows more).
+A backend whose rows at EP > 1 differ from a group of one's in another way
+says how to count them (:meth:`~torchtitan_ext.ep.base.RoutedExpertParallel.counted_settings`:
+HybridEP's non-blocking rows).
 """
 
+import os
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from functools import partial
+from unittest.mock import patch
 
 import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+import torchtitan.models.moe.utils as tt_moe_utils
+from torchtitan.models.moe.kernels import generate_permute_indices
 from torchtitan.models.moe.moe import TokenReorderer
 
 from torchtitan_ext.config import ConfigError, MoEShape
 from torchtitan_ext.ep import BACKENDS
 from torchtitan_ext.ep.base import token_group_alignment
 from torchtitan_ext.ep.in_flight import finishing_kernel
-
-KERNEL_NAMESPACES = ("c10d", "torchtitan_ext")
-"""Operators whose inner work is a transfer or a library kernel: torch.distributed's collectives and the
-backends' custom ops (all-to-alls, DeepEP's and HybridEP's calls)."""
 
 _AFTER_PYTHON = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python).remove(
     torch._C.DispatchKey.PythonDispatcher
@@ -59,6 +67,9 @@ _ALLOCATE_ONLY = {_aten.empty, _aten.empty_like, _aten.empty_strided, _aten.new_
 _SHAPE_FROM_ARGUMENTS = {_aten.zeros_like, _aten.ones_like, _aten.full_like, _aten.new_zeros, _aten.new_ones,
                          _aten.new_full}
 """Operators that read only their tensor arguments' shape and dtype: they write their output."""
+_OVERWRITE_FIRST = {_aten.copy_, _aten.fill_, _aten.zero_}
+"""In-place operators that write their first argument without reading it."""
+
 
 def counted_hidden_sizes(shape: MoEShape) -> tuple[int, int]:
     """The two small hidden sizes counted (the job's is on the line through them): neither is the expert count
@@ -67,13 +78,34 @@ def counted_hidden_sizes(shape: MoEShape) -> tuple[int, int]:
     return low, high
 
 
+def _moved(func, args, kwargs, out) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(tensors ``func`` reads, tensors it writes), each once."""
+    packet = func.overloadpacket
+    if packet in _SHAPE_FROM_ARGUMENTS:
+        return [], [out]
+    if packet is _aten.index_put_:
+        # writes (or, accumulating, reads and writes) only its values' rows of the destination
+        indices, values = args[1], args[2]
+        accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+        written = [values, values] if accumulate else [values]
+        return [index for index in indices if index is not None] + [values], written
+    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if packet in _OVERWRITE_FIRST:
+        tensors = tensors[1:]
+    return tensors, [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
 class LocalTrafficCounter(TorchDispatchMode):
-    """Adds up the bytes each ATen operator reads and writes (each tensor argument once, each output once),
-    skipping views and allocations, which move nothing (a ``*_like`` or ``new_*`` factory writes its output and
-    reads nothing), and every operator called inside a collective or a backend's own operator
-    (:data:`KERNEL_NAMESPACES`: the transfers and library calls that the all-to-all's price holds). A combine
-    that lands later is counted where it lands (inside the wait for its result), unless its landing finishes a
-    library kernel (:func:`~torchtitan_ext.ep.in_flight.finishing_kernel`).
+    """Adds up the bytes each ATen operator reads and writes: each tensor argument read once and each output
+    written once, except views and allocations, which move nothing, a ``*_like`` or ``new_*`` factory, which
+    reads nothing, an overwrite (``copy_``, ``fill_``, ``zero_``), which does not read its destination, and
+    ``index_put_``, which writes only its values' rows.
+
+    A dispatch mode sees only the operators called outside any other operator's kernel: what the collectives and
+    the backends' own operators run (the library calls, and the adapter code inside those operators: HybridEP's
+    routing map, the nccl operator's zeroing of pad rows) is not counted; the all-to-all's price holds it. A
+    combine that lands later is counted where it lands, inside the wait for its result, unless its landing
+    finishes a library kernel (:func:`~torchtitan_ext.ep.in_flight.finishing_kernel`).
 
     ``token_bytes`` is the part in token vectors: [``tokens``, ``hidden``] tensors (a shape no other tensor
     has). At EP > 1 a backend that sends each token once per rank receives more tokens than it sends."""
@@ -83,7 +115,6 @@ class LocalTrafficCounter(TorchDispatchMode):
         self.token_shape = (tokens, hidden)
         self.bytes = 0
         self.token_bytes = 0
-        self._inside_kernel = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -91,21 +122,15 @@ class LocalTrafficCounter(TorchDispatchMode):
             # a combine lands (sums its rows) inside the wait: run the wait's kernel with this mode on, to see them
             with self:
                 return func.redispatch(torch._C._dispatch_keys(args[0]) & _AFTER_PYTHON, *args, **kwargs)
-        kernel = func.namespace in KERNEL_NAMESPACES
-        self._inside_kernel += kernel
-        try:
-            out = func(*args, **kwargs)
-        finally:
-            self._inside_kernel -= kernel
-        if (func.namespace not in ("aten", "prims") or self._inside_kernel or finishing_kernel() or func.is_view
+        out = func(*args, **kwargs)
+        if (func.namespace not in ("aten", "prims") or finishing_kernel() or func.is_view
                 or func.overloadpacket in _ALLOCATE_ONLY):
             return out
-        read = () if func.overloadpacket in _SHAPE_FROM_ARGUMENTS else (args, kwargs)
-        for tensor in tree_leaves((read, out)):
-            if isinstance(tensor, torch.Tensor):
-                self.bytes += tensor.nbytes
-                if tuple(tensor.shape) == self.token_shape:
-                    self.token_bytes += tensor.nbytes
+        read, written = _moved(func, args, kwargs, out)
+        for tensor in read + written:
+            self.bytes += tensor.nbytes
+            if tuple(tensor.shape) == self.token_shape:
+                self.token_bytes += tensor.nbytes
         return out
 
 
@@ -159,21 +184,41 @@ class MoECall:
         return cls(x, scores, picks[:, : shape.top_k].contiguous())
 
 
-def torchtitan_sort_forward(call: MoECall, shape: MoEShape, score_before_experts: bool) -> torch.Tensor:
-    """torchtitan's MoE.forward around the experts at EP = 1, the experts as the identity."""
+def torchtitan_sort_forward(call: MoECall, shape: MoEShape, score_before_experts: bool,
+                            group_alignment: int | None = None) -> torch.Tensor:
+    """torchtitan's MoE.forward around the experts at EP = 1, the experts as the identity. With
+    ``group_alignment``, also the padding of each expert's rows to that multiple that torchtitan's grouped GEMMs
+    run through without EP (its ``indices_padding_wrapper``: a gather into padded groups and a scatter back)."""
     tokens, top_k = call.expert_ids.shape
     x, scores = call.x.detach().requires_grad_(), call.scores.detach().requires_grad_()
     # float ids: torch.histc, which counts the picks, takes no integers on a CPU (the order and counts are the same)
-    sorted_scores, sorted_picks, _ = TokenReorderer(shape.num_experts, top_k)(scores, call.expert_ids.float())
+    sorted_scores, sorted_picks, counts = TokenReorderer(shape.num_experts, top_k)(scores, call.expert_ids.float())
     routed = x[sorted_picks // top_k]
     if score_before_experts:
         routed = (routed.float() * sorted_scores.reshape(-1, 1)).to(x.dtype)
+    if group_alignment is not None:
+        with _host_padding(group_alignment):
+            input_shape, padded, permuted_indices, _ = tt_moe_utils._permute(routed, counts.long(), 1, shape.num_experts)
+            routed = tt_moe_utils._unpermute(padded, input_shape, permuted_indices)
     unsorted = torch.zeros((tokens * top_k, shape.hidden_dim), dtype=x.dtype)
     unsorted[sorted_picks] = routed
     unsorted = unsorted.reshape(tokens, top_k, shape.hidden_dim)
     if score_before_experts:
         return unsorted.sum(dim=1)
     return torch.bmm(scores.reshape(-1, 1, top_k), unsorted.float()).to(x.dtype).squeeze(1)
+
+
+@contextmanager
+def _host_padding(group_alignment: int):
+    """torchtitan's padding at ``group_alignment``, its indices computed on the host (the count runs on CPU tensors,
+    whatever device this process would train on)."""
+    saved = tt_moe_utils.generate_permute_indices, tt_moe_utils.TOKEN_GROUP_ALIGN_SIZE_M
+    tt_moe_utils.generate_permute_indices = partial(generate_permute_indices, use_cpu=True)
+    tt_moe_utils.TOKEN_GROUP_ALIGN_SIZE_M = group_alignment
+    try:
+        yield
+    finally:
+        tt_moe_utils.generate_permute_indices, tt_moe_utils.TOKEN_GROUP_ALIGN_SIZE_M = saved
 
 
 def backend_forward(style, call: MoECall, shape: MoEShape) -> torch.Tensor:
@@ -208,7 +253,9 @@ def _count(backend_name: str | None, job_config, shape: MoEShape, tokens: int, d
         small = replace(shape, hidden_dim=hidden)
         call = MoECall.random(small, tokens, dtype)
         if backend_name is None:
-            counts.append(_counted(lambda: torchtitan_sort_forward(call, small, score_before_experts), tokens, hidden))
+            # torchtitan pads each expert's rows for its grouped GEMMs, the GPU path (no EP pads them then)
+            counts.append(_counted(lambda: torchtitan_sort_forward(
+                call, small, score_before_experts, token_group_alignment(job_config)), tokens, hidden))
         else:
             style = BACKENDS[backend_name].layer_factory(job_config, small)(score_before_experts=score_before_experts)
             counts.append(_counted(lambda: backend_forward(style, call, small), tokens, hidden))
@@ -232,13 +279,15 @@ def count_local_traffic(backend_name: str | None, job_config, shape: MoEShape, t
     if key in _counts:
         return _counts[key]
     created = not dist.is_initialized()
-    if not created and dist.get_world_size() != 1:
-        raise ConfigError("counting a backend's local traffic needs a process group of this process alone: run the "
-                          "layout advisor outside a multi-process job")
+    if not created and (dist.get_world_size() != 1 or dist.get_backend() != "gloo"):
+        raise ConfigError("counting a backend's local traffic needs a gloo process group of this process alone (or "
+                          "none): run the layout advisor outside a multi-process job")
     if created:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        _counts[key] = _count(backend_name, job_config, shape, tokens, dtype, score_before_experts)
+        # a backend's buffer exports its library's environment, as a training rank's must: not this process's
+        with patch.dict(os.environ):
+            _counts[key] = _count(backend_name, job_config, shape, tokens, dtype, score_before_experts)
     finally:
         if created:
             dist.destroy_process_group()

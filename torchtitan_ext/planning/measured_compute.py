@@ -49,13 +49,14 @@ import torch.multiprocessing as mp
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
-from torchtitan.models.moe.moe import GroupedExperts, TokenReorderer
+from torchtitan.models.moe.moe import GroupedExperts
 from torchtitan.protocols.train_spec import get_train_spec
 
 from torchtitan_ext import runtime
 from torchtitan_ext.config import ConfigError, load_job_config, meta_model, model_args_of, MoEShape, parse
 from torchtitan_ext.ep import BACKENDS
 from torchtitan_ext.planning.collective_recorder import CollectiveRecorder
+from torchtitan_ext.planning.local_traffic import backend_forward, MoECall, torchtitan_sort_forward
 from torchtitan_ext.training import prepare
 
 WARMUP_STEPS = 2
@@ -216,29 +217,12 @@ def _time_dispatch(train_args: list[str], model_args, tokens: int, dtype: torch.
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         moe = model_args.moe_args
-        generator = torch.Generator().manual_seed(0)
-        x = torch.randn(tokens, model_args.dim, generator=generator).to(dtype)
-        grad = torch.randn(tokens, model_args.dim, generator=generator).to(dtype)
-        scores = torch.rand(tokens, moe.top_k, generator=generator)
-        picks = torch.rand(tokens, moe.num_experts, generator=generator).argsort(dim=1)
-        expert_ids = picks[:, : moe.top_k].contiguous()
         shape = MoEShape(model_args.dim, moe.num_experts, moe.top_k, tokens)
-        reorderer = TokenReorderer(moe.num_experts, moe.top_k)
+        moe_call = MoECall.random(shape, tokens, dtype)
+        grad = torch.randn(tokens, model_args.dim, generator=torch.Generator().manual_seed(1)).to(dtype)
 
         def torchtitan_sort():
-            token, score = x.detach().requires_grad_(), scores.detach().requires_grad_()
-            sorted_scores, sorted_picks, _ = reorderer(score, expert_ids)
-            routed = token[sorted_picks // moe.top_k]
-            if moe.score_before_experts:
-                routed = (routed.float() * sorted_scores.reshape(-1, 1)).to(dtype)
-            unsorted = torch.zeros((tokens * moe.top_k, model_args.dim), dtype=dtype)
-            unsorted[sorted_picks] = routed
-            unsorted = unsorted.reshape(tokens, moe.top_k, model_args.dim)
-            if moe.score_before_experts:
-                out = unsorted.sum(dim=1)
-            else:
-                out = torch.bmm(score.reshape(-1, 1, moe.top_k), unsorted.float()).to(dtype).squeeze(1)
-            out.backward(grad)
+            torchtitan_sort_forward(moe_call, shape, moe.score_before_experts).backward(grad)
 
         sort_times, timings = _timed(torchtitan_sort, barrier), {}
         for name, backend in BACKENDS.items():
@@ -246,9 +230,7 @@ def _time_dispatch(train_args: list[str], model_args, tokens: int, dtype: torch.
             style = backend.layer_factory(config, shape)(score_before_experts=moe.score_before_experts)
 
             def call():
-                rows, _ = style.dispatch(x.detach().requires_grad_(), scores.detach().requires_grad_(),
-                                         expert_ids, moe.num_experts, dist.group.WORLD)
-                style.combine(rows, dist.group.WORLD).backward(grad)
+                backend_forward(style, moe_call, shape).backward(grad)
 
             with CollectiveRecorder() as recorder:
                 call()
