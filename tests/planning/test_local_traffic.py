@@ -14,7 +14,9 @@ from torchtitan_ext.ep import BACKENDS
 from torchtitan_ext.ep.base import token_group_alignment
 from torchtitan_ext.ep.hybridep import non_blocking_rows
 from torchtitan_ext.ep.in_flight import in_flight, Landing
-from torchtitan_ext.planning.layout_advisor import advise, advised_config
+from tests.planning.advice_text import paragraph
+from torchtitan_ext.planning.layout_advisor import advise, advised_config, format_advice
+from torchtitan_ext.planning.measured_rates import MeasuredRate
 from torchtitan_ext.planning.local_traffic import (
     _counted, backend_forward, count_local_traffic, counted_hidden_sizes, LocalTraffic, LocalTrafficCounter, MoECall,
     torchtitan_sort_forward,
@@ -206,3 +208,21 @@ def test_without_a_memory_bandwidth_nothing_is_priced():
                        {"name": "net", "bandwidth_GBps": 50.0, "latency_us": 8.0}]}
     layouts = advise(DEBUG_JOB, 4, parse_topology(data, "test"))[0]
     assert all(layout.dispatch_work_s == 0 and layout.local_traffic is None for layout in layouts)
+
+
+@pytest.mark.parametrize("holds_local_work", [True, False])
+def test_a_rate_measured_with_the_local_work_is_not_priced_twice(holds_local_work):
+    """bench_ep's rows time each backend's permutes with its all-to-alls: with such a measured rate the counted
+    local work is not added again (an nccl-tests log times NCCL's all-to-all alone, and it is)."""
+    topology = load_topology("hgx_h100_ib")
+    job_config = parse(DEBUG_JOB)
+    settings = BACKENDS["nccl"].rate_settings(job_config)
+    measured = {("nccl", settings, 0): MeasuredRate("nccl", settings, 0, 0.5, "test row", holds_local_work)}
+    layouts = [layout for layout in advise(DEBUG_JOB, 4, topology, measured_rates=measured)[0] if layout.refused is None]
+    for layout in layouts:
+        held = holds_local_work and layout.backend == "nccl" and layout.ep > 1
+        assert (layout.dispatch_work_s == 0 and layout.local_traffic is None) is held
+    lines = format_advice(layouts, topology, 4, "debug", None)
+    said = paragraph(lines, "  local:")
+    assert ("not counted for nccl: the rate measured on the cluster (--calibrate-from, bench_ep) holds it"
+            in said) is holds_local_work

@@ -554,9 +554,13 @@ def advise(
             return (0.0 if ep == 1 else measured_compute.dispatch_work_s[backend_name]), 0.5, None
         if topology.memory_bandwidth_GBps is None:
             return 0.0, 0.5, None
+        backend = BACKENDS[backend_name]
+        settings = backend.rate_settings(candidate)
+        if ep > 1 and any(rate.includes_local_work for (name, rated, _), rate in (measured_rates or {}).items()
+                          if (name, rated) == (backend_name, settings)):
+            return 0.0, 0.5, None  # the cluster's measured rate (bench_ep's rows) holds it
         # the job's experts: a group of one has no replica slots
         counted = copy.deepcopy(candidate)
-        backend = BACKENDS[backend_name]
         for field, value in backend.counted_settings(candidate, moe_shape, ep).items():
             setattr(getattr(counted, backend.config_section), field, value)
         traffic = count_local_traffic(
@@ -850,14 +854,19 @@ def format_advice(
         counted = {("torchtitan's own sort (EP=1)" if layout.ep == 1 else layout.label): layout.local_traffic
                    for layout in runnable if layout.local_traffic is not None}
         if counted:
-            growing = sorted({layout.label for layout in runnable if layout.received_tokens != 1.0 and (
-                layout.local_traffic.forward_token_bytes or layout.local_traffic.backward_token_bytes)})
+            held = sorted({layout.label for layout in runnable if layout.ep > 1 and layout.local_traffic is None})
+            growing = sorted({
+                layout.label for layout in runnable if layout.received_tokens != 1.0 and layout.local_traffic
+                and (layout.local_traffic.forward_token_bytes or layout.local_traffic.backward_token_bytes)
+            })
             lines += _wrapped(
                 "local: each backend's passes over the token rows outside its kernels, counted at the job's shape "
                 "in a group of one (docs/planning.md), per MoE call forward and backward: "
                 + ", ".join(f"{label} {traffic.bytes / 1e9:.1f} GB" for label, traffic in counted.items())
                 + (f"; {', '.join(growing)} hold a received token vector for each EP rank a token reaches"
                    if growing else "")
+                + (f"; not counted for {', '.join(held)}: the rate measured on the cluster (--calibrate-from, "
+                   "bench_ep) holds it" if held else "")
                 + f"; at the {topology.memory_bandwidth_GBps:,.0f} GB/s memory bandwidth, eager mode", "  ")
         links = {name: f"L{index}" for index, name in enumerate(dict.fromkeys(
             layout.a2a_level for layout in runnable if layout.a2a_level), start=1)}
