@@ -85,7 +85,7 @@ export LOG_RANK="${LOG_RANK:-${TTE_LOSS_RANK}}"
 # and ends a failed job with one line: which rank, how, after which step, where to resume
 # a preemption signal that reaches torchrun itself (a process-group kill, scancel) goes to the ranks too,
 # SIGUSR1 included, and torchrun waits SHUTDOWN_TIMEOUT seconds for their checkpoint before SIGKILL
-exec python -m torchtitan_ext.supervise --checkpoint-folder "${TTE_CHECKPOINT_FOLDER}" -- \
+exec python -m torchtitan_ext.supervise --checkpoint-folder "${TTE_CHECKPOINT_FOLDER}" --dump-folder "${TTE_DUMP_FOLDER}" -- \
     torchrun --nproc_per_node="${NGPU}" --rdzv_backend c10d --rdzv_endpoint="${rdzv_endpoint}" \
     --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout "${SHUTDOWN_TIMEOUT:-600}" \
     --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 \

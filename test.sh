@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run the test suite: ./test.sh [pytest args]
+# Run the test suite: ./test.sh [--fast] [pytest args]
+#   --fast   only the tests that start no process and run no training job (about a minute; not -m slow)
 # Sets up the environment on first use (see env.sh).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -11,4 +12,12 @@ if ! python -c "import xdist" >/dev/null 2>&1; then
     echo "error: pytest-xdist is missing (the suite runs its files in parallel): \"${TTE_PYTHON}\" -m pip install -e \"${ROOT}[test]\"" >&2
     exit 2
 fi
-exec python -m pytest "$@"
+args=()
+for arg in "$@"; do
+    if [ "${arg}" = "--fast" ]; then
+        args+=(-m "not slow")
+    else
+        args+=("${arg}")
+    fi
+done
+exec python -m pytest ${args[@]+"${args[@]}"}

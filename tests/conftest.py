@@ -1,6 +1,13 @@
-"""Session fixtures and the suite's machine-independent settings."""
+"""Session fixtures, the suite's machine-independent settings, and its tiers.
 
+A test that starts a process (a launcher, torchrun, workers of its own) or runs a training job is marked
+``slow``; ``./test.sh --fast`` runs the others. The mark is held, not trusted: an unmarked test that starts a
+process fails, naming the mark it needs.
+"""
+
+import multiprocessing.process
 import os
+import subprocess
 
 import pytest
 
@@ -32,3 +39,19 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("measured times")
         for line in lines:
             terminalreporter.write_line(line)
+
+
+def _refuse_process_start(*args, **kwargs):
+    raise AssertionError("this test starts a process: mark it @pytest.mark.slow (./test.sh --fast runs only "
+                         "tests that start none)")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """An unmarked test, with the fixtures its setup instantiates, may start no process."""
+    if item.get_closest_marker("slow") is not None:
+        return (yield)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "_execute_child", _refuse_process_start)
+        patch.setattr(multiprocessing.process.BaseProcess, "start", _refuse_process_start)
+        return (yield)

@@ -8,6 +8,8 @@ import pytest
 
 from tests.helpers import run_distributed, WorkersFailed
 
+pytestmark = pytest.mark.slow
+
 
 def abort_once(rank, world_size, marker, message):
     """Rank 1's first run writes ``message`` to stderr and aborts; every other run returns the rank."""

@@ -1,11 +1,10 @@
 """torchtitan_ext: a Mixture-of-Experts training harness on torchtitan 0.2.2 with pluggable
 expert-parallel communication backends (NCCL all-to-all, DeepEP, HybridEP).
 
-Each subpackage's docstring says what it owns. Tiers, lowest first: a module
-imports from its own part and from lower tiers only, never from a higher tier
-or from another part of its own tier (tests/test_layering.py checks this list):
+Tiers, lowest first: a module imports from its own part and from lower tiers only, never from a
+higher tier or from another part of its own tier (tests/test_layering.py reads this list):
 
-    1. config           job configs: our sections, parsing, ranges, checks, load_job_config
+    1. config, metrics_file    job configs: sections, parsing, ranges, checks; the format of metrics.jsonl
     2. runtime          device and process group, CPU accommodations, host memory, named collective failures
     3. ep, data         one ExpertParallel class per EP backend, its kernels; the embedded corpus
     4. models           DeepSeek-V3 and Llama4 parallelize plans and model args
@@ -15,7 +14,6 @@ or from another part of its own tier (tests/test_layering.py checks this list):
     8. launch           the launchers' pre-flight checks, the torchrun supervisor
     9. train, plan, placement, supervise, routing_report    the command-line entry points
 
-A feature owns its config section and registers it, with its checks, when it
-is imported (:mod:`torchtitan_ext.config.registry`): config never imports a
-feature. ``torchtitan_ext.training.prepare`` readies a process to read and run jobs.
+Each subpackage's docstring says what it owns. Features register their config sections and checks when
+imported (:mod:`torchtitan_ext.config.registry`); ``torchtitan_ext.training.prepare`` readies a process.
 """

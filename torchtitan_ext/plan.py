@@ -7,26 +7,10 @@
         --paper-pre-expert-ms PE
     python -m torchtitan_ext.plan --calibrate [--nproc N] [--calibrate-output FILE]
 
-The first prints, for one rank and each backend, the communication buffer,
-the permuted rows per MoE layer, the expert parameters and the drop risk
-(:mod:`torchtitan_ext.planning.memory_plan`). With ``--topology`` (a file, or
-a name in ``topologies/``) it adds the layout advisor's ranked table
-(:mod:`torchtitan_ext.planning.layout_advisor`): every backend and EP degree
-the job can run, the predicted MoE communication and exposed time per step,
-and the overrides that select the winner; ``--measure-compute`` times the
-job's per-rank compute, and each backend's local dispatch and combine work, on
-this machine for it (:mod:`torchtitan_ext.planning.measured_compute`);
-``--replica-slots`` prices every layout at each of those
-``expert_replication.slots_per_rank`` values (default: the job's own);
-``--json FILE`` also writes every layout considered, with its predicted
-times, as a list of objects; ``--emit-config FILE`` writes the recommended
-layout's job config as TOML (checked by loading it back); ``--calibrate-from``
-(repeatable) prices each backend at the all-to-all rate ``scripts/bench_ep.py
---json`` or nccl-tests' ``alltoall_perf`` measured on the cluster
-(:mod:`torchtitan_ext.planning.measured_rates`).
-``--paper`` evaluates the seed paper's own one-level setting; ``--calibrate``
-measures this machine and writes its topology file
-(:mod:`torchtitan_ext.planning.calibrate`).
+The first prints the memory plan (:mod:`torchtitan_ext.planning.memory_plan`), and with ``--topology`` the
+layout advisor's ranked table (:mod:`torchtitan_ext.planning.layout_advisor`); ``--paper`` evaluates the
+seed paper's one-level setting; ``--calibrate`` measures this machine and writes its topology
+(:mod:`torchtitan_ext.planning.calibrate`). See docs/planning.md.
 """
 
 import argparse

@@ -253,6 +253,7 @@ def _run_module(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_launcher_rejects_a_bad_placement_before_starting_processes(tmp_path):
     path = _write(tmp_path, {**GOOD, "expert_parallel_degree": 4})
     result = _run_module("torchtitan_ext.launch.preflight", "--ngpu", "2", "--", "--job.config_file", DEBUG_CONFIG,
@@ -279,6 +280,7 @@ def _save_dump(folder, dump: dict) -> None:
         first += steps
 
 
+@pytest.mark.slow
 def test_placement_tool_writes_a_file_training_accepts(tmp_path):
     """The CLI on a dump of the debug model's shape (5 MoE layers, 8 experts, top-3) at EP=4."""
     routing = routing_steps(3, steps=6, layers=5, experts=8, top_k=3, tokens=256, skew=1.3, group=2)
@@ -293,6 +295,7 @@ def test_placement_tool_writes_a_file_training_accepts(tmp_path):
     assert "placing layers" in result.stderr  # the progress bar
 
 
+@pytest.mark.slow
 def test_placement_tool_rejects_a_dump_of_another_model(tmp_path):
     routing = routing_steps(4, steps=4, layers=5, experts=16, top_k=3, tokens=64, skew=1.0, group=4)
     _save_dump(tmp_path / "dump", dump_from(routing, 2, 16))
@@ -365,6 +368,7 @@ def _migrate_one(layout):
     }
 
 
+@pytest.mark.slow
 def test_moving_rows_permutes_weights_and_optimizer_state_exactly():
     """4 ranks: EP=4; EP=2 x expert FSDP 2 sharding dim 0 (FSDP's strided shard); and sharding dim 1."""
     layouts = ["ep4", "ep2_efsdp2_dim0", "ep2_efsdp2_dim1"]

@@ -79,6 +79,7 @@ def _half_batch_worker(rank, world_size, folder):
     return recorder.save(folder)
 
 
+@pytest.mark.slow
 def test_sum_over_ranks_equals_one_process_seeing_both_halves(tmp_path):
     paths = run_distributed(2, _half_batch_worker, str(tmp_path / "two"))
     assert paths[1] is None, "only rank 0 writes"

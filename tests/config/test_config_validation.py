@@ -119,6 +119,34 @@ def _load(*overrides, device_type="cpu", world_size=2):
          "overlaps expert parallelism on CUDA streams, which a CPU does not have"),
         (("--training.dataset_path", "/data/c4"),
          "training.dataset_path = '/data/c4' but training.dataset = 'stdlib_code', the embedded corpus"),
+        (("--training.stepz", "3"), "unknown config key 'training.stepz' in the command line: did you mean 'steps'?"),
+        (("--trainin.steps", "3"), "unknown config key 'trainin' in the command line: did you mean 'training'?"),
+        (("--training.steps", "2.5"), "--training.steps 2.5: use an integer"),
+        (("--optimizer.lr", "nan"), "--optimizer.lr nan: use a finite number"),
+        (("--optimizer.lr", "inf"), "--optimizer.lr inf: use a finite number"),
+        (("--optimizer.beta2", "1.0"), "optimizer.beta2 = 1.0: use a value >= 0 and < 1"),
+        (("--training.enable_cpu_offload=maybe",), "use true or false"),
+        (("--faults.on_nonfinite", "ignore"), "use one of 'stop', 'skip_step'"),
+        (("--checkpoint.keep_latest_k", "1"), "checkpoint.keep_latest_k = 1: torchtitan keeps at least 2"),
+        (("--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "1023", "--training.local_batch_size",
+          "4", "--parallelism.data_parallel_shard_degree", "1"),
+         "training.seq_len = 1023 is not divisible by TP x 2 x CP = 4"),
+        (("--job.custom_config_module", "no_such_module_here"),
+         "job.custom_config_module = 'no_such_module_here' cannot be imported"),
+        (("--job.custom_config_module", "json"), "job.custom_config_module = 'json' defines no JobConfig"),
+        (("--expert_replication.slots_per_rank", "5"),
+         "expert_replication.slots_per_rank = 5: a rank can hold copies of the other ranks' 4 experts only: set it to at most 4"),
+        (("--expert_replication.slots_per_rank", "-1"), "expert_replication.slots_per_rank = -1: use a value >= 0"),
+        (("--expert_replication.slots_per_rank", "1", "--expert_replication.adapt_every", "0"),
+         "expert_replication.adapt_every = 0: use a value >= 1"),
+        (("--expert_replication.slots_per_rank", "1", "--parallelism.expert_parallel_degree", "1"),
+         "expert_replication.slots_per_rank = 1 needs expert parallelism: set parallelism.expert_parallel_degree > 1"),
+        (("--expert_replication.slots_per_rank", "1", "--compile.enable", "--compile.components", "model"),
+         "expert_replication.slots_per_rank = 1 is not supported with compile.enable"),
+        (("--expert_replication.slots_per_rank", "1", "--parallelism.tensor_parallel_degree", "2",
+          "--parallelism.expert_tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2"),
+         "expert_replication.slots_per_rank = 1 is not supported with parallelism.expert_tensor_parallel_degree = 2"),
+        (("--job.config_file",), "--job.config_file needs a path"),
         (("--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "1",
           "--parallelism.data_parallel_shard_degree", "1", "--parallelism.expert_parallel_comm_backend", "nccl",
           "--training.local_batch_size", "3", "--parallelism.pipeline_parallel_degree", "1"),
@@ -129,7 +157,7 @@ def test_invalid_values_name_the_field(overrides, message):
     if message is None:  # a valid neighbour of the cases above
         _load(*overrides)
         return
-    world_size = 4 if "DualPipeV" in overrides else 2
+    world_size = 4 if "DualPipeV" in overrides or "--parallelism.expert_tensor_parallel_degree" in overrides else 2
     with pytest.raises(ConfigError) as error:
         _load(*overrides, world_size=world_size)
     assert message in str(error.value)
@@ -211,11 +239,35 @@ def test_each_range_rejects_a_value_outside_it(key):
         check_ranges(config, {key: valid})
 
 
-def test_toml_values_are_type_checked(tmp_path):
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("[training\nsteps = 3\n", "is not valid UTF-8 TOML"),
+        (b"[training]\nsteps = 3 # \xff\xfe\n", "is not valid UTF-8 TOML"),
+        ("[training]\nstepz = 3\n", "unknown config key 'training.stepz' in {config}"),
+        ('[training]\nsteps = "forty"\n', "training.steps = 'forty' in {config}: use an integer"),
+        ("[training.steps]\nx = 1\n", "training.steps = {{'x': 1}}"),
+        ("[trainer]\nsteps = 3\n", "unknown config key 'trainer'"),
+        ("[training]\nsteps = true\n", "training.steps = True"),
+        ("[optimizer]\nlr = nan\n", "optimizer.lr = nan"),
+        ("[hybridep]\nnon_blocking_capacity_facter = 0.5\n", "'hybridep.non_blocking_capacity_facter' in {config}"),
+    ],
+    ids=["invalid_toml", "non_utf8", "unknown_key", "string_for_int", "table_for_value", "unknown_table",
+         "bool_for_int", "nan", "misspelt_key_of_our_section"],
+)
+def test_toml_values_are_checked(tmp_path, content, message):
     config = tmp_path / "bad.toml"
-    config.write_text(open(DEBUG_TOML).read().replace("steps = 40", 'steps = "forty"'))
-    with pytest.raises(ConfigError, match=f"training.steps = 'forty' in {config}: use an integer"):
-        parse_job_config(["--job.config_file", str(config)])
+    config.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ConfigError) as error:
+        load_job_config(["--job.config_file", str(config)], "cpu", 2)
+    assert message.format(config=config) in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("path", ["missing.toml", "."], ids=["missing", "a_folder"])
+def test_a_config_file_that_is_not_one_is_named(tmp_path, path):
+    with pytest.raises(ConfigError, match="not found: set CONFIG_FILE"):
+        load_job_config(["--job.config_file", str(tmp_path / path)], "cpu", 2)
 
 
 def _cluster(*overrides, config=DEBUG_TOML, world_size=2):

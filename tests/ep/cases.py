@@ -21,6 +21,7 @@ from torchtitan.models.moe.moe import GroupedExperts, MoE, MoEArgs
 from torchtitan_ext import runtime
 from torchtitan_ext.config import parse as parse_job_config
 from torchtitan_ext.ep import BACKENDS as BACKEND_CLASSES
+from torchtitan_ext.ep.backends import backend_variants
 from torchtitan_ext.ep import HybridEPExpertParallel, MoEShape
 from torchtitan_ext.ep.base import Routing
 from torchtitan_ext.ep.handle import DispatchHandle
@@ -28,8 +29,9 @@ from torchtitan_ext.ep.kernels.reference import ReferenceHybridEPBuffer
 from torchtitan_ext.models.moe import ExpertParallelMoE, TensorParallelTokenSplit
 
 BACKENDS = ("nccl", "deepep", "deepep_legacy", "hybridep", "hybridep_non_blocking")
-"""deepep drives DeepEP's V2 API (ElasticBuffer), deepep_legacy its v1 Buffer; hybridep_non_blocking
-runs at capacity factor 1.0 without padding, which cannot drop."""
+"""The variants (:func:`backend_variants`) every case runs under: deepep drives DeepEP's V2 API (ElasticBuffer),
+deepep_legacy its v1 Buffer; hybridep_non_blocking runs at capacity factor 1.0 without padding, which cannot drop.
+V2.5's EPBuffer (deepep_ep) runs against the deep_ep double (tests/ep/test_deep_ep_double.py)."""
 
 
 @dataclass(frozen=True)
@@ -130,16 +132,12 @@ def make_style(
     backend: str, case: Case, ep: int, capacity_factor: float | None = None,
     implementation: str = "reference", max_tokens_per_rank: int | None = None,
 ):
-    """The backend's ExpertParallel for this case, built the way training builds it:
-    from a job config through the backend's ``layer_factory``."""
-    name = backend.partition("_")[0]
-    if backend == "hybridep_non_blocking" and capacity_factor is None:
-        capacity_factor = 1.0
-    args = ["--parallelism.expert_parallel_comm_backend", name]
+    """The backend's ExpertParallel for this case (a variant of :func:`backend_variants`), built the way training
+    builds it: from a job config through the backend's ``layer_factory``."""
+    args = backend_variants()[backend]
+    name = args[1]
     if name != "nccl":
         args += [f"--{name}.implementation", implementation]
-    if backend in ("deepep_legacy", "deepep_ep"):
-        args += ["--deepep.api", backend.removeprefix("deepep_")]
     if capacity_factor is not None:
         args += ["--hybridep.non_blocking_capacity_factor", str(capacity_factor)]
     shape = MoEShape(

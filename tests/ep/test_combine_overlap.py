@@ -18,6 +18,8 @@ from tests.ep.cases import Case, overlap_worker
 from tests.helpers import run_distributed
 from torchtitan_ext.ep import BACKENDS as BACKEND_CLASSES
 
+pytestmark = pytest.mark.slow
+
 EP = 2
 CASE = Case("overlap", num_experts=4, top_k=2, score_before_experts=False, seed=53)
 OVERLAPPING = {"nccl": True, "deepep": True, "hybridep": False}

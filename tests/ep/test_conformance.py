@@ -3,7 +3,7 @@
 Random routing with zero-token experts and uneven splits, top_k 1 to 4,
 1 to 4 local experts, scores before or after the experts, and a case padded to
 32 rows per group. Outputs and gradients of tokens, scores and expert weights
-are compared in fp32; EP = 1, 2 and 4 are also compared with each other.
+are compared in fp32, at EP = 1, 2 and 4.
 """
 
 import pytest
@@ -44,6 +44,7 @@ def _cases_and_degrees():
     return [(case, ep) for ep in EP_DEGREES for case in cases_for(ep)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case, ep", _cases_and_degrees(), ids=lambda v: v.name if hasattr(v, "name") else f"ep{v}")
 def test_matches_dense_moe(results, ground_truth, case, ep, backend):
@@ -58,18 +59,6 @@ def test_matches_dense_moe(results, ground_truth, case, ep, backend):
         for weight in ("w1", "w2", "w3"):
             torch.testing.assert_close(got[f"grad_{weight}"], truth[f"grad_{weight}"][experts], **TOLERANCE)
         assert got.get("dropped_pairs", 0) == 0
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", [c for c in CASES if c.num_experts % 4 == 0], ids=lambda c: c.name)
-def test_ep_degrees_agree(results, case, backend):
-    _skip_if_padding_can_drop(case, backend)
-    def assembled(ep):
-        return torch.cat([rank_result[(case.name, backend)]["out"] for rank_result in results[ep]])
-
-    reference = assembled(1)
-    for ep in EP_DEGREES[1:]:
-        torch.testing.assert_close(assembled(ep), reference, **TOLERANCE)
 
 
 def test_cases_cover_the_contract():

@@ -92,6 +92,7 @@ def adapters(request):
     return request.param, run_distributed(EP, adapters_worker, request.param, CASES, AC_CASE)
 
 
+@pytest.mark.slow
 def test_every_backend_equals_the_reference_bitwise(adapters):
     """Forward and backward (outputs, tokens', scores' and experts' gradients): the adapters call
     the library as the reference is called, so results are identical at the same dtype. The
@@ -110,6 +111,7 @@ def test_every_backend_equals_the_reference_bitwise(adapters):
                     assert library["dropped_pairs"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("adapters", ["hybrid-ep"], indirect=True)  # the one build with HybridEP
 def test_dropped_pairs_through_the_library_equal_the_reference(adapters):
     """Non-blocking HybridEP with too few rows: the same outputs and gradients, and the same dropped
@@ -127,6 +129,7 @@ def test_dropped_pairs_through_the_library_equal_the_reference(adapters):
     assert total > 0, "the cases must drop pairs at this factor"
 
 
+@pytest.mark.slow
 def test_checkpointed_backward_and_buffer_creation(adapters):
     """Per-op selective and full activation checkpointing run forward and backward through the
     library (the cached path of HybridEP's dispatch returns no tokens-per-expert), equal to each
@@ -142,6 +145,7 @@ def test_checkpointed_backward_and_buffer_creation(adapters):
         assert rank_results["creation_mode_stacks"] and set(rank_results["creation_mode_stacks"]) == {0}
 
 
+@pytest.mark.slow
 def test_deterministic_mode_runs(adapters):
     """torchtitan's debug.deterministic: DeepEP asserts against fill_uninitialized_memory; the adapters
     run its calls without it (deterministic algorithms stay on)."""
@@ -153,6 +157,7 @@ def test_deterministic_mode_runs(adapters):
             )
 
 
+@pytest.mark.slow
 def test_fp32_tokens_are_refused_before_the_library():
     """The library would misread fp32 (HybridEP) or raise "Unsupported type" (DeepEP's combine, after
     the dispatch communicated): the adapter refuses first, naming the dtype setting."""
@@ -278,6 +283,7 @@ def host_syncs():
     }
 
 
+@pytest.mark.slow
 def test_host_sync_budget_of_every_backend(host_syncs):
     """One MoE layer's forward + backward, the custom ops' bodies included:
 
@@ -301,6 +307,7 @@ def test_host_sync_budget_of_every_backend(host_syncs):
                 assert got["library_syncs"] == expected_library[backend], (build, backend, got)
 
 
+@pytest.mark.slow
 def test_counter_sees_into_custom_ops(host_syncs):
     """The control: a scalar read injected into a helper that non-blocking HybridEP's dispatch op
     and its combine's backward (a cached dispatch) call inside their bodies is counted, twice."""
@@ -330,6 +337,7 @@ def test_deepep_v1_node_counts_follow_the_installed_build(installed_build, build
         DeepEPExpertParallel.validate_config(job_config, "cuda", shape)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("build", sorted(LIBRARY_BACKENDS))
 def test_buffers_are_destroyed_before_the_process_group(build):
     """The buffers used to keep explicitly_destroy=False: their destructor ran a barrier and NCCL finalize
@@ -341,6 +349,7 @@ def test_buffers_are_destroyed_before_the_process_group(build):
         assert flags and all(flags), created
 
 
+@pytest.mark.slow
 def test_an_unmeasurable_bandwidth_falls_back_to_20_sms():
     """V2 with deepep.num_sms unset: the library estimates SMs from the bandwidths ibstat and nvidia-smi
     report, and divides by them across nodes (elastic.py:809): 0 GB/s raised ZeroDivisionError at the first
@@ -350,6 +359,7 @@ def test_an_unmeasurable_bandwidth_falls_back_to_20_sms():
         assert result["num_sms"] == [20] and result["warnings"] == 1, result
 
 
+@pytest.mark.slow
 def test_the_elastic_buffer_is_built_on_a_group_that_has_communicated():
     """ElasticBuffer borrows the group's NCCL communicator, which torch creates at the group's first
     collective: on a group that never communicated, the pointer is 0. The adapter runs a barrier first.
@@ -392,6 +402,7 @@ def lb_fetch():
     return run_distributed(EP, lb_fetch_worker)
 
 
+@pytest.mark.slow
 def test_replicas_move_through_deepep_v2_5_load_balancing_kernels(lb_fetch):
     """With an EPBuffer alive on the EP group, a layer's replica weights go out by lb_prefetch_weights and
     their gradients home by lb_reduce_grads (no all-to-all), with the same rows and sums as the all-to-all;
@@ -413,6 +424,7 @@ def test_replicas_move_through_deepep_v2_5_load_balancing_kernels(lb_fetch):
     assert torch.equal(results[1]["lb_kernels"]["fetched"][1], torch.zeros(16))
 
 
+@pytest.mark.slow
 def test_where_the_load_balancing_kernels_cannot_carry_replicas_the_log_says_why(lb_fetch):
     """Replicas move by all-to-all, said in one line, where the kernels cannot carry them: an expert that is
     not a multiple of 32 bytes, deterministic algorithms (their fp32 sums are in arrival order), an EP group
@@ -438,6 +450,7 @@ PP2 = ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_pa
        "--parallelism.pipeline_parallel_microbatch_size", "1")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model, checkpointing, world_size", [
     ("deepseek_v3", (), EP), ("llama4", (), EP),
     ("deepseek_v3", ("--activation_checkpoint.mode", "full"), EP),
@@ -455,6 +468,9 @@ def test_replication_through_deepep_v2_5_equals_the_reference(model, checkpointi
     kernels) gives the reference's loss and gradients (all-to-all replicas), bit for bit; so does the
     reference driven through the V2.5 adapter (``api = "ep"``), which has no load-balancing kernels."""
     results = run_distributed(world_size, lb_model_worker, model, checkpointing)
+    # replicas that computed no pair would make every run equal to the reference whatever they carry
+    for run in (("deep_ep", "auto"), ("reference", "auto"), ("reference", "ep")):
+        assert sum(rank_results[run]["replica_pairs"] for rank_results in results) > 0, run
     for rank_results in results:
         library = rank_results["deep_ep", "auto"]
         calls = library["lb_calls"]

@@ -16,6 +16,8 @@ from tests.ep.cases import Case, contract_layout, dense_moe, global_inputs, hybr
 from tests.helpers import run_distributed
 from torchtitan_ext.ep.hybridep import non_blocking_rows
 
+pytestmark = pytest.mark.slow
+
 EP = 2
 SUFFICIENT = Case("drop_sufficient", num_experts=8, top_k=2, score_before_experts=False, seed=21)
 TOO_SMALL = Case("drop_too_small", num_experts=8, top_k=2, score_before_experts=True, seed=22)

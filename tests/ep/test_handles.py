@@ -14,6 +14,8 @@ import pytest
 from tests.ep.cases import BACKENDS, Case, checkpoint_worker
 from tests.helpers import run_distributed
 
+pytestmark = pytest.mark.slow
+
 EP = 2
 ITERATIONS = 10
 """Enough to show a leak: one handle left per iteration would leave 10 alive."""

@@ -11,6 +11,8 @@ import torch
 from tests.ep.cases import Case, contract_layout, dense_routing, global_inputs, hybridep_layout_worker
 from tests.helpers import run_distributed
 
+pytestmark = pytest.mark.slow
+
 EP = 2
 CASES = {
     pad: Case(f"layout_pad{pad}", num_experts=8, top_k=3, score_before_experts=False, seed=11, pad_multiple=pad)

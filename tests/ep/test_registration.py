@@ -23,6 +23,7 @@ print(registered())
 """
 
 
+@pytest.mark.slow
 def test_parsing_a_config_registers_its_section_but_no_op():
     result = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -170,6 +170,7 @@ def _assign_worker(rank: int, world_size: int) -> dict:
             "window": router.take_window(), "copies": plan.copies()}
 
 
+@pytest.mark.slow
 def test_every_pair_goes_to_a_copy_of_its_expert_and_copies_take_their_quotas():
     results = run_distributed(EP, _assign_worker)
     copies = results[0]["copies"]
@@ -205,6 +206,7 @@ def _weights_worker(rank: int, world_size: int) -> dict:
     return {"fetched": fetched.detach(), "grad": home.grad}
 
 
+@pytest.mark.slow
 def test_replica_weights_equal_home_and_gradients_return_home():
     results = run_distributed(EP, _weights_worker)
     home = [torch.arange(6, dtype=torch.float32).view(2, 3).add(100 * rank) for rank in range(EP)]
@@ -237,6 +239,7 @@ def _host_sync_worker(rank: int, world_size: int) -> dict:
     return dict(counter.events)
 
 
+@pytest.mark.slow
 def test_the_split_and_the_replica_weights_never_make_the_host_wait():
     """The per-step split and the weights' way out and back issue their collectives and nothing that
     reads the device from the host (the count exchange is one all-gather)."""

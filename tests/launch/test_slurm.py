@@ -8,6 +8,8 @@ import pytest
 
 from tests.helpers import launcher_env, REPO_ROOT
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def fake_slurm(tmp_path):

@@ -88,6 +88,7 @@ def _job_pids(supervisor: subprocess.Popen, folder: Path) -> list[int]:
     return pids
 
 
+@pytest.mark.slow
 def test_a_closed_stdout_leaves_the_job_running_to_its_end(tmp_path):
     """./run_train.sh | head -n 3: the supervisor used to die of BrokenPipeError and leave torchrun and the
     ranks running under init. It keeps reading (and dropping) the output; the job ends on its own."""
@@ -102,6 +103,7 @@ def test_a_closed_stdout_leaves_the_job_running_to_its_end(tmp_path):
     assert (tmp_path / "rank_finished").exists() and (tmp_path / "torchrun_finished").exists()
 
 
+@pytest.mark.slow
 def test_a_killed_supervisor_takes_its_job_with_it(tmp_path):
     """SIGKILL of the supervisor (nothing it can catch): torchrun gets SIGTERM from the kernel (parent-death
     signal) and stops its rank; nothing is left."""
@@ -114,6 +116,7 @@ def test_a_killed_supervisor_takes_its_job_with_it(tmp_path):
     assert _all_gone(pids)
 
 
+@pytest.mark.slow
 def test_a_hangup_stops_the_job_as_a_preemption(tmp_path):
     """A closed terminal (SIGHUP): the ranks get SIGTERM, the preemption signal, and the job ends."""
     supervisor = _supervise(tmp_path)
@@ -124,6 +127,7 @@ def test_a_hangup_stops_the_job_as_a_preemption(tmp_path):
     assert _all_gone(pids)
 
 
+@pytest.mark.slow
 def test_a_command_killed_by_a_signal_exits_128_plus_it(tmp_path):
     """A SIGKILLed torchrun gave exit 247 (Python's -9 as a byte); shells say 137."""
     supervisor = _supervise(tmp_path, KILL_SELF="1")
@@ -131,6 +135,7 @@ def test_a_command_killed_by_a_signal_exits_128_plus_it(tmp_path):
     assert supervisor.stderr.read().strip().splitlines()[-1].startswith("error: ")
 
 
+@pytest.mark.slow
 def test_no_command_is_one_line():
     result = subprocess.run([sys.executable, "-m", "torchtitan_ext.supervise"], cwd=REPO_ROOT,
                             capture_output=True, text=True, timeout=60)

@@ -26,14 +26,11 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-BACKENDS = {
-    "nccl": ["--parallelism.expert_parallel_comm_backend", "nccl"],
-    "deepep": ["--parallelism.expert_parallel_comm_backend", "deepep"],
-    "hybridep": ["--parallelism.expert_parallel_comm_backend", "hybridep"],
-    # factor 1.0 without padding cannot drop: every token to every local expert fits
-    "hybridep_nb": ["--parallelism.expert_parallel_comm_backend", "hybridep",
-                    "--hybridep.non_blocking_capacity_factor", "1.0"],
-}
+from torchtitan_ext.ep.backends import backend_variants
+
+MATRIX_VARIANTS = ("nccl", "deepep", "hybridep", "hybridep_non_blocking")
+"""The backend variants (:func:`torchtitan_ext.ep.backends.backend_variants`) every cell runs under: hybridep's
+non-blocking one at factor 1.0 without padding, which cannot drop."""
 SEQ_LEN = 16
 VOCAB = 128
 SEED = 7
@@ -160,7 +157,7 @@ def _job_config(cell: Cell, dp_shard: int, world_size: int):
         "--model.name", cell.model,
         "--training.local_batch_size", str(max(cell.batch_per_rank or (2,))),
         "--parallelism.data_parallel_shard_degree", str(dp_shard),
-        *BACKENDS.get(cell.backend, []),
+        *(backend_variants()[cell.backend] if cell.backend is not None else []),
         *cell.overrides,
         "--expert_replication.slots_per_rank", str(cell.replicas),
     ]
@@ -464,7 +461,7 @@ def cells() -> list[Cell]:
            "--parallelism.pipeline_parallel_microbatch_size", "1")
     result = []
     for model in ("deepseek_v3", "llama4"):
-        for backend in BACKENDS:
+        for backend in MATRIX_VARIANTS:
             result += [
                 Cell("ep2_fsdp", model, backend, 2, ep2),
                 Cell("ep2_fsdp_bf16", model, backend, 2, ep2 + bf16, bf16=True),

@@ -504,6 +504,7 @@ def test_measure_compute_needs_a_topology(capsys):
     assert (code, err) == (2, "error: --measure-compute sets the layout advice's compute: add --topology\n")
 
 
+@pytest.mark.slow
 def test_cli_measures_the_compute(capsys):
     """Two processes train the small debug flavour at 32 tokens; the table's compute is what they measured:
     one forward-backward and half of the optimizer (each rank holds half of the parameters), the routed experts

@@ -198,8 +198,15 @@ def test_the_advisor_prices_the_counted_bytes_at_the_memory_bandwidth():
         # every MoE layer recomputed: its forward's passes run twice
         assert layout.local_work_s == pytest.approx(
             layout.moe_layers * layout.dispatches * layout.dispatch_work_s * (1 + traffic.forward_share))
-    # at EP = 1 every backend's layout is torchtitan's own sort
-    assert len({layout.local_traffic for layout in layouts if layout.ep == 1}) == 1
+    # at EP = 1 no backend runs: a layout there is priced at torchtitan's own sort around the experts and its
+    # padding of each expert's rows (to token_group_alignment's multiple), counted here at the job's shape
+    call = MoECall.random(shape, 1024, torch.bfloat16)
+    alignment = token_group_alignment(parse(DEBUG_JOB))
+    sort = _counted(lambda: torchtitan_sort_forward(call, shape, False, alignment), 1024, 256)
+    at_ep_1 = [layout.local_traffic for layout in layouts if layout.ep == 1]
+    assert at_ep_1
+    for traffic in at_ep_1:
+        assert dataclasses.astuple(traffic) == pytest.approx(sort, rel=1e-12)
 
 
 def test_without_a_memory_bandwidth_nothing_is_priced():

@@ -116,6 +116,7 @@ def test_a_log_is_placed_as_the_job_places_its_ranks(tmp_path):
     assert not rates["nccl", (), 1].includes_local_work  # NCCL's all-to-all alone: --measure-compute may add it
 
 
+@pytest.mark.slow
 def test_measured_compute_is_refused_beside_bench_rows_only(tmp_path):
     """bench_ep's rows hold each backend's permutes, which --measure-compute would count again; a log does not."""
     bench = _write(tmp_path, json.dumps({"rows": [{
@@ -226,6 +227,7 @@ def test_what_real_logs_hold_besides_the_run_is_read_past(tmp_path):
             {key: rate.fraction for key, rate in plain.items()}, index
 
 
+@pytest.mark.slow
 def test_the_cli_prices_nccl_at_the_logs_rate(tmp_path):
     """Through plan: the advice's rate line names the log's measurement on the InfiniBand link."""
     log = _write(tmp_path, _log([f"node-{i // 8}" for i in range(16)],

@@ -79,6 +79,7 @@ def _allocate_worker(rank, world_size, args):
     }
 
 
+@pytest.mark.slow
 def test_planner_sizes_equal_the_allocations(harness):
     result = _plan(JOB)
     allocated = run_distributed(WORLD, _allocate_worker, JOB)
@@ -147,6 +148,7 @@ def test_expected_drops_follow_the_contract_example():
     assert expected_drop_rates(balanced, dims, num_rows=96, pad=32)[0] == 0.0
 
 
+@pytest.mark.slow
 def test_cli(capsys):
     with pytest.raises(SystemExit) as missing:
         plan_module.main(JOB)

@@ -13,6 +13,8 @@ import pytest
 from tests.helpers import run_distributed
 from tests.models.gradient_cases import Cell, matrix_worker
 
+pytestmark = pytest.mark.slow
+
 CHECKPOINTING = {
     "none": (),
     "full": ("--activation_checkpoint.mode", "full"),

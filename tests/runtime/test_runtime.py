@@ -130,6 +130,7 @@ print(before - anonymous_bytes())
 """
 
 
+@pytest.mark.slow
 def test_freed_memory_goes_back_unless_kept_and_release_returns_it():
     """Training returns freed blocks to the kernel; the benchmarks' setting keeps them until released.
 

@@ -31,8 +31,11 @@ import numpy as np
 import pytest
 
 from torchtitan_ext.runtime import collectives
-from tests.helpers import LauncherProcess, descendants, run_distributed, run_launcher, step_losses
+from tests.helpers import LauncherProcess, descendants, run_distributed, run_launcher
+from torchtitan_ext.metrics_file import logged_losses, read_metrics
 from tests.training.cases import train_worker
+
+pytestmark = pytest.mark.slow
 
 STEPS = 6
 FAST = [
@@ -65,9 +68,9 @@ def _worker_pids(launcher_pid: int) -> dict[int, int]:
     return workers
 
 
-def _longest_step_s(output: str) -> float:
+def _longest_step_s(dump_folder: Path) -> float:
     """The longest step time the job logged: bounds on how fast it reacts scale with this machine's speed."""
-    return max((float(t) for t in re.findall(r"step_time:\s+([0-9.]+)s", output)), default=0.0)
+    return max((row["time_metrics/end_to_end(s)"] for row in read_metrics(dump_folder)), default=0.0)
 
 
 def _alive(pid: int) -> bool:
@@ -94,20 +97,19 @@ def uninterrupted(uninterrupted_run) -> dict[int, float]:
     return uninterrupted_run[0]
 
 
-def _assert_resumes(output: str, first_step: int, uninterrupted: dict[int, float]) -> None:
-    """The step log's losses (5 decimals) against the uninterrupted run's, rounded as the log rounds them."""
-    losses = step_losses(output)
+def _assert_resumes(dump_folder: Path, first_step: int, uninterrupted: dict[int, float]) -> None:
+    """The resumed run's losses (its metrics.jsonl from ``first_step`` on) against the uninterrupted run's."""
+    losses = {step: loss for step, loss in logged_losses(dump_folder).items() if step >= first_step}
     assert list(losses) == list(range(first_step, STEPS + 1)), losses
     for step, loss in losses.items():
-        expected = float(f"{uninterrupted[step]:.5f}")
-        assert loss == pytest.approx(expected, rel=RESUME_TOLERANCE), (step, losses, uninterrupted)
+        assert loss == pytest.approx(uninterrupted[step], rel=RESUME_TOLERANCE), (step, losses, uninterrupted)
 
 
 def test_a_killed_rank_is_named_and_the_job_resumes(tmp_path, uninterrupted, record_property):
     job = _job(tmp_path, *CHECKPOINT_EVERY_2)
     launcher = LauncherProcess(*job)
     try:
-        launcher.wait_for(r"step:\s+3\s", timeout=300)
+        launcher.wait_for_step(tmp_path, 3, timeout=300)
         workers = _worker_pids(launcher.process.pid)
         assert sorted(workers) == [0, 1], workers
         os.kill(workers[1], signal.SIGKILL)
@@ -116,7 +118,7 @@ def test_a_killed_rank_is_named_and_the_job_resumes(tmp_path, uninterrupted, rec
         elapsed = time.monotonic() - killed
     finally:
         launcher.kill()
-    bound = 60 + 5 * _longest_step_s(launcher.output)
+    bound = 60 + 5 * _longest_step_s(tmp_path)
     record_property("measured", f"the job stopped {elapsed:.1f} s after SIGKILL (bound {bound:.0f} s)")
     assert returncode != 0
     assert elapsed < bound, f"the job took {elapsed:.0f} s to stop"
@@ -137,7 +139,7 @@ def test_a_killed_rank_is_named_and_the_job_resumes(tmp_path, uninterrupted, rec
 
     resumed = run_launcher(*job, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
-    _assert_resumes(resumed.stdout, resume_step + 1, uninterrupted)
+    _assert_resumes(tmp_path, resume_step + 1, uninterrupted)
 
 
 def test_preemption_saves_exits_cleanly_and_resumes(tmp_path, uninterrupted, record_property):
@@ -146,7 +148,7 @@ def test_preemption_saves_exits_cleanly_and_resumes(tmp_path, uninterrupted, rec
     job = _job(tmp_path, "--checkpoint.enable", "--checkpoint.interval", "100")
     launcher = LauncherProcess(*job)
     try:
-        launcher.wait_for(r"step:\s+2\s", timeout=300)
+        launcher.wait_for_step(tmp_path, 2, timeout=300)
         os.kill(launcher.process.pid, signal.SIGTERM)  # the launcher is what SLURM signals
         signalled = time.monotonic()
         returncode = launcher.finish(timeout=120)
@@ -163,11 +165,11 @@ def test_preemption_saves_exits_cleanly_and_resumes(tmp_path, uninterrupted, rec
     step = int(saved.group(1))
     assert 2 <= step < STEPS
     assert (Path(saved.group(2)) / ".metadata").is_file()
-    assert max(step_losses(launcher.output)) == step, "no step after the one it saved"
+    assert max(logged_losses(tmp_path)) == step, "no step after the one it saved"
 
     resumed = run_launcher(*job, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
-    _assert_resumes(resumed.stdout, step + 1, uninterrupted)
+    _assert_resumes(tmp_path, step + 1, uninterrupted)
 
 
 def test_a_preemption_signal_that_reaches_torchrun_itself_saves_too(tmp_path):
@@ -177,7 +179,7 @@ def test_a_preemption_signal_that_reaches_torchrun_itself_saves_too(tmp_path):
     job = _job(tmp_path, "--checkpoint.enable", "--checkpoint.interval", "100")
     launcher = LauncherProcess(*job)
     try:
-        launcher.wait_for(r"step:\s+2\s", timeout=300)
+        launcher.wait_for_step(tmp_path, 2, timeout=300)
         torchrun = [pid for pid in descendants(launcher.process.pid)
                     if b"torch.distributed.run" in Path(f"/proc/{pid}/cmdline").read_bytes()
                     or b"/torchrun\0" in Path(f"/proc/{pid}/cmdline").read_bytes()]
@@ -296,7 +298,7 @@ def test_an_interrupted_checkpoint_is_never_loaded(tmp_path, uninterrupted_run):
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     assert (f"Checkpoint {torn} is incomplete (no .metadata: its write was interrupted); set aside as "
             f"{torn.parent / 'incomplete_step_4'}, never loaded or counted; training resumes from step 2") in resumed.stdout
-    _assert_resumes(resumed.stdout, 3, losses)
+    _assert_resumes(tmp_path, 3, losses)
 
 
 def test_a_stuck_rank_fails_the_others_within_the_timeout(tmp_path, record_property):
@@ -305,7 +307,7 @@ def test_a_stuck_rank_fails_the_others_within_the_timeout(tmp_path, record_prope
     timeout_s = 8
     launcher = LauncherProcess(*_job(tmp_path, "--comm.train_timeout_seconds", str(timeout_s), "--training.steps", "500"))
     try:
-        launcher.wait_for(r"step:\s+2\s", timeout=300)
+        launcher.wait_for_step(tmp_path, 2, timeout=300)
         workers = _worker_pids(launcher.process.pid)
         os.kill(workers[1], signal.SIGSTOP)
         stopped = time.monotonic()
@@ -323,7 +325,7 @@ def test_a_stuck_rank_fails_the_others_within_the_timeout(tmp_path, record_prope
                 pass
         launcher.kill()
     # the stop can land anywhere in a step: the rest of that step comes on top of the timeout
-    margin = 20 + 5 * _longest_step_s(launcher.output)
+    margin = 20 + 5 * _longest_step_s(tmp_path)
     record_property(
         "measured",
         f"comm.train_timeout_seconds = {timeout_s}: the error {reported:.1f} s after SIGSTOP (bound {timeout_s + margin:.0f} s), "

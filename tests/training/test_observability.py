@@ -104,6 +104,7 @@ def test_inconsistent_kept_counts_are_an_error():
         _summary([[10, 30, 20, 20, 100, 82, 2, 2]], [60])
 
 
+@pytest.mark.slow
 def test_training_log_reports_drops_once_and_records_routing(tmp_path):
     """A real run: drops in every step line, one warning, routing statistics saved and plotted."""
     result = run_launcher(

@@ -1,28 +1,11 @@
 """Expert placement while training: which slot each expert's weights are in, and moving them.
 
-The MoE layers' expert tensors (weights, and the optimizer state of the same
-shape) hold one row per physical slot along dim 0, sharded over EP (and
-expert FSDP or expert TP). Under a placement (:mod:`.placement`)
-slot s holds logical expert ``layers[L][s]``; the routers keep logical ids and
-each :class:`~torchtitan_ext.models.moe.ExpertParallelMoE` maps them to slots
-(``expert_slot``) before dispatch, so routing statistics, metrics and the
-routers' load balancing all keep speaking of logical experts.
-
-:class:`ExpertMigration` keeps three things in step:
-
-- the placement the weights are in, recorded in every full checkpoint
-  (``expert_placement`` in torchtitan's checkpoint states);
-- at load (start or resume): a checkpoint's weights are in the placement it
-  recorded, also when only its model is loaded (``initial_load_model_only``);
-  a checkpoint without a record (seed, export, from before placements) or
-  fresh weights are in the identity. They move to the job's
-  placement (identity when ``[expert_placement] file`` is empty), so any
-  checkpoint resumes under any placement;
-- a model-only checkpoint at the last step (torchtitan's export) is written in
-  the identity, so exported weights are in logical order.
-
-A move is one all-to-all of the rows that change rank: each rank sends and
-receives only the rows of its own shards, nothing is gathered whole.
+:class:`ExpertMigration` records the placement the expert weights are in in every full checkpoint
+(``expert_placement``), moves loaded or fresh weights to the job's placement at start or resume, and
+writes the last step's model-only export in the identity (logical order). A move is one all-to-all of
+the rows that change rank; nothing is gathered whole. The routers keep logical expert ids; each MoE
+layer maps them to slots (``expert_slot``) before dispatch.
+See docs/planning.md, "Training under a placement".
 """
 
 import re

@@ -1,36 +1,11 @@
 """The search for an expert placement (:mod:`.placement`) from recorded routing.
 
-``python -m torchtitan_ext.placement`` runs it. For each MoE layer it picks the
-placement that, on the dump's first steps (the fit steps):
-
-1. minimises the largest per-rank token load (greedy longest-processing-time
-   over ranks with free slots, then load-reducing swaps);
-2. among placements whose largest rank load is within ``--load-tolerance`` of
-   that, keeps co-activated experts together: swaps that raise the tokens
-   whose top-k pairs share a rank (and, weighted equally, an NVLink domain),
-   from the dump's co-activation matrix. With top-k = 2 that count is exactly
-   the copies a token saves under a backend that sends it once per rank; with
-   larger k it is the pairwise estimate.
-
-It is never worse than the identity on the fit steps, in that order of
-objectives: the identity is a candidate; no candidate with a higher rank load
-max/mean than the identity's is taken; among the rest, within
-``--load-tolerance`` of the lowest load max/mean, the one with the fewest
-distinct ranks per token (exact, on the sampled routing) wins. It then
-reports, on the held-out later steps, rank load max/mean, distinct ranks and
-domains per token, and the predicted dispatch bytes per backend, before and
-after. ``--first-step`` leaves out the dump's files of earlier steps (routing
-moves fast early in training; place from a recent window).
-
-The design follows the seed papers with their failure modes removed (see
-docs/planning.md): from adaptive replication (seed 002) the separation of
-placement from the training state, which makes moving experts a checkpoint-time
-all-to-all (:mod:`.migration`), without its replica-count
-loop, which does not terminate on skewed loads, and without replication (every
-slot holds one expert); from ExFlow (seed 004) affinity placement, in its
-intra-layer form (co-activation), since in training every layer returns tokens
-to their home rank, and with a token-load constraint where ExFlow balances only
-expert counts.
+``python -m torchtitan_ext.placement`` runs it (:func:`search`). Per MoE layer, on the dump's first steps
+(the fit steps), it minimises the largest per-rank token load, then, within ``--load-tolerance`` of it,
+keeps co-activated experts on one rank or NVLink domain; it is never worse than the identity there.
+It reports before and after on the held-out later steps. ``--first-step`` leaves out earlier files.
+See docs/planning.md, "What the tool optimises" and "Where the seed papers' algorithms fail, and what
+is taken from them".
 """
 
 import math

@@ -1,38 +1,11 @@
 """Routing statistics: what the routers chose, per MoE layer, for planning and placement.
 
-Off by default; ``[routing_stats] enable = true`` turns it on. A forward hook
-on every MoE router accumulates on the device (no host sync):
-
-- tokens per expert, per training step;
-- the top-k co-activation matrix: how many tokens picked both expert a and b
-  (the diagonal holds the tokens that picked a);
-- the transition matrix from each MoE layer to the next MoE layer of the same
-  model chunk: for each token, every pair (a picked at the layer, b picked at
-  the next), so a token adds top_k x top_k counts.
-
-Every ``save_every`` steps (and at the last step, and at a preemption) the
-counts are summed over all ranks (the routers of tensor-parallel ranks see the
-same tokens and count once) and rank 0 writes
-``<dump_folder>/<folder>/routing_step<FIRST>-<LAST>.npz`` (the steps it
-covers; written to a hidden file, then renamed, so that a file is whole or
-absent). Loading refuses a damaged file and steps recorded twice:
-
-=====================  ==================  ====================================================
-key                    shape               meaning
-=====================  ==================  ====================================================
-``steps``              [S] int64           training steps covered by this file
-``layers``             [L] int64           model layer ids of the MoE layers (all stages)
-``tokens_per_expert``  [S, L, E] int64     (token, expert) picks per step, layer and expert
-``coactivation``       [L, E, E] int64     tokens that picked both a and b, over the S steps
-``transitions``        [L, E, E] int64     picks (a at layers[i], b at the next MoE layer), over
-                                           the S steps; zero for the last layer of a chunk
-``top_k``              [] int64            the router's top_k
-``sampled_expert_ids`` [S, L, N, top_k]    the top-k expert ids of the first ``sample_tokens``
-                       int16               tokens of every rank per step and layer (N = ranks x
-                                           sample_tokens, rank-major; -1 where a rank had fewer)
-=====================  ==================  ====================================================
-
-Recomputation under activation checkpointing and validation passes are not counted.
+Off by default (``[routing_stats] enable = true``). :class:`RoutingRecorder` hooks every MoE router and
+counts on the device: tokens per expert per step, the top-k co-activation matrix, the transitions to
+the next MoE layer, and sampled tokens' expert ids. Every ``save_every`` steps rank 0 writes the counts,
+summed over all ranks, to ``<dump_folder>/<folder>/routing_step<FIRST>-<LAST>.npz``; :func:`load`
+and :func:`load_folder` read them back. File schema: docs/planning.md, "What is recorded, and the file
+format".
 """
 
 import os

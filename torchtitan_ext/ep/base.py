@@ -28,6 +28,7 @@ from torchtitan.distributed.expert_parallel import ExpertParallel
 
 from torchtitan_ext.config import ConfigError, MoEShape, Range
 from torchtitan_ext.runtime.collectives import naming_collective
+from torchtitan_ext.runtime.workers import before_process_group_teardown
 from torchtitan_ext.ep.handle import KernelBuffer
 from torchtitan_ext.ep.published_rates import PublishedRate
 from torchtitan_ext.ep.kernels import KernelUnavailable, resolve_implementation
@@ -158,6 +159,9 @@ def destroy_kernel_buffers() -> None:
         buffer.destroy()
 
 
+before_process_group_teardown(destroy_kernel_buffers)
+
+
 class SharedKernelBuffer:
     """One kernel buffer for every MoE layer of a job, created at the first dispatch.
 
@@ -217,6 +221,10 @@ class RoutedExpertParallel(ExpertParallel, ABC):
     config_ranges: ClassVar[dict[str, Range]] = {}
     """Valid ranges of the section's numeric fields, keyed "section.field"."""
 
+
+    variants: ClassVar[dict[str, tuple[str, ...]]] = {}
+    """The named settings of this backend that tests, benchmarks and checks run it in: {name: overrides of its own
+    section} (:func:`torchtitan_ext.ep.backends.backend_variants`)."""
 
     ops_module: ClassVar[str | None] = None
     """Module of this backend's custom ops: imported when the backend first builds a layer or names its

@@ -262,6 +262,8 @@ class DeepEPExpertParallel(RoutedExpertParallel):
     shared_experts_overlap = "yes: combine runs asynchronously on DeepEP's communication stream"
     settings_legend = "deepep legacy/elastic: its API"
     sends_each_token_once_per_rank = True
+    variants = {"deepep": ("--deepep.api", "elastic"), "deepep_legacy": ("--deepep.api", "legacy"),
+                "deepep_ep": ("--deepep.api", "ep")}
     ops_module = "torchtitan_ext.ep.ops.deepep"
     saved_ops = ("torchtitan_ext::deepep_dispatch", "torchtitan_ext::deepep_combine")
 

@@ -1,23 +1,12 @@
 """The ``hybridep`` backend: DeepEP's HybridEP kernels, permute fused into dispatch.
 
-Routing is dense (a [N, E] map and probs, all-gathered by the library).
-``dispatch_with_permute`` returns rows already in the padded expert-major
-layout with their probs; ``combine_with_unpermute`` sums each token's rows
-unweighted (fp32, one rounding per rank and one at the source). Expert outputs
-are multiplied by their probs before combine (or the rows before the experts
-for ``score_before_experts``). Picks with score 0 are dispatched like any other.
-
-Blocking mode (``non_blocking_capacity_factor`` unset) is dropless: the
-library syncs with the host once per layer to size its output. Non-blocking
-mode sizes the output from the config (:func:`non_blocking_rows`), never
-syncs, and drops the tail pairs that do not fit: the overflow flag is set, and
-each rank counts the pairs its experts kept on the device (``stats.kept_pairs``);
-the dropped pairs are the routed ones less the kept ones, summed over all
-ranks at the log step (:mod:`torchtitan_ext.training.metrics`).
-
-Kernels: the real ``deep_ep.HybridEPBuffer`` or the reference
-(``[hybridep] implementation``). One buffer serves every MoE layer, sized once
-from the config and created at the first dispatch.
+:class:`HybridEPExpertParallel` calls ``dispatch_with_permute`` and ``combine_with_unpermute`` on one
+buffer that serves every MoE layer (the real ``deep_ep.HybridEPBuffer`` or the reference,
+``[hybridep] implementation``), sized once from the config and created at the first dispatch. Blocking
+mode is dropless and syncs with the host once per layer; non-blocking mode sizes its output from the
+config (:func:`non_blocking_rows`), never syncs, and drops the pairs that do not fit, each rank counting
+the pairs its experts kept on the device (``stats.kept_pairs``).
+See docs/backends.md, "`[hybridep]`" and "Blocking and non-blocking HybridEP".
 """
 
 import os
@@ -202,6 +191,8 @@ class HybridEPExpertParallel(RoutedExpertParallel):
     shared_experts_overlap = "no: HybridEP's combine_with_unpermute has no asynchronous mode"
     settings_legend = "hybridep D/C: its dispatch/combine SMs"
     sends_each_token_once_per_rank = True
+    # a capacity factor of 1.0 without padding cannot drop: every token to every local expert fits
+    variants = {"hybridep": (), "hybridep_non_blocking": ("--hybridep.non_blocking_capacity_factor", "1.0")}
     ops_module = "torchtitan_ext.ep.ops.hybridep"
     saved_ops = ("torchtitan_ext::hybridep_dispatch", "torchtitan_ext::hybridep_combine")
 

@@ -57,6 +57,7 @@ class NcclExpertParallel(RoutedExpertParallel):
     supports_expert_tensor_parallel = True
     needs_expert_parallelism = False
     moves_tokens_with_collective_all_to_all = True
+    variants = {"nccl": ()}
 
     ops_module = "torchtitan_ext.ep.ops.nccl"
     saved_ops = ("_c10d_functional::all_to_all_single", "torchtitan_ext::nccl_dispatch", "torchtitan_ext::nccl_combine")

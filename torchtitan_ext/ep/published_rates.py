@@ -1,23 +1,10 @@
 """What each EP backend's kernels achieve on a link, as their authors publish it.
 
-The layout advisor prices a backend's all-to-all bytes at the link's nominal
-rate times the fraction its kernels reach there. Each backend class lists its
-published figures (:meth:`RoutedExpertParallel.published_rates`); every figure
-is quoted, with its source, in docs/published_ep_figures.md (its section and
-row named here), and none is fitted to a step-level result.
-
-The libraries publish "algorithm" or "logical" bandwidth, which counts the
-bytes a rank keeps for itself (DeepEP and HybridEP over NVLink: its own tokens;
-over RDMA: the tokens whose experts are on its own node). The advisor counts
-only bytes that leave the rank, so a figure is converted with the share of its
-bytes that stayed home under the uniform routing it was measured with: one
-unit in ``units`` (ranks over NVLink, nodes over RDMA).
-
-A figure's fraction of its own link's nominal rate is what carries over to a
-topology's link of the same kind, whatever its GPU generation. Dispatch dtypes
-differ between publications: DeepEP's own tables dispatch FP8 (bytes counted
-as such), HybridEP's README and Megatron-LM's figure BF16; both are bytes per
-second, which is what the advisor prices.
+A :class:`PublishedRate` is one published dispatch/combine figure (quoted, with its source, in
+docs/published_ep_figures.md at the row it names), read as the fraction of its link's nominal rate that
+the bytes leaving a rank reach. Each backend class lists its figures
+(:meth:`RoutedExpertParallel.published_rates`); the layout advisor prices that backend's all-to-all bytes
+at a link's nominal rate times that fraction. See docs/planning.md, "How to read it" (kernel rates).
 """
 
 from dataclasses import dataclass

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--print-launch-info", action="store_true",
         help="print export lines for the launcher: TTE_LOSS_RANK (the first rank that computes the loss, "
-        "the default LOG_RANK) and TTE_CHECKPOINT_FOLDER (empty when checkpointing is off)",
+        "the default LOG_RANK), TTE_CHECKPOINT_FOLDER (empty when checkpointing is off) and TTE_DUMP_FOLDER",
     )
     parser.add_argument("train_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
         folder = os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder) if job_config.checkpoint.enable else ""
         print(f"export TTE_LOSS_RANK={loss_rank(job_config, count * args.nnodes)}")
         print(f"export TTE_CHECKPOINT_FOLDER={shlex.quote(folder)}")
+        print(f"export TTE_DUMP_FOLDER={shlex.quote(job_config.job.dump_folder)}")
 
 
 V_SCHEDULES = ("dualpipev", "zbvzerobubble")

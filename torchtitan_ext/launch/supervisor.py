@@ -3,15 +3,15 @@
 ``run_train.sh`` (and the SLURM script, one per node) starts torchrun through
 ``python -m torchtitan_ext.supervise``, whose :class:`Supervisor`
 
-- relays torchrun's output as it comes, remembering the last step logged;
+- relays torchrun's output as it comes;
 - forwards preemption signals (SIGTERM, SIGUSR1, as SLURM sends them) to the
   training processes themselves, which save a checkpoint at the next step
   boundary and exit cleanly (torchrun, given SIGTERM, would kill them after
   30 s, and SIGUSR1 would kill torchrun); other signals (Ctrl-C) go to torchrun;
 - exits with torchrun's status; when that is not 0, the last line names the
   rank that most likely caused the failure, how (its signal or exit status),
-  the last step logged, and the last complete checkpoint the same command
-  resumes from.
+  the last step logged (the job's ``metrics.jsonl``), and the last complete
+  checkpoint the same command resumes from.
 
 torchrun orders failures by when it observed them, and a rank killed by a
 signal leaves no error file, so its observed time is torchrun's next poll: a
@@ -32,9 +32,9 @@ from functools import partial
 from pathlib import Path
 
 from torchtitan_ext.launch.processes import die_with_parent
+from torchtitan_ext.metrics_file import read_metrics
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-STEP_LINE = re.compile(r"step:\s*(\d+)\s+loss:")
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 FAILURE_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 FAILURE_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)")
@@ -107,10 +107,11 @@ class Failure:
 
 
 class Supervisor:
-    def __init__(self, command: list[str], checkpoint_folder: Path | None):
+    def __init__(self, command: list[str], checkpoint_folder: Path | None, dump_folder: Path | None = None):
         self.command = command
         self.checkpoint_folder = checkpoint_folder
-        self.last_step: int | None = None
+        self.dump_folder = dump_folder
+        """Where the job writes its ``metrics.jsonl`` (None: unknown, the failure line names no step)."""
         self.failures: list[Failure] = []
         self.in_root_cause = False
         self.stopped_by_torchrun: set[int] = set()
@@ -200,9 +201,6 @@ class Supervisor:
     def _read(self, line: str) -> None:
         if PEER_TIMEOUT in line and not self.stalled and self.process is not None:
             self.stalled = stalled_ranks(self.process.pid)
-        step = STEP_LINE.search(line)
-        if step:
-            self.last_step = int(step.group(1))
         stopped = STOPPED_BY_TORCHRUN.search(line)
         if stopped:
             self.stopped_by_torchrun.add(int(stopped.group(1)))
@@ -237,7 +235,8 @@ class Supervisor:
             who = f"rank {failure.rank} (pid {failure.pid}) {how}"
         elif failure is not None:
             who = f"rank {failure.rank} failed"
-        after = f"after step {self.last_step}" if self.last_step is not None else "before the first step"
+        logged = read_metrics(self.dump_folder) if self.dump_folder is not None else []
+        after = f"after step {logged[-1]['step']}" if logged else "before the first step"
         steps = complete_checkpoints(self.checkpoint_folder)
         if steps:
             resume = f"rerun the same command to resume from the last complete checkpoint, step {steps[-1]} ({self.checkpoint_folder / f'step-{steps[-1]}'})"

@@ -1,22 +1,11 @@
-"""Communication cost of an MoE layer under an EP layout: the stream model of the seed paper.
+"""Communication cost of an MoE layer under an EP layout: the stream model of the seed paper (seeds/000).
 
-The paper ("HybridEP: Scaling Expert Parallelism to Cross-Datacenter Scenario
-via Hybrid Expert/Data Transmission", seeds/000) models one MoE block as two
-streams, computation and communication, and chooses how many peers receive
-this GPU's *tokens* by all-to-all (A2A) and how many receive its *experts* by
-all-gather (AG). Its equations are the functions ``eq3_*`` .. ``eq13_*``
-below, in its notation; :class:`PaperSetting` evaluates its one-level setting
-and :func:`pair_counts` its Algorithm 1 (Table VII).
-
-In torchtitan terms an expert domain of S ranks is expert FSDP (``efsdp``:
-the domain all-gathers its experts before use and reduce-scatters their
-gradients) and the A2A group is the EP group. :func:`layer_costs` applies the
-paper's streams to a torchtitan job: token bytes from the job's dims and
-dtype, each backend's copies per token (one per (token, expert) pair for
-all-to-all; one per destination rank, and over outer levels one per
-destination domain, for DeepEP and HybridEP), forward and backward, every
-level of the topology. Where this goes beyond the paper (several levels,
-backward, FSDP's re-gather) is said at the function.
+The paper's equations are the functions ``eq3_*`` .. ``eq13_*`` below, in its notation; :class:`PaperSetting`
+evaluates its one-level setting and :func:`pair_counts` its Algorithm 1 (Table VII). :func:`layer_costs`
+applies the model to a torchtitan job (an expert domain is the expert-FSDP group, the A2A group the EP
+group): token bytes, each backend's copies per token, forward and backward, every level of the topology.
+Where this goes beyond the paper is said at the function. See docs/planning.md, "The model, and the seed
+paper".
 """
 
 import functools

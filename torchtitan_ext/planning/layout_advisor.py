@@ -1,22 +1,12 @@
 """Which EP backend and EP layout a job should use on a topology, and why.
 
-For every backend and every (EP degree, expert-FSDP degree) the job can run at
-its world size, :func:`advise` predicts the MoE communication per step and the
-part of it the step waits for (:mod:`.cost_model`), the
-per-rank memory the layout changes (the experts FSDP gathers for a layer, the
-planner's buffer and dispatched rows), and ranks the layouts by what each adds
-to the step: its exposed MoE communication, plus with a measured compute
-(:mod:`.measured_compute`) its backend's local work, plus under measured
-routing the busiest EP rank's expert compute above the mean rank's. With
-replica slots to price (the job's ``[expert_replication]``, or
-``replica_slots``), each layout is also priced at each slot count: the
-busiest rank's rows after the split and the replicas' traffic
-(:mod:`.replica_cost`). Which ranks a token reaches through its experts'
-copies is not replayed, so with slots DeepEP and HybridEP are priced as
-sending each token once per pair, as all-to-all does (an upper bound: they
-never send more).
-Feasibility is the job config's own validation: a layout it refuses is listed
-with the reason, never ranked.
+:func:`advise` prices every backend at every (EP degree, expert-FSDP degree) the job can run at its world
+size, and at each replica slot count to price: the MoE communication per step and the part the step waits
+for (:mod:`.cost_model`), the backend's local work, the busiest rank's expert compute above the mean and
+the replicas' traffic (:mod:`.replica_cost`), and the per-rank memory; it ranks the layouts by predicted
+step. A layout the job config's own validation refuses is listed with the reason, never ranked.
+:func:`format_advice` prints the table. See docs/planning.md, "Which backend and EP layout: the layout
+advisor".
 """
 
 import copy

@@ -1,40 +1,12 @@
 """Each EP backend's passes over the token rows outside its kernels, counted: the layout advisor's local work on GPUs.
 
-The collectives and the library kernels (NCCL's all-to-all, DeepEP's and
-HybridEP's dispatch and combine) move the rows between ranks. Around them each
-backend runs PyTorch operators on the device, and each is a pass over device
-memory: the nccl backend gathers each (token, expert) row before its all-to-all
-and sums the returned rows after; DeepEP's adapter expands each received token
-into its experts' rows and sums them back before combine; every backend weights
-the rows by their scores in fp32 (HybridEP's permute is fused into its kernel,
-its scores are not). The published kernel figures that price the all-to-alls
-do not contain these passes. At EP = 1 no backend runs: torchtitan's own sort
-around the experts makes the passes, and its padding of each expert's rows for
-its grouped GEMMs.
-
-:func:`count_local_traffic` runs one MoE call's dispatch and combine, forward
-and backward, in a process group of this process alone (the experts as the
-identity), under :class:`LocalTrafficCounter`: the bytes of every tensor each
-operator reads and writes, except views and what runs inside any operator (the
-collectives, and the backends' own operators with the library calls in them).
-The advisor prices them at the topology's ``memory_bandwidth_GBps``.
-
-It prices eager mode, each tensor read and written once at the nominal
-bandwidth: a gather's scattered reads and each kernel's launch are free (which
-it understates), and torch.compile's fusion of the elementwise passes (the
-fp32 weighting by the scores) is not applied (which it overstates). The
-rows grow with the hidden size and the indices do not, so it counts at two small
-hidden sizes, at the job's tokens per rank, experts and top-k, and extends the
-line to the job's hidden size (a test checks that the count is that line). A
-group of one receives each token once and holds every expert. At EP > 1 a
-backend that sends each token once per rank (DeepEP) holds a received token
-vector for each EP rank a token reaches: the advisor grows the counted token
-vectors by that many (:meth:`LocalTraffic.receiving`; the few a rank keeps of
-its own sent tokens grow with them). Padding covers all the experts here, where
-a rank pads only its own (at most ``experts x (pad multiple - 1)`` rows more).
-A backend whose rows at EP > 1 differ from a group of one's in another way
-says how to count them (:meth:`~torchtitan_ext.ep.base.RoutedExpertParallel.counted_settings`:
-HybridEP's non-blocking rows).
+:func:`count_local_traffic` runs one MoE call's dispatch and combine, forward and backward, in a process
+group of this process alone (identity experts), under :class:`LocalTrafficCounter`: the bytes every
+operator reads and writes, except views and what runs inside an operator (the collectives, the library
+calls). It counts at two small hidden sizes and extends the line to the job's; :class:`LocalTraffic`
+holds the result (:meth:`LocalTraffic.receiving` grows it for a backend that sends a token once per rank).
+The advisor prices it at the topology's ``memory_bandwidth_GBps``, in eager mode.
+See docs/planning.md, "How to read it" (local).
 """
 
 import os

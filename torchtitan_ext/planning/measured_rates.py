@@ -1,25 +1,11 @@
 """Each backend's all-to-all rate as measured on the user's cluster, in place of its published figure.
 
-``plan --calibrate-from FILE`` (repeatable) reads two kinds of file:
-
-- ``scripts/bench_ep.py --json FILE``: one dispatch + combine (forward and
-  backward, or forward only) per backend and shape, timed on the machines it
-  ran on. For each row the cost model prices the same all-to-alls at the
-  topology's nominal rate on the link the row's EP group spans; the nominal
-  time over the measured one is the fraction of that link's rate the backend
-  reached there, kernels, permutes and fixed costs included. bench_ep starts
-  its processes on one machine, so its rows calibrate the innermost link.
-- nccl-tests' ``alltoall_perf`` log (:mod:`.nccl_tests_log`): NCCL's
-  all-to-all alone, over as many nodes as it ran on, so it calibrates the
-  nccl backend on the link its ranks span, inner or outer (its permutes and
-  the host sync of its splits are not in it). The same fraction: the model's
-  time for its largest message at the nominal rate over the measured time.
-
-The layout advisor then prices that backend, at the settings that set its
-rate (DeepEP: its API), on that link at the measured fraction. A rate is per
-link, not per EP degree: a row at EP = 8 stands for every EP group on that link.
-Files are placed on the topology as they ran: their ranks fill the innermost
-groups in order.
+``plan --calibrate-from FILE`` (repeatable; :func:`calibration_rates`) reads ``scripts/bench_ep.py --json``
+output (each backend's dispatch + combine, on one machine: the innermost link) or an nccl-tests
+``alltoall_perf`` log (:mod:`.nccl_tests_log`: NCCL's all-to-all alone, on the link its ranks span). Each
+measurement becomes the fraction of its link's nominal rate the backend reached (the cost model's time at
+the nominal rate over the measured time), per link and per the settings that set the backend's rate.
+See docs/planning.md, "How to read it" (kernel rates).
 """
 
 import json

@@ -1,26 +1,12 @@
 """EP memory plan: memory and drop risk of each backend for a job, before launch
 (``python -m torchtitan_ext.plan`` prints it).
 
-For one rank, and for each backend (nccl, deepep, hybridep blocking,
-hybridep non-blocking at the configured capacity factor), prints:
-
-- the communication buffer's bytes;
-- the permuted rows per MoE layer (the experts' input; bytes at the
-  activation dtype), and that times the MoE layers whose dispatch output
-  stays alive for backward under the configured activation checkpointing;
-- the expert parameter bytes this rank holds, and under expert replication
-  the replica slots' weights and gradients and the copy of home and replica
-  experts each MoE layer computes from (fetched every step, no optimizer
-  state);
-- whether the config can drop tokens, and with a routing-statistics dump the
-  expected drop rate for that routing (the contract's tail rule and padding).
-
-Every size comes from the code the runtime runs: the model is built on the
-meta device and parallelized as in training (:mod:`.dry_run`), each backend
-gives its rows per dispatch where a mode fixes them (``planned_modes``) and its
-buffer's bytes (``planned_buffer``: the reference buffer's allocation, and
-DeepEP's own size hints when deep_ep is importable). Nothing is allocated; no
-GPU is needed.
+:func:`plan` gives, for one rank and each backend (nccl, deepep, hybridep blocking, and hybridep
+non-blocking at the configured capacity factor): the communication buffer, the permuted rows per MoE
+layer and those kept for backward, the expert parameters (with replica slots), whether it can drop
+tokens and, with a routing-statistics dump, the expected drop rate; :func:`format_plan` prints it. Sizes
+come from the runtime's own code on a meta-device model (:mod:`.dry_run`): nothing is allocated, no GPU
+is needed. See docs/planning.md, "The planner on the 671B GB200 NVL72 config".
 """
 
 from dataclasses import dataclass

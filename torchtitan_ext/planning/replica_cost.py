@@ -1,35 +1,11 @@
 """What expert replication changes in a layout's step: the busiest rank's expert rows and the replicas' traffic.
 
-Each EP rank computes the (token, expert) pairs of its experts, and a step
-waits for the busiest rank. Under measured routing (a routing-statistics
-dump), :func:`replay` runs the dump's counts through training's rules: the
-replicas are chosen (:func:`torchtitan_ext.balancing.replica_choice.choose_replicas`)
-before steps 1 + k x ``adapt_every`` from the counts of the ``adapt_every``
-steps before, and every step's pairs are split among the copies
-(:func:`torchtitan_ext.ep.replica_split.split_quotas`), with the experts in
-logical order (no placement). It returns the rows each rank computes and the
-whole experts the busiest rank sends or receives per fetch. Steps whose
-choice needs counts from before the dump are left out at every slot count,
-so that 0 and S slots are priced on the same dispatches.
-
-What the replay does not follow: the dump's counts are the job's, summed
-over its EP groups and microbatches, while training chooses and splits per
-EP group and MoE call, from that group's counts. With several EP groups
-(expert FSDP, HSDP replicas) or several MoE calls per step (gradient
-accumulation, pipeline microbatches) each group's counts are noisier than
-their sum, so the replay understates both the imbalance and what replicas
-remove. Under uniform routing every rank computes the mean, and each rank
-is taken to receive (and send) S experts per fetch: replicas then only add
-their traffic.
-
-:func:`replica_traffic` prices that traffic per MoE layer and call: the
-forward fetches the replicas' weights (whole experts, in the dtype FSDP
-gathers them in) and all-gathers the pair counts (E int64 per rank) for the
-split; the backward returns as many gradient elements home. A forward that
-activation checkpointing recomputes fetches and counts again. It runs over
-the EP group's outermost link at the all-to-all bandwidth, and the step
-waits for it (the fetch is issued inside the layer, just before the experts
-compute).
+:func:`replay` runs a routing-statistics dump's counts through training's choice of replicas
+(:func:`torchtitan_ext.balancing.replica_choice.choose_replicas`) and per-step split
+(:func:`torchtitan_ext.ep.replica_split.split_quotas`), and returns the rows each rank computes and the
+whole experts the busiest rank sends or receives per fetch; :func:`replica_traffic` prices that traffic
+per MoE layer and call. The dump's counts are the job's, summed over its EP groups and microbatches.
+See docs/planning.md, "Priced by the layout advisor".
 """
 
 from dataclasses import dataclass

@@ -1,33 +1,9 @@
 """Cluster topologies for the layout advisor: levels of workers, their links, their compute.
 
-A topology is a TOML file (shipped ones in ``topologies/``)::
-
-    name = "HGX H100, InfiniBand"
-    compute_tflops = 400.0   # achieved dense bf16 TFLOP/s per worker
-    overlap = true           # communication runs beside compute (CUDA streams)
-    memory_GB = 80.0         # optional: device memory per worker; layouts that need more are refused
-    memory_bandwidth_GBps = 3350.0  # optional: device memory bandwidth per worker, prices the EP backends'
-                                    # passes over token rows outside their kernels
-
-    [[levels]]               # innermost first
-    name = "NVLink (one HGX node)"
-    workers = 8              # workers in one group of this level
-    bandwidth_GBps = 360.0   # per worker, per direction, to a peer in the same group
-    latency_us = 3.0
-    # optional: what FSDP's collectives reach, when it differs from the all-to-all's
-    all_gather_bandwidth_GBps = 360.0
-    reduce_scatter_bandwidth_GBps = 360.0
-    # optional: the link's kind, which prices each EP backend at its published kernel rates
-    fabric = "nvlink"
-
-    [[levels]]               # the outermost level may omit workers: the rest of the job
-    name = "InfiniBand"
-    bandwidth_GBps = 45.0
-    latency_us = 10.0
-
-Ranks are numbered as torchtitan numbers them (the innermost level's groups
-are consecutive ranks), so two ranks talk over the innermost level whose group
-holds both.
+A topology is a TOML file (shipped ones in ``topologies/``; :func:`load_topology` reads one): per-worker
+compute, overlap, memory and memory bandwidth, and ``[[levels]]``, innermost first, each with its group
+size, bandwidths, latency and link ``fabric``. Ranks are numbered as torchtitan numbers them (the
+innermost level's groups are consecutive ranks). Format: docs/planning.md, "Topologies".
 """
 
 import difflib

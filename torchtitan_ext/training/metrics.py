@@ -1,39 +1,24 @@
-"""Step metrics: torchtitan's ``MetricsProcessor`` plus step time and expert-parallel health.
+"""Step metrics: torchtitan's ``MetricsProcessor`` plus step time, expert-parallel health and ``metrics.jsonl``.
 
-Every logged step reports, through torchtitan's loggers (console, TensorBoard,
-W&B), for each MoE layer and in total since the previous log:
-
-- ``ep/dropped_pairs``, ``ep/drop_rate``: (token, expert) pairs dropped by
-  non-blocking HybridEP, and their share of all routed pairs: the pairs routed
-  (counted at their source ranks) less the pairs kept (counted at the ranks of
-  their experts), both summed over all ranks;
-- ``ep/load_imbalance``: max / mean tokens per expert (1.0 is perfect balance);
-- ``ep/recv_rows_max``, ``ep/recv_rows_mean``: rows the experts of one EP rank
-  processed (one per received (token, local expert) pair, plus pad rows),
-  the largest and the mean over ranks; the console shows the worst layer's
-  max/mean ratio, and the drop rate when pairs were dropped;
-- ``ep/recv_rows_max_over_mean_all_layers``: each MoE layer's busiest
-  rank's rows, summed over the layers, over the mean rank's: each layer's
-  experts wait for that layer's busiest rank, so with one MoE call per layer
-  and step and a log every step, this, not the worst layer's ratio, is what
-  the step's expert compute pays for imbalance (TensorBoard and W&B only:
-  the console line keeps to 120 columns).
-
-The counters live on the device and are read once per logged step with one
-all-reduce (sum) and one all-reduce (max) over all ranks; the hot path never
-syncs with the host. A drop rate above zero warns once per run.
+Every logged step goes to torchtitan's loggers (console, TensorBoard, W&B) and, as one JSON object, to
+``<dump_folder>/metrics.jsonl`` (:class:`MetricsFile`; :func:`read_metrics` reads it back), which every tool
+reads instead of the console. The expert-parallel counters (``ep/...``, :class:`ExpertParallelMetrics`) live on
+the device and are read once per logged step with one all-reduce (sum) and one all-reduce (max) over all ranks:
+the hot path never syncs with the host. docs/reliability.md lists every metric and what it means.
 """
 
 import re
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torchtitan.components.metrics import MetricsProcessor as TorchTitanMetricsProcessor
+from torchtitan.components.metrics import _get_metrics_rank, MetricsProcessor as TorchTitanMetricsProcessor
 from torchtitan.tools.logging import logger
 
 from torchtitan_ext.ep import backend_class
+from torchtitan_ext.metrics_file import MetricsFile
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -57,8 +42,9 @@ class ExpertParallelMetrics:
             if hasattr(module, "dispatch_stats") and _LAYER.match(name)
         }
 
-    def collect(self, model_parts, step: int) -> tuple[dict[str, float], str]:
-        """(metrics for the loggers, summary for the console line); empty without EP."""
+    def collect(self, model_parts, step: int, step_time: float) -> tuple[dict[str, float], str]:
+        """(metrics for the loggers, summary for the console line); empty without EP. ``step_time``: this rank's
+        seconds per step since the last log, whose maximum over the ranks rides on the counters' all-reduce."""
         if not self.enabled:
             return {}, ""
         args = model_parts[0].model_args
@@ -68,7 +54,9 @@ class ExpertParallelMetrics:
             return {}, ""
         # per layer: routed pairs per expert, rows, kept pairs, ranks holding it, ranks counting kept pairs
         sums = torch.zeros(num_layers, num_experts + 4, dtype=torch.int64, device=device)
-        maxima = torch.zeros(num_layers, dtype=torch.int64, device=device)
+        # per layer: the busiest rank's rows; last, the slowest rank's step time in microseconds
+        maxima = torch.zeros(num_layers + 1, dtype=torch.int64, device=device)
+        maxima[num_layers] = round(step_time * 1e6)
         for layer, stats in self.layer_stats(model_parts).items():
             routed, rows, kept = stats.read_and_reset()
             if routed is not None:
@@ -82,7 +70,10 @@ class ExpertParallelMetrics:
             sums[layer, num_experts + 2] = 1
         dist.all_reduce(sums, op=dist.ReduceOp.SUM)
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
-        return self._summarize(sums.tolist(), maxima.tolist(), num_experts, step)
+        *maxima, slowest_us = maxima.tolist()
+        metrics, console = self._summarize(sums.tolist(), maxima, num_experts, step)
+        metrics["time_metrics/end_to_end_slowest_rank(s)"] = slowest_us / 1e6
+        return metrics, console
 
     def _summarize(self, sums, maxima, num_experts, step) -> tuple[dict[str, float], str]:
         metrics, total_dropped, total_routed = {}, 0, 0
@@ -145,12 +136,16 @@ class ExpertParallelMetrics:
 
 
 class MetricsProcessor(TorchTitanMetricsProcessor):
-    """Logs every torchtitan metric; the console line adds step time and EP health."""
+    """Logs every torchtitan metric; the console line adds step time and EP health; the metrics rank also writes
+    them to ``metrics.jsonl`` (:class:`MetricsFile`)."""
 
     def __init__(self, job_config, parallel_dims, tag: str | None = None):
         super().__init__(job_config, parallel_dims, tag)
         self.expert_parallel = ExpertParallelMetrics(job_config, parallel_dims)
         self.steps_since_last_log = 0
+        metrics_rank = _get_metrics_rank(parallel_dims, job_config) if dist.is_initialized() else 0
+        writes = not dist.is_initialized() or dist.get_rank() == metrics_rank
+        self.metrics_file = MetricsFile(Path(job_config.job.dump_folder)) if writes else None
 
     def should_log(self, step: int) -> bool:
         """torchtitan's rule; also counts the steps a log line covers (torchtitan's
@@ -175,7 +170,7 @@ class MetricsProcessor(TorchTitanMetricsProcessor):
         mfu = 100 * self.num_flops_per_token * tps / self.gpu_peak_flops
         step_time = time_delta / steps_since_last_log
         memory = self.device_memory_monitor.get_peak_stats()
-        ep_metrics, ep_console = self.expert_parallel.collect(self.model_parts, step)
+        ep_metrics, ep_console = self.expert_parallel.collect(self.model_parts, step, step_time)
         metrics = {
             "loss_metrics/global_avg_loss": global_avg_loss,
             "loss_metrics/global_max_loss": global_max_loss,
@@ -197,6 +192,8 @@ class MetricsProcessor(TorchTitanMetricsProcessor):
             **(extra_metrics or {}),
         }
         self.logger.log(metrics, step)
+        if self.metrics_file is not None:
+            self.metrics_file.write(step, metrics)
 
         # under 120 columns with torchrun's prefix: memory, throughput, TFLOPS, MFU and expert-load
         # imbalance are logged every step to TensorBoard/W&B (and MFU is undefined on a CPU)

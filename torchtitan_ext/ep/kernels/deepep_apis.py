@@ -1,24 +1,12 @@
-"""DeepEP's three APIs behind the three calls the ``deepep`` backend makes.
+"""DeepEP's three APIs behind the three calls the ``deepep`` backend makes (dispatch, combine, cached dispatch).
 
-- :class:`LegacyAPI`: DeepEP v1 normal mode, ``deep_ep.Buffer`` (on DeepEP main
-  the legacy API, deep_ep/buffers/legacy.py): ``get_dispatch_layout`` then
-  ``dispatch``; ``combine(async_finish=)``.
-- :class:`ElasticAPI`: DeepEP V2, ``deep_ep.ElasticBuffer``: one ``dispatch``
-  (compact layout, CPU sync for exact sizes; counts in the handle) and
-  ``combine(async_with_compute_stream=)``; its cached dispatch needs
-  ``num_sms`` from the handle (the library computes its SM count before it
-  reads the expert count from the handle).
-- :class:`EPBufferAPI`: DeepEP V2.5, ``deep_ep.EPBuffer`` (the V2 buffer split
-  by job; V2.5 exports neither ``Buffer`` nor ``ElasticBuffer``): the same three
-  calls as V2, and for a job with expert replication the replicas' transport
-  (its load-balancing kernels), registered for the EP group while the buffer lives.
+- :class:`LegacyAPI`: DeepEP v1 normal mode, ``deep_ep.Buffer``;
+- :class:`ElasticAPI`: DeepEP V2, ``deep_ep.ElasticBuffer``;
+- :class:`EPBufferAPI`: DeepEP V2.5, ``deep_ep.EPBuffer``, which can also carry expert replicas.
 
-Each wraps a real buffer or the reference's (same signatures). Every API
-assert that torch's deterministic algorithms and
-``fill_uninitialized_memory`` are not both on (torchtitan's
-``debug.deterministic`` turns on both): the calls run with the latter off,
-which keeps the deterministic algorithms and only skips filling the
-library's fresh outputs with NaN, which the library overwrites anyway.
+Each wraps a real buffer or the reference's (same signatures). Where torch's deterministic algorithms and
+``fill_uninitialized_memory`` are both on (torchtitan's ``debug.deterministic``), which DeepEP refuses,
+the calls run with the latter off. See docs/backends.md, "`[deepep]`".
 """
 
 from collections.abc import Callable, Iterator
