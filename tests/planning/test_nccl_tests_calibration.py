@@ -12,6 +12,7 @@ from tests.helpers import REPO_ROOT
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.planning.layout_advisor import advise
 from torchtitan_ext.planning.measured_rates import calibration_rates
+from torchtitan_ext.planning.nccl_tests_log import all_to_all_runs, AllToAllRun
 from torchtitan_ext.planning.topology import Level, Topology
 
 NODE_GBPS, NETWORK_GBPS = 100.0, 10.0
@@ -240,3 +241,33 @@ def test_the_cli_prices_nccl_at_the_logs_rate(tmp_path):
     assert run.returncode == 0, run.stderr
     assert "InfiniBand: 0.70 of nominal, measured (alltoall.log line 26: alltoall_perf on 16 ranks (2 host(s))" \
         in " ".join(run.stdout.split()), run.stdout
+
+
+PUBLISHED_LOG = REPO_ROOT / "tests/planning/data/alltoall_perf_oci_gb300.log"
+"""A real alltoall_perf log, verbatim from a public page (its header names the page): 4 ranks of one GB300 tray."""
+
+
+def test_a_published_log_is_read_to_its_largest_row():
+    """Read by hand from the file: ranks 0-3 on host GPU-3882; the largest message, 17179869184 B per rank, on line
+    33, 20527 us out of place (18929 in place, not read)."""
+    assert all_to_all_runs(PUBLISHED_LOG, PUBLISHED_LOG.read_text()) == [
+        AllToAllRun(("GPU-3882",) * 4, 17179869184, 20527.0, 33)]
+
+
+@pytest.mark.parametrize("size, time_us, busbw", [
+    (4194304, 23.03, 136.59), (1073741824, 1454.3, 553.75), (17179869184, 20527.0, 627.69)])
+def test_a_published_row_calibrates_to_the_bus_bandwidth_it_prints(tmp_path, size, time_us, busbw):
+    """The published log cut after one row (figures copied by hand from it), so that the row is its largest: the
+    parser reads that row's size and out-of-place time, and over one zero-latency link the nccl rate is the
+    busbw the row prints over the link's nominal rate (nccl-tests' busbw: size / time x (ranks - 1) / ranks, the
+    bytes that leave a rank, as the model counts them)."""
+    lines = PUBLISHED_LOG.read_text().splitlines()
+    row = next(number for number, line in enumerate(lines, start=1) if line.split()[:1] == [str(size)])
+    cut = _write(tmp_path, "\n".join(lines[:row] + lines[-4:]) + "\n")
+    assert lines[-1] == "# Collective test concluded: alltoall_perf"
+    [run] = all_to_all_runs(cut, cut.read_text())
+    assert (run.size_bytes, run.time_us, run.line) == (size, time_us, row)
+    link = Topology("link", 1.0, True, (Level("NVLink", None, 900.0, 0.0, 900.0, 900.0, "mnnvl"),))
+    rate = calibration_rates([cut], link)["nccl", (), 0]
+    # the printed time has 4 or 5 significant digits (busbw was computed from the unrounded one)
+    assert rate.fraction * 900.0 == pytest.approx(busbw, rel=3e-4)

@@ -1,14 +1,13 @@
-"""The test harness's worker processes: a failed run names every rank's exit code and stderr; a worker that gloo's
-transport thread aborted runs once more, with a warning, and no other failure does."""
+"""The spawn harness (:mod:`torchtitan_ext.runtime.workers`): a failed run names every rank's exit code and stderr; a
+worker that gloo's transport thread aborted runs once more, with a warning, and no other failure does."""
 
 import os
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_distributed, WorkersFailed
-
-pytestmark = pytest.mark.slow
+from torchtitan_ext.runtime.workers import raised, run_workers, WorkersFailed
 
 
 def abort_once(rank, world_size, marker, message):
@@ -21,6 +20,7 @@ def abort_once(rank, world_size, marker, message):
     return rank
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("crash", [
     "terminate called after throwing an instance of 'gloo::IoException'\n  what():  [gloo/transport/tcp/pair.cc:599] "
     "Connection closed by peer [127.0.0.1]:40123",
@@ -29,34 +29,49 @@ def abort_once(rank, world_size, marker, message):
 ])
 def test_a_gloo_transport_abort_runs_again_once_with_a_warning(tmp_path, crash):
     with pytest.warns(UserWarning, match="gloo's transport aborted a worker; running it again once") as warned:
-        assert run_distributed(2, abort_once, str(tmp_path / "marker"), crash) == [0, 1]
+        assert run_workers(2, abort_once, str(tmp_path / "marker"), crash) == [0, 1]
     [rerun] = [str(warning.message) for warning in warned if "running it again once" in str(warning.message)]
     assert "--- rank 1: exit code -6" in rerun  # SIGABRT, with the rank's stderr
     assert crash.splitlines()[-1] in rerun
 
 
-def fail_once(rank, world_size, marker):
-    """Rank 1's first run raises an error of its own; every other run returns the rank."""
-    if rank == 1 and not Path(marker).exists():
+TRANSPORT_ABORT = ("terminate called after throwing an instance of 'gloo::IoException'\n  what():  "
+                   "[gloo/transport/tcp/pair.cc:599] Connection closed by peer [127.0.0.1]:40123")
+
+
+def fail_once_and_lose_the_peer(rank, world_size, marker):
+    """Rank 1's first run raises an error of its own; rank 0's transport then aborts on the lost connection, as
+    gloo's does. Every later run returns the rank."""
+    if Path(marker).exists() and Path(f"{marker}.done").exists():
+        return rank
+    if rank == 1:
         Path(marker).touch()
         raise ValueError("a defect in the worker")
-    return rank
+    while not Path(marker).exists():
+        time.sleep(0.01)
+    Path(f"{marker}.done").touch()
+    os.write(2, f"{TRANSPORT_ABORT}\n".encode())
+    os.abort()
 
 
+@pytest.mark.slow
 def test_an_error_of_the_workers_own_is_never_run_again(tmp_path):
-    """Even when a peer's transport then aborts on the lost connection."""
+    """Even when a peer's transport then aborts on the lost connection: the abort follows the defect."""
     with pytest.raises(WorkersFailed) as failure:
-        run_distributed(2, fail_once, str(tmp_path / "marker"))
+        run_workers(2, fail_once_and_lose_the_peer, str(tmp_path / "marker"))
+    report = str(failure.value)
     assert not failure.value.transport_crash
-    assert "ValueError: a defect in the worker" in str(failure.value)
+    assert "ValueError: a defect in the worker" in report
+    assert "--- rank 0: exit code -6" in report and TRANSPORT_ABORT.splitlines()[-1] in report
 
 
+@pytest.mark.slow
 def test_any_other_abort_fails_with_every_ranks_stderr(tmp_path):
     """A size mismatch between ranks' collectives (gloo::EnforceNotMet) is a defect: no second run."""
     message = ("terminate called after throwing an instance of 'gloo::EnforceNotMet'\n  what():  [enforce fail at "
                "gloo/transport/tcp/pair.cc:446] op.preamble.length <= op.nbytes. 1046204 vs 1040256")
     with pytest.raises(WorkersFailed) as failure:
-        run_distributed(2, abort_once, str(tmp_path / "marker"), message)
+        run_workers(2, abort_once, str(tmp_path / "marker"), message)
     report = str(failure.value)
     assert not failure.value.transport_crash
     assert f"--- rank 1: exit code -6\nstderr's end:\n{message}" in report
@@ -68,9 +83,7 @@ def test_a_rank_stopped_while_writing_its_traceback_raised_nothing_readable(tmp_
     an empty error file (seen in a full-suite run): the report reads it as no traceback, not as an error of its own."""
     from types import SimpleNamespace
 
-    from tests.helpers import _raised
-
     empty, missing = tmp_path / "empty.pickle", tmp_path / "missing.pickle"
     empty.write_bytes(b"")
     context = SimpleNamespace(error_files=[str(empty), str(missing)])
-    assert (_raised(context, 0), _raised(context, 1)) == (None, None)
+    assert (raised(context, 0), raised(context, 1)) == (None, None)
