@@ -12,7 +12,7 @@ higher tier or from another part of its own tier (tests/test_layering.py reads t
     6. training         the trainer, train specs, loss, metrics, fault handling
     7. planning         dry run, memory plan, topologies, cost model, layout advisor
     8. launch           the launchers' pre-flight checks, the torchrun supervisor
-    9. train, plan, placement, supervise, routing_report    the command-line entry points
+    9. train, plan, placement, supervise, routing_report, ledger    the command-line entry points
 
 Each subpackage's docstring says what it owns. Features register their config sections and checks when
 imported (:mod:`torchtitan_ext.config.registry`); ``torchtitan_ext.training.prepare`` readies a process.

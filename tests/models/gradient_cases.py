@@ -16,6 +16,7 @@ test compares them with the dense copy's, computed in fp32 on the whole batch.
 import contextlib
 import copy
 import gc
+import os
 import types
 import weakref
 from dataclasses import dataclass
@@ -244,7 +245,7 @@ def run_cell(rank: int, world_size: int, cell: Cell, count_replica_copies: bool 
     """One cell on this rank: {"loss", "grads" {name: full gradient}, "grad_norm", ...}; with
     ``count_replica_copies`` (no pipeline parallelism), also "replica_copies": the most of each kind of
     :class:`ReplicaCopyCounter` alive at once during forward and backward, and how many forward left alive."""
-    from torchtitan.distributed import activation_checkpoint, ParallelDims
+    from torchtitan.distributed import activation_checkpoint
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.protocols.train_spec import get_train_spec
 
@@ -252,19 +253,8 @@ def run_cell(rank: int, world_size: int, cell: Cell, count_replica_copies: bool 
     from torchtitan_ext.ep.base import RoutedExpertParallel
     from torchtitan_ext.models.moe import TensorParallelTokenSplit
 
-    p_args = _parallel_args(cell)
-    job_config = _job_config(cell, p_args["dp_shard"], world_size)
+    job_config, parallel_dims = _job(cell, world_size)
     p = job_config.parallelism
-    degrees = (p.data_parallel_shard_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree,
-               p.expert_parallel_degree, p.expert_tensor_parallel_degree)
-    if degrees not in _PARALLEL_DIMS:  # one set of process groups per layout, as in one job
-        dp_shard, tp, pp, ep, etp = degrees
-        parallel_dims = ParallelDims(
-            dp_shard=dp_shard, dp_replicate=1, cp=1, tp=tp, pp=pp, ep=ep, etp=etp, world_size=world_size
-        )
-        parallel_dims.build_mesh()
-        _PARALLEL_DIMS[degrees] = parallel_dims
-    parallel_dims = _PARALLEL_DIMS[degrees]
     spec = get_train_spec(cell.model)
     model_args = tiny_model_args(cell.model, cell.grouped_mm)
     torch.manual_seed(SEED)
@@ -361,6 +351,67 @@ def run_cell(rank: int, world_size: int, cell: Cell, count_replica_copies: bool 
     return result
 
 
+def _job(cell: Cell, world_size: int):
+    """(the cell's job config, its parallel dims): one set of process groups per layout, as in one job."""
+    from torchtitan.distributed import ParallelDims
+
+    job_config = _job_config(cell, _parallel_args(cell)["dp_shard"], world_size)
+    p = job_config.parallelism
+    degrees = (p.data_parallel_shard_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree,
+               p.expert_parallel_degree, p.expert_tensor_parallel_degree)
+    if degrees not in _PARALLEL_DIMS:
+        dp_shard, tp, pp, ep, etp = degrees
+        parallel_dims = ParallelDims(
+            dp_shard=dp_shard, dp_replicate=1, cp=1, tp=tp, pp=pp, ep=ep, etp=etp, world_size=world_size
+        )
+        parallel_dims.build_mesh()
+        _PARALLEL_DIMS[degrees] = parallel_dims
+    return job_config, _PARALLEL_DIMS[degrees]
+
+
+def ledger_worker(rank: int, world_size: int, cells: list[Cell]) -> dict:
+    """Per cell (no pipeline parallelism): the device-cost ledger of one forward and backward of the cell's model,
+    counted after one that builds what a job builds once, with the job's budget."""
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from tests.helpers import REPO_ROOT
+    from torchtitan_ext import runtime
+    from torchtitan_ext.planning.device_ledger import DeviceCostCounter, job_budget, LayerScopes, Ledger
+    from torchtitan_ext.training import prepare
+
+    os.chdir(REPO_ROOT)
+    prepare()
+    results = {}
+    for cell in cells:
+        job_config, parallel_dims = _job(cell, world_size)
+        spec = get_train_spec(cell.model)
+        torch.manual_seed(SEED)
+        model = spec.model_cls(tiny_model_args(cell.model, cell.grouped_mm))
+        with torch.no_grad():
+            model.init_weights()
+        parts = [spec.parallelize_fn(model, parallel_dims, job_config)]
+        runtime.adapt_model_parts(parts)
+        _set_replicas(parts, cell)
+        loss_fn = spec.build_loss_fn(job_config)
+        dp_size, dp_rank = _mesh_size(parallel_dims, "batch")
+        tokens, labels, slices = _batch(cell, dp_size)
+        start, end = slices[dp_rank]
+
+        def step():
+            loss_fn(parts[0](tokens[start:end]), labels[start:end]).backward()
+
+        step()
+        scopes = LayerScopes(parts)
+        counter = DeviceCostCounter(scopes, parts)
+        with counter:
+            step()
+        scopes.remove()
+        ac = job_config.activation_checkpoint
+        results[cell.id] = Ledger(dict(counter.costs), parallel_dims.get_mesh("ep").get_group().group_name,
+                                  job_budget(job_config), ac.mode == "selective" and ac.selective_ac_option == "op")
+    return results
+
+
 _PARALLEL_DIMS: dict[tuple, object] = {}
 _REFERENCES: dict[tuple, dict] = {}
 
@@ -424,8 +475,6 @@ def _split_without_gradient_gather(self, tensor):
 
 def matrix_worker(rank: int, world_size: int, cells: list[Cell], count_replica_copies: bool = False) -> dict:
     """Every cell of one world size, in one set of processes."""
-    import os
-
     from tests.helpers import REPO_ROOT
     from torchtitan_ext.training import prepare
 

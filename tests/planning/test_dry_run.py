@@ -1,11 +1,16 @@
 """Dry run: every shipped config, and every parallelism the plans keep, applies on a
 fake process group with a meta-device model (no weights allocated)."""
 
+import dataclasses
+
 import pytest
 import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torchtitan.distributed import activation_checkpoint
 
 from tests.helpers import REPO_ROOT
 from torchtitan_ext.config import ConfigError, load_job_config
+from torchtitan_ext.planning import dry_run as dry_run_module
 from torchtitan_ext.planning.dry_run import dry_run
 from torchtitan_ext.training import prepare
 
@@ -33,6 +38,34 @@ PARALLELISMS = {
     "pp_hybridep_non_blocking": (4, ["--parallelism.pipeline_parallel_degree", "2",
                                      "--parallelism.expert_parallel_comm_backend", "hybridep",
                                      "--hybridep.non_blocking_capacity_factor", "0.5"]),
+}
+
+FSDP_EP = {"batch": 2, "loss": 2, "fsdp": 2, "ep": 2}
+TP_EP = {"batch": 4, "loss": 4, "fsdp": 4, "tp": 2, "ep": 2, "efsdp": 4}
+PP_EP = {"pp": 2, "batch": 2, "loss": 2, "fsdp": 2, "ep": 2}
+MESHES = {
+    # torchtitan's one-dimensional meshes of size > 1. The debug job has EP = 2 and FSDP over what the other
+    # degrees leave (dp_shard = world / (dp_replicate x cp x tp x pp)); batch = dp_replicate x dp_shard, loss =
+    # batch x cp, fsdp = dp_shard x cp, efsdp = fsdp x tp / (ep x etp)
+    "fsdp_ep": FSDP_EP,  # 2 ranks: dp_shard 2, efsdp 2 / 2 = 1
+    "tp_sp_ep_borrowing_tp": TP_EP,  # 8 ranks: dp_shard 4, efsdp 4 x 2 / 2
+    "tp_etp": {"batch": 4, "loss": 4, "fsdp": 4, "tp": 2, "ep": 2, "efsdp": 2, "etp": 2},  # efsdp 4 x 2 / (2 x 2)
+    "hsdp_ep": {"batch": 4, "loss": 4, "dp_replicate": 2, "fsdp": 2, "ep": 2},  # 4 ranks: dp_shard 4 / 2
+    "pp_1f1b_ep": PP_EP,  # 4 ranks: dp_shard 4 / 2
+    "pp_dualpipev_ep": PP_EP,
+    "cp_ep": {"batch": 2, "loss": 4, "fsdp": 4, "cp": 2, "ep": 2, "efsdp": 2},  # 4 ranks: dp_shard 2, fsdp 2 x 2
+    "selective_op_ac": FSDP_EP,
+    "selective_layer_ac": FSDP_EP,
+    "full_ac": FSDP_EP,
+    "tp_deepep": TP_EP,
+    "pp_hybridep_non_blocking": PP_EP,
+}
+CHECKPOINTED = {
+    # the debug job checkpoints nothing; each of the 6 blocks of both debug models is wrapped whole ("full"), per op
+    # ("op": with selective checkpointing's context), or every second one (torchtitan counts blocks from 1)
+    "selective_op_ac": {block: "op" for block in range(6)},
+    "selective_layer_ac": {block: "full" if block % 2 else None for block in range(6)},
+    "full_ac": {block: "full" for block in range(6)},
 }
 
 
@@ -73,17 +106,37 @@ def test_671b_report():
     assert report.converters == ("quantize.grouped_mm.mx",)
 
 
+def _checkpointing(block) -> str | None:
+    """How activation checkpointing wrapped a transformer block: "full", "op" (per-op selective) or None."""
+    if not isinstance(block, CheckpointWrapper):
+        return None
+    return "op" if "context_fn" in block.checkpoint_fn.keywords else "full"
+
+
 @pytest.mark.parametrize("model", ["deepseek_v3", "llama4"])
 @pytest.mark.parametrize("name", sorted(PARALLELISMS))
-def test_parallelism_applies(model, name):
+def test_parallelism_applies(model, name, monkeypatch):
+    """The plan builds the parallelism's mesh and wraps rank 0's blocks for activation checkpointing as configured
+    (the model parts are read from the train spec's parallelize function, which the pipeline split calls per
+    stage)."""
     world_size, overrides = PARALLELISMS[name]
+    parts = []
+    spec = dry_run_module.get_train_spec(model)
+
+    def parallelize(*args, **kwargs):
+        parts.append(spec.parallelize_fn(*args, **kwargs))
+        return parts[-1]
+
+    monkeypatch.setattr(dry_run_module, "get_train_spec",
+                        lambda model_name: dataclasses.replace(spec, parallelize_fn=parallelize))
+    # torchtitan counts per-layer checkpointing's blocks across the process: start this model at 0
+    monkeypatch.setattr(activation_checkpoint, "_layer_sac_count", 0)
     args = ["--job.config_file", str(REPO_ROOT / "train_configs/debug_model.toml"), "--model.name", model, *overrides]
     report = _dry_run(args, world_size)
-    assert report.world_size == world_size
-    if "pipeline_parallel_degree" in overrides:
-        assert report.mesh["pp"] == 2
-    if "tensor_parallel_degree" in overrides:
-        assert report.mesh["tp"] == 2
+    assert report.mesh == MESHES[name]
+    blocks = {int(layer_id): _checkpointing(block) for part in parts for layer_id, block in part.layers.items()}
+    assert blocks and sorted(blocks) == sorted(report.rank_layers)
+    assert blocks == CHECKPOINTED.get(name, dict.fromkeys(report.rank_layers))
 
 
 def test_bad_degrees_are_rejected_before_building():

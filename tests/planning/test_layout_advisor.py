@@ -175,83 +175,337 @@ def test_advice_ranks_runnable_layouts_and_lists_refused_ones():
         assert by_key["deepep", ep].costs.token_copies == by_key["hybridep", ep].costs.token_copies
 
 
+JOB_671B = ["--job.config_file", "train_configs/deepseek_v3_671b_gb200.toml"]
 TOPOLOGIES_671B = {"gb200_nvl72": load_topology("gb200_nvl72").placing(64), "hgx_h100_ib": load_topology("hgx_h100_ib")}
 """The 671B job's 256 GPUs: 64 of each NVL72 rack's 72, or 32 HGX nodes."""
 
 
 @pytest.fixture(scope="module")
 def advice_671b():
-    job = ["--job.config_file", "train_configs/deepseek_v3_671b_gb200.toml"]
-    return {name: advise(job, 256, topology)[0] for name, topology in TOPOLOGIES_671B.items()}
+    return {name: advise(JOB_671B, 256, topology)[0] for name, topology in TOPOLOGIES_671B.items()}
 
 
-def test_671b_advice_quoted_in_docs(advice_671b):
-    """docs/planning.md's tables: the winners, the published rates that separate the backends, the gains they
-    predict against the published ones, and the numbers the text explains them with."""
-    gb200 = {(layout.label, layout.ep): layout for layout in advice_671b["gb200_nvl72"] if layout.refused is None}
-    first = advice_671b["gb200_nvl72"][0]
-    # NCCL has no published NVL72 figure: priced at the nominal rate, it ranks first and is flagged; EP=32's
-    # expert FSDP crosses racks, and hides behind the previous block's forward (torchtitan's prefetch)
-    assert (first.backend, first.ep, first.efsdp) == ("nccl", 32, 8)
-    assert first.nominal_links == ("NVLink domain (one rack)",)
-    # each backend's passes over the token rows outside its kernels (counted, at 8 TB/s) put HybridEP, whose
-    # permute its kernels fuse, above DeepEP, whose adapter expands and sums the received tokens itself
-    assert [(layout.label, layout.ep) for layout in advice_671b["gb200_nvl72"][:6]] == [
-        ("nccl", 32), ("nccl", 64), ("hybridep 16/32", 64), ("hybridep", 64), ("deepep", 32), ("deepep", 64)]
-    # the RDMA NIC carries the FSDP sync and EP=32's expert gathers: 5.6 s of the 6.8 s step, not hidden for free
-    assert first.busiest_link[0] == "RDMA between racks" and round(first.busiest_link[1], 2) == 5.59
-    assert round(first.step_s, 2) == 7.39 and not first.link_bound
-    assert sorted(ep for (_, ep), layout in gb200.items() if layout.link_bound) == [1, 2]
-    # the published gains at EP=64 (torchtitan PR #2207: HybridEP over all-to-all 1.31x; Megatron-Core:
-    # HybridEP over DeepEP 1.137x) against the predicted ones: HybridEP over DeepEP in the published order,
-    # HybridEP over all-to-all not
-    hybridep, deepep, nccl = gb200["hybridep", 64], gb200["deepep", 64], gb200["nccl", 64]
-    assert round(nccl.step_s / hybridep.step_s, 3) == 0.919
-    assert round(deepep.step_s / hybridep.step_s, 3) == 1.033
-    assert [round(layout.tflops_per_gpu) for layout in (nccl, deepep, hybridep)] == [623, 554, 572]
-    # local work per step: GB per MoE call at 8 TB/s, 58 layers, each recomputed (its forward's share again)
-    # (counted in a group of one; DeepEP's token vectors grow with the 7.5 EP ranks a token reaches at EP=64;
-    # at EP=1 torchtitan's own sort)
-    assert [round(layout.local_traffic.bytes / 1e9, 1) for layout in (nccl, deepep, hybridep, gb200["nccl", 1])] == [
-        58.7, 79.9, 54.1, 66.4]
-    assert round(deepep.received_tokens, 2) == 7.5
-    assert round(deepep.local_traffic.receiving(deepep.received_tokens).bytes / 1e9, 1) == 107.3
-    assert [round(layout.local_work_s * 1e3) for layout in (nccl, deepep, hybridep)] == [538, 1125, 533]
-    assert [round(layout.step_s * 1e3) for layout in (nccl, hybridep, deepep, gb200["deepep", 32])] == [
-        7397, 8052, 8315, 8182]
-    # HybridEP also at the published SM counts fastest on NVL72 (4c: dispatch 485.50 GB/s at 16 SMs against 484.22
-    # at 32, combine 423.19 against 464.54): faster than as configured, still below all-to-all
-    fastest = gb200["hybridep 16/32", 64]
-    assert fastest.settings == (("hybridep", "num_sms_dispatch", 16), ("hybridep", "num_sms_combine", 32))
-    assert fastest.overrides()[-4:] == ["--hybridep.num_sms_dispatch", "16", "--hybridep.num_sms_combine", "32"]
-    assert round(fastest.step_s * 1e3) == 7987 and fastest.step_s < hybridep.step_s
-    assert [round(layout.step_s / fastest.step_s, 3) for layout in (nccl, deepep)] == [0.926, 1.041]
-    assert (first.moe_layers, first.recomputed_layers, first.dispatches) == (58, 58, 1)
-    # FSDP of the 17.1G dense parameters over all 256 ranks, at the outer level's 50 GB/s on both, hidden behind
-    # compute
-    for layouts in advice_671b.values():
-        assert round(layouts[0].data_parallel_s * 1e3) == 2730 and layouts[0].data_parallel_exposed_s == 0.0
-    ep32 = gb200["deepep", 32]
-    assert round(ep32.costs.token_copies, 2) == 6.65 and round(hybridep.costs.token_copies, 2) == 7.38
-    assert ep32.costs.exposed(True) == pytest.approx(4 * ep32.costs.a2a)  # the gathers hide
-    assert [round(layout.exposed_s * 1e3) for layout in (nccl, deepep, hybridep, ep32)] == [716, 1048, 1378, 944]
-    assert nccl.costs.token_copies == pytest.approx(8 * 63 / 64)
-    assert round(gb200["deepep", 128].costs.token_copies, 2) == 4.84
-    assert gb200["deepep", 128].a2a_level == "RDMA between racks"
-    assert ("hybridep", 32) not in gb200  # the config's ranks_per_nvlink_domain = 64 refuses it
-    # every layout fits GB200's 186 GB; one rank's state alone is 671B x 16 bytes / 256
-    assert max(layout.memory_bytes for layout in gb200.values()) / 1e9 == pytest.approx(87.0, abs=0.05)
-    hgx = {(layout.label, layout.ep): layout for layout in advice_671b["hgx_h100_ib"] if layout.refused is None}
-    first = advice_671b["hgx_h100_ib"][0]
-    assert (first.backend, first.ep, first.efsdp) == ("deepep", 16, 16)
-    assert round(hgx["nccl", 16].step_s / first.step_s, 3) == 1.212
-    assert [round(layout.step_s * 1e3) for layout in (first, hgx["deepep legacy", 16])] == [19601, 19663]
-    assert round(first.costs.token_copies, 2) == 3.49 and round(hgx["nccl", 16].costs.token_copies, 2) == 7.50
-    assert round(hgx["deepep", 64].costs.token_copies, 2) == 4.28
-    # on 80 GiB (85.9 GB), EP=1 (87.0 GB at least) needs more than an H100 has
-    refused = {layout.ep: layout.refused for layout in advice_671b["hgx_h100_ib"] if layout.backend == "nccl" and layout.refused}
-    assert sorted(refused) == [1] and all("more than topology 'HGX H100, InfiniBand NDR''s memory_GB = 85.9" in r
-                                            for r in refused.values())
+PLANNING_DOC = Path("docs/planning.md")
+WORDS = {"two": 2, "three": 3, "four": 4, "five": 5, "six": 6}
+
+
+def _doc_prose() -> str:
+    """docs/planning.md with its whitespace runs as single spaces (a sentence may wrap anywhere)."""
+    return " ".join(PLANNING_DOC.read_text().split())
+
+
+def _pattern(words: str) -> str:
+    """A regular expression for ``words``, a sentence as the doc writes it with "#" for each figure (a number, with
+    thousands separators or decimals) and "@" for a number written as a word."""
+    return re.escape(words).replace(r"\#", r"(\d[\d,]*(?:\.\d+)?)").replace("@", r"([a-z]+)")
+
+
+def _quoted(words: str) -> tuple[str, ...]:
+    """The figures of ``words`` (:func:`_pattern`) in their one occurrence in docs/planning.md."""
+    found = re.findall(_pattern(words), _doc_prose())
+    assert len(found) == 1, f"docs/planning.md: {len(found)} occurrences of {words!r}"
+    return found[0] if isinstance(found[0], tuple) else (found[0],)
+
+
+def _as_shown(shown: str, value: float) -> str:
+    """``value`` written as the doc writes ``shown``: the same decimals and thousands separator, or as a word."""
+    if shown in WORDS:
+        return next((word for word, number in WORDS.items() if number == value), str(value))
+    decimals = len(shown.partition(".")[2])
+    return f"{value:,.{decimals}f}" if "," in shown else f"{value:.{decimals}f}"
+
+
+def _number(shown: str) -> float:
+    return float(shown.replace(",", ""))
+
+
+def _advice_block(name: str) -> list[str]:
+    """The advisor's output for topology ``name`` as docs/planning.md quotes it (its layout-advisor section)."""
+    text = PLANNING_DOC.read_text()
+    section = text[text.index("## Which backend and EP layout: the layout advisor"):text.index("### How to read it")]
+    header = f"Layout advice: deepseek_v3 671B on 256 ranks, topology '{TOPOLOGIES_671B[name].name}'"
+    blocks, block = [], None
+    for line in section.splitlines():
+        if block is None and line.startswith("```"):
+            block = []
+        elif block is not None and line == "```":
+            blocks.append(block)
+            block = None
+        elif block is not None:
+            block.append(line)
+    quoted = [block for block in blocks if block and block[0].startswith(header)]
+    assert len(quoted) == 1, (name, len(quoted))
+    return quoted[0]
+
+
+def _block_rows(name: str) -> dict[tuple[str, int], dict[str, str]]:
+    """The ranked rows of the quoted advice for ``name``: {(backend label, EP): {column: the doc's text}}."""
+    lines = _advice_block(name)
+    header = next(line for line in lines if line.lstrip().startswith("# backend"))
+    columns = ["EP", "efsdp", "copy", "A2A ms", "AG ms", "exposed", "local", "step ms", "TFLOPS", "mem GB", "link%", "over"]
+    assert header.split() == ["#", "backend", *" ".join(columns).split()]
+    rows = {}
+    for line in lines[lines.index(header) + 1:]:
+        if not re.match(r"^\s+\d+ ", line):
+            break
+        # "  {rank:>3} {label:<14} ...": the label may hold a space
+        values = dict(zip(columns, line[20:].split(), strict=True))
+        rows[line[6:20].strip(), int(values["EP"])] = values
+    return rows
+
+
+def _runnable(advice_671b, name: str) -> dict:
+    return {(layout.label, layout.ep): layout for layout in advice_671b[name] if layout.refused is None}
+
+
+def _model_671b():
+    """torchtitan's 671B flavour on the meta device with the job's settings, and the job config."""
+    import copy
+
+    from torchtitan.models.deepseek_v3 import deepseekv3_args
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    job_config = load_job_config(JOB_671B, device_type=None, world_size=256)
+    args = copy.deepcopy(deepseekv3_args["671B"])  # update_from_config changes it in place
+    args.update_from_config(job_config)
+    with torch.device("meta"):
+        return get_train_spec("deepseek_v3").model_cls(args), job_config
+
+
+@pytest.mark.parametrize("name", sorted(TOPOLOGIES_671B))
+def test_671b_advice_blocks_in_docs_are_the_advisors_output(advice_671b, name):
+    """docs/planning.md quotes the plan CLI's advice for the 671B job on each topology ("Real output"): every line
+    it quotes is the advisor's now, in order; where it writes "..." it leaves out ranked rows or refusals."""
+    layouts = advice_671b[name]
+    lines = format_advice(layouts, TOPOLOGIES_671B[name], 256, "deepseek_v3 671B",
+                          overrides_problem(JOB_671B, 256, layouts[0]))
+    chunks, position = [[]], 0
+    for line in _advice_block(name):
+        if line.strip() == "...":
+            chunks.append([])
+        else:
+            chunks[-1].append(line)
+    for chunk in filter(None, chunks):
+        assert chunk[0] in lines[position:], f"docs/planning.md quotes {chunk[0]!r}, which the advice does not print"
+        start = lines.index(chunk[0], position)
+        assert lines[start:start + len(chunk)] == chunk
+        position = start + len(chunk)
+
+
+TABLE_ROWS = {
+    # a row's comparison: (topology, the layout the gain is over, the one it is of): "X over Y" is Y's step over X's
+    "GB200, EP=64: HybridEP over all-to-all": ("gb200_nvl72", ("nccl", 64), ("hybridep", 64)),
+    "GB200: HybridEP over DeepEP": ("gb200_nvl72", ("deepep", 64), ("hybridep", 64)),
+    "HGX H100, EP=16: DeepEP over all-to-all": ("hgx_h100_ib", ("nccl", 16), ("deepep", 16)),
+}
+
+
+@pytest.mark.parametrize("comparison", sorted(TABLE_ROWS))
+def test_671b_advice_quoted_in_docs(advice_671b, comparison):
+    """docs/planning.md's table of gains against the published results: each predicted gain is the two steps the
+    advisor predicts now, over each other; a published gain is its two published figures over each other; "Same
+    order?" says whether both are on the same side of 1."""
+    name, over, of = TABLE_ROWS[comparison]
+    row = next(line for line in PLANNING_DOC.read_text().splitlines() if line.startswith(f"| {comparison}"))
+    _, description, published, predicted, same_order, _ = [cell.strip() for cell in row.split("|")]
+    gain, over_ms, of_ms = re.fullmatch(r"([\d.]+)x(?: at EP=\d+)? \(([\d,]+) / ([\d,]+) ms\)", predicted).groups()
+    layouts = _runnable(advice_671b, name)
+    assert [over_ms, of_ms] == [_as_shown(over_ms, layouts[over].step_s * 1e3), _as_shown(of_ms, layouts[of].step_s * 1e3)]
+    assert gain == _as_shown(gain, layouts[over].step_s / layouts[of].step_s)
+    figures = re.search(r"([\d.]+) -> ([\d.]+)", description)
+    if figures is None:
+        assert (published, same_order) == ("none published at this layout", "-")
+        return
+    before, after = map(float, figures.groups())
+    assert published == _as_shown(published.rstrip("x"), after / before) + "x"
+    assert same_order == ("yes" if (after > before) == (float(gain) > 1) else "no")
+
+
+def test_671b_absolute_tflops_in_docs(advice_671b):
+    """The table's absolute row: the published 352.18 TFLOPS/GPU and HybridEP's predicted TFLOPS at EP=64."""
+    row = next(line for line in PLANNING_DOC.read_text().splitlines() if line.startswith("| Absolute, GB200 EP=64 HybridEP"))
+    published, predicted = re.findall(r"\| (\d+) TFLOPS/GPU", row)
+    assert published == _as_shown(published, 352.18)
+    assert predicted == _as_shown(predicted, _runnable(advice_671b, "gb200_nvl72")["hybridep", 64].tflops_per_gpu)
+
+
+def _gb200(advice, label, ep):
+    return _runnable(advice, "gb200_nvl72")[label, ep]
+
+
+def _hgx(advice, label, ep):
+    return _runnable(advice, "hgx_h100_ib")[label, ep]
+
+
+def _link_bound_eps(advice) -> int | None:
+    """The largest EP whose layouts' busiest link sets the step on GB200, when every smaller EP's do too."""
+    layouts = _runnable(advice, "gb200_nvl72").values()
+    bound = {layout.ep for layout in layouts if layout.link_bound}
+    largest = max(bound, default=None)
+    return largest if bound == {layout.ep for layout in layouts if layout.ep <= largest} else None
+
+
+def _rate(layout, link: str) -> tuple[float, float]:
+    """(dispatch, combine) fractions of ``link``'s nominal rate the advice prices ``layout``'s backend at."""
+    found = re.search(_pattern(f"{link}: dispatch #, combine #"), layout.kernel_rates)
+    return tuple(map(float, found.groups()))
+
+
+NVL = "NVLink domain (one rack)"
+PROSE = {
+    # {id: (the doc's words, "#" for each figure, "@" for one written as a word; the advice's figures now)}
+    "gb200_ranking": (
+        "ranks nccl at EP=32 first (# ms) and nccl at EP=64 second (# ms), then HybridEP at EP=64 (# ms at 16/32 SMs, "
+        "# as configured), then DeepEP (# ms at EP=32, # at EP=64); @ layouts lie within 10%",
+        lambda a: [*(_gb200(a, label, ep).step_s * 1e3 for label, ep in (
+            ("nccl", 32), ("nccl", 64), ("hybridep 16/32", 64), ("hybridep", 64), ("deepep", 32), ("deepep", 64))),
+            sum(layout.step_s <= a["gb200_nvl72"][0].step_s * 1.1 for layout in _runnable(a, "gb200_nvl72").values())]),
+    "gb200_kernel_rates": (
+        "HybridEP's is #/# of it (its README, 32 ranks, 16 SMs) and DeepEP V2's #/#",
+        lambda a: [*_rate(_gb200(a, "hybridep", 64), NVL), *_rate(_gb200(a, "deepep", 64), NVL)]),
+    "gb200_exposed": (
+        "by the all-to-alls alone DeepEP exposes # ms and HybridEP #",
+        lambda a: [_gb200(a, "deepep", 64).exposed_s * 1e3, _gb200(a, "hybridep", 64).exposed_s * 1e3]),
+    "deepep_local_work": (
+        "over the # token vectors a rank holds per token it sends: # GB per MoE call, # ms per step at # TB/s",
+        lambda a: [(deepep := _gb200(a, "deepep", 64)).received_tokens,
+                   deepep.local_traffic.receiving(deepep.received_tokens).bytes / 1e9, deepep.local_work_s * 1e3,
+                   TOPOLOGIES_671B["gb200_nvl72"].memory_bandwidth_GBps / 1e3]),
+    "hybridep_local_work": (
+        "HybridEP's kernels hand it the rows permuted: # GB, # ms",
+        lambda a: [_gb200(a, "hybridep", 64).local_traffic.bytes / 1e9, _gb200(a, "hybridep", 64).local_work_s * 1e3]),
+    "nccl_local_work": (
+        "The nccl backend's gather and fp32 sum take # GB, # ms",
+        lambda a: [_gb200(a, "nccl", 64).local_traffic.bytes / 1e9, _gb200(a, "nccl", 64).local_work_s * 1e3]),
+    "ep32_copies": (
+        "(# against # for nccl; # against # for DeepEP)",
+        lambda a: [_gb200(a, label, ep).costs.token_copies for label in ("nccl", "deepep") for ep in (32, 64)]),
+    "ep32_gathers": ("its gathers (# ms per layer)", lambda a: [_gb200(a, "nccl", 32).costs.all_gather * 1e3]),
+    "rdma_share": (
+        "it carries # s of the # s step (`link%` #%)",
+        lambda a: [(first := a["gb200_nvl72"][0]).busiest_link[1], first.step_s,
+                   first.busiest_link[1] / first.step_s * 100]),
+    "link_bound_eps": ("(EP=# and below here)", lambda a: [_link_bound_eps(a)]),
+    "link_bound_eps_legend": ("on GB200 the 671B job's EP=# and below", lambda a: [_link_bound_eps(a)]),
+    "hybridep_eps": (
+        "`[hybridep] ranks_per_nvlink_domain = 64` allows it (EP=#)",
+        lambda a: [ep for label, ep in _runnable(a, "gb200_nvl72") if label == "hybridep"]),
+    "hgx_best": (
+        "On HGX H100 nodes of 8 the job is best at EP=# with DeepEP V2 (# ms; v1 # ms)",
+        lambda a: [(first := a["hgx_h100_ib"][0]) and (first.ep if first.label == "deepep" else None),
+                   first.step_s * 1e3, _hgx(a, "deepep legacy", first.ep).step_s * 1e3]),
+    "hgx_copies": (
+        "(# copies against nccl's #)",
+        lambda a: [_hgx(a, "deepep", 16).costs.token_copies, _hgx(a, "nccl", 16).costs.token_copies]),
+    "hgx_ep_1_memory": (
+        "EP=1 does not fit 80 GB (# GB at least)",
+        lambda a: [_number(re.search(_pattern("needs at least # GB"), next(
+            layout.refused for layout in a["hgx_h100_ib"] if (layout.label, layout.ep) == ("nccl", 1)))[1])]),
+    "hgx_memory_limit": (
+        "on HGX H100's 80 GiB, # GB, the 671B job's EP=1 needs # GB",
+        lambda a: [80 * 2**30 / 1e9, _gb200(a, "nccl", 1).memory_bytes / 1e9]),
+    "sm_counts_gains": (
+        "(`hybridep 16/32`, # ms) moves the two GB200 gains from #x to #x and from #x to #x",
+        lambda a: [(fastest := _gb200(a, "hybridep 16/32", 64)).step_s * 1e3,
+                   *(_gb200(a, other, 64).step_s / hybridep.step_s
+                     for other in ("nccl", "deepep") for hybridep in (_gb200(a, "hybridep", 64), fastest))]),
+    "sm_counts": (
+        "`hybridep 16/32` is # dispatch and # combine SMs",
+        lambda a: [value for _, _, value in _gb200(a, "hybridep 16/32", 64).settings]),
+    "nccl_copies": ("top-8 over EP=64 ranks is 8 x 63/64 = #", lambda a: [_gb200(a, "nccl", 64).costs.token_copies]),
+    "per_rank_copies": (
+        "once to each node or domain, which forwards it inside: # at EP=64, # at EP=128 (two racks)",
+        lambda a: [_gb200(a, "deepep", 64).costs.token_copies, _gb200(a, "deepep", 128).costs.token_copies]),
+    "group_limited_copies": ("on HGX nodes of 8 at EP=64: #, against", lambda a: [_hgx(a, "deepep", 64).costs.token_copies]),
+    "recomputed_layers": ("the 671B config's full checkpointing: all # layers",
+                          lambda a: [a["gb200_nvl72"][0].recomputed_layers]),
+    "nccl_local_bytes": ("fp32 sum after: # GB;", lambda a: [_gb200(a, "nccl", 64).local_traffic.bytes / 1e9]),
+    "deepep_local_bytes": (
+        "sums them back before combine: # GB in a group of one, # GB at EP=64",
+        lambda a: [(deepep := _gb200(a, "deepep", 64)).local_traffic.bytes / 1e9,
+                   deepep.local_traffic.receiving(deepep.received_tokens).bytes / 1e9]),
+    "received_tokens": ("(# of 64 here", lambda a: [_gb200(a, "deepep", 64).received_tokens]),
+    "hybridep_local_bytes": ("by their scores in fp32: # GB;",
+                             lambda a: [_gb200(a, "hybridep", 64).local_traffic.bytes / 1e9]),
+}
+
+
+@pytest.mark.parametrize("claim", sorted(PROSE))
+def test_671b_figures_in_the_docs_text_are_the_advisors(advice_671b, claim):
+    """The figures docs/planning.md explains the 671B advice with, as the advisor computes them now (each written
+    as the doc writes it)."""
+    pattern, figures = PROSE[claim]
+    shown = _quoted(pattern)
+    assert list(shown) == [_as_shown(text, value) for text, value in zip(shown, figures(advice_671b), strict=True)]
+
+
+def test_671b_data_parallel_sync_in_docs_is_the_dense_parameters_over_the_outer_link():
+    """FSDP over all 256 ranks crosses the outer link on both topologies (50 GB/s per GPU): the 17.1G parameters
+    outside the routed experts gathered in bf16 in forward and again in backward (FSDP reshards after forward)
+    and reduce-scattered in fp32, 255/256 of each moved, plus one start-up per fully_shard unit (the 61 blocks,
+    the embeddings and the output layer) and collective; hidden behind compute (overlap)."""
+    model, job_config = _model_671b()
+    dense = sum(parameter.numel() for name, parameter in model.named_parameters() if ".moe.experts." not in name)
+    assert round(dense / 1e9, 1) == 17.1
+    assert (job_config.training.mixed_precision_param, job_config.training.mixed_precision_reduce) == (
+        "bfloat16", "float32")
+    for name, topology in TOPOLOGIES_671B.items():
+        outer = topology.levels[-1]
+        assert outer.all_gather_bandwidth_GBps == outer.reduce_scatter_bandwidth_GBps == 50.0
+        seconds = (dense * 255 / 256 * (2 + 2 + 4) / 50e9
+                   + 3 * (model.model_args.n_layers + 2) * outer.latency_us * 1e-6)
+        compute, sync, exposed = _quoted_in_block(
+            name, f"compute # ms per step at {topology.compute_tflops:g} TFLOP/s; data-parallel sync # ms per step (# "
+                  "exposed)")
+        assert [sync, exposed] == [_as_shown(sync, seconds * 1e3),
+                                   _as_shown(exposed, max(0.0, _number(sync) - _number(compute)))]
+
+
+def _quoted_in_block(name: str, words: str) -> tuple[str, ...]:
+    """The figures of ``words`` (:func:`_pattern`) in the quoted advice for ``name`` (its lines joined)."""
+    found = re.search(_pattern(words), " ".join(" ".join(_advice_block(name)).split()))
+    assert found is not None, (name, words)
+    return found.groups()
+
+
+def test_671b_compute_and_tflops_in_docs_are_torchtitans_flops():
+    """Compute per step is torchtitan's FLOPs per token (6 x active parameters + attention) for the rank's 4 x 4096
+    tokens, with every layer's forward recomputed (a third of a pass more), at the topology's TFLOP/s; each row's
+    TFLOPS is the tokens' FLOPs (recomputation not counted) over the row's step."""
+    model, job_config = _model_671b()
+    _, per_token = model.model_args.get_nparams_and_flops(model, job_config.training.seq_len)
+    flops = per_token * job_config.training.local_batch_size * job_config.training.seq_len
+    for name, topology in TOPOLOGIES_671B.items():
+        compute, rate = _quoted_in_block(name, "compute # ms per step at # TFLOP/s")
+        assert [compute, rate] == [_as_shown(compute, flops * 4 / 3 / (topology.compute_tflops * 1e12) * 1e3),
+                                   _as_shown(rate, topology.compute_tflops)]
+        for key, row in _block_rows(name).items():
+            # TFLOPS is rounded to a unit; the step to the ms moves the TFLOPS from it by under 0.1
+            assert flops / (_number(row["step ms"]) * 1e-3) / 1e12 == pytest.approx(_number(row["TFLOPS"]), abs=0.6), key
+
+
+def test_671b_nccl_copies_in_docs_are_top_k_over_the_other_ranks():
+    """nccl sends one copy per (token, expert) pair that leaves the rank: top-8 x (EP - 1) / EP, in every row."""
+    for name in TOPOLOGIES_671B:
+        nccl = {ep: row["copy"] for (label, ep), row in _block_rows(name).items() if label == "nccl"}
+        assert nccl and nccl == {ep: _as_shown(copy, 8 * (ep - 1) / ep) for ep, copy in nccl.items()}
+
+
+def test_671b_ep_32_gathers_in_docs_hide_behind_the_previous_blocks_forward():
+    """On GB200, EP=32's expert gathers (12.3 ms a layer) hide behind the previous block's forward (25 ms: a third
+    of one block's pass at 1000 TFLOP/s): its exposed communication is the all-to-alls alone, 6 a layer (dispatch
+    and combine, forward, recomputed forward and backward) over the 58 MoE layers."""
+    model, job_config = _model_671b()
+    _, per_token = model.model_args.get_nparams_and_flops(model, job_config.training.seq_len)
+    tokens = job_config.training.local_batch_size * job_config.training.seq_len
+    forward, = _quoted("hide behind the previous block's forward (# ms per layer)")
+    block_forward_ms = per_token * tokens / 3 / model.model_args.n_layers / 1000e12 * 1e3
+    assert forward == _as_shown(forward, block_forward_ms)
+    for (label, ep), row in _block_rows("gb200_nvl72").items():
+        if ep == 32:
+            assert _number(row["AG ms"]) < block_forward_ms
+            # the A2A column has 3 significant digits: 348 all-to-alls carry its rounding
+            assert _number(row["exposed"]) == pytest.approx(58 * 6 * _number(row["A2A ms"]), abs=0.5 + 348 * 0.005)
 
 
 def test_a_larger_nvlink_domain_than_the_topology_has_is_refused(advice_671b):

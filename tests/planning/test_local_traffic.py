@@ -133,8 +133,15 @@ def test_a_group_other_than_a_gloo_group_of_one_is_refused_in_one_line(world_siz
 def test_a_landing_that_finishes_a_library_kernel_is_not_counted(world_of_one):
     """DeepEP's combine lands the library's work (the reference kernels sum there on a CPU): the all-to-all's
     price holds it."""
+    from torchtitan_ext.ep.kernels.calls import library_work
+
     rows, combined = torch.randn(8, 4), torch.empty(8, 4)
-    Landing(combined, lambda: combined.copy_(rows * 2), finishes_kernel=True)
+
+    def land():
+        with library_work():
+            combined.copy_(rows * 2)
+
+    Landing(combined, land)
     with LocalTrafficCounter() as counter:
         in_flight(combined).trigger_wait()
         after = rows + 1  # counted again once the landing is over

@@ -27,6 +27,7 @@ from torchtitan.components.quantization import FP8_GROUP_ALIGNMENT_SIZE, MXFP8_G
 from torchtitan.distributed.expert_parallel import ExpertParallel
 
 from torchtitan_ext.config import ConfigError, MoEShape, Range
+from torchtitan_ext.ep.budget import DeviceBudget
 from torchtitan_ext.runtime.collectives import naming_collective
 from torchtitan_ext.runtime.workers import before_process_group_teardown
 from torchtitan_ext.ep.handle import KernelBuffer
@@ -201,11 +202,10 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     it may reuse), which is always copied out.
     """
     pinned = tensor.is_pinned()
-    if tensor.device == device and not pinned:
-        return tensor
     if tensor.device.type == "cpu" and device.type != "cpu" and not pinned:
         tensor = tensor.pin_memory()
-    return tensor.to(device, non_blocking=True)
+    copied = tensor.to(device, non_blocking=True)
+    return copied.clone() if copied is tensor and pinned else copied
 
 
 class RoutedExpertParallel(ExpertParallel, ABC):
@@ -284,6 +284,11 @@ class RoutedExpertParallel(ExpertParallel, ABC):
     def layer_factory(cls, job_config, shape: MoEShape) -> Callable[..., "RoutedExpertParallel"]:
         """Per-layer constructor (keyword: score_before_experts);
         the layers it makes share whatever the backend shares (its buffer)."""
+
+    @classmethod
+    @abstractmethod
+    def device_budget(cls, job_config) -> DeviceBudget:
+        """What one MoE layer of this backend may cost a GPU per training step (the device-cost ledger holds it)."""
 
     @classmethod
     def validate_config(cls, job_config, device_type: str | None, shape: MoEShape) -> None:

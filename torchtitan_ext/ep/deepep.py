@@ -34,6 +34,7 @@ from torchtitan_ext.ep.base import (
     to_device,
     token_group_alignment,
 )
+from torchtitan_ext.ep.budget import Budget, DeviceBudget
 from torchtitan_ext.ep.handle import DispatchHandle
 from torchtitan_ext.ep.in_flight import in_flight
 from torchtitan_ext.ep.kernels import implementation_description as _implementation_description
@@ -272,6 +273,18 @@ class DeepEPExpertParallel(RoutedExpertParallel):
         replica_rows = _ReplicaRows(job_config.expert_replication.slots_per_rank)
         buffer = SharedKernelBuffer(partial(_create_kernels, job_config, shape, replica_rows))
         return partial(cls, buffer=buffer, replica_rows=replica_rows, pad_multiple=token_group_alignment(job_config))
+
+    @classmethod
+    def device_budget(cls, job_config) -> DeviceBudget:
+        # v1's Buffer takes its layout from a call of its own (get_dispatch_layout); "auto" may pick v1
+        layout_call = job_config.deepep.api in ("legacy", "auto")
+        return DeviceBudget(
+            forward=Budget(host_syncs=1, collectives=2 + layout_call, h2d_copies=2),
+            backward=Budget(collectives=2),
+            why="the library's dispatch (its receive counts reach the host: one sync) and combine each pass; the "
+                "expert-major permutation is computed from those host counts and copied to the device with the "
+                "rows per expert, pinned",
+        )
 
     @classmethod
     def validate_config(cls, job_config, device_type: str | None, shape: MoEShape) -> None:

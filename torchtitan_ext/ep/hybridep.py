@@ -26,6 +26,7 @@ from torchtitan_ext.ep.base import (
     SharedKernelBuffer,
     token_group_alignment,
 )
+from torchtitan_ext.ep.budget import Budget, DeviceBudget
 from torchtitan_ext.ep.handle import DispatchHandle
 from torchtitan_ext.ep.kernels import implementation_description as _implementation_description
 from torchtitan_ext.ep.kernels import resolve_implementation, uses_library
@@ -206,6 +207,19 @@ class HybridEPExpertParallel(RoutedExpertParallel):
             max_tokens_per_rank=shape.max_tokens_per_rank,
             capacity_factor=section.non_blocking_capacity_factor,
             pad_multiple=token_group_alignment(job_config),
+        )
+
+    @classmethod
+    def device_budget(cls, job_config) -> DeviceBudget:
+        if job_config.hybridep.non_blocking_capacity_factor is not None:
+            return DeviceBudget(
+                forward=Budget(collectives=2), backward=Budget(collectives=2),
+                why="the library's dispatch and combine each pass (a cached dispatch in backward), no host sync",
+            )
+        return DeviceBudget(
+            forward=Budget(host_syncs=1, collectives=2, h2d_copies=1), backward=Budget(collectives=2),
+            why="the library's dispatch and combine each pass; blocking dispatch syncs to size its output and "
+                "returns the rows per expert in pinned host memory, copied to the device",
         )
 
     @classmethod

@@ -18,7 +18,6 @@ use) lands before it returns.
 """
 
 from collections.abc import Callable
-from contextvars import ContextVar
 
 import torch
 from torch._C._distributed_c10d import _register_work, Work
@@ -26,15 +25,6 @@ from torch._library.opaque_object import OpaqueBase, register_opaque_type
 from torch.distributed._functional_collectives import _maybe_wrap_tensor
 
 from torchtitan_ext.runtime.collectives import naming_collective
-
-
-_finishing_kernel: ContextVar[bool] = ContextVar("finishing_kernel", default=False)
-
-
-def finishing_kernel() -> bool:
-    """Whether the code running now lands a library kernel's work (on GPUs the kernel's, which the reference
-    kernels run as operators here), rather than a backend's own operators."""
-    return _finishing_kernel.get()
 
 
 class Landing(OpaqueBase):
@@ -46,12 +36,10 @@ class Landing(OpaqueBase):
     the outputs they use.
     """
 
-    def __init__(self, tensor: torch.Tensor, land: Callable[[], None], finishes_kernel: bool = False):
-        """``land`` makes ``tensor`` valid; it runs at the first wait (on ``tensor`` or this landing).
-        ``finishes_kernel``: ``land`` finishes a library kernel (DeepEP's combine), not the backend's own sums."""
+    def __init__(self, tensor: torch.Tensor, land: Callable[[], None]):
+        """``land`` makes ``tensor`` valid; it runs at the first wait (on ``tensor`` or this landing)."""
         self._tensor: torch.Tensor | None = tensor
         self._land = land
-        self.finishes_kernel = finishes_kernel
         self.what = "an MoE layer's combine"
         """What this landing completes, for error messages (the backend names its layer)."""
         _register_work(tensor, _LandingWork(self))
@@ -68,12 +56,8 @@ class Landing(OpaqueBase):
         self._tensor = self._land = None
         # landing completes the op's output rather than modifying it: selective
         # activation checkpointing, which cached that output, must not see a mutation
-        finishing = _finishing_kernel.set(self.finishes_kernel)
-        try:
-            with torch.autograd._unsafe_preserve_version_counter(tensor), naming_collective(self.what):
-                land()
-        finally:
-            _finishing_kernel.reset(finishing)
+        with torch.autograd._unsafe_preserve_version_counter(tensor), naming_collective(self.what):
+            land()
 
 
 class _LandingWork(Work):

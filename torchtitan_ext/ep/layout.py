@@ -20,29 +20,41 @@ def padded_offsets(counts: torch.Tensor, pad_multiple: int) -> tuple[torch.Tenso
     return padded, torch.cumsum(padded, 0) - padded
 
 
-def block_destinations(
-    block_counts: torch.Tensor, pad_multiple: int
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Destination rows that turn source-ordered blocks into the padded expert-major layout.
+def expert_major_rows(
+    block_counts: torch.Tensor, pad_multiple: int, total_source: int, total_pad: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where source-ordered blocks of rows go in the padded expert-major layout, computed where the counts are.
 
-    ``block_counts[b, e]`` rows for expert ``e`` arrive in block ``b``; the
-    source is ordered block-major (block 0's experts 0..L-1, then block 1's, ...),
-    the destination expert-major with blocks in order inside each expert. The
-    counts must be on the host: output sizes depend on them.
+    ``block_counts[b, e]`` rows for expert ``e`` arrive in block ``b``; the source is ordered block-major (block
+    0's experts 0..L-1, then block 1's, ...), the destination expert-major with blocks in order inside each
+    expert. ``total_source`` (the counts' sum) and ``total_pad`` (the pad rows' count) size the outputs: given by
+    the caller, they cost no read of the counts, so device counts stay on the device.
 
-    Returns (destination row of every source row, padded rows per expert, total rows).
+    Returns (destination row of every source row [total_source], the pad rows [total_pad]).
     """
-    num_blocks, num_experts = block_counts.shape
     per_expert = block_counts.sum(0)
     padded, expert_offsets = padded_offsets(per_expert, pad_multiple)
     # inside expert e, block b starts after the earlier blocks' rows for e
     within_expert = torch.cumsum(block_counts, 0) - block_counts
-    destination_starts = (expert_offsets.unsqueeze(0) + within_expert).reshape(-1)
     flat_counts = block_counts.reshape(-1)
-    source_starts = torch.cumsum(flat_counts, 0) - flat_counts
-    total_source = int(flat_counts.sum())
-    shift = torch.repeat_interleave(
-        destination_starts - source_starts, flat_counts, output_size=total_source
+    shift = (expert_offsets.unsqueeze(0) + within_expert).reshape(-1) - (torch.cumsum(flat_counts, 0) - flat_counts)
+    device = block_counts.device
+    destinations = torch.arange(total_source, device=device) + torch.repeat_interleave(
+        shift, flat_counts, output_size=total_source
     )
-    destinations = torch.arange(total_source) + shift
+    pads = padded - per_expert
+    pad_shift = expert_offsets + per_expert - (torch.cumsum(pads, 0) - pads)
+    pad_rows = torch.arange(total_pad, device=device) + torch.repeat_interleave(pad_shift, pads, output_size=total_pad)
+    return destinations, pad_rows
+
+
+def block_destinations(
+    block_counts: torch.Tensor, pad_multiple: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """:func:`expert_major_rows` of counts on the host: (destination row of every source row, padded rows per
+    expert, total rows)."""
+    per_expert = block_counts.sum(0)
+    padded = round_up(per_expert, pad_multiple)
+    total_source = int(block_counts.sum())
+    destinations, _ = expert_major_rows(block_counts, pad_multiple, total_source, int((padded - per_expert).sum()))
     return destinations, padded, int(padded.sum())

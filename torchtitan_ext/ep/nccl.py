@@ -1,24 +1,17 @@
 """The ``nccl`` backend: all-to-all over torch.distributed (NCCL on GPU, gloo on CPU).
 
-torchtitan's "standard" backend, restructured so that communication itself
-produces the expert-major layout. Each rank sorts its (token, expert) pairs
-by (local expert index, destination rank) and gathers their rows once; then
-one all-to-all per local expert index e moves every rank's rows for its
-expert e straight into that expert's group of the output, in source-rank
-order, padded to the grouped-GEMM alignment (at least 8 rows; 16 for FP8 and
-32 for MXFP8 grouped GEMMs). There is no receive-side permutation. Combine
-sends each expert group back the same way into the pairs' send order, and one
-``index_add`` sums every token's top-k rows (weighted by their scores for
-DeepSeek-V3-style routing).
+torchtitan's "standard" backend, as torchtitan lays it out: each rank sorts its (token, expert) pairs by expert
+id (destination rank, then local expert), gathers their rows once and sends them in one all-to-all; the receiver
+permutes them (source-major) into its expert groups, padded to the grouped-GEMM alignment (at least 8 rows; 16
+for FP8 and 32 for MXFP8 grouped GEMMs), with one index copy computed on the device. Combine permutes back, sends
+in one all-to-all, and one ``index_add`` sums every token's top-k rows (weighted by their scores for
+DeepSeek-V3-style routing). Per MoE layer and step: one all-to-all of the counts and one host sync for the split
+sizes in forward (all-to-all split sizes live on the host, as in torchtitan), one all-to-all of rows per pass
+(dispatch and combine, forward and backward): :meth:`NcclExpertParallel.device_budget`.
 
-The per-expert counts travel in one small all-to-all and reach the host in one
-sync per layer (all-to-all split sizes must be known on the host, as in
-torchtitan). The row all-to-alls are custom ops (``torchtitan_ext::nccl_dispatch``,
-``nccl_combine``), both on the selective activation-checkpointing save list.
-Combine's all-to-alls are started asynchronously and its sum runs at the first
-use of its output (``in_flight``), so the MoE's shared experts overlap them;
-its backward (gather and weight the gradient, then ``nccl_dispatch`` it) and
-dispatch's backward (the groups' gradient sent back) are synchronous.
+The row all-to-alls are custom ops (:mod:`torchtitan_ext.ep.ops.nccl`), on the selective activation-checkpointing
+save list; combine's is asynchronous and its sum runs at the first use of its output (``in_flight``), so the MoE's
+shared experts overlap it.
 """
 
 from dataclasses import dataclass
@@ -29,18 +22,24 @@ from torch.distributed._functional_collectives import all_to_all_single
 from torch.distributed.tensor import distribute_tensor, DTensor, Partial, Replicate, Shard
 
 from torchtitan_ext.config import MoEShape
-from torchtitan_ext.ep.base import RoutedExpertParallel, Routing, scale_rows, to_device, token_group_alignment
+from torchtitan_ext.ep.base import RoutedExpertParallel, Routing, scale_rows, token_group_alignment
+from torchtitan_ext.ep.budget import Budget, DeviceBudget
 from torchtitan_ext.ep.in_flight import in_flight
+from torchtitan_ext.ep.layout import expert_major_rows, round_up
 from torchtitan_ext.ep.published_rates import PublishedRate
 
 
 @dataclass(frozen=True)
 class _NcclDispatchState:
     token_of_row: torch.Tensor
-    """Source token of every sent row (rows sorted by local expert, then destination)."""
+    """Source token of every sent row (rows in send order: by destination rank, then local expert)."""
     row_scores: torch.Tensor | None
     """Scores of the sent rows, when they multiply the expert outputs."""
-    layout_args: tuple
+    destinations: torch.Tensor
+    """Group row of every received row."""
+    pad_rows: torch.Tensor
+    send_splits: list[int]
+    recv_splits: list[int]
     num_tokens: int
 
 
@@ -81,6 +80,14 @@ class NcclExpertParallel(RoutedExpertParallel):
     def layer_factory(cls, job_config, shape: MoEShape):
         return partial(cls, pad_multiple=token_group_alignment(job_config))
 
+    @classmethod
+    def device_budget(cls, job_config) -> DeviceBudget:
+        return DeviceBudget(
+            forward=Budget(host_syncs=1, collectives=3), backward=Budget(collectives=2),
+            why="forward: the counts' all-to-all and one host read of the split sizes, then the rows' all-to-all "
+                "in dispatch and in combine; backward: the rows' all-to-all of each",
+        )
+
     def _partition_fn(self, name, mod, device_mesh):
         if device_mesh.ndim == 1:
             return super()._partition_fn(name, mod, device_mesh)
@@ -108,48 +115,52 @@ class NcclExpertParallel(RoutedExpertParallel):
         return super()._token_combine(mod, routed_output, device_mesh["ep"])
 
     def dispatch(self, x, scores, expert_ids, num_experts, group):
-        from torchtitan_ext.ep.ops.nccl import Layout, nccl_dispatch
+        from torchtitan_ext.ep.ops.nccl import nccl_dispatch
 
         ep_degree = group.size()
         local_experts = num_experts // ep_degree
         num_tokens, top_k = expert_ids.shape
         flat_ids = expert_ids.reshape(-1)
-        # sort pairs by (local expert index, destination rank): one contiguous block per
-        # (expert index, destination), so each expert index's all-to-all reads one slice
-        key = (flat_ids % local_experts) * ep_degree + flat_ids // local_experts
-        pair_order = torch.argsort(key, stable=True)
+        # expert id d * L + e: sorted, the pairs go by destination rank d, then local expert e
+        pair_order = torch.argsort(flat_ids, stable=True)
         with torch.no_grad():
             send_counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
-            send_counts.scatter_add_(0, key, torch.ones_like(key))
-            # destination d receives its [e] counts: send them grouped by destination
-            recv_counts = all_to_all_single(
-                send_counts.view(local_experts, ep_degree).t().contiguous().view(-1), None, None, group=group
-            )
+            send_counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
+            # recv_counts[s * L + e]: rows from source s for this rank's expert e
+            recv_counts = all_to_all_single(send_counts, None, None, group=group)
+            received = recv_counts.view(ep_degree, local_experts)
+            rows_per_expert = round_up(received.sum(0), self.pad_multiple)
             # split sizes must be on the host: one device-to-host sync, as in torchtitan
-            both = torch.stack([send_counts, recv_counts.view(ep_degree, local_experts).t().reshape(-1)]).cpu()
-        send_counts, recv_counts = both.tolist()
+            host = torch.cat([send_counts.view(ep_degree, local_experts).sum(1), received.sum(1),
+                              rows_per_expert.sum().view(1)]).cpu().tolist()
+        send_splits, recv_splits, total_padded = host[:ep_degree], host[ep_degree:-1], host[-1]
+        destinations, pad_rows = expert_major_rows(
+            received, self.pad_multiple, sum(recv_splits), total_padded - sum(recv_splits)
+        )
         token_of_row = pair_order // top_k
         rows = x.index_select(0, token_of_row)
         row_scores = scores.reshape(-1).index_select(0, pair_order)
         if self.score_before_experts:
             rows = scale_rows(rows, row_scores)
-        layout_args = (send_counts, recv_counts, local_experts, self.pad_multiple, group.group_name)
-        routed = nccl_dispatch(rows, *layout_args)
+        routed = nccl_dispatch(rows, destinations, pad_rows, send_splits, recv_splits, total_padded, group.group_name)
         self._pending = _NcclDispatchState(
             token_of_row=token_of_row,
             row_scores=None if self.score_before_experts else row_scores,
-            layout_args=layout_args,
+            destinations=destinations,
+            pad_rows=pad_rows,
+            send_splits=send_splits,
+            recv_splits=recv_splits,
             num_tokens=num_tokens,
         )
-        padded = Layout(send_counts, recv_counts, local_experts, self.pad_multiple).padded_counts
-        return routed, to_device(padded, x.device)
+        return routed, rows_per_expert
 
     def combine(self, routed_output, group):
         from torchtitan_ext.ep.ops.nccl import nccl_combine
 
         state = self._take_pending()
         combined, _, landing = nccl_combine(
-            routed_output, state.token_of_row, state.row_scores, state.num_tokens, *state.layout_args
+            routed_output, state.destinations, state.pad_rows, state.token_of_row, state.row_scores,
+            state.num_tokens, state.send_splits, state.recv_splits, group.group_name,
         )
         landing.what = self.collective_name("combine")
         return in_flight(combined)

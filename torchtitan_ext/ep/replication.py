@@ -20,6 +20,7 @@ home weights bit for bit at every step.
 from dataclasses import dataclass, replace
 
 from torchtitan_ext.config import ConfigError, MoEShape, Range, ValidationContext
+from torchtitan_ext.ep.budget import Budget, DeviceBudget
 
 
 @dataclass
@@ -48,6 +49,15 @@ REPLICATION_RANGES = {
     "expert_replication.slots_per_rank": Range(minimum=0, meaning="replica slots per EP rank"),
     "expert_replication.adapt_every": Range(minimum=1, meaning="steps between replica choices"),
 }
+
+
+def replication_budget(job_config) -> DeviceBudget:
+    """What replication adds to one MoE layer's budget per step."""
+    return DeviceBudget(
+        forward=Budget(collectives=2, h2d_copies=2), backward=Budget(collectives=1, h2d_copies=2),
+        why="replication: the pair counts' all-gather and the replicas' weights (all-to-all) forward, their "
+            "gradients home backward, each exchange with its two index lists copied to the device",
+    )
 
 
 def dispatched_shape(job_config, shape: MoEShape) -> MoEShape:

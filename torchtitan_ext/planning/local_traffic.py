@@ -27,7 +27,7 @@ from torchtitan.models.moe.moe import TokenReorderer
 from torchtitan_ext.config import ConfigError, MoEShape
 from torchtitan_ext.ep import BACKENDS
 from torchtitan_ext.ep.base import token_group_alignment
-from torchtitan_ext.ep.in_flight import finishing_kernel
+from torchtitan_ext.ep.kernels.calls import inside_kernel
 
 _AFTER_PYTHON = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python).remove(
     torch._C.DispatchKey.PythonDispatcher
@@ -50,7 +50,7 @@ def counted_hidden_sizes(shape: MoEShape) -> tuple[int, int]:
     return low, high
 
 
-def _moved(func, args, kwargs, out) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def moved_tensors(func, args, kwargs, out) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(tensors ``func`` reads, tensors it writes), each once."""
     packet = func.overloadpacket
     if packet in _SHAPE_FROM_ARGUMENTS:
@@ -77,7 +77,7 @@ class LocalTrafficCounter(TorchDispatchMode):
     the backends' own operators run (the library calls, and the adapter code inside those operators: HybridEP's
     routing map, the nccl operator's zeroing of pad rows) is not counted; the all-to-all's price holds it. A
     combine that lands later is counted where it lands, inside the wait for its result, unless its landing
-    finishes a library kernel (:func:`~torchtitan_ext.ep.in_flight.finishing_kernel`).
+    finishes a library kernel (:func:`~torchtitan_ext.ep.kernels.calls.inside_kernel`).
 
     ``token_bytes`` is the part in token vectors: [``tokens``, ``hidden``] tensors (a shape no other tensor
     has). At EP > 1 a backend that sends each token once per rank receives more tokens than it sends."""
@@ -95,10 +95,10 @@ class LocalTrafficCounter(TorchDispatchMode):
             with self:
                 return func.redispatch(torch._C._dispatch_keys(args[0]) & _AFTER_PYTHON, *args, **kwargs)
         out = func(*args, **kwargs)
-        if (func.namespace not in ("aten", "prims") or finishing_kernel() or func.is_view
+        if (func.namespace not in ("aten", "prims") or inside_kernel() or func.is_view
                 or func.overloadpacket in _ALLOCATE_ONLY):
             return out
-        read, written = _moved(func, args, kwargs, out)
+        read, written = moved_tensors(func, args, kwargs, out)
         for tensor in read + written:
             self.bytes += tensor.nbytes
             if tuple(tensor.shape) == self.token_shape:

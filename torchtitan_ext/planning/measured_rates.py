@@ -1,7 +1,7 @@
 """Each backend's all-to-all rate as measured on the user's cluster, in place of its published figure.
 
-``plan --calibrate-from FILE`` (repeatable; :func:`calibration_rates`) reads ``scripts/bench_ep.py --json``
-output (each backend's dispatch + combine, on one machine: the innermost link) or an nccl-tests
+``plan --calibrate-from FILE`` (repeatable; :func:`calibration_rates`) reads ``python -m torchtitan_ext.bench ep
+--json`` output (rows of :class:`EPBenchRow`, the schema this module owns) (each backend's dispatch + combine, on one machine: the innermost link) or an nccl-tests
 ``alltoall_perf`` log (:mod:`.nccl_tests_log`: NCCL's all-to-all alone, on the link its ranks span). Each
 measurement becomes the fraction of its link's nominal rate the backend reached (the cost model's time at
 the nominal rate over the measured time), per link and per the settings that set the backend's rate.
@@ -10,7 +10,7 @@ See docs/planning.md, "How to read it" (kernel rates).
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from torchtitan_ext.config import ConfigError, parse
@@ -19,14 +19,79 @@ from torchtitan_ext.planning.cost_model import layer_costs, MoEWorkload
 from torchtitan_ext.planning.nccl_tests_log import all_to_all_runs
 from torchtitan_ext.planning.topology import Topology
 
-ROW_FIELDS = {"comm_backend": (str, type(None)), "job_args": list, "tokens": int, "hidden": int, "experts": int,
-              "top_k": int, "ep": int, "processes": int, "median_ms": (int, float), "dtype": str, "forward_only": bool}
-"""The fields of a bench_ep row that a calibration reads, and their JSON types."""
-
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 MAX_PROCESSES = 65536
 """More processes than any bench runs: a larger count is not a bench_ep row."""
+
+BENCH_COMMAND = "python -m torchtitan_ext.bench ep --json"
+
+
+@dataclass(frozen=True)
+class EPBenchRow:
+    """One backend at one shape, as ``python -m torchtitan_ext.bench ep --json`` times it: one dispatch + combine
+    (forward and backward, or forward only) with the experts as the identity, the slowest rank's times, and the
+    same collectives timed alone ("bare")."""
+
+    backend: str
+    """The bench's name for what it timed: a backend variant, "upstream" (torchtitan's own), or a variant with
+    "_lib" (the real deep_ep kernels)."""
+    tokens: int
+    """Tokens per rank."""
+    hidden: int
+    experts: int
+    top_k: int
+    ep: int
+    """Ranks per EP group."""
+    processes: int
+    """Processes that ran at once (``ep`` divides it: the groups ran side by side)."""
+    min_ms: float
+    median_ms: float
+    max_ms: float
+    bare_min_ms: float
+    bare_median_ms: float
+    bare_max_ms: float
+    ratio: float
+    """``median_ms`` over ``bare_median_ms``."""
+    overhead_us: float
+    """``median_ms`` less ``bare_median_ms``, in microseconds."""
+    bytes_sent_per_rank: int
+    """Bytes the busiest rank's collectives sent per iteration."""
+    gbps: float
+    """``bytes_sent_per_rank`` over ``median_ms``, in GB/s."""
+    collectives: int
+    """Collectives one iteration issued."""
+    comm_backend: str | None
+    """``[parallelism] expert_parallel_comm_backend`` of the timed job; None for torchtitan's own."""
+    job_args: list
+    """The job-config overrides that select the timed backend and its settings."""
+    dtype: str
+    """The token rows' dtype: a key of :data:`DTYPE_BYTES`."""
+    forward_only: bool
+
+    @classmethod
+    def read(cls, row, where: str) -> "EPBenchRow":
+        """The row of a JSON file; ConfigError, naming ``where`` and the field, for anything the bench does not write."""
+        if not isinstance(row, dict):
+            raise ConfigError(f"{where} = {row!r}: expected an object as {BENCH_COMMAND} writes")
+        for field in fields(cls):
+            if field.name not in row:
+                raise ConfigError(f"{where}.{field.name} is missing: write the file with {BENCH_COMMAND} (this version)")
+            value = row[field.name]
+            kind = (int, float) if field.type is float else field.type
+            if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+                raise ConfigError(f"{where}.{field.name} = {value!r}: not what {BENCH_COMMAND} writes")
+        if row["dtype"] not in DTYPE_BYTES:
+            raise ConfigError(f"{where}.dtype = {row['dtype']!r}: one of {', '.join(DTYPE_BYTES)}")
+        if not (math.isfinite(row["median_ms"]) and row["median_ms"] > 0):
+            raise ConfigError(f"{where}.median_ms = {row['median_ms']}: a measured time is finite and > 0")
+        for field in ("tokens", "hidden", "experts", "top_k", "ep", "processes"):
+            if not 1 <= row[field] <= (MAX_PROCESSES if field in ("ep", "processes") else 2**31):
+                raise ConfigError(f"{where}.{field} = {row[field]}: not what {BENCH_COMMAND} writes")
+        for field in ("processes", "experts"):
+            if row[field] % row["ep"]:
+                raise ConfigError(f"{where}.ep = {row['ep']} does not divide {field} = {row[field]}: not a bench_ep row")
+        return cls(**{field.name: row[field.name] for field in fields(cls)})
 
 
 @dataclass(frozen=True)
@@ -45,27 +110,6 @@ class MeasuredRate:
     includes_local_work: bool
     """Whether the measured time holds the backend's local work around its all-to-alls (bench_ep's rows: the
     permutes; an nccl-tests log: no), which ``--measure-compute`` would add a second time."""
-
-
-def _check_row(row, where: str) -> None:
-    if not isinstance(row, dict):
-        raise ConfigError(f"{where} = {row!r}: expected an object as scripts/bench_ep.py --json writes")
-    for field, kind in ROW_FIELDS.items():
-        if field not in row:
-            raise ConfigError(f"{where}.{field} is missing: write the file with scripts/bench_ep.py --json (this version)")
-        value = row[field]
-        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-            raise ConfigError(f"{where}.{field} = {value!r}: not what scripts/bench_ep.py --json writes")
-    if row["dtype"] not in DTYPE_BYTES:
-        raise ConfigError(f"{where}.dtype = {row['dtype']!r}: one of {', '.join(DTYPE_BYTES)}")
-    if not (math.isfinite(row["median_ms"]) and row["median_ms"] > 0):
-        raise ConfigError(f"{where}.median_ms = {row['median_ms']}: a measured time is finite and > 0")
-    for field in ("tokens", "hidden", "experts", "top_k", "ep", "processes"):
-        if not 1 <= row[field] <= (MAX_PROCESSES if field in ("ep", "processes") else 2**31):
-            raise ConfigError(f"{where}.{field} = {row[field]}: not what scripts/bench_ep.py --json writes")
-    for field in ("processes", "experts"):
-        if row[field] % row["ep"]:
-            raise ConfigError(f"{where}.ep = {row['ep']} does not divide {field} = {row[field]}: not a bench_ep row")
 
 
 def calibration_rates(
@@ -87,7 +131,7 @@ def calibration_rates(
         elif "# Collective test starting: " in text or "# nThread " in text:
             found = nccl_tests_rates(path, topology if placed is None else placed, text)
         else:
-            raise ConfigError(f"--calibrate-from {path}: neither scripts/bench_ep.py --json output nor an nccl-tests "
+            raise ConfigError(f"--calibrate-from {path}: neither {BENCH_COMMAND} output nor an nccl-tests "
                               "alltoall_perf log")
         for key, rate in found.items():
             if key in rates:
@@ -161,62 +205,62 @@ def measured_rates(path: Path, topology: Topology, text: str) -> dict[tuple[str,
         raise ConfigError(f"--calibrate-from {path}: not a readable JSON file ({type(e).__name__}: {e})") from None
     rows = document.get("rows") if isinstance(document, dict) else None
     if not isinstance(rows, list) or not rows:
-        raise ConfigError(f"--calibrate-from {path}: no 'rows' list: write it with scripts/bench_ep.py --json")
+        raise ConfigError(f"--calibrate-from {path}: no 'rows' list: write it with {BENCH_COMMAND}")
     chosen: dict[tuple[str, tuple, int], tuple[int, int, MeasuredRate]] = {}
     for index, row in enumerate(rows):
         where = f"--calibrate-from {path}: rows[{index}]"
-        _check_row(row, where)
-        backend = BACKENDS.get(row["comm_backend"])
-        if backend is None or row["ep"] < 2:
+        row = EPBenchRow.read(row, where)
+        backend = BACKENDS.get(row.comm_backend)
+        if backend is None or row.ep < 2:
             continue  # torchtitan's own ExpertParallel, or local work without traffic
-        processes, ep = row["processes"], row["ep"]
+        processes, ep = row.processes, row.ep
         try:
-            job_config = parse(["--parallelism.expert_parallel_comm_backend", row["comm_backend"],
-                                *map(str, row["job_args"])])
+            job_config = parse(["--parallelism.expert_parallel_comm_backend", row.comm_backend,
+                                *map(str, row.job_args)])
         except ConfigError as e:
             raise ConfigError(f"{where}.job_args: {e}") from None
         reach = backend.kernel_nvlink_ranks(job_config)
         if reach is not None and ep > reach:
-            raise ConfigError(f"{where}.ep = {ep}: {row['comm_backend']}'s kernels reach {reach} ranks over NVLink, "
+            raise ConfigError(f"{where}.ep = {ep}: {row.comm_backend}'s kernels reach {reach} ranks over NVLink, "
                               f"and a group of {ep} spans their split: time it at EP <= {reach}")
         try:
             sizes = topology.group_sizes(processes)
         except ConfigError as e:
             raise ConfigError(f"{where}.processes = {processes} on topology '{topology.name}': {e}") from None
         level = topology.level_of(sizes, 0, ep - 1)
-        element = DTYPE_BYTES[row["dtype"]]
+        element = DTYPE_BYTES[row.dtype]
         work = MoEWorkload(
-            tokens=row["tokens"], hidden=row["hidden"], top_k=row["top_k"], experts=row["experts"], expert_parameters=0,
+            tokens=row.tokens, hidden=row.hidden, top_k=row.top_k, experts=row.experts, expert_parameters=0,
             activation_bytes=element, gather_bytes=element, reduce_bytes=element, pre_expert_flops=0.0,
             regather_in_backward=False,
         )
         costs = layer_costs(work, topology, processes, ep, 1, backend.sends_each_token_once_per_rank)
-        nominal = costs.a2a * (2 if row["forward_only"] else 4)
-        measured = row["median_ms"] / 1e3
+        nominal = costs.a2a * (2 if row.forward_only else 4)
+        measured = row.median_ms / 1e3
         if nominal > measured:
             raise ConfigError(
-                f"{where}.median_ms = {row['median_ms']}: faster than the {nominal * 1e3:.3g} ms its all-to-alls take at "
+                f"{where}.median_ms = {row.median_ms}: faster than the {nominal * 1e3:.3g} ms its all-to-alls take at "
                 f"the nominal rate of '{topology.levels[level].name}': it was timed on another link, or that level's "
                 "bandwidth_GBps is below the link's"
             )
         settings = backend.rate_settings(job_config)
         rate = MeasuredRate(
-            row["comm_backend"], settings, level, nominal / measured,
-            f"{path.name} rows[{index}]: T={row['tokens']} H={row['hidden']} EP={ep}"
-            f"{' ' + ' '.join(map(str, row['job_args'][2:])) if len(row['job_args']) > 2 else ''}, "
-            f"{row['median_ms']:.3g} ms measured, {nominal * 1e3:.3g} ms at the nominal rate",
+            row.comm_backend, settings, level, nominal / measured,
+            f"{path.name} rows[{index}]: T={row.tokens} H={row.hidden} EP={ep}"
+            f"{' ' + ' '.join(map(str, row.job_args[2:])) if len(row.job_args) > 2 else ''}, "
+            f"{row.median_ms:.3g} ms measured, {nominal * 1e3:.3g} ms at the nominal rate",
             includes_local_work=True,
         )
-        key = (row["comm_backend"], settings, level)
-        if key in chosen and chosen[key][0] == row["tokens"]:
+        key = (row.comm_backend, settings, level)
+        if key in chosen and chosen[key][0] == row.tokens:
             raise ConfigError(
-                f"{where}: times {row['comm_backend']} {' '.join(map(str, settings))} at T={row['tokens']} on the link "
+                f"{where}: times {row.comm_backend} {' '.join(map(str, settings))} at T={row.tokens} on the link "
                 f"rows[{chosen[key][1]}] times it: keep one of them (settings that do not change the backend's rate "
                 "calibrate one rate)"
             )
-        if key not in chosen or row["tokens"] > chosen[key][0]:
-            chosen[key] = (row["tokens"], index, rate)
+        if key not in chosen or row.tokens > chosen[key][0]:
+            chosen[key] = (row.tokens, index, rate)
     if not chosen:
         raise ConfigError(f"--calibrate-from {path}: no row times an EP backend between ranks (ep > 1): run "
-                          "scripts/bench_ep.py with --nproc and --ep-degree >= 2")
+                          f"{BENCH_COMMAND} with --nproc and --ep-degree >= 2")
     return {key: rate for key, (_, _, rate) in chosen.items()}

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_ext.config import register_section
+from torchtitan_ext.ep.budget import Budget
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -101,16 +102,22 @@ class RouterHealth:
         self.flags.zero_()
 
 
+STEP_BUDGET = Budget(host_syncs=1, collectives=1)
+"""What :func:`agree` costs every step: one all-reduce and one host read of it (the optimizer's step waits for the
+ranks' agreement on non-finite values and preemption)."""
+
+
 def agree(preempt: bool, local_loss: torch.Tensor | None, routers: RouterHealth | None, device) -> dict:
     """All ranks' view of this step in one all-reduce: {"preempt", "nonfinite_loss", "layer"}.
 
     ``layer`` is the first MoE layer whose router produced a non-finite score on any rank, or None.
     """
-    parts = [torch.tensor([int(preempt)], dtype=torch.int32, device=device)]
+    # filled on the device: no host-to-device copy
+    parts = [torch.full((1,), int(preempt), dtype=torch.int32, device=device)]
     loss_bad = torch.zeros(1, dtype=torch.int32, device=device)
     if local_loss is not None:
         loss_bad = (~torch.isfinite(local_loss.detach().reshape(-1))).any().to(torch.int32).reshape(1)
-    parts.append(loss_bad.to(device))
+    parts.append(loss_bad)
     if routers is not None:
         parts.append(routers.flags)
     state = torch.cat(parts)

@@ -18,9 +18,15 @@ from torchtitan.components.metrics import _get_metrics_rank, MetricsProcessor as
 from torchtitan.tools.logging import logger
 
 from torchtitan_ext.ep import backend_class
+from torchtitan_ext.ep.budget import Budget
 from torchtitan_ext.metrics_file import MetricsFile
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+LOG_STEP_BUDGET = Budget(host_syncs=1, collectives=2)
+"""What :class:`ExpertParallelMetrics` costs a logged step: a sum and a max all-reduce of the counters, one host
+read of both (the training forwards only update them on the device)."""
 
 
 class ExpertParallelMetrics:
@@ -70,8 +76,10 @@ class ExpertParallelMetrics:
             sums[layer, num_experts + 2] = 1
         dist.all_reduce(sums, op=dist.ReduceOp.SUM)
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
-        *maxima, slowest_us = maxima.tolist()
-        metrics, console = self._summarize(sums.tolist(), maxima, num_experts, step)
+        values = torch.cat([sums.flatten(), maxima]).tolist()  # one host read of both
+        *maxima, slowest_us = values[sums.numel():]
+        sums = [values[layer * (num_experts + 4):(layer + 1) * (num_experts + 4)] for layer in range(num_layers)]
+        metrics, console = self._summarize(sums, maxima, num_experts, step)
         metrics["time_metrics/end_to_end_slowest_rank(s)"] = slowest_us / 1e6
         return metrics, console
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torchtitan.tools.logging import logger
 
 from torchtitan_ext.ep.base import to_device
+from torchtitan_ext.ep.kernels.calls import kernel_call
 from torchtitan_ext.ep.kernels.deepep_apis import FALLBACK_SMS
 
 
@@ -106,7 +107,8 @@ class LoadBalancingKernels:
                 "(training.mixed_precision_param)"
             )
         mapping = self._mapping(redundancy_mapping)
-        self.buffer.lb_prefetch_weights(self.weights, home.contiguous(), mapping, self.num_sms).current_stream_wait()
+        with kernel_call("deepep.lb_prefetch_weights"):
+            self.buffer.lb_prefetch_weights(self.weights, home.contiguous(), mapping, self.num_sms).current_stream_wait()
         rank = dist.get_rank(self.buffer.group)
         unused = (mapping[rank] < 0).unsqueeze(1)
         return self.weights.masked_fill(unused, 0)
@@ -115,7 +117,8 @@ class LoadBalancingKernels:
         self.gradients.copy_(grad)
         summed = torch.zeros((home_rows, grad.shape[1]), dtype=torch.float32, device=grad.device)
         mapping = self._mapping(redundancy_mapping)
-        self.buffer.lb_reduce_grads(self.gradients, summed, mapping, self.num_sms).current_stream_wait()
+        with kernel_call("deepep.lb_reduce_grads"):
+            self.buffer.lb_reduce_grads(self.gradients, summed, mapping, self.num_sms).current_stream_wait()
         return summed.to(grad.dtype)
 
 

@@ -16,6 +16,7 @@ import torch
 from torch.distributed.distributed_c10d import _get_process_group_name
 from torchtitan.tools.logging import logger
 
+from torchtitan_ext.ep.kernels.calls import kernel_call, library_work
 from torchtitan_ext.ep.ops.replicas import register_transport, ReplicaTransport
 
 FALLBACK_SMS = 20
@@ -50,26 +51,29 @@ class LegacyAPI:
     def dispatch(self, x, topk_idx, topk_weights, num_experts):
         """(recv_x, recv local expert ids (-1: not here), recv weights, per-expert counts (a host list), handle)."""
         with _deterministic_mode_accepted():
-            per_rank, per_rdma_rank, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(topk_idx, num_experts)
-            recv_x, recv_idx, recv_weights, counts, handle, _ = self.buffer.dispatch(
+            with kernel_call("deepep.get_dispatch_layout"):
+                per_rank, per_rdma_rank, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(topk_idx, num_experts)
+            # the exact receive count reaches the host as a list: the library waits for it
+            with kernel_call("deepep.dispatch", host_syncs=1):
+                recv_x, recv_idx, recv_weights, counts, handle, _ = self.buffer.dispatch(
                 x,
-                num_tokens_per_rank=per_rank,
-                num_tokens_per_rdma_rank=per_rdma_rank,
-                is_token_in_rank=in_rank,
-                num_tokens_per_expert=per_expert,
-                topk_idx=topk_idx,
-                topk_weights=topk_weights,
-            )
+                    num_tokens_per_rank=per_rank,
+                    num_tokens_per_rdma_rank=per_rdma_rank,
+                    is_token_in_rank=in_rank,
+                    num_tokens_per_expert=per_expert,
+                    topk_idx=topk_idx,
+                    topk_weights=topk_weights,
+                )
         return recv_x, recv_idx, recv_weights, counts, handle
 
     def combine(self, x, handle, topk_weights=None, asynchronous: bool = False):
         """(combined, combined weights or None, wait: lands an asynchronous combine, or None)."""
-        with _deterministic_mode_accepted():
+        with _deterministic_mode_accepted(), kernel_call("deepep.combine"):
             combined, weights, event = self.buffer.combine(x, handle, topk_weights=topk_weights, async_finish=asynchronous)
-        return combined, weights, event.current_stream_wait if asynchronous else None
+        return combined, weights, _landing(event) if asynchronous else None
 
     def cached_dispatch(self, x, handle):
-        with _deterministic_mode_accepted():
+        with _deterministic_mode_accepted(), kernel_call("deepep.cached_dispatch"):
             return self.buffer.dispatch(x, handle=handle)[0]
 
 
@@ -105,7 +109,8 @@ class ElasticAPI:
         """As :meth:`LegacyAPI.dispatch`; the counts come from the handle."""
         if self.num_sms is None:
             self.num_sms = self._sms_for(num_experts, topk_idx.shape[1])
-        with _deterministic_mode_accepted():
+        # do_cpu_sync: the exact receive count reaches the host, the library waits for it
+        with _deterministic_mode_accepted(), kernel_call("deepep.dispatch", host_syncs=1):
             recv_x, recv_idx, recv_weights, handle, _ = self.buffer.dispatch(
                 x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
                 num_sms=self.num_sms, do_cpu_sync=True,
@@ -113,14 +118,14 @@ class ElasticAPI:
         return recv_x, recv_idx, recv_weights, handle.num_recv_tokens_per_expert_list, handle
 
     def combine(self, x, handle, topk_weights=None, asynchronous: bool = False):
-        with _deterministic_mode_accepted():
+        with _deterministic_mode_accepted(), kernel_call("deepep.combine"):
             combined, weights, event = self.buffer.combine(
                 x, handle, topk_weights=topk_weights, num_sms=self.num_sms, async_with_compute_stream=asynchronous
             )
-        return combined, weights, event.current_stream_wait if asynchronous else None
+        return combined, weights, _landing(event) if asynchronous else None
 
     def cached_dispatch(self, x, handle):
-        with _deterministic_mode_accepted():
+        with _deterministic_mode_accepted(), kernel_call("deepep.cached_dispatch"):
             return self.buffer.dispatch(x, handle=handle, num_sms=handle.num_sms, do_cpu_sync=False)[0]
 
 
@@ -144,6 +149,17 @@ class EPBufferAPI(ElasticAPI):
         if self.replica_group is not None:
             register_transport(self.replica_group, None)
         super().destroy()
+
+
+def _landing(event) -> Callable[[], None]:
+    """What lands an asynchronous combine: the current stream waits for the library's event (the reference's
+    event sums its rows), the library's work."""
+
+    def land() -> None:
+        with library_work():
+            event.current_stream_wait()
+
+    return land
 
 
 def _destroy(buffer) -> None:

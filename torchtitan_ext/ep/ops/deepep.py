@@ -39,7 +39,7 @@ def deepep_combine(x: torch.Tensor, handle: DispatchHandle) -> tuple[torch.Tenso
     """
     kernels, raw = handle.value
     combined, _, wait = kernels.combine(x, raw, asynchronous=True)
-    landing = Landing(combined, wait, finishes_kernel=True)
+    landing = Landing(combined, wait)
     if recomputing():
         landing.wait()
     return combined, landing

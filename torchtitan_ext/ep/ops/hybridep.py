@@ -8,6 +8,7 @@ import torch
 
 from torchtitan_ext.ep.base import to_device
 from torchtitan_ext.ep.handle import DispatchHandle, KernelBuffer
+from torchtitan_ext.ep.kernels.calls import kernel_call
 
 
 def _library_pad(pad_multiple: int) -> int | None:
@@ -48,19 +49,22 @@ def hybridep_dispatch(
     probs = torch.zeros((num_padded_tokens, num_experts), dtype=torch.float32, device=x.device)
     probs[:num_tokens].scatter_(1, topk_idx, topk_weights.float())
     non_blocking = num_permuted_tokens >= 0
-    rows, row_probs, _, tokens_per_expert, raw = kernels.dispatch_with_permute(
-        hidden=_padded_rows(x, num_padded_tokens),
-        routing_map=routing_map,
-        probs=probs,
-        num_of_experts_per_rank=num_experts // kernels.group.size(),
-        num_permuted_tokens=num_permuted_tokens if non_blocking else None,
-        pad_multiple=_library_pad(pad_multiple),
-        non_blocking=non_blocking,
-    )
+    # blocking: the library synchronizes its stream to size the output exactly
+    with kernel_call("hybridep.dispatch_with_permute", host_syncs=0 if non_blocking else 1):
+        rows, row_probs, _, tokens_per_expert, raw = kernels.dispatch_with_permute(
+            hidden=_padded_rows(x, num_padded_tokens),
+            routing_map=routing_map,
+            probs=probs,
+            num_of_experts_per_rank=num_experts // kernels.group.size(),
+            num_permuted_tokens=num_permuted_tokens if non_blocking else None,
+            pad_multiple=_library_pad(pad_multiple),
+            non_blocking=non_blocking,
+        )
     return (
         rows,
         row_probs,
-        to_device(tokens_per_expert, x.device),  # pinned host memory in blocking mode
+        # pinned host memory in blocking mode, on the device in non-blocking mode
+        tokens_per_expert if non_blocking else to_device(tokens_per_expert, x.device),
         kernels.kept_pairs_per_expert(raw),
         DispatchHandle((kernels, raw, pad_multiple, num_tokens, num_padded_tokens)),
     )
@@ -70,7 +74,8 @@ def hybridep_dispatch(
 def hybridep_combine(x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     """Unweighted combine of the expert-major rows back to this rank's [N, H] tokens."""
     kernels, raw, pad_multiple, num_tokens, _ = handle.value
-    combined, _ = kernels.combine_with_unpermute(hidden=x, handle=raw, pad_multiple=_library_pad(pad_multiple))
+    with kernel_call("hybridep.combine_with_unpermute"):
+        combined, _ = kernels.combine_with_unpermute(hidden=x, handle=raw, pad_multiple=_library_pad(pad_multiple))
     return combined[:num_tokens].clone() if combined.shape[0] > num_tokens else combined
 
 
@@ -81,9 +86,10 @@ def hybridep_dispatch_backward(
     """Dispatch's backward: combine of the rows' gradient, with dense [N, E] probs gradients
     (empty when no probs gradient was given)."""
     kernels, raw, pad_multiple, num_tokens, _ = handle.value
-    grad_x, grad_probs_dense = kernels.combine_with_unpermute(
-        hidden=grad_rows, probs=grad_probs, handle=raw, pad_multiple=_library_pad(pad_multiple)
-    )
+    with kernel_call("hybridep.combine_with_unpermute"):
+        grad_x, grad_probs_dense = kernels.combine_with_unpermute(
+            hidden=grad_rows, probs=grad_probs, handle=raw, pad_multiple=_library_pad(pad_multiple)
+        )
     if grad_probs_dense is None:
         grad_probs_dense = grad_rows.new_empty((0,), dtype=torch.float32)
     return grad_x[:num_tokens].clone(), grad_probs_dense[:num_tokens].clone()
@@ -97,12 +103,13 @@ def hybridep_cached_dispatch(x: torch.Tensor, handle: DispatchHandle, num_rows: 
     tokens-per-expert (None) and no new handle.
     """
     kernels, raw, pad_multiple, _, num_padded_tokens = handle.value
-    rows, _, _, _, _ = kernels.dispatch_with_permute(
-        hidden=_padded_rows(x, num_padded_tokens),
-        handle=raw,
-        num_permuted_tokens=num_rows,
-        pad_multiple=_library_pad(pad_multiple),
-    )
+    with kernel_call("hybridep.dispatch_with_permute (cached)"):
+        rows, _, _, _, _ = kernels.dispatch_with_permute(
+            hidden=_padded_rows(x, num_padded_tokens),
+            handle=raw,
+            num_permuted_tokens=num_rows,
+            pad_multiple=_library_pad(pad_multiple),
+        )
     return rows
 
 

@@ -1,7 +1,8 @@
-"""The ``nccl`` backend's custom ops: the row all-to-alls of dispatch and combine, with their backward.
+"""The ``nccl`` backend's custom ops: one all-to-all of the rows in dispatch and in combine, with their backward.
 
-Registered with torch (``torchtitan_ext::nccl_dispatch``, ``nccl_combine``) when
-the backend first builds a layer, not when a config names it.
+Registered with torch (``torchtitan_ext::nccl_dispatch``, ``nccl_combine``) when the backend first builds a layer,
+not when a config names it. Rows travel in the pairs' send order, destination-major; each rank permutes what it
+receives (source-major) into its padded expert-major groups with one index copy, and back before combine.
 """
 
 import torch
@@ -10,62 +11,44 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from torchtitan_ext.ep.base import recomputing
 from torchtitan_ext.ep.in_flight import Landing
-from torchtitan_ext.ep.layout import padded_offsets
 
 
-def _exchange_groups(
-    rows: torch.Tensor,
-    out: torch.Tensor,
-    rows_layout: list[list[int]],
-    out_layout: list[list[int]],
-    rows_starts: list[int],
-    out_starts: list[int],
-    group,
-    async_op: bool = False,
-) -> list:
-    """One all-to-all per local expert e: rows[rows_starts[e]:] split by rows_layout[e]
-    (rows per peer) into out[out_starts[e]:] split by out_layout[e]. Returns their
-    works when ``async_op`` (the rows have not landed before they are waited for)."""
-    works = []
-    for e, (send, recv) in enumerate(zip(rows_layout, out_layout)):
-        source = rows.narrow(0, rows_starts[e], sum(send))
-        target = out.narrow(0, out_starts[e], sum(recv))
-        works.append(dist.all_to_all_single(target, source, recv, send, group=group, async_op=async_op))
-    return works
+def _exchange(rows: torch.Tensor, out_rows: int, out_splits: list[int], in_splits: list[int], group_name: str,
+              async_op: bool = False):
+    """One all-to-all of ``rows`` split ``in_splits`` rows per peer into ``out_rows`` rows split ``out_splits``:
+    (the rows, their work when ``async_op``: not landed before it is waited for)."""
+    out = rows.new_empty((out_rows, rows.shape[1]))
+    work = dist.all_to_all_single(out, rows, out_splits, in_splits, group=_resolve_process_group(group_name),
+                                  async_op=async_op)
+    return out, work
+
+
+def _into_groups(received: torch.Tensor, destinations: torch.Tensor, pad_rows: torch.Tensor, rows: int) -> torch.Tensor:
+    """Received rows (source-major) into ``rows`` rows of padded expert-major groups, pad rows zero."""
+    groups = received.new_empty((rows, received.shape[1])).index_copy_(0, destinations, received)
+    return groups.index_fill_(0, pad_rows, 0)
 
 
 @torch.library.custom_op("torchtitan_ext::nccl_dispatch", mutates_args=())
 def nccl_dispatch(
     rows: torch.Tensor,
-    send_counts: list[int],
-    recv_counts: list[int],
-    local_experts: int,
-    pad_multiple: int,
+    destinations: torch.Tensor,
+    pad_rows: torch.Tensor,
+    send_splits: list[int],
+    recv_splits: list[int],
+    group_rows: int,
     group_name: str,
 ) -> torch.Tensor:
-    """Rows sorted by (local expert, destination) -> this rank's padded expert-major groups.
-
-    ``send_counts[e * R + d]``: rows for destination d's expert e; ``recv_counts[e * R + s]``:
-    rows from source s for this rank's expert e.
-    """
-    layout = Layout(send_counts, recv_counts, local_experts, pad_multiple)
-    out = rows.new_empty((layout.total_rows, rows.shape[1]))
-    for start, length in layout.pad_rows:
-        out.narrow(0, start, length).zero_()
-    _exchange_groups(
-        rows, out, layout.send, layout.recv, layout.send_starts, layout.group_starts,
-        _resolve_process_group(group_name),
-    )
-    return out
+    """Rows in send order (destination-major, ``send_splits[d]`` rows for rank d) -> this rank's ``group_rows``
+    rows of padded expert-major groups: the received rows (``recv_splits[s]`` from rank s) at ``destinations``,
+    zero at ``pad_rows``."""
+    received, _ = _exchange(rows, sum(recv_splits), recv_splits, send_splits, group_name)
+    return _into_groups(received, destinations, pad_rows, group_rows)
 
 
-def _return_rows(groups: torch.Tensor, layout: "Layout", group, async_op: bool = False):
-    """The reverse of ``nccl_dispatch``: expert groups back into the sources' send order; (rows, works)."""
-    out = groups.new_empty((layout.total_sent, groups.shape[1]))
-    works = _exchange_groups(
-        groups, out, layout.recv, layout.send, layout.group_starts, layout.send_starts, group, async_op
-    )
-    return out, works
+@nccl_dispatch.register_fake
+def _(rows, destinations, pad_rows, send_splits, recv_splits, group_rows, group_name):
+    return rows.new_empty((group_rows, rows.shape[1]))
 
 
 def _sum_rows(returned: torch.Tensor, token_of_row: torch.Tensor, row_scores, num_tokens: int) -> torch.Tensor:
@@ -79,30 +62,27 @@ def _sum_rows(returned: torch.Tensor, token_of_row: torch.Tensor, row_scores, nu
 @torch.library.custom_op("torchtitan_ext::nccl_combine", mutates_args=())
 def nccl_combine(
     groups: torch.Tensor,
+    destinations: torch.Tensor,
+    pad_rows: torch.Tensor,
     token_of_row: torch.Tensor,
     row_scores: torch.Tensor | None,
     num_tokens: int,
-    send_counts: list[int],
-    recv_counts: list[int],
-    local_experts: int,
-    pad_multiple: int,
+    send_splits: list[int],
+    recv_splits: list[int],
     group_name: str,
 ) -> tuple[torch.Tensor, torch.Tensor, Landing]:
-    """Expert groups back to their sources, each token's rows summed (times ``row_scores``
-    when given) in fp32 and rounded once: (combined [N, H], returned rows in send
-    order, their landing).
+    """Expert groups back to their sources, each token's rows summed (times ``row_scores`` when given) in fp32
+    and rounded once: (combined [N, H], returned rows in send order, their landing).
 
-    Both tensors land later (``in_flight``): the all-to-alls run while the caller
-    goes on, and the first wait on ``combined`` (or on the landing) finishes them
-    and sums the rows.
+    Both tensors land later (``in_flight``): the all-to-all runs while the caller goes on, and the first wait on
+    ``combined`` (or on the landing) finishes it and sums the rows.
     """
-    layout = Layout(send_counts, recv_counts, local_experts, pad_multiple)
-    returned, works = _return_rows(groups, layout, _resolve_process_group(group_name), async_op=True)
+    returned, work = _exchange(groups.index_select(0, destinations), sum(send_splits), send_splits, recv_splits,
+                               group_name, async_op=True)
     combined = groups.new_empty((num_tokens, groups.shape[1]))
 
     def land():
-        for work in works:
-            work.wait()
+        work.wait()
         combined.copy_(_sum_rows(returned, token_of_row, row_scores, num_tokens))
 
     landing = Landing(combined, land)
@@ -112,65 +92,44 @@ def nccl_combine(
 
 
 def _dispatch_setup(ctx, inputs, output):
-    ctx.layout_args = inputs[1:]
+    _, destinations, _, send_splits, recv_splits, _, group_name = inputs
+    ctx.save_for_backward(destinations)
+    ctx.splits = send_splits, recv_splits
+    ctx.group_name = group_name
 
 
 def _dispatch_backward(ctx, grad):
-    layout = Layout(*ctx.layout_args[:4])
-    rows, _ = _return_rows(grad.contiguous(), layout, _resolve_process_group(ctx.layout_args[-1]))
-    return rows, None, None, None, None, None
+    """The groups' gradient back to the rows' ranks, in their send order."""
+    (destinations,) = ctx.saved_tensors
+    send_splits, recv_splits = ctx.splits
+    rows, _ = _exchange(grad.index_select(0, destinations), sum(send_splits), send_splits, recv_splits, ctx.group_name)
+    return rows, None, None, None, None, None, None
 
 
 def _combine_setup(ctx, inputs, output):
-    token_of_row, row_scores = inputs[1:3]
+    groups, destinations, pad_rows, token_of_row, row_scores, _, send_splits, recv_splits, group_name = inputs
     # the returned rows are needed only for the scores' gradient
-    ctx.save_for_backward(token_of_row, row_scores, None if row_scores is None else output[1])
-    ctx.layout_args = inputs[4:]
+    ctx.save_for_backward(destinations, pad_rows, token_of_row, row_scores,
+                          None if row_scores is None else output[1])
+    ctx.layout = send_splits, recv_splits, groups.shape[0], group_name
     ctx.landing = output[2]
     ctx.scores_dtype = None if row_scores is None else row_scores.dtype
-    ctx.rows_dtype = inputs[0].dtype
+    ctx.rows_dtype = groups.dtype
 
 
 def _combine_backward(ctx, grad_combined, grad_returned, grad_landing):
     ctx.landing.wait()  # the returned rows may not have landed if nothing used the output
-    token_of_row, row_scores, returned = ctx.saved_tensors
+    destinations, pad_rows, token_of_row, row_scores, returned = ctx.saved_tensors
     grad_rows = grad_combined.float().index_select(0, token_of_row)
     grad_scores = None
     if row_scores is not None:
         grad_scores = (grad_rows * returned.float()).sum(-1).to(ctx.scores_dtype)
         grad_rows = grad_rows * row_scores.float().unsqueeze(-1)
-    grad_groups = nccl_dispatch(grad_rows.to(ctx.rows_dtype), *ctx.layout_args)
-    return grad_groups, None, grad_scores, None, None, None, None, None, None
+    send_splits, recv_splits, group_rows, group_name = ctx.layout
+    grad_groups = nccl_dispatch(grad_rows.to(ctx.rows_dtype), destinations, pad_rows, send_splits, recv_splits,
+                                group_rows, group_name)
+    return grad_groups, None, None, None, grad_scores, None, None, None, None
 
 
 nccl_dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
 nccl_combine.register_autograd(_combine_backward, setup_context=_combine_setup)
-
-
-class Layout:
-    """Split sizes and offsets of one dispatch (host integers)."""
-
-    def __init__(self, send_counts, recv_counts, local_experts, pad_multiple):
-        ep_degree = len(send_counts) // local_experts
-        self.send = [send_counts[e * ep_degree : (e + 1) * ep_degree] for e in range(local_experts)]
-        self.recv = [recv_counts[e * ep_degree : (e + 1) * ep_degree] for e in range(local_experts)]
-        self.send_starts = _starts([sum(counts) for counts in self.send])
-        self.total_sent = sum(send_counts)
-        per_expert = torch.tensor([sum(counts) for counts in self.recv])
-        padded, offsets = padded_offsets(per_expert, pad_multiple)
-        self.group_starts = offsets.tolist()
-        self.padded_counts = padded
-        self.total_rows = int(padded.sum())
-        self.pad_rows = [
-            (start + count, pad - count)
-            for start, count, pad in zip(self.group_starts, per_expert.tolist(), padded.tolist())
-            if pad > count
-        ]
-
-
-def _starts(lengths: list[int]) -> list[int]:
-    starts, total = [], 0
-    for length in lengths:
-        starts.append(total)
-        total += length
-    return starts

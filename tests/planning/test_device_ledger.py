@@ -1,0 +1,78 @@
+"""The device-cost ledger: it counts what it claims (a known host sync, collective, copy), and every backend stays
+within the budget it declares, per MoE layer and pass, under every activation-checkpointing mode."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.helpers import run_distributed
+from tests.models.gradient_cases import Cell, ledger_worker, MATRIX_VARIANTS
+from torchtitan_ext.planning.device_ledger import DeviceCostCounter, Ledger, OUTSIDE
+
+AC_MODES = {
+    "ac_none": (),
+    "ac_full": ("--activation_checkpoint.mode", "full"),
+    "ac_selective_op": ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"),
+}
+VARIANTS = (*MATRIX_VARIANTS, "deepep_legacy")
+CELLS = [
+    Cell(f"ledger_{ac}", "deepseek_v3", backend, 2, ("--parallelism.expert_parallel_degree", "2", *args), grouped_mm=True)
+    for backend in VARIANTS for ac, args in AC_MODES.items()
+]
+
+
+@pytest.fixture
+def world_of_one():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_a_known_sync_collective_and_copy_are_counted_once(world_of_one):
+    """So that a budget cannot be met by counting nothing; and what only reads host data is not a sync."""
+    device_tensor = torch.arange(4)
+    with DeviceCostCounter() as counter:
+        device_tensor.sum().item()
+        counts = device_tensor.cpu()
+        counts.tolist()  # host data: no wait
+        dist.all_reduce(device_tensor)
+        torch.tensor([1, 2], device="cpu")  # Python data to the device: a blocking copy
+    (costs,) = counter.costs.values()
+    assert sorted(kind.split(" at ")[0] for kind in costs.host_syncs.elements()) == ["Tensor.cpu", "Tensor.item"]
+    assert [(kind, size) for kind, _, size, _, _ in costs.collectives] == [("allreduce", 1)]
+    assert sum(costs.h2d_copies.values()) == 1 and all(kind.startswith("blocking") for kind in costs.h2d_copies)
+
+
+def test_an_output_shape_read_from_device_values_is_a_sync_and_a_given_one_is_not():
+    device_values = torch.tensor([0, 2, 0, 3])  # made before the count: device memory
+    with DeviceCostCounter() as counter:
+        device_values.nonzero()
+        torch.repeat_interleave(device_values, device_values, output_size=5)
+        torch.repeat_interleave(device_values, device_values)
+    (costs,) = counter.costs.values()
+    assert sorted(kind.split(" at ")[0] for kind in costs.host_syncs.elements()) == [
+        "aten.nonzero (output shape from device values)", "aten.repeat_interleave (output shape from device values)"]
+
+
+@pytest.fixture(scope="module")
+def ledgers():
+    return run_distributed(2, ledger_worker, CELLS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cell", CELLS, ids=lambda cell: cell.id)
+def test_every_moe_layer_stays_within_its_backends_budget(ledgers, cell):
+    ledger = ledgers[0][cell.id]
+    for rank in ledgers[1:]:
+        for scope, paid in rank[cell.id].costs.items():
+            ledger.costs[scope] = ledger.costs[scope].merged(paid) if scope in ledger.costs else paid
+    assert ledger.over_budget() == []
+    # every MoE layer was counted, forward and backward, and paid the backend's collectives
+    assert ledger.layers() == [1, 2, 3]
+    for layer in ledger.layers():
+        for phase in ("forward", "backward"):
+            paid = ledger.costs[layer, phase].collective_count(ledger.ep_group)
+            assert paid == ledger.budget.of(phase).collectives, (layer, phase)
+        recompute = ledger.costs.get((layer, "recompute"))
+        assert (recompute is not None) == ("ac_none" not in cell.name), layer
+    assert (OUTSIDE, "step") in ledger.costs

@@ -1,0 +1,45 @@
+"""What one MoE layer may cost a GPU per training step: the budget each backend and feature declares, and the
+device-cost ledger (:mod:`torchtitan_ext.planning.device_ledger`) holds it to."""
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Host syncs, collectives and host-to-device copies of one pass of one MoE layer."""
+
+    host_syncs: int = 0
+    """Times the host waits for the device (the kernel library's included)."""
+    collectives: int = 0
+    """Collectives issued on the EP group, and calls into a kernel library (which move tokens between ranks)."""
+    h2d_copies: int = 0
+    """Host-to-device copies, each from pinned memory without making the host wait (a blocking one: never)."""
+
+    def __add__(self, other: "Budget") -> "Budget":
+        return Budget(self.host_syncs + other.host_syncs, self.collectives + other.collectives,
+                      self.h2d_copies + other.h2d_copies)
+
+
+@dataclass(frozen=True)
+class DeviceBudget:
+    """One MoE layer's budget per training step, forward and backward apart, with the reason for each cost.
+
+    Activation checkpointing's recompute repeats the forward, less what selective checkpointing saves: the
+    collectives of the backend's ops on its save list (:meth:`recompute`).
+    """
+
+    forward: Budget
+    backward: Budget
+    why: str
+    """What the costs are, in one line (reports quote it)."""
+
+    def __add__(self, other: "DeviceBudget") -> "DeviceBudget":
+        return DeviceBudget(self.forward + other.forward, self.backward + other.backward, f"{self.why}; {other.why}")
+
+    def recompute(self, saves_collectives: bool) -> Budget:
+        """The recompute pass's budget: the forward's, without its collectives where selective checkpointing saves
+        the ops that issue them (``saves_collectives``)."""
+        return replace(self.forward, collectives=0) if saves_collectives else self.forward
+
+    def of(self, phase: str, saves_collectives: bool = False) -> Budget:
+        return {"forward": self.forward, "backward": self.backward}.get(phase) or self.recompute(saves_collectives)

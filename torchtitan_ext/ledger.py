@@ -1,0 +1,49 @@
+"""What one training step of a job pays a GPU, per MoE layer and pass: the device-cost ledger.
+
+    python -m torchtitan_ext.ledger --job.config_file X [overrides] [--world-size N] [--markdown FILE]
+
+Runs the job's first two steps on this machine (N processes; gloo on a CPU) and counts the second under
+:class:`~torchtitan_ext.planning.device_ledger.DeviceCostCounter`: host syncs, host-to-device copies, collectives
+(kind, group, bytes), kernel-library calls, local bytes and weight copies, per MoE layer and pass, against the
+budget its backend and features declare. It counts calls, not time: a CPU run gives the counts a GPU run pays.
+Exit status 1 when a layer is over its budget.
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from torchtitan_ext.config import ConfigError, job_world_size, load_job_config, parse
+from torchtitan_ext.planning.device_ledger import count_step, format_ledger
+from torchtitan_ext.runtime import device_type
+from torchtitan_ext.training import prepare
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, help="ranks in the job (default: NGPU, else the config's degrees)")
+    parser.add_argument("--markdown", type=Path, help="also append the table, with the command, to this file")
+    args, train_args = parser.parse_known_args(argv)
+    prepare()
+    device = device_type()
+    try:
+        world_size = job_world_size(parse(train_args), args.world_size)
+        load_job_config(train_args, device, world_size)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    command = "python -m torchtitan_ext.ledger " + " ".join(argv if argv is not None else sys.argv[1:])
+    print(f"[ledger] {world_size} processes on {device}: step 1 builds what a job builds once, step 2 is counted",
+          flush=True)
+    ledger = count_step(train_args, world_size, device)
+    table = format_ledger(ledger, f"Device-cost ledger ({time.strftime('%Y-%m-%d')}): `{command}`")
+    print(table)
+    if args.markdown is not None:
+        with open(args.markdown, "a") as f:
+            f.write("\n" + table)
+    return 1 if ledger.over_budget() else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
