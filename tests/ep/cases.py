@@ -315,7 +315,8 @@ class CollectiveCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)
-        if func.namespace == "torchtitan_ext" or (
+        # count_once only adds to the device counters (and not while recomputing)
+        if (func.namespace == "torchtitan_ext" and "count_once" not in name) or (
             func.namespace in ("c10d", "_c10d_functional") and any(c in name for c in _COLLECTIVES)
         ):
             self.count += 1

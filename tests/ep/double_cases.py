@@ -9,6 +9,7 @@ library. The backends then run exactly the code they run on a cluster with
 import os
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -16,7 +17,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 from tests.ep.cases import _experts, _rank_slice, Case, global_inputs, make_style, run_backend
-from tests.ep.host_sync import HostSyncCounter
 
 DOUBLE_DIR = Path(__file__).resolve().parent / "deep_ep_double"
 
@@ -35,10 +35,10 @@ def stand_in_cuda_home() -> Path:
 LIBRARY_BACKENDS = {
     "main": ("deepep", "deepep_legacy"),
     "hybrid-ep": ("deepep_legacy", "hybridep", "hybridep_non_blocking"),
-    "v2.5": ("deepep",),
+    "v2.5": ("deepep_ep",),
 }
-"""What each build of the library serves: main has the V2 and v1 APIs, the hybrid-ep branch v1 and HybridEP,
-V2.5 its EPBuffer only (``deepep``'s default API there)."""
+"""What each build of the library serves (backend variants): main has the V2 and v1 APIs, the hybrid-ep branch v1
+and HybridEP, V2.5 its EPBuffer only."""
 
 DROPPING_FACTOR = 0.3
 """A non-blocking capacity factor at which the double's cases drop pairs."""
@@ -137,28 +137,40 @@ def fp32_worker(rank: int, ep: int, build: str, case: Case) -> dict:
     return errors
 
 
-def host_sync_worker(rank: int, ep: int, build: str | None, case: Case, inject: str | None = None) -> dict:
-    """Host syncs and collectives in one MoE layer's forward + backward, per backend, counted
-    by :class:`tests.ep.host_sync.HostSyncCounter` (the library's own syncs apart).
+def waits_and_collectives(counter) -> dict[str, int]:
+    """What a device-cost count saw that makes a GPU wait or communicate: host syncs, blocking host-to-device
+    copies and collectives by kind."""
+    events = Counter()
+    for costs in counter.costs.values():
+        events.update(kind.split(" at ")[0] for kind in costs.host_syncs.elements())
+        events.update(kind.split(" at ")[0] for kind in costs.h2d_copies.elements() if kind.startswith("blocking"))
+        events.update(kind for kind, *_ in costs.collectives)
+    return dict(events)
+
+
+def host_sync_worker(rank: int, ep: int, build: str, case: Case, inject: str | None = None) -> dict:
+    """Per backend the build serves: one MoE layer's forward + backward counted by the device-cost ledger's
+    counter (:class:`~torchtitan_ext.planning.device_ledger.DeviceCostCounter`), with the host syncs the double
+    reports the library making, and the backend's budget for the layer (forward and backward together).
 
     The experts are torchtitan's grouped GEMM, which reads nothing on the host.
     ``inject``: a backend whose dispatch op reads a device scalar inside its body (the counter's control).
     """
     from tests.ep.cases import Routing
+    from torchtitan_ext.config import parse
+    from torchtitan_ext.ep.backends import backend_variants, BACKENDS
+    from torchtitan_ext.planning.device_ledger import DeviceCostCounter
 
-    backends = ("nccl",)
-    implementation = "reference"
-    if build is not None:
-        use_double(build)
-        backends = LIBRARY_BACKENDS[build]
-        implementation = "deep_ep"
+    use_double(build)
+    from deep_ep import _double
+
     mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
     inputs = global_inputs(case)
     rows = _rank_slice(rank, case, ep)
     results = {}
-    for backend in backends:
+    for backend in LIBRARY_BACKENDS[build]:
         experts = _experts(case, inputs, grouped_mm=True).to(torch.bfloat16)
-        style = make_style(backend, case, ep, implementation=implementation)
+        style = make_style(backend, case, ep, implementation="deep_ep")
         parallelize_module(experts, mesh, style)
         if inject == backend:
             import torchtitan_ext.ep.ops.hybridep as hybridep
@@ -174,11 +186,17 @@ def host_sync_worker(rank: int, ep: int, build: str | None, case: Case, inject: 
         x = inputs["x"][rows].to(torch.bfloat16).requires_grad_()
         scores = inputs["scores"][rows].clone().requires_grad_()
         experts(x, Routing(scores, inputs["ids"][rows])).sum().backward()  # builds the buffer outside the count
-        counter = HostSyncCounter()
-        with counter:
+        reported = []
+        _double.LISTENERS.append(reported.append)
+        with DeviceCostCounter() as counter:
             out = experts(x, Routing(scores, inputs["ids"][rows]))
             out.backward(inputs["grad_out"][rows].to(torch.bfloat16))
-        results[backend] = {"events": dict(counter.events), "library_syncs": counter.library_syncs}
+        _double.LISTENERS.remove(reported.append)
+        args = backend_variants()[backend]
+        budget = BACKENDS[args[1]].device_budget(parse(args))
+        (costs,) = counter.costs.values()
+        results[backend] = {"costs": costs, "double_syncs": reported.count("host_sync"),
+                            "budget": budget.forward + budget.backward}
     return results
 
 
@@ -278,6 +296,7 @@ def lb_fetch_worker(rank: int, ep: int) -> dict:
     from torchtitan_ext.ep.replica_split import replica_ops
     from torchtitan_ext.ep.replicated_experts import exchange_arguments, redundancy_mapping
     from torchtitan_ext.ep.replication import ReplicaPlan
+    from torchtitan_ext.planning.device_ledger import DeviceCostCounter
 
     calls = []
     for name in ("lb_prefetch_weights", "lb_reduce_grads"):
@@ -289,13 +308,13 @@ def lb_fetch_worker(rank: int, ep: int) -> dict:
     def run() -> dict:
         del calls[:]
         home = torch.arange(2 * 16, dtype=torch.bfloat16).view(2, 16).add(100 * rank).requires_grad_()
-        counter = HostSyncCounter()
+        counter = DeviceCostCounter()
         with counter:
             fetched = replica_ops().replica_weights(
                 home, *exchange_arguments(plan, rank), redundancy_mapping(plan), 2, _get_process_group_name(group)
             )
             (fetched * torch.tensor([[1.0], [10.0]], dtype=torch.bfloat16)).sum().backward()
-        return {"fetched": fetched.detach().float(), "grad": home.grad.float(), "events": dict(counter.events),
+        return {"fetched": fetched.detach().float(), "grad": home.grad.float(), "events": waits_and_collectives(counter),
                 "lb_calls": list(calls)}
 
     import logging

@@ -2,14 +2,15 @@
 
 These run only on CUDA machines; elsewhere they are skipped with the reason
 (tests/ep/test_deep_ep_double.py runs the same adapters against a double of the
-library on every machine). On a cluster with DeepEP built (main at v2.1 for
+library on every machine). On one GPU every backend runs at EP = 1, DeepEP and
+HybridEP on the reference kernels. On a cluster with DeepEP built (main at v2.1 for
 the V2 and v1 APIs; V2.5 for EPBuffer; its hybrid-ep branch for HybridEP, one
 build at a time):
 
     ./test.sh -m "deep_ep or gpu" -rs
 
 DeepEP's kernels take bf16 activations, so the comparison with the fp32
-dense MoE uses bf16 tolerances; the nccl run on one GPU stays in fp32.
+dense MoE uses bf16 tolerances; the runs on one GPU stay in fp32.
 Every rank's result of every case is compared: outputs, and the gradients of
 tokens, scores and expert weights.
 """
@@ -17,7 +18,7 @@ tokens, scores and expert weights.
 import pytest
 import torch
 
-from tests.ep.cases import cases_for, conformance_worker, dense_moe, global_inputs
+from tests.ep.cases import BACKENDS, cases_for, conformance_worker, dense_moe, global_inputs
 from tests.helpers import run_distributed
 from torchtitan_ext.ep.kernels import deep_ep_unavailable_reason
 
@@ -63,9 +64,11 @@ def test_real_library_matches_dense_moe(backend, library, class_name):
 
 
 @pytest.mark.gpu
-def test_nccl_backend_on_one_gpu():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_backend_on_one_gpu(backend):
+    """nccl, and the reference kernels standing for DeepEP and HybridEP, on CUDA tensors in a NCCL group of one."""
     if not torch.cuda.is_available():
         # Skipped, not passed: NCCL needs a CUDA device; the CPU suite covers the same code over gloo.
         pytest.skip("no CUDA device")
-    results = run_distributed(1, conformance_worker, ("nccl",), "reference", "cuda", torch.float32, device="cuda")
-    _compare(results, "nccl", 1, dict(rtol=1e-4, atol=1e-4))
+    results = run_distributed(1, conformance_worker, (backend,), "reference", "cuda", torch.float32, device="cuda")
+    _compare(results, backend, 1, dict(rtol=1e-4, atol=1e-4))

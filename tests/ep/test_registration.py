@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import REPO_ROOT
 
 PROBE = """

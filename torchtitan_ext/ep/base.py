@@ -95,10 +95,10 @@ def scale_rows(rows: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
 class DispatchStats:
     """One MoE layer's dispatches since the last read, counted on the device.
 
-    Updated in training forwards without host syncs (scatter-adds into
-    fixed-size tensors); evaluation forwards (``counting`` off) and
-    activation-checkpoint recomputation are skipped. Read once per logged step
-    (:meth:`read_and_reset`).
+    Updated in training forwards without host syncs (index-adds into
+    fixed-size tensors, by :func:`~torchtitan_ext.ep.ops.counting.count_once`, which skips
+    activation checkpointing's recompute, compiled or not); evaluation forwards (``counting``
+    off) are skipped. Read once per logged step (:meth:`read_and_reset`).
     """
 
     def __init__(self):
@@ -113,36 +113,34 @@ class DispatchStats:
         (HybridEP): the pairs routed to them less the dropped ones. The dropped pairs are the routed
         pairs less the kept ones, summed over all ranks at the log step."""
 
-    def _counts(self) -> bool:
-        return self.counting and not recomputing()
+    @staticmethod
+    def _count(total: torch.Tensor | None, size: int, index: torch.Tensor | None, values: torch.Tensor) -> torch.Tensor:
+        """``total`` (zeros of ``size`` when None) with ``values`` added (at ``index``) unless recomputing."""
+        from torchtitan_ext.ep.ops.counting import count_once
+
+        if total is None:
+            total = torch.zeros(size, dtype=torch.int64, device=values.device)
+        count_once(total, index, values.detach())
+        return total
 
     def record_routing(self, expert_ids: torch.Tensor, num_experts: int) -> None:
-        if not self._counts():
-            return
-        with torch.no_grad():
-            if self.routed_per_expert is None:
-                self.routed_per_expert = torch.zeros(num_experts, dtype=torch.int64, device=expert_ids.device)
+        if self.counting:
             flat = expert_ids.reshape(-1)
-            self.routed_per_expert.scatter_add_(0, flat, torch.ones_like(flat))
+            self.routed_per_expert = self._count(self.routed_per_expert, num_experts, flat, torch.ones_like(flat))
 
     def record_rows(self, rows_per_expert: torch.Tensor) -> None:
-        if self._counts():
-            self.received_rows = _accumulate(self.received_rows, rows_per_expert.detach().sum())
+        if self.counting:
+            self.received_rows = self._count(self.received_rows, 1, None, rows_per_expert.sum().view(1))
 
     def record_kept(self, kept_per_local_expert: torch.Tensor) -> None:
-        if self._counts():
-            self.kept_pairs = _accumulate(self.kept_pairs, kept_per_local_expert.detach().sum())
+        if self.counting:
+            self.kept_pairs = self._count(self.kept_pairs, 1, None, kept_per_local_expert.sum().view(1))
 
     def read_and_reset(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """(routed per expert, received rows, kept pairs) since the last read; None if nothing happened."""
+        """(routed per expert [E], received rows [1], kept pairs [1]) since the last read; None if nothing happened."""
         counters = (self.routed_per_expert, self.received_rows, self.kept_pairs)
         self.routed_per_expert = self.received_rows = self.kept_pairs = None
         return counters
-
-
-def _accumulate(total: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
-    value = value.to(torch.int64)
-    return value.clone() if total is None else total.add_(value)
 
 
 _created_buffers: "weakref.WeakSet[SharedKernelBuffer]" = weakref.WeakSet()

@@ -202,6 +202,7 @@ class _DeepEPDispatchState:
     pair_scores: torch.Tensor | None
     num_received: int
     top_k: int
+    num_tokens: int
 
 
 class DeepEPExpertParallel(RoutedExpertParallel):
@@ -443,6 +444,7 @@ class DeepEPExpertParallel(RoutedExpertParallel):
             destinations=destinations,
             pair_scores=None if self.score_before_experts else pair_scores,
             num_received=num_received,
+            num_tokens=x.shape[0],
             top_k=top_k,
         )
         return routed, to_device(padded, x.device)
@@ -457,6 +459,6 @@ class DeepEPExpertParallel(RoutedExpertParallel):
         partial_rows = rows.new_zeros((state.num_received, rows.shape[1])).index_add(
             0, state.pair_order // state.top_k, rows
         )
-        combined, landing = deepep_combine(partial_rows.to(routed_output.dtype), state.handle)
-        landing.what = self.collective_name("combine")
+        combined, _ = deepep_combine(partial_rows.to(routed_output.dtype), state.handle, state.num_tokens,
+                                     self.collective_name("combine"))
         return in_flight(combined)

@@ -102,6 +102,7 @@ class _HybridEPDispatchState:
     handle: DispatchHandle
     row_probs: torch.Tensor | None
     """Probs of the rows, when they multiply the expert outputs."""
+    num_tokens: int
 
 
 PUBLISHED_RATES = (
@@ -453,13 +454,13 @@ class HybridEPExpertParallel(RoutedExpertParallel):
             )
         rows, row_probs, tokens_per_expert, kept_per_expert, handle = hybridep_dispatch(
             x, expert_ids, scores.float(), self.buffer.get(group, x),
-            num_experts, num_rows, self.pad_multiple, self.max_tokens_per_rank,
+            num_experts, num_experts // ep_degree, num_rows, self.pad_multiple, self.max_tokens_per_rank,
         )
         self.stats.record_kept(kept_per_expert)
         if self.score_before_experts:
             rows = scale_rows(rows, row_probs)
         self._pending = _HybridEPDispatchState(
-            handle=handle, row_probs=None if self.score_before_experts else row_probs
+            handle=handle, row_probs=None if self.score_before_experts else row_probs, num_tokens=num_tokens
         )
         return rows, tokens_per_expert
 
@@ -469,4 +470,4 @@ class HybridEPExpertParallel(RoutedExpertParallel):
         state = self._take_pending()
         if state.row_probs is not None:
             routed_output = scale_rows(routed_output, state.row_probs)
-        return hybridep_combine(routed_output, state.handle)
+        return hybridep_combine(routed_output, state.handle, state.num_tokens)

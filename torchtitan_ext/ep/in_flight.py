@@ -36,13 +36,21 @@ class Landing(OpaqueBase):
     the outputs they use.
     """
 
-    def __init__(self, tensor: torch.Tensor, land: Callable[[], None]):
-        """``land`` makes ``tensor`` valid; it runs at the first wait (on ``tensor`` or this landing)."""
+    def __init__(self, tensor: torch.Tensor, land: Callable[[], None], what: str = "an MoE layer's combine"):
+        """``land`` makes ``tensor`` valid; it runs at the first wait (on ``tensor`` or this landing). ``what``: what
+        it completes, for error messages ("MoE layer 3 combine (NcclExpertParallel)")."""
         self._tensor: torch.Tensor | None = tensor
         self._land = land
-        self.what = "an MoE layer's combine"
-        """What this landing completes, for error messages (the backend names its layer)."""
+        self.what = what
         _register_work(tensor, _LandingWork(self))
+
+    @classmethod
+    def traced(cls, what: str) -> "Landing":
+        """The landing a combine op's fake implementation returns while it is traced: no tensor, nothing to land."""
+        landing = cls.__new__(cls)
+        landing._tensor = landing._land = None
+        landing.what = what
+        return landing
 
     def wait(self) -> None:
         """Land now if nothing has yet (also releases the tensor's entry in c10d's work registry)."""

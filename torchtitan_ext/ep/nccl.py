@@ -127,7 +127,7 @@ class NcclExpertParallel(RoutedExpertParallel):
             send_counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
             send_counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
             # recv_counts[s * L + e]: rows from source s for this rank's expert e
-            recv_counts = all_to_all_single(send_counts, None, None, group=group)
+            recv_counts = all_to_all_single(send_counts, None, None, group=group.group_name)
             received = recv_counts.view(ep_degree, local_experts)
             rows_per_expert = round_up(received.sum(0), self.pad_multiple)
             # split sizes must be on the host: one device-to-host sync, as in torchtitan
@@ -158,9 +158,8 @@ class NcclExpertParallel(RoutedExpertParallel):
         from torchtitan_ext.ep.ops.nccl import nccl_combine
 
         state = self._take_pending()
-        combined, _, landing = nccl_combine(
+        combined, _, _ = nccl_combine(
             routed_output, state.destinations, state.pad_rows, state.token_of_row, state.row_scores,
-            state.num_tokens, state.send_splits, state.recv_splits, group.group_name,
+            state.num_tokens, state.send_splits, state.recv_splits, group.group_name, self.collective_name("combine"),
         )
-        landing.what = self.collective_name("combine")
         return in_flight(combined)

@@ -23,7 +23,9 @@ import os
 import re
 import sys
 import threading
+from unittest.mock import patch
 from collections import Counter, defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -306,8 +308,13 @@ class DeviceCostCounter(TorchDispatchMode):
 
         def to(tensor, *args, **kwargs):
             moves = any(isinstance(a, (torch.device, str)) for a in args) or "device" in kwargs
-            result = original_to(tensor, *args, **kwargs)
-            if not moves or calls.inside_kernel():
+            # a tensor subclass's own .to (the double's pinned memory) calls it again: the outermost call counts
+            counter._reading.depth = getattr(counter._reading, "depth", 0) + 1
+            try:
+                result = original_to(tensor, *args, **kwargs)
+            finally:
+                counter._reading.depth -= 1
+            if not moves or calls.inside_kernel() or counter._reading.depth:
                 return result
             if counter.host_is_device:
                 # on a CPU a copy asked non-blocking is one from host memory, pinned (to_device's, whose tensor may
@@ -477,6 +484,121 @@ def count_step(train_args: list[str], world_size: int, device_type: str = "cpu")
                   saves_collectives=ac.mode == "selective" and ac.selective_ac_option == "op")
 
 
+def count_moe_call(job_config, shape, call, group, sync_debug: bool = False) -> dict[str, Costs]:
+    """{"forward": costs, "backward": costs} of one MoE call of the job's backend in ``group`` (its dispatch and
+    combine, the experts as the identity; ``call``: a :class:`~torchtitan_ext.planning.local_traffic.MoECall` on
+    the group's device), counted after one that builds what a job builds once.
+
+    ``sync_debug`` (CUDA): the passes whose budget has no host sync run under ``torch.cuda.set_sync_debug_mode
+    ("error")`` outside the kernel library's calls, so that a sync the count missed fails them."""
+    from torchtitan_ext.planning.local_traffic import backend_forward
+
+    backend = backend_class(job_config)
+    budget = backend.device_budget(job_config)
+    style = backend.layer_factory(job_config, shape)(score_before_experts=False)
+    backend_forward(style, call, shape, group).float().sum().backward()
+    device_type = call.x.device.type
+    costs = {}
+    out = None
+    for phase in ("forward", "backward"):
+        counter = DeviceCostCounter(device_type=device_type)
+        checking = sync_debug and getattr(budget, phase).host_syncs == 0
+        with counter, _sync_errors(checking):
+            if phase == "forward":
+                out = backend_forward(style, call, shape, group).float()
+                out = out + 0  # lands an in-flight combine inside the pass
+            else:
+                out.sum().backward()
+        costs[phase] = counter.costs[OUTSIDE, "step"]
+    return costs
+
+
+def count_job_moe_call(job_config) -> dict[str, Costs]:
+    """{"forward", "backward": costs} of one MoE call of the job's backend at the job's per-rank shape (tokens per
+    rank, experts, top-k), in a gloo group of this process alone: for a job this machine cannot run (its model, its
+    ranks). Counts of host syncs, copies, collectives and kernel calls are a group's of any size (each backend
+    issues the same calls at every EP degree); bytes grow with the hidden size and the rest does not, so they are
+    counted at two small hidden sizes and extended to the job's, as the local traffic is
+    (:func:`~torchtitan_ext.planning.local_traffic.counted_hidden_sizes`)."""
+    from dataclasses import replace
+
+    from torchtitan.config import TORCH_DTYPE_MAP
+
+    from torchtitan_ext.config import moe_shape
+    from torchtitan_ext.ep.replication import dispatched_shape
+    from torchtitan_ext.planning.local_traffic import counted_hidden_sizes, MoECall
+
+    shape = dispatched_shape(job_config, moe_shape(job_config))
+    dtype = TORCH_DTYPE_MAP[job_config.training.mixed_precision_param]
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        counted = []
+        for hidden in counted_hidden_sizes(shape):
+            small = replace(shape, hidden_dim=hidden)
+            call = MoECall.random(small, shape.max_tokens_per_rank, dtype)
+            with patch.dict(os.environ):  # a buffer exports its library's environment, a rank's, not ours
+                counted.append(count_moe_call(job_config, small, call, dist.group.WORLD))
+    finally:
+        if created:
+            dist.destroy_process_group()
+    (low, high), (at_low, at_high) = counted_hidden_sizes(shape), counted
+
+    def extended(a: int, b: int) -> int:
+        return round(a + (b - a) * (shape.hidden_dim - low) / (high - low))
+
+    costs = {}
+    for phase, small in at_low.items():
+        large = at_high[phase]
+        collectives = [(kind, group, size, extended(sent, sent_high), caller)
+                       for (kind, group, size, sent, caller), (*_, sent_high, _) in zip(small.collectives,
+                                                                                        large.collectives)]
+        costs[phase] = Costs(small.host_syncs, small.h2d_copies, collectives, small.kernel_calls,
+                             extended(small.local_bytes, large.local_bytes),
+                             extended(small.largest_weight_copy, large.largest_weight_copy))
+    return costs
+
+
+EVERY_LAYER = "every MoE layer"
+"""The layer a per-rank-shape count stands for: every MoE layer of the job pays alike."""
+
+
+def moe_call_ledger(job_config) -> Ledger:
+    """:func:`count_job_moe_call` as a :class:`Ledger` of one MoE layer (:data:`EVERY_LAYER`), against the job's
+    budget (no activation checkpointing's recompute: one call is counted)."""
+    costs = {(EVERY_LAYER, phase): paid for phase, paid in count_job_moe_call(job_config).items()}
+    group = next((c[1] for paid in costs.values() for c in paid.collectives), "0")
+    return Ledger(costs, group, job_budget(job_config), saves_collectives=False)
+
+
+@contextmanager
+def _sync_errors(enabled: bool):
+    """CUDA's sync debug mode at "error" while enabled, except inside a kernel library's calls (the reference
+    kernels that stand for a library sync where the library does not)."""
+    if not enabled:
+        yield
+        return
+    work = calls.library_work
+
+    @contextmanager
+    def library_work_unchecked():
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            with work():
+                yield
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    calls.library_work = library_work_unchecked
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        calls.library_work = work
+
+
 def step_budgets() -> dict[str, Budget]:
     """What the features outside the MoE layers declare a (logged) step costs them, by the file of their code."""
     from torchtitan_ext.training import faults, metrics
@@ -517,7 +639,8 @@ def format_ledger(ledger: Ledger, title: str) -> str:
         else:
             groups.append(([layer], signature))
     for members, _ in groups:
-        name = f"MoE layer{'s' if len(members) > 1 else ''} {', '.join(map(str, members))}"
+        name = members[0] if isinstance(members[0], str) else (
+            f"MoE layer{'s' if len(members) > 1 else ''} {', '.join(map(str, members))}")
         for phase in PASSES:
             costs = ledger.costs.get((members[0], phase))
             if costs is not None:
@@ -578,7 +701,8 @@ def _caller() -> str:
         path = frame.f_code.co_filename
         for package in ("torchtitan_ext", "torchtitan"):
             marker = f"/{package}/"
-            if marker in path and not path.endswith("device_ledger.py"):
+            # to_device is the helper of every such copy: its caller is the place
+            if marker in path and not path.endswith("device_ledger.py") and frame.f_code.co_name != "to_device":
                 return f"{package}/{path.rsplit(marker, 1)[1]}:{frame.f_lineno}"
         frame = frame.f_back
     return "torch"

@@ -193,12 +193,13 @@ def _host_padding(group_alignment: int):
         tt_moe_utils.generate_permute_indices, tt_moe_utils.TOKEN_GROUP_ALIGN_SIZE_M = saved
 
 
-def backend_forward(style, call: MoECall, shape: MoEShape) -> torch.Tensor:
-    """One MoE call's dispatch and combine through ``style`` (a backend's layer) in the default process group,
-    the experts as the identity."""
+def backend_forward(style, call: MoECall, shape: MoEShape, group=None) -> torch.Tensor:
+    """One MoE call's dispatch and combine through ``style`` (a backend's layer) in ``group`` (default: the default
+    process group), the experts as the identity."""
+    group = group or dist.group.WORLD
     rows, _ = style.dispatch(call.x.detach().requires_grad_(), call.scores.detach().requires_grad_(),
-                             call.expert_ids, shape.num_experts, dist.group.WORLD)
-    return style.combine(rows, dist.group.WORLD)
+                             call.expert_ids, shape.num_experts, group)
+    return style.combine(rows, group)
 
 
 def _counted(forward, tokens: int, hidden: int) -> tuple[int, int, int, int]:

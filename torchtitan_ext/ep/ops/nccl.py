@@ -70,9 +70,11 @@ def nccl_combine(
     send_splits: list[int],
     recv_splits: list[int],
     group_name: str,
+    what: str,
 ) -> tuple[torch.Tensor, torch.Tensor, Landing]:
     """Expert groups back to their sources, each token's rows summed (times ``row_scores`` when given) in fp32
-    and rounded once: (combined [N, H], returned rows in send order, their landing).
+    and rounded once: (combined [N, H], returned rows in send order, their landing, which names the combine
+    ``what`` in its errors).
 
     Both tensors land later (``in_flight``): the all-to-all runs while the caller goes on, and the first wait on
     ``combined`` (or on the landing) finishes it and sums the rows.
@@ -85,10 +87,17 @@ def nccl_combine(
         work.wait()
         combined.copy_(_sum_rows(returned, token_of_row, row_scores, num_tokens))
 
-    landing = Landing(combined, land)
+    landing = Landing(combined, land, what)
     if recomputing():
         landing.wait()
     return combined, returned, landing
+
+
+@nccl_combine.register_fake
+def _(groups, destinations, pad_rows, token_of_row, row_scores, num_tokens, send_splits, recv_splits, group_name,
+      what):
+    combined = groups.new_empty((num_tokens, groups.shape[1]))
+    return combined, groups.new_empty((sum(send_splits), groups.shape[1])), Landing.traced(what)
 
 
 def _dispatch_setup(ctx, inputs, output):
@@ -107,7 +116,7 @@ def _dispatch_backward(ctx, grad):
 
 
 def _combine_setup(ctx, inputs, output):
-    groups, destinations, pad_rows, token_of_row, row_scores, _, send_splits, recv_splits, group_name = inputs
+    groups, destinations, pad_rows, token_of_row, row_scores, _, send_splits, recv_splits, group_name, _ = inputs
     # the returned rows are needed only for the scores' gradient
     ctx.save_for_backward(destinations, pad_rows, token_of_row, row_scores,
                           None if row_scores is None else output[1])
@@ -128,7 +137,7 @@ def _combine_backward(ctx, grad_combined, grad_returned, grad_landing):
     send_splits, recv_splits, group_rows, group_name = ctx.layout
     grad_groups = nccl_dispatch(grad_rows.to(ctx.rows_dtype), destinations, pad_rows, send_splits, recv_splits,
                                 group_rows, group_name)
-    return grad_groups, None, None, None, grad_scores, None, None, None, None
+    return grad_groups, None, None, None, grad_scores, None, None, None, None, None
 
 
 nccl_dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
