@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     device = device_type()
     try:
         world_size = job_world_size(parse(train_args), args.world_size)
-        job_config = load_job_config(train_args, None if args.moe_call else device, world_size)
+        # one MoE call at a shape: the job's other sections (another backend's, say) need not be its
+        job_config = parse(train_args) if args.moe_call else load_job_config(train_args, device, world_size)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -225,8 +226,10 @@ class DeviceCostCounter(TorchDispatchMode):
         if calls.inside_kernel():
             return func(*args, **kwargs)
         tensors = self._tensors((args, kwargs))
-        if func.namespace == "torchtitan_ext" and tensors:
-            with self:  # count the op's body too: a dispatch mode alone sees only the op
+        if (func.namespace == "torchtitan_ext" or func is torch.ops._c10d_functional.wait_tensor.default) and tensors:
+            # count the op's body too (a dispatch mode alone sees only the op), and what an in-flight combine
+            # runs when it lands, inside the wait for it
+            with self:
                 return func.redispatch(torch._C._dispatch_keys(tensors[0]) & _AFTER_PYTHON, *args, **kwargs)
         name = func.overloadpacket.__name__
         all_host = bool(tensors) and all(self.is_host(t) for t in tensors)
@@ -505,8 +508,10 @@ def count_moe_call(job_config, shape, call, group, sync_debug: bool = False) -> 
         checking = sync_debug and getattr(budget, phase).host_syncs == 0
         with counter, _sync_errors(checking):
             if phase == "forward":
-                out = backend_forward(style, call, shape, group).float()
-                out = out + 0  # lands an in-flight combine inside the pass
+                out = backend_forward(style, call, shape, group)
+                if isinstance(out, AsyncCollectiveTensor):
+                    out = out.trigger_wait()  # an in-flight combine lands (sums its rows) inside the pass
+                out = out.float()
             else:
                 out.sum().backward()
         costs[phase] = counter.costs[OUTSIDE, "step"]

@@ -61,6 +61,14 @@ def moved_tensors(func, args, kwargs, out) -> tuple[list[torch.Tensor], list[tor
         accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
         written = [values, values] if accumulate else [values]
         return [index for index in indices if index is not None] + [values], written
+    if packet in (_aten.index_copy_, _aten.index_add_):
+        # the source's rows of the destination: written (an add reads them too)
+        index, source = args[2], args[3]
+        return [index, source], [source, source] if packet is _aten.index_add_ else [source]
+    if packet is _aten.index_fill_:
+        # the indexed rows of the destination, written
+        destination, dim, index = args[0], args[1], args[2]
+        return [index], [destination.narrow(dim, 0, index.numel())]
     tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     if packet in _OVERWRITE_FIRST:
         tensors = tensors[1:]
@@ -70,8 +78,9 @@ def moved_tensors(func, args, kwargs, out) -> tuple[list[torch.Tensor], list[tor
 class LocalTrafficCounter(TorchDispatchMode):
     """Adds up the bytes each ATen operator reads and writes: each tensor argument read once and each output
     written once, except views and allocations, which move nothing, a ``*_like`` or ``new_*`` factory, which
-    reads nothing, an overwrite (``copy_``, ``fill_``, ``zero_``), which does not read its destination, and
-    ``index_put_``, which writes only its values' rows.
+    reads nothing, an overwrite (``copy_``, ``fill_``, ``zero_``), which does not read its destination, and the
+    indexed writes (``index_put_``, ``index_copy_``, ``index_add_``, ``index_fill_``), which touch only the rows they
+    index.
 
     A dispatch mode sees only the operators called outside any other operator's kernel: what the collectives and
     the backends' own operators run (the library calls, and the adapter code inside those operators: HybridEP's
