@@ -46,8 +46,12 @@ def test_counter_counts_each_argument_and_output_once_and_no_views():
     assert counter.bytes == x.nbytes + index.nbytes + rows.nbytes + doubled.nbytes
     with LocalTrafficCounter() as counter:
         total = torch.zeros(6, 4).index_add_(0, index, rows)
-    # zeros writes its output; index_add_ reads self, index and rows and writes self
-    assert counter.bytes == total.nbytes + (total.nbytes + index.nbytes + rows.nbytes + total.nbytes)
+    # zeros writes its output; index_add_ reads index and rows, and reads and writes the rows of self it adds to
+    assert counter.bytes == total.nbytes + (index.nbytes + rows.nbytes + 2 * rows.nbytes)
+    with LocalTrafficCounter() as counter:
+        total.index_copy_(0, index[:2], rows[:2]).index_fill_(0, index[:1], 0.0)
+    # each writes only the rows it indexes
+    assert counter.bytes == (index[:2].nbytes + rows[:2].nbytes + rows[:2].nbytes) + (index[:1].nbytes + rows[:1].nbytes)
 
 
 def test_counter_skips_collectives_and_counts_a_landing_sum(world_of_one):
