@@ -16,7 +16,7 @@ out of device tensors, tensors built from Python data, and what is computed from
 stands for device memory. :class:`LayerScopes` attributes each event to the MoE layer and pass (forward,
 backward, recompute) it happened in. :func:`count_step` runs one training step of a job on every rank under the
 counter; ``python -m torchtitan_ext.ledger`` prints the table. The budgets the backends and features declare are
-:class:`DeviceBudget` (docs/benchmarks.md, "Device-cost ledger").
+:class:`~torchtitan_ext.ep.budget.DeviceBudget` (docs/device_costs.md).
 """
 
 import os
@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 from torchtitan.models.moe.moe import GroupedExperts
 
@@ -231,6 +231,11 @@ class DeviceCostCounter(TorchDispatchMode):
             # runs when it lands, inside the wait for it
             with self:
                 return func.redispatch(torch._C._dispatch_keys(tensors[0]) & _AFTER_PYTHON, *args, **kwargs)
+        if any(isinstance(t, AsyncCollectiveTensor) for t in tensors):
+            # an in-flight combine lands at its first use: its sums are counted where they run, here
+            with self:
+                args, kwargs = tree_map_only(AsyncCollectiveTensor, lambda t: t.trigger_wait(), (args, kwargs))
+            tensors = self._tensors((args, kwargs))
         name = func.overloadpacket.__name__
         all_host = bool(tensors) and all(self.is_host(t) for t in tensors)
         costs = self._costs()
