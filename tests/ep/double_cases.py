@@ -1,11 +1,13 @@
 """Per-rank workers that run the deep_ep adapters against the library's test double.
 
-Each worker puts tests/ep/deep_ep_double on ``sys.path`` (with the build it
+Each worker imports tests/ep/deep_ep_double/deep_ep as ``deep_ep`` (:func:`use_double`) (with the build it
 stands for) and lets the adapters use it on the CPU, in place of the CUDA
 library. The backends then run exactly the code they run on a cluster with
 ``implementation = "deep_ep"``; the double computes with arithmetic of its own.
 """
 
+import importlib.machinery
+import importlib.util
 import os
 import sys
 import tempfile
@@ -49,8 +51,10 @@ def use_double(build: str) -> None:
 
     HybridEP compiles its kernels at the first dispatch: a stand-in ``$CUDA_HOME/bin/nvcc`` is provided."""
     os.environ["DEEP_EP_DOUBLE_BUILD"] = build
-    if str(DOUBLE_DIR) not in sys.path:
-        sys.path.insert(0, str(DOUBLE_DIR))
+    if "deep_ep" not in sys.modules:  # the double, whatever else the machine has installed
+        spec = importlib.machinery.PathFinder.find_spec("deep_ep", [str(DOUBLE_DIR)])
+        sys.modules["deep_ep"] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
     os.environ["CUDA_HOME"] = str(stand_in_cuda_home())
     import torchtitan_ext.ep.kernels as kernels
 

@@ -1,7 +1,7 @@
 """A test double of the ``deep_ep`` package, for the adapters' tests on CPU.
 
-Never importable by the product: only tests put ``tests/ep/deep_ep_double`` on
-``sys.path``. It follows the pinned library sources (tests/ep/deep_ep_double/
+Never importable by the product: only tests add ``tests/ep/deep_ep_double`` to
+the import path. It follows the pinned library sources (tests/ep/deep_ep_double/
 manifest.py names each signature and the commit it was read at) in what the
 adapters can observe, and computes with arithmetic of its own
 (``_kernels.py``, written from the library's semantics and sharing no code with
