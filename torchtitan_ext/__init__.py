@@ -11,7 +11,7 @@ higher tier or from another part of its own tier (tests/test_layering.py reads t
     5. balancing        routing statistics, expert placement, moving experts while training
     6. training         the trainer, train specs, loss, metrics, fault handling
     7. planning         dry run, memory plan, topologies, cost model, layout advisor
-    8. launch           the launchers' pre-flight checks, the torchrun supervisor
+    8. launch, bench    the launchers' pre-flight checks, the torchrun supervisor; benchmarks and checks
     9. train, plan, placement, supervise, routing_report, ledger    the command-line entry points
 
 Each subpackage's docstring says what it owns. Features register their config sections and checks when

@@ -62,8 +62,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calibrate-from", type=Path, metavar="FILE", action="append",
                         help="with --topology (repeatable): price each backend's all-to-all at the rate measured on "
                              "your cluster, on the link the measurement spanned, in place of the published figures: "
-                             "FILE is scripts/bench_ep.py --json output (one machine: the innermost link) or the log "
-                             "of nccl-tests' alltoall_perf (the nccl backend, on as many nodes as it ran)")
+                             "FILE is python -m torchtitan_ext.bench ep --json output (one machine: the innermost "
+                             "link) or the log of nccl-tests' alltoall_perf (the nccl backend, on as many nodes as it "
+                             "ran)")
     parser.add_argument("--emit-config", type=Path, metavar="FILE",
                         help="with --topology: write the recommended layout's job config (every field, the other "
                              "backends' sections at their defaults) to FILE as TOML, checked by loading it back")

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from scripts.bench_placement import layer_model, layer_routing
+from torchtitan_ext.bench.placement import layer_model, layer_routing
 from tests.helpers import REPO_ROOT, run_distributed
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.balancing.placement import load_placement, Placement

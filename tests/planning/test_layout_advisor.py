@@ -962,7 +962,7 @@ def test_margins_under_the_models_resolution_are_said(advice_671b):
         assert paragraph(lines, "  not ranked against the published backends:") == (
             "  not ranked against the published backends: nccl over NVLink domain (one rack) is priced at the nominal "
             "rate (no published figure), a bound it may not reach: time it and give --calibrate-from the measurement "
-            "(scripts/bench_ep.py --json, or an nccl-tests alltoall_perf log) before choosing it"
+            "(python -m torchtitan_ext.bench ep --json, or an nccl-tests alltoall_perf log) before choosing it"
         )
 
 

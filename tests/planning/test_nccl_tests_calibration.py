@@ -5,13 +5,15 @@ not one alltoall_perf run per link, placed as it ran, is refused in one line nam
 import json
 import subprocess
 import sys
+from dataclasses import asdict
 
 import pytest
 
 from tests.helpers import REPO_ROOT
+from torchtitan_ext.bench.ep import bench_row, Shape
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.planning.layout_advisor import advise
-from torchtitan_ext.planning.measured_rates import calibration_rates
+from torchtitan_ext.planning.measured_rates import BENCH_COMMAND, calibration_rates
 from torchtitan_ext.planning.nccl_tests_log import all_to_all_runs, AllToAllRun
 from torchtitan_ext.planning.topology import Level, Topology
 
@@ -120,9 +122,9 @@ def test_a_log_is_placed_as_the_job_places_its_ranks(tmp_path):
 @pytest.mark.slow
 def test_measured_compute_is_refused_beside_bench_rows_only(tmp_path):
     """bench_ep's rows hold each backend's permutes, which --measure-compute would count again; a log does not."""
-    bench = _write(tmp_path, json.dumps({"rows": [{
-        "comm_backend": "hybridep", "job_args": [], "tokens": 4096, "hidden": 256, "experts": 8, "top_k": 2,
-        "ep": 2, "processes": 2, "median_ms": 5.0, "dtype": "bfloat16", "forward_only": False}]}), "bench.json")
+    row = bench_row("hybridep", Shape(tokens=4096, hidden=256, experts=8, top_k=2, ep=2), 2, [5e-3], [2e-3], 2**20, 2,
+                    "bfloat16", False)
+    bench = _write(tmp_path, json.dumps({"rows": [asdict(row)]}), "bench.json")
     run = subprocess.run(
         [sys.executable, "-m", "torchtitan_ext.plan", *DEBUG_JOB, "--world-size", "2", "--topology", "hgx_h100_ib",
          "--calibrate-from", str(bench), "--measure-compute"],
@@ -135,9 +137,9 @@ def test_measured_compute_is_refused_beside_bench_rows_only(tmp_path):
 
 def test_a_log_and_a_bench_file_combine_and_may_not_measure_one_rate_twice(tmp_path):
     log = _write(tmp_path, _log(["node-a"] * 8, [(64 * MiB, _time_us(64 * MiB, 8, (7, NODE_GBPS), 0.5), 0)]))
-    bench = _write(tmp_path, json.dumps({"rows": [{
-        "comm_backend": "hybridep", "job_args": [], "tokens": 4096, "hidden": 256, "experts": 8, "top_k": 2,
-        "ep": 2, "processes": 2, "median_ms": 5.0, "dtype": "bfloat16", "forward_only": False}]}), "bench.json")
+    row = bench_row("hybridep", Shape(tokens=4096, hidden=256, experts=8, top_k=2, ep=2), 2, [5e-3], [2e-3], 2**20, 2,
+                    "bfloat16", False)
+    bench = _write(tmp_path, json.dumps({"rows": [asdict(row)]}), "bench.json")
     rates = calibration_rates([log, bench], TWO_LEVELS)
     assert sorted(rates) == [("hybridep", ("blocking",), 0), ("nccl", (), 0)]
     again = _write(tmp_path, _log(["node-b"] * 8, [(MiB, 1000.0, 0)]), "again.log")
@@ -200,7 +202,7 @@ ONE_ROW = [(MiB, 100.0, 0)]
     ("# nThread 1 nGpus 1 minBytes 8 maxBytes 1048576\n# size count type\n1048576 262144 float none -1 100.0 10.5 9.2 0\n",
      "no '# Collective test starting: alltoall_perf' line: write the log with nccl-tests' alltoall_perf (v2.16.7 or "
      "later prints that line)"),
-    ("size,time\n1048576,100\n", "neither scripts/bench_ep.py --json output nor an nccl-tests alltoall_perf log"),
+    ("size,time\n1048576,100\n", f"neither {BENCH_COMMAND} output nor an nccl-tests alltoall_perf log"),
 ])
 def test_a_log_that_cannot_calibrate_is_one_line(tmp_path, text, message):
     log = _write(tmp_path, text)

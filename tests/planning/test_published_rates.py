@@ -3,20 +3,21 @@ fraction of a link's nominal rate that bytes leaving the rank reach, chosen by t
 by the advisor's all-to-all price."""
 
 import copy
-import importlib.util
 import json
 import re
+from dataclasses import asdict
 
 import pytest
 
 from tests.helpers import REPO_ROOT
+from torchtitan_ext.bench import ep as bench_ep
 from torchtitan_ext.config import ConfigError, load_job_config
 from torchtitan_ext.ep import BACKENDS
 from torchtitan_ext.ep import deepep, hybridep, nccl
 from torchtitan_ext.ep.published_rates import FABRICS, nearest_sms, PublishedRate
 from torchtitan_ext.planning import cost_model as cm
 from torchtitan_ext.planning.layout_advisor import advise, kernel_rate_fractions
-from torchtitan_ext.planning.measured_rates import calibration_rates
+from torchtitan_ext.planning.measured_rates import BENCH_COMMAND, calibration_rates
 from torchtitan_ext.planning.topology import Level, Topology
 
 FIGURES = (REPO_ROOT / "docs" / "published_ep_figures.md").read_text(encoding="utf-8")
@@ -119,23 +120,13 @@ def test_the_all_to_all_takes_the_backends_share_of_each_link():
     assert across.a2a == cm.layer_costs(work, topology, 8, 8, 1, True).a2a  # the network's bytes set it, nominal
 
 
-def _bench_job_args():
-    """scripts/bench_ep.py's own job_args (the overrides each --backends label runs with)."""
-    spec = importlib.util.spec_from_file_location("bench_ep", REPO_ROOT / "scripts" / "bench_ep.py")
-    bench_ep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_ep)
-    return bench_ep.job_args
-
-
-JOB_ARGS = _bench_job_args()
-
-
 def _bench_row(backend, tokens, median_ms, ep=2, processes=2, forward_only=False):
-    """A row as scripts/bench_ep.py --json writes it (the fields a calibration reads, and some it does not)."""
-    return {"backend": backend, "comm_backend": None if backend == "upstream" else backend.partition("_")[0],
-            "job_args": [] if backend == "upstream" else JOB_ARGS(backend),
-            "tokens": tokens, "hidden": 256, "experts": 8, "top_k": 2, "ep": ep, "processes": processes,
-            "median_ms": median_ms, "bare_median_ms": median_ms / 2, "dtype": "bfloat16", "forward_only": forward_only}
+    """A row as ``python -m torchtitan_ext.bench ep --json`` writes it (built by the bench's own row builder), of one
+    timed iteration of ``median_ms`` whose collectives alone took half of it."""
+    shape = bench_ep.Shape(tokens=tokens, hidden=256, experts=8, top_k=2, ep=ep)
+    row = bench_ep.bench_row(backend, shape, processes, times=[median_ms / 1e3], bare=[median_ms / 2e3],
+                             bytes_sent=tokens * 256 * 2, collectives=4, dtype="bfloat16", forward_only=forward_only)
+    return asdict(row)
 
 
 TWO_LEVELS = Topology("t", 1.0, True, (Level("node", 8, 100.0, 0.0, 100.0, 100.0, "nvlink"),
@@ -144,7 +135,7 @@ TWO_LEVELS = Topology("t", 1.0, True, (Level("node", 8, 100.0, 0.0, 100.0, 100.0
 
 def _bench(tmp_path, *rows):
     bench = tmp_path / "bench.json"
-    bench.write_text(json.dumps({"command": "python scripts/bench_ep.py ...", "machine": "test", "rows": list(rows)}))
+    bench.write_text(json.dumps({"command": f"{BENCH_COMMAND} ...", "machine": "test", "rows": list(rows)}))
     return bench
 
 
@@ -194,20 +185,20 @@ def _legacy(job_config):
 
 @pytest.mark.parametrize("change, message", [
     (lambda row: row.pop("median_ms"),
-     "rows[0].median_ms is missing: write the file with scripts/bench_ep.py --json (this version)"),
+     f"rows[0].median_ms is missing: write the file with {BENCH_COMMAND} (this version)"),
     (lambda row: row.update(median_ms=0), "rows[0].median_ms = 0: a measured time is finite and > 0"),
-    (lambda row: row.update(median_ms=True), "rows[0].median_ms = True: not what scripts/bench_ep.py --json writes"),
+    (lambda row: row.update(median_ms=True), f"rows[0].median_ms = True: not what {BENCH_COMMAND} writes"),
     (lambda row: row.update(dtype="fp8"), "rows[0].dtype = 'fp8': one of float32, bfloat16"),
-    (lambda row: row.update(ep="2"), "rows[0].ep = '2': not what scripts/bench_ep.py --json writes"),
+    (lambda row: row.update(ep="2"), f"rows[0].ep = '2': not what {BENCH_COMMAND} writes"),
     (lambda row: row.update(ep=3), "rows[0].ep = 3 does not divide processes = 2: not a bench_ep row"),
     (lambda row: row.update(median_ms=1e-6),
      "rows[0].median_ms = 1e-06: faster than the 0.0105 ms its all-to-alls take at the nominal rate of 'node': it "
      "was timed on another link, or that level's bandwidth_GBps is below the link's"),
-    (lambda row: row.update(comm_backend="deepep", job_args=JOB_ARGS("deepep_legacy_lib"), ep=16, processes=16,
+    (lambda row: row.update(comm_backend="deepep", job_args=bench_ep.job_args("deepep_legacy_lib"), ep=16, processes=16,
                             experts=16),
      "rows[0].ep = 16: deepep's kernels reach 8 ranks over NVLink, and a group of 16 spans their split: time it at "
      "EP <= 8"),
-    (lambda row: row.update(ep=1), "no row times an EP backend between ranks (ep > 1): run scripts/bench_ep.py with "
+    (lambda row: row.update(ep=1), f"no row times an EP backend between ranks (ep > 1): run {BENCH_COMMAND} with "
                                    "--nproc and --ep-degree >= 2"),
 ])
 def test_a_bench_file_that_is_not_bench_eps_is_one_line(tmp_path, change, message):
@@ -221,8 +212,8 @@ def test_a_bench_file_that_is_not_bench_eps_is_one_line(tmp_path, change, messag
 
 def test_two_rows_for_one_rate_are_refused(tmp_path):
     """HybridEP's blocking and non-blocking rows are two rates; two blocking rows at one shape are one too many."""
-    both = calibration_rates([_bench(tmp_path, _bench_row("hybridep", 512, 1.0), _bench_row("hybridep_nb", 512, 2.0))],
-                             TWO_LEVELS)
+    bench = _bench(tmp_path, _bench_row("hybridep", 512, 1.0), _bench_row("hybridep_non_blocking", 512, 2.0))
+    both = calibration_rates([bench], TWO_LEVELS)
     assert sorted(both) == [("hybridep", ("blocking",), 0), ("hybridep", ("non-blocking",), 0)]
     bench = _bench(tmp_path, _bench_row("hybridep", 512, 1.0), _bench_row("hybridep", 512, 2.0))
     with pytest.raises(ConfigError, match=r"rows\[1\]: times hybridep blocking at T=512 on the link rows\[0\] times "

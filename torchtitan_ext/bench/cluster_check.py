@@ -1,6 +1,7 @@
 """The first check on a CUDA machine: the real deep_ep kernels against this harness, in one report.
 
     ./scripts/check_cluster.sh [--report outputs/cluster_check.md] [--steps 10] [--skip-training]
+    (that is: python -m torchtitan_ext.bench cluster_check [args], in the environment of ./run_train.sh)
 
 On any machine it first prints what deep_ep needs there (the CUDA toolkit
 for the kernels compiled at first use, NCCL >= 2.30.4 for V2, NVSHMEM, writable
@@ -10,33 +11,36 @@ Without CUDA it stops there (exit 0) and says what only a GPU node can tell. On
 CUDA it then runs, and writes into one markdown report with those lines:
 
 1. versions: torch, CUDA, NCCL, GPUs, deep_ep (its version and which of
-   ``Buffer``, ``ElasticBuffer``, ``HybridEPBuffer`` it has, or why it cannot
+   ``Buffer``, ``ElasticBuffer``, ``EPBuffer``, ``HybridEPBuffer`` it has, or why it cannot
    be imported);
 2. the tests marked ``deep_ep`` and ``gpu`` (tests/ep/test_deep_ep.py): every
    backend the build serves against the dense MoE, pass / fail / skip with
    the reason;
-3. ``scripts/bench_ep.py`` in bf16 on all local GPUs (up to 8) for nccl and the
-   library backends the build has: medians and GB/s;
-4. a short training run per backend through ``./run_train.sh`` on
+3. ``python -m torchtitan_ext.bench ep`` in bf16 on all local GPUs (up to 8) for nccl and the
+   backend variants whose deep_ep class the build has: medians and GB/s;
+4. a short training run per backend variant through ``./run_train.sh`` on
    DeepSeek-V3 16B's shapes cut to 4 layers (flavour ``16B_4layers``,
-   embedded corpus): losses and the median step time after 3 warm-up steps.
+   embedded corpus): losses and the median step time after 3 warm-up steps (metrics.jsonl).
 """
 
 import argparse
 import datetime
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-STEP = re.compile(r"step:\s+(\d+)\s+loss:\s+([0-9.-]+).*step_time:\s+([0-9.]+)s")
-LIBRARY_BACKENDS = {"ElasticBuffer": "deepep", "Buffer": "deepep_legacy", "HybridEPBuffer": "hybridep"}
-"""deep_ep class -> the backend (bench_ep / test name) that runs on it."""
+import torchtitan_ext
+from torchtitan_ext.ep.backends import backend_variants
+from torchtitan_ext.metrics_file import read_metrics
+
+ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
+LIBRARY_VARIANTS = {"ElasticBuffer": "deepep", "Buffer": "deepep_legacy", "EPBuffer": "deepep_ep",
+                    "HybridEPBuffer": "hybridep"}
+"""deep_ep class -> the backend variant (``torchtitan_ext.ep.backends.backend_variants``) that runs on it."""
 
 
 def run(command: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess:
@@ -61,62 +65,59 @@ def versions() -> tuple[list[str], list[str]]:
     except KernelUnavailable as e:
         lines.append(f"- deep_ep: cannot be used: {e}")
         return lines, []
-    classes = [name for name in LIBRARY_BACKENDS if hasattr(library, name)]
+    classes = [name for name in LIBRARY_VARIANTS if hasattr(library, name)]
     lines.append(f"- deep_ep {getattr(library, '__version__', '(no __version__)')}: has {', '.join(classes) or 'none'}")
     return lines, classes
 
 
 def tests() -> list[str]:
-    result = run([sys.executable, "-m", "pytest", "-m", "deep_ep or gpu", "-rA", "-q", "tests/ep/test_deep_ep.py"], 3600)
+    result = run([sys.executable, "-m", "pytest", "-m", "deep_ep or gpu", "-rA", "-q", "tests/ep/test_deep_ep.py"],
+                 3600)
     summary = [line for line in result.stdout.splitlines() if line.startswith(("PASSED", "FAILED", "SKIPPED", "ERROR"))]
     return [f"exit status {result.returncode}", "", "```", *summary, result.stdout.strip().splitlines()[-1], "```"]
 
 
 def bench(classes: list[str], gpus: int) -> list[str]:
-    backends = ["nccl"] + [f"{LIBRARY_BACKENDS[name]}_lib" for name in classes]
+    labels = ["nccl"] + [f"{LIBRARY_VARIANTS[name]}_lib" for name in classes]
     with tempfile.TemporaryDirectory() as tmp:
         table = Path(tmp) / "bench.md"
         result = run([
-            sys.executable, "scripts/bench_ep.py", "--nproc", str(gpus), "--tokens", "4096", "--hidden", "2048",
-            "--experts", "64", "--top-k", "6", "--dtype", "bfloat16", "--backends", *backends,
+            sys.executable, "-m", "torchtitan_ext.bench", "ep", "--nproc", str(gpus), "--tokens", "4096",
+            "--hidden", "2048", "--experts", "64", "--top-k", "6", "--dtype", "bfloat16", "--backends", *labels,
             "--no-progress", "--markdown", str(table),
         ], 3600)
         if result.returncode != 0:
-            return [f"bench_ep failed (exit {result.returncode}):", "", "```", result.stdout[-3000:], "```"]
+            return [f"bench ep failed (exit {result.returncode}):", "", "```", result.stdout[-3000:], "```"]
         return table.read_text().splitlines()
 
 
 def training(classes: list[str], gpus: int, steps: int) -> list[str]:
-    backends = {"nccl": []}
-    for name in classes:
-        backend = LIBRARY_BACKENDS[name]
-        args = ["--parallelism.expert_parallel_comm_backend", backend.partition("_")[0]]
-        if backend == "deepep_legacy":
-            args += ["--deepep.api", "legacy"]
-        backends[backend] = args
+    variants = ["nccl"] + [LIBRARY_VARIANTS[name] for name in classes]
     lines = ["| backend | exit | losses | median step time (s) |", "|---|---|---|---|"]
-    for backend, args in backends.items():
+    for variant in variants:
         with tempfile.TemporaryDirectory() as tmp:
             result = run([
                 "./run_train.sh", "--job.config_file", "train_configs/deepseek_v3_16b.toml",
                 "--model.flavor", "16B_4layers", "--model.hf_assets_path", "./assets/embedded",
                 "--training.dataset", "stdlib_code", "--training.steps", str(steps), "--metrics.log_freq", "1",
-                "--parallelism.expert_parallel_degree", str(gpus), "--metrics.disable_color_printing",
-                "--job.dump_folder", tmp, *args,
+                "--parallelism.expert_parallel_degree", str(gpus), "--job.dump_folder", tmp,
+                *backend_variants()[variant],
             ], 3600, NGPU=str(gpus))
-        steps_seen = {int(s): (float(loss), float(t)) for s, loss, t in STEP.findall(result.stdout)}
-        losses = " ".join(f"{steps_seen[s][0]:.3f}" for s in sorted(steps_seen))
-        times = [t for s, (_, t) in steps_seen.items() if s > 3]
+            logged = read_metrics(tmp)
+        losses = " ".join(f"{row['loss_metrics/global_avg_loss']:.3f}" for row in logged)
+        times = [row["time_metrics/end_to_end(s)"] for row in logged if row["step"] > 3]
         median = f"{statistics.median(times):.3f}" if times else "n/a"
-        lines.append(f"| {backend} | {result.returncode} | {losses or result.stdout.strip().splitlines()[-1][-200:]} | {median} |")
+        outcome = losses or result.stdout.strip().splitlines()[-1][-200:]
+        lines.append(f"| {variant} | {result.returncode} | {outcome} | {median} |")
     return lines
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--report", type=Path, default=ROOT / "outputs" / "cluster_check.md",
                         help="markdown report to write (default: outputs/cluster_check.md)")
-    parser.add_argument("--steps", type=int, default=10, help="training steps of each backend's short run (default: 10)")
+    parser.add_argument("--steps", type=int, default=10,
+                        help="training steps of each backend's short run (default: 10)")
     parser.add_argument("--skip-training", action="store_true", help="run the kernel tests and benchmarks only")
     args = parser.parse_args(argv)
     import torch
@@ -147,7 +148,3 @@ def main(argv=None) -> int:
     print(f"check_cluster: report written to {args.report}")
     print(json.dumps({"deep_ep_classes": classes, "gpus": gpus}))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

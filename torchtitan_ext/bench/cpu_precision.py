@@ -1,6 +1,7 @@
 """The default job's step time on a CPU without bf16 matrix units, against an explicit fp32 job.
 
-    python scripts/bench_cpu_precision.py --rounds 2 --steps 8 --warmup 2 [--with-bf16]
+    python -m torchtitan_ext.bench cpu_precision --rounds 2 --steps 8 --warmup 2 [--with-bf16] [--json FILE]
+        [--markdown FILE] [-- job overrides]
 
 Runs ``./run_train.sh`` (the quick start's command, 2 processes) with
 ``TORCHTITAN_EXT_CPU_BF16=emulated`` (any CPU behaves as one without
@@ -11,7 +12,7 @@ AVX512_BF16/AMX), alternating in one session:
 - ``bfloat16`` (``--with-bf16``): bf16 forced, what the default used to cost.
 
 Each run trains ``--steps`` steps; the first ``--warmup`` step times of each run
-are dropped. Reports medians and the ratio default / float32 (goal <= 1.2), and
+(the job's metrics.jsonl) are dropped. Reports medians and the ratio default / float32 (goal <= 1.2), and
 appends a section to ``--markdown`` where one is given (nothing is written otherwise).
 """
 
@@ -28,9 +29,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-STEP_TIME = re.compile(r"step:\s+(\d+)\s.*step_time:\s+([0-9.]+)s")
+import torchtitan_ext
+from torchtitan_ext.bench.ep import machine
+from torchtitan_ext.metrics_file import read_metrics
+
+ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
 PRECISION_LINE = re.compile(r"CPU precision: .*")
 VARIANTS = {
     "default": [],
@@ -40,7 +43,7 @@ VARIANTS = {
 
 
 def run_job(variant: str, steps: int, dump_folder: str, overrides: list[str]) -> tuple[dict[int, float], str]:
-    """({step: step time s}, the runtime's precision line) of one ./run_train.sh run."""
+    """({step: step time s}, the runtime's precision line) of one ./run_train.sh run, in ``dump_folder``."""
     env = dict(os.environ, TORCHTITAN_EXT_CPU_BF16="emulated", NGPU="2", PYTHONUNBUFFERED="1")
     env.pop("CONFIG_FILE", None)
     result = subprocess.run(
@@ -50,25 +53,26 @@ def run_job(variant: str, steps: int, dump_folder: str, overrides: list[str]) ->
     )
     if result.returncode != 0:
         raise SystemExit(f"{variant} run failed:\n{result.stdout[-3000:]}")
-    times = {int(step): float(seconds) for step, seconds in STEP_TIME.findall(result.stdout)}
+    times = {row["step"]: row["time_metrics/end_to_end(s)"] for row in read_metrics(dump_folder)}
     precision = PRECISION_LINE.search(result.stdout)
     return times, precision.group(0) if precision else "no precision line"
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2, help="alternations of the variants")
     parser.add_argument("--steps", type=int, default=8, help="steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="first steps of each run not timed")
     parser.add_argument("--with-bf16", action="store_true", help="also time bf16 forced (slow on such CPUs)")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--markdown", type=Path, help="append the results, with the command and the machine, to this markdown file (e.g. docs/benchmarks.md)")
+    parser.add_argument("--markdown", type=Path, help="append the results, with the command and the machine, to "
+                                                      "this markdown file (e.g. docs/benchmarks.md)")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("overrides", nargs="*", help="config overrides for every variant (after --)")
     args = parser.parse_args(argv)
     if args.steps <= args.warmup:
         parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
-    command = "python scripts/bench_cpu_precision.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m torchtitan_ext.bench cpu_precision " + " ".join(argv if argv is not None else sys.argv[1:])
     variants = ["default", "float32"] + (["bfloat16"] if args.with_bf16 else [])
     times = {variant: [] for variant in variants}
     precision = {}
@@ -77,9 +81,10 @@ def main(argv=None):
     ) as progress:
         for round_index in range(args.rounds):
             for variant in variants:
-                steps, precision[variant] = run_job(variant, args.steps, f"{tmp}/{variant}{round_index}", args.overrides)
+                dump_folder = f"{tmp}/{variant}{round_index}"
+                steps, precision[variant] = run_job(variant, args.steps, dump_folder, args.overrides)
                 if sorted(steps) != list(range(1, args.steps + 1)):
-                    raise SystemExit(f"{variant}: expected step lines 1..{args.steps}, got {sorted(steps)}")
+                    raise SystemExit(f"{variant}: expected metrics of steps 1..{args.steps}, got {sorted(steps)}")
                 times[variant] += [seconds for step, seconds in steps.items() if step > args.warmup]
                 progress.update(1)
     medians = {variant: statistics.median(values) for variant, values in times.items()}
@@ -93,14 +98,13 @@ def main(argv=None):
             {"command": command, "times": times, "medians": medians, "ratio": ratio, "precision": precision}, indent=2
         ))
     if args.markdown is not None:
-        from bench_ep import machine
-
         with open(args.markdown, "a") as f:
             f.write(
                 f"\n### bench_cpu_precision ({time.strftime('%Y-%m-%d')})\n\n`{command}`\n\n"
                 f"Machine: {machine()}; runs forced to behave as on a CPU without bf16 matrix units "
                 f"(TORCHTITAN_EXT_CPU_BF16=emulated). `./run_train.sh` (DeepSeek-V3 debug, EP=2, 2 processes), "
-                f"variants alternating, {args.rounds} runs each; medians over {len(times['default'])} timed steps each.\n\n"
+                f"variants alternating, {args.rounds} runs each; medians over {len(times['default'])} timed steps "
+                "each.\n\n"
                 "| variant | min s | median s | max s | runtime's precision line |\n|---|---|---|---|---|\n"
                 + "".join(
                     f"| {variant} | {min(values):.3f} | {statistics.median(values):.3f} | {max(values):.3f} "
@@ -110,8 +114,4 @@ def main(argv=None):
                 + f"\nRatio default / float32 (medians): **{ratio:.3f}** (goal <= 1.2)\n"
             )
         print(f"results appended to {args.markdown}")
-    return ratio
-
-
-if __name__ == "__main__":
-    main()
+    return 0

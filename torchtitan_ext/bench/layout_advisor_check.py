@@ -1,21 +1,21 @@
 """The layout advisor's predictions against runs on this machine.
 
-    python scripts/check_layout_advisor.py [--steps 10] [--warmup 3] [--rounds 2] [--tokens 2048]
-                                           [--checks step bench]
+    python -m torchtitan_ext.bench layout_advisor_check [--steps 10] [--warmup 3] [--rounds 2] [--tokens 2048]
+        [--checks step bench]
 
 1. Calibrates this machine (``plan --calibrate``, 4 gloo processes).
 2. (``--checks step``) Measures the debug job's per-rank compute and its
    backends' local work (``plan --measure-compute``). For the debug model at NGPU=4 (nccl), predicts the step time of
    (EP, efsdp) = (4, 1), (2, 2), (1, 4) with that topology and compute, and
-   measures it: ``./run_train.sh`` at each EP degree, median step time after
+   measures it: ``./run_train.sh`` at each EP degree, median step time (metrics.jsonl) after
    ``--warmup``, ``--rounds`` times in turn (EP 4, 2, 1, 4, 2, 1, ...); the
    table gives the median over rounds and each round's value, so that a
    difference smaller than the spread reads as one.
 3. (``--checks bench``) For every backend, predicts one dispatch + combine, forward and backward,
    at EP = 2 and 4: the cost model's four all-to-alls plus the backend's local
-   work (permutations, kernels) measured alone, ``scripts/bench_ep.py
+   work (permutations, kernels) measured alone, ``python -m torchtitan_ext.bench ep
    --ep-degree 1`` with as many processes (its median less its collectives'),
-   and measures it with ``scripts/bench_ep.py``.
+   and measures it with ``python -m torchtitan_ext.bench ep``.
 
 Prints each check's table, predicted against measured, the ratio and
 whether the predicted ranking equals the measured one.
@@ -24,7 +24,6 @@ whether the predicted ranking equals the measured one.
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -33,10 +32,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parents[1]
-STEP_TIME = re.compile(r"step:\s+(\d+)\s.*step_time:\s+([0-9.]+)s")
-JOB = ["--training.local_batch_size", "2", "--training.seq_len", "128", "--metrics.disable_color_printing"]
-BENCH_BACKENDS = ["nccl", "deepep", "hybridep"]
+import torchtitan_ext
+from torchtitan_ext.metrics_file import read_metrics
+
+ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
+JOB = ["--training.local_batch_size", "2", "--training.seq_len", "128"]
+BENCH_VARIANTS = ("nccl", "deepep", "hybridep")
+"""The backend variants (``torchtitan_ext.ep.backends.backend_variants``) the bench check times."""
 
 
 def measured_step_time(ep: int, steps: int, warmup: int, folder: Path) -> float:
@@ -48,11 +50,10 @@ def measured_step_time(ep: int, steps: int, warmup: int, folder: Path) -> float:
     )
     if result.returncode != 0:
         sys.exit(f"error: the EP={ep} run failed:\n{result.stdout[-3000:]}")
-    times = {int(step): float(seconds) for step, seconds in STEP_TIME.findall(result.stdout)}
-    return statistics.median(t for step, t in times.items() if step > warmup)
+    return statistics.median(row["time_metrics/end_to_end(s)"] for row in read_metrics(folder) if row["step"] > warmup)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3, help="step times dropped at the start of each run")
@@ -60,7 +61,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048, help="bench_ep tokens per rank")
     parser.add_argument("--checks", nargs="+", choices=["step", "bench"], default=["step", "bench"],
                         help="the step-time check (2), the bench_ep check (3), or both")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from torchtitan_ext.planning.calibrate import calibrate
     from torchtitan_ext.planning.topology import load_topology
@@ -74,6 +75,7 @@ def main() -> None:
         check_step_time(args, topology)
     if "bench" in args.checks:
         check_bench_ep(args, topology)
+    return 0
 
 
 def check_step_time(args, topology) -> None:
@@ -100,7 +102,8 @@ def check_step_time(args, topology) -> None:
     for ep, efsdp, p, m in rows:
         layout = predicted[ep]
         each = ", ".join(f"{t:.3f}" for t in runs[ep])
-        print(f"| {ep} | {efsdp} | {layout.compute_s:.3f} | {layout.data_parallel_exposed_s:.3f} | {layout.exposed_s:.3f} | "
+        print(f"| {ep} | {efsdp} | {layout.compute_s:.3f} | {layout.data_parallel_exposed_s:.3f} | "
+              f"{layout.exposed_s:.3f} | "
               f"{layout.local_work_s:.3f} | {p:.3f} | {m:.3f} ({each}) | {p / m:.2f} |")
     ranking = lambda index: [row[0] for row in sorted(rows, key=lambda row: row[index])]  # noqa: E731
     print(f"predicted ranking (EP): {ranking(2)}; measured: {ranking(3)}")
@@ -118,32 +121,30 @@ def check_bench_ep(args, topology) -> None:
     for ep in (2, 4):
         full, local = bench_ep(ep, ep, args.tokens), bench_ep(ep, 1, args.tokens)
         predicted = {}
-        for backend, entry in full.items():
+        for variant, entry in full.items():
             work = MoEWorkload(
                 tokens=args.tokens, hidden=entry["hidden"], top_k=entry["top_k"], experts=entry["experts"],
                 expert_parameters=0, activation_bytes=4, gather_bytes=4, reduce_bytes=4, pre_expert_flops=0.0,
                 regather_in_backward=False,
             )
-            costs = layer_costs(work, topology, ep, ep, 1, BACKENDS[backend].sends_each_token_once_per_rank)
+            once_per_rank = BACKENDS[entry["comm_backend"]].sends_each_token_once_per_rank
+            costs = layer_costs(work, topology, ep, ep, 1, once_per_rank)
             communication = 4 * costs.a2a * 1e3
-            local_work = max(0.0, local[backend]["median_ms"] - local[backend]["bare_median_ms"])
-            predicted[backend] = communication + local_work
-            print(f"| {ep} | {backend} | {communication:.2f} | {local_work:.2f} | {predicted[backend]:.2f} | "
-                  f"{entry['median_ms']:.2f} | {predicted[backend] / entry['median_ms']:.2f} |")
+            local_work = max(0.0, local[variant]["median_ms"] - local[variant]["bare_median_ms"])
+            predicted[variant] = communication + local_work
+            print(f"| {ep} | {variant} | {communication:.2f} | {local_work:.2f} | {predicted[variant]:.2f} | "
+                  f"{entry['median_ms']:.2f} | {predicted[variant] / entry['median_ms']:.2f} |")
         print(f"EP={ep} predicted ranking: {sorted(predicted, key=predicted.get)}; "
-              f"measured: {sorted(full, key=lambda backend: full[backend]['median_ms'])}")
+              f"measured: {sorted(full, key=lambda variant: full[variant]['median_ms'])}")
 
 
 def bench_ep(processes: int, ep_degree: int, tokens: int) -> dict:
-    """bench_ep's rows by backend: ``processes`` processes in EP groups of ``ep_degree``."""
+    """bench ep's rows by backend variant: ``processes`` processes in EP groups of ``ep_degree``."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         subprocess.run(
-            [sys.executable, "scripts/bench_ep.py", "--nproc", str(processes), "--ep-degree", str(ep_degree),
-             "--tokens", str(tokens), "--backends", *BENCH_BACKENDS, "--json", out.name,
+            [sys.executable, "-m", "torchtitan_ext.bench", "ep", "--nproc", str(processes), "--ep-degree",
+             str(ep_degree), "--tokens", str(tokens), "--backends", *BENCH_VARIANTS, "--json", out.name,
              "--no-progress"],
             cwd=ROOT, check=True, stdout=subprocess.DEVNULL,
         )
         return {row["backend"]: row for row in json.loads(Path(out.name).read_text())["rows"]}
-
-if __name__ == "__main__":
-    main()

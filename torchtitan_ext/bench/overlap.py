@@ -1,38 +1,32 @@
-"""Benchmark the MoE layer's forward with shared experts overlapping combine.
+"""The MoE layer's forward with the shared experts overlapping combine, against combine landed first.
 
-    python scripts/bench_overlap.py --nproc 2 --tokens 4096 --hidden 1024 --ffn 2048 --experts 8 --top-k 2
+    python -m torchtitan_ext.bench overlap --nproc 2 --tokens 4096 --hidden 1024 --ffn 2048 --experts 8 --top-k 2
+        [--backends VARIANT ...] [--markdown FILE]
 
-Launches ``--nproc`` processes (gloo on CPU, NCCL with one GPU each on CUDA)
-and builds torchtitan's MoE layer (router, routed experts under the EP
-backend, one shared expert) for each backend. Every timed iteration runs the
-layer's forward twice, in alternating order: as trained (the shared experts
-run while combine is in flight, where the backend allows it) and with combine
-landed before the shared experts (a forward hook on the routed experts waits
-for their output). Reported per backend: median ms of each and their ratio
-(landed first / overlapped; above 1 means the overlap saves time), time of
-the slowest rank. ``hybridep`` cannot overlap and is the control: its ratio
-shows the noise.
-
-Results are printed and appended as a markdown table, with the command line
-and the machine, to ``--markdown`` where one is given.
+Runs ``--nproc`` processes (gloo on CPU, NCCL with one GPU each on CUDA), EP over all of them, and builds
+torchtitan's MoE layer (router, routed experts under the backend, one shared expert) for each backend variant.
+Every timed iteration runs the layer's forward twice, in alternating order: as trained (the shared experts run
+while combine is in flight, where the backend allows it) and with combine landed before the shared experts.
+Reported per backend: median ms of each, the slowest rank's, and their ratio (landed first / overlapped; above 1:
+the overlap saves time). ``hybridep`` cannot overlap: its ratio shows the noise. ``--markdown`` appends the table
+with the command and the machine.
 """
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from bench_ep import init_rank, machine, run_ranks, time_once
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from torchtitan_ext.bench.ep import (DEADLINE_S, machine, progress_bar, rank_device, time_once, variant_backend,
+                                     workers_device)
+from torchtitan_ext.ep.backends import backend_variants
+from torchtitan_ext.runtime.workers import run_workers
 
 
-def _moe_layer(backend: str, args, mesh, device, dtype):
+def _moe_layer(variant: str, args, mesh, device, dtype):
     from torch.distributed.tensor.parallel import parallelize_module
     from torchtitan.models.moe.moe import MoE, MoEArgs
 
@@ -47,11 +41,9 @@ def _moe_layer(backend: str, args, mesh, device, dtype):
         for param in moe.parameters():
             param.normal_(std=args.hidden**-0.5)
     moe = moe.to(device=device, dtype=dtype)
-    job_args = ["--parallelism.expert_parallel_comm_backend", backend]
-    if backend != "nccl":
-        job_args += [f"--{backend}.implementation", "auto"]
     shape = MoEShape(args.hidden, args.experts, args.top_k, args.tokens)
-    style = BACKENDS[backend].layer_factory(parse_job_config(job_args), shape)(score_before_experts=False)
+    job_config = parse_job_config(backend_variants()[variant])
+    style = BACKENDS[variant_backend(variant)].layer_factory(job_config, shape)(score_before_experts=False)
     parallelize_module(moe.experts, mesh, style)
     return ExpertParallelMoE.adopt(moe)
 
@@ -69,8 +61,8 @@ def _land_first_switch(moe):
     return switch
 
 
-def _worker(rank, world_size, rendezvous, args, result_file):
-    device = init_rank(rank, world_size, rendezvous)
+def _worker(rank: int, world_size: int, args) -> list[dict]:
+    device = rank_device(rank)
     torch.set_num_threads(args.threads)
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -80,14 +72,11 @@ def _worker(rank, world_size, rendezvous, args, result_file):
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("ep",))
     dtype = getattr(torch, args.dtype)
     x = torch.randn(1, args.tokens, args.hidden, generator=torch.Generator().manual_seed(rank)).to(device, dtype)
-    progress = None
-    if rank == 0 and not args.no_progress:
-        from tqdm import tqdm
-
-        progress = tqdm(total=len(args.backends) * (args.warmup + args.iters), desc="bench_overlap", unit="iter")
+    progress = progress_bar(rank, not args.no_progress, total=len(args.backends) * (args.warmup + args.iters),
+                            desc="bench overlap", unit="iter")
     rows = []
-    for backend in args.backends:
-        moe = _moe_layer(backend, args, mesh, device, dtype)
+    for variant in args.backends:
+        moe = _moe_layer(variant, args, mesh, device, dtype)
         land_first = _land_first_switch(moe)
 
         def forward(landed_first: bool):
@@ -105,19 +94,16 @@ def _worker(rank, world_size, rendezvous, args, result_file):
                 progress.update(1)
         overlapped, landed = statistics.median(times[False]), statistics.median(times[True])
         rows.append({
-            "backend": backend,
+            "backend": variant,
             "overlapped_ms": overlapped * 1e3,
             "landed_first_ms": landed * 1e3,
             "ratio": landed / overlapped,
         })
         if progress:
-            progress.set_postfix_str(f"{backend}: {landed / overlapped:.3f}x")
+            progress.set_postfix_str(f"{variant}: {landed / overlapped:.3f}x")
     if progress:
         progress.close()
-    if rank == 0:
-        Path(result_file).write_text(json.dumps(rows))
-    dist.barrier()
-    dist.destroy_process_group()
+    return rows
 
 
 def markdown(rows, args, command: str) -> str:
@@ -147,24 +133,23 @@ def main(argv=None):
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--backends", nargs="+", default=["nccl", "deepep", "hybridep"])
+    parser.add_argument("--backends", nargs="+", choices=list(backend_variants()), metavar="VARIANT",
+                        default=["nccl", "deepep", "hybridep"],
+                        help=f"backend variants, among: {', '.join(backend_variants())}")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (CPU)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--markdown", type=Path, help="append the table, with the command and the machine, to this markdown file (e.g. docs/benchmarks.md)")
+    parser.add_argument("--markdown", type=Path, help="append the table, with the command and the machine, to this "
+                                                      "markdown file (e.g. docs/benchmarks.md)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
-    command = "python scripts/bench_overlap.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    rows = run_ranks(_worker, args.nproc, args)
+    command = "python -m torchtitan_ext.bench overlap " + " ".join(argv if argv is not None else sys.argv[1:])
+    rows = run_workers(args.nproc, _worker, args, device=workers_device(), deadline_s=DEADLINE_S, preload=[__name__])[0]
     for r in rows:
-        print(f"{r['backend']:>10}  overlapped {r['overlapped_ms']:8.2f} ms  landed first {r['landed_first_ms']:8.2f} ms  "
-              f"ratio {r['ratio']:.3f}")
+        print(f"{r['backend']:>10}  overlapped {r['overlapped_ms']:8.2f} ms  "
+              f"landed first {r['landed_first_ms']:8.2f} ms  ratio {r['ratio']:.3f}")
     if args.markdown is not None:
         with open(args.markdown, "a") as f:
             f.write("\n" + markdown(rows, args, command))
         print(f"table appended to {args.markdown}")
-    return rows
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,6 +1,6 @@
 """The placement tool on a DeepSeek-V3 671B-shaped synthetic skew: its runtime and what it buys.
 
-    python scripts/bench_placement.py [--steps 8] [--tokens 4096] [--ranks-per-domain 16]
+    python -m torchtitan_ext.bench placement [--steps 8] [--tokens 4096] [--ranks-per-domain 16]
 
 Writes a routing-statistics dump of the 671B model's shape (58 MoE layers,
 256 experts, top-8) whose routing is skewed (Zipf popularity over experts) and
@@ -20,7 +20,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+import torchtitan_ext
+
+ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
 EXPERTS, TOP_K, GROUP = 256, 8, 8
 MOE_LAYERS = list(range(3, 61))
 
@@ -63,12 +65,12 @@ def write_dump(folder: Path, steps: int, tokens: int, seed: int = 0) -> None:
         )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=8, help="steps in the dump (half fit, half held out)")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per step and layer")
     parser.add_argument("--ranks-per-domain", type=int, default=16, help="EP ranks per NVLink domain")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         write_dump(Path(tmp), args.steps, args.tokens)
         command = [
@@ -78,14 +80,10 @@ def main() -> None:
         ]
         print("$ python", " ".join(command[1:]).replace(tmp, "<synthetic dump>"))
         began = time.perf_counter()
-        result = subprocess.run(command, cwd=REPO_ROOT, text=True, stdout=subprocess.PIPE)
+        result = subprocess.run(command, cwd=ROOT, text=True, stdout=subprocess.PIPE)
         wall = time.perf_counter() - began
     # the placement file went with the temporary folder: its "Wrote ..." line is left out
     report = [line for line in result.stdout.splitlines() if not line.startswith("Wrote ")]
     print("\n".join(report[:2] + report[-1:]))
     print(f"tool wall time (process, including imports and the job config): {wall:.1f} s")
-    sys.exit(result.returncode)
-
-
-if __name__ == "__main__":
-    main()
+    return result.returncode

@@ -1,7 +1,7 @@
 """Expert placement on this machine: record routing, place, resume with and without the placement.
 
-    python scripts/check_placement.py [--record-steps 40] [--save-every 5] [--first-step 21] [--steps 6]
-        [--warmup 2] [--rounds 2]
+    python -m torchtitan_ext.bench placement_check [--record-steps 40] [--save-every 5] [--first-step 21]
+        [--steps 6] [--warmup 2] [--rounds 2]
 
 1. Trains the DeepSeek-V3 debug model at NGPU=4, EP=4 for ``--record-steps``
    steps with routing statistics (a file every ``--save-every`` steps) and a
@@ -10,10 +10,10 @@
    ``--first-step`` on (fit on the first half of those files, evaluated on the
    second).
 3. Resumes the checkpoint for ``--steps`` more steps without and with the
-   placement, alternating (A B A B ...), every rank's log shown; per step the
-   slowest rank's step_time and the step log's ``recv max/mean`` (rows received
+   placement, alternating (A B A B ...); from each run's metrics.jsonl, per step the
+   slowest rank's step time and ``recv max/mean`` (rows received
    by the most loaded EP rank over the mean, worst layer), medians over the
-   steps after ``--warmup``; and the placed runs' migration time from their log.
+   steps after ``--warmup``; and the placed runs' migration time from every rank's log.
 
 Prints the placement report and both variants' numbers.
 """
@@ -30,9 +30,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parents[1]
-STEP_TIME = re.compile(r"\[rank(\d+)\]:.*step:\s+(\d+)\s.*step_time:\s+([0-9.]+)s")
-RECEIVED = re.compile(r"\[rank0\]:.*step:\s+(\d+)\s.*recv max/mean:\s+([0-9.]+)")
+import torchtitan_ext
+from torchtitan_ext.metrics_file import read_metrics
+
+ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
 MOVED = re.compile(r"\[rank(\d+)\]:.*Expert placement: moved .*: ([0-9.]+) MB sent by this rank in ([0-9.]+) s")
 JOB = ["--parallelism.expert_parallel_degree", "4", "--metrics.disable_color_printing"]
 
@@ -47,19 +48,14 @@ def launch(*args: str, log_ranks: str = "0") -> str:
     return result.stdout
 
 
-def slowest_rank_median(output: str, warmup: int) -> float:
-    per_step: dict[int, float] = {}
-    for _, step, seconds in STEP_TIME.findall(output):
-        per_step[int(step)] = max(per_step.get(int(step), 0.0), float(seconds))
-    return _median_after_warmup(per_step, warmup)
-
-
-def _median_after_warmup(per_step: dict[int, float], warmup: int) -> float:
+def median_after_warmup(dump_folder: Path, metric: str, warmup: int) -> float:
+    """The median of ``metric`` over the steps of the run in ``dump_folder`` after its first ``warmup`` steps."""
+    per_step = {row["step"]: row[metric] for row in read_metrics(dump_folder)}
     first = min(per_step)
     return statistics.median(value for step, value in per_step.items() if step >= first + warmup)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--record-steps", type=int, default=40)
     parser.add_argument("--save-every", type=int, default=5)
@@ -67,7 +63,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="steps of each resumed run")
     parser.add_argument("--warmup", type=int, default=2, help="first steps of each resumed run not timed")
     parser.add_argument("--rounds", type=int, default=2)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         record = args.record_steps
@@ -96,10 +92,8 @@ def main() -> None:
                 str(record), "--checkpoint.interval", str(10 * (record + args.steps)), "--job.dump_folder",
                 str(folder), *extra, log_ranks="0,1,2,3",
             )
-            times[variant].append(slowest_rank_median(output, args.warmup))
-            received[variant].append(_median_after_warmup(
-                {int(step): float(value) for step, value in RECEIVED.findall(output)}, args.warmup
-            ))
+            times[variant].append(median_after_warmup(folder, "time_metrics/end_to_end_slowest_rank(s)", args.warmup))
+            received[variant].append(median_after_warmup(folder, "ep/recv_rows_max_over_mean_worst", args.warmup))
             migration += [float(seconds) for _, _, seconds in MOVED.findall(output)]
     for variant, values in times.items():
         print(f"{variant}: slowest-rank step time, median per run: {', '.join(f'{v:.3f}' for v in values)} s; "
@@ -109,7 +103,4 @@ def main() -> None:
     print(f"placed / identity: {ratio:.3f}")
     if migration:
         print(f"migration at resume: {min(migration):.3f}-{max(migration):.3f} s per rank")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,8 +1,8 @@
 """The layout advisor prices expert replication for the DeepSeek-V3 671B GB200 job at 0, 1 and 2 replica slots.
 
-    python scripts/price_replicas.py [--steps 4] [--tokens 4096] [--topology gb200_nvl72]
+    python -m torchtitan_ext.bench price_replicas [--steps 4] [--tokens 4096] [--topology gb200_nvl72]
 
-Writes the 671B-shaped synthetic routing dump of ``scripts/bench_placement.py``
+Writes the 671B-shaped synthetic routing dump of ``python -m torchtitan_ext.bench placement``
 (58 MoE layers, 256 experts, top-8, Zipf 0.8 popularity, clustered in 32
 groups of 8, the same every step: no drift), then runs
 
@@ -22,13 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_placement import write_dump  # noqa: E402
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from torchtitan_ext.bench.placement import ROOT, write_dump
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=4, help="steps in the dump (the first is not priced)")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per step and layer")
@@ -39,19 +36,16 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         write_dump(Path(tmp), args.steps, args.tokens)
         command = [
-            sys.executable, "-m", "torchtitan_ext.plan", "--job.config_file", "train_configs/deepseek_v3_671b_gb200.toml",
-            "--world-size", "256", "--topology", args.topology, "--ranks-per-group", "64", "--routing-stats", tmp, "--replica-slots", "0,1,2", "--compile.no-enable",
+            sys.executable, "-m", "torchtitan_ext.plan", "--job.config_file",
+            "train_configs/deepseek_v3_671b_gb200.toml", "--world-size", "256", "--topology", args.topology,
+            "--ranks-per-group", "64", "--routing-stats", tmp, "--replica-slots", "0,1,2", "--compile.no-enable",
         ]
         print("$ python", " ".join(command[1:]).replace(tmp, "<synthetic dump>"), flush=True)
         began = time.perf_counter()
-        result = subprocess.run(command, cwd=REPO_ROOT, text=True, stdout=subprocess.PIPE)
+        result = subprocess.run(command, cwd=ROOT, text=True, stdout=subprocess.PIPE)
         wall = time.perf_counter() - began
     advice = result.stdout.splitlines()
     start = next((i for i, line in enumerate(advice) if line.startswith("Layout advice")), 0)
     print("\n".join(advice[start:]).replace(tmp, "<synthetic dump>"))
     print(f"advisor wall time (process, including imports and the job config): {wall:.1f} s")
-    sys.exit(result.returncode)
-
-
-if __name__ == "__main__":
-    main()
+    return result.returncode

@@ -1,6 +1,6 @@
 """The per-step split of expert replication at scale: operators per MoE layer and call, and their host time.
 
-    python scripts/bench_replica_split.py [--calls 20]
+    python -m torchtitan_ext.bench replica_split [--calls 20]
 
 For EP degrees up to DeepSeek-V3's 256 experts at EP=64, 1 and 2 slots per
 rank, counts drawn from a Zipf 0.8 popularity (512 pairs per expert on
@@ -26,6 +26,8 @@ SHAPES = [(2, 8, 2), (8, 64, 2), (64, 256, 1), (64, 256, 2)]
 
 
 class OperatorCount(TorchDispatchMode):
+    """Counts the tensor operators dispatched while it is active."""
+
     def __init__(self):
         super().__init__()
         self.count = 0
@@ -35,10 +37,10 @@ class OperatorCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=20, help="timed calls per shape (median reported)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.calls < 1:
         parser.error("--calls: use at least 1")
     torch.set_num_threads(1)
@@ -58,7 +60,4 @@ def main() -> None:
             times.append(time.perf_counter() - began)
         print(f"| {ep} | {experts} | {slots} | {len(tables.replicated)} | {operators.count:,} | "
               f"{statistics.median(times) * 1e3:.2f} |")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,6 +1,7 @@
 """Expert replication's transfers alone: the replicas' weights out (forward) and their gradients home (backward).
 
-    python scripts/bench_replica_transfer.py [--job.config_file F] [--slots 1,2] [--iterations 20] [job overrides]
+    python -m torchtitan_ext.bench replica_transfer [--job.config_file F] [--slots 1,2] [--iterations 20]
+        [job overrides]
 
 For the job's model (default: the debug model) and EP = 2 (two gloo processes
 on this machine, fp32), every replica slot filled: times one MoE layer's
@@ -13,15 +14,14 @@ per layer and direction and both times per layer and per step (all MoE layers).
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from torchtitan_ext.config import ConfigError, load_job_config
 from torchtitan_ext.config.job import meta_model
+from torchtitan_ext.runtime.workers import run_workers
 from torchtitan_ext.training import prepare
 
 EP = 2
@@ -38,15 +38,14 @@ def expert_shape(config_args: list[str]) -> tuple[str, int, int, int]:
     return f"{job_config.model.name} {job_config.model.flavor}", experts.num_experts, floats, len(moes)
 
 
-def worker(rank: int, tmp: str, experts: int, floats: int, slots: int, iterations: int, results) -> None:
+def worker(rank: int, world_size: int, experts: int, floats: int, slots: int, iterations: int) -> tuple[float, float]:
+    """(median seconds of one layer's fetch, of its gradients' return) on this rank."""
     from torch.distributed.distributed_c10d import _get_process_group_name
 
     from torchtitan_ext.ep.replica_split import replica_ops
     from torchtitan_ext.ep.replicated_experts import exchange_arguments, redundancy_mapping
     from torchtitan_ext.ep.replication import ReplicaPlan
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=EP)
     per_rank = experts // EP
     # every slot of a rank copies one of the other rank's experts
     plan = ReplicaPlan(experts, EP, tuple(tuple((1 - r) * per_rank + j for j in range(slots)) for r in range(EP)))
@@ -64,12 +63,10 @@ def worker(rank: int, tmp: str, experts: int, floats: int, slots: int, iteration
         fetch.append(middle - began)
         back.append(ended - middle)
         home.grad = None
-    results[rank] = (statistics.median(fetch[1:]), statistics.median(back[1:]))
-    dist.barrier()
-    dist.destroy_process_group()
+    return statistics.median(fetch[1:]), statistics.median(back[1:])
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--job.config_file", dest="config", default="train_configs/debug_model.toml")
     parser.add_argument("--slots", default="1,2", help="replica slots per rank to time, comma-separated")
@@ -96,16 +93,8 @@ def main(argv=None) -> int:
     print("| slots per rank | MiB per layer each way | fetch ms per layer | return ms per layer | both, ms per step |")
     print("|---|---|---|---|---|")
     for slots in slot_counts:
-        with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
-            results = manager.dict()
-            mp.start_processes(worker, args=(tmp, experts, floats, slots, args.iterations, results), nprocs=EP,
-                               start_method="spawn")
-            fetch = max(results[rank][0] for rank in range(EP))
-            back = max(results[rank][1] for rank in range(EP))
+        per_rank = run_workers(EP, worker, experts, floats, slots, args.iterations, preload=[__name__])
+        fetch, back = (max(times) for times in zip(*per_rank))
         print(f"| {slots} | {slots * floats * 4 / 2**20:.3f} | {fetch * 1e3:.3f} | {back * 1e3:.3f} | "
               f"{(fetch + back) * layers * 1e3:.2f} |", flush=True)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

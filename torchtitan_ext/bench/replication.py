@@ -1,26 +1,23 @@
 """Expert replication on a real training run: rank load per step and step time, with and without replicas.
 
-    python scripts/bench_replication.py [--steps 20] [--rounds 1] [--settings 1x1,2x1,1x5,2x5] [--markdown FILE]
-        [-- extra run_train args]
+    python -m torchtitan_ext.bench replication [--steps 20] [--rounds 1] [--settings 1x1,2x1,1x5,2x5]
+        [--markdown FILE] [-- extra run_train args]
 
 Runs the default job (``./run_train.sh``, NGPU=2, EP=2) once per setting, the
 settings alternating within each round so that machine noise spreads evenly:
 no replication, then ``--expert_replication.slots_per_rank`` 1 and 2 with
-``adapt_every`` 1 and 5 (``--settings``: which of them, as SLOTSxADAPT_EVERY). Both ranks log their step lines (LOG_RANK=0,1).
-Prints, per setting: the step log's ``recv max/mean`` (the worst MoE layer's
+``adapt_every`` 1 and 5 (``--settings``: which of them, as SLOTSxADAPT_EVERY).
+Prints, per setting, from each run's metrics.jsonl: ``recv max/mean`` (the worst MoE layer's
 busiest rank's rows over the mean) at every step, its median and worst after
 step 1, the median after the warm-up of the "all layers" ratio (each MoE
 layer's busiest rank's rows summed over the layers, over the mean rank's:
-what the step's expert compute pays; TensorBoard's
-``ep/recv_rows_max_over_mean_all_layers``, read from the run's own dump
-folder), and the slowest rank's median step time after a warm-up of 3 steps,
+what the step's expert compute pays), and the slowest rank's median step time after a warm-up of 3 steps,
 as a ratio to the run without replicas of the same round, and how far the
 losses of the first round's runs are from the run without replicas.
 """
 
 import argparse
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -29,9 +26,17 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-STEP = re.compile(r"\[rank(\d+)\]:.*step:\s+(\d+)\s+loss:\s+([0-9.]+).*step_time:\s+([0-9.]+)s\s+recv max/mean:\s+([0-9.]+)")
-ALL_LAYERS = "ep/recv_rows_max_over_mean_all_layers"
+import torchtitan_ext
+from torchtitan_ext.metrics_file import read_metrics
+
+ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
+MEASURED = {
+    "recv": "ep/recv_rows_max_over_mean_worst",
+    "all_layers": "ep/recv_rows_max_over_mean_all_layers",
+    "time": "time_metrics/end_to_end_slowest_rank(s)",
+    "loss": "loss_metrics/global_avg_loss",
+}
+"""What each run reports: {name: its metric in metrics.jsonl}."""
 SETTINGS = {
     "no replicas": [],
     "1 slot, adapt every 1": ["--expert_replication.slots_per_rank", "1", "--expert_replication.adapt_every", "1"],
@@ -42,45 +47,31 @@ SETTINGS = {
 WARMUP = 3
 
 
-def logged_scalars(dump_folder: Path, tag: str) -> dict[int, float]:
-    """{step: value} of one TensorBoard scalar a run logged under ``dump_folder`` (torchtitan's ``tb/``)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    values = {}
-    for events in sorted((dump_folder / "tb").rglob("events.out.tfevents.*")):
-        accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0})
-        accumulator.Reload()
-        if tag in accumulator.Tags()["scalars"]:
-            values.update({event.step: event.value for event in accumulator.Scalars(tag)})
-    return values
+def measured(dump_folder: Path | str) -> dict[str, dict[int, float]]:
+    """{name of :data:`MEASURED`: {step: value}} of the run in ``dump_folder``."""
+    rows = read_metrics(dump_folder)
+    return {name: {row["step"]: row[metric] for row in rows} for name, metric in MEASURED.items()}
 
 
-def run(args: list[str], steps: int) -> dict:
-    """{"recv": {step: max/mean}, "all_layers": {step: max/mean}, "time": {rank: {step: step time}},
-    "loss": {step: loss}} of one run."""
+def run(args: list[str], steps: int) -> dict[str, dict[int, float]]:
+    """:func:`measured` of one ./run_train.sh run."""
     with tempfile.TemporaryDirectory() as dump_folder:
         result = subprocess.run(
-            ["./run_train.sh", "--training.steps", str(steps), "--metrics.disable_color_printing", *args,
-             "--metrics.enable_tensorboard", "--job.dump_folder", dump_folder],
-            cwd=REPO_ROOT, env={**os.environ, "NGPU": "2", "LOG_RANK": "0,1"}, capture_output=True, text=True,
+            ["./run_train.sh", "--training.steps", str(steps), *args, "--job.dump_folder", dump_folder],
+            cwd=ROOT, env={**os.environ, "NGPU": "2"}, capture_output=True, text=True,
         )
         if result.returncode != 0:
-            sys.exit(f"error: run_train.sh {' '.join(args)} exited {result.returncode}:\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
-        all_layers = logged_scalars(Path(dump_folder), ALL_LAYERS)
-    recv, times, losses = {}, {}, {}
-    for rank, step, loss, step_time, ratio in STEP.findall(result.stdout):
-        times.setdefault(int(rank), {})[int(step)] = float(step_time)
-        if rank == "0":
-            recv[int(step)] = float(ratio)
-            losses[int(step)] = float(loss)
-    return {"recv": recv, "all_layers": all_layers, "time": times, "loss": losses}
+            sys.exit(f"error: run_train.sh {' '.join(args)} exited {result.returncode}:\n"
+                     f"{result.stdout[-3000:]}{result.stderr[-3000:]}")
+        return measured(dump_folder)
 
 
-def slowest_median(times: dict[int, dict[int, float]]) -> float:
-    return max(statistics.median(t for step, t in per_rank.items() if step > WARMUP) for per_rank in times.values())
+def slowest_median(times: dict[int, float]) -> float:
+    """The median over the steps after the warm-up of {step: the slowest rank's step time}."""
+    return statistics.median(seconds for step, seconds in times.items() if step > WARMUP)
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20, help="training steps per run (default: 20)")
     parser.add_argument("--rounds", type=int, default=1, help="rounds of all settings, alternating (default: 1)")
@@ -103,10 +94,10 @@ def main(argv=None) -> int:
         for _ in range(args.rounds):
             baseline = None
             for name, setting in settings.items():
-                measured = run([*setting, *args.extra], args.steps)
-                median_time = slowest_median(measured["time"])
+                metrics = run([*setting, *args.extra], args.steps)
+                median_time = slowest_median(metrics["time"])
                 baseline = median_time if baseline is None else baseline
-                rows[name].append({**measured, "median_time": median_time, "time_ratio": median_time / baseline})
+                rows[name].append({**metrics, "median_time": median_time, "time_ratio": median_time / baseline})
                 progress.update()
     lines = [
         f"| setting | recv max/mean per step (steps 1-{args.steps}) | median, worst after step 1 | "
@@ -114,19 +105,20 @@ def main(argv=None) -> int:
         "|---|---|---|---|---|---|",
     ]
     for name, measured_rounds in rows.items():
-        for measured in measured_rounds:
-            recv = measured["recv"]
+        for metrics in measured_rounds:
+            recv = metrics["recv"]
             later = [ratio for step, ratio in recv.items() if step > 1]
             lines.append(
                 f"| {name} | {' '.join(f'{recv[s]:.2f}' for s in sorted(recv))} | "
                 f"{statistics.median(later):.2f}, {max(later):.2f} | "
-                f"{statistics.median(r for step, r in measured['all_layers'].items() if step > WARMUP):.2f} | "
-                f"{measured['median_time']:.3f} | "
-                f"{measured['time_ratio']:.3f} |"
+                f"{statistics.median(r for step, r in metrics['all_layers'].items() if step > WARMUP):.2f} | "
+                f"{metrics['median_time']:.3f} | "
+                f"{metrics['time_ratio']:.3f} |"
             )
     losses = {name: measured_rounds[0]["loss"] for name, measured_rounds in rows.items()}
     reference = losses["no replicas"]
-    differences = {step: max(abs(got[step] - loss) / loss for got in losses.values()) for step, loss in reference.items()}
+    differences = {step: max(abs(got[step] - loss) / loss for got in losses.values())
+                   for step, loss in reference.items()}
     first_differing = next((step for step in sorted(differences) if differences[step]), None)
     lines.append("")
     lines.append(
@@ -140,7 +132,3 @@ def main(argv=None) -> int:
             out.write("\n".join(lines) + "\n")
         print(f"table appended to {args.markdown}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

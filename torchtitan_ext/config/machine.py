@@ -15,7 +15,7 @@ CPU_BF16_ENV = "TORCHTITAN_EXT_CPU_BF16"
 """Overrides the CPU probe of :func:`cpu_bf16_support`: "native" or "emulated".
 
 "emulated" makes any CPU behave like one without bf16 matrix units, which is
-how the test suite and ``scripts/bench_cpu_precision.py`` exercise that path.
+how the test suite and ``python -m torchtitan_ext.bench cpu_precision`` exercise that path.
 """
 
 PRECISION_KEY = "training.mixed_precision_param"

@@ -60,7 +60,7 @@ WIDE_EXPERTS_INTER_DIM = 1024
 """The "debugmodel_wide_experts" flavour: "debugmodel_small" with 4x wider experts (routed and shared), so
 that the MoE layers take most of a step's FLOPs (the routed experts 53%, against 8% in the debug model and
 38% in "debugmodel_small"): the shape on which expert load balancing shows in the step time
-(scripts/bench_replication.py)."""
+(python -m torchtitan_ext.bench replication)."""
 
 
 def flavors() -> dict[str, DeepSeekV3ModelArgs]:

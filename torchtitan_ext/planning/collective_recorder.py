@@ -1,7 +1,7 @@
 """The collectives one piece of code issues, recorded and replayable alone.
 
 A backend's time less the time of exactly its collectives is its local work
-(permutations, kernels): ``scripts/bench_ep.py`` reports both, and the layout
+(permutations, kernels): ``python -m torchtitan_ext.bench ep`` reports both, and the layout
 advisor's measured compute uses the difference.
 """
 

@@ -910,8 +910,8 @@ def format_advice(
             named = ", ".join(dict.fromkeys(f"{layout.label} over {' and '.join(layout.nominal_links)}" for layout in unpublished))
             lines += _wrapped(
                 f"not ranked against the published backends: {named} is priced at the nominal rate (no published "
-                "figure), a bound it may not reach: time it and give --calibrate-from the measurement (scripts/bench_ep.py "
-                "--json, or an nccl-tests alltoall_perf log) before choosing it", "  ")
+                "figure), a bound it may not reach: time it and give --calibrate-from the measurement (python -m "
+                "torchtitan_ext.bench ep --json, or an nccl-tests alltoall_perf log) before choosing it", "  ")
         lines += _command("  overrides: ", first.overrides())
         if overrides_problem is not None:
             lines += _wrapped(f"with those, this job config still fails its checks: {overrides_problem}", "  ")

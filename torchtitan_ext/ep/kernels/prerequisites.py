@@ -5,7 +5,7 @@ sources it follows are DeepEP main ``dd758caf`` (setup.py, deep_ep/__init__.py,
 deep_ep/utils/find_pkgs.py, README.md), DeepEP V2.5's README (``93eb6eb2``) and
 the hybrid-ep branch ``94a9f8f6`` (setup.py, csrc/hybrid_ep/jit/compiler.cu,
 docs/README_Hybrid-EP.md).
-scripts/check_cluster.py prints them on any machine; the HybridEP backend runs
+python -m torchtitan_ext.bench cluster_check prints them on any machine; the HybridEP backend runs
 :func:`check_hybridep_jit` in the job's validation.
 """
 

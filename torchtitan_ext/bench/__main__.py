@@ -1,0 +1,42 @@
+"""``python -m torchtitan_ext.bench NAME [args]``: runs the benchmark or check NAME (a module of this package)."""
+
+import ast
+import importlib
+import pkgutil
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).parent
+
+
+def names() -> list[str]:
+    """The benchmarks and checks: this package's modules."""
+    return sorted(module.name for module in pkgutil.iter_modules([str(PACKAGE)]) if not module.name.startswith("_"))
+
+
+def summary(name: str) -> str:
+    """The first line of module ``name``'s docstring, read without importing it (most import torch)."""
+    docstring = ast.get_docstring(ast.parse((PACKAGE / f"{name}.py").read_text(encoding="utf-8"))) or ""
+    return docstring.split("\n", 1)[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    valid = names()
+    if argv[:1] in (["-h"], ["--help"]):
+        print("usage: python -m torchtitan_ext.bench NAME [args]  (NAME --help: its arguments)\n")
+        width = max(map(len, valid))
+        print("\n".join(f"  {name:<{width}}  {summary(name)}" for name in valid))
+        return 0
+    if not argv or argv[0] not in valid:
+        given = f"unknown name '{argv[0]}'" if argv else "no name given"
+        print(f"error: {given}: python -m torchtitan_ext.bench NAME, NAME one of {', '.join(valid)}", file=sys.stderr)
+        return 2
+    name, *args = argv
+    # argparse names the program by sys.argv[0]: the command as typed, for NAME's usage and errors
+    sys.argv[0] = f"python -m torchtitan_ext.bench {name}"
+    return importlib.import_module(f"{__package__}.{name}").main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
