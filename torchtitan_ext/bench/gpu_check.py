@@ -1,6 +1,6 @@
 """The one-GPU check: what a CPU cannot show, run on one CUDA device in at most a few minutes.
 
-    python -m torchtitan_ext.bench gpu_check [--out DIR] [--budget-s 420]
+    python -m torchtitan_ext.bench gpu_check [--out DIR] [--budget-s 330]
 
 Stages, each reported whatever the others did (a stage past the time budget is skipped, said so):
 
@@ -91,7 +91,7 @@ def ledger_on_cuda_and_cpu() -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("."), help="folder of gpu_check.json")
-    parser.add_argument("--budget-s", type=float, default=420.0, help="stages past this many seconds are skipped")
+    parser.add_argument("--budget-s", type=float, default=330.0, help="stages past this many seconds are skipped")
     args = parser.parse_args(argv)
     import torch
 
@@ -103,25 +103,25 @@ def main(argv: list[str] | None = None) -> int:
     stages = {
         "environment": lambda: environment(),
         "gpu tests": lambda: _run([python, "-m", "pytest", "-m", "deep_ep or gpu", "-rs", "-q", "-n", "0",
-                                   "-p", "no:cacheprovider", "tests/ep/test_deep_ep.py"], 240),
+                                   "-p", "no:cacheprovider", "tests/ep/test_deep_ep.py"], 150),
         "ledger cuda vs cpu": lambda: _run([python, "-c", "import json; from torchtitan_ext.bench.gpu_check import "
-                                            "ledger_on_cuda_and_cpu as f; print('LEDGER' + json.dumps(f()))"], 180),
+                                            "ledger_on_cuda_and_cpu as f; print('LEDGER' + json.dumps(f()))"], 120),
         "bench ep": lambda: _run([python, "-m", "torchtitan_ext.bench", "ep", "--nproc", "1", "--tokens", "4096",
                                   "16384", "--hidden", "2048", "--experts", "64", "--top-k", "6", "--dtype",
                                   "bfloat16", "--warmup", "3", "--iters", "10", "--no-progress", "--backends",
-                                  *VARIANTS, "upstream", "--json", str(args.out / "bench_ep.json")], 180),
+                                  *VARIANTS, "upstream", "--json", str(args.out / "bench_ep.json")], 120),
         "16B step ours vs upstream": lambda: _run(
             [python, "-m", "torchtitan_ext.bench", "step", "--rounds", "2", "--steps", "6", "--warmup", "2",
              "--nproc", "1", "--config", "train_configs/deepseek_v3_16b.toml", "--no-progress",
              "--json", str(args.out / "bench_step.json"), "--",
              "--model.flavor", "16B_4layers", "--parallelism.expert_parallel_degree", "1",
              "--training.dataset", "stdlib_code", "--model.hf_assets_path", "./assets/embedded",
-             "--training.local_batch_size", "2", "--compile.no-enable"], 240),
+             "--training.local_batch_size", "2", "--compile.no-enable"], 180),
         "inductor compile, debug model": lambda: _run(
             [python, "-m", "torch.distributed.run", "--nproc_per_node", "1", "-m", "torchtitan_ext.train",
              "--job.config_file", "train_configs/debug_model.toml",
              "--parallelism.expert_parallel_degree", "1", "--training.steps", "2", "--compile.enable",
-             "--compile.components", "model", "loss", "--job.dump_folder", str(args.out / "compiled")], 240),
+             "--compile.components", "model", "loss", "--job.dump_folder", str(args.out / "compiled")], 150),
     }
     report = {}
     for name, stage in stages.items():
