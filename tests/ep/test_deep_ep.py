@@ -46,6 +46,7 @@ def _compare(results, backend, ep, tolerance):
 
 
 @pytest.mark.deep_ep
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "backend, library, class_name",
     [("deepep", "deepep", "ElasticBuffer"), ("deepep_legacy", "deepep", "Buffer"), ("deepep_ep", "deepep", "EPBuffer"),
@@ -64,6 +65,7 @@ def test_real_library_matches_dense_moe(backend, library, class_name):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_every_backend_on_one_gpu(backend):
     """nccl, and the reference kernels standing for DeepEP and HybridEP, on CUDA tensors in a NCCL group of one."""
