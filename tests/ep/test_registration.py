@@ -1,5 +1,6 @@
 """A backend's config section and checks register on import; its custom ops only when it builds a layer."""
 
+import re
 import subprocess
 import sys
 
@@ -30,3 +31,15 @@ def test_parsing_a_config_registers_its_section_but_no_op():
     result = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.splitlines()[-2:] == ["8 []", "['hybridep_dispatch']"]
+
+
+@pytest.mark.parametrize("version, refused", [("2.11.0+cu130", True), ("2.12.1", True), ("2.13.0", False),
+                                              ("2.13.0.dev20261101+cu130", False), ("3.0.0", False)])
+def test_a_torch_without_opaque_returns_is_refused_in_one_line(version, refused):
+    from torchtitan_ext.ep.ops import require_opaque_returns
+
+    if not refused:
+        require_opaque_returns(version)
+        return
+    with pytest.raises(ImportError, match=rf"torch {re.escape(version)} is installed.*pip install torch==2\.13\.0"):
+        require_opaque_returns(version)

@@ -13,6 +13,7 @@ the EP path and everything our spec changes. Results go to ``--json`` and, with 
 """
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -78,6 +79,11 @@ def _worker(rank: int, world_size: int, args, dump_folder: str) -> dict[str, lis
                 if progress:
                     progress.update(1)
             trainer.close()
+            # the next run's model is built only once this one's is freed: two 16B-shaped trainers overflow an H100
+            del trainer, data
+            gc.collect()
+            if device_type == "cuda":
+                torch.cuda.empty_cache()
     if progress:
         progress.close()
     return times
