@@ -3,7 +3,7 @@
 torchtitan's "standard" backend, as torchtitan lays it out: each rank sorts its (token, expert) pairs by expert
 id (destination rank, then local expert), gathers their rows once and sends them in one all-to-all; the receiver
 permutes them (source-major) into its expert groups, padded to the grouped-GEMM alignment (at least 8 rows; 16
-for FP8 and 32 for MXFP8 grouped GEMMs), with one index copy computed on the device. Combine permutes back, sends
+for FP8 and 32 for MXFP8 grouped GEMMs), with one gather computed on the device. Combine permutes back, sends
 in one all-to-all, and one ``index_add`` sums every token's top-k rows (weighted by their scores for
 DeepSeek-V3-style routing). Per MoE layer and step: one all-to-all of the counts and one host sync for the split
 sizes in forward (all-to-all split sizes live on the host, as in torchtitan), one all-to-all of rows per pass
@@ -37,6 +37,8 @@ class _NcclDispatchState:
     """Scores of the sent rows, when they multiply the expert outputs."""
     destinations: torch.Tensor
     """Group row of every received row."""
+    group_sources: torch.Tensor
+    """Received row of every group row (row 0 for a pad row)."""
     pad_rows: torch.Tensor
     send_splits: list[int]
     recv_splits: list[int]
@@ -137,16 +139,21 @@ class NcclExpertParallel(RoutedExpertParallel):
         destinations, pad_rows = expert_major_rows(
             received, self.pad_multiple, sum(recv_splits), total_padded - sum(recv_splits)
         )
+        # received row of every group row, pads at row 0 (zeroed after): groups are gathered, each row written once
+        group_sources = torch.zeros(total_padded, dtype=torch.int64, device=x.device).index_copy_(
+            0, destinations, torch.arange(destinations.shape[0], device=x.device)
+        )
         token_of_row = pair_order // top_k
         rows = x.index_select(0, token_of_row)
         row_scores = scores.reshape(-1).index_select(0, pair_order)
         if self.score_before_experts:
             rows = scale_rows(rows, row_scores)
-        routed = nccl_dispatch(rows, destinations, pad_rows, send_splits, recv_splits, total_padded, group.group_name)
+        routed = nccl_dispatch(rows, destinations, group_sources, pad_rows, send_splits, recv_splits, group.group_name)
         self._pending = _NcclDispatchState(
             token_of_row=token_of_row,
             row_scores=None if self.score_before_experts else row_scores,
             destinations=destinations,
+            group_sources=group_sources,
             pad_rows=pad_rows,
             send_splits=send_splits,
             recv_splits=recv_splits,
@@ -159,7 +166,7 @@ class NcclExpertParallel(RoutedExpertParallel):
 
         state = self._take_pending()
         combined, _, _ = nccl_combine(
-            routed_output, state.destinations, state.pad_rows, state.token_of_row, state.row_scores,
+            routed_output, state.destinations, state.group_sources, state.pad_rows, state.token_of_row, state.row_scores,
             state.num_tokens, state.send_splits, state.recv_splits, group.group_name, self.collective_name("combine"),
         )
         return in_flight(combined)

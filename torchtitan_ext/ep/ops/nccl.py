@@ -2,7 +2,7 @@
 
 Registered with torch (``torchtitan_ext::nccl_dispatch``, ``nccl_combine``) when the backend first builds a layer,
 not when a config names it. Rows travel in the pairs' send order, destination-major; each rank permutes what it
-receives (source-major) into its padded expert-major groups with one index copy, and back before combine.
+receives (source-major) into its padded expert-major groups with one gather, and back before combine.
 """
 
 import torch
@@ -23,32 +23,31 @@ def _exchange(rows: torch.Tensor, out_rows: int, out_splits: list[int], in_split
     return out, work
 
 
-def _into_groups(received: torch.Tensor, destinations: torch.Tensor, pad_rows: torch.Tensor, rows: int) -> torch.Tensor:
-    """Received rows (source-major) into ``rows`` rows of padded expert-major groups, pad rows zero."""
-    groups = received.new_empty((rows, received.shape[1])).index_copy_(0, destinations, received)
-    return groups.index_fill_(0, pad_rows, 0)
+def _into_groups(received: torch.Tensor, group_sources: torch.Tensor, pad_rows: torch.Tensor) -> torch.Tensor:
+    """Received rows (source-major) gathered into padded expert-major groups, pad rows zero."""
+    return received.index_select(0, group_sources).index_fill_(0, pad_rows, 0)
 
 
 @torch.library.custom_op("torchtitan_ext::nccl_dispatch", mutates_args=())
 def nccl_dispatch(
     rows: torch.Tensor,
     destinations: torch.Tensor,
+    group_sources: torch.Tensor,
     pad_rows: torch.Tensor,
     send_splits: list[int],
     recv_splits: list[int],
-    group_rows: int,
     group_name: str,
 ) -> torch.Tensor:
-    """Rows in send order (destination-major, ``send_splits[d]`` rows for rank d) -> this rank's ``group_rows``
-    rows of padded expert-major groups: the received rows (``recv_splits[s]`` from rank s) at ``destinations``,
-    zero at ``pad_rows``."""
+    """Rows in send order (destination-major, ``send_splits[d]`` rows for rank d) -> this rank's padded
+    expert-major groups: the received rows (``recv_splits[s]`` from rank s) at ``destinations``, zero at
+    ``pad_rows``; ``group_sources`` is the received row of every group row (any row for a pad row)."""
     received, _ = _exchange(rows, sum(recv_splits), recv_splits, send_splits, group_name)
-    return _into_groups(received, destinations, pad_rows, group_rows)
+    return _into_groups(received, group_sources, pad_rows)
 
 
 @nccl_dispatch.register_fake
-def _(rows, destinations, pad_rows, send_splits, recv_splits, group_rows, group_name):
-    return rows.new_empty((group_rows, rows.shape[1]))
+def _(rows, destinations, group_sources, pad_rows, send_splits, recv_splits, group_name):
+    return rows.new_empty((group_sources.shape[0], rows.shape[1]))
 
 
 def _sum_rows(returned: torch.Tensor, token_of_row: torch.Tensor, row_scores, num_tokens: int) -> torch.Tensor:
@@ -63,6 +62,7 @@ def _sum_rows(returned: torch.Tensor, token_of_row: torch.Tensor, row_scores, nu
 def nccl_combine(
     groups: torch.Tensor,
     destinations: torch.Tensor,
+    group_sources: torch.Tensor,
     pad_rows: torch.Tensor,
     token_of_row: torch.Tensor,
     row_scores: torch.Tensor | None,
@@ -94,14 +94,14 @@ def nccl_combine(
 
 
 @nccl_combine.register_fake
-def _(groups, destinations, pad_rows, token_of_row, row_scores, num_tokens, send_splits, recv_splits, group_name,
-      what):
+def _(groups, destinations, group_sources, pad_rows, token_of_row, row_scores, num_tokens, send_splits, recv_splits,
+      group_name, what):
     combined = groups.new_empty((num_tokens, groups.shape[1]))
     return combined, groups.new_empty((sum(send_splits), groups.shape[1])), Landing.traced(what)
 
 
 def _dispatch_setup(ctx, inputs, output):
-    _, destinations, _, send_splits, recv_splits, _, group_name = inputs
+    _, destinations, _, _, send_splits, recv_splits, group_name = inputs
     ctx.save_for_backward(destinations)
     ctx.splits = send_splits, recv_splits
     ctx.group_name = group_name
@@ -116,28 +116,30 @@ def _dispatch_backward(ctx, grad):
 
 
 def _combine_setup(ctx, inputs, output):
-    groups, destinations, pad_rows, token_of_row, row_scores, _, send_splits, recv_splits, group_name, _ = inputs
+    _, destinations, group_sources, pad_rows, token_of_row, row_scores, _, send_splits, recv_splits, group_name, _ = (
+        inputs
+    )
     # the returned rows are needed only for the scores' gradient
-    ctx.save_for_backward(destinations, pad_rows, token_of_row, row_scores,
+    ctx.save_for_backward(destinations, group_sources, pad_rows, token_of_row, row_scores,
                           None if row_scores is None else output[1])
-    ctx.layout = send_splits, recv_splits, groups.shape[0], group_name
+    ctx.layout = send_splits, recv_splits, group_name
     ctx.landing = output[2]
     ctx.scores_dtype = None if row_scores is None else row_scores.dtype
-    ctx.rows_dtype = groups.dtype
+    ctx.rows_dtype = inputs[0].dtype
 
 
 def _combine_backward(ctx, grad_combined, grad_returned, grad_landing):
     ctx.landing.wait()  # the returned rows may not have landed if nothing used the output
-    destinations, pad_rows, token_of_row, row_scores, returned = ctx.saved_tensors
+    destinations, group_sources, pad_rows, token_of_row, row_scores, returned = ctx.saved_tensors
     grad_rows = grad_combined.float().index_select(0, token_of_row)
     grad_scores = None
     if row_scores is not None:
         grad_scores = (grad_rows * returned.float()).sum(-1).to(ctx.scores_dtype)
         grad_rows = grad_rows * row_scores.float().unsqueeze(-1)
-    send_splits, recv_splits, group_rows, group_name = ctx.layout
-    grad_groups = nccl_dispatch(grad_rows.to(ctx.rows_dtype), destinations, pad_rows, send_splits, recv_splits,
-                                group_rows, group_name)
-    return grad_groups, None, None, None, grad_scores, None, None, None, None, None
+    send_splits, recv_splits, group_name = ctx.layout
+    grad_groups = nccl_dispatch(grad_rows.to(ctx.rows_dtype), destinations, group_sources, pad_rows, send_splits,
+                                recv_splits, group_name)
+    return grad_groups, None, None, None, None, grad_scores, None, None, None, None, None
 
 
 nccl_dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
