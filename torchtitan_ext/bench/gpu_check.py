@@ -1,27 +1,33 @@
 """The one-GPU check: what a CPU cannot show, run on one CUDA device in at most a few minutes.
 
-    python -m torchtitan_ext.bench gpu_check [--out DIR] [--budget-s 330]
+    python -m torchtitan_ext.bench gpu_check [--out DIR] [--budget-s 330] [--markdown FILE] [--dry-run]
 
 Stages, each reported whatever the others did (a stage past the time budget is skipped, said so):
 
-1. the GPU tests (``pytest -m "deep_ep or gpu"``): every backend on CUDA at EP = 1, DeepEP and HybridEP on the
+1. the environment: torch, CUDA, the device, the date;
+2. the GPU tests (``pytest -m "deep_ep or gpu"``): every backend on CUDA at EP = 1, DeepEP and HybridEP on the
    reference kernels where the library is not built;
-2. the device-cost ledger of one MoE call per backend at EP = 1 on CUDA against the same call on the CPU (the
+3. the device-cost ledger of one MoE call per backend at EP = 1 on CUDA against the same call on the CPU (the
    counts must be equal), the passes budgeted no host sync run under ``torch.cuda.set_sync_debug_mode("error")``;
-3. bench ep on CUDA: each backend's dispatch and combine at EP = 1 (local work alone, no traffic);
-4. a DeepSeek-V3-16B-shaped training step (flavour "16B_4layers"), ours against upstream torchtitan 0.2.2, as
+4. a CUDA-graph capture of one MoE call's forward for each backend whose budget claims a sync-free layer (no host
+   sync, no host-to-device copy), replayed against the same call run eagerly;
+5. bench ep on CUDA: each backend's dispatch and combine at EP = 1 (local work alone, no traffic);
+6. a DeepSeek-V3-16B-shaped training step (flavour "16B_4layers"), ours against upstream torchtitan 0.2.2, as
    a ratio in one run;
-5. torch.compile (inductor) of the debug model: two training steps.
+7. torch.compile (inductor) of the debug model: two training steps.
 
-Writes ``gpu_check.json`` into ``--out`` (docs/benchmarks.md, "The one-GPU check", quotes it).
+Writes ``gpu_check.json`` into ``--out``, and a table of the stages with the device and the date to
+``--markdown`` (docs/benchmarks.md). ``--dry-run`` prints the stages' commands without running them (any machine).
 """
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 import torchtitan_ext
@@ -30,17 +36,72 @@ ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
 VARIANTS = ("nccl", "deepep", "deepep_legacy", "hybridep", "hybridep_non_blocking")
 MOE_SHAPE = dict(hidden_dim=2048, num_experts=64, top_k=6, max_tokens_per_rank=4096)
 """DeepSeek-V3 16B's MoE layer, at 4,096 tokens per rank."""
+RESULT = "RESULT "
+"""Prefix of the one line a function stage prints its result on."""
 
 
-def _run(command: list[str], timeout: float) -> dict:
-    """A command's status and the end of its output (a stage that starts its own processes)."""
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    command: list[str]
+    timeout_s: float
+
+
+def _function_stage(name: str, function: str, timeout_s: float) -> Stage:
+    """A stage that runs ``function`` of this module in its own process and prints its result as JSON."""
+    code = f"import json; from {__name__} import {function} as f; print({RESULT!r} + json.dumps(f()))"
+    return Stage(name, [sys.executable, "-c", code], timeout_s)
+
+
+def stages(out: Path) -> list[Stage]:
+    python = sys.executable
+    return [
+        _function_stage("environment", "environment", 60),
+        Stage("gpu tests", [python, "-m", "pytest", "-m", "deep_ep or gpu", "-rs", "-q", "-n", "0", "-p",
+                            "no:cacheprovider", "tests/ep/test_deep_ep.py"], 150),
+        _function_stage("ledger cuda vs cpu", "ledger_on_cuda_and_cpu", 120),
+        _function_stage("cuda graph capture", "cuda_graph_capture", 120),
+        Stage("bench ep", [python, "-m", "torchtitan_ext.bench", "ep", "--nproc", "1", "--tokens", "4096", "16384",
+                           "--hidden", "2048", "--experts", "64", "--top-k", "6", "--dtype", "bfloat16", "--warmup",
+                           "3", "--iters", "10", "--no-progress", "--backends", *VARIANTS, "upstream", "--json",
+                           str(out / "bench_ep.json")], 120),
+        Stage("16B step ours vs upstream", [
+            python, "-m", "torchtitan_ext.bench", "step", "--rounds", "2", "--steps", "6", "--warmup", "2",
+            "--nproc", "1", "--config", "train_configs/deepseek_v3_16b.toml", "--no-progress",
+            "--json", str(out / "bench_step.json"), "--",
+            "--model.flavor", "16B_4layers", "--parallelism.expert_parallel_degree", "1",
+            "--parallelism.expert_parallel_comm_backend", "nccl",
+            "--training.dataset", "stdlib_code", "--model.hf_assets_path", "./assets/embedded",
+            "--training.local_batch_size", "2", "--compile.no-enable"], 180),
+        Stage("inductor compile, debug model", [
+            python, "-m", "torch.distributed.run", "--nproc_per_node", "1", "-m", "torchtitan_ext.train",
+            "--job.config_file", "train_configs/debug_model.toml",
+            "--parallelism.expert_parallel_degree", "1", "--training.steps", "2", "--compile.enable",
+            "--compile.components", "model", "--job.dump_folder", str(out / "compiled")], 150),
+    ]
+
+
+def _run(stage: Stage) -> dict:
+    """A stage's status, seconds, the end of its output and, for a function stage, its result."""
     started = time.monotonic()
     try:
-        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-        return {"status": result.returncode, "seconds": round(time.monotonic() - started, 1),
-                "output": (result.stdout + result.stderr)[-6000:]}
+        done = subprocess.run(stage.command, cwd=ROOT, capture_output=True, text=True, timeout=stage.timeout_s)
     except subprocess.TimeoutExpired as e:
-        return {"status": "timeout", "seconds": timeout, "output": str(e.output or "")[-6000:]}
+        return {"status": "timeout", "seconds": stage.timeout_s, "output": str(e.output or "")[-6000:]}
+    report = {"status": done.returncode, "seconds": round(time.monotonic() - started, 1),
+              "output": (done.stdout + done.stderr)[-6000:]}
+    results = [line.removeprefix(RESULT) for line in done.stdout.splitlines() if line.startswith(RESULT)]
+    if results:
+        report["result"] = json.loads(results[-1])
+    return report
+
+
+def summary(report: dict) -> str:
+    """One line of a stage's report for the markdown table: its result, else its output's last line."""
+    if "result" in report:
+        return json.dumps(report["result"])[:300]
+    lines = [line.strip() for line in str(report.get("output", "")).splitlines() if line.strip()]
+    return lines[-1][:300] if lines else ""
 
 
 def environment() -> dict:
@@ -89,56 +150,116 @@ def ledger_on_cuda_and_cpu() -> dict:
     return results
 
 
+def graph_capturable_variants() -> list[str]:
+    """The variants whose budget claims a sync-free MoE layer: no host sync and no host-to-device copy in either
+    pass (what a CUDA graph can hold)."""
+    from torchtitan_ext.bench.ep import job_args
+    from torchtitan_ext.config import parse
+    from torchtitan_ext.ep import backend_class
+
+    capturable = []
+    for variant in VARIANTS:
+        job_config = parse(job_args(variant))
+        budget = backend_class(job_config).device_budget(job_config)
+        if all(p.host_syncs == 0 and p.h2d_copies == 0 for p in (budget.forward, budget.backward)):
+            capturable.append(variant)
+    return capturable
+
+
+def cuda_graph_capture() -> dict:
+    """Per sync-free variant: one MoE call's forward (dispatch and combine, the experts as the identity) captured in
+    a CUDA graph, replayed, and compared with the same call run eagerly."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    from torchtitan_ext.bench.ep import job_args
+    from torchtitan_ext.config import MoEShape, parse
+    from torchtitan_ext.ep import backend_class
+    from torchtitan_ext.planning.local_traffic import backend_forward, MoECall
+    from torchtitan_ext.training import prepare
+
+    def landed(out):
+        return out.trigger_wait() if isinstance(out, AsyncCollectiveTensor) else out
+
+    prepare()
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    shape = MoEShape(**MOE_SHAPE)
+    results = {}
+    try:
+        for variant in graph_capturable_variants():
+            job_config = parse(job_args(variant))
+            style = backend_class(job_config).layer_factory(job_config, shape)(score_before_experts=False)
+            call = MoECall.random(shape, shape.max_tokens_per_rank, torch.bfloat16)
+            call = MoECall(call.x.cuda(), call.scores.cuda(), call.expert_ids.cuda())
+            try:
+                eager = landed(backend_forward(style, call, shape)).clone()
+                side = torch.cuda.Stream()  # warm-up on a side stream, as torch.cuda.graph asks
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    landed(backend_forward(style, call, shape))
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    captured = landed(backend_forward(style, call, shape))
+                graph.replay()
+                torch.cuda.synchronize()
+                results[variant] = {"captured": True, "replay_equals_eager": bool(torch.equal(captured, eager))}
+            except Exception:
+                results[variant] = {"captured": False, "error": traceback.format_exc()[-1500:]}
+    finally:
+        dist.destroy_process_group()
+    return results
+
+
+def markdown(report: dict, command: str) -> str:
+    environment = report.get("environment", {}).get("result", {})
+    return (
+        f"### gpu_check ({environment.get('date', time.strftime('%Y-%m-%d'))})\n\n`{command}`\n\n"
+        f"Device: {environment.get('device', 'unknown')}, torch {environment.get('torch', 'unknown')}, "
+        f"CUDA {environment.get('cuda', 'unknown')}.\n\n| stage | status | seconds | result or last line |\n"
+        "|---|---|---|---|\n"
+        + "".join(f"| {name} | {r['status']} | {r.get('seconds', '')} | {summary(r).replace('|', '/')} |\n"
+                  for name, r in report.items())
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("."), help="folder of gpu_check.json")
     parser.add_argument("--budget-s", type=float, default=330.0, help="stages past this many seconds are skipped")
+    parser.add_argument("--markdown", type=Path, help="append the stages' table to this file (docs/benchmarks.md)")
+    parser.add_argument("--dry-run", action="store_true", help="print the stages' commands, run nothing")
     args = parser.parse_args(argv)
+    args.out = args.out.resolve()
+    if args.dry_run:
+        for stage in stages(args.out):
+            print(f"{stage.name} (at most {stage.timeout_s:.0f} s): {shlex.join(stage.command)}")
+        print(f"cuda graph capture covers: {', '.join(graph_capturable_variants()) or 'no backend'}")
+        return 0
     import torch
 
     if not torch.cuda.is_available():
-        print("error: gpu_check needs a CUDA device: on a CPU the suite covers what runs here", file=sys.stderr)
+        print("error: gpu_check needs a CUDA device (--dry-run prints what it runs): on a CPU the suite covers what "
+              "runs here", file=sys.stderr)
         return 2
+    command = "python -m torchtitan_ext.bench gpu_check " + " ".join(argv if argv is not None else sys.argv[1:])
     started = time.monotonic()
-    python = sys.executable
-    stages = {
-        "environment": lambda: environment(),
-        "gpu tests": lambda: _run([python, "-m", "pytest", "-m", "deep_ep or gpu", "-rs", "-q", "-n", "0",
-                                   "-p", "no:cacheprovider", "tests/ep/test_deep_ep.py"], 150),
-        "ledger cuda vs cpu": lambda: _run([python, "-c", "import json; from torchtitan_ext.bench.gpu_check import "
-                                            "ledger_on_cuda_and_cpu as f; print('LEDGER' + json.dumps(f()))"], 120),
-        "bench ep": lambda: _run([python, "-m", "torchtitan_ext.bench", "ep", "--nproc", "1", "--tokens", "4096",
-                                  "16384", "--hidden", "2048", "--experts", "64", "--top-k", "6", "--dtype",
-                                  "bfloat16", "--warmup", "3", "--iters", "10", "--no-progress", "--backends",
-                                  *VARIANTS, "upstream", "--json", str(args.out / "bench_ep.json")], 120),
-        "16B step ours vs upstream": lambda: _run(
-            [python, "-m", "torchtitan_ext.bench", "step", "--rounds", "2", "--steps", "6", "--warmup", "2",
-             "--nproc", "1", "--config", "train_configs/deepseek_v3_16b.toml", "--no-progress",
-             "--json", str(args.out / "bench_step.json"), "--",
-             "--model.flavor", "16B_4layers", "--parallelism.expert_parallel_degree", "1",
-             "--parallelism.expert_parallel_comm_backend", "nccl",
-             "--training.dataset", "stdlib_code", "--model.hf_assets_path", "./assets/embedded",
-             "--training.local_batch_size", "2", "--compile.no-enable"], 180),
-        "inductor compile, debug model": lambda: _run(
-            [python, "-m", "torch.distributed.run", "--nproc_per_node", "1", "-m", "torchtitan_ext.train",
-             "--job.config_file", "train_configs/debug_model.toml",
-             "--parallelism.expert_parallel_degree", "1", "--training.steps", "2", "--compile.enable",
-             "--compile.components", "model", "--job.dump_folder", str(args.out / "compiled")], 150),
-    }
     report = {}
-    for name, stage in stages.items():
+    for stage in stages(args.out):
         elapsed = time.monotonic() - started
         if elapsed > args.budget_s:
-            report[name] = {"status": f"skipped: {elapsed:.0f} s spent of {args.budget_s:.0f}"}
+            report[stage.name] = {"status": f"skipped: {elapsed:.0f} s spent of {args.budget_s:.0f}"}
             continue
-        print(f"[gpu_check] {name} ({elapsed:.0f} s)", flush=True)
-        try:
-            report[name] = stage()
-        except Exception:
-            report[name] = {"status": "error", "output": traceback.format_exc()[-3000:]}
-        print(json.dumps(report[name])[:3000], flush=True)
+        print(f"[gpu_check] {stage.name} ({elapsed:.0f} s)", flush=True)
+        report[stage.name] = _run(stage)
+        print(json.dumps(report[stage.name])[:3000], flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2))
+    if args.markdown:
+        with args.markdown.open("a") as f:
+            f.write("\n" + markdown(report, command))
     print(f"[gpu_check] done in {time.monotonic() - started:.0f} s; {args.out / 'gpu_check.json'}")
     return 0
 

@@ -1,0 +1,36 @@
+"""The one-GPU check on a CPU: what it would run (its dry run), its refusal to run, and the table it appends."""
+
+import pytest
+
+from torchtitan_ext.bench import gpu_check
+
+
+def test_the_dry_run_prints_every_stage_and_captures_only_sync_free_backends(capsys, tmp_path):
+    assert gpu_check.main(["--dry-run", "--out", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    names = [stage.name for stage in gpu_check.stages(tmp_path)]
+    assert [line.split(" (at most")[0] for line in lines[:-1]] == names
+    assert "cuda graph capture" in names and "16B step ours vs upstream" in names
+    # nccl reads its split sizes on the host and blocking hybridep reads its token count: neither fits a graph
+    assert lines[-1] == "cuda graph capture covers: hybridep_non_blocking"
+
+
+def test_without_a_gpu_it_refuses_in_one_line(capsys, tmp_path):
+    assert gpu_check.main(["--out", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and "--dry-run" in captured.err
+    assert not (tmp_path / "gpu_check.json").exists()
+
+
+def test_the_markdown_table_has_each_stage_with_its_result_or_last_line():
+    report = {
+        "environment": {"status": 0, "seconds": 2.0, "result": {"torch": "2.13.0", "cuda": "13.0",
+                                                                   "device": "NVIDIA H100", "date": "2026-11-26"}},
+        "gpu tests": {"status": 1, "seconds": 80.5, "output": "noise\n5 failed, 5 skipped in 82.36s\n"},
+        "inductor compile, debug model": {"status": "skipped: 337 s spent of 300"},
+    }
+    table = gpu_check.markdown(report, "python -m torchtitan_ext.bench gpu_check").splitlines()
+    assert table[0] == "### gpu_check (2026-11-26)"
+    assert "Device: NVIDIA H100, torch 2.13.0, CUDA 13.0." in table
+    assert table[-2] == "| gpu tests | 1 | 80.5 | 5 failed, 5 skipped in 82.36s |"
+    assert table[-1] == "| inductor compile, debug model | skipped: 337 s spent of 300 |  |  |"
