@@ -29,8 +29,9 @@ class RoutingStats:
     """
     Record routing statistics per MoE layer (tokens per expert per step,
     top-k co-activation, layer-to-layer transitions) and save them as .npz
-    (schema in this module's docstring). Off by default: it costs two
-    [E, E] matrix products per MoE layer and microbatch.
+    (file schema: docs/planning.md, "What is recorded, and the file
+    format"). Off by default: it costs two [E, E] matrix products per MoE
+    layer and microbatch.
     """
 
     save_every: int = 10

@@ -1,40 +1,11 @@
 """One rank's compute per training step, measured on this machine: the layout advisor's compute stream.
 
-FLOPs over a GEMM's throughput miss most of a CPU step: the model's small
-GEMMs run far below a 512^3 GEMM's rate, and the non-GEMM operators (norms,
-softmax, the router's sort, the experts' permutation) and the optimizer are
-not FLOP-bound. ``python -m torchtitan_ext.plan ... --topology T
---measure-compute`` times them instead: it starts one process per rank of
-the job (one thread each, all at once, as a CPU job of that many ranks shares
-this machine's cores), and each builds the job's model as the trainer does on
-this machine (its dtypes, its expert path), runs forward and backward on one
-rank's batch of random tokens, clips the gradients and steps the job's
-optimizer (torchtitan's, with the job's settings) over the whole model.
-
-It also times the routed experts alone: every MoE layer's grouped experts,
-forward and backward, on the rows and per-expert counts that layer saw in
-one forward of that batch (the share of the step that an EP rank's load
-scales: the layout advisor prices the busiest rank's excess from it).
-
-Then each process times every backend's local work on its tokens: one MoE
-call's dispatch and combine, forward and backward, with the experts as the
-identity, in a process group of its own (the backend permutes its tokens and
-runs its kernels; its collectives only copy), less the time of exactly those
-collectives replayed alone, and less torchtitan's own sort around the
-experts, which the forward-backward above contains and an EP backend
-replaces. On this machine that is the reference kernels' work, which an EP
-layout adds to its step; the library kernels on GPUs fuse it into their
-transfers, and the advisor counts none without a measurement. A group of one
-receives each token once, where at EP > 1 DeepEP and HybridEP receive a
-token once per destination rank: their receive-side work is undercounted.
-No process communicates with another: the collectives are the cost model's
-part.
-
-What it leaves out: a layout's own compute differences (the rank runs E/ep
-experts on ep times the tokens: the same GEMM FLOPs, fewer and larger GEMMs),
-activation checkpointing's recomputed forwards (the advisor adds a third of a
-pass for each recomputed layer's share) and torch.compile (CPU jobs here run
-eager).
+``python -m torchtitan_ext.plan ... --topology T --measure-compute``: one process per rank (one thread each,
+all at once) builds the job's model as the trainer does here, times forward and backward of one rank's
+batch, gradient clipping and the optimizer step; then the routed experts alone on the rows each MoE layer
+saw; then each backend's local work (one MoE call's dispatch and combine in a group of one, less its
+collectives replayed alone and less torchtitan's own sort). What it measures and leaves out, and why FLOPs
+do not price a CPU step: docs/planning.md, "Topologies" (``--measure-compute``).
 """
 
 import copy
