@@ -367,7 +367,7 @@ class RoutedExpertParallel(ExpertParallel, ABC):
     def counted_settings(cls, job_config, shape: MoEShape, ep: int) -> dict[str, object]:
         """Settings of the backend's section under which its layer, run in a group of one, allocates as many rows
         as one rank of an EP group of ``ep`` does: the layout advisor counts its local traffic so
-        (:mod:`torchtitan_ext.planning.local_traffic`). None where a group of one allocates the same."""
+        (:mod:`torchtitan_ext.planning.local_traffic`). Empty where a group of one allocates the same."""
         return {}
 
     @classmethod
