@@ -55,3 +55,15 @@ def pytest_runtest_protocol(item, nextitem):
         patch.setattr(subprocess.Popen, "_execute_child", _refuse_process_start)
         patch.setattr(multiprocessing.process.BaseProcess, "start", _refuse_process_start)
         return (yield)
+
+
+@pytest.fixture(autouse=True)
+def _torchtitan_experts_left_uncompiled():
+    """torchtitan's ``apply_compile`` swaps its module-level grouped-experts function for a compiled one, for the
+    whole process: a test that parallelizes a job with compile enabled (a dry run of the 671B config) would hand
+    the inductor-compiled experts to every later test of its worker."""
+    from torchtitan.models.moe import moe
+
+    original = moe._run_experts_grouped_mm
+    yield
+    moe._run_experts_grouped_mm = original
