@@ -58,12 +58,14 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 @pytest.fixture(autouse=True)
-def _torchtitan_experts_left_uncompiled():
-    """torchtitan's ``apply_compile`` swaps its module-level grouped-experts function for a compiled one, for the
-    whole process: a test that parallelizes a job with compile enabled (a dry run of the 671B config) would hand
-    the inductor-compiled experts to every later test of its worker."""
+def _torchtitan_compile_left_undone():
+    """torchtitan's ``apply_compile`` swaps its module-level grouped-experts function for a compiled one and sets
+    dynamo's ``capture_scalar_outputs``, for the whole process: a test that parallelizes a job with compile enabled
+    (a dry run of the 671B config) would hand both to every later test of its worker."""
+    import torch._dynamo
     from torchtitan.models.moe import moe
 
     original = moe._run_experts_grouped_mm
-    yield
+    with torch._dynamo.config.patch(capture_scalar_outputs=torch._dynamo.config.capture_scalar_outputs):
+        yield
     moe._run_experts_grouped_mm = original
