@@ -825,12 +825,13 @@ def test_kernels_that_reach_fewer_nvlink_peers_pay_the_network_for_the_rest():
     a GB200 rack their EP=64 all-to-all crosses the 50 GB/s link, where DeepEP V2 and HybridEP left to the
     machine stay on NVLink (the 16B model: 64 experts, on 64 ranks of one rack)."""
     hybridep = ("--parallelism.expert_parallel_comm_backend", "hybridep", "--parallelism.expert_parallel_degree", "64")
+    legacy, elastic = _advice_16b("--deepep.api", "legacy"), _advice_16b("--deepep.api", "elastic")
     machine = {
-        "deepep": _advice_16b("--deepep.api", "elastic")["deepep", 64],
+        "deepep": elastic["deepep", 64],
         "hybridep": _advice_16b(*hybridep, "--hybridep.ranks_per_nvlink_domain", "64")["hybridep", 64],
     }
     limited = {
-        "deepep": _advice_16b("--deepep.api", "legacy")["deepep", 64],
+        "deepep": legacy["deepep", 64],
         "hybridep": _advice_16b(*hybridep, "--hybridep.ranks_per_nvlink_domain", "8",
                                 "--hybridep.multinode_build")["hybridep", 64],
     }
@@ -840,7 +841,6 @@ def test_kernels_that_reach_fewer_nvlink_peers_pay_the_network_for_the_rest():
         )
         assert layout.costs.a2a > 5 * machine[backend].costs.a2a
         assert machine[backend].a2a_level == "NVLink domain (one rack)"
-    legacy, elastic = _advice_16b("--deepep.api", "legacy"), _advice_16b("--deepep.api", "elastic")
     assert legacy["nccl", 64].costs == elastic["nccl", 64].costs
     # 8 ranks: all within v1's reach, the same bytes over the same link, each API at its own published rate
     assert legacy["deepep", 8].costs.token_copies == elastic["deepep", 8].costs.token_copies
