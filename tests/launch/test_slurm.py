@@ -56,11 +56,11 @@ def test_gb200_command_and_environment(fake_slurm, tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:]
     command = " ".join(argv)
-    assert argv[:7] == [
+    assert argv[:9] == [
         "--kill-on-bad-exit=1", "python", "-m", "torchtitan_ext.supervise", "--checkpoint-folder",
-        "./outputs/checkpoint", "--",
+        "./outputs/checkpoint", "--dump-folder", "./outputs", "--",
     ]
-    assert argv[7] == "torchrun"
+    assert argv[9] == "torchrun"
     assert "--nnodes 64 --nproc_per_node 4" in command
     # a signal that reaches torchrun itself (scancel) goes to the ranks, which get time to save
     assert "--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout 600" in command

@@ -141,7 +141,8 @@ def test_no_command_is_one_line():
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1].endswith("error: no command to supervise: python -m "
-                                                          "torchtitan_ext.supervise [--checkpoint-folder DIR] -- torchrun ...")
+                                                          "torchtitan_ext.supervise [--checkpoint-folder DIR] [--dump-folder DIR] -- "
+                                                          "torchrun ...")
 
 
 @pytest.mark.parametrize("port", ["99999", "abc", "0"])

@@ -39,28 +39,39 @@ TRANSPORT_ABORT = ("terminate called after throwing an instance of 'gloo::IoExce
                    "[gloo/transport/tcp/pair.cc:599] Connection closed by peer [127.0.0.1]:40123")
 
 
-def fail_once_and_lose_the_peer(rank, world_size, marker):
-    """Rank 1's first run raises an error of its own; rank 0's transport then aborts on the lost connection, as
-    gloo's does. Every later run returns the rank."""
-    if Path(marker).exists() and Path(f"{marker}.done").exists():
-        return rank
+def _exited(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie until its parent reaps it, or gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def fail_then_lose_the_peer(rank, world_size, runs):
+    """Rank 1 raises an error of its own on every run (a defect is deterministic); once it has exited, rank 0's
+    transport aborts on the lost connection, as gloo's does. ``runs`` counts rank 1's runs, by pid."""
     if rank == 1:
-        Path(marker).touch()
+        with open(runs, "a") as counted:
+            counted.write(f"{os.getpid()}\n")
         raise ValueError("a defect in the worker")
-    while not Path(marker).exists():
+    while not Path(runs).exists():
         time.sleep(0.01)
-    Path(f"{marker}.done").touch()
+    while not _exited(int(Path(runs).read_text().split()[-1])):
+        time.sleep(0.01)
     os.write(2, f"{TRANSPORT_ABORT}\n".encode())
     os.abort()
 
 
 @pytest.mark.slow
 def test_an_error_of_the_workers_own_is_never_run_again(tmp_path):
-    """Even when a peer's transport then aborts on the lost connection: the abort follows the defect."""
+    """Even when a peer's transport then aborts on the lost connection, and torch names the peer first: the
+    abort follows the defect."""
+    runs = tmp_path / "runs"
     with pytest.raises(WorkersFailed) as failure:
-        run_workers(2, fail_once_and_lose_the_peer, str(tmp_path / "marker"))
+        run_workers(2, fail_then_lose_the_peer, str(runs))
     report = str(failure.value)
     assert not failure.value.transport_crash
+    assert len(runs.read_text().split()) == 1
     assert "ValueError: a defect in the worker" in report
     assert "--- rank 0: exit code -6" in report and TRANSPORT_ABORT.splitlines()[-1] in report
 
