@@ -47,29 +47,36 @@ def _exited(pid: int) -> bool:
         return True
 
 
-def fail_then_lose_the_peer(rank, world_size, runs):
-    """Rank 1 raises an error of its own on every run (a defect is deterministic); once it has exited, rank 0's
-    transport aborts on the lost connection, as gloo's does. ``runs`` counts rank 1's runs, by pid."""
-    if rank == 1:
-        with open(runs, "a") as counted:
-            counted.write(f"{os.getpid()}\n")
-        raise ValueError("a defect in the worker")
-    while not Path(runs).exists():
+def lose_the_peer_then_fail(rank, world_size, runs):
+    """Rank 1 has a defect: on every run it raises an error of its own (a defect is deterministic), once its peer
+    is gone. On the first run its peer, rank 0, aborts first, as gloo's transport does on a lost connection: torch
+    names rank 0. ``runs`` counts rank 1's runs."""
+    peer = Path(f"{runs}.peer")
+    if rank == 0:
+        if peer.exists():
+            return rank
+        peer.write_text(str(os.getpid()))
+        while not Path(runs).exists():
+            time.sleep(0.01)
+        os.write(2, f"{TRANSPORT_ABORT}\n".encode())
+        os.abort()
+    with open(runs, "a") as counted:
+        counted.write(f"{os.getpid()}\n")
+    while not (peer.exists() and _exited(int(peer.read_text()))):
         time.sleep(0.01)
-    while not _exited(int(Path(runs).read_text().split()[-1])):
-        time.sleep(0.01)
-    os.write(2, f"{TRANSPORT_ABORT}\n".encode())
-    os.abort()
+    time.sleep(0.5)  # a rank slower to fail than its peer to abort: torch's SIGTERM would find it still running
+    raise ValueError("a defect in the worker")
 
 
 @pytest.mark.slow
 def test_an_error_of_the_workers_own_is_never_run_again(tmp_path):
-    """Even when a peer's transport then aborts on the lost connection, and torch names the peer first: the
-    abort follows the defect."""
+    """Even when torch names the peer first, whose transport aborted on the lost connection: the defective rank
+    gets the time to report its error (the harness's grace), and the abort is taken to follow the defect."""
     runs = tmp_path / "runs"
     with pytest.raises(WorkersFailed) as failure:
-        run_workers(2, fail_then_lose_the_peer, str(runs))
+        run_workers(2, lose_the_peer_then_fail, str(runs))
     report = str(failure.value)
+    assert report.startswith("process 0 terminated with signal SIGABRT")
     assert not failure.value.transport_crash
     assert len(runs.read_text().split()) == 1
     assert "ValueError: a defect in the worker" in report

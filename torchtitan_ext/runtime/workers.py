@@ -91,6 +91,11 @@ def run_workers(
     return _run(world_size, fn, args, device, deadline_s, preload, timeout)
 
 
+PEERS_GRACE_S = 3.0
+"""Once a rank failed, how long its peers may take to exit on their own before torch's SIGTERM: a rank still
+writing its traceback, or a peer's transport aborting on the lost connection, is then seen for what it did."""
+
+
 def _run(world_size, fn, args, device, deadline_s, preload, timeout) -> list:
     # A child forked by the fork server cannot use CUDA once the server's imports have queried it
     # ("Cannot re-initialize CUDA in forked subprocess", seen on an H100): CUDA workers are spawned.
@@ -104,7 +109,7 @@ def _run(world_size, fn, args, device, deadline_s, preload, timeout) -> list:
         )
         deadline = time.monotonic() + deadline_s
         try:
-            while not context.join(timeout=min(5.0, max(deadline - time.monotonic(), 0.1))):
+            while not context.join(timeout=min(5.0, max(deadline - time.monotonic(), 0.1)), grace_period=PEERS_GRACE_S):
                 if time.monotonic() > deadline:
                     alive = [process for process in context.processes if process.is_alive()]
                     for process in alive:  # every thread's stack into the rank's stderr file (see _worker)
