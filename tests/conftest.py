@@ -26,6 +26,19 @@ def embedded_assets():
     return ensure_assets(REPO_ROOT / DEFAULT_ASSETS_DIR)
 
 
+LONGEST_FILES_FIRST = ("tests/training/", "tests/models/test_gradient_matrix.py")
+"""Files whose module fixtures train for minutes: pytest-xdist's loadfile hands files to the workers in collection
+order, and one of these collected last would run alone at the end while the other worker idles."""
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item) -> int:
+        return next((i for i, prefix in enumerate(LONGEST_FILES_FIRST) if item.nodeid.startswith(prefix)),
+                    len(LONGEST_FILES_FIRST))
+
+    items.sort(key=rank)
+
+
 def pytest_terminal_summary(terminalreporter):
     """Times a test measured and asserted a bound on (record_property("measured", ...)), one line each,
     so that a suite's log carries them (docs/reliability.md quotes them)."""
