@@ -7,14 +7,14 @@ import pytest
 from tests.helpers import run_launcher
 from torchtitan_ext.metrics_file import logged_losses
 
-STEPS = 5
+STEPS = 3
 TINY = ["--model.flavor", "debugmodel_small", "--training.local_batch_size", "2", "--training.seq_len", "64",
         "--training.steps", "1"]
 
 
 @pytest.mark.slow
 def test_quick_start_trains_beside_another_job(tmp_path):
-    """The default job (5 of its steps) beside a one-step tiny job, at once on one machine: each picks a free
+    """The default job (3 of its steps) beside a one-step tiny job, at once on one machine: each picks a free
     rendezvous port. The default job's overrides pass through, its loss falls and its console is as documented."""
     results = {}
     jobs = {"quick_start": ["--training.steps", str(STEPS)], "beside": TINY}
@@ -39,7 +39,7 @@ def test_quick_start_trains_beside_another_job(tmp_path):
     step_lines = [line for line in output.splitlines() if "step:" in line and "loss:" in line]
     assert len(step_lines) == STEPS and all("step_time:" in line and len(line) < 120 for line in step_lines), step_lines
     assert "training on CPU with the gloo backend" in output
-    # a fresh run warns only about the job: here the 5 steps that cut the LR schedule's warm-up and decay
+    # a fresh run warns only about the job: here the 3 steps that cut the LR schedule's warm-up and decay
     warnings = [line for line in output.splitlines() if " WARNING " in line]
     assert warnings and all("steps" in line and "exceed total steps" in line for line in warnings), warnings
     assert "Starting job: deepseek_v3 debugmodel, nccl EP=2, 2 ranks (train_configs/debug_model.toml)" in output
