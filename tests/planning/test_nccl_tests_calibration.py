@@ -119,18 +119,17 @@ def test_a_log_is_placed_as_the_job_places_its_ranks(tmp_path):
     assert not rates["nccl", (), 1].includes_local_work  # NCCL's all-to-all alone: --measure-compute may add it
 
 
-@pytest.mark.slow
-def test_measured_compute_is_refused_beside_bench_rows_only(tmp_path):
+def test_measured_compute_is_refused_beside_bench_rows_only(tmp_path, capsys):
     """bench_ep's rows hold each backend's permutes, which --measure-compute would count again; a log does not."""
+    from torchtitan_ext import plan
+
     row = bench_row("hybridep", Shape(tokens=4096, hidden=256, experts=8, top_k=2, ep=2), 2, [5e-3], [2e-3], 2**20, 2,
                     "bfloat16", False)
     bench = _write(tmp_path, json.dumps({"rows": [asdict(row)]}), "bench.json")
-    run = subprocess.run(
-        [sys.executable, "-m", "torchtitan_ext.plan", *DEBUG_JOB, "--world-size", "2", "--topology", "hgx_h100_ib",
-         "--calibrate-from", str(bench), "--measure-compute"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-    )
-    assert (run.returncode, run.stderr.strip().splitlines()[-1]) == (
+    with pytest.raises(SystemExit) as exit_info:
+        plan.main([*DEBUG_JOB, "--world-size", "2", "--topology", "hgx_h100_ib", "--calibrate-from", str(bench),
+                   "--measure-compute"])
+    assert (exit_info.value.code, capsys.readouterr().err.strip().splitlines()[-1]) == (
         2, "error: --calibrate-from's bench_ep rates hold each backend's local work, which --measure-compute adds "
            "again: drop one of them")
 
