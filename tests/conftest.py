@@ -26,9 +26,10 @@ def embedded_assets():
     return ensure_assets(REPO_ROOT / DEFAULT_ASSETS_DIR)
 
 
-LONGEST_FILES_FIRST = ("tests/training/", "tests/models/test_gradient_matrix.py")
-"""Files whose module fixtures train for minutes: pytest-xdist's loadfile hands files to the workers in collection
-order, and one of these collected last would run alone at the end while the other worker idles."""
+LONGEST_FILES_FIRST = ("tests/training/", "tests/models/test_gradient_matrix.py", "tests/planning/test_layout_advisor.py")
+"""The files that take longest (the first two train for minutes; the advisor's is the fast tier's longest):
+pytest-xdist's loadfile hands files to the workers in collection order, and one of these collected last would run
+alone at the end while the other worker idles."""
 
 
 def pytest_collection_modifyitems(items):
