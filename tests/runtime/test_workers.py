@@ -55,7 +55,9 @@ def lose_the_peer_then_fail(rank, world_size, runs):
     if rank == 0:
         if peer.exists():
             return rank
-        peer.write_text(str(os.getpid()))
+        written = Path(f"{runs}.peer.partial")
+        written.write_text(str(os.getpid()))
+        written.rename(peer)  # whole: rank 1 reads the pid as soon as the file exists
         while not Path(runs).exists():
             time.sleep(0.01)
         os.write(2, f"{TRANSPORT_ABORT}\n".encode())
