@@ -26,6 +26,16 @@ def embedded_assets():
     return ensure_assets(REPO_ROOT / DEFAULT_ASSETS_DIR)
 
 
+@pytest.fixture
+def world_of_one():
+    """A gloo process group of this process alone (no process started)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
 LONGEST_FILES_FIRST = ("tests/training/", "tests/models/test_gradient_matrix.py", "tests/planning/test_layout_advisor.py")
 """The files that take longest (the first two train for minutes; the advisor's is the fast tier's longest):
 pytest-xdist's loadfile hands files to the workers in collection order, and one of these collected last would run

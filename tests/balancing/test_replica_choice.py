@@ -1,12 +1,16 @@
-"""The choice of replicas: always ends, never worse than no replicas on the counts it was made from."""
+"""The choice of replicas: always ends, never worse than no replicas on the counts it was made from, and made
+without the host waiting for the device."""
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from torchtitan_ext.balancing.replica_choice import choose_replicas
-from torchtitan_ext.ep.replica_split import split_quotas, SplitTables, water_fill
+from torchtitan_ext.balancing.replica_choice import choose_replicas, ReplicaChooser
+from torchtitan_ext.ep.replica_split import ReplicaRouter, split_quotas, SplitTables, water_fill
+from torchtitan_ext.ep.replication import ReplicaPlan
+from torchtitan_ext.planning.device_ledger import DeviceCostCounter
 
 
 def _busiest(counts: list[int], plan) -> int:
@@ -88,3 +92,37 @@ def test_the_choice_equals_the_rule_read_literally(seed):
     slots = generator.randint(1, min(4, per_rank * (ranks - 1)))
     counts = [int(generator.paretovariate(1.2) * 10) * generator.choice([0, 1, 1]) for _ in range(ranks * per_rank)]
     assert choose_replicas(counts, ranks, slots).replicas == _scan_every_round(counts, ranks, slots)
+
+
+class _Experts:
+    bytes_per_expert = 0
+
+    def __init__(self):
+        self.plans = []
+
+    def set_plan(self, plan):
+        self.plans.append(plan)
+
+
+def test_the_choice_never_makes_the_host_wait_and_holds_from_the_step_after_the_copy(world_of_one):
+    """Before step 2 the window of step 1 (device counts) starts its copy to the host; before step 3 the replicas
+    are chosen from it: the hot expert 2 (homed on rank 1) gets rank 0's slot, expert 0 (the only other with
+    pairs) rank 1's. No host read of a device value."""
+    moe = torch.nn.Module()
+    moe.replicas, moe.experts = ReplicaRouter(ReplicaPlan.empty(4, 2, 1), world_of_one), _Experts()
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleDict({"1": torch.nn.Module()})
+    model.layers["1"].moe = moe
+    job_config = SimpleNamespace(expert_replication=SimpleNamespace(slots_per_rank=1, adapt_every=1))
+    chooser = ReplicaChooser(job_config, [model])
+    step_1_counts = torch.tensor([1, 0, 9, 0])
+    plans = {}
+    with DeviceCostCounter() as counter:
+        for step in (1, 2, 3):
+            chooser.before_step(step)
+            plans[step] = moe.replicas.plan.replicas
+            if step == 1:
+                moe.replicas.window = step_1_counts
+    assert [sum(costs.host_syncs.values()) for costs in counter.costs.values()] == [0]
+    assert plans == {1: ((-1,), (-1,)), 2: ((-1,), (-1,)), 3: ((2,), (0,))}
+    assert moe.experts.plans == [moe.replicas.plan]

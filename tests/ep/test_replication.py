@@ -246,3 +246,33 @@ def test_the_split_and_the_replica_weights_never_make_the_host_wait():
     reads the device from the host (the count exchange is one all-gather)."""
     for events in run_distributed(EP, _host_sync_worker):
         assert events == {"allgather": 1, "alltoall_base": 2}, events
+
+
+def test_the_gradients_of_four_copies_are_summed_in_fp32_and_rounded_once(world_of_one):
+    """On a GPU index_add_ adds one copy at a time in the tensor's dtype (atomics): in bf16, 1 + 2**-8 rounds to 1,
+    and three small gradients vanish beside a large one. The sum runs into an fp32 tensor (on a CPU index_add_
+    accumulates in fp32 whatever the dtype, so the dtype it is given is what is checked), rounded once."""
+    from torch.distributed.distributed_c10d import _get_process_group_name
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from torchtitan_ext.ep.replica_split import replica_ops
+
+    class IndexAddDtypes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.dtypes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is torch.ops.aten.index_add_:
+                self.dtypes.append(args[0].dtype)
+            return func(*args, **(kwargs or {}))
+
+    home = torch.zeros(1, 1, dtype=torch.bfloat16, requires_grad=True)
+    copies = 4
+    fetched = replica_ops().replica_weights(home, torch.zeros(copies, dtype=torch.int64), [copies], [copies],
+                                            torch.arange(copies), [0] * copies, copies,
+                                            _get_process_group_name(world_of_one))
+    with IndexAddDtypes() as sums:
+        fetched.backward(torch.tensor([[1.0], [2**-8], [2**-8], [2**-8]], dtype=torch.bfloat16))
+    assert sums.dtypes == [torch.float32]
+    assert home.grad.item() == torch.tensor(1 + 3 * 2**-8).bfloat16().item() != 1.0

@@ -21,13 +21,6 @@ CELLS = [
 ]
 
 
-@pytest.fixture
-def world_of_one():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
 def test_a_known_sync_collective_and_copy_are_counted_once(world_of_one):
     """So that a budget cannot be met by counting nothing; and what only reads host data is not a sync."""
     device_tensor = torch.arange(4)

@@ -6,7 +6,7 @@ One training per job, shared by the tests that read it (the ``parity`` fixture):
 
 - 6 steps under every backend with an expert placement that moves every expert to the other rank
   (``[expert_placement] file``), and the same with 2 replica slots per rank re-chosen every step (and nccl with
-  1 slot re-chosen every 5 steps, no placement); per-step losses agree with nccl's without a placement or
+  1 slot re-chosen every 3 steps, no placement); per-step losses agree with nccl's without a placement or
   replicas within 1e-5 relative. The placed and unplaced nccl runs export their weights at the last step (model
   only): the placed export holds the experts in logical order. (Llama4's scoring style is the gradient
   matrix's: tests/models/test_gradient_matrix.py.)
@@ -66,9 +66,10 @@ REPLICAS = ["--expert_replication.slots_per_rank", "2", "--expert_replication.ad
 
 
 def replicas_took_pairs(trainer) -> None:
-    """After each step of a replicated run, once a choice was made: some replica computed pairs in it."""
+    """After each step of a replicated run from the first with a plan (chosen one step after its window closed):
+    some replica computed pairs in it."""
     chooser = trainer.replica_chooser
-    if chooser is None or trainer.step <= chooser.adapt_every:
+    if chooser is None or trainer.step <= chooser.adapt_every + 1:
         return
     taken = sum(int(moe.replicas.last_quotas[:, 1:].sum()) for moe in chooser.layers.values()
                 if moe.replicas.last_quotas is not None)
@@ -92,9 +93,9 @@ def parity(tmp_path_factory):
                                    *(CHECKPOINT if name == "nccl" else [])))
         for name, args in BACKENDS.items()
     ]
-    runs.append(("replicated_1_every_5_nccl", job(
-        tmp / "replicated_1_every_5", *BACKENDS["nccl"], "--expert_replication.slots_per_rank", "1",
-        "--expert_replication.adapt_every", "5",
+    runs.append(("replicated_1_every_3_nccl", job(
+        tmp / "replicated_1_every_3", *BACKENDS["nccl"], "--expert_replication.slots_per_rank", "1",
+        "--expert_replication.adapt_every", "3",
     )))
     return run_distributed(2, train_worker, runs, None, replicas_took_pairs)[0], tmp
 

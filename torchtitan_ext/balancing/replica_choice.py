@@ -9,9 +9,10 @@ so it always ends (at most EP x S rounds), and since the split may leave a
 copy empty, a plan is never worse than no replicas on the counts it was chosen
 from.
 
-:class:`ReplicaChooser` runs it for every MoE layer before the steps where a
-choice is due, from the global counts of the steps since the last one (the
-same on every rank: the choice needs no communication). Replicas are derived
+:class:`ReplicaChooser` runs it for every MoE layer from the global counts of
+the steps since the last choice (the same on every rank: the choice needs no
+communication), one step after it copied them to the host, so that the host
+never waits for the device's counts. Replicas are derived
 state: nothing of them is checkpointed, and a resumed job chooses afresh.
 """
 
@@ -21,6 +22,7 @@ import torch
 from torchtitan.tools.logging import logger
 
 from torchtitan_ext.balancing.migration import moe_modules
+from torchtitan_ext.ep.base import to_host
 from torchtitan_ext.ep.replica_split import water_fill
 from torchtitan_ext.ep.replicated_experts import exchange_arguments
 from torchtitan_ext.ep.replication import ReplicaPlan
@@ -59,7 +61,12 @@ def choose_replicas(counts: list[int], expert_parallel_degree: int, slots: int) 
 
 
 class ReplicaChooser:
-    """Chooses every MoE layer's replicas before each step where a choice is due."""
+    """Chooses every MoE layer's replicas without making the host wait for the device.
+
+    When a choice is due (before step t, every ``adapt_every`` steps), each layer's window of counts starts its
+    copy to host memory, queued behind step t - 1's work; the choice is made from it before step t + 1, once the
+    device has long passed the copy, and holds from step t + 1 to step t + ``adapt_every``.
+    """
 
     def __init__(self, job_config, model_parts):
         section = job_config.expert_replication
@@ -67,20 +74,36 @@ class ReplicaChooser:
         self.adapt_every = section.adapt_every
         self.layers = {layer: moe for layer, moe in moe_modules(model_parts).items() if moe.replicas is not None}
         self.reported = False
+        self._copied: dict[int, torch.Tensor] = {}
+        """Layer -> its last window's counts in host memory, not yet chosen from."""
+        self._copied_ready = None
+        """An event the device passes after those copies (None where the host is the device)."""
 
     def before_step(self, step: int) -> None:
-        """Choose from the counts of steps ``step - adapt_every`` .. ``step - 1`` when a choice is due."""
+        """Choose from the counts copied before the last step, if any; start the next copy when a choice is due."""
+        if self._copied:
+            self._choose(step)
         if step == 1 or (step - 1) % self.adapt_every:
             return
+        windows = {layer: moe.replicas.take_window() for layer, moe in self.layers.items()}
+        windows = {layer: window for layer, window in windows.items() if window is not None}
+        self._copied = {layer: to_host(window) for layer, window in windows.items()}
+        device = next((window.device for window in windows.values()), None)
+        if device is not None and device.type != "cpu":
+            self._copied_ready = torch.Event(device=device)
+            self._copied_ready.record()
+
+    def _choose(self, step: int) -> None:
+        if self._copied_ready is not None:
+            self._copied_ready.synchronize()  # passed a step ago, unless the host runs a whole step ahead
         refreshed = 0
-        for moe in self.layers.values():
-            window = moe.replicas.take_window()
-            if window is None:
-                continue
-            plan = choose_replicas(window.tolist(), moe.replicas.plan.expert_parallel_degree, self.slots)
+        for layer, counts in self._copied.items():
+            moe = self.layers[layer]
+            plan = choose_replicas(counts.tolist(), moe.replicas.plan.expert_parallel_degree, self.slots)
             moe.replicas.set_plan(plan)
             moe.experts.set_plan(plan)
             refreshed += self._bytes(moe, plan)
+        self._copied, self._copied_ready = {}, None
         if not self.reported and refreshed:
             self.reported = True
             logger.info(

@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils.weak import WeakIdKeyDictionary
 from torchtitan.components.quantization import FP8_GROUP_ALIGNMENT_SIZE, MXFP8_GROUP_ALIGNMENT_SIZE
 from torchtitan.distributed.expert_parallel import ExpertParallel
 
@@ -204,6 +205,21 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
         tensor = tensor.pin_memory()
     copied = tensor.to(device, non_blocking=True)
     return copied.clone() if copied is tensor and pinned else copied
+
+
+HOST_COPIES = WeakIdKeyDictionary()
+"""Tensors :func:`to_host` made: host memory, wherever the process computes (the device-cost ledger reads it)."""
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` in host memory, queued on the stream (pinned, ``non_blocking``) instead of making the
+    host wait: read it only once the stream has passed the copy."""
+    if tensor.device.type == "cpu":
+        copy = tensor.clone()
+    else:
+        copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor, non_blocking=True)
+    HOST_COPIES[copy] = True
+    return copy
 
 
 class RoutedExpertParallel(ExpertParallel, ABC):

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_process_group_name
 
-from torchtitan_ext.ep.base import recomputing
+from torchtitan_ext.ep.base import recomputing, to_device
 from torchtitan_ext.ep.replication import ReplicaPlan
 
 OPS_MODULE = "torchtitan_ext.ep.ops.replicas"
@@ -48,11 +48,10 @@ def water_fill(loads: torch.Tensor, amount: torch.Tensor) -> torch.Tensor:
     common level; the remainder goes one pair each to the lowest-loaded of them (ties: the earlier copy).
     All on the device.
     """
-    count = loads.shape[-1]
     amount = amount.unsqueeze(-1)
     ordered, order = torch.sort(loads, dim=-1, stable=True)
     prefix = ordered.cumsum(-1)
-    participants = torch.arange(1, count + 1, device=loads.device)
+    participants = torch.ones_like(ordered).cumsum(-1)  # 1 .. C, made from loads: host counts stay on the host
     levels = torch.div(amount + prefix, participants, rounding_mode="floor")
     # the levels that reach the next-lowest load form a prefix: its length is how many ranks fill
     filled = (levels >= ordered).sum(-1, keepdim=True).clamp(min=1)
@@ -63,7 +62,7 @@ def water_fill(loads: torch.Tensor, amount: torch.Tensor) -> torch.Tensor:
 
 
 class SplitTables:
-    """A plan's copies as tensors on the device, built once per plan.
+    """A plan's copies as tensors on the device, built once per plan (copied from the host without making it wait).
 
     The split fills the replicated experts in rounds: the experts of one round have copies on disjoint
     ranks, so one batched water-fill serves them all, exactly as filling them one after another in the
@@ -76,10 +75,10 @@ class SplitTables:
         self.copy_ranks = [[rank for rank, _ in c] for c in copies]
         """Host: for each home slot, the ranks of its copies (home first)."""
         self.replicated = [home for home, c in enumerate(copies) if len(c) > 1]
-        self.dispatched = torch.tensor([[slot for _, slot in c] + [c[0][1]] * (width - len(c)) for c in copies],
-                                       dtype=torch.int64, device=device)
+        self.dispatched = to_device(torch.tensor(
+            [[slot for _, slot in c] + [c[0][1]] * (width - len(c)) for c in copies], dtype=torch.int64), device)
         """[E, C] dispatched id of each copy (padded with the home's)."""
-        self.home_rank = torch.tensor([c[0][0] for c in copies], dtype=torch.int64, device=device)
+        self.home_rank = to_device(torch.tensor([c[0][0] for c in copies], dtype=torch.int64), device)
         self.width = width
         self.rounds = [self._round_tensors(homes, device) for homes in self._rounds()]
         """Per round: (home slots [R], their copies' ranks [R, C] padded with EP, which copies are real [R, C])."""
@@ -100,8 +99,8 @@ class SplitTables:
     def _round_tensors(self, homes: list[int], device: torch.device):
         sink = self.plan.expert_parallel_degree
         ranks = [self.copy_ranks[home] + [sink] * (self.width - len(self.copy_ranks[home])) for home in homes]
-        at = torch.tensor(ranks, dtype=torch.int64, device=device)
-        return torch.tensor(homes, dtype=torch.int64, device=device), at, at != sink
+        at = to_device(torch.tensor(ranks, dtype=torch.int64), device)
+        return to_device(torch.tensor(homes, dtype=torch.int64), device), at, at != sink
 
 
 def split_quotas(counts: torch.Tensor, tables: SplitTables) -> torch.Tensor:
@@ -133,7 +132,9 @@ class ReplicaRouter:
         """[E, C] the last split (for reports and tests)."""
 
     def set_plan(self, plan: ReplicaPlan) -> None:
-        self.plan, self._tables = plan, None
+        """Split by ``plan`` from the next forward on; an unchanged plan keeps its tables."""
+        if plan != self.plan:
+            self.plan, self._tables = plan, None
 
     def take_window(self) -> torch.Tensor | None:
         window, self.window = self.window, None

@@ -15,12 +15,14 @@ from torch.distributed.distributed_c10d import _get_process_group_name
 from torch.distributed.tensor import DTensor
 from torchtitan.models.moe.moe import _run_experts_for_loop, _run_experts_grouped_mm, GroupedExperts
 
+from torchtitan_ext.ep.base import to_device
 from torchtitan_ext.ep.replica_split import replica_ops
 from torchtitan_ext.ep.replication import ReplicaPlan
 
 
-def exchange_arguments(plan: ReplicaPlan, rank: int) -> tuple[list[int], list[int], list[int], list[int]]:
-    """(send_local, send_counts, recv_counts, recv_slot) of ``replica_weights`` for ``rank``."""
+def exchange_arguments(plan: ReplicaPlan, rank: int, device: torch.device = torch.device("cpu")):
+    """(send_local, send_counts, recv_counts, recv_slot) of ``replica_weights`` for ``rank``: the two index lists
+    as int64 on ``device`` (copied without making the host wait), the two split-size lists on the host."""
     per_rank, ranks = plan.experts_per_rank, plan.expert_parallel_degree
     send_local, send_counts = [], []
     for destination in range(ranks):
@@ -30,7 +32,8 @@ def exchange_arguments(plan: ReplicaPlan, rank: int) -> tuple[list[int], list[in
     held = [(home // per_rank, slot) for slot, home in enumerate(plan.replicas[rank]) if home >= 0]
     recv_counts = [sum(source == s for source, _ in held) for s in range(ranks)]
     recv_slot = [slot for _, slot in sorted(held)]
-    return send_local, send_counts, recv_counts, recv_slot
+    return (to_device(torch.tensor(send_local, dtype=torch.int64), device), send_counts, recv_counts,
+            to_device(torch.tensor(recv_slot, dtype=torch.int64), device))
 
 
 def redundancy_mapping(plan: ReplicaPlan) -> list[int]:
@@ -43,7 +46,8 @@ class ExpertsWithReplicas(GroupedExperts):
 
     slots: int
     group = None
-    exchange: tuple[list[int], list[int], list[int], list[int]]
+    plan: ReplicaPlan
+    exchange: tuple[torch.Tensor, list[int], list[int], torch.Tensor] | None
     redundancy_mapping: list[int]
     bytes_per_expert: int = 0
     """One expert's weights as the last forward fetched them (its compute dtype), for reports."""
@@ -58,8 +62,18 @@ class ExpertsWithReplicas(GroupedExperts):
         return experts
 
     def set_plan(self, plan: ReplicaPlan) -> None:
-        self.exchange = exchange_arguments(plan, torch.distributed.get_rank(self.group))
+        """Fetch ``plan``'s replicas from the next forward on; its index tensors are built at that forward, once."""
+        if plan == getattr(self, "plan", None):
+            return
+        self.plan = plan
+        self.exchange = None
         self.redundancy_mapping = redundancy_mapping(plan)
+
+    def _exchange_on(self, device: torch.device):
+        if self.exchange is None or self.exchange[0].device != device:
+            # built on first use: the model is parallelized on the meta device
+            self.exchange = exchange_arguments(self.plan, torch.distributed.get_rank(self.group), device)
+        return self.exchange
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         home = [w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3)]
@@ -67,7 +81,7 @@ class ExpertsWithReplicas(GroupedExperts):
         flat = torch.cat([w.reshape(local, -1) for w in home], dim=1)
         self.bytes_per_expert = flat.shape[1] * flat.element_size()
         fetched = replica_ops().replica_weights(
-            flat, *self.exchange, self.redundancy_mapping, self.slots, _get_process_group_name(self.group)
+            flat, *self._exchange_on(flat.device), self.redundancy_mapping, self.slots, _get_process_group_name(self.group)
         )
         pieces = fetched.split([w[0].numel() for w in home], dim=1)
         w1, w2, w3 = (torch.cat([w, piece.view(self.slots, *w.shape[1:])]) for w, piece in zip(home, pieces))

@@ -38,7 +38,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from torchtitan.models.moe.moe import GroupedExperts
 
 from torchtitan_ext.ep import backend_class
-from torchtitan_ext.ep.base import recomputing
+from torchtitan_ext.ep.base import HOST_COPIES, recomputing
 from torchtitan_ext.ep.budget import Budget, DeviceBudget
 from torchtitan_ext.ep.kernels import calls
 from torchtitan_ext.planning.local_traffic import moved_tensors
@@ -198,7 +198,8 @@ class DeviceCostCounter(TorchDispatchMode):
     def is_host(self, tensor: torch.Tensor) -> bool:
         if not self.host_is_device:
             return tensor.device.type == "cpu"
-        return tensor in self._host or type(tensor).__name__ == "HostTensor"  # the deep_ep double's pinned memory
+        # the deep_ep double's pinned memory, and our own copies to the host
+        return tensor in self._host or type(tensor).__name__ == "HostTensor" or tensor in HOST_COPIES
 
     def _is_weight(self, tensor: torch.Tensor) -> bool:
         return tensor in self._weights or isinstance(tensor, torch.nn.Parameter)
@@ -349,6 +350,9 @@ class DeviceCostCounter(TorchDispatchMode):
                     counter._host.pop(result, None)  # built on the host, copied to the device
                 if on_device and not counter.is_host(result) and not isinstance(data, torch.Tensor):
                     counter._costs().h2d_copies[_copy_kind(False, "from Python data ")] += 1
+                if kwargs.get("device") is None and not isinstance(data, torch.Tensor) and \
+                        torch.get_default_device().type == "cpu":
+                    counter._host[result] = True  # Python data, left in host memory
                 return result
 
             setattr(torch, name, factory)

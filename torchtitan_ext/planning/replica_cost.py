@@ -57,9 +57,11 @@ def _priced(routing: MeasuredRouting, adapt_every: int) -> list[tuple[int, int]]
         )
     priced = []
     for index, step in enumerate(steps):
-        chosen_before = (step - 1) // adapt_every * adapt_every + 1
-        if chosen_before > 1 and chosen_before - adapt_every >= first:
-            priced.append((index, chosen_before - adapt_every - first))
+        # the window closed before due step d = 1 + k x adapt_every (steps d - adapt_every .. d - 1) is chosen from
+        # one step later: its plan holds for steps d + 1 .. d + adapt_every
+        due = (step - 2) // adapt_every * adapt_every + 1
+        if due > 1 and due - adapt_every >= first:
+            priced.append((index, due - adapt_every - first))
     if not priced:
         raise ConfigError(
             f"--routing-stats {routing.source} records steps {first}..{steps[-1]}; pricing replicas chosen every "

@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from torchtitan_ext.ep.base import to_device
 
 
 class ReplicaTransport(Protocol):
@@ -43,18 +42,13 @@ def register_transport(group_name: str, transport: ReplicaTransport | None) -> N
         _transports[group_name] = transport
 
 
-def _indices(values: list[int], device: torch.device) -> torch.Tensor:
-    """Host indices on ``device`` without making the host wait (pinned, non-blocking)."""
-    return to_device(torch.tensor(values, dtype=torch.int64), device)
-
-
 @torch.library.custom_op("torchtitan_ext::replica_weights", mutates_args=())
 def replica_weights(
     home: torch.Tensor,
-    send_local: list[int],
+    send_local: torch.Tensor,
     send_counts: list[int],
     recv_counts: list[int],
-    recv_slot: list[int],
+    recv_slot: torch.Tensor,
     redundancy_mapping: list[int],
     slots: int,
     group_name: str,
@@ -63,17 +57,18 @@ def replica_weights(
 
     Sends ``home[send_local]`` in that order, ``send_counts[d]`` rows to rank d; receives
     ``recv_counts[s]`` rows from rank s, in order, into replica slots ``recv_slot``. Unused slots are 0.
-    ``redundancy_mapping``: the layer's whole plan, rank after rank, each replica slot's home slot
+    ``send_local`` and ``recv_slot``: int64 on ``home``'s device, built once per plan (no copy from the host
+    here). ``redundancy_mapping``: the layer's whole plan, rank after rank, each replica slot's home slot
     (-1: unused), which a registered transport moves all ranks' replicas by.
     """
     transport = _transports.get(group_name)
     if transport is not None:
         return transport.fetch(home, redundancy_mapping)
-    sent = home.index_select(0, _indices(send_local, home.device))
+    sent = home.index_select(0, send_local)
     received = home.new_empty((sum(recv_counts), home.shape[1]))
     dist.all_to_all_single(received, sent, recv_counts, send_counts, group=_resolve_process_group(group_name))
     out = home.new_zeros((slots, home.shape[1]))
-    return out.index_copy_(0, _indices(recv_slot, home.device), received)
+    return out.index_copy_(0, recv_slot, received)
 
 
 @replica_weights.register_fake
@@ -87,18 +82,19 @@ def _setup(ctx, inputs, output):
 
 
 def _backward(ctx, grad):
-    """Each replica's gradient to its home rank, summed into the home expert's."""
+    """Each replica's gradient to its home rank, summed into the home expert's in fp32 and rounded once (an
+    expert with many copies would lose low bits at every bf16 addition)."""
     send_local, send_counts, recv_counts, recv_slot, redundancy_mapping, _, group_name = ctx.args
     transport = _transports.get(group_name)
     if transport is not None:
         return transport.return_gradients(grad, redundancy_mapping, ctx.home_rows), *[None] * 7
-    device = grad.device
-    returned = grad.index_select(0, _indices(recv_slot, device)).contiguous()
+    returned = grad.index_select(0, recv_slot).contiguous()
     arrived = grad.new_empty((sum(send_counts), grad.shape[1]))
     dist.all_to_all_single(arrived, returned, send_counts, recv_counts, group=_resolve_process_group(group_name))
-    home_grad = grad.new_zeros((ctx.home_rows, grad.shape[1]))
-    home_grad.index_add_(0, _indices(send_local, device), arrived)
-    return home_grad, *[None] * 7
+    # index_add_ has a fixed order under torch.use_deterministic_algorithms (debug.deterministic)
+    home_grad = grad.new_zeros((ctx.home_rows, grad.shape[1]), dtype=torch.float32)
+    home_grad.index_add_(0, send_local, arrived.float())
+    return home_grad.to(grad.dtype), *[None] * 7
 
 
 replica_weights.register_autograd(_backward, setup_context=_setup)
