@@ -16,8 +16,9 @@ AC_MODES = {
 }
 VARIANTS = (*MATRIX_VARIANTS, "deepep_legacy")
 CELLS = [
-    Cell(f"ledger_{ac}", "deepseek_v3", backend, 2, ("--parallelism.expert_parallel_degree", "2", *args), grouped_mm=True)
-    for backend in VARIANTS for ac, args in AC_MODES.items()
+    Cell(f"ledger{'_replicas2' if replicas else ''}_{ac}", "deepseek_v3", backend, 2,
+         ("--parallelism.expert_parallel_degree", "2", *args), grouped_mm=True, replicas=replicas)
+    for replicas in (0, 2) for backend in VARIANTS for ac, args in AC_MODES.items()
 ]
 
 

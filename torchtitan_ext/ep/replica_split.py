@@ -132,9 +132,11 @@ class ReplicaRouter:
         """[E, C] the last split (for reports and tests)."""
 
     def set_plan(self, plan: ReplicaPlan) -> None:
-        """Split by ``plan`` from the next forward on; an unchanged plan keeps its tables."""
+        """Split by ``plan`` from the next forward on; an unchanged plan keeps its tables, a new one has them
+        copied now (between steps, without making the host wait), where the last ones live."""
         if plan != self.plan:
-            self.plan, self._tables = plan, None
+            self.plan = plan
+            self._tables = None if self._tables is None else SplitTables(plan, self._tables.dispatched.device)
 
     def take_window(self) -> torch.Tensor | None:
         window, self.window = self.window, None

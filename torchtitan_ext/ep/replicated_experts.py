@@ -62,11 +62,14 @@ class ExpertsWithReplicas(GroupedExperts):
         return experts
 
     def set_plan(self, plan: ReplicaPlan) -> None:
-        """Fetch ``plan``'s replicas from the next forward on; its index tensors are built at that forward, once."""
+        """Fetch ``plan``'s replicas from the next forward on. Its index tensors are copied now (between steps,
+        without making the host wait) where the last ones live, or at the first forward."""
         if plan == getattr(self, "plan", None):
             return
         self.plan = plan
-        self.exchange = None
+        built = getattr(self, "exchange", None)
+        self.exchange = None if built is None else exchange_arguments(
+            plan, torch.distributed.get_rank(self.group), built[0].device)
         self.redundancy_mapping = redundancy_mapping(plan)
 
     def _exchange_on(self, device: torch.device):

@@ -55,9 +55,9 @@ REPLICATION_RANGES = {
 def replication_budget(job_config) -> DeviceBudget:
     """What replication adds to one MoE layer's budget per step."""
     return DeviceBudget(
-        forward=Budget(collectives=2, h2d_copies=2), backward=Budget(collectives=1, h2d_copies=2),
+        forward=Budget(collectives=2), backward=Budget(collectives=1),
         why="replication: the pair counts' all-gather and the replicas' weights (all-to-all) forward, their "
-            "gradients home backward, each exchange with its two index lists copied to the device",
+            "gradients home backward; a new plan's index tables are copied between steps, none within a layer",
     )
 
 
