@@ -49,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
               + (f", {backend} on the reference kernels" if backend else ""), flush=True)
         ledger = moe_call_ledger(job_config)
     else:
-        print(f"[ledger] {world_size} processes on {device}: step 1 builds what a job builds once, step 2 is counted",
-              flush=True)
+        print(f"[ledger] {world_size} processes on {device}: step 1 builds what a job builds once, step 2 is counted "
+              "(under expert replication, the first step with replicas)", flush=True)
         ledger = count_step(train_args, world_size, device)
     table = format_ledger(ledger, f"Device-cost ledger ({time.strftime('%Y-%m-%d')}): `{command}`")
     print(table)

@@ -79,6 +79,11 @@ class ReplicaChooser:
         self._copied_ready = None
         """An event the device passes after those copies (None where the host is the device)."""
 
+    @property
+    def first_replicated_step(self) -> int:
+        """The first step that runs with replicas: its window closes before step adapt_every + 1."""
+        return self.adapt_every + 2
+
     def before_step(self, step: int) -> None:
         """Choose from the counts copied before the last step, if any; start the next copy when a choice is due."""
         if self._copied:

@@ -385,7 +385,8 @@ def _collective(namespace: str, name: str, args) -> tuple[str, str, int, int]:
 
 
 COUNTED_STEP = 2
-"""The step counted: the first builds what a job builds once (kernel buffers, tables); the second is every step's."""
+"""The step counted: the first builds what a job builds once (kernel buffers, tables); the second is every step's.
+Under expert replication, the first step with replicas (when its plan is chosen and its tables copied)."""
 
 
 @dataclass
@@ -444,11 +445,13 @@ def _count_worker(rank: int, world_size: int, train_args: list[str], device_type
 
     prepare()
     job_config = load_job_config(train_args, device_type, world_size)
-    job_config.training.steps = COUNTED_STEP
     job_config.metrics.log_freq = 1  # the counted step is a logged one
     job_config.checkpoint.enable = False
     prepare_embedded_assets(job_config)
     trainer = Trainer(job_config)
+    chooser = trainer.replica_chooser
+    counted_step = COUNTED_STEP if chooser is None else max(COUNTED_STEP, chooser.first_replicated_step)
+    job_config.training.steps = counted_step
     for part in trainer.model_parts:
         for module in part.modules():
             if isinstance(module, GroupedExperts):
@@ -459,7 +462,7 @@ def _count_worker(rank: int, world_size: int, train_args: list[str], device_type
     train_step = trainer.train_step
 
     def counting_step(data_iterator):
-        if trainer.step != COUNTED_STEP:
+        if trainer.step != counted_step:
             return train_step(data_iterator)
         scopes = LayerScopes(trainer.model_parts)
         counter = DeviceCostCounter(scopes, trainer.model_parts, device_type)
