@@ -33,17 +33,15 @@ def launcher_env(**overrides: str) -> dict[str, str]:
     return env
 
 
+def _launched_from_the_root(**env: str) -> dict:
+    """How the tests start a launcher: from the repository root, stdout and stderr as one text stream."""
+    return {"cwd": REPO_ROOT, "env": launcher_env(**env), "stdout": subprocess.PIPE, "stderr": subprocess.STDOUT,
+            "text": True}
+
+
 def run_launcher(*args: str, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
     """Run ./run_train.sh from the repository root, capturing stdout+stderr."""
-    return subprocess.run(
-        ["./run_train.sh", *args],
-        cwd=REPO_ROOT,
-        env=launcher_env(**env),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=timeout,
-    )
+    return subprocess.run(["./run_train.sh", *args], timeout=timeout, **_launched_from_the_root(**env))
 
 
 class LauncherProcess:
@@ -54,15 +52,7 @@ class LauncherProcess:
     """
 
     def __init__(self, *args: str, program: tuple[str, ...] = ("./run_train.sh",), **env: str):
-        self.process = subprocess.Popen(
-            [*program, *args],
-            cwd=REPO_ROOT,
-            env=launcher_env(**env),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
+        self.process = subprocess.Popen([*program, *args], start_new_session=True, **_launched_from_the_root(**env))
         self.lines: list[str] = []
         self._queue: queue.Queue[str | None] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)

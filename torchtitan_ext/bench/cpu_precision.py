@@ -30,7 +30,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 import torchtitan_ext
-from torchtitan_ext.bench.ep import machine
+from torchtitan_ext.bench.ep import add_timed_run_arguments, machine, parse_timed_run_arguments
 from torchtitan_ext.metrics_file import read_metrics
 
 ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
@@ -60,18 +60,9 @@ def run_job(variant: str, steps: int, dump_folder: str, overrides: list[str]) ->
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=2, help="alternations of the variants")
-    parser.add_argument("--steps", type=int, default=8, help="steps per run")
-    parser.add_argument("--warmup", type=int, default=2, help="first steps of each run not timed")
     parser.add_argument("--with-bf16", action="store_true", help="also time bf16 forced (slow on such CPUs)")
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--markdown", type=Path, help="append the results, with the command and the machine, to "
-                                                      "this markdown file (e.g. docs/benchmarks.md)")
-    parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("overrides", nargs="*", help="config overrides for every variant (after --)")
-    args = parser.parse_args(argv)
-    if args.steps <= args.warmup:
-        parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
+    add_timed_run_arguments(parser, rounds=2, alternated="the variants", overridden="every variant")
+    args = parse_timed_run_arguments(parser, argv)
     command = "python -m torchtitan_ext.bench cpu_precision " + " ".join(argv if argv is not None else sys.argv[1:])
     variants = ["default", "float32"] + (["bfloat16"] if args.with_bf16 else [])
     times = {variant: [] for variant in variants}

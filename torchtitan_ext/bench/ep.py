@@ -239,6 +239,27 @@ def _worker(rank: int, world_size: int, args) -> list[EPBenchRow]:
     return rows
 
 
+def add_timed_run_arguments(parser: argparse.ArgumentParser, rounds: int, alternated: str, overridden: str) -> None:
+    """The options of a benchmark that times whole runs, alternating ``alternated``: rounds, steps and warm-up per
+    run, where results go, the progress bar, and config overrides for ``overridden``."""
+    parser.add_argument("--rounds", type=int, default=rounds, help=f"alternations of {alternated}")
+    parser.add_argument("--steps", type=int, default=8, help="steps per run")
+    parser.add_argument("--warmup", type=int, default=2, help="first steps of each run not timed")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--markdown", type=Path, help="append the results, with the command and the machine, to "
+                                                      "this markdown file (e.g. docs/benchmarks.md)")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("overrides", nargs="*", help=f"config overrides for {overridden} (after --)")
+
+
+def parse_timed_run_arguments(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``argv`` parsed; a run with no timed step is refused in one line."""
+    args = parser.parse_args(argv)
+    if args.steps <= args.warmup:
+        parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
+    return args
+
+
 def machine() -> str:
     if torch.cuda.is_available():
         return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"

@@ -23,7 +23,9 @@ import time
 from pathlib import Path
 
 import torchtitan_ext
-from torchtitan_ext.bench.ep import DEADLINE_S, machine, progress_bar, workers_device
+from torchtitan_ext.bench.ep import (
+    add_timed_run_arguments, DEADLINE_S, machine, parse_timed_run_arguments, progress_bar, workers_device,
+)
 from torchtitan_ext.runtime.workers import run_workers
 
 ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
@@ -123,17 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="train_configs/debug_model.toml")
     parser.add_argument("--nproc", type=int, default=2, help="processes (the debug job's EP degree is 2)")
-    parser.add_argument("--rounds", type=int, default=3, help="alternations upstream/ours")
-    parser.add_argument("--steps", type=int, default=8, help="steps per run")
-    parser.add_argument("--warmup", type=int, default=2, help="first steps of each run not timed")
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--markdown", type=Path, help="append the results, with the command and the machine, to "
-                                                      "this markdown file (e.g. docs/benchmarks.md)")
-    parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("overrides", nargs="*", help="config overrides for both variants (after --)")
-    args = parser.parse_args(argv)
-    if args.steps <= args.warmup:
-        parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
+    add_timed_run_arguments(parser, rounds=3, alternated="upstream/ours", overridden="both variants")
+    args = parse_timed_run_arguments(parser, argv)
     command = "python -m torchtitan_ext.bench step " + " ".join(argv if argv is not None else sys.argv[1:])
     with tempfile.TemporaryDirectory() as dump_folder:
         times = run_workers(args.nproc, _worker, args, dump_folder, device=workers_device(), deadline_s=DEADLINE_S,
