@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torchtitan.tools.logging import logger
 
 from torchtitan_ext.config import ConfigError, Range, register_section
-from torchtitan_ext.ep.base import recomputing
+from torchtitan_ext.ep.recompute import recomputing
 
 
 @dataclass

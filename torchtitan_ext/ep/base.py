@@ -78,16 +78,6 @@ def token_group_alignment(job_config) -> int:
     return 1
 
 
-def recomputing() -> bool:
-    """True while activation checkpointing recomputes a forward inside backward.
-
-    Counters updated in forward skip recomputation, so that checkpointed layers
-    count each dispatch once (and selective checkpointing, which replays the
-    forward's ops, sees no extra op).
-    """
-    return torch._C._current_graph_task_id() != -1
-
-
 def scale_rows(rows: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     """rows * scores per row, in fp32, rounded to the rows' dtype."""
     return (rows.float() * scores.float().unsqueeze(-1)).to(rows.dtype)

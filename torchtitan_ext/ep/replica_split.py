@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_process_group_name
 
-from torchtitan_ext.ep.base import recomputing, to_device
+from torchtitan_ext.ep.base import to_device
+from torchtitan_ext.ep.recompute import recomputing
 from torchtitan_ext.ep.replication import ReplicaPlan
 
 OPS_MODULE = "torchtitan_ext.ep.ops.replicas"

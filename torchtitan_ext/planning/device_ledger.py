@@ -38,7 +38,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from torchtitan.models.moe.moe import GroupedExperts
 
 from torchtitan_ext.ep import backend_class
-from torchtitan_ext.ep.base import HOST_COPIES, recomputing
+from torchtitan_ext.ep.base import HOST_COPIES
+from torchtitan_ext.ep.recompute import recomputing
 from torchtitan_ext.ep.budget import Budget, DeviceBudget
 from torchtitan_ext.ep.kernels import calls
 from torchtitan_ext.planning.local_traffic import moved_tensors

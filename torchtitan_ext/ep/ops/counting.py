@@ -3,7 +3,7 @@ compiled code too (the recompute is known only when the op runs)."""
 
 import torch
 
-from torchtitan_ext.ep.base import recomputing
+from torchtitan_ext.ep.recompute import recomputing
 
 
 @torch.library.custom_op("torchtitan_ext::count_once", mutates_args=("total",))

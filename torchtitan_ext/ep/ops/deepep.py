@@ -6,7 +6,7 @@ when the backend first builds a layer, not when a config names it.
 
 import torch
 
-from torchtitan_ext.ep.base import recomputing
+from torchtitan_ext.ep.recompute import recomputing
 from torchtitan_ext.ep.handle import DispatchHandle, KernelBuffer
 from torchtitan_ext.ep.in_flight import Landing
 

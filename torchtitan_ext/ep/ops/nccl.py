@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from torchtitan_ext.ep.base import recomputing
+from torchtitan_ext.ep.recompute import recomputing
 from torchtitan_ext.ep.in_flight import Landing
 
 
