@@ -60,6 +60,15 @@ def choose_replicas(counts: list[int], expert_parallel_degree: int, slots: int) 
     return ReplicaPlan(experts, expert_parallel_degree, replicas)
 
 
+def window_start(step: int, adapt_every: int) -> int | None:
+    """The first step of the counts that step ``step``'s replicas were chosen from (None: it runs without).
+
+    A window of ``adapt_every`` steps closes before each due step d = 1 + k x adapt_every (k >= 1); its counts
+    are copied to the host then and chosen from before step d + 1, for steps d + 1 .. d + adapt_every."""
+    due = (step - 2) // adapt_every * adapt_every + 1
+    return due - adapt_every if due > 1 else None
+
+
 class ReplicaChooser:
     """Chooses every MoE layer's replicas without making the host wait for the device.
 
@@ -81,7 +90,7 @@ class ReplicaChooser:
 
     @property
     def first_replicated_step(self) -> int:
-        """The first step that runs with replicas: its window closes before step adapt_every + 1."""
+        """The first step that runs with replicas (:func:`window_start`)."""
         return self.adapt_every + 2
 
     def before_step(self, step: int) -> None:

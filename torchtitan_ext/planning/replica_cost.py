@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from torchtitan_ext.balancing.replica_choice import choose_replicas
+from torchtitan_ext.balancing.replica_choice import choose_replicas, window_start
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.ep.replica_split import split_quotas, SplitTables
 from torchtitan_ext.ep.replicated_experts import exchange_arguments
@@ -57,11 +57,9 @@ def _priced(routing: MeasuredRouting, adapt_every: int) -> list[tuple[int, int]]
         )
     priced = []
     for index, step in enumerate(steps):
-        # the window closed before due step d = 1 + k x adapt_every (steps d - adapt_every .. d - 1) is chosen from
-        # one step later: its plan holds for steps d + 1 .. d + adapt_every
-        due = (step - 2) // adapt_every * adapt_every + 1
-        if due > 1 and due - adapt_every >= first:
-            priced.append((index, due - adapt_every - first))
+        window = window_start(step, adapt_every)
+        if window is not None and window >= first:
+            priced.append((index, window - first))
     if not priced:
         raise ConfigError(
             f"--routing-stats {routing.source} records steps {first}..{steps[-1]}; pricing replicas chosen every "
