@@ -104,10 +104,16 @@ class _Experts:
         self.plans.append(plan)
 
 
-def test_the_choice_never_makes_the_host_wait_and_holds_from_the_step_after_the_copy(world_of_one):
-    """Before step 2 the window of step 1 (device counts) starts its copy to the host; before step 3 the replicas
-    are chosen from it: the hot expert 2 (homed on rank 1) gets rank 0's slot, expert 0 (the only other with
-    pairs) rank 1's. No host read of a device value."""
+def _home_slots(counts: list[int]) -> torch.Tensor:
+    """One pair per token, ``counts[e]`` of them for home slot e."""
+    return torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)).view(-1, 1)
+
+
+def test_each_choice_reads_the_counts_the_last_step_copied_to_the_host(world_of_one):
+    """Every step closes a window (adapt_every = 1): its forward copies the counts to the host, and the replicas
+    of the next step are chosen from them. Step 1 is hot on expert 2 (homed on rank 1): step 2 gives it rank 0's
+    slot, and expert 0 (the only other with pairs) rank 1's; step 2 is hot on expert 1: step 3 copies it to rank
+    1. No host read of a device value, in the forwards or between the steps."""
     moe = torch.nn.Module()
     moe.replicas, moe.experts = ReplicaRouter(ReplicaPlan.empty(4, 2, 1), world_of_one), _Experts()
     model = torch.nn.Module()
@@ -115,14 +121,13 @@ def test_the_choice_never_makes_the_host_wait_and_holds_from_the_step_after_the_
     model.layers["1"].moe = moe
     job_config = SimpleNamespace(expert_replication=SimpleNamespace(slots_per_rank=1, adapt_every=1))
     chooser = ReplicaChooser(job_config, [model])
-    step_1_counts = torch.tensor([1, 0, 9, 0])
+    counts = {1: [1, 0, 9, 0], 2: [0, 9, 0, 1], 3: [5, 5, 5, 5]}
     plans = {}
     with DeviceCostCounter() as counter:
         for step in (1, 2, 3):
             chooser.before_step(step)
             plans[step] = moe.replicas.plan.replicas
-            if step == 1:
-                moe.replicas.window = step_1_counts
+            moe.replicas.assign(_home_slots(counts[step]), counting=True)
     assert [sum(costs.host_syncs.values()) for costs in counter.costs.values()] == [0]
-    assert plans == {1: ((-1,), (-1,)), 2: ((-1,), (-1,)), 3: ((2,), (0,))}
-    assert moe.experts.plans == [moe.replicas.plan]
+    assert plans == {1: ((-1,), (-1,)), 2: ((2,), (0,)), 3: ((3,), (1,))}
+    assert [plan.replicas for plan in moe.experts.plans] == [((2,), (0,)), ((3,), (1,))]

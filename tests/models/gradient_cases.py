@@ -60,6 +60,9 @@ class Cell:
     replicas: int = 0
     """Replica slots per EP rank ([expert_replication] slots_per_rank), each holding a copy of one of the
     other rank's experts (:data:`REPLICAS`)."""
+    plan_change: bool = False
+    """A forward and backward under other replicas (:data:`REPLICAS_BEFORE`) first, its gradients dropped: the
+    checked pass runs after a plan change, on tables and index tensors rebuilt between steps as training does."""
 
     @property
     def id(self) -> str:
@@ -123,17 +126,19 @@ def _batch(cell: Cell, dp_size: int):
 
 REPLICAS = {1: ((4,), (0,)), 2: ((4, 6), (0, 2))}
 """EP = 2, 8 experts: the home slots each rank's replica slots copy."""
+REPLICAS_BEFORE = {2: ((5, -1), (1, 3))}
+"""The replicas of a plan-change cell's first pass: other experts, and a slot unused."""
 
 
-def _set_replicas(parts, cell: Cell) -> list:
-    """Give every MoE layer the cell's replicas; returns the layers' routers, whose splits the cell reports."""
+def _set_replicas(parts, replicas: tuple) -> list:
+    """Give every MoE layer these replicas; returns the layers' routers, whose splits the cell reports."""
     from torchtitan_ext.ep.replication import ReplicaPlan
 
     routers = []
     for part in parts:
         for module in part.modules():
             if getattr(module, "replicas", None) is not None:
-                plan = ReplicaPlan(8, 2, REPLICAS[cell.replicas])
+                plan = ReplicaPlan(8, 2, replicas)
                 module.replicas.set_plan(plan)
                 module.experts.set_plan(plan)
                 routers.append(module.replicas)
@@ -286,7 +291,7 @@ def run_cell(rank: int, world_size: int, cell: Cell, count_replica_copies: bool 
             model, parallel_dims, job_config, torch.device("cpu"), model_args, spec.parallelize_fn, loss_fn,
         )
         runtime.adapt_model_parts(parts)  # as the trainer does
-        routers = _set_replicas(parts, cell)
+        routers = _set_replicas(parts, REPLICAS[cell.replicas]) if cell.replicas else []
         losses = [] if has_last else None
         with loss_fn.normalized_by(global_tokens):
             targets = labels[start:end] if has_last else None
@@ -299,8 +304,13 @@ def run_cell(rank: int, world_size: int, cell: Cell, count_replica_copies: bool 
     else:
         parts = [spec.parallelize_fn(model, parallel_dims, job_config)]
         runtime.adapt_model_parts(parts)  # as the trainer does
-        routers = _set_replicas(parts, cell)
         loss_parallel = parallel_dims.tp_enabled and not p.disable_loss_parallel
+        if cell.plan_change:
+            _set_replicas(parts, REPLICAS_BEFORE[cell.replicas])
+            with dist_utils.get_train_context(loss_parallel)():
+                (loss_fn(parts[0](tokens[start:end]), labels[start:end]) / global_tokens).backward()
+            parts[0].zero_grad(set_to_none=True)
+        routers = _set_replicas(parts, REPLICAS[cell.replicas]) if cell.replicas else []
         counter = None
         if count_replica_copies:
             # torchtitan counts per-layer checkpointing's layers across the process: start this model at 0
@@ -391,7 +401,8 @@ def ledger_worker(rank: int, world_size: int, cells: list[Cell]) -> dict:
             model.init_weights()
         parts = [spec.parallelize_fn(model, parallel_dims, job_config)]
         runtime.adapt_model_parts(parts)
-        _set_replicas(parts, cell)
+        if cell.replicas:
+            _set_replicas(parts, REPLICAS[cell.replicas])
         loss_fn = spec.build_loss_fn(job_config)
         dp_size, dp_rank = _mesh_size(parallel_dims, "batch")
         tokens, labels, slices = _batch(cell, dp_size)
@@ -533,6 +544,8 @@ def cells() -> list[Cell]:
             Cell("ep2_expert_tp2", model, "nccl", 4,
                  ep2 + tp2 + ("--parallelism.expert_tensor_parallel_degree", "2")),
         ]
+    result.append(Cell("ep2_replicas2_after_a_plan_change", "deepseek_v3", "nccl", 2, ep2, replicas=2,
+                       plan_change=True))
     result.append(Cell("mutant_defect1", "deepseek_v3", "nccl", 2, ep2 + tp2,
                        mutant="tp_borrow_without_gradient_gather"))
     return result

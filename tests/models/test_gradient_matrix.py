@@ -11,7 +11,8 @@ TP alone, EP with PP, every activation-checkpointing mode, the grouped-GEMM
 expert path, uneven tokens per rank and a rank whose experts receive nothing;
 and with expert replication (1 and 2 replica slots per rank, every backend;
 2 slots with nccl under bf16, EP borrowing TP, each checkpointing mode, the
-grouped GEMM and PP), where the replicas must take some of the pairs.
+grouped GEMM and PP, and after a plan change: a first pass under other
+replicas, then the checked one), where the replicas must take some of the pairs.
 The gradient norm at DP=2 equals the single process's (DP=1) on the same
 global batch: gloo's sum-only FSDP reduction keeps the gradient's scale.
 

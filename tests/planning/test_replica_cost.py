@@ -47,15 +47,15 @@ def test_without_slots_a_rank_computes_its_own_experts():
     rng = np.random.default_rng(0)
     counts = rng.integers(0, 100, size=(4, 2, EXPERTS))
     rows = _rows(_routing(counts), ep=4, slots=0, adapt_every=1)
-    # steps 3-4 (the first with a plan) of both layers, step-major; each rank holds two consecutive experts
-    assert np.array_equal(rows, counts[2:].reshape(4, 4, 2).sum(axis=2))
+    # steps 2-4 of both layers, step-major; each rank holds two consecutive experts
+    assert np.array_equal(rows, counts[1:].reshape(6, 4, 2).sum(axis=2))
 
 
-def test_replicas_chosen_from_an_earlier_step_split_a_later_one():
+def test_replicas_chosen_from_the_previous_step_split_the_next():
     """A collapsed layer that stays collapsed: 2 slots per rank bring the busiest rank to the mean (plus one
     pair of rounding); 1 slot cannot (rank 0 keeps two hot experts whole): 4,093 of 6,143 pairs, 1.33x the
     mean; every pair is computed once."""
-    counts = np.array([[COLLAPSED]] * 4)
+    counts = np.array([[COLLAPSED]] * 3)
     routing = _routing(counts)
     total = sum(COLLAPSED)
     for slots in (0, 1, 2):
@@ -73,21 +73,20 @@ def _hot(expert: int, pairs: int) -> list[int]:
 @pytest.mark.parametrize(
     "first, second, misses_every_two",
     [
-        # steps 1-2 together favour expert 0 (6,001 pairs to 3,001): chosen every 2 steps, step 4 keeps expert 0's
+        # steps 1-2 together favour expert 0 (6,001 pairs to 3,001): chosen every 2 steps, step 3 keeps expert 0's
         # replica and rank 0 computes all of expert 1
         (_hot(0, 6000), _hot(1, 3000), True),
-        # expert 1 leads over steps 1-2 (6,001 to 3,001): step 4's choice made from both steps splits it
+        # expert 1 leads over steps 1-2 (6,001 to 3,001): step 3's choice made from both steps splits it
         (_hot(0, 3000), _hot(1, 6000), False),
     ],
 )
 def test_replicas_come_from_the_window_before_each_choice(first, second, misses_every_two):
-    """Step 4 is hot on expert 1 (both experts are homed on rank 0; one slot per rank). Re-chosen every step,
-    step 4's replica comes from step 2 alone (chosen before step 4 from the counts copied before step 3) and
-    splits expert 1; chosen every 2 steps, from steps 1-2 (copied before step 3, chosen before step 4)."""
-    routing = _routing(np.array([[first], [second], [_hot(1, 6000)], [_hot(1, 6000)]]))
+    """Step 3 is hot on expert 1 (both experts are homed on rank 0; one slot per rank). Re-chosen every step,
+    step 3's replica comes from step 2 alone and splits expert 1; chosen every 2 steps, from steps 1-2."""
+    routing = _routing(np.array([[first], [second], [_hot(1, 6000)]]))
     every_step = _rows(routing, 2, 1, adapt_every=1)
     every_two = _rows(routing, 2, 1, adapt_every=2)
-    assert every_step.shape == (2, 2) and every_two.shape == (1, 2)  # steps 3-4 and step 4 are priced
+    assert every_step.shape == (2, 2) and every_two.shape == (1, 2)  # steps 2-3 and step 3 are priced
     balanced = -(-(6000 + 7) // 2) + 1
     assert every_step[1].max() <= balanced
     assert bool(every_two[0].max() >= 6000) == misses_every_two
@@ -95,10 +94,9 @@ def test_replicas_come_from_the_window_before_each_choice(first, second, misses_
 
 
 def test_a_dump_that_starts_later_is_priced_from_its_first_full_window():
-    """Steps 3-7, a choice every 2 steps: the windows closed before steps 3 and 5 are steps 1-2 (not recorded) and
-    3-4, chosen from one step later, so steps 6 and 7 are priced, both from steps 3-4."""
-    routing = _routing(np.array([[_hot(0, 10)], [_hot(0, 6000)], [_hot(0, 6000)], [_hot(0, 6000)], [_hot(1, 6000)]]),
-                       first_step=3)
+    """Steps 3-6, a choice every 2 steps: the choices before steps 3 and 5 use steps 1-2 (not recorded) and 3-4,
+    so steps 5 and 6 are priced, both from steps 3-4."""
+    routing = _routing(np.array([[_hot(0, 10)], [_hot(0, 6000)], [_hot(0, 6000)], [_hot(1, 6000)]]), first_step=3)
     rows = _rows(routing, 2, 1, adapt_every=2)
     assert rows.shape == (2, 2)
     assert rows[0].max() <= -(-(6000 + 7) // 2) + 1 and rows[1].max() >= 6000
@@ -139,10 +137,10 @@ def test_the_busiest_sender_sets_the_replica_traffic():
     #   expert 2 finds none; the last free slot (rank 0's) goes to the cold expert 3 (homed on rank 1).
     # Rank 0 sends experts 0 and 1 to ranks 1 and 2 and expert 1 to rank 3: 5; rank 1 sends 3; no rank receives
     # more than its 2 slots. The busiest rank moves 5 experts per fetch.
-    moved = replay(_routing(np.array([[COLLAPSED]] * 3)), 4, 2, 1).experts_moved
+    moved = replay(_routing(np.array([[COLLAPSED]] * 2)), 4, 2, 1).experts_moved
     assert moved == 5
     topology = load_topology("hgx_h100_ib")
-    dump = _dump(np.array([[COLLAPSED] * 5] * 3))
+    dump = _dump(np.array([[COLLAPSED] * 5] * 2))
     layouts, _ = advise(DEBUG_JOB, 4, topology, dump, "collapsed", replica_slots=[0, 2])
     layout = next(layout for layout in layouts if layout.refused is None and (layout.ep, layout.replica_slots) == (4, 2))
     work = job_shape(load_job_config(DEBUG_JOB, device_type=None, world_size=4), 4).work

@@ -9,11 +9,11 @@ so it always ends (at most EP x S rounds), and since the split may leave a
 copy empty, a plan is never worse than no replicas on the counts it was chosen
 from.
 
-:class:`ReplicaChooser` runs it for every MoE layer from the global counts of
-the steps since the last choice (the same on every rank: the choice needs no
-communication), one step after it copied them to the host, so that the host
-never waits for the device's counts. Replicas are derived
-state: nothing of them is checkpointed, and a resumed job chooses afresh.
+:class:`ReplicaChooser` runs it for every MoE layer, between steps, from the
+global counts of the steps since the last choice (the same on every rank: the
+choice needs no communication), which each layer's forward copied to host
+memory in the window's last step. Replicas are derived state: nothing of them
+is checkpointed, and a resumed job chooses afresh.
 """
 
 import heapq
@@ -22,7 +22,6 @@ import torch
 from torchtitan.tools.logging import logger
 
 from torchtitan_ext.balancing.migration import moe_modules
-from torchtitan_ext.ep.base import to_host
 from torchtitan_ext.ep.replica_split import water_fill
 from torchtitan_ext.ep.replicated_experts import exchange_arguments
 from torchtitan_ext.ep.replication import ReplicaPlan
@@ -63,18 +62,19 @@ def choose_replicas(counts: list[int], expert_parallel_degree: int, slots: int) 
 def window_start(step: int, adapt_every: int) -> int | None:
     """The first step of the counts that step ``step``'s replicas were chosen from (None: it runs without).
 
-    A window of ``adapt_every`` steps closes before each due step d = 1 + k x adapt_every (k >= 1); its counts
-    are copied to the host then and chosen from before step d + 1, for steps d + 1 .. d + adapt_every."""
-    due = (step - 2) // adapt_every * adapt_every + 1
+    A window of ``adapt_every`` steps closes with step k x adapt_every (k >= 1), whose forwards copy its counts to
+    the host; they are chosen from before step d = k x adapt_every + 1, for steps d .. d + adapt_every - 1."""
+    due = (step - 1) // adapt_every * adapt_every + 1
     return due - adapt_every if due > 1 else None
 
 
 class ReplicaChooser:
-    """Chooses every MoE layer's replicas without making the host wait for the device.
+    """Chooses every MoE layer's replicas between steps, without ever letting the device run out of work.
 
-    When a choice is due (before step t, every ``adapt_every`` steps), each layer's window of counts starts its
-    copy to host memory, queued behind step t - 1's work; the choice is made from it before step t + 1, once the
-    device has long passed the copy, and holds from step t + 1 to step t + ``adapt_every``.
+    In the last step of a window (every ``adapt_every``-th), each layer's forward queues a copy of its window's
+    counts to pinned host memory. Before the next step the host reads them once the device has passed those
+    copies: the whole backward and optimizer step queued after them keep the device busy while the host waits
+    and chooses, and the choice holds for the next ``adapt_every`` steps.
     """
 
     def __init__(self, job_config, model_parts):
@@ -83,41 +83,35 @@ class ReplicaChooser:
         self.adapt_every = section.adapt_every
         self.layers = {layer: moe for layer, moe in moe_modules(model_parts).items() if moe.replicas is not None}
         self.reported = False
-        self._copied: dict[int, torch.Tensor] = {}
-        """Layer -> its last window's counts in host memory, not yet chosen from."""
-        self._copied_ready = None
-        """An event the device passes after those copies (None where the host is the device)."""
+        self._closing = False
+        """Whether the step running now ends a window."""
 
     @property
     def first_replicated_step(self) -> int:
         """The first step that runs with replicas (:func:`window_start`)."""
-        return self.adapt_every + 2
+        return self.adapt_every + 1
 
     def before_step(self, step: int) -> None:
-        """Choose from the counts copied before the last step, if any; start the next copy when a choice is due."""
-        if self._copied:
+        """Choose from the window the last step closed, if it did; say whether this step closes the next one."""
+        if self._closing:
             self._choose(step)
-        if step == 1 or (step - 1) % self.adapt_every:
-            return
-        windows = {layer: moe.replicas.take_window() for layer, moe in self.layers.items()}
-        windows = {layer: window for layer, window in windows.items() if window is not None}
-        self._copied = {layer: to_host(window) for layer, window in windows.items()}
-        device = next((window.device for window in windows.values()), None)
-        if device is not None and device.type != "cpu":
-            self._copied_ready = torch.Event(device=device)
-            self._copied_ready.record()
+        self._closing = step % self.adapt_every == 0
+        for moe in self.layers.values():
+            moe.replicas.closes_window = self._closing
 
     def _choose(self, step: int) -> None:
-        if self._copied_ready is not None:
-            self._copied_ready.synchronize()  # passed a step ago, unless the host runs a whole step ahead
         refreshed = 0
-        for layer, counts in self._copied.items():
-            moe = self.layers[layer]
+        for moe in self.layers.values():
+            copied = moe.replicas.take_copied_window()
+            if copied is None:
+                continue
+            counts, copied_ready = copied
+            if copied_ready is not None:
+                copied_ready.synchronize()  # passed in the last step's forward: its backward is queued behind
             plan = choose_replicas(counts.tolist(), moe.replicas.plan.expert_parallel_degree, self.slots)
             moe.replicas.set_plan(plan)
             moe.experts.set_plan(plan)
             refreshed += self._bytes(moe, plan)
-        self._copied, self._copied_ready = {}, None
         if not self.reported and refreshed:
             self.reported = True
             logger.info(

@@ -10,8 +10,7 @@ groups of 8, the same every step: no drift), then runs
         --topology gb200_nvl72 --ranks-per-group 64 --routing-stats <dump> --replica-slots 0,1,2 --compile.no-enable
 
 and prints the advice, which replays the dump through training's choice and
-split of replicas at every EP degree (steps 3 and later are priced: a choice made
-from step 1's counts holds from step 3).
+split of replicas at every EP degree (the steps after the first are priced).
 The routing is synthetic (no 671B run is recorded here): the table says what
 the advisor predicts for this skew, not what a run measured.
 """
@@ -34,12 +33,12 @@ with the home experts in plain tensors)."""
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=4, help="steps in the dump (the first two are not priced)")
+    parser.add_argument("--steps", type=int, default=4, help="steps in the dump (the first is not priced)")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per step and layer")
     parser.add_argument("--topology", default="gb200_nvl72", help="topology name or file")
     args = parser.parse_args(argv)
-    if args.steps < 3 or args.tokens < 1:
-        parser.error("--steps needs at least 3 (the first two steps are not priced) and --tokens at least 1")
+    if args.steps < 2 or args.tokens < 1:
+        parser.error("--steps needs at least 2 (the first step is not priced) and --tokens at least 1")
     with tempfile.TemporaryDirectory() as tmp:
         write_dump(Path(tmp), args.steps, args.tokens)
         config = Path(tmp) / "deepseek_v3_671b_gb200_bf16_experts.toml"

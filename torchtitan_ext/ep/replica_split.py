@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_process_group_name
 
-from torchtitan_ext.ep.base import to_device
+from torchtitan_ext.ep.base import to_device, to_host
 from torchtitan_ext.ep.recompute import recomputing
 from torchtitan_ext.ep.replication import ReplicaPlan
 
@@ -120,6 +120,15 @@ def split_quotas(counts: torch.Tensor, tables: SplitTables) -> torch.Tensor:
     return quotas
 
 
+def _passed(device: torch.device) -> torch.Event | None:
+    """An event the device passes after the work queued so far (None where the host is the device)."""
+    if device.type == "cpu":
+        return None
+    event = torch.Event(device=device)
+    event.record()
+    return event
+
+
 class ReplicaRouter:
     """One MoE layer's per-step split, and the counts the next choice of replicas is made from."""
 
@@ -129,6 +138,11 @@ class ReplicaRouter:
         self._tables: SplitTables | None = None
         self.window: torch.Tensor | None = None
         """Global pairs per home slot over the steps since the plan was last chosen (training forwards)."""
+        self.closes_window = False
+        """Set for a step whose counts end the window: each of its counted forwards queues a copy of the window to
+        host memory, which the next choice reads once the device has passed it (``copied_window``)."""
+        self.copied_window: tuple[torch.Tensor, torch.Event | None] | None = None
+        """The closed window in host memory, and the event the device passes after copying it (None on a CPU)."""
         self.last_quotas: torch.Tensor | None = None
         """[E, C] the last split (for reports and tests)."""
 
@@ -139,9 +153,11 @@ class ReplicaRouter:
             self.plan = plan
             self._tables = None if self._tables is None else SplitTables(plan, self._tables.dispatched.device)
 
-    def take_window(self) -> torch.Tensor | None:
-        window, self.window = self.window, None
-        return window
+    def take_copied_window(self) -> tuple[torch.Tensor, torch.Event | None] | None:
+        """The closed window's host copy and its event (None: no counted forward since the last choice); the next
+        window starts empty."""
+        copied, self.copied_window, self.window = self.copied_window, None, None
+        return copied
 
     def assign(self, home_slots: torch.Tensor, counting: bool) -> torch.Tensor:
         """Dispatched ids for ``home_slots`` [N, K] (home slot of each pair): each pair's copy."""
@@ -158,6 +174,8 @@ class ReplicaRouter:
             total = counts.sum(0)
             if counting and not recomputing():
                 self.window = total.clone() if self.window is None else self.window.add_(total)
+                if self.closes_window:
+                    self.copied_window = to_host(self.window), _passed(self.window.device)
             if not tables.replicated:
                 self.last_quotas = None
                 return tables.dispatched[flat, 0].view_as(home_slots)

@@ -35,14 +35,14 @@ class ExpertReplication:
     """
     adapt_every: int = 1
     """
-    Steps between choices of which experts get replicas, made from the global
-    token counts of the adapt_every steps before a choice and applied one
-    step later, so that the host reads counts the device finished a step ago
-    (never waits): steps 1 .. adapt_every + 1 run without replicas. How a
-    replicated expert's tokens are divided among its copies is decided every
-    step from that step's counts. Range >= 1. 1 re-chooses every step from
-    the counts of two steps before, at no extra communication (replica
-    weights are fetched every step anyway).
+    Steps between choices of which experts get replicas, made between steps
+    from the global token counts of the adapt_every steps before, which the
+    last of them copied to host memory in its forward (the device keeps that
+    step's backward queued while the host reads them): steps 1 ..
+    adapt_every run without replicas. How a replicated expert's tokens are
+    divided among its copies is decided every step from that step's counts.
+    Range >= 1. 1 re-chooses every step from the previous step's counts, at
+    no extra communication (replica weights are fetched every step anyway).
     """
 
 
