@@ -166,14 +166,14 @@ def _assign_worker(rank: int, world_size: int) -> dict:
     home_slots = torch.multinomial(torch.tensor([8.0, 1.0, 2.0, 1.0]), 60, replacement=True, generator=generator)
     home_slots = home_slots.view(20, 3)
     router.closes_window = True
-    dispatched = router.assign(home_slots, counting=True)
+    dispatched, sent = router.assign(home_slots, counting=True)
     window, _ = router.take_copied_window()
     return {"home": home_slots, "dispatched": dispatched, "quotas": router.last_quotas,
-            "window": window, "copies": plan.copies()}
+            "window": window, "copies": plan.copies(), "sent": sent, "dispatched_experts": plan.dispatched_experts}
 
 
 @pytest.mark.slow
-def test_every_pair_goes_to_a_copy_of_its_expert_and_copies_take_their_quotas():
+def test_every_pair_goes_to_a_copy_of_its_expert_and_every_rank_knows_what_each_copy_receives():
     results = run_distributed(EP, _assign_worker)
     copies = results[0]["copies"]
     quotas = results[0]["quotas"]
@@ -190,6 +190,11 @@ def test_every_pair_goes_to_a_copy_of_its_expert_and_copies_take_their_quotas():
     totals = sum(torch.bincount(result["home"].reshape(-1), minlength=4) for result in results)
     assert torch.equal(results[0]["window"], totals)
     assert int(quotas[0, 1]) > 0, "the hot expert's copy takes pairs"
+    # what every rank sends each copy, known on every rank without an exchange (nccl skips its counts' all-to-all)
+    sent = torch.stack([torch.bincount(result["dispatched"].reshape(-1), minlength=results[0]["dispatched_experts"])
+                        for result in results])
+    for result in results:
+        assert torch.equal(result["sent"], sent)
 
 
 def _weights_worker(rank: int, world_size: int) -> dict:

@@ -46,15 +46,20 @@ class Routing:
     end (their gradient flows back to the router), as in torchtitan's own MoE.
     """
 
-    __slots__ = ("scores", "expert_ids", "logical_ids")
+    __slots__ = ("scores", "expert_ids", "logical_ids", "sent_counts")
 
-    def __init__(self, scores: torch.Tensor, expert_ids: torch.Tensor, logical_ids: torch.Tensor | None = None):
+    def __init__(self, scores: torch.Tensor, expert_ids: torch.Tensor, logical_ids: torch.Tensor | None = None,
+                 sent_counts: torch.Tensor | None = None):
         self.scores = scores
         """[N, K] top-k routing scores, fp32."""
         self.expert_ids = expert_ids
         """[N, K] dispatched expert ids (slots under a placement or replication), int64."""
         self.logical_ids = expert_ids if logical_ids is None else logical_ids
         """[N, K] the router's expert ids, which the load statistics count."""
+        self.sent_counts = sent_counts
+        """[EP, dispatched experts] the pairs every rank of the EP group sends to each dispatched expert, on the
+        device, where the routing already knows them (expert replication's split); None: a backend that needs
+        them exchanges its own."""
 
 
 def check_kernels(backend: str, implementation: str, device_type: str | None, class_name: str) -> None:
@@ -396,9 +401,10 @@ class RoutedExpertParallel(ExpertParallel, ABC):
     @abstractmethod
     def dispatch(
         self, x: torch.Tensor, scores: torch.Tensor, expert_ids: torch.Tensor,
-        num_experts: int, group,
+        num_experts: int, group, sent_counts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(expert-major rows, padded rows per local expert); remembers what combine needs."""
+        """(expert-major rows, padded rows per local expert); remembers what combine needs. ``sent_counts``:
+        :attr:`Routing.sent_counts`, for a backend that would otherwise exchange the counts itself."""
 
     @abstractmethod
     def combine(self, routed_output: torch.Tensor, group) -> torch.Tensor:
@@ -417,7 +423,7 @@ class RoutedExpertParallel(ExpertParallel, ABC):
         dispatched = getattr(mod, "dispatched_experts", mod.num_experts)
         with naming_collective(self.collective_name("dispatch")):
             rows, rows_per_expert = self.dispatch(
-                x, routing.scores, routing.expert_ids, dispatched, device_mesh.get_group()
+                x, routing.scores, routing.expert_ids, dispatched, device_mesh.get_group(), routing.sent_counts
             )
         self.stats.record_rows(rows_per_expert)
         return rows, rows_per_expert

@@ -418,7 +418,7 @@ class DeepEPExpertParallel(RoutedExpertParallel):
             self.replica_rows.elements = sum(weight[0].numel() for weight in (module.w1, module.w2, module.w3))
         return super()._apply(module, device_mesh)
 
-    def dispatch(self, x, scores, expert_ids, num_experts, group):
+    def dispatch(self, x, scores, expert_ids, num_experts, group, sent_counts=None):
         from torchtitan_ext.ep.ops.deepep import deepep_dispatch
 
         # a pick with score 0 contributes nothing; DeepEP does not send it

@@ -435,7 +435,7 @@ class HybridEPExpertParallel(RoutedExpertParallel):
         self.max_tokens_per_rank = max_tokens_per_rank
         self.capacity_factor = capacity_factor
 
-    def dispatch(self, x, scores, expert_ids, num_experts, group):
+    def dispatch(self, x, scores, expert_ids, num_experts, group, sent_counts=None):
         from torchtitan_ext.ep.ops.hybridep import hybridep_dispatch
 
         num_tokens, top_k = expert_ids.shape

@@ -5,9 +5,10 @@ id (destination rank, then local expert), gathers their rows once and sends them
 permutes them (source-major) into its expert groups, padded to the grouped-GEMM alignment (at least 8 rows; 16
 for FP8 and 32 for MXFP8 grouped GEMMs), with one gather computed on the device. Combine permutes back, sends
 in one all-to-all, and one ``index_add`` sums every token's top-k rows (weighted by their scores for
-DeepSeek-V3-style routing). Per MoE layer and step: one all-to-all of the counts and one host sync for the split
-sizes in forward (all-to-all split sizes live on the host, as in torchtitan), one all-to-all of rows per pass
-(dispatch and combine, forward and backward): :meth:`NcclExpertParallel.device_budget`.
+DeepSeek-V3-style routing). Per MoE layer and step: one all-to-all of the counts (none under expert replication,
+whose split knows every rank's counts) and one host sync for the split sizes in forward (all-to-all split sizes
+live on the host, as in torchtitan), one all-to-all of rows per pass (dispatch and combine, forward and
+backward): :meth:`NcclExpertParallel.device_budget`.
 
 The row all-to-alls are custom ops (:mod:`torchtitan_ext.ep.ops.nccl`), on the selective activation-checkpointing
 save list; combine's is asynchronous and its sum runs at the first use of its output (``in_flight``), so the MoE's
@@ -109,14 +110,15 @@ class NcclExpertParallel(RoutedExpertParallel):
             DTensor.from_local(t, device_mesh["etp"], (Replicate(),)).to_local(grad_placements=(Partial(),))
             for t in (x, routing.scores)
         )
-        return super()._token_dispatch(mod, (x, Routing(scores, routing.expert_ids)), device_mesh["ep"])
+        routing = Routing(scores, routing.expert_ids, routing.logical_ids, routing.sent_counts)
+        return super()._token_dispatch(mod, (x, routing), device_mesh["ep"])
 
     def _token_combine(self, mod, routed_output, device_mesh):
         if device_mesh.ndim == 1:
             return super()._token_combine(mod, routed_output, device_mesh)
         return super()._token_combine(mod, routed_output, device_mesh["ep"])
 
-    def dispatch(self, x, scores, expert_ids, num_experts, group):
+    def dispatch(self, x, scores, expert_ids, num_experts, group, sent_counts=None):
         from torchtitan_ext.ep.ops.nccl import nccl_dispatch
 
         ep_degree = group.size()
@@ -128,8 +130,13 @@ class NcclExpertParallel(RoutedExpertParallel):
         with torch.no_grad():
             send_counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
             send_counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
-            # recv_counts[s * L + e]: rows from source s for this rank's expert e
-            recv_counts = all_to_all_single(send_counts, None, None, group=group.group_name)
+            # recv_counts[s * L + e]: rows from source s for this rank's expert e; exchanged unless the routing
+            # knows every rank's counts already (expert replication's split)
+            if sent_counts is None:
+                recv_counts = all_to_all_single(send_counts, None, None, group=group.group_name)
+            else:
+                first = group.rank() * local_experts
+                recv_counts = sent_counts[:, first:first + local_experts].reshape(-1)
             received = recv_counts.view(ep_degree, local_experts)
             rows_per_expert = round_up(received.sum(0), self.pad_multiple)
             # split sizes must be on the host: one device-to-host sync, as in torchtitan

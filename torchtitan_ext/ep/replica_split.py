@@ -159,8 +159,9 @@ class ReplicaRouter:
         copied, self.copied_window, self.window = self.copied_window, None, None
         return copied
 
-    def assign(self, home_slots: torch.Tensor, counting: bool) -> torch.Tensor:
-        """Dispatched ids for ``home_slots`` [N, K] (home slot of each pair): each pair's copy."""
+    def assign(self, home_slots: torch.Tensor, counting: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(dispatched ids for ``home_slots`` [N, K] (home slot of each pair): each pair's copy; [EP, dispatched
+        experts] the pairs every rank sends to each copy, which spares a backend its exchange of counts)."""
         if self._tables is None or self._tables.dispatched.device != home_slots.device:
             # built on first use: the model is parallelized on the meta device
             self._tables = SplitTables(self.plan, home_slots.device)
@@ -178,7 +179,9 @@ class ReplicaRouter:
                     self.copied_window = to_host(self.window), _passed(self.window.device)
             if not tables.replicated:
                 self.last_quotas = None
-                return tables.dispatched[flat, 0].view_as(home_slots)
+                sent = torch.zeros(counts.shape[0], tables.plan.dispatched_experts, dtype=counts.dtype, device=counts.device)
+                sent.index_add_(1, tables.dispatched[:, 0], counts)
+                return tables.dispatched[flat, 0].view_as(home_slots), sent
             quotas = split_quotas(total, tables)
             self.last_quotas = quotas
             rank = dist.get_rank(self.group)
@@ -188,5 +191,15 @@ class ReplicaRouter:
             within = torch.empty_like(flat)
             within[order] = torch.arange(flat.shape[0], device=flat.device) - starts[flat[order]]
             position = earlier[flat] + within
-            copy = (position.unsqueeze(1) >= quotas.cumsum(1)[flat]).sum(1)
-            return tables.dispatched[flat, copy].view_as(home_slots)
+            copy_ends = quotas.cumsum(1)
+            copy = (position.unsqueeze(1) >= copy_ends[flat]).sum(1)
+            return tables.dispatched[flat, copy].view_as(home_slots), self._sent(counts, quotas, copy_ends, tables)
+
+    def _sent(self, counts: torch.Tensor, quotas: torch.Tensor, copy_ends: torch.Tensor, tables: SplitTables):
+        """[EP, dispatched experts] from every rank's ``counts`` [EP, E]: rank s holds the positions
+        [sum of counts[:s], sum of counts[:s + 1]) of each expert's pairs, and copy c takes [ends[c] - quotas[c],
+        ends[c]); what rank s sends copy c is where the two meet."""
+        ends = counts.cumsum(0).unsqueeze(-1)
+        met = torch.minimum(ends, copy_ends) - torch.maximum(ends - counts.unsqueeze(-1), copy_ends - quotas)
+        sent = torch.zeros(counts.shape[0], tables.plan.dispatched_experts, dtype=counts.dtype, device=counts.device)
+        return sent.index_add_(1, tables.dispatched.flatten(), met.clamp(min=0).flatten(1))

@@ -57,7 +57,7 @@ class ExpertsWithReplicas(GroupedExperts):
         experts.__class__ = cls
         experts.slots = plan.slots
         experts.group = group
-        experts.dispatched_experts = plan.expert_parallel_degree * (plan.experts_per_rank + plan.slots)
+        experts.dispatched_experts = plan.dispatched_experts
         experts.set_plan(plan)
         return experts
 

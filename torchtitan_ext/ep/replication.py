@@ -144,6 +144,11 @@ class ReplicaPlan:
     def slots(self) -> int:
         return len(self.replicas[0])
 
+    @property
+    def dispatched_experts(self) -> int:
+        """Experts the backend dispatches over: every rank's home experts and replica slots."""
+        return self.expert_parallel_degree * (self.experts_per_rank + self.slots)
+
     def dispatched_slot(self, rank: int, local_slot: int) -> int:
         """Dispatched id of local slot ``local_slot`` (home experts first, then replicas) of ``rank``."""
         return rank * (self.experts_per_rank + self.slots) + local_slot

@@ -95,14 +95,14 @@ class ExpertParallelMoE(MoE):
         # after the router's own counts: statistics and load balancing stay per logical expert
         logical_ids = expert_ids
         slots = expert_ids if self.expert_slot is None else self.expert_slot[expert_ids]
-        tokens, scores = x, top_scores
+        tokens, scores, sent_counts = x, top_scores, None
         if self.token_split is not None:
             split = self.token_split.split
             tokens, scores, slots, logical_ids = split(x), split(top_scores), split(slots), split(logical_ids)
         if self.replicas is not None:
             # on the pairs this rank dispatches: the split counts what each rank sends
-            slots = self.replicas.assign(slots, counting=self.training)
-        routing = Routing(scores, slots, logical_ids)
+            slots, sent_counts = self.replicas.assign(slots, counting=self.training)
+        routing = Routing(scores, slots, logical_ids, sent_counts)
         # a backend may return the routed output with its combine still in flight
         # (torchtitan_ext.ep.in_flight): the shared experts run before its first use,
         # which is the un-split under TP borrowing, or the sum
