@@ -1,7 +1,7 @@
 """What one MoE layer may cost a GPU per training step: the budget each backend and feature declares, and the
 device-cost ledger (:mod:`torchtitan_ext.planning.device_ledger`) holds it to."""
 
-from dataclasses import dataclass, replace
+from dataclasses import astuple, dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -32,9 +32,18 @@ class DeviceBudget:
     backward: Budget
     why: str
     """What the costs are, in one line (reports quote it)."""
+    counts_exchange: Budget = Budget()
+    """Part of ``forward``: what the backend pays to learn every rank's pair counts, which it skips where the
+    routing carries them (:attr:`torchtitan_ext.ep.base.Routing.sent_counts`)."""
 
     def __add__(self, other: "DeviceBudget") -> "DeviceBudget":
-        return DeviceBudget(self.forward + other.forward, self.backward + other.backward, f"{self.why}; {other.why}")
+        return DeviceBudget(self.forward + other.forward, self.backward + other.backward, f"{self.why}; {other.why}",
+                            self.counts_exchange + other.counts_exchange)
+
+    def given_counts(self) -> "DeviceBudget":
+        """This budget where the routing carries every rank's pair counts: without the counts' exchange."""
+        forward = Budget(*(paid - spared for paid, spared in zip(astuple(self.forward), astuple(self.counts_exchange))))
+        return replace(self, forward=forward, counts_exchange=Budget())
 
     def recompute(self, saves_collectives: bool) -> Budget:
         """The recompute pass's budget: the forward's, without its collectives where selective checkpointing saves

@@ -87,8 +87,9 @@ class NcclExpertParallel(RoutedExpertParallel):
     def device_budget(cls, job_config) -> DeviceBudget:
         return DeviceBudget(
             forward=Budget(host_syncs=1, collectives=3), backward=Budget(collectives=2),
-            why="forward: the counts' all-to-all and one host read of the split sizes, then the rows' all-to-all "
-                "in dispatch and in combine; backward: the rows' all-to-all of each",
+            why="forward: the counts' all-to-all (unless the routing carries them) and one host read of the split "
+                "sizes, then the rows' all-to-all in dispatch and in combine; backward: the rows' all-to-all of each",
+            counts_exchange=Budget(collectives=1),
         )
 
     def _partition_fn(self, name, mod, device_mesh):

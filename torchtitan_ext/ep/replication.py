@@ -53,11 +53,13 @@ REPLICATION_RANGES = {
 
 
 def replication_budget(job_config) -> DeviceBudget:
-    """What replication adds to one MoE layer's budget per step."""
+    """What replication adds to one MoE layer's budget per step (its split gives the backend every rank's counts,
+    which :meth:`DeviceBudget.given_counts` takes off the backend's)."""
     return DeviceBudget(
         forward=Budget(collectives=2), backward=Budget(collectives=1),
-        why="replication: the pair counts' all-gather and the replicas' weights (all-to-all) forward, their "
-            "gradients home backward; a new plan's index tables are copied between steps, none within a layer",
+        why="replication: the pair counts' all-gather (which also gives the backend every rank's counts) and the "
+            "replicas' weights (all-to-all) forward, their gradients home backward; a new plan's index tables are "
+            "copied between steps, none within a layer",
     )
 
 

@@ -631,7 +631,7 @@ def job_budget(job_config) -> DeviceBudget:
 
     budget = backend_class(job_config).device_budget(job_config)
     if job_config.expert_replication.slots_per_rank:
-        budget = budget + replication_budget(job_config)
+        budget = budget.given_counts() + replication_budget(job_config)
     return budget
 
 
