@@ -315,7 +315,7 @@ def lb_fetch_worker(rank: int, ep: int) -> dict:
         counter = DeviceCostCounter()
         with counter:
             fetched = replica_ops().replica_weights(
-                home, *exchange_arguments(plan, rank), redundancy_mapping(plan), 2, _get_process_group_name(group)
+                [home], *exchange_arguments(plan, rank), redundancy_mapping(plan), 2, _get_process_group_name(group)
             )
             (fetched * torch.tensor([[1.0], [10.0]], dtype=torch.bfloat16)).sum().backward()
         return {"fetched": fetched.detach().float(), "grad": home.grad.float(), "events": waits_and_collectives(counter),

@@ -197,6 +197,12 @@ def test_every_pair_goes_to_a_copy_of_its_expert_and_every_rank_knows_what_each_
         assert torch.equal(result["sent"], sent)
 
 
+def _two_weights(rank: int) -> list[torch.Tensor]:
+    """Two experts per rank, in two weights of different shapes (as w1, w2, w3 are)."""
+    return [torch.arange(2 * 3, dtype=torch.float32).view(2, 3).add(100 * rank),
+            torch.arange(2 * 2, dtype=torch.float32).view(2, 2, 1).add(100 * rank).neg()]
+
+
 def _weights_worker(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _get_process_group_name
@@ -204,25 +210,32 @@ def _weights_worker(rank: int, world_size: int) -> dict:
     from torchtitan_ext.ep.replica_split import replica_ops
 
     plan = ReplicaPlan(4, world_size, ((3, 2), (0, -1)))
-    home = torch.arange(2 * 3, dtype=torch.float32).view(2, 3).add(100 * rank).requires_grad_()
+    home = [weight.requires_grad_() for weight in _two_weights(rank)]
     fetched = replica_ops().replica_weights(
         home, *exchange_arguments(plan, rank), redundancy_mapping(plan), 2, _get_process_group_name(dist.group.WORLD)
     )
     weight = torch.tensor([[1.0], [10.0]])
     (fetched * weight).sum().backward()
-    return {"fetched": fetched.detach(), "grad": home.grad}
+    return {"fetched": fetched.detach(), "grads": [weight.grad for weight in home]}
 
 
 @pytest.mark.slow
 def test_replica_weights_equal_home_and_gradients_return_home():
+    """Each fetched row is its expert's weights flattened one after the other, read from the home weights where
+    they lie; each home weight gets its own gradient."""
     results = run_distributed(EP, _weights_worker)
-    home = [torch.arange(6, dtype=torch.float32).view(2, 3).add(100 * rank) for rank in range(EP)]
-    assert torch.equal(results[0]["fetched"], torch.stack([home[1][1], home[1][0]]))
-    assert torch.equal(results[1]["fetched"], torch.stack([home[0][0], torch.zeros(3)]))
+    home = [_two_weights(rank) for rank in range(EP)]
+
+    def expert(rank: int, local: int) -> torch.Tensor:
+        return torch.cat([weight[local].reshape(-1) for weight in home[rank]])
+
+    assert torch.equal(results[0]["fetched"], torch.stack([expert(1, 1), expert(1, 0)]))
+    assert torch.equal(results[1]["fetched"], torch.stack([expert(0, 0), torch.zeros(5)]))
     # rank 0's expert 0 is copied into rank 1's slot 0 (weight 1); rank 1's experts 1 and 0 into rank 0's
     # slots 0 (weight 1) and 1 (weight 10)
-    assert torch.equal(results[0]["grad"], torch.tensor([[1.0] * 3, [0.0] * 3]))
-    assert torch.equal(results[1]["grad"], torch.tensor([[10.0] * 3, [1.0] * 3]))
+    for rank, per_expert in ((0, [1.0, 0.0]), (1, [10.0, 1.0])):
+        for grad, weight in zip(results[rank]["grads"], home[rank]):
+            assert torch.equal(grad, torch.tensor(per_expert).view(2, *[1] * (weight.dim() - 1)).expand_as(weight))
 
 
 def _host_sync_worker(rank: int, world_size: int) -> dict:
@@ -241,7 +254,7 @@ def _host_sync_worker(rank: int, world_size: int) -> dict:
     counter = DeviceCostCounter()
     with counter:
         router.assign(home_slots, counting=True)
-        fetched = replica_ops().replica_weights(home, *exchange_arguments(plan, rank), redundancy_mapping(plan), 1,
+        fetched = replica_ops().replica_weights([home], *exchange_arguments(plan, rank), redundancy_mapping(plan), 1,
                                                 _get_process_group_name(dist.group.WORLD))
         fetched.sum().backward()
     return waits_and_collectives(counter)
@@ -276,7 +289,7 @@ def test_the_gradients_of_four_copies_are_summed_in_fp32_and_rounded_once(world_
 
     home = torch.zeros(1, 1, dtype=torch.bfloat16, requires_grad=True)
     copies = 4
-    fetched = replica_ops().replica_weights(home, torch.zeros(copies, dtype=torch.int64), [copies], [copies],
+    fetched = replica_ops().replica_weights([home], torch.zeros(copies, dtype=torch.int64), [copies], [copies],
                                             torch.arange(copies), [0] * copies, copies,
                                             _get_process_group_name(world_of_one))
     with IndexAddDtypes() as sums:

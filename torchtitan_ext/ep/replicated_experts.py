@@ -80,11 +80,10 @@ class ExpertsWithReplicas(GroupedExperts):
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         home = [w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3)]
-        local = home[0].shape[0]
-        flat = torch.cat([w.reshape(local, -1) for w in home], dim=1)
-        self.bytes_per_expert = flat.shape[1] * flat.element_size()
+        self.bytes_per_expert = sum(w[0].numel() for w in home) * home[0].element_size()
         fetched = replica_ops().replica_weights(
-            flat, *self._exchange_on(flat.device), self.redundancy_mapping, self.slots, _get_process_group_name(self.group)
+            home, *self._exchange_on(home[0].device), self.redundancy_mapping, self.slots,
+            _get_process_group_name(self.group),
         )
         pieces = fetched.split([w[0].numel() for w in home], dim=1)
         w1, w2, w3 = (torch.cat([w, piece.view(self.slots, *w.shape[1:])]) for w, piece in zip(home, pieces))

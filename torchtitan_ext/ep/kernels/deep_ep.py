@@ -99,19 +99,28 @@ class LoadBalancingKernels:
         table = torch.tensor(redundancy_mapping, dtype=torch.int32).view(-1, self.weights.shape[0])
         return to_device(table, self.weights.device)
 
-    def fetch(self, home: torch.Tensor, redundancy_mapping: list[int]) -> torch.Tensor:
-        if home.dtype != self.weights.dtype or home.shape[1] != self.weights.shape[1]:
+    def fetch(self, home: list[torch.Tensor], redundancy_mapping: list[int]) -> torch.Tensor:
+        rows = [weight.reshape(weight.shape[0], -1) for weight in home]
+        elements = sum(row.shape[1] for row in rows)
+        if any(row.dtype != self.weights.dtype for row in rows) or elements != self.weights.shape[1]:
             raise RuntimeError(
                 f"DeepEP's load-balancing region holds [{self.weights.shape[1]}] {self.weights.dtype} experts, "
-                f"these are [{home.shape[1]}] {home.dtype}: the experts' compute dtype must be the tokens' "
+                f"these are [{elements}] {rows[0].dtype}: the experts' compute dtype must be the tokens' "
                 "(training.mixed_precision_param)"
             )
+        # the kernels take the weights as lists: each home weight is read where it lies, into its own
+        # contiguous block of the region (an expert's rows: a multiple of 32 bytes, and so each of its w1, w2,
+        # w3, which are equal in size)
+        slots, region, blocks, start = self.weights.shape[0], self.weights.view(-1), [], 0
+        for row in rows:
+            blocks.append(region[start:start + slots * row.shape[1]].view(slots, row.shape[1]))
+            start += slots * row.shape[1]
         mapping = self._mapping(redundancy_mapping)
         with kernel_call("deepep.lb_prefetch_weights"):
-            self.buffer.lb_prefetch_weights(self.weights, home.contiguous(), mapping, self.num_sms).current_stream_wait()
+            self.buffer.lb_prefetch_weights(blocks, rows, mapping, self.num_sms).current_stream_wait()
         rank = dist.get_rank(self.buffer.group)
         unused = (mapping[rank] < 0).unsqueeze(1)
-        return self.weights.masked_fill(unused, 0)
+        return torch.cat(blocks, dim=1).masked_fill_(unused, 0)
 
     def return_gradients(self, grad: torch.Tensor, redundancy_mapping: list[int], home_rows: int) -> torch.Tensor:
         self.gradients.copy_(grad)

@@ -23,8 +23,9 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 class ReplicaTransport(Protocol):
     """Moves one MoE layer's replica weights from home, and their gradients back, for one EP group."""
 
-    def fetch(self, home: torch.Tensor, redundancy_mapping: list[int]) -> torch.Tensor:
-        """[slots, F] this rank's replica weights (0 in unused slots) from every rank's ``home`` [L, F]."""
+    def fetch(self, home: list[torch.Tensor], redundancy_mapping: list[int]) -> torch.Tensor:
+        """[slots, F] this rank's replica weights (0 in unused slots) from every rank's ``home`` weights, each
+        [L, ...]: a slot's row is its expert's weights flattened, one after the other (F elements in all)."""
 
     def return_gradients(self, grad: torch.Tensor, redundancy_mapping: list[int], home_rows: int) -> torch.Tensor:
         """[home_rows, F]: the sum, per home expert of this rank, of its replicas' gradients ``grad`` [slots, F]."""
@@ -44,7 +45,7 @@ def register_transport(group_name: str, transport: ReplicaTransport | None) -> N
 
 @torch.library.custom_op("torchtitan_ext::replica_weights", mutates_args=())
 def replica_weights(
-    home: torch.Tensor,
+    home: list[torch.Tensor],
     send_local: torch.Tensor,
     send_counts: list[int],
     recv_counts: list[int],
@@ -53,48 +54,55 @@ def replica_weights(
     slots: int,
     group_name: str,
 ) -> torch.Tensor:
-    """[slots, F] replica weights from ``home`` [L, F] (one flattened expert per row).
+    """[slots, F] replica weights from ``home``, this rank's experts' weights (w1, w2, w3: each [L, ...]), read
+    where they lie: a slot's row is its expert's weights flattened one after the other (F elements in all).
 
-    Sends ``home[send_local]`` in that order, ``send_counts[d]`` rows to rank d; receives
-    ``recv_counts[s]`` rows from rank s, in order, into replica slots ``recv_slot``. Unused slots are 0.
-    ``send_local`` and ``recv_slot``: int64 on ``home``'s device, built once per plan (no copy from the host
-    here). ``redundancy_mapping``: the layer's whole plan, rank after rank, each replica slot's home slot
-    (-1: unused), which a registered transport moves all ranks' replicas by.
+    Sends experts ``send_local`` in that order, ``send_counts[d]`` to rank d; receives ``recv_counts[s]``
+    from rank s, in order, into replica slots ``recv_slot``. Unused slots are 0. ``send_local`` and
+    ``recv_slot``: int64 on the weights' device, built once per plan (no copy from the host here).
+    ``redundancy_mapping``: the layer's whole plan, rank after rank, each replica slot's home slot (-1: unused),
+    which a registered transport moves all ranks' replicas by.
     """
     transport = _transports.get(group_name)
     if transport is not None:
         return transport.fetch(home, redundancy_mapping)
-    sent = home.index_select(0, send_local)
-    received = home.new_empty((sum(recv_counts), home.shape[1]))
+    # only the experts sent are copied, never the whole of the home weights
+    sent = torch.cat([weight.reshape(weight.shape[0], -1).index_select(0, send_local) for weight in home], dim=1)
+    received = sent.new_empty((sum(recv_counts), sent.shape[1]))
     dist.all_to_all_single(received, sent, recv_counts, send_counts, group=_resolve_process_group(group_name))
-    out = home.new_zeros((slots, home.shape[1]))
+    out = sent.new_zeros((slots, sent.shape[1]))
     return out.index_copy_(0, recv_slot, received)
 
 
 @replica_weights.register_fake
 def _(home, send_local, send_counts, recv_counts, recv_slot, redundancy_mapping, slots, group_name):
-    return home.new_empty((slots, home.shape[1]))
+    return home[0].new_empty((slots, sum(weight[0].numel() for weight in home)))
 
 
 def _setup(ctx, inputs, output):
     home, *ctx.args = inputs
-    ctx.home_rows = home.shape[0]
+    ctx.home_shapes = [weight.shape for weight in home]
 
 
 def _backward(ctx, grad):
     """Each replica's gradient to its home rank, summed into the home expert's in fp32 and rounded once (an
-    expert with many copies would lose low bits at every bf16 addition)."""
+    expert with many copies would lose low bits at every bf16 addition); one gradient per home weight."""
     send_local, send_counts, recv_counts, recv_slot, redundancy_mapping, _, group_name = ctx.args
+    home_rows = ctx.home_shapes[0][0]
+    columns = [shape[1:].numel() for shape in ctx.home_shapes]
     transport = _transports.get(group_name)
     if transport is not None:
-        return transport.return_gradients(grad, redundancy_mapping, ctx.home_rows), *[None] * 7
+        summed = transport.return_gradients(grad, redundancy_mapping, home_rows).split(columns, dim=1)
+        return [part.to(grad.dtype).reshape(shape) for part, shape in zip(summed, ctx.home_shapes)], *[None] * 7
     returned = grad.index_select(0, recv_slot).contiguous()
     arrived = grad.new_empty((sum(send_counts), grad.shape[1]))
     dist.all_to_all_single(arrived, returned, send_counts, recv_counts, group=_resolve_process_group(group_name))
     # index_add_ has a fixed order under torch.use_deterministic_algorithms (debug.deterministic)
-    home_grad = grad.new_zeros((ctx.home_rows, grad.shape[1]), dtype=torch.float32)
-    home_grad.index_add_(0, send_local, arrived.float())
-    return home_grad.to(grad.dtype), *[None] * 7
+    home_grads = []
+    for part, shape in zip(arrived.split(columns, dim=1), ctx.home_shapes):
+        summed = grad.new_zeros((home_rows, part.shape[1]), dtype=torch.float32).index_add_(0, send_local, part.float())
+        home_grads.append(summed.to(grad.dtype).view(shape))
+    return home_grads, *[None] * 7
 
 
 replica_weights.register_autograd(_backward, setup_context=_setup)
