@@ -95,18 +95,16 @@ def main(argv: list[str] | None = None) -> None:
         topology = load_topology(args.topology) if args.topology else None
         if args.calibrate_from is not None and topology is None:
             raise ConfigError("--calibrate-from prices the layout advice's layouts: add --topology")
-        placed = topology
-        if args.ranks_per_group is not None:
-            if topology is None:
-                raise ConfigError("--ranks-per-group places ranks in the topology's groups: add --topology")
-            placed = topology.placing(args.ranks_per_group)
+        if args.ranks_per_group is not None and topology is None:
+            raise ConfigError("--ranks-per-group places ranks in the topology's groups: add --topology")
+        world_size = job_world_size(parse(train_args), args.world_size)
+        placed = topology if topology is None else topology.placed_for(world_size, args.ranks_per_group)
         # bench_ep's processes fill the machines it ran on: its rows are placed before the job's ranks per group
         rates = None if args.calibrate_from is None else calibration_rates(args.calibrate_from, topology, placed)
         if rates and args.measure_compute and any(rate.includes_local_work for rate in rates.values()):
             raise ConfigError("--calibrate-from's bench_ep rates hold each backend's local work, which "
                               "--measure-compute adds again: drop one of them")
         topology = placed
-        world_size = job_world_size(parse(train_args), args.world_size)
         if topology is not None:
             topology.group_sizes(world_size)
         job_config = load_job_config(train_args, device_type=None, world_size=world_size)

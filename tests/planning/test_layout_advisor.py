@@ -56,6 +56,10 @@ def test_shipped_topologies_load(name):
          "NIC per GPU (InfiniBand or RoCE) between nodes; or omit it (nominal rates)"),
         ({"memory_GB": 0}, "test.memory_GB = 0.0: use the device memory per worker in GB, > 0, or omit it"),
         ({"memory_GB": "80"}, "test.memory_GB = '80': expected a float"),
+        ({"ranks_per_group": 9}, "test.ranks_per_group = 9: its innermost level 'node' holds 8 workers: use a count "
+                                 "from 1 to 8, or omit it"),
+        ({"levels": [LEVELS[1]], "ranks_per_group": 4},
+         "test.ranks_per_group = 4: its only level 'network' has no groups to place ranks in: omit it"),
     ],
 )
 def test_bad_topology_fields_are_named(change, message):
@@ -789,7 +793,8 @@ def test_cli_measures_the_compute(capsys):
 
 
 def test_nvl72_racks_hold_72_and_a_job_says_how_many_it_uses():
-    """World sizes of whole racks run as they are; the 671B job's 256 GPUs are 64 of each of 4 racks."""
+    """World sizes of whole racks run as they are; the 671B job's 256 GPUs are 64 of each of 4 racks, which the
+    topology says for a world size that is not whole racks."""
     gb200 = load_topology("gb200_nvl72")
     assert [gb200.group_sizes(world) for world in (72, 144, 288)] == [[72, 72], [72, 144], [72, 288]]
     with pytest.raises(ConfigError, match=r"has workers = 72, which does not divide the world size 256: use a world size "
@@ -798,6 +803,10 @@ def test_nvl72_racks_hold_72_and_a_job_says_how_many_it_uses():
         gb200.group_sizes(256)
     placed = gb200.placing(64)
     assert placed.group_sizes(256) == [64, 256] and placed.name == "GB200 NVL72, 64 ranks per NVLink domain (one rack)"
+    # the topology's own placement where a job is not whole racks (the shipped 671B job, without flags); a count
+    # given wins; whole racks stay whole
+    assert gb200.placed_for(256) == placed and gb200.placed_for(256, 32).group_sizes(256) == [32, 256]
+    assert gb200.placed_for(144) is gb200
     with pytest.raises(ConfigError, match=r"^--ranks-per-group 80: topology 'GB200 NVL72''s level 'NVLink domain "
                                           r"\(one rack\)' holds 72 workers: use a count from 1 to 72$"):
         gb200.placing(80)
@@ -903,19 +912,19 @@ def test_json_with_a_mode_that_gives_no_layouts_is_refused(capsys, tmp_path):
 
 
 def test_emit_config_writes_the_recommended_layout_as_a_job_config(capsys, tmp_path):
-    """The 671B GB200 job: the file selects the winner (nccl, EP=32), drops the [hybridep] settings the switch
+    """The 671B GB200 job on the GB200 topology as shipped (64 ranks per rack, no flag): the file selects the
+    winner (nccl, EP=32), drops the [hybridep] settings the switch
     leaves behind (the overrides alone still fail the job's checks), and loads back as the config the advisor
     priced; its header says how it was made."""
     out = tmp_path / "advised.toml"
     job = ["--job.config_file", "train_configs/deepseek_v3_671b_gb200.toml"]
-    plan.main(["--topology", "gb200_nvl72", "--ranks-per-group", "64", "--world-size", "256", "--emit-config", str(out),
-               *job])
+    plan.main(["--topology", "gb200_nvl72", "--world-size", "256", "--emit-config", str(out), *job])
     printed = capsys.readouterr().out
     assert printed.splitlines()[-1] == (
         f"Wrote the recommended layout's job config to {out} (train with: ./run_train.sh --job.config_file {out})")
     assert "with those, this job config still fails its checks" in " ".join(printed.split())
     text = out.read_text()
-    assert text.startswith("# Written by python -m torchtitan_ext.plan --topology gb200_nvl72 --ranks-per-group 64 ")
+    assert text.startswith("# Written by python -m torchtitan_ext.plan --topology gb200_nvl72 --world-size 256 ")
     loaded = load_job_config(["--job.config_file", str(out)], device_type=None, world_size=256)
     assert (loaded.parallelism.expert_parallel_comm_backend, loaded.parallelism.expert_parallel_degree) == ("nccl", 32)
     assert loaded.hybridep.ranks_per_nvlink_domain is None

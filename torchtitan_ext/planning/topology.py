@@ -74,6 +74,11 @@ class Topology:
     memory_bandwidth_GBps: float | None = None
     """Device memory bandwidth of one worker, GB/s (nominal). > 0. Prices each EP backend's passes over the token
     rows outside its kernels (:mod:`~torchtitan_ext.planning.local_traffic`); None: not priced."""
+    ranks_per_group: int | None = None
+    """Ranks a job places in each group of the innermost level when its world size is not a multiple of the
+    group (NVL72 racks: 64 of 72 GPUs, 16 of 18 trays, as torchtitan's published 671B run and the shipped GB200
+    configs use them). 1 .. that level's workers; ``plan --ranks-per-group`` overrides it. None: such a world
+    size is refused."""
 
     def group_sizes(self, world_size: int) -> list[int]:
         """Ranks in one group of each level for a job of ``world_size`` ranks; the last is the job.
@@ -105,6 +110,14 @@ class Topology:
             )
         return sizes
 
+    def placed_for(self, world_size: int, ranks: int | None = None) -> "Topology":
+        """This topology as a job of ``world_size`` ranks sees it: ``ranks`` per innermost group when given,
+        else :attr:`ranks_per_group` where the world size does not fill whole groups, else as it is."""
+        inner = self.levels[0].workers
+        if ranks is None and self.ranks_per_group is not None and inner is not None and world_size % inner:
+            ranks = self.ranks_per_group
+        return self if ranks is None else self.placing(ranks)
+
     def placing(self, ranks: int) -> "Topology":
         """This topology as a job sees it that places ``ranks`` ranks in each group of the innermost level (a
         256-GPU job on NVL72 racks of 72: 64 per rack), the outer levels' groups holding as many of those
@@ -118,7 +131,7 @@ class Topology:
         outer = [replace(level, workers=None if level.workers is None else level.workers // inner.workers * ranks)
                  for level in self.levels[1:]]
         return replace(self, name=f"{self.name}, {ranks} ranks per {inner.name}",
-                       levels=(replace(inner, workers=ranks), *outer))
+                       levels=(replace(inner, workers=ranks), *outer), ranks_per_group=None)
 
     def within_kernel_domain(self, ranks: int, backend: str) -> "Topology":
         """This topology as a backend whose kernels reach only ``ranks`` consecutive ranks over the innermost
@@ -144,7 +157,7 @@ class Topology:
         raise ValueError(f"ranks {rank_a} and {rank_b} are outside a job of {sizes[-1]} ranks")
 
 
-TOP_KEYS = {"name", "compute_tflops", "overlap", "levels", "memory_GB", "memory_bandwidth_GBps"}
+TOP_KEYS = {"name", "compute_tflops", "overlap", "levels", "memory_GB", "memory_bandwidth_GBps", "ranks_per_group"}
 LEVEL_KEYS = {"name", "workers", "bandwidth_GBps", "latency_us", "all_gather_bandwidth_GBps",
               "reduce_scatter_bandwidth_GBps", "fabric"}
 
@@ -229,8 +242,18 @@ def parse_topology(data: dict, source: str) -> Topology:
             kinds = "; ".join(f"'{kind}': {meaning}" for kind, meaning in FABRICS.items())
             raise ConfigError(f"{where}.fabric = {fabric!r}: use one of {kinds}; or omit it (nominal rates)")
         levels.append(Level(name, workers, bandwidth, latency, gather, scatter, fabric))
+    ranks_per_group = data.get("ranks_per_group")
+    if ranks_per_group is not None:
+        ranks_per_group = _field(data, "ranks_per_group", int, source)
+        inner = levels[0]
+        if inner.workers is None:
+            raise ConfigError(f"{source}.ranks_per_group = {ranks_per_group}: its only level '{inner.name}' has no "
+                              "groups to place ranks in: omit it")
+        if not 1 <= ranks_per_group <= inner.workers:
+            raise ConfigError(f"{source}.ranks_per_group = {ranks_per_group}: its innermost level '{inner.name}' holds "
+                              f"{inner.workers} workers: use a count from 1 to {inner.workers}, or omit it")
     name = _field(data, "name", str, source, default=source)
-    return Topology(name, compute, overlap, tuple(levels), memory, memory_bandwidth)
+    return Topology(name, compute, overlap, tuple(levels), memory, memory_bandwidth, ranks_per_group)
 
 
 def load_topology(spec: str) -> Topology:
