@@ -184,7 +184,7 @@ def test_evaluation_forwards_are_not_counted():
     class WithoutCommunication(NcclExpertParallel):
         """The nccl backend's dispatch path with its collectives left out: each pick is a row."""
 
-        def dispatch(self, x, scores, expert_ids, num_experts, group):
+        def dispatch(self, x, scores, expert_ids, num_experts, group, sent_counts=None):
             return x.repeat_interleave(expert_ids.shape[1], dim=0), torch.bincount(expert_ids.reshape(-1), minlength=2)
 
     style = WithoutCommunication(score_before_experts=False)
