@@ -14,7 +14,9 @@ from torchtitan_ext import plan, runtime
 from torchtitan_ext.config import ConfigError, load_job_config, parse
 from torchtitan_ext.ep import BACKENDS
 from torchtitan_ext.planning.cost_model import MeasuredRouting
-from torchtitan_ext.planning.layout_advisor import advise, advised_config, format_advice, overrides_problem
+from torchtitan_ext.planning.layout_advisor import (
+    advise, advised_config, format_advice, layouts_record, overrides_problem,
+)
 from torchtitan_ext.planning.measured_compute import check_measurable, MeasuredCompute
 from torchtitan_ext.planning.topology import load_topology, parse_topology, SHIPPED
 from torchtitan_ext.training import prepare
@@ -250,6 +252,8 @@ def _block_rows(name: str) -> dict[tuple[str, int], dict[str, str]]:
     assert header.split() == ["#", "backend", *" ".join(columns).split()]
     rows = {}
     for line in lines[lines.index(header) + 1:]:
+        if line.strip() == "...":
+            continue
         if not re.match(r"^\s+\d+ ", line):
             break
         # "  {rank:>3} {label:<14} ...": the label may hold a space
@@ -359,11 +363,13 @@ NVL = "NVLink domain (one rack)"
 PROSE = {
     # {id: (the doc's words, "#" for each figure, "@" for one written as a word; the advice's figures now)}
     "gb200_ranking": (
-        "ranks nccl at EP=32 first (# ms) and nccl at EP=64 second (# ms), then HybridEP at EP=64 (# ms at 16/32 SMs, "
-        "# as configured), then DeepEP (# ms at EP=32, # at EP=64); @ layouts lie within 10%",
+        "predicts nccl at EP=32 fastest (# ms) and nccl at EP=64 next (# ms), but ranks both below every priced "
+        "layout: HybridEP at EP=64 first (# ms at 16/32 SMs, # as configured), then DeepEP (# ms at EP=32, # at "
+        "EP=64); @ other priced layouts lie within 10% of the first",
         lambda a: [*(_gb200(a, label, ep).step_s * 1e3 for label, ep in (
             ("nccl", 32), ("nccl", 64), ("hybridep 16/32", 64), ("hybridep", 64), ("deepep", 32), ("deepep", 64))),
-            sum(layout.step_s <= a["gb200_nvl72"][0].step_s * 1.1 for layout in _runnable(a, "gb200_nvl72").values())]),
+            sum(not layout.nominal_links and layout.step_s <= a["gb200_nvl72"][0].step_s * 1.1
+                for layout in _runnable(a, "gb200_nvl72").values()) - 1]),
     "gb200_kernel_rates": (
         "HybridEP's is #/# of it (its README, 32 ranks, 16 SMs) and DeepEP V2's #/#",
         lambda a: [*_rate(_gb200(a, "hybridep", 64), NVL), *_rate(_gb200(a, "deepep", 64), NVL)]),
@@ -387,8 +393,8 @@ PROSE = {
     "ep32_gathers": ("its gathers (# ms per layer)", lambda a: [_gb200(a, "nccl", 32).costs.all_gather * 1e3]),
     "rdma_share": (
         "it carries # s of the # s step (`link%` #%)",
-        lambda a: [(first := a["gb200_nvl72"][0]).busiest_link[1], first.step_s,
-                   first.busiest_link[1] / first.step_s * 100]),
+        lambda a: [(ep_32 := _gb200(a, "nccl", 32)).busiest_link[1], ep_32.step_s,
+                   ep_32.busiest_link[1] / ep_32.step_s * 100]),
     "link_bound_eps": ("(EP=# and below here)", lambda a: [_link_bound_eps(a)]),
     "link_bound_eps_legend": ("on GB200 the 671B job's EP=# and below", lambda a: [_link_bound_eps(a)]),
     "hybridep_eps": (
@@ -882,7 +888,21 @@ def test_json_lists_every_layout_considered(capsys, tmp_path):
     assert [r["rank"] for r in runnable] == list(range(1, len(runnable) + 1))
     assert runnable[0]["overrides"] == layouts[0].overrides()
     assert all(r["refused"] and "step_s" not in r for r in records if not r["runnable"])
+    assert {(r["pricing"], r["assumption"]) for r in runnable} == {("priced", None)}  # every rate published on HGX
     assert not list(tmp_path.glob(".*partial"))
+
+
+def test_json_says_which_layouts_rest_on_a_nominal_rate_and_ranks_them_after_the_priced(advice_671b):
+    """On GB200, nccl's all-to-all over the rack is priced at NVLink's nominal rate (none published): those rows
+    say so, and come after every priced one although they predict the shortest steps."""
+    runnable = [record for record in layouts_record(advice_671b["gb200_nvl72"]) if record["runnable"]]
+    nominal = [record for record in runnable if record["pricing"] == "nominal"]
+    assert {(record["backend"], record["ep_degree"] > 1) for record in nominal} == {("nccl", True)}
+    assert all(record["assumption"] == "all-to-all over NVLink domain (one rack) at the link's nominal rate (no "
+               "published figure): a lower bound of its time" for record in nominal)
+    assert min(record["rank"] for record in nominal) > max(record["rank"] for record in runnable
+                                                          if record["pricing"] == "priced")
+    assert min(record["step_s"] for record in nominal) < runnable[0]["step_s"]
 
 
 @pytest.mark.parametrize(
@@ -911,23 +931,26 @@ def test_json_with_a_mode_that_gives_no_layouts_is_refused(capsys, tmp_path):
     )
 
 
-def test_emit_config_writes_the_recommended_layout_as_a_job_config(capsys, tmp_path):
+def test_emit_config_writes_the_recommended_layout_as_a_job_config(capsys, tmp_path, advice_671b):
     """The 671B GB200 job on the GB200 topology as shipped (64 ranks per rack, no flag): the file selects the
-    winner (nccl, EP=32), drops the [hybridep] settings the switch
-    leaves behind (the overrides alone still fail the job's checks), and loads back as the config the advisor
-    priced; its header says how it was made."""
+    recommended layout (hybridep at EP=64 with 16/32 SMs: nccl, faster at its nominal NVL72 rate, is not priced),
+    and loads back as the config the advisor priced; its header says how it was made."""
     out = tmp_path / "advised.toml"
     job = ["--job.config_file", "train_configs/deepseek_v3_671b_gb200.toml"]
     plan.main(["--topology", "gb200_nvl72", "--world-size", "256", "--emit-config", str(out), *job])
     printed = capsys.readouterr().out
     assert printed.splitlines()[-1] == (
         f"Wrote the recommended layout's job config to {out} (train with: ./run_train.sh --job.config_file {out})")
-    assert "with those, this job config still fails its checks" in " ".join(printed.split())
+    assert "with those, this job config still fails its checks" not in " ".join(printed.split())
     text = out.read_text()
     assert text.startswith("# Written by python -m torchtitan_ext.plan --topology gb200_nvl72 --world-size 256 ")
     loaded = load_job_config(["--job.config_file", str(out)], device_type=None, world_size=256)
-    assert (loaded.parallelism.expert_parallel_comm_backend, loaded.parallelism.expert_parallel_degree) == ("nccl", 32)
-    assert loaded.hybridep.ranks_per_nvlink_domain is None
+    assert (loaded.parallelism.expert_parallel_comm_backend, loaded.parallelism.expert_parallel_degree) == ("hybridep", 64)
+    assert (loaded.hybridep.num_sms_dispatch, loaded.hybridep.num_sms_combine) == (16, 32)
+    assert loaded.hybridep.ranks_per_nvlink_domain == 64
+    # a layout of another backend drops the [hybridep] settings it would leave behind
+    nccl = next(layout for layout in advice_671b["gb200_nvl72"] if (layout.label, layout.ep) == ("nccl", 32))
+    assert advised_config(JOB_671B, 256, nccl).hybridep.ranks_per_nvlink_domain is None
     original = load_job_config(job, device_type=None, world_size=256)
     assert loaded.model.flavor == original.model.flavor and loaded.training.seq_len == original.training.seq_len
     assert not list(tmp_path.glob(".*partial"))
@@ -948,19 +971,21 @@ def test_replica_traffic_uses_the_physical_links_whatever_the_kernels_reach():
 
 
 def test_margins_under_the_models_resolution_are_said(advice_671b):
-    """On GB200 the 671B job's four best layouts are within 10% of each other (nccl at EP=32 and 64, hybridep
-    at EP=64 at two SM counts), and NCCL's NVL72 rate is nominal, not published: both are said. On HGX
+    """On GB200 the 671B job's four best priced layouts are within 10% of each other (hybridep at EP=64 at two SM
+    counts, deepep at EP=32 and 64), and nccl, predicted faster at NCCL's nominal NVL72 rate (none published), is
+    ranked below them: both are said. On HGX
     nodes DeepEP v1 at EP=16 and nccl and both DeepEP APIs at EP=8 are within 10% of EP=16 with V2, and every
     backend has a published figure on each link there."""
-    for name, expected in (("gb200_nvl72", ["nccl EP=64", "hybridep 16/32 EP=64", "hybridep EP=64"]),
+    for name, expected in (("gb200_nvl72", ["hybridep EP=64", "deepep EP=32", "deepep EP=64"]),
                            ("hgx_h100_ib", ["deepep legacy EP=16", "nccl EP=8", "deepep legacy EP=8"])):
         layouts = advice_671b[name]
         runnable = [layout for layout in layouts if layout.refused is None]
-        close = [layout for layout in runnable[1:] if layout.step_s <= runnable[0].step_s * 1.1]
+        close = [layout for layout in runnable[1:]
+                 if not layout.nominal_links and layout.step_s <= runnable[0].step_s * 1.1]
         assert [f"{layout.label} EP={layout.ep}" for layout in close[:3]] == expected
         lines = format_advice(layouts, TOPOLOGIES_671B[name], 256, "671B", None)
         assert max(len(line) for line in lines) <= 118
-        unpublished = [line for line in lines if line.startswith("  not ranked against the published backends:")]
+        unpublished = [line for line in lines if line.startswith("  ranked below every priced layout:")]
         assert paragraph(lines, "  within the model's resolution:") == (
             f"  within the model's resolution: {len(close)} other layout(s) predict a step within 10% of this one "
             f"({', '.join(expected)}{', ...' if len(close) > 3 else ''}): measure them before choosing"
@@ -968,10 +993,14 @@ def test_margins_under_the_models_resolution_are_said(advice_671b):
         if name == "hgx_h100_ib":
             assert unpublished == [] and not any(layout.nominal_links for layout in runnable)
             continue
-        assert paragraph(lines, "  not ranked against the published backends:") == (
-            "  not ranked against the published backends: nccl over NVLink domain (one rack) is priced at the nominal "
-            "rate (no published figure), a bound it may not reach: time it and give --calibrate-from the measurement "
-            "(python -m torchtitan_ext.bench ep --json, or an nccl-tests alltoall_perf log) before choosing it"
+        nccl = [_runnable(advice_671b, name)["nccl", ep].step_s * 1e3 for ep in (32, 64)]
+        assert all(step < runnable[0].step_s * 1e3 for step in nccl)
+        assert paragraph(lines, "  ranked below every priced layout:") == (
+            f"  ranked below every priced layout: nccl EP=32 ({nccl[0]:,.0f} ms over NVLink domain (one rack)), nccl "
+            f"EP=64 ({nccl[1]:,.0f} ms over NVLink domain (one rack)) predicted faster, but priced at the link's "
+            "nominal rate (no published figure), a bound it may not reach: time it and give --calibrate-from the "
+            "measurement (python -m torchtitan_ext.bench ep --json, or an nccl-tests alltoall_perf log) before "
+            "choosing it"
         )
 
 

@@ -656,10 +656,11 @@ def advise(
                 nominal_links=nominal,
             )
             runnable.append(replace(priced, link_busy=link_busy(priced, topology, links, world_size, data_parallel_busy)))
-    # equal predictions keep the job's own backend (and slot count) first
+    # a layout priced at a nominal rate (no published figure) ranks below every priced one, whatever its step: its
+    # step is a bound it may not reach; equal predictions keep the job's own backend (and slot count) first
     configured = comm_backend(job_config)
     runnable.sort(key=lambda layout: (
-        layout.step_s, layout.moe_s, layout.backend != configured, bool(layout.settings),
+        bool(layout.nominal_links), layout.step_s, layout.moe_s, layout.backend != configured, bool(layout.settings),
         layout.replica_slots != replication.slots_per_rank, layout.ep,
     ))
     return runnable + refused, routing
@@ -891,13 +892,15 @@ def format_advice(
             f"  recommended: {first.label} at EP={first.ep}, efsdp={first.efsdp}{with_slots}: "
             f"{_ms(first.step_s)} ms per step, {_tflops(first.tflops_per_gpu)} TFLOPS/GPU"
         )
-        lines += _wrapped(f"why: {_reason(first, runnable[1:])}", "    ")
+        # compared with the layouts priced as it is (a nominal rate's bound is no price)
+        alike = [layout for layout in runnable[1:] if bool(layout.nominal_links) == bool(first.nominal_links)]
+        lines += _wrapped(f"why: {_reason(first, alike)}", "    ")
         link, busy = first.busiest_link
         if busy:
             lines += _wrapped(
                 f"busiest link: {link} carries {_ms(busy)} ms per step ({busy / first.step_s:.0%} of the step"
                 + ("; it sets the step: its traffic cannot all hide)" if first.link_bound else ")"), "    ")
-        close = [layout for layout in runnable[1:] if layout.step_s <= first.step_s * (1 + RESOLUTION)]
+        close = [layout for layout in alike if layout.step_s <= first.step_s * (1 + RESOLUTION)]
         if close:
             named = ", ".join(f"{layout.label} EP={layout.ep}" + (f" {layout.replica_slots} slots" if prices_replicas else "")
                               for layout in close[:3])
@@ -905,13 +908,21 @@ def format_advice(
                 f"within the model's resolution: {len(close)} other layout(s) predict a step within "
                 f"{RESOLUTION:.0%} of this one ({named}{', ...' if len(close) > 3 else ''}): measure them before choosing",
                 "  ")
-        unpublished = [layout for layout in [first, *close] if layout.nominal_links]
-        if unpublished and any(not layout.nominal_links for layout in runnable):
-            named = ", ".join(dict.fromkeys(f"{layout.label} over {' and '.join(layout.nominal_links)}" for layout in unpublished))
+        faster = [layout for layout in runnable if layout.nominal_links and layout.step_s < first.step_s]
+        if faster and not first.nominal_links:
+            named = ", ".join(dict.fromkeys(
+                f"{layout.label} EP={layout.ep} ({_ms(layout.step_s)} ms over {' and '.join(layout.nominal_links)})"
+                for layout in faster[:3]))
             lines += _wrapped(
-                f"not ranked against the published backends: {named} is priced at the nominal rate (no published "
-                "figure), a bound it may not reach: time it and give --calibrate-from the measurement (python -m "
-                "torchtitan_ext.bench ep --json, or an nccl-tests alltoall_perf log) before choosing it", "  ")
+                f"ranked below every priced layout: {named}{', ...' if len(faster) > 3 else ''} predicted faster, "
+                "but priced at the link's nominal rate (no published figure), a bound it may not reach: time it and "
+                "give --calibrate-from the measurement (python -m torchtitan_ext.bench ep --json, or an nccl-tests "
+                "alltoall_perf log) before choosing it", "  ")
+        elif first.nominal_links:
+            lines += _wrapped(
+                f"priced at the nominal rate of {' and '.join(first.nominal_links)} (no published figure), a bound "
+                "it may not reach, as every runnable layout here is: time it (--calibrate-from) before choosing it",
+                "  ")
         lines += _command("  overrides: ", first.overrides())
         if overrides_problem is not None:
             lines += _wrapped(f"with those, this job config still fails its checks: {overrides_problem}", "  ")
@@ -950,6 +961,9 @@ def layouts_record(layouts: list[Layout]) -> list[dict]:
                 buffer_bytes=layout.buffer_bytes, overrides=layout.overrides(), kernel_rates=layout.kernel_rates,
                 tflops_per_gpu=layout.tflops_per_gpu, memory_bytes=layout.memory_bytes,
                 nominal_links=list(layout.nominal_links), link_busy_s=dict(layout.link_busy),
+                pricing="nominal" if layout.nominal_links else "priced",
+                assumption=(f"all-to-all over {' and '.join(layout.nominal_links)} at the link's nominal rate (no "
+                            "published figure): a lower bound of its time" if layout.nominal_links else None),
                 link_bound=layout.link_bound,
             )
         records.append(record)
