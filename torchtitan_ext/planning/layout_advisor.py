@@ -911,8 +911,8 @@ def format_advice(
         faster = [layout for layout in runnable if layout.nominal_links and layout.step_s < first.step_s]
         if faster and not first.nominal_links:
             named = ", ".join(dict.fromkeys(
-                f"{layout.label} EP={layout.ep} ({_ms(layout.step_s)} ms over {' and '.join(layout.nominal_links)})"
-                for layout in faster[:3]))
+                f"{layout.label} EP={layout.ep}{f' {layout.replica_slots} slots' if prices_replicas else ''} "
+                f"({_ms(layout.step_s)} ms over {' and '.join(layout.nominal_links)})" for layout in faster[:3]))
             lines += _wrapped(
                 f"ranked below every priced layout: {named}{', ...' if len(faster) > 3 else ''} predicted faster, "
                 "but priced at the link's nominal rate (no published figure), a bound it may not reach: time it and "
