@@ -20,6 +20,7 @@ from torchtitan_ext import runtime
 from torchtitan_ext.balancing import routing_stats
 from torchtitan_ext.balancing.migration import ExpertMigration
 from torchtitan_ext.balancing.replica_choice import ReplicaChooser
+from torchtitan_ext.balancing.routing_skew import RoutingSkewer
 from torchtitan_ext.config import comm_backend, moe_layer_ids
 from torchtitan_ext.ep.base import destroy_kernel_buffers
 from torchtitan_ext.runtime.collectives import CollectiveFailed, name_other_collective
@@ -29,7 +30,8 @@ from torchtitan_ext.training import checkpoints, faults
 class Trainer(TorchTitanTrainer):
     """torchtitan's ``Trainer`` plus the runtime accommodations, the routing recorder, the expert
     placement (:mod:`torchtitan_ext.balancing.migration`) and replicas
-    (:mod:`torchtitan_ext.balancing.replica_choice`), pipeline
+    (:mod:`torchtitan_ext.balancing.replica_choice`), a benchmark's routing skew
+    (:mod:`torchtitan_ext.balancing.routing_skew`), pipeline
     gradients normalized like the others' (:mod:`torchtitan_ext.training.loss`), and the fault handling of
     :mod:`torchtitan_ext.training.faults` (preemption, non-finite values, named collective failures)."""
 
@@ -47,6 +49,9 @@ class Trainer(TorchTitanTrainer):
             migration.attach(self.checkpointer)
         self.replica_chooser = (
             ReplicaChooser(job_config, self.model_parts) if job_config.expert_replication.slots_per_rank else None
+        )
+        self.routing_skew = (
+            RoutingSkewer(job_config, self.model_parts, self.device) if job_config.routing_skew.alpha else None
         )
         self.preemption = preemption or faults.PreemptionRequest()
         args = self.model_parts[0].model_args
@@ -100,6 +105,8 @@ class Trainer(TorchTitanTrainer):
         return step
 
     def train_step(self, data_iterator):
+        if self.routing_skew is not None:
+            self.routing_skew.before_step(self.step)
         if self.replica_chooser is not None:
             self.replica_chooser.before_step(self.step)
         try:
