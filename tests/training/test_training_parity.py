@@ -66,10 +66,10 @@ REPLICAS = ["--expert_replication.slots_per_rank", "2", "--expert_replication.ad
 
 
 def replicas_took_pairs(trainer) -> None:
-    """After each step of a replicated run from the first with a plan (chosen one step after its window closed):
-    some replica computed pairs in it."""
+    """After each step of a replicated run from the first with a plan (chosen before the step after its window
+    closed): some replica computed pairs in it."""
     chooser = trainer.replica_chooser
-    if chooser is None or trainer.step <= chooser.adapt_every + 1:
+    if chooser is None or trainer.step < chooser.first_replicated_step:
         return
     taken = sum(int(moe.replicas.last_quotas[:, 1:].sum()) for moe in chooser.layers.values()
                 if moe.replicas.last_quotas is not None)

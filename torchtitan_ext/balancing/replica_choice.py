@@ -69,12 +69,12 @@ def window_start(step: int, adapt_every: int) -> int | None:
 
 
 class ReplicaChooser:
-    """Chooses every MoE layer's replicas between steps, without ever letting the device run out of work.
+    """Chooses every MoE layer's replicas between steps, from counts the device copied to the host itself.
 
     In the last step of a window (every ``adapt_every``-th), each layer's forward queues a copy of its window's
-    counts to pinned host memory. Before the next step the host reads them once the device has passed those
-    copies: the whole backward and optimizer step queued after them keep the device busy while the host waits
-    and chooses, and the choice holds for the next ``adapt_every`` steps.
+    counts to pinned host memory and records an event. Before the next step the host waits on those events,
+    which the device passed in that forward (the step's non-finite check has read the device after backward
+    already, so the wait costs nothing), and chooses; the choice holds for the next ``adapt_every`` steps.
     """
 
     def __init__(self, job_config, model_parts):
@@ -107,7 +107,7 @@ class ReplicaChooser:
                 continue
             counts, copied_ready = copied
             if copied_ready is not None:
-                copied_ready.synchronize()  # passed in the last step's forward: its backward is queued behind
+                copied_ready.synchronize()  # passed in the last step's forward
             plan = choose_replicas(counts.tolist(), moe.replicas.plan.expert_parallel_degree, self.slots)
             moe.replicas.set_plan(plan)
             moe.experts.set_plan(plan)

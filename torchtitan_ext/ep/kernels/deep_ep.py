@@ -100,7 +100,7 @@ class LoadBalancingKernels:
         return to_device(table, self.weights.device)
 
     def fetch(self, home: list[torch.Tensor], redundancy_mapping: list[int]) -> torch.Tensor:
-        rows = [weight.reshape(weight.shape[0], -1) for weight in home]
+        rows = [weight.reshape(weight.shape[0], -1).contiguous() for weight in home]
         elements = sum(row.shape[1] for row in rows)
         if any(row.dtype != self.weights.dtype for row in rows) or elements != self.weights.shape[1]:
             raise RuntimeError(
