@@ -1,19 +1,21 @@
 """The choice of replicas: always ends, never worse than no replicas on the counts it was made from, and made
 without the host waiting for the device."""
 
+import logging
 import random
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from torchtitan_ext.balancing.replica_choice import choose_replicas, ReplicaChooser
+from torchtitan_ext.balancing.replica_choice import choose_replicas, ReplicaChooser, worth_it
 from torchtitan_ext.ep.replica_split import ReplicaRouter, split_quotas, SplitTables, water_fill
 from torchtitan_ext.ep.replication import ReplicaPlan
 from torchtitan_ext.planning.device_ledger import DeviceCostCounter
 
 
-def _busiest(counts: list[int], plan) -> int:
+def busiest_rows(counts: list[int], plan) -> int:
+    """The busiest rank's pairs under training's per-step split."""
     tables = SplitTables(plan, torch.device("cpu"))
     quotas = split_quotas(torch.tensor(counts), tables)
     loads = [0] * plan.expert_parallel_degree
@@ -28,7 +30,7 @@ def test_one_dominant_expert_ends():
     one replica has the largest difference. Here every slot is filled or no expert can be copied further."""
     plan = choose_replicas([100, 1, 1, 1], expert_parallel_degree=4, slots=1)
     assert plan.replicas[1:] == ((0,), (0,), (0,)), plan
-    assert _busiest([100, 1, 1, 1], plan) == 26
+    assert busiest_rows([100, 1, 1, 1], plan) == 26
 
 
 def test_empty_counts_choose_nothing():
@@ -45,7 +47,7 @@ def test_never_worse_than_no_replicas_on_its_own_counts(seed):
     counts = [int(generator.paretovariate(1.2) * 10) for _ in range(ranks * per_rank)]
     plan = choose_replicas(counts, ranks, slots)
     home_only = max(sum(counts[rank * per_rank:(rank + 1) * per_rank]) for rank in range(ranks))
-    assert _busiest(counts, plan) <= home_only
+    assert busiest_rows(counts, plan) <= home_only
 
 
 def test_two_slots_split_a_collapsed_layer_evenly():
@@ -53,7 +55,7 @@ def test_two_slots_split_a_collapsed_layer_evenly():
     counts = [2045, 3, 2045, 2, 2045, 1, 1, 2]
     plan = choose_replicas(counts, expert_parallel_degree=2, slots=2)
     total = sum(counts)
-    assert _busiest(counts, plan) <= -(-total // 2) + 1
+    assert busiest_rows(counts, plan) <= -(-total // 2) + 1
 
 
 def _scan_every_round(counts: list[int], expert_parallel_degree: int, slots: int) -> tuple:
@@ -104,6 +106,20 @@ class _Experts:
         self.plans.append(plan)
 
 
+def _job(min_gain: float):
+    return SimpleNamespace(expert_replication=SimpleNamespace(slots_per_rank=1, adapt_every=1, min_gain=min_gain))
+
+
+def _one_layer(world_of_one) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(a model of one MoE layer, 4 experts over EP = 2 with one slot each, its MoE module)."""
+    moe = torch.nn.Module()
+    moe.replicas, moe.experts = ReplicaRouter(ReplicaPlan.empty(4, 2, 1), world_of_one), _Experts()
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleDict({"1": torch.nn.Module()})
+    model.layers["1"].moe = moe
+    return model, moe
+
+
 def _home_slots(counts: list[int]) -> torch.Tensor:
     """One pair per token, ``counts[e]`` of them for home slot e."""
     return torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)).view(-1, 1)
@@ -114,13 +130,8 @@ def test_each_choice_reads_the_counts_the_last_step_copied_to_the_host(world_of_
     of the next step are chosen from them. Step 1 is hot on expert 2 (homed on rank 1): step 2 gives it rank 0's
     slot, and expert 0 (the only other with pairs) rank 1's; step 2 is hot on expert 1: step 3 copies it to rank
     1. No host read of a device value, in the forwards or between the steps."""
-    moe = torch.nn.Module()
-    moe.replicas, moe.experts = ReplicaRouter(ReplicaPlan.empty(4, 2, 1), world_of_one), _Experts()
-    model = torch.nn.Module()
-    model.layers = torch.nn.ModuleDict({"1": torch.nn.Module()})
-    model.layers["1"].moe = moe
-    job_config = SimpleNamespace(expert_replication=SimpleNamespace(slots_per_rank=1, adapt_every=1))
-    chooser = ReplicaChooser(job_config, [model])
+    model, moe = _one_layer(world_of_one)
+    chooser = ReplicaChooser(_job(min_gain=0.0), [model])
     counts = {1: [1, 0, 9, 0], 2: [0, 9, 0, 1], 3: [5, 5, 5, 5]}
     plans = {}
     with DeviceCostCounter() as counter:
@@ -131,3 +142,23 @@ def test_each_choice_reads_the_counts_the_last_step_copied_to_the_host(world_of_
     assert [sum(costs.host_syncs.values()) for costs in counter.costs.values()] == [0]
     assert plans == {1: ((-1,), (-1,)), 2: ((2,), (0,)), 3: ((3,), (1,))}
     assert [plan.replicas for plan in moe.experts.plans] == [((2,), (0,)), ((3,), (1,))]
+
+
+def test_replicas_that_save_too_little_are_set_aside(world_of_one, caplog):
+    """Ranks 0 and 1 hold experts 0-1 and 2-3. Counts [10, 10, 10, 10] are balanced: the chosen replicas save
+    nothing, and the layer runs without them until a choice saves more than min_gain of the busiest rank's rows
+    ([30, 10, 10, 10]: 40 -> 30 pairs with expert 0 split); said once."""
+    assert not worth_it([10, 10, 10, 10], choose_replicas([10, 10, 10, 10], 2, 1), 0.05)
+    skewed = choose_replicas([30, 10, 10, 10], 2, 1)
+    assert busiest_rows([30, 10, 10, 10], skewed) == 30 and worth_it([30, 10, 10, 10], skewed, 0.05)
+    assert not worth_it([30, 10, 10, 10], skewed, 0.25)  # 25% saved exactly is not more than 25%
+    caplog.set_level(logging.INFO)
+    model, moe = _one_layer(world_of_one)
+    chooser = ReplicaChooser(_job(min_gain=0.05), [model])
+    plans = {}
+    for step, counts in enumerate(([10, 10, 10, 10], [10, 10, 10, 10], [30, 10, 10, 10], [5, 5, 5, 5]), start=1):
+        chooser.before_step(step)
+        plans[step] = (moe.replicas.plan.replicated(), chooser.stepped_aside.get(1))
+        moe.replicas.assign(_home_slots(counts), counting=True)
+    assert plans == {1: (0, None), 2: (0, True), 3: (0, True), 4: (2, False)}
+    assert sum("set aside" in record.getMessage() for record in caplog.records) == 1

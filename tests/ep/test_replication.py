@@ -296,3 +296,27 @@ def test_the_gradients_of_four_copies_are_summed_in_fp32_and_rounded_once(world_
         fetched.backward(torch.tensor([[1.0], [2**-8], [2**-8], [2**-8]], dtype=torch.bfloat16))
     assert sums.dtypes == [torch.float32]
     assert home.grad.item() == torch.tensor(1 + 3 * 2**-8).bfloat16().item() != 1.0
+
+
+def test_a_layer_without_replicas_computes_its_home_experts_alone(world_of_one):
+    """Before the first choice, or when the choice is set aside, no slot holds a replica: the layer fetches
+    nothing and returns no gradient (no collective at all), and its output is its home experts' on their pairs
+    (the slots' zero rows are padding)."""
+    from torchtitan.models.moe.moe import _run_experts_for_loop, GroupedExperts
+
+    from torchtitan_ext.ep.replicated_experts import ExpertsWithReplicas
+    from torchtitan_ext.planning.device_ledger import DeviceCostCounter
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(dim=4, hidden_dim=6, num_experts=2, use_grouped_mm=False)
+    for weight in (experts.w1, experts.w2, experts.w3):
+        torch.nn.init.normal_(weight)
+    expected = _run_experts_for_loop(experts.w1, experts.w2, experts.w3, torch.ones(5, 4), torch.tensor([3, 2]))
+    ExpertsWithReplicas.adopt(experts, ReplicaPlan.empty(4, EP, 1), world_of_one)
+    counter = DeviceCostCounter()
+    with counter:
+        out = experts(torch.ones(5, 4), torch.tensor([3, 2, 0]))
+        out.sum().backward()
+    assert torch.equal(out, expected)
+    assert [costs.collectives for costs in counter.costs.values()] == [[]]
+    assert experts.w1.grad is not None

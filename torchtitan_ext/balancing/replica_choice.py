@@ -33,9 +33,7 @@ def choose_replicas(counts: list[int], expert_parallel_degree: int, slots: int) 
     per_rank = experts // expert_parallel_degree
     copy_ranks = [[home // per_rank] for home in range(experts)]
     shares = [[count] for count in counts]
-    loads = [0] * expert_parallel_degree
-    for home, count in enumerate(counts):
-        loads[home // per_rank] += count
+    loads = _home_loads(counts, expert_parallel_degree)
     held: list[list[int]] = [[] for _ in range(expert_parallel_degree)]
     # most pairs per copy first, ties to the lower slot; a slot that finds no free rank never will again (free
     # ranks only fill, copies only grow), so it leaves the heap for good
@@ -50,13 +48,51 @@ def choose_replicas(counts: list[int], expert_parallel_degree: int, slots: int) 
         rank = min(free, key=lambda r: (loads[r], r))
         held[rank].append(home)
         copy_ranks[home].append(rank)
-        others = [loads[r] - share for r, share in zip(copy_ranks[home], shares[home] + [0])]
-        shares[home] = water_fill(torch.tensor(others), torch.tensor(counts[home])).tolist()
-        for r, other, share in zip(copy_ranks[home], others, shares[home]):
-            loads[r] = other + share
+        _refill(home, counts, copy_ranks, shares, loads)
         heapq.heappush(heap, (-counts[home] / len(copy_ranks[home]), home))
     replicas = tuple(tuple(homes + [-1] * (slots - len(homes))) for homes in held)
     return ReplicaPlan(experts, expert_parallel_degree, replicas)
+
+
+def _home_loads(counts: list[int], expert_parallel_degree: int) -> list[int]:
+    per_rank = len(counts) // expert_parallel_degree
+    loads = [0] * expert_parallel_degree
+    for home, count in enumerate(counts):
+        loads[home // per_rank] += count
+    return loads
+
+
+def _refill(home: int, counts: list[int], copy_ranks: list[list[int]], shares: list[list[int]], loads: list[int]):
+    """Re-split ``home``'s pairs over its copies (water-filling; a new copy holds none yet), updating their ranks'
+    loads."""
+    held = shares[home] + [0] * (len(copy_ranks[home]) - len(shares[home]))
+    others = [loads[r] - share for r, share in zip(copy_ranks[home], held)]
+    shares[home] = water_fill(torch.tensor(others), torch.tensor(counts[home])).tolist()
+    for r, other, share in zip(copy_ranks[home], others, shares[home]):
+        loads[r] = other + share
+
+
+def _filled_loads(counts: list[int], plan: ReplicaPlan) -> list[int]:
+    """Each rank's pairs with ``plan``'s copies filled in the choice's order (most pairs first)."""
+    per_rank = plan.experts_per_rank
+    copy_ranks = [[home // per_rank] for home in range(plan.num_experts)]
+    for rank, homes in enumerate(plan.replicas):
+        for home in homes:
+            if home >= 0:
+                copy_ranks[home].append(rank)
+    shares = [[count] for count in counts]
+    loads = _home_loads(counts, plan.expert_parallel_degree)
+    for home in sorted(range(plan.num_experts), key=lambda home: -counts[home]):
+        if len(copy_ranks[home]) > 1:
+            _refill(home, counts, copy_ranks, shares, loads)
+    return loads
+
+
+def worth_it(counts: list[int], plan: ReplicaPlan, min_gain: float) -> bool:
+    """Whether ``plan`` (chosen from ``counts``) lowers the busiest rank's pairs on them by more than ``min_gain``
+    of them, as the choice's own fill prices it."""
+    without = _filled_loads(counts, ReplicaPlan.empty(plan.num_experts, plan.expert_parallel_degree, plan.slots))
+    return max(without) > 0 and max(_filled_loads(counts, plan)) < max(without) * (1 - min_gain)
 
 
 def window_start(step: int, adapt_every: int) -> int | None:
@@ -81,6 +117,10 @@ class ReplicaChooser:
         section = job_config.expert_replication
         self.slots = section.slots_per_rank
         self.adapt_every = section.adapt_every
+        self.min_gain = section.min_gain
+        self.stepped_aside: dict[int, bool] = {}
+        """Layer -> whether its last choice was set aside (too little gain)."""
+        self.reported_aside = False
         self.layers = {layer: moe for layer, moe in moe_modules(model_parts).items() if moe.replicas is not None}
         self.reported = False
         self._closing = False
@@ -101,14 +141,26 @@ class ReplicaChooser:
 
     def _choose(self, step: int) -> None:
         refreshed = 0
-        for moe in self.layers.values():
+        for layer, moe in self.layers.items():
             copied = moe.replicas.take_copied_window()
             if copied is None:
                 continue
             counts, copied_ready = copied
             if copied_ready is not None:
                 copied_ready.synchronize()  # passed in the last step's forward
-            plan = choose_replicas(counts.tolist(), moe.replicas.plan.expert_parallel_degree, self.slots)
+            window = counts.tolist()
+            plan = choose_replicas(window, moe.replicas.plan.expert_parallel_degree, self.slots)
+            aside = not worth_it(window, plan, self.min_gain)
+            if aside:
+                plan = ReplicaPlan.empty(plan.num_experts, plan.expert_parallel_degree, self.slots)
+            if aside and not self.reported_aside:
+                self.reported_aside = True
+                logger.info(
+                    f"Expert replicas of MoE layer {layer} set aside before step {step}: on their window they save "
+                    f"less than expert_replication.min_gain = {self.min_gain:g} of its busiest rank's rows (no "
+                    "weight fetch, no gradient return until a choice saves more)"
+                )
+            self.stepped_aside[layer] = aside
             moe.replicas.set_plan(plan)
             moe.experts.set_plan(plan)
             refreshed += self._bytes(moe, plan)

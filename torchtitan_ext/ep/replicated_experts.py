@@ -49,6 +49,8 @@ class ExpertsWithReplicas(GroupedExperts):
     plan: ReplicaPlan
     exchange: tuple[torch.Tensor, list[int], list[int], torch.Tensor] | None
     redundancy_mapping: list[int]
+    holds_replicas: bool
+    """Whether some rank's slot holds a replica under the plan (else the layer runs its home experts alone)."""
     bytes_per_expert: int = 0
     """One expert's weights as the last forward fetched them (its compute dtype), for reports."""
 
@@ -63,13 +65,16 @@ class ExpertsWithReplicas(GroupedExperts):
 
     def set_plan(self, plan: ReplicaPlan) -> None:
         """Fetch ``plan``'s replicas from the next forward on. Its index tensors are copied now (between steps,
-        without making the host wait) where the last ones live, or at the first forward."""
+        without making the host wait) where the weights live, or at the first forward after the meta device."""
         if plan == getattr(self, "plan", None):
             return
         self.plan = plan
+        self.holds_replicas = plan.replicated() > 0
         built = getattr(self, "exchange", None)
-        self.exchange = None if built is None else exchange_arguments(
-            plan, torch.distributed.get_rank(self.group), built[0].device)
+        # where the weights live (none yet while the model is parallelized on the meta device: first use builds)
+        device = self.w1.device if built is None else built[0].device
+        self.exchange = None if device.type == "meta" else exchange_arguments(
+            plan, torch.distributed.get_rank(self.group), device)
         self.redundancy_mapping = redundancy_mapping(plan)
 
     def _exchange_on(self, device: torch.device):
@@ -81,6 +86,13 @@ class ExpertsWithReplicas(GroupedExperts):
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         home = [w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3)]
         self.bytes_per_expert = sum(w[0].numel() for w in home) * home[0].element_size()
+        if not self.holds_replicas:
+            # no replica this step (none chosen yet, or the choice set aside): the slots get no pairs, so their
+            # (zero) rows are padding after the home experts' groups; no fetch, no gradient return
+            local = num_tokens_per_expert[:home[0].shape[0]]
+            if self.use_grouped_mm:
+                return _run_experts_grouped_mm(*home, x, local)
+            return _run_experts_for_loop(*home, x, local)
         fetched = replica_ops().replica_weights(
             home, *self._exchange_on(home[0].device), self.redundancy_mapping, self.slots,
             _get_process_group_name(self.group),

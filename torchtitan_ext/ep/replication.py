@@ -44,11 +44,22 @@ class ExpertReplication:
     Range >= 1. 1 re-chooses every step from the previous step's counts, at
     no extra communication (replica weights are fetched every step anyway).
     """
+    min_gain: float = 0.05
+    """
+    The least share of a layer's busiest-rank rows that its chosen replicas
+    must save, on the window they were chosen from, for the layer to use
+    them; below it the layer steps aside until the next choice: no weight
+    fetch, no gradient return (where routing is already balanced, replicas
+    only cost their traffic). Decided between steps from the counts the
+    choice reads, the same on every rank. Range 0 .. 1; 0: never steps
+    aside. 0.05 is an assumption, not yet measured.
+    """
 
 
 REPLICATION_RANGES = {
     "expert_replication.slots_per_rank": Range(minimum=0, meaning="replica slots per EP rank"),
     "expert_replication.adapt_every": Range(minimum=1, meaning="steps between replica choices"),
+    "expert_replication.min_gain": Range(0, 1, meaning="a share of the busiest rank's rows"),
 }
 
 
