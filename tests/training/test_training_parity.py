@@ -62,7 +62,9 @@ def crossing_placement(folder: Path) -> str:
 
 CHECKPOINT = ["--checkpoint.enable", "--checkpoint.interval", "2"]
 """Checkpoints at steps 2, 4, ... (the tests below resume from step 2), and the last step's model-only export."""
-REPLICAS = ["--expert_replication.slots_per_rank", "2", "--expert_replication.adapt_every", "1"]
+REPLICAS = ["--expert_replication.slots_per_rank", "2", "--expert_replication.adapt_every", "1",
+            "--expert_replication.min_gain", "0"]
+"""Replicas on every step from the first choice (never set aside), so that parity checks them."""
 
 
 def replicas_took_pairs(trainer) -> None:
@@ -95,7 +97,7 @@ def parity(tmp_path_factory):
     ]
     runs.append(("replicated_1_every_3_nccl", job(
         tmp / "replicated_1_every_3", *BACKENDS["nccl"], "--expert_replication.slots_per_rank", "1",
-        "--expert_replication.adapt_every", "3",
+        "--expert_replication.adapt_every", "3", "--expert_replication.min_gain", "0",
     )))
     return run_distributed(2, train_worker, runs, None, replicas_took_pairs)[0], tmp
 
