@@ -91,8 +91,8 @@ def _filled_loads(counts: list[int], plan: ReplicaPlan) -> list[int]:
 def worth_it(counts: list[int], plan: ReplicaPlan, min_gain: float) -> bool:
     """Whether ``plan`` (chosen from ``counts``) lowers the busiest rank's pairs on them by more than ``min_gain``
     of them, as the choice's own fill prices it."""
-    without = _filled_loads(counts, ReplicaPlan.empty(plan.num_experts, plan.expert_parallel_degree, plan.slots))
-    return max(without) > 0 and max(_filled_loads(counts, plan)) < max(without) * (1 - min_gain)
+    without = max(_home_loads(counts, plan.expert_parallel_degree))
+    return without > 0 and max(_filled_loads(counts, plan)) < without * (1 - min_gain)
 
 
 def window_start(step: int, adapt_every: int) -> int | None:
