@@ -1,10 +1,12 @@
 """A backend's config section and checks register on import; its custom ops only when it builds a layer."""
 
+import importlib
 import re
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.helpers import REPO_ROOT
 
@@ -33,13 +35,24 @@ def test_parsing_a_config_registers_its_section_but_no_op():
     assert result.stdout.splitlines()[-2:] == ["8 []", "['hybridep_dispatch']"]
 
 
-@pytest.mark.parametrize("version, refused", [("2.11.0+cu130", True), ("2.12.1", True), ("2.13.0", False),
+@pytest.mark.parametrize("version, refused", [("2.10.1+cu128", True), ("2.11.0+cu130", False), ("2.12.1", False),
                                               ("2.13.0.dev20261101+cu130", False), ("3.0.0", False)])
-def test_a_torch_without_opaque_returns_is_refused_in_one_line(version, refused):
-    from torchtitan_ext.ep.ops import require_opaque_returns
+def test_a_torch_without_opaque_arguments_is_refused_in_one_line(version, refused):
+    from torchtitan_ext.ep.ops import require_opaque_arguments
 
     if not refused:
-        require_opaque_returns(version)
+        require_opaque_arguments(version)
         return
     with pytest.raises(ImportError, match=rf"torch {re.escape(version)} is installed.*pip install torch==2\.13\.0"):
-        require_opaque_returns(version)
+        require_opaque_arguments(version)
+
+
+@pytest.mark.parametrize("module, op_name", [("deepep", "deepep_dispatch"), ("deepep", "deepep_combine"),
+                                             ("hybridep", "hybridep_dispatch"), ("nccl", "nccl_combine")])
+@pytest.mark.skipif(torch.__version__ < "2.13", reason="the reference is torch 2.13's inference of opaque returns")
+def test_an_op_returning_an_opaque_object_is_registered_as_torch_infers_it(module, op_name):
+    """Spelled out for torch 2.11 and 2.12, the schema must be the one torch 2.13 infers."""
+    op = getattr(importlib.import_module(f"torchtitan_ext.ep.ops.{module}"), op_name)
+    registered = getattr(torch.ops.torchtitan_ext, op_name).default._schema
+    inferred = torch.library.infer_schema(op._init_fn, mutates_args=(), op_name=f"torchtitan_ext::{op_name}")
+    assert registered == torch._C.parse_schema(inferred)

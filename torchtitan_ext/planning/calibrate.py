@@ -65,8 +65,8 @@ def _measure(rank: int, world_size: int, port: int, dtype: torch.dtype, results)
         # FSDP's collectives: its all-gather of parameters, its reduce-scatter of gradients
         seconds = {
             "all_to_all": _median_seconds(lambda: dist.all_to_all_single(large_out, large_in), REPEATS),
-            "all_gather": _median_seconds(lambda: dist.all_gather_single(large_out, shard), REPEATS),
-            "reduce_scatter": _median_seconds(lambda: dist.reduce_scatter_single(shard, large_in), REPEATS),
+            "all_gather": _median_seconds(lambda: dist.all_gather_into_tensor(large_out, shard), REPEATS),
+            "reduce_scatter": _median_seconds(lambda: dist.reduce_scatter_tensor(shard, large_in), REPEATS),
         }
         if rank == 0:
             moved = LARGE_BYTES_PER_PEER * (world_size - 1)

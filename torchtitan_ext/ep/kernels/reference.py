@@ -381,7 +381,7 @@ class ReferenceHybridEPBuffer:
 
     def _all_gather(self, area: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         out = area[: self.group_size * local.shape[0]]
-        dist.all_gather_single(out, local.contiguous(), group=self.group)
+        dist.all_gather_into_tensor(out, local.contiguous(), group=self.group)
         return out
 
     def destroy(self) -> None:

@@ -9,9 +9,10 @@ import torch
 from torchtitan_ext.ep.recompute import recomputing
 from torchtitan_ext.ep.handle import DispatchHandle, KernelBuffer
 from torchtitan_ext.ep.in_flight import Landing
+from torchtitan_ext.ep.ops.opaque_schema import custom_op_returning_opaque
 
 
-@torch.library.custom_op("torchtitan_ext::deepep_dispatch", mutates_args=())
+@custom_op_returning_opaque("torchtitan_ext::deepep_dispatch")
 def deepep_dispatch(
     x: torch.Tensor,
     topk_idx: torch.Tensor,
@@ -39,7 +40,7 @@ def _(x, topk_idx, topk_weights, buffer, num_experts):
             torch.empty((local_experts,), dtype=torch.int64, device="cpu"), DispatchHandle())
 
 
-@torch.library.custom_op("torchtitan_ext::deepep_combine", mutates_args=())
+@custom_op_returning_opaque("torchtitan_ext::deepep_combine")
 def deepep_combine(x: torch.Tensor, handle: DispatchHandle, num_tokens: int, what: str) -> tuple[torch.Tensor, Landing]:
     """Unweighted combine of one partial row per received token into this rank's ``num_tokens`` tokens:
     (combined, its landing, which names the combine ``what`` in its errors).

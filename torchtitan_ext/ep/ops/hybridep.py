@@ -9,6 +9,7 @@ import torch
 from torchtitan_ext.ep.base import to_device
 from torchtitan_ext.ep.handle import DispatchHandle, KernelBuffer
 from torchtitan_ext.ep.kernels.calls import kernel_call
+from torchtitan_ext.ep.ops.opaque_schema import custom_op_returning_opaque
 
 
 def _library_pad(pad_multiple: int) -> int | None:
@@ -23,7 +24,7 @@ def _padded_rows(tensor: torch.Tensor, num_rows: int) -> torch.Tensor:
     return torch.cat([tensor, tensor.new_zeros((num_rows - tensor.shape[0], *tensor.shape[1:]))])
 
 
-@torch.library.custom_op("torchtitan_ext::hybridep_dispatch", mutates_args=())
+@custom_op_returning_opaque("torchtitan_ext::hybridep_dispatch")
 def hybridep_dispatch(
     x: torch.Tensor,
     topk_idx: torch.Tensor,

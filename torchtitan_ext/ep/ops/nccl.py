@@ -11,6 +11,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from torchtitan_ext.ep.recompute import recomputing
 from torchtitan_ext.ep.in_flight import Landing
+from torchtitan_ext.ep.ops.opaque_schema import custom_op_returning_opaque
 
 
 def _exchange(rows: torch.Tensor, out_rows: int, out_splits: list[int], in_splits: list[int], group_name: str,
@@ -58,7 +59,7 @@ def _sum_rows(returned: torch.Tensor, token_of_row: torch.Tensor, row_scores, nu
     return rows.new_zeros((num_tokens, rows.shape[1])).index_add_(0, token_of_row, rows)
 
 
-@torch.library.custom_op("torchtitan_ext::nccl_combine", mutates_args=())
+@custom_op_returning_opaque("torchtitan_ext::nccl_combine")
 def nccl_combine(
     groups: torch.Tensor,
     destinations: torch.Tensor,
