@@ -34,3 +34,12 @@ def test_the_markdown_table_has_each_stage_with_its_result_or_last_line():
     assert "Device: NVIDIA H100, torch 2.13.0, CUDA 13.0." in table
     assert table[-2] == "| gpu tests | 1 | 80.5 | 5 failed, 5 skipped in 82.36s |"
     assert table[-1] == "| inductor compile, debug model | skipped: 337 s spent of 300 |  |  |"
+
+
+def test_stages_picks_what_runs_and_refuses_an_unknown_name(capsys, tmp_path):
+    assert gpu_check.main(["--dry-run", "--out", str(tmp_path), "--stages", "bench ep"]) == 0
+    assert [line.split(" (at most")[0] for line in capsys.readouterr().out.splitlines()[:-1]] == [
+        "environment", "bench ep"]
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--dry-run", "--stages", "bench_ep"])
+    assert "--stages: no stage 'bench_ep'; the stages: 'environment', " in capsys.readouterr().err

@@ -179,7 +179,7 @@ def time_once(fn, device) -> float:
     fn()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)  # nccl: on the device
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return float(elapsed)
 

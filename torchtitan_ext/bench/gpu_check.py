@@ -1,6 +1,7 @@
 """The one-GPU check: what a CPU cannot show, run on one CUDA device in at most a few minutes.
 
     python -m torchtitan_ext.bench gpu_check [--out DIR] [--budget-s 330] [--markdown FILE] [--dry-run]
+        [--stages NAME ...]
 
 Stages, each reported whatever the others did (a stage past the time budget is skipped, said so):
 
@@ -66,7 +67,7 @@ def stages(out: Path) -> list[Stage]:
                            "3", "--iters", "10", "--no-progress", "--backends", *VARIANTS, "upstream", "--json",
                            str(out / "bench_ep.json")], 120),
         Stage("16B step ours vs upstream", [
-            python, "-m", "torchtitan_ext.bench", "step", "--rounds", "2", "--steps", "6", "--warmup", "2",
+            python, "-m", "torchtitan_ext.bench", "step", "--rounds", "2", "--steps", "16", "--warmup", "2",
             "--nproc", "1", "--config", "train_configs/deepseek_v3_16b.toml", "--no-progress",
             "--json", str(out / "bench_step.json"), "--",
             "--model.flavor", "16B_4layers", "--parallelism.expert_parallel_degree", "1",
@@ -231,10 +232,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=330.0, help="stages past this many seconds are skipped")
     parser.add_argument("--markdown", type=Path, help="append the stages' table to this file (docs/benchmarks.md)")
     parser.add_argument("--dry-run", action="store_true", help="print the stages' commands, run nothing")
+    parser.add_argument("--stages", nargs="+", metavar="NAME",
+                        help="run only these stages (names as --dry-run prints them; the environment always runs)")
     args = parser.parse_args(argv)
+    names = [stage.name for stage in stages(Path("."))]
+    unknown = sorted(set(args.stages or ()) - set(names))
+    if unknown:
+        parser.error(f"--stages: no stage {', '.join(map(repr, unknown))}; the stages: {', '.join(map(repr, names))}")
+    chosen = [stage for stage in stages(args.out)
+              if not args.stages or stage.name in args.stages or stage.name == "environment"]
     args.out = args.out.resolve()
     if args.dry_run:
-        for stage in stages(args.out):
+        for stage in chosen:
             print(f"{stage.name} (at most {stage.timeout_s:.0f} s): {shlex.join(stage.command)}")
         print(f"cuda graph capture covers: {', '.join(graph_capturable_variants()) or 'no backend'}")
         return 0
@@ -247,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m torchtitan_ext.bench gpu_check " + " ".join(argv if argv is not None else sys.argv[1:])
     started = time.monotonic()
     report = {}
-    for stage in stages(args.out):
+    for stage in chosen:
         elapsed = time.monotonic() - started
         if elapsed > args.budget_s:
             report[stage.name] = {"status": f"skipped: {elapsed:.0f} s spent of {args.budget_s:.0f}"}

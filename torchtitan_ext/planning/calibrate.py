@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from torchtitan_ext.config.machine import cpu_bf16_support
+from torchtitan_ext.runtime.collectives import all_gather_single, reduce_scatter_single
 
 GEMM_SIZE = 512
 GEMM_SECONDS = 2.0
@@ -65,8 +66,8 @@ def _measure(rank: int, world_size: int, port: int, dtype: torch.dtype, results)
         # FSDP's collectives: its all-gather of parameters, its reduce-scatter of gradients
         seconds = {
             "all_to_all": _median_seconds(lambda: dist.all_to_all_single(large_out, large_in), REPEATS),
-            "all_gather": _median_seconds(lambda: dist.all_gather_into_tensor(large_out, shard), REPEATS),
-            "reduce_scatter": _median_seconds(lambda: dist.reduce_scatter_tensor(shard, large_in), REPEATS),
+            "all_gather": _median_seconds(lambda: all_gather_single(large_out, shard), REPEATS),
+            "reduce_scatter": _median_seconds(lambda: reduce_scatter_single(shard, large_in), REPEATS),
         }
         if rank == 0:
             moved = LARGE_BYTES_PER_PEER * (world_size - 1)

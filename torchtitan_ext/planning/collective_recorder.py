@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
+from torchtitan_ext.runtime.collectives import ALL_GATHER_SINGLE, all_gather_single
 
 
 class CollectiveRecorder(TorchDispatchMode):
@@ -50,7 +51,7 @@ class CollectiveRecorder(TorchDispatchMode):
             setattr(dist, name, recorded)
 
         record("all_to_all_single", "a2a")
-        record("all_gather_into_tensor", "all_gather")
+        record(ALL_GATHER_SINGLE, "all_gather")
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -67,7 +68,7 @@ class CollectiveRecorder(TorchDispatchMode):
             inp = tensor.detach().clone()
             if kind == "all_gather":
                 out = inp.new_empty((size * inp.shape[0], *inp.shape[1:]))
-                plan.append(partial(dist.all_gather_into_tensor, out, inp, group=group))
+                plan.append(partial(all_gather_single, out, inp, group=group))
                 sent += inp.numel() * inp.element_size() * size
                 continue
             rows = sum(out_splits) if out_splits else inp.shape[0]

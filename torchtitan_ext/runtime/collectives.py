@@ -73,3 +73,22 @@ def _caller(frames: traceback.StackSummary) -> str:
                 inside = "/".join(parts[parts.index(package):])
                 return f" called from {frame.name} ({inside}:{frame.lineno})"
     return ""
+
+
+ALL_GATHER_SINGLE = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+"""torch 2.13's name of the one-tensor all-gather; torch 2.11 and 2.12 have it as ``all_gather_into_tensor`` (which
+2.13 deprecates)."""
+
+REDUCE_SCATTER_SINGLE = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+"""Likewise for the one-tensor reduce-scatter."""
+
+
+def all_gather_single(output, tensor, group=None):
+    """``dist.all_gather_single`` under this torch's name for it, looked up at each call (so that a wrapper of
+    ``dist``'s function, such as the planner's collective recorder, sees the call)."""
+    return getattr(dist, ALL_GATHER_SINGLE)(output, tensor, group=group)
+
+
+def reduce_scatter_single(output, tensor, group=None):
+    """``dist.reduce_scatter_single`` under this torch's name for it, looked up at each call."""
+    return getattr(dist, REDUCE_SCATTER_SINGLE)(output, tensor, group=group)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_ext.ep.layout import padded_offsets, round_up
+from torchtitan_ext.runtime.collectives import all_gather_single
 
 
 def _exchange(
@@ -39,6 +40,13 @@ def _exchange_counts(counts: list[int], group, device) -> list[int]:
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     return recv.tolist()
+
+
+def _pinned_host(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in host memory, pinned where a device computed it (a CPU run's tensor is host memory already)."""
+    if tensor.device.type == "cpu":
+        return tensor
+    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor)
 
 
 @dataclass(frozen=True)
@@ -381,7 +389,7 @@ class ReferenceHybridEPBuffer:
 
     def _all_gather(self, area: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         out = area[: self.group_size * local.shape[0]]
-        dist.all_gather_into_tensor(out, local.contiguous(), group=self.group)
+        all_gather_single(out, local.contiguous(), group=self.group)
         return out
 
     def destroy(self) -> None:
@@ -424,15 +432,21 @@ class ReferenceHybridEPBuffer:
         received = torch.cat([received, filler])
         token_of_pair = torch.cat([
             handle.token_position.repeat_interleave(self.num_local_experts),
-            torch.tensor([received.shape[0] - 2, received.shape[0] - 1], device=hidden.device),
+            torch.arange(received.shape[0] - 2, received.shape[0], device=hidden.device),
         ])
         tokens = received[token_of_pair[handle.row_pairs]]
         out_probs = None
         if pair_probs is not None:
-            pair_probs = torch.cat([pair_probs.reshape(-1), pair_probs.new_tensor([0.0, float("nan")])])
+            filler_probs = pair_probs.new_zeros(2)
+            filler_probs[1] = float("nan")
+            pair_probs = torch.cat([pair_probs.reshape(-1), filler_probs])
             out_probs = pair_probs[handle.row_pairs]
-        # like the library: the cached path computes no tokens per expert
-        return tokens, out_probs, None, None if cached else handle.tokens_per_expert, handle
+        # like the library: the cached path computes no tokens per expert; blocking mode returns them in pinned
+        # host memory (read after its sync), non-blocking mode on the device
+        tokens_per_expert = None
+        if not cached:
+            tokens_per_expert = handle.tokens_per_expert if non_blocking else _pinned_host(handle.tokens_per_expert)
+        return tokens, out_probs, None, tokens_per_expert, handle
 
     def kept_pairs_per_expert(self, handle: ReferenceHybridEPHandle) -> torch.Tensor:
         """[L] (token, local expert) pairs the dispatch kept on this rank (int64, on the device)."""
@@ -461,7 +475,7 @@ class ReferenceHybridEPBuffer:
         # row -> (token, expert) pair table: pad rows point at the zero pair,
         # rows past the padded total at the NaN pair; kept pairs overwrite theirs
         num_pairs = num_global * local_experts
-        filled = torch.minimum(padded.sum(), torch.tensor(num_rows, device=device))
+        filled = padded.sum().clamp(max=num_rows)
         row_index = torch.arange(num_rows + 1, device=device)
         row_pairs = torch.where(row_index < filled, num_pairs, num_pairs + 1)
         pair_ids = torch.arange(num_pairs, device=device)
