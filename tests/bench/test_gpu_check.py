@@ -22,17 +22,24 @@ def test_without_a_gpu_it_refuses_in_one_line(capsys, tmp_path):
     assert not (tmp_path / "gpu_check.json").exists()
 
 
-def test_the_markdown_table_has_each_stage_with_its_result_or_last_line():
+def test_the_markdown_table_has_each_stage_with_its_result_or_what_failed():
     report = {
         "environment": {"status": 0, "seconds": 2.0, "result": {"torch": "2.13.0", "cuda": "13.0",
                                                                    "device": "NVIDIA H100", "date": "2026-11-26"}},
-        "gpu tests": {"status": 1, "seconds": 80.5, "output": "noise\n5 failed, 5 skipped in 82.36s\n"},
+        "gpu tests": {"status": 0, "seconds": 80.5, "output": "noise\n5 passed, 5 skipped in 82.36s\nwarning\n"},
+        "ledger cuda vs cpu": {"status": 0, "seconds": 20.0, "result": {
+            "nccl": {"cuda": {"forward": {"host_syncs": 1}}, "cpu": {"forward": {"host_syncs": 1}}, "agree": True},
+            "hybridep": {"cuda": {"error": "Traceback\n  frame\nRuntimeError: sync\n"}, "cpu": {}, "agree": False}}},
+        "bench ep": {"status": 1, "seconds": 30.1, "output": "Traceback\nRuntimeError: No backend\n  return f()\n"},
         "inductor compile, debug model": {"status": "skipped: 337 s spent of 300"},
     }
     table = gpu_check.markdown(report, "python -m torchtitan_ext.bench gpu_check").splitlines()
     assert table[0] == "### gpu_check (2026-11-26)"
     assert "Device: NVIDIA H100, torch 2.13.0, CUDA 13.0." in table
-    assert table[-2] == "| gpu tests | 1 | 80.5 | 5 failed, 5 skipped in 82.36s |"
+    assert table[-4] == "| gpu tests | 0 | 80.5 | 5 passed, 5 skipped in 82.36s |"
+    assert table[-3] == ("| ledger cuda vs cpu | 0 | 20.0 | nccl: agree=True; hybridep: agree=False; "
+                         "hybridep cuda: RuntimeError: sync |")
+    assert table[-2] == "| bench ep | 1 | 30.1 | RuntimeError: No backend |"
     assert table[-1] == "| inductor compile, debug model | skipped: 337 s spent of 300 |  |  |"
 
 

@@ -223,7 +223,7 @@ def _worker(rank: int, world_size: int, args) -> list[EPBenchRow]:
         bare_plan, sent = recorder.replay_plan()
         times = _time(step, args.warmup, args.iters, device)
         bare = _time(lambda plan=bare_plan: [call() for call in plan], args.warmup, args.iters, device)
-        sent_total = torch.tensor([sent], dtype=torch.float64)
+        sent_total = torch.tensor([sent], dtype=torch.float64, device=device)
         dist.all_reduce(sent_total, op=dist.ReduceOp.MAX)
         row = bench_row(label, shape, world_size, times, bare, int(sent_total), len(bare_plan), args.dtype,
                         args.forward_only)

@@ -23,6 +23,7 @@ Writes ``gpu_check.json`` into ``--out``, and a table of the stages with the dev
 
 import argparse
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -97,12 +98,38 @@ def _run(stage: Stage) -> dict:
     return report
 
 
+ERROR_LINE = re.compile(r"^\w*(Error|Exception|Failed)\b.*:")
+"""The line of a traceback that says what failed."""
+
+RESULT_LINES = re.compile(r"\b(passed|failed|ratio)\b|\bstep:\s+\d+|\| \w+ \|")
+"""Lines that carry a stage's result in its output: pytest's tally, bench's ratio, a training step, a table row."""
+
+
+def _leaves(result: dict) -> str:
+    """A function stage's result in a line: its values, or each variant's flags (agree, captured,
+    replay_equals_eager) and errors' last lines."""
+    if not all(isinstance(found, dict) for found in result.values()):
+        return ", ".join(f"{key} {value}" for key, value in result.items())
+    parts = []
+    for variant, found in result.items():
+        flags = [f"{key}={value}" for key, value in found.items() if isinstance(value, bool)]
+        errors = [str(value).strip().splitlines()[-1] for key, value in found.items() if key == "error"]
+        parts.append(f"{variant}: {', '.join(flags + errors)}")
+        parts += [f"{variant} {device}: {found[device]['error'].strip().splitlines()[-1]}" for device in ("cuda", "cpu")
+                  if isinstance(found.get(device), dict) and "error" in found[device]]
+    return "; ".join(parts)
+
+
 def summary(report: dict) -> str:
-    """One line of a stage's report for the markdown table: its result, else its output's last line."""
+    """One line of a stage's report for the markdown table: its result's flags, else the output's line that says
+    what failed (a failed stage) or its last result line, else its last line."""
     if "result" in report:
-        return json.dumps(report["result"])[:300]
-    lines = [line.strip() for line in str(report.get("output", "")).splitlines() if line.strip()]
-    return lines[-1][:300] if lines else ""
+        return _leaves(report["result"])[:400]
+    output = re.sub(r"\x1b\[[0-9;]*m", "", str(report.get("output", "")))  # the trainer's colours
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    failed = report.get("status") != 0 and [line for line in lines if ERROR_LINE.match(line)]
+    picked = failed or [line for line in lines if RESULT_LINES.search(line)] or lines
+    return picked[-1][:300] if picked else ""
 
 
 def environment() -> dict:

@@ -438,7 +438,7 @@ class ReferenceHybridEPBuffer:
         out_probs = None
         if pair_probs is not None:
             filler_probs = pair_probs.new_zeros(2)
-            filler_probs[1] = float("nan")
+            filler_probs[1:].fill_(float("nan"))  # a slice filled: setting one element copies a host scalar
             pair_probs = torch.cat([pair_probs.reshape(-1), filler_probs])
             out_probs = pair_probs[handle.row_pairs]
         # like the library: the cached path computes no tokens per expert; blocking mode returns them in pinned
