@@ -6,11 +6,15 @@
     python -m torchtitan_ext.plan --paper --topology T --world-size G --paper-data-mb D --paper-expert-mb P_E
         --paper-pre-expert-ms PE
     python -m torchtitan_ext.plan --calibrate [--nproc N] [--calibrate-output FILE]
+    python -m torchtitan_ext.plan --validate [--comparisons FILE] [--fit-from FILE]
+    python -m torchtitan_ext.plan --fit [--comparisons FILE] [--fit-output FILE]
 
 The first prints the memory plan (:mod:`torchtitan_ext.planning.memory_plan`), and with ``--topology`` the
 layout advisor's ranked table (:mod:`torchtitan_ext.planning.layout_advisor`); ``--paper`` evaluates the
 seed paper's one-level setting; ``--calibrate`` measures this machine and writes its topology
-(:mod:`torchtitan_ext.planning.calibrate`). See docs/planning.md.
+(:mod:`torchtitan_ext.planning.calibrate`); ``--validate`` prices the published comparisons of EP backends
+(:mod:`torchtitan_ext.planning.published_comparisons`) and ``--fit`` fits the advisor's free parameters on
+them (:mod:`torchtitan_ext.planning.advisor_fit`). See docs/planning.md.
 """
 
 import argparse
@@ -33,6 +37,10 @@ from torchtitan_ext.planning.layout_advisor import (
 from torchtitan_ext.planning.measured_compute import check_measurable, measure_compute
 from torchtitan_ext.planning.measured_rates import calibration_rates
 from torchtitan_ext.planning.memory_plan import format_plan, plan
+from torchtitan_ext.planning.advisor_fit import fit, format_fit, load_fit, SHIPPED as SHIPPED_FIT, write_fit
+from torchtitan_ext.planning.published_comparisons import (
+    load_comparisons, SHIPPED as SHIPPED_COMPARISONS, validation_report,
+)
 from torchtitan_ext.planning.topology import load_topology
 from torchtitan_ext.training import prepare
 
@@ -72,6 +80,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--paper-data-mb", type=float, help="--paper: D, MB of tokens one worker dispatches")
     parser.add_argument("--paper-expert-mb", type=float, help="--paper: P_E, MB of one worker's experts")
     parser.add_argument("--paper-pre-expert-ms", type=float, help="--paper: Lat^PE, pre-expert compute in ms")
+    parser.add_argument("--validate", action="store_true",
+                        help="price every published comparison the advisor can price and report predicted against "
+                             "published (docs/published_comparisons.toml)")
+    parser.add_argument("--fit", action="store_true",
+                        help="fit the advisor's free parameters on the comparisons whose role is fit, and write them "
+                             "to --fit-output")
+    parser.add_argument("--comparisons", type=Path, default=SHIPPED_COMPARISONS, metavar="FILE",
+                        help="--validate, --fit: the comparisons file (default docs/published_comparisons.toml)")
+    parser.add_argument("--fit-output", type=Path, default=SHIPPED_FIT, metavar="FILE",
+                        help="--fit: where to write the parameters (default docs/advisor_fit.toml)")
+    parser.add_argument("--fit-from", type=Path, default=SHIPPED_FIT, metavar="FILE",
+                        help="--validate: the fitted parameters to predict under, beside the advisor as shipped "
+                             "(default docs/advisor_fit.toml)")
     parser.add_argument("--calibrate", action="store_true", help="measure this machine and write its topology")
     parser.add_argument("--nproc", type=int, default=2, help="--calibrate: gloo processes (default 2)")
     parser.add_argument(
@@ -80,15 +101,27 @@ def main(argv: list[str] | None = None) -> None:
     )
     args, train_args = parser.parse_known_args(argv)
     for flag, value in (("--json", args.json), ("--emit-config", args.emit_config)):
-        if value is not None and (args.calibrate or args.paper):
-            _exit_on_error(_refuse, f"{flag} writes from the layout advice, which --calibrate and --paper do not give: "
-                                    "drop one of them")
+        if value is not None and (args.calibrate or args.paper or args.validate or args.fit):
+            _exit_on_error(_refuse, f"{flag} writes from the layout advice, which --calibrate, --paper, --validate "
+                                    "and --fit do not give: drop one of them")
     if args.calibrate:
         _exit_on_error(_check_process_count, args.nproc)
         calibrate(args.nproc, args.calibrate_output)
         return
     if args.paper:
         print("\n".join(_exit_on_error(_paper, args)))
+        return
+    if args.validate:
+        prepare()
+        fitted = _exit_on_error(load_fit, args.fit_from)
+        print("\n".join(_exit_on_error(validation_report, args.comparisons, fitted, _shown(args.fit_from))))
+        return
+    if args.fit:
+        prepare()
+        fitted = _exit_on_error(fit, _exit_on_error(load_comparisons, args.comparisons))
+        _exit_on_error(write_fit, fitted, args.fit_output, args.comparisons)
+        print("\n".join(format_fit(fitted)))
+        print(f"Wrote {fitted.count} parameters to {args.fit_output}")
         return
     prepare()
     try:
@@ -164,6 +197,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.emit_config is not None:
         print(f"Wrote the recommended layout's job config to {args.emit_config} "
               f"(train with: ./run_train.sh --job.config_file {args.emit_config})")
+
+
+def _shown(path: Path) -> str:
+    """``path`` as the user would type it here: relative to the working folder when it lies inside it."""
+    relative = os.path.relpath(path)
+    return str(path) if relative.startswith("..") else relative
 
 
 def _refuse(message: str) -> None:

@@ -927,7 +927,8 @@ def test_json_with_a_mode_that_gives_no_layouts_is_refused(capsys, tmp_path):
         plan.main(["--calibrate", "--json", str(tmp_path / "layouts.json")])
     assert exited.value.code == 2
     assert capsys.readouterr().err.strip() == (
-        "error: --json writes from the layout advice, which --calibrate and --paper do not give: drop one of them"
+        "error: --json writes from the layout advice, which --calibrate, --paper, --validate and --fit do not give: "
+        "drop one of them"
     )
 
 

@@ -1,0 +1,237 @@
+"""Published same-setup comparisons of EP backends, and how the layout advisor's predictions stand against them.
+
+    python -m torchtitan_ext.plan --validate [--comparisons FILE]
+
+The comparisons are data (``docs/published_comparisons.toml``, its header gives the fields): one job measured
+under two backends, each row with its source and a role, ``fit`` or ``held_out``, chosen before any fit. A row
+the advisor can price names its job (config, overrides, topology, world size, EP degree); the others say why not.
+For each priced row the report gives the advisor's figure per backend beside the published one, the gap between
+the two backends either way, and whether the faster backend is the same.
+"""
+
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from torchtitan_ext.config import ConfigError
+from torchtitan_ext.ep import BACKENDS
+from torchtitan_ext.planning.layout_advisor import advise, Layout
+from torchtitan_ext.planning.topology import load_topology
+
+SHIPPED = Path(__file__).resolve().parents[2] / "docs" / "published_comparisons.toml"
+ROLES = ("fit", "held_out")
+HIGHER_IS_FASTER = {"TFLOPS/GPU": True, "tokens/s": True, "s/step": False}
+"""The metrics a row may report, and whether a larger figure is the faster backend."""
+PREDICTED_METRICS = ("TFLOPS/GPU", "s/step")
+"""The metrics the advisor predicts (a priced row must report one of them)."""
+TEXT_FIELDS = ("id", "url", "source", "date", "hardware", "model", "parallelism", "batch", "precision",
+               "activation_checkpointing", "compared", "metric", "role")
+
+
+@dataclass(frozen=True)
+class PricedJob:
+    """How the advisor prices a comparison's job."""
+
+    config: str
+    """A train config (repository path)."""
+    overrides: tuple[str, ...]
+    """CLI overrides that make the config the published job (batch, checkpointing, precision)."""
+    topology: str
+    """A topology file or shipped name."""
+    world_size: int
+    ep: int
+    """The published EP degree: each backend's best-priced layout at this degree is the prediction."""
+
+
+@dataclass(frozen=True)
+class Comparison:
+    id: str
+    url: str
+    source: str
+    role: str
+    metric: str
+    measured: dict[str, float]
+    """Backend (this project's name) -> figure, in the order published."""
+    priced: PricedJob | None
+    unpriced: str
+    """Why the advisor cannot price the job yet ("" when ``priced``)."""
+    details: dict[str, object]
+    """The other fields, as written (hardware, model, parallelism, batch, seq_len, precision, ...)."""
+
+    def faster(self, figures: dict[str, float]) -> str:
+        """Which backend ``figures`` (backend -> figure in this row's metric) call faster."""
+        pick = max if HIGHER_IS_FASTER[self.metric] else min
+        return pick(figures, key=figures.get)
+
+    def gap(self, figures: dict[str, float]) -> float:
+        """How much faster the second backend is than the first, as a fraction (negative: slower)."""
+        first, second = (figures[name] for name in self.measured)
+        return second / first - 1 if HIGHER_IS_FASTER[self.metric] else first / second - 1
+
+
+def _refuse(where: str, problem: str) -> None:
+    raise ConfigError(f"{where}: {problem}")
+
+
+def _comparison(row: dict, where: str) -> Comparison:
+    for field in TEXT_FIELDS:
+        if not isinstance(row.get(field), str) or (field not in ("activation_checkpointing",) and not row[field]):
+            _refuse(where, f"'{field}' is missing or not a non-empty string: add it (the header lists the fields)")
+    if not isinstance(row.get("seq_len"), int) or row["seq_len"] < 0:
+        _refuse(where, "'seq_len' must be an integer >= 0 (0: not stated)")
+    if row["role"] not in ROLES:
+        _refuse(where, f"role '{row['role']}': use one of {', '.join(ROLES)}")
+    if row["metric"] not in HIGHER_IS_FASTER:
+        _refuse(where, f"metric '{row['metric']}': use one of {', '.join(HIGHER_IS_FASTER)}")
+    measured = row.get("measured")
+    if not isinstance(measured, dict) or len(measured) != 2:
+        _refuse(where, "'measured' must give the figures of exactly two backends, e.g. { nccl = 269.11, hybridep = 352.18 }")
+    for backend, figure in measured.items():
+        if backend not in BACKENDS:
+            _refuse(where, f"measured backend '{backend}': use this project's names ({', '.join(BACKENDS)})")
+        if isinstance(figure, bool) or not isinstance(figure, (int, float)) or not figure > 0:
+            _refuse(where, f"measured {backend} = {figure!r}: use the published figure, a number > 0")
+    if ("priced" in row) == ("unpriced" in row):
+        _refuse(where, "give exactly one of 'priced' (how the advisor prices the job) and 'unpriced' (why it cannot)")
+    priced = None
+    if "priced" in row:
+        job = row["priced"]
+        if row["metric"] not in PREDICTED_METRICS:
+            _refuse(where, f"metric '{row['metric']}' of a priced row: the advisor predicts {', '.join(PREDICTED_METRICS)}")
+        if not isinstance(job, dict) or not isinstance(job.get("config"), str) or not isinstance(job.get("topology"), str):
+            _refuse(where, "'priced' needs config and topology (strings), overrides, world_size and ep")
+        overrides = job.get("overrides", [])
+        if not isinstance(overrides, list) or not all(isinstance(item, str) for item in overrides):
+            _refuse(where, "priced.overrides must be a list of strings (CLI overrides)")
+        for field in ("world_size", "ep"):
+            if not isinstance(job.get(field), int) or isinstance(job[field], bool) or job[field] < 1:
+                _refuse(where, f"priced.{field} must be an integer >= 1")
+        priced = PricedJob(job["config"], tuple(overrides), job["topology"], job["world_size"], job["ep"])
+    elif not isinstance(row["unpriced"], str) or not row["unpriced"]:
+        _refuse(where, "'unpriced' must say why the advisor cannot price the job")
+    details = {key: value for key, value in row.items()
+               if key not in ("id", "url", "source", "role", "metric", "measured", "priced", "unpriced")}
+    return Comparison(row["id"], row["url"], row["source"], row["role"], row["metric"],
+                      {backend: float(figure) for backend, figure in measured.items()}, priced,
+                      row.get("unpriced", ""), details)
+
+
+def load_comparisons(path: Path = SHIPPED) -> list[Comparison]:
+    """The comparisons in ``path``; a bad row or field is refused in one line naming it."""
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"--comparisons {path}: no such file") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--comparisons {path}: not a valid UTF-8 TOML file ({type(e).__name__}: {e})") from None
+    rows = data.get("comparison")
+    if not isinstance(rows, list) or not rows or not all(isinstance(row, dict) for row in rows):
+        raise ConfigError(f"--comparisons {path}: no [[comparison]] tables: add them (docs/published_comparisons.toml)")
+    comparisons = [_comparison(row, f"--comparisons {path}, comparison {index + 1} "
+                                    f"('{row.get('id', '?')}')") for index, row in enumerate(rows)]
+    ids = [comparison.id for comparison in comparisons]
+    repeated = sorted({name for name in ids if ids.count(name) > 1})
+    if repeated:
+        raise ConfigError(f"--comparisons {path}: id {', '.join(repeated)} used twice: give each row its own id")
+    return comparisons
+
+
+@dataclass(frozen=True)
+class Prediction:
+    comparison: Comparison
+    layouts: dict[str, Layout]
+    """Backend -> the advisor's best-priced runnable layout of it at the row's EP degree."""
+
+    def figure(self, backend: str) -> float:
+        layout = self.layouts[backend]
+        return layout.tflops_per_gpu if self.comparison.metric == "TFLOPS/GPU" else layout.step_s
+
+    @property
+    def figures(self) -> dict[str, float]:
+        return {backend: self.figure(backend) for backend in self.comparison.measured}
+
+    @property
+    def bounds(self) -> list[str]:
+        """The backends priced at a nominal link rate (a bound, not a prediction)."""
+        return [backend for backend, layout in self.layouts.items() if layout.nominal_links]
+
+    @property
+    def ranking_agrees(self) -> bool:
+        return self.comparison.faster(self.figures) == self.comparison.faster(self.comparison.measured)
+
+
+def predict(comparison: Comparison, fitted=None) -> Prediction:
+    """The advisor's prediction for a priced comparison (ConfigError where its job does not price), as shipped or
+    under ``fitted`` parameters (:class:`~torchtitan_ext.planning.advisor_fit.FittedParameters`)."""
+    job = comparison.priced
+    train_args = ["--job.config_file", job.config, *job.overrides]
+    topology, rates = load_topology(job.topology), None
+    if fitted is not None:  # by the topology's own name, before its ranks are placed (the levels keep their order)
+        topology, rates = fitted.applied(topology)
+    topology = topology.placed_for(job.world_size, None)
+    layouts, _ = advise(train_args, job.world_size, topology, measured_rates=rates)
+    best = {}
+    for layout in layouts:  # ranked: the first runnable layout of a backend at the EP degree is its best
+        if layout.refused is None and layout.ep == job.ep and layout.backend in comparison.measured:
+            best.setdefault(layout.backend, layout)
+    missing = [backend for backend in comparison.measured if backend not in best]
+    if missing:
+        refusals = {layout.backend: layout.refused for layout in layouts if layout.refused and layout.ep == job.ep}
+        raise ConfigError(f"comparison '{comparison.id}': the advisor prices no {', '.join(missing)} layout at "
+                          f"EP={job.ep} ({'; '.join(f'{b}: {refusals[b]}' for b in missing if b in refusals) or 'none considered'})")
+    return Prediction(comparison, best)
+
+
+def _figures(comparison: Comparison, figures: dict[str, float], bounds: list[str] = ()) -> str:
+    shown = ", ".join(f"{backend} {figure:,.2f}{' (nominal rate: a bound)' if backend in bounds else ''}"
+                      for backend, figure in figures.items())
+    second = list(comparison.measured)[1]
+    return f"{shown} {comparison.metric} ({second} {comparison.gap(figures):+.1%})"
+
+
+def _predicted(prediction: Prediction) -> str:
+    comparison = prediction.comparison
+    errors = ", ".join(f"{backend} {prediction.figure(backend) / figure - 1:+.1%}"
+                       for backend, figure in comparison.measured.items())
+    verdict = "agrees" if prediction.ranking_agrees else "disagrees"
+    return (f"{_figures(comparison, prediction.figures, prediction.bounds)}; off the published by {errors}; "
+            f"the faster backend {verdict}")
+
+
+def format_validation(comparisons: list[Comparison], shipped: dict[str, Prediction],
+                      fitted: dict[str, Prediction] | None = None, fit_source: str = "") -> list[str]:
+    """One paragraph per comparison (published; predicted as shipped and under the fit, or why not priced), then a
+    summary line."""
+    lines = []
+    for comparison in comparisons:
+        lines.append(f"{comparison.id} ({comparison.role}): published {_figures(comparison, comparison.measured)}")
+        if comparison.id not in shipped:
+            lines.append(f"  not priced: {comparison.unpriced}")
+            continue
+        lines.append(f"  as shipped: {_predicted(shipped[comparison.id])}")
+        if fitted is not None:
+            lines.append(f"  with the fit: {_predicted(fitted[comparison.id])}")
+    priced = [c for c in comparisons if c.id in shipped]
+    held_out = [c for c in comparisons if c.role == "held_out"]
+    priced_held_out = [c for c in priced if c.role == "held_out"]
+
+    def agreeing(predictions: dict[str, Prediction]) -> str:
+        agree = [c for c in priced if predictions[c.id].ranking_agrees]
+        return (f"{len(agree)} of {len(priced)} priced ({sum(c.role == 'held_out' for c in agree)} of "
+                f"{len(priced_held_out)} held out)")
+
+    summary = (f"summary: {len(comparisons)} comparisons ({len(comparisons) - len(held_out)} fit, {len(held_out)} held "
+               f"out), {len(priced)} priced; the faster backend agrees as shipped on {agreeing(shipped)}")
+    if fitted is not None:
+        summary += f", with the fit ({fit_source}) on {agreeing(fitted)}"
+    return lines + [summary]
+
+
+def validation_report(path: Path = SHIPPED, fitted=None, fit_source: str = "") -> list[str]:
+    """``format_validation`` of every comparison in ``path``, the priced ones predicted as shipped and, given
+    ``fitted`` parameters (read from ``fit_source``), under them."""
+    comparisons = load_comparisons(path)
+    priced = [comparison for comparison in comparisons if comparison.priced]
+    shipped = {comparison.id: predict(comparison) for comparison in priced}
+    under_fit = None if fitted is None else {comparison.id: predict(comparison, fitted) for comparison in priced}
+    return format_validation(comparisons, shipped, under_fit, fit_source)
