@@ -17,7 +17,9 @@ from torchtitan_ext.planning.cost_model import MeasuredRouting
 from torchtitan_ext.planning.layout_advisor import (
     advise, advised_config, format_advice, layouts_record, overrides_problem,
 )
+from torchtitan_ext.planning.advisor_fit import load_fit, SHIPPED as SHIPPED_FIT
 from torchtitan_ext.planning.measured_compute import check_measurable, MeasuredCompute
+from torchtitan_ext.planning.published_comparisons import SHIPPED as SHIPPED_COMPARISONS, validation_report
 from torchtitan_ext.planning.topology import load_topology, parse_topology, SHIPPED
 from torchtitan_ext.training import prepare
 
@@ -1141,3 +1143,22 @@ def test_a_measured_rate_leaves_out_an_alternative_it_would_price_alike():
     assert ("deepep", (("api", "legacy"),)) in published
     measured = {("hybridep", ("blocking",), 0): None, ("deepep", ("elastic",), 0): None}
     assert alternatives(measured) == {("deepep", (("api", "legacy"),))}
+
+
+@pytest.mark.slow  # counts the local work of the published job (batch 8) once: about 15 s
+def test_the_shipped_fit_reproduces_its_fit_row_where_the_advisor_as_shipped_ranks_it_the_other_way(advice_671b):
+    """torchtitan #2207 (DeepSeek-V3 671B, 256 GB200, EP=64): hybridep 1.31x nccl published; as shipped the advisor
+    prices nccl at NVL72's nominal rate and calls it faster; under docs/advisor_fit.toml both figures match."""
+    fitted = load_fit(SHIPPED_FIT)
+    assert fitted.count <= 3
+    report = validation_report(SHIPPED_COMPARISONS, fitted, "docs/advisor_fit.toml")
+    assert report[1].startswith("  as shipped: nccl ") and "(nominal rate: a bound)" in report[1]
+    assert report[1].endswith("the faster backend disagrees")
+    assert re.search(r"off the published by nccl [+-]0\.[01]%, hybridep [+-]0\.[01]%; the faster backend agrees$",
+                     report[2])
+    assert report[-1] == (
+        "summary: 8 comparisons (1 fit, 7 held out), 1 priced; the faster backend agrees as shipped on 0 of 1 priced "
+        "(0 of 0 held out), with the fit (docs/advisor_fit.toml) on 1 of 1 priced (0 of 0 held out)"
+    )
+    section = Path("docs/planning.md").read_text().split("### Checked against published comparisons")[1]
+    assert section.split("```")[1].strip("\n").splitlines() == report
