@@ -111,6 +111,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.paper:
         print("\n".join(_exit_on_error(_paper, args)))
         return
+    if args.validate and args.fit:
+        _exit_on_error(_refuse, "--validate and --fit: run --fit first (it writes the parameters), then --validate")
     if args.validate:
         prepare()
         fitted = _exit_on_error(load_fit, args.fit_from)

@@ -50,3 +50,9 @@ def test_stages_picks_what_runs_and_refuses_an_unknown_name(capsys, tmp_path):
     with pytest.raises(SystemExit):
         gpu_check.main(["--dry-run", "--stages", "bench_ep"])
     assert "--stages: no stage 'bench_ep'; the stages: 'environment', " in capsys.readouterr().err
+
+
+def test_a_failed_stage_shows_the_line_that_says_what_failed_not_its_last_step():
+    output = "step:  1  loss:  8.1\n[rank0]: Traceback\n[rank0]: torch._dynamo.exc.BackendCompilerFailed: boom\n"
+    assert gpu_check.summary({"status": 1, "output": output}) == "[rank0]: torch._dynamo.exc.BackendCompilerFailed: boom"
+    assert gpu_check.summary({"status": 0, "output": output.split("[rank0]")[0] + "warning\n"}) == "step:  1  loss:  8.1"

@@ -49,10 +49,12 @@ def test_a_torch_without_opaque_arguments_is_refused_in_one_line(version, refuse
 
 @pytest.mark.parametrize("module, op_name", [("deepep", "deepep_dispatch"), ("deepep", "deepep_combine"),
                                              ("hybridep", "hybridep_dispatch"), ("nccl", "nccl_combine")])
-@pytest.mark.skipif(torch.__version__ < "2.13", reason="the reference is torch 2.13's inference of opaque returns")
 def test_an_op_returning_an_opaque_object_is_registered_as_torch_infers_it(module, op_name):
     """Spelled out for torch 2.11 and 2.12, the schema must be the one torch 2.13 infers."""
     op = getattr(importlib.import_module(f"torchtitan_ext.ep.ops.{module}"), op_name)
     registered = getattr(torch.ops.torchtitan_ext, op_name).default._schema
-    inferred = torch.library.infer_schema(op._init_fn, mutates_args=(), op_name=f"torchtitan_ext::{op_name}")
+    try:
+        inferred = torch.library.infer_schema(op._init_fn, mutates_args=(), op_name=f"torchtitan_ext::{op_name}")
+    except ValueError:
+        pytest.skip(f"torch {torch.__version__} infers no opaque return (2.13 does): nothing to compare with")
     assert registered == torch._C.parse_schema(inferred)

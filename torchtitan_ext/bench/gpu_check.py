@@ -98,8 +98,8 @@ def _run(stage: Stage) -> dict:
     return report
 
 
-ERROR_LINE = re.compile(r"^\w*(Error|Exception|Failed)\b.*:")
-"""The line of a traceback that says what failed."""
+ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*|E\s+)?[\w.]*(Error|Exception|Failed)\b.*:")
+"""The line of a traceback that says what failed (torchrun prefixes it with the rank, pytest with "E")."""
 
 RESULT_LINES = re.compile(r"\b(passed|failed|ratio)\b|\bstep:\s+\d+|\| \w+ \|")
 """Lines that carry a stage's result in its output: pytest's tally, bench's ratio, a training step, a table row."""
@@ -262,13 +262,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", nargs="+", metavar="NAME",
                         help="run only these stages (names as --dry-run prints them; the environment always runs)")
     args = parser.parse_args(argv)
-    names = [stage.name for stage in stages(Path("."))]
+    args.out = args.out.resolve()  # the stages run in the repository's root
+    names = [stage.name for stage in stages(args.out)]
     unknown = sorted(set(args.stages or ()) - set(names))
     if unknown:
         parser.error(f"--stages: no stage {', '.join(map(repr, unknown))}; the stages: {', '.join(map(repr, names))}")
     chosen = [stage for stage in stages(args.out)
               if not args.stages or stage.name in args.stages or stage.name == "environment"]
-    args.out = args.out.resolve()
     if args.dry_run:
         for stage in chosen:
             print(f"{stage.name} (at most {stage.timeout_s:.0f} s): {shlex.join(stage.command)}")

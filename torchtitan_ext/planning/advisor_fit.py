@@ -17,6 +17,7 @@ these two, so it is not fitted. Each parameter is the root of its figures' mean 
 one figure per parameter the fit rows' residuals are 0 by construction: the held-out rows are the check.
 """
 
+import json
 import math
 import tomllib
 from dataclasses import dataclass, field, replace
@@ -32,6 +33,13 @@ from torchtitan_ext.planning.topology import load_topology, Topology
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "docs" / "advisor_fit.toml"
 MAX_PARAMETERS = 3
+def _toml_string(text: str) -> str:
+    """``text`` as a TOML basic string (JSON's escapes are TOML's; raw UTF-8 avoids surrogate escapes)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+ROOT_TOLERANCE = 1e-3
+"""How far (mean log of predicted over published) the fit rows' figures may stay off at a fitted parameter."""
 SCALE_RANGE = (0.05, 4.0)
 """Where ``compute_scale`` is searched."""
 FRACTION_RANGE = (0.005, 1.0)
@@ -87,7 +95,11 @@ def _root(error, low: float, high: float, what: str, iterations: int = 20) -> fl
     for _ in range(iterations):
         middle = (a + b) / 2
         a, b = (a, middle) if error(math.exp(middle)) > 0 else (middle, b)
-    return math.exp((a + b) / 2)
+    root = math.exp((a + b) / 2)
+    if abs(error(root)) > ROOT_TOLERANCE:  # the error jumps there (a layout's ranking changed): no root
+        raise ConfigError(f"{what}: the fit rows' figures are {error(root):+.3f} (mean log) off at the best value, "
+                          f"{root:.4g}: no value matches them; check the rows' figures and jobs")
+    return root
 
 
 def fit(comparisons: list) -> FittedParameters:
@@ -98,7 +110,6 @@ def fit(comparisons: list) -> FittedParameters:
         raise ConfigError("no priced comparison has role 'fit': mark one or more (docs/published_comparisons.toml)")
     shipped = {row.id: predict(row) for row in rows}
     topologies = {row.id: load_topology(row.priced.topology) for row in rows}
-    fabric_of = {row.id: {level.name: level.fabric for level in topologies[row.id].levels} for row in rows}
     nominal, priced = [], []  # (row, backend): figures priced at a nominal link rate, and the others
     for row in rows:
         for backend in row.measured:
@@ -109,8 +120,8 @@ def fit(comparisons: list) -> FittedParameters:
         layout = shipped[row.id].layouts[backend]
         settings = BACKENDS[backend].rate_settings(parse(["--job.config_file", row.priced.config, *row.priced.overrides,
                                                           *layout.overrides()]))
-        for name in layout.nominal_links:
-            links_needed.setdefault((backend, settings, fabric_of[row.id][name]), []).append((row, backend))
+        for fabric in dict.fromkeys(layout.nominal_fabrics):
+            links_needed.setdefault((backend, settings, fabric), []).append((row, backend))
     if len(scales_needed) + len(links_needed) > MAX_PARAMETERS:
         raise ConfigError(f"the fit rows would need {len(scales_needed) + len(links_needed)} parameters (compute "
                           f"scale of {', '.join(scales_needed)}; link fractions of {len(links_needed)} backend and "
@@ -150,42 +161,76 @@ def write_fit(parameters: FittedParameters, path: Path, comparisons_path: Path) 
     lines = [
         f"# Written by python -m torchtitan_ext.plan --fit --comparisons {shown} on {date.today()}:",
         "# the layout advisor's free parameters (torchtitan_ext/planning/advisor_fit.py says what each means).",
-        f"fitted_on = [{', '.join(repr(name).replace(chr(39), chr(34)) for name in parameters.fitted_on)}]",
+        f"fitted_on = [{', '.join(_toml_string(name) for name in parameters.fitted_on)}]",
         "",
     ]
     for name, scale in parameters.compute_scale.items():
-        lines += ["[[compute_scale]]", f'topology = "{name}"', f"scale = {scale!r}", ""]
+        lines += ["[[compute_scale]]", f"topology = {_toml_string(name)}", f"scale = {scale!r}", ""]
     for link in parameters.link_fractions:
-        settings = ", ".join(f'"{value}"' for value in link.settings)
-        lines += ["[[link_fraction]]", f'backend = "{link.backend}"', f"settings = [{settings}]",
-                  f'fabric = "{link.fabric}"', f"fraction = {link.fraction!r}", ""]
-    lines += ["[residuals]", *(f'"{key}" = {value!r}' for key, value in parameters.residuals.items())]
+        settings = ", ".join(_toml_string(str(value)) for value in link.settings)
+        lines += ["[[link_fraction]]", f"backend = {_toml_string(link.backend)}", f"settings = [{settings}]",
+                  f"fabric = {_toml_string(link.fabric)}", f"fraction = {link.fraction!r}", ""]
+    lines += ["[residuals]", *(f"{_toml_string(key)} = {value!r}" for key, value in parameters.residuals.items())]
     written = path.with_name(f".{path.name}.partial")
-    written.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    written.replace(path)
+    try:
+        written.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        written.replace(path)
+    except OSError as e:
+        written.unlink(missing_ok=True)
+        raise ConfigError(f"--fit-output {path}: could not write it ({e.strerror}): choose a path in a folder you "
+                          "can write") from None
 
 
 def load_fit(path: Path) -> FittedParameters:
     """Parameters :func:`write_fit` wrote; a bad file or field refused in one line naming it."""
+    again = "write the file again with python -m torchtitan_ext.plan --fit"
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"--fit-from {path}: no such file: write it with python -m torchtitan_ext.plan --fit") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"--fit-from {path}: not a valid UTF-8 TOML file ({type(e).__name__}: {e})") from None
-    try:
-        scales = {entry["topology"]: float(entry["scale"]) for entry in data.get("compute_scale", [])}
-        links = tuple(LinkFraction(entry["backend"], tuple(entry["settings"]), entry["fabric"], float(entry["fraction"]))
-                      for entry in data.get("link_fraction", []))
-        fitted_on = tuple(data["fitted_on"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise ConfigError(f"--fit-from {path}: a fitted parameter lacks or mistypes a field ({e!r}): write the file "
-                          "again with python -m torchtitan_ext.plan --fit") from None
-    if any(not SCALE_RANGE[0] <= scale <= SCALE_RANGE[1] for scale in scales.values()) or any(
-            not FRACTION_RANGE[0] <= link.fraction <= FRACTION_RANGE[1] for link in links):
-        raise ConfigError(f"--fit-from {path}: a compute scale outside {SCALE_RANGE} or a link fraction outside "
-                          f"{FRACTION_RANGE}: write the file again with python -m torchtitan_ext.plan --fit")
-    return FittedParameters(scales, links, fitted_on, dict(data.get("residuals", {})))
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--fit-from {path}: not a readable UTF-8 TOML file ({type(e).__name__}: {e}): {again}") from None
+
+    def refuse(where: str, problem: str):
+        raise ConfigError(f"--fit-from {path}: {where} {problem}: {again}")
+
+    def text(entry: dict, field: str, where: str) -> str:
+        if not isinstance(entry.get(field), str) or not entry[field]:
+            refuse(f"{where}.{field}", "must be a non-empty string")
+        return entry[field]
+
+    def number(entry: dict, field: str, where: str, bounds: tuple[float, float]) -> float:
+        value = entry.get(field)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not bounds[0] <= value <= bounds[1]:
+            refuse(f"{where}.{field}", f"must be a number in [{bounds[0]:g}, {bounds[1]:g}]")
+        return float(value)
+
+    def tables(key: str) -> list[dict]:
+        entries = data.get(key, [])
+        if not isinstance(entries, list) or not all(isinstance(entry, dict) for entry in entries):
+            refuse(key, "must be [[" + key + "]] tables")
+        return entries
+
+    fitted_on = data.get("fitted_on")
+    if not isinstance(fitted_on, list) or not fitted_on or not all(isinstance(name, str) and name for name in fitted_on):
+        refuse("fitted_on", "must list the comparisons' ids")
+    scales = {text(entry, "topology", "compute_scale"): number(entry, "scale", "compute_scale", SCALE_RANGE)
+              for entry in tables("compute_scale")}
+    links = []
+    for entry in tables("link_fraction"):
+        settings = entry.get("settings")
+        if not isinstance(settings, list) or not all(isinstance(value, str) for value in settings):
+            refuse("link_fraction.settings", "must be a list of strings")
+        links.append(LinkFraction(text(entry, "backend", "link_fraction"), tuple(settings),
+                                  text(entry, "fabric", "link_fraction"),
+                                  number(entry, "fraction", "link_fraction", FRACTION_RANGE)))
+    if any(link.backend not in BACKENDS for link in links):
+        refuse("link_fraction.backend", f"must be one of {', '.join(BACKENDS)}")
+    residuals = data.get("residuals", {})
+    if not isinstance(residuals, dict) or any(isinstance(value, bool) or not isinstance(value, (int, float))
+                                              for value in residuals.values()):
+        refuse("residuals", "must map each fit figure to a number")
+    return FittedParameters(scales, tuple(links), tuple(fitted_on), dict(residuals))
 
 
 def format_fit(parameters: FittedParameters) -> list[str]:

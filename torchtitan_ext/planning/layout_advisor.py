@@ -155,6 +155,8 @@ class Layout:
     nominal_links: tuple[str, ...] = ()
     """Links of a named fabric that this layout's all-to-all crosses, priced at their nominal rate because
     the backend publishes no figure for them: its time there is a lower bound."""
+    nominal_fabrics: tuple[str, ...] = ()
+    """The fabric of each of ``nominal_links``, in their order."""
 
     def _per_step(self, per_layer) -> float:
         kept = self.moe_layers - self.recomputed_layers
@@ -621,8 +623,8 @@ def advise(
             fetch_s, return_s = replica_traffic(work, topology, world_size, ep, moved)
             fractions = kernel_rate_fractions(backend_name, backend, candidate, topology, links, measured_rates)
             crossed = links.level_of(links.group_sizes(world_size), 0, ep - 1) + 1 if ep > 1 else 0
-            nominal = tuple(level.name for index, level in enumerate(links.levels[:crossed])
-                            if level.fabric is not None and index not in fractions)
+            nominal_levels = [level for index, level in enumerate(links.levels[:crossed])
+                              if level.fabric is not None and index not in fractions]
             copies_per_rank = backend.sends_each_token_once_per_rank and not slots
             costs = layer_costs(work, topology, world_size, ep, efsdp, copies_per_rank, routing, pair_share, links,
                                 fractions)
@@ -653,7 +655,8 @@ def advise(
                 replica_fetch_s=fetch_s,
                 replica_return_s=return_s,
                 kernel_rates=describe_kernel_rates(layout.label, backend_name, backend, candidate, topology, measured_rates),
-                nominal_links=nominal,
+                nominal_links=tuple(level.name for level in nominal_levels),
+                nominal_fabrics=tuple(level.fabric for level in nominal_levels),
             )
             runnable.append(replace(priced, link_busy=link_busy(priced, topology, links, world_size, data_parallel_busy)))
     # a layout priced at a nominal rate (no published figure) ranks below every priced one, whatever its step: its

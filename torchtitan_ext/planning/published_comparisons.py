@@ -9,6 +9,7 @@ For each priced row the report gives the advisor's figure per backend beside the
 the two backends either way, and whether the faster backend is the same.
 """
 
+import math
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,7 +78,7 @@ def _comparison(row: dict, where: str) -> Comparison:
     for field in TEXT_FIELDS:
         if not isinstance(row.get(field), str) or (field not in ("activation_checkpointing",) and not row[field]):
             _refuse(where, f"'{field}' is missing or not a non-empty string: add it (the header lists the fields)")
-    if not isinstance(row.get("seq_len"), int) or row["seq_len"] < 0:
+    if not isinstance(row.get("seq_len"), int) or isinstance(row["seq_len"], bool) or row["seq_len"] < 0:
         _refuse(where, "'seq_len' must be an integer >= 0 (0: not stated)")
     if row["role"] not in ROLES:
         _refuse(where, f"role '{row['role']}': use one of {', '.join(ROLES)}")
@@ -89,8 +90,8 @@ def _comparison(row: dict, where: str) -> Comparison:
     for backend, figure in measured.items():
         if backend not in BACKENDS:
             _refuse(where, f"measured backend '{backend}': use this project's names ({', '.join(BACKENDS)})")
-        if isinstance(figure, bool) or not isinstance(figure, (int, float)) or not figure > 0:
-            _refuse(where, f"measured {backend} = {figure!r}: use the published figure, a number > 0")
+        if isinstance(figure, bool) or not isinstance(figure, (int, float)) or not 0 < figure < math.inf:
+            _refuse(where, f"measured {backend} = {figure!r}: use the published figure, a finite number > 0")
     if ("priced" in row) == ("unpriced" in row):
         _refuse(where, "give exactly one of 'priced' (how the advisor prices the job) and 'unpriced' (why it cannot)")
     priced = None
@@ -100,6 +101,10 @@ def _comparison(row: dict, where: str) -> Comparison:
             _refuse(where, f"metric '{row['metric']}' of a priced row: the advisor predicts {', '.join(PREDICTED_METRICS)}")
         if not isinstance(job, dict) or not isinstance(job.get("config"), str) or not isinstance(job.get("topology"), str):
             _refuse(where, "'priced' needs config and topology (strings), overrides, world_size and ep")
+        unknown = sorted(set(job) - {"config", "overrides", "topology", "world_size", "ep"})
+        if unknown:
+            _refuse(where, f"priced has no field {', '.join(unknown)}: its fields are config, overrides, topology, "
+                           "world_size and ep")
         overrides = job.get("overrides", [])
         if not isinstance(overrides, list) or not all(isinstance(item, str) for item in overrides):
             _refuse(where, "priced.overrides must be a list of strings (CLI overrides)")
@@ -121,9 +126,10 @@ def load_comparisons(path: Path = SHIPPED) -> list[Comparison]:
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ConfigError(f"--comparisons {path}: no such file") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"--comparisons {path}: not a valid UTF-8 TOML file ({type(e).__name__}: {e})") from None
+        raise ConfigError(f"--comparisons {path}: no such file: give the comparisons file "
+                          "(docs/published_comparisons.toml)") from None
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--comparisons {path}: not a readable UTF-8 TOML file ({type(e).__name__}: {e})") from None
     rows = data.get("comparison")
     if not isinstance(rows, list) or not rows or not all(isinstance(row, dict) for row in rows):
         raise ConfigError(f"--comparisons {path}: no [[comparison]] tables: add them (docs/published_comparisons.toml)")

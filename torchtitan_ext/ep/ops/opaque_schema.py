@@ -10,20 +10,22 @@ import inspect
 import typing
 
 import torch
-from torch._library.opaque_object import get_opaque_type_name, is_opaque_type
+from torch._library.opaque_object import get_opaque_type_name, is_opaque_reference_type
 
-_RETURN_TYPES = {torch.Tensor: "Tensor", list[torch.Tensor]: "Tensor[]", int: "SymInt", float: "float",
-                 bool: "bool"}
+_RETURN_TYPES = {torch.Tensor: "Tensor", list[torch.Tensor]: "Tensor[]", typing.List[torch.Tensor]: "Tensor[]",
+                 int: "SymInt", float: "float", bool: "bool"}
 """What ``torch.library.infer_schema`` names each non-opaque return type."""
 
 
 def _return_schema(annotation) -> str:
     def named(return_type) -> str:
-        if is_opaque_type(return_type):
+        if is_opaque_reference_type(return_type):
             return get_opaque_type_name(return_type)
+        if return_type not in _RETURN_TYPES:
+            raise TypeError(f"a custom op returning {return_type}: return tensors, numbers or opaque reference types")
         return _RETURN_TYPES[return_type]
 
-    if annotation is None:
+    if annotation in (None, type(None)):
         return "()"
     if typing.get_origin(annotation) is not tuple:
         return named(annotation)
