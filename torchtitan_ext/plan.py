@@ -90,9 +90,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="--validate, --fit: the comparisons file (default docs/published_comparisons.toml)")
     parser.add_argument("--fit-output", type=Path, default=SHIPPED_FIT, metavar="FILE",
                         help="--fit: where to write the parameters (default docs/advisor_fit.toml)")
-    parser.add_argument("--fit-from", type=Path, default=SHIPPED_FIT, metavar="FILE",
-                        help="--validate: the fitted parameters to predict under, beside the advisor as shipped "
-                             "(default docs/advisor_fit.toml)")
+    parser.add_argument("--fit-from", type=Path, metavar="FILE",
+                        help="with --topology: price the layouts under the parameters plan --fit wrote (the compute "
+                             "scale, and the fitted link rates where no published figure exists; a --calibrate-from "
+                             "rate wins over a fitted one); --validate: predict under them beside the advisor as "
+                             "shipped (default docs/advisor_fit.toml)")
     parser.add_argument("--calibrate", action="store_true", help="measure this machine and write its topology")
     parser.add_argument("--nproc", type=int, default=2, help="--calibrate: gloo processes (default 2)")
     parser.add_argument(
@@ -115,8 +117,9 @@ def main(argv: list[str] | None = None) -> None:
         _exit_on_error(_refuse, "--validate and --fit: run --fit first (it writes the parameters), then --validate")
     if args.validate:
         prepare()
-        fitted = _exit_on_error(load_fit, args.fit_from)
-        print("\n".join(_exit_on_error(validation_report, args.comparisons, fitted, _shown(args.fit_from))))
+        fit_from = args.fit_from or SHIPPED_FIT
+        fitted = _exit_on_error(load_fit, fit_from)
+        print("\n".join(_exit_on_error(validation_report, args.comparisons, fitted, _shown(fit_from))))
         return
     if args.fit:
         prepare()
@@ -128,6 +131,16 @@ def main(argv: list[str] | None = None) -> None:
     prepare()
     try:
         topology = load_topology(args.topology) if args.topology else None
+        fitted_rates = {}
+        if args.fit_from is not None:
+            if topology is None:
+                raise ConfigError("--fit-from prices the layout advice under fitted parameters: add --topology")
+            fitted = load_fit(args.fit_from)
+            topology, fitted_rates = fitted.applied(topology)
+            if topology.name not in fitted.compute_scale and not fitted_rates:
+                raise ConfigError(f"--fit-from {args.fit_from}: it fits nothing of topology '{topology.name}' (its "
+                                  f"compute scales: {', '.join(fitted.compute_scale) or 'none'}): fit on a "
+                                  "comparison run on it, or drop --fit-from")
         if args.calibrate_from is not None and topology is None:
             raise ConfigError("--calibrate-from prices the layout advice's layouts: add --topology")
         if args.ranks_per_group is not None and topology is None:
@@ -136,6 +149,7 @@ def main(argv: list[str] | None = None) -> None:
         placed = topology if topology is None else topology.placed_for(world_size, args.ranks_per_group)
         # bench_ep's processes fill the machines it ran on: its rows are placed before the job's ranks per group
         rates = None if args.calibrate_from is None else calibration_rates(args.calibrate_from, topology, placed)
+        rates = {**fitted_rates, **(rates or {})} or None  # a rate measured on the cluster wins over a fitted one
         if rates and args.measure_compute and any(rate.includes_local_work for rate in rates.values()):
             raise ConfigError("--calibrate-from's bench_ep rates hold each backend's local work, which "
                               "--measure-compute adds again: drop one of them")

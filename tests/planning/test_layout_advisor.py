@@ -1162,3 +1162,24 @@ def test_the_shipped_fit_reproduces_its_fit_row_where_the_advisor_as_shipped_ran
     )
     section = Path("docs/planning.md").read_text().split("### Checked against published comparisons")[1]
     assert section.split("```")[1].strip("\n").splitlines() == report
+
+
+def test_the_advice_prices_under_a_fit_when_asked(capsys, advice_671b):
+    """--fit-from: the topology's compute at the fitted scale, and nccl on NVL72 at its fitted rate instead of the
+    nominal one (so its layouts are priced, not bounds); a fit of nothing on the topology is refused in one line."""
+    fitted = load_fit(SHIPPED_FIT)
+    plan.main(["--topology", "gb200_nvl72", "--world-size", "256", "--fit-from", str(SHIPPED_FIT), *JOB_671B])
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"at {1000 * fitted.compute_scale['GB200 NVL72']:,.3f} TFLOP/s" in out
+    assert (f"nccl: NVLink domain (one rack): {fitted.link_fractions[0].fraction:.2f} of nominal, fitted (on "
+            "torchtitan-2207-dsv3-671b-gb200-ep64)") in out
+    assert "ranked below every priced layout" not in out
+    # as docs/planning.md quotes it
+    assert "recommended: deepep at EP=16, efsdp=16: 13,048 ms per step, 353 TFLOPS/GPU" in out
+    assert re.search(r" 2 hybridep 16/32 64 4 [\d.]+ [\d.]+ [\d.]+ 1,312 533 13,088 352 ", out)
+    assert re.search(r" 13 nccl 64 4 [\d.]+ [\d.]+ [\d.]+ 5,214 662 17,118 269 ", out)
+    with pytest.raises(SystemExit):
+        plan.main(["--topology", "hgx_h100_ib", "--world-size", "256", "--fit-from", str(SHIPPED_FIT), *JOB_671B])
+    assert capsys.readouterr().err.strip() == (
+        f"error: --fit-from {SHIPPED_FIT}: it fits nothing of topology 'HGX H100, InfiniBand NDR' (its compute scales: "
+        "GB200 NVL72): fit on a comparison run on it, or drop --fit-from")

@@ -80,7 +80,7 @@ class FittedParameters:
                 if spec.fabric == link.fabric:
                     rates[link.backend, link.settings, level] = MeasuredRate(
                         link.backend, link.settings, level, link.fraction,
-                        f"fitted on {', '.join(self.fitted_on)}", includes_local_work=False)
+                        f"on {', '.join(self.fitted_on)}", includes_local_work=False, fitted=True)
         return topology, rates
 
 

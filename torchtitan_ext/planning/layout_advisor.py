@@ -462,7 +462,8 @@ def describe_kernel_rates(
         own = (measured or {}).get((backend_name, settings, index))
         rate = rates.get(level.fabric)
         if own is not None:
-            parts.append(f"{level.name}: {own.fraction:.2f} of nominal, measured ({own.source})")
+            parts.append(f"{level.name}: {own.fraction:.2f} of nominal, {'fitted' if own.fitted else 'measured'} "
+                         f"({own.source})")
         elif level.fabric is None:
             parts.append(f"{level.name}: nominal (the topology names no fabric)")
         elif rate is None:

@@ -110,6 +110,8 @@ class MeasuredRate:
     includes_local_work: bool
     """Whether the measured time holds the backend's local work around its all-to-alls (bench_ep's rows: the
     permutes; an nccl-tests log: no), which ``--measure-compute`` would add a second time."""
+    fitted: bool = False
+    """Fitted on published comparisons (``plan --fit``), not measured on the cluster."""
 
 
 def calibration_rates(
