@@ -119,8 +119,10 @@ def _state() -> SimpleNamespace:
         state = SimpleNamespace(live=weakref.WeakSet(), communicated=set())
         dist._deep_ep_double = state
         for name in ("barrier", "all_reduce", "all_gather", "all_gather_object", "all_to_all", "all_to_all_single",
-                     "broadcast", "reduce_scatter_tensor", "all_gather_into_tensor"):
-            setattr(dist, name, _noting_the_group(getattr(dist, name), state))
+                     "broadcast", "reduce_scatter_tensor", "all_gather_into_tensor",
+                     "all_gather_single", "reduce_scatter_single"):  # the last two: torch 2.13's names
+            if hasattr(dist, name):
+                setattr(dist, name, _noting_the_group(getattr(dist, name), state))
         dist.destroy_process_group = _destroy_process_group_after_the_buffers(dist.destroy_process_group, state)
     return state
 
