@@ -831,7 +831,8 @@ def test_a_kernel_domain_smaller_than_the_nvlink_group_goes_over_the_next_link()
 
 def _advice_16b(*overrides: str) -> dict:
     prepare()  # our model args: every backend builds torchtitan's standard MoE (its "deepep" one imports deep_ep)
-    job = ["--job.config_file", "train_configs/deepseek_v3_16b.toml", *overrides]
+    # one sequence per rank: what is checked (links, copies, the rates' ratio) does not scale with the batch
+    job = ["--job.config_file", "train_configs/deepseek_v3_16b.toml", "--training.local_batch_size", "1", *overrides]
     return {(layout.label, layout.ep): layout for layout in advise(job, 64, load_topology("gb200_nvl72"))[0]
             if layout.refused is None}
 
@@ -1069,8 +1070,9 @@ def test_memory_counts_deepep_v2_5s_load_balancing_region_within_one_nvlink_doma
     def memory(api):
         config = tmp_path / f"{api}.toml"
         config.write_text(text)
+        # one sequence per rank: the region does not scale with the batch, and fewer rows count faster
         job = ["--job.config_file", str(config), "--compile.no-enable", "--expert_replication.slots_per_rank", "2",
-               "--deepep.api", api]
+               "--deepep.api", api, "--training.local_batch_size", "1"]
         layouts = advise(job, 256, topology)[0]
         return {(layout.label, layout.ep): layout.memory_bytes for layout in layouts if layout.refused is None}
 
