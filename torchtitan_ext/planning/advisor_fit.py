@@ -27,7 +27,7 @@ from pathlib import Path
 from torchtitan_ext.config import ConfigError, parse
 from torchtitan_ext.ep import BACKENDS
 from torchtitan_ext.planning.measured_rates import MeasuredRate
-from torchtitan_ext.planning.published_comparisons import predict
+from torchtitan_ext.planning.published_comparisons import job_of, predict
 from torchtitan_ext.planning.topology import load_topology, Topology
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,7 +108,8 @@ def fit(comparisons: list) -> FittedParameters:
     rows = [comparison for comparison in comparisons if comparison.role == "fit" and comparison.priced]
     if not rows:
         raise ConfigError("no priced comparison has role 'fit': mark one or more (docs/published_comparisons.toml)")
-    shipped = {row.id: predict(row) for row in rows}
+    jobs = {row.id: job_of(row) for row in rows}  # read once: each parameter prices the rows many times
+    shipped = {row.id: predict(row, job_config=jobs[row.id]) for row in rows}
     topologies = {row.id: load_topology(row.priced.topology) for row in rows}
     nominal, priced = [], []  # (row, backend): figures priced at a nominal link rate, and the others
     for row in rows:
@@ -133,7 +134,7 @@ def fit(comparisons: list) -> FittedParameters:
         it grows with the compute scale and with a link fraction."""
         errors = []
         for row, backend in figures:
-            predicted = predict(row, parameters).figure(backend)
+            predicted = predict(row, parameters, jobs[row.id]).figure(backend)
             errors.append(math.log(predicted / row.measured[backend]) * (1 if row.metric == "TFLOPS/GPU" else -1))
         return sum(errors) / len(errors)
 
@@ -149,8 +150,8 @@ def fit(comparisons: list) -> FittedParameters:
             f"link_fraction of {backend} on {fabric}")
         fractions.append(LinkFraction(backend, settings, fabric, fraction))
     parameters = FittedParameters(scales, tuple(fractions), fitted_on)
-    residuals = {f"{row.id} {backend}": predict(row, parameters).figure(backend) / row.measured[backend] - 1
-                 for row in rows for backend in row.measured}
+    residuals = {f"{row.id} {backend}": predict(row, parameters, jobs[row.id]).figure(backend) / figure - 1
+                 for row in rows for backend, figure in row.measured.items()}
     return replace(parameters, residuals=residuals)
 
 

@@ -500,7 +500,7 @@ def link_busy(layout: Layout, topology: Topology, links: Topology, world_size: i
 def advise(
     train_args: list[str], world_size: int, topology: Topology, routing_stats: dict | None = None, routing_source: str = "",
     measured_compute: MeasuredCompute | None = None, replica_slots: list[int] | None = None, progress: bool = False,
-    measured_rates: dict[tuple[str, tuple, int], MeasuredRate] | None = None,
+    measured_rates: dict[tuple[str, tuple, int], MeasuredRate] | None = None, job_config=None,
 ) -> tuple[list[Layout], MeasuredRouting | None]:
     """Every backend x EP degree (x replica slot count): runnable ones ranked by what each adds to the step
     (:attr:`Layout.moe_s`), then the refused; and the measured routing used for token bytes and rank loads
@@ -512,9 +512,12 @@ def advise(
     collective moves). ``replica_slots``: the ``expert_replication.slots_per_rank`` values to price (default:
     the job's own); replicas need EP > 1, so with 0 among them EP = 1 is priced without replicas only.
     ``progress``: a progress bar while the dump is replayed under replicas. ``measured_rates``: backends' all-to-all
-    rates measured on the cluster (:mod:`.measured_rates`), in place of their published figures."""
+    rates measured on the cluster (:mod:`.measured_rates`), in place of their published figures. ``job_config``: the
+    job as ``load_job_config`` reads ``train_args`` (without a measured compute), when the caller has it already (a
+    fit prices one job many times; reading a config is most of a small job's pricing)."""
     device_type = None if measured_compute is None else "cpu"
-    job_config = load_job_config(train_args, device_type=device_type, world_size=world_size)
+    if job_config is None or measured_compute is not None:
+        job_config = load_job_config(train_args, device_type=device_type, world_size=world_size)
     shape = job_shape(job_config, world_size)
     work = shape.work
     replication = job_config.expert_replication

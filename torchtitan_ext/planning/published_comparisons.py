@@ -14,7 +14,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from torchtitan_ext.config import ConfigError
+from torchtitan_ext.config import ConfigError, load_job_config
 from torchtitan_ext.ep import BACKENDS
 from torchtitan_ext.planning.layout_advisor import advise, Layout
 from torchtitan_ext.planning.topology import load_topology
@@ -166,16 +166,24 @@ class Prediction:
         return self.comparison.faster(self.figures) == self.comparison.faster(self.comparison.measured)
 
 
-def predict(comparison: Comparison, fitted=None) -> Prediction:
+def job_of(comparison: Comparison):
+    """The comparison's job config, as the advisor reads it (for :func:`predict` to price many times)."""
+    job = comparison.priced
+    return load_job_config(["--job.config_file", job.config, *job.overrides], device_type=None,
+                           world_size=job.world_size)
+
+
+def predict(comparison: Comparison, fitted=None, job_config=None) -> Prediction:
     """The advisor's prediction for a priced comparison (ConfigError where its job does not price), as shipped or
-    under ``fitted`` parameters (:class:`~torchtitan_ext.planning.advisor_fit.FittedParameters`)."""
+    under ``fitted`` parameters (:class:`~torchtitan_ext.planning.advisor_fit.FittedParameters`); ``job_config``:
+    :func:`job_of` the comparison, when the caller has it."""
     job = comparison.priced
     train_args = ["--job.config_file", job.config, *job.overrides]
     topology, rates = load_topology(job.topology), None
     if fitted is not None:  # by the topology's own name, before its ranks are placed (the levels keep their order)
         topology, rates = fitted.applied(topology)
     topology = topology.placed_for(job.world_size, None)
-    layouts, _ = advise(train_args, job.world_size, topology, measured_rates=rates)
+    layouts, _ = advise(train_args, job.world_size, topology, measured_rates=rates, job_config=job_config)
     best = {}
     for layout in layouts:  # ranked: the first runnable layout of a backend at the EP degree is its best
         if layout.refused is None and layout.ep == job.ep and layout.backend in comparison.measured:
