@@ -96,7 +96,6 @@ def test_a_malformed_comparison_is_refused_in_one_line_naming_its_row(tmp_path, 
     assert str(refused.value).startswith(f"--comparisons {path}")
 
 
-@pytest.mark.slow
 def test_fit_recovers_the_compute_scale_a_row_was_made_with_and_validation_reports_it(tmp_path, capsys):
     """A fit row whose published figures are the advisor's own at half the topology's compute: the fit finds 0.5,
     writes it with its provenance, and the validation report predicts the row exactly under it."""
