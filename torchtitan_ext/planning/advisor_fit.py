@@ -27,7 +27,7 @@ from pathlib import Path
 from torchtitan_ext.config import ConfigError, parse
 from torchtitan_ext.ep import BACKENDS
 from torchtitan_ext.planning.measured_rates import MeasuredRate
-from torchtitan_ext.planning.published_comparisons import job_of, predict
+from torchtitan_ext.planning.published_comparisons import HIGHER_IS_FASTER, job_of, predict
 from torchtitan_ext.planning.topology import load_topology, Topology
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -135,7 +135,7 @@ def fit(comparisons: list) -> FittedParameters:
         errors = []
         for row, backend in figures:
             predicted = predict(row, parameters, jobs[row.id]).figure(backend)
-            errors.append(math.log(predicted / row.measured[backend]) * (1 if row.metric == "TFLOPS/GPU" else -1))
+            errors.append(math.log(predicted / row.measured[backend]) * (1 if HIGHER_IS_FASTER[row.metric] else -1))
         return sum(errors) / len(errors)
 
     scales = {}

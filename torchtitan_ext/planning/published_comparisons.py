@@ -55,9 +55,8 @@ class Comparison:
     """Backend (this project's name) -> figure, in the order published."""
     priced: PricedJob | None
     unpriced: str
-    """Why the advisor cannot price the job yet ("" when ``priced``)."""
-    details: dict[str, object]
-    """The other fields, as written (hardware, model, parallelism, batch, seq_len, precision, ...)."""
+    """Why the advisor cannot price the job yet ("" when ``priced``). The row's other fields (hardware, model,
+    parallelism, batch, ...) are checked on load and left in the file for its readers."""
 
     def faster(self, figures: dict[str, float]) -> str:
         """Which backend ``figures`` (backend -> figure in this row's metric) call faster."""
@@ -114,11 +113,9 @@ def _comparison(row: dict, where: str) -> Comparison:
         priced = PricedJob(job["config"], tuple(overrides), job["topology"], job["world_size"], job["ep"])
     elif not isinstance(row["unpriced"], str) or not row["unpriced"]:
         _refuse(where, "'unpriced' must say why the advisor cannot price the job")
-    details = {key: value for key, value in row.items()
-               if key not in ("id", "url", "source", "role", "metric", "measured", "priced", "unpriced")}
     return Comparison(row["id"], row["url"], row["source"], row["role"], row["metric"],
                       {backend: float(figure) for backend, figure in measured.items()}, priced,
-                      row.get("unpriced", ""), details)
+                      row.get("unpriced", ""))
 
 
 def load_comparisons(path: Path = SHIPPED) -> list[Comparison]:
