@@ -85,16 +85,28 @@ def test_an_error_of_the_workers_own_is_never_run_again(tmp_path):
     assert "--- rank 0: exit code -6" in report and TRANSPORT_ABORT.splitlines()[-1] in report
 
 
+def abort_deep_in_a_call(rank, world_size, message, depth=120):
+    """Rank 1 writes ``message`` to stderr and aborts ``depth`` calls deep: faulthandler's dump of its stack is
+    longer than the stderr's end that a report shows."""
+    if rank == 1:
+        if depth:
+            return abort_deep_in_a_call(rank, world_size, message, depth - 1)
+        os.write(2, f"{message}\n".encode())
+        os.abort()
+    return rank
+
+
 @pytest.mark.slow
-def test_any_other_abort_fails_with_every_ranks_stderr(tmp_path):
-    """A size mismatch between ranks' collectives (gloo::EnforceNotMet) is a defect: no second run."""
+def test_any_other_abort_fails_with_every_ranks_stderr_and_its_message(tmp_path):
+    """A size mismatch between ranks' collectives (gloo::EnforceNotMet) is a defect: no second run. The message
+    of the exception that aborted the rank is reported even when the stack dump after it is long."""
     message = ("terminate called after throwing an instance of 'gloo::EnforceNotMet'\n  what():  [enforce fail at "
                "gloo/transport/tcp/pair.cc:446] op.preamble.length <= op.nbytes. 1046204 vs 1040256")
     with pytest.raises(WorkersFailed) as failure:
-        run_workers(2, abort_once, str(tmp_path / "marker"), message)
+        run_workers(2, abort_deep_in_a_call, message)
     report = str(failure.value)
     assert not failure.value.transport_crash
-    assert f"--- rank 1: exit code -6\nstderr's end:\n{message}" in report
+    assert f"--- rank 1: exit code -6\nstderr before the crash's stack dump:\n{message}" in report
     assert "--- rank 0: exit code" in report
 
 

@@ -162,11 +162,31 @@ def ranks_report(context, tmp: str, world_size: int) -> str:
     lines = []
     for rank, process in enumerate(context.processes):
         stderr = Path(f"{tmp}/stderr{rank}")
-        tail = stderr.read_text(errors="replace")[-4000:] if stderr.exists() else ""
+        text = stderr.read_text(errors="replace") if stderr.exists() else ""
         traceback = raised(context, rank)
+        crash = _crash_message(text, STDERR_TAIL_CHARS)
         lines.append(f"--- rank {rank}: exit code {process.exitcode}"
-                     + (f", raised:\n{traceback[-2000:]}" if traceback else "") + f"\nstderr's end:\n{tail}")
+                     + (f", raised:\n{traceback[-2000:]}" if traceback else "")
+                     + (f"\nstderr before the crash's stack dump:\n{crash}" if crash else "")
+                     + f"\nstderr's end:\n{text[-STDERR_TAIL_CHARS:]}")
     return "\n".join(lines)
+
+
+STDERR_TAIL_CHARS = 4000
+"""How much of the end of each rank's stderr a failure report shows."""
+
+CRASH_DUMP = "Fatal Python error:"
+"""How faulthandler's dump of a fatal signal begins: every thread's stack, then the extension modules."""
+
+
+def _crash_message(text: str, tail_chars: int) -> str:
+    """What a rank wrote just before faulthandler's dump (the C++ exception that aborted it), when the dump pushed it
+    out of the last ``tail_chars`` characters: a rank with many threads dumps more than that."""
+    dump = text.rfind(CRASH_DUMP)
+    start = max(dump - 1500, 0)
+    if dump < 0 or start >= len(text) - tail_chars:
+        return ""
+    return text[start:dump].strip()
 
 
 def _worker(rank, world_size, tmp, device, timeout, fn, args):
