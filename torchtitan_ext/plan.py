@@ -27,7 +27,9 @@ from pathlib import Path
 import torch.distributed as dist
 
 from torchtitan_ext.balancing.routing_stats import check_fits, load_path
-from torchtitan_ext.config import ConfigError, job_world_size, load_job_config, moe_layer_ids, moe_shape, parse
+from torchtitan_ext.config import (
+    ConfigError, job_world_size, load_job_config, moe_layer_ids, moe_shape, parse, register_hf_model,
+)
 from torchtitan_ext.config.writing import write_job_config
 from torchtitan_ext.planning.calibrate import calibrate
 from torchtitan_ext.planning.cost_model import PaperSetting
@@ -98,10 +100,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calibrate", action="store_true", help="measure this machine and write its topology")
     parser.add_argument("--nproc", type=int, default=2, help="--calibrate: gloo processes (default 2)")
     parser.add_argument(
+        "--hf-config", type=Path, default=None, metavar="FILE",
+        help="with --topology: price the model of this Hugging Face config.json (model_type deepseek_v3 or gpt_oss) "
+             "in place of the job config's model; the job config gives the rest (batch, parallelism, precision)",
+    )
+    parser.add_argument(
         "--calibrate-output", type=Path, default=Path("outputs/this_machine_topology.toml"),
         help="--calibrate: where to write the topology (default outputs/this_machine_topology.toml)",
     )
     args, train_args = parser.parse_known_args(argv)
+    if args.hf_config is not None:
+        train_args = [*train_args, *_exit_on_error(_hf_model_overrides, args)]
     for flag, value in (("--json", args.json), ("--emit-config", args.emit_config)):
         if value is not None and (args.calibrate or args.paper or args.validate or args.fit):
             _exit_on_error(_refuse, f"{flag} writes from the layout advice, which --calibrate, --paper, --validate "
@@ -172,7 +181,8 @@ def main(argv: list[str] | None = None) -> None:
             shape = moe_shape(job_config)
             if shape is not None:
                 check_fits(stats, moe_layer_ids(job_config), shape.num_experts, f"--routing-stats {args.routing_stats}")
-        result = plan(job_config, world_size, stats)
+        # the memory plan is the parallelize plan's dry run: it runs on this harness's own models only
+        result = None if args.hf_config is not None else plan(job_config, world_size, stats)
         compute = measure_compute(train_args, world_size) if args.measure_compute else None
         advice, routing = (None, None) if topology is None else advise(
             train_args, world_size, topology, stats, str(args.routing_stats), compute, args.replica_slots, progress=True,
@@ -196,9 +206,11 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    print("\n".join(format_plan(result, world_size)))
+    if result is not None:
+        print("\n".join(format_plan(result, world_size)))
+    model = result.dry_run.model if result is not None else f"{job_config.model.name} of {args.hf_config}"
     if advice is not None:
-        print("\n".join(format_advice(advice, topology, world_size, result.dry_run.model, problem, routing, compute)))
+        print("\n".join(format_advice(advice, topology, world_size, model, problem, routing, compute)))
     if args.json is not None:
         written = args.json.with_name(f".{args.json.name}.partial")
         try:
@@ -219,6 +231,17 @@ def _shown(path: Path) -> str:
     """``path`` as the user would type it here: relative to the working folder when it lies inside it."""
     relative = os.path.relpath(path)
     return str(path) if relative.startswith("..") else relative
+
+
+def _hf_model_overrides(args) -> list[str]:
+    """The overrides that make ``--hf-config``'s model the job's: priced only (this harness trains the models of
+    its train configs), so the advice is all it gives."""
+    for flag, given in (("--topology", args.topology is not None), ("no --emit-config", args.emit_config is None),
+                        ("no --measure-compute", not args.measure_compute)):
+        if not given:
+            raise ConfigError(f"--hf-config prices a model by its FLOPs and bytes in the layout advice: use it with "
+                              f"{flag}")
+    return register_hf_model(args.hf_config)
 
 
 def _refuse(message: str) -> None:

@@ -1158,9 +1158,14 @@ def test_the_shipped_fit_reproduces_its_fit_row_where_the_advisor_as_shipped_ran
     assert report[1].endswith("the faster backend disagrees")
     assert re.search(r"off the published by nccl [+-]0\.[01]%, hybridep [+-]0\.[01]%; the faster backend agrees$",
                      report[2])
+    # the held-out flip (GPT-OSS 120B, nccl 4.0% faster): the fit calls hybridep faster; as shipped nccl is a bound
+    flip = report.index("mbridge-3561-gpt-oss-120b-gb200-ep64-bf16 (held_out): published nccl 423.60, hybridep 406.60 "
+                        "TFLOPS/GPU (hybridep -4.0%)")
+    assert "(nominal rate: a bound)" in report[flip + 1] and report[flip + 1].endswith("the faster backend agrees")
+    assert report[flip + 2].endswith("the faster backend disagrees")
     assert report[-1] == (
-        "summary: 8 comparisons (1 fit, 7 held out), 1 priced; the faster backend agrees as shipped on 0 of 1 priced "
-        "(0 of 0 held out), with the fit (docs/advisor_fit.toml) on 1 of 1 priced (0 of 0 held out)"
+        "summary: 8 comparisons (1 fit, 7 held out), 2 priced; the faster backend agrees as shipped on 1 of 2 priced "
+        "(1 of 1 held out), with the fit (docs/advisor_fit.toml) on 1 of 2 priced (0 of 1 held out)"
     )
     section = Path("docs/planning.md").read_text().split("### Checked against published comparisons")[1]
     assert section.split("```")[1].strip("\n").splitlines() == report

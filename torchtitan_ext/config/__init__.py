@@ -4,7 +4,7 @@ Owns: the error of a bad job (:class:`ConfigError`), TOML + command-line
 parsing, the valid range of numeric fields, the shared ``[parallelism]``
 widening, the registry through which each feature adds its section and checks
 (:mod:`.registry`), what a config fixes about the job (:mod:`.job`), the
-defaults this machine decides (:mod:`.machine`), validation and
+defaults this machine decides (:mod:`.machine`), a model given by a Hugging Face config.json (:mod:`.hf_model`), validation and
 :func:`load_job_config`.
 
 May import: torch, torchtitan and the standard library; nothing else of this
@@ -12,6 +12,7 @@ package (the bottom tier, see :mod:`torchtitan_ext`).
 """
 
 from torchtitan_ext.config.errors import ConfigError
+from torchtitan_ext.config.hf_model import register_hf_model
 from torchtitan_ext.config.job import (
     job_world_size,
     max_tokens_per_rank,
@@ -41,6 +42,7 @@ __all__ = [
     "MoEShape",
     "routed_expert_elements",
     "parse",
+    "register_hf_model",
     "Range",
     "register_check",
     "register_section",

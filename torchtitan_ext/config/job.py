@@ -9,6 +9,7 @@ from torchtitan.models import _supported_models
 from torchtitan.protocols.train_spec import _extra_train_specs, get_train_spec
 
 from torchtitan_ext.config.errors import ConfigError
+from torchtitan_ext.config.hf_model import registered_hf_model
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,9 @@ class MoEShape:
 def model_args_of(job_config):
     """The configured model flavour's arguments; ConfigError for an unknown model or flavour."""
     name, flavor = job_config.model.name, job_config.model.flavor
+    registered = registered_hf_model(name, flavor)
+    if registered is not None:
+        return registered
     try:
         spec = get_train_spec(name)
     except ValueError:
@@ -73,8 +77,7 @@ def routed_expert_elements(job_config) -> int:
     (0 for a dense model)."""
     for block in meta_model(job_config).layers.values():
         if block.moe_enabled:
-            experts = block.moe.experts
-            return sum(weight[0].numel() for weight in (experts.w1, experts.w2, experts.w3))
+            return sum(parameter[0].numel() for parameter in block.moe.experts.parameters())
     return 0
 
 

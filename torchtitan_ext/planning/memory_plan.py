@@ -14,9 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torchtitan.config import TORCH_DTYPE_MAP
-from torchtitan.protocols.train_spec import get_train_spec
 
-from torchtitan_ext.config import ConfigError, max_tokens_per_rank, MoEShape, routed_expert_elements
+from torchtitan_ext.config import ConfigError, max_tokens_per_rank, model_args_of, MoEShape, routed_expert_elements
 from torchtitan_ext.ep import BACKENDS
 from torchtitan_ext.ep.base import token_group_alignment
 from torchtitan_ext.ep.replication import dispatched_shape
@@ -115,7 +114,7 @@ def plan(job_config, world_size: int, routing_stats=None) -> Plan:
     report = dry_run(job_config, world_size)
     if "name" not in report.ep_settings:
         raise ConfigError("the planner needs an MoE model with expert_parallel_degree > 1")
-    model_args = get_train_spec(job_config.model.name).model_args[job_config.model.flavor]
+    model_args = model_args_of(job_config)
     ep = job_config.parallelism.expert_parallel_degree
     activation_dtype = TORCH_DTYPE_MAP[job_config.training.mixed_precision_param]
     dims = Dimensions(

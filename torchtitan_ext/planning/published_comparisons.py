@@ -14,7 +14,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from torchtitan_ext.config import ConfigError, load_job_config
+from torchtitan_ext.config import ConfigError, load_job_config, register_hf_model
 from torchtitan_ext.ep import BACKENDS
 from torchtitan_ext.planning.layout_advisor import advise, Layout
 from torchtitan_ext.planning.topology import load_topology
@@ -42,6 +42,14 @@ class PricedJob:
     world_size: int
     ep: int
     """The published EP degree: each backend's best-priced layout at this degree is the prediction."""
+    hf_config: str = ""
+    """A Hugging Face config.json (repository path) whose model takes the place of the config's, or ""."""
+
+    @property
+    def train_args(self) -> list[str]:
+        """The job as the advisor reads it: the config, the overrides, and the model of ``hf_config``."""
+        model = register_hf_model(Path(self.hf_config)) if self.hf_config else []
+        return ["--job.config_file", self.config, *self.overrides, *model]
 
 
 @dataclass(frozen=True)
@@ -100,17 +108,22 @@ def _comparison(row: dict, where: str) -> Comparison:
             _refuse(where, f"metric '{row['metric']}' of a priced row: the advisor predicts {', '.join(PREDICTED_METRICS)}")
         if not isinstance(job, dict) or not isinstance(job.get("config"), str) or not isinstance(job.get("topology"), str):
             _refuse(where, "'priced' needs config and topology (strings), overrides, world_size and ep")
-        unknown = sorted(set(job) - {"config", "overrides", "topology", "world_size", "ep"})
+        unknown = sorted(set(job) - {"config", "overrides", "topology", "world_size", "ep", "hf_config"})
         if unknown:
             _refuse(where, f"priced has no field {', '.join(unknown)}: its fields are config, overrides, topology, "
-                           "world_size and ep")
+                           "world_size, ep and hf_config")
+        if not isinstance(job.get("hf_config", ""), str):
+            _refuse(where, "priced.hf_config must be the path of a Hugging Face config.json")
         overrides = job.get("overrides", [])
         if not isinstance(overrides, list) or not all(isinstance(item, str) for item in overrides):
             _refuse(where, "priced.overrides must be a list of strings (CLI overrides)")
         for field in ("world_size", "ep"):
             if not isinstance(job.get(field), int) or isinstance(job[field], bool) or job[field] < 1:
                 _refuse(where, f"priced.{field} must be an integer >= 1")
-        priced = PricedJob(job["config"], tuple(overrides), job["topology"], job["world_size"], job["ep"])
+        priced = PricedJob(job["config"], tuple(overrides), job["topology"], job["world_size"], job["ep"],
+                           job.get("hf_config", ""))
+        if priced.hf_config:
+            register_hf_model(Path(priced.hf_config), f"{where}: priced.hf_config {priced.hf_config}")
     elif not isinstance(row["unpriced"], str) or not row["unpriced"]:
         _refuse(where, "'unpriced' must say why the advisor cannot price the job")
     return Comparison(row["id"], row["url"], row["source"], row["role"], row["metric"],
@@ -166,8 +179,7 @@ class Prediction:
 def job_of(comparison: Comparison):
     """The comparison's job config, as the advisor reads it (for :func:`predict` to price many times)."""
     job = comparison.priced
-    return load_job_config(["--job.config_file", job.config, *job.overrides], device_type=None,
-                           world_size=job.world_size)
+    return load_job_config(job.train_args, device_type=None, world_size=job.world_size)
 
 
 def predict(comparison: Comparison, fitted=None, job_config=None) -> Prediction:
@@ -175,7 +187,7 @@ def predict(comparison: Comparison, fitted=None, job_config=None) -> Prediction:
     under ``fitted`` parameters (:class:`~torchtitan_ext.planning.advisor_fit.FittedParameters`); ``job_config``:
     :func:`job_of` the comparison, when the caller has it."""
     job = comparison.priced
-    train_args = ["--job.config_file", job.config, *job.overrides]
+    train_args = job.train_args
     topology, rates = load_topology(job.topology), None
     if fitted is not None:  # by the topology's own name, before its ranks are placed (the levels keep their order)
         topology, rates = fitted.applied(topology)

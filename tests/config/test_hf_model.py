@@ -1,0 +1,82 @@
+"""A Hugging Face config.json as torchtitan model arguments (torchtitan_ext.config.hf_model): the public configs in
+docs/hf_configs/ give torchtitan's own flavours of the same models, and a config this module cannot price is
+refused in one line naming the field."""
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+from torchtitan.protocols.train_spec import get_train_spec
+
+from torchtitan_ext import plan
+from torchtitan_ext.config import ConfigError
+from torchtitan_ext.config.hf_model import hf_model_args
+
+GPT_OSS_120B = Path("docs/hf_configs/gpt-oss-120b.json")
+DEEPSEEK_R1 = Path("docs/hf_configs/deepseek-r1.json")
+# what the job's sequence length and torchtitan's choices of kernels set in a flavour, and the norms' epsilon
+# (torchtitan's 671B keeps its default 1e-5 where the config says 1e-6): none changes a FLOP or a byte
+NOT_SHAPE = {"max_seq_len", "attn_type", "attn_mask_type", "use_grouped_mm", "expert_parallel_comm_backend", "norm_eps"}
+
+
+def _shape(model_args) -> dict:
+    def without(fields: dict) -> dict:
+        return {key: without(value) if isinstance(value, dict) else value
+                for key, value in fields.items() if key not in NOT_SHAPE}
+    return without(asdict(model_args))
+
+
+@pytest.mark.parametrize("path, flavor", [(GPT_OSS_120B, "120b"), (DEEPSEEK_R1, "671B")])
+def test_a_public_config_gives_torchtitans_flavour_of_the_same_model(path, flavor):
+    name, model_args = hf_model_args(path)
+    assert _shape(model_args) == _shape(get_train_spec(name).model_args[flavor])
+
+
+def _edited(tmp_path: Path, **changes) -> Path:
+    config = json.loads(GPT_OSS_120B.read_text())
+    for field, value in changes.items():
+        if value is None:
+            del config[field]
+        else:
+            config[field] = value
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"num_local_experts": None}, "missing field(s) num_local_experts: a gpt_oss config.json states them"),
+    ({"attention_sink_size": 4}, "field(s) attention_sink_size are not known to price a gpt_oss model: they may "
+                                 "change its shape; remove them if they do not"),
+    ({"tie_word_embeddings": True}, "tie_word_embeddings = true: the torchtitan gpt_oss model builds an output layer "
+                                    "apart from the embeddings; a model that differs there is not priced"),
+    ({"layer_types": ["full_attention"] * 36}, 'layer_types = ["full_attention", "full_attention", '),
+    ({"model_type": "qwen3_moe"}, "model_type 'qwen3_moe' is not priced: use a config of deepseek_v3, gpt_oss"),
+    ({"experts_per_token": 2}, "num_experts_per_tok 4 and experts_per_token 2 differ: make them one top-k"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "is not YaRN scaling"),
+])
+def test_a_config_it_cannot_price_is_refused_naming_the_field(tmp_path, changes, message):
+    path = _edited(tmp_path, **changes)
+    with pytest.raises(ConfigError) as refused:
+        hf_model_args(path)
+    assert str(refused.value).startswith(f"--hf-config {path}: ") and message in str(refused.value)
+    assert "\n" not in str(refused.value)
+
+
+def test_a_file_that_is_not_a_config_is_refused(tmp_path):
+    missing, text = tmp_path / "missing.json", tmp_path / "config.json"
+    text.write_text("model_type = gpt_oss")
+    for path, message in ((missing, "cannot read it (No such file or directory): give the path of a model's "
+                                    "config.json"), (text, "not JSON (line 1: Expecting value): give a model's config.json")):
+        with pytest.raises(ConfigError, match=f"^--hf-config {path}: " + message.replace("(", r"\(").replace(")", r"\)")):
+            hf_model_args(path)
+
+
+@pytest.mark.parametrize("flags, needed", [([], "--topology"), (["--topology", "gb200_nvl72", "--emit-config", "x.toml"],
+                                                                 "no --emit-config")])
+def test_the_cli_gives_only_the_layout_advice_for_it(capsys, flags, needed):
+    with pytest.raises(SystemExit):
+        plan.main(["--hf-config", str(GPT_OSS_120B), *flags, "--job.config_file", "train_configs/debug_model.toml"])
+    assert capsys.readouterr().err == ("error: --hf-config prices a model by its FLOPs and bytes in the layout "
+                                       f"advice: use it with {needed}\n")

@@ -1,0 +1,195 @@
+"""A model given by a Hugging Face ``config.json``, as torchtitan's own model arguments, for the planner to price.
+
+:func:`register_hf_model` reads the file, maps its fields onto the torchtitan model family that builds the same
+architecture (``model_type`` ``deepseek_v3`` onto torchtitan's DeepSeek-V3, ``gpt_oss`` onto its GPT-OSS) and
+registers the arguments under the flavour ``hf:<path>``, so that ``--model.name <family> --model.flavor hf:<path>``
+names the model everywhere a job config is read. Every field is either read (it fixes a shape), held to the value
+the torchtitan model assumes (``hidden_act``, tied embeddings, the layer pattern), or known not to change the FLOPs
+or bytes of a step (token ids, dropout, the checkpoint's storage format); any other field, and any missing one,
+is refused in one line naming it: a field this module does not know may change the model it prices.
+"""
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from torchtitan.models.deepseek_v3 import DeepSeekV3ModelArgs
+from torchtitan.models.gpt_oss import GptOssModelArgs
+from torchtitan.models.moe import MoEArgs
+
+from torchtitan_ext.config.errors import ConfigError
+
+HF_FLAVOR_PREFIX = "hf:"
+"""The flavour name of a registered config.json: this prefix and the file's path."""
+
+_registered: dict[tuple[str, str], object] = {}
+
+
+@dataclass(frozen=True)
+class _Family:
+    """How one ``model_type`` maps onto a torchtitan model."""
+
+    model_name: str
+    """The torchtitan model (train-spec name) that builds this architecture."""
+    required: tuple[str, ...]
+    """Fields read: each must be present."""
+    fixed: dict
+    """Fields whose value the torchtitan model assumes: field -> (the value, or a test of it, what it means)."""
+    ignored: tuple[str, ...]
+    """Fields that change neither a step's FLOPs nor its bytes."""
+    build: Callable[[dict], object]
+
+
+def _yarn(config: dict, where: str) -> dict:
+    scaling = config["rope_scaling"]
+    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    if kind != "yarn":
+        raise ConfigError(f"{where}: rope_scaling {scaling!r} is not YaRN scaling, which the torchtitan model builds: "
+                          "price a config whose rope_scaling has type 'yarn'")
+    return scaling
+
+
+def _deepseek_v3(config: dict) -> DeepSeekV3ModelArgs:
+    scaling = _yarn(config, config["_where"])
+    return DeepSeekV3ModelArgs(
+        vocab_size=config["vocab_size"], dim=config["hidden_size"], inter_dim=config["intermediate_size"],
+        moe_inter_dim=config["moe_intermediate_size"], n_layers=config["num_hidden_layers"],
+        n_dense_layers=config["first_k_dense_replace"], n_heads=config["num_attention_heads"],
+        norm_eps=config["rms_norm_eps"],
+        moe_args=MoEArgs(
+            num_experts=config["n_routed_experts"], num_shared_experts=config["n_shared_experts"],
+            top_k=config["num_experts_per_tok"], num_expert_groups=config["n_group"],
+            num_limited_groups=config["topk_group"], score_func=config["scoring_func"],
+            route_norm=config["norm_topk_prob"], route_scale=config["routed_scaling_factor"],
+            score_before_experts=False,
+        ),
+        q_lora_rank=config["q_lora_rank"] or 0, kv_lora_rank=config["kv_lora_rank"],
+        qk_nope_head_dim=config["qk_nope_head_dim"], qk_rope_head_dim=config["qk_rope_head_dim"],
+        v_head_dim=config["v_head_dim"], original_seq_len=scaling["original_max_position_embeddings"],
+        rope_theta=config["rope_theta"], rope_factor=scaling["factor"], beta_fast=scaling["beta_fast"],
+        beta_slow=scaling["beta_slow"], mscale=scaling["mscale"],
+    )
+
+
+def _gpt_oss(config: dict) -> GptOssModelArgs:
+    scaling = _yarn(config, config["_where"])
+    if config["num_experts_per_tok"] != config["experts_per_token"]:
+        raise ConfigError(f"{config['_where']}: num_experts_per_tok {config['num_experts_per_tok']} and "
+                          f"experts_per_token {config['experts_per_token']} differ: make them one top-k")
+    return GptOssModelArgs(
+        vocab_size=config["vocab_size"], dim=config["hidden_size"], moe_inter_dim=config["intermediate_size"],
+        n_layers=config["num_hidden_layers"], norm_eps=config["rms_norm_eps"],
+        moe_args=MoEArgs(
+            num_experts=config["num_local_experts"], num_shared_experts=0, score_func="softmax", route_norm=True,
+            route_scale=1.0, gate_bias=True, score_before_experts=False, top_k=config["num_experts_per_tok"],
+        ),
+        swiglu_limit=config["swiglu_limit"], head_dim=config["head_dim"], n_heads=config["num_attention_heads"],
+        n_kv_heads=config["num_key_value_heads"], sliding_window_size=config["sliding_window"],
+        original_seq_len=scaling["original_max_position_embeddings"], rope_theta=config["rope_theta"],
+        rope_factor=scaling["factor"], ntk_alpha=scaling["beta_slow"], ntk_beta=scaling["beta_fast"],
+    )
+
+
+def _alternating_sliding_then_full(config: dict) -> bool:
+    pattern = ["sliding_attention", "full_attention"] * (config["num_hidden_layers"] // 2 + 1)
+    return config["layer_types"] == pattern[:config["num_hidden_layers"]]
+
+
+_COMMON_IGNORED = (
+    "architectures", "attention_dropout", "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range",
+    "max_position_embeddings", "model_type", "torch_dtype", "dtype", "transformers_version", "use_cache",
+    "quantization_config",  # the checkpoint's storage format: a job's precision is its own config's
+)
+
+_FAMILIES = {
+    "deepseek_v3": _Family(
+        "deepseek_v3",
+        required=("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                  "first_k_dense_replace", "num_attention_heads", "rms_norm_eps", "n_routed_experts",
+                  "n_shared_experts", "num_experts_per_tok", "n_group", "topk_group", "scoring_func", "norm_topk_prob",
+                  "routed_scaling_factor", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                  "v_head_dim", "rope_theta", "rope_scaling"),
+        fixed={
+            "hidden_act": ("silu", "SwiGLU experts and MLPs"),
+            "tie_word_embeddings": (False, "an output layer apart from the embeddings"),
+            "attention_bias": (False, "attention projections without bias"),
+            "moe_layer_freq": (1, "every layer after the first dense ones is MoE"),
+            "num_key_value_heads": (lambda config: config["num_key_value_heads"] == config["num_attention_heads"],
+                                    "multi-head latent attention: as many key-value heads as heads"),
+        },
+        ignored=(*_COMMON_IGNORED, "auto_map", "aux_loss_alpha", "seq_aux", "ep_size", "pretraining_tp",
+                 "topk_method",  # how groups and experts are chosen, not how many
+                 "num_nextn_predict_layers"),  # multi-token prediction heads: not trained by torchtitan's model
+        build=_deepseek_v3,
+    ),
+    "gpt_oss": _Family(
+        "gpt_oss",
+        required=("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "rms_norm_eps",
+                  "num_local_experts", "num_experts_per_tok", "experts_per_token", "swiglu_limit", "head_dim",
+                  "num_attention_heads", "num_key_value_heads", "sliding_window", "rope_theta", "rope_scaling"),
+        fixed={
+            "hidden_act": ("silu", "SwiGLU experts"),
+            "tie_word_embeddings": (False, "an output layer apart from the embeddings"),
+            "attention_bias": (True, "attention projections with bias"),
+            "layer_types": (_alternating_sliding_then_full,
+                            "sliding-window attention on even layers and full attention on odd ones"),
+        },
+        ignored=(*_COMMON_IGNORED, "initial_context_length", "output_router_logits", "router_aux_loss_coef"),
+        build=_gpt_oss,
+    ),
+}
+
+
+def _check_fields(config: dict, family: _Family, where: str) -> None:
+    known = {*family.required, *family.fixed, *family.ignored}
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise ConfigError(f"{where}: field(s) {', '.join(unknown)} are not known to price a "
+                          f"{config['model_type']} model: they may change its shape; remove them if they do not")
+    missing = [field for field in (*family.required, *family.fixed) if field not in config]
+    if missing:
+        raise ConfigError(f"{where}: missing field(s) {', '.join(missing)}: a {config['model_type']} config.json "
+                          "states them")
+    for field, (expected, meaning) in family.fixed.items():
+        value = config[field]
+        if not (expected(config) if callable(expected) else value == expected and type(value) is type(expected)):
+            shown = json.dumps(value)
+            shown = shown if len(shown) <= 60 else f"{shown[:57]}..."
+            raise ConfigError(f"{where}: {field} = {shown}: the torchtitan {family.model_name} model builds "
+                              f"{meaning}; a model that differs there is not priced")
+
+
+def hf_model_args(path: Path, where: str = ""):
+    """(torchtitan model name, its model arguments) of the config.json at ``path``; ConfigError naming the field
+    and the fix for a file that is not one, an unknown ``model_type``, and an unknown, missing or unsupported field.
+    ``where``: how the message names the file (default: the ``--hf-config`` flag)."""
+    where = where or f"--hf-config {path}"
+    try:
+        config = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot read it ({e.strerror}): give the path of a model's config.json") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{where}: not JSON (line {e.lineno}: {e.msg}): give a model's config.json") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ConfigError(f"{where}: no model_type field: give a Hugging Face model's config.json")
+    family = _FAMILIES.get(config["model_type"])
+    if family is None:
+        raise ConfigError(f"{where}: model_type '{config['model_type']}' is not priced: use a config of "
+                          f"{', '.join(_FAMILIES)}")
+    _check_fields(config, family, where)
+    return family.model_name, family.build({**config, "_where": where})
+
+
+def register_hf_model(path: Path, where: str = "") -> list[str]:
+    """Register the config.json at ``path`` as a flavour; the overrides that select it
+    (``--model.name <family> --model.flavor hf:<path>``). ``where``: as :func:`hf_model_args`'s."""
+    name, model_args = hf_model_args(path, where)
+    flavor = f"{HF_FLAVOR_PREFIX}{path}"
+    _registered[name, flavor] = model_args
+    return ["--model.name", name, "--model.flavor", flavor]
+
+
+def registered_hf_model(name: str, flavor: str):
+    """The model arguments :func:`register_hf_model` registered under ``flavor``, or None."""
+    return _registered.get((name, flavor))
