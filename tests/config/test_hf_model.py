@@ -33,8 +33,8 @@ def test_a_public_config_gives_torchtitans_flavour_of_the_same_model(path, flavo
     assert _shape(model_args) == _shape(get_train_spec(name).model_args[flavor])
 
 
-def _edited(tmp_path: Path, **changes) -> Path:
-    config = json.loads(GPT_OSS_120B.read_text())
+def _edited(tmp_path: Path, base: Path = GPT_OSS_120B, **changes) -> Path:
+    config = json.loads(base.read_text())
     for field, value in changes.items():
         if value is None:
             del config[field]
@@ -55,6 +55,12 @@ def _edited(tmp_path: Path, **changes) -> Path:
     ({"model_type": "qwen3_moe"}, "model_type 'qwen3_moe' is not priced: use a config of deepseek_v3, gpt_oss"),
     ({"experts_per_token": 2}, "num_experts_per_tok 4 and experts_per_token 2 differ: make them one top-k"),
     ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "is not YaRN scaling"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 32.0}}, "rope_scaling has no original_max_position_embeddings, "
+                                                              "beta_fast, beta_slow: a YaRN config states them"),
+    ({"base": DEEPSEEK_R1, "moe_layer_freq": 2}, "moe_layer_freq = 2: the torchtitan deepseek_v3 model builds every "
+                                                 "layer after the first dense ones is MoE"),
+    ({"base": DEEPSEEK_R1, "num_key_value_heads": 8}, "num_key_value_heads = 8: the torchtitan deepseek_v3 model "
+                                                      "builds multi-head latent attention"),
 ])
 def test_a_config_it_cannot_price_is_refused_naming_the_field(tmp_path, changes, message):
     path = _edited(tmp_path, **changes)
@@ -80,3 +86,15 @@ def test_the_cli_gives_only_the_layout_advice_for_it(capsys, flags, needed):
         plan.main(["--hf-config", str(GPT_OSS_120B), *flags, "--job.config_file", "train_configs/debug_model.toml"])
     assert capsys.readouterr().err == ("error: --hf-config prices a model by its FLOPs and bytes in the layout "
                                        f"advice: use it with {needed}\n")
+
+
+def test_a_registered_config_is_the_jobs_model_wherever_a_job_config_is_read():
+    """The flavour hf:<path> through load_job_config and the meta model: one GPT-OSS 120B expert's elements are its
+    fused gate-up and down projections and their biases."""
+    from torchtitan_ext.config import load_job_config, register_hf_model, routed_expert_elements
+
+    overrides = register_hf_model(GPT_OSS_120B)
+    assert overrides == ["--model.name", "gpt_oss", "--model.flavor", f"hf:{GPT_OSS_120B}"]
+    job_config = load_job_config(["--job.config_file", "train_configs/debug_model.toml", *overrides],
+                                 device_type=None, world_size=2)
+    assert routed_expert_elements(job_config) == 2 * 2880 * 2880 + 2 * 2880 + 2880 * 2880 + 2880

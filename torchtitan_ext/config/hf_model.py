@@ -7,6 +7,10 @@ names the model everywhere a job config is read. Every field is either read (it 
 the torchtitan model assumes (``hidden_act``, tied embeddings, the layer pattern), or known not to change the FLOPs
 or bytes of a step (token ids, dropout, the checkpoint's storage format); any other field, and any missing one,
 is refused in one line naming it: a field this module does not know may change the model it prices.
+
+What is priced is torchtitan's model of the architecture, with torchtitan's FLOP count: DeepSeek-V3 without its
+multi-token-prediction layers (``num_nextn_predict_layers``: torchtitan builds none), and GPT-OSS's sliding-window
+layers counted as full causal attention.
 """
 
 import json
@@ -41,17 +45,22 @@ class _Family:
     build: Callable[[dict], object]
 
 
-def _yarn(config: dict, where: str) -> dict:
+def _yarn(config: dict, where: str, fields: tuple[str, ...]) -> dict:
+    """``rope_scaling``, checked to be YaRN with ``fields``."""
     scaling = config["rope_scaling"]
     kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
     if kind != "yarn":
         raise ConfigError(f"{where}: rope_scaling {scaling!r} is not YaRN scaling, which the torchtitan model builds: "
                           "price a config whose rope_scaling has type 'yarn'")
+    missing = [field for field in fields if field not in scaling]
+    if missing:
+        raise ConfigError(f"{where}: rope_scaling has no {', '.join(missing)}: a YaRN config states them")
     return scaling
 
 
 def _deepseek_v3(config: dict) -> DeepSeekV3ModelArgs:
-    scaling = _yarn(config, config["_where"])
+    scaling = _yarn(config, config["_where"], ("original_max_position_embeddings", "factor", "beta_fast", "beta_slow",
+                                               "mscale_all_dim"))
     return DeepSeekV3ModelArgs(
         vocab_size=config["vocab_size"], dim=config["hidden_size"], inter_dim=config["intermediate_size"],
         moe_inter_dim=config["moe_intermediate_size"], n_layers=config["num_hidden_layers"],
@@ -68,12 +77,13 @@ def _deepseek_v3(config: dict) -> DeepSeekV3ModelArgs:
         qk_nope_head_dim=config["qk_nope_head_dim"], qk_rope_head_dim=config["qk_rope_head_dim"],
         v_head_dim=config["v_head_dim"], original_seq_len=scaling["original_max_position_embeddings"],
         rope_theta=config["rope_theta"], rope_factor=scaling["factor"], beta_fast=scaling["beta_fast"],
-        beta_slow=scaling["beta_slow"], mscale=scaling["mscale"],
+        # torchtitan's mscale scales the softmax, as the config's mscale_all_dim does
+        beta_slow=scaling["beta_slow"], mscale=scaling["mscale_all_dim"],
     )
 
 
 def _gpt_oss(config: dict) -> GptOssModelArgs:
-    scaling = _yarn(config, config["_where"])
+    scaling = _yarn(config, config["_where"], ("original_max_position_embeddings", "factor", "beta_fast", "beta_slow"))
     if config["num_experts_per_tok"] != config["experts_per_token"]:
         raise ConfigError(f"{config['_where']}: num_experts_per_tok {config['num_experts_per_tok']} and "
                           f"experts_per_token {config['experts_per_token']} differ: make them one top-k")
@@ -115,12 +125,13 @@ _FAMILIES = {
             "tie_word_embeddings": (False, "an output layer apart from the embeddings"),
             "attention_bias": (False, "attention projections without bias"),
             "moe_layer_freq": (1, "every layer after the first dense ones is MoE"),
+            "topk_method": ("noaux_tc", "group-limited routing with a selection bias"),
             "num_key_value_heads": (lambda config: config["num_key_value_heads"] == config["num_attention_heads"],
                                     "multi-head latent attention: as many key-value heads as heads"),
         },
         ignored=(*_COMMON_IGNORED, "auto_map", "aux_loss_alpha", "seq_aux", "ep_size", "pretraining_tp",
-                 "topk_method",  # how groups and experts are chosen, not how many
-                 "num_nextn_predict_layers"),  # multi-token prediction heads: not trained by torchtitan's model
+                 # multi-token prediction layers: torchtitan's DeepSeek-V3 builds none, so the job priced has none
+                 "num_nextn_predict_layers"),
         build=_deepseek_v3,
     ),
     "gpt_oss": _Family(

@@ -35,7 +35,7 @@ class Dimensions:
     replica_slots: int = 0
     """S: replica slots per rank ([expert_replication] slots_per_rank)."""
     expert_elements: int = 0
-    """Elements of one routed expert's weights (w1, w2, w3)."""
+    """Elements of one routed expert's weights, all its parameters."""
 
 
 @dataclass(frozen=True)
