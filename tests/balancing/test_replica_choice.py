@@ -155,10 +155,12 @@ def test_replicas_that_save_too_little_are_set_aside(world_of_one, caplog):
     caplog.set_level(logging.INFO)
     model, moe = _one_layer(world_of_one)
     chooser = ReplicaChooser(_job(min_gain=0.05), [model])
-    plans = {}
+    plans, set_aside = {}, {}
     for step, counts in enumerate(([10, 10, 10, 10], [10, 10, 10, 10], [30, 10, 10, 10], [5, 5, 5, 5]), start=1):
         chooser.before_step(step)
         plans[step] = (moe.replicas.plan.replicated(), chooser.stepped_aside.get(1))
+        set_aside[step] = chooser.metrics().get("ep/replica_layers_set_aside")
         moe.replicas.assign(_home_slots(counts), counting=True)
     assert plans == {1: (0, None), 2: (0, True), 3: (0, True), 4: (2, False)}
+    assert set_aside == {1: None, 2: 1.0, 3: 1.0, 4: 0.0}  # the metric the training log writes each step
     assert sum("set aside" in record.getMessage() for record in caplog.records) == 1

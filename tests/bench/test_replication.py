@@ -13,8 +13,11 @@ def test_a_runs_measurements_are_its_logged_metrics_per_step(tmp_path):
         metrics.write(step, {"loss_metrics/global_avg_loss": 8.0 + step / 100, "grad_norm": 2.0,
                              "time_metrics/end_to_end(s)": 1.0, "time_metrics/end_to_end_slowest_rank(s)": step + 0.5,
                              "ep/recv_rows_max_over_mean_worst": 1.0 + step / 10,
-                             "ep/recv_rows_max_over_mean_all_layers": 1.0 + step / 20})
+                             "ep/recv_rows_max_over_mean_all_layers": 1.0 + step / 20,
+                             # replication's own, from its first choice on
+                             **({"ep/replica_layers_set_aside": 0.5} if step > 3 else {})})
     measured = replication.measured(tmp_path)
+    assert measured["set_aside"] == {4: 0.5, 5: 0.5} and measured["choice"] == {}
     assert measured["recv"] == pytest.approx({step: 1.0 + step / 10 for step in range(1, 6)})
     assert measured["all_layers"] == pytest.approx({step: 1.0 + step / 20 for step in range(1, 6)})
     assert measured["loss"] == pytest.approx({step: 8.0 + step / 100 for step in range(1, 6)})
@@ -22,8 +25,13 @@ def test_a_runs_measurements_are_its_logged_metrics_per_step(tmp_path):
     assert replication.slowest_median(measured["time"]) == pytest.approx(5.0)
 
 
-def test_too_few_steps_for_a_warm_up_are_refused(capsys):
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "4"], "--steps 4: use more than 4 (the first 3 are warm-up)"),
+    (["--alphas", "0,x"], "--alphas 0,x --drift-every 3: use finite alphas >= 0, comma separated, and a drift of at "
+                          "least 1 step"),
+])
+def test_a_bad_argument_is_refused_before_any_run(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
-        replication.main(["--steps", "4"])
+        replication.main(argv)
     assert exit_info.value.code == 2
-    assert "--steps 4: use more than 4 (the first 3 are warm-up)" in capsys.readouterr().err
+    assert message in capsys.readouterr().err

@@ -17,6 +17,7 @@ is checkpointed, and a resumed job chooses afresh.
 """
 
 import heapq
+import time
 
 import torch
 from torchtitan.tools.logging import logger
@@ -121,6 +122,8 @@ class ReplicaChooser:
         self.stepped_aside: dict[int, bool] = {}
         """Layer -> whether its last choice was set aside (too little gain)."""
         self.reported_aside = False
+        self.choice_s = 0.0
+        """Host time the last choice took (every layer's plan and tables), in seconds."""
         self.layers = {layer: moe for layer, moe in moe_modules(model_parts).items() if moe.replicas is not None}
         self.reported = False
         self._closing = False
@@ -134,7 +137,9 @@ class ReplicaChooser:
     def before_step(self, step: int) -> None:
         """Choose from the window the last step closed, if it did; say whether this step closes the next one."""
         if self._closing:
+            started = time.perf_counter()
             self._choose(step)
+            self.choice_s = time.perf_counter() - started
         self._closing = step % self.adapt_every == 0
         for moe in self.layers.values():
             moe.replicas.closes_window = self._closing
@@ -170,6 +175,14 @@ class ReplicaChooser:
                 f"Expert replicas chosen before step {step} (every {self.adapt_every} step(s)): fetching their "
                 f"weights sends {refreshed / 2**20:,.2f} MiB per step from this rank, and as much gradient back"
             )
+
+    def metrics(self) -> dict[str, float]:
+        """This step's share of the replicated MoE layers running without replicas because their choice was set
+        aside, and the host time of the last choice; nothing before the first choice."""
+        if not self.stepped_aside:
+            return {}
+        return {"ep/replica_layers_set_aside": sum(self.stepped_aside.values()) / len(self.stepped_aside),
+                "ep/replica_choice_s": self.choice_s}
 
     @staticmethod
     def _bytes(moe, plan: ReplicaPlan) -> int:

@@ -1,19 +1,22 @@
 """Expert replication on a real training run: rank load per step and step time, with and without replicas.
 
     python -m torchtitan_ext.bench replication [--steps 20] [--rounds 1] [--settings 1x1,2x1,1x5,2x5]
-        [--markdown FILE] [-- extra run_train args]
+        [--alphas A[,A...] [--drift-every 3]] [--markdown FILE] [-- extra run_train args]
 
-Runs the default job (``./run_train.sh``, NGPU=2, EP=2) once per setting, the
-settings alternating within each round so that machine noise spreads evenly:
-no replication, then ``--expert_replication.slots_per_rank`` 1 and 2 with
-``adapt_every`` 1 and 5 (``--settings``: which of them, as SLOTSxADAPT_EVERY).
+Runs a job (``./run_train.sh``, NGPU=2, EP=2; the default job unless the extra arguments say otherwise) once per
+setting, the settings alternating within each round so that machine noise spreads evenly: no replication, then
+``--expert_replication.slots_per_rank`` 1 and 2 with ``adapt_every`` 1 and 5 (``--settings``: which of them, as
+SLOTSxADAPT_EVERY). With ``--alphas``, every setting runs at each routing skew ``--routing_skew.alpha A
+--routing_skew.drift_every D`` (the same seed: a pair of settings at one alpha routes alike until the replicas'
+rounding parts them), and each is compared with the run without replicas at its alpha.
 Prints, per setting, from each run's metrics.jsonl: ``recv max/mean`` (the worst MoE layer's
 busiest rank's rows over the mean) at every step, its median and worst after
 step 1, the median after the warm-up of the "all layers" ratio (each MoE
 layer's busiest rank's rows summed over the layers, over the mean rank's:
-what the step's expert compute pays), and the slowest rank's median step time after a warm-up of 3 steps,
-as a ratio to the run without replicas of the same round, and how far the
-losses of the first round's runs are from the run without replicas.
+what the step's expert compute pays), the share of replicated layers that ran without replicas (set aside:
+their choice saved less than ``min_gain``) and the host time of a choice, and the slowest rank's median step
+time after a warm-up of 3 steps, as a ratio to the run without replicas of the same round and alpha, and how
+far the losses of the first round's runs are from the run without replicas at their alpha.
 """
 
 import argparse
@@ -35,6 +38,8 @@ MEASURED = {
     "all_layers": "ep/recv_rows_max_over_mean_all_layers",
     "time": "time_metrics/end_to_end_slowest_rank(s)",
     "loss": "loss_metrics/global_avg_loss",
+    "set_aside": "ep/replica_layers_set_aside",
+    "choice": "ep/replica_choice_s",
 }
 """What each run reports: {name: its metric in metrics.jsonl}."""
 SETTINGS = {
@@ -50,7 +55,7 @@ WARMUP = 3
 def measured(dump_folder: Path | str) -> dict[str, dict[int, float]]:
     """{name of :data:`MEASURED`: {step: value}} of the run in ``dump_folder``."""
     rows = read_metrics(dump_folder)
-    return {name: {row["step"]: row[metric] for row in rows} for name, metric in MEASURED.items()}
+    return {name: {row["step"]: row[metric] for row in rows if metric in row} for name, metric in MEASURED.items()}
 
 
 def run(args: list[str], steps: int) -> dict[str, dict[int, float]]:
@@ -71,12 +76,20 @@ def slowest_median(times: dict[int, float]) -> float:
     return statistics.median(seconds for step, seconds in times.items() if step > WARMUP)
 
 
+def _after_warmup(values: dict[int, float]) -> list[float]:
+    return [value for step, value in values.items() if step > WARMUP]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20, help="training steps per run (default: 20)")
     parser.add_argument("--rounds", type=int, default=1, help="rounds of all settings, alternating (default: 1)")
     parser.add_argument("--settings", default="1x1,2x1,1x5,2x5",
                         help="replica settings besides none, as SLOTSxADAPT_EVERY (default: 1x1,2x1,1x5,2x5)")
+    parser.add_argument("--alphas", default=None,
+                        help="routing skews to run every setting at, comma separated (default: the job's routing)")
+    parser.add_argument("--drift-every", type=int, default=3,
+                        help="with --alphas: steps between redraws of the skew's expert ranking (default: 3)")
     parser.add_argument("--markdown", type=Path, help="also append the table to this markdown file")
     parser.add_argument("extra", nargs="*", help="more run_train.sh arguments for every run (after --)")
     args = parser.parse_args(argv)
@@ -89,43 +102,68 @@ def main(argv: list[str] | None = None) -> int:
         if name not in SETTINGS:
             parser.error(f"--settings {code}: use SLOTSxADAPT_EVERY codes among 1x1, 2x1, 1x5, 2x5")
         settings[name] = SETTINGS[name]
-    rows = {name: [] for name in settings}
-    with tqdm(total=args.rounds * len(settings), desc="bench_replication", unit="run") as progress:
+    skews = {"": []}
+    if args.alphas is not None:
+        try:
+            alphas = [float(text) for text in args.alphas.split(",")]
+        except ValueError:
+            alphas = [-1.0]
+        if any(not 0 <= alpha < float("inf") for alpha in alphas) or args.drift_every < 1:
+            parser.error(f"--alphas {args.alphas} --drift-every {args.drift_every}: use finite alphas >= 0, "
+                         "comma separated, and a drift of at least 1 step")
+        skews = {f"alpha {alpha:g}": ["--routing_skew.alpha", str(alpha), "--routing_skew.drift_every",
+                                      str(args.drift_every)] for alpha in alphas}
+    arms = {(skew, name): [*skew_args, *setting] for skew, skew_args in skews.items() for name, setting in settings.items()}
+    rows = {arm: [] for arm in arms}
+    with tqdm(total=args.rounds * len(arms), desc="bench_replication", unit="run") as progress:
         for _ in range(args.rounds):
-            baseline = None
-            for name, setting in settings.items():
-                metrics = run([*setting, *args.extra], args.steps)
+            baseline = {}
+            for (skew, name), arm_args in arms.items():
+                metrics = run([*arm_args, *args.extra], args.steps)
                 median_time = slowest_median(metrics["time"])
-                baseline = median_time if baseline is None else baseline
-                rows[name].append({**metrics, "median_time": median_time, "time_ratio": median_time / baseline})
+                baseline.setdefault(skew, median_time)
+                rows[skew, name].append({**metrics, "median_time": median_time,
+                                         "time_ratio": median_time / baseline[skew]})
                 progress.update()
     lines = [
         f"| setting | recv max/mean per step (steps 1-{args.steps}) | median, worst after step 1 | "
-        f"all layers, median after step {WARMUP} | slowest rank's median step time (s) | vs no replicas |",
-        "|---|---|---|---|---|---|",
+        f"all layers, median after step {WARMUP} | replicas set aside, share of layer-steps after step {WARMUP} | "
+        "choice, median ms | slowest rank's median step time (s) | vs no replicas |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for name, measured_rounds in rows.items():
+    for (skew, name), measured_rounds in rows.items():
         for metrics in measured_rounds:
             recv = metrics["recv"]
             later = [ratio for step, ratio in recv.items() if step > 1]
+            aside, choice = _after_warmup(metrics["set_aside"]), _after_warmup(metrics["choice"])
             lines.append(
-                f"| {name} | {' '.join(f'{recv[s]:.2f}' for s in sorted(recv))} | "
+                f"| {', '.join(filter(None, (skew, name)))} | {' '.join(f'{recv[s]:.2f}' for s in sorted(recv))} | "
                 f"{statistics.median(later):.2f}, {max(later):.2f} | "
-                f"{statistics.median(r for step, r in metrics['all_layers'].items() if step > WARMUP):.2f} | "
+                f"{statistics.median(_after_warmup(metrics['all_layers'])):.2f} | "
+                f"{f'{statistics.mean(aside):.2f}' if aside else '-'} | "
+                f"{f'{1000 * statistics.median(choice):.1f}' if choice else '-'} | "
                 f"{metrics['median_time']:.3f} | "
                 f"{metrics['time_ratio']:.3f} |"
             )
-    losses = {name: measured_rounds[0]["loss"] for name, measured_rounds in rows.items()}
-    reference = losses["no replicas"]
-    differences = {step: max(abs(got[step] - loss) / loss for got in losses.values())
-                   for step, loss in reference.items()}
-    first_differing = next((step for step in sorted(differences) if differences[step]), None)
     lines.append("")
-    lines.append(
-        f"Largest relative loss difference to the run without replicas: steps 1-10 "
-        f"{max(differences[step] for step in sorted(differences)[:10]):.1e}, any step {max(differences.values()):.1e}; "
-        f"first step whose logged loss differs: {first_differing or 'none'}"
-    )
+    for skew in skews:
+        losses = {name: rows[skew, name][0]["loss"] for name in settings}
+        reference = losses["no replicas"]
+        differences = {step: max(abs(got[step] - loss) / loss for got in losses.values())
+                       for step, loss in reference.items()}
+        first_differing = next((step for step in sorted(differences) if differences[step]), None)
+        lines.append(
+            f"{f'At {skew}: l' if skew else 'L'}argest relative loss difference to the run without replicas: steps "
+            f"1-10 {max(differences[step] for step in sorted(differences)[:10]):.1e}, any step "
+            f"{max(differences.values()):.1e}; first step whose logged loss differs: {first_differing or 'none'}"
+        )
+    if len(measured_rounds) > 1:
+        lines.append("")
+        for (skew, name), measured_rounds in rows.items():
+            if name != "no replicas":
+                ratios = sorted(metrics["time_ratio"] for metrics in measured_rounds)
+                lines.append(f"{', '.join(filter(None, (skew, name)))}: step time vs no replicas, median of "
+                             f"{len(ratios)} rounds {statistics.median(ratios):.3f} ({ratios[0]:.3f}-{ratios[-1]:.3f})")
     print("\n".join(lines))
     if args.markdown is not None:
         with args.markdown.open("a") as out:

@@ -10,6 +10,7 @@ the hot path never syncs with the host. docs/reliability.md lists every metric a
 import re
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -154,6 +155,8 @@ class MetricsProcessor(TorchTitanMetricsProcessor):
         metrics_rank = _get_metrics_rank(parallel_dims, job_config) if dist.is_initialized() else 0
         writes = not dist.is_initialized() or dist.get_rank() == metrics_rank
         self.metrics_file = MetricsFile(Path(job_config.job.dump_folder)) if writes else None
+        self.sources: list[Callable[[], dict[str, float]]] = []
+        """Features' own per-step metrics (expert replication's layers set aside), read at each log."""
 
     def should_log(self, step: int) -> bool:
         """torchtitan's rule; also counts the steps a log line covers (torchtitan's
@@ -197,6 +200,7 @@ class MetricsProcessor(TorchTitanMetricsProcessor):
             "memory/num_alloc_retries": memory.num_alloc_retries,
             "memory/num_ooms": memory.num_ooms,
             **ep_metrics,
+            **{name: value for source in self.sources for name, value in source().items()},
             **(extra_metrics or {}),
         }
         self.logger.log(metrics, step)

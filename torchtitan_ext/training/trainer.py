@@ -50,6 +50,8 @@ class Trainer(TorchTitanTrainer):
         self.replica_chooser = (
             ReplicaChooser(job_config, self.model_parts) if job_config.expert_replication.slots_per_rank else None
         )
+        if self.replica_chooser is not None:
+            self.metrics_processor.sources.append(self.replica_chooser.metrics)
         self.routing_skew = (
             RoutingSkewer(job_config, self.model_parts, self.device) if job_config.routing_skew.alpha else None
         )
