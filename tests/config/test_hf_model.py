@@ -15,6 +15,7 @@ from torchtitan_ext.config.hf_model import hf_model_args
 
 GPT_OSS_120B = Path("docs/hf_configs/gpt-oss-120b.json")
 DEEPSEEK_R1 = Path("docs/hf_configs/deepseek-r1.json")
+QWEN3_30B = Path("docs/hf_configs/qwen3-30b-a3b.json")
 # what the job's sequence length and torchtitan's choices of kernels set in a flavour, and the norms' epsilon
 # (torchtitan's 671B keeps its default 1e-5 where the config says 1e-6): none changes a FLOP or a byte
 NOT_SHAPE = {"max_seq_len", "attn_type", "attn_mask_type", "use_grouped_mm", "expert_parallel_comm_backend", "norm_eps"}
@@ -27,7 +28,7 @@ def _shape(model_args) -> dict:
     return without(asdict(model_args))
 
 
-@pytest.mark.parametrize("path, flavor", [(GPT_OSS_120B, "120b"), (DEEPSEEK_R1, "671B")])
+@pytest.mark.parametrize("path, flavor", [(GPT_OSS_120B, "120b"), (DEEPSEEK_R1, "671B"), (QWEN3_30B, "30B-A3B")])
 def test_a_public_config_gives_torchtitans_flavour_of_the_same_model(path, flavor):
     name, model_args = hf_model_args(path)
     assert _shape(model_args) == _shape(get_train_spec(name).model_args[flavor])
@@ -52,7 +53,9 @@ def _edited(tmp_path: Path, base: Path = GPT_OSS_120B, **changes) -> Path:
     ({"tie_word_embeddings": True}, "tie_word_embeddings = true: the torchtitan gpt_oss model builds an output layer "
                                     "apart from the embeddings; a model that differs there is not priced"),
     ({"layer_types": ["full_attention"] * 36}, 'layer_types = ["full_attention", "full_attention", '),
-    ({"model_type": "qwen3_moe"}, "model_type 'qwen3_moe' is not priced: use a config of deepseek_v3, gpt_oss"),
+    ({"model_type": "mixtral"}, "model_type 'mixtral' is not priced: use a config of deepseek_v3, gpt_oss, qwen3_moe"),
+    ({"base": QWEN3_30B, "mlp_only_layers": [0, 1]}, "mlp_only_layers = [0, 1]: the torchtitan qwen3 model builds every "
+                                                     "layer MoE"),
     ({"experts_per_token": 2}, "num_experts_per_tok 4 and experts_per_token 2 differ: make them one top-k"),
     ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "is not YaRN scaling"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 32.0}}, "rope_scaling has no original_max_position_embeddings, "

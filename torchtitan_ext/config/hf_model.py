@@ -1,7 +1,8 @@
 """A model given by a Hugging Face ``config.json``, as torchtitan's own model arguments, for the planner to price.
 
 :func:`register_hf_model` reads the file, maps its fields onto the torchtitan model family that builds the same
-architecture (``model_type`` ``deepseek_v3`` onto torchtitan's DeepSeek-V3, ``gpt_oss`` onto its GPT-OSS) and
+architecture (``model_type`` ``deepseek_v3`` onto torchtitan's DeepSeek-V3, ``gpt_oss`` onto its GPT-OSS,
+``qwen3_moe`` onto its Qwen3 with MoE layers) and
 registers the arguments under the flavour ``hf:<path>``, so that ``--model.name <family> --model.flavor hf:<path>``
 names the model everywhere a job config is read. Every field is either read (it fixes a shape), held to the value
 the torchtitan model assumes (``hidden_act``, tied embeddings, the layer pattern), or known not to change the FLOPs
@@ -21,6 +22,7 @@ from pathlib import Path
 from torchtitan.models.deepseek_v3 import DeepSeekV3ModelArgs
 from torchtitan.models.gpt_oss import GptOssModelArgs
 from torchtitan.models.moe import MoEArgs
+from torchtitan.models.qwen3 import Qwen3ModelArgs
 
 from torchtitan_ext.config.errors import ConfigError
 
@@ -101,6 +103,20 @@ def _gpt_oss(config: dict) -> GptOssModelArgs:
     )
 
 
+def _qwen3_moe(config: dict) -> Qwen3ModelArgs:
+    return Qwen3ModelArgs(
+        dim=config["hidden_size"], n_layers=config["num_hidden_layers"], n_heads=config["num_attention_heads"],
+        n_kv_heads=config["num_key_value_heads"], vocab_size=config["vocab_size"], head_dim=config["head_dim"],
+        hidden_dim=config["intermediate_size"], norm_eps=config["rms_norm_eps"], rope_theta=config["rope_theta"],
+        qk_norm=True, enable_weight_tying=config["tie_word_embeddings"], moe_enabled=True,
+        moe_inter_dim=config["moe_intermediate_size"],
+        moe_args=MoEArgs(
+            num_experts=config["num_experts"], num_shared_experts=0, top_k=config["num_experts_per_tok"],
+            score_func="softmax", route_norm=config["norm_topk_prob"], route_scale=1.0, score_before_experts=False,
+        ),
+    )
+
+
 def _alternating_sliding_then_full(config: dict) -> bool:
     pattern = ["sliding_attention", "full_attention"] * (config["num_hidden_layers"] // 2 + 1)
     return config["layer_types"] == pattern[:config["num_hidden_layers"]]
@@ -148,6 +164,24 @@ _FAMILIES = {
         },
         ignored=(*_COMMON_IGNORED, "initial_context_length", "output_router_logits", "router_aux_loss_coef"),
         build=_gpt_oss,
+    ),
+    "qwen3_moe": _Family(
+        "qwen3",
+        required=("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
+                  "head_dim", "intermediate_size", "rms_norm_eps", "rope_theta", "tie_word_embeddings",
+                  "moe_intermediate_size", "num_experts", "num_experts_per_tok", "norm_topk_prob"),
+        fixed={
+            "hidden_act": ("silu", "SwiGLU experts"),
+            "attention_bias": (False, "attention projections without bias"),
+            "decoder_sparse_step": (1, "every layer MoE"),
+            "mlp_only_layers": ([], "every layer MoE"),
+            "use_sliding_window": (False, "full causal attention in every layer"),
+            "rope_scaling": (None, "RoPE without scaling"),
+        },
+        # sliding_window and max_window_layers mean nothing while use_sliding_window is false
+        ignored=(*_COMMON_IGNORED, "output_router_logits", "router_aux_loss_coef", "sliding_window",
+                 "max_window_layers"),
+        build=_qwen3_moe,
     ),
 }
 
