@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from tests.helpers import run_distributed
 from tests.models.gradient_cases import Cell, ledger_worker, MATRIX_VARIANTS
-from torchtitan_ext.planning.device_ledger import DeviceCostCounter, Ledger, OUTSIDE
+from torchtitan_ext.planning.device_ledger import DeviceCostCounter, OUTSIDE
 
 AC_MODES = {
     "ac_none": (),

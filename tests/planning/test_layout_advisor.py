@@ -14,9 +14,8 @@ from torchtitan_ext import plan, runtime
 from torchtitan_ext.config import ConfigError, load_job_config, parse
 from torchtitan_ext.ep import BACKENDS
 from torchtitan_ext.planning.cost_model import MeasuredRouting
-from torchtitan_ext.planning.layout_advisor import (
-    advise, advised_config, format_advice, layouts_record, overrides_problem,
-)
+from torchtitan_ext.planning.advice_report import format_advice, layouts_record
+from torchtitan_ext.planning.layout_advisor import advise, advised_config, overrides_problem
 from torchtitan_ext.planning.advisor_fit import load_fit, SHIPPED as SHIPPED_FIT
 from torchtitan_ext.planning.measured_compute import check_measurable, MeasuredCompute
 from torchtitan_ext.planning.published_comparisons import SHIPPED as SHIPPED_COMPARISONS, validation_report
@@ -542,7 +541,7 @@ def test_a_larger_nvlink_domain_than_the_topology_has_is_refused(advice_671b):
     ],
 )
 def test_job_shape_follows_checkpointing_accumulation_and_resharding(overrides, recomputed, dispatches, regather):
-    from torchtitan_ext.planning.layout_advisor import job_shape
+    from torchtitan_ext.planning.job_shape import job_shape
     from torchtitan_ext.config import load_job_config
 
     job_config = load_job_config([*DEBUG_JOB, *overrides], device_type=None, world_size=4)
@@ -1130,7 +1129,7 @@ def test_no_sm_alternative_beside_dualpipev_overlapped_ep():
 def test_a_measured_rate_leaves_out_an_alternative_it_would_price_alike():
     """A rate measured on the cluster for blocking HybridEP prices every SM count alike: no 16/32 row; DeepEP's
     other API keeps its own published rate, so it stays."""
-    from torchtitan_ext.planning.layout_advisor import _priced_settings
+    from torchtitan_ext.planning.layout_links import priced_settings
 
     job_config = load_job_config(["--job.config_file", "train_configs/deepseek_v3_671b_gb200.toml"], device_type=None,
                                  world_size=256)
@@ -1138,7 +1137,7 @@ def test_a_measured_rate_leaves_out_an_alternative_it_would_price_alike():
 
     def alternatives(measured):
         return {(name, tuple(settings.items())) for name, _, settings, _ in
-                _priced_settings(job_config, 64, [0], topology, 256, measured) if settings}
+                priced_settings(job_config, 64, [0], topology, 256, measured) if settings}
 
     published = alternatives(None)
     assert ("hybridep", (("num_sms_dispatch", 16), ("num_sms_combine", 32))) in published

@@ -16,7 +16,8 @@ from torchtitan_ext.ep import BACKENDS
 from torchtitan_ext.ep import deepep, hybridep, nccl
 from torchtitan_ext.ep.published_rates import FABRICS, nearest_sms, PublishedRate
 from torchtitan_ext.planning import cost_model as cm
-from torchtitan_ext.planning.layout_advisor import advise, kernel_rate_fractions
+from torchtitan_ext.planning.layout_advisor import advise
+from torchtitan_ext.planning.layout_links import kernel_rate_fractions
 from torchtitan_ext.planning.measured_rates import BENCH_COMMAND, calibration_rates
 from torchtitan_ext.planning.topology import Level, Topology
 

@@ -7,7 +7,9 @@ from tests.planning.advice_text import paragraph
 from torchtitan_ext import plan
 from torchtitan_ext.config import ConfigError, load_job_config
 from torchtitan_ext.planning.cost_model import MeasuredRouting, MoEWorkload
-from torchtitan_ext.planning.layout_advisor import advise, format_advice, job_shape
+from torchtitan_ext.planning.advice_report import format_advice
+from torchtitan_ext.planning.job_shape import job_shape
+from torchtitan_ext.planning.layout_advisor import advise
 from torchtitan_ext.planning.replica_cost import replay, replica_traffic
 from torchtitan_ext.planning.topology import load_topology, parse_topology
 

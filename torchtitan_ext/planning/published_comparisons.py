@@ -16,7 +16,8 @@ from pathlib import Path
 
 from torchtitan_ext.config import ConfigError, load_job_config, register_hf_model
 from torchtitan_ext.ep import BACKENDS
-from torchtitan_ext.planning.layout_advisor import advise, Layout
+from torchtitan_ext.planning.layout import Layout
+from torchtitan_ext.planning.layout_advisor import advise
 from torchtitan_ext.planning.topology import load_topology
 
 SHIPPED = Path(__file__).resolve().parents[2] / "docs" / "published_comparisons.toml"

@@ -70,7 +70,7 @@ class Topology:
     """Innermost first."""
     memory_GB: float | None = None
     """Device memory of one worker, GB (1e9 bytes). > 0. The advisor refuses a layout whose rank needs more
-    (:attr:`~torchtitan_ext.planning.layout_advisor.Layout.memory_bytes`); None: not checked."""
+    (:attr:`~torchtitan_ext.planning.layout.Layout.memory_bytes`); None: not checked."""
     memory_bandwidth_GBps: float | None = None
     """Device memory bandwidth of one worker, GB/s (nominal). > 0. Prices each EP backend's passes over the token
     rows outside its kernels (:mod:`~torchtitan_ext.planning.local_traffic`); None: not priced."""
