@@ -7,7 +7,8 @@ import torch.distributed as dist
 
 from tests.helpers import run_distributed
 from tests.models.gradient_cases import Cell, ledger_worker, MATRIX_VARIANTS
-from torchtitan_ext.planning.device_ledger import DeviceCostCounter, OUTSIDE
+from torchtitan_ext.planning.device_cost_counter import DeviceCostCounter
+from torchtitan_ext.planning.device_costs import OUTSIDE
 
 AC_MODES = {
     "ac_none": (),
