@@ -71,3 +71,26 @@ def test_every_moe_layer_stays_within_its_backends_budget(ledgers, cell):
         recompute = ledger.costs.get((layer, "recompute"))
         assert (recompute is not None) == ("ac_none" not in cell.name), layer
     assert (OUTSIDE, "step") in ledger.costs
+
+
+@pytest.mark.slow
+def test_the_clis_step_with_replicas_chosen_by_the_trainer_stays_within_budget():
+    """count_step (``python -m torchtitan_ext.ledger``'s path): the trainer's own chooser picks the replicas, so the
+    first replicated step is counted with its plan just chosen. Its index tables are copied between steps, never
+    inside a layer (a layer building them in its first replicated forward, two blocking copies, was found by hand
+    with the CLI), and every layer fetches replicas (the counts' all-gather: not set aside)."""
+    from torchtitan_ext.planning.device_ledger import count_step
+
+    ledger = count_step(["--job.config_file", "train_configs/debug_model.toml", "--model.flavor", "debugmodel_small",
+                         "--training.seq_len", "64", "--training.local_batch_size", "2",
+                         "--training.mixed_precision_param", "float32", "--expert_replication.slots_per_rank", "2",
+                         "--expert_replication.adapt_every", "1", "--expert_replication.min_gain", "0"], 2)
+    assert ledger.over_budget() == []
+    forwards = {layer: costs for (layer, phase), costs in ledger.costs.items() if layer != OUTSIDE and phase == "forward"}
+    assert forwards == {layer: forwards[layer] for layer in (1, 2, 3, 4, 5)}
+    for costs in forwards.values():
+        assert not costs.h2d_copies and [kind for kind, *_ in costs.collectives].count("allgather") == 1
+        assert costs.collective_count(ledger.ep_group) == ledger.budget.forward.collectives
+    between_steps = ledger.costs[OUTSIDE, "step"].h2d_copies
+    assert all(kind.startswith("non-blocking") for kind in between_steps if "torchtitan_ext/ep/" in kind)
+    assert any("torchtitan_ext/ep/replica" in kind for kind in between_steps)
