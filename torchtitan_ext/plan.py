@@ -32,7 +32,7 @@ from torchtitan_ext.config import (
 )
 from torchtitan_ext.config.writing import write_job_config
 from torchtitan_ext.planning.calibrate import calibrate
-from torchtitan_ext.planning.cost_model import PaperSetting
+from torchtitan_ext.planning.paper_model import PaperSetting
 from torchtitan_ext.planning.advice_report import format_advice, format_paper, layouts_record
 from torchtitan_ext.planning.layout_advisor import advise, advised_config, overrides_problem
 from torchtitan_ext.planning.measured_compute import check_measurable, measure_compute

@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 
 from torchtitan_ext.planning import cost_model as cm
+from torchtitan_ext.planning import paper_model as paper
 from torchtitan_ext.planning.topology import Level, Topology
 
 MB = 1e6
@@ -25,7 +26,7 @@ TABLE_VII = {  # G: {S: (A2A pairs, AG pairs)}
 
 @pytest.mark.parametrize("G, S", [(G, S) for G, row in TABLE_VII.items() for S in row])
 def test_table_vii_pair_counts(G, S):
-    counts = cm.pair_counts([G], [S])
+    counts = paper.pair_counts([G], [S])
     assert (counts["A2A"], counts["AG"]) == TABLE_VII[G][S]
 
 
@@ -33,13 +34,13 @@ def test_two_level_example_pair_counts():
     """Fig. 8b: 4 data centres x 4 GPUs, domains of 2 data centres and of all 4 GPUs in one. The paper
     gives no counts for it; these follow from Algorithm 1 as read here (docs/planning.md), and they
     equal the one-level formulas summed over levels: AG 16 x ((2-1) + (4-1)), A2A 16 x (4/2 - 1)."""
-    assert cm.pair_counts([4, 4], [2, 4]) == {"AG": 64, "A2A": 16}
+    assert paper.pair_counts([4, 4], [2, 4]) == {"AG": 64, "A2A": 16}
 
 
 def test_eq13_renumbers_outermost_first():
-    assert cm.eq13_coordinates(13, [4, 4]) == [3, 1]
-    assert cm.eq13_coordinates(13, [2, 2, 4]) == [1, 1, 1]
-    assert [cm.eq13_coordinates(rank, [2, 3]) for rank in range(6)] == [[0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [1, 2]]
+    assert paper.eq13_coordinates(13, [4, 4]) == [3, 1]
+    assert paper.eq13_coordinates(13, [2, 2, 4]) == [1, 1, 1]
+    assert [paper.eq13_coordinates(rank, [2, 3]) for rank in range(6)] == [[0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [1, 2]]
 
 
 SETTINGS = [  # (G, D, P_E, pre_expert seconds): both cases of eq. 10, both signs of eq. 12's slope
@@ -52,27 +53,27 @@ SETTINGS = [  # (G, D, P_E, pre_expert seconds): both cases of eq. 10, both sign
 def test_stream_model_equals_the_closed_form(G, D, P_E, pre_expert):
     """Eqs. 2, 3, 4, 5, 7 substituted in eq. 8 give eq. 10 (eq. 11 or 12 by case) at every feasible
     domain size, with p = (G - S) / (G - 1); and the latency is max(PE, AG) + 2 A2A."""
-    setting = cm.PaperSetting(G, D, P_E, GBPS_128, pre_expert)
+    setting = paper.PaperSetting(G, D, P_E, GBPS_128, pre_expert)
     for S in setting.domain_sizes():
-        p = cm.p_of_domain_size(G, S)
-        assert setting.latency(S) == pytest.approx(cm.eq10_latency(p, G, D, P_E, GBPS_128, pre_expert), rel=1e-12)
+        p = paper.p_of_domain_size(G, S)
+        assert setting.latency(S) == pytest.approx(paper.eq10_latency(p, G, D, P_E, GBPS_128, pre_expert), rel=1e-12)
         a2a = D * (G - S) / G / GBPS_128
         ag = P_E * (S - 1) / GBPS_128
         assert setting.latency(S) == pytest.approx(max(pre_expert, ag) + 2 * a2a, rel=1e-12)
 
 
 def test_eq3_volume_tends_to_d_and_eq4_grows_linearly():
-    assert cm.eq3_a2a_volume(8 * MB, 8) == pytest.approx(7 * MB)
-    assert cm.eq3_a2a_volume(8 * MB, 1000) == pytest.approx(8 * MB * 999 / 1000)
-    assert [cm.eq4_ag_volume(2.0, g) for g in (1, 2, 4, 8)] == [0.0, 2.0, 6.0, 14.0]
+    assert paper.eq3_a2a_volume(8 * MB, 8) == pytest.approx(7 * MB)
+    assert paper.eq3_a2a_volume(8 * MB, 1000) == pytest.approx(8 * MB * 999 / 1000)
+    assert [paper.eq4_ag_volume(2.0, g) for g in (1, 2, 4, 8)] == [0.0, 2.0, 6.0, 14.0]
 
 
 @pytest.mark.parametrize("G, D, P_E, pre_expert", SETTINGS)
 def test_optimal_p_is_the_continuous_minimum(G, D, P_E, pre_expert):
     """The summary's p* minimises eq. 10 over p in [0, 1] (checked on a fine grid)."""
-    p_star = cm.optimal_p(G, D, P_E, GBPS_128, pre_expert)
-    best = min(cm.eq10_latency(i / 1000, G, D, P_E, GBPS_128, pre_expert) for i in range(1001))
-    assert cm.eq10_latency(p_star, G, D, P_E, GBPS_128, pre_expert) == pytest.approx(best, rel=1e-3)
+    p_star = paper.optimal_p(G, D, P_E, GBPS_128, pre_expert)
+    best = min(paper.eq10_latency(i / 1000, G, D, P_E, GBPS_128, pre_expert) for i in range(1001))
+    assert paper.eq10_latency(p_star, G, D, P_E, GBPS_128, pre_expert) == pytest.approx(best, rel=1e-3)
 
 
 @pytest.mark.parametrize(
@@ -89,12 +90,12 @@ def test_table_iv_cases(row, D, P_E, pre_expert, all_gather_only):
     2.2 (p* = 0). The table's absolute p values do not follow from its own numbers at 128 Gbit/s
     (docs/planning.md), so the checks are the classification and the Mix rows' ratio
     (1 - p) proportional to 1 / P_E."""
-    p_star = cm.optimal_p(8, D * MB, P_E * MB, GBPS_128, pre_expert)
+    p_star = paper.optimal_p(8, D * MB, P_E * MB, GBPS_128, pre_expert)
     if all_gather_only:
         assert p_star == 0.0
     else:
         assert 0 < p_star < 1
-        other = cm.optimal_p(8, D * MB, (2.35 if P_E == 4.7 else 4.7) * MB, GBPS_128, pre_expert)
+        other = paper.optimal_p(8, D * MB, (2.35 if P_E == 4.7 else 4.7) * MB, GBPS_128, pre_expert)
         assert (1 - p_star) / (1 - other) == pytest.approx((2.35 if P_E == 4.7 else 4.7) / P_E)
 
 
@@ -129,8 +130,8 @@ def test_one_level_job_is_the_papers_model():
         backward = 2 * costs.a2a + max(0.0, costs.reduce_scatter - 2 * pre_expert)
         forward = costs.exposed(overlap=True) - backward + pre_expert
         # E = G experts: a rank gathers the (S - 1)/S it lacks of its E/ep = S experts, the paper's P_E (S - 1)
-        paper = cm.PaperSetting(G, D, P_E, B, pre_expert)
-        assert forward == pytest.approx(paper.latency(S), rel=1e-9), ep
+        setting = paper.PaperSetting(G, D, P_E, B, pre_expert)
+        assert forward == pytest.approx(setting.latency(S), rel=1e-9), ep
 
 
 def test_deduplicating_backends_send_fewer_copies():

@@ -4,17 +4,12 @@ cannot run, the seed paper's one-level setting."""
 import textwrap
 
 from torchtitan_ext.ep import BACKENDS
-from torchtitan_ext.planning.cost_model import (
-    eq3_a2a_volume,
-    eq4_ag_volume,
-    MeasuredRouting,
-    optimal_p,
-    p_of_domain_size,
-    pair_counts,
-    PaperSetting,
-)
+from torchtitan_ext.planning.cost_model import MeasuredRouting
 from torchtitan_ext.planning.layout import Layout
 from torchtitan_ext.planning.measured_compute import MeasuredCompute
+from torchtitan_ext.planning.paper_model import (
+    eq3_a2a_volume, eq4_ag_volume, optimal_p, p_of_domain_size, pair_counts, PaperSetting,
+)
 from torchtitan_ext.planning.topology import Topology
 
 

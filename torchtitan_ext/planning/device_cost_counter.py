@@ -35,7 +35,6 @@ from torchtitan_ext.planning.device_costs import Costs, LayerScopes, OUTSIDE
 from torchtitan_ext.planning.local_traffic import moved_tensors
 
 
-
 _AFTER_PYTHON = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python).remove(
     torch._C.DispatchKey.PythonDispatcher
 )

@@ -14,7 +14,6 @@ from torch.utils._pytree import tree_flatten
 from torchtitan_ext.ep.recompute import recomputing
 
 
-
 OUTSIDE = "outside MoE layers"
 _MOE_LAYER = re.compile(r"layers\.(\d+)\.(?:.*\.)?moe")
 """A MoE module's name (wrappers between the layer and its moe: activation checkpointing's)."""

@@ -25,7 +25,6 @@ from torchtitan_ext.planning.device_cost_counter import DeviceCostCounter
 from torchtitan_ext.planning.device_costs import Costs, LayerScopes, OUTSIDE, PASSES
 
 
-
 COUNTED_STEP = 2
 """The step counted: the first builds what a job builds once (kernel buffers, tables); the second is every step's.
 Under expert replication, the first step with replicas (when its plan is chosen and its tables copied)."""
