@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--nproc", type=int, default=2, help="--calibrate: gloo processes (default 2)")
     parser.add_argument(
         "--hf-config", type=Path, default=None, metavar="FILE",
-        help="with --topology: price the model of this Hugging Face config.json (model_type deepseek_v3, gpt_oss or qwen3_moe) "
+        help="with --topology: price the model of this Hugging Face config.json (model_type deepseek_v3, gpt_oss, qwen3_moe or mixtral) "
              "in place of the job config's model; the job config gives the rest (batch, parallelism, precision)",
     )
     parser.add_argument(

@@ -16,6 +16,7 @@ from torchtitan_ext.config.hf_model import hf_model_args
 GPT_OSS_120B = Path("docs/hf_configs/gpt-oss-120b.json")
 DEEPSEEK_R1 = Path("docs/hf_configs/deepseek-r1.json")
 QWEN3_30B = Path("docs/hf_configs/qwen3-30b-a3b.json")
+MIXTRAL_8X7B = Path("docs/hf_configs/mixtral-8x7b.json")
 # what the job's sequence length and torchtitan's choices of kernels set in a flavour, and the norms' epsilon
 # (torchtitan's 671B keeps its default 1e-5 where the config says 1e-6): none changes a FLOP or a byte
 NOT_SHAPE = {"max_seq_len", "attn_type", "attn_mask_type", "use_grouped_mm", "expert_parallel_comm_backend", "norm_eps"}
@@ -53,7 +54,10 @@ def _edited(tmp_path: Path, base: Path = GPT_OSS_120B, **changes) -> Path:
     ({"tie_word_embeddings": True}, "tie_word_embeddings = true: the torchtitan gpt_oss model builds an output layer "
                                     "apart from the embeddings; a model that differs there is not priced"),
     ({"layer_types": ["full_attention"] * 36}, 'layer_types = ["full_attention", "full_attention", '),
-    ({"model_type": "mixtral"}, "model_type 'mixtral' is not priced: use a config of deepseek_v3, gpt_oss, qwen3_moe"),
+    ({"model_type": "llama4"}, "model_type 'llama4' is not priced: use a config of deepseek_v3, gpt_oss, qwen3_moe, "
+                               "mixtral"),
+    ({"base": MIXTRAL_8X7B, "sliding_window": 4096}, "sliding_window = 4096: the torchtitan qwen3 model builds full "
+                                                     "causal attention in every layer"),
     ({"base": QWEN3_30B, "mlp_only_layers": [0, 1]}, "mlp_only_layers = [0, 1]: the torchtitan qwen3 model builds every "
                                                      "layer MoE"),
     ({"experts_per_token": 2}, "num_experts_per_tok 4 and experts_per_token 2 differ: make them one top-k"),
@@ -101,3 +105,19 @@ def test_a_registered_config_is_the_jobs_model_wherever_a_job_config_is_read():
     job_config = load_job_config(["--job.config_file", "train_configs/debug_model.toml", *overrides],
                                  device_type=None, world_size=2)
     assert routed_expert_elements(job_config) == 2 * 2880 * 2880 + 2 * 2880 + 2880 * 2880 + 2880
+
+
+def test_mixtral_is_priced_as_its_published_parameter_count():
+    """torchtitan has no Mixtral: its Qwen3 with MoE layers, without the query and key norms, is the same model.
+    Mixtral 8x7B's 46.7B parameters, to the parameter: embeddings and output 2 x 32,000 x 4,096, and per layer
+    grouped-query attention (2 x 4,096^2 + 2 x 4,096 x 1,024), 8 experts of 3 x 4,096 x 14,336, the router and
+    two norms; the final norm."""
+    from torchtitan_ext.config import load_job_config, meta_model, register_hf_model
+
+    overrides = register_hf_model(MIXTRAL_8X7B)
+    job_config = load_job_config(["--job.config_file", "train_configs/debug_model.toml", *overrides],
+                                 device_type=None, world_size=2)
+    layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 8 * 3 * 4096 * 14336 + 4096 * 8 + 2 * 4096
+    expected = 2 * 32000 * 4096 + 32 * layer + 4096
+    assert expected == 46_702_792_704
+    assert sum(parameter.numel() for parameter in meta_model(job_config).parameters()) == expected

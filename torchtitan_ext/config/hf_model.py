@@ -2,7 +2,7 @@
 
 :func:`register_hf_model` reads the file, maps its fields onto the torchtitan model family that builds the same
 architecture (``model_type`` ``deepseek_v3`` onto torchtitan's DeepSeek-V3, ``gpt_oss`` onto its GPT-OSS,
-``qwen3_moe`` onto its Qwen3 with MoE layers) and
+``qwen3_moe`` onto its Qwen3 with MoE layers, ``mixtral`` onto the same without query and key norms) and
 registers the arguments under the flavour ``hf:<path>``, so that ``--model.name <family> --model.flavor hf:<path>``
 names the model everywhere a job config is read. Every field is either read (it fixes a shape), held to the value
 the torchtitan model assumes (``hidden_act``, tied embeddings, the layer pattern), or known not to change the FLOPs
@@ -45,6 +45,8 @@ class _Family:
     ignored: tuple[str, ...]
     """Fields that change neither a step's FLOPs nor its bytes."""
     build: Callable[[dict], object]
+    optional: tuple[str, ...] = ()
+    """Fields read when present (each has a default the architecture defines)."""
 
 
 def _yarn(config: dict, where: str, fields: tuple[str, ...]) -> dict:
@@ -117,6 +119,23 @@ def _qwen3_moe(config: dict) -> Qwen3ModelArgs:
     )
 
 
+def _mixtral(config: dict) -> Qwen3ModelArgs:
+    """Mixtral is Qwen3-MoE's layer without the query and key norms: softmax routing renormalised over the chosen
+    experts, grouped-query attention without bias, untied embeddings."""
+    heads = config["num_attention_heads"]
+    return Qwen3ModelArgs(
+        dim=config["hidden_size"], n_layers=config["num_hidden_layers"], n_heads=heads,
+        n_kv_heads=config["num_key_value_heads"], vocab_size=config["vocab_size"],
+        head_dim=config.get("head_dim") or config["hidden_size"] // heads, hidden_dim=config["intermediate_size"],
+        norm_eps=config["rms_norm_eps"], rope_theta=config["rope_theta"], qk_norm=False,
+        enable_weight_tying=config["tie_word_embeddings"], moe_enabled=True, moe_inter_dim=config["intermediate_size"],
+        moe_args=MoEArgs(
+            num_experts=config["num_local_experts"], num_shared_experts=0, top_k=config["num_experts_per_tok"],
+            score_func="softmax", route_norm=True, route_scale=1.0, score_before_experts=False,
+        ),
+    )
+
+
 def _alternating_sliding_then_full(config: dict) -> bool:
     pattern = ["sliding_attention", "full_attention"] * (config["num_hidden_layers"] // 2 + 1)
     return config["layer_types"] == pattern[:config["num_hidden_layers"]]
@@ -183,11 +202,24 @@ _FAMILIES = {
                  "max_window_layers"),
         build=_qwen3_moe,
     ),
+    "mixtral": _Family(
+        "qwen3",
+        required=("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
+                  "intermediate_size", "rms_norm_eps", "rope_theta", "tie_word_embeddings", "num_local_experts",
+                  "num_experts_per_tok"),
+        fixed={
+            "hidden_act": ("silu", "SwiGLU experts"),
+            "sliding_window": (None, "full causal attention in every layer"),
+        },
+        ignored=(*_COMMON_IGNORED, "output_router_logits", "router_aux_loss_coef", "router_jitter_noise"),
+        build=_mixtral,
+        optional=("head_dim",),
+    ),
 }
 
 
 def _check_fields(config: dict, family: _Family, where: str) -> None:
-    known = {*family.required, *family.fixed, *family.ignored}
+    known = {*family.required, *family.fixed, *family.ignored, *family.optional}
     unknown = sorted(set(config) - known)
     if unknown:
         raise ConfigError(f"{where}: field(s) {', '.join(unknown)} are not known to price a "
