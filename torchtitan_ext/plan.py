@@ -100,20 +100,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--nproc", type=int, default=2, help="--calibrate: gloo processes (default 2)")
     parser.add_argument(
         "--hf-config", type=Path, default=None, metavar="FILE",
-        help="with --topology: price the model of this Hugging Face config.json (model_type deepseek_v3, gpt_oss, qwen3_moe or mixtral) "
-             "in place of the job config's model; the job config gives the rest (batch, parallelism, precision)",
+        help="with --topology: price the model of this Hugging Face config.json (model_type deepseek_v3, gpt_oss, "
+             "qwen3_moe or mixtral) in place of the job config's model; the job config gives the rest (batch, "
+             "parallelism, precision)",
     )
     parser.add_argument(
         "--calibrate-output", type=Path, default=Path("outputs/this_machine_topology.toml"),
         help="--calibrate: where to write the topology (default outputs/this_machine_topology.toml)",
     )
     args, train_args = parser.parse_known_args(argv)
+    _exit_on_error(_check_flags, args)
     if args.hf_config is not None:
-        train_args = [*train_args, *_exit_on_error(_hf_model_overrides, args)]
-    for flag, value in (("--json", args.json), ("--emit-config", args.emit_config)):
-        if value is not None and (args.calibrate or args.paper or args.validate or args.fit):
-            _exit_on_error(_refuse, f"{flag} writes from the layout advice, which --calibrate, --paper, --validate "
-                                    "and --fit do not give: drop one of them")
+        train_args = [*train_args, *_exit_on_error(register_hf_model, args.hf_config)]
     if args.calibrate:
         _exit_on_error(_check_process_count, args.nproc)
         calibrate(args.nproc, args.calibrate_output)
@@ -121,8 +119,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.paper:
         print("\n".join(_exit_on_error(_paper, args)))
         return
-    if args.validate and args.fit:
-        _exit_on_error(_refuse, "--validate and --fit: run --fit first (it writes the parameters), then --validate")
     if args.validate:
         prepare()
         fit_from = args.fit_from or SHIPPED_FIT
@@ -141,18 +137,12 @@ def main(argv: list[str] | None = None) -> None:
         topology = load_topology(args.topology) if args.topology else None
         fitted_rates = {}
         if args.fit_from is not None:
-            if topology is None:
-                raise ConfigError("--fit-from prices the layout advice under fitted parameters: add --topology")
             fitted = load_fit(args.fit_from)
             topology, fitted_rates = fitted.applied(topology)
             if topology.name not in fitted.compute_scale and not fitted_rates:
                 raise ConfigError(f"--fit-from {args.fit_from}: it fits nothing of topology '{topology.name}' (its "
                                   f"compute scales: {', '.join(fitted.compute_scale) or 'none'}): fit on a "
                                   "comparison run on it, or drop --fit-from")
-        if args.calibrate_from is not None and topology is None:
-            raise ConfigError("--calibrate-from prices the layout advice's layouts: add --topology")
-        if args.ranks_per_group is not None and topology is None:
-            raise ConfigError("--ranks-per-group places ranks in the topology's groups: add --topology")
         world_size = job_world_size(parse(train_args), args.world_size)
         placed = topology if topology is None else topology.placed_for(world_size, args.ranks_per_group)
         # bench_ep's processes fill the machines it ran on: its rows are placed before the job's ranks per group
@@ -165,13 +155,6 @@ def main(argv: list[str] | None = None) -> None:
         if topology is not None:
             topology.group_sizes(world_size)
         job_config = load_job_config(train_args, device_type=None, world_size=world_size)
-        if args.measure_compute and topology is None:
-            raise ConfigError("--measure-compute sets the layout advice's compute: add --topology")
-        if args.replica_slots is not None and topology is None:
-            raise ConfigError("--replica-slots prices the layout advice's layouts: add --topology")
-        for flag, path in (("--json", args.json), ("--emit-config", args.emit_config)):
-            if path is not None:
-                _check_writable(flag, path, topology)
         if args.measure_compute:
             check_measurable(load_job_config(train_args, device_type="cpu", world_size=world_size), world_size)
         stats = None
@@ -232,28 +215,39 @@ def _shown(path: Path) -> str:
     return str(path) if relative.startswith("..") else relative
 
 
-def _hf_model_overrides(args) -> list[str]:
-    """The overrides that make ``--hf-config``'s model the job's: priced only (this harness trains the models of
-    its train configs), so the advice is all it gives."""
-    for flag, given in (("--topology", args.topology is not None), ("no --emit-config", args.emit_config is None),
-                        ("no --measure-compute", not args.measure_compute)):
-        if not given:
-            raise ConfigError(f"--hf-config prices a model by its FLOPs and bytes in the layout advice: use it with "
-                              f"{flag}")
-    return register_hf_model(args.hf_config)
-
-
-def _refuse(message: str) -> None:
-    raise ConfigError(message)
-
-
-def _check_writable(flag: str, path: Path, topology) -> None:
-    """ConfigError unless ``flag``'s file can be written to ``path`` (and there is advice: --topology)."""
-    if topology is None:
-        raise ConfigError(f"{flag} writes from the layout advice: add --topology")
-    folder = path.parent
-    if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
-        raise ConfigError(f"{flag} {path}: not a file in a writable folder: give a path in an existing folder you can write")
+def _check_flags(args) -> None:
+    """Every flag that needs another, or excludes one, refused in one line before anything is read or measured."""
+    other_modes = args.calibrate or args.paper or args.validate or args.fit
+    for flag, value in (("--json", args.json), ("--emit-config", args.emit_config)):
+        if value is not None and other_modes:
+            raise ConfigError(f"{flag} writes from the layout advice, which --calibrate, --paper, --validate and "
+                              "--fit do not give: drop one of them")
+    if args.validate and args.fit:
+        raise ConfigError("--validate and --fit: run --fit first (it writes the parameters), then --validate")
+    if args.hf_config is not None:
+        # priced only (this harness trains the models of its train configs): the advice is all it gives
+        for flag, given in (("--topology", args.topology is not None), ("no --emit-config", args.emit_config is None),
+                            ("no --measure-compute", not args.measure_compute)):
+            if not given:
+                raise ConfigError(f"--hf-config prices a model by its FLOPs and bytes in the layout advice: use it "
+                                  f"with {flag}")
+    for flag, path in (("--json", args.json), ("--emit-config", args.emit_config)):
+        if path is not None and (path.is_dir() or not path.parent.is_dir() or not os.access(path.parent, os.W_OK)):
+            raise ConfigError(f"{flag} {path}: not a file in a writable folder: give a path in an existing folder you "
+                              "can write")
+    if args.topology is not None or other_modes:
+        return
+    for flag, given, what in (
+        ("--fit-from", args.fit_from is not None, "prices the layout advice under fitted parameters"),
+        ("--calibrate-from", args.calibrate_from is not None, "prices the layout advice's layouts"),
+        ("--ranks-per-group", args.ranks_per_group is not None, "places ranks in the topology's groups"),
+        ("--measure-compute", args.measure_compute, "sets the layout advice's compute"),
+        ("--replica-slots", args.replica_slots is not None, "prices the layout advice's layouts"),
+        ("--json", args.json is not None, "writes from the layout advice"),
+        ("--emit-config", args.emit_config is not None, "writes from the layout advice"),
+    ):
+        if given:
+            raise ConfigError(f"{flag} {what}: add --topology")
 
 
 def _slot_counts(text: str) -> list[int]:
