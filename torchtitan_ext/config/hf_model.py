@@ -105,12 +105,12 @@ def _gpt_oss(config: dict) -> GptOssModelArgs:
     )
 
 
-def _qwen3_moe(config: dict) -> Qwen3ModelArgs:
+def _qwen3_moe(config: dict, qk_norm: bool = True) -> Qwen3ModelArgs:
     return Qwen3ModelArgs(
         dim=config["hidden_size"], n_layers=config["num_hidden_layers"], n_heads=config["num_attention_heads"],
         n_kv_heads=config["num_key_value_heads"], vocab_size=config["vocab_size"], head_dim=config["head_dim"],
         hidden_dim=config["intermediate_size"], norm_eps=config["rms_norm_eps"], rope_theta=config["rope_theta"],
-        qk_norm=True, enable_weight_tying=config["tie_word_embeddings"], moe_enabled=True,
+        qk_norm=qk_norm, enable_weight_tying=config["tie_word_embeddings"], moe_enabled=True,
         moe_inter_dim=config["moe_intermediate_size"],
         moe_args=MoEArgs(
             num_experts=config["num_experts"], num_shared_experts=0, top_k=config["num_experts_per_tok"],
@@ -121,19 +121,10 @@ def _qwen3_moe(config: dict) -> Qwen3ModelArgs:
 
 def _mixtral(config: dict) -> Qwen3ModelArgs:
     """Mixtral is Qwen3-MoE's layer without the query and key norms: softmax routing renormalised over the chosen
-    experts, grouped-query attention without bias, untied embeddings."""
-    heads = config["num_attention_heads"]
-    return Qwen3ModelArgs(
-        dim=config["hidden_size"], n_layers=config["num_hidden_layers"], n_heads=heads,
-        n_kv_heads=config["num_key_value_heads"], vocab_size=config["vocab_size"],
-        head_dim=config.get("head_dim") or config["hidden_size"] // heads, hidden_dim=config["intermediate_size"],
-        norm_eps=config["rms_norm_eps"], rope_theta=config["rope_theta"], qk_norm=False,
-        enable_weight_tying=config["tie_word_embeddings"], moe_enabled=True, moe_inter_dim=config["intermediate_size"],
-        moe_args=MoEArgs(
-            num_experts=config["num_local_experts"], num_shared_experts=0, top_k=config["num_experts_per_tok"],
-            score_func="softmax", route_norm=True, route_scale=1.0, score_before_experts=False,
-        ),
-    )
+    experts, grouped-query attention without bias; its experts are its only MLPs."""
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return _qwen3_moe({**config, "head_dim": head_dim, "moe_intermediate_size": config["intermediate_size"],
+                       "num_experts": config["num_local_experts"], "norm_topk_prob": True}, qk_norm=False)
 
 
 def _alternating_sliding_then_full(config: dict) -> bool:
