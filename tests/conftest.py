@@ -36,10 +36,8 @@ def world_of_one():
     dist.destroy_process_group()
 
 
-LONGEST_FILES_FIRST = ("tests/training/", "tests/models/test_gradient_matrix.py", "tests/planning/test_layout_advisor.py",
-                       "tests/ep/test_deep_ep_double.py", "tests/planning/test_device_ledger.py",
-                       "tests/ep/test_conformance.py")
-"""The files that take longest, longest first (the first two train for minutes; the others take 40-130 s each):
+LONGEST_FILES_FIRST = ("tests/training/", "tests/models/test_gradient_matrix.py", "tests/planning/test_layout_advisor.py")
+"""The files that take longest (the first two train for minutes; the advisor's is the fast tier's longest):
 pytest-xdist's loadfile hands files to the workers in collection order, and one of these collected last would run
 alone at the end while the other worker idles."""
 
