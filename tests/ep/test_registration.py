@@ -58,3 +58,14 @@ def test_an_op_returning_an_opaque_object_is_registered_as_torch_infers_it(modul
     except ValueError:  # torch 2.11 and 2.12, where this schema is spelled out: 2.13's inference is the reference
         pytest.skip(f"torch {torch.__version__} infers no opaque return (2.13 does): nothing to compare with")
     assert registered == torch._C.parse_schema(inferred)
+
+
+def test_each_backend_declares_its_planning_profile_beside_it_and_keeps_no_planner_hook():
+    from torchtitan_ext.ep import BACKENDS, PLANNING_PROFILES
+    from torchtitan_ext.ep.planning_profile import PlanningProfile
+
+    hooks = {name for name in vars(PlanningProfile) if not name.startswith("_")}
+    assert list(PLANNING_PROFILES) == list(BACKENDS)
+    for name, backend in BACKENDS.items():
+        assert PLANNING_PROFILES[name].__module__ == backend.__module__, name
+        assert not hooks & set(dir(backend)), (name, hooks & set(dir(backend)))

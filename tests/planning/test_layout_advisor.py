@@ -12,7 +12,7 @@ import torch
 from tests.planning.advice_text import paragraph
 from torchtitan_ext import plan, runtime
 from torchtitan_ext.config import ConfigError, load_job_config, parse
-from torchtitan_ext.ep import BACKENDS
+from torchtitan_ext.ep import PLANNING_PROFILES
 from torchtitan_ext.planning.cost_model import MeasuredRouting
 from torchtitan_ext.planning.advice_report import format_advice, layouts_record
 from torchtitan_ext.planning.layout_advisor import advise, advised_config, overrides_problem
@@ -1079,11 +1079,11 @@ def test_memory_counts_deepep_v2_5s_load_balancing_region_within_one_nvlink_doma
     region = 504 * 2**20
     job_config = parse(["--job.config_file", str(tmp_path / "ep.toml"), "--compile.no-enable",
                         "--expert_replication.slots_per_rank", "2", "--deepep.api", "ep"])
-    assert {name: backend.planned_replica_region(job_config) for name, backend in BACKENDS.items()} == {
+    assert {name: profile.planned_replica_region(job_config) for name, profile in PLANNING_PROFILES.items()} == {
         "nccl": 0, "deepep": region, "hybridep": 0}
     # the kernels' conditions that hold whatever the group: deterministic algorithms move replicas by all-to-all
     job_config.debug.deterministic = True
-    assert BACKENDS["deepep"].planned_replica_region(job_config) == 0
+    assert PLANNING_PROFILES["deepep"].planned_replica_region(job_config) == 0
     deepep_eps = sorted(ep for label, ep in v2_5 if label == "deepep")
     assert 64 in deepep_eps and 128 in deepep_eps
     for (label, ep), held in v2_5.items():
@@ -1105,25 +1105,25 @@ def test_memory_counts_deepep_v2_5s_load_balancing_region_within_one_nvlink_doma
     ((16, 16), (), None),  # no all-to-all
 ])
 def test_hybridep_is_also_priced_at_the_fastest_published_sm_counts(sms, fabrics, alternative):
-    from torchtitan_ext.ep.hybridep import HybridEPExpertParallel
+    from torchtitan_ext.ep.hybridep import HybridEPPlanningProfile
 
     job_config = parse([*DEBUG_JOB, "--parallelism.expert_parallel_comm_backend", "hybridep",
                         "--hybridep.num_sms_dispatch", str(sms[0]), "--hybridep.num_sms_combine", str(sms[1])])
     expected = () if alternative is None else ({"num_sms_dispatch": alternative[0], "num_sms_combine": alternative[1]},)
-    assert HybridEPExpertParallel.advised_alternatives(job_config, fabrics) == expected
-    assert HybridEPExpertParallel.settings_label({"num_sms_dispatch": 16, "num_sms_combine": 32}) == "16/32"
+    assert HybridEPPlanningProfile.advised_alternatives(job_config, fabrics) == expected
+    assert HybridEPPlanningProfile.settings_label({"num_sms_dispatch": 16, "num_sms_combine": 32}) == "16/32"
 
 
 def test_no_sm_alternative_beside_dualpipev_overlapped_ep():
     """There the other microbatch computes beside HybridEP's kernels: SMs they take would cost compute."""
-    from torchtitan_ext.ep.hybridep import HybridEPExpertParallel
+    from torchtitan_ext.ep.hybridep import HybridEPPlanningProfile
 
     job_config = parse([*DEBUG_JOB, "--parallelism.expert_parallel_comm_backend", "hybridep"])
-    assert HybridEPExpertParallel.advised_alternatives(job_config, ("mnnvl",))
+    assert HybridEPPlanningProfile.advised_alternatives(job_config, ("mnnvl",))
     parallelism = job_config.parallelism
     parallelism.pipeline_parallel_degree, parallelism.pipeline_parallel_schedule = 2, "DualPipeV"
     parallelism.pipeline_parallel_expert_parallel_overlap = True
-    assert HybridEPExpertParallel.advised_alternatives(job_config, ("mnnvl",)) == ()
+    assert HybridEPPlanningProfile.advised_alternatives(job_config, ("mnnvl",)) == ()
 
 
 def test_a_measured_rate_leaves_out_an_alternative_it_would_price_alike():

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_ext.config import ConfigError, MoEShape, parse
-from torchtitan_ext.ep import BACKENDS
+from torchtitan_ext.ep import BACKENDS, PLANNING_PROFILES
 from torchtitan_ext.ep.base import token_group_alignment
 from torchtitan_ext.ep.hybridep import non_blocking_rows
 from torchtitan_ext.ep.in_flight import in_flight, Landing
@@ -182,10 +182,10 @@ def test_non_blocking_hybridep_is_counted_at_the_rows_a_rank_of_the_ep_group_all
                         "--hybridep.non_blocking_capacity_factor", "0.5"])
     shape = MoEShape(256, 64, 8, 4096)
     for ep in (2, 8, 32):
-        factor = BACKENDS["hybridep"].counted_settings(job_config, shape, ep)["non_blocking_capacity_factor"]
+        factor = PLANNING_PROFILES["hybridep"].counted_settings(job_config, shape, ep)["non_blocking_capacity_factor"]
         assert non_blocking_rows(4096, 1, 64, 8, factor, 8) == non_blocking_rows(4096, ep, 64 // ep, 8, 0.5, 8)
-    assert BACKENDS["hybridep"].counted_settings(parse(DEBUG_JOB), shape, 8) == {}
-    assert BACKENDS["deepep"].counted_settings(job_config, shape, 8) == {}
+    assert PLANNING_PROFILES["hybridep"].counted_settings(parse(DEBUG_JOB), shape, 8) == {}
+    assert PLANNING_PROFILES["deepep"].counted_settings(job_config, shape, 8) == {}
 
 
 def test_the_advisor_prices_the_counted_bytes_at_the_memory_bandwidth():
@@ -202,7 +202,7 @@ def test_the_advisor_prices_the_counted_bytes_at_the_memory_bandwidth():
             assert layout.local_traffic == counted
         # DeepEP's received token vectors: one for each EP rank a token reaches (uniform routing, 8 experts)
         reached = layout.ep * (1 - math.comb(8 - 8 // layout.ep, 3) / math.comb(8, 3))
-        once_per_rank = BACKENDS[layout.backend].sends_each_token_once_per_rank and layout.ep > 1
+        once_per_rank = PLANNING_PROFILES[layout.backend].sends_each_token_once_per_rank and layout.ep > 1
         assert layout.received_tokens == pytest.approx(reached if once_per_rank else 1)
         traffic = layout.local_traffic.receiving(layout.received_tokens)
         assert layout.dispatch_work_s == pytest.approx(traffic.bytes / 3350e9)
@@ -235,7 +235,7 @@ def test_a_rate_measured_with_the_local_work_is_not_priced_twice(holds_local_wor
     local work is not added again (an nccl-tests log times NCCL's all-to-all alone, and it is)."""
     topology = load_topology("hgx_h100_ib")
     job_config = parse(DEBUG_JOB)
-    settings = BACKENDS["nccl"].rate_settings(job_config)
+    settings = PLANNING_PROFILES["nccl"].rate_settings(job_config)
     measured = {("nccl", settings, 0): MeasuredRate("nccl", settings, 0, 0.5, "test row", holds_local_work)}
     layouts = [layout for layout in advise(DEBUG_JOB, 4, topology, measured_rates=measured)[0] if layout.refused is None]
     for layout in layouts:

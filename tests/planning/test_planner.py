@@ -169,15 +169,15 @@ def test_deepep_v2_5_plan_names_the_load_balancing_region():
     the compute dtype and fp32 gradients, each tensor 2 MiB-aligned): 671B, 2 slots of 3 x 7168 x 2048
     elements, bf16: 168 MiB + 336 MiB."""
     from torchtitan_ext.config import MoEShape, parse
-    from torchtitan_ext.ep.deepep import DeepEPExpertParallel
+    from torchtitan_ext.ep.deepep import DeepEPPlanningProfile
 
     register_train_specs()
     job_config = parse(["--job.config_file", "train_configs/deepseek_v3_671b_gb200.toml", "--deepep.api", "ep",
                         "--expert_replication.slots_per_rank", "2"])
     shape = MoEShape(hidden_dim=7168, num_experts=256, top_k=8, max_tokens_per_rank=4096)
-    size, note = DeepEPExpertParallel.planned_buffer(job_config, shape)
+    size, note = DeepEPPlanningProfile.planned_buffer(job_config, shape)
     assert size is None
     assert note.endswith("; where its load-balancing kernels carry the replicas, a further 504 MiB (the 2 replicas' "
                          "weights and fp32 gradients, each 2 MiB-aligned)"), note
     job_config.deepep.api = "elastic"
-    assert "load-balancing" not in DeepEPExpertParallel.planned_buffer(job_config, shape)[1]
+    assert "load-balancing" not in DeepEPPlanningProfile.planned_buffer(job_config, shape)[1]

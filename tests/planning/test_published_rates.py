@@ -12,7 +12,7 @@ import pytest
 from tests.helpers import REPO_ROOT
 from torchtitan_ext.bench import ep as bench_ep
 from torchtitan_ext.config import ConfigError, load_job_config
-from torchtitan_ext.ep import BACKENDS
+from torchtitan_ext.ep import PLANNING_PROFILES
 from torchtitan_ext.ep import deepep, hybridep, nccl
 from torchtitan_ext.ep.published_rates import FABRICS, nearest_sms, PublishedRate
 from torchtitan_ext.planning import cost_model as cm
@@ -22,7 +22,7 @@ from torchtitan_ext.planning.measured_rates import BENCH_COMMAND, calibration_ra
 from torchtitan_ext.planning.topology import Level, Topology
 
 FIGURES = (REPO_ROOT / "docs" / "published_ep_figures.md").read_text(encoding="utf-8")
-ALL_RATES = [*nccl.NcclExpertParallel.PUBLISHED_RATES, *hybridep.PUBLISHED_RATES,
+ALL_RATES = [*nccl.PUBLISHED_RATES, *hybridep.PUBLISHED_RATES,
              *(rate for rates in deepep.PUBLISHED_RATES.values() for rate in rates)]
 DEBUG_JOB = ["--job.config_file", "train_configs/debug_model.toml"]
 
@@ -86,7 +86,7 @@ def test_the_configured_sms_pick_the_figure():
     def chosen(*overrides):
         job_config = load_job_config([*DEBUG_JOB, *overrides], device_type=None, world_size=2)
         backend = overrides[1]
-        return {rate.fabric: rate for rate in BACKENDS[backend].published_rates(job_config)}
+        return {rate.fabric: rate for rate in PLANNING_PROFILES[backend].published_rates(job_config)}
 
     # v1 unset uses the library's 20 SMs: on NVLink 5 the 16- and 24-SM figures are as near, and ties go to the
     # fewer SMs; elsewhere only 24-SM figures are published
@@ -108,7 +108,7 @@ def test_the_all_to_all_takes_the_backends_share_of_each_link():
     topology = Topology("t", 1.0, True, (level, outer))
     job_config = load_job_config([*DEBUG_JOB, "--parallelism.expert_parallel_comm_backend", "hybridep",
                                   "--parallelism.expert_parallel_degree", "4"], device_type=None, world_size=8)
-    fractions = kernel_rate_fractions("hybridep", BACKENDS["hybridep"], job_config, topology, topology)
+    fractions = kernel_rate_fractions("hybridep", job_config, topology, topology)
     rate = next(r for r in hybridep.PUBLISHED_RATES if r.fabric == "nvlink" and r.sms == 16)
     assert fractions == {0: pytest.approx(2 / (1 / rate.dispatch_fraction + 1 / rate.combine_fraction))}
     work = cm.MoEWorkload(tokens=1024, hidden=256, top_k=2, experts=8, expert_parameters=1000, activation_bytes=2,
@@ -158,22 +158,22 @@ def test_a_measured_rate_replaces_the_published_one(tmp_path):
     assert rates["deepep", ("elastic",), 0].fraction == pytest.approx(2 * deepep_nominal / 8e-3)
     assert rates["deepep", ("legacy",), 0].fraction == pytest.approx(4 * deepep_nominal / 9e-3)
     job_config = load_job_config([*DEBUG_JOB, "--parallelism.expert_parallel_degree", "4"], device_type=None, world_size=8)
-    fractions = kernel_rate_fractions("nccl", BACKENDS["nccl"], job_config, TWO_LEVELS, TWO_LEVELS, rates)
+    fractions = kernel_rate_fractions("nccl", job_config, TWO_LEVELS, TWO_LEVELS, rates)
     assert fractions == {0: rates["nccl", (), 0].fraction, 1: pytest.approx(0.92)}  # the network: the published figure
-    published = kernel_rate_fractions("hybridep", BACKENDS["hybridep"], job_config, TWO_LEVELS, TWO_LEVELS)
-    assert kernel_rate_fractions("hybridep", BACKENDS["hybridep"], job_config, TWO_LEVELS, TWO_LEVELS, rates) == published
+    published = kernel_rate_fractions("hybridep", job_config, TWO_LEVELS, TWO_LEVELS)
+    assert kernel_rate_fractions("hybridep", job_config, TWO_LEVELS, TWO_LEVELS, rates) == published
     # and the advice prices with it: nccl's all-to-all within a node takes nominal / fraction, in place of
     # nominal / the published NVLink fraction (docs/published_ep_figures.md 5.8: 370 of 450 GB/s)
     calibrated, _ = advise(DEBUG_JOB, 8, TWO_LEVELS, measured_rates=rates)
     nominal, _ = advise(DEBUG_JOB, 8, TWO_LEVELS)
     pick = {layout.label: layout for layout in calibrated if (layout.ep, layout.refused) == (8, None)}
     plain = {layout.label: layout for layout in nominal if (layout.ep, layout.refused) == (8, None)}
-    nccl_nvlink = kernel_rate_fractions("nccl", BACKENDS["nccl"], job_config, TWO_LEVELS, TWO_LEVELS)[0]
+    nccl_nvlink = kernel_rate_fractions("nccl", job_config, TWO_LEVELS, TWO_LEVELS)[0]
     assert nccl_nvlink == pytest.approx(370 / 450)
     assert pick["nccl"].costs.a2a == pytest.approx(plain["nccl"].costs.a2a * nccl_nvlink / rates["nccl", (), 0].fraction)
     assert pick["deepep legacy"].costs.a2a == pytest.approx(
         plain["deepep legacy"].costs.a2a * (1 / rates["deepep", ("legacy",), 0].fraction) / (
-            1 / kernel_rate_fractions("deepep", BACKENDS["deepep"], _legacy(job_config), TWO_LEVELS, TWO_LEVELS)[0]))
+            1 / kernel_rate_fractions("deepep", _legacy(job_config), TWO_LEVELS, TWO_LEVELS)[0]))
     assert pick["hybridep"].costs == plain["hybridep"].costs
 
 

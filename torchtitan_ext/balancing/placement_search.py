@@ -18,8 +18,8 @@ from tqdm import tqdm
 
 from torchtitan_ext.balancing.placement import Placement
 from torchtitan_ext.balancing.routing_stats import check_fits, load_folder
-from torchtitan_ext.config import comm_backend, ConfigError, moe_layer_ids, moe_shape
-from torchtitan_ext.ep import BACKENDS
+from torchtitan_ext.config import ConfigError, moe_layer_ids, moe_shape
+from torchtitan_ext.ep import PLANNING_PROFILES, planning_profile
 
 
 # --- the placement of one layer -----------------------------------------------------------------
@@ -175,8 +175,8 @@ def _distinct_per_row(values: np.ndarray) -> float:
 def dispatch_copies(measures: Measures, top_k: int) -> dict[str, float]:
     """Copies of a token each backend's dispatch sends: k, or one per distinct rank."""
     return {
-        name: measures.distinct_ranks if backend.sends_each_token_once_per_rank else float(top_k)
-        for name, backend in BACKENDS.items()
+        name: measures.distinct_ranks if profile.sends_each_token_once_per_rank else float(top_k)
+        for name, profile in PLANNING_PROFILES.items()
     }
 
 
@@ -347,7 +347,7 @@ def search(
     moe_layers = moe_layer_ids(job_config)
     check_fits(stats, moe_layers, shape.num_experts, f"--routing-stats {routing_stats}")
     # a domain at least as large as the EP group holds all of it
-    domain = min(ranks_per_domain or BACKENDS[comm_backend(job_config)].nvlink_domain_ranks(job_config) or ep, ep)
+    domain = min(ranks_per_domain or planning_profile(job_config).nvlink_domain_ranks(job_config) or ep, ep)
     if domain < 1 or ep % domain:
         raise ConfigError(f"--ranks-per-domain {domain} does not divide expert_parallel_degree = {ep}: pick a divisor")
     began = time.perf_counter()

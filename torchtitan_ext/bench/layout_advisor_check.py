@@ -111,7 +111,7 @@ def check_step_time(args, topology) -> None:
 
 def check_bench_ep(args, topology) -> None:
     from torchtitan_ext.planning.cost_model import layer_costs, MoEWorkload
-    from torchtitan_ext.ep import BACKENDS
+    from torchtitan_ext.ep import PLANNING_PROFILES
 
     print("\nbench_ep: one dispatch + combine, forward and backward, ms")
     print("| EP | backend | modelled communication | measured local work | predicted | measured | "
@@ -127,7 +127,7 @@ def check_bench_ep(args, topology) -> None:
                 expert_parameters=0, activation_bytes=4, gather_bytes=4, reduce_bytes=4, pre_expert_flops=0.0,
                 regather_in_backward=False,
             )
-            once_per_rank = BACKENDS[entry["comm_backend"]].sends_each_token_once_per_rank
+            once_per_rank = PLANNING_PROFILES[entry["comm_backend"]].sends_each_token_once_per_rank
             costs = layer_costs(work, topology, ep, ep, 1, once_per_rank)
             communication = 4 * costs.a2a * 1e3
             local_work = max(0.0, local[variant]["median_ms"] - local[variant]["bare_median_ms"])

@@ -1,7 +1,8 @@
 """Expert-parallel backends: one ``ExpertParallel`` subclass per backend, each owning its config section.
 
 Owns: the backend contract (:mod:`.base`), one module per backend
-(:mod:`.nccl`, :mod:`.deepep`, :mod:`.hybridep`) with its custom ops in
+(:mod:`.nccl`, :mod:`.deepep`, :mod:`.hybridep`: its ``ExpertParallel`` class and, beside it, its
+:class:`~.planning_profile.PlanningProfile` for the planning tools) with its custom ops in
 :mod:`.ops` (registered at first use), the kernels behind DeepEP and HybridEP
 (:mod:`.kernels`: deep_ep adapters and the reference implementation), and the
 backend checks of a job config (:mod:`.validation`). Importing it registers
@@ -12,7 +13,7 @@ May import: :mod:`torchtitan_ext.config`, :mod:`torchtitan_ext.runtime`
 """
 
 from torchtitan_ext.config import MoEShape, register_check, register_section
-from torchtitan_ext.ep.backends import backend_class, BACKENDS
+from torchtitan_ext.ep.backends import backend_class, BACKENDS, PLANNING_PROFILES, planning_profile
 from torchtitan_ext.ep.base import RoutedExpertParallel
 from torchtitan_ext.ep.deepep import DeepEPExpertParallel
 from torchtitan_ext.ep.hybridep import HybridEPExpertParallel
@@ -40,5 +41,7 @@ __all__ = [
     "HybridEPExpertParallel",
     "MoEShape",
     "NcclExpertParallel",
+    "PLANNING_PROFILES",
+    "planning_profile",
     "RoutedExpertParallel",
 ]

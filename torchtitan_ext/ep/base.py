@@ -32,7 +32,6 @@ from torchtitan_ext.ep.budget import DeviceBudget
 from torchtitan_ext.runtime.collectives import naming_collective
 from torchtitan_ext.runtime.workers import before_process_group_teardown
 from torchtitan_ext.ep.handle import KernelBuffer
-from torchtitan_ext.ep.published_rates import PublishedRate
 from torchtitan_ext.ep.kernels import KernelUnavailable, resolve_implementation
 
 
@@ -252,22 +251,9 @@ class RoutedExpertParallel(ExpertParallel, ABC):
     shared_experts_overlap: ClassVar[str] = "no: combine has landed when the experts return"
     """Whether the MoE's shared experts run while this backend's combine is in flight, and how."""
 
-    settings_legend: ClassVar[str] = ""
-    """What :meth:`settings_label` names, for the advisor's column legend ("" where it prices no alternative)."""
-
     needs_expert_parallelism: ClassVar[bool] = True
     """Whether selecting this backend with expert_parallel_degree = 1 is a config error
     (a kernel backend has nothing to do there)."""
-
-    sends_each_token_once_per_rank: ClassVar[bool] = False
-    """How dispatch moves tokens, for the layout advisor's cost model: True when a token goes
-    once to each rank holding any of its experts (and over RDMA once per node or NVLink
-    domain, forwarded inside it); False when each (token, expert) pair travels on its own."""
-
-    moves_tokens_with_collective_all_to_all: ClassVar[bool] = False
-    """Whether dispatch and combine are the collective library's own all-to-all (torch.distributed's
-    all_to_all_single, NCCL on GPUs), whose transport nccl-tests' alltoall_perf times: such a log
-    calibrates this backend (:mod:`torchtitan_ext.planning.measured_rates`)."""
 
     def __init__(self, *, score_before_experts: bool, pad_multiple: int = 1):
         super().__init__()
@@ -323,70 +309,6 @@ class RoutedExpertParallel(ExpertParallel, ABC):
     def library_environment(cls, job_config) -> dict[str, str]:
         """Environment variables the backend's kernel library reads (exported by launchers)."""
         return {}
-
-    @classmethod
-    def nvlink_domain_ranks(cls, job_config) -> int | None:
-        """EP ranks per NVLink domain this backend is configured for, or None if it has no such notion."""
-        return None
-
-    @classmethod
-    def kernel_nvlink_ranks(cls, job_config) -> int | None:
-        """At most how many consecutive EP ranks this backend's kernels reach over NVLink (the others over the
-        network, even inside one NVLink domain), or None when they use every NVLink peer the machine has. The
-        layout advisor prices the all-to-all's links by it."""
-        return cls.nvlink_domain_ranks(job_config)
-
-    @classmethod
-    def advised_alternatives(cls, job_config, fabrics: tuple[str | None, ...]) -> tuple[dict[str, object], ...]:
-        """Settings of this backend's own section that the layout advisor prices beside the job's, each
-        {field: value}: the choices its published figures can tell apart. ``fabrics``: the link kinds
-        (:data:`~torchtitan_ext.ep.published_rates.FABRICS`) of the links the layout's all-to-all crosses,
-        innermost first (None for a link the topology names no fabric for; empty without an all-to-all).
-        Empty: the job's settings only."""
-        return ()
-
-    @classmethod
-    def settings_label(cls, settings: dict[str, object]) -> str:
-        """How the advisor's table names an alternative of :meth:`advised_alternatives` after the backend."""
-        return " ".join(str(value) for value in settings.values())
-
-    @classmethod
-    def rate_settings(cls, job_config) -> tuple:
-        """The settings of this backend that change how fast its kernels move bytes (beyond SMs): a measured rate
-        applies to the layouts whose settings are these. Empty: one rate for the backend."""
-        return ()
-
-    @classmethod
-    def published_rates(cls, job_config) -> tuple[PublishedRate, ...]:
-        """What this backend's kernels achieve per kind of link as configured (API, SMs), one figure per
-        fabric, from the library's own publications; a link without one is priced at its nominal rate."""
-        return ()
-
-    @classmethod
-    def planned_modes(cls, job_config, shape: MoEShape, pad_multiple: int) -> list[tuple[str, int | None]]:
-        """The planner's rows for this backend: (mode label, rows per dispatch when the mode fixes them,
-        dropping the pairs beyond; None when the rows follow the routing and nothing is dropped).
-        ``pad_multiple``: the row multiple of each expert group."""
-        return [("", None)]
-
-    @classmethod
-    def planned_buffer(cls, job_config, shape: MoEShape) -> tuple[int | None, str]:
-        """(bytes or None if unknown here, how they are counted) of the communication buffer one rank holds."""
-        return 0, "no persistent buffer: each all-to-all allocates its rows"
-
-    @classmethod
-    def counted_settings(cls, job_config, shape: MoEShape, ep: int) -> dict[str, object]:
-        """Settings of the backend's section under which its layer, run in a group of one, allocates as many rows
-        as one rank of an EP group of ``ep`` does: the layout advisor counts its local traffic so
-        (:mod:`torchtitan_ext.planning.local_traffic`). Empty where a group of one allocates the same."""
-        return {}
-
-    @classmethod
-    def planned_replica_region(cls, job_config) -> int:
-        """Bytes one rank reserves beside its buffer for the backend's own kernels to carry
-        ``expert_replication``'s replicas, where they can (within one NVLink domain); 0 where replicas move by
-        all-to-all."""
-        return 0
 
     @classmethod
     def describe(cls, job_config, shape: MoEShape) -> dict[str, str]:

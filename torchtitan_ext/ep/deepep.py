@@ -42,6 +42,7 @@ from torchtitan_ext.ep.kernels import import_library, library_has, resolve_imple
 from torchtitan_ext.ep.kernels.deep_ep import LB_ROW_ALIGNMENT
 from torchtitan_ext.ep.kernels.deepep_apis import APIS
 from torchtitan_ext.ep.layout import block_destinations
+from torchtitan_ext.ep.planning_profile import PlanningProfile
 from torchtitan_ext.ep.published_rates import nearest_sms, PublishedRate
 
 LIBRARY_CLASS = {"legacy": "Buffer", "elastic": "ElasticBuffer", "ep": "EPBuffer"}
@@ -262,8 +263,6 @@ class DeepEPExpertParallel(RoutedExpertParallel):
     config_ranges = {"deepep.num_sms": Range(2, meaning="SMs, an even count")}
 
     shared_experts_overlap = "yes: combine runs asynchronously on DeepEP's communication stream"
-    settings_legend = "deepep legacy/elastic: its API"
-    sends_each_token_once_per_rank = True
     variants = {"deepep": ("--deepep.api", "elastic"), "deepep_legacy": ("--deepep.api", "legacy"),
                 "deepep_ep": ("--deepep.api", "ep")}
     ops_module = "torchtitan_ext.ep.ops.deepep"
@@ -319,6 +318,80 @@ class DeepEPExpertParallel(RoutedExpertParallel):
     @classmethod
     def kernels_take_bf16_tokens_only(cls, job_config, device_type: str | None) -> bool:
         return uses_library(job_config.deepep.implementation, device_type)
+
+    @classmethod
+    def describe(cls, job_config, shape: MoEShape) -> dict[str, str]:
+        section = job_config.deepep
+        api = section.api if section.api != "auto" else "auto (the newest of ep, elastic, legacy deep_ep has)"
+        return {
+            **super().describe(job_config, shape),
+            "kernels": _implementation_description(section.implementation),
+            "API": api,
+            "SMs": str(section.num_sms or "library default"),
+        }
+
+    def __init__(self, *, buffer: SharedKernelBuffer, replica_rows: _ReplicaRows | None = None, **base_kwargs):
+        """``base_kwargs``: :class:`RoutedExpertParallel`'s (score_before_experts, ...)."""
+        super().__init__(**base_kwargs)
+        self.buffer = buffer
+        self.replica_rows = replica_rows
+
+    def _apply(self, module: torch.nn.Module, device_mesh):
+        if self.replica_rows is not None:
+            self.replica_rows.elements = sum(weight[0].numel() for weight in (module.w1, module.w2, module.w3))
+        return super()._apply(module, device_mesh)
+
+    def dispatch(self, x, scores, expert_ids, num_experts, group, sent_counts=None):
+        from torchtitan_ext.ep.ops.deepep import deepep_dispatch
+
+        # a pick with score 0 contributes nothing; DeepEP does not send it
+        expert_ids = expert_ids.masked_fill(scores == 0, -1)
+        recv_x, recv_idx, recv_weights, counts, handle = deepep_dispatch(
+            x, expert_ids, scores.float(), self.buffer.get(group, x), num_experts
+        )
+        num_received, top_k = recv_idx.shape
+        local_experts = counts.numel()
+        flat_ids = recv_idx.reshape(-1)
+        sort_key = torch.where(flat_ids >= 0, flat_ids, local_experts)
+        pair_order = torch.argsort(sort_key, stable=True)[: int(counts.sum())]
+        destinations, padded, total_rows = block_destinations(counts.view(1, -1), self.pad_multiple)
+        destinations = to_device(destinations, x.device)
+        rows = recv_x[pair_order // top_k]
+        pair_scores = recv_weights.reshape(-1)[pair_order]
+        if self.score_before_experts:
+            rows = scale_rows(rows, pair_scores)
+        routed = rows.new_zeros((total_rows, x.shape[1])).index_copy(0, destinations, rows)
+        self._pending = _DeepEPDispatchState(
+            handle=handle,
+            pair_order=pair_order,
+            destinations=destinations,
+            pair_scores=None if self.score_before_experts else pair_scores,
+            num_received=num_received,
+            num_tokens=x.shape[0],
+            top_k=top_k,
+        )
+        return routed, to_device(padded, x.device)
+
+    def combine(self, routed_output, group):
+        from torchtitan_ext.ep.ops.deepep import deepep_combine
+
+        state = self._take_pending()
+        rows = routed_output.index_select(0, state.destinations).float()
+        if state.pair_scores is not None:
+            rows = rows * state.pair_scores.float().unsqueeze(-1)
+        partial_rows = rows.new_zeros((state.num_received, rows.shape[1])).index_add(
+            0, state.pair_order // state.top_k, rows
+        )
+        combined, _ = deepep_combine(partial_rows.to(routed_output.dtype), state.handle, state.num_tokens,
+                                     self.collective_name("combine"))
+        return in_flight(combined)
+
+
+class DeepEPPlanningProfile(PlanningProfile):
+    """DeepEP as the planner prices it: each token sent once to each rank holding any of its experts, at the figures DeepEP publishes for the configured API and SM count."""
+
+    settings_legend = "deepep legacy/elastic: its API"
+    sends_each_token_once_per_rank = True
 
     @classmethod
     def kernel_nvlink_ranks(cls, job_config) -> int | None:
@@ -395,70 +468,3 @@ class DeepEPExpertParallel(RoutedExpertParallel):
         except ImportError:
             return None, "DeepEP's size hints need deep_ep installed; the reference allocates none"
         return nvl + rdma, f"deep_ep size hints: {nvl:,} NVLink + {rdma:,} RDMA bytes"
-
-    @classmethod
-    def describe(cls, job_config, shape: MoEShape) -> dict[str, str]:
-        section = job_config.deepep
-        api = section.api if section.api != "auto" else "auto (the newest of ep, elastic, legacy deep_ep has)"
-        return {
-            **super().describe(job_config, shape),
-            "kernels": _implementation_description(section.implementation),
-            "API": api,
-            "SMs": str(section.num_sms or "library default"),
-        }
-
-    def __init__(self, *, buffer: SharedKernelBuffer, replica_rows: _ReplicaRows | None = None, **base_kwargs):
-        """``base_kwargs``: :class:`RoutedExpertParallel`'s (score_before_experts, ...)."""
-        super().__init__(**base_kwargs)
-        self.buffer = buffer
-        self.replica_rows = replica_rows
-
-    def _apply(self, module: torch.nn.Module, device_mesh):
-        if self.replica_rows is not None:
-            self.replica_rows.elements = sum(weight[0].numel() for weight in (module.w1, module.w2, module.w3))
-        return super()._apply(module, device_mesh)
-
-    def dispatch(self, x, scores, expert_ids, num_experts, group, sent_counts=None):
-        from torchtitan_ext.ep.ops.deepep import deepep_dispatch
-
-        # a pick with score 0 contributes nothing; DeepEP does not send it
-        expert_ids = expert_ids.masked_fill(scores == 0, -1)
-        recv_x, recv_idx, recv_weights, counts, handle = deepep_dispatch(
-            x, expert_ids, scores.float(), self.buffer.get(group, x), num_experts
-        )
-        num_received, top_k = recv_idx.shape
-        local_experts = counts.numel()
-        flat_ids = recv_idx.reshape(-1)
-        sort_key = torch.where(flat_ids >= 0, flat_ids, local_experts)
-        pair_order = torch.argsort(sort_key, stable=True)[: int(counts.sum())]
-        destinations, padded, total_rows = block_destinations(counts.view(1, -1), self.pad_multiple)
-        destinations = to_device(destinations, x.device)
-        rows = recv_x[pair_order // top_k]
-        pair_scores = recv_weights.reshape(-1)[pair_order]
-        if self.score_before_experts:
-            rows = scale_rows(rows, pair_scores)
-        routed = rows.new_zeros((total_rows, x.shape[1])).index_copy(0, destinations, rows)
-        self._pending = _DeepEPDispatchState(
-            handle=handle,
-            pair_order=pair_order,
-            destinations=destinations,
-            pair_scores=None if self.score_before_experts else pair_scores,
-            num_received=num_received,
-            num_tokens=x.shape[0],
-            top_k=top_k,
-        )
-        return routed, to_device(padded, x.device)
-
-    def combine(self, routed_output, group):
-        from torchtitan_ext.ep.ops.deepep import deepep_combine
-
-        state = self._take_pending()
-        rows = routed_output.index_select(0, state.destinations).float()
-        if state.pair_scores is not None:
-            rows = rows * state.pair_scores.float().unsqueeze(-1)
-        partial_rows = rows.new_zeros((state.num_received, rows.shape[1])).index_add(
-            0, state.pair_order // state.top_k, rows
-        )
-        combined, _ = deepep_combine(partial_rows.to(routed_output.dtype), state.handle, state.num_tokens,
-                                     self.collective_name("combine"))
-        return in_flight(combined)

@@ -32,6 +32,7 @@ from torchtitan_ext.ep.kernels import implementation_description as _implementat
 from torchtitan_ext.ep.kernels import resolve_implementation, uses_library
 from torchtitan_ext.ep.kernels.prerequisites import check_hybridep_jit, PrerequisiteMissing
 from torchtitan_ext.ep.layout import round_up
+from torchtitan_ext.ep.planning_profile import PlanningProfile
 from torchtitan_ext.ep.published_rates import nearest_sms, PublishedRate
 
 
@@ -191,8 +192,6 @@ class HybridEPExpertParallel(RoutedExpertParallel):
     }
 
     shared_experts_overlap = "no: HybridEP's combine_with_unpermute has no asynchronous mode"
-    settings_legend = "hybridep D/C: its dispatch/combine SMs"
-    sends_each_token_once_per_rank = True
     # a capacity factor of 1.0 without padding cannot drop: every token to every local expert fits
     variants = {"hybridep": (), "hybridep_non_blocking": ("--hybridep.non_blocking_capacity_factor", "1.0")}
     ops_module = "torchtitan_ext.ep.ops.hybridep"
@@ -222,15 +221,6 @@ class HybridEPExpertParallel(RoutedExpertParallel):
             why="the library's dispatch and combine each pass; blocking dispatch syncs to size its output and "
                 "returns the rows per expert in pinned host memory, copied to the device",
         )
-
-    @classmethod
-    def counted_settings(cls, job_config, shape: MoEShape, ep: int) -> dict[str, object]:
-        factor = job_config.hybridep.non_blocking_capacity_factor
-        if factor is None:
-            return {}
-        # non_blocking_rows: N x R x min(L, K) x factor rows at EP = R, N x K x factor in a group of one
-        local_experts = shape.num_experts // ep
-        return {"non_blocking_capacity_factor": factor * ep * min(local_experts, shape.top_k) / shape.top_k}
 
     @classmethod
     def validate_config(cls, job_config, device_type: str | None, shape: MoEShape) -> None:
@@ -312,59 +302,6 @@ class HybridEPExpertParallel(RoutedExpertParallel):
             )
 
     @classmethod
-    def nvlink_domain_ranks(cls, job_config) -> int | None:
-        return job_config.hybridep.ranks_per_nvlink_domain
-
-    @classmethod
-    def advised_alternatives(cls, job_config, fabrics: tuple[str | None, ...]) -> tuple[dict[str, object], ...]:
-        """Where the all-to-all crosses one kind of link: the published SM counts whose figures there are the
-        fastest, dispatch's and combine's each, where the job's counts are priced at slower ones (a count
-        whose figure is already the fastest stays). More SMs cost no compute the advisor counts: nothing of
-        this harness computes beside HybridEP's kernels (its combine has no asynchronous mode, so the shared
-        experts wait for it), except the other microbatch under DualPipeV's overlapped EP, where none is
-        offered. Over two kinds of link, which one bounds the all-to-all depends on its bytes per link, so
-        none is offered either. Not blocking against non-blocking: no published figure separates their speed
-        (the planner gives a capacity factor's drops from recorded routing)."""
-        if len(set(fabrics)) != 1 or _overlaps_pipeline_ep(job_config.parallelism):
-            return ()
-        (fabric,) = set(fabrics)
-        figures = [rate for rate in PUBLISHED_RATES if rate.fabric == fabric and rate.sms is not None]
-        if not figures:
-            return ()
-        fastest_dispatch = max(figures, key=lambda rate: (rate.dispatch_GBps, -rate.sms))
-        fastest_combine = max(figures, key=lambda rate: (rate.combine_GBps, -rate.sms))
-        priced = next(rate for rate in cls.published_rates(job_config) if rate.fabric == fabric)
-        section = job_config.hybridep
-        dispatch_sms = section.num_sms_dispatch if priced.dispatch_GBps == fastest_dispatch.dispatch_GBps else fastest_dispatch.sms
-        combine_sms = section.num_sms_combine if priced.combine_GBps == fastest_combine.combine_GBps else fastest_combine.sms
-        if (dispatch_sms, combine_sms) == (section.num_sms_dispatch, section.num_sms_combine):
-            return ()
-        return ({"num_sms_dispatch": dispatch_sms, "num_sms_combine": combine_sms},)
-
-    @classmethod
-    def settings_label(cls, settings: dict[str, object]) -> str:
-        """Dispatch/combine SMs: "16/32"."""
-        return f"{settings['num_sms_dispatch']}/{settings['num_sms_combine']}"
-
-    @classmethod
-    def rate_settings(cls, job_config) -> tuple:
-        """The mode: non-blocking dispatch skips the host sync blocking dispatch waits for."""
-        return ("blocking" if job_config.hybridep.non_blocking_capacity_factor is None else "non-blocking",)
-
-    @classmethod
-    def published_rates(cls, job_config) -> tuple[PublishedRate, ...]:
-        """Dispatch's figure at the dispatch SMs, combine's at the combine SMs."""
-        section = job_config.hybridep
-        combine = {rate.fabric: rate for rate in nearest_sms(PUBLISHED_RATES, section.num_sms_combine)}
-        rates = []
-        for rate in nearest_sms(PUBLISHED_RATES, section.num_sms_dispatch):
-            other = combine[rate.fabric]
-            if other is not rate:
-                rate = replace(rate, combine_GBps=other.combine_GBps, source=f"dispatch: {rate.source}; combine: {other.source}")
-            rates.append(rate)
-        return tuple(rates)
-
-    @classmethod
     def library_environment(cls, job_config) -> dict[str, str]:
         return library_environment(job_config.hybridep)
 
@@ -376,27 +313,6 @@ class HybridEPExpertParallel(RoutedExpertParallel):
             "python -m torchtitan_ext.plan, shows the rows each value gives), "
             "or unset it for blocking (dropless) mode"
         )
-
-    @classmethod
-    def planned_modes(cls, job_config, shape: MoEShape, pad_multiple: int) -> list[tuple[str, int | None]]:
-        factor = job_config.hybridep.non_blocking_capacity_factor
-        modes = [("blocking", None)]
-        if factor is not None:
-            ep = job_config.parallelism.expert_parallel_degree
-            rows = non_blocking_rows(shape.max_tokens_per_rank, ep, shape.num_experts // ep, shape.top_k, factor, pad_multiple)
-            modes.append((f"non-blocking (capacity factor {factor})", rows))
-        return modes
-
-    @classmethod
-    def planned_buffer(cls, job_config, shape: MoEShape) -> tuple[int | None, str]:
-        from torchtitan_ext.ep.kernels.reference import ReferenceHybridEPBuffer
-
-        ep = job_config.parallelism.expert_parallel_degree
-        size = ReferenceHybridEPBuffer.buffer_bytes(
-            ep, shape.hidden_dim, shape.max_tokens_per_rank, shape.num_experts // ep,
-            TORCH_DTYPE_MAP[job_config.training.mixed_precision_param],
-        )
-        return size, "reference kernels' allocation (R*N token rows + routing map + probs); deep_ep's is internal"
 
     @classmethod
     def describe(cls, job_config, shape: MoEShape) -> dict[str, str]:
@@ -471,3 +387,93 @@ class HybridEPExpertParallel(RoutedExpertParallel):
         if state.row_probs is not None:
             routed_output = scale_rows(routed_output, state.row_probs)
         return hybridep_combine(routed_output, state.handle, state.num_tokens)
+
+
+class HybridEPPlanningProfile(PlanningProfile):
+    """HybridEP as the planner prices it: each token sent once to each rank holding any of its experts, at the figures NVIDIA publishes for its SM counts."""
+
+    settings_legend = "hybridep D/C: its dispatch/combine SMs"
+    sends_each_token_once_per_rank = True
+
+    @classmethod
+    def counted_settings(cls, job_config, shape: MoEShape, ep: int) -> dict[str, object]:
+        factor = job_config.hybridep.non_blocking_capacity_factor
+        if factor is None:
+            return {}
+        # non_blocking_rows: N x R x min(L, K) x factor rows at EP = R, N x K x factor in a group of one
+        local_experts = shape.num_experts // ep
+        return {"non_blocking_capacity_factor": factor * ep * min(local_experts, shape.top_k) / shape.top_k}
+
+    @classmethod
+    def nvlink_domain_ranks(cls, job_config) -> int | None:
+        return job_config.hybridep.ranks_per_nvlink_domain
+
+    @classmethod
+    def advised_alternatives(cls, job_config, fabrics: tuple[str | None, ...]) -> tuple[dict[str, object], ...]:
+        """Where the all-to-all crosses one kind of link: the published SM counts whose figures there are the
+        fastest, dispatch's and combine's each, where the job's counts are priced at slower ones (a count
+        whose figure is already the fastest stays). More SMs cost no compute the advisor counts: nothing of
+        this harness computes beside HybridEP's kernels (its combine has no asynchronous mode, so the shared
+        experts wait for it), except the other microbatch under DualPipeV's overlapped EP, where none is
+        offered. Over two kinds of link, which one bounds the all-to-all depends on its bytes per link, so
+        none is offered either. Not blocking against non-blocking: no published figure separates their speed
+        (the planner gives a capacity factor's drops from recorded routing)."""
+        if len(set(fabrics)) != 1 or _overlaps_pipeline_ep(job_config.parallelism):
+            return ()
+        (fabric,) = set(fabrics)
+        figures = [rate for rate in PUBLISHED_RATES if rate.fabric == fabric and rate.sms is not None]
+        if not figures:
+            return ()
+        fastest_dispatch = max(figures, key=lambda rate: (rate.dispatch_GBps, -rate.sms))
+        fastest_combine = max(figures, key=lambda rate: (rate.combine_GBps, -rate.sms))
+        priced = next(rate for rate in cls.published_rates(job_config) if rate.fabric == fabric)
+        section = job_config.hybridep
+        dispatch_sms = section.num_sms_dispatch if priced.dispatch_GBps == fastest_dispatch.dispatch_GBps else fastest_dispatch.sms
+        combine_sms = section.num_sms_combine if priced.combine_GBps == fastest_combine.combine_GBps else fastest_combine.sms
+        if (dispatch_sms, combine_sms) == (section.num_sms_dispatch, section.num_sms_combine):
+            return ()
+        return ({"num_sms_dispatch": dispatch_sms, "num_sms_combine": combine_sms},)
+
+    @classmethod
+    def settings_label(cls, settings: dict[str, object]) -> str:
+        """Dispatch/combine SMs: "16/32"."""
+        return f"{settings['num_sms_dispatch']}/{settings['num_sms_combine']}"
+
+    @classmethod
+    def rate_settings(cls, job_config) -> tuple:
+        """The mode: non-blocking dispatch skips the host sync blocking dispatch waits for."""
+        return ("blocking" if job_config.hybridep.non_blocking_capacity_factor is None else "non-blocking",)
+
+    @classmethod
+    def published_rates(cls, job_config) -> tuple[PublishedRate, ...]:
+        """Dispatch's figure at the dispatch SMs, combine's at the combine SMs."""
+        section = job_config.hybridep
+        combine = {rate.fabric: rate for rate in nearest_sms(PUBLISHED_RATES, section.num_sms_combine)}
+        rates = []
+        for rate in nearest_sms(PUBLISHED_RATES, section.num_sms_dispatch):
+            other = combine[rate.fabric]
+            if other is not rate:
+                rate = replace(rate, combine_GBps=other.combine_GBps, source=f"dispatch: {rate.source}; combine: {other.source}")
+            rates.append(rate)
+        return tuple(rates)
+
+    @classmethod
+    def planned_modes(cls, job_config, shape: MoEShape, pad_multiple: int) -> list[tuple[str, int | None]]:
+        factor = job_config.hybridep.non_blocking_capacity_factor
+        modes = [("blocking", None)]
+        if factor is not None:
+            ep = job_config.parallelism.expert_parallel_degree
+            rows = non_blocking_rows(shape.max_tokens_per_rank, ep, shape.num_experts // ep, shape.top_k, factor, pad_multiple)
+            modes.append((f"non-blocking (capacity factor {factor})", rows))
+        return modes
+
+    @classmethod
+    def planned_buffer(cls, job_config, shape: MoEShape) -> tuple[int | None, str]:
+        from torchtitan_ext.ep.kernels.reference import ReferenceHybridEPBuffer
+
+        ep = job_config.parallelism.expert_parallel_degree
+        size = ReferenceHybridEPBuffer.buffer_bytes(
+            ep, shape.hidden_dim, shape.max_tokens_per_rank, shape.num_experts // ep,
+            TORCH_DTYPE_MAP[job_config.training.mixed_precision_param],
+        )
+        return size, "reference kernels' allocation (R*N token rows + routing map + probs); deep_ep's is internal"

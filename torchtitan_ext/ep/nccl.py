@@ -27,6 +27,7 @@ from torchtitan_ext.ep.base import RoutedExpertParallel, Routing, scale_rows, to
 from torchtitan_ext.ep.budget import Budget, DeviceBudget
 from torchtitan_ext.ep.in_flight import in_flight
 from torchtitan_ext.ep.layout import expert_major_rows, round_up
+from torchtitan_ext.ep.planning_profile import PlanningProfile
 from torchtitan_ext.ep.published_rates import PublishedRate
 
 
@@ -58,26 +59,10 @@ class NcclExpertParallel(RoutedExpertParallel):
     min_pad_multiple = 8
     supports_expert_tensor_parallel = True
     needs_expert_parallelism = False
-    moves_tokens_with_collective_all_to_all = True
     variants = {"nccl": ()}
 
     ops_module = "torchtitan_ext.ep.ops.nccl"
     saved_ops = ("_c10d_functional::all_to_all_single", "torchtitan_ext::nccl_dispatch", "torchtitan_ext::nccl_combine")
-
-    PUBLISHED_RATES = (
-        # NVIDIA publishes no large-message all-to-all bandwidth for multi-node NVLink (NVL72), and a figure of
-        # one node's NVSwitch is not taken to carry over to it: there it is priced at nominal
-        PublishedRate("nvlink", 370.0, 370.0, 450.0, None, None,
-                      "docs/published_ep_figures.md 5.8: NCCL's effective NVLink rate for collectives other than "
-                      "all-reduce, seen as busBw, 8 x H100 (the NCCL maintainer, nccl-tests issue #212)"),
-        PublishedRate("rdma", 46.0, 46.0, 50.0, None, None,
-                      "docs/published_ep_figures.md 5.6: nccl-tests alltoall busbw, 2 x DGX-H100, 400 Gbit/s NIC, "
-                      "NVLink disabled (a user's report, DeepEP issue #3)"),
-    )
-
-    @classmethod
-    def published_rates(cls, job_config) -> tuple[PublishedRate, ...]:
-        return cls.PUBLISHED_RATES
 
     @classmethod
     def layer_factory(cls, job_config, shape: MoEShape):
@@ -178,3 +163,27 @@ class NcclExpertParallel(RoutedExpertParallel):
             state.num_tokens, state.send_splits, state.recv_splits, group.group_name, self.collective_name("combine"),
         )
         return in_flight(combined)
+
+
+PUBLISHED_RATES = (
+    # NVIDIA publishes no large-message all-to-all bandwidth for multi-node NVLink (NVL72), and a figure of
+    # one node's NVSwitch is not taken to carry over to it: there it is priced at nominal
+    PublishedRate("nvlink", 370.0, 370.0, 450.0, None, None,
+                  "docs/published_ep_figures.md 5.8: NCCL's effective NVLink rate for collectives other than "
+                  "all-reduce, seen as busBw, 8 x H100 (the NCCL maintainer, nccl-tests issue #212)"),
+    PublishedRate("rdma", 46.0, 46.0, 50.0, None, None,
+                  "docs/published_ep_figures.md 5.6: nccl-tests alltoall busbw, 2 x DGX-H100, 400 Gbit/s NIC, "
+                  "NVLink disabled (a user's report, DeepEP issue #3)"),
+)
+"""NCCL's all-to-all per kind of link, as NVIDIA and its users publish it."""
+
+
+class NcclPlanningProfile(PlanningProfile):
+    """The nccl backend as the planner prices it: torch.distributed's all-to-all, each (token, expert) pair its own
+    row, timed by nccl-tests' alltoall_perf."""
+
+    moves_tokens_with_collective_all_to_all = True
+
+    @classmethod
+    def published_rates(cls, job_config) -> tuple[PublishedRate, ...]:
+        return PUBLISHED_RATES

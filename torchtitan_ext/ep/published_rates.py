@@ -2,9 +2,9 @@
 
 A :class:`PublishedRate` is one published dispatch/combine figure (quoted, with its source, in
 docs/published_ep_figures.md at the row it names), read as the fraction of its link's nominal rate that
-the bytes leaving a rank reach. Each backend class lists its figures
-(:meth:`RoutedExpertParallel.published_rates`); the layout advisor prices that backend's all-to-all bytes
-at a link's nominal rate times that fraction. See docs/planning.md, "How to read it" (kernel rates).
+the bytes leaving a rank reach. Each backend's planning profile lists its figures
+(:meth:`~torchtitan_ext.ep.planning_profile.PlanningProfile.published_rates`); the layout advisor prices that
+backend's all-to-all bytes at a link's nominal rate times that fraction. See docs/planning.md, "How to read it" (kernel rates).
 """
 
 from dataclasses import dataclass

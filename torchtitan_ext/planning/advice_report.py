@@ -3,7 +3,7 @@ cannot run, the seed paper's one-level setting."""
 
 import textwrap
 
-from torchtitan_ext.ep import BACKENDS
+from torchtitan_ext.ep import PLANNING_PROFILES
 from torchtitan_ext.planning.cost_model import MeasuredRouting
 from torchtitan_ext.planning.layout import Layout
 from torchtitan_ext.planning.measured_compute import MeasuredCompute
@@ -213,7 +213,7 @@ def format_advice(
             "step (100%: the link sets the step); over: the outermost link the all-to-all crosses, "
             + ", ".join(f"{short} = {name}" for name, short in links.items())
             + "".join(f"; {legend}" for legend in dict.fromkeys(
-                BACKENDS[layout.backend].settings_legend for layout in runnable if layout.settings) if legend), "  ")
+                PLANNING_PROFILES[layout.backend].settings_legend for layout in runnable if layout.settings) if legend), "  ")
         with_slots = f", {first.replica_slots} replica slot(s) per rank" if prices_replicas else ""
         lines.append(
             f"  recommended: {first.label} at EP={first.ep}, efsdp={first.efsdp}{with_slots}: "

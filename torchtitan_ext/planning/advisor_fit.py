@@ -25,7 +25,7 @@ from datetime import date
 from pathlib import Path
 
 from torchtitan_ext.config import ConfigError, parse
-from torchtitan_ext.ep import BACKENDS
+from torchtitan_ext.ep import BACKENDS, PLANNING_PROFILES
 from torchtitan_ext.planning.measured_rates import MeasuredRate
 from torchtitan_ext.planning.published_comparisons import HIGHER_IS_FASTER, job_of, predict
 from torchtitan_ext.planning.topology import load_topology, Topology
@@ -50,7 +50,7 @@ FRACTION_RANGE = (0.005, 1.0)
 class LinkFraction:
     backend: str
     settings: tuple
-    """The backend's rate settings in the fitted layout (:meth:`~torchtitan_ext.ep.base.RoutedExpertParallel.rate_settings`)."""
+    """The backend's rate settings in the fitted layout (:meth:`~torchtitan_ext.ep.planning_profile.PlanningProfile.rate_settings`)."""
     fabric: str
     fraction: float
 
@@ -119,7 +119,7 @@ def fit(comparisons: list) -> FittedParameters:
     links_needed = {}
     for row, backend in nominal:
         layout = shipped[row.id].layouts[backend]
-        settings = BACKENDS[backend].rate_settings(parse(["--job.config_file", row.priced.config, *row.priced.overrides,
+        settings = PLANNING_PROFILES[backend].rate_settings(parse(["--job.config_file", row.priced.config, *row.priced.overrides,
                                                           *layout.overrides()]))
         for fabric in dict.fromkeys(layout.nominal_fabrics):
             links_needed.setdefault((backend, settings, fabric), []).append((row, backend))

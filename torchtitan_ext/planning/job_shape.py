@@ -140,7 +140,7 @@ STATE_BYTES_PER_PARAMETER = 16
 def memory_needed(shape: JobShape, ep: int, gathered_expert_bytes: int, buffer_bytes: int | None, rows_ratio: float,
                   replica_slots: int, replica_region_bytes: int = 0) -> int:
     """:attr:`Layout.memory_bytes` of a layout at ``ep``; ``replica_region_bytes``: what the backend reserves beside
-    its buffer for its own kernels to carry the replicas (:meth:`~torchtitan_ext.ep.base.RoutedExpertParallel.planned_replica_region`)."""
+    its buffer for its own kernels to carry the replicas (:meth:`~torchtitan_ext.ep.planning_profile.PlanningProfile.planned_replica_region`)."""
     work = shape.work
     state = shape.data_parallel_sync.shard_parameters * STATE_BYTES_PER_PARAMETER
     saved_layers = shape.moe_layers - shape.recomputed_layers

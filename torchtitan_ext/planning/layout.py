@@ -3,7 +3,7 @@ predicts of it: its step, communication, local work, memory and links."""
 
 from dataclasses import dataclass
 
-from torchtitan_ext.ep import BACKENDS
+from torchtitan_ext.ep import PLANNING_PROFILES
 from torchtitan_ext.planning.cost_model import LayerCosts
 from torchtitan_ext.planning.local_traffic import LocalTraffic
 
@@ -49,7 +49,7 @@ class Layout:
     """This layout's ``expert_replication.slots_per_rank``."""
     settings: tuple[tuple[str, str, object], ...] = ()
     """(section, field, value) of the backend's own section priced in place of the job's
-    (:meth:`~torchtitan_ext.ep.base.RoutedExpertParallel.advised_alternatives`); empty: the job's."""
+    (:meth:`~torchtitan_ext.ep.planning_profile.PlanningProfile.advised_alternatives`); empty: the job's."""
     job_replica_slots: int = 0
     """The job's own ``expert_replication.slots_per_rank`` (the overrides name the slots when they differ)."""
     rows_ratio: float = 1.0
@@ -151,7 +151,7 @@ class Layout:
         "hybridep 16/32")."""
         if not self.settings:
             return self.backend
-        return f"{self.backend} {BACKENDS[self.backend].settings_label({field: value for _, field, value in self.settings})}"
+        return f"{self.backend} {PLANNING_PROFILES[self.backend].settings_label({field: value for _, field, value in self.settings})}"
 
     def overrides(self) -> list[str]:
         selected = ["--parallelism.expert_parallel_comm_backend", self.backend, "--parallelism.expert_parallel_degree", str(self.ep)]

@@ -15,7 +15,7 @@ from dataclasses import replace
 from torchtitan.config import TORCH_DTYPE_MAP
 
 from torchtitan_ext.config import comm_backend, ConfigError, load_job_config, model_args_of, MoEShape, validate
-from torchtitan_ext.ep import BACKENDS
+from torchtitan_ext.ep import BACKENDS, PLANNING_PROFILES
 from torchtitan_ext.ep.replication import dispatched_shape
 from torchtitan_ext.planning.cost_model import layer_costs, MeasuredRouting, token_reach
 from torchtitan_ext.planning.job_shape import job_shape, memory_needed
@@ -84,14 +84,14 @@ def advise(
             return (0.0 if ep == 1 else measured_compute.dispatch_work_s[backend_name]), 0.5, None
         if topology.memory_bandwidth_GBps is None:
             return 0.0, 0.5, None
-        backend = BACKENDS[backend_name]
-        settings = backend.rate_settings(candidate)
+        backend, profile = BACKENDS[backend_name], PLANNING_PROFILES[backend_name]
+        settings = profile.rate_settings(candidate)
         if ep > 1 and any(rate.includes_local_work for (name, rated, _), rate in (measured_rates or {}).items()
                           if (name, rated) == (backend_name, settings)):
             return 0.0, 0.5, None  # the cluster's measured rate (bench_ep's rows) holds it
         # the job's experts: a group of one has no replica slots
         counted = copy.deepcopy(candidate)
-        for field, value in backend.counted_settings(candidate, moe_shape, ep).items():
+        for field, value in profile.counted_settings(candidate, moe_shape, ep).items():
             setattr(getattr(counted, backend.config_section), field, value)
         traffic = count_local_traffic(
             backend_name if ep > 1 else None, counted, moe_shape, work.tokens,
@@ -121,6 +121,7 @@ def advise(
             continue
         efsdp = shape.expert_world // ep
         for backend_name, backend, settings, slots in priced_settings(job_config, ep, slot_counts, topology, world_size, measured_rates):
+            profile = PLANNING_PROFILES[backend_name]
             if ep == 1 and slots and 0 in slot_counts:
                 continue  # replicas need EP > 1: this EP = 1 layout is priced without them
             layout = Layout(backend_name, ep, efsdp, refused=None, replica_slots=slots,
@@ -132,8 +133,8 @@ def advise(
             candidate.expert_replication.slots_per_rank = slots
             try:
                 validate(candidate, device_type=device_type, world_size=world_size)
-                check_nvlink_domain(backend, candidate, topology, sizes)
-                links = kernel_links(backend, backend_name, candidate, topology, world_size, ep)
+                check_nvlink_domain(backend_name, candidate, topology, sizes)
+                links = kernel_links(backend_name, candidate, topology, world_size, ep)
             except ConfigError as e:
                 refused.append(replace(layout, refused=str(e)))
                 continue
@@ -144,9 +145,9 @@ def advise(
                 ratio, moved = replayed_here.rows_ratio, replayed_here.experts_moved
                 pair_share = ratio / ep
             gathered = work.experts // ep * work.expert_parameters * work.gather_bytes
-            buffer_bytes = backend.planned_buffer(candidate, dispatched_shape(candidate, moe_shape))[0]
+            buffer_bytes = profile.planned_buffer(candidate, dispatched_shape(candidate, moe_shape))[0]
             # a backend's kernels carry replicas within one NVLink domain only (elsewhere they move by all-to-all)
-            region = backend.planned_replica_region(candidate) if ep > 1 and topology.level_of(sizes, 0, ep - 1) == 0 else 0
+            region = profile.planned_replica_region(candidate) if ep > 1 and topology.level_of(sizes, 0, ep - 1) == 0 else 0
             memory = memory_needed(shape, ep, gathered, buffer_bytes, ratio, slots, region)
             if topology.memory_GB is not None and memory > topology.memory_GB * 1e9:
                 refused.append(replace(layout, refused=(
@@ -159,15 +160,15 @@ def advise(
                 )))
                 continue
             fetch_s, return_s = replica_traffic(work, topology, world_size, ep, moved)
-            fractions = kernel_rate_fractions(backend_name, backend, candidate, topology, links, measured_rates)
+            fractions = kernel_rate_fractions(backend_name, candidate, topology, links, measured_rates)
             crossed = links.level_of(links.group_sizes(world_size), 0, ep - 1) + 1 if ep > 1 else 0
             nominal_levels = [level for index, level in enumerate(links.levels[:crossed])
                               if level.fabric is not None and index not in fractions]
-            copies_per_rank = backend.sends_each_token_once_per_rank and not slots
+            copies_per_rank = profile.sends_each_token_once_per_rank and not slots
             costs = layer_costs(work, topology, world_size, ep, efsdp, copies_per_rank, routing, pair_share, links,
                                 fractions)
             # the mean rank's token vectors per token it sends: the EP ranks one token reaches, its own among them
-            received = ep * token_reach(work, ep, None) if backend.sends_each_token_once_per_rank and ep > 1 else 1.0
+            received = ep * token_reach(work, ep, None) if profile.sends_each_token_once_per_rank and ep > 1 else 1.0
             work_s, forward_share, traffic = local_work(backend_name, candidate, ep, received)
             priced = replace(
                 layout,
@@ -192,7 +193,7 @@ def advise(
                 expert_compute_s=expert_compute_s,
                 replica_fetch_s=fetch_s,
                 replica_return_s=return_s,
-                kernel_rates=describe_kernel_rates(layout.label, backend_name, backend, candidate, topology, measured_rates),
+                kernel_rates=describe_kernel_rates(layout.label, backend_name, candidate, topology, measured_rates),
                 nominal_links=tuple(level.name for level in nominal_levels),
                 nominal_fabrics=tuple(level.fabric for level in nominal_levels),
             )

@@ -6,7 +6,7 @@ import copy
 import re
 
 from torchtitan_ext.config import ConfigError
-from torchtitan_ext.ep import BACKENDS
+from torchtitan_ext.ep import BACKENDS, PLANNING_PROFILES
 from torchtitan_ext.planning.layout import Layout
 from torchtitan_ext.planning.measured_rates import MeasuredRate
 from torchtitan_ext.planning.topology import Topology
@@ -24,14 +24,14 @@ def candidate_config(job_config, backend_name: str, ep: int):
     return candidate
 
 
-def crossed_fabrics(backend, backend_name: str, candidate, topology: Topology, world_size: int, ep: int) -> tuple:
+def crossed_fabrics(backend_name: str, candidate, topology: Topology, world_size: int, ep: int) -> tuple:
     """The link kinds of the links the backend's all-to-all crosses at ``ep``, innermost first (None for a link
     the topology names none for); empty at EP = 1, or where its kernel domains do not fit the job (which pricing
     refuses)."""
     if ep == 1:
         return ()
     try:
-        links = kernel_links(backend, backend_name, candidate, topology, world_size, ep)
+        links = kernel_links(backend_name, candidate, topology, world_size, ep)
     except ConfigError:
         return ()
     crossed = links.level_of(links.group_sizes(world_size), 0, ep - 1) + 1
@@ -45,39 +45,40 @@ def priced_settings(job_config, ep: int, slot_counts: list[int], topology: Topol
     alternative chosen by published figures that a rate measured on the cluster replaces (the same rate
     settings) would be priced as the job's settings are: it is left out."""
     for backend_name, backend in BACKENDS.items():
+        profile = PLANNING_PROFILES[backend_name]
         candidate = candidate_config(job_config, backend_name, ep)
-        fabrics = crossed_fabrics(backend, backend_name, candidate, topology, world_size, ep)
+        fabrics = crossed_fabrics(backend_name, candidate, topology, world_size, ep)
         measured_settings = {settings for name, settings, _ in (measured_rates or {}) if name == backend_name}
         alternatives = []
-        for settings in backend.advised_alternatives(candidate, fabrics):
+        for settings in profile.advised_alternatives(candidate, fabrics):
             alternative = copy.deepcopy(candidate)
             for field, value in settings.items():
                 setattr(getattr(alternative, backend.config_section), field, value)
-            rate_settings = backend.rate_settings(alternative)
-            if rate_settings not in measured_settings or rate_settings != backend.rate_settings(candidate):
+            rate_settings = profile.rate_settings(alternative)
+            if rate_settings not in measured_settings or rate_settings != profile.rate_settings(candidate):
                 alternatives.append(settings)
         for settings in ({}, *alternatives):
             for slots in slot_counts:
                 yield backend_name, backend, settings, slots
 
 
-def check_nvlink_domain(backend, candidate, topology: Topology, sizes: list[int]) -> None:
+def check_nvlink_domain(backend_name: str, candidate, topology: Topology, sizes: list[int]) -> None:
     """ConfigError when the backend is told that more ranks share an NVLink domain than the topology's
     innermost level groups: it would treat ranks over the slower level as NVLink peers."""
-    domain = backend.nvlink_domain_ranks(candidate)
+    domain = PLANNING_PROFILES[backend_name].nvlink_domain_ranks(candidate)
     if domain is not None and domain > sizes[0]:
         raise ConfigError(
-            f"{backend.config_section}.ranks_per_nvlink_domain = {domain}, but topology '{topology.name}' groups "
+            f"{BACKENDS[backend_name].config_section}.ranks_per_nvlink_domain = {domain}, but topology '{topology.name}' groups "
             f"{sizes[0]} ranks in its innermost level '{topology.levels[0].name}': set it to at most {sizes[0]} "
             "(a divisor of the EP degree)"
         )
 
 
-def kernel_links(backend, backend_name: str, candidate, topology: Topology, world_size: int, ep: int) -> Topology:
+def kernel_links(backend_name: str, candidate, topology: Topology, world_size: int, ep: int) -> Topology:
     """The links the backend's all-to-all kernels use at this EP degree: the topology, or where they reach
     fewer NVLink peers than its innermost group holds (and the EP group has more), the topology with the
     other peers on the next level's link. ConfigError when that split does not fit the job."""
-    kernel_ranks = backend.kernel_nvlink_ranks(candidate)
+    kernel_ranks = PLANNING_PROFILES[backend_name].kernel_nvlink_ranks(candidate)
     if kernel_ranks is None or ep <= kernel_ranks:
         return topology
     links = topology.within_kernel_domain(kernel_ranks, backend_name)
@@ -100,15 +101,16 @@ def physical_level(topology: Topology, links: Topology, index: int) -> int:
 
 
 def kernel_rate_fractions(
-    backend_name: str, backend, candidate, topology: Topology, links: Topology,
+    backend_name: str, candidate, topology: Topology, links: Topology,
     measured: dict[tuple[str, tuple, int], MeasuredRate] | None = None,
 ) -> dict[int, float]:
     """{level of ``links``: the fraction of its rate the backend's all-to-all reaches there}: measured on the
     cluster (``measured``, :mod:`.measured_rates`) where it was, else from the backend's published figures for
     the level's fabric, dispatch's and combine's fractions combined as the step runs them, one of each per
     direction (their harmonic mean). Levels with neither: absent (nominal)."""
-    rates = {rate.fabric: rate for rate in backend.published_rates(candidate)}
-    settings = backend.rate_settings(candidate)
+    profile = PLANNING_PROFILES[backend_name]
+    rates = {rate.fabric: rate for rate in profile.published_rates(candidate)}
+    settings = profile.rate_settings(candidate)
     fractions = {}
     for index, level in enumerate(links.levels):
         own = (measured or {}).get((backend_name, settings, physical_level(topology, links, index)))
@@ -121,12 +123,13 @@ def kernel_rate_fractions(
 
 
 def describe_kernel_rates(
-    label: str, backend_name: str, backend, candidate, topology: Topology,
+    label: str, backend_name: str, candidate, topology: Topology,
     measured: dict[tuple[str, tuple, int], MeasuredRate] | None = None,
 ) -> str:
     """One backend's rate (as ``label`` configures it) on each of the topology's links, and where it comes from."""
-    rates = {rate.fabric: rate for rate in backend.published_rates(candidate)}
-    settings = backend.rate_settings(candidate)
+    profile = PLANNING_PROFILES[backend_name]
+    rates = {rate.fabric: rate for rate in profile.published_rates(candidate)}
+    settings = profile.rate_settings(candidate)
     parts = []
     for index, level in enumerate(topology.levels):
         own = (measured or {}).get((backend_name, settings, index))

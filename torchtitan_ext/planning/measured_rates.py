@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from torchtitan_ext.config import ConfigError, parse
-from torchtitan_ext.ep import BACKENDS
+from torchtitan_ext.ep import PLANNING_PROFILES
 from torchtitan_ext.planning.cost_model import layer_costs, MoEWorkload
 from torchtitan_ext.planning.nccl_tests_log import all_to_all_runs
 from torchtitan_ext.planning.topology import Topology
@@ -100,7 +100,7 @@ class MeasuredRate:
 
     backend: str
     settings: tuple
-    """The backend's :meth:`~torchtitan_ext.ep.base.RoutedExpertParallel.rate_settings` in the timed job."""
+    """The backend's :meth:`~torchtitan_ext.ep.planning_profile.PlanningProfile.rate_settings` in the timed job."""
     level: int
     """Index of the topology level whose link the measured EP group's all-to-all crossed."""
     fraction: float
@@ -149,8 +149,8 @@ def nccl_tests_rates(path: Path, topology: Topology, text: str) -> dict[tuple[st
     run the topology cannot place as it ran (ranks of different hosts in one group of a one-node NVLink level), a
     time faster than the nominal rate, or two runs on one link."""
     measured_backends = {
-        name: backend.rate_settings(parse(["--parallelism.expert_parallel_comm_backend", name]))
-        for name, backend in BACKENDS.items() if backend.moves_tokens_with_collective_all_to_all
+        name: profile.rate_settings(parse(["--parallelism.expert_parallel_comm_backend", name]))
+        for name, profile in PLANNING_PROFILES.items() if profile.moves_tokens_with_collective_all_to_all
     }
     rates: dict[tuple[str, tuple, int], MeasuredRate] = {}
     for run in all_to_all_runs(path, text):
@@ -212,8 +212,8 @@ def measured_rates(path: Path, topology: Topology, text: str) -> dict[tuple[str,
     for index, row in enumerate(rows):
         where = f"--calibrate-from {path}: rows[{index}]"
         row = EPBenchRow.read(row, where)
-        backend = BACKENDS.get(row.comm_backend)
-        if backend is None or row.ep < 2:
+        profile = PLANNING_PROFILES.get(row.comm_backend)
+        if profile is None or row.ep < 2:
             continue  # torchtitan's own ExpertParallel, or local work without traffic
         processes, ep = row.processes, row.ep
         try:
@@ -221,7 +221,7 @@ def measured_rates(path: Path, topology: Topology, text: str) -> dict[tuple[str,
                                 *map(str, row.job_args)])
         except ConfigError as e:
             raise ConfigError(f"{where}.job_args: {e}") from None
-        reach = backend.kernel_nvlink_ranks(job_config)
+        reach = profile.kernel_nvlink_ranks(job_config)
         if reach is not None and ep > reach:
             raise ConfigError(f"{where}.ep = {ep}: {row.comm_backend}'s kernels reach {reach} ranks over NVLink, "
                               f"and a group of {ep} spans their split: time it at EP <= {reach}")
@@ -236,7 +236,7 @@ def measured_rates(path: Path, topology: Topology, text: str) -> dict[tuple[str,
             activation_bytes=element, gather_bytes=element, reduce_bytes=element, pre_expert_flops=0.0,
             regather_in_backward=False,
         )
-        costs = layer_costs(work, topology, processes, ep, 1, backend.sends_each_token_once_per_rank)
+        costs = layer_costs(work, topology, processes, ep, 1, profile.sends_each_token_once_per_rank)
         nominal = costs.a2a * (2 if row.forward_only else 4)
         measured = row.median_ms / 1e3
         if nominal > measured:
@@ -245,7 +245,7 @@ def measured_rates(path: Path, topology: Topology, text: str) -> dict[tuple[str,
                 f"the nominal rate of '{topology.levels[level].name}': it was timed on another link, or that level's "
                 "bandwidth_GBps is below the link's"
             )
-        settings = backend.rate_settings(job_config)
+        settings = profile.rate_settings(job_config)
         rate = MeasuredRate(
             row.comm_backend, settings, level, nominal / measured,
             f"{path.name} rows[{index}]: T={row.tokens} H={row.hidden} EP={ep}"

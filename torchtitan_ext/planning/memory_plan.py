@@ -16,7 +16,7 @@ import torch
 from torchtitan.config import TORCH_DTYPE_MAP
 
 from torchtitan_ext.config import ConfigError, max_tokens_per_rank, model_args_of, MoEShape, routed_expert_elements
-from torchtitan_ext.ep import BACKENDS
+from torchtitan_ext.ep import BACKENDS, PLANNING_PROFILES
 from torchtitan_ext.ep.base import token_group_alignment
 from torchtitan_ext.ep.replication import dispatched_shape
 from torchtitan_ext.planning.dry_run import dry_run, DryRunReport
@@ -133,8 +133,9 @@ def plan(job_config, world_size: int, routing_stats=None) -> Plan:
     backends = []
     for backend_name, backend in BACKENDS.items():
         pad = max(align, backend.min_pad_multiple)
-        buffer_bytes, note = backend.planned_buffer(job_config, shape)
-        for mode, fixed_rows in backend.planned_modes(job_config, shape, pad):
+        profile = PLANNING_PROFILES[backend_name]
+        buffer_bytes, note = profile.planned_buffer(job_config, shape)
+        for mode, fixed_rows in profile.planned_modes(job_config, shape, pad):
             balanced, worst = _plan_rows(dims, pad)
             can_drop, rate, worst_layer = False, None, None
             if fixed_rows is not None:
