@@ -17,6 +17,7 @@ GPT_OSS_120B = Path("docs/hf_configs/gpt-oss-120b.json")
 DEEPSEEK_R1 = Path("docs/hf_configs/deepseek-r1.json")
 QWEN3_30B = Path("docs/hf_configs/qwen3-30b-a3b.json")
 MIXTRAL_8X7B = Path("docs/hf_configs/mixtral-8x7b.json")
+LLAMA4_SCOUT = Path("docs/hf_configs/llama-4-scout-17b-16e.json")
 # what the job's sequence length and torchtitan's choices of kernels set in a flavour, and the norms' epsilon
 # (torchtitan's 671B keeps its default 1e-5 where the config says 1e-6): none changes a FLOP or a byte
 NOT_SHAPE = {"max_seq_len", "attn_type", "attn_mask_type", "use_grouped_mm", "expert_parallel_comm_backend", "norm_eps"}
@@ -35,13 +36,15 @@ def test_a_public_config_gives_torchtitans_flavour_of_the_same_model(path, flavo
     assert _shape(model_args) == _shape(get_train_spec(name).model_args[flavor])
 
 
-def _edited(tmp_path: Path, base: Path = GPT_OSS_120B, **changes) -> Path:
+def _edited(tmp_path: Path, base: Path = GPT_OSS_120B, text: dict | None = None, **changes) -> Path:
+    """``base`` with ``changes`` (None deletes a field), and ``text``'s in its text_config."""
     config = json.loads(base.read_text())
-    for field, value in changes.items():
-        if value is None:
-            del config[field]
-        else:
-            config[field] = value
+    for fields, edits in ((config, changes), (config.get("text_config"), text or {})):
+        for field, value in edits.items():
+            if value is None:
+                del fields[field]
+            else:
+                fields[field] = value
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     return path
@@ -54,8 +57,8 @@ def _edited(tmp_path: Path, base: Path = GPT_OSS_120B, **changes) -> Path:
     ({"tie_word_embeddings": True}, "tie_word_embeddings = true: the torchtitan gpt_oss model builds an output layer "
                                     "apart from the embeddings; a model that differs there is not priced"),
     ({"layer_types": ["full_attention"] * 36}, 'layer_types = ["full_attention", "full_attention", '),
-    ({"model_type": "llama4"}, "model_type 'llama4' is not priced: use a config of deepseek_v3, gpt_oss, qwen3_moe, "
-                               "mixtral"),
+    ({"model_type": "llama5"}, "model_type 'llama5' is not priced: use a config of deepseek_v3, gpt_oss, qwen3_moe, "
+                               "mixtral, llama4, llama4_text"),
     ({"base": MIXTRAL_8X7B, "sliding_window": 4096}, "sliding_window = 4096: the torchtitan qwen3 model builds full "
                                                      "causal attention in every layer"),
     ({"base": QWEN3_30B, "mlp_only_layers": [0, 1]}, "mlp_only_layers = [0, 1]: the torchtitan qwen3 model builds every "
@@ -68,6 +71,11 @@ def _edited(tmp_path: Path, base: Path = GPT_OSS_120B, **changes) -> Path:
                                                  "layer after the first dense ones is MoE"),
     ({"base": DEEPSEEK_R1, "num_key_value_heads": 8}, "num_key_value_heads = 8: the torchtitan deepseek_v3 model "
                                                       "builds multi-head latent attention"),
+    ({"base": LLAMA4_SCOUT, "text": {"moe_layers": list(range(1, 48, 2))}}, "text_config: moe_layers = [1, 3, 5, "),
+    ({"base": LLAMA4_SCOUT, "text": {"intermediate_size": 4096}}, "text_config: intermediate_size 4096 with "
+                                                                  "intermediate_size_mlp 16384: torchtitan's Llama4"),
+    ({"base": LLAMA4_SCOUT, "text": {"num_local_experts": None}}, "text_config: missing field(s) num_local_experts: a "
+                                                                  "llama4_text config.json states them"),
 ])
 def test_a_config_it_cannot_price_is_refused_naming_the_field(tmp_path, changes, message):
     path = _edited(tmp_path, **changes)
@@ -121,3 +129,26 @@ def test_mixtral_is_priced_as_its_published_parameter_count():
     expected = 2 * 32000 * 4096 + 32 * layer + 4096
     assert expected == 46_702_792_704
     assert sum(parameter.numel() for parameter in meta_model(job_config).parameters()) == expected
+
+
+@pytest.mark.parametrize("text, flavor", [({}, "17bx16e"), ({"num_local_experts": 128, "interleave_moe_layer_step": 2,
+                                                             "moe_layers": list(range(1, 48, 2))}, "17bx128e")])
+def test_llama4s_text_model_builds_as_torchtitans_flavour(tmp_path, text, flavor):
+    """torchtitan sizes Llama4's MLPs from its own knobs, so the meta models are compared parameter for parameter:
+    Scout's config gives torchtitan's 17bx16e, and with Maverick's experts and layer pattern its 17bx128e. Scout's
+    text model has 107,769,861,120 parameters: embeddings and output 2 x 202,048 x 5,120, and per layer attention
+    (2 x 5,120^2 + 2 x 5,120 x 1,024), 16 experts and the shared one of 3 x 5,120 x 8,192, the router and two
+    norms; the final norm."""
+    import torch
+
+    spec = get_train_spec("llama4")
+
+    def shapes(model_args) -> dict:
+        with torch.device("meta"):
+            return {name: parameter.shape for name, parameter in spec.model_cls(model_args).named_parameters()}
+
+    name, model_args = hf_model_args(_edited(tmp_path, LLAMA4_SCOUT, text))
+    assert name == "llama4" and shapes(model_args) == shapes(spec.model_args[flavor])
+    if not text:
+        layer = 2 * 5120 * 5120 + 2 * 5120 * 1024 + 17 * 3 * 5120 * 8192 + 16 * 5120 + 2 * 5120
+        assert sum(shape.numel() for shape in shapes(model_args).values()) == 2 * 202048 * 5120 + 48 * layer + 5120

@@ -2,7 +2,8 @@
 
 :func:`register_hf_model` reads the file, maps its fields onto the torchtitan model family that builds the same
 architecture (``model_type`` ``deepseek_v3`` onto torchtitan's DeepSeek-V3, ``gpt_oss`` onto its GPT-OSS,
-``qwen3_moe`` onto its Qwen3 with MoE layers, ``mixtral`` onto the same without query and key norms) and
+``qwen3_moe`` onto its Qwen3 with MoE layers, ``mixtral`` onto the same without query and key norms, ``llama4``'s
+text model (or a ``llama4_text`` config) onto its Llama4) and
 registers the arguments under the flavour ``hf:<path>``, so that ``--model.name <family> --model.flavor hf:<path>``
 names the model everywhere a job config is read. Every field is either read (it fixes a shape), held to the value
 the torchtitan model assumes (``hidden_act``, tied embeddings, the layer pattern), or known not to change the FLOPs
@@ -10,17 +11,20 @@ or bytes of a step (token ids, dropout, the checkpoint's storage format); any ot
 is refused in one line naming it: a field this module does not know may change the model it prices.
 
 What is priced is torchtitan's model of the architecture, with torchtitan's FLOP count: DeepSeek-V3 without its
-multi-token-prediction layers (``num_nextn_predict_layers``: torchtitan builds none), and GPT-OSS's sliding-window
-layers counted as full causal attention.
+multi-token-prediction layers (``num_nextn_predict_layers``: torchtitan builds none), GPT-OSS's sliding-window
+layers and Llama4's chunked-attention layers counted as full causal attention, and Llama4 without its vision encoder
+(torchtitan's Llama4 is the text model).
 """
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from torchtitan.models.deepseek_v3 import DeepSeekV3ModelArgs
 from torchtitan.models.gpt_oss import GptOssModelArgs
+from torchtitan.models.llama4 import RoPEScalingArgs, TransformerModelArgs
 from torchtitan.models.moe import MoEArgs
 from torchtitan.models.qwen3 import Qwen3ModelArgs
 
@@ -46,7 +50,7 @@ class _Family:
     """Fields that change neither a step's FLOPs nor its bytes."""
     build: Callable[[dict], object]
     optional: tuple[str, ...] = ()
-    """Fields read when present (each has a default the architecture defines)."""
+    """Fields read, or held as ``fixed`` says, when present (each has a default the architecture defines)."""
 
 
 def _yarn(config: dict, where: str, fields: tuple[str, ...]) -> dict:
@@ -125,6 +129,53 @@ def _mixtral(config: dict) -> Qwen3ModelArgs:
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     return _qwen3_moe({**config, "head_dim": head_dim, "moe_intermediate_size": config["intermediate_size"],
                        "num_experts": config["num_local_experts"], "norm_topk_prob": True}, qk_norm=False)
+
+
+def _llama4_text(config: dict) -> TransformerModelArgs:
+    """torchtitan sizes Llama4's MLPs from ``dim`` (``multiple_of``, ``ffn_dim_multiplier``; an expert's hidden size
+    is the dense MLP's over top-k plus the shared expert): the two are chosen here to give the config's sizes."""
+    where, dim, top_k = config["_where"], config["hidden_size"], config["num_experts_per_tok"]
+    dense, expert = config["intermediate_size_mlp"], config["intermediate_size"]
+    base = int(2 * 4 * dim / 3)
+    multiplier, multiple = dense / base, math.gcd(dense, expert)
+    hidden = int(multiplier * base)
+    built = (-(-hidden // multiple) * multiple, -(-int(hidden / (top_k + 1)) // multiple) * multiple)
+    if built != (dense, expert):
+        raise ConfigError(f"{where}: intermediate_size {expert} with intermediate_size_mlp {dense}: torchtitan's Llama4 "
+                          f"sizes an expert as its dense MLP over top-k + 1 shared expert ({dense} / {top_k + 1}); "
+                          "a model that differs there is not priced")
+    scaling = config["rope_scaling"]
+    if scaling is not None and scaling.get("rope_type") != "llama3":
+        raise ConfigError(f"{where}: rope_scaling {scaling!r} is not Llama 3 scaling, which the torchtitan model "
+                          "builds: price a config whose rope_scaling is null or has rope_type 'llama3'")
+    return TransformerModelArgs(
+        dim=dim, n_layers=config["num_hidden_layers"], n_heads=config["num_attention_heads"],
+        n_kv_heads=config["num_key_value_heads"], vocab_size=config["vocab_size"], multiple_of=multiple,
+        ffn_dim_multiplier=multiplier, norm_eps=config["rms_norm_eps"], rope_theta=config["rope_theta"],
+        rope_scaling_args=None if scaling is None else RoPEScalingArgs(
+            scaling_factor=scaling["factor"], low_freq_factor=scaling["low_freq_factor"],
+            high_freq_factor=scaling["high_freq_factor"],
+            original_max_position_embeddings=scaling["original_max_position_embeddings"],
+        ),
+        moe_args=MoEArgs(num_experts=config["num_local_experts"], num_shared_experts=1, top_k=top_k,
+                         score_func="sigmoid", route_norm=False, score_before_experts=True),
+        interleave_moe_layer_step=config["interleave_moe_layer_step"], auto_scale_hidden_dim=True,
+    )
+
+
+def _llama4(config: dict) -> TransformerModelArgs:
+    """The text model of a Llama 4 config (its ``text_config``), held to its own family's fields."""
+    text = config["text_config"]
+    where = f"{config['_where']}: text_config"
+    if not isinstance(text, dict):
+        raise ConfigError(f"{where}: not an object: a llama4 config.json holds its text model's fields there")
+    _check_fields(text, _FAMILIES["llama4_text"], where)
+    return _llama4_text({**text, "_where": where})
+
+
+def _llama4_moe_layers(config: dict) -> bool:
+    step = config["interleave_moe_layer_step"]
+    return config["moe_layers"] == [layer for layer in range(config["num_hidden_layers"]) if (layer + 1) % step == 0]
 
 
 def _alternating_sliding_then_full(config: dict) -> bool:
@@ -206,20 +257,54 @@ _FAMILIES = {
         build=_mixtral,
         optional=("head_dim",),
     ),
+    "llama4": _Family(
+        "llama4",
+        required=("text_config",),
+        fixed={"tie_word_embeddings": (False, "an output layer apart from the embeddings")},
+        # the vision encoder and its projector: torchtitan's Llama4 is the text model, so a job trains none
+        ignored=(*_COMMON_IGNORED, "vision_config", "boi_token_index", "eoi_token_index", "image_token_index"),
+        build=_llama4,
+    ),
+    "llama4_text": _Family(
+        "llama4",
+        required=("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
+                  "intermediate_size", "intermediate_size_mlp", "rms_norm_eps", "rope_theta", "rope_scaling",
+                  "num_local_experts", "num_experts_per_tok", "interleave_moe_layer_step"),
+        fixed={
+            "hidden_act": ("silu", "SwiGLU experts and MLPs"),
+            "attention_bias": (False, "attention projections without bias"),
+            "head_dim": (lambda config: config["head_dim"] * config["num_attention_heads"] == config["hidden_size"],
+                         "heads of hidden_size / num_attention_heads"),
+            "moe_layers": (_llama4_moe_layers, "an MoE layer every interleave_moe_layer_step layers, the last of each"),
+            "tie_word_embeddings": (False, "an output layer apart from the embeddings"),
+        },
+        ignored=(*_COMMON_IGNORED, "output_router_logits", "router_aux_loss_coef", "router_jitter_noise",
+                 "cache_implementation", "for_llm_compressor",
+                 # attention's temperature, and query and key norms without weights: no parameter, and torchtitan's
+                 # FLOP count counts neither
+                 "attn_scale", "attn_temperature_tuning", "floor_scale", "use_qk_norm",
+                 # iRoPE's layers without RoPE and its chunked attention: priced as full causal attention, as
+                 # torchtitan counts the FLOPs of its Llama4
+                 "no_rope_layers", "attention_chunk_size"),
+        build=_llama4_text,
+        optional=("moe_layers", "tie_word_embeddings"),
+    ),
 }
 
 
 def _check_fields(config: dict, family: _Family, where: str) -> None:
+    kind = config.get("model_type", family.model_name)
     known = {*family.required, *family.fixed, *family.ignored, *family.optional}
     unknown = sorted(set(config) - known)
     if unknown:
-        raise ConfigError(f"{where}: field(s) {', '.join(unknown)} are not known to price a "
-                          f"{config['model_type']} model: they may change its shape; remove them if they do not")
-    missing = [field for field in (*family.required, *family.fixed) if field not in config]
+        raise ConfigError(f"{where}: field(s) {', '.join(unknown)} are not known to price a {kind} model: they may "
+                          "change its shape; remove them if they do not")
+    missing = [field for field in (*family.required, *family.fixed) if field not in config and field not in family.optional]
     if missing:
-        raise ConfigError(f"{where}: missing field(s) {', '.join(missing)}: a {config['model_type']} config.json "
-                          "states them")
+        raise ConfigError(f"{where}: missing field(s) {', '.join(missing)}: a {kind} config.json states them")
     for field, (expected, meaning) in family.fixed.items():
+        if field not in config:
+            continue
         value = config[field]
         if not (expected(config) if callable(expected) else value == expected and type(value) is type(expected)):
             shown = json.dumps(value)
