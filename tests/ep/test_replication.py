@@ -140,16 +140,18 @@ def test_a_plan_never_copies_its_own_or_twice(replicas, message):
 
 
 def test_exchange_arguments_pair_up_across_ranks():
-    """What rank s sends to rank d, in order, is what d expects from s, in order."""
+    """What rank s sends to rank d, in order, is what d expects from s, in order; each rank's experts sent are
+    listed once, ascending (their gradients' sums)."""
     plan = ReplicaPlan(8, 4, ((2, 5), (0, -1), (7, 1), (-1, 3)))
     per_rank = plan.experts_per_rank
     arguments = [exchange_arguments(plan, rank) for rank in range(4)]
+    assert [arguments[rank][4].tolist() for rank in range(4)] == [[0, 1], [0, 1], [1], [1]]
     for source in range(4):
-        send_local, send_counts, _, _ = arguments[source]
+        send_local, send_counts, *_ = arguments[source]
         offsets = [sum(send_counts[:d]) for d in range(4)]
         for destination in range(4):
             sent = send_local[offsets[destination]:offsets[destination] + send_counts[destination]]
-            _, _, recv_counts, recv_slot = arguments[destination]
+            _, _, recv_counts, recv_slot, _ = arguments[destination]
             start = sum(recv_counts[:source])
             slots = recv_slot[start:start + recv_counts[source]]
             assert [plan.replicas[destination][slot] for slot in slots] == [source * per_rank + s for s in sent]
@@ -290,7 +292,7 @@ def test_the_gradients_of_four_copies_are_summed_in_fp32_and_rounded_once(world_
     home = torch.zeros(1, 1, dtype=torch.bfloat16, requires_grad=True)
     copies = 4
     fetched = replica_ops().replica_weights([home], torch.zeros(copies, dtype=torch.int64), [copies], [copies],
-                                            torch.arange(copies), [0] * copies, copies,
+                                            torch.arange(copies), torch.zeros(1, dtype=torch.int64), [0] * copies, copies,
                                             _get_process_group_name(world_of_one))
     with IndexAddDtypes() as sums:
         fetched.backward(torch.tensor([[1.0], [2**-8], [2**-8], [2**-8]], dtype=torch.bfloat16))

@@ -21,8 +21,9 @@ from torchtitan_ext.ep.replication import ReplicaPlan
 
 
 def exchange_arguments(plan: ReplicaPlan, rank: int, device: torch.device = torch.device("cpu")):
-    """(send_local, send_counts, recv_counts, recv_slot) of ``replica_weights`` for ``rank``: the two index lists
-    as int64 on ``device`` (copied without making the host wait), the two split-size lists on the host."""
+    """(send_local, send_counts, recv_counts, recv_slot, sent_experts) of ``replica_weights`` for ``rank``: the
+    index lists as int64 on ``device`` (copied without making the host wait), the two split-size lists on the
+    host."""
     per_rank, ranks = plan.experts_per_rank, plan.expert_parallel_degree
     send_local, send_counts = [], []
     for destination in range(ranks):
@@ -33,7 +34,8 @@ def exchange_arguments(plan: ReplicaPlan, rank: int, device: torch.device = torc
     recv_counts = [sum(source == s for source, _ in held) for s in range(ranks)]
     recv_slot = [slot for _, slot in sorted(held)]
     return (to_device(torch.tensor(send_local, dtype=torch.int64), device), send_counts, recv_counts,
-            to_device(torch.tensor(recv_slot, dtype=torch.int64), device))
+            to_device(torch.tensor(recv_slot, dtype=torch.int64), device),
+            to_device(torch.tensor(sorted(set(send_local)), dtype=torch.int64), device))
 
 
 def redundancy_mapping(plan: ReplicaPlan) -> list[int]:
@@ -47,7 +49,7 @@ class ExpertsWithReplicas(GroupedExperts):
     slots: int
     group = None
     plan: ReplicaPlan
-    exchange: tuple[torch.Tensor, list[int], list[int], torch.Tensor] | None
+    exchange: tuple[torch.Tensor, list[int], list[int], torch.Tensor, torch.Tensor] | None
     redundancy_mapping: list[int]
     holds_replicas: bool
     """Whether some rank's slot holds a replica under the plan (else the layer runs its home experts alone)."""

@@ -78,7 +78,7 @@ def _busiest_transfer(plan: ReplicaPlan) -> int:
     """Whole experts the busiest rank sends or receives in one fetch of ``plan``'s replicas."""
     busiest = 0
     for rank in range(plan.expert_parallel_degree):
-        send_local, _, recv_counts, _ = exchange_arguments(plan, rank)
+        send_local, _, recv_counts, *_ = exchange_arguments(plan, rank)
         busiest = max(busiest, len(send_local), sum(recv_counts))
     return busiest
 

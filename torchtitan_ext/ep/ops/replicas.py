@@ -50,6 +50,7 @@ def replica_weights(
     send_counts: list[int],
     recv_counts: list[int],
     recv_slot: torch.Tensor,
+    sent_experts: torch.Tensor,
     redundancy_mapping: list[int],
     slots: int,
     group_name: str,
@@ -58,8 +59,9 @@ def replica_weights(
     where they lie: a slot's row is its expert's weights flattened one after the other (F elements in all).
 
     Sends experts ``send_local`` in that order, ``send_counts[d]`` to rank d; receives ``recv_counts[s]``
-    from rank s, in order, into replica slots ``recv_slot``. Unused slots are 0. ``send_local`` and
-    ``recv_slot``: int64 on the weights' device, built once per plan (no copy from the host here).
+    from rank s, in order, into replica slots ``recv_slot``. Unused slots are 0. ``sent_experts``: the distinct
+    experts of ``send_local``, ascending (backward sums their copies' gradients). The index lists: int64 on the
+    weights' device, built once per plan (no copy from the host here).
     ``redundancy_mapping``: the layer's whole plan, rank after rank, each replica slot's home slot (-1: unused),
     which a registered transport moves all ranks' replicas by.
     """
@@ -75,7 +77,7 @@ def replica_weights(
 
 
 @replica_weights.register_fake
-def _(home, send_local, send_counts, recv_counts, recv_slot, redundancy_mapping, slots, group_name):
+def _(home, send_local, send_counts, recv_counts, recv_slot, sent_experts, redundancy_mapping, slots, group_name):
     return home[0].new_empty((slots, sum(weight[0].numel() for weight in home)))
 
 
@@ -86,23 +88,27 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, grad):
     """Each replica's gradient to its home rank, summed into the home expert's in fp32 and rounded once (an
-    expert with many copies would lose low bits at every bf16 addition); one gradient per home weight."""
-    send_local, send_counts, recv_counts, recv_slot, redundancy_mapping, _, group_name = ctx.args
+    expert with many copies would lose low bits at every bf16 addition); one gradient per home weight, zero but for
+    the experts sent (the fp32 sums hold those alone: home experts are many times a step's replicas)."""
+    send_local, send_counts, recv_counts, recv_slot, sent_experts, redundancy_mapping, _, group_name = ctx.args
     home_rows = ctx.home_shapes[0][0]
     columns = [shape[1:].numel() for shape in ctx.home_shapes]
     transport = _transports.get(group_name)
     if transport is not None:
         summed = transport.return_gradients(grad, redundancy_mapping, home_rows).split(columns, dim=1)
-        return [part.to(grad.dtype).reshape(shape) for part, shape in zip(summed, ctx.home_shapes)], *[None] * 7
+        return [part.to(grad.dtype).reshape(shape) for part, shape in zip(summed, ctx.home_shapes)], *[None] * 8
     returned = grad.index_select(0, recv_slot).contiguous()
     arrived = grad.new_empty((sum(send_counts), grad.shape[1]))
     dist.all_to_all_single(arrived, returned, send_counts, recv_counts, group=_resolve_process_group(group_name))
+    sum_row = torch.searchsorted(sent_experts, send_local)
     # index_add_ has a fixed order under torch.use_deterministic_algorithms (debug.deterministic)
     home_grads = []
     for part, shape in zip(arrived.split(columns, dim=1), ctx.home_shapes):
-        summed = grad.new_zeros((home_rows, part.shape[1]), dtype=torch.float32).index_add_(0, send_local, part.float())
-        home_grads.append(summed.to(grad.dtype).view(shape))
-    return home_grads, *[None] * 7
+        summed = part.new_zeros((sent_experts.shape[0], part.shape[1]), dtype=torch.float32)
+        summed.index_add_(0, sum_row, part.float())
+        home = grad.new_zeros((home_rows, part.shape[1])).index_copy_(0, sent_experts, summed.to(grad.dtype))
+        home_grads.append(home.view(shape))
+    return home_grads, *[None] * 8
 
 
 replica_weights.register_autograd(_backward, setup_context=_setup)
