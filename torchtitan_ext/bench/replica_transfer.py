@@ -51,7 +51,7 @@ def worker(rank: int, world_size: int, experts: int, floats: int, slots: int, it
     plan = ReplicaPlan(experts, EP, tuple(tuple((1 - r) * per_rank + j for j in range(slots)) for r in range(EP)))
     exchange = exchange_arguments(plan, rank)
     group = _get_process_group_name(dist.group.WORLD)
-    home = torch.randn(per_rank, floats, requires_grad=True)
+    home = [torch.randn(per_rank, floats, requires_grad=True)]
     fetch, back = [], []
     for _ in range(iterations + 1):
         dist.barrier()
@@ -62,7 +62,7 @@ def worker(rank: int, world_size: int, experts: int, floats: int, slots: int, it
         ended = time.perf_counter()
         fetch.append(middle - began)
         back.append(ended - middle)
-        home.grad = None
+        home[0].grad = None
     return statistics.median(fetch[1:]), statistics.median(back[1:])
 
 
