@@ -1,10 +1,10 @@
 """Expert replication's transfers alone: the replicas' weights out (forward) and their gradients home (backward).
 
     python -m torchtitan_ext.bench replica_transfer [--job.config_file F] [--slots 1,2] [--iterations 20]
-        [job overrides]
+        [--dtype float32|bfloat16] [job overrides]
 
 For the job's model (default: the debug model) and EP = 2 (two gloo processes
-on this machine, fp32), every replica slot filled: times one MoE layer's
+on this machine, the weights in ``--dtype``, fp32 by default), every replica slot filled: times one MoE layer's
 ``torchtitan_ext::replica_weights`` forward (the fetch) and backward (the
 gradients' return, summed into the home experts'), the slower rank's median
 over ``--iterations`` after one warm-up, and prints the bytes each rank sends
@@ -38,7 +38,8 @@ def expert_shape(config_args: list[str]) -> tuple[str, int, int, int]:
     return f"{job_config.model.name} {job_config.model.flavor}", experts.num_experts, floats, len(moes)
 
 
-def worker(rank: int, world_size: int, experts: int, floats: int, slots: int, iterations: int) -> tuple[float, float]:
+def worker(rank: int, world_size: int, experts: int, floats: int, slots: int, iterations: int,
+           dtype: torch.dtype = torch.float32) -> tuple[float, float]:
     """(median seconds of one layer's fetch, of its gradients' return) on this rank."""
     from torch.distributed.distributed_c10d import _get_process_group_name
 
@@ -51,7 +52,7 @@ def worker(rank: int, world_size: int, experts: int, floats: int, slots: int, it
     plan = ReplicaPlan(experts, EP, tuple(tuple((1 - r) * per_rank + j for j in range(slots)) for r in range(EP)))
     exchange = exchange_arguments(plan, rank)
     group = _get_process_group_name(dist.group.WORLD)
-    home = [torch.randn(per_rank, floats, requires_grad=True)]
+    home = [torch.randn(per_rank, floats, dtype=dtype, requires_grad=True)]
     fetch, back = [], []
     for _ in range(iterations + 1):
         dist.barrier()
@@ -71,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--job.config_file", dest="config", default="train_configs/debug_model.toml")
     parser.add_argument("--slots", default="1,2", help="replica slots per rank to time, comma-separated")
     parser.add_argument("--iterations", type=int, default=20, help="timed fetch + return pairs (median reported)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the weights' dtype (bf16 gradients are summed in fp32 on their way home)")
     args, overrides = parser.parse_known_args(argv)
     overrides = overrides[1:] if overrides[:1] == ["--"] else overrides
     if args.iterations < 1:
@@ -88,13 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     usable = experts // EP
     if any(not 1 <= slots <= usable for slots in slot_counts):
         parser.error(f"--slots {args.slots}: each from 1 to {usable} (the other rank's experts) at EP={EP}")
-    print(f"{name}: {experts} experts of {floats * 4 / 2**20:.3f} MiB in fp32, {layers} MoE layers, EP={EP}, gloo on "
-          f"this machine, median of {args.iterations}")
+    dtype = getattr(torch, args.dtype)
+    size = dtype.itemsize
+    print(f"{name}: {experts} experts of {floats * size / 2**20:.3f} MiB in {args.dtype}, {layers} MoE layers, "
+          f"EP={EP}, gloo on this machine, median of {args.iterations}")
     print("| slots per rank | MiB per layer each way | fetch ms per layer | return ms per layer | both, ms per step |")
     print("|---|---|---|---|---|")
     for slots in slot_counts:
-        per_rank = run_workers(EP, worker, experts, floats, slots, args.iterations, preload=[__name__])
+        per_rank = run_workers(EP, worker, experts, floats, slots, args.iterations, dtype, preload=[__name__])
         fetch, back = (max(times) for times in zip(*per_rank))
-        print(f"| {slots} | {slots * floats * 4 / 2**20:.3f} | {fetch * 1e3:.3f} | {back * 1e3:.3f} | "
+        print(f"| {slots} | {slots * floats * size / 2**20:.3f} | {fetch * 1e3:.3f} | {back * 1e3:.3f} | "
               f"{(fetch + back) * layers * 1e3:.2f} |", flush=True)
     return 0

@@ -89,7 +89,8 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, grad):
     """Each replica's gradient to its home rank, summed into the home expert's in fp32 and rounded once (an
     expert with many copies would lose low bits at every bf16 addition); one gradient per home weight, zero but for
-    the experts sent (the fp32 sums hold those alone: home experts are many times a step's replicas)."""
+    the experts sent. The fp32 sums hold the experts sent alone (a rank's home experts outnumber those it sends), and
+    fp32 gradients take them in place."""
     send_local, send_counts, recv_counts, recv_slot, sent_experts, redundancy_mapping, _, group_name = ctx.args
     home_rows = ctx.home_shapes[0][0]
     columns = [shape[1:].numel() for shape in ctx.home_shapes]
@@ -100,13 +101,16 @@ def _backward(ctx, grad):
     returned = grad.index_select(0, recv_slot).contiguous()
     arrived = grad.new_empty((sum(send_counts), grad.shape[1]))
     dist.all_to_all_single(arrived, returned, send_counts, recv_counts, group=_resolve_process_group(group_name))
-    sum_row = torch.searchsorted(sent_experts, send_local)
+    sum_row = None if grad.dtype == torch.float32 else torch.searchsorted(sent_experts, send_local)
     # index_add_ has a fixed order under torch.use_deterministic_algorithms (debug.deterministic)
     home_grads = []
     for part, shape in zip(arrived.split(columns, dim=1), ctx.home_shapes):
-        summed = part.new_zeros((sent_experts.shape[0], part.shape[1]), dtype=torch.float32)
-        summed.index_add_(0, sum_row, part.float())
-        home = grad.new_zeros((home_rows, part.shape[1])).index_copy_(0, sent_experts, summed.to(grad.dtype))
+        home = grad.new_zeros((home_rows, part.shape[1]))
+        if sum_row is None:
+            home.index_add_(0, send_local, part)
+        else:
+            summed = part.new_zeros((sent_experts.shape[0], part.shape[1]), dtype=torch.float32)
+            home.index_copy_(0, sent_experts, summed.index_add_(0, sum_row, part.float()).to(grad.dtype))
         home_grads.append(home.view(shape))
     return home_grads, *[None] * 8
 
