@@ -72,10 +72,15 @@ def _edited(tmp_path: Path, base: Path = GPT_OSS_120B, text: dict | None = None,
     ({"base": DEEPSEEK_R1, "num_key_value_heads": 8}, "num_key_value_heads = 8: the torchtitan deepseek_v3 model "
                                                       "builds multi-head latent attention"),
     ({"base": LLAMA4_SCOUT, "text": {"moe_layers": list(range(1, 48, 2))}}, "text_config: moe_layers = [1, 3, 5, "),
-    ({"base": LLAMA4_SCOUT, "text": {"intermediate_size": 4096}}, "text_config: intermediate_size 4096 with "
-                                                                  "intermediate_size_mlp 16384: torchtitan's Llama4"),
+    ({"base": LLAMA4_SCOUT, "text": {"intermediate_size": 4096, "interleave_moe_layer_step": 2,
+                                     "moe_layers": list(range(1, 48, 2))}},
+     "text_config: intermediate_size 4096 with intermediate_size_mlp 16384: torchtitan's Llama4"),
     ({"base": LLAMA4_SCOUT, "text": {"num_local_experts": None}}, "text_config: missing field(s) num_local_experts: a "
                                                                   "llama4_text config.json states them"),
+    ({"base": LLAMA4_SCOUT, "text": {"interleave_moe_layer_step": 0}}, "text_config: interleave_moe_layer_step = 0: "),
+    ({"base": LLAMA4_SCOUT, "text": {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}},
+     "text_config: rope_scaling has no low_freq_factor, high_freq_factor, original_max_position_embeddings: a Llama 3 "
+     "config states them"),
 ])
 def test_a_config_it_cannot_price_is_refused_naming_the_field(tmp_path, changes, message):
     path = _edited(tmp_path, **changes)
@@ -131,8 +136,11 @@ def test_mixtral_is_priced_as_its_published_parameter_count():
     assert sum(parameter.numel() for parameter in meta_model(job_config).parameters()) == expected
 
 
-@pytest.mark.parametrize("text, flavor", [({}, "17bx16e"), ({"num_local_experts": 128, "interleave_moe_layer_step": 2,
-                                                             "moe_layers": list(range(1, 48, 2))}, "17bx128e")])
+@pytest.mark.parametrize("text, flavor", [
+    ({}, "17bx16e"),
+    ({"intermediate_size_mlp": 12288}, "17bx16e"),  # every layer MoE: no dense MLP for it to size
+    ({"num_local_experts": 128, "interleave_moe_layer_step": 2, "moe_layers": list(range(1, 48, 2))}, "17bx128e"),
+])
 def test_llama4s_text_model_builds_as_torchtitans_flavour(tmp_path, text, flavor):
     """torchtitan sizes Llama4's MLPs from its own knobs, so the meta models are compared parameter for parameter:
     Scout's config gives torchtitan's 17bx16e, and with Maverick's experts and layer pattern its 17bx128e. Scout's

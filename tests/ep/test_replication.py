@@ -273,7 +273,8 @@ def test_the_split_and_the_replica_weights_never_make_the_host_wait():
 def test_the_gradients_of_four_copies_are_summed_in_fp32_and_rounded_once(world_of_one):
     """On a GPU index_add_ adds one copy at a time in the tensor's dtype (atomics): in bf16, 1 + 2**-8 rounds to 1,
     and three small gradients vanish beside a large one. The sum runs into an fp32 tensor (on a CPU index_add_
-    accumulates in fp32 whatever the dtype, so the dtype it is given is what is checked), rounded once."""
+    accumulates in fp32 whatever the dtype, so the dtype it is given is what is checked), rounded once. Copies sent
+    in any order sum into their own expert's gradient; an expert not sent gets zero."""
     from torch.distributed.distributed_c10d import _get_process_group_name
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -289,15 +290,17 @@ def test_the_gradients_of_four_copies_are_summed_in_fp32_and_rounded_once(world_
                 self.dtypes.append(args[0].dtype)
             return func(*args, **(kwargs or {}))
 
-    home = torch.zeros(1, 1, dtype=torch.bfloat16, requires_grad=True)
-    copies = 4
-    fetched = replica_ops().replica_weights([home], torch.zeros(copies, dtype=torch.int64), [copies], [copies],
-                                            torch.arange(copies), torch.zeros(1, dtype=torch.int64), [0] * copies, copies,
+    home = torch.zeros(3, 1, dtype=torch.bfloat16, requires_grad=True)
+    send_local = torch.tensor([2, 0, 2, 2, 2])  # four copies of expert 2, one of expert 0, none of expert 1
+    copies = len(send_local)
+    fetched = replica_ops().replica_weights([home], send_local, [copies], [copies], torch.arange(copies),
+                                            torch.tensor([0, 2]), [0] * copies, copies,
                                             _get_process_group_name(world_of_one))
     with IndexAddDtypes() as sums:
-        fetched.backward(torch.tensor([[1.0], [2**-8], [2**-8], [2**-8]], dtype=torch.bfloat16))
+        fetched.backward(torch.tensor([[1.0], [5.0], [2**-8], [2**-8], [2**-8]], dtype=torch.bfloat16))
     assert sums.dtypes == [torch.float32]
-    assert home.grad.item() == torch.tensor(1 + 3 * 2**-8).bfloat16().item() != 1.0
+    assert home.grad[:, 0].tolist() == [5.0, 0.0, torch.tensor(1 + 3 * 2**-8).bfloat16().item()]
+    assert home.grad[2, 0].item() != 1.0
 
 
 def test_a_layer_without_replicas_computes_its_home_experts_alone(world_of_one):

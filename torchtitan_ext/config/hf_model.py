@@ -53,17 +53,21 @@ class _Family:
     """Fields read, or held as ``fixed`` says, when present (each has a default the architecture defines)."""
 
 
-def _yarn(config: dict, where: str, fields: tuple[str, ...]) -> dict:
-    """``rope_scaling``, checked to be YaRN with ``fields``."""
+def _rope_scaling(config: dict, where: str, kind: str, name: str, fields: tuple[str, ...]) -> dict:
+    """``rope_scaling``, checked to be of type ``kind`` (``name`` in messages) with ``fields``."""
     scaling = config["rope_scaling"]
-    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
-    if kind != "yarn":
-        raise ConfigError(f"{where}: rope_scaling {scaling!r} is not YaRN scaling, which the torchtitan model builds: "
-                          "price a config whose rope_scaling has type 'yarn'")
+    found = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    if found != kind:
+        raise ConfigError(f"{where}: rope_scaling {scaling!r} is not {name} scaling, which the torchtitan model "
+                          f"builds: price a config whose rope_scaling has type '{kind}'")
     missing = [field for field in fields if field not in scaling]
     if missing:
-        raise ConfigError(f"{where}: rope_scaling has no {', '.join(missing)}: a YaRN config states them")
+        raise ConfigError(f"{where}: rope_scaling has no {', '.join(missing)}: a {name} config states them")
     return scaling
+
+
+def _yarn(config: dict, where: str, fields: tuple[str, ...]) -> dict:
+    return _rope_scaling(config, where, "yarn", "YaRN", fields)
 
 
 def _deepseek_v3(config: dict) -> DeepSeekV3ModelArgs:
@@ -135,7 +139,9 @@ def _llama4_text(config: dict) -> TransformerModelArgs:
     """torchtitan sizes Llama4's MLPs from ``dim`` (``multiple_of``, ``ffn_dim_multiplier``; an expert's hidden size
     is the dense MLP's over top-k plus the shared expert): the two are chosen here to give the config's sizes."""
     where, dim, top_k = config["_where"], config["hidden_size"], config["num_experts_per_tok"]
-    dense, expert = config["intermediate_size_mlp"], config["intermediate_size"]
+    expert = config["intermediate_size"]
+    # with every layer MoE (a step of 1) no dense MLP is built: intermediate_size_mlp sizes nothing
+    dense = config["intermediate_size_mlp"] if config["interleave_moe_layer_step"] > 1 else expert * (top_k + 1)
     base = int(2 * 4 * dim / 3)
     multiplier, multiple = dense / base, math.gcd(dense, expert)
     hidden = int(multiplier * base)
@@ -144,10 +150,8 @@ def _llama4_text(config: dict) -> TransformerModelArgs:
         raise ConfigError(f"{where}: intermediate_size {expert} with intermediate_size_mlp {dense}: torchtitan's Llama4 "
                           f"sizes an expert as its dense MLP over top-k + 1 shared expert ({dense} / {top_k + 1}); "
                           "a model that differs there is not priced")
-    scaling = config["rope_scaling"]
-    if scaling is not None and scaling.get("rope_type") != "llama3":
-        raise ConfigError(f"{where}: rope_scaling {scaling!r} is not Llama 3 scaling, which the torchtitan model "
-                          "builds: price a config whose rope_scaling is null or has rope_type 'llama3'")
+    scaling = config["rope_scaling"] and _rope_scaling(config, where, "llama3", "Llama 3", (
+        "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"))
     return TransformerModelArgs(
         dim=dim, n_layers=config["num_hidden_layers"], n_heads=config["num_attention_heads"],
         n_kv_heads=config["num_key_value_heads"], vocab_size=config["vocab_size"], multiple_of=multiple,
@@ -269,12 +273,15 @@ _FAMILIES = {
         "llama4",
         required=("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
                   "intermediate_size", "intermediate_size_mlp", "rms_norm_eps", "rope_theta", "rope_scaling",
-                  "num_local_experts", "num_experts_per_tok", "interleave_moe_layer_step"),
+                  "num_local_experts", "num_experts_per_tok"),
         fixed={
             "hidden_act": ("silu", "SwiGLU experts and MLPs"),
             "attention_bias": (False, "attention projections without bias"),
             "head_dim": (lambda config: config["head_dim"] * config["num_attention_heads"] == config["hidden_size"],
                          "heads of hidden_size / num_attention_heads"),
+            "interleave_moe_layer_step": (lambda config: type(config["interleave_moe_layer_step"]) is int
+                                          and config["interleave_moe_layer_step"] >= 1,
+                                          "an MoE layer every interleave_moe_layer_step >= 1 layers"),
             "moe_layers": (_llama4_moe_layers, "an MoE layer every interleave_moe_layer_step layers, the last of each"),
             "tie_word_embeddings": (False, "an output layer apart from the embeddings"),
         },

@@ -1,46 +1,55 @@
-"""torchtitan's model converters held to the libraries installed beside them, before a job builds its model.
+"""torchtitan's model converters held to the torchao installed beside them, before a job builds its model.
 
-torchtitan 0.2.2's grouped-GEMM converters (``quantize.grouped_mm.mx``, ``quantize.grouped_mm.float8``) convert
-the experts with torchao's ``MoETrainingConfig`` (``torchao.prototype.moe_training.conversion_utils``), which
-torchao removed in 0.17; torchao 0.16, which has it, does not import its MoE kernels under the triton that
-torch 2.13 brings (its autotune keys name no kernel argument). Unchecked, such a job fails at model conversion,
-after its process group is up and its model allocated.
+torchtitan 0.2.2's converters import torchao names inside their constructor or ``convert``, so a torchao without
+them fails the job after its process group is up and its model allocated. torchao 0.17 removed
+``MoETrainingConfig`` (both grouped-GEMM converters) and ``MXLinearConfig`` (``quantize.linear.mx``); torchao 0.16,
+which has them, does not import its MoE kernels under the triton torch 2.13 brings (its autotune keys name no
+kernel argument). A dry run for another machine is not held to this one's torchao.
 """
 
+import importlib
 from importlib.metadata import PackageNotFoundError, version
 
 from torchtitan_ext.config import ConfigError, register_check, ValidationContext
 
-GROUPED_MM_CONVERTERS = ("quantize.grouped_mm.mx", "quantize.grouped_mm.float8")
-"""torchtitan 0.2.2's converters that import ``MoETrainingConfig`` from torchao."""
+TORCHAO_NAMES = {
+    "quantize.linear.float8": ("torchao.float8", ("Float8LinearConfig", "convert_to_float8_training",
+                                                  "precompute_float8_dynamic_scale_for_fsdp")),
+    "quantize.linear.mx": ("torchao.prototype.mx_formats.config", ("MXLinearConfig", "MXFP8Dim1CastKernelChoice")),
+    "quantize.grouped_mm.float8": ("torchao.prototype.moe_training.conversion_utils", ("MoETrainingConfig",)),
+    "quantize.grouped_mm.mx": ("torchao.prototype.moe_training.conversion_utils", ("MoETrainingConfig",
+                                                                                    "MoEScalingType")),
+}
+"""What each of torchtitan 0.2.2's converters imports from torchao: (module, names)."""
 
 
-def _moe_training_config_problem() -> str | None:
-    """Why the installed torchao cannot give torchtitan's converters ``MoETrainingConfig``; None if it can."""
+def _torchao_problem(converter: str) -> str | None:
+    """Why the installed torchao cannot serve ``converter``; None if it can."""
+    module_name, names = TORCHAO_NAMES[converter]
     try:
-        installed = version("torchao")
+        installed = f"torchao {version('torchao')}"
     except PackageNotFoundError:
         return "torchao is not installed"
-    if tuple(int(part) for part in installed.split(".")[:2] if part.isdigit()) >= (0, 17):
-        return f"torchao {installed} has none (removed in 0.17)"
     try:
-        from torchao.prototype.moe_training.conversion_utils import MoETrainingConfig  # noqa: F401
+        module = importlib.import_module(module_name)
     except Exception as e:  # an ImportError, or the ValueError of a triton that cannot build torchao's kernels
-        return f"torchao {installed} does not import it ({type(e).__name__}: {str(e).splitlines()[0][:160]})"
-    return None
+        first_line = (str(e).splitlines() or [""])[0][:160]
+        return f"{installed} does not import {module_name} ({type(e).__name__}: {first_line})"
+    missing = [name for name in names if not hasattr(module, name)]
+    return f"{installed} has no {', '.join(missing)} in {module_name}" if missing else None
 
 
 def check_model_converters(job_config, context: ValidationContext) -> None:
-    grouped = [name for name in job_config.model.converters if name in GROUPED_MM_CONVERTERS]
-    if context.device_type is None or not grouped:
+    if context.device_type is None:
         return
-    problem = _moe_training_config_problem()
-    if problem:
-        raise ConfigError(
-            f"model.converters = {grouped}: torchtitan 0.2.2 converts the experts with torchao's MoETrainingConfig, "
-            f"and {problem}; torchao 0.16 and earlier, which have it, do not import under torch 2.13's triton: "
-            "remove it from model.converters (the experts train in bf16)"
-        )
+    for converter in job_config.model.converters:
+        problem = _torchao_problem(converter) if converter in TORCHAO_NAMES else None
+        if problem:
+            raise ConfigError(
+                f"model.converters = {job_config.model.converters}: torchtitan's {converter} converter needs torchao "
+                f"names that {problem}: remove {converter} from model.converters (what it converts then runs "
+                f"unquantized, in training.mixed_precision_param = '{job_config.training.mixed_precision_param}')"
+            )
 
 
 register_check(check_model_converters)
