@@ -135,7 +135,10 @@ def main(argv: list[str] | None = None) -> None:
     prepare()
     try:
         topology = load_topology(args.topology) if args.topology else None
-        fitted_rates = {}
+        fitted_rates, fitted_fractions = {}, None
+        if args.fit_from is None and topology is not None and SHIPPED_FIT.exists():
+            # a layout priced at a nominal rate is a range: from that bound to the rate the shipped fit gives
+            fitted_fractions = load_fit(SHIPPED_FIT).link_shares()
         if args.fit_from is not None:
             fitted = load_fit(args.fit_from)
             topology, fitted_rates = fitted.applied(topology)
@@ -168,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
         compute = measure_compute(train_args, world_size) if args.measure_compute else None
         advice, routing = (None, None) if topology is None else advise(
             train_args, world_size, topology, stats, str(args.routing_stats), compute, args.replica_slots, progress=True,
-            measured_rates=rates,
+            measured_rates=rates, fitted_fractions=fitted_fractions,
         )
         problem = overrides_problem(train_args, world_size, advice[0]) if advice and advice[0].refused is None else None
         if args.emit_config is not None:

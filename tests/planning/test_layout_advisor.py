@@ -189,7 +189,9 @@ TOPOLOGIES_671B = {"gb200_nvl72": load_topology("gb200_nvl72").placing(64), "hgx
 
 @pytest.fixture(scope="module")
 def advice_671b():
-    return {name: advise(JOB_671B, 256, topology)[0] for name, topology in TOPOLOGIES_671B.items()}
+    """As the plan CLI prices them: a layout at a nominal rate with the shipped fit's rate as its range's other end."""
+    shares = load_fit(SHIPPED_FIT).link_shares()
+    return {name: advise(JOB_671B, 256, topology, fitted_fractions=shares)[0] for name, topology in TOPOLOGIES_671B.items()}
 
 
 PLANNING_DOC = Path("docs/planning.md")
@@ -896,12 +898,18 @@ def test_json_lists_every_layout_considered(capsys, tmp_path):
 
 def test_json_says_which_layouts_rest_on_a_nominal_rate_and_ranks_them_after_the_priced(advice_671b):
     """On GB200, nccl's all-to-all over the rack is priced at NVLink's nominal rate (none published): those rows
-    say so, and come after every priced one although they predict the shortest steps."""
+    say so, come after every priced one although they predict the shortest steps, and give the range from that
+    bound to the step at the rate the shipped fit gives nccl there."""
     runnable = [record for record in layouts_record(advice_671b["gb200_nvl72"]) if record["runnable"]]
-    nominal = [record for record in runnable if record["pricing"] == "nominal"]
+    nominal = [record for record in runnable if record["pricing"] == "range"]
     assert {(record["backend"], record["ep_degree"] > 1) for record in nominal} == {("nccl", True)}
     assert all(record["assumption"] == "all-to-all over NVLink domain (one rack) at the link's nominal rate (no "
-               "published figure): a lower bound of its time" for record in nominal)
+               "published figure): a lower bound of its time; the range's other end at the share of it a fit gives "
+               "(docs/advisor_fit.toml)" for record in nominal)
+    # at the lower rate the all-to-all takes longer, hidden under compute or not
+    assert all(record["step_s_range"][0] == record["step_s"] <= record["step_s_range"][1] for record in nominal)
+    assert any(record["step_s_range"][0] < record["step_s_range"][1] for record in nominal)
+    assert all(record["step_s_range"] is None for record in runnable if record["pricing"] == "priced")
     assert min(record["rank"] for record in nominal) > max(record["rank"] for record in runnable
                                                           if record["pricing"] == "priced")
     assert min(record["step_s"] for record in nominal) < runnable[0]["step_s"]
@@ -976,7 +984,7 @@ def test_replica_traffic_uses_the_physical_links_whatever_the_kernels_reach():
 def test_margins_under_the_models_resolution_are_said(advice_671b):
     """On GB200 the 671B job's four best priced layouts are within 10% of each other (hybridep at EP=64 at two SM
     counts, deepep at EP=32 and 64), and nccl, predicted faster at NCCL's nominal NVL72 rate (none published), is
-    ranked below them: both are said. On HGX
+    ranked below them with the step at the shipped fit's rate beside it: both are said. On HGX
     nodes DeepEP v1 at EP=16 and nccl and both DeepEP APIs at EP=8 are within 10% of EP=16 with V2, and every
     backend has a published figure on each link there."""
     for name, expected in (("gb200_nvl72", ["hybridep EP=64", "deepep EP=32", "deepep EP=64"]),
@@ -996,11 +1004,13 @@ def test_margins_under_the_models_resolution_are_said(advice_671b):
         if name == "hgx_h100_ib":
             assert unpublished == [] and not any(layout.nominal_links for layout in runnable)
             continue
-        nccl = [_runnable(advice_671b, name)["nccl", ep].step_s * 1e3 for ep in (32, 64)]
-        assert all(step < runnable[0].step_s * 1e3 for step in nccl)
+        nccl = [_runnable(advice_671b, name)["nccl", ep] for ep in (32, 64)]
+        assert all(layout.step_s < runnable[0].step_s for layout in nccl)
+        ends = [(layout.step_s * 1e3, layout.fitted_step_s * 1e3) for layout in nccl]
         assert paragraph(lines, "  ranked below every priced layout:") == (
-            f"  ranked below every priced layout: nccl EP=32 ({nccl[0]:,.0f} ms over NVLink domain (one rack)), nccl "
-            f"EP=64 ({nccl[1]:,.0f} ms over NVLink domain (one rack)) predicted faster, but priced at the link's "
+            f"  ranked below every priced layout: nccl EP=32 ({ends[0][0]:,.0f} ms over NVLink domain (one rack), "
+            f"{ends[0][1]:,.0f} ms at the fitted rate), nccl EP=64 ({ends[1][0]:,.0f} ms over NVLink domain (one "
+            f"rack), {ends[1][1]:,.0f} ms at the fitted rate) predicted faster, but priced at the link's "
             "nominal rate (no published figure), a bound it may not reach: time it and give --calibrate-from the "
             "measurement (python -m torchtitan_ext.bench ep --json, or an nccl-tests alltoall_perf log) before "
             "choosing it"

@@ -239,7 +239,8 @@ def format_advice(
         if faster and not first.nominal_links:
             named = ", ".join(dict.fromkeys(
                 f"{layout.label} EP={layout.ep}{f' {layout.replica_slots} slots' if prices_replicas else ''} "
-                f"({_ms(layout.step_s)} ms over {' and '.join(layout.nominal_links)})" for layout in faster[:3]))
+                f"({_ms(layout.step_s)} ms over {' and '.join(layout.nominal_links)}{_fitted(layout)})"
+                for layout in faster[:3]))
             lines += _wrapped(
                 f"ranked below every priced layout: {named}{', ...' if len(faster) > 3 else ''} predicted faster, "
                 "but priced at the link's nominal rate (no published figure), a bound it may not reach: time it and "
@@ -248,7 +249,8 @@ def format_advice(
         elif first.nominal_links:
             lines += _wrapped(
                 f"priced at the nominal rate of {' and '.join(first.nominal_links)} (no published figure), a bound "
-                "it may not reach, as every runnable layout here is: time it (--calibrate-from) before choosing it",
+                f"it may not reach{_fitted(first)}, as every runnable layout here is: time it (--calibrate-from) "
+                "before choosing it",
                 "  ")
         lines += _command("  overrides: ", first.overrides())
         if overrides_problem is not None:
@@ -266,6 +268,11 @@ def format_advice(
                 f"{layout.refused}", "    ")
     return [wrapped for line in lines for wrapped in (_wrapped(line.lstrip(), line[:len(line) - len(line.lstrip())])
                                                       if len(line) > WIDTH else [line])]
+
+
+def _fitted(layout: Layout) -> str:
+    """", 9,130 ms at the fitted rate": the other end of a nominal rate's range, where a fit covers it."""
+    return "" if layout.fitted_step_s is None else f", {_ms(layout.fitted_step_s)} ms at the fitted rate"
 
 
 def layouts_record(layouts: list[Layout]) -> list[dict]:
@@ -288,9 +295,13 @@ def layouts_record(layouts: list[Layout]) -> list[dict]:
                 buffer_bytes=layout.buffer_bytes, overrides=layout.overrides(), kernel_rates=layout.kernel_rates,
                 tflops_per_gpu=layout.tflops_per_gpu, memory_bytes=layout.memory_bytes,
                 nominal_links=list(layout.nominal_links), link_busy_s=dict(layout.link_busy),
-                pricing="nominal" if layout.nominal_links else "priced",
+                pricing="range" if layout.nominal_links else "priced",
+                step_s_range=[layout.step_s, layout.fitted_step_s] if layout.nominal_links else None,
                 assumption=(f"all-to-all over {' and '.join(layout.nominal_links)} at the link's nominal rate (no "
-                            "published figure): a lower bound of its time" if layout.nominal_links else None),
+                            "published figure): a lower bound of its time; "
+                            + ("the range's other end at the share of it a fit gives (docs/advisor_fit.toml)"
+                               if layout.fitted_step_s is not None else "no fit covers it: the range has no other end")
+                            if layout.nominal_links else None),
                 link_bound=layout.link_bound,
             )
         records.append(record)

@@ -69,6 +69,11 @@ class FittedParameters:
     def count(self) -> int:
         return len(self.compute_scale) + len(self.link_fractions)
 
+    def link_shares(self) -> dict[tuple[str, tuple, str], float]:
+        """{(backend, rate settings, fabric): fitted share of the nominal rate}: the other end of the range of a
+        layout priced at a nominal rate (the layout advisor's ``fitted_fractions``)."""
+        return {(link.backend, link.settings, link.fabric): link.fraction for link in self.link_fractions}
+
     def applied(self, topology: Topology) -> tuple[Topology, dict[tuple[str, tuple, int], MeasuredRate]]:
         """``topology`` with its compute scaled, and the fitted link fractions as the advisor's measured rates."""
         scale = self.compute_scale.get(topology.name)

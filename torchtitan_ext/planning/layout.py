@@ -81,6 +81,10 @@ class Layout:
     the backend publishes no figure for them: its time there is a lower bound."""
     nominal_fabrics: tuple[str, ...] = ()
     """The fabric of each of ``nominal_links``, in their order."""
+    fitted_step_s: float | None = None
+    """With ``nominal_links``: the step with them at the rate a fit gives the backend there
+    (docs/advisor_fit.toml), the other end of the range the nominal rate opens; None where no fit row covers
+    them, or where the layout is priced."""
 
     def _per_step(self, per_layer) -> float:
         kept = self.moe_layers - self.recomputed_layers

@@ -35,6 +35,7 @@ def advise(
     train_args: list[str], world_size: int, topology: Topology, routing_stats: dict | None = None, routing_source: str = "",
     measured_compute: MeasuredCompute | None = None, replica_slots: list[int] | None = None, progress: bool = False,
     measured_rates: dict[tuple[str, tuple, int], MeasuredRate] | None = None, job_config=None,
+    fitted_fractions: dict[tuple[str, tuple, str], float] | None = None,
 ) -> tuple[list[Layout], MeasuredRouting | None]:
     """Every backend x EP degree (x replica slot count): runnable ones ranked by what each adds to the step
     (:attr:`Layout.moe_s`), then the refused; and the measured routing used for token bytes and rank loads
@@ -48,7 +49,9 @@ def advise(
     ``progress``: a progress bar while the dump is replayed under replicas. ``measured_rates``: backends' all-to-all
     rates measured on the cluster (:mod:`.measured_rates`), in place of their published figures. ``job_config``: the
     job as ``load_job_config`` reads ``train_args`` (without a measured compute), when the caller has it already (a
-    fit prices one job many times; reading a config is most of a small job's pricing)."""
+    fit prices one job many times; reading a config is most of a small job's pricing). ``fitted_fractions``:
+    {(backend, rate settings, fabric): share of the nominal rate} a fit gives (docs/advisor_fit.toml), which a
+    layout priced at a nominal rate is also priced at, the other end of its range (:attr:`Layout.fitted_step_s`)."""
     device_type = None if measured_compute is None else "cpu"
     if job_config is None or measured_compute is not None:
         job_config = load_job_config(train_args, device_type=device_type, world_size=world_size)
@@ -162,11 +165,18 @@ def advise(
             fetch_s, return_s = replica_traffic(work, topology, world_size, ep, moved)
             fractions = kernel_rate_fractions(backend_name, candidate, topology, links, measured_rates)
             crossed = links.level_of(links.group_sizes(world_size), 0, ep - 1) + 1 if ep > 1 else 0
-            nominal_levels = [level for index, level in enumerate(links.levels[:crossed])
-                              if level.fabric is not None and index not in fractions]
+            nominal = [index for index, level in enumerate(links.levels[:crossed])
+                       if level.fabric is not None and index not in fractions]
+            nominal_levels = [links.levels[index] for index in nominal]
             copies_per_rank = profile.sends_each_token_once_per_rank and not slots
             costs = layer_costs(work, topology, world_size, ep, efsdp, copies_per_rank, routing, pair_share, links,
                                 fractions)
+            rated = profile.rate_settings(candidate)
+            fitted = {index: (fitted_fractions or {}).get((backend_name, rated, links.levels[index].fabric))
+                      for index in nominal}
+            fitted_costs = None if not fitted or None in fitted.values() else layer_costs(
+                work, topology, world_size, ep, efsdp, copies_per_rank, routing, pair_share, links,
+                {**fractions, **fitted})
             # the mean rank's token vectors per token it sends: the EP ranks one token reaches, its own among them
             received = ep * token_reach(work, ep, None) if profile.sends_each_token_once_per_rank and ep > 1 else 1.0
             work_s, forward_share, traffic = local_work(backend_name, candidate, ep, received)
@@ -197,6 +207,8 @@ def advise(
                 nominal_links=tuple(level.name for level in nominal_levels),
                 nominal_fabrics=tuple(level.fabric for level in nominal_levels),
             )
+            if fitted_costs is not None:
+                priced = replace(priced, fitted_step_s=replace(priced, costs=fitted_costs).step_s)
             runnable.append(replace(priced, link_busy=link_busy(priced, topology, links, world_size, data_parallel_busy)))
     # a layout priced at a nominal rate (no published figure) ranks below every priced one, whatever its step: its
     # step is a bound it may not reach; equal predictions keep the job's own backend (and slot count) first
