@@ -3,8 +3,9 @@
 torchtitan 0.2.2's converters import torchao names inside their constructor or ``convert``, so a torchao without
 them fails the job after its process group is up and its model allocated. torchao 0.17 removed
 ``MoETrainingConfig`` (both grouped-GEMM converters) and ``MXLinearConfig`` (``quantize.linear.mx``); torchao 0.16,
-which has them, does not import its MoE kernels under the triton torch 2.13 brings (its autotune keys name no
-kernel argument). A dry run for another machine is not held to this one's torchao.
+which has them, did not import its MoE kernels under triton 3.9.0 (its autotune keys name no kernel argument;
+tried on a CPU machine, not with the triton a CUDA build of torch 2.13 brings). A dry run for another machine is
+not held to this one's torchao.
 """
 
 import importlib
