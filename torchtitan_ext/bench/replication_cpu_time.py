@@ -1,0 +1,319 @@
+"""Expert replication timed by each rank's CPU time, for more ranks than cores: the step one device per rank would take.
+
+    python -m torchtitan_ext.bench replication_cpu_time [--nproc 4] [--steps 12] [--rounds 3] [--slots 2]
+        [--alphas 0,1,2] [--drift-every 3] [--markdown FILE] [-- extra training args]
+
+Trains, in ``--nproc`` processes of one thread each (EP = ``--nproc``), the experts-dominated debug model
+(``debugmodel_wide_experts``, 1,024 tokens per rank, no activation checkpointing; extra arguments after ``--``
+override it) under each routing skew ``alpha`` (``[routing_skew]``, redrawn every ``--drift-every`` steps), with
+no replicas and with ``--slots`` replica slots per rank re-chosen every step, the arms alternating within each
+round and every round in the same processes. When ranks outnumber cores an idle rank gives its core away, so wall
+time says nothing of balance; each rank's CPU time (``time.process_time``) does. Per step and rank it is split
+(:class:`CpuClock`) into, per MoE layer, the router and the replicas' split (the MoE's forward up to its
+dispatch), the experts' forward and backward (dispatch to combine, without the replica transfers), and the
+replica transfers (``replica_weights``' forward and backward); the replicas' choice; and the rest of the step.
+The verdict (:func:`verdict`) is the step one device per rank would take: every MoE layer waits for its slowest
+rank (its all-to-alls join the ranks), so the sum over the layers of the slowest rank's time, plus the slowest
+rank's remainder, plus replication's own work (each layer's slowest transfer, the slowest choice).
+docs/benchmarks.md says what this stands for and where it does not.
+"""
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import torchtitan_ext
+from torchtitan_ext.metrics_file import read_metrics
+from torchtitan_ext.runtime.workers import run_workers
+
+ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
+WARMUP = 3
+"""Steps left out of the medians: the first choice of replicas comes before step 2."""
+LOSS_TOLERANCE = 1e-4
+"""Largest relative difference of a step's loss between the arms of one skew: the same routing and seed, so only
+the order of floating-point sums differs (the gradient matrix bounds replication's by 1e-5 per step)."""
+JOB = ["--job.config_file", "train_configs/debug_model.toml", "--model.flavor", "debugmodel_wide_experts",
+       "--activation_checkpoint.mode", "none", "--metrics.log_freq", "1"]
+LAYER_SEGMENTS = ("router", "experts_forward", "experts_backward", "fetch", "return")
+"""What :class:`CpuClock` times per MoE layer; the experts' segments include the transfers, which are also apart."""
+
+
+class _Mark(torch.autograd.Function):
+    """Identity whose backward calls ``on_backward`` first: where a segment's backward starts or ends."""
+
+    @staticmethod
+    def forward(ctx, on_backward, *tensors):
+        ctx.on_backward = on_backward
+        return tuple(tensor.view_as(tensor) for tensor in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.on_backward()
+        return None, *grads
+
+
+class CpuClock:
+    """This rank's CPU time per step: per MoE layer and segment (:data:`LAYER_SEGMENTS`), the replicas' choice and
+    the whole step, in seconds: ``steps[step] = {"total", "choice", "layers": {layer: {segment: s}}}``."""
+
+    def __init__(self):
+        self.steps: dict[int, dict] = {}
+        self.layer: int | None = None
+        """The MoE layer whose forward runs now (the replica op is told no layer)."""
+        self._started: dict[tuple[int, str], float] = {}
+
+    def start(self, layer: int, segment: str) -> None:
+        self._started[layer, segment] = time.process_time()
+
+    def stop(self, layer: int, segment: str) -> None:
+        self.add(layer, segment, time.process_time() - self._started.pop((layer, segment)))
+
+    def add(self, layer: int, segment: str, seconds: float) -> None:
+        layers = self._current["layers"]
+        layers.setdefault(layer, dict.fromkeys(LAYER_SEGMENTS, 0.0))[segment] += seconds
+
+    @property
+    def _current(self) -> dict:
+        return self.steps[max(self.steps)]
+
+    def attach(self, trainer) -> None:
+        """Time ``trainer``'s steps, its replicas' choice and its MoE layers from now on."""
+        from torchtitan_ext.balancing.migration import moe_modules
+
+        train_step = trainer.train_step
+
+        def timed_step(data_iterator):
+            self.steps[trainer.step] = {"total": 0.0, "choice": 0.0, "layers": {}}
+            started = time.process_time()
+            train_step(data_iterator)
+            self._current["total"] = time.process_time() - started
+
+        trainer.train_step = timed_step
+        chooser = trainer.replica_chooser
+        if chooser is not None:
+            before_step = chooser.before_step
+
+            def timed_choice(step):
+                started = time.process_time()
+                before_step(step)
+                self._current["choice"] += time.process_time() - started
+
+            chooser.before_step = timed_choice
+        for layer, moe in moe_modules(trainer.model_parts).items():
+            self._attach_layer(layer, moe)
+
+    def _attach_layer(self, layer: int, moe) -> None:
+        def entered(module, args):
+            self.layer = layer
+            self.start(layer, "router")
+
+        def dispatching(module, args):
+            self.stop(layer, "router")
+
+        def dispatched(module, args):
+            rows, *rest = args
+            self.start(layer, "experts_forward")
+            return _Mark.apply(partial(self.stop, layer, "experts_backward"), rows) + tuple(rest)
+
+        def combining(module, args, output):
+            self.stop(layer, "experts_forward")
+            return _Mark.apply(partial(self.start, layer, "experts_backward"), output)[0]
+
+        moe.register_forward_pre_hook(entered)
+        # the EP backend's dispatch and combine are the experts' own hooks: these run on either side of them
+        moe.experts.register_forward_pre_hook(dispatching, prepend=True)
+        moe.experts.register_forward_pre_hook(dispatched)
+        moe.experts.register_forward_hook(combining, prepend=True)
+
+
+_clock: CpuClock | None = None
+"""The clock of the run training in this process now: the replica op's timing reads it."""
+
+
+class _TimedReplicaOps:
+    """``replica_ops()`` whose ``replica_weights`` times the fetch (forward) and the gradients' return (backward)
+    into the MoE layer running it."""
+
+    def __init__(self, ops):
+        self.ops = ops
+
+    def replica_weights(self, home, *args):
+        clock, layer = _clock, _clock.layer
+        home = list(_Mark.apply(partial(clock.stop, layer, "return"), *home))
+        started = time.process_time()
+        fetched = self.ops.replica_weights(home, *args)
+        clock.add(layer, "fetch", time.process_time() - started)
+        return _Mark.apply(partial(clock.start, layer, "return"), fetched)[0]
+
+
+def train_arms(rank: int, world_size: int, arms: list[tuple[str, list[str]]], grouped_mm: bool) -> dict[str, dict[int, dict]]:
+    """Train each (name, args) job in turn on this rank: {name: :attr:`CpuClock.steps`}; with ``grouped_mm``, the
+    experts computed by torchtitan's grouped GEMMs (bf16) as on a GPU of SM90 or later, else by its CPU loop."""
+    global _clock
+    os.environ["LOCAL_RANK"] = str(rank)
+    os.chdir(ROOT)
+    from torchtitan_ext.config import load_job_config
+    from torchtitan_ext.data import prepare_embedded_assets
+    from torchtitan_ext.ep import replicated_experts
+    from torchtitan_ext.training import prepare
+    from torchtitan.models.moe.moe import GroupedExperts
+
+    from torchtitan_ext.training.trainer import Trainer
+
+    prepare()
+    ops = replicated_experts.replica_ops
+    replicated_experts.replica_ops = lambda: _TimedReplicaOps(ops())
+    timed = {}
+    for name, args in arms:
+        job_config = load_job_config(args, "cpu", world_size)
+        prepare_embedded_assets(job_config)
+        trainer = Trainer(job_config)
+        for part in trainer.model_parts:
+            for module in part.modules():
+                if isinstance(module, GroupedExperts):
+                    module.use_grouped_mm = grouped_mm
+        _clock = CpuClock()
+        _clock.attach(trainer)
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+        timed[name] = _clock.steps
+    return timed
+
+
+def verdict(ranks: list[dict]) -> dict[str, float]:
+    """One step's parts, in seconds, from every rank's record of it (:class:`CpuClock`): "layers" (the sum over the
+    MoE layers of the slowest rank's router, split and experts without transfers), "balanced" (the same, the mean
+    rank's), "remainder" (the slowest rank's step without its MoE layers' timed parts and its choice),
+    "replication" (each layer's slowest transfers, summed, plus the slowest choice) and "step" (their sum but
+    "balanced")."""
+    layers = sorted(ranks[0]["layers"])
+    compute = [[segments["router"] + segments["experts_forward"] + segments["experts_backward"]
+                - segments["fetch"] - segments["return"]
+                for segments in (record["layers"][layer] for layer in layers)] for record in ranks]
+    transfers = [[record["layers"][layer]["fetch"] + record["layers"][layer]["return"] for layer in layers]
+                 for record in ranks]
+    remainder = [record["total"] - record["choice"] - sum(
+        segments["router"] + segments["experts_forward"] + segments["experts_backward"]
+        for segments in record["layers"].values()) for record in ranks]
+    parts = {
+        "layers": sum(max(column) for column in zip(*compute)),
+        "balanced": sum(statistics.mean(column) for column in zip(*compute)),
+        "remainder": max(remainder),
+        "replication": sum(max(column) for column in zip(*transfers)) + max(record["choice"] for record in ranks),
+    }
+    parts["step"] = parts["layers"] + parts["remainder"] + parts["replication"]
+    return parts
+
+
+def median_parts(ranks: list[dict[int, dict]]) -> dict[str, float]:
+    """Per part of :func:`verdict`, its median over the steps after the warm-up of one run."""
+    steps = [step for step in sorted(ranks[0]) if step > WARMUP]
+    per_step = [verdict([record[step] for record in ranks]) for step in steps]
+    return {part: statistics.median(parts[part] for parts in per_step) for part in per_step[0]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=4, help="ranks, one thread each, and the EP degree (default: 4)")
+    parser.add_argument("--steps", type=int, default=12, help="training steps per run (default: 12)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of all arms, alternating (default: 3)")
+    parser.add_argument("--slots", type=int, default=2, help="replica slots per rank of the replicated arms "
+                                                             "(default: 2)")
+    parser.add_argument("--alphas", default="0,1,2", help="routing skews, comma separated (default: 0,1,2)")
+    parser.add_argument("--drift-every", type=int, default=3,
+                        help="steps between redraws of the skew's expert ranking (default: 3)")
+    parser.add_argument("--experts", choices=("grouped_mm", "loop"), default="grouped_mm",
+                        help="the experts' GEMMs: torchtitan's grouped GEMMs in bf16, as a GPU runs them (default), or "
+                             "its CPU loop, whose backward grows with the square of a rank's experts and slots")
+    parser.add_argument("--markdown", type=Path, help="also append the table to this markdown file")
+    parser.add_argument("extra", nargs="*", help="more training arguments for every run (after --)")
+    args = parser.parse_args(argv)
+    if args.steps <= WARMUP:
+        parser.error(f"--steps {args.steps}: use more than {WARMUP} (the first {WARMUP} are warm-up)")
+    if args.nproc < 2 or args.slots < 1 or args.rounds < 1 or args.drift_every < 1:
+        parser.error(f"--nproc {args.nproc} --slots {args.slots} --rounds {args.rounds} --drift-every "
+                     f"{args.drift_every}: use at least 2 ranks, 1 slot, 1 round and a drift of 1 step")
+    try:
+        alphas = [float(text) for text in args.alphas.split(",")]
+    except ValueError:
+        alphas = [-1.0]
+    if any(not 0 <= alpha < float("inf") for alpha in alphas):
+        parser.error(f"--alphas {args.alphas}: use finite alphas >= 0, comma separated")
+    replicas = ["--expert_replication.slots_per_rank", str(args.slots), "--expert_replication.adapt_every", "1"]
+    settings = {"no replicas": [], f"{args.slots} slot{'s' * (args.slots > 1)}, adapt every 1": replicas}
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        with tqdm(total=args.rounds, desc="bench_replication_cpu_time", unit="round") as progress:
+            for round_index in range(args.rounds):
+                arms = [
+                    (f"{round_index} {alpha:g} {name}", [
+                        *JOB, "--parallelism.expert_parallel_degree", str(args.nproc), "--training.steps",
+                        str(args.steps), "--routing_skew.alpha", str(alpha), "--routing_skew.drift_every",
+                        str(args.drift_every), *setting, *args.extra,
+                        "--job.dump_folder", f"{tmp}/{round_index}-{alpha:g}-{len(setting)}",
+                    ]) for alpha in alphas for name, setting in settings.items()
+                ]
+                timed = run_workers(args.nproc, train_arms, arms, args.experts == "grouped_mm", deadline_s=7200.0,
+                                    preload=["torchtitan_ext.training.trainer"])
+                for name, arm_args in arms:
+                    runs[name] = {"parts": median_parts([rank[name] for rank in timed]),
+                                  "metrics": read_metrics(arm_args[-1])}
+                progress.update()
+    lines, failed = _report(runs, args, alphas, list(settings))
+    print("\n".join(lines))
+    if args.markdown is not None:
+        with args.markdown.open("a") as out:
+            out.write("\n".join(lines) + "\n")
+        print(f"table appended to {args.markdown}")
+    return 1 if failed else 0
+
+
+def _report(runs: dict, args, alphas: list[float], settings: list[str]):
+    def metric(rows, name):
+        return [row[name] for row in rows if row["step"] > WARMUP and name in row]
+
+    lines = [
+        f"| alpha | setting | round | recv max/mean all layers, median | replicas set aside | step (s) | "
+        "layers, slowest rank (s) | layers, mean rank (s) | remainder (s) | replication (s) | vs no replicas |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    ratios, failed = {}, False
+    for alpha in alphas:
+        for name in settings:
+            for round_index in range(args.rounds):
+                run = runs[f"{round_index} {alpha:g} {name}"]
+                parts, rows = run["parts"], run["metrics"]
+                baseline = runs[f"{round_index} {alpha:g} {settings[0]}"]["parts"]["step"]
+                ratio = parts["step"] / baseline
+                ratios.setdefault((alpha, name), []).append(ratio)
+                aside = metric(rows, "ep/replica_layers_set_aside")
+                lines.append(
+                    f"| {alpha:g} | {name} | {round_index + 1} | "
+                    f"{statistics.median(metric(rows, 'ep/recv_rows_max_over_mean_all_layers')):.2f} | "
+                    f"{f'{statistics.mean(aside):.2f}' if aside else '-'} | {parts['step']:.3f} | "
+                    f"{parts['layers']:.3f} | {parts['balanced']:.3f} | {parts['remainder']:.3f} | "
+                    f"{parts['replication']:.3f} | {ratio:.3f} |"
+                )
+    lines.append("")
+    for alpha in alphas:
+        losses = [{row["step"]: row["loss_metrics/global_avg_loss"] for row in runs[f"0 {alpha:g} {name}"]["metrics"]}
+                  for name in settings]
+        worst = max(abs(other[step] - loss) / abs(loss) for loss_by_step in losses[:1]
+                    for other in losses[1:] for step, loss in loss_by_step.items())
+        failed |= worst > LOSS_TOLERANCE
+        lines.append(f"alpha {alpha:g}: largest relative loss difference between the arms (round 1) {worst:.1e}"
+                     + (f", over {LOSS_TOLERANCE:g}: the arms did not train alike" if worst > LOSS_TOLERANCE else ""))
+        for name in settings[1:]:
+            got = sorted(ratios[alpha, name])
+            lines.append(f"alpha {alpha:g}, {name}: step vs no replicas, median of {len(got)} rounds "
+                         f"{statistics.median(got):.3f} ({got[0]:.3f}-{got[-1]:.3f})")
+    return lines, failed
