@@ -12,13 +12,14 @@ time says nothing of balance; each rank's CPU time (``time.process_time``) does.
 (:class:`CpuClock`) into, per MoE layer, the router and the replicas' split (the MoE's forward up to its
 dispatch), the experts' forward and backward (dispatch to combine, without the replica transfers), and the
 replica transfers (``replica_weights``' forward and backward); the replicas' choice; and the rest of the step.
-The verdict (:func:`verdict`) is the step one device per rank would take: every MoE layer waits for its slowest
-rank (its all-to-alls join the ranks), so the sum over the layers of the slowest rank's time, plus the slowest
-rank's remainder, plus replication's own work (each layer's slowest transfer, the slowest choice).
+The verdict (:func:`verdict`) is the step one device per rank would take: each segment of an MoE layer ends at a
+collective that joins the ranks, so it costs its slowest rank's time; the sum of those, plus the slowest rank's
+remainder, plus replication's own work (each layer's slowest transfers, the slowest choice).
 docs/benchmarks.md says what this stands for and where it does not.
 """
 
 import argparse
+import json
 import os
 import statistics
 import tempfile
@@ -190,25 +191,34 @@ def train_arms(rank: int, world_size: int, arms: list[tuple[str, list[str]]], gr
 
 
 def verdict(ranks: list[dict]) -> dict[str, float]:
-    """One step's parts, in seconds, from every rank's record of it (:class:`CpuClock`): "layers" (the sum over the
-    MoE layers of the slowest rank's router, split and experts without transfers), "balanced" (the same, the mean
-    rank's), "remainder" (the slowest rank's step without its MoE layers' timed parts and its choice),
-    "replication" (each layer's slowest transfers, summed, plus the slowest choice) and "step" (their sum but
-    "balanced")."""
+    """One step's parts, in seconds, from every rank's record of it (:class:`CpuClock`).
+
+    Each MoE layer joins its ranks at every collective: the split's count exchange and the dispatch close the
+    router's segment, the combine closes the experts' forward, the dispatch's backward their backward. So each
+    segment costs its slowest rank's time. "layers": the sum over the layers and segments of the slowest rank's
+    router and split, experts' forward and backward without transfers; "balanced": the same, the mean rank's;
+    "remainder": the slowest rank's step without its MoE layers' timed segments and its choice; "replication":
+    each layer's slowest fetch and slowest return, summed, plus the slowest choice; "step": layers + remainder
+    + replication."""
+    def segments(record, layer):
+        timed = record["layers"][layer]
+        return (timed["router"], timed["experts_forward"] - timed["fetch"],
+                timed["experts_backward"] - timed["return"])
+
+    def transfers(record, layer):
+        return record["layers"][layer]["fetch"], record["layers"][layer]["return"]
+
     layers = sorted(ranks[0]["layers"])
-    compute = [[segments["router"] + segments["experts_forward"] + segments["experts_backward"]
-                - segments["fetch"] - segments["return"]
-                for segments in (record["layers"][layer] for layer in layers)] for record in ranks]
-    transfers = [[record["layers"][layer]["fetch"] + record["layers"][layer]["return"] for layer in layers]
-                 for record in ranks]
+    compute = [[value for layer in layers for value in segments(record, layer)] for record in ranks]
+    moved = [[value for layer in layers for value in transfers(record, layer)] for record in ranks]
     remainder = [record["total"] - record["choice"] - sum(
-        segments["router"] + segments["experts_forward"] + segments["experts_backward"]
-        for segments in record["layers"].values()) for record in ranks]
+        timed["router"] + timed["experts_forward"] + timed["experts_backward"]
+        for timed in record["layers"].values()) for record in ranks]
     parts = {
         "layers": sum(max(column) for column in zip(*compute)),
         "balanced": sum(statistics.mean(column) for column in zip(*compute)),
         "remainder": max(remainder),
-        "replication": sum(max(column) for column in zip(*transfers)) + max(record["choice"] for record in ranks),
+        "replication": sum(max(column) for column in zip(*moved)) + max(record["choice"] for record in ranks),
     }
     parts["step"] = parts["layers"] + parts["remainder"] + parts["replication"]
     return parts
@@ -235,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the experts' GEMMs: torchtitan's grouped GEMMs in bf16, as a GPU runs them (default), or "
                              "its CPU loop, whose backward grows with the square of a rank's experts and slots")
     parser.add_argument("--markdown", type=Path, help="also append the table to this markdown file")
+    parser.add_argument("--json", type=Path, help="also write every rank's CPU times per run and step here")
     parser.add_argument("extra", nargs="*", help="more training arguments for every run (after --)")
     args = parser.parse_args(argv)
     if args.steps <= WARMUP:
@@ -266,10 +277,13 @@ def main(argv: list[str] | None = None) -> int:
                                     preload=["torchtitan_ext.training.trainer"])
                 for name, arm_args in arms:
                     runs[name] = {"parts": median_parts([rank[name] for rank in timed]),
-                                  "metrics": read_metrics(arm_args[-1])}
+                                  "metrics": read_metrics(arm_args[-1]), "ranks": [rank[name] for rank in timed]}
                 progress.update()
     lines, failed = _report(runs, args, alphas, list(settings))
     print("\n".join(lines))
+    if args.json is not None:
+        args.json.write_text(json.dumps(runs))
+        print(f"CPU times written to {args.json}")
     if args.markdown is not None:
         with args.markdown.open("a") as out:
             out.write("\n".join(lines) + "\n")
