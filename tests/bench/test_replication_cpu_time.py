@@ -6,8 +6,8 @@ from torchtitan_ext.bench import replication_cpu_time as bench
 from torchtitan_ext.runtime.workers import run_workers
 
 
-def _record(total, choice, layers):
-    return {"total": total, "choice": choice, "layers": {
+def _record(total, choice, layers, wall=20.0):
+    return {"total": total, "choice": choice, "wall": wall, "layers": {
         layer: dict(zip(bench.LAYER_SEGMENTS, segments)) for layer, segments in layers.items()}}
 
 
@@ -15,7 +15,7 @@ def test_each_segment_of_a_layer_waits_for_its_slowest_rank_and_replication_adds
     # router, experts forward (with the fetch), experts backward (with the return), fetch, return
     ranks = [
         _record(10.0, 0.5, {1: (1.0, 2.0, 3.0, 0.5, 1.0), 3: (1.0, 1.0, 1.0, 0.0, 0.0)}),
-        _record(9.0, 0.25, {1: (2.0, 1.0, 1.0, 0.25, 0.25), 3: (1.0, 3.0, 4.0, 1.0, 1.0)}),
+        _record(9.0, 0.25, {1: (2.0, 1.0, 1.0, 0.25, 0.25), 3: (1.0, 3.0, 4.0, 1.0, 1.0)}, wall=21.0),
     ]
     parts = bench.verdict(ranks)
     # without transfers, per segment: layer 1 (1, 1.5, 2) against (2, 0.75, 0.75); layer 3 (1, 1, 1) against (1, 2, 3)
@@ -25,6 +25,16 @@ def test_each_segment_of_a_layer_waits_for_its_slowest_rank_and_replication_adds
     assert parts["remainder"] == pytest.approx(max(10.0 - 0.5 - 9.0, 9.0 - 0.25 - 12.0))
     assert parts["replication"] == pytest.approx(0.5 + 1.0 + 1.0 + 1.0 + 0.5)
     assert parts["step"] == pytest.approx(parts["layers"] + parts["remainder"] + parts["replication"])
+    assert parts["wall"] == 21.0  # the slowest rank's
+
+
+def test_the_mean_rank_per_step_leaves_out_the_warm_up_and_the_transfers_from_the_experts():
+    warm = _record(100.0, 100.0, {1: (100.0, 100.0, 100.0, 100.0, 100.0)})
+    ranks = [{2: warm, 4: _record(10.0, 0.5, {1: (1.0, 2.0, 3.0, 0.5, 1.0), 3: (1.0, 1.0, 1.0, 0.0, 0.0)})},
+             {2: warm, 4: _record(9.0, 0.25, {1: (2.0, 1.0, 1.0, 0.25, 0.25), 3: (1.0, 3.0, 4.0, 1.0, 1.0)})}]
+    means = bench.mean_segments([ranks])
+    assert means == pytest.approx({"router": 2.5, "experts_forward": (2.5 + 2.75) / 2, "experts_backward": (3.0 + 3.75) / 2,
+                                   "fetch": 0.875, "return": 1.125, "choice": 0.375, "total": 9.5})
 
 
 @pytest.mark.parametrize("argv, message", [

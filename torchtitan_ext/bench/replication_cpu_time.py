@@ -1,21 +1,25 @@
 """Expert replication timed by each rank's CPU time, for more ranks than cores: the step one device per rank would take.
 
     python -m torchtitan_ext.bench replication_cpu_time [--nproc 4] [--steps 12] [--rounds 3] [--slots 2]
-        [--alphas 0,1,2] [--drift-every 3] [--markdown FILE] [-- extra training args]
+        [--alphas 0,1,2] [--drift-every 3] [--experts grouped_mm|loop] [--markdown FILE] [--json FILE]
+        [-- extra training args]
 
 Trains, in ``--nproc`` processes of one thread each (EP = ``--nproc``), the experts-dominated debug model
 (``debugmodel_wide_experts``, 1,024 tokens per rank, no activation checkpointing; extra arguments after ``--``
 override it) under each routing skew ``alpha`` (``[routing_skew]``, redrawn every ``--drift-every`` steps), with
 no replicas and with ``--slots`` replica slots per rank re-chosen every step, the arms alternating within each
-round and every round in the same processes. When ranks outnumber cores an idle rank gives its core away, so wall
+round, each in fresh processes. When ranks outnumber cores an idle rank gives its core away, so wall
 time says nothing of balance; each rank's CPU time (``time.process_time``) does. Per step and rank it is split
 (:class:`CpuClock`) into, per MoE layer, the router and the replicas' split (the MoE's forward up to its
 dispatch), the experts' forward and backward (dispatch to combine, without the replica transfers), and the
 replica transfers (``replica_weights``' forward and backward); the replicas' choice; and the rest of the step.
 The verdict (:func:`verdict`) is the step one device per rank would take: each segment of an MoE layer ends at a
 collective that joins the ranks, so it costs its slowest rank's time; the sum of those, plus the slowest rank's
-remainder, plus replication's own work (each layer's slowest transfers, the slowest choice).
-docs/benchmarks.md says what this stands for and where it does not.
+remainder, plus replication's own work (each layer's slowest transfers, the slowest choice). The slowest rank's
+wall time per step is reported beside it: with no more ranks than cores (``--nproc 2`` here) it is honest too.
+The experts run torchtitan's grouped GEMMs, as on a GPU (``--experts loop``: its CPU loop, whose weight
+gradients cost each rank the square of its experts and slots). docs/benchmarks.md says what the verdict stands
+for and where it does not.
 """
 
 import argparse
@@ -62,7 +66,8 @@ class _Mark(torch.autograd.Function):
 
 class CpuClock:
     """This rank's CPU time per step: per MoE layer and segment (:data:`LAYER_SEGMENTS`), the replicas' choice and
-    the whole step, in seconds: ``steps[step] = {"total", "choice", "layers": {layer: {segment: s}}}``."""
+    the whole step, and the step's wall time, in seconds: ``steps[step] = {"total", "choice", "wall", "layers":
+    {layer: {segment: s}}}``."""
 
     def __init__(self):
         self.steps: dict[int, dict] = {}
@@ -91,10 +96,11 @@ class CpuClock:
         train_step = trainer.train_step
 
         def timed_step(data_iterator):
-            self.steps[trainer.step] = {"total": 0.0, "choice": 0.0, "layers": {}}
-            started = time.process_time()
+            self.steps[trainer.step] = {"total": 0.0, "choice": 0.0, "wall": 0.0, "layers": {}}
+            started, wall_started = time.process_time(), time.perf_counter()
             train_step(data_iterator)
             self._current["total"] = time.process_time() - started
+            self._current["wall"] = time.perf_counter() - wall_started
 
         trainer.train_step = timed_step
         chooser = trainer.replica_chooser
@@ -199,7 +205,8 @@ def verdict(ranks: list[dict]) -> dict[str, float]:
     router and split, experts' forward and backward without transfers; "balanced": the same, the mean rank's;
     "remainder": the slowest rank's step without its MoE layers' timed segments and its choice; "replication":
     each layer's slowest fetch and slowest return, summed, plus the slowest choice; "step": layers + remainder
-    + replication."""
+    + replication; "wall": the slowest rank's wall time, which says the same only where every rank has a core of its
+    own."""
     def segments(record, layer):
         timed = record["layers"][layer]
         return (timed["router"], timed["experts_forward"] - timed["fetch"],
@@ -221,6 +228,7 @@ def verdict(ranks: list[dict]) -> dict[str, float]:
         "replication": sum(max(column) for column in zip(*moved)) + max(record["choice"] for record in ranks),
     }
     parts["step"] = parts["layers"] + parts["remainder"] + parts["replication"]
+    parts["wall"] = max(record["wall"] for record in ranks)
     return parts
 
 
@@ -229,6 +237,28 @@ def median_parts(ranks: list[dict[int, dict]]) -> dict[str, float]:
     steps = [step for step in sorted(ranks[0]) if step > WARMUP]
     per_step = [verdict([record[step] for record in ranks]) for step in steps]
     return {part: statistics.median(parts[part] for parts in per_step) for part in per_step[0]}
+
+
+def mean_segments(runs: list[list[dict[int, dict]]]) -> dict[str, float]:
+    """The mean over ``runs`` (each: every rank's :attr:`CpuClock.steps`), their ranks and their steps after the
+    warm-up of each segment summed over the MoE layers, the experts' without the transfers, and of the choice and
+    the whole step, in seconds."""
+    records = [record for ranks in runs for steps in ranks for step, record in steps.items() if step > WARMUP]
+
+    def layers_sum(record, segment):
+        return sum(timed[segment] for timed in record["layers"].values())
+
+    return {
+        "router": statistics.mean(layers_sum(record, "router") for record in records),
+        "experts_forward": statistics.mean(layers_sum(record, "experts_forward") - layers_sum(record, "fetch")
+                                           for record in records),
+        "experts_backward": statistics.mean(layers_sum(record, "experts_backward") - layers_sum(record, "return")
+                                            for record in records),
+        "fetch": statistics.mean(layers_sum(record, "fetch") for record in records),
+        "return": statistics.mean(layers_sum(record, "return") for record in records),
+        "choice": statistics.mean(record["choice"] for record in records),
+        "total": statistics.mean(record["total"] for record in records),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = {"no replicas": [], f"{args.slots} slot{'s' * (args.slots > 1)}, adapt every 1": replicas}
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
-        with tqdm(total=args.rounds, desc="bench_replication_cpu_time", unit="round") as progress:
+        with tqdm(total=args.rounds * len(alphas) * len(settings), desc="bench_replication_cpu_time",
+                  unit="run") as progress:
             for round_index in range(args.rounds):
                 arms = [
                     (f"{round_index} {alpha:g} {name}", [
@@ -273,12 +304,13 @@ def main(argv: list[str] | None = None) -> int:
                         "--job.dump_folder", f"{tmp}/{round_index}-{alpha:g}-{len(setting)}",
                     ]) for alpha in alphas for name, setting in settings.items()
                 ]
-                timed = run_workers(args.nproc, train_arms, arms, args.experts == "grouped_mm", deadline_s=7200.0,
-                                    preload=["torchtitan_ext.training.trainer"])
                 for name, arm_args in arms:
-                    runs[name] = {"parts": median_parts([rank[name] for rank in timed]),
-                                  "metrics": read_metrics(arm_args[-1]), "ranks": [rank[name] for rank in timed]}
-                progress.update()
+                    # fresh processes per arm: a process that built several trainers keeps part of each
+                    ranks = [timed[name] for timed in run_workers(
+                        args.nproc, train_arms, [(name, arm_args)], args.experts == "grouped_mm", deadline_s=3600.0,
+                        preload=["torchtitan_ext.training.trainer"])]
+                    runs[name] = {"parts": median_parts(ranks), "metrics": read_metrics(arm_args[-1]), "ranks": ranks}
+                    progress.update()
     lines, failed = _report(runs, args, alphas, list(settings))
     print("\n".join(lines))
     if args.json is not None:
@@ -297,8 +329,9 @@ def _report(runs: dict, args, alphas: list[float], settings: list[str]):
 
     lines = [
         f"| alpha | setting | round | recv max/mean all layers, median | replicas set aside | step (s) | "
-        "layers, slowest rank (s) | layers, mean rank (s) | remainder (s) | replication (s) | vs no replicas |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "layers, slowest rank (s) | layers, mean rank (s) | remainder (s) | replication (s) | vs no replicas | "
+        "wall, slowest rank (s) | wall vs no replicas |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     ratios, failed = {}, False
     for alpha in alphas:
@@ -306,17 +339,25 @@ def _report(runs: dict, args, alphas: list[float], settings: list[str]):
             for round_index in range(args.rounds):
                 run = runs[f"{round_index} {alpha:g} {name}"]
                 parts, rows = run["parts"], run["metrics"]
-                baseline = runs[f"{round_index} {alpha:g} {settings[0]}"]["parts"]["step"]
-                ratio = parts["step"] / baseline
-                ratios.setdefault((alpha, name), []).append(ratio)
+                baseline = runs[f"{round_index} {alpha:g} {settings[0]}"]["parts"]
+                ratio, wall_ratio = parts["step"] / baseline["step"], parts["wall"] / baseline["wall"]
+                ratios.setdefault((alpha, name), []).append((ratio, wall_ratio))
                 aside = metric(rows, "ep/replica_layers_set_aside")
                 lines.append(
                     f"| {alpha:g} | {name} | {round_index + 1} | "
                     f"{statistics.median(metric(rows, 'ep/recv_rows_max_over_mean_all_layers')):.2f} | "
                     f"{f'{statistics.mean(aside):.2f}' if aside else '-'} | {parts['step']:.3f} | "
                     f"{parts['layers']:.3f} | {parts['balanced']:.3f} | {parts['remainder']:.3f} | "
-                    f"{parts['replication']:.3f} | {ratio:.3f} |"
+                    f"{parts['replication']:.3f} | {ratio:.3f} | {parts['wall']:.3f} | {wall_ratio:.3f} |"
                 )
+    lines += ["", "The mean rank's CPU time per step (ms; steps after the warm-up, every round), summed over the MoE layers:",
+              "", "| alpha | setting | router and split | experts forward, no fetch | experts backward, no return | "
+              "fetch | return | choice | whole step |", "|---|---|---|---|---|---|---|---|---|"]
+    for alpha in alphas:
+        for name in settings:
+            means = mean_segments([runs[f"{round_index} {alpha:g} {name}"]["ranks"] for round_index in range(args.rounds)])
+            lines.append(f"| {alpha:g} | {name} | " + " | ".join(f"{1000 * means[part]:.1f}" for part in (
+                "router", "experts_forward", "experts_backward", "fetch", "return", "choice", "total")) + " |")
     lines.append("")
     for alpha in alphas:
         losses = [{row["step"]: row["loss_metrics/global_avg_loss"] for row in runs[f"0 {alpha:g} {name}"]["metrics"]}
@@ -327,7 +368,9 @@ def _report(runs: dict, args, alphas: list[float], settings: list[str]):
         lines.append(f"alpha {alpha:g}: largest relative loss difference between the arms (round 1) {worst:.1e}"
                      + (f", over {LOSS_TOLERANCE:g}: the arms did not train alike" if worst > LOSS_TOLERANCE else ""))
         for name in settings[1:]:
-            got = sorted(ratios[alpha, name])
-            lines.append(f"alpha {alpha:g}, {name}: step vs no replicas, median of {len(got)} rounds "
-                         f"{statistics.median(got):.3f} ({got[0]:.3f}-{got[-1]:.3f})")
+            summaries = []
+            for kind, got in zip(("CPU-time step", "wall"), map(sorted, zip(*ratios[alpha, name]))):
+                summaries.append(f"{kind} {statistics.median(got):.3f} ({got[0]:.3f}-{got[-1]:.3f})")
+            lines.append(f"alpha {alpha:g}, {name} vs no replicas, medians of {args.rounds} rounds: "
+                         + "; ".join(summaries))
     return lines, failed
