@@ -1,5 +1,7 @@
 """bench replication_cpu_time: each rank's CPU time split per MoE layer, and the step one device per rank would take."""
 
+import argparse
+
 import pytest
 
 from torchtitan_ext.bench import replication_cpu_time as bench
@@ -11,36 +13,61 @@ def _record(total, choice, layers, wall=20.0):
         layer: dict(zip(bench.LAYER_SEGMENTS, segments)) for layer, segments in layers.items()}}
 
 
+# per layer: router (with the count exchange), experts forward (with the fetch), experts backward (with the return),
+# count exchange, fetch, return
+RANK_0 = _record(12.0, 0.5, {1: (1.5, 2.0, 3.0, 0.5, 0.5, 1.0), 3: (1.0, 1.0, 1.0, 0.0, 0.0, 0.0)})
+RANK_1 = _record(14.0, 0.25, {1: (2.25, 1.0, 1.0, 0.25, 0.25, 0.25), 3: (1.0, 3.0, 4.0, 0.0, 1.0, 1.0)}, wall=21.0)
+
+
 def test_each_segment_of_a_layer_waits_for_its_slowest_rank_and_replication_adds_its_slowest_transfers():
-    # router, experts forward (with the fetch), experts backward (with the return), fetch, return
-    ranks = [
-        _record(10.0, 0.5, {1: (1.0, 2.0, 3.0, 0.5, 1.0), 3: (1.0, 1.0, 1.0, 0.0, 0.0)}),
-        _record(9.0, 0.25, {1: (2.0, 1.0, 1.0, 0.25, 0.25), 3: (1.0, 3.0, 4.0, 1.0, 1.0)}, wall=21.0),
-    ]
-    parts = bench.verdict(ranks)
+    parts = bench.verdict([RANK_0, RANK_1])
     # without transfers, per segment: layer 1 (1, 1.5, 2) against (2, 0.75, 0.75); layer 3 (1, 1, 1) against (1, 2, 3)
     assert parts["layers"] == pytest.approx(2.0 + 1.5 + 2.0 + 1.0 + 2.0 + 3.0)
-    assert parts["balanced"] == pytest.approx((4.5 + 3.5 + 3.0 + 6.0) / 2)
+    assert parts["balanced"] == pytest.approx((7.5 + 9.5) / 2)
     # what is left of each rank's step once its layers' timed segments (transfers included) and choice are out
-    assert parts["remainder"] == pytest.approx(max(10.0 - 0.5 - 9.0, 9.0 - 0.25 - 12.0))
-    assert parts["replication"] == pytest.approx(0.5 + 1.0 + 1.0 + 1.0 + 0.5)
+    assert parts["remainder"] == pytest.approx(max(12.0 - 0.5 - 9.5, 14.0 - 0.25 - 12.25))
+    assert parts["replication"] == pytest.approx(0.5 + 0.5 + 1.0 + 1.0 + 1.0 + 0.5)
     assert parts["step"] == pytest.approx(parts["layers"] + parts["remainder"] + parts["replication"])
     assert parts["wall"] == 21.0  # the slowest rank's
 
 
-def test_the_mean_rank_per_step_leaves_out_the_warm_up_and_the_transfers_from_the_experts():
-    warm = _record(100.0, 100.0, {1: (100.0, 100.0, 100.0, 100.0, 100.0)})
-    ranks = [{2: warm, 4: _record(10.0, 0.5, {1: (1.0, 2.0, 3.0, 0.5, 1.0), 3: (1.0, 1.0, 1.0, 0.0, 0.0)})},
-             {2: warm, 4: _record(9.0, 0.25, {1: (2.0, 1.0, 1.0, 0.25, 0.25), 3: (1.0, 3.0, 4.0, 1.0, 1.0)})}]
-    means = bench.mean_segments([ranks])
-    assert means == pytest.approx({"router": 2.5, "experts_forward": (2.5 + 2.75) / 2, "experts_backward": (3.0 + 3.75) / 2,
-                                   "fetch": 0.875, "return": 1.125, "choice": 0.375, "total": 9.5})
+def test_a_segment_timed_twice_is_refused():
+    with pytest.raises(ValueError, match="a segment was timed twice"):
+        bench.verdict([RANK_0, {**RANK_1, "total": 12.0}])
+
+
+def test_the_mean_rank_per_step_leaves_out_the_warm_up_and_the_transfers_from_their_segments():
+    warm = _record(100.0, 100.0, {1: (100.0,) * 6})
+    means = bench.mean_segments([[{bench.WARMUP: warm, bench.WARMUP + 1: RANK_0},
+                                  {bench.WARMUP: warm, bench.WARMUP + 1: RANK_1}]])
+    assert means == pytest.approx({"router": 2.5, "counts": 0.375, "experts_forward": 2.625, "experts_backward": 3.375,
+                                   "fetch": 0.875, "return": 1.125, "choice": 0.375, "total": 13.0})
+
+
+@pytest.mark.parametrize("replicated_losses, failed", [
+    ({4: 8.0, 5: 7.0}, False),
+    ({4: 8.0, 5: 7.01}, True),  # 1.4e-3 apart
+    ({4: 8.0}, True),  # a step missing
+    ({4: 8.0, 5: float("nan")}, True),
+])
+def test_the_arms_must_train_alike(replicated_losses, failed):
+    def run(losses):
+        rows = [{"step": step, "loss_metrics/global_avg_loss": loss, "ep/recv_rows_max_over_mean_all_layers": 1.0}
+                for step, loss in losses.items()]
+        parts = {"step": 1.0, "layers": 0.5, "balanced": 0.5, "remainder": 0.5, "replication": 0.0, "wall": 1.0}
+        return {"parts": parts, "metrics": rows, "ranks": [{bench.WARMUP + 1: RANK_0}, {bench.WARMUP + 1: RANK_1}]}
+
+    runs = {"0 2 no replicas": run({4: 8.0, 5: 7.0}), "0 2 2 slots": run(replicated_losses)}
+    lines, got = bench._report(runs, argparse.Namespace(rounds=1), [2.0], ["no replicas", "2 slots"])
+    assert got == failed, lines
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--steps", "3"], "--steps 3: use more than 3 (the first 3 are warm-up)"),
     (["--nproc", "1"], "use at least 2 ranks, 1 slot, 1 round and a drift of 1 step"),
     (["--alphas", "1,x"], "--alphas 1,x: use finite alphas >= 0, comma separated"),
+    (["--", "--activation_checkpoint.mode", "full"], "activation_checkpoint.mode 'full', "
+     "parallelism.pipeline_parallel_degree 1: the CPU times are split per MoE layer on every rank: use 'none' and 1"),
 ])
 def test_a_bad_argument_is_refused_before_any_run(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
@@ -64,6 +91,9 @@ def test_the_clock_times_every_moe_layers_segments_and_the_transfers_only_with_r
                 assert sorted(record["layers"]) == [1, 2, 3, 4, 5], (arm, step)
                 replicated = arm == "replicas" and step > 1  # the first choice comes before step 2
                 for segments in record["layers"].values():
+                    # the split exchanges counts at every step of a replicated job, chosen replicas or not
+                    assert (segments["counts"] > 0) == (arm == "replicas"), (arm, step, segments)
+                    assert segments["router"] > segments["counts"], (arm, step, segments)
                     assert segments["router"] > 0 and segments["experts_forward"] > 0, (arm, step, segments)
                     assert segments["experts_backward"] > 0, (arm, step, segments)
                     assert (segments["fetch"] > 0) == (segments["return"] > 0) == replicated, (arm, step, segments)

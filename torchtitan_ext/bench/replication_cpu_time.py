@@ -24,6 +24,7 @@ for and where it does not.
 
 import argparse
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -35,7 +36,9 @@ import torch
 from tqdm import tqdm
 
 import torchtitan_ext
+from torchtitan_ext.config import ConfigError, load_job_config
 from torchtitan_ext.metrics_file import read_metrics
+from torchtitan_ext.training import prepare
 from torchtitan_ext.runtime.workers import run_workers
 
 ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
@@ -46,8 +49,9 @@ LOSS_TOLERANCE = 1e-4
 the order of floating-point sums differs (the gradient matrix bounds replication's by 1e-5 per step)."""
 JOB = ["--job.config_file", "train_configs/debug_model.toml", "--model.flavor", "debugmodel_wide_experts",
        "--activation_checkpoint.mode", "none", "--metrics.log_freq", "1"]
-LAYER_SEGMENTS = ("router", "experts_forward", "experts_backward", "fetch", "return")
-"""What :class:`CpuClock` times per MoE layer; the experts' segments include the transfers, which are also apart."""
+LAYER_SEGMENTS = ("router", "experts_forward", "experts_backward", "counts", "fetch", "return")
+"""What :class:`CpuClock` times per MoE layer; the router's segment includes the split's exchange of counts and the
+experts' segments the weights' transfers, which are also timed apart."""
 
 
 class _Mark(torch.autograd.Function):
@@ -144,20 +148,44 @@ _clock: CpuClock | None = None
 """The clock of the run training in this process now: the replica op's timing reads it."""
 
 
+class _TimedOp:
+    """A replication op whose calls ``timed(op, *args)`` times into the MoE layer running it; ``default`` stays the
+    op's own overload."""
+
+    def __init__(self, op, timed):
+        self.op, self.default, self.timed = op, op.default, timed
+
+    def __call__(self, *args):
+        if _clock is None:
+            return self.op(*args)
+        return self.timed(_clock, self.op, *args)
+
+
+def _timed_fetch(clock: CpuClock, op, home, *args):
+    """The fetch (forward) and, through markers on either side of the op, the gradients' return (backward)."""
+    layer = clock.layer
+    home = list(_Mark.apply(partial(clock.stop, layer, "return"), *home))
+    started = time.process_time()
+    fetched = op(home, *args)
+    clock.add(layer, "fetch", time.process_time() - started)
+    return _Mark.apply(partial(clock.start, layer, "return"), fetched)[0]
+
+
+def _timed_counts(clock: CpuClock, op, *args):
+    """The split's exchange of pair counts (inside the router's segment, a collective)."""
+    started = time.process_time()
+    counts = op(*args)
+    clock.add(clock.layer, "counts", time.process_time() - started)
+    return counts
+
+
 class _TimedReplicaOps:
-    """``replica_ops()`` whose ``replica_weights`` times the fetch (forward) and the gradients' return (backward)
-    into the MoE layer running it."""
+    """``replica_ops()`` whose replica weights and count exchange are timed (:func:`_timed_fetch`,
+    :func:`_timed_counts`)."""
 
     def __init__(self, ops):
-        self.ops = ops
-
-    def replica_weights(self, home, *args):
-        clock, layer = _clock, _clock.layer
-        home = list(_Mark.apply(partial(clock.stop, layer, "return"), *home))
-        started = time.process_time()
-        fetched = self.ops.replica_weights(home, *args)
-        clock.add(layer, "fetch", time.process_time() - started)
-        return _Mark.apply(partial(clock.start, layer, "return"), fetched)[0]
+        self.replica_weights = _TimedOp(ops.replica_weights, _timed_fetch)
+        self.replica_counts = _TimedOp(ops.replica_counts, _timed_counts)
 
 
 def train_arms(rank: int, world_size: int, arms: list[tuple[str, list[str]]], grouped_mm: bool) -> dict[str, dict[int, dict]]:
@@ -166,17 +194,15 @@ def train_arms(rank: int, world_size: int, arms: list[tuple[str, list[str]]], gr
     global _clock
     os.environ["LOCAL_RANK"] = str(rank)
     os.chdir(ROOT)
-    from torchtitan_ext.config import load_job_config
     from torchtitan_ext.data import prepare_embedded_assets
-    from torchtitan_ext.ep import replicated_experts
-    from torchtitan_ext.training import prepare
+    from torchtitan_ext.ep import replica_split, replicated_experts
     from torchtitan.models.moe.moe import GroupedExperts
 
     from torchtitan_ext.training.trainer import Trainer
 
     prepare()
-    ops = replicated_experts.replica_ops
-    replicated_experts.replica_ops = lambda: _TimedReplicaOps(ops())
+    timed_ops = _TimedReplicaOps(replica_split.replica_ops())
+    replicated_experts.replica_ops = replica_split.replica_ops = lambda: timed_ops
     timed = {}
     for name, args in arms:
         job_config = load_job_config(args, "cpu", world_size)
@@ -199,21 +225,23 @@ def train_arms(rank: int, world_size: int, arms: list[tuple[str, list[str]]], gr
 def verdict(ranks: list[dict]) -> dict[str, float]:
     """One step's parts, in seconds, from every rank's record of it (:class:`CpuClock`).
 
-    Each MoE layer joins its ranks at every collective: the split's count exchange and the dispatch close the
-    router's segment, the combine closes the experts' forward, the dispatch's backward their backward. So each
-    segment costs its slowest rank's time. "layers": the sum over the layers and segments of the slowest rank's
-    router and split, experts' forward and backward without transfers; "balanced": the same, the mean rank's;
-    "remainder": the slowest rank's step without its MoE layers' timed segments and its choice; "replication":
-    each layer's slowest fetch and slowest return, summed, plus the slowest choice; "step": layers + remainder
-    + replication; "wall": the slowest rank's wall time, which says the same only where every rank has a core of its
-    own."""
+    Each MoE layer joins its ranks at every collective: the dispatch closes the router's segment (and the split's
+    exchange of counts, timed apart, sits inside it), the combine closes the experts' forward, the dispatch's
+    backward their backward. So each segment costs its slowest rank's time. "layers": the sum over the layers and
+    segments of the slowest rank's router and split without the count exchange, and experts' forward and backward
+    without the weights' transfers; "balanced": the same, the mean rank's; "remainder": the slowest rank's step
+    without its MoE layers' timed segments and its choice; "replication": each layer's slowest count exchange,
+    fetch and return, summed, plus the slowest choice; "step": layers + remainder + replication; "wall": the
+    slowest rank's wall time, which says the same only where every rank has a core of its own. A segment timed
+    twice (a layer recomputed in backward) would leave a negative remainder: refused."""
     def segments(record, layer):
         timed = record["layers"][layer]
-        return (timed["router"], timed["experts_forward"] - timed["fetch"],
+        return (timed["router"] - timed["counts"], timed["experts_forward"] - timed["fetch"],
                 timed["experts_backward"] - timed["return"])
 
     def transfers(record, layer):
-        return record["layers"][layer]["fetch"], record["layers"][layer]["return"]
+        timed = record["layers"][layer]
+        return timed["counts"], timed["fetch"], timed["return"]
 
     layers = sorted(ranks[0]["layers"])
     compute = [[value for layer in layers for value in segments(record, layer)] for record in ranks]
@@ -221,6 +249,9 @@ def verdict(ranks: list[dict]) -> dict[str, float]:
     remainder = [record["total"] - record["choice"] - sum(
         timed["router"] + timed["experts_forward"] + timed["experts_backward"]
         for timed in record["layers"].values()) for record in ranks]
+    if min(remainder) < 0:
+        raise ValueError(f"a rank's timed segments exceed its step ({min(remainder):.3f} s left): a segment was timed "
+                         "twice")
     parts = {
         "layers": sum(max(column) for column in zip(*compute)),
         "balanced": sum(statistics.mean(column) for column in zip(*compute)),
@@ -241,15 +272,16 @@ def median_parts(ranks: list[dict[int, dict]]) -> dict[str, float]:
 
 def mean_segments(runs: list[list[dict[int, dict]]]) -> dict[str, float]:
     """The mean over ``runs`` (each: every rank's :attr:`CpuClock.steps`), their ranks and their steps after the
-    warm-up of each segment summed over the MoE layers, the experts' without the transfers, and of the choice and
-    the whole step, in seconds."""
+    warm-up of each segment summed over the MoE layers, the router's without the count exchange and the experts'
+    without the weights' transfers, and of the choice and the whole step, in seconds."""
     records = [record for ranks in runs for steps in ranks for step, record in steps.items() if step > WARMUP]
 
     def layers_sum(record, segment):
         return sum(timed[segment] for timed in record["layers"].values())
 
     return {
-        "router": statistics.mean(layers_sum(record, "router") for record in records),
+        "router": statistics.mean(layers_sum(record, "router") - layers_sum(record, "counts") for record in records),
+        "counts": statistics.mean(layers_sum(record, "counts") for record in records),
         "experts_forward": statistics.mean(layers_sum(record, "experts_forward") - layers_sum(record, "fetch")
                                            for record in records),
         "experts_backward": statistics.mean(layers_sum(record, "experts_backward") - layers_sum(record, "return")
@@ -289,6 +321,17 @@ def main(argv: list[str] | None = None) -> int:
         alphas = [-1.0]
     if any(not 0 <= alpha < float("inf") for alpha in alphas):
         parser.error(f"--alphas {args.alphas}: use finite alphas >= 0, comma separated")
+    prepare()
+    try:
+        job_config = load_job_config([*JOB, "--parallelism.expert_parallel_degree", str(args.nproc), *args.extra],
+                                     "cpu", args.nproc)
+    except ConfigError as e:
+        parser.error(str(e))
+    if job_config.activation_checkpoint.mode != "none" or job_config.parallelism.pipeline_parallel_degree != 1:
+        # a recomputed layer would time its segments twice; ranks of other stages hold other layers
+        parser.error(f"activation_checkpoint.mode {job_config.activation_checkpoint.mode!r}, "
+                     f"parallelism.pipeline_parallel_degree {job_config.parallelism.pipeline_parallel_degree}: the "
+                     "CPU times are split per MoE layer on every rank: use 'none' and 1")
     replicas = ["--expert_replication.slots_per_rank", str(args.slots), "--expert_replication.adapt_every", "1"]
     settings = {"no replicas": [], f"{args.slots} slot{'s' * (args.slots > 1)}, adapt every 1": replicas}
     runs = {}
@@ -351,22 +394,29 @@ def _report(runs: dict, args, alphas: list[float], settings: list[str]):
                     f"{parts['replication']:.3f} | {ratio:.3f} | {parts['wall']:.3f} | {wall_ratio:.3f} |"
                 )
     lines += ["", "The mean rank's CPU time per step (ms; steps after the warm-up, every round), summed over the MoE layers:",
-              "", "| alpha | setting | router and split | experts forward, no fetch | experts backward, no return | "
-              "fetch | return | choice | whole step |", "|---|---|---|---|---|---|---|---|---|"]
+              "", "| alpha | setting | router and split, no count exchange | experts forward, no fetch | experts "
+              "backward, no return | count exchange | fetch | return | choice | whole step |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for alpha in alphas:
         for name in settings:
             means = mean_segments([runs[f"{round_index} {alpha:g} {name}"]["ranks"] for round_index in range(args.rounds)])
             lines.append(f"| {alpha:g} | {name} | " + " | ".join(f"{1000 * means[part]:.1f}" for part in (
-                "router", "experts_forward", "experts_backward", "fetch", "return", "choice", "total")) + " |")
+                "router", "experts_forward", "experts_backward", "counts", "fetch", "return", "choice", "total"))
+                + " |")
     lines.append("")
     for alpha in alphas:
         losses = [{row["step"]: row["loss_metrics/global_avg_loss"] for row in runs[f"0 {alpha:g} {name}"]["metrics"]}
                   for name in settings]
-        worst = max(abs(other[step] - loss) / abs(loss) for loss_by_step in losses[:1]
-                    for other in losses[1:] for step, loss in loss_by_step.items())
-        failed |= worst > LOSS_TOLERANCE
+        if any(logged.keys() != losses[0].keys() for logged in losses) or not losses[0]:
+            worst = float("nan")
+        else:
+            differences = [abs(other[step] - loss) / abs(loss) for other in losses[1:] for step, loss in losses[0].items()]
+            worst = float("nan") if any(map(math.isnan, differences)) else max(differences)
+        compared = worst <= LOSS_TOLERANCE
+        failed |= not compared
         lines.append(f"alpha {alpha:g}: largest relative loss difference between the arms (round 1) {worst:.1e}"
-                     + (f", over {LOSS_TOLERANCE:g}: the arms did not train alike" if worst > LOSS_TOLERANCE else ""))
+                     + ("" if compared else f", not within {LOSS_TOLERANCE:g} (or steps missing): the arms did not "
+                                            "train alike"))
         for name in settings[1:]:
             summaries = []
             for kind, got in zip(("CPU-time step", "wall"), map(sorted, zip(*ratios[alpha, name]))):
