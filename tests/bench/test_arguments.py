@@ -2,14 +2,26 @@
 
 import pytest
 
-from torchtitan_ext.bench import price_replicas, step
+from torchtitan_ext.bench import ep, price_replicas, replication, replication_cpu_time, step
 
 
 @pytest.mark.parametrize("main, argv, message", [
     (step.main, ["--steps", "2", "--warmup", "2"], "--steps (2) must exceed --warmup (2)"),
     (price_replicas.main, ["--steps", "1"], "--steps needs at least 2"),
+    (ep.main, ["--nproc", "4", "--ep-degree", "3"], "--ep-degree 3: use a divisor of --nproc 4"),
+    (ep.main, ["--backends", "nccl", "hybridep_nb"], "argument --backends: invalid choice: 'hybridep_nb'"),
+    (replication.main, ["--steps", "4"], "--steps 4: use more than 4 (the first 3 are warm-up)"),
+    (replication.main, ["--alphas", "0,x"], "--alphas 0,x --drift-every 3: use finite alphas >= 0, comma separated, "
+                                            "and a drift of at least 1 step"),
+    (replication_cpu_time.main, ["--steps", "3"], "--steps 3: use more than 3 (the first 3 are warm-up)"),
+    (replication_cpu_time.main, ["--nproc", "1"], "use at least 2 ranks, 1 slot, 1 round and a drift of 1 step"),
+    (replication_cpu_time.main, ["--alphas", "1,x"], "--alphas 1,x: use finite alphas >= 0, comma separated"),
+    # a recomputed layer would time its segments twice
+    (replication_cpu_time.main, ["--", "--activation_checkpoint.mode", "full"],
+     "activation_checkpoint.mode 'full', parallelism.pipeline_parallel_degree 1: the CPU times are split per MoE "
+     "layer on every rank: use 'none' and 1"),
 ])
-def test_a_run_without_a_measured_step_is_refused(capsys, main, argv, message):
+def test_a_bad_argument_is_refused_before_any_run(capsys, main, argv, message):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2

@@ -49,17 +49,6 @@ def test_local_work_rows_name_the_groups_that_ran_side_by_side(monkeypatch):
     assert "| nccl | T=32 H=16 E=4 K=2 EP=1 x 2 groups | 1.00 |" in ep.markdown([row], "command", False)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--nproc", "4", "--ep-degree", "3"], "--ep-degree 3: use a divisor of --nproc 4"),
-    (["--backends", "nccl", "hybridep_nb"], "argument --backends: invalid choice: 'hybridep_nb'"),
-])
-def test_bench_ep_refuses_arguments_before_starting_processes(capsys, argv, message):
-    with pytest.raises(SystemExit) as exit_info:
-        ep.main(argv)
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
-
-
 @pytest.mark.slow
 def test_a_bench_ep_run_calibrates_the_layout_advisor(tmp_path):
     """The rows of a tiny run, in --backends order, read back through the calibration's schema; the file then

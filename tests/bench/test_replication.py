@@ -23,15 +23,3 @@ def test_a_runs_measurements_are_its_logged_metrics_per_step(tmp_path):
     assert measured["loss"] == pytest.approx({step: 8.0 + step / 100 for step in range(1, 6)})
     # the slowest rank's, not the logging rank's; steps 4 and 5 after the 3 warm-up steps
     assert replication.slowest_median(measured["time"]) == pytest.approx(5.0)
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["--steps", "4"], "--steps 4: use more than 4 (the first 3 are warm-up)"),
-    (["--alphas", "0,x"], "--alphas 0,x --drift-every 3: use finite alphas >= 0, comma separated, and a drift of at "
-                          "least 1 step"),
-])
-def test_a_bad_argument_is_refused_before_any_run(capsys, argv, message):
-    with pytest.raises(SystemExit) as exit_info:
-        replication.main(argv)
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err

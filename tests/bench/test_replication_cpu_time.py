@@ -62,20 +62,6 @@ def test_the_arms_must_train_alike(replicated_losses, failed):
     assert got == failed, lines
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--steps", "3"], "--steps 3: use more than 3 (the first 3 are warm-up)"),
-    (["--nproc", "1"], "use at least 2 ranks, 1 slot, 1 round and a drift of 1 step"),
-    (["--alphas", "1,x"], "--alphas 1,x: use finite alphas >= 0, comma separated"),
-    (["--", "--activation_checkpoint.mode", "full"], "activation_checkpoint.mode 'full', "
-     "parallelism.pipeline_parallel_degree 1: the CPU times are split per MoE layer on every rank: use 'none' and 1"),
-])
-def test_a_bad_argument_is_refused_before_any_run(capsys, argv, message):
-    with pytest.raises(SystemExit) as exit_info:
-        bench.main(argv)
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
-
-
 @pytest.mark.slow
 def test_the_clock_times_every_moe_layers_segments_and_the_transfers_only_with_replicas(tmp_path):
     job = [*bench.JOB, "--model.flavor", "debugmodel_small", "--parallelism.expert_parallel_degree", "2",
