@@ -33,13 +33,17 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from torchtitan.models.moe.moe import GroupedExperts
 from tqdm import tqdm
 
 import torchtitan_ext
 from torchtitan_ext.config import ConfigError, load_job_config
+from torchtitan_ext.data import prepare_embedded_assets
+from torchtitan_ext.ep import replica_split, replicated_experts
 from torchtitan_ext.metrics_file import read_metrics
-from torchtitan_ext.training import prepare
 from torchtitan_ext.runtime.workers import run_workers
+from torchtitan_ext.training import prepare
+from torchtitan_ext.training.trainer import Trainer
 
 ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
 WARMUP = 3
@@ -194,12 +198,6 @@ def train_arms(rank: int, world_size: int, arms: list[tuple[str, list[str]]], gr
     global _clock
     os.environ["LOCAL_RANK"] = str(rank)
     os.chdir(ROOT)
-    from torchtitan_ext.data import prepare_embedded_assets
-    from torchtitan_ext.ep import replica_split, replicated_experts
-    from torchtitan.models.moe.moe import GroupedExperts
-
-    from torchtitan_ext.training.trainer import Trainer
-
     prepare()
     timed_ops = _TimedReplicaOps(replica_split.replica_ops())
     replicated_experts.replica_ops = replica_split.replica_ops = lambda: timed_ops
