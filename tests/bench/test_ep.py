@@ -33,20 +33,24 @@ def test_every_backend_variant_is_a_label_and_selects_its_backend_on_the_kernels
 def test_a_row_as_the_bench_writes_it_reads_back_through_the_calibrations_schema():
     shape = ep.Shape(tokens=32, hidden=16, experts=4, top_k=2, ep=2)
     row = ep.bench_row("hybridep_non_blocking_lib", shape, 4, times=[0.003, 0.001, 0.002], bare=[0.001, 0.0005],
-                       bytes_sent=2_000_000, collectives=3, dtype="bfloat16", forward_only=True)
+                       bytes_sent=2_000_000, collectives=3, dtype="bfloat16", forward_only=True,
+                       local_bytes=6_000_000, copy_gbps=100.0)
     assert EPBenchRow.read(json.loads(json.dumps(asdict(row))), "rows[0]") == row
     assert (row.min_ms, row.median_ms, row.max_ms, row.bare_median_ms) == pytest.approx((1.0, 2.0, 3.0, 0.75))
-    assert (row.ratio, row.overhead_us, row.gbps) == pytest.approx((2.0 / 0.75, 1250.0, 1.0))
+    assert (row.ratio, row.overhead_us, row.gbps, row.local_gbps) == pytest.approx((2.0 / 0.75, 1250.0, 1.0, 3.0))
     assert row.comm_backend == "hybridep" and row.job_args == ep.job_args("hybridep_non_blocking_lib")
-    upstream = ep.bench_row("upstream", shape, 2, [0.001], [0.001], 1, 1, "float32", False)
+    upstream = ep.bench_row("upstream", shape, 2, [0.001], [0.001], 1, 1, "float32", False, 1, 1.0)
     assert (upstream.comm_backend, upstream.job_args) == (None, [])
 
 
 def test_local_work_rows_name_the_groups_that_ran_side_by_side(monkeypatch):
     monkeypatch.setattr(ep, "machine", lambda: "a test machine")  # platform.processor() runs uname
-    row = ep.bench_row("nccl", ep.Shape(32, 16, 4, 2, ep=1), 2, [0.001], [0.001], 1, 1, "float32", False)
+    row = ep.bench_row("nccl", ep.Shape(32, 16, 4, 2, ep=1), 2, [0.001], [0.001], 1, 1, "float32", False,
+                       local_bytes=5_000_000, copy_gbps=10.0)
     assert ep.shape_label(row) == "T=32 H=16 E=4 K=2 EP=1 x 2 groups"
-    assert "| nccl | T=32 H=16 E=4 K=2 EP=1 x 2 groups | 1.00 |" in ep.markdown([row], "command", False)
+    table = ep.markdown([row], "command", False)
+    assert "| nccl | T=32 H=16 E=4 K=2 EP=1 x 2 groups | 1.00 |" in table
+    assert table.rstrip().endswith("| 5.0 | 5.0 | 50% |")
 
 
 @pytest.mark.slow
@@ -61,7 +65,8 @@ def test_a_bench_ep_run_calibrates_the_layout_advisor(tmp_path):
         ("nccl", "nccl", 2, 2, "float32", False), ("deepep", "deepep", 2, 2, "float32", False),
         ("hybridep", "hybridep", 2, 2, "float32", False),
         ("hybridep_non_blocking", "hybridep", 2, 2, "float32", False), ("upstream", None, 2, 2, "float32", False)]
-    assert all(row.bytes_sent_per_rank > 0 and row.collectives > 0 for row in rows)
+    assert all(row.bytes_sent_per_rank > 0 and row.collectives > 0 and row.local_bytes_per_rank > 0 for row in rows)
+    assert len({row.copy_gbps for row in rows}) == 1 and rows[0].copy_gbps > 0
     assert "| nccl | T=32 H=16 E=4 K=2 EP=2 |" in table.read_text()
     advice = subprocess.run(
         [sys.executable, "-m", "torchtitan_ext.plan", "--job.config_file", "train_configs/debug_model.toml",

@@ -124,7 +124,7 @@ def test_measured_compute_is_refused_beside_bench_rows_only(tmp_path, capsys):
     from torchtitan_ext import plan
 
     row = bench_row("hybridep", Shape(tokens=4096, hidden=256, experts=8, top_k=2, ep=2), 2, [5e-3], [2e-3], 2**20, 2,
-                    "bfloat16", False)
+                    "bfloat16", False, local_bytes=2**22, copy_gbps=100.0)
     bench = _write(tmp_path, json.dumps({"rows": [asdict(row)]}), "bench.json")
     with pytest.raises(SystemExit) as exit_info:
         plan.main([*DEBUG_JOB, "--world-size", "2", "--topology", "hgx_h100_ib", "--calibrate-from", str(bench),
@@ -137,7 +137,7 @@ def test_measured_compute_is_refused_beside_bench_rows_only(tmp_path, capsys):
 def test_a_log_and_a_bench_file_combine_and_may_not_measure_one_rate_twice(tmp_path):
     log = _write(tmp_path, _log(["node-a"] * 8, [(64 * MiB, _time_us(64 * MiB, 8, (7, NODE_GBPS), 0.5), 0)]))
     row = bench_row("hybridep", Shape(tokens=4096, hidden=256, experts=8, top_k=2, ep=2), 2, [5e-3], [2e-3], 2**20, 2,
-                    "bfloat16", False)
+                    "bfloat16", False, local_bytes=2**22, copy_gbps=100.0)
     bench = _write(tmp_path, json.dumps({"rows": [asdict(row)]}), "bench.json")
     rates = calibration_rates([log, bench], TWO_LEVELS)
     assert sorted(rates) == [("hybridep", ("blocking",), 0), ("nccl", (), 0)]

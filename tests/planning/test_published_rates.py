@@ -126,7 +126,8 @@ def _bench_row(backend, tokens, median_ms, ep=2, processes=2, forward_only=False
     timed iteration of ``median_ms`` whose collectives alone took half of it."""
     shape = bench_ep.Shape(tokens=tokens, hidden=256, experts=8, top_k=2, ep=ep)
     row = bench_ep.bench_row(backend, shape, processes, times=[median_ms / 1e3], bare=[median_ms / 2e3],
-                             bytes_sent=tokens * 256 * 2, collectives=4, dtype="bfloat16", forward_only=forward_only)
+                             bytes_sent=tokens * 256 * 2, collectives=4, dtype="bfloat16", forward_only=forward_only,
+                             local_bytes=tokens * 256 * 8, copy_gbps=100.0)
     return asdict(row)
 
 

@@ -8,7 +8,9 @@ all of them; 1: each backend's local work alone, every process its own group, no
 backend: one dispatch + combine, forward and backward (or ``--forward-only``), the experts as the identity,
 ``--warmup`` then ``--iters`` timed iterations, each the slowest rank's time; then the collectives one iteration
 issued, timed alone on prepared buffers ("bare"). Reported: min / median / max, the ratio of medians (backend /
-bare), the bytes one rank sends per iteration and the effective GB/s.
+bare), the bytes one rank sends per iteration and the effective GB/s, and the bytes its operators outside the
+collectives and library kernels read and write (the permutes, gathers and sums) over the median, against the
+device's copy bandwidth measured in the same run (at ``--ep-degree 1`` on a GPU: the local passes against HBM).
 
 ``--backends``: the backend variants (``torchtitan_ext.ep.backends.backend_variants``) on the reference kernels;
 the same with ``_lib`` on the real deep_ep kernels (CUDA, deep_ep importable); ``upstream``, torchtitan 0.2.2's own
@@ -33,6 +35,7 @@ import torch.distributed as dist
 
 from torchtitan_ext.ep.backends import BACKENDS, backend_variants
 from torchtitan_ext.planning.collective_recorder import CollectiveRecorder
+from torchtitan_ext.planning.local_traffic import LocalTrafficCounter
 from torchtitan_ext.planning.measured_rates import EPBenchRow
 from torchtitan_ext.runtime.workers import run_workers
 
@@ -91,9 +94,10 @@ def job_args(label: str) -> list[str]:
 
 
 def bench_row(label: str, shape: Shape, processes: int, times: list[float], bare: list[float], bytes_sent: int,
-              collectives: int, dtype: str, forward_only: bool) -> EPBenchRow:
+              collectives: int, dtype: str, forward_only: bool, local_bytes: int, copy_gbps: float) -> EPBenchRow:
     """The row of ``label`` at ``shape``: ``times`` and ``bare`` are the timed iterations' seconds (the slowest
-    rank's) of the backend and of its collectives alone; ``bytes_sent`` the busiest rank's per iteration."""
+    rank's) of the backend and of its collectives alone; ``bytes_sent`` and ``local_bytes`` the busiest rank's
+    per iteration; ``copy_gbps`` the device's copy bandwidth."""
     median, bare_median = statistics.median(times), statistics.median(bare)
     upstream = label == UPSTREAM
     return EPBenchRow(
@@ -104,6 +108,7 @@ def bench_row(label: str, shape: Shape, processes: int, times: list[float], bare
         bytes_sent_per_rank=bytes_sent, gbps=bytes_sent / median / 1e9, collectives=collectives,
         comm_backend=None if upstream else variant_backend(label.removesuffix(LIBRARY)),
         job_args=[] if upstream else job_args(label), dtype=dtype, forward_only=forward_only,
+        local_bytes_per_rank=local_bytes, copy_gbps=copy_gbps,
     )
 
 
@@ -184,6 +189,21 @@ def time_once(fn, device) -> float:
     return float(elapsed)
 
 
+COPY_BYTES = 256 * 2**20
+"""Size of the copy that measures the device's memory bandwidth: well past any cache."""
+
+
+def copy_gbps(device, iters: int = 5) -> float:
+    """Bytes read plus written per second by a copy of :data:`COPY_BYTES` on ``device``, the median of ``iters``;
+    the slowest rank's."""
+    source = torch.ones(COPY_BYTES // 4, device=device)
+    target = torch.empty_like(source)
+    seconds = _time(lambda: target.copy_(source), 1, iters, device)
+    rate = torch.tensor([2 * COPY_BYTES / statistics.median(seconds) / 1e9], dtype=torch.float64, device=device)
+    dist.all_reduce(rate, op=dist.ReduceOp.MIN)
+    return float(rate)
+
+
 def _time(fn, warmup: int, iters: int, device) -> list[float]:
     for _ in range(warmup):
         fn()
@@ -211,6 +231,7 @@ def _worker(rank: int, world_size: int, args) -> list[EPBenchRow]:
     ep = args.ep_degree or world_size
     mesh = init_device_mesh(device.type, (world_size // ep, ep), mesh_dim_names=("replica", "ep"))["ep"]
     dtype = getattr(torch, args.dtype)
+    memory_gbps = copy_gbps(device)
     rows = []
     cases = [(tokens, label) for tokens in args.tokens for label in args.backends]
     progress = progress_bar(rank, not args.no_progress, total=len(cases), desc="bench ep", unit="case")
@@ -221,12 +242,14 @@ def _worker(rank: int, world_size: int, args) -> list[EPBenchRow]:
         with CollectiveRecorder() as recorder:
             step()
         bare_plan, sent = recorder.replay_plan()
+        with LocalTrafficCounter() as local:
+            step()
         times = _time(step, args.warmup, args.iters, device)
         bare = _time(lambda plan=bare_plan: [call() for call in plan], args.warmup, args.iters, device)
-        sent_total = torch.tensor([sent], dtype=torch.float64, device=device)
-        dist.all_reduce(sent_total, op=dist.ReduceOp.MAX)
-        row = bench_row(label, shape, world_size, times, bare, int(sent_total), len(bare_plan), args.dtype,
-                        args.forward_only)
+        busiest = torch.tensor([sent, local.bytes], dtype=torch.float64, device=device)
+        dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
+        row = bench_row(label, shape, world_size, times, bare, int(busiest[0]), len(bare_plan), args.dtype,
+                        args.forward_only, int(busiest[1]), memory_gbps)
         rows.append(row)
         del step, bare_plan, recorder
         gc.collect()
@@ -284,15 +307,19 @@ def markdown(rows: list[EPBenchRow], command: str, forward_only: bool) -> str:
         f"{'forward only' if forward_only else 'forward and backward'}; "
         "time of the slowest rank; bare = the same collectives alone.",
         "",
+        "Local = the bytes its operators outside the collectives and library kernels read and write, over the "
+        f"median; copy = the device's copy bandwidth in the same run ({rows[0].copy_gbps:.1f} GB/s).",
+        "",
         "| backend | shape | min ms | median ms | max ms | bare median ms | ratio | overhead us | MB sent/rank "
-        "| GB/s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| GB/s | local MB | local GB/s | local / copy |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r.backend} | {shape_label(r)} | {r.min_ms:.2f} | {r.median_ms:.2f} | {r.max_ms:.2f} | "
             f"{r.bare_median_ms:.2f} | {r.ratio:.2f} | {r.overhead_us:.0f} | "
-            f"{r.bytes_sent_per_rank / 1e6:.1f} | {r.gbps:.2f} |"
+            f"{r.bytes_sent_per_rank / 1e6:.1f} | {r.gbps:.2f} | {r.local_bytes_per_rank / 1e6:.1f} | "
+            f"{r.local_gbps:.1f} | {r.local_gbps / r.copy_gbps:.0%} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -327,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     width = max(len(r.backend) for r in rows)
     for r in rows:
         print(f"{r.backend:>{width}}  {shape_label(r)}  median {r.median_ms:8.2f} ms  bare {r.bare_median_ms:8.2f} ms  "
-              f"ratio {r.ratio:.2f}  {r.gbps:.2f} GB/s")
+              f"ratio {r.ratio:.2f}  {r.gbps:.2f} GB/s sent  local {r.local_gbps:.1f} GB/s "
+              f"({r.local_gbps / r.copy_gbps:.0%} of the copy's {r.copy_gbps:.1f})")
     if args.json:
         document = {"command": command, "machine": machine(), "rows": [asdict(r) for r in rows]}
         args.json.write_text(json.dumps(document, indent=2))

@@ -68,6 +68,18 @@ class EPBenchRow:
     dtype: str
     """The token rows' dtype: a key of :data:`DTYPE_BYTES`."""
     forward_only: bool
+    local_bytes_per_rank: int
+    """Bytes one iteration's operators outside the collectives and the library kernels read and write on the
+    busiest rank (the permutes, gathers, padding and sums), as ``LocalTrafficCounter`` counts them."""
+    copy_gbps: float
+    """The device's copy bandwidth in the same run, bytes read plus written per second by a copy of 256 MiB (the
+    slowest rank's): what the local passes are held against."""
+
+    @property
+    def local_gbps(self) -> float:
+        """``local_bytes_per_rank`` over ``median_ms``: a lower bound of the local passes' bandwidth, since the
+        median also holds the collectives and the launches."""
+        return self.local_bytes_per_rank / self.median_ms / 1e6
 
     @classmethod
     def read(cls, row, where: str) -> "EPBenchRow":
