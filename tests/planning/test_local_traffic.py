@@ -16,6 +16,7 @@ from torchtitan_ext.ep.hybridep import non_blocking_rows
 from torchtitan_ext.ep.in_flight import in_flight, Landing
 from tests.planning.advice_text import paragraph
 from torchtitan_ext.planning.advice_report import format_advice
+from torchtitan_ext.planning.device_cost_counter import DeviceCostCounter
 from torchtitan_ext.planning.layout_advisor import advise, advised_config
 from torchtitan_ext.planning.measured_rates import MeasuredRate
 from torchtitan_ext.planning.local_traffic import (
@@ -72,6 +73,19 @@ def test_counter_skips_collectives_and_counts_a_landing_sum(world_of_one):
     # rows * 2 reads rows, writes a product; copy_ reads it and writes combined (without reading it)
     assert counter.bytes == rows.nbytes * 2 + rows.nbytes + combined.nbytes
     assert torch.equal(combined, rows * 2)
+
+
+@pytest.mark.parametrize("counter", [LocalTrafficCounter, DeviceCostCounter])
+def test_a_functional_collectives_wait_under_a_counter_returns_the_landed_tensor(counter, world_of_one):
+    """What the wait returns outside the counters: the landed tensor, not the pending wrapper, whose storage is no
+    data (on CUDA a kernel that reads it, as torchtitan's Triton permute does, reads out of bounds)."""
+    from torch.distributed._functional_collectives import all_to_all_single, AsyncCollectiveTensor
+
+    counts = torch.arange(4.0)
+    with counter():
+        landed = torch.ops._c10d_functional.wait_tensor(all_to_all_single(counts, None, None, dist.group.WORLD))
+    assert type(landed) is torch.Tensor and not isinstance(landed, AsyncCollectiveTensor)
+    assert torch.equal(landed, counts)
 
 
 @pytest.mark.parametrize("backend_name", [None, *BACKENDS])

@@ -107,16 +107,17 @@ class DeviceCostCounter(TorchDispatchMode):
         if calls.inside_kernel():
             return func(*args, **kwargs)
         tensors = self._tensors((args, kwargs))
+        if any(isinstance(t, AsyncCollectiveTensor) for t in tensors):
+            # an in-flight combine lands at its first use: its sums are counted where they run, here. Below Python
+            # an operator would get the pending wrapper, whose storage holds no data
+            with self:
+                args, kwargs = tree_map_only(AsyncCollectiveTensor, lambda t: t.trigger_wait(), (args, kwargs))
+            tensors = self._tensors((args, kwargs))
         if (func.namespace == "torchtitan_ext" or func is torch.ops._c10d_functional.wait_tensor.default) and tensors:
             # count the op's body too (a dispatch mode alone sees only the op), and what an in-flight combine
             # runs when it lands, inside the wait for it
             with self:
                 return func.redispatch(torch._C._dispatch_keys(tensors[0]) & _AFTER_PYTHON, *args, **kwargs)
-        if any(isinstance(t, AsyncCollectiveTensor) for t in tensors):
-            # an in-flight combine lands at its first use: its sums are counted where they run, here
-            with self:
-                args, kwargs = tree_map_only(AsyncCollectiveTensor, lambda t: t.trigger_wait(), (args, kwargs))
-            tensors = self._tensors((args, kwargs))
         name = func.overloadpacket.__name__
         all_host = bool(tensors) and all(self.is_host(t) for t in tensors)
         costs = self._costs()

@@ -102,6 +102,10 @@ class LocalTrafficCounter(TorchDispatchMode):
         if func is torch.ops._c10d_functional.wait_tensor.default:
             # a combine lands (sums its rows) inside the wait: run the wait's kernel with this mode on, to see them
             with self:
+                if isinstance(args[0], AsyncCollectiveTensor):
+                    # its own wait returns the landed tensor; a wait below Python would return the wrapper,
+                    # whose storage holds no data
+                    return args[0].trigger_wait()
                 return func.redispatch(torch._C._dispatch_keys(args[0]) & _AFTER_PYTHON, *args, **kwargs)
         out = func(*args, **kwargs)
         if (func.namespace not in ("aten", "prims") or inside_kernel() or func.is_view
