@@ -35,7 +35,7 @@ def advise(
     train_args: list[str], world_size: int, topology: Topology, routing_stats: dict | None = None, routing_source: str = "",
     measured_compute: MeasuredCompute | None = None, replica_slots: list[int] | None = None, progress: bool = False,
     measured_rates: dict[tuple[str, tuple, int], MeasuredRate] | None = None, job_config=None,
-    fitted_fractions: dict[tuple[str, tuple, str], float] | None = None,
+    fitted_fractions: dict[tuple[str, tuple, str], float] | None = None, ep_degrees: set[int] | None = None,
 ) -> tuple[list[Layout], MeasuredRouting | None]:
     """Every backend x EP degree (x replica slot count): runnable ones ranked by what each adds to the step
     (:attr:`Layout.moe_s`), then the refused; and the measured routing used for token bytes and rank loads
@@ -51,7 +51,8 @@ def advise(
     job as ``load_job_config`` reads ``train_args`` (without a measured compute), when the caller has it already (a
     fit prices one job many times; reading a config is most of a small job's pricing). ``fitted_fractions``:
     {(backend, rate settings, fabric): share of the nominal rate} a fit gives (docs/advisor_fit.toml), which a
-    layout priced at a nominal rate is also priced at, the other end of its range (:attr:`Layout.fitted_step_s`)."""
+    layout priced at a nominal rate is also priced at, the other end of its range (:attr:`Layout.fitted_step_s`).
+    ``ep_degrees``: the EP degrees to price (default: every one the job can run at its world size)."""
     device_type = None if measured_compute is None else "cpu"
     if job_config is None or measured_compute is not None:
         job_config = load_job_config(train_args, device_type=device_type, world_size=world_size)
@@ -120,7 +121,7 @@ def advise(
 
     runnable, refused = [], []
     for ep in range(1, shape.expert_world + 1):
-        if shape.expert_world % ep or work.experts % ep:
+        if shape.expert_world % ep or work.experts % ep or (ep_degrees is not None and ep not in ep_degrees):
             continue
         efsdp = shape.expert_world // ep
         for backend_name, backend, settings, slots in priced_settings(job_config, ep, slot_counts, topology, world_size, measured_rates):

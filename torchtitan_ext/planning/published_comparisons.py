@@ -193,7 +193,8 @@ def predict(comparison: Comparison, fitted=None, job_config=None) -> Prediction:
     if fitted is not None:  # by the topology's own name, before its ranks are placed (the levels keep their order)
         topology, rates = fitted.applied(topology)
     topology = topology.placed_for(job.world_size, None)
-    layouts, _ = advise(train_args, job.world_size, topology, measured_rates=rates, job_config=job_config)
+    layouts, _ = advise(train_args, job.world_size, topology, measured_rates=rates, job_config=job_config,
+                        ep_degrees={job.ep})
     best = {}
     for layout in layouts:  # ranked: the first runnable layout of a backend at the EP degree is its best
         if layout.refused is None and layout.ep == job.ep and layout.backend in comparison.measured:
