@@ -84,7 +84,7 @@ def token_group_alignment(job_config) -> int:
 
 def scale_rows(rows: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     """rows * scores per row, in fp32, rounded to the rows' dtype."""
-    return (rows.float() * scores.float().unsqueeze(-1)).to(rows.dtype)
+    return (rows * scores.float().unsqueeze(-1)).to(rows.dtype)  # promoted in the product: no fp32 copy of rows
 
 
 class DispatchStats:

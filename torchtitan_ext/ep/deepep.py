@@ -376,9 +376,9 @@ class DeepEPExpertParallel(RoutedExpertParallel):
         from torchtitan_ext.ep.ops.deepep import deepep_combine
 
         state = self._take_pending()
-        rows = routed_output.index_select(0, state.destinations).float()
-        if state.pair_scores is not None:
-            rows = rows * state.pair_scores.float().unsqueeze(-1)
+        rows = routed_output.index_select(0, state.destinations)
+        # times fp32 scores, the product is computed (and its backward saves the rows) without an fp32 copy of them
+        rows = rows.float() if state.pair_scores is None else rows * state.pair_scores.float().unsqueeze(-1)
         partial_rows = rows.new_zeros((state.num_received, rows.shape[1])).index_add(
             0, state.pair_order // state.top_k, rows
         )

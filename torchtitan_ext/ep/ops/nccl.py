@@ -53,9 +53,8 @@ def _(rows, destinations, group_sources, pad_rows, send_splits, recv_splits, gro
 
 def _sum_rows(returned: torch.Tensor, token_of_row: torch.Tensor, row_scores, num_tokens: int) -> torch.Tensor:
     """Each token's returned rows (times their scores, when given) summed in fp32."""
-    rows = returned.float()
-    if row_scores is not None:
-        rows = rows * row_scores.float().unsqueeze(-1)
+    # times fp32 scores, the product is computed in fp32 from the rows as they are, with no fp32 copy of them
+    rows = returned.float() if row_scores is None else returned * row_scores.float().unsqueeze(-1)
     return rows.new_zeros((num_tokens, rows.shape[1])).index_add_(0, token_of_row, rows)
 
 
@@ -135,7 +134,7 @@ def _combine_backward(ctx, grad_combined, grad_returned, grad_landing):
     grad_rows = grad_combined.float().index_select(0, token_of_row)
     grad_scores = None
     if row_scores is not None:
-        grad_scores = (grad_rows * returned.float()).sum(-1).to(ctx.scores_dtype)
+        grad_scores = (grad_rows * returned).sum(-1).to(ctx.scores_dtype)  # in fp32, as grad_rows is
         grad_rows = grad_rows * row_scores.float().unsqueeze(-1)
     send_splits, recv_splits, group_name = ctx.layout
     grad_groups = nccl_dispatch(grad_rows.to(ctx.rows_dtype), destinations, group_sources, pad_rows, send_splits,
