@@ -348,14 +348,6 @@ def _hgx(advice, label, ep):
     return _runnable(advice, "hgx_h100_ib")[label, ep]
 
 
-def _link_bound_eps(advice) -> int | None:
-    """The largest EP whose layouts' busiest link sets the step on GB200, when every smaller EP's do too."""
-    layouts = _runnable(advice, "gb200_nvl72").values()
-    bound = {layout.ep for layout in layouts if layout.link_bound}
-    largest = max(bound, default=None)
-    return largest if bound == {layout.ep for layout in layouts if layout.ep <= largest} else None
-
-
 def _rate(layout, link: str) -> tuple[float, float]:
     """(dispatch, combine) fractions of ``link``'s nominal rate the advice prices ``layout``'s backend at."""
     found = re.search(_pattern(f"{link}: dispatch #, combine #"), layout.kernel_rates)
@@ -398,8 +390,6 @@ PROSE = {
         "it carries # s of the # s step (`link%` #%)",
         lambda a: [(ep_32 := _gb200(a, "nccl", 32)).busiest_link[1], ep_32.step_s,
                    ep_32.busiest_link[1] / ep_32.step_s * 100]),
-    "link_bound_eps": ("(EP=# and below here)", lambda a: [_link_bound_eps(a)]),
-    "link_bound_eps_legend": ("on GB200 the 671B job's EP=# and below", lambda a: [_link_bound_eps(a)]),
     "hybridep_eps": (
         "`[hybridep] ranks_per_nvlink_domain = 64` allows it (EP=#)",
         lambda a: [ep for label, ep in _runnable(a, "gb200_nvl72") if label == "hybridep"]),
@@ -450,6 +440,16 @@ def test_671b_figures_in_the_docs_text_are_the_advisors(advice_671b, claim):
     pattern, figures = PROSE[claim]
     shown = _quoted(pattern)
     assert list(shown) == [_as_shown(text, value) for text, value in zip(shown, figures(advice_671b), strict=True)]
+
+
+def test_the_link_bound_layouts_the_doc_names_are_the_advisors(advice_671b):
+    """The 671B layouts on GB200 whose busiest link carries more than their step (priced at that link's time), as
+    docs/planning.md lists them."""
+    found = re.search(r"priced at that link's time \(here: ([^)]*)\)", _doc_prose())
+    assert found, "docs/planning.md no longer lists the link-bound layouts"
+    bound = [f"{label} EP={ep}" for (label, ep), layout in sorted(
+        _runnable(advice_671b, "gb200_nvl72").items(), key=lambda item: (item[0][1], item[0][0])) if layout.link_bound]
+    assert found[1].split("; ") == bound
 
 
 def test_671b_data_parallel_sync_in_docs_is_the_dense_parameters_over_the_outer_link():
@@ -988,7 +988,7 @@ def test_margins_under_the_models_resolution_are_said(advice_671b):
     nodes DeepEP v1 at EP=16 and nccl and both DeepEP APIs at EP=8 are within 10% of EP=16 with V2, and every
     backend has a published figure on each link there."""
     for name, expected in (("gb200_nvl72", ["hybridep EP=64", "deepep EP=32", "deepep EP=64"]),
-                           ("hgx_h100_ib", ["deepep legacy EP=16", "nccl EP=8", "deepep legacy EP=8"])):
+                           ("hgx_h100_ib", ["deepep legacy EP=16", "deepep legacy EP=8", "nccl EP=8"])):
         layouts = advice_671b[name]
         runnable = [layout for layout in layouts if layout.refused is None]
         close = [layout for layout in runnable[1:]
@@ -1191,9 +1191,9 @@ def test_the_advice_prices_under_a_fit_when_asked(capsys, advice_671b):
             "torchtitan-2207-dsv3-671b-gb200-ep64)") in out
     assert "ranked below every priced layout" not in out
     # as docs/planning.md quotes it
-    assert "recommended: deepep at EP=16, efsdp=16: 13,048 ms per step, 353 TFLOPS/GPU" in out
-    assert re.search(r" 2 hybridep 16/32 64 4 [\d.]+ [\d.]+ [\d.]+ 1,312 533 13,088 352 ", out)
-    assert re.search(r" 13 nccl 64 4 [\d.]+ [\d.]+ [\d.]+ 5,214 662 17,118 269 ", out)
+    assert "recommended: deepep at EP=16, efsdp=16: 13,050 ms per step, 353 TFLOPS/GPU" in out
+    assert re.search(r" 2 hybridep 16/32 64 4 [\d.]+ [\d.]+ [\d.]+ 1,312 407 13,086 352 ", out)
+    assert re.search(r" 13 nccl 64 4 [\d.]+ [\d.]+ [\d.]+ 5,171 580 17,118 269 ", out)
     with pytest.raises(SystemExit):
         plan.main(["--topology", "hgx_h100_ib", "--world-size", "256", "--fit-from", str(SHIPPED_FIT), *JOB_671B])
     assert capsys.readouterr().err.strip() == (
