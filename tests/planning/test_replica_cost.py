@@ -191,6 +191,9 @@ def test_under_uniform_routing_replicas_only_cost():
     assert all(layout.replica_s > 0 for layout in runnable if layout.replica_slots)
     lines = format_advice(layouts, load_topology("hgx_h100_ib"), 4, "debug", None, routing)
     assert any("replica slots priced under uniform routing" in line for line in lines)
+    inputs = paragraph(lines, "  replicas' inputs:")
+    assert "expert time from their FLOPs at 400 TFLOP/s, taken as proportional to the rows" in inputs
+    assert "not priced: the host's choice of replicas" in inputs
     # the memory bound adds the copy each MoE layer computes from: its 8 / EP home experts beside the slot, kept
     # by every saved layer (the debug job recomputes none: 5), at the gathered dtype (nccl: no buffer, whose size
     # would follow the dispatched slots too)

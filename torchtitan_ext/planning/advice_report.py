@@ -147,6 +147,14 @@ def format_advice(
             "training's choice and split of replicas, from the steps after the first choice (every slot count on "
             "the same dispatches)"
         )
+    if prices_replicas:
+        expert_time = ("measured on this machine (--measure-compute)" if measured_compute is not None
+                       else f"their FLOPs at {topology.compute_tflops:g} TFLOP/s")
+        lines += _wrapped(
+            f"replicas' inputs: the busiest rank's expert time from {expert_time}, taken as proportional to the rows "
+            "it computes; their weights, gradients and the counts' all-gather at the nominal rate of the EP group's "
+            "outermost link; not priced: the host's choice of replicas between steps (python -m torchtitan_ext.bench "
+            "replication_cpu_time measures it, and the expert time per row, on a CPU)", "  ")
     if runnable:
         first = runnable[0]
         if measured_compute is None:
