@@ -66,7 +66,7 @@ def stages(out: Path) -> list[Stage]:
         Stage("bench ep", [python, "-m", "torchtitan_ext.bench", "ep", "--nproc", "1", "--tokens", "4096", "16384",
                            "--hidden", "2048", "--experts", "64", "--top-k", "6", "--dtype", "bfloat16", "--warmup",
                            "3", "--iters", "10", "--no-progress", "--backends", *VARIANTS, "upstream", "--json",
-                           str(out / "bench_ep.json")], 120),
+                           str(out / "bench_ep.json")], 240),  # one process per backend took 25-45 s on an H100
         Stage("16B step ours vs upstream", [
             python, "-m", "torchtitan_ext.bench", "step", "--rounds", "2", "--steps", "16", "--warmup", "2",
             "--nproc", "1", "--config", "train_configs/deepseek_v3_16b.toml", "--no-progress",
