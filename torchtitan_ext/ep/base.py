@@ -82,9 +82,15 @@ def token_group_alignment(job_config) -> int:
     return 1
 
 
+def scored_rows_fp32(rows: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
+    """rows in fp32, times their scores per row when given. The product promotes the rows as they are: no fp32
+    copy of them (bitwise the same as copying first)."""
+    return rows.float() if scores is None else rows * scores.float().unsqueeze(-1)
+
+
 def scale_rows(rows: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     """rows * scores per row, in fp32, rounded to the rows' dtype."""
-    return (rows * scores.float().unsqueeze(-1)).to(rows.dtype)  # promoted in the product: no fp32 copy of rows
+    return scored_rows_fp32(rows, scores).to(rows.dtype)
 
 
 class DispatchStats:

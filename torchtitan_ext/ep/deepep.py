@@ -30,6 +30,7 @@ from torchtitan_ext.ep.base import (
     check_kernels,
     RoutedExpertParallel,
     scale_rows,
+    scored_rows_fp32,
     SharedKernelBuffer,
     to_device,
     token_group_alignment,
@@ -376,9 +377,8 @@ class DeepEPExpertParallel(RoutedExpertParallel):
         from torchtitan_ext.ep.ops.deepep import deepep_combine
 
         state = self._take_pending()
-        rows = routed_output.index_select(0, state.destinations)
-        # times fp32 scores, the product is computed (and its backward saves the rows) without an fp32 copy of them
-        rows = rows.float() if state.pair_scores is None else rows * state.pair_scores.float().unsqueeze(-1)
+        # (its backward saves the rows as they are)
+        rows = scored_rows_fp32(routed_output.index_select(0, state.destinations), state.pair_scores)
         partial_rows = rows.new_zeros((state.num_received, rows.shape[1])).index_add(
             0, state.pair_order // state.top_k, rows
         )

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from torchtitan_ext.ep.base import scored_rows_fp32
 from torchtitan_ext.ep.recompute import recomputing
 from torchtitan_ext.ep.in_flight import Landing
 from torchtitan_ext.ep.ops.opaque_schema import custom_op_returning_opaque
@@ -53,8 +54,7 @@ def _(rows, destinations, group_sources, pad_rows, send_splits, recv_splits, gro
 
 def _sum_rows(returned: torch.Tensor, token_of_row: torch.Tensor, row_scores, num_tokens: int) -> torch.Tensor:
     """Each token's returned rows (times their scores, when given) summed in fp32."""
-    # times fp32 scores, the product is computed in fp32 from the rows as they are, with no fp32 copy of them
-    rows = returned.float() if row_scores is None else returned * row_scores.float().unsqueeze(-1)
+    rows = scored_rows_fp32(returned, row_scores)
     return rows.new_zeros((num_tokens, rows.shape[1])).index_add_(0, token_of_row, rows)
 
 
