@@ -88,6 +88,13 @@ def scored_rows_fp32(rows: torch.Tensor, scores: torch.Tensor | None) -> torch.T
     return rows.float() if scores is None else rows * scores.float().unsqueeze(-1)
 
 
+def row_dots_fp32(rows: torch.Tensor, others: torch.Tensor) -> torch.Tensor:
+    """Each row's dot product with the same row of ``others``, summed in fp32 over exact fp32 products, without an
+    fp32 copy of either (a 1 x 1 fp32 zero takes part in type promotion; no reduction op takes bf16 inputs to an
+    fp32 result on every device)."""
+    return torch.addcmul(rows.new_zeros((1, 1), dtype=torch.float32), rows, others).sum(-1)
+
+
 def scale_rows(rows: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     """rows * scores per row, in fp32, rounded to the rows' dtype."""
     return scored_rows_fp32(rows, scores).to(rows.dtype)

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from torchtitan_ext.ep.base import scored_rows_fp32
+from torchtitan_ext.ep.base import row_dots_fp32, scored_rows_fp32
 from torchtitan_ext.ep.recompute import recomputing
 from torchtitan_ext.ep.in_flight import Landing
 from torchtitan_ext.ep.ops.opaque_schema import custom_op_returning_opaque
@@ -52,10 +52,14 @@ def _(rows, destinations, group_sources, pad_rows, send_splits, recv_splits, gro
     return rows.new_empty((group_sources.shape[0], rows.shape[1]))
 
 
-def _sum_rows(returned: torch.Tensor, token_of_row: torch.Tensor, row_scores, num_tokens: int) -> torch.Tensor:
-    """Each token's returned rows (times their scores, when given) summed in fp32."""
+def _sum_rows_into(combined: torch.Tensor, returned: torch.Tensor, token_of_row: torch.Tensor, row_scores) -> None:
+    """Each token's returned rows (times their scores, when given) summed in fp32 into ``combined``: in place when
+    it is fp32, else in an fp32 total rounded once."""
     rows = scored_rows_fp32(returned, row_scores)
-    return rows.new_zeros((num_tokens, rows.shape[1])).index_add_(0, token_of_row, rows)
+    total = combined.zero_() if combined.dtype == torch.float32 else torch.zeros_like(combined, dtype=torch.float32)
+    total.index_add_(0, token_of_row, rows)
+    if total is not combined:
+        combined.copy_(total)
 
 
 @custom_op_returning_opaque("torchtitan_ext::nccl_combine")
@@ -85,7 +89,7 @@ def nccl_combine(
 
     def land():
         work.wait()
-        combined.copy_(_sum_rows(returned, token_of_row, row_scores, num_tokens))
+        _sum_rows_into(combined, returned, token_of_row, row_scores)
 
     landing = Landing(combined, land, what)
     if recomputing():
@@ -131,14 +135,13 @@ def _combine_setup(ctx, inputs, output):
 def _combine_backward(ctx, grad_combined, grad_returned, grad_landing):
     ctx.landing.wait()  # the returned rows may not have landed if nothing used the output
     destinations, group_sources, pad_rows, token_of_row, row_scores, returned = ctx.saved_tensors
-    grad_rows = grad_combined.float().index_select(0, token_of_row)
+    grad_rows = grad_combined.to(ctx.rows_dtype).index_select(0, token_of_row)
     grad_scores = None
     if row_scores is not None:
-        grad_scores = (grad_rows * returned).sum(-1).to(ctx.scores_dtype)  # in fp32, as grad_rows is
-        grad_rows = grad_rows * row_scores.float().unsqueeze(-1)
+        grad_scores = row_dots_fp32(grad_rows, returned).to(ctx.scores_dtype)
+        grad_rows.mul_(row_scores.float().unsqueeze(-1))  # in fp32, rounded once to the rows' dtype
     send_splits, recv_splits, group_name = ctx.layout
-    grad_groups = nccl_dispatch(grad_rows.to(ctx.rows_dtype), destinations, group_sources, pad_rows, send_splits,
-                                recv_splits, group_name)
+    grad_groups = nccl_dispatch(grad_rows, destinations, group_sources, pad_rows, send_splits, recv_splits, group_name)
     return grad_groups, None, None, None, None, grad_scores, None, None, None, None, None
 
 

@@ -1,0 +1,24 @@
+"""Combine precision in bf16: each token's rows times their scores summed in fp32 and rounded once, and the
+scores' gradient summed over exact fp32 products, as the dense fp32 formula gives them, bit for bit."""
+
+import torch
+
+from torchtitan_ext.ep.nccl import NcclExpertParallel
+
+
+def test_nccl_combine_in_bf16_equals_the_fp32_formula_bitwise(world_of_one):
+    generator = torch.Generator().manual_seed(0)
+    num_tokens, hidden, experts, top_k = 24, 16, 4, 2
+    x = torch.randn(num_tokens, hidden, generator=generator).bfloat16().requires_grad_()
+    scores = torch.rand(num_tokens, top_k, generator=generator).requires_grad_()
+    ids = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(num_tokens)])
+    grad = torch.randn(num_tokens, hidden, generator=generator).bfloat16()
+    style = NcclExpertParallel(pad_multiple=8, score_before_experts=False)
+    groups, _ = style.dispatch(x, scores, ids, experts, world_of_one)
+    out = style.combine(groups, world_of_one)  # identity experts
+    out.backward(grad)
+
+    expected = (x.float().unsqueeze(1) * scores.detach().unsqueeze(-1)).sum(1).bfloat16()
+    expected_scores_grad = (grad.float().unsqueeze(1) * x.detach().float().unsqueeze(1)).sum(-1).expand(-1, top_k)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+    assert torch.equal(scores.grad, expected_scores_grad)
