@@ -355,13 +355,19 @@ class DeepEPExpertParallel(RoutedExpertParallel):
         flat_ids = recv_idx.reshape(-1)
         sort_key = torch.where(flat_ids >= 0, flat_ids, local_experts)
         pair_order = torch.argsort(sort_key, stable=True)[: int(counts.sum())]
-        destinations, padded, total_rows = block_destinations(counts.view(1, -1), self.pad_multiple)
-        destinations = to_device(destinations, x.device)
-        rows = recv_x[pair_order // top_k]
-        pair_scores = recv_weights.reshape(-1)[pair_order]
+        destinations, pad_rows, padded, total_rows = block_destinations(counts.view(1, -1), self.pad_multiple)
+        placed = destinations.numel()
+        # both index lists in one host-to-device copy
+        destinations, pad_rows = to_device(torch.cat([destinations, pad_rows]), x.device).split(
+            [placed, pad_rows.numel()])
+        # received row of every group row (row 0 for a pad row, zeroed after): each group row is gathered once
+        group_sources = torch.zeros(total_rows, dtype=torch.int64, device=x.device).index_copy_(
+            0, destinations, pair_order // top_k)
+        routed = recv_x.index_select(0, group_sources)
+        pair_scores = recv_weights.reshape(-1).index_select(0, pair_order)
         if self.score_before_experts:
-            rows = scale_rows(rows, pair_scores)
-        routed = rows.new_zeros((total_rows, x.shape[1])).index_copy(0, destinations, rows)
+            routed = scale_rows(routed, pair_scores.new_zeros(total_rows).index_copy_(0, destinations, pair_scores))
+        routed = routed.index_fill_(0, pad_rows, 0)
         self._pending = _DeepEPDispatchState(
             handle=handle,
             pair_order=pair_order,

@@ -50,11 +50,12 @@ def expert_major_rows(
 
 def block_destinations(
     block_counts: torch.Tensor, pad_multiple: int
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """:func:`expert_major_rows` of counts on the host: (destination row of every source row, padded rows per
-    expert, total rows)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """:func:`expert_major_rows` of counts on the host: (destination row of every source row, the pad rows, padded
+    rows per expert, total rows)."""
     per_expert = block_counts.sum(0)
     padded = round_up(per_expert, pad_multiple)
     total_source = int(block_counts.sum())
-    destinations, _ = expert_major_rows(block_counts, pad_multiple, total_source, int((padded - per_expert).sum()))
-    return destinations, padded, int(padded.sum())
+    destinations, pad_rows = expert_major_rows(block_counts, pad_multiple, total_source,
+                                               int((padded - per_expert).sum()))
+    return destinations, pad_rows, padded, int(padded.sum())
