@@ -1,8 +1,10 @@
-"""Combine precision in bf16: each token's rows times their scores summed in fp32 and rounded once, and the
-scores' gradient summed over exact fp32 products, as the dense fp32 formula gives them, bit for bit."""
+"""Score products in bf16: rows times their fp32 scores computed in fp32 and rounded once, and the scores'
+gradient summed over exact fp32 products, as the dense fp32 formula gives them, bit for bit, without the formula's
+fp32 copies."""
 
 import torch
 
+from torchtitan_ext.ep.base import scale_rows
 from torchtitan_ext.ep.nccl import NcclExpertParallel
 
 
@@ -22,3 +24,16 @@ def test_nccl_combine_in_bf16_equals_the_fp32_formula_bitwise(world_of_one):
     expected_scores_grad = (grad.float().unsqueeze(1) * x.detach().float().unsqueeze(1)).sum(-1).expand(-1, top_k)
     assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
     assert torch.equal(scores.grad, expected_scores_grad)
+
+
+def test_scale_rows_in_bf16_and_its_gradients_equal_autograd_through_the_fp32_product_bitwise():
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randn(40, 24, generator=generator).bfloat16().requires_grad_()
+    scores = torch.rand(40, generator=generator).requires_grad_()
+    grad = torch.randn(40, 24, generator=generator).bfloat16()
+    expected = (rows * scores.unsqueeze(-1)).to(torch.bfloat16)
+    expected_grads = torch.autograd.grad(expected, (rows, scores), grad)
+    scaled = scale_rows(rows, scores)
+    grads = torch.autograd.grad(scaled, (rows, scores), grad)
+    assert scaled.dtype == torch.bfloat16 and torch.equal(scaled, expected)
+    assert all(torch.equal(got, want) for got, want in zip(grads, expected_grads))

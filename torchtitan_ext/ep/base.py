@@ -95,9 +95,31 @@ def row_dots_fp32(rows: torch.Tensor, others: torch.Tensor) -> torch.Tensor:
     return torch.addcmul(rows.new_zeros((1, 1), dtype=torch.float32), rows, others).sum(-1)
 
 
+def _rows_times_scores(rows: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    # computed in fp32 and written in the rows' dtype by one kernel: a GPU casts as it writes, no fp32 temporary
+    return torch.mul(rows, scores.float().unsqueeze(-1), out=torch.empty_like(rows))
+
+
+class _ScaleRows(torch.autograd.Function):
+    """rows * scores per row, with a backward that makes no fp32 copy of the rows or of their gradient."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(rows, scores)
+        return _rows_times_scores(rows, scores)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        rows, scores = ctx.saved_tensors
+        grad_rows = _rows_times_scores(grad, scores) if ctx.needs_input_grad[0] else None
+        grad_scores = row_dots_fp32(grad, rows).to(scores.dtype) if ctx.needs_input_grad[1] else None
+        return grad_rows, grad_scores
+
+
 def scale_rows(rows: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-    """rows * scores per row, in fp32, rounded to the rows' dtype."""
-    return scored_rows_fp32(rows, scores).to(rows.dtype)
+    """rows * scores per row, in fp32, rounded once to the rows' dtype; the gradients as autograd would give them
+    through that fp32 product (bitwise), without its fp32 temporaries."""
+    return _ScaleRows.apply(rows, scores)
 
 
 class DispatchStats:
