@@ -54,6 +54,11 @@ def test_counter_counts_each_argument_and_output_once_and_no_views():
         total.index_copy_(0, index[:2], rows[:2]).index_fill_(0, index[:1], 0.0)
     # each writes only the rows it indexes
     assert counter.bytes == (index[:2].nbytes + rows[:2].nbytes + rows[:2].nbytes) + (index[:1].nbytes + rows[:1].nbytes)
+    scores, product = torch.rand(4, 1), torch.empty_like(rows)
+    with LocalTrafficCounter() as counter:
+        torch.mul(rows, scores, out=product)
+    # an out= destination is written, not read
+    assert counter.bytes == rows.nbytes + scores.nbytes + product.nbytes
 
 
 def test_counter_skips_collectives_and_counts_a_landing_sum(world_of_one):

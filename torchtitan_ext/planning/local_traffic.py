@@ -69,7 +69,9 @@ def moved_tensors(func, args, kwargs, out) -> tuple[list[torch.Tensor], list[tor
         # the indexed rows of the destination, written
         destination, dim, index = args[0], args[1], args[2]
         return [index], [destination.narrow(dim, 0, index.numel())]
-    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    # an out= destination is written, not read
+    read_kwargs = {name: value for name, value in kwargs.items() if name != "out"}
+    tensors = [t for t in tree_leaves((args, read_kwargs)) if isinstance(t, torch.Tensor)]
     if packet in _OVERWRITE_FIRST:
         tensors = tensors[1:]
     return tensors, [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -78,9 +80,9 @@ def moved_tensors(func, args, kwargs, out) -> tuple[list[torch.Tensor], list[tor
 class LocalTrafficCounter(TorchDispatchMode):
     """Adds up the bytes each ATen operator reads and writes: each tensor argument read once and each output
     written once, except views and allocations, which move nothing, a ``*_like`` or ``new_*`` factory, which
-    reads nothing, an overwrite (``copy_``, ``fill_``, ``zero_``), which does not read its destination, and the
-    indexed writes (``index_put_``, ``index_copy_``, ``index_add_``, ``index_fill_``), which touch only the rows they
-    index.
+    reads nothing, an overwrite (``copy_``, ``fill_``, ``zero_``, an ``out=`` destination), which does not read its
+    destination, and the indexed writes (``index_put_``, ``index_copy_``, ``index_add_``, ``index_fill_``), which
+    touch only the rows they index.
 
     A dispatch mode sees only the operators called outside any other operator's kernel: what the collectives and
     the backends' own operators run (the library calls, and the adapter code inside those operators: HybridEP's
