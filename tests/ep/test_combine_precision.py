@@ -4,7 +4,7 @@ fp32 copies."""
 
 import torch
 
-from torchtitan_ext.ep.base import scale_rows
+from torchtitan_ext.ep.base import scale_rows, sum_scored_rows
 from torchtitan_ext.ep.nccl import NcclExpertParallel
 
 
@@ -36,4 +36,18 @@ def test_scale_rows_in_bf16_and_its_gradients_equal_autograd_through_the_fp32_pr
     scaled = scale_rows(rows, scores)
     grads = torch.autograd.grad(scaled, (rows, scores), grad)
     assert scaled.dtype == torch.bfloat16 and torch.equal(scaled, expected)
+    assert all(torch.equal(got, want) for got, want in zip(grads, expected_grads))
+
+
+def test_sum_scored_rows_in_bf16_and_its_gradients_equal_autograd_through_the_fp32_formula_bitwise():
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randn(30, 24, generator=generator).bfloat16().requires_grad_()
+    scores = torch.rand(30, generator=generator).requires_grad_()
+    target_of_row = torch.randint(0, 7, (30,), generator=generator)
+    grad = torch.randn(7, 24, generator=generator).bfloat16()
+    formula = torch.zeros(7, 24).index_add(0, target_of_row, rows * scores.unsqueeze(-1)).bfloat16()
+    expected_grads = torch.autograd.grad(formula, (rows, scores), grad)
+    summed = sum_scored_rows(rows, target_of_row, scores, 7)
+    grads = torch.autograd.grad(summed, (rows, scores), grad)
+    assert summed.dtype == torch.bfloat16 and torch.equal(summed, formula)
     assert all(torch.equal(got, want) for got, want in zip(grads, expected_grads))

@@ -988,7 +988,7 @@ def test_margins_under_the_models_resolution_are_said(advice_671b):
     nodes DeepEP v1 at EP=16 and nccl and both DeepEP APIs at EP=8 are within 10% of EP=16 with V2, and every
     backend has a published figure on each link there."""
     for name, expected in (("gb200_nvl72", ["hybridep EP=64", "deepep EP=32", "deepep EP=64"]),
-                           ("hgx_h100_ib", ["deepep legacy EP=16", "deepep legacy EP=8", "nccl EP=8"])):
+                           ("hgx_h100_ib", ["deepep legacy EP=16", "deepep legacy EP=8", "deepep EP=8"])):
         layouts = advice_671b[name]
         runnable = [layout for layout in layouts if layout.refused is None]
         close = [layout for layout in runnable[1:]
@@ -1192,9 +1192,9 @@ def test_the_advice_prices_under_a_fit_when_asked(capsys, advice_671b):
             "torchtitan-2207-dsv3-671b-gb200-ep64)") in out
     assert "ranked below every priced layout" not in out
     # as docs/planning.md quotes it
-    assert "recommended: hybridep 16/32 at EP=64, efsdp=4: 13,083 ms per step, 352 TFLOPS/GPU" in out
-    assert re.search(r" 1 hybridep 16/32 64 4 [\d.]+ [\d.]+ [\d.]+ 1,312 168 13,083 352 ", out)
-    assert re.search(r" 12 nccl 64 4 [\d.]+ [\d.]+ [\d.]+ 5,038 478 17,118 269 ", out)
+    assert "recommended: deepep at EP=16, efsdp=16: 13,072 ms per step, 352 TFLOPS/GPU" in out
+    assert re.search(r" 2 hybridep 16/32 64 4 [\d.]+ [\d.]+ [\d.]+ 1,312 168 13,083 352 ", out)
+    assert re.search(r" 13 nccl 64 4 [\d.]+ [\d.]+ [\d.]+ 5,038 478 17,118 269 ", out)
     with pytest.raises(SystemExit):
         plan.main(["--topology", "hgx_h100_ib", "--world-size", "256", "--fit-from", str(SHIPPED_FIT), *JOB_671B])
     assert capsys.readouterr().err.strip() == (

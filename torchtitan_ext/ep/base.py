@@ -116,6 +116,34 @@ class _ScaleRows(torch.autograd.Function):
         return grad_rows, grad_scores
 
 
+class _SumScoredRows(torch.autograd.Function):
+    """Rows times their scores, summed per target in fp32 and rounded once; a backward without fp32 copies."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, target_of_row: torch.Tensor, scores: torch.Tensor | None,
+                num_targets: int) -> torch.Tensor:
+        ctx.save_for_backward(rows, target_of_row, scores)
+        total = rows.new_zeros((num_targets, rows.shape[1]), dtype=torch.float32)
+        return total.index_add_(0, target_of_row, scored_rows_fp32(rows, scores)).to(rows.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        rows, target_of_row, scores = ctx.saved_tensors
+        grad_rows = grad.to(rows.dtype).index_select(0, target_of_row)
+        grad_scores = None
+        if scores is not None:
+            grad_scores = row_dots_fp32(grad_rows, rows).to(scores.dtype) if ctx.needs_input_grad[2] else None
+            grad_rows.mul_(scores.float().unsqueeze(-1))  # in fp32, rounded once to the rows' dtype
+        return grad_rows, None, grad_scores, None
+
+
+def sum_scored_rows(rows: torch.Tensor, target_of_row: torch.Tensor, scores: torch.Tensor | None,
+                    num_targets: int) -> torch.Tensor:
+    """[num_targets, H]: the rows at each target (``target_of_row``) times their ``scores`` (when given), summed in
+    fp32 and rounded once to the rows' dtype. Its gradients equal autograd's through that fp32 formula, bitwise."""
+    return _SumScoredRows.apply(rows, target_of_row, scores, num_targets)
+
+
 def scale_rows(rows: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     """rows * scores per row, in fp32, rounded once to the rows' dtype; the gradients as autograd would give them
     through that fp32 product (bitwise), without its fp32 temporaries."""

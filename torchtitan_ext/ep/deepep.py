@@ -30,8 +30,8 @@ from torchtitan_ext.ep.base import (
     check_kernels,
     RoutedExpertParallel,
     scale_rows,
-    scored_rows_fp32,
     SharedKernelBuffer,
+    sum_scored_rows,
     to_device,
     token_group_alignment,
 )
@@ -383,13 +383,10 @@ class DeepEPExpertParallel(RoutedExpertParallel):
         from torchtitan_ext.ep.ops.deepep import deepep_combine
 
         state = self._take_pending()
-        # (its backward saves the rows as they are)
-        rows = scored_rows_fp32(routed_output.index_select(0, state.destinations), state.pair_scores)
-        partial_rows = rows.new_zeros((state.num_received, rows.shape[1])).index_add(
-            0, state.pair_order // state.top_k, rows
-        )
-        combined, _ = deepep_combine(partial_rows.to(routed_output.dtype), state.handle, state.num_tokens,
-                                     self.collective_name("combine"))
+        # each received token's rows summed before the library returns them to their sources
+        partial_rows = sum_scored_rows(routed_output.index_select(0, state.destinations),
+                                       state.pair_order // state.top_k, state.pair_scores, state.num_received)
+        combined, _ = deepep_combine(partial_rows, state.handle, state.num_tokens, self.collective_name("combine"))
         return in_flight(combined)
 
 
