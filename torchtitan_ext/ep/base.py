@@ -129,12 +129,21 @@ class _SumScoredRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         rows, target_of_row, scores = ctx.saved_tensors
-        grad_rows = grad.to(rows.dtype).index_select(0, target_of_row)
-        grad_scores = None
-        if scores is not None:
-            grad_scores = row_dots_fp32(grad_rows, rows).to(scores.dtype) if ctx.needs_input_grad[2] else None
-            grad_rows.mul_(scores.float().unsqueeze(-1))  # in fp32, rounded once to the rows' dtype
+        grad_rows, grad_scores = scored_sum_backward(grad, rows, target_of_row, scores)
         return grad_rows, None, grad_scores, None
+
+
+def scored_sum_backward(grad: torch.Tensor, rows: torch.Tensor | None, target_of_row: torch.Tensor,
+                        scores: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the rows' gradient, the scores') of per-target sums of ``rows`` times ``scores`` in fp32, rounded to the
+    rows' dtype, given the sums' gradient ``grad`` (in that dtype): bitwise autograd's through the fp32 formula,
+    without its fp32 copies. Without scores, None for theirs and ``rows`` is not needed."""
+    grad_rows = grad.index_select(0, target_of_row)
+    if scores is None:
+        return grad_rows, None
+    grad_scores = row_dots_fp32(grad_rows, rows).to(scores.dtype)
+    grad_rows.mul_(scores.float().unsqueeze(-1))  # in fp32, rounded once to the rows' dtype
+    return grad_rows, grad_scores
 
 
 def sum_scored_rows(rows: torch.Tensor, target_of_row: torch.Tensor, scores: torch.Tensor | None,

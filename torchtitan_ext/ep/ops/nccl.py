@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from torchtitan_ext.ep.base import row_dots_fp32, scored_rows_fp32
+from torchtitan_ext.ep.base import scored_rows_fp32, scored_sum_backward
 from torchtitan_ext.ep.recompute import recomputing
 from torchtitan_ext.ep.in_flight import Landing
 from torchtitan_ext.ep.ops.opaque_schema import custom_op_returning_opaque
@@ -128,18 +128,12 @@ def _combine_setup(ctx, inputs, output):
                           None if row_scores is None else output[1])
     ctx.layout = send_splits, recv_splits, group_name
     ctx.landing = output[2]
-    ctx.scores_dtype = None if row_scores is None else row_scores.dtype
-    ctx.rows_dtype = inputs[0].dtype
 
 
 def _combine_backward(ctx, grad_combined, grad_returned, grad_landing):
     ctx.landing.wait()  # the returned rows may not have landed if nothing used the output
     destinations, group_sources, pad_rows, token_of_row, row_scores, returned = ctx.saved_tensors
-    grad_rows = grad_combined.to(ctx.rows_dtype).index_select(0, token_of_row)
-    grad_scores = None
-    if row_scores is not None:
-        grad_scores = row_dots_fp32(grad_rows, returned).to(ctx.scores_dtype)
-        grad_rows.mul_(row_scores.float().unsqueeze(-1))  # in fp32, rounded once to the rows' dtype
+    grad_rows, grad_scores = scored_sum_backward(grad_combined, returned, token_of_row, row_scores)
     send_splits, recv_splits, group_name = ctx.layout
     grad_groups = nccl_dispatch(grad_rows, destinations, group_sources, pad_rows, send_splits, recv_splits, group_name)
     return grad_groups, None, None, None, None, grad_scores, None, None, None, None, None
