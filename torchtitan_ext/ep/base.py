@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.weak import WeakIdKeyDictionary
 from torchtitan.components.quantization import FP8_GROUP_ALIGNMENT_SIZE, MXFP8_GROUP_ALIGNMENT_SIZE
@@ -97,7 +98,8 @@ def row_dots_fp32(rows: torch.Tensor, others: torch.Tensor) -> torch.Tensor:
 
 def _rows_times_scores(rows: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     # computed in fp32 and written in the rows' dtype by one kernel: a GPU casts as it writes, no fp32 temporary
-    return torch.mul(rows, scores.float().unsqueeze(-1), out=torch.empty_like(rows))
+    # (a contiguous destination: compiled code refuses a strided out=)
+    return torch.mul(rows, scores.float().unsqueeze(-1), out=rows.new_empty(rows.shape))
 
 
 class _ScaleRows(torch.autograd.Function):
@@ -105,10 +107,12 @@ class _ScaleRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(rows, scores)
+        # the rows are kept only for the scores' gradient
+        ctx.save_for_backward(rows if ctx.needs_input_grad[1] else None, scores)
         return _rows_times_scores(rows, scores)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         rows, scores = ctx.saved_tensors
         grad_rows = _rows_times_scores(grad, scores) if ctx.needs_input_grad[0] else None
@@ -122,11 +126,13 @@ class _SumScoredRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows: torch.Tensor, target_of_row: torch.Tensor, scores: torch.Tensor | None,
                 num_targets: int) -> torch.Tensor:
-        ctx.save_for_backward(rows, target_of_row, scores)
+        # the rows are kept only for the scores' gradient
+        ctx.save_for_backward(None if scores is None else rows, target_of_row, scores)
         total = rows.new_zeros((num_targets, rows.shape[1]), dtype=torch.float32)
         return total.index_add_(0, target_of_row, scored_rows_fp32(rows, scores)).to(rows.dtype)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         rows, target_of_row, scores = ctx.saved_tensors
         grad_rows, grad_scores = scored_sum_backward(grad, rows, target_of_row, scores)
