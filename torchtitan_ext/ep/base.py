@@ -120,6 +120,16 @@ class _ScaleRows(torch.autograd.Function):
         return grad_rows, grad_scores
 
 
+def scored_sum_into(out: torch.Tensor, rows: torch.Tensor, target_of_row: torch.Tensor,
+                    scores: torch.Tensor | None) -> None:
+    """``out`` [targets, H] = the rows at each target (``target_of_row``) times their ``scores`` (when given), summed
+    in fp32: in place when ``out`` is fp32, else in an fp32 total rounded once into it."""
+    total = out.zero_() if out.dtype == torch.float32 else torch.zeros_like(out, dtype=torch.float32)
+    total.index_add_(0, target_of_row, scored_rows_fp32(rows, scores))
+    if total is not out:
+        out.copy_(total)
+
+
 class _SumScoredRows(torch.autograd.Function):
     """Rows times their scores, summed per target in fp32 and rounded once; a backward without fp32 copies."""
 
@@ -128,8 +138,9 @@ class _SumScoredRows(torch.autograd.Function):
                 num_targets: int) -> torch.Tensor:
         # the rows are kept only for the scores' gradient
         ctx.save_for_backward(None if scores is None else rows, target_of_row, scores)
-        total = rows.new_zeros((num_targets, rows.shape[1]), dtype=torch.float32)
-        return total.index_add_(0, target_of_row, scored_rows_fp32(rows, scores)).to(rows.dtype)
+        summed = rows.new_empty((num_targets, rows.shape[1]))
+        scored_sum_into(summed, rows, target_of_row, scores)
+        return summed
 
     @staticmethod
     @once_differentiable

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from torchtitan_ext.ep.base import scored_rows_fp32, scored_sum_backward
+from torchtitan_ext.ep.base import scored_sum_backward, scored_sum_into
 from torchtitan_ext.ep.recompute import recomputing
 from torchtitan_ext.ep.in_flight import Landing
 from torchtitan_ext.ep.ops.opaque_schema import custom_op_returning_opaque
@@ -52,16 +52,6 @@ def _(rows, destinations, group_sources, pad_rows, send_splits, recv_splits, gro
     return rows.new_empty((group_sources.shape[0], rows.shape[1]))
 
 
-def _sum_rows_into(combined: torch.Tensor, returned: torch.Tensor, token_of_row: torch.Tensor, row_scores) -> None:
-    """Each token's returned rows (times their scores, when given) summed in fp32 into ``combined``: in place when
-    it is fp32, else in an fp32 total rounded once."""
-    rows = scored_rows_fp32(returned, row_scores)
-    total = combined.zero_() if combined.dtype == torch.float32 else torch.zeros_like(combined, dtype=torch.float32)
-    total.index_add_(0, token_of_row, rows)
-    if total is not combined:
-        combined.copy_(total)
-
-
 @custom_op_returning_opaque("torchtitan_ext::nccl_combine")
 def nccl_combine(
     groups: torch.Tensor,
@@ -89,7 +79,7 @@ def nccl_combine(
 
     def land():
         work.wait()
-        _sum_rows_into(combined, returned, token_of_row, row_scores)
+        scored_sum_into(combined, returned, token_of_row, row_scores)
 
     landing = Landing(combined, land, what)
     if recomputing():
