@@ -166,9 +166,10 @@ class MoECall:
         generator = torch.Generator().manual_seed(0)
         # the routing first: the same at every hidden size
         scores = torch.rand(tokens, shape.top_k, generator=generator)
-        picks = torch.rand(tokens, shape.num_experts, generator=generator).argsort(dim=1)
+        # each token's top-k distinct experts (a full argsort of [tokens, E] took seconds at DeepSeek-V3's shape)
+        picks = torch.rand(tokens, shape.num_experts, generator=generator).topk(shape.top_k, dim=1, largest=False)
         x = torch.randn(tokens, shape.hidden_dim, generator=generator).to(dtype)
-        return cls(x, scores, picks[:, : shape.top_k].contiguous())
+        return cls(x, scores, picks.indices)
 
 
 def torchtitan_sort_forward(call: MoECall, shape: MoEShape, score_before_experts: bool,
