@@ -148,8 +148,6 @@ def _load(*overrides, device_type="cpu", world_size=2):
           "--parallelism.expert_tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2"),
          "expert_replication.slots_per_rank = 1 is not supported with parallelism.expert_tensor_parallel_degree = 2"),
         (("--job.config_file",), "--job.config_file needs a path"),
-        (("--expert_replication.slots_per_rank", "1", "--model.converters", "quantize.grouped_mm.mx"),
-         "expert_replication.slots_per_rank = 1 is not supported with model.converters = ['quantize.grouped_mm.mx']"),
         (("--job.config_file", "train_configs/llama4_debug_model.toml"),
          f"--job.config_file is given twice ('{DEBUG_TOML}' and 'train_configs/llama4_debug_model.toml')"),
         (("--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "1",

@@ -6,7 +6,7 @@ Writes the 671B-shaped synthetic routing dump of ``python -m torchtitan_ext.benc
 (58 MoE layers, 256 experts, top-8, Zipf 0.8 popularity, clustered in 32
 groups of 8, the same every step: no drift), then runs
 
-    python -m torchtitan_ext.plan --job.config_file <the job without its MXFP8 experts> --world-size 256
+    python -m torchtitan_ext.plan --job.config_file train_configs/deepseek_v3_671b_gb200.toml --world-size 256
         --topology gb200_nvl72 --ranks-per-group 64 --routing-stats <dump> --replica-slots 0,1,2 --compile.no-enable
 
 and prints the advice, which replays the dump through training's choice and
@@ -26,9 +26,6 @@ from torchtitan_ext.bench.placement import ROOT, write_dump
 
 
 JOB_CONFIG = "train_configs/deepseek_v3_671b_gb200.toml"
-MXFP8_EXPERTS = 'converters = ["quantize.grouped_mm.mx"]\n'
-"""The job's MXFP8 experts, dropped from the priced copy: replication refuses them (its replicas are concatenated
-with the home experts in plain tensors)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,17 +38,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps needs at least 2 (the first step is not priced) and --tokens at least 1")
     with tempfile.TemporaryDirectory() as tmp:
         write_dump(Path(tmp), args.steps, args.tokens)
-        config = Path(tmp) / "deepseek_v3_671b_gb200_bf16_experts.toml"
-        job = (ROOT / JOB_CONFIG).read_text()
-        if MXFP8_EXPERTS not in job:
-            parser.error(f"{JOB_CONFIG} no longer holds {MXFP8_EXPERTS.strip()}: update MXFP8_EXPERTS")
-        config.write_text(job.replace(MXFP8_EXPERTS, ""))
         command = [
-            sys.executable, "-m", "torchtitan_ext.plan", "--job.config_file", str(config),
+            sys.executable, "-m", "torchtitan_ext.plan", "--job.config_file", JOB_CONFIG,
             "--world-size", "256", "--topology", args.topology,
             "--ranks-per-group", "64", "--routing-stats", tmp, "--replica-slots", "0,1,2", "--compile.no-enable",
         ]
-        shown = " ".join(command[1:]).replace(str(config), f"<{JOB_CONFIG} without its MXFP8 experts>")
+        shown = " ".join(command[1:])
         print("$ python", shown.replace(tmp, "<synthetic dump>"), flush=True)
         began = time.perf_counter()
         result = subprocess.run(command, cwd=ROOT, text=True, stdout=subprocess.PIPE)

@@ -13,8 +13,10 @@ load-balancing kernels), the op goes through it (:mod:`torchtitan_ext.ep.ops.rep
 import torch
 from torch.distributed.distributed_c10d import _get_process_group_name
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torchtitan.models.moe.moe import _run_experts_for_loop, _run_experts_grouped_mm, GroupedExperts
 
+from torchtitan_ext.config import ConfigError
 from torchtitan_ext.ep.base import to_device
 from torchtitan_ext.ep.replica_split import replica_ops
 from torchtitan_ext.ep.replication import ReplicaPlan
@@ -38,6 +40,44 @@ def exchange_arguments(plan: ReplicaPlan, rank: int, device: torch.device = torc
             to_device(torch.tensor(sorted(set(send_local)), dtype=torch.int64), device))
 
 
+class _InHomeSubclass(torch.autograd.Function):
+    """Concatenated weights rebuilt in the home weights' tensor subclass, the gradient passed through.
+
+    torchao's float8 and MXFP8 training weights are wrapper subclasses (one inner tensor) that route the grouped
+    GEMM to the quantized one; ``torch.cat`` of them returns a plain tensor, whose GEMM would run unquantized.
+    """
+
+    @staticmethod
+    def forward(ctx, weights: torch.Tensor, subclass: type, inner_name: str, metadata):
+        # detached: the subclass's own unwrap is differentiable, and its gradient comes back through this function
+        return subclass.__tensor_unflatten__({inner_name: weights.detach()}, metadata, weights.size(), weights.stride())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None, None, None
+
+
+def _like_home(weights: torch.Tensor, home: torch.Tensor) -> torch.Tensor:
+    """``weights`` (plain) in ``home``'s tensor subclass, when it has one."""
+    if not is_traceable_wrapper_subclass(home):
+        return weights
+    (inner_name,), metadata = home.__tensor_flatten__()
+    return _InHomeSubclass.apply(weights, type(home), inner_name, metadata)
+
+
+def _refuse_unkeepable_weights(experts: GroupedExperts) -> None:
+    """Home weights of a subclass that replicas could not be rebuilt in are refused, never computed unquantized."""
+    for name in ("w1", "w2", "w3"):
+        weight = getattr(experts, name)
+        local = weight.to_local() if isinstance(weight, DTensor) else weight
+        if is_traceable_wrapper_subclass(local) and len(local.__tensor_flatten__()[0]) != 1:
+            raise ConfigError(
+                f"expert_replication.slots_per_rank > 0 cannot keep the routed experts' {name}, a "
+                f"{type(local).__name__} of several inner tensors (a model converter's): their replicas would "
+                "compute in plain tensors; remove that converter, or set slots_per_rank to 0"
+            )
+
+
 def redundancy_mapping(plan: ReplicaPlan) -> list[int]:
     """The plan's replica slots, rank after rank: each one's home slot, -1 when unused."""
     return [home for held in plan.replicas for home in held]
@@ -58,6 +98,7 @@ class ExpertsWithReplicas(GroupedExperts):
 
     @classmethod
     def adopt(cls, experts: GroupedExperts, plan: ReplicaPlan, group) -> "ExpertsWithReplicas":
+        _refuse_unkeepable_weights(experts)
         experts.__class__ = cls
         experts.slots = plan.slots
         experts.group = group
@@ -100,7 +141,8 @@ class ExpertsWithReplicas(GroupedExperts):
             _get_process_group_name(self.group),
         )
         pieces = fetched.split([w[0].numel() for w in home], dim=1)
-        w1, w2, w3 = (torch.cat([w, piece.view(self.slots, *w.shape[1:])]) for w, piece in zip(home, pieces))
+        w1, w2, w3 = (_like_home(torch.cat([w, piece.view(self.slots, *w.shape[1:])]), w)
+                      for w, piece in zip(home, pieces))
         if self.use_grouped_mm:
             return _run_experts_grouped_mm(w1, w2, w3, x, num_tokens_per_expert)
         return _run_experts_for_loop(w1, w2, w3, x, num_tokens_per_expert)

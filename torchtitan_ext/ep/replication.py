@@ -101,13 +101,6 @@ def check_replication(job_config, context: ValidationContext) -> None:
             f"{where}: a rank can hold copies of the other ranks' {experts - experts // ep} experts only: "
             f"set it to at most {experts - experts // ep}"
         )
-    quantized = [name for name in job_config.model.converters if name.startswith("quantize.grouped_mm")]
-    if quantized:
-        raise ConfigError(
-            f"{where} is not supported with model.converters = {quantized} (the replicas are concatenated with the "
-            "home experts into plain tensors, so the experts' GEMMs would run unquantized): remove the converter, "
-            "or set slots to 0"
-        )
     if parallelism.expert_tensor_parallel_degree > 1:
         raise ConfigError(
             f"{where} is not supported with parallelism.expert_tensor_parallel_degree = "
