@@ -376,6 +376,6 @@ def test_expert_weights_that_replicas_cannot_keep_are_refused_when_the_layer_is_
     experts = GroupedExperts(dim=4, hidden_dim=6, num_experts=2, use_grouped_mm=False)
     experts.w2 = torch.nn.Parameter(TwoTensor(torch.zeros(2, 4, 6), torch.zeros(2, 4, 6)))
     with pytest.raises(ConfigError, match=r"^expert_replication.slots_per_rank > 0 cannot keep the routed experts' w2, "
-                                          r"a TwoTensor of several inner tensors .*; remove that converter, or set "
-                                          r"slots_per_rank to 0$"):
+                                          r"a TwoTensor that is not one tensor of its shape and dtype .*; remove that "
+                                          r"converter, or set slots_per_rank to 0$"):
         ExpertsWithReplicas.adopt(experts, ReplicaPlan.empty(2, EP, 1), None)

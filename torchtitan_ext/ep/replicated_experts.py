@@ -49,7 +49,7 @@ class _InHomeSubclass(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, weights: torch.Tensor, subclass: type, inner_name: str, metadata):
-        # detached: the subclass's own unwrap is differentiable, and its gradient comes back through this function
+        # detached: the wrapper is the quantized GEMM's autograd input, so its inner tensor carries no history
         return subclass.__tensor_unflatten__({inner_name: weights.detach()}, metadata, weights.size(), weights.stride())
 
     @staticmethod
@@ -59,22 +59,26 @@ class _InHomeSubclass(torch.autograd.Function):
 
 def _like_home(weights: torch.Tensor, home: torch.Tensor) -> torch.Tensor:
     """``weights`` (plain) in ``home``'s tensor subclass, when it has one."""
-    if not is_traceable_wrapper_subclass(home):
+    if not is_traceable_wrapper_subclass(home) or type(weights) is type(home):
         return weights
     (inner_name,), metadata = home.__tensor_flatten__()
     return _InHomeSubclass.apply(weights, type(home), inner_name, metadata)
 
 
 def _refuse_unkeepable_weights(experts: GroupedExperts) -> None:
-    """Home weights of a subclass that replicas could not be rebuilt in are refused, never computed unquantized."""
+    """Home weights of a subclass that replicas could not be rebuilt in (its inner tensors are not the one plain
+    tensor of the weight's shape and dtype) are refused, never computed unquantized."""
     for name in ("w1", "w2", "w3"):
         weight = getattr(experts, name)
         local = weight.to_local() if isinstance(weight, DTensor) else weight
-        if is_traceable_wrapper_subclass(local) and len(local.__tensor_flatten__()[0]) != 1:
+        if not is_traceable_wrapper_subclass(local):
+            continue
+        inner = [getattr(local, inner_name) for inner_name in local.__tensor_flatten__()[0]]
+        if len(inner) != 1 or inner[0].shape != local.shape or inner[0].dtype != local.dtype:
             raise ConfigError(
                 f"expert_replication.slots_per_rank > 0 cannot keep the routed experts' {name}, a "
-                f"{type(local).__name__} of several inner tensors (a model converter's): their replicas would "
-                "compute in plain tensors; remove that converter, or set slots_per_rank to 0"
+                f"{type(local).__name__} that is not one tensor of its shape and dtype (a model converter's): their "
+                "replicas would compute in plain tensors; remove that converter, or set slots_per_rank to 0"
             )
 
 
