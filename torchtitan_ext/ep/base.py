@@ -34,6 +34,7 @@ from torchtitan_ext.runtime.collectives import naming_collective
 from torchtitan_ext.runtime.workers import before_process_group_teardown
 from torchtitan_ext.ep.handle import KernelBuffer
 from torchtitan_ext.ep.kernels import KernelUnavailable, resolve_implementation
+from torchtitan_ext.ep.layout import into_groups
 
 
 class Routing:
@@ -168,6 +169,32 @@ def sum_scored_rows(rows: torch.Tensor, target_of_row: torch.Tensor, scores: tor
     """[num_targets, H]: the rows at each target (``target_of_row``) times their ``scores`` (when given), summed in
     fp32 and rounded once to the rows' dtype. Its gradients equal autograd's through that fp32 formula, bitwise."""
     return _SumScoredRows.apply(rows, target_of_row, scores, num_targets)
+
+
+class _GatherIntoGroups(torch.autograd.Function):
+    """:func:`~torchtitan_ext.ep.layout.into_groups` with a backward that reads the groups' gradient once."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, group_sources: torch.Tensor, pad_rows: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(group_sources, pad_rows)
+        ctx.num_rows = rows.shape[0]
+        return into_groups(rows, group_sources, pad_rows)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        group_sources, pad_rows = ctx.saved_tensors
+        # the pad rows' gradients are summed into one extra row, dropped: autograd's in-place fill would copy the
+        # whole gradient to zero them first
+        sources = group_sources.index_fill(0, pad_rows, ctx.num_rows)
+        summed = grad.new_zeros((ctx.num_rows + 1, grad.shape[1])).index_add_(0, sources, grad)
+        return summed[:ctx.num_rows], None, None
+
+
+def gather_into_groups(rows: torch.Tensor, group_sources: torch.Tensor, pad_rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` gathered into padded expert-major groups, pad rows zero (``group_sources``: each group row's row, any
+    row for a pad row); its gradient sums each group row's into its row, bitwise autograd's (in the same order)."""
+    return _GatherIntoGroups.apply(rows, group_sources, pad_rows)
 
 
 def scale_rows(rows: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan_ext.config import ConfigError, MoEShape, Range, routed_expert_elements
 from torchtitan_ext.ep.base import (
     check_kernels,
+    gather_into_groups,
     RoutedExpertParallel,
     scale_rows,
     SharedKernelBuffer,
@@ -360,14 +361,14 @@ class DeepEPExpertParallel(RoutedExpertParallel):
         # both index lists in one host-to-device copy
         destinations, pad_rows = to_device(torch.cat([destinations, pad_rows]), x.device).split(
             [placed, pad_rows.numel()])
-        # received row of every group row (row 0 for a pad row, zeroed after): each group row is gathered once
+        # received row of every group row (row 0 for a pad row, zeroed): each group row is gathered once
         group_sources = torch.zeros(total_rows, dtype=torch.int64, device=x.device).index_copy_(
             0, destinations, pair_order // top_k)
-        routed = recv_x.index_select(0, group_sources)
+        routed = gather_into_groups(recv_x, group_sources, pad_rows)
         pair_scores = recv_weights.reshape(-1).index_select(0, pair_order)
         if self.score_before_experts:
+            # pad rows stay zero: their scores are 0
             routed = scale_rows(routed, pair_scores.new_zeros(total_rows).index_copy_(0, destinations, pair_scores))
-        routed = routed.index_fill_(0, pad_rows, 0)
         self._pending = _DeepEPDispatchState(
             handle=handle,
             pair_order=pair_order,

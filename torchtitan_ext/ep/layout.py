@@ -59,3 +59,9 @@ def block_destinations(
     destinations, pad_rows = expert_major_rows(block_counts, pad_multiple, total_source,
                                                int((padded - per_expert).sum()))
     return destinations, pad_rows, padded, int(padded.sum())
+
+
+def into_groups(rows: torch.Tensor, group_sources: torch.Tensor, pad_rows: torch.Tensor) -> torch.Tensor:
+    """Rows gathered into padded expert-major groups (``group_sources``: the row of every group row, any row for a
+    pad row), pad rows zero: each group row written once."""
+    return rows.index_select(0, group_sources).index_fill_(0, pad_rows, 0)

@@ -12,6 +12,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torchtitan_ext.ep.base import scored_sum_backward, scored_sum_into
 from torchtitan_ext.ep.recompute import recomputing
 from torchtitan_ext.ep.in_flight import Landing
+from torchtitan_ext.ep.layout import into_groups
 from torchtitan_ext.ep.ops.opaque_schema import custom_op_returning_opaque
 
 
@@ -23,11 +24,6 @@ def _exchange(rows: torch.Tensor, out_rows: int, out_splits: list[int], in_split
     work = dist.all_to_all_single(out, rows, out_splits, in_splits, group=_resolve_process_group(group_name),
                                   async_op=async_op)
     return out, work
-
-
-def _into_groups(received: torch.Tensor, group_sources: torch.Tensor, pad_rows: torch.Tensor) -> torch.Tensor:
-    """Received rows (source-major) gathered into padded expert-major groups, pad rows zero."""
-    return received.index_select(0, group_sources).index_fill_(0, pad_rows, 0)
 
 
 @torch.library.custom_op("torchtitan_ext::nccl_dispatch", mutates_args=())
@@ -44,7 +40,7 @@ def nccl_dispatch(
     expert-major groups: the received rows (``recv_splits[s]`` from rank s) at ``destinations``, zero at
     ``pad_rows``; ``group_sources`` is the received row of every group row (any row for a pad row)."""
     received, _ = _exchange(rows, sum(recv_splits), recv_splits, send_splits, group_name)
-    return _into_groups(received, group_sources, pad_rows)
+    return into_groups(received, group_sources, pad_rows)
 
 
 @nccl_dispatch.register_fake
