@@ -1,5 +1,6 @@
 """The spawn harness (:mod:`torchtitan_ext.runtime.workers`): a failed run names every rank's exit code and stderr; a
-worker that gloo's transport thread aborted runs once more, with a warning, and no other failure does."""
+worker that gloo's transport thread aborted, or that a segmentation fault killed inside a collective, runs once more,
+with a warning, and no other failure does."""
 
 import os
 import time
@@ -28,7 +29,7 @@ def abort_once(rank, world_size, marker, message):
     "gloo/transport/tcp/address.cc:101] rv != -1. -1 vs -1. getpeername: Transport endpoint is not connected",
 ])
 def test_a_gloo_transport_abort_runs_again_once_with_a_warning(tmp_path, crash):
-    with pytest.warns(UserWarning, match="gloo's transport aborted a worker; running it again once") as warned:
+    with pytest.warns(UserWarning, match="gloo's transport crashed a worker; running it again once") as warned:
         assert run_workers(2, abort_once, str(tmp_path / "marker"), crash) == [0, 1]
     [rerun] = [str(warning.message) for warning in warned if "running it again once" in str(warning.message)]
     assert "--- rank 1: exit code -6" in rerun  # SIGABRT, with the rank's stderr
@@ -119,3 +120,49 @@ def test_a_rank_stopped_while_writing_its_traceback_raised_nothing_readable(tmp_
     empty.write_bytes(b"")
     context = SimpleNamespace(error_files=[str(empty), str(missing)])
     assert (raised(context, 0), raised(context, 1)) == (None, None)
+
+
+SEGFAULT_IN_A_COLLECTIVE = """Fatal Python error: Segmentation fault
+
+Thread 0x00007f9a4bfff640 (most recent call first):
+  <no Python frame>
+
+Current thread 0x00007f9a6e9b7740 (most recent call first):
+  File "/venv/lib/python3.11/site-packages/torch/_ops.py", line 1279 in __call__
+  File "/venv/lib/python3.11/site-packages/torch/distributed/_functional_collectives.py", line 209 in all_gather_single
+  File "/repo/tests/models/gradient_cases.py", line 183 in _full
+"""
+
+PEER_LOST_THEN_TEARDOWN_FAILED = """Traceback (most recent call last):
+  File "/repo/tests/models/gradient_cases.py", line 183 in _full
+RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:59621: Connection reset by peer.
+
+During handling of the above exception, another exception occurred:
+
+Traceback (most recent call last):
+  File "/repo/torchtitan_ext/runtime/workers.py", line 216, in _worker
+AssertionError: deep_ep double: the process group is destroyed under live EPBuffer
+"""
+
+
+@pytest.mark.parametrize("dump, retried", [
+    (SEGFAULT_IN_A_COLLECTIVE, True),
+    (SEGFAULT_IN_A_COLLECTIVE.replace("torch/distributed/_functional_collectives.py", "torch/nn/modules/module.py"),
+     False),
+])
+def test_a_segfault_inside_a_collective_whose_peer_lost_it_runs_again(tmp_path, dump, retried):
+    """Seen in full-suite runs under load, never alone: a rank killed by SIGSEGV in gloo's all_gather of DTensor
+    gradients, its peer losing it (and its clean-up raising after). Run again once, as a transport abort is; a
+    segfault outside a collective is a defect."""
+    import pickle
+    import signal
+    from types import SimpleNamespace
+
+    from torchtitan_ext.runtime.workers import only_transport_crash
+
+    (tmp_path / "stderr0").write_text(dump)
+    error_files = [tmp_path / "error0", tmp_path / "error1"]
+    error_files[1].write_bytes(pickle.dumps(PEER_LOST_THEN_TEARDOWN_FAILED))
+    context = SimpleNamespace(processes=[SimpleNamespace(exitcode=-signal.SIGSEGV), SimpleNamespace(exitcode=1)],
+                              error_files=[str(path) for path in error_files])
+    assert only_transport_crash(context, str(tmp_path)) is retried

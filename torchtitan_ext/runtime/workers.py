@@ -41,6 +41,12 @@ I/O error, or ``Address::fromPeerName`` on a connection reset while pairs connec
 Either aborts the process outside any code of ours or the caller's. Not a collective of mismatched sizes
 (gloo::EnforceNotMet in pair.cc): that is a defect."""
 
+GLOO_COLLECTIVE_SEGFAULT = re.compile(
+    r"Fatal Python error: Segmentation fault.*?\(most recent call first\):\n"
+    r"(?:  File [^\n]*\n)?  File \"[^\"]*/torch/distributed/", re.S)
+"""What faulthandler writes to a worker's stderr when it died of a segmentation fault while a thread was inside a
+torch.distributed collective (its innermost Python frame, or the one under torch's op call): seen in full-suite
+runs under load, a gloo ``all_gather`` of DTensor gradients crashing (2026-11-27), never on its own."""
 
 _before_teardown: list[Callable[[], None]] = []
 
@@ -86,7 +92,7 @@ def run_workers(
     except WorkersFailed as failure:
         if not failure.transport_crash or device != "cpu":
             raise
-        warnings.warn(f"{fn.__name__} on {world_size} processes: gloo's transport aborted a worker; running it "
+        warnings.warn(f"{fn.__name__} on {world_size} processes: gloo's transport crashed a worker; running it "
                       f"again once:\n{failure}", stacklevel=2)
     return _run(world_size, fn, args, device, deadline_s, preload, timeout)
 
@@ -133,21 +139,36 @@ def raised(context, rank: int) -> str | None:
         return None
 
 
+def _crashed_in_transport(code: int | None, stderr: Path) -> bool:
+    """Whether a rank that exited with ``code`` died in gloo's transport (:data:`GLOO_TRANSPORT_CRASH`) or of a
+    segmentation fault inside a collective (:data:`GLOO_COLLECTIVE_SEGFAULT`), by its stderr file."""
+    crash = {-signal.SIGABRT: GLOO_TRANSPORT_CRASH, -signal.SIGSEGV: GLOO_COLLECTIVE_SEGFAULT}.get(code)
+    return crash is not None and stderr.exists() and crash.search(stderr.read_text(errors="replace")) is not None
+
+
+def _lost_its_peer(traceback: str) -> bool:
+    """Whether a rank's traceback is the loss of a peer: its last exception, or the first, where cleaning up after
+    it raised another."""
+    exceptions = [line for line in traceback.splitlines() if re.match(r"[A-Za-z_][\w.]*(Error|Exception)\b", line)]
+    last = traceback.strip().splitlines()[-1]
+    return any(text in line for line in (last, *exceptions[:1]) for text in FAILURE_TEXTS)
+
+
 def only_transport_crash(context, tmp: str) -> bool:
-    """Whether some rank aborted with :data:`GLOO_TRANSPORT_CRASH` and every other rank succeeded, was stopped
-    after it (SIGTERM, SIGKILL, SIGINT) or raised only the loss of a peer. A rank whose own code failed in any
-    other way (an exception, another abort) makes it a defect to report, whichever rank torch names first."""
+    """Whether some rank crashed in gloo's transport (:func:`_crashed_in_transport`) and every other rank
+    succeeded, was stopped after it (SIGTERM, SIGKILL, SIGINT) or raised only the loss of a peer. A rank whose own
+    code failed in any other way (an exception, another abort) makes it a defect to report, whichever rank torch
+    names first."""
     aborted = False
     for rank, process in enumerate(context.processes):
         code = process.exitcode
         if code in (0, -signal.SIGTERM, -signal.SIGKILL, -signal.SIGINT):
             continue
-        stderr = Path(f"{tmp}/stderr{rank}")
-        if code == -signal.SIGABRT and stderr.exists() and GLOO_TRANSPORT_CRASH.search(stderr.read_text(errors="replace")):
+        if _crashed_in_transport(code, Path(f"{tmp}/stderr{rank}")):
             aborted = True
             continue
         traceback = raised(context, rank)
-        if code == 1 and traceback and any(text in traceback.strip().splitlines()[-1] for text in FAILURE_TEXTS):
+        if code == 1 and traceback and _lost_its_peer(traceback):
             continue
         return False
     return aborted
