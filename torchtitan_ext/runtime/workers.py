@@ -65,7 +65,8 @@ class WorkersFailed(RuntimeError):
     def __init__(self, message: str, transport_crash: bool):
         super().__init__(message)
         self.transport_crash = transport_crash
-        """Whether gloo's transport thread aborting is the run's only failure (:func:`only_transport_crash`)."""
+        """Whether a crash in gloo's transport (an abort, or a segfault inside a collective) is the run's only failure
+        (:func:`only_transport_crash`)."""
 
 
 def run_workers(
