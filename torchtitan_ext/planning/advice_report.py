@@ -165,8 +165,10 @@ def format_advice(
                 f"{measured_compute.forward_backward_s:.3f} s, the routed experts {measured_compute.routed_experts_s:.3f} "
                 f"s of it; optimizer {measured_compute.optimizer_s:.3f} s for all parameters)"
             )
+        pipelined = (f" on the busiest pipeline rank, stretched {first.pipeline_bubble:.1%} by the schedule's bubble"
+                     if first.pipeline_bubble else "")
         lines.append(
-            f"  {first.moe_layers} MoE layers ({first.recomputed_layers} recomputed by activation checkpointing), "
+            f"  {first.moe_layers} MoE layers{pipelined} ({first.recomputed_layers} recomputed by activation checkpointing), "
             f"{first.dispatches} MoE call(s) per layer and step; compute {_ms(first.compute_s)} ms per step "
             f"{compute}; data-parallel sync {_ms(first.data_parallel_s)} ms per step "
             f"({_ms(first.data_parallel_exposed_s)} exposed); "

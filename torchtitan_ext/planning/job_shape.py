@@ -9,6 +9,7 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan_ext.config import ConfigError, meta_model
 from torchtitan_ext.planning.cost_model import DataParallelSync, MoEWorkload
 from torchtitan_ext.planning.memory_plan import replica_copies_alive, saved_moe_layers
+from torchtitan_ext.planning.pipeline_split import pipeline_split
 
 
 @dataclass(frozen=True)
@@ -17,15 +18,16 @@ class JobShape:
 
     work: MoEWorkload
     moe_layers: int
-    """MoE layers in the model (every rank runs each, no pipeline split assumed)."""
+    """MoE layers the busiest rank runs: all of the model's without pipeline parallelism, else those of the
+    pipeline rank with the most FLOPs (:mod:`.pipeline_split`)."""
     recomputed_layers: int
     """MoE layers whose forward activation checkpointing recomputes in backward, collectives
     included (those whose dispatched rows are not saved)."""
     dispatches: int
     """MoE calls per layer and step: gradient-accumulation steps x pipeline microbatches."""
     pass_flops: float
-    """FLOPs of one forward-backward pass of one rank's microbatch: torchtitan's count (6 x active
-    parameters + attention)."""
+    """FLOPs the busiest rank computes in one forward-backward pass of a microbatch: torchtitan's count (6 x
+    active parameters + attention), of that rank's pipeline stages."""
     expert_world: int
     """Ranks the experts are spread over: EP degree x expert-FSDP degree."""
     data_parallel_sync: DataParallelSync
@@ -36,8 +38,16 @@ class JobShape:
     expert_flop_share: float
     """The routed experts' share of a pass's FLOPs, in [0, 1): the part of the compute that an EP rank's
     load scales."""
+    model_pass_flops: float
+    """The model's FLOPs of one pass of a microbatch over its pipeline ranks: the mean rank's, what a published
+    TFLOPS/GPU counts (``pass_flops`` without pipeline parallelism)."""
     replica_copies: tuple[int, int] = (0, 0)
     """Under expert replication, :func:`~torchtitan_ext.planning.memory_plan.replica_copies_alive`."""
+    pipeline_bubble: float = 0.0
+    """The pipeline schedule's idle time over a rank's busy time (:attr:`.PipelineSplit.bubble`), >= 0."""
+    in_flight_microbatches: int = 1
+    """Microbatches whose saved activations the busiest rank holds at once: 1F1B's warm-up on the first
+    pipeline rank, min(PP, microbatches); 1 without pipeline parallelism."""
 
     @property
     def recompute_factor(self) -> float:
@@ -55,25 +65,41 @@ def job_shape(job_config, world_size: int) -> JobShape:
     """The job's MoE dims, dtypes and FLOPs, from its model built on the meta device."""
     model = meta_model(job_config)
     model_args = model.model_args
-    expert_parameters, dense_parameters, layers, moe_layers = 0, 0, {}, set()
+    moe_args = model_args.moe_args
+    expert_parameters, dense_parameters, moe_layers = 0, 0, set()
+    # 6 x active parameters per token of each top-level module, as torchtitan counts FLOPs (embeddings apart)
+    module_flops: dict[str, float] = {}
     for name, parameter in model.named_parameters():
         parts = name.split(".")
-        if parts[0] == "layers":
-            layers[int(parts[1])] = None
-        if ".moe.experts." in f".{name}":
+        module = ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
+        routed = ".moe.experts." in f".{name}"
+        if routed:
             expert_parameters += parameter.numel()
             moe_layers.add(int(parts[1]))
         else:
             dense_parameters += parameter.numel()
+        active = parameter.numel() * (moe_args.top_k / moe_args.num_experts if routed else 1)
+        module_flops[module] = module_flops.get(module, 0.0) + (0.0 if module == "tok_embeddings" else 6 * active)
     if not moe_layers:
         raise ConfigError(f"model {job_config.model.name} {job_config.model.flavor} has no MoE layers: nothing to advise")
-    moe_args = model_args.moe_args
     per_expert = expert_parameters // len(moe_layers) // moe_args.num_experts
     _, flops_per_token = model_args.get_nparams_and_flops(model, job_config.training.seq_len)
     p, training = job_config.parallelism, job_config.training
-    saved, _ = saved_moe_layers(job_config, tuple(layers), tuple(sorted(moe_layers)))
-    replica_copies = replica_copies_alive(job_config, tuple(layers), tuple(sorted(moe_layers)))
-    recomputed = len(moe_layers) - saved
+    split = pipeline_split(job_config, model_args.n_layers)
+    # attention's FLOPs (what torchtitan counts beyond the parameters), the same in every layer
+    attention = max(0.0, flops_per_token - sum(module_flops.values())) / model_args.n_layers
+
+    def rank_flops(modules) -> float:
+        return sum(module_flops.get(m, 0.0) + (attention if m.startswith("layers.") else 0.0) for m in modules)
+
+    total_flops = sum(map(rank_flops, split.rank_modules))
+    busiest = max(split.rank_modules, key=rank_flops)
+    rank_share = rank_flops(busiest) / total_flops
+    layers = tuple(int(m.split(".")[1]) for m in busiest if m.startswith("layers."))
+    rank_moe_layers = tuple(layer for layer in layers if layer in moe_layers)
+    saved, _ = saved_moe_layers(job_config, layers, rank_moe_layers)
+    replica_copies = replica_copies_alive(job_config, layers, rank_moe_layers)
+    recomputed = len(rank_moe_layers) - saved
     microbatch = p.pipeline_parallel_microbatch_size if p.pipeline_parallel_degree > 1 else training.local_batch_size
     tokens = microbatch * training.seq_len // p.context_parallel_degree
     if p.tensor_parallel_degree > 1 and p.expert_tensor_parallel_degree == 1:
@@ -81,8 +107,8 @@ def job_shape(job_config, world_size: int) -> JobShape:
     data_parallel = world_size // (p.pipeline_parallel_degree * p.tensor_parallel_degree * p.context_parallel_degree)
     accumulation = max(1, training.global_batch_size // (training.local_batch_size * data_parallel))
     dispatches = accumulation * (training.local_batch_size // microbatch)
-    routed_flops = 6 * len(moe_layers) * moe_args.top_k * per_expert
-    forward_outside_experts = (flops_per_token - routed_flops) / 3 / model_args.n_layers
+    routed_per_layer = 6 * moe_args.top_k * per_expert
+    forward_outside_experts = (flops_per_token - routed_per_layer * len(moe_layers)) / 3 / model_args.n_layers
 
     def element(dtype: str) -> int:
         return torch.empty((), dtype=TORCH_DTYPE_MAP[dtype]).element_size()
@@ -127,9 +153,12 @@ def job_shape(job_config, world_size: int) -> JobShape:
         regather_in_backward=work.regather_in_backward,
         accumulation_steps=accumulation,
     )
+    rank_flops_per_token = flops_per_token * rank_share
     return JobShape(
-        work, len(moe_layers), recomputed, dispatches, flops_per_token * tokens, expert_world, data_parallel_sync,
-        parameter_share, routed_flops / flops_per_token, replica_copies,
+        work, len(rank_moe_layers), recomputed, dispatches, rank_flops_per_token * tokens, expert_world,
+        data_parallel_sync, parameter_share, routed_per_layer * len(rank_moe_layers) / rank_flops_per_token,
+        flops_per_token * tokens / split.degree, replica_copies, pipeline_bubble=split.bubble,
+        in_flight_microbatches=min(split.degree, split.microbatches),
     )
 
 
@@ -144,7 +173,8 @@ def memory_needed(shape: JobShape, ep: int, gathered_expert_bytes: int, buffer_b
     work = shape.work
     state = shape.data_parallel_sync.shard_parameters * STATE_BYTES_PER_PARAMETER
     saved_layers = shape.moe_layers - shape.recomputed_layers
-    rows = work.tokens * work.top_k * rows_ratio * work.hidden * work.activation_bytes * saved_layers if ep > 1 else 0
+    rows = (work.tokens * work.top_k * rows_ratio * work.hidden * work.activation_bytes * saved_layers
+            * shape.in_flight_microbatches if ep > 1 else 0)
     # with replica slots each MoE layer computes from a copy of its home experts beside the replicas, which
     # backward keeps; torchtitan's grouped GEMM saves a bf16 copy of it, so at most 2 bytes count (a bound)
     expert_bytes = work.expert_parameters * min(work.gather_bytes, 2)

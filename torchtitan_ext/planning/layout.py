@@ -66,11 +66,11 @@ class Layout:
     """Which published figures priced this backend's all-to-all on each link (:func:`describe_kernel_rates`)."""
     model_flops: float = 0.0
     """Model FLOPs of one rank's step as torchtitan counts them for its TFLOPS (6 x active parameters +
-    attention, per token; recomputed forwards not counted)."""
+    attention, per token; recomputed forwards not counted): the mean pipeline rank's."""
     memory_bytes: int = 0
     """What one rank needs at least: its shard of parameters, gradients and AdamW state, two layers'
     gathered experts (the one computing and the one FSDP prefetches), the backend's buffer, the
-    dispatched rows kept for backward and, with replica slots, the copy of home and replica experts each
+    dispatched rows kept for backward (of each microbatch a pipeline rank holds in flight) and, with replica slots, the copy of home and replica experts each
     MoE layer computes from. Activations outside the MoE are not counted: a lower bound."""
     link_busy: tuple[tuple[str, float], ...] = ()
     """(link, seconds per step it carries) for each physical link: the EP all-to-alls, expert FSDP's
@@ -81,6 +81,9 @@ class Layout:
     the backend publishes no figure for them: its time there is a lower bound."""
     nominal_fabrics: tuple[str, ...] = ()
     """The fabric of each of ``nominal_links``, in their order."""
+    pipeline_bubble: float = 0.0
+    """The pipeline schedule's idle time over a rank's busy time (:attr:`.PipelineSplit.bubble`): the step
+    stretches the busiest rank's compute and MoE work by 1 + this. 0 without pipeline parallelism."""
     fitted_step_s: float | None = None
     """With ``nominal_links``: the step with them at the rate a fit gives the backend there
     (docs/advisor_fit.toml), the other end of the range the nominal rate opens; None where no fit row covers
@@ -138,16 +141,22 @@ class Layout:
         return max(self.link_busy, key=lambda item: item[1], default=("", 0.0))
 
     @property
+    def pipelined_s(self) -> float:
+        """The busiest rank's compute and MoE work per step, with the pipeline's bubble."""
+        return (self.compute_s + self.moe_s) * (1 + self.pipeline_bubble)
+
+    @property
     def step_s(self) -> float:
-        """Predicted step time: compute, the backend's local work, and the exposed MoE and data-parallel
-        communication (the smaller collectives, the loss's and the gradient norm's all-reduces, are left out);
-        at least the busiest link's traffic, which overlap cannot hide from itself."""
-        return max(self.compute_s + self.moe_s + self.data_parallel_exposed_s, self.busiest_link[1])
+        """Predicted step time: compute, the backend's local work and the exposed MoE communication (with the
+        pipeline's bubble), and the exposed data-parallel communication (the smaller collectives, the loss's and
+        the gradient norm's all-reduces, and the pipeline's sends between stages are left out); at least the
+        busiest link's traffic, which overlap cannot hide from itself."""
+        return max(self.pipelined_s + self.data_parallel_exposed_s, self.busiest_link[1])
 
     @property
     def link_bound(self) -> bool:
         """Whether the busiest link's traffic, not compute and exposed communication, sets the step."""
-        return self.busiest_link[1] > self.compute_s + self.moe_s + self.data_parallel_exposed_s
+        return self.busiest_link[1] > self.pipelined_s + self.data_parallel_exposed_s
 
     @property
     def label(self) -> str:
