@@ -58,6 +58,8 @@ def test_shipped_topologies_load(name):
          "GPUs); 'mnnvl': multi-node NVLink (GB200 NVL72: one NVLink domain across the rack's trays); 'rdma': an RDMA "
          "NIC per GPU (InfiniBand or RoCE) between nodes; or omit it (nominal rates)"),
         ({"memory_GB": 0}, "test.memory_GB = 0.0: use the device memory per worker in GB, > 0, or omit it"),
+        ({"mxfp8_compute_tflops": -1}, "test.mxfp8_compute_tflops = -1.0: use a throughput > 0 (TFLOP/s per worker), "
+                                       "or omit it (MXFP8 GEMMs at compute_tflops)"),
         ({"memory_GB": "80"}, "test.memory_GB = '80': expected a float"),
         ({"ranks_per_group": 9}, "test.ranks_per_group = 9: its innermost level 'node' holds 8 workers: use a count "
                                  "from 1 to 8, or omit it"),
@@ -467,9 +469,8 @@ def test_671b_data_parallel_sync_in_docs_is_the_dense_parameters_over_the_outer_
         assert outer.all_gather_bandwidth_GBps == outer.reduce_scatter_bandwidth_GBps == 50.0
         seconds = (dense * 255 / 256 * (2 + 2 + 4) / 50e9
                    + 3 * (model.model_args.n_layers + 2) * outer.latency_us * 1e-6)
-        compute, sync, exposed = _quoted_in_block(
-            name, f"compute # ms per step at {topology.compute_tflops:g} TFLOP/s; data-parallel sync # ms per step (# "
-                  "exposed)")
+        (compute,) = _quoted_in_block(name, f"compute # ms per step at {topology.compute_tflops:g} TFLOP/s")
+        sync, exposed = _quoted_in_block(name, "data-parallel sync # ms per step (# exposed)")
         assert [sync, exposed] == [_as_shown(sync, seconds * 1e3),
                                    _as_shown(exposed, max(0.0, _number(sync) - _number(compute)))]
 
@@ -483,15 +484,22 @@ def _quoted_in_block(name: str, words: str) -> tuple[str, ...]:
 
 def test_671b_compute_and_tflops_in_docs_are_torchtitans_flops():
     """Compute per step is torchtitan's FLOPs per token (6 x active parameters + attention) for the rank's 4 x 4096
-    tokens, with every layer's forward recomputed (a third of a pass more), at the topology's TFLOP/s; each row's
+    tokens, with every layer's forward recomputed (a third of a pass more), at the topology's TFLOP/s, the routed
+    experts' share at its MXFP8 rate where it gives one (GB200); each row's
     TFLOPS is the tokens' FLOPs (recomputation not counted) over the row's step."""
     model, job_config = _model_671b()
     _, per_token = model.model_args.get_nparams_and_flops(model, job_config.training.seq_len)
     flops = per_token * job_config.training.local_batch_size * job_config.training.seq_len
+    # the job's quantize.grouped_mm.mx runs the routed experts (6 x top_k of 256 experts per token) in MXFP8
+    moe = model.model_args.moe_args
+    routed = sum(p.numel() for name, p in model.named_parameters() if ".moe.experts." in name)
+    mxfp8 = 6 * routed * moe.top_k / moe.num_experts / per_token
     for name, topology in TOPOLOGIES_671B.items():
-        compute, rate = _quoted_in_block(name, "compute # ms per step at # TFLOP/s")
-        assert [compute, rate] == [_as_shown(compute, flops * 4 / 3 / (topology.compute_tflops * 1e12) * 1e3),
-                                   _as_shown(rate, topology.compute_tflops)]
+        compute, rate, share = _quoted_in_block(name, "compute # ms per step at # TFLOP/s, its #% in MXFP8 GEMMs")
+        mxfp8_rate = topology.mxfp8_compute_tflops or topology.compute_tflops
+        seconds = flops * 4 / 3 * ((1 - mxfp8) / topology.compute_tflops + mxfp8 / mxfp8_rate) / 1e12
+        assert [compute, rate, share] == [_as_shown(compute, seconds * 1e3), _as_shown(rate, topology.compute_tflops),
+                                          _as_shown(share, mxfp8 * 100)]
         for key, row in _block_rows(name).items():
             # TFLOPS is rounded to a unit; the step to the ms moves the TFLOPS from it by under 0.1
             assert flops / (_number(row["step ms"]) * 1e-3) / 1e12 == pytest.approx(_number(row["TFLOPS"]), abs=0.6), key
@@ -1170,11 +1178,15 @@ def test_the_shipped_fit_reproduces_its_fit_row_where_the_advisor_as_shipped_ran
     assert "(nominal rate: a bound)" in report[flip + 1] and report[flip + 1].endswith("the faster backend agrees")
     assert report[flip + 2].endswith("the faster backend disagrees")
     assert report[-1] == (
-        "summary: 8 comparisons (1 fit, 7 held out), 2 priced; the faster backend agrees as shipped on 1 of 2 priced "
-        "(1 of 1 held out), with the fit (docs/advisor_fit.toml) on 1 of 2 priced (0 of 1 held out)"
+        "summary: 8 comparisons (1 fit, 7 held out), 4 priced; the faster backend agrees as shipped on 3 of 4 priced "
+        "(3 of 3 held out), with the fit (docs/advisor_fit.toml) on 2 of 4 priced (1 of 3 held out)"
     )
     section = Path("docs/planning.md").read_text().split("### Checked against published comparisons")[1]
     assert section.split("```")[1].strip("\n").splitlines() == report
+    # the prose on the rows priced since pipeline parallelism and MXFP8 quotes the report's figures
+    prose = section.split("Two more held-out rows are priced")[1].split("AWS's four")[0]
+    quoted = re.findall(r"\d[\d,]*\.\d+%?", prose)
+    assert quoted and all(figure.lstrip("+-") in "\n".join(report) for figure in quoted), quoted
 
 
 def test_the_advice_prices_under_a_fit_when_asked(capsys, advice_671b):
@@ -1189,9 +1201,9 @@ def test_the_advice_prices_under_a_fit_when_asked(capsys, advice_671b):
             "torchtitan-2207-dsv3-671b-gb200-ep64)") in out
     assert "ranked below every priced layout" not in out
     # as docs/planning.md quotes it
-    assert "recommended: deepep at EP=16, efsdp=16: 13,045 ms per step, 353 TFLOPS/GPU" in out
-    assert re.search(r" 2 hybridep 16/32 64 4 [\d.]+ [\d.]+ [\d.]+ 1,312 168 13,083 352 ", out)
-    assert re.search(r" 13 nccl 64 4 [\d.]+ [\d.]+ [\d.]+ 5,038 478 17,118 269 ", out)
+    assert "recommended: deepep at EP=16, efsdp=16: 10,517 ms per step, 438 TFLOPS/GPU" in out
+    assert re.search(r" 2 hybridep 16/32 64 4 [\d.]+ [\d.]+ [\d.]+ 1,312 168 10,555 436 ", out)
+    assert re.search(r" 13 nccl 64 4 [\d.]+ [\d.]+ [\d.]+ 5,036 478 14,588 316 ", out)
     with pytest.raises(SystemExit):
         plan.main(["--topology", "hgx_h100_ib", "--world-size", "256", "--fit-from", str(SHIPPED_FIT), *JOB_671B])
     assert capsys.readouterr().err.strip() == (

@@ -159,6 +159,10 @@ def format_advice(
         first = runnable[0]
         if measured_compute is None:
             compute = f"at {topology.compute_tflops:g} TFLOP/s"
+            if first.mxfp8_flop_share:
+                rate = (f"{topology.mxfp8_compute_tflops:g} TFLOP/s" if topology.mxfp8_compute_tflops
+                        else "the same rate (the topology gives no mxfp8_compute_tflops)")
+                compute += f", its {first.mxfp8_flop_share:.0%} in MXFP8 GEMMs at {rate}"
         else:
             compute = (
                 f"measured on this machine ({measured_compute.processes} processes: forward + backward "

@@ -78,7 +78,7 @@ class FittedParameters:
         """``topology`` with its compute scaled, and the fitted link fractions as the advisor's measured rates."""
         scale = self.compute_scale.get(topology.name)
         if scale is not None:
-            topology = replace(topology, compute_tflops=topology.compute_tflops * scale)
+            topology = topology.scaled(scale)
         rates = {}
         for link in self.link_fractions:
             for level, spec in enumerate(topology.levels):

@@ -45,6 +45,11 @@ class JobShape:
     """Under expert replication, :func:`~torchtitan_ext.planning.memory_plan.replica_copies_alive`."""
     pipeline_bubble: float = 0.0
     """The pipeline schedule's idle time over a rank's busy time (:attr:`.PipelineSplit.bubble`), >= 0."""
+    mxfp8_flop_share: float = 0.0
+    """The part of ``pass_flops`` in GEMMs the job's MXFP8 converters quantize (:func:`mxfp8_parameters`), in
+    [0, 1)."""
+    experts_in_mxfp8: bool = False
+    """Whether the routed experts' grouped GEMMs are among them."""
     in_flight_microbatches: int = 1
     """Microbatches whose saved activations the busiest rank holds at once: 1F1B's warm-up on the first
     pipeline rank, min(PP, microbatches); 1 without pipeline parallelism."""
@@ -61,14 +66,39 @@ class JobShape:
         return self.pass_flops * self.dispatches * self.recompute_factor
 
 
+def mxfp8_parameters(job_config):
+    """Whether a parameter's GEMM runs in MXFP8 under the job's converters, as torchtitan 0.2.2 picks them:
+    ``quantize.linear.mx`` each 2-D weight (a linear layer's) with both dims multiples of 16 whose name holds none of
+    its ``filter_fqns``, embeddings apart; ``quantize.grouped_mm.mx`` the routed experts whose name holds one of its ``fqns``."""
+    converters = set(job_config.model.converters)
+    linear = "quantize.linear.mx" in converters
+    skipped = job_config.quantize.linear.mx.filter_fqns
+    grouped = job_config.quantize.grouped_mm.mx.fqns
+    grouped = [fqn for fqn in (grouped.split(",") if isinstance(grouped, str) else grouped) if fqn]
+    grouped_on = "quantize.grouped_mm.mx" in converters
+
+    def in_mxfp8(name: str, parameter, routed: bool) -> bool:
+        if routed:
+            return grouped_on and any(fqn in name for fqn in grouped)
+        return (linear and parameter.ndim == 2 and not name.startswith("tok_embeddings.")
+                and parameter.shape[0] % 16 == 0 and parameter.shape[1] % 16 == 0
+                and not any(fqn in name for fqn in skipped))
+
+    return in_mxfp8
+
+
 def job_shape(job_config, world_size: int) -> JobShape:
     """The job's MoE dims, dtypes and FLOPs, from its model built on the meta device."""
     model = meta_model(job_config)
     model_args = model.model_args
     moe_args = model_args.moe_args
     expert_parameters, dense_parameters, moe_layers = 0, 0, set()
-    # 6 x active parameters per token of each top-level module, as torchtitan counts FLOPs (embeddings apart)
+    # 6 x active parameters per token of each top-level module, as torchtitan counts FLOPs (embeddings apart), and
+    # the part the job's MXFP8 converters run in MXFP8
     module_flops: dict[str, float] = {}
+    module_mxfp8_flops: dict[str, float] = {}
+    in_mxfp8 = mxfp8_parameters(job_config)
+    experts_in_mxfp8 = False
     for name, parameter in model.named_parameters():
         parts = name.split(".")
         module = ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
@@ -79,7 +109,11 @@ def job_shape(job_config, world_size: int) -> JobShape:
         else:
             dense_parameters += parameter.numel()
         active = parameter.numel() * (moe_args.top_k / moe_args.num_experts if routed else 1)
-        module_flops[module] = module_flops.get(module, 0.0) + (0.0 if module == "tok_embeddings" else 6 * active)
+        flops = 0.0 if module == "tok_embeddings" else 6 * active
+        module_flops[module] = module_flops.get(module, 0.0) + flops
+        if in_mxfp8(name, parameter, routed):
+            experts_in_mxfp8 |= routed
+            module_mxfp8_flops[module] = module_mxfp8_flops.get(module, 0.0) + flops
     if not moe_layers:
         raise ConfigError(f"model {job_config.model.name} {job_config.model.flavor} has no MoE layers: nothing to advise")
     per_expert = expert_parameters // len(moe_layers) // moe_args.num_experts
@@ -95,6 +129,7 @@ def job_shape(job_config, world_size: int) -> JobShape:
     total_flops = sum(map(rank_flops, split.rank_modules))
     busiest = max(split.rank_modules, key=rank_flops)
     rank_share = rank_flops(busiest) / total_flops
+    mxfp8_share = sum(module_mxfp8_flops.get(m, 0.0) for m in busiest) / rank_flops(busiest)
     layers = tuple(int(m.split(".")[1]) for m in busiest if m.startswith("layers."))
     rank_moe_layers = tuple(layer for layer in layers if layer in moe_layers)
     saved, _ = saved_moe_layers(job_config, layers, rank_moe_layers)
@@ -158,7 +193,8 @@ def job_shape(job_config, world_size: int) -> JobShape:
         work, len(rank_moe_layers), recomputed, dispatches, rank_flops_per_token * tokens, expert_world,
         data_parallel_sync, parameter_share, routed_per_layer * len(rank_moe_layers) / rank_flops_per_token,
         flops_per_token * tokens / split.degree, replica_copies, pipeline_bubble=split.bubble,
-        in_flight_microbatches=min(split.degree, split.microbatches),
+        in_flight_microbatches=min(split.degree, split.microbatches), mxfp8_flop_share=mxfp8_share,
+        experts_in_mxfp8=experts_in_mxfp8,
     )
 
 

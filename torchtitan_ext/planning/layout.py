@@ -81,6 +81,9 @@ class Layout:
     the backend publishes no figure for them: its time there is a lower bound."""
     nominal_fabrics: tuple[str, ...] = ()
     """The fabric of each of ``nominal_links``, in their order."""
+    mxfp8_flop_share: float = 0.0
+    """The part of the compute's FLOPs in MXFP8 GEMMs (the job's converters), which ``compute_s`` prices at the
+    topology's MXFP8 rate."""
     pipeline_bubble: float = 0.0
     """The pipeline schedule's idle time over a rank's busy time (:attr:`.PipelineSplit.bubble`): the step
     stretches the busiest rank's compute and MoE work by 1 + this. 0 without pipeline parallelism."""

@@ -67,8 +67,9 @@ def advise(
         if prices_replicas:
             check_replayable(routing, replication.adapt_every)
     if measured_compute is None:
-        compute_s = shape.step_flops / (topology.compute_tflops * 1e12)
-        expert_compute_s = compute_s * shape.expert_flop_share
+        compute_s = topology.compute_seconds(shape.step_flops, shape.mxfp8_flop_share)
+        expert_compute_s = topology.compute_seconds(shape.step_flops * shape.expert_flop_share,
+                                                    float(shape.experts_in_mxfp8))
     else:
         passes = shape.dispatches * shape.recompute_factor
         compute_s = measured_compute.step_seconds(passes, shape.parameter_share)
@@ -198,6 +199,7 @@ def advise(
                 buffer_bytes=buffer_bytes,
                 model_flops=shape.model_pass_flops * shape.dispatches,
                 pipeline_bubble=shape.pipeline_bubble,
+                mxfp8_flop_share=0.0 if measured_compute is not None else shape.mxfp8_flop_share,
                 memory_bytes=memory,
                 a2a_level=level_name(links, ep - 1),
                 gather_level=level_name(topology, (efsdp - 1) * ep),

@@ -89,6 +89,11 @@ def pipeline_split(job_config, n_layers: int) -> PipelineSplit:
         stages, n_layers, p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers
     )
     if get_schedule_class(p.pipeline_parallel_schedule) in (ScheduleZBVZeroBubble, ScheduleDualPipeV):
+        if per_rank != 2:
+            raise ConfigError(
+                f"pipeline_parallel_schedule = {p.pipeline_parallel_schedule!r} runs two stages per rank, and the split "
+                f"gives {per_rank}: set parallelism.pipeline_parallel_layers_per_stage for {2 * pp} stages"
+            )
         stage_ids = [(rank, stages - 1 - rank) for rank in range(pp)]
     else:
         stage_ids = [tuple(rank + s * pp for s in range(per_rank)) for rank in range(pp)]

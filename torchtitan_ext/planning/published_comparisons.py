@@ -26,6 +26,11 @@ HIGHER_IS_FASTER = {"TFLOPS/GPU": True, "tokens/s": True, "s/step": False}
 """The metrics a row may report, and whether a larger figure is the faster backend."""
 PREDICTED_METRICS = ("TFLOPS/GPU", "s/step")
 """The metrics the advisor predicts (a priced row must report one of them)."""
+MXFP8_CONVERTERS = ("quantize.linear.mx", "quantize.grouped_mm.mx")
+PRICED_PRECISIONS = {"bf16": (), "mxfp8": MXFP8_CONVERTERS}
+"""The precisions a priced row may state -> the MXFP8 converters its job runs: none in bf16; in mxfp8 every linear
+layer (but the output layer, torchtitan's default filter) and the routed experts' grouped GEMMs, as Megatron's
+MXFP8 recipe quantizes them."""
 TEXT_FIELDS = ("id", "url", "source", "date", "hardware", "model", "parallelism", "batch", "precision",
                "activation_checkpointing", "compared", "metric", "role")
 
@@ -45,6 +50,8 @@ class PricedJob:
     """The published EP degree: each backend's best-priced layout at this degree is the prediction."""
     hf_config: str = ""
     """A Hugging Face config.json (repository path) whose model takes the place of the config's, or ""."""
+    precision: str = "bf16"
+    """The row's precision, one of :data:`PRICED_PRECISIONS`: it sets the job's MXFP8 converters."""
 
     @property
     def train_args(self) -> list[str]:
@@ -121,8 +128,11 @@ def _comparison(row: dict, where: str) -> Comparison:
         for field in ("world_size", "ep"):
             if not isinstance(job.get(field), int) or isinstance(job[field], bool) or job[field] < 1:
                 _refuse(where, f"priced.{field} must be an integer >= 1")
+        if row["precision"] not in PRICED_PRECISIONS:
+            _refuse(where, f"precision '{row['precision']}' of a priced row: the advisor prices "
+                           f"{', '.join(PRICED_PRECISIONS)} (or give 'unpriced' instead)")
         priced = PricedJob(job["config"], tuple(overrides), job["topology"], job["world_size"], job["ep"],
-                           job.get("hf_config", ""))
+                           job.get("hf_config", ""), row["precision"])
         if priced.hf_config:
             register_hf_model(Path(priced.hf_config), f"{where}: priced.hf_config {priced.hf_config}")
     elif not isinstance(row["unpriced"], str) or not row["unpriced"]:
@@ -178,9 +188,14 @@ class Prediction:
 
 
 def job_of(comparison: Comparison):
-    """The comparison's job config, as the advisor reads it (for :func:`predict` to price many times)."""
+    """The comparison's job config, as the advisor reads it (for :func:`predict` to price many times), with the MXFP8
+    converters of the row's precision (:data:`PRICED_PRECISIONS`)."""
     job = comparison.priced
-    return load_job_config(job.train_args, device_type=None, world_size=job.world_size)
+    job_config = load_job_config(job.train_args, device_type=None, world_size=job.world_size)
+    kept = [name for name in job_config.model.converters if name not in MXFP8_CONVERTERS]
+    job_config.model.converters = kept + list(PRICED_PRECISIONS[job.precision])
+    job_config.quantize.grouped_mm.mx.fqns = ["experts"]
+    return job_config
 
 
 def predict(comparison: Comparison, fitted=None, job_config=None) -> Prediction:
@@ -188,6 +203,8 @@ def predict(comparison: Comparison, fitted=None, job_config=None) -> Prediction:
     under ``fitted`` parameters (:class:`~torchtitan_ext.planning.advisor_fit.FittedParameters`); ``job_config``:
     :func:`job_of` the comparison, when the caller has it."""
     job = comparison.priced
+    if job_config is None:
+        job_config = job_of(comparison)
     train_args = job.train_args
     topology, rates = load_topology(job.topology), None
     if fitted is not None:  # by the topology's own name, before its ranks are placed (the levels keep their order)

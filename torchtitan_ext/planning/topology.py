@@ -79,6 +79,20 @@ class Topology:
     group (NVL72 racks: 64 of 72 GPUs, 16 of 18 trays, as torchtitan's published 671B run and the shipped GB200
     configs use them). 1 .. that level's workers; ``plan --ranks-per-group`` overrides it. None: such a world
     size is refused."""
+    mxfp8_compute_tflops: float | None = None
+    """Achieved dense MXFP8 matrix-multiply throughput of one worker, in TFLOP/s, for the GEMMs a job's
+    ``quantize.linear.mx`` and ``quantize.grouped_mm.mx`` converters run in MXFP8. > 0. None: the worker has no
+    MXFP8 rate given, and those GEMMs are priced at ``compute_tflops``."""
+
+    def compute_seconds(self, flops: float, mxfp8_share: float = 0.0) -> float:
+        """Seconds of ``flops``, ``mxfp8_share`` of them in MXFP8 GEMMs (at ``mxfp8_compute_tflops`` where given)."""
+        mxfp8 = self.mxfp8_compute_tflops or self.compute_tflops
+        return flops * ((1 - mxfp8_share) / self.compute_tflops + mxfp8_share / mxfp8) / 1e12
+
+    def scaled(self, scale: float) -> "Topology":
+        """This topology with each compute rate times ``scale`` (a fit's achieved share of them)."""
+        mxfp8 = None if self.mxfp8_compute_tflops is None else self.mxfp8_compute_tflops * scale
+        return replace(self, compute_tflops=self.compute_tflops * scale, mxfp8_compute_tflops=mxfp8)
 
     def group_sizes(self, world_size: int) -> list[int]:
         """Ranks in one group of each level for a job of ``world_size`` ranks; the last is the job.
@@ -157,7 +171,7 @@ class Topology:
         raise ValueError(f"ranks {rank_a} and {rank_b} are outside a job of {sizes[-1]} ranks")
 
 
-TOP_KEYS = {"name", "compute_tflops", "overlap", "levels", "memory_GB", "memory_bandwidth_GBps", "ranks_per_group"}
+TOP_KEYS = {"name", "compute_tflops", "mxfp8_compute_tflops", "overlap", "levels", "memory_GB", "memory_bandwidth_GBps", "ranks_per_group"}
 LEVEL_KEYS = {"name", "workers", "bandwidth_GBps", "latency_us", "all_gather_bandwidth_GBps",
               "reduce_scatter_bandwidth_GBps", "fabric"}
 
@@ -198,6 +212,12 @@ def parse_topology(data: dict, source: str) -> Topology:
     compute = _field(data, "compute_tflops", float, source)
     if compute <= 0:
         raise ConfigError(f"{source}.compute_tflops = {compute}: use a throughput > 0 (TFLOP/s per worker)")
+    mxfp8 = data.get("mxfp8_compute_tflops")
+    if mxfp8 is not None:
+        mxfp8 = _field(data, "mxfp8_compute_tflops", float, source)
+        if mxfp8 <= 0:
+            raise ConfigError(f"{source}.mxfp8_compute_tflops = {mxfp8}: use a throughput > 0 (TFLOP/s per worker), "
+                              "or omit it (MXFP8 GEMMs at compute_tflops)")
     overlap = _field(data, "overlap", bool, source)
     memory = data.get("memory_GB")
     if memory is not None:
@@ -253,7 +273,7 @@ def parse_topology(data: dict, source: str) -> Topology:
             raise ConfigError(f"{source}.ranks_per_group = {ranks_per_group}: its innermost level '{inner.name}' holds "
                               f"{inner.workers} workers: use a count from 1 to {inner.workers}, or omit it")
     name = _field(data, "name", str, source, default=source)
-    return Topology(name, compute, overlap, tuple(levels), memory, memory_bandwidth, ranks_per_group)
+    return Topology(name, compute, overlap, tuple(levels), memory, memory_bandwidth, ranks_per_group, mxfp8)
 
 
 def load_topology(spec: str) -> Topology:
