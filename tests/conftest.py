@@ -65,6 +65,12 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(line)
 
 
+def pytest_configure(config):
+    # matplotlib lists the machine's fonts with a process (fc-list) the first time it is imported where it has no
+    # font cache yet: done here, before any test, so that an unmarked test that plots does not start it
+    import matplotlib.font_manager  # noqa: F401
+
+
 def _refuse_process_start(*args, **kwargs):
     raise AssertionError("this test starts a process: mark it @pytest.mark.slow (./test.sh --fast runs only "
                          "tests that start none)")

@@ -118,6 +118,13 @@ def _load(*overrides, device_type="cpu", world_size=2):
          "'DualPipeV' overlapping expert parallelism cannot run with activation_checkpoint.mode = 'full'"),
         (("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "DualPipeV"),
          "overlaps expert parallelism on CUDA streams, which a CPU does not have"),
+        (("--parallelism.pipeline_parallel_degree", "2", "--parallelism.expert_parallel_degree", "1",
+          "--parallelism.pipeline_parallel_microbatch_size", "4"),
+         "pipeline_parallel_schedule = '1F1B' needs at least as many microbatches as its 2 stages, but "
+         "training.local_batch_size = 4 / pipeline_parallel_microbatch_size = 4 gives 1: raise local_batch_size to 8"),
+        (("--parallelism.pipeline_parallel_degree", "2", "--parallelism.expert_parallel_degree", "1",
+          "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", "--training.local_batch_size", "5"),
+         "gives 5, not a multiple of its 2 rounds"),
         (("--training.dataset_path", "/data/c4"),
          "training.dataset_path = '/data/c4' but training.dataset = 'stdlib_code', the embedded corpus"),
         (("--training.stepz", "3"), "unknown config key 'training.stepz' in the command line: did you mean 'steps'?"),

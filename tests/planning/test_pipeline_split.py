@@ -57,3 +57,10 @@ def test_a_pipelined_job_is_priced_by_its_busiest_rank_and_its_bubble():
     best = layouts[0]
     assert best.step_s >= (best.compute_s + best.moe_s) * (1 + 1 / 8)
     assert best.tflops_per_gpu == pytest.approx(piped.model_pass_flops * piped.dispatches / best.step_s / 1e12)
+
+
+def test_fewer_microbatches_than_ranks_leave_an_interleaved_rank_waiting_between_its_chunks():
+    # one microbatch, PP=2, V=2: (PP - 1 + (V - 1)(PP - m)) / (V m) = (1 + 1) / 2
+    job = _job(*PIPELINED, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+               "--parallelism.pipeline_parallel_microbatch_size", "4")
+    assert pipeline_split(job, 6).bubble == pytest.approx(1.0)

@@ -98,6 +98,27 @@ def _check_pipeline(job_config, device_type: str | None) -> None:
         )
 
 
+def _check_microbatches(p, local_batch: int, microbatches: int) -> None:
+    """What torch's 1F1B and interleaved schedules refuse when they are built (torch 2.13 ``schedules.py``)."""
+    pp, schedule = p.pipeline_parallel_degree, p.pipeline_parallel_schedule
+    if pp == 1:
+        return
+    size = p.pipeline_parallel_microbatch_size
+    if schedule.lower() == "1f1b" and microbatches < pp:
+        raise ConfigError(
+            f"pipeline_parallel_schedule = '1F1B' needs at least as many microbatches as its {pp} stages, but "
+            f"training.local_batch_size = {local_batch} / pipeline_parallel_microbatch_size = {size} gives "
+            f"{microbatches}: raise local_batch_size to {pp * size} or more"
+        )
+    rounds = max(1, microbatches // pp)
+    if schedule.lower() in ("interleaved1f1b", "interleavedzerobubble") and microbatches % rounds:
+        raise ConfigError(
+            f"pipeline_parallel_schedule = {schedule!r} runs microbatches in rounds of {pp}, and training.local_batch_size "
+            f"= {local_batch} / pipeline_parallel_microbatch_size = {size} gives {microbatches}, not a multiple of its "
+            f"{rounds} rounds: use a local_batch_size giving a multiple of {pp} microbatches"
+        )
+
+
 def _check_world_size(job_config, world_size: int) -> None:
     p = job_config.parallelism
     fixed = p.data_parallel_replicate_degree * p.context_parallel_degree
@@ -145,6 +166,7 @@ def _check_world_size(job_config, world_size: int) -> None:
             f"{p.pipeline_parallel_microbatch_size} gives {microbatches}: raise local_batch_size to "
             f"{stages * p.pipeline_parallel_microbatch_size} or more"
         )
+    _check_microbatches(p, local_batch, microbatches)
     if ep == 1:
         return
     if etp not in (1, tp):

@@ -4,6 +4,7 @@ step (:class:`JobShape`, from the model built on the meta device), and the memor
 from dataclasses import dataclass
 
 import torch
+from torchtitan.components.quantization.utils import module_filter_fn
 from torchtitan.config import TORCH_DTYPE_MAP
 
 from torchtitan_ext.config import ConfigError, meta_model
@@ -18,8 +19,8 @@ class JobShape:
 
     work: MoEWorkload
     moe_layers: int
-    """MoE layers the busiest rank runs: all of the model's without pipeline parallelism, else those of the
-    pipeline rank with the most FLOPs (:mod:`.pipeline_split`)."""
+    """MoE layers the busiest rank runs: all of the model's without pipeline parallelism, else the most any
+    pipeline rank runs (:mod:`.pipeline_split`; with ``pass_flops``, an upper bound where two ranks hold them)."""
     recomputed_layers: int
     """MoE layers whose forward activation checkpointing recomputes in backward, collectives
     included (those whose dispatched rows are not saved)."""
@@ -66,25 +67,21 @@ class JobShape:
         return self.pass_flops * self.dispatches * self.recompute_factor
 
 
-def mxfp8_parameters(job_config):
-    """Whether a parameter's GEMM runs in MXFP8 under the job's converters, as torchtitan 0.2.2 picks them:
-    ``quantize.linear.mx`` each 2-D weight (a linear layer's) with both dims multiples of 16 whose name holds none of
-    its ``filter_fqns``, embeddings apart; ``quantize.grouped_mm.mx`` the routed experts whose name holds one of its ``fqns``."""
+def mxfp8_parameters(job_config, model) -> set[str]:
+    """The parameters whose GEMMs run in MXFP8 under the job's converters, by the modules torchtitan 0.2.2 converts:
+    ``quantize.linear.mx`` each ``nn.Linear`` its ``module_filter_fn`` keeps (both dims multiples of 16, no
+    ``filter_fqns`` in the module's name); ``quantize.grouped_mm.mx`` the routed experts' weights in a module whose
+    name holds one of its ``fqns`` (what a grouped GEMM reads; other matches run as before)."""
     converters = set(job_config.model.converters)
-    linear = "quantize.linear.mx" in converters
-    skipped = job_config.quantize.linear.mx.filter_fqns
-    grouped = job_config.quantize.grouped_mm.mx.fqns
-    grouped = [fqn for fqn in (grouped.split(",") if isinstance(grouped, str) else grouped) if fqn]
-    grouped_on = "quantize.grouped_mm.mx" in converters
-
-    def in_mxfp8(name: str, parameter, routed: bool) -> bool:
-        if routed:
-            return grouped_on and any(fqn in name for fqn in grouped)
-        return (linear and parameter.ndim == 2 and not name.startswith("tok_embeddings.")
-                and parameter.shape[0] % 16 == 0 and parameter.shape[1] % 16 == 0
-                and not any(fqn in name for fqn in skipped))
-
-    return in_mxfp8
+    mx = job_config.quantize
+    picked = set()
+    for fqn, module in model.named_modules():
+        if "quantize.linear.mx" in converters and module_filter_fn(module, fqn, mx.linear.mx.filter_fqns):
+            picked.add(f"{fqn}.weight")
+        if "quantize.grouped_mm.mx" in converters and any(target in fqn for target in mx.grouped_mm.mx.fqns):
+            picked.update(f"{fqn}.{name}" for name, _ in module.named_parameters(recurse=False)
+                          if ".moe.experts." in f".{fqn}.{name}")
+    return picked
 
 
 def job_shape(job_config, world_size: int) -> JobShape:
@@ -97,7 +94,7 @@ def job_shape(job_config, world_size: int) -> JobShape:
     # the part the job's MXFP8 converters run in MXFP8
     module_flops: dict[str, float] = {}
     module_mxfp8_flops: dict[str, float] = {}
-    in_mxfp8 = mxfp8_parameters(job_config)
+    mxfp8_names = mxfp8_parameters(job_config, model)
     experts_in_mxfp8 = False
     for name, parameter in model.named_parameters():
         parts = name.split(".")
@@ -111,7 +108,7 @@ def job_shape(job_config, world_size: int) -> JobShape:
         active = parameter.numel() * (moe_args.top_k / moe_args.num_experts if routed else 1)
         flops = 0.0 if module == "tok_embeddings" else 6 * active
         module_flops[module] = module_flops.get(module, 0.0) + flops
-        if in_mxfp8(name, parameter, routed):
+        if name in mxfp8_names:
             experts_in_mxfp8 |= routed
             module_mxfp8_flops[module] = module_mxfp8_flops.get(module, 0.0) + flops
     if not moe_layers:
@@ -129,8 +126,14 @@ def job_shape(job_config, world_size: int) -> JobShape:
     total_flops = sum(map(rank_flops, split.rank_modules))
     busiest = max(split.rank_modules, key=rank_flops)
     rank_share = rank_flops(busiest) / total_flops
+
+    def moe_layers_of(modules) -> int:
+        return sum(m.startswith("layers.") and int(m.split(".")[1]) in moe_layers for m in modules)
+
+    # the MoE work of the rank with the most MoE layers (the output layer may make another rank's FLOPs the most)
+    busiest_moe = max(split.rank_modules, key=moe_layers_of)
     mxfp8_share = sum(module_mxfp8_flops.get(m, 0.0) for m in busiest) / rank_flops(busiest)
-    layers = tuple(int(m.split(".")[1]) for m in busiest if m.startswith("layers."))
+    layers = tuple(int(m.split(".")[1]) for m in busiest_moe if m.startswith("layers."))
     rank_moe_layers = tuple(layer for layer in layers if layer in moe_layers)
     saved, _ = saved_moe_layers(job_config, layers, rank_moe_layers)
     replica_copies = replica_copies_alive(job_config, layers, rank_moe_layers)
