@@ -206,30 +206,28 @@ def _bandwidth(table: dict, key: str, where: str, default: float | None = None) 
     return value
 
 
+def _optional_positive(table: dict, key: str, where: str, fix: str) -> float | None:
+    """``table[key]`` as a float > 0, or None where it is left out; else a ConfigError naming it and ``fix``."""
+    if key not in table:
+        return None
+    value = _field(table, key, float, where)
+    if value <= 0:
+        raise ConfigError(f"{where}.{key} = {value}: {fix}")
+    return value
+
+
 def parse_topology(data: dict, source: str) -> Topology:
     """A Topology from a TOML document's table; every bad field is a ConfigError naming it."""
     _check_keys(data, TOP_KEYS, source)
     compute = _field(data, "compute_tflops", float, source)
     if compute <= 0:
         raise ConfigError(f"{source}.compute_tflops = {compute}: use a throughput > 0 (TFLOP/s per worker)")
-    mxfp8 = data.get("mxfp8_compute_tflops")
-    if mxfp8 is not None:
-        mxfp8 = _field(data, "mxfp8_compute_tflops", float, source)
-        if mxfp8 <= 0:
-            raise ConfigError(f"{source}.mxfp8_compute_tflops = {mxfp8}: use a throughput > 0 (TFLOP/s per worker), "
-                              "or omit it (MXFP8 GEMMs at compute_tflops)")
+    mxfp8 = _optional_positive(data, "mxfp8_compute_tflops", source,
+                               "use a throughput > 0 (TFLOP/s per worker), or omit it (MXFP8 GEMMs at compute_tflops)")
     overlap = _field(data, "overlap", bool, source)
-    memory = data.get("memory_GB")
-    if memory is not None:
-        memory = _field(data, "memory_GB", float, source)
-        if memory <= 0:
-            raise ConfigError(f"{source}.memory_GB = {memory}: use the device memory per worker in GB, > 0, or omit it")
-    memory_bandwidth = data.get("memory_bandwidth_GBps")
-    if memory_bandwidth is not None:
-        memory_bandwidth = _field(data, "memory_bandwidth_GBps", float, source)
-        if memory_bandwidth <= 0:
-            raise ConfigError(f"{source}.memory_bandwidth_GBps = {memory_bandwidth}: use the device memory bandwidth "
-                              "per worker in GB/s, > 0, or omit it")
+    memory = _optional_positive(data, "memory_GB", source, "use the device memory per worker in GB, > 0, or omit it")
+    memory_bandwidth = _optional_positive(data, "memory_bandwidth_GBps", source,
+                                          "use the device memory bandwidth per worker in GB/s, > 0, or omit it")
     tables = data.get("levels")
     if not isinstance(tables, list) or not tables:
         raise ConfigError(f"{source}.levels is missing or empty: add one [[levels]] table per level, innermost first")
