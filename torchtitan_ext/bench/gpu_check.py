@@ -12,10 +12,12 @@ Stages, each reported whatever the others did (a stage past the time budget is s
    counts must be equal), the passes budgeted no host sync run under ``torch.cuda.set_sync_debug_mode("error")``;
 4. a CUDA-graph capture of one MoE call's forward for each backend whose budget claims a sync-free layer (no host
    sync, no host-to-device copy), replayed against the same call run eagerly;
-5. bench ep on CUDA: each backend's dispatch and combine at EP = 1 (local work alone, no traffic);
-6. a DeepSeek-V3-16B-shaped training step (flavour "16B_4layers"), ours against upstream torchtitan 0.2.2, as
+5. the replica slots' weight concatenation against the routed experts' GEMMs at DeepSeek-V3 671B's shape on one
+   rank at EP = 64 (forward and backward, median milliseconds, in one process);
+6. bench ep on CUDA: each backend's dispatch and combine at EP = 1 (local work alone, no traffic);
+7. a DeepSeek-V3-16B-shaped training step (flavour "16B_4layers"), ours against upstream torchtitan 0.2.2, as
    a ratio in one run;
-7. torch.compile (inductor) of the debug model: two training steps.
+8. torch.compile (inductor) of the debug model: two training steps.
 
 Writes ``gpu_check.json`` into ``--out``, and a table of the stages with the device and the date to
 ``--markdown`` (docs/benchmarks.md). ``--dry-run`` prints the stages' commands without running them (any machine).
@@ -63,6 +65,7 @@ def stages(out: Path) -> list[Stage]:
                             "no:cacheprovider", "tests/ep/test_deep_ep.py"], 150),
         _function_stage("ledger cuda vs cpu", "ledger_on_cuda_and_cpu", 120),
         _function_stage("cuda graph capture", "cuda_graph_capture", 120),
+        _function_stage("replica weights copy", "replica_copy_cost", 90),
         Stage("bench ep", [python, "-m", "torchtitan_ext.bench", "ep", "--nproc", "1", "--tokens", "4096", "16384",
                            "--hidden", "2048", "--experts", "64", "--top-k", "6", "--dtype", "bfloat16", "--warmup",
                            "3", "--iters", "10", "--no-progress", "--backends", *VARIANTS, "upstream", "--json",
@@ -239,6 +242,69 @@ def cuda_graph_capture() -> dict:
     finally:
         dist.destroy_process_group()
     return results
+
+
+REPLICA_SHAPE = dict(dim=7168, hidden_dim=2048, home_experts=4, slots=2, rows=4 * 4096 * 8)
+"""DeepSeek-V3 671B's routed experts on one rank of train_configs/deepseek_v3_671b_gb200.toml (EP=64: 4 home
+experts) with 2 replica slots, and the rows that job's 4 x 4,096 tokens per rank route at top-8."""
+
+
+def replica_copy_cost(iters: int = 10) -> dict:
+    """Milliseconds (median of ``iters`` after warm-up) of the routed experts' forward and backward at
+    :data:`REPLICA_SHAPE` in bf16, with the replica slots' weights built as ``ExpertsWithReplicas`` builds them
+    (the home experts concatenated with the fetched slots), against the same grouped GEMMs on weights that are
+    already one tensor; and the concatenation alone. The rows are spread evenly over the L + S groups."""
+    import torch
+    from torchtitan.models.moe.moe import _run_experts_grouped_mm
+
+    from torchtitan_ext.ep.replicated_experts import weights_with_replicas
+
+    shape = REPLICA_SHAPE
+    experts = shape["home_experts"] + shape["slots"]
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    sizes = [(shape["hidden_dim"], shape["dim"]), (shape["dim"], shape["hidden_dim"]), (shape["hidden_dim"], shape["dim"])]
+    home = [(torch.randn(shape["home_experts"], *size, device=device, dtype=dtype) * 0.02).requires_grad_()
+            for size in sizes]
+    fetched = (torch.randn(shape["slots"], sum(a * b for a, b in sizes), device=device, dtype=dtype) * 0.02
+               ).requires_grad_()
+    whole = [(torch.randn(experts, *size, device=device, dtype=dtype) * 0.02).requires_grad_() for size in sizes]
+    counts = torch.full((experts,), shape["rows"] // experts, device=device, dtype=torch.int64)
+    x = torch.randn(int(counts.sum()), shape["dim"], device=device, dtype=dtype)
+    grad = torch.randn_like(x)
+
+    def with_copy():
+        _run_experts_grouped_mm(*weights_with_replicas(home, fetched, shape["slots"]), x, counts).backward(grad)
+
+    def without_copy():
+        _run_experts_grouped_mm(*whole, x, counts).backward(grad)
+
+    def copy_alone():
+        with torch.no_grad():
+            weights_with_replicas(home, fetched, shape["slots"])
+
+    def median_ms(step) -> float:
+        for _ in range(3):
+            step()
+        times = []
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return round(sorted(times)[len(times) // 2], 3)
+
+    torch.cuda.set_device(0)
+    # interleaved, so clocks and the allocator's state are shared between the arms
+    timed = {name: [] for name in ("with_copy_ms", "without_copy_ms", "copy_alone_ms")}
+    for _ in range(3):
+        for name, step in zip(timed, (with_copy, without_copy, copy_alone)):
+            timed[name].append(median_ms(step))
+    result = {name: sorted(values)[1] for name, values in timed.items()}
+    result["copied_mb"] = round(sum(w.numel() for w in whole) * 2 / 1e6, 1)
+    result["with_over_without"] = round(result["with_copy_ms"] / result["without_copy_ms"], 4)
+    return result
 
 
 def markdown(report: dict, command: str) -> str:

@@ -82,6 +82,14 @@ def _refuse_unkeepable_weights(experts: GroupedExperts) -> None:
             )
 
 
+def weights_with_replicas(home: list[torch.Tensor], fetched: torch.Tensor, slots: int) -> list[torch.Tensor]:
+    """w1, w2, w3 of the L home experts followed by the ``slots`` fetched ones (``fetched``: one row of w1, w2 and
+    w3 flattened per slot), in the home weights' tensor subclass. The home experts are copied: a grouped GEMM takes
+    one 3-D weight whose groups start at its first row."""
+    pieces = fetched.split([w[0].numel() for w in home], dim=1)
+    return [_like_home(torch.cat([w, piece.view(slots, *w.shape[1:])]), w) for w, piece in zip(home, pieces)]
+
+
 def redundancy_mapping(plan: ReplicaPlan) -> list[int]:
     """The plan's replica slots, rank after rank: each one's home slot, -1 when unused."""
     return [home for held in plan.replicas for home in held]
@@ -144,9 +152,7 @@ class ExpertsWithReplicas(GroupedExperts):
             home, *self._exchange_on(home[0].device), self.redundancy_mapping, self.slots,
             _get_process_group_name(self.group),
         )
-        pieces = fetched.split([w[0].numel() for w in home], dim=1)
-        w1, w2, w3 = (_like_home(torch.cat([w, piece.view(self.slots, *w.shape[1:])]), w)
-                      for w, piece in zip(home, pieces))
+        w1, w2, w3 = weights_with_replicas(home, fetched, self.slots)
         if self.use_grouped_mm:
             return _run_experts_grouped_mm(w1, w2, w3, x, num_tokens_per_expert)
         return _run_experts_for_loop(w1, w2, w3, x, num_tokens_per_expert)
