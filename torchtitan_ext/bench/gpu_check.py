@@ -262,7 +262,8 @@ def replica_copy_cost(iters: int = 10) -> dict:
     shape = REPLICA_SHAPE
     experts = shape["home_experts"] + shape["slots"]
     device, dtype = torch.device("cuda"), torch.bfloat16
-    sizes = [(shape["hidden_dim"], shape["dim"]), (shape["dim"], shape["hidden_dim"]), (shape["hidden_dim"], shape["dim"])]
+    up, down = (shape["hidden_dim"], shape["dim"]), (shape["dim"], shape["hidden_dim"])
+    sizes = [up, down, up]  # w1, w2, w3
     home = [(torch.randn(shape["home_experts"], *size, device=device, dtype=dtype) * 0.02).requires_grad_()
             for size in sizes]
     fetched = (torch.randn(shape["slots"], sum(a * b for a, b in sizes), device=device, dtype=dtype) * 0.02
