@@ -62,7 +62,7 @@ def stages(out: Path) -> list[Stage]:
     return [
         _function_stage("environment", "environment", 60),
         Stage("gpu tests", [python, "-m", "pytest", "-m", "deep_ep or gpu", "-rs", "-q", "-n", "0", "-p",
-                            "no:cacheprovider", "tests/ep/test_deep_ep.py"], 150),
+                            "no:cacheprovider", "tests/ep/test_deep_ep.py"], 240),
         _function_stage("ledger cuda vs cpu", "ledger_on_cuda_and_cpu", 120),
         _function_stage("cuda graph capture", "cuda_graph_capture", 120),
         _function_stage("replica weights copy", "replica_copy_cost", 90),
@@ -77,7 +77,7 @@ def stages(out: Path) -> list[Stage]:
             "--model.flavor", "16B_4layers", "--parallelism.expert_parallel_degree", "1",
             "--parallelism.expert_parallel_comm_backend", "nccl",
             "--training.dataset", "stdlib_code", "--model.hf_assets_path", "./assets/embedded",
-            "--training.local_batch_size", "2", "--compile.no-enable"], 180),
+            "--training.local_batch_size", "2", "--compile.no-enable"], 300),
         Stage("inductor compile, debug model", [
             python, "-m", "torch.distributed.run", "--nproc_per_node", "1", "-m", "torchtitan_ext.train",
             "--job.config_file", "train_configs/debug_model.toml",
