@@ -1,5 +1,7 @@
 """The one-GPU check on a CPU: what it would run (its dry run), its refusal to run, and the table it appends."""
 
+import sys
+
 import pytest
 
 from torchtitan_ext.bench import gpu_check
@@ -56,3 +58,12 @@ def test_a_failed_stage_shows_the_line_that_says_what_failed_not_its_last_step()
     output = "step:  1  loss:  8.1\n[rank0]: Traceback\n[rank0]: torch._dynamo.exc.BackendCompilerFailed: boom\n"
     assert gpu_check.summary({"status": 1, "output": output}) == "[rank0]: torch._dynamo.exc.BackendCompilerFailed: boom"
     assert gpu_check.summary({"status": 0, "output": output.split("[rank0]")[0] + "warning\n"}) == "step:  1  loss:  8.1"
+
+
+@pytest.mark.slow
+def test_a_stage_stopped_at_its_limit_reports_what_both_streams_held():
+    code = "import sys, time; print('step 3 of 16', flush=True); print('loading', file=sys.stderr, flush=True); " \
+           "time.sleep(60)"
+    report = gpu_check._run(gpu_check.Stage("slow", [sys.executable, "-c", code], timeout_s=3))
+    assert report["status"] == "timeout"
+    assert report["output"] == "step 3 of 16\nloading\n"

@@ -92,7 +92,10 @@ def _run(stage: Stage) -> dict:
     try:
         done = subprocess.run(stage.command, cwd=ROOT, capture_output=True, text=True, timeout=stage.timeout_s)
     except subprocess.TimeoutExpired as e:
-        return {"status": "timeout", "seconds": stage.timeout_s, "output": str(e.output or "")[-6000:]}
+        # what both streams held when the stage was stopped (bytes: the pipes' partial reads)
+        partial = "".join(part.decode(errors="replace") if isinstance(part, bytes) else part
+                          for part in (e.stdout or "", e.stderr or ""))
+        return {"status": "timeout", "seconds": stage.timeout_s, "output": partial[-6000:]}
     report = {"status": done.returncode, "seconds": round(time.monotonic() - started, 1),
               "output": (done.stdout + done.stderr)[-6000:]}
     results = [line.removeprefix(RESULT) for line in done.stdout.splitlines() if line.startswith(RESULT)]
