@@ -80,5 +80,10 @@ def job_config_class() -> type:
 @functools.cache
 def _merged(sections: tuple[tuple[str, type], ...]) -> type:
     ours = make_dataclass("JobConfig", [(name, cls, field(default_factory=cls)) for name, cls in sections])
-    return ConfigManager._merge_configs(TorchTitanJobConfig, ours)
+    merged = ConfigManager._merge_configs(TorchTitanJobConfig, ours)
+    # tyro looks for each section's docstring in the class's source on every parse, and a class made at run time
+    # has none: inspect searches its module's file for it, this short one rather than the standard library's
+    # types.py (8 ms a search, a search per section, every parse)
+    merged.__module__ = __name__
+    return merged
 
