@@ -7,6 +7,7 @@ closest valid one), ill-typed values and a missing or malformed file raise
 """
 
 import difflib
+import functools
 import importlib
 import math
 import types
@@ -45,10 +46,25 @@ def parse_job_config(args: list[str], config_cls) -> tuple[Any, set[str]]:
                               "give an importable module that defines JobConfig") from None
         if not hasattr(custom, "JobConfig"):
             raise ConfigError(f"job.custom_config_module = '{custom_module}' defines no JobConfig: add one")
-        config_cls = ConfigManager._merge_configs(config_cls, custom.JobConfig)
+        config_cls = _merged_with(config_cls, custom.JobConfig)
     _check_toml(config_cls, toml_values, config_file)
     _check_cli(config_cls, args)
-    return ConfigManager(config_cls=config_cls).parse_args(args), _explicit_settings(toml_values, args)
+    return _config_manager(config_cls).parse_args(args), _explicit_settings(toml_values, args)
+
+
+@functools.cache
+def _config_manager(config_cls) -> ConfigManager:
+    """One ConfigManager per config class: each one built registers torchtitan's list-of-strings rule with tyro once
+    more, in the one registry every later parse runs every copy of (a process that parsed N configs paid N copies
+    per field)."""
+    return ConfigManager(config_cls=config_cls)
+
+
+@functools.cache
+def _merged_with(config_cls, custom_cls) -> type:
+    """``config_cls`` merged with a custom config module's JobConfig, once per pair (a parse's class is its
+    manager's key)."""
+    return ConfigManager._merge_configs(config_cls, custom_cls)
 
 
 def _config_file_from_args(args: list[str]) -> str | None:
