@@ -25,8 +25,11 @@ Writes ``gpu_check.json`` into ``--out``, and a table of the stages with the dev
 
 import argparse
 import json
+import os
 import re
 import shlex
+import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -89,16 +92,19 @@ def stages(out: Path) -> list[Stage]:
 def _run(stage: Stage) -> dict:
     """A stage's status, seconds, the end of its output and, for a function stage, its result."""
     started = time.monotonic()
-    try:
-        done = subprocess.run(stage.command, cwd=ROOT, capture_output=True, text=True, timeout=stage.timeout_s)
-    except subprocess.TimeoutExpired as e:
-        # what both streams held when the stage was stopped (bytes: the pipes' partial reads)
-        partial = "".join(part.decode(errors="replace") if isinstance(part, bytes) else part
-                          for part in (e.stdout or "", e.stderr or ""))
-        return {"status": "timeout", "seconds": stage.timeout_s, "output": partial[-6000:]}
-    report = {"status": done.returncode, "seconds": round(time.monotonic() - started, 1),
-              "output": (done.stdout + done.stderr)[-6000:]}
-    results = [line.removeprefix(RESULT) for line in done.stdout.splitlines() if line.startswith(RESULT)]
+    # its own session: a stage stopped at its limit is stopped with every process it started (torchrun's workers
+    # would hold the GPU through the next stages)
+    with subprocess.Popen(stage.command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=stage.timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            stdout, stderr = process.communicate()
+            return {"status": "timeout", "seconds": stage.timeout_s, "output": (stdout + stderr)[-6000:]}
+    report = {"status": process.returncode, "seconds": round(time.monotonic() - started, 1),
+              "output": (stdout + stderr)[-6000:]}
+    results = [line.removeprefix(RESULT) for line in stdout.splitlines() if line.startswith(RESULT)]
     if results:
         report["result"] = json.loads(results[-1])
     return report
@@ -253,10 +259,11 @@ experts) with 2 replica slots, and the rows that job's 4 x 4,096 tokens per rank
 
 
 def replica_copy_cost(iters: int = 10) -> dict:
-    """Milliseconds (median of ``iters`` after warm-up) of the routed experts' forward and backward at
-    :data:`REPLICA_SHAPE` in bf16, with the replica slots' weights built as ``ExpertsWithReplicas`` builds them
-    (the home experts concatenated with the fetched slots), against the same grouped GEMMs on weights that are
-    already one tensor; and the concatenation alone. The rows are spread evenly over the L + S groups."""
+    """Milliseconds (median of ``iters`` after warm-up) of the routed experts' forward and backward (the rows' and
+    the weights' gradients) at :data:`REPLICA_SHAPE` in bf16, with the replica slots' weights built as
+    ``ExpertsWithReplicas`` builds them (the home experts concatenated with the fetched slots), against the same
+    grouped GEMMs on weights that are already one tensor; and the concatenation's forward alone. The rows are
+    spread evenly over the L + S groups (the remainder dropped)."""
     import torch
     from torchtitan.models.moe.moe import _run_experts_grouped_mm
 
@@ -264,6 +271,7 @@ def replica_copy_cost(iters: int = 10) -> dict:
 
     shape = REPLICA_SHAPE
     experts = shape["home_experts"] + shape["slots"]
+    torch.cuda.set_device(0)
     device, dtype = torch.device("cuda"), torch.bfloat16
     up, down = (shape["hidden_dim"], shape["dim"]), (shape["dim"], shape["hidden_dim"])
     sizes = [up, down, up]  # w1, w2, w3
@@ -273,8 +281,9 @@ def replica_copy_cost(iters: int = 10) -> dict:
                ).requires_grad_()
     whole = [(torch.randn(experts, *size, device=device, dtype=dtype) * 0.02).requires_grad_() for size in sizes]
     counts = torch.full((experts,), shape["rows"] // experts, device=device, dtype=torch.int64)
-    x = torch.randn(int(counts.sum()), shape["dim"], device=device, dtype=dtype)
+    x = torch.randn(int(counts.sum()), shape["dim"], device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn_like(x)
+    leaves = [*home, fetched, *whole, x]
 
     def with_copy():
         _run_experts_grouped_mm(*weights_with_replicas(home, fetched, shape["slots"]), x, counts).backward(grad)
@@ -291,21 +300,23 @@ def replica_copy_cost(iters: int = 10) -> dict:
             step()
         times = []
         for _ in range(iters):
+            for leaf in leaves:  # as a training step's gradients start (set to None): no accumulation timed
+                leaf.grad = None
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             step()
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
-        return round(sorted(times)[len(times) // 2], 3)
+        return round(statistics.median(times), 3)
 
-    torch.cuda.set_device(0)
     # interleaved, so clocks and the allocator's state are shared between the arms
     timed = {name: [] for name in ("with_copy_ms", "without_copy_ms", "copy_alone_ms")}
     for _ in range(3):
         for name, step in zip(timed, (with_copy, without_copy, copy_alone)):
             timed[name].append(median_ms(step))
-    result = {name: sorted(values)[1] for name, values in timed.items()}
+    result = {name: statistics.median(values) for name, values in timed.items()}
+    result["rows"] = x.shape[0]
     result["copied_mb"] = round(sum(w.numel() for w in whole) * 2 / 1e6, 1)
     result["with_over_without"] = round(result["with_copy_ms"] / result["without_copy_ms"], 4)
     return result

@@ -214,7 +214,8 @@ def _group_limited_draw(experts: int, top_k: int, groups: int, limited: int) -> 
     """[GROUP_LIMITED_SAMPLES, top_k] experts :func:`group_limited_choice` picks from a fixed-seed draw of scores
     (one draw serves every block size: read-only)."""
     scores = np.random.default_rng(0).random((GROUP_LIMITED_SAMPLES, experts))
-    ids = group_limited_choice(scores, top_k, groups, limited)
+    # a copy: the choice is a view of argpartition's [tokens, experts] result, which it would keep alive
+    ids = np.ascontiguousarray(group_limited_choice(scores, top_k, groups, limited))
     ids.flags.writeable = False
     return ids
 
