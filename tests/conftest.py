@@ -7,6 +7,7 @@ process fails, naming the mark it needs.
 
 import multiprocessing.process
 import os
+import platform
 import subprocess
 
 import pytest
@@ -69,6 +70,10 @@ def pytest_configure(config):
     # matplotlib lists the machine's fonts with a process (fc-list) the first time it is imported where it has no
     # font cache yet: done here, before any test, so that an unmarked test that plots does not start it
     import matplotlib.font_manager  # noqa: F401
+
+    # the same for platform.processor(), which runs `uname -p` once per process (the memory monitor's device name and
+    # the benches' machine line read it): else the first unmarked test to call it in a worker fails, whichever it is
+    platform.processor()
 
 
 def _refuse_process_start(*args, **kwargs):
