@@ -114,6 +114,9 @@ def _combine_setup(ctx, inputs, output):
                           None if row_scores is None else output[1])
     ctx.layout = send_splits, recv_splits, group_name
     ctx.landing = output[2]
+    # no gradient reaches the returned rows (the scores' gradient is computed from them here): autograd's zero
+    # gradient in its place would be one more pass over every row this rank sent
+    ctx.set_materialize_grads(False)
 
 
 def _combine_backward(ctx, grad_combined, grad_returned, grad_landing):

@@ -1,0 +1,42 @@
+"""The nccl combine's backward gets no gradient for its returned rows, an output kept only for the scores' gradient:
+autograd would otherwise fill a zero tensor of their size first, one pass over every row the rank sent (1.88 GB per
+MoE layer at the 671B GB200 job's shape)."""
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from torchtitan_ext.ep.nccl import NcclExpertParallel
+
+ZERO_FILLS = {torch.ops.aten.zeros.default, torch.ops.aten.zeros_like.default, torch.ops.aten.new_zeros.default,
+              torch.ops.aten.zero_.default, torch.ops.aten.fill_.Scalar}
+
+
+class _ZeroFills(TorchDispatchMode):
+    """The element counts of the tensors zero-filled while it is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in ZERO_FILLS and (func is not torch.ops.aten.fill_.Scalar or args[1] == 0):
+            self.sizes.append(out.numel())
+        return out
+
+
+def test_the_nccl_combines_backward_fills_no_zero_rows_for_the_returned_rows(world_of_one):
+    generator = torch.Generator().manual_seed(0)
+    num_tokens, hidden, experts, top_k = 24, 16, 4, 2
+    x = torch.randn(num_tokens, hidden, generator=generator)
+    scores = torch.rand(num_tokens, top_k, generator=generator)
+    ids = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(num_tokens)])
+    style = NcclExpertParallel(pad_multiple=8, score_before_experts=False)
+    groups, _ = style.dispatch(x, scores, ids, experts, world_of_one)
+    groups = groups.detach().requires_grad_()  # identity experts; only the combine's backward runs
+    out = style.combine(groups, world_of_one)
+    with _ZeroFills() as fills:
+        out.backward(torch.randn(num_tokens, hidden, generator=generator))
+    # the scores' fp32 dot products start from a 1 x 1 zero; nothing the size of a row or more is zeroed
+    assert groups.grad is not None and max(fills.sizes, default=0) < hidden, fills.sizes
+
