@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 
 from torchtitan_ext.planning import cost_model as cm
+from torchtitan_ext.planning import expert_reach
 from torchtitan_ext.planning import paper_model as paper
 from torchtitan_ext.planning.topology import Level, Topology
 
@@ -238,7 +239,7 @@ def test_group_limited_choice_is_torchtitans_gate():
     from torchtitan.models.moe.moe import TokenChoiceTopKRouter
 
     scores = np.random.default_rng(3).random((512, 256))
-    ours = np.sort(cm.group_limited_choice(scores, 8, 8, 4), axis=1)
+    ours = np.sort(expert_reach.group_limited_choice(scores, 8, 8, 4), axis=1)
     router = types.SimpleNamespace(num_experts=256, num_expert_groups=8, num_limited_groups=4)
     masked = TokenChoiceTopKRouter._get_node_limited_routing_scores(router, torch.from_numpy(scores))
     theirs = np.sort(torch.topk(masked, k=8, dim=-1).indices.numpy(), axis=1)
@@ -249,8 +250,8 @@ def test_group_limited_reach_is_the_uniform_one_without_a_limit():
     """Drawn through torchtitan's gate with every group kept, the reach is the closed form's (top_k distinct
     experts, uniform) within the draw's noise."""
     for held in (4, 32, 64):
-        drawn = cm.group_limited_reach(256, 8, 8, 8, held)
-        assert drawn == pytest.approx(1 - cm._miss(256, 8, held), abs=0.005)
+        drawn = expert_reach.group_limited_reach(256, 8, 8, 8, held)
+        assert drawn == pytest.approx(1 - expert_reach.uniform_miss(256, 8, held), abs=0.005)
 
 
 def test_group_limited_routing_sends_fewer_copies_across_nodes():
