@@ -1,5 +1,6 @@
 """Where a token's experts land under uniform routing: the chance that none of its top-k is among a block of
-experts, uniformly, or through torchtitan's group-limited gate (DeepSeek-V3's), drawn once per model."""
+experts (:func:`uniform_miss`), and the share of tokens that reach a block through torchtitan's group-limited gate
+(DeepSeek-V3's; :func:`group_limited_reach`), drawn once per model."""
 
 import functools
 import math
