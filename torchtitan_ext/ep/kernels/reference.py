@@ -551,12 +551,12 @@ class ReferenceHybridEPBuffer:
         and rounds; the source sums the ranks' partial rows in fp32 and rounds
         once. Pad, past-the-end and dropped rows contribute nothing.
         """
-        num_rows, hidden_dim = hidden.shape
-        rows = torch.cat([hidden, hidden.new_zeros((1, hidden_dim))])
-        partial = hidden.new_zeros((handle.pair_rows.shape[0], hidden_dim), dtype=torch.float32)
-        for expert in range(self.num_local_experts):
-            partial += rows[handle.pair_rows[:, expert]].float()
-        partial = partial.to(hidden.dtype)
+        num_global = handle.pair_rows.shape[0]
+        # each row's token (rows are expert-major, so a token's rows add in ascending expert order); pad and
+        # past-the-end rows land in a spare row past the tokens, dropped
+        token_of_row = torch.div(handle.row_pairs, self.num_local_experts, rounding_mode="floor").clamp(max=num_global)
+        partial = hidden.new_zeros((num_global + 1, hidden.shape[1]), dtype=torch.float32)
+        partial = partial.index_add_(0, token_of_row, hidden.float())[:num_global].to(hidden.dtype)
         combined = self._return_rows(partial, handle).to(hidden.dtype)
 
         combined_probs = None
