@@ -551,12 +551,15 @@ class ReferenceHybridEPBuffer:
         and rounds; the source sums the ranks' partial rows in fp32 and rounds
         once. Pad, past-the-end and dropped rows contribute nothing.
         """
-        num_global = handle.pair_rows.shape[0]
-        # each row's token (rows are expert-major, so a token's rows add in ascending expert order); pad and
-        # past-the-end rows land in a spare row past the tokens, dropped
-        token_of_row = torch.div(handle.row_pairs, self.num_local_experts, rounding_mode="floor").clamp(max=num_global)
-        partial = hidden.new_zeros((num_global + 1, hidden.shape[1]), dtype=torch.float32)
-        partial = partial.index_add_(0, token_of_row, hidden.float())[:num_global].to(hidden.dtype)
+        num_rows = hidden.shape[0]
+        # rows in pair order (g * L + e: token-major, each token's rows by ascending expert), pad and past-the-end
+        # rows last; each token's rows summed in that fixed order (a sequential segment sum on every device, where
+        # an index_add would add in atomics' order on a GPU), the spare last segment dropped
+        kept_per_token = (handle.pair_rows < num_rows).sum(1)
+        lengths = torch.cat([kept_per_token, (num_rows - kept_per_token.sum()).view(1)])
+        in_pair_order = hidden[torch.argsort(handle.row_pairs, stable=True)].float()
+        # unsafe: the lengths add up to the rows by construction, and checking it would make the host wait
+        partial = torch.segment_reduce(in_pair_order, "sum", lengths=lengths, unsafe=True)[:-1].to(hidden.dtype)
         combined = self._return_rows(partial, handle).to(hidden.dtype)
 
         combined_probs = None
