@@ -551,15 +551,17 @@ class ReferenceHybridEPBuffer:
         and rounds; the source sums the ranks' partial rows in fp32 and rounds
         once. Pad, past-the-end and dropped rows contribute nothing.
         """
-        num_rows = hidden.shape[0]
+        num_rows = handle.num_permuted_tokens
+        if hidden.shape[0] != num_rows:
+            raise ValueError(f"combine got {hidden.shape[0]} rows where its dispatch produced {num_rows}")
         # rows in pair order (g * L + e: token-major, each token's rows by ascending expert), pad and past-the-end
-        # rows last; each token's rows summed in that fixed order (a sequential segment sum on every device, where
-        # an index_add would add in atomics' order on a GPU), the spare last segment dropped
+        # rows last, unread; each token's rows summed in that fixed order (a sequential segment sum on every
+        # device, where an index_add would add in atomics' order on a GPU)
         kept_per_token = (handle.pair_rows < num_rows).sum(1)
-        lengths = torch.cat([kept_per_token, (num_rows - kept_per_token.sum()).view(1)])
-        in_pair_order = hidden[torch.argsort(handle.row_pairs, stable=True)].float()
-        # unsafe: the lengths add up to the rows by construction, and checking it would make the host wait
-        partial = torch.segment_reduce(in_pair_order, "sum", lengths=lengths, unsafe=True)[:-1].to(hidden.dtype)
+        offsets = torch.cat([kept_per_token.new_zeros(1), kept_per_token.cumsum(0)])
+        in_pair_order = hidden[torch.argsort(handle.row_pairs)].float()
+        # unsafe: the offsets stay within the rows by construction, and checking it would make the host wait
+        partial = torch.segment_reduce(in_pair_order, "sum", offsets=offsets, unsafe=True).to(hidden.dtype)
         combined = self._return_rows(partial, handle).to(hidden.dtype)
 
         combined_probs = None
