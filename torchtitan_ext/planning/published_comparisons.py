@@ -167,7 +167,8 @@ def load_comparisons(path: Path = SHIPPED) -> list[Comparison]:
 class Prediction:
     comparison: Comparison
     layouts: dict[str, Layout]
-    """Backend -> the advisor's best-priced runnable layout of it at the row's EP degree."""
+    """Backend -> the advisor's layout of it as the row's job ran it: at its EP degree, with its own settings and
+    replica slots."""
 
     def figure(self, backend: str) -> float:
         layout = self.layouts[backend]
@@ -212,16 +213,16 @@ def predict(comparison: Comparison, fitted=None, job_config=None) -> Prediction:
     topology = topology.placed_for(job.world_size, None)
     layouts, _ = advise(train_args, job.world_size, topology, measured_rates=rates, job_config=job_config,
                         ep_degrees={job.ep})
-    best = {}
-    for layout in layouts:  # ranked: the first runnable layout of a backend at the EP degree is its best
-        if layout.refused is None and layout.ep == job.ep and layout.backend in comparison.measured:
-            best.setdefault(layout.backend, layout)
-    missing = [backend for backend in comparison.measured if backend not in best]
+    # the layout the published job ran: its own settings (the advisor's variants of them are other jobs)
+    as_run = {layout.backend: layout for layout in layouts
+              if layout.refused is None and layout.ep == job.ep and layout.backend in comparison.measured
+              and not layout.settings and layout.replica_slots == layout.job_replica_slots}
+    missing = [backend for backend in comparison.measured if backend not in as_run]
     if missing:
         refusals = {layout.backend: layout.refused for layout in layouts if layout.refused and layout.ep == job.ep}
         raise ConfigError(f"comparison '{comparison.id}': the advisor prices no {', '.join(missing)} layout at "
                           f"EP={job.ep} ({'; '.join(f'{b}: {refusals[b]}' for b in missing if b in refusals) or 'none considered'})")
-    return Prediction(comparison, best)
+    return Prediction(comparison, as_run)
 
 
 def _figures(comparison: Comparison, figures: dict[str, float], bounds: list[str] = ()) -> str:
