@@ -702,7 +702,8 @@ def test_measured_local_work_decides_between_backends():
     lines = format_advice(layouts, THIS_MACHINE, 4, "deepseek_v3 debugmodel", None, routing, compute)
     recommended = paragraph(lines, "  recommended:")
     found = re.match(r"  recommended: nccl at EP=4, efsdp=1: [0-9,.]+ ms per step, [0-9.]+ TFLOPS/GPU "
-                     r"why: least exposed MoE communication plus the backend's "
+                     r"evidence: its all-to-all rates: gloo at the topology's stated rate; compute measured on this "
+                     r"machine \(--measure-compute\); uniform routing why: least exposed MoE communication plus the backend's "
                      r"local work per step, ([0-9.]+) ms: ([0-9.]+) exposed communication \+ ([0-9.]+) local work; "
                      r"(deepep|hybridep) \(best at EP=4\) takes ([0-9.]+) ms", recommended)
     assert found, recommended
@@ -1189,6 +1190,24 @@ def test_the_shipped_fit_reproduces_its_fit_row_where_the_advisor_as_shipped_ran
     assert quoted and all(figure.lstrip("+-") in "\n".join(report) for figure in quoted), quoted
 
 
+def test_the_hf_config_advice_in_docs_is_the_advisors_output(capsys):
+    """docs/planning.md's advice for a public config.json of another family: the command it shows prints every line
+    it quotes, in order ("..." leaves lines out)."""
+    text = PLANNING_DOC.read_text()
+    section = text[text.index("### A model given by its Hugging Face config.json"):text.index("### Topologies")]
+    command, quoted = re.search(r"```bash\n(python -m torchtitan_ext\.plan .+)\n```\n\n```\n(.+?)\n```", section,
+                                re.DOTALL).groups()
+    plan.main(command.split()[3:])
+    lines = capsys.readouterr().out.splitlines()
+    position = 0
+    for chunk in filter(None, [part.strip("\n").splitlines() for part in quoted.split("  ...")]):
+        assert chunk[0] in lines[position:], f"docs/planning.md quotes {chunk[0]!r}, which the advice does not print"
+        start = lines.index(chunk[0], position)
+        assert lines[start:start + len(chunk)] == chunk
+        position = start + len(chunk)
+    assert lines[:10] == quoted.splitlines()[:10]
+
+
 def test_the_advice_prices_under_a_fit_when_asked(capsys, advice_671b):
     """--fit-from: the topology's compute at the fitted scale, and nccl on NVL72 at its fitted rate instead of the
     nominal one (so its layouts are priced, not bounds); a fit of nothing on the topology is refused in one line."""
@@ -1200,6 +1219,10 @@ def test_the_advice_prices_under_a_fit_when_asked(capsys, advice_671b):
     assert (f"nccl: NVLink domain (one rack): {fitted.link_fractions[0].fraction:.2f} of nominal, fitted (on "
             "torchtitan-2207-dsv3-671b-gb200-ep64)") in out
     assert "ranked below every priced layout" not in out
+    # the recommendation names what its price rests on: published kernel rows, the fit's scale and its row
+    assert ("evidence: its all-to-all rates: NVLink domain (one rack) docs/published_ep_figures.md 3.5, RDMA between "
+            "racks docs/published_ep_figures.md 3.2; compute at 0.532 of the topology's, fitted on "
+            "torchtitan-2207-dsv3-671b-gb200-ep64; uniform routing") in out
     # as docs/planning.md quotes it
     assert "recommended: deepep at EP=16, efsdp=16: 10,466 ms per step, 440 TFLOPS/GPU" in out
     assert re.search(r" 2 hybridep 16/32 64 4 [\d.]+ [\d.]+ [\d.]+ 1,312 168 10,504 439 ", out)

@@ -49,6 +49,41 @@ def _command(prefix: str, arguments: list[str]) -> list[str]:
     return [*lines, current]
 
 
+def _rate_evidence(kernel_rates: str) -> str:
+    """Each link's source in a layout's :attr:`~Layout.kernel_rates` ("label: level: ... (source); ..."): a
+    published figure's entry, a fit's rows, a measurement's file, or a nominal rate."""
+    sources = []
+    for part in kernel_rates.split(": ", 1)[1].split("; "):
+        level, rate = part.split(": ", 1)
+        source = rate[rate.rindex("(") + 1:-1]
+        if "fitted (" in rate:
+            sources.append(f"{level} fitted {source}")
+        elif "measured (" in rate:
+            sources.append(f"{level} measured ({source})")
+        elif source == "the topology names no fabric":  # no kernel figure applies: the link's own rate is the price
+            sources.append(f"{level} at the topology's stated rate")
+        elif rate.startswith("nominal"):
+            sources.append(f"{level} at the nominal rate, a bound ({source})")
+        else:
+            sources.append(f"{level} docs/published_ep_figures.md {source}")
+    return ", ".join(sources)
+
+
+def _evidence(layout: Layout, topology: Topology, routing: MeasuredRouting | None,
+              measured_compute: MeasuredCompute | None) -> str:
+    """What the recommended layout's price rests on: its all-to-all rates, the compute, the routing."""
+    rates = (f"its all-to-all rates: {_rate_evidence(layout.kernel_rates)}" if layout.ep > 1
+             else "no all-to-all (EP=1)")
+    if measured_compute is not None:
+        compute = "compute measured on this machine (--measure-compute)"
+    elif topology.compute_source:
+        compute = f"compute at {topology.compute_source}"
+    else:
+        compute = "compute at the topology's stated rate (not fitted)"
+    traffic = f"routing measured ({routing.source})" if routing is not None else "uniform routing"
+    return f"{rates}; {compute}; {traffic}"
+
+
 def _reason(best: Layout, others: list[Layout]) -> str:
     """Why ``best`` wins: against the best layout of another backend, and the best layout at another EP degree."""
     layouts = (best, *others)
@@ -233,6 +268,7 @@ def format_advice(
             f"  recommended: {first.label} at EP={first.ep}, efsdp={first.efsdp}{with_slots}: "
             f"{_ms(first.step_s)} ms per step, {_tflops(first.tflops_per_gpu)} TFLOPS/GPU"
         )
+        lines += _wrapped(f"evidence: {_evidence(first, topology, routing, measured_compute)}", "    ")
         # compared with the layouts priced as it is (a nominal rate's bound is no price)
         alike = [layout for layout in runnable[1:] if bool(layout.nominal_links) == bool(first.nominal_links)]
         lines += _wrapped(f"why: {_reason(first, alike)}", "    ")

@@ -78,7 +78,7 @@ class FittedParameters:
         """``topology`` with its compute scaled, and the fitted link fractions as the advisor's measured rates."""
         scale = self.compute_scale.get(topology.name)
         if scale is not None:
-            topology = topology.scaled(scale)
+            topology = topology.scaled(scale, f"{scale:.3f} of the topology's, fitted on {', '.join(self.fitted_on)}")
         rates = {}
         for link in self.link_fractions:
             for level, spec in enumerate(topology.levels):

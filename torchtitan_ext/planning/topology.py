@@ -83,16 +83,21 @@ class Topology:
     """Achieved dense MXFP8 matrix-multiply throughput of one worker, in TFLOP/s, for the GEMMs a job's
     ``quantize.linear.mx`` and ``quantize.grouped_mm.mx`` converters run in MXFP8. > 0. None: the worker has no
     MXFP8 rate given, and those GEMMs are priced at ``compute_tflops``."""
+    compute_source: str = ""
+    """Where the compute rates come from when not the topology file's own figures (a fit's scale and the rows it
+    was fitted on), for the advice's evidence line; empty: the file's."""
 
     def compute_seconds(self, flops: float, mxfp8_share: float = 0.0) -> float:
         """Seconds of ``flops``, ``mxfp8_share`` of them in MXFP8 GEMMs (at ``mxfp8_compute_tflops`` where given)."""
         mxfp8 = self.mxfp8_compute_tflops or self.compute_tflops
         return flops * ((1 - mxfp8_share) / self.compute_tflops + mxfp8_share / mxfp8) / 1e12
 
-    def scaled(self, scale: float) -> "Topology":
-        """This topology with each compute rate times ``scale`` (a fit's achieved share of them)."""
+    def scaled(self, scale: float, source: str) -> "Topology":
+        """This topology with each compute rate times ``scale`` (a fit's achieved share of them), ``source`` saying
+        where the scale comes from."""
         mxfp8 = None if self.mxfp8_compute_tflops is None else self.mxfp8_compute_tflops * scale
-        return replace(self, compute_tflops=self.compute_tflops * scale, mxfp8_compute_tflops=mxfp8)
+        return replace(self, compute_tflops=self.compute_tflops * scale, mxfp8_compute_tflops=mxfp8,
+                       compute_source=source)
 
     def group_sizes(self, world_size: int) -> list[int]:
         """Ranks in one group of each level for a job of ``world_size`` ranks; the last is the job.
