@@ -1178,15 +1178,23 @@ def test_the_shipped_fit_reproduces_its_fit_row_where_the_advisor_as_shipped_ran
                         "TFLOPS/GPU (hybridep -4.0%)")
     assert "(nominal rate: a bound)" in report[flip + 1] and report[flip + 1].endswith("the faster backend agrees")
     assert report[flip + 2].endswith("the faster backend disagrees")
-    assert report[-1] == (
+    assert report[-3:] == [
         "summary: 8 comparisons (1 fit, 7 held out), 4 priced; the faster backend agrees as shipped on 3 of 4 priced "
-        "(3 of 3 held out), with the fit (docs/advisor_fit.toml) on 2 of 4 priced (1 of 3 held out)"
-    )
+        "(3 of 3 held out), with the fit (docs/advisor_fit.toml) on 2 of 4 priced (1 of 3 held out)",
+        "held-out goals as shipped: the faster backend right on 2 of 2 gaps over 3%, the gap within a factor of 2 on 1 "
+        "of 3, the figure within 25% on 1 of 6",
+        "held-out goals with the fit: the faster backend right on 1 of 2 gaps over 3%, the gap within a factor of 2 on "
+        "0 of 3, the figure within 25% on 4 of 6",
+    ]
     section = Path("docs/planning.md").read_text().split("### Checked against published comparisons")[1]
     assert section.split("```")[1].strip("\n").splitlines() == report
-    # the prose on the rows priced since pipeline parallelism and MXFP8 quotes the report's figures
-    prose = section.split("Two more held-out rows are priced")[1].split("AWS's four")[0]
-    quoted = re.findall(r"\d[\d,]*\.\d+%?", prose)
+    # the fitted values as the prose gives them, and its figures on the held-out rows, the report's
+    prose = " ".join(section.split())
+    scale, nccl = fitted.compute_scale["GB200 NVL72"], fitted.link_fractions[0].fraction
+    assert (f"a compute scale of {scale:.3f} ({1000 * scale:.0f} of the topology's 1,000 TFLOP/s) and nccl at "
+            f"{nccl:.3f} of MNNVL's 900 GB/s ({900 * nccl:.0f} GB/s;") in prose
+    held_out = prose.split("What it shows, and what it does not yet.")[1].split("AWS's four")[0]
+    quoted = re.findall(r"\d[\d,]*\.\d+%?", held_out)
     assert quoted and all(figure.lstrip("+-") in "\n".join(report) for figure in quoted), quoted
 
 
@@ -1215,14 +1223,14 @@ def test_the_advice_prices_under_a_fit_when_asked(capsys, advice_671b):
     plan.main(["--topology", "gb200_nvl72", "--world-size", "256", "--fit-from", str(SHIPPED_FIT), *JOB_671B])
     out = " ".join(capsys.readouterr().out.split())
     # the topology's compute at the fitted scale, printed as the report prints any topology's (:g)
-    assert f"at {1000 * fitted.compute_scale['GB200 NVL72']:g} TFLOP/s" in out
+    assert f"at {1000 * fitted.compute_scale['GB200 NVL72']:g} TFLOP/s, its 44% in MXFP8 GEMMs" in out
     assert (f"nccl: NVLink domain (one rack): {fitted.link_fractions[0].fraction:.2f} of nominal, fitted (on "
             "torchtitan-2207-dsv3-671b-gb200-ep64)") in out
     assert "ranked below every priced layout" not in out
     # the recommendation names what its price rests on: published kernel rows, the fit's scale and its row
-    assert ("evidence: its all-to-all rates: NVLink domain (one rack) docs/published_ep_figures.md 3.5, RDMA between "
-            "racks docs/published_ep_figures.md 3.2; compute at 0.532 of the topology's, fitted on "
-            "torchtitan-2207-dsv3-671b-gb200-ep64; uniform routing") in out
+    assert ("evidence: its all-to-all rates: NVLink domain (one rack) docs/published_ep_figures.md 3.5; compute at "
+            f"{fitted.compute_scale['GB200 NVL72']:.3f} of the topology's, fitted on torchtitan-2207-dsv3-671b-gb200-ep64; "
+            "uniform routing") in out
     # as docs/planning.md quotes it
     assert "recommended: deepep at EP=16, efsdp=16: 10,466 ms per step, 440 TFLOPS/GPU" in out
     assert re.search(r" 2 hybridep 16/32 64 4 [\d.]+ [\d.]+ [\d.]+ 1,312 168 10,504 439 ", out)

@@ -11,11 +11,12 @@ import pytest
 
 from tests.helpers import REPO_ROOT
 from torchtitan_ext.bench.ep import bench_row, Shape
-from torchtitan_ext.config import ConfigError
+from torchtitan_ext.config import ConfigError, load_job_config
 from torchtitan_ext.planning.layout_advisor import advise
+from torchtitan_ext.planning.layout_links import candidate_config, rate_evidence
 from torchtitan_ext.planning.measured_rates import BENCH_COMMAND, calibration_rates
 from torchtitan_ext.planning.nccl_tests_log import all_to_all_runs, AllToAllRun
-from torchtitan_ext.planning.topology import Level, Topology
+from torchtitan_ext.planning.topology import Level, load_topology, Topology
 
 NODE_GBPS, NETWORK_GBPS = 100.0, 10.0
 TWO_LEVELS = Topology("t", 1.0, True, (Level("node", 8, NODE_GBPS, 0.0, NODE_GBPS, NODE_GBPS, "nvlink"),
@@ -227,6 +228,22 @@ def test_what_real_logs_hold_besides_the_run_is_read_past(tmp_path):
         rates = calibration_rates([_write(tmp_path, text, f"variant{index}.log")], TWO_LEVELS)
         assert {key: rate.fraction for key, rate in rates.items()} == \
             {key: rate.fraction for key, rate in plain.items()}, index
+
+
+def test_the_evidence_names_a_logs_measurement_on_the_links_the_all_to_all_crosses(tmp_path):
+    """The advice's evidence line, for nccl on HGX H100 calibrated by a log of 16 ranks on 2 hosts: NVLink at its
+    published figure, InfiniBand by the log's row (a source with parentheses of its own); at EP=8 only NVLink."""
+    log = _write(tmp_path, _log([f"node-{i // 8}" for i in range(16)],
+                                [(256 * MiB, _time_us(256 * MiB, 16, (8, 50.0), 0.7), 0)]))
+    topology = load_topology("hgx_h100_ib")
+    measured = calibration_rates([log], topology)
+    (source,) = {rate.source for rate in measured.values()}
+    assert "(2 host(s))" in source
+    candidate = candidate_config(load_job_config(DEBUG_JOB, device_type=None, world_size=16), "nccl", 16)
+    assert rate_evidence("nccl", candidate, topology, topology, measured, crossed=2) == (
+        f"NVLink (one node) docs/published_ep_figures.md 5.8, InfiniBand measured ({source})")
+    assert rate_evidence("nccl", candidate, topology, topology, measured, crossed=1) == (
+        "NVLink (one node) docs/published_ep_figures.md 5.8")
 
 
 @pytest.mark.slow

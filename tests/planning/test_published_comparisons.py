@@ -119,5 +119,5 @@ def test_fit_recovers_the_compute_scale_a_row_was_made_with_and_validation_repor
     plan.main(["--validate", "--comparisons", str(path), "--fit-from", str(written)])
     report = capsys.readouterr().out.splitlines()
     assert re.fullmatch(r"  with the fit: nccl \S+, deepep \S+ TFLOPS/GPU \(deepep [+-]\d+\.\d%\); off the published "
-                        r"by nccl [+-]0\.0%, deepep [+-]0\.0%; the faster backend agrees", report[-2])
-    assert report[-1].endswith(f"with the fit ({written}) on 1 of 1 priced (0 of 0 held out)")
+                        r"by nccl [+-]0\.0%, deepep [+-]0\.0%; the faster backend agrees", report[-4])
+    assert report[-3].endswith(f"with the fit ({written}) on 1 of 1 priced (0 of 0 held out)")

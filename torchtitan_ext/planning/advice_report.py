@@ -49,31 +49,10 @@ def _command(prefix: str, arguments: list[str]) -> list[str]:
     return [*lines, current]
 
 
-def _rate_evidence(kernel_rates: str) -> str:
-    """Each link's source in a layout's :attr:`~Layout.kernel_rates` ("label: level: ... (source); ..."): a
-    published figure's entry, a fit's rows, a measurement's file, or a nominal rate."""
-    sources = []
-    for part in kernel_rates.split(": ", 1)[1].split("; "):
-        level, rate = part.split(": ", 1)
-        source = rate[rate.rindex("(") + 1:-1]
-        if "fitted (" in rate:
-            sources.append(f"{level} fitted {source}")
-        elif "measured (" in rate:
-            sources.append(f"{level} measured ({source})")
-        elif source == "the topology names no fabric":  # no kernel figure applies: the link's own rate is the price
-            sources.append(f"{level} at the topology's stated rate")
-        elif rate.startswith("nominal"):
-            sources.append(f"{level} at the nominal rate, a bound ({source})")
-        else:
-            sources.append(f"{level} docs/published_ep_figures.md {source}")
-    return ", ".join(sources)
-
-
 def _evidence(layout: Layout, topology: Topology, routing: MeasuredRouting | None,
               measured_compute: MeasuredCompute | None) -> str:
     """What the recommended layout's price rests on: its all-to-all rates, the compute, the routing."""
-    rates = (f"its all-to-all rates: {_rate_evidence(layout.kernel_rates)}" if layout.ep > 1
-             else "no all-to-all (EP=1)")
+    rates = f"its all-to-all rates: {layout.rate_evidence}" if layout.rate_evidence else "no all-to-all (EP=1)"
     if measured_compute is not None:
         compute = "compute measured on this machine (--measure-compute)"
     elif topology.compute_source:

@@ -22,7 +22,7 @@ from torchtitan_ext.planning.job_shape import job_shape, memory_needed
 from torchtitan_ext.planning.layout import Layout
 from torchtitan_ext.planning.layout_links import (
     candidate_config, check_nvlink_domain, describe_kernel_rates, kernel_links, kernel_rate_fractions, link_busy,
-    priced_settings,
+    priced_settings, rate_evidence,
 )
 from torchtitan_ext.planning.local_traffic import count_local_traffic, LocalTraffic
 from torchtitan_ext.planning.measured_compute import MeasuredCompute
@@ -208,6 +208,7 @@ def advise(
                 replica_fetch_s=fetch_s,
                 replica_return_s=return_s,
                 kernel_rates=describe_kernel_rates(layout.label, backend_name, candidate, topology, measured_rates),
+                rate_evidence=rate_evidence(backend_name, candidate, topology, links, measured_rates, crossed),
                 nominal_links=tuple(level.name for level in nominal_levels),
                 nominal_fabrics=tuple(level.fabric for level in nominal_levels),
             )

@@ -149,6 +149,32 @@ def describe_kernel_rates(
     return f"{label}: " + "; ".join(parts)
 
 
+def rate_evidence(
+    backend_name: str, candidate, topology: Topology, links: Topology,
+    measured: dict[tuple[str, tuple, int], MeasuredRate] | None, crossed: int,
+) -> str:
+    """Where the rate of each link the backend's all-to-all crosses (the first ``crossed`` levels of ``links``)
+    comes from, for the advice's evidence line: a published figure's row, a measurement's or a fit's source, the
+    topology's own rate where it names no fabric, or the nominal rate (a bound) where nothing is published."""
+    profile = PLANNING_PROFILES[backend_name]
+    rates = {rate.fabric: rate for rate in profile.published_rates(candidate)}
+    settings = profile.rate_settings(candidate)
+    sources = []
+    for index, level in enumerate(links.levels[:crossed]):
+        own = (measured or {}).get((backend_name, settings, physical_level(topology, links, index)))
+        rate = rates.get(level.fabric)
+        if own is not None:
+            sources.append(f"{level.name} {'fitted' if own.fitted else 'measured'} ({own.source})")
+        elif level.fabric is None:
+            sources.append(f"{level.name} at the topology's stated rate")
+        elif rate is None:
+            sources.append(f"{level.name} at the nominal rate, a bound (no published {level.fabric} figure)")
+        else:
+            rows = "/".join(dict.fromkeys(re.findall(r"docs/published_ep_figures.md ([^:]+):", rate.source)))
+            sources.append(f"{level.name} docs/published_ep_figures.md {rows}")
+    return ", ".join(sources)
+
+
 def link_busy(layout: Layout, topology: Topology, links: Topology, world_size: int,
               data_parallel_busy: dict[int, float]) -> tuple[tuple[str, float], ...]:
     """:attr:`Layout.link_busy`: each collective's time per step on the physical link of its group's outermost

@@ -47,7 +47,8 @@ class PricedJob:
     """A topology file or shipped name."""
     world_size: int
     ep: int
-    """The published EP degree: each backend's best-priced layout at this degree is the prediction."""
+    """The published EP degree: each backend's layout at this degree, with the job's own settings, is the
+    prediction."""
     hf_config: str = ""
     """A Hugging Face config.json (repository path) whose model takes the place of the config's, or ""."""
     precision: str = "bf16"
@@ -83,6 +84,28 @@ class Comparison:
         """How much faster the second backend is than the first, as a fraction (negative: slower)."""
         first, second = (figures[name] for name in self.measured)
         return second / first - 1 if HIGHER_IS_FASTER[self.metric] else first / second - 1
+
+
+HELD_OUT_GOALS = (0.03, 2.0, 0.25)
+"""What a prediction of a held-out row should meet: the faster backend right wherever the published gap between
+them is larger than 3%, the predicted gap within a factor of 2 of the published one (and of its sign), and each
+predicted figure within 25% of the published one."""
+
+
+def held_out_goals(comparisons: list[Comparison], predictions: dict[str, "Prediction"]) -> str:
+    """How many of the priced held-out rows' gaps and figures meet :data:`HELD_OUT_GOALS` under ``predictions``."""
+    sign_gap, factor, tolerance = HELD_OUT_GOALS
+    rows = [comparison for comparison in comparisons if comparison.role == "held_out" and comparison.id in predictions]
+    signed = [row for row in rows if abs(row.gap(row.measured)) > sign_gap]
+    right = [row for row in signed if predictions[row.id].ranking_agrees]
+    within_factor = [row for row in rows if row.gap(row.measured) != 0
+                     and 1 / factor <= row.gap(predictions[row.id].figures) / row.gap(row.measured) <= factor]
+    figures = [(row, backend) for row in rows for backend in row.measured]
+    close = [(row, backend) for row, backend in figures
+             if abs(predictions[row.id].figure(backend) / row.measured[backend] - 1) <= tolerance]
+    return (f"the faster backend right on {len(right)} of {len(signed)} gaps over {sign_gap:.0%}, the gap within a "
+            f"factor of {factor:g} on {len(within_factor)} of {len(rows)}, the figure within {tolerance:.0%} on "
+            f"{len(close)} of {len(figures)}")
 
 
 def _refuse(where: str, problem: str) -> None:
@@ -244,7 +267,7 @@ def _predicted(prediction: Prediction) -> str:
 def format_validation(comparisons: list[Comparison], shipped: dict[str, Prediction],
                       fitted: dict[str, Prediction] | None = None, fit_source: str = "") -> list[str]:
     """One paragraph per comparison (published; predicted as shipped and under the fit, or why not priced), then a
-    summary line."""
+    summary line and the held-out goals met (:func:`held_out_goals`) as shipped and under the fit."""
     lines = []
     for comparison in comparisons:
         lines.append(f"{comparison.id} ({comparison.role}): published {_figures(comparison, comparison.measured)}")
@@ -265,9 +288,11 @@ def format_validation(comparisons: list[Comparison], shipped: dict[str, Predicti
 
     summary = (f"summary: {len(comparisons)} comparisons ({len(comparisons) - len(held_out)} fit, {len(held_out)} held "
                f"out), {len(priced)} priced; the faster backend agrees as shipped on {agreeing(shipped)}")
+    goals = [f"held-out goals as shipped: {held_out_goals(comparisons, shipped)}"]
     if fitted is not None:
         summary += f", with the fit ({fit_source}) on {agreeing(fitted)}"
-    return lines + [summary]
+        goals.append(f"held-out goals with the fit: {held_out_goals(comparisons, fitted)}")
+    return lines + [summary, *goals]
 
 
 def validation_report(path: Path = SHIPPED, fitted=None, fit_source: str = "") -> list[str]:
