@@ -628,6 +628,8 @@ def test_cli_uses_a_routing_dump(capsys, tmp_path):
     plan.main(["--topology", "hgx_h100_ib", "--world-size", "4", "--routing-stats", str(tmp_path), *DEBUG_JOB])
     out = " ".join(capsys.readouterr().out.split())  # the advice wraps its lines at 118 columns
     assert f"token bytes and rank loads from measured routing ({tmp_path}: 10 step x layer dispatches)" in out
+    assert "uniform routing" not in out.split("evidence: ")[1].split(" why: ")[0]
+    assert f"; routing measured ({tmp_path}) why: " in out
 
 
 THIS_MACHINE = parse_topology(
