@@ -232,7 +232,8 @@ def test_what_real_logs_hold_besides_the_run_is_read_past(tmp_path):
 
 def test_the_evidence_names_a_logs_measurement_on_the_links_the_all_to_all_crosses(tmp_path):
     """The advice's evidence line, for nccl on HGX H100 calibrated by a log of 16 ranks on 2 hosts: NVLink at its
-    published figure, InfiniBand by the log's row (a source with parentheses of its own); at EP=8 only NVLink."""
+    published figure, InfiniBand by the log's row (a source with parentheses of its own); where the all-to-all
+    crosses NVLink alone, only NVLink."""
     log = _write(tmp_path, _log([f"node-{i // 8}" for i in range(16)],
                                 [(256 * MiB, _time_us(256 * MiB, 16, (8, 50.0), 0.7), 0)]))
     topology = load_topology("hgx_h100_ib")
