@@ -4,6 +4,7 @@ and how busy each link is."""
 
 import copy
 import re
+from itertools import islice
 
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.ep import BACKENDS, PLANNING_PROFILES
@@ -108,13 +109,8 @@ def kernel_rate_fractions(
     cluster (``measured``, :mod:`.measured_rates`) where it was, else from the backend's published figures for
     the level's fabric, dispatch's and combine's fractions combined as the step runs them, one of each per
     direction (their harmonic mean). Levels with neither: absent (nominal)."""
-    profile = PLANNING_PROFILES[backend_name]
-    rates = {rate.fabric: rate for rate in profile.published_rates(candidate)}
-    settings = profile.rate_settings(candidate)
     fractions = {}
-    for index, level in enumerate(links.levels):
-        own = (measured or {}).get((backend_name, settings, physical_level(topology, links, index)))
-        rate = rates.get(level.fabric)
+    for index, (_, own, rate) in enumerate(_rated_levels(backend_name, candidate, topology, links, measured)):
         if own is not None:
             fractions[index] = own.fraction
         elif rate is not None:
@@ -122,18 +118,30 @@ def kernel_rate_fractions(
     return fractions
 
 
+def _rated_levels(backend_name: str, candidate, topology: Topology, links: Topology,
+                  measured: dict[tuple[str, tuple, int], MeasuredRate] | None):
+    """(level, the rate measured or fitted on its physical link or None, the backend's published rate for its fabric
+    or None) for each level of ``links``, innermost first."""
+    profile = PLANNING_PROFILES[backend_name]
+    rates = {rate.fabric: rate for rate in profile.published_rates(candidate)}
+    settings = profile.rate_settings(candidate)
+    for index, level in enumerate(links.levels):
+        own = (measured or {}).get((backend_name, settings, physical_level(topology, links, index)))
+        yield level, own, rates.get(level.fabric)
+
+
+def _published_rows(rate) -> str:
+    """The rows of docs/published_ep_figures.md a published rate cites ("4c", "4d.11")."""
+    return "/".join(dict.fromkeys(re.findall(r"docs/published_ep_figures.md ([^:]+):", rate.source)))
+
+
 def describe_kernel_rates(
     label: str, backend_name: str, candidate, topology: Topology,
     measured: dict[tuple[str, tuple, int], MeasuredRate] | None = None,
 ) -> str:
     """One backend's rate (as ``label`` configures it) on each of the topology's links, and where it comes from."""
-    profile = PLANNING_PROFILES[backend_name]
-    rates = {rate.fabric: rate for rate in profile.published_rates(candidate)}
-    settings = profile.rate_settings(candidate)
     parts = []
-    for index, level in enumerate(topology.levels):
-        own = (measured or {}).get((backend_name, settings, index))
-        rate = rates.get(level.fabric)
+    for level, own, rate in _rated_levels(backend_name, candidate, topology, topology, measured):
         if own is not None:
             parts.append(f"{level.name}: {own.fraction:.2f} of nominal, {'fitted' if own.fitted else 'measured'} "
                          f"({own.source})")
@@ -142,10 +150,8 @@ def describe_kernel_rates(
         elif rate is None:
             parts.append(f"{level.name}: nominal (no published {level.fabric} figure)")
         else:
-            parts.append(
-                f"{level.name}: dispatch {rate.dispatch_fraction:.2f}, combine {rate.combine_fraction:.2f} of nominal "
-                f"({'/'.join(dict.fromkeys(re.findall(r'docs/published_ep_figures.md ([^:]+):', rate.source)))})"
-            )
+            parts.append(f"{level.name}: dispatch {rate.dispatch_fraction:.2f}, combine {rate.combine_fraction:.2f} "
+                         f"of nominal ({_published_rows(rate)})")
     return f"{label}: " + "; ".join(parts)
 
 
@@ -156,13 +162,8 @@ def rate_evidence(
     """Where the rate of each link the backend's all-to-all crosses (the first ``crossed`` levels of ``links``)
     comes from, for the advice's evidence line: a published figure's row, a measurement's or a fit's source, the
     topology's own rate where it names no fabric, or the nominal rate (a bound) where nothing is published."""
-    profile = PLANNING_PROFILES[backend_name]
-    rates = {rate.fabric: rate for rate in profile.published_rates(candidate)}
-    settings = profile.rate_settings(candidate)
     sources = []
-    for index, level in enumerate(links.levels[:crossed]):
-        own = (measured or {}).get((backend_name, settings, physical_level(topology, links, index)))
-        rate = rates.get(level.fabric)
+    for level, own, rate in islice(_rated_levels(backend_name, candidate, topology, links, measured), crossed):
         if own is not None:
             sources.append(f"{level.name} {'fitted' if own.fitted else 'measured'} ({own.source})")
         elif level.fabric is None:
@@ -170,8 +171,7 @@ def rate_evidence(
         elif rate is None:
             sources.append(f"{level.name} at the nominal rate, a bound (no published {level.fabric} figure)")
         else:
-            rows = "/".join(dict.fromkeys(re.findall(r"docs/published_ep_figures.md ([^:]+):", rate.source)))
-            sources.append(f"{level.name} docs/published_ep_figures.md {rows}")
+            sources.append(f"{level.name} docs/published_ep_figures.md {_published_rows(rate)}")
     return ", ".join(sources)
 
 
