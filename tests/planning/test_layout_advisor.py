@@ -924,6 +924,13 @@ def test_json_says_which_layouts_rest_on_a_nominal_rate_and_ranks_them_after_the
     assert min(record["rank"] for record in nominal) > max(record["rank"] for record in runnable
                                                           if record["pricing"] == "priced")
     assert min(record["step_s"] for record in nominal) < runnable[0]["step_s"]
+    # each link's source, one entry per link the all-to-all crosses: the bound named where it is one
+    assert all("NVLink domain (one rack) at the nominal rate, a bound (no published mnnvl figure)"
+               in record["rate_evidence"] for record in nominal)
+    priced = [record for record in runnable if record["pricing"] == "priced"]
+    assert all(record["rate_evidence"] == [] for record in priced if record["ep_degree"] == 1)
+    assert all(record["rate_evidence"] and all("docs/published_ep_figures.md" in source for source in record["rate_evidence"])
+               for record in priced if record["ep_degree"] > 1)
 
 
 @pytest.mark.parametrize(

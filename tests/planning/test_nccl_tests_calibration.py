@@ -242,9 +242,9 @@ def test_the_evidence_names_a_logs_measurement_on_the_links_the_all_to_all_cross
     assert "(2 host(s))" in source
     candidate = candidate_config(load_job_config(DEBUG_JOB, device_type=None, world_size=16), "nccl", 16)
     assert rate_evidence("nccl", candidate, topology, topology, measured, crossed=2) == (
-        f"NVLink (one node) docs/published_ep_figures.md 5.8, InfiniBand measured ({source})")
+        "NVLink (one node) docs/published_ep_figures.md 5.8", f"InfiniBand measured ({source})")
     assert rate_evidence("nccl", candidate, topology, topology, measured, crossed=1) == (
-        "NVLink (one node) docs/published_ep_figures.md 5.8")
+        "NVLink (one node) docs/published_ep_figures.md 5.8",)
 
 
 @pytest.mark.slow

@@ -52,7 +52,7 @@ def _command(prefix: str, arguments: list[str]) -> list[str]:
 def _evidence(layout: Layout, topology: Topology, routing: MeasuredRouting | None,
               measured_compute: MeasuredCompute | None) -> str:
     """What the recommended layout's price rests on: its all-to-all rates, the compute, the routing."""
-    rates = f"its all-to-all rates: {layout.rate_evidence}" if layout.rate_evidence else "no all-to-all (EP=1)"
+    rates = f"its all-to-all rates: {', '.join(layout.rate_evidence)}" if layout.rate_evidence else "no all-to-all (EP=1)"
     if measured_compute is not None:
         compute = "compute measured on this machine (--measure-compute)"
     elif topology.compute_source:
@@ -322,7 +322,7 @@ def layouts_record(layouts: list[Layout]) -> list[dict]:
                 token_copies=layout.costs.token_copies, all_to_all_s=layout.costs.a2a, rows_max_over_mean=layout.rows_ratio,
                 all_to_all_over=layout.a2a_level, gathered_expert_bytes=layout.gathered_expert_bytes,
                 buffer_bytes=layout.buffer_bytes, overrides=layout.overrides(), kernel_rates=layout.kernel_rates,
-                tflops_per_gpu=layout.tflops_per_gpu, memory_bytes=layout.memory_bytes,
+                rate_evidence=list(layout.rate_evidence), tflops_per_gpu=layout.tflops_per_gpu, memory_bytes=layout.memory_bytes,
                 nominal_links=list(layout.nominal_links), link_busy_s=dict(layout.link_busy),
                 pricing="range" if layout.nominal_links else "priced",
                 step_s_range=[layout.step_s, layout.fitted_step_s] if layout.nominal_links else None,

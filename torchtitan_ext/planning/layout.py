@@ -64,9 +64,9 @@ class Layout:
     """One backward's return of the replicas' gradients, per MoE layer and call."""
     kernel_rates: str = ""
     """Which published figures priced this backend's all-to-all on each link (:func:`describe_kernel_rates`)."""
-    rate_evidence: str = ""
-    """Where the rate of each link its all-to-all crosses comes from
-    (:func:`~torchtitan_ext.planning.layout_links.rate_evidence`); empty at EP = 1."""
+    rate_evidence: tuple[str, ...] = ()
+    """Where the rate of each link its all-to-all crosses comes from, one entry per link, innermost first
+    (:func:`~torchtitan_ext.planning.layout_links.rate_evidence`); none at EP = 1."""
     model_flops: float = 0.0
     """Model FLOPs of one rank's step as torchtitan counts them for its TFLOPS (6 x active parameters +
     attention, per token; recomputed forwards not counted): the mean pipeline rank's."""

@@ -158,7 +158,7 @@ def describe_kernel_rates(
 def rate_evidence(
     backend_name: str, candidate, topology: Topology, links: Topology,
     measured: dict[tuple[str, tuple, int], MeasuredRate] | None, crossed: int,
-) -> str:
+) -> tuple[str, ...]:
     """Where the rate of each link the backend's all-to-all crosses (the first ``crossed`` levels of ``links``)
     comes from, for the advice's evidence line: a published figure's row, a measurement's or a fit's source, the
     topology's own rate where it names no fabric, or the nominal rate (a bound) where nothing is published."""
@@ -172,7 +172,7 @@ def rate_evidence(
             sources.append(f"{level.name} at the nominal rate, a bound (no published {level.fabric} figure)")
         else:
             sources.append(f"{level.name} docs/published_ep_figures.md {_published_rows(rate)}")
-    return ", ".join(sources)
+    return tuple(sources)
 
 
 def link_busy(layout: Layout, topology: Topology, links: Topology, world_size: int,
