@@ -11,7 +11,7 @@ import pytest
 from torchtitan_ext import plan
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.planning.advisor_fit import FittedParameters, fit, load_fit, write_fit
-from torchtitan_ext.planning.published_comparisons import load_comparisons, predict
+from torchtitan_ext.planning.published_comparisons import Comparison, held_out_goals, load_comparisons, predict, Prediction
 from torchtitan_ext.training import prepare
 
 ROW = '''
@@ -97,6 +97,28 @@ def test_a_malformed_comparison_is_refused_in_one_line_naming_its_row(tmp_path, 
         load_comparisons(path)
     assert message in str(refused.value) and "\n" not in str(refused.value)
     assert str(refused.value).startswith(f"--comparisons {path}")
+
+
+def test_the_held_out_goals_read_a_step_time_row_the_right_way_round():
+    """On a row in s/step the shorter step is the faster backend, and a gap is the slower step over the faster:
+    hybridep's 5 s against nccl's 10 s is 100% faster, so a prediction of 7 s against 10 s (43%) misses the factor
+    of 2 (read as TFLOPS, -50% against -30%, it would meet it)."""
+    from types import SimpleNamespace
+
+    row = Comparison("step-time-row", "", "", "held_out", "s/step", {"nccl": 10.0, "hybridep": 5.0}, None, "")
+
+    def predicted(nccl_s: float, hybridep_s: float) -> dict[str, Prediction]:
+        layouts = {backend: SimpleNamespace(step_s=step_s, nominal_links=())
+                   for backend, step_s in (("nccl", nccl_s), ("hybridep", hybridep_s))}
+        return {row.id: Prediction(row, layouts)}
+
+    assert held_out_goals([row], predicted(10.0, 7.0)) == (
+        "the faster backend right on 1 of 1 gaps over 3%, the gap within a factor of 2 on 0 of 1, the figure within "
+        "25% on 1 of 2")
+    assert held_out_goals([row], predicted(11.0, 6.0)) == (
+        "the faster backend right on 1 of 1 gaps over 3%, the gap within a factor of 2 on 1 of 1, the figure within "
+        "25% on 2 of 2")
+    assert held_out_goals([row], predicted(5.0, 10.0)).startswith("the faster backend right on 0 of 1 gaps")
 
 
 def test_fit_recovers_the_compute_scale_a_row_was_made_with_and_validation_reports_it(tmp_path, capsys):
