@@ -186,7 +186,7 @@ sys.exit(subprocess.call([sys.executable, "-c", sys.argv[1]]))
 """
 FAKE_RANK = """\
 import signal, time
-from torchtitan_ext.training.faults import PreemptionRequest
+from torchtitan_ext.preemption import PreemptionRequest
 request = PreemptionRequest()
 request.install()
 print("rank ready", flush=True)

@@ -5,7 +5,8 @@ Owns: :mod:`.preflight` (``python -m torchtitan_ext.launch.preflight``, what
 :mod:`.supervisor` (``python -m torchtitan_ext.supervise``).
 
 May import: every tier below it (see the tiers in :mod:`torchtitan_ext`); the
-supervisor imports nothing of this package but the standard-library reader of
-``metrics.jsonl`` (:mod:`torchtitan_ext.metrics_file`), so that it starts fast
-and survives what the job does.
+supervisor imports nothing of this package but standard-library modules (the reader
+of ``metrics.jsonl``, :mod:`torchtitan_ext.metrics_file`, and the preemption
+signals, :mod:`torchtitan_ext.preemption`), so that it starts fast and survives
+what the job does.
 """

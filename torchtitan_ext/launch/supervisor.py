@@ -33,8 +33,8 @@ from pathlib import Path
 
 from torchtitan_ext.launch.processes import die_with_parent
 from torchtitan_ext.metrics_file import read_metrics
+from torchtitan_ext.preemption import PREEMPTION_SIGNALS
 
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 FAILURE_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 FAILURE_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)")

@@ -1,7 +1,7 @@
 """What a training process does about faults: preemption, non-finite values, stuck peers, torn checkpoints.
 
 - **Preemption**: SIGTERM or SIGUSR1 (SLURM's warning, forwarded by
-  ``torchtitan_ext.supervise``) only sets a flag. At the end of the step, all
+  ``torchtitan_ext.supervise``) only sets a flag (:class:`torchtitan_ext.preemption.PreemptionRequest`). At the end of the step, all
   ranks agree on it (one all-reduce per step), save a full checkpoint of that
   step and stop cleanly (:class:`Preempted`); the same command resumes there.
 - **Non-finite values**: every MoE router flags, on the device, a non-finite
@@ -18,7 +18,6 @@
 The per-step agreement costs one small all-reduce and one host read per step.
 """
 
-import signal
 from dataclasses import dataclass
 from typing import Literal
 
@@ -27,8 +26,6 @@ import torch.distributed as dist
 
 from torchtitan_ext.config import register_section
 from torchtitan_ext.ep.budget import Budget
-
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 @dataclass
@@ -64,20 +61,6 @@ class Preempted(Exception):
 
 class NonFiniteLoss(RuntimeError):
     """A step produced a non-finite loss or router output, and ``[faults] on_nonfinite = "stop"``."""
-
-
-class PreemptionRequest:
-    """SIGTERM / SIGUSR1 set a flag; nothing else happens in the signal handler."""
-
-    def __init__(self):
-        self.signal_name: str | None = None
-
-    def install(self) -> None:
-        for signum in PREEMPTION_SIGNALS:
-            signal.signal(signum, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.signal_name = signal.Signals(signum).name
 
 
 class RouterHealth:

@@ -23,6 +23,7 @@ from torchtitan_ext.balancing.replica_choice import ReplicaChooser
 from torchtitan_ext.balancing.routing_skew import RoutingSkewer
 from torchtitan_ext.config import comm_backend, moe_layer_ids
 from torchtitan_ext.ep.base import destroy_kernel_buffers
+from torchtitan_ext.preemption import PreemptionRequest
 from torchtitan_ext.runtime.collectives import CollectiveFailed, name_other_collective
 from torchtitan_ext.training import checkpoints, faults
 
@@ -35,7 +36,7 @@ class Trainer(TorchTitanTrainer):
     gradients normalized like the others' (:mod:`torchtitan_ext.training.loss`), and the fault handling of
     :mod:`torchtitan_ext.training.faults` (preemption, non-finite values, named collective failures)."""
 
-    def __init__(self, job_config, preemption: faults.PreemptionRequest | None = None):
+    def __init__(self, job_config, preemption: PreemptionRequest | None = None):
         # torchtitan's "Starting job:" line shows job.description, which overrides make stale
         job_config.job.description = job_banner(job_config)
         super().__init__(job_config)
@@ -55,7 +56,7 @@ class Trainer(TorchTitanTrainer):
         self.routing_skew = (
             RoutingSkewer(job_config, self.model_parts, self.device) if job_config.routing_skew.alpha else None
         )
-        self.preemption = preemption or faults.PreemptionRequest()
+        self.preemption = preemption or PreemptionRequest()
         args = self.model_parts[0].model_args
         self.router_health = (
             faults.RouterHealth(self.model_parts, args.n_layers, self.device)
@@ -200,7 +201,7 @@ def run(job_config) -> int:
     Preemption ends it cleanly (0) once its checkpoint is complete on disk (1 if it is not); a
     non-finite step under ``on_nonfinite = "stop"`` or a failed collective is one line on stderr (1).
     """
-    preemption = faults.PreemptionRequest()
+    preemption = PreemptionRequest()
     preemption.install()
     trainer: Trainer | None = None
     failure = None
