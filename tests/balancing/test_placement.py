@@ -9,12 +9,11 @@
 """
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
+from torchtitan_ext import placement as placement_cli
 from torchtitan_ext.bench.placement import layer_model, layer_routing
 from tests.helpers import REPO_ROOT, run_distributed
 from torchtitan_ext.config import ConfigError
@@ -249,10 +248,6 @@ def test_placement_needs_expert_parallelism_and_an_existing_json_file(tmp_path):
     assert json.loads(good.to_json()) == GOOD
 
 
-def _run_module(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-
-
 def test_launcher_rejects_a_bad_placement_before_starting_processes(tmp_path, capsys):
     from torchtitan_ext.launch import preflight
 
@@ -281,31 +276,29 @@ def _save_dump(folder, dump: dict) -> None:
         first += steps
 
 
-@pytest.mark.slow
-def test_placement_tool_writes_a_file_training_accepts(tmp_path):
+def test_placement_tool_writes_a_file_training_accepts(tmp_path, capsys):
     """The CLI on a dump of the debug model's shape (5 MoE layers, 8 experts, top-3) at EP=4."""
     routing = routing_steps(3, steps=6, layers=5, experts=8, top_k=3, tokens=256, skew=1.3, group=2)
     _save_dump(tmp_path / "dump", dump_from(routing, 2, 8))
     output = tmp_path / "placement.json"
-    result = _run_module("torchtitan_ext.placement", "--routing-stats", str(tmp_path / "dump"), "--job.config_file",
-                         DEBUG_CONFIG, "--parallelism.expert_parallel_degree", "4", "--world-size", "4", "-o", str(output))
-    assert result.returncode == 0, result.stderr
+    placement_cli.main(["--routing-stats", str(tmp_path / "dump"), "--job.config_file", DEBUG_CONFIG,
+                        "--parallelism.expert_parallel_degree", "4", "--world-size", "4", "-o", str(output)])
+    printed = capsys.readouterr()
     load_placement(str(output)).check_job(DEBUG_MOE_LAYERS, 8, 4, "test")
-    assert "All 5 MoE layers, held-out steps: load max/mean" in result.stdout
-    assert f"train with --expert_placement.file {output}" in result.stdout
-    assert "placing layers" in result.stderr  # the progress bar
+    assert "All 5 MoE layers, held-out steps: load max/mean" in printed.out
+    assert f"train with --expert_placement.file {output}" in printed.out
+    assert "placing layers" in printed.err  # the progress bar
 
 
-@pytest.mark.slow
-def test_placement_tool_rejects_a_dump_of_another_model(tmp_path):
+def test_placement_tool_rejects_a_dump_of_another_model(tmp_path, capsys):
     routing = routing_steps(4, steps=4, layers=5, experts=16, top_k=3, tokens=64, skew=1.0, group=4)
     _save_dump(tmp_path / "dump", dump_from(routing, 2, 16))
-    result = _run_module("torchtitan_ext.placement", "--routing-stats", str(tmp_path / "dump"), "--job.config_file",
-                         DEBUG_CONFIG, "--world-size", "2")
-    assert result.returncode == 2
-    error = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(error) == 1 and "records 16 experts" in error[0] and "has 8" in error[0], result.stderr
-    assert "Traceback" not in result.stderr
+    with pytest.raises(SystemExit) as exited:
+        placement_cli.main(["--routing-stats", str(tmp_path / "dump"), "--job.config_file", DEBUG_CONFIG,
+                            "--world-size", "2"])
+    assert exited.value.code == 2
+    error = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "records 16 experts" in error[0] and "has 8" in error[0], error
 
 
 def _migration_worker(rank, world_size, layouts):
