@@ -3,13 +3,12 @@ spanned is the model's time for the largest message at the nominal rate over the
 not one alltoall_perf run per link, placed as it ran, is refused in one line naming the line."""
 
 import json
-import subprocess
-import sys
 from dataclasses import asdict
 
 import pytest
 
 from tests.helpers import REPO_ROOT
+from torchtitan_ext import plan
 from torchtitan_ext.bench.ep import bench_row, Shape
 from torchtitan_ext.config import ConfigError, load_job_config
 from torchtitan_ext.planning.layout_advisor import advise
@@ -247,19 +246,14 @@ def test_the_evidence_names_a_logs_measurement_on_the_links_the_all_to_all_cross
         "NVLink (one node) docs/published_ep_figures.md 5.8",)
 
 
-@pytest.mark.slow
-def test_the_cli_prices_nccl_at_the_logs_rate(tmp_path):
+def test_the_cli_prices_nccl_at_the_logs_rate(tmp_path, capsys):
     """Through plan: the advice's rate line names the log's measurement on the InfiniBand link."""
     log = _write(tmp_path, _log([f"node-{i // 8}" for i in range(16)],
                                 [(256 * MiB, _time_us(256 * MiB, 16, (8, 50.0), 0.7), 0)]))
-    run = subprocess.run(
-        [sys.executable, "-m", "torchtitan_ext.plan", *DEBUG_JOB, "--world-size", "16", "--topology", "hgx_h100_ib",
-         "--calibrate-from", str(log)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-    )
-    assert run.returncode == 0, run.stderr
+    plan.main([*DEBUG_JOB, "--world-size", "16", "--topology", "hgx_h100_ib", "--calibrate-from", str(log)])
+    out = capsys.readouterr().out
     assert "InfiniBand: 0.70 of nominal, measured (alltoall.log line 26: alltoall_perf on 16 ranks (2 host(s))" \
-        in " ".join(run.stdout.split()), run.stdout
+        in " ".join(out.split()), out
 
 
 PUBLISHED_LOG = REPO_ROOT / "tests/planning/data/alltoall_perf_oci_gb300.log"
