@@ -3,13 +3,11 @@ JSON calibrates the advisor."""
 
 import json
 import re
-import subprocess
-import sys
 from dataclasses import asdict
 
 import pytest
 
-from tests.helpers import REPO_ROOT
+from torchtitan_ext import plan
 from torchtitan_ext.bench import ep
 from torchtitan_ext.config import parse
 from torchtitan_ext.ep.backends import backend_variants
@@ -54,7 +52,7 @@ def test_local_work_rows_name_the_groups_that_ran_side_by_side(monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_bench_ep_run_calibrates_the_layout_advisor(tmp_path):
+def test_a_bench_ep_run_calibrates_the_layout_advisor(tmp_path, capsys):
     """The rows of a tiny run, in --backends order, read back through the calibration's schema; the file then
     prices each backend it timed between ranks on the link these 2 processes share."""
     out, table = tmp_path / "ep.json", tmp_path / "bench.md"
@@ -68,13 +66,10 @@ def test_a_bench_ep_run_calibrates_the_layout_advisor(tmp_path):
     assert all(row.bytes_sent_per_rank > 0 and row.collectives > 0 and row.local_bytes_per_rank > 0 for row in rows)
     assert len({row.copy_gbps for row in rows}) == 1 and rows[0].copy_gbps > 0
     assert "| nccl | T=32 H=16 E=4 K=2 EP=2 |" in table.read_text()
-    advice = subprocess.run(
-        [sys.executable, "-m", "torchtitan_ext.plan", "--job.config_file", "train_configs/debug_model.toml",
-         "--topology", "hgx_h100_ib", "--world-size", "2", "--calibrate-from", str(out)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
-    )
-    assert advice.returncode == 0, advice.stderr[-3000:]
-    text = " ".join(advice.stdout.split())
+    capsys.readouterr()
+    plan.main(["--job.config_file", "train_configs/debug_model.toml", "--topology", "hgx_h100_ib", "--world-size", "2",
+               "--calibrate-from", str(out)])
+    text = " ".join(capsys.readouterr().out.split())
     # the job's own settings: DeepEP V2 (its rows[1]), HybridEP blocking (rows[2]); and DeepEP v1, not timed
     for backend, row in (("nccl", 0), ("deepep", 1), ("hybridep", 2)):
         assert re.search(rf"{backend}: NVLink \(one node\): [0-9.]+ of nominal, measured \(ep\.json rows\[{row}\]: "
