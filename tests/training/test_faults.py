@@ -18,7 +18,6 @@
 All runs: the debug model with its small attention, 2 processes, fp32, deterministic, short sequences.
 """
 
-import logging
 import math
 import os
 import re
@@ -32,7 +31,7 @@ import numpy as np
 import pytest
 
 from torchtitan_ext.runtime import collectives
-from tests.helpers import LauncherProcess, descendants, run_distributed
+from tests.helpers import LauncherProcess, descendants, run_distributed, run_launcher
 from torchtitan_ext.metrics_file import logged_losses, read_metrics
 from tests.training.cases import train_worker
 
@@ -91,6 +90,14 @@ def uninterrupted_run(tmp_path_factory) -> tuple[dict[int, float], Path]:
     losses = run_distributed(2, train_worker, [("run", args)])[0]["run"]
     assert list(losses) == list(range(1, STEPS + 1))
     return losses, folder / "checkpoint"
+
+
+def _assert_resumes(dump_folder: Path, first_step: int, uninterrupted: dict[int, float]) -> None:
+    """The resumed run's losses (its metrics.jsonl from ``first_step`` on) against the uninterrupted run's."""
+    losses = {step: loss for step, loss in logged_losses(dump_folder).items() if step >= first_step}
+    assert list(losses) == list(range(first_step, STEPS + 1)), losses
+    for step, loss in losses.items():
+        assert loss == pytest.approx(uninterrupted[step], rel=RESUME_TOLERANCE), (step, losses, uninterrupted)
 
 
 def test_a_killed_rank_is_named_with_the_checkpoint_to_resume_from(tmp_path, record_property):
@@ -269,22 +276,9 @@ def test_a_preemption_save_is_complete_before_it_is_reported(tmp_path, async_mod
     assert [path.name for path in (tmp_path / "routing_stats").iterdir()] == ["routing_step000001-000003.npz"]
 
 
-def _resumed_worker(rank: int, world_size: int, args: list[str]) -> dict:
-    """Train ``args``; the losses and the warnings the start logged."""
-    from torchtitan.tools.logging import logger
-
-    warnings = []
-    recorder = logging.Handler(logging.WARNING)
-    recorder.emit = lambda record: warnings.append(record.getMessage())
-    logger.addHandler(recorder)
-    losses = train_worker(rank, world_size, [("resumed", args)])["resumed"]
-    return {"losses": losses, "warnings": warnings}
-
-
 def test_an_interrupted_checkpoint_is_never_loaded(tmp_path, uninterrupted_run):
     """The uninterrupted run's steps 2 and 4, step 4's write torn (DCP writes .metadata last): the
-    start says so and resumes from step 2, with the uninterrupted run's losses. Its ranks are started as
-    the uninterrupted run's are: what the launcher adds is the other tests' contract."""
+    start says so and resumes from step 2, with the uninterrupted run's losses."""
     losses, saved = uninterrupted_run
     for step in (2, 4):
         shutil.copytree(saved / f"step-{step}", tmp_path / "checkpoint" / f"step-{step}")
@@ -292,13 +286,11 @@ def test_an_interrupted_checkpoint_is_never_loaded(tmp_path, uninterrupted_run):
     assert (torn / ".metadata").is_file() and any(torn.glob("*.distcp"))
     (torn / ".metadata").unlink()
 
-    args = ["--job.config_file", "train_configs/debug_model.toml", *_job(tmp_path, *CHECKPOINT_EVERY_2)]
-    resumed = run_distributed(2, _resumed_worker, args)[0]
+    resumed = run_launcher(*_job(tmp_path, *CHECKPOINT_EVERY_2), timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
     assert (f"Checkpoint {torn} is incomplete (no .metadata: its write was interrupted); set aside as "
-            f"{torn.parent / 'incomplete_step_4'}, never loaded or counted; training resumes from step 2") in resumed["warnings"]
-    assert list(resumed["losses"]) == list(range(3, STEPS + 1)), resumed["losses"]
-    for step, loss in resumed["losses"].items():
-        assert loss == pytest.approx(losses[step], rel=RESUME_TOLERANCE), (step, resumed["losses"], losses)
+            f"{torn.parent / 'incomplete_step_4'}, never loaded or counted; training resumes from step 2") in resumed.stdout
+    _assert_resumes(tmp_path, 3, losses)
 
 
 def test_a_stuck_rank_fails_the_others_within_the_timeout(tmp_path, record_property):
