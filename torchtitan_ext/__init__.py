@@ -5,7 +5,7 @@ Tiers, lowest first: a module imports from its own part and from lower tiers onl
 higher tier or from another part of its own tier (tests/test_layering.py reads this list):
 
     1. config, metrics_file, preemption    job configs: sections, parsing, ranges, checks; the format of
-                       metrics.jsonl; the preemption signals and a rank's flag for them
+                        metrics.jsonl; the preemption signals and a rank's flag for them
     2. runtime          device and process group, CPU accommodations, host memory, named collective failures
     3. ep, data         one ExpertParallel class per EP backend, its kernels; the embedded corpus
     4. models           DeepSeek-V3 and Llama4 parallelize plans and model args

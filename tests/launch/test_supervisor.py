@@ -145,6 +145,16 @@ def test_no_command_is_one_line():
                                                           "torchrun ...")
 
 
+@pytest.mark.slow
+def test_the_supervisor_and_a_ranks_preemption_flag_import_no_torch():
+    """The supervisor must start at once and outlive whatever the job does; what it shares with the ranks (the
+    preemption signals) therefore needs nothing beyond the standard library."""
+    probe = ("import sys, torchtitan_ext.supervise, torchtitan_ext.preemption; "
+             "print(sorted({name.split('.')[0] for name in sys.modules} & {'torch', 'torchtitan', 'numpy'}))")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", (result.stdout, result.stderr)
+
+
 @pytest.mark.parametrize("port", ["99999", "abc", "0"])
 def test_a_port_that_is_not_one_is_one_line(capsys, port):
     from torchtitan_ext.config import ConfigError

@@ -5,8 +5,9 @@ Owns: :mod:`.preflight` (``python -m torchtitan_ext.launch.preflight``, what
 :mod:`.supervisor` (``python -m torchtitan_ext.supervise``).
 
 May import: every tier below it (see the tiers in :mod:`torchtitan_ext`); the
-supervisor imports nothing of this package but standard-library modules (the reader
-of ``metrics.jsonl``, :mod:`torchtitan_ext.metrics_file`, and the preemption
-signals, :mod:`torchtitan_ext.preemption`), so that it starts fast and survives
-what the job does.
+supervisor imports only modules that need nothing beyond the standard library
+(:mod:`.processes`, the reader of ``metrics.jsonl``
+:mod:`torchtitan_ext.metrics_file`, and the preemption signals
+:mod:`torchtitan_ext.preemption`), so that it starts fast and survives what
+the job does.
 """

@@ -1,9 +1,11 @@
 """What a training process does about faults: preemption, non-finite values, stuck peers, torn checkpoints.
 
 - **Preemption**: SIGTERM or SIGUSR1 (SLURM's warning, forwarded by
-  ``torchtitan_ext.supervise``) only sets a flag (:class:`torchtitan_ext.preemption.PreemptionRequest`). At the end of the step, all
-  ranks agree on it (one all-reduce per step), save a full checkpoint of that
-  step and stop cleanly (:class:`Preempted`); the same command resumes there.
+  ``torchtitan_ext.supervise``) only sets a flag
+  (:class:`torchtitan_ext.preemption.PreemptionRequest`). At the end of the
+  step, all ranks agree on it (one all-reduce per step), save a full
+  checkpoint of that step and stop cleanly (:class:`Preempted`); the same
+  command resumes there.
 - **Non-finite values**: every MoE router flags, on the device, a non-finite
   score. Before the optimizer steps, the ranks agree (the same all-reduce)
   whether any local loss or router output of this step was non-finite. Then
