@@ -285,7 +285,7 @@ def fresh_group_worker(rank: int, ep: int) -> dict:
 
 
 def lb_fetch_worker(rank: int, ep: int) -> dict:
-    """One layer's replica weights out and their gradients home through ``replica_weights``: by all-to-all,
+    """One layer's replica weights out and their gradients home (``replicated_experts.with_replicas``): by all-to-all,
     then through DeepEP V2.5's load-balancing kernels (the transport an ``EPBuffer`` registers), then by
     all-to-all again once that buffer is destroyed. bf16 experts of 16 elements (32 bytes, the kernels'
     row multiple); per run the fetched rows, the home gradient, the collectives and the LB calls."""
@@ -297,8 +297,7 @@ def lb_fetch_worker(rank: int, ep: int) -> dict:
     from torchtitan_ext.config import MoEShape
     from torchtitan_ext.ep.kernels.deep_ep import ep_buffer
     from torchtitan_ext.ep.kernels.deepep_apis import EPBufferAPI
-    from torchtitan_ext.ep.replica_split import replica_ops
-    from torchtitan_ext.ep.replicated_experts import exchange_arguments, redundancy_mapping
+    from torchtitan_ext.ep.replicated_experts import exchange_arguments, redundancy_mapping, with_replicas
     from torchtitan_ext.ep.replication import ReplicaPlan
     from torchtitan_ext.planning.device_cost_counter import DeviceCostCounter
 
@@ -314,9 +313,10 @@ def lb_fetch_worker(rank: int, ep: int) -> dict:
         home = torch.arange(2 * 16, dtype=torch.bfloat16).view(2, 16).add(100 * rank).requires_grad_()
         counter = DeviceCostCounter()
         with counter:
-            fetched = replica_ops().replica_weights(
-                [home], *exchange_arguments(plan, rank), redundancy_mapping(plan), 2, _get_process_group_name(group)
+            (weights,) = with_replicas(
+                [home], exchange_arguments(plan, rank), redundancy_mapping(plan), 2, _get_process_group_name(group)
             )
+            fetched = weights[2:]
             (fetched * torch.tensor([[1.0], [10.0]], dtype=torch.bfloat16)).sum().backward()
         return {"fetched": fetched.detach().float(), "grad": home.grad.float(), "events": waits_and_collectives(counter),
                 "lb_calls": list(calls)}

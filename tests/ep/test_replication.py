@@ -209,22 +209,24 @@ def _weights_worker(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _get_process_group_name
 
-    from torchtitan_ext.ep.replica_split import replica_ops
+    from torchtitan_ext.ep.replicated_experts import with_replicas
 
     plan = ReplicaPlan(4, world_size, ((3, 2), (0, -1)))
     home = [weight.requires_grad_() for weight in _two_weights(rank)]
-    fetched = replica_ops().replica_weights(
-        home, *exchange_arguments(plan, rank), redundancy_mapping(plan), 2, _get_process_group_name(dist.group.WORLD)
-    )
+    weights = with_replicas(home, exchange_arguments(plan, rank), redundancy_mapping(plan), 2,
+                            _get_process_group_name(dist.group.WORLD))
+    fetched = torch.cat([weight[2:].reshape(2, -1) for weight in weights], dim=1)
     weight = torch.tensor([[1.0], [10.0]])
-    (fetched * weight).sum().backward()
-    return {"fetched": fetched.detach(), "grads": [weight.grad for weight in home]}
+    ((fetched * weight).sum() + 3 * sum(weight[:2].sum() for weight in weights)).backward()
+    return {"weights": [weight.detach() for weight in weights], "fetched": fetched.detach(),
+            "grads": [weight.grad for weight in home]}
 
 
 @pytest.mark.slow
 def test_replica_weights_equal_home_and_gradients_return_home():
-    """Each fetched row is its expert's weights flattened one after the other, read from the home weights where
-    they lie; each home weight gets its own gradient."""
+    """Each projection's weights are its home experts' followed by the fetched ones, each fetched row its expert's
+    weights flattened one after the other (read from the home weights where they lie); each home weight gets its
+    own gradient plus its copies'."""
     results = run_distributed(EP, _weights_worker)
     home = [_two_weights(rank) for rank in range(EP)]
 
@@ -233,9 +235,12 @@ def test_replica_weights_equal_home_and_gradients_return_home():
 
     assert torch.equal(results[0]["fetched"], torch.stack([expert(1, 1), expert(1, 0)]))
     assert torch.equal(results[1]["fetched"], torch.stack([expert(0, 0), torch.zeros(5)]))
-    # rank 0's expert 0 is copied into rank 1's slot 0 (weight 1); rank 1's experts 1 and 0 into rank 0's
-    # slots 0 (weight 1) and 1 (weight 10)
-    for rank, per_expert in ((0, [1.0, 0.0]), (1, [10.0, 1.0])):
+    for rank in range(EP):
+        for weights, own in zip(results[rank]["weights"], home[rank]):
+            assert torch.equal(weights[:2], own)
+    # each home expert's own gradient is 3; rank 0's expert 0 is copied into rank 1's slot 0 (weight 1); rank 1's
+    # experts 1 and 0 into rank 0's slots 0 (weight 1) and 1 (weight 10)
+    for rank, per_expert in ((0, [4.0, 3.0]), (1, [13.0, 4.0])):
         for grad, weight in zip(results[rank]["grads"], home[rank]):
             assert torch.equal(grad, torch.tensor(per_expert).view(2, *[1] * (weight.dim() - 1)).expand_as(weight))
 
@@ -245,7 +250,8 @@ def _host_sync_worker(rank: int, world_size: int) -> dict:
     from torch.distributed.distributed_c10d import _get_process_group_name
 
     from tests.ep.double_cases import waits_and_collectives
-    from torchtitan_ext.ep.replica_split import replica_ops, ReplicaRouter
+    from torchtitan_ext.ep.replica_split import ReplicaRouter
+    from torchtitan_ext.ep.replicated_experts import with_replicas
     from torchtitan_ext.planning.device_cost_counter import DeviceCostCounter
 
     plan = ReplicaPlan(4, world_size, ((2,), (0,)))
@@ -256,9 +262,9 @@ def _host_sync_worker(rank: int, world_size: int) -> dict:
     counter = DeviceCostCounter()
     with counter:
         router.assign(home_slots, counting=True)
-        fetched = replica_ops().replica_weights([home], *exchange_arguments(plan, rank), redundancy_mapping(plan), 1,
-                                                _get_process_group_name(dist.group.WORLD))
-        fetched.sum().backward()
+        weights = with_replicas([home], exchange_arguments(plan, rank), redundancy_mapping(plan), 1,
+                                _get_process_group_name(dist.group.WORLD))
+        weights[0].sum().backward()
     return waits_and_collectives(counter)
 
 
@@ -272,34 +278,37 @@ def test_the_split_and_the_replica_weights_never_make_the_host_wait():
 
 def test_the_gradients_of_four_copies_are_summed_in_fp32_and_rounded_once(world_of_one):
     """On a GPU index_add_ adds one copy at a time in the tensor's dtype (atomics): in bf16, 1 + 2**-8 rounds to 1,
-    and three small gradients vanish beside a large one. The sum runs into an fp32 tensor (on a CPU index_add_
-    accumulates in fp32 whatever the dtype, so the dtype it is given is what is checked), rounded once. Copies sent
-    in any order sum into their own expert's gradient; an expert not sent gets zero."""
+    and three small gradients vanish beside a large one. The copies' gradients come home summed into an fp32
+    tensor (on a CPU index_add_ accumulates in fp32 whatever the dtype, so the sums' dtype is what is checked) and
+    are added to the expert's own gradient in fp32, rounded once. Copies sent in any order sum into their own expert's
+    gradient; an expert not sent keeps its own."""
     from torch.distributed.distributed_c10d import _get_process_group_name
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from torchtitan_ext.ep.replica_split import replica_ops
+    from torchtitan_ext.ep.replicated_experts import with_replicas
 
-    class IndexAddDtypes(TorchDispatchMode):
+    class SumDtypes(TorchDispatchMode):
         def __init__(self):
             super().__init__()
             self.dtypes = []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket is torch.ops.aten.index_add_:
-                self.dtypes.append(args[0].dtype)
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket is torch.ops.torchtitan_ext.replica_gradients:
+                self.dtypes.append(out.dtype)
+            return out
 
     home = torch.zeros(3, 1, dtype=torch.bfloat16, requires_grad=True)
     send_local = torch.tensor([2, 0, 2, 2, 2])  # four copies of expert 2, one of expert 0, none of expert 1
     copies = len(send_local)
-    fetched = replica_ops().replica_weights([home], send_local, [copies], [copies], torch.arange(copies),
-                                            torch.tensor([0, 2]), [0] * copies, copies,
-                                            _get_process_group_name(world_of_one))
-    with IndexAddDtypes() as sums:
-        fetched.backward(torch.tensor([[1.0], [5.0], [2**-8], [2**-8], [2**-8]], dtype=torch.bfloat16))
+    exchange = (send_local, [copies], [copies], torch.arange(copies), torch.tensor([0, 2]))
+    (weights,) = with_replicas([home], exchange, [0] * copies, copies, _get_process_group_name(world_of_one))
+    with SumDtypes() as sums:
+        # the home experts' own gradients (7, 0, 1), then the five copies'
+        weights.backward(torch.tensor([[7.0], [0.0], [1.0], [0.0], [5.0], [2**-8], [2**-8], [2**-8]],
+                                      dtype=torch.bfloat16))
     assert sums.dtypes == [torch.float32]
-    assert home.grad[:, 0].tolist() == [5.0, 0.0, torch.tensor(1 + 3 * 2**-8).bfloat16().item()]
+    assert home.grad[:, 0].tolist() == [12.0, 0.0, torch.tensor(1 + 3 * 2**-8).bfloat16().item()]
     assert home.grad[2, 0].item() != 1.0
 
 

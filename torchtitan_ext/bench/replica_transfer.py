@@ -5,8 +5,9 @@
 
 For the job's model (default: the debug model) and EP = 2 (two gloo processes
 on this machine, the weights in ``--dtype``, fp32 by default), every replica slot filled: times one MoE layer's
-``torchtitan_ext::replica_weights`` forward (the fetch) and backward (the
-gradients' return, summed into the home experts'), the slower rank's median
+``torchtitan_ext::replica_weights`` (the fetch, forward) and
+``replica_gradients`` (the gradients' return, summed per home expert in fp32,
+backward), the slower rank's median
 over ``--iterations`` after one warm-up, and prints the bytes each rank sends
 per layer and direction and both times per layer and per step (all MoE layers).
 """
@@ -52,18 +53,17 @@ def worker(rank: int, world_size: int, experts: int, floats: int, slots: int, it
     plan = ReplicaPlan(experts, EP, tuple(tuple((1 - r) * per_rank + j for j in range(slots)) for r in range(EP)))
     exchange = exchange_arguments(plan, rank)
     group = _get_process_group_name(dist.group.WORLD)
-    home = [torch.randn(per_rank, floats, dtype=dtype, requires_grad=True)]
+    home = [torch.randn(per_rank, floats, dtype=dtype)]
     fetch, back = [], []
     for _ in range(iterations + 1):
         dist.barrier()
         began = time.perf_counter()
-        fetched = replica_ops().replica_weights(home, *exchange, redundancy_mapping(plan), slots, group)
+        fetched = replica_ops().replica_weights(home, *exchange[:4], redundancy_mapping(plan), slots, group)
         middle = time.perf_counter()
-        fetched.backward(torch.ones_like(fetched))
+        replica_ops().replica_gradients(torch.ones_like(fetched), *exchange, redundancy_mapping(plan), per_rank, group)
         ended = time.perf_counter()
         fetch.append(middle - began)
         back.append(ended - middle)
-        home[0].grad = None
     return statistics.median(fetch[1:]), statistics.median(back[1:])
 
 

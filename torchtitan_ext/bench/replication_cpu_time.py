@@ -12,7 +12,8 @@ round, each in fresh processes. When ranks outnumber cores an idle rank gives it
 time says nothing of balance; each rank's CPU time (``time.process_time``) does. Per step and rank it is split
 (:class:`CpuClock`) into, per MoE layer, the router and the replicas' split (the MoE's forward up to its
 dispatch), the experts' forward and backward (dispatch to combine, without the replica transfers), and the
-replica transfers (``replica_weights``' forward and backward); the replicas' choice; and the rest of the step.
+replica transfers (the ops ``replica_weights``, forward, and ``replica_gradients``, backward); the replicas'
+choice; and the rest of the step.
 The verdict (:func:`verdict`) is the step one device per rank would take: each segment of an MoE layer ends at a
 collective that joins the ranks, so it costs its slowest rank's time; the sum of those, plus the slowest rank's
 remainder, plus replication's own work (each layer's slowest transfers, the slowest choice). The slowest rank's
@@ -82,6 +83,11 @@ class CpuClock:
         self.layer: int | None = None
         """The MoE layer whose forward runs now (the replica op is told no layer)."""
         self._started: dict[tuple[int, str], float] = {}
+
+    def open_layer(self, segment: str) -> int:
+        """The layer whose ``segment`` is being timed now (one at a time)."""
+        (layer,) = [layer for layer, started in self._started if started == segment]
+        return layer
 
     def start(self, layer: int, segment: str) -> None:
         self._started[layer, segment] = time.process_time()
@@ -165,14 +171,21 @@ class _TimedOp:
         return self.timed(_clock, self.op, *args)
 
 
-def _timed_fetch(clock: CpuClock, op, home, *args):
-    """The fetch (forward) and, through markers on either side of the op, the gradients' return (backward)."""
-    layer = clock.layer
-    home = list(_Mark.apply(partial(clock.stop, layer, "return"), *home))
+def _timed_fetch(clock: CpuClock, op, *args):
+    """The replicas' fetch (forward), in the layer whose forward runs."""
     started = time.process_time()
-    fetched = op(home, *args)
-    clock.add(layer, "fetch", time.process_time() - started)
-    return _Mark.apply(partial(clock.start, layer, "return"), fetched)[0]
+    fetched = op(*args)
+    clock.add(clock.layer, "fetch", time.process_time() - started)
+    return fetched
+
+
+def _timed_return(clock: CpuClock, op, *args):
+    """The replicas' gradients' return (backward), in the layer whose experts' backward runs."""
+    layer = clock.open_layer("experts_backward")
+    started = time.process_time()
+    summed = op(*args)
+    clock.add(layer, "return", time.process_time() - started)
+    return summed
 
 
 def _timed_counts(clock: CpuClock, op, *args):
@@ -184,11 +197,12 @@ def _timed_counts(clock: CpuClock, op, *args):
 
 
 class _TimedReplicaOps:
-    """``replica_ops()`` whose replica weights and count exchange are timed (:func:`_timed_fetch`,
-    :func:`_timed_counts`)."""
+    """``replica_ops()`` whose replica weights, their gradients' return and the count exchange are timed
+    (:func:`_timed_fetch`, :func:`_timed_return`, :func:`_timed_counts`)."""
 
     def __init__(self, ops):
         self.replica_weights = _TimedOp(ops.replica_weights, _timed_fetch)
+        self.replica_gradients = _TimedOp(ops.replica_gradients, _timed_return)
         self.replica_counts = _TimedOp(ops.replica_counts, _timed_counts)
 
 

@@ -4,7 +4,8 @@
 place, into experts that compute L + S local slots: the L home experts (this
 rank's shard of the parameters) and S replica slots whose weights come from
 their home ranks through ``torchtitan_ext::replica_weights`` (one all-to-all
-of whole experts, forward; the gradients' way home, backward). Home weights
+of whole experts, forward) and whose gradients go home through
+``replica_gradients`` (backward), added to the home experts' own. Home weights
 stay the only parameters, so the optimizer, FSDP and checkpoints see logical
 experts only. Where the backend's library moves replicas itself (DeepEP V2.5's
 load-balancing kernels), the op goes through it (:mod:`torchtitan_ext.ep.ops.replicas`).
@@ -23,9 +24,9 @@ from torchtitan_ext.ep.replication import ReplicaPlan
 
 
 def exchange_arguments(plan: ReplicaPlan, rank: int, device: torch.device = torch.device("cpu")):
-    """(send_local, send_counts, recv_counts, recv_slot, sent_experts) of ``replica_weights`` for ``rank``: the
-    index lists as int64 on ``device`` (copied without making the host wait), the two split-size lists on the
-    host."""
+    """(send_local, send_counts, recv_counts, recv_slot, sent_experts) of ``replica_gradients`` for ``rank``, the
+    first four ``replica_weights``': the index lists as int64 on ``device`` (copied without making the host wait),
+    the two split-size lists on the host."""
     per_rank, ranks = plan.experts_per_rank, plan.expert_parallel_degree
     send_local, send_counts = [], []
     for destination in range(ranks):
@@ -84,10 +85,56 @@ def _refuse_unkeepable_weights(experts: GroupedExperts) -> None:
 
 def weights_with_replicas(home: list[torch.Tensor], fetched: torch.Tensor, slots: int) -> list[torch.Tensor]:
     """w1, w2, w3 of the L home experts followed by the ``slots`` fetched ones (``fetched``: one row of w1, w2 and
-    w3 flattened per slot), in the home weights' tensor subclass. The home experts are copied: a grouped GEMM takes
-    one 3-D weight whose groups start at its first row."""
+    w3 flattened per slot). The home experts are copied: a grouped GEMM takes one 3-D weight whose groups start at
+    its first row."""
     pieces = fetched.split([w[0].numel() for w in home], dim=1)
-    return [_like_home(torch.cat([w, piece.view(slots, *w.shape[1:])]), w) for w, piece in zip(home, pieces)]
+    return [torch.cat([w, piece.view(slots, *w.shape[1:])]) for w, piece in zip(home, pieces)]
+
+
+class _HomeAndReplicas(torch.autograd.Function):
+    """The replicas fetched from their home ranks and concatenated after the home experts, per projection.
+
+    Backward, the replicas' gradients go home (``replica_gradients``, summed per expert in fp32) and are added to
+    their experts' own gradients, which are a slice of the concatenation's: one copy of the home slice with those
+    experts' rows added (for bf16 gradients, in fp32 and rounded once), and none on a rank that sends no expert.
+    (A backward of the fetch alone would return a zero-filled gradient of every home weight, for autograd to add
+    to the slice: two more passes over the home experts.)
+    """
+
+    @staticmethod
+    def forward(ctx, exchange, redundancy_mapping: list[int], slots: int, group_name: str, *home: torch.Tensor):
+        ctx.exchange, ctx.redundancy_mapping, ctx.slots, ctx.group_name = exchange, redundancy_mapping, slots, group_name
+        ctx.home_rows = home[0].shape[0]
+        fetched = replica_ops().replica_weights(list(home), *exchange[:4], redundancy_mapping, slots, group_name)
+        return tuple(weights_with_replicas(list(home), fetched, slots))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        rows, slots = ctx.home_rows, ctx.slots
+        replicas = torch.cat([grad[rows:].reshape(slots, -1) for grad in grads], dim=1)
+        summed = replica_ops().replica_gradients(replicas, *ctx.exchange, ctx.redundancy_mapping, rows, ctx.group_name)
+        sent_experts = ctx.exchange[4]
+        own = [grad[:rows] for grad in grads]
+        if sent_experts.shape[0] == 0:
+            return None, None, None, None, *own
+        home_grads = []
+        for grad, part in zip(own, summed.split([grad[0].numel() for grad in own], dim=1)):
+            part = part.view(-1, *grad.shape[1:])
+            if grad.dtype == part.dtype:
+                home_grads.append(grad.index_add(0, sent_experts, part))
+            else:
+                total = part.add_(grad.index_select(0, sent_experts))
+                home_grads.append(grad.index_copy(0, sent_experts, total.to(grad.dtype)))
+        return None, None, None, None, *home_grads
+
+
+def with_replicas(home: list[torch.Tensor], exchange, redundancy_mapping: list[int], slots: int,
+                  group_name: str) -> list[torch.Tensor]:
+    """w1, w2, w3 of the L home experts followed by the ``slots`` replicas fetched by ``exchange``
+    (:func:`exchange_arguments`), in the home weights' tensor subclass; each replica's gradient is added to its
+    home expert's (:class:`_HomeAndReplicas`)."""
+    weights = _HomeAndReplicas.apply(exchange, redundancy_mapping, slots, group_name, *home)
+    return [_like_home(weight, w) for weight, w in zip(weights, home)]
 
 
 def redundancy_mapping(plan: ReplicaPlan) -> list[int]:
@@ -148,11 +195,8 @@ class ExpertsWithReplicas(GroupedExperts):
             if self.use_grouped_mm:
                 return _run_experts_grouped_mm(*home, x, local)
             return _run_experts_for_loop(*home, x, local)
-        fetched = replica_ops().replica_weights(
-            home, *self._exchange_on(home[0].device), self.redundancy_mapping, self.slots,
-            _get_process_group_name(self.group),
-        )
-        w1, w2, w3 = weights_with_replicas(home, fetched, self.slots)
+        w1, w2, w3 = with_replicas(home, self._exchange_on(home[0].device), self.redundancy_mapping, self.slots,
+                                   _get_process_group_name(self.group))
         if self.use_grouped_mm:
             return _run_experts_grouped_mm(w1, w2, w3, x, num_tokens_per_expert)
         return _run_experts_for_loop(w1, w2, w3, x, num_tokens_per_expert)

@@ -128,7 +128,7 @@ class LoadBalancingKernels:
         mapping = self._mapping(redundancy_mapping)
         with kernel_call("deepep.lb_reduce_grads"):
             self.buffer.lb_reduce_grads(self.gradients, summed, mapping, self.num_sms).current_stream_wait()
-        return summed.to(grad.dtype)
+        return summed
 
 
 LB_ROW_ALIGNMENT = 32

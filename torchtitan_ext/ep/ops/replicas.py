@@ -1,10 +1,10 @@
-"""Expert replication's ops: home experts' weights to the ranks that hold copies (gradients back home),
+"""Expert replication's ops: home experts' weights to the ranks that hold copies, their gradients back home,
 and the per-step exchange of pair counts the split is computed from.
 
-Registered with torch (``torchtitan_ext::replica_weights``, ``replica_counts``)
-when a job with expert replication builds its first layer. Both are on
-selective activation checkpointing's save list, so recomputation repeats
-neither collective.
+Registered with torch (``torchtitan_ext::replica_weights``,
+``replica_gradients``, ``replica_counts``) when a job with expert replication
+builds its first layer. The two forward ones are on selective activation
+checkpointing's save list, so recomputation repeats neither collective.
 
 Replica weights move by one all-to-all per direction, unless the EP group's
 kernel library moves them itself: a backend registers a
@@ -28,7 +28,8 @@ class ReplicaTransport(Protocol):
         [L, ...]: a slot's row is its expert's weights flattened, one after the other (F elements in all)."""
 
     def return_gradients(self, grad: torch.Tensor, redundancy_mapping: list[int], home_rows: int) -> torch.Tensor:
-        """[home_rows, F]: the sum, per home expert of this rank, of its replicas' gradients ``grad`` [slots, F]."""
+        """[home_rows, F] fp32: the sum, per home expert of this rank, of its replicas' gradients ``grad``
+        [slots, F] (0 for an expert without copies)."""
 
 
 _transports: dict[str, ReplicaTransport] = {}
@@ -50,7 +51,6 @@ def replica_weights(
     send_counts: list[int],
     recv_counts: list[int],
     recv_slot: torch.Tensor,
-    sent_experts: torch.Tensor,
     redundancy_mapping: list[int],
     slots: int,
     group_name: str,
@@ -59,11 +59,12 @@ def replica_weights(
     where they lie: a slot's row is its expert's weights flattened one after the other (F elements in all).
 
     Sends experts ``send_local`` in that order, ``send_counts[d]`` to rank d; receives ``recv_counts[s]``
-    from rank s, in order, into replica slots ``recv_slot``. Unused slots are 0. ``sent_experts``: the distinct
-    experts of ``send_local``, ascending (backward sums their copies' gradients). The index lists: int64 on the
+    from rank s, in order, into replica slots ``recv_slot``. Unused slots are 0. The index lists: int64 on the
     weights' device, built once per plan (no copy from the host here).
     ``redundancy_mapping``: the layer's whole plan, rank after rank, each replica slot's home slot (-1: unused),
     which a registered transport moves all ranks' replicas by.
+    Not differentiable: the gradients' way home is :func:`replica_gradients`, called by the backward of the
+    weights' concatenation (``ep.replicated_experts``), which adds them to the home experts' own.
     """
     transport = _transports.get(group_name)
     if transport is not None:
@@ -77,45 +78,41 @@ def replica_weights(
 
 
 @replica_weights.register_fake
-def _(home, send_local, send_counts, recv_counts, recv_slot, sent_experts, redundancy_mapping, slots, group_name):
+def _(home, send_local, send_counts, recv_counts, recv_slot, redundancy_mapping, slots, group_name):
     return home[0].new_empty((slots, sum(weight[0].numel() for weight in home)))
 
 
-def _setup(ctx, inputs, output):
-    home, *ctx.args = inputs
-    ctx.home_shapes = [weight.shape for weight in home]
-
-
-def _backward(ctx, grad):
-    """Each replica's gradient to its home rank, summed into the home expert's in fp32 and rounded once (an
-    expert with many copies would lose low bits at every bf16 addition); one gradient per home weight, zero but for
-    the experts sent. The fp32 sums hold the experts sent alone (a rank's home experts outnumber those it sends), and
-    fp32 gradients take them in place."""
-    send_local, send_counts, recv_counts, recv_slot, sent_experts, redundancy_mapping, _, group_name = ctx.args
-    home_rows = ctx.home_shapes[0][0]
-    columns = [shape[1:].numel() for shape in ctx.home_shapes]
+@torch.library.custom_op("torchtitan_ext::replica_gradients", mutates_args=())
+def replica_gradients(
+    grad: torch.Tensor,
+    send_local: torch.Tensor,
+    send_counts: list[int],
+    recv_counts: list[int],
+    recv_slot: torch.Tensor,
+    sent_experts: torch.Tensor,
+    redundancy_mapping: list[int],
+    home_rows: int,
+    group_name: str,
+) -> torch.Tensor:
+    """[len(sent_experts), F] fp32: for each of this rank's experts with copies elsewhere (``sent_experts``,
+    ascending), the sum of its copies' gradients, from every rank's replica slots' gradients ``grad`` [slots, F]
+    (the reverse of :func:`replica_weights`, with its arguments). Summed in fp32: an expert with many copies
+    would lose low bits at every bf16 addition, and ``index_add_`` has a fixed order under
+    ``torch.use_deterministic_algorithms`` (``debug.deterministic``). ``home_rows``: this rank's experts (L)."""
     transport = _transports.get(group_name)
     if transport is not None:
-        summed = transport.return_gradients(grad, redundancy_mapping, home_rows).split(columns, dim=1)
-        return [part.to(grad.dtype).reshape(shape) for part, shape in zip(summed, ctx.home_shapes)], *[None] * 8
-    returned = grad.index_select(0, recv_slot).contiguous()
+        return transport.return_gradients(grad, redundancy_mapping, home_rows).index_select(0, sent_experts)
+    returned = grad.index_select(0, recv_slot)
     arrived = grad.new_empty((sum(send_counts), grad.shape[1]))
     dist.all_to_all_single(arrived, returned, send_counts, recv_counts, group=_resolve_process_group(group_name))
-    sum_row = None if grad.dtype == torch.float32 else torch.searchsorted(sent_experts, send_local)
-    # index_add_ has a fixed order under torch.use_deterministic_algorithms (debug.deterministic)
-    home_grads = []
-    for part, shape in zip(arrived.split(columns, dim=1), ctx.home_shapes):
-        home = grad.new_zeros((home_rows, part.shape[1]))
-        if sum_row is None:
-            home.index_add_(0, send_local, part)
-        else:
-            summed = part.new_zeros((sent_experts.shape[0], part.shape[1]), dtype=torch.float32)
-            home.index_copy_(0, sent_experts, summed.index_add_(0, sum_row, part.float()).to(grad.dtype))
-        home_grads.append(home.view(shape))
-    return home_grads, *[None] * 8
+    summed = arrived.new_zeros((sent_experts.shape[0], grad.shape[1]), dtype=torch.float32)
+    return summed.index_add_(0, torch.searchsorted(sent_experts, send_local), arrived.float())
 
 
-replica_weights.register_autograd(_backward, setup_context=_setup)
+@replica_gradients.register_fake
+def _(grad, send_local, send_counts, recv_counts, recv_slot, sent_experts, redundancy_mapping, home_rows,
+      group_name):
+    return grad.new_empty((sent_experts.shape[0], grad.shape[1]), dtype=torch.float32)
 
 
 @torch.library.custom_op("torchtitan_ext::replica_counts", mutates_args=())
