@@ -94,3 +94,31 @@ def test_the_clis_step_with_replicas_chosen_by_the_trainer_stays_within_budget()
     between_steps = ledger.costs[OUTSIDE, "step"].h2d_copies
     assert all(kind.startswith("non-blocking") for kind in between_steps if "torchtitan_ext/ep/" in kind)
     assert any("torchtitan_ext/ep/replica" in kind for kind in between_steps)
+
+
+@pytest.mark.parametrize("backend", ["nccl", "hybridep"])
+def test_a_moe_call_at_a_jobs_shape_counts_what_replication_adds(backend):
+    """``ledger --moe-call`` of a job with replica slots counts, at its per-rank shape, the split (the backend is
+    handed every rank's counts) and the replica weights: exactly the backend's budget less its counts' exchange
+    plus replication's (which copies nothing to the device within a layer), and the largest weight copy one
+    projection's L + S experts at the job's hidden sizes (extended from the two counted ones)."""
+    from torchtitan_ext.config import parse
+    from torchtitan_ext.config.job import meta_model
+    from torchtitan_ext.planning.device_ledger import EVERY_LAYER, moe_call_ledger
+
+    job = ["--job.config_file", "train_configs/debug_model.toml", "--parallelism.expert_parallel_degree", "2",
+           "--parallelism.expert_parallel_comm_backend", backend, "--training.mixed_precision_param", "float32"]
+    replicated = parse([*job, "--expert_replication.slots_per_rank", "2"])
+    if backend == "hybridep":
+        replicated.hybridep.implementation = "reference"
+    ledger = moe_call_ledger(replicated)
+    assert ledger.over_budget() == []
+    for phase in ("forward", "backward"):
+        costs = ledger.costs[EVERY_LAYER, phase]
+        assert costs.collective_count(ledger.ep_group) == ledger.budget.of(phase).collectives, phase
+        assert sum(costs.h2d_copies.values()) == ledger.budget.of(phase).h2d_copies, phase
+    forward = ledger.costs[EVERY_LAYER, "forward"]
+    assert [kind for kind, *_ in forward.collectives].count("allgather") == 1
+    experts = next(block.moe.experts for block in meta_model(replicated).layers.values() if block.moe_enabled)
+    home, expert_bytes = experts.w1.shape[0] // 2, experts.w1[0].numel() * 4
+    assert forward.largest_weight_copy == (home + 2) * expert_bytes

@@ -140,33 +140,88 @@ def count_step(train_args: list[str], world_size: int, device_type: str = "cpu")
                   saves_collectives=ac.mode == "selective" and ac.selective_ac_option == "op")
 
 
+class _ReplicatedCall:
+    """What expert replication adds to one MoE call at a job's per-rank shape, in a group of one.
+
+    The split runs on the job's own plan shape (its experts, EP degree and slots; each rank copying the next
+    ranks' first experts) with this process as rank 0, so its operations are a rank's at that degree; the backend
+    is handed every rank's counts from it, as in training. The replica weights are one rank's: its L home experts
+    and S slots, at the call's hidden size and the job's expert hidden size, fetched from this process and their
+    gradients returned to it, S experts each way (what a rank sends on average)."""
+
+    def __init__(self, job_config, shape, group, device: torch.device, dtype: torch.dtype):
+        from torch.distributed.distributed_c10d import _get_process_group_name
+
+        from torchtitan_ext.config.job import meta_model
+        from torchtitan_ext.ep.replica_split import ReplicaRouter
+        from torchtitan_ext.ep.replication import ReplicaPlan
+
+        slots = job_config.expert_replication.slots_per_rank
+        ep = job_config.parallelism.expert_parallel_degree
+        experts = shape.num_experts - ep * slots  # the shape is the one dispatched over: every rank's slots too
+        home_experts = experts // ep
+        plan = ReplicaPlan(experts, ep, tuple(
+            tuple(((rank + 1) * home_experts + j) % experts for j in range(slots)) for rank in range(ep)))
+        self.router = ReplicaRouter(plan, group)
+        expert_hidden = next(block.moe.experts.w1.shape[1] for block in meta_model(job_config).layers.values()
+                             if block.moe_enabled)
+        up, down = (expert_hidden, shape.hidden_dim), (shape.hidden_dim, expert_hidden)
+        self.home = [torch.nn.Parameter(torch.randn(home_experts, *size, dtype=dtype, device=device))
+                     for size in (up, down, up)]
+        copies = torch.arange(slots, device=device) % home_experts
+        self.exchange = (copies, [slots], [slots], torch.arange(slots, device=device), copies.unique())
+        self.redundancy_mapping = copies.tolist()
+        self.slots, self.group_name = slots, _get_process_group_name(group)
+
+    def weights(self) -> list[torch.Tensor]:
+        from torchtitan_ext.ep.replicated_experts import with_replicas
+
+        return with_replicas(self.home, self.exchange, self.redundancy_mapping, self.slots, self.group_name)
+
+
 def count_moe_call(job_config, shape, call, group, sync_debug: bool = False) -> dict[str, Costs]:
     """{"forward": costs, "backward": costs} of one MoE call of the job's backend in ``group`` (its dispatch and
-    combine, the experts as the identity; ``call``: a :class:`~torchtitan_ext.planning.local_traffic.MoECall` on
-    the group's device), counted after one that builds what a job builds once.
+    combine, the experts as the identity, and under expert replication the split and the replica weights
+    (:class:`_ReplicatedCall`); ``call``: a :class:`~torchtitan_ext.planning.local_traffic.MoECall` on the group's
+    device), counted after one that builds what a job builds once.
 
     ``sync_debug`` (CUDA): the passes whose budget has no host sync run under ``torch.cuda.set_sync_debug_mode
     ("error")`` outside the kernel library's calls, so that a sync the count missed fails them."""
-    from torchtitan_ext.planning.local_traffic import backend_forward
-
     backend = backend_class(job_config)
-    budget = backend.device_budget(job_config)
+    budget = job_budget(job_config)
     style = backend.layer_factory(job_config, shape)(score_before_experts=False)
-    backend_forward(style, call, shape, group).float().sum().backward()
+    replicated = None
+    if job_config.expert_replication.slots_per_rank:
+        replicated = _ReplicatedCall(job_config, shape, group, call.x.device, call.x.dtype)
+
+    def forward() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The call's output (landed) and the replica weights the experts would compute with."""
+        expert_ids, sent_counts = call.expert_ids, None
+        if replicated is not None:
+            expert_ids, sent_counts = replicated.router.assign(call.expert_ids, counting=True)
+        rows, _ = style.dispatch(call.x.detach().requires_grad_(), call.scores.detach().requires_grad_(),
+                                 expert_ids, shape.num_experts, group, sent_counts)
+        out = style.combine(rows, group)
+        if isinstance(out, AsyncCollectiveTensor):
+            out = out.trigger_wait()  # an in-flight combine lands (sums its rows) inside the pass
+        return out.float(), [] if replicated is None else replicated.weights()
+
+    def backward(out: torch.Tensor, weights: list[torch.Tensor]) -> None:
+        torch.autograd.backward([out.sum(), *weights], [None, *gradients])
+
+    out, weights = forward()
+    gradients = [torch.ones_like(weight) for weight in weights]
+    backward(out, weights)
     device_type = call.x.device.type
     costs = {}
-    out = None
     for phase in ("forward", "backward"):
         counter = DeviceCostCounter(device_type=device_type)
         checking = sync_debug and getattr(budget, phase).host_syncs == 0
         with counter, _sync_errors(checking):
             if phase == "forward":
-                out = backend_forward(style, call, shape, group)
-                if isinstance(out, AsyncCollectiveTensor):
-                    out = out.trigger_wait()  # an in-flight combine lands (sums its rows) inside the pass
-                out = out.float()
+                out, weights = forward()
             else:
-                out.sum().backward()
+                backward(out, weights)
         costs[phase] = counter.costs[OUTSIDE, "step"]
     return costs
 
@@ -186,7 +241,8 @@ def count_job_moe_call(job_config) -> dict[str, Costs]:
     from torchtitan_ext.ep.replication import dispatched_shape
     from torchtitan_ext.planning.local_traffic import counted_hidden_sizes, MoECall
 
-    shape = dispatched_shape(job_config, moe_shape(job_config))
+    logical = moe_shape(job_config)
+    shape = dispatched_shape(job_config, logical)
     dtype = TORCH_DTYPE_MAP[job_config.training.mixed_precision_param]
     created = not dist.is_initialized()
     if created:
@@ -195,7 +251,8 @@ def count_job_moe_call(job_config) -> dict[str, Costs]:
         counted = []
         for hidden in counted_hidden_sizes(shape):
             small = replace(shape, hidden_dim=hidden)
-            call = MoECall.random(small, shape.max_tokens_per_rank, dtype)
+            # tokens pick logical experts: under replication the split sends them to copies
+            call = MoECall.random(replace(logical, hidden_dim=hidden), shape.max_tokens_per_rank, dtype)
             with patch.dict(os.environ):  # a buffer exports its library's environment, a rank's, not ours
                 counted.append(count_moe_call(job_config, small, call, dist.group.WORLD))
     finally:
