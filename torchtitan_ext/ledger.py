@@ -8,7 +8,8 @@ Runs the job's first two steps on this machine (N processes; gloo on a CPU) and 
 budget its backend and features declare. It counts calls, not time: a CPU run gives the counts a GPU run pays.
 ``--moe-call``, for a job this machine cannot run (the 671B job's 256 ranks): one MoE call of its backend at the
 job's per-rank shape instead, in a process group of one (bytes extended to the job's hidden size), on the
-reference kernels, whose calls declare the syncs the library makes as the library's adapters do.
+reference kernels, whose calls declare the syncs the library makes as the library's adapters do; under expert
+replication, with its split and one rank's replica weights.
 Exit status 1 when a layer is over its budget.
 """
 
