@@ -215,9 +215,9 @@ def _weights_worker(rank: int, world_size: int) -> dict:
     home = [weight.requires_grad_() for weight in _two_weights(rank)]
     weights = with_replicas(home, exchange_arguments(plan, rank), redundancy_mapping(plan), 2,
                             _get_process_group_name(dist.group.WORLD))
-    fetched = torch.cat([weight[2:].reshape(2, -1) for weight in weights], dim=1)
-    weight = torch.tensor([[1.0], [10.0]])
-    ((fetched * weight).sum() + 3 * sum(weight[:2].sum() for weight in weights)).backward()
+    fetched = torch.cat([projection[2:].reshape(2, -1) for projection in weights], dim=1)
+    per_slot = torch.tensor([[1.0], [10.0]])
+    ((fetched * per_slot).sum() + 3 * sum(projection[:2].sum() for projection in weights)).backward()
     return {"weights": [weight.detach() for weight in weights], "fetched": fetched.detach(),
             "grads": [weight.grad for weight in home]}
 
@@ -278,10 +278,11 @@ def test_the_split_and_the_replica_weights_never_make_the_host_wait():
 
 def test_the_gradients_of_four_copies_are_summed_in_fp32_and_rounded_once(world_of_one):
     """On a GPU index_add_ adds one copy at a time in the tensor's dtype (atomics): in bf16, 1 + 2**-8 rounds to 1,
-    and three small gradients vanish beside a large one. The copies' gradients come home summed into an fp32
-    tensor (on a CPU index_add_ accumulates in fp32 whatever the dtype, so the sums' dtype is what is checked) and
-    are added to the expert's own gradient in fp32, rounded once. Copies sent in any order sum into their own expert's
-    gradient; an expert not sent keeps its own."""
+    and small gradients vanish beside a large one. The copies' gradients come home summed into an fp32 tensor (on a
+    CPU index_add_ accumulates in fp32 whatever the dtype, so the sums' dtype is what is checked) and are added to
+    the expert's own gradient in fp32, rounded once: 1 + 2**-8 + 2**-16 rounds to 1 + 2**-7, where rounding the
+    copies' sum to bf16 first (2**-8) or adding them one at a time gives 1. Copies sent in any order sum into their
+    own expert's gradient; an expert not sent keeps its own."""
     from torch.distributed.distributed_c10d import _get_process_group_name
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -304,12 +305,11 @@ def test_the_gradients_of_four_copies_are_summed_in_fp32_and_rounded_once(world_
     exchange = (send_local, [copies], [copies], torch.arange(copies), torch.tensor([0, 2]))
     (weights,) = with_replicas([home], exchange, [0] * copies, copies, _get_process_group_name(world_of_one))
     with SumDtypes() as sums:
-        # the home experts' own gradients (7, 0, 1), then the five copies'
-        weights.backward(torch.tensor([[7.0], [0.0], [1.0], [0.0], [5.0], [2**-8], [2**-8], [2**-8]],
+        # the home experts' own gradients (7, 3, 1), then the five copies' (expert 2, 0, 2, 2, 2)
+        weights.backward(torch.tensor([[7.0], [3.0], [1.0], [2**-9], [5.0], [2**-9], [2**-16], [0.0]],
                                       dtype=torch.bfloat16))
     assert sums.dtypes == [torch.float32]
-    assert home.grad[:, 0].tolist() == [12.0, 0.0, torch.tensor(1 + 3 * 2**-8).bfloat16().item()]
-    assert home.grad[2, 0].item() != 1.0
+    assert home.grad[:, 0].tolist() == [12.0, 3.0, 1 + 2**-7]
 
 
 def test_a_layer_without_replicas_computes_its_home_experts_alone(world_of_one):

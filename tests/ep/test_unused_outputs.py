@@ -4,6 +4,7 @@ The nccl combine's backward gets no gradient for its returned rows, an output ke
 autograd would otherwise fill a zero tensor of their size first, one pass over every row the rank sent (1.88 GB per
 MoE layer at the 671B GB200 job's shape). Expert replication's backward writes each home weight's gradient once."""
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -58,10 +59,12 @@ class _HomeSizedWrites(TorchDispatchMode):
         return out
 
 
-def test_the_replicas_gradients_are_added_to_their_home_experts_in_one_write(world_of_one):
-    """Each home weight's gradient is written once, the replicas' gradients added as it is: no zero-filled gradient
-    of the home weights for autograd to add to their own (two more passes over a rank's home experts: 704 MB per
-    MoE layer and step at the 671B GB200 job's shape at EP=64, 4 home experts of 88 MB in bf16)."""
+@pytest.mark.parametrize("sent", [[2], []], ids=["one_expert_sent", "none_sent"])
+def test_the_replicas_gradients_are_added_to_their_home_experts_in_one_write(world_of_one, sent):
+    """Each home weight's gradient is written once, the replicas' gradients added as it is (on a rank that sends no
+    expert, never: the concatenation's slice is its gradient): no zero-filled gradient of the home weights for
+    autograd to add to their own (two more passes over a rank's home experts: 704 MB per MoE layer and step at the
+    671B GB200 job's shape at EP=64, 4 home experts of 88 MB in bf16)."""
     from torch.distributed.distributed_c10d import _get_process_group_name
 
     from torchtitan_ext.ep.replicated_experts import with_replicas
@@ -70,14 +73,15 @@ def test_the_replicas_gradients_are_added_to_their_home_experts_in_one_write(wor
     home_experts, dim, hidden = 4, 8, 6
     home = [torch.randn(home_experts, *shape, generator=generator, requires_grad=True)
             for shape in ((hidden, dim), (dim, hidden), (hidden, dim))]
-    # a group of one: expert 2 is copied into the rank's one slot
-    exchange = (torch.tensor([2]), [1], [1], torch.tensor([0]), torch.tensor([2]))
-    weights = with_replicas(home, exchange, [2], 1, _get_process_group_name(world_of_one))
+    # a group of one: expert 2 is copied into the rank's one slot, or the slot is unused
+    exchange = (torch.tensor(sent, dtype=torch.int64), [len(sent)], [len(sent)], torch.arange(len(sent)),
+                torch.tensor(sent, dtype=torch.int64))
+    weights = with_replicas(home, exchange, sent or [-1], 1, _get_process_group_name(world_of_one))
     grads = [torch.randn(weight.shape, generator=generator) for weight in weights]
     with _HomeSizedWrites(home[0].numel()) as writes:
         torch.autograd.backward(weights, grads)
-    assert writes.writes == ["index_add"] * len(home), writes.writes
+    assert writes.writes == ["index_add"] * len(home) * len(sent), writes.writes
     for weight, grad in zip(home, grads):
         expected = grad[:home_experts].clone()
-        expected[2] += grad[home_experts]
+        expected[sent] += grad[home_experts]
         assert torch.equal(weight.grad, expected)

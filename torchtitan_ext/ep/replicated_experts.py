@@ -13,6 +13,7 @@ load-balancing kernels), the op goes through it (:mod:`torchtitan_ext.ep.ops.rep
 
 import torch
 from torch.distributed.distributed_c10d import _get_process_group_name
+from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torchtitan.models.moe.moe import _run_experts_for_loop, _run_experts_grouped_mm, GroupedExperts
@@ -96,19 +97,20 @@ class _HomeAndReplicas(torch.autograd.Function):
 
     Backward, the replicas' gradients go home (``replica_gradients``, summed per expert in fp32) and are added to
     their experts' own gradients, which are a slice of the concatenation's: one copy of the home slice with those
-    experts' rows added (for bf16 gradients, in fp32 and rounded once), and none on a rank that sends no expert.
-    (A backward of the fetch alone would return a zero-filled gradient of every home weight, for autograd to add
-    to the slice: two more passes over the home experts.)
+    experts' rows added (for gradients narrower than fp32, in fp32 and rounded once), and none on a rank that sends
+    no expert. (A backward of the fetch alone would return a zero-filled gradient of every home weight, for
+    autograd to add to the slice: two more passes over the home experts.)
     """
 
     @staticmethod
     def forward(ctx, exchange, redundancy_mapping: list[int], slots: int, group_name: str, *home: torch.Tensor):
-        ctx.exchange, ctx.redundancy_mapping, ctx.slots, ctx.group_name = exchange, redundancy_mapping, slots, group_name
-        ctx.home_rows = home[0].shape[0]
+        ctx.exchange, ctx.redundancy_mapping, ctx.group_name = exchange, redundancy_mapping, group_name
+        ctx.home_rows, ctx.slots = home[0].shape[0], slots
         fetched = replica_ops().replica_weights(list(home), *exchange[:4], redundancy_mapping, slots, group_name)
         return tuple(weights_with_replicas(list(home), fetched, slots))
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, *grads: torch.Tensor):
         rows, slots = ctx.home_rows, ctx.slots
         replicas = torch.cat([grad[rows:].reshape(slots, -1) for grad in grads], dim=1)
@@ -120,8 +122,8 @@ class _HomeAndReplicas(torch.autograd.Function):
         home_grads = []
         for grad, part in zip(own, summed.split([grad[0].numel() for grad in own], dim=1)):
             part = part.view(-1, *grad.shape[1:])
-            if grad.dtype == part.dtype:
-                home_grads.append(grad.index_add(0, sent_experts, part))
+            if grad.dtype.itemsize >= part.dtype.itemsize:
+                home_grads.append(grad.index_add(0, sent_experts, part.to(grad.dtype)))
             else:
                 total = part.add_(grad.index_select(0, sent_experts))
                 home_grads.append(grad.index_copy(0, sent_experts, total.to(grad.dtype)))

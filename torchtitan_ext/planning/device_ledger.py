@@ -182,8 +182,9 @@ class _ReplicatedCall:
 def count_moe_call(job_config, shape, call, group, sync_debug: bool = False) -> dict[str, Costs]:
     """{"forward": costs, "backward": costs} of one MoE call of the job's backend in ``group`` (its dispatch and
     combine, the experts as the identity, and under expert replication the split and the replica weights
-    (:class:`_ReplicatedCall`); ``call``: a :class:`~torchtitan_ext.planning.local_traffic.MoECall` on the group's
-    device), counted after one that builds what a job builds once.
+    (:class:`_ReplicatedCall`)), counted after one that builds what a job builds once. ``shape``: the one the
+    backend dispatches over (under replication, every rank's slots too); ``call``: a
+    :class:`~torchtitan_ext.planning.local_traffic.MoECall` on the group's device, picking logical experts.
 
     ``sync_debug`` (CUDA): the passes whose budget has no host sync run under ``torch.cuda.set_sync_debug_mode
     ("error")`` outside the kernel library's calls, so that a sync the count missed fails them."""
@@ -206,12 +207,16 @@ def count_moe_call(job_config, shape, call, group, sync_debug: bool = False) -> 
             out = out.trigger_wait()  # an in-flight combine lands (sums its rows) inside the pass
         return out.float(), [] if replicated is None else replicated.weights()
 
-    def backward(out: torch.Tensor, weights: list[torch.Tensor]) -> None:
+    def backward(out: torch.Tensor, weights: list[torch.Tensor], gradients: list[torch.Tensor]) -> None:
+        if replicated is not None:
+            # as after the optimizer's zero_grad: autograd takes the gradient over instead of adding to one
+            for weight in replicated.home:
+                weight.grad = None
         torch.autograd.backward([out.sum(), *weights], [None, *gradients])
 
     out, weights = forward()
     gradients = [torch.ones_like(weight) for weight in weights]
-    backward(out, weights)
+    backward(out, weights, gradients)
     device_type = call.x.device.type
     costs = {}
     for phase in ("forward", "backward"):
@@ -221,7 +226,7 @@ def count_moe_call(job_config, shape, call, group, sync_debug: bool = False) -> 
             if phase == "forward":
                 out, weights = forward()
             else:
-                backward(out, weights)
+                backward(out, weights, gradients)
         costs[phase] = counter.costs[OUTSIDE, "step"]
     return costs
 

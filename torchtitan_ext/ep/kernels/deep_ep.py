@@ -82,7 +82,7 @@ class LoadBalancingKernels:
     ``gradients`` [S, F] (fp32, the only dtype ``lb_reduce_grads`` takes) are
     the buffer's load-balancing region, shared by every MoE layer: a fetch
     copies the replicas out before the next layer's lands there. Gradients are
-    summed in fp32 at home and returned in the replicas' dtype. Both kernels
+    summed in fp32 at home and returned in fp32. Both kernels
     open and close with a barrier over the domain (prefetch_weights.cuh,
     reduce_grads.cuh), so once a call's event is waited on, no peer still
     reads or writes this rank's region.

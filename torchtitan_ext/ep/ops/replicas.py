@@ -95,9 +95,9 @@ def replica_gradients(
     group_name: str,
 ) -> torch.Tensor:
     """[len(sent_experts), F] fp32: for each of this rank's experts with copies elsewhere (``sent_experts``,
-    ascending), the sum of its copies' gradients, from every rank's replica slots' gradients ``grad`` [slots, F]
-    (the reverse of :func:`replica_weights`, with its arguments). Summed in fp32: an expert with many copies
-    would lose low bits at every bf16 addition, and ``index_add_`` has a fixed order under
+    ascending), the sum of its copies' gradients, from every rank's replica slots' gradients (this rank's:
+    ``grad`` [slots, F]): the reverse of :func:`replica_weights`, with its arguments. Summed in fp32: an expert
+    with many copies would lose low bits at every bf16 addition, and ``index_add_`` has a fixed order under
     ``torch.use_deterministic_algorithms`` (``debug.deterministic``). ``home_rows``: this rank's experts (L)."""
     transport = _transports.get(group_name)
     if transport is not None:
