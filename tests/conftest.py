@@ -5,6 +5,7 @@ A test that starts a process (a launcher, torchrun, workers of its own) or runs 
 process fails, naming the mark it needs.
 """
 
+import logging
 import multiprocessing.process
 import os
 import platform
@@ -104,3 +105,15 @@ def _torchtitan_compile_left_undone():
     with torch._dynamo.config.patch(capture_scalar_outputs=torch._dynamo.config.capture_scalar_outputs):
         yield
     moe._run_experts_grouped_mm = original
+
+
+@pytest.fixture(autouse=True)
+def _root_logger_left_as_found():
+    """A tool's ``main`` called in the test process (the launcher's pre-flight check, say) sets up the console's
+    logging: the root logger's level and handlers, for the whole process. Each test leaves them as it found them, so
+    that what a later test of its worker logs does not depend on which tests ran before it."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
