@@ -188,6 +188,8 @@ def count_moe_call(job_config, shape, call, group, sync_debug: bool = False) -> 
 
     ``sync_debug`` (CUDA): the passes whose budget has no host sync run under ``torch.cuda.set_sync_debug_mode
     ("error")`` outside the kernel library's calls, so that a sync the count missed fails them."""
+    from torchtitan_ext.planning.local_traffic import backend_forward
+
     backend = backend_class(job_config)
     budget = job_budget(job_config)
     style = backend.layer_factory(job_config, shape)(score_before_experts=False)
@@ -200,9 +202,7 @@ def count_moe_call(job_config, shape, call, group, sync_debug: bool = False) -> 
         expert_ids, sent_counts = call.expert_ids, None
         if replicated is not None:
             expert_ids, sent_counts = replicated.router.assign(call.expert_ids, counting=True)
-        rows, _ = style.dispatch(call.x.detach().requires_grad_(), call.scores.detach().requires_grad_(),
-                                 expert_ids, shape.num_experts, group, sent_counts)
-        out = style.combine(rows, group)
+        out = backend_forward(style, call, shape, group, expert_ids, sent_counts)
         if isinstance(out, AsyncCollectiveTensor):
             out = out.trigger_wait()  # an in-flight combine lands (sums its rows) inside the pass
         return out.float(), [] if replicated is None else replicated.weights()

@@ -209,12 +209,15 @@ def _host_padding(group_alignment: int):
         tt_moe_utils.generate_permute_indices, tt_moe_utils.TOKEN_GROUP_ALIGN_SIZE_M = saved
 
 
-def backend_forward(style, call: MoECall, shape: MoEShape, group=None) -> torch.Tensor:
+def backend_forward(style, call: MoECall, shape: MoEShape, group=None, expert_ids: torch.Tensor | None = None,
+                    sent_counts: torch.Tensor | None = None) -> torch.Tensor:
     """One MoE call's dispatch and combine through ``style`` (a backend's layer) in ``group`` (default: the default
-    process group), the experts as the identity."""
+    process group), the experts as the identity. ``expert_ids`` and ``sent_counts``: what expert replication's split
+    hands the backend (default: the call's picks, and the backend exchanges the counts itself)."""
     group = group or dist.group.WORLD
     rows, _ = style.dispatch(call.x.detach().requires_grad_(), call.scores.detach().requires_grad_(),
-                             call.expert_ids, shape.num_experts, group)
+                             call.expert_ids if expert_ids is None else expert_ids, shape.num_experts, group,
+                             sent_counts)
     return style.combine(rows, group)
 
 
