@@ -2,7 +2,7 @@
 
 import pytest
 
-from torchtitan_ext.bench import ep, price_replicas, replication, replication_cpu_time, step
+from torchtitan_ext.bench import ep, expert_loop, price_replicas, replication, replication_cpu_time, step
 
 
 @pytest.mark.parametrize("main, argv, message", [
@@ -10,6 +10,8 @@ from torchtitan_ext.bench import ep, price_replicas, replication, replication_cp
     (price_replicas.main, ["--steps", "1"], "--steps needs at least 2"),
     (ep.main, ["--nproc", "4", "--ep-degree", "3"], "--ep-degree 3: use a divisor of --nproc 4"),
     (ep.main, ["--backends", "nccl", "hybridep_nb"], "argument --backends: invalid choice: 'hybridep_nb'"),
+    (expert_loop.main, ["--experts", "4,0"], "argument --experts: 4,0: use expert counts >= 1, comma separated"),
+    (expert_loop.main, ["--rounds", "2"], "--rounds: more than 2"),
     (replication.main, ["--steps", "4"], "--steps 4: use more than 4 (the first 3 are warm-up)"),
     (replication.main, ["--alphas", "0,x"], "--alphas 0,x --drift-every 3: use finite alphas >= 0, comma separated, "
                                             "and a drift of at least 1 step"),

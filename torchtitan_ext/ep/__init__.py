@@ -4,7 +4,8 @@ Owns: the backend contract (:mod:`.base`), one module per backend
 (:mod:`.nccl`, :mod:`.deepep`, :mod:`.hybridep`: its ``ExpertParallel`` class and, beside it, its
 :class:`~.planning_profile.PlanningProfile` for the planning tools) with its custom ops in
 :mod:`.ops` (registered at first use), the kernels behind DeepEP and HybridEP
-(:mod:`.kernels`: deep_ep adapters and the reference implementation), and the
+(:mod:`.kernels`: deep_ep adapters and the reference implementation), the routed experts' compute
+(:mod:`.experts`, and with replica slots :mod:`.replicated_experts`), and the
 backend checks of a job config (:mod:`.validation`). Importing it registers
 each backend's section and the checks with :mod:`torchtitan_ext.config`.
 

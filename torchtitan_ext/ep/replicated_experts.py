@@ -16,10 +16,11 @@ from torch.distributed.distributed_c10d import _get_process_group_name
 from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-from torchtitan.models.moe.moe import _run_experts_for_loop, _run_experts_grouped_mm, GroupedExperts
+from torchtitan.models.moe.moe import _run_experts_grouped_mm, GroupedExperts
 
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.ep.base import to_device
+from torchtitan_ext.ep.experts import run_experts_for_loop, UnboundLoopExperts
 from torchtitan_ext.ep.replica_split import replica_ops
 from torchtitan_ext.ep.replication import ReplicaPlan
 
@@ -144,7 +145,7 @@ def redundancy_mapping(plan: ReplicaPlan) -> list[int]:
     return [home for held in plan.replicas for home in held]
 
 
-class ExpertsWithReplicas(GroupedExperts):
+class ExpertsWithReplicas(UnboundLoopExperts):
     """GroupedExperts computing home experts and replica slots (adopted in place)."""
 
     slots: int
@@ -196,9 +197,9 @@ class ExpertsWithReplicas(GroupedExperts):
             local = num_tokens_per_expert[:home[0].shape[0]]
             if self.use_grouped_mm:
                 return _run_experts_grouped_mm(*home, x, local)
-            return _run_experts_for_loop(*home, x, local)
+            return run_experts_for_loop(*home, x, local)
         w1, w2, w3 = with_replicas(home, self._exchange_on(home[0].device), self.redundancy_mapping, self.slots,
                                    _get_process_group_name(self.group))
         if self.use_grouped_mm:
             return _run_experts_grouped_mm(w1, w2, w3, x, num_tokens_per_expert)
-        return _run_experts_for_loop(w1, w2, w3, x, num_tokens_per_expert)
+        return run_experts_for_loop(w1, w2, w3, x, num_tokens_per_expert)

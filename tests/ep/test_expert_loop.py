@@ -1,0 +1,65 @@
+"""The routed experts' per-expert loop (no grouped GEMMs): torchtitan's outputs and gradients bit for bit, each
+stacked weight's gradient written once instead of once per expert, and the loop every MoE layer runs."""
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torchtitan.models.moe.moe import _run_experts_for_loop
+
+from torchtitan_ext.ep.experts import run_experts_for_loop, UnboundLoopExperts
+
+
+class StackSizedOutputs(TorchDispatchMode):
+    """Counts the ops that write an output of ``numel`` elements (one projection's stacked weight; views write
+    nothing)."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel, self.count = numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.is_view:
+            return out
+        self.count += sum(isinstance(t, torch.Tensor) and t.numel() == self.numel
+                          for t in (out if isinstance(out, (tuple, list)) else (out,)))
+        return out
+
+
+def _backward(loop, experts: int) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+    """The loop's output on 3 padding rows past 20 routed ones, its gradients (w1, w2, w3, tokens) and the ops of
+    its backward that wrote a whole projection's stack."""
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(experts, *shape, generator=generator, requires_grad=True)
+               for shape in ((32, 16), (16, 32), (32, 16))]
+    tokens = torch.randn(23, 16, generator=generator, requires_grad=True)
+    counts = torch.tensor([5, 0, 3, 7, 1, 4])
+    out = loop(*weights, tokens, counts)
+    with StackSizedOutputs(weights[0].numel()) as written:
+        out.backward(torch.randn(out.shape, generator=generator))
+    return out, [w.grad for w in weights] + [tokens.grad], written.count
+
+
+def test_the_loop_is_torchtitans_bit_for_bit_and_writes_each_weights_gradient_once():
+    out, grads, written = _backward(run_experts_for_loop, 6)
+    expected_out, expected_grads, torchtitans_written = _backward(_run_experts_for_loop, 6)
+    assert torch.equal(out, expected_out)
+    assert all(torch.equal(grad, expected) for grad, expected in zip(grads, expected_grads))
+    # one stacked gradient per projection; torchtitan's indexing writes a zero-filled stack per expert and sums them
+    assert written == 3
+    assert torchtitans_written >= 3 * 6
+
+
+def test_the_parallelize_plan_runs_every_moe_layers_experts_on_the_unbound_loop(world_of_one):
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from torchtitan_ext.config import load_job_config, meta_model
+    from torchtitan_ext.training import prepare
+
+    prepare()
+    job_config = load_job_config(["--job.config_file", "train_configs/debug_model.toml", "--parallelism.expert_parallel_degree", "1"], "cpu", 1)
+    model = meta_model(job_config)
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    get_train_spec(job_config.model.name).parallelize_fn(model, dims, job_config)
+    experts = [block.moe.experts for block in model.layers.values() if block.moe_enabled]
+    assert experts and all(isinstance(module, UnboundLoopExperts) for module in experts)

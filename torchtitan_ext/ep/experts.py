@@ -1,0 +1,35 @@
+"""The routed experts' per-expert loop, each expert's weights taken unbound from the stack.
+
+Without grouped GEMMs (a CPU, a GPU below SM90) torchtitan's ``GroupedExperts`` runs one expert at a time and
+indexes each out of the stacked [E, ...] weight. Each index's backward writes a zero-filled gradient of the
+whole stack, and autograd sums the E of them: E x E experts' bytes written and (E - 1) x E added per
+projection, per layer and step (with 16 local experts, a third of the experts' forward and backward on a CPU:
+docs/benchmarks.md, "The per-expert loop's weight gradient"). Unbound, the E gradients are stacked once.
+Outputs and gradients are torchtitan's, bit for bit. :class:`UnboundLoopExperts` is ``GroupedExperts`` with
+that loop, adopted in place by the parallelize plan; its grouped GEMMs are torchtitan's, unchanged.
+"""
+
+import torch
+from torch.distributed.tensor import DTensor
+from torchtitan.models.moe.moe import _run_experts_for_loop, GroupedExperts
+
+
+def run_experts_for_loop(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor,
+                         num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """torchtitan's per-expert loop on the experts' weights unbound (it only indexes them by expert)."""
+    return _run_experts_for_loop(w1.unbind(0), w2.unbind(0), w3.unbind(0), x, num_tokens_per_expert)
+
+
+class UnboundLoopExperts(GroupedExperts):
+    """GroupedExperts whose per-expert loop takes each expert's weights unbound (adopted in place)."""
+
+    @classmethod
+    def adopt(cls, experts: GroupedExperts) -> "UnboundLoopExperts":
+        experts.__class__ = cls
+        return experts
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        if self.use_grouped_mm:
+            return super().forward(x, num_tokens_per_expert)
+        weights = [w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3)]
+        return run_experts_for_loop(*weights, x, num_tokens_per_expert)
