@@ -18,9 +18,9 @@ The verdict (:func:`verdict`) is the step one device per rank would take: each s
 collective that joins the ranks, so it costs its slowest rank's time; the sum of those, plus the slowest rank's
 remainder, plus replication's own work (each layer's slowest transfers, the slowest choice). The slowest rank's
 wall time per step is reported beside it: with no more ranks than cores (``--nproc 2`` here) it is honest too.
-The experts run torchtitan's grouped GEMMs, as on a GPU (``--experts loop``: its CPU loop, whose weight
-gradients cost each rank the square of its experts and slots). docs/benchmarks.md says what the verdict stands
-for and where it does not.
+The experts run torchtitan's grouped GEMMs in bf16, as on a GPU (``--experts loop``: the per-expert loop a CPU
+trains with, :mod:`torchtitan_ext.ep.experts`). docs/benchmarks.md says what the verdict stands for and where it
+does not.
 """
 
 import argparse
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="steps between redraws of the skew's expert ranking (default: 3)")
     parser.add_argument("--experts", choices=("grouped_mm", "loop"), default="grouped_mm",
                         help="the experts' GEMMs: torchtitan's grouped GEMMs in bf16, as a GPU runs them (default), or "
-                             "its CPU loop, whose backward grows with the square of a rank's experts and slots")
+                             "the per-expert loop a CPU trains with, in the job's precision")
     parser.add_argument("--markdown", type=Path, help="also append the table to this markdown file")
     parser.add_argument("--json", type=Path, help="also write every rank's CPU times per run and step here")
     parser.add_argument("extra", nargs="*", help="more training arguments for every run (after --)")
