@@ -1,6 +1,7 @@
-"""The routed experts' per-expert loop (no grouped GEMMs): torchtitan's outputs and gradients bit for bit, each
-stacked weight's gradient written once instead of once per expert, and the loop every MoE layer runs."""
+"""The routed experts' per-expert loop (no grouped GEMMs): torchtitan's outputs and gradients, each stacked
+weight's gradient written once instead of once per expert, and the loop every MoE layer runs."""
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torchtitan.models.moe.moe import _run_experts_for_loop
@@ -39,7 +40,7 @@ def _backward(loop, experts: int) -> tuple[torch.Tensor, list[torch.Tensor], int
     return out, [w.grad for w in weights] + [tokens.grad], written.count
 
 
-def test_the_loop_is_torchtitans_bit_for_bit_and_writes_each_weights_gradient_once():
+def test_the_loop_equals_torchtitans_and_writes_each_weights_gradient_once():
     out, grads, written = _backward(run_experts_for_loop, 6)
     expected_out, expected_grads, torchtitans_written = _backward(_run_experts_for_loop, 6)
     assert torch.equal(out, expected_out)
@@ -49,7 +50,8 @@ def test_the_loop_is_torchtitans_bit_for_bit_and_writes_each_weights_gradient_on
     assert torchtitans_written >= 3 * 6
 
 
-def test_the_parallelize_plan_runs_every_moe_layers_experts_on_the_unbound_loop(world_of_one):
+@pytest.mark.parametrize("config", ["debug_model.toml", "llama4_debug_model.toml"])
+def test_the_parallelize_plan_runs_every_moe_layers_experts_on_the_unbound_loop(world_of_one, config):
     from torchtitan.distributed import ParallelDims
     from torchtitan.protocols.train_spec import get_train_spec
 
@@ -57,9 +59,10 @@ def test_the_parallelize_plan_runs_every_moe_layers_experts_on_the_unbound_loop(
     from torchtitan_ext.training import prepare
 
     prepare()
-    job_config = load_job_config(["--job.config_file", "train_configs/debug_model.toml", "--parallelism.expert_parallel_degree", "1"], "cpu", 1)
+    args = ["--job.config_file", f"train_configs/{config}", "--parallelism.expert_parallel_degree", "1"]
+    job_config = load_job_config(args, "cpu", 1)
     model = meta_model(job_config)
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
     get_train_spec(job_config.model.name).parallelize_fn(model, dims, job_config)
     experts = [block.moe.experts for block in model.layers.values() if block.moe_enabled]
-    assert experts and all(isinstance(module, UnboundLoopExperts) for module in experts)
+    assert experts and all(type(module) is UnboundLoopExperts and not module.use_grouped_mm for module in experts)

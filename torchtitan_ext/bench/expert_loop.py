@@ -4,8 +4,9 @@
         [--rounds 8]
 
 One thread, fp32, the rows spread evenly over the experts (the defaults: one rank's rows of one MoE layer of
-``debugmodel_wide_experts`` at 1,024 tokens per rank and EP=2). Each round runs both loops on the same weights
-and rows, in turn; the table gives each loop's median over the rounds after the first two, and their ratio.
+``debugmodel_wide_experts`` at 1,024 tokens per rank and EP=2), the gradients of the weights and of the rows.
+Each round runs both loops on the same weights and rows, in turn, the first of them alternating; the table
+gives each loop's median over the rounds after the first two, and their ratio.
 The loop is what a CPU, or a GPU below SM90, runs for the routed experts
 (:mod:`torchtitan_ext.ep.experts`).
 """
@@ -25,8 +26,8 @@ WARMUP_ROUNDS = 2
 
 def _seconds(loop, weights: list[torch.Tensor], rows: torch.Tensor, counts: torch.Tensor,
              gradient: torch.Tensor) -> float:
-    for weight in weights:
-        weight.grad = None
+    for tensor in (*weights, rows):
+        tensor.grad = None
     began = time.perf_counter()
     loop(*weights, rows, counts).backward(gradient)
     return time.perf_counter() - began
@@ -60,14 +61,15 @@ def main(argv: list[str] | None = None) -> int:
     for experts in tqdm(args.experts, desc="expert counts"):
         weights = [torch.randn(experts, *shape, generator=generator, requires_grad=True)
                    for shape in ((args.hidden, args.dim), (args.dim, args.hidden), (args.hidden, args.dim))]
-        rows = torch.randn(args.rows, args.dim, generator=generator)
+        rows = torch.randn(args.rows, args.dim, generator=generator, requires_grad=True)
         counts = torch.full((experts,), args.rows // experts)
         counts[: args.rows % experts] += 1
         gradient = torch.randn(args.rows, args.dim, generator=generator)
         times = {name: [] for name in loops}
-        for _ in range(args.rounds):
-            for name, loop in loops.items():
-                times[name].append(_seconds(loop, weights, rows, counts, gradient))
+        for round_index in range(args.rounds):
+            # each loop first in every other round: neither always runs on what the other left in the caches
+            for name in sorted(loops, reverse=bool(round_index % 2)):
+                times[name].append(_seconds(loops[name], weights, rows, counts, gradient))
         medians = [statistics.median(seconds[WARMUP_ROUNDS:]) * 1e3 for seconds in times.values()]
         megabytes = sum(weight[0].numel() for weight in weights) * 4 / 1e6
         table.append(f"| {experts} | {megabytes:.1f} | {medians[0]:.1f} | {medians[1]:.1f} | "

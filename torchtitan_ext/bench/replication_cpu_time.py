@@ -208,7 +208,8 @@ class _TimedReplicaOps:
 
 def train_arms(rank: int, world_size: int, arms: list[tuple[str, list[str]]], grouped_mm: bool) -> dict[str, dict[int, dict]]:
     """Train each (name, args) job in turn on this rank: {name: :attr:`CpuClock.steps`}; with ``grouped_mm``, the
-    experts computed by torchtitan's grouped GEMMs (bf16) as on a GPU of SM90 or later, else by its CPU loop."""
+    experts computed by torchtitan's grouped GEMMs (bf16) as on a GPU of SM90 or later, else by the per-expert loop
+    a CPU trains with (:mod:`torchtitan_ext.ep.experts`)."""
     global _clock
     os.environ["LOCAL_RANK"] = str(rank)
     os.chdir(ROOT)

@@ -3,10 +3,10 @@
 Without grouped GEMMs (a CPU, a GPU below SM90) torchtitan's ``GroupedExperts`` runs one expert at a time and
 indexes each out of the stacked [E, ...] weight. Each index's backward writes a zero-filled gradient of the
 whole stack, and autograd sums the E of them: E x E experts' bytes written and (E - 1) x E added per
-projection, per layer and step (with 16 local experts, a third of the experts' forward and backward on a CPU:
+projection, per layer and step (with 16 local experts, most of the experts' forward and backward on a CPU:
 docs/benchmarks.md, "The per-expert loop's weight gradient"). Unbound, the E gradients are stacked once.
-Outputs and gradients are torchtitan's, bit for bit. :class:`UnboundLoopExperts` is ``GroupedExperts`` with
-that loop, adopted in place by the parallelize plan; its grouped GEMMs are torchtitan's, unchanged.
+Outputs and gradients equal torchtitan's. :class:`UnboundLoopExperts` is ``GroupedExperts`` with that loop
+(:func:`adopt_unbound_loop` turns a model's experts into it, in place); its grouped GEMMs are torchtitan's.
 """
 
 import torch
@@ -21,15 +21,18 @@ def run_experts_for_loop(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x
 
 
 class UnboundLoopExperts(GroupedExperts):
-    """GroupedExperts whose per-expert loop takes each expert's weights unbound (adopted in place)."""
-
-    @classmethod
-    def adopt(cls, experts: GroupedExperts) -> "UnboundLoopExperts":
-        experts.__class__ = cls
-        return experts
+    """GroupedExperts whose per-expert loop takes each expert's weights unbound."""
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         if self.use_grouped_mm:
             return super().forward(x, num_tokens_per_expert)
         weights = [w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3)]
         return run_experts_for_loop(*weights, x, num_tokens_per_expert)
+
+
+def adopt_unbound_loop(model: torch.nn.Module) -> None:
+    """Every torchtitan ``GroupedExperts`` of ``model`` turned, in place, into :class:`UnboundLoopExperts` (same
+    parameters and state dict keys); subclasses, which bring their own forward, are left as they are."""
+    for module in model.modules():
+        if type(module) is GroupedExperts:
+            module.__class__ = UnboundLoopExperts

@@ -52,10 +52,11 @@ class ExpertReplication:
     fetch, no gradient return (where routing is already balanced, replicas
     only cost their traffic). Decided between steps from the counts the
     choice reads, the same on every rank. Range 0 .. 1; 0: never steps
-    aside. 0.05: the low end of the break-even measured on a CPU (replication's
-    own time over the slowest rank's MoE layers, 0.054 at EP=2 and 0.078 at
-    EP=4 on debugmodel_wide_experts; docs/benchmarks.md, "bench_replication
-    under a drifting routing skew, on the unbound loop"); a GPU's is not measured.
+    aside. 0.05: just below the lowest break-even measured on a CPU
+    (replication's own time over the slowest rank's MoE layers, 0.054 at EP=2
+    and 0.078 at EP=4 on debugmodel_wide_experts; docs/benchmarks.md,
+    "bench_replication under a drifting routing skew, on the unbound loop"); a
+    GPU's is not measured.
     """
 
 

@@ -1,11 +1,11 @@
 """Parallelize plan pieces shared by DeepSeek-V3 and Llama4.
 
-:func:`parallelize_moe_model` turns the routed experts into
-:class:`~torchtitan_ext.ep.experts.UnboundLoopExperts`, then applies, in torchtitan's order: TP (the model's
+:func:`parallelize_moe_model` gives the routed experts our per-expert loop
+(:mod:`torchtitan_ext.ep.experts`), then applies, in torchtitan's order: TP (the model's
 own dense plan), MoE parallelism (TP of router and shared experts, and the
 configured EP backend on the routed experts), CP, activation checkpointing
 (the backend's ops on the selective save list), torch.compile, and FSDP/HSDP
-or DDP. Everything but the MoE step is torchtitan's own code.
+or DDP. Everything but the MoE step and the experts' loop is torchtitan's own code.
 """
 
 import weakref
@@ -34,7 +34,7 @@ from torchtitan.tools.logging import logger
 
 from torchtitan_ext.config import max_tokens_per_rank, MoEShape
 from torchtitan_ext.ep import backend_class
-from torchtitan_ext.ep.experts import UnboundLoopExperts
+from torchtitan_ext.ep.experts import adopt_unbound_loop
 from torchtitan_ext.ep.replica_split import replica_save_ops, ReplicaRouter
 from torchtitan_ext.ep.replicated_experts import ExpertsWithReplicas
 from torchtitan_ext.ep.replication import dispatched_shape, ReplicaPlan
@@ -175,9 +175,7 @@ def parallelize_moe_model(
             f"training.seq_len = {job_config.training.seq_len} must be divisible by "
             f"TP degree x 2 x CP degree = {parallel_dims.seq_len_divisor}"
         )
-    for block in model.layers.values():
-        if block.moe_enabled:
-            UnboundLoopExperts.adopt(block.moe.experts)
+    adopt_unbound_loop(model)
     if parallel_dims.tp_enabled:
         tp_mesh = parallel_dims.get_mesh("tp")
         apply_dense_tp(model, tp_mesh)

@@ -26,6 +26,7 @@ from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan_ext import runtime
 from torchtitan_ext.config import ConfigError, load_job_config, meta_model, model_args_of, MoEShape, parse
 from torchtitan_ext.ep import BACKENDS
+from torchtitan_ext.ep.experts import adopt_unbound_loop
 from torchtitan_ext.planning.collective_recorder import CollectiveRecorder
 from torchtitan_ext.planning.local_traffic import backend_forward, MoECall, torchtitan_sort_forward
 from torchtitan_ext.training import prepare
@@ -121,6 +122,8 @@ def _measure(rank: int, train_args: list[str], world_size: int, barrier, results
     model_args.update_from_config(job_config)
     torch.manual_seed(rank)
     model = spec.model_cls(model_args)
+    # the experts' loop a CPU job trains with (the parallelize plan's, which this model does not go through)
+    adopt_unbound_loop(model)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     one_rank = ParallelDims(dp_shard=1, dp_replicate=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
