@@ -336,55 +336,38 @@ def test_a_layer_without_replicas_computes_its_home_experts_alone(world_of_one):
     assert experts.w1.grad is not None
 
 
-def test_a_replica_computes_its_home_experts_quantized_grouped_gemm(world_of_one):
-    """torchao's MXFP8 training weights (a tensor subclass that routes the grouped GEMM to MXFP8; its emulated
-    kernels run on a CPU): the home experts and a replica slot compute that GEMM on the concatenated weights, as one
-    model holding the copy would, and the replica's gradient arrives home, summed with the home expert's own."""
-    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
-    from torchao.prototype.moe_training.tensor import MXFP8TrainingWeightWrapperTensor
-    from torchtitan.models.moe.moe import _run_experts_grouped_mm, GroupedExperts
+def test_a_replica_computes_its_home_experts_mxfp8_grouped_gemm(world_of_one):
+    """MXFP8 experts (the converter's recipe, torchao's emulated kernels on a CPU): the home experts and a replica
+    slot compute the MXFP8 GEMMs on the concatenated weights, as one model holding the copy would (the independent
+    reference of tests/models/mx_reference.py), and the replica's gradient arrives home, summed with the home
+    expert's own."""
+    from torchtitan.models.moe.moe import GroupedExperts
 
+    from tests.models import mx_reference
     from torchtitan_ext.ep.replicated_experts import ExpertsWithReplicas
+    from torchtitan_ext.models.converters import LowPrecisionGroupedMM, _torchao_config
 
-    config = MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe.MXFP8_EMULATED_RCEIL)
     torch.manual_seed(0)
-    experts = GroupedExperts(dim=64, hidden_dim=64, num_experts=2, use_grouped_mm=True)
-    plain = {name: torch.randn(2, 64, 64, dtype=torch.bfloat16) for name in ("w1", "w2", "w3")}
+    experts = GroupedExperts(dim=64, hidden_dim=64, num_experts=2, use_grouped_mm=False)
+    plain = {name: torch.randn(2, 64, 64) * 0.1 for name in ("w1", "w2", "w3")}
     for name, weight in plain.items():
-        setattr(experts, name, torch.nn.Parameter(MXFP8TrainingWeightWrapperTensor(weight.clone(), config)))
+        setattr(experts, name, torch.nn.Parameter(weight.clone()))
+    experts.low_precision = LowPrecisionGroupedMM(_torchao_config("quantize.grouped_mm.mx", "cpu", False), False)
     ExpertsWithReplicas.adopt(experts, ReplicaPlan.empty(2, 1, 1), world_of_one)
     # in a group of one, slot 0 holds a copy of the rank's own expert 1 (no plan copies its own: set by hand)
     experts.exchange = (torch.tensor([1]), [1], [1], torch.tensor([0]), torch.tensor([1]))
     experts.redundancy_mapping, experts.holds_replicas = [1], True
-    x = torch.randn(96, 64, dtype=torch.bfloat16)
+    x = torch.randn(96, 64)
     per_group = torch.tensor([32, 32, 32])
     out = experts(x, per_group)
     grad_out = torch.randn_like(out)
     out.backward(grad_out)
 
-    one_model = {name: MXFP8TrainingWeightWrapperTensor(torch.cat([weight, weight[1:]]), config).requires_grad_()
-                 for name, weight in plain.items()}
-    expected = _run_experts_grouped_mm(*one_model.values(), x, per_group)
+    one_model = {name: torch.cat([weight, weight[1:]]).requires_grad_() for name, weight in plain.items()}
+    expected = mx_reference.experts(*one_model.values(), x, per_group)
     expected.backward(grad_out)
-    assert torch.equal(out, expected)
-    assert not torch.equal(out, _run_experts_grouped_mm(*(torch.cat([w, w[1:]]) for w in plain.values()), x, per_group))
+    assert torch.allclose(out, expected, rtol=0, atol=1e-3 * float(expected.abs().max()))
     for name, copy in one_model.items():
         grad = copy.grad
-        assert torch.equal(getattr(experts, name).grad, torch.stack([grad[0], grad[1] + grad[2]])), name
-
-
-def test_expert_weights_that_replicas_cannot_keep_are_refused_when_the_layer_is_built():
-    """A weight subclass of two inner tensors cannot be rebuilt around the concatenated data: refused in one line
-    naming the weight and its class, before any forward, where replicas would compute in plain tensors."""
-    from torch.testing._internal.two_tensor import TwoTensor
-    from torchtitan.models.moe.moe import GroupedExperts
-
-    from torchtitan_ext.config import ConfigError
-    from torchtitan_ext.ep.replicated_experts import ExpertsWithReplicas
-
-    experts = GroupedExperts(dim=4, hidden_dim=6, num_experts=2, use_grouped_mm=False)
-    experts.w2 = torch.nn.Parameter(TwoTensor(torch.zeros(2, 4, 6), torch.zeros(2, 4, 6)))
-    with pytest.raises(ConfigError, match=r"^expert_replication.slots_per_rank > 0 cannot keep the routed experts' w2, "
-                                          r"a TwoTensor that is not one tensor of its shape and dtype .*; remove that "
-                                          r"converter, or set slots_per_rank to 0$"):
-        ExpertsWithReplicas.adopt(experts, ReplicaPlan.empty(2, EP, 1), None)
+        home = torch.stack([grad[0], grad[1] + grad[2]])
+        assert torch.allclose(getattr(experts, name).grad, home, rtol=0, atol=1e-3 * float(home.abs().max())), name

@@ -15,12 +15,10 @@ import torch
 from torch.distributed.distributed_c10d import _get_process_group_name
 from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-from torchtitan.models.moe.moe import _run_experts_grouped_mm, GroupedExperts
+from torchtitan.models.moe.moe import GroupedExperts
 
-from torchtitan_ext.config import ConfigError
 from torchtitan_ext.ep.base import to_device
-from torchtitan_ext.ep.experts import run_experts_for_loop, UnboundLoopExperts
+from torchtitan_ext.ep.experts import UnboundLoopExperts
 from torchtitan_ext.ep.replica_split import replica_ops
 from torchtitan_ext.ep.replication import ReplicaPlan
 
@@ -41,48 +39,6 @@ def exchange_arguments(plan: ReplicaPlan, rank: int, device: torch.device = torc
     return (to_device(torch.tensor(send_local, dtype=torch.int64), device), send_counts, recv_counts,
             to_device(torch.tensor(recv_slot, dtype=torch.int64), device),
             to_device(torch.tensor(sorted(set(send_local)), dtype=torch.int64), device))
-
-
-class _InHomeSubclass(torch.autograd.Function):
-    """Concatenated weights rebuilt in the home weights' tensor subclass, the gradient passed through.
-
-    torchao's float8 and MXFP8 training weights are wrapper subclasses (one inner tensor) that route the grouped
-    GEMM to the quantized one; ``torch.cat`` of them returns a plain tensor, whose GEMM would run unquantized.
-    """
-
-    @staticmethod
-    def forward(ctx, weights: torch.Tensor, subclass: type, inner_name: str, metadata):
-        # detached: the wrapper is the quantized GEMM's autograd input, so its inner tensor carries no history
-        return subclass.__tensor_unflatten__({inner_name: weights.detach()}, metadata, weights.size(), weights.stride())
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None, None, None
-
-
-def _like_home(weights: torch.Tensor, home: torch.Tensor) -> torch.Tensor:
-    """``weights`` (plain) in ``home``'s tensor subclass, when it has one."""
-    if not is_traceable_wrapper_subclass(home) or type(weights) is type(home):
-        return weights
-    (inner_name,), metadata = home.__tensor_flatten__()
-    return _InHomeSubclass.apply(weights, type(home), inner_name, metadata)
-
-
-def _refuse_unkeepable_weights(experts: GroupedExperts) -> None:
-    """Home weights of a subclass that replicas could not be rebuilt in (its inner tensors are not the one plain
-    tensor of the weight's shape and dtype) are refused, never computed unquantized."""
-    for name in ("w1", "w2", "w3"):
-        weight = getattr(experts, name)
-        local = weight.to_local() if isinstance(weight, DTensor) else weight
-        if not is_traceable_wrapper_subclass(local):
-            continue
-        inner = [getattr(local, inner_name) for inner_name in local.__tensor_flatten__()[0]]
-        if len(inner) != 1 or inner[0].shape != local.shape or inner[0].dtype != local.dtype:
-            raise ConfigError(
-                f"expert_replication.slots_per_rank > 0 cannot keep the routed experts' {name}, a "
-                f"{type(local).__name__} that is not one tensor of its shape and dtype (a model converter's): their "
-                "replicas would compute in plain tensors; remove that converter, or set slots_per_rank to 0"
-            )
 
 
 def weights_with_replicas(home: list[torch.Tensor], fetched: torch.Tensor, slots: int) -> list[torch.Tensor]:
@@ -134,10 +90,8 @@ class _HomeAndReplicas(torch.autograd.Function):
 def with_replicas(home: list[torch.Tensor], exchange, redundancy_mapping: list[int], slots: int,
                   group_name: str) -> list[torch.Tensor]:
     """w1, w2, w3 of the L home experts followed by the ``slots`` replicas fetched by ``exchange``
-    (:func:`exchange_arguments`), in the home weights' tensor subclass; each replica's gradient is added to its
-    home expert's (:class:`_HomeAndReplicas`)."""
-    weights = _HomeAndReplicas.apply(exchange, redundancy_mapping, slots, group_name, *home)
-    return [_like_home(weight, w) for weight, w in zip(weights, home)]
+    (:func:`exchange_arguments`); each replica's gradient is added to its home expert's (:class:`_HomeAndReplicas`)."""
+    return list(_HomeAndReplicas.apply(exchange, redundancy_mapping, slots, group_name, *home))
 
 
 def redundancy_mapping(plan: ReplicaPlan) -> list[int]:
@@ -160,7 +114,6 @@ class ExpertsWithReplicas(UnboundLoopExperts):
 
     @classmethod
     def adopt(cls, experts: GroupedExperts, plan: ReplicaPlan, group) -> "ExpertsWithReplicas":
-        _refuse_unkeepable_weights(experts)
         experts.__class__ = cls
         experts.slots = plan.slots
         experts.group = group
@@ -194,12 +147,7 @@ class ExpertsWithReplicas(UnboundLoopExperts):
         if not self.holds_replicas:
             # no replica this step (none chosen yet, or the choice set aside): the slots get no pairs, so their
             # (zero) rows are padding after the home experts' groups; no fetch, no gradient return
-            local = num_tokens_per_expert[:home[0].shape[0]]
-            if self.use_grouped_mm:
-                return _run_experts_grouped_mm(*home, x, local)
-            return run_experts_for_loop(*home, x, local)
-        w1, w2, w3 = with_replicas(home, self._exchange_on(home[0].device), self.redundancy_mapping, self.slots,
-                                   _get_process_group_name(self.group))
-        if self.use_grouped_mm:
-            return _run_experts_grouped_mm(w1, w2, w3, x, num_tokens_per_expert)
-        return run_experts_for_loop(w1, w2, w3, x, num_tokens_per_expert)
+            return self.run_experts(*home, x, num_tokens_per_expert[:home[0].shape[0]])
+        weights = with_replicas(home, self._exchange_on(home[0].device), self.redundancy_mapping, self.slots,
+                                _get_process_group_name(self.group))
+        return self.run_experts(*weights, x, num_tokens_per_expert)

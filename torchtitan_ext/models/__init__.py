@@ -2,8 +2,8 @@
 
 Owns: one ``parallelize_<model>`` per model (:mod:`.deepseek_v3`,
 :mod:`.llama4`) over the shared plan (:mod:`.parallelize`), each model's
-flavours, and the MoE layer that hands routing to the EP backend
-(:mod:`.moe`). Their train specs (with training's loss and metrics) are
+flavours, the MoE layer that hands routing to the EP backend
+(:mod:`.moe`), and the low-precision model converters (:mod:`.converters`). Their train specs (with training's loss and metrics) are
 registered by :mod:`torchtitan_ext.training.specs`.
 
 May import: :mod:`torchtitan_ext.config`, :mod:`torchtitan_ext.runtime`,

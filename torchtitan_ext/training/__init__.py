@@ -3,8 +3,7 @@
 Owns: the trainer and a job's run (:mod:`.trainer`), the train specs that
 bind models, loss and metrics (:mod:`.specs`), the pipeline loss
 (:mod:`.loss`), step metrics (:mod:`.metrics`), preemption, non-finite steps
-and torn checkpoints with their ``[faults]`` section (:mod:`.faults`), the model converters' check against the
-installed torchao (:mod:`.converters`), and
+and torn checkpoints with their ``[faults]`` section (:mod:`.faults`), and
 :func:`prepare`, which readies a process to read and run jobs.
 
 May import: every tier below it: :mod:`torchtitan_ext.config`,
@@ -17,8 +16,9 @@ May import: every tier below it: :mod:`torchtitan_ext.config`,
 import torchtitan_ext.ep  # noqa: F401  (each backend's section and checks)
 from torchtitan_ext.data import register_embedded_dataset  # (the dataset options check)
 import torchtitan_ext.balancing  # noqa: F401  ([routing_stats], [expert_placement] and its check)
+import torchtitan_ext.models.converters  # noqa: F401  (the low-precision converters and their check)
 from torchtitan_ext import runtime
-from torchtitan_ext.training import checkpoints, converters, faults  # noqa: F401  ([faults] and their checks)
+from torchtitan_ext.training import checkpoints, faults  # noqa: F401  ([faults] and their checks)
 from torchtitan_ext.training.specs import register_train_specs
 
 

@@ -1,0 +1,43 @@
+"""The low-precision converters' refusals: one line each, at config time, naming the field and the fix."""
+
+import pytest
+
+import torchtitan_ext.training  # noqa: F401  (every section and check, the converters' among them)
+from torchtitan_ext.config import ConfigError, load_job_config
+from torchtitan_ext.models.converters import RECIPES, recipe_problem
+
+DEBUG_JOB = ["--job.config_file", "train_configs/debug_model.toml"]
+
+
+@pytest.mark.parametrize("converter, capability, accepted", [
+    ("quantize.grouped_mm.mx", (10, 0), True),
+    ("quantize.grouped_mm.mx", (10, 3), True),
+    ("quantize.grouped_mm.mx", (9, 0), False),
+    ("quantize.grouped_mm.mx", (12, 0), False),
+    ("quantize.grouped_mm.float8", (9, 0), True),
+    ("quantize.grouped_mm.float8", (8, 9), False),
+])
+def test_a_gpu_outside_the_recipes_compute_capabilities_is_refused(converter, capability, accepted):
+    problem = recipe_problem(RECIPES[converter], "cuda", capability)
+    assert (problem is None) == accepted
+    if not accepted:
+        assert problem.startswith(f"{converter} needs a GPU of sm") and f"this one is sm{capability[0]}{capability[1]}" \
+            in problem
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--model.converters", "quantize.grouped_mm.float8", "--quantize.grouped_mm.float8.fqns", "experts"],
+     r"^model.converters = \['quantize.grouped_mm.float8'\]: quantize.grouped_mm.float8 runs only on CUDA GPUs .*: "
+     r"torchao 0.18 has no emulated kernels for it; on a CPU use quantize.grouped_mm.mx, which runs emulated; remove "
+     r"quantize.grouped_mm.float8 to train in training.mixed_precision_param = '\w+'$"),
+    (["--model.converters", "quantize.grouped_mm.mx"],
+     r"^quantize.grouped_mm.mx is in model.converters but quantize.grouped_mm.mx.fqns is empty: set "
+     r"--quantize.grouped_mm.mx.fqns experts \(the routed experts' modules\)$"),
+    (["--model.converters", "quantize.grouped_mm.mx,quantize.linear.float8", "--quantize.grouped_mm.mx.fqns",
+      "experts"],
+     r"^model.converters = .* mixes float8 and mx: torchtitan quantizes dense and MoE layers in one type; keep the "
+     r"converters of one$"),
+])
+def test_a_converter_that_cannot_run_here_is_refused_in_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_job_config(DEBUG_JOB + overrides, device_type="cpu", world_size=2)

@@ -1,0 +1,257 @@
+"""Low-precision model converters on the pinned torchao: MXFP8 and float8 routed experts, MXFP8 linears.
+
+torchtitan 0.2.2's converters of these names import torchao names (``MoETrainingConfig``, ``MXLinearConfig``) that
+torchao 0.17 removed. torchao 0.18, the one pinned here, serves the same recipes through
+``torchao.prototype.moe_training.config`` (``MXFP8TrainingOpConfig``, ``Float8TrainingOpConfig``). The converters
+below keep torchtitan's names and config sections (``[quantize.grouped_mm.mx]``, ...) and take their places in
+torchtitan's converter registry; ``quantize.linear.float8`` stays torchtitan's own, which torchao 0.18 serves.
+
+Routed experts (``quantize.grouped_mm.mx`` / ``.float8``): the converter hands each experts module that ``fqns``
+names a :class:`LowPrecisionGroupedMM`; the experts' forward (:class:`torchtitan_ext.ep.experts.UnboundLoopExperts`,
+and the replicas' :class:`~torchtitan_ext.ep.replicated_experts.ExpertsWithReplicas`) then runs torchao's
+quantize-then-scaled grouped GEMM on the weights the parallelize plan leaves it: this rank's EP shard, FSDP's
+unsharded parameter, replicas appended. The parameters stay plain tensors, so EP's partition, FSDP, checkpoints,
+expert migration and replication hold the same weights with or without a converter. The groups must be multiples
+of the kernel's block (32 rows for MXFP8, 16 for float8): under EP the backend's dispatch pads them to
+:func:`torchtitan_ext.ep.base.token_group_alignment`, which reads the same converters; without EP torchao pads them
+(MXFP8) or torchtitan's padding wrapper does (float8).
+
+Where they run: MXFP8 on sm100 GPUs (B200, GB200, GB300), and on a CPU with torchao's emulated kernels (quantize,
+dequantize to bf16, bf16 grouped GEMM); float8 on sm90 and newer (torchao's Triton casts and CUDA's scaled grouped
+GEMM; torchao 0.18 has no emulation of it, so a CPU is refused). Each refusal is one line at config time, before
+any allocation.
+"""
+
+import importlib
+from dataclasses import dataclass
+from functools import partial
+from importlib.metadata import PackageNotFoundError, version
+
+import torch
+import torch.nn.functional as F
+from torchtitan.components.quantization import QuantizationConverter
+from torchtitan.components.quantization.utils import module_filter_fn
+from torchtitan.models.moe.moe import GroupedExperts
+from torchtitan.models.moe.utils import indices_padding_wrapper, set_token_group_alignment_size_m
+from torchtitan.protocols.model_converter import _registry_model_converter_cls
+from torchtitan.tools.logging import logger
+
+from torchtitan_ext.config import ConfigError, register_check, ValidationContext
+
+MXFP8_BLOCK = 32
+"""Rows (and columns) of one MXFP8 scaling block: every grouped dimension is a multiple of it."""
+FLOAT8_ALIGNMENT = 16
+"""Row multiple of float8's grouped GEMM groups (16-byte alignment of 1-byte elements)."""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What one converter name needs of the machine and of the shapes it converts."""
+
+    name: str
+    """The converter's name in ``model.converters``."""
+    alignment: int
+    """Row multiple of every expert group (grouped converters), or of every converted dimension."""
+    min_capability: tuple[int, int]
+    """Lowest CUDA compute capability its kernels run on."""
+    max_capability_major: int | None
+    """Highest CUDA major version its kernels run on; None: no upper bound."""
+    gpus: str
+    """The GPUs that capability range means, for the refusal."""
+    emulated_on_cpu: bool
+    """torchao runs it on a CPU with emulated kernels."""
+
+
+RECIPES = {
+    recipe.name: recipe for recipe in (
+        Recipe("quantize.grouped_mm.mx", MXFP8_BLOCK, (10, 0), 10, "sm100: B200, GB200, GB300", True),
+        Recipe("quantize.grouped_mm.float8", FLOAT8_ALIGNMENT, (9, 0), None, "sm90 or newer: H100, H200, B200, GB200",
+               False),
+        Recipe("quantize.linear.mx", MXFP8_BLOCK, (10, 0), 10, "sm100: B200, GB200, GB300", True),
+    )
+}
+"""The converters this module serves, by name."""
+
+
+def _cuda_capability() -> tuple[int, int] | None:
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+
+
+def recipe_problem(recipe: Recipe, device_type: str, capability: tuple[int, int] | None) -> str | None:
+    """Why ``recipe`` cannot run on this machine (``capability``: its GPU's, None where none is visible); None if
+    it can, or where this host cannot tell (a CUDA job checked from a host without a GPU is checked again on its
+    ranks)."""
+    if device_type == "cpu":
+        if recipe.emulated_on_cpu:
+            return None
+        return (f"{recipe.name} runs only on CUDA GPUs ({recipe.gpus}): torchao 0.18 has no emulated kernels for it; "
+                "on a CPU use quantize.grouped_mm.mx, which runs emulated")
+    if capability is None:
+        return None
+    too_new = recipe.max_capability_major is not None and capability[0] > recipe.max_capability_major
+    if capability < recipe.min_capability or too_new:
+        return f"{recipe.name} needs a GPU of {recipe.gpus}; this one is sm{capability[0]}{capability[1]}"
+    return None
+
+
+def _torchao_problem() -> str | None:
+    """Why the installed torchao cannot serve these converters; None if it can."""
+    try:
+        installed = f"torchao {version('torchao')}"
+    except PackageNotFoundError:
+        return "torchao is not installed: pip install torchao==0.18.0"
+    try:
+        module = importlib.import_module("torchao.prototype.moe_training.config")
+    except Exception as e:  # an ImportError, or the ValueError of a triton that cannot build torchao's kernels
+        first_line = (str(e).splitlines() or [""])[0][:160]
+        return f"{installed} does not import torchao.prototype.moe_training.config ({type(e).__name__}: {first_line})"
+    missing = [name for name in ("MXFP8TrainingOpConfig", "Float8TrainingOpConfig") if not hasattr(module, name)]
+    return f"{installed} has no {', '.join(missing)}: pip install torchao==0.18.0" if missing else None
+
+
+def _torchao_config(name: str, device_type: str, pad_groups: bool):
+    """torchao's op config of converter ``name``: kernels for ``device_type`` (emulated on a CPU), groups padded by
+    torchao when ``pad_groups`` (MXFP8 only: torchao's float8 op cannot)."""
+    from torchao.prototype.moe_training.config import Float8TrainingOpConfig, MXFP8TrainingOpConfig, MXFP8TrainingRecipe
+
+    if name.endswith(".float8"):
+        return Float8TrainingOpConfig()
+    recipe = MXFP8TrainingRecipe.MXFP8_EMULATED_RCEIL if device_type == "cpu" else MXFP8TrainingRecipe.MXFP8_RCEIL
+    config = MXFP8TrainingOpConfig.from_recipe(recipe)
+    config.pad_token_groups_for_grouped_mm = pad_groups
+    return config
+
+
+class LowPrecisionGroupedMM:
+    """The routed experts' three grouped GEMMs in a torchao low-precision recipe (SwiGLU as torchtitan's
+    ``_run_experts_grouped_mm``: inputs and weights in bf16, outputs in bf16, the result in the input's dtype)."""
+
+    def __init__(self, config, pad_with_torchtitan: bool):
+        self.config = config
+        """torchao's ``MXFP8TrainingOpConfig`` or ``Float8TrainingOpConfig``."""
+        self.pad_with_torchtitan = pad_with_torchtitan
+        """The groups arrive unpadded and torchao's op cannot pad them: torchtitan's padding wrapper does."""
+
+    def run_experts(self, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor,
+                    num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        run = indices_padding_wrapper(self._swiglu) if self.pad_with_torchtitan else self._swiglu
+        return run(w1, w2, w3, x, num_tokens_per_expert)
+
+    def _swiglu(self, w1, w2, w3, x, num_tokens_per_expert):
+        from torchao.prototype.moe_training.utils import _quantize_then_scaled_grouped_mm
+
+        offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
+        gemm = partial(_quantize_then_scaled_grouped_mm, config=self.config, offs=offsets)
+        rows = x.bfloat16()
+        hidden = F.silu(gemm(rows, w1.bfloat16().transpose(-2, -1))) * gemm(rows, w3.bfloat16().transpose(-2, -1))
+        return gemm(hidden, w2.bfloat16().transpose(-2, -1)).type_as(x)
+
+
+def _device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class GroupedMMConverter(QuantizationConverter):
+    """``quantize.grouped_mm.mx`` and ``quantize.grouped_mm.float8``: the experts that ``fqns`` names run their
+    grouped GEMMs in the recipe (:class:`LowPrecisionGroupedMM`)."""
+
+    name: str
+
+    def __init__(self, job_config, parallel_dims):
+        super().__init__(job_config, parallel_dims)
+        section = getattr(job_config.quantize.grouped_mm, self.name.rsplit(".", 1)[1])
+        self.fqns = [section.fqns] if isinstance(section.fqns, str) else list(section.fqns)
+        device_type = _device_type()
+        # under EP (and expert replication, which rides on it) the backend's dispatch pads every group
+        pad_groups = not parallel_dims.ep_enabled
+        self.grouped_mm = LowPrecisionGroupedMM(
+            _torchao_config(self.name, device_type, pad_groups and self.name.endswith(".mx")),
+            pad_with_torchtitan=pad_groups and self.name.endswith(".float8"),
+        )
+        if self.grouped_mm.pad_with_torchtitan:
+            set_token_group_alignment_size_m(RECIPES[self.name].alignment)
+        self.enabled = True
+
+    def convert(self, model: torch.nn.Module) -> None:
+        converted = []
+        for fqn, module in model.named_modules():
+            if isinstance(module, GroupedExperts) and any(target in fqn for target in self.fqns):
+                module.low_precision = self.grouped_mm
+                converted.append(fqn)
+        kernels = "emulated kernels (CPU)" if _device_type() == "cpu" else "GPU kernels"
+        logger.info(f"{self.name}: {len(converted)} routed experts modules run their grouped GEMMs in "
+                    f"{type(self.grouped_mm.config).__name__} ({kernels}), outputs in bf16")
+
+    def post_optimizer_hook(self, model) -> None:
+        return
+
+
+class MXGroupedMMConverter(GroupedMMConverter):
+    name = "quantize.grouped_mm.mx"
+
+
+class Float8GroupedMMConverter(GroupedMMConverter):
+    name = "quantize.grouped_mm.float8"
+
+
+class MXLinearConverter(QuantizationConverter):
+    """``quantize.linear.mx``: every ``nn.Linear`` whose dimensions are multiples of 32 and whose name matches no
+    ``filter_fqns`` computes in MXFP8, through torchao's MXFP8 training weights (``quantize_``)."""
+
+    def __init__(self, job_config, parallel_dims):
+        super().__init__(job_config, parallel_dims)
+        self.filter_fqns = job_config.quantize.linear.mx.filter_fqns
+        self.config = _torchao_config("quantize.linear.mx", _device_type(), pad_groups=False)
+        self.enabled = True
+
+    def convert(self, model: torch.nn.Module) -> None:
+        from torchao.quantization import quantize_
+
+        def converted(module, fqn):
+            return (module_filter_fn(module, fqn, self.filter_fqns)
+                    and all(size % MXFP8_BLOCK == 0 for size in module.weight.shape))
+
+        quantize_(model, config=self.config, filter_fn=converted)
+        logger.info("quantize.linear.mx: linear layers compute in MXFP8")
+
+    def post_optimizer_hook(self, model) -> None:
+        return
+
+
+CONVERTERS = {"quantize.grouped_mm.mx": MXGroupedMMConverter, "quantize.grouped_mm.float8": Float8GroupedMMConverter,
+              "quantize.linear.mx": MXLinearConverter}
+# torchtitan registers its own converters of these names when its quantization package is imported (above): ours
+# take their places, under the names users write
+_registry_model_converter_cls.update(CONVERTERS)
+
+
+def check_model_converters(job_config, context: ValidationContext) -> None:
+    """The low-precision converters refused in one line where they cannot run, before any allocation."""
+    ours = [name for name in job_config.model.converters if name in RECIPES]
+    if not ours:
+        return
+    kinds = {name.rsplit(".", 1)[1] for name in job_config.model.converters if name.startswith("quantize.")}
+    if len(kinds) > 1:
+        raise ConfigError(f"model.converters = {job_config.model.converters} mixes {' and '.join(sorted(kinds))}: "
+                          "torchtitan quantizes dense and MoE layers in one type; keep the converters of one")
+    for name in ours:
+        if name.startswith("quantize.grouped_mm."):
+            section = getattr(job_config.quantize.grouped_mm, name.rsplit(".", 1)[1])
+            if not section.fqns:
+                raise ConfigError(f"{name} is in model.converters but {name}.fqns is empty: set "
+                                  f"--{name}.fqns experts (the routed experts' modules)")
+    if context.device_type is None:
+        return
+    problem = _torchao_problem()
+    if problem:
+        raise ConfigError(f"model.converters = {job_config.model.converters}: {problem}")
+    capability = _cuda_capability() if context.device_type == "cuda" else None
+    for name in ours:
+        problem = recipe_problem(RECIPES[name], context.device_type, capability)
+        if problem:
+            raise ConfigError(f"model.converters = {job_config.model.converters}: {problem}; remove {name} to "
+                              f"train in training.mixed_precision_param = "
+                              f"'{job_config.training.mixed_precision_param}'")
+
+
+register_check(check_model_converters)
