@@ -25,6 +25,7 @@ from torchtitan.tools.logging import logger
 
 from torchtitan_ext.config import comm_backend, ConfigError, job_world_size, load_job_config, max_tokens_per_rank, MoEShape, parse
 from torchtitan_ext.ep import backend_class
+from torchtitan_ext.models.converters import RECIPES
 from torchtitan_ext.runtime.console import init_logger
 from torchtitan_ext.training import prepare
 
@@ -61,7 +62,8 @@ class DryRunReport:
         if self.pipeline_stages > 1:
             lines.append(f"pipeline: rank 0 runs {self.pipeline_stages} stage(s) of the split model")
         if self.converters:
-            lines.append(f"model converters (not applied in a dry run): {', '.join(self.converters)}")
+            described = [f"{name} (needs {RECIPES[name].gpus})" if name in RECIPES else name for name in self.converters]
+            lines.append(f"model converters (checked on the job's GPUs, not applied in a dry run): {', '.join(described)}")
         lines += [f"ep {key}: {value}" for key, value in self.ep_settings.items()]
         return lines
 

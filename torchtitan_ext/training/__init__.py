@@ -18,7 +18,7 @@ from torchtitan_ext.data import register_embedded_dataset  # (the dataset option
 import torchtitan_ext.balancing  # noqa: F401  ([routing_stats], [expert_placement] and its check)
 import torchtitan_ext.models.converters  # noqa: F401  (the low-precision converters and their check)
 from torchtitan_ext import runtime
-from torchtitan_ext.training import checkpoints, faults  # noqa: F401  ([faults] and their checks)
+from torchtitan_ext.training import checkpoints, faults, nvlink_domains  # noqa: F401  ([faults], [fabric], their checks)
 from torchtitan_ext.training.specs import register_train_specs
 
 

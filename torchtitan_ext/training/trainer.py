@@ -21,11 +21,11 @@ from torchtitan_ext.balancing import routing_stats
 from torchtitan_ext.balancing.migration import ExpertMigration
 from torchtitan_ext.balancing.replica_choice import ReplicaChooser
 from torchtitan_ext.balancing.routing_skew import RoutingSkewer
-from torchtitan_ext.config import comm_backend, moe_layer_ids
+from torchtitan_ext.config import comm_backend, ConfigError, moe_layer_ids
 from torchtitan_ext.ep.base import destroy_kernel_buffers
 from torchtitan_ext.preemption import PreemptionRequest
 from torchtitan_ext.runtime.collectives import CollectiveFailed, name_other_collective
-from torchtitan_ext.training import checkpoints, faults
+from torchtitan_ext.training import checkpoints, faults, nvlink_domains
 
 
 class Trainer(TorchTitanTrainer):
@@ -68,6 +68,12 @@ class Trainer(TorchTitanTrainer):
         self.optimizers.step = self._checked(self.optimizers.step)
         if self.parallel_dims.pp_enabled:
             _metadata_inference_in_eval_mode(self.pp_schedule, self.model_parts)
+
+    def init_distributed(self):
+        parallel_dims = super().init_distributed()
+        # before the model is built: a job whose EP groups cross NVLink domains stops here
+        nvlink_domains.check_ep_domains(self.job_config, parallel_dims, self.device)
+        return parallel_dims
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
         if not self.parallel_dims.pp_enabled:
@@ -199,7 +205,8 @@ def run(job_config) -> int:
     """Train (or write the seed checkpoint of) a validated job in this process; the exit status.
 
     Preemption ends it cleanly (0) once its checkpoint is complete on disk (1 if it is not); a
-    non-finite step under ``on_nonfinite = "stop"`` or a failed collective is one line on stderr (1).
+    non-finite step under ``on_nonfinite = "stop"``, a failed collective or a placement the ranks refuse together
+    (:mod:`.nvlink_domains`) is one line on stderr (1).
     """
     preemption = PreemptionRequest()
     preemption.install()
@@ -221,9 +228,10 @@ def run(job_config) -> int:
         else:
             print(f"error: {e}", file=sys.stderr, flush=True)
             failure = e
-    except (faults.NonFiniteLoss, CollectiveFailed) as e:
+    except (faults.NonFiniteLoss, CollectiveFailed, ConfigError) as e:
         # one line, not a traceback (torchrun tears the peers down), and before the trainer's
-        # teardown, which can wait on the same stuck peer
+        # teardown, which can wait on the same stuck peer; a ConfigError here is what only the ranks together can
+        # check (their NVLink domains)
         print(f"error: {e}", file=sys.stderr, flush=True)
         failure = e
     finally:
