@@ -75,9 +75,10 @@ def _load(*overrides, device_type="cpu", world_size=2):
         (("--parallelism.expert_parallel_comm_backend", "hybridep", "--hybridep.non_blocking_capacity_factor", "0"),
          "hybridep.non_blocking_capacity_factor = 0.0: use a value > 0 and <= 1"),
         (("--hybridep.non_blocking_capacity_factor", "0.5"),
-         "[hybridep] non_blocking_capacity_factor is set but parallelism.expert_parallel_comm_backend is 'nccl'"),
+         "--hybridep.non_blocking_capacity_factor is set but parallelism.expert_parallel_comm_backend is 'nccl': "
+         "remove it or select --parallelism.expert_parallel_comm_backend hybridep"),
         (("--parallelism.expert_parallel_comm_backend", "hybridep", "--deepep.implementation", "reference"),
-         "[deepep] implementation is set but parallelism.expert_parallel_comm_backend is 'hybridep'"),
+         "--deepep.implementation is set but parallelism.expert_parallel_comm_backend is 'hybridep'"),
         (("--parallelism.expert_parallel_degree", "3"),
          "parallelism.expert_parallel_degree = 3 does not divide the model's 8 experts"),
         (("--parallelism.expert_parallel_comm_backend", "hybridep", "--hybridep.ranks_per_nvlink_domain", "4"),

@@ -20,9 +20,15 @@ def fake_slurm(tmp_path):
         "srun": f"""#!/bin/bash
 {{ printf '%s\\n' "$@"; echo "ENV NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN=${{NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN:-unset}}"; echo "ENV USE_MNNVL=${{USE_MNNVL:-unset}}"; }} > {record}
 """,
+        # the job's two trays in node-list order, rack 2's first; SLURM's block topology lists rack 1 first
         "scontrol": """#!/bin/bash
-[ "$1 $2" = "show hostnames" ] || exit 1
-printf 'gb-r1-t01\\ngb-r1-t02\\n'
+case "$*" in
+    "show hostnames gb-r[1-2]-t01") printf 'gb-r2-t01\\ngb-r1-t01\\n' ;;
+    "show hostnames gb-r1-t[01-18]") printf 'gb-r1-t%02d\\n' $(seq 1 18) ;;
+    "show hostnames gb-r2-t[01-18]") printf 'gb-r2-t%02d\\n' $(seq 1 18) ;;
+    "show topology") printf 'BlockName=rack1 BlockIndex=0 Nodes=gb-r1-t[01-18] BlockSize=18\\nBlockName=rack2 BlockIndex=1 Nodes=gb-r2-t[01-18] BlockSize=18\\n' ;;
+    *) exit 1 ;;
+esac
 """,
     }
     for name, text in scripts.items():
@@ -35,7 +41,7 @@ printf 'gb-r1-t01\\ngb-r1-t02\\n'
 def _run(fake_slurm, tmp_path, config, nodes, gpus, *overrides):
     bin_dir, record = fake_slurm
     env = launcher_env(
-        SLURM_JOB_NUM_NODES=str(nodes), SLURM_GPUS_ON_NODE=str(gpus), SLURM_JOB_NODELIST="gb-r1-t[01-02]",
+        SLURM_JOB_NUM_NODES=str(nodes), SLURM_GPUS_ON_NODE=str(gpus), SLURM_JOB_NODELIST="gb-r[1-2]-t01",
         SLURM_JOB_ID="4242", SLURM_SUBMIT_DIR=str(REPO_ROOT), CONFIG_FILE=config, LOG_DIR=str(tmp_path / "logs"),
         DEVICE_TYPE="cuda",  # the batch host of a GPU job has GPUs; this one has none
     )
@@ -49,26 +55,26 @@ def _run(fake_slurm, tmp_path, config, nodes, gpus, *overrides):
 
 
 def test_gb200_command_and_environment(fake_slurm, tmp_path):
-    # its MXFP8 experts are refused under this stack (tests/training/test_converters.py): the job in bf16
-    config = tmp_path / "deepseek_v3_671b_gb200_bf16.toml"
-    config.write_text((REPO_ROOT / "train_configs/deepseek_v3_671b_gb200.toml").read_text().replace(
-        'converters = ["quantize.grouped_mm.mx"]\n', ""))
+    config = "train_configs/deepseek_v3_671b_gb200.toml"
     result, argv = _run(
-        fake_slurm, tmp_path, str(config), 64, 4, "--training.steps", "7",
+        fake_slurm, tmp_path, config, 64, 4, "--training.steps", "7",
         # deep_ep is not installed here; on the cluster the library kernels are used
         "--hybridep.implementation", "reference",
     )
     assert result.returncode == 0, result.stdout[-3000:]
     command = " ".join(argv)
-    assert argv[:9] == [
-        "--kill-on-bad-exit=1", "python", "-m", "torchtitan_ext.supervise", "--checkpoint-folder",
-        "./outputs/checkpoint", "--dump-folder", "./outputs", "--",
+    # one task per node, node i on line i of the host file (the racks in order), torchrun's node rank its task's
+    assert argv[:8] == ["--kill-on-bad-exit=1", "--ntasks=64", "--ntasks-per-node=1", "--distribution=arbitrary",
+                        "bash", "-c", 'PET_NODE_RANK="${SLURM_PROCID}" exec "$@"', "node_rank"]
+    assert (tmp_path / "logs" / "nodes_in_rack_order.txt").read_text().split() == ["gb-r1-t01", "gb-r2-t01"]
+    assert argv[8:17] == [
+        "python", "-m", "torchtitan_ext.supervise", "--checkpoint-folder",
+        "./outputs/checkpoint", "--dump-folder", "./outputs", "--", "torchrun",
     ]
-    assert argv[9] == "torchrun"
     assert "--nnodes 64 --nproc_per_node 4" in command
     # a signal that reaches torchrun itself (scancel) goes to the ranks, which get time to save
     assert "--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout 600" in command
-    assert "--rdzv_id 4242 --rdzv_backend c10d --rdzv_endpoint gb-r1-t01:29500" in command
+    assert "--rdzv_id 4242 --rdzv_backend static --rdzv_endpoint gb-r1-t01:29500" in command
     assert f"--log-dir {tmp_path / 'logs'} --redirects 3" in command
     assert f"-m torchtitan_ext.train --job.config_file {config} --training.steps 7" in command
     # derived from [hybridep] in the config, exported to every rank

@@ -5,7 +5,7 @@ import os
 from torchtitan.tools.logging import logger
 
 from torchtitan_ext.config.machine import choose_cpu_precision
-from torchtitan_ext.config.parsing import parse_job_config
+from torchtitan_ext.config.parsing import command_line_keys, parse_job_config
 from torchtitan_ext.config.registry import job_config_class
 from torchtitan_ext.config.validation import validate
 
@@ -28,7 +28,7 @@ def load_job_config(args: list[str], device_type: str | None, world_size: int | 
         logger.info(choose_cpu_precision(job_config, explicit))
     if world_size is None:
         world_size = _world_size_from_env(job_config.comm.mode)
-    validate(job_config, device_type=device_type, world_size=world_size)
+    validate(job_config, device_type=device_type, world_size=world_size, command_line=command_line_keys(args))
     return job_config
 
 

@@ -130,6 +130,12 @@ def _check_toml(cls, values: dict[str, Any], path: str | None, prefix: str = "")
             raise ConfigError(f"{prefix}{key} = {value!r} in {path or 'the config'}: {problem}")
 
 
+def command_line_keys(args: list[str]) -> frozenset[str]:
+    """The dotted keys the command line (not the TOML file) sets; "--x.no-flag" gives "x.flag"."""
+    return frozenset(key if not key.split(".")[-1].startswith("no_") else key.replace(".no_", ".", 1)
+                     for key in _cli_keys(args))
+
+
 def _cli_keys(args: list[str]) -> list[str]:
     """Dotted keys the command line sets ("training.steps"; "--x.no-flag" gives "x.no_flag")."""
     return [
@@ -147,8 +153,7 @@ def _explicit_settings(toml_values: dict[str, Any], args: list[str]) -> set[str]
             else:
                 yield f"{prefix}{key}"
 
-    cli = {key if not key.split(".")[-1].startswith("no_") else key.replace(".no_", ".", 1) for key in _cli_keys(args)}
-    return set(flatten(toml_values)) | cli
+    return set(flatten(toml_values)) | command_line_keys(args)
 
 
 def _check_cli(cls, args: list[str]) -> None:

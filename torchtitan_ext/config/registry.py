@@ -35,6 +35,9 @@ class ValidationContext:
     """Processes in the job; None when not known yet."""
     moe_shape: MoEShape | None
     """The model's MoE layers (:func:`~torchtitan_ext.config.job.moe_shape`); None for a dense model."""
+    command_line: frozenset[str] = frozenset()
+    """The dotted keys the command line set (not the TOML file): a setting a user just typed, where one in a
+    shipped file may be a profile for another choice (another EP backend's section)."""
 
 
 Check = Callable[[object, ValidationContext], None]

@@ -11,12 +11,13 @@ from torchtitan_ext.config.ranges import check_ranges
 from torchtitan_ext.config.registry import field_ranges, registered_checks, ValidationContext
 
 
-def validate(job_config, *, device_type: str | None, world_size: int | None = None) -> None:
+def validate(job_config, *, device_type: str | None, world_size: int | None = None,
+             command_line: frozenset[str] = frozenset()) -> None:
     """Reject invalid values and combinations before anything is allocated.
 
     ``device_type`` is where the job runs ("cuda"/"cpu"; None when validating
     for another machine, which skips the checks of what this machine can run);
-    ``world_size`` the number of processes in the job, when known.
+    ``world_size`` the number of processes in the job, when known; ``command_line`` the keys the command line set.
     """
     check_ranges(job_config, field_ranges())
     shape = moe_shape(job_config)
@@ -27,7 +28,7 @@ def validate(job_config, *, device_type: str | None, world_size: int | None = No
     _check_pipeline(job_config, device_type)
     if world_size is not None:
         _check_world_size(job_config, world_size)
-    context = ValidationContext(device_type, world_size, shape)
+    context = ValidationContext(device_type, world_size, shape, command_line)
     for check in registered_checks():
         check(job_config, context)
 

@@ -19,7 +19,7 @@ def check_backend(job_config, context: ValidationContext) -> None:
             f"parallelism.expert_parallel_comm_backend = '{backend}' is not a backend: "
             f"use one of {', '.join(BACKENDS)} ('standard' means nccl)"
         )
-    _check_foreign_sections(job_config, backend)
+    _check_foreign_sections(job_config, backend, context.command_line)
     if context.moe_shape is None:
         return
     _check_degrees(job_config, backend)
@@ -49,19 +49,19 @@ def _check_tokens_reach_the_kernels_in_bf16(job_config, world_size: int | None, 
     )
 
 
-def _check_foreign_sections(job_config, backend: str) -> None:
-    """A backend's knobs live in its own section: setting another backend's is a mistake."""
+def _check_foreign_sections(job_config, backend: str, command_line: frozenset[str]) -> None:
+    """A backend's knobs live in its own section. A config file may hold another backend's section (its settings
+    for this hardware, so that trying that backend is one override); the command line setting another backend's
+    knob is a mistake."""
     for name, backend_class in BACKENDS.items():
         section_name = backend_class.config_section
         if section_name is None or name == backend:
             continue
-        section = getattr(job_config, section_name)
-        changed = [f.name for f in fields(section) if getattr(section, f.name) != f.default]
-        if changed:
+        typed = sorted(key for key in command_line if key.startswith(f"{section_name}."))
+        if typed:
             raise ConfigError(
-                f"[{section_name}] {changed[0]} is set but parallelism.expert_parallel_comm_backend "
-                f"is '{backend}': remove the [{section_name}] settings or select "
-                f"expert_parallel_comm_backend = '{name}'"
+                f"--{typed[0]} is set but parallelism.expert_parallel_comm_backend is '{backend}': remove it or "
+                f"select --parallelism.expert_parallel_comm_backend {name}"
             )
 
 
