@@ -49,7 +49,19 @@ def parse_job_config(args: list[str], config_cls) -> tuple[Any, set[str]]:
         config_cls = _merged_with(config_cls, custom.JobConfig)
     _check_toml(config_cls, toml_values, config_file)
     _check_cli(config_cls, args)
-    return _config_manager(config_cls).parse_args(args), _explicit_settings(toml_values, args)
+    return _without_empty_lists(_config_manager(config_cls).parse_args(args)), _explicit_settings(toml_values, args)
+
+
+def _without_empty_lists(config):
+    """``config`` with every list of strings that an empty value set ([""], from torchtitan's comma-separated rule:
+    ``--model.converters ''``) made the empty list it means."""
+    for item in fields(config):
+        value = getattr(config, item.name)
+        if is_dataclass(value):
+            _without_empty_lists(value)
+        elif value == [""]:
+            setattr(config, item.name, [])
+    return config
 
 
 @functools.cache

@@ -226,7 +226,12 @@ _registry_model_converter_cls.update(CONVERTERS)
 
 
 def check_model_converters(job_config, context: ValidationContext) -> None:
-    """The low-precision converters refused in one line where they cannot run, before any allocation."""
+    """Unknown converters, and the low-precision ones where they cannot run, refused in one line before any
+    allocation."""
+    unknown = [name for name in job_config.model.converters if name not in _registry_model_converter_cls]
+    if unknown:
+        raise ConfigError(f"model.converters = {job_config.model.converters}: {unknown[0]!r} is not a model converter: "
+                          f"use any of {', '.join(sorted(_registry_model_converter_cls))} (--model.converters '' for none)")
     ours = [name for name in job_config.model.converters if name in RECIPES]
     if not ours:
         return
