@@ -28,14 +28,15 @@ def fake_quantize(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 class MXGroupedMM(torch.autograd.Function):
-    """out[rows of group g] = A[rows] @ B[g] with every operand quantized as MXFP8 does (bf16 result)."""
+    """out[rows of group g] = A[rows] @ B[g] with every operand quantized as MXFP8 does, in ``out_dtype`` (bf16: the
+    grouped GEMMs' outputs; a linear layer's follow its input)."""
 
     @staticmethod
-    def forward(ctx, a, b, group_ends):
+    def forward(ctx, a, b, group_ends, out_dtype=torch.bfloat16):
         ctx.save_for_backward(a, b)
         ctx.group_ends = group_ends
         qa, qb = fake_quantize(a, 1), fake_quantize(b, 1)  # a [M, K], b [E, K, N]: both along K
-        return _grouped(qa, qb, group_ends).to(torch.bfloat16)
+        return _grouped(qa, qb, group_ends).to(out_dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -49,7 +50,7 @@ class MXGroupedMM(torch.autograd.Function):
         for group, end in enumerate(ends):
             grad_b[group] = qa_tokens[start:end].t() @ qgrad_tokens[start:end]
             start = end
-        return grad_a, grad_b.to(b.dtype), None
+        return grad_a, grad_b.to(b.dtype), None, None
 
 
 def _grouped(a, b, ends):

@@ -143,3 +143,65 @@ def test_mxfp8_experts_under_ep_match_the_dense_reference_on_every_backend():
                 assert _relative(got[name], truth[name][rows]) < MATCH, (backend, rank, name)
             for name in ("grad_w1", "grad_w2", "grad_w3"):
                 assert _relative(got[name], truth[name][experts]) < MATCH, (backend, rank, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("converter", ["quantize.grouped_mm.mx", "quantize.grouped_mm.float8"])
+def test_the_gpu_kernels_quantize_as_the_recipe_says(converter):
+    """On a GPU the recipes run torchao's kernels: MXFP8 (sm100) against the independent reference; float8 (sm90 and
+    newer; its rowwise scaling has no reference here) quantized, neither broken nor left unquantized: its error
+    against the unquantized GEMMs between 0.1% and 10%. A GPU outside a recipe's range gets its one-line refusal."""
+    from torchtitan_ext.models.converters import RECIPES, recipe_problem
+
+    problem = recipe_problem(RECIPES[converter], "cuda", torch.cuda.get_device_capability())
+    if problem:
+        pytest.skip(problem)
+    generator = torch.Generator().manual_seed(0)
+    weights, counts = _weights(generator), torch.tensor([64, 0, 32])
+    x, grad = torch.randn(96, 64, generator=generator), torch.randn(96, 64, generator=generator)
+    cuda = [t.cuda() for t in (*weights, x, grad)]
+    recipe = LowPrecisionGroupedMM(_torchao_config(converter, "cuda", False), pad_with_torchtitan=False)
+    got = [t.cpu() for t in _outputs_and_grads(recipe.run_experts, cuda[:3], cuda[3], counts.cuda(), cuda[4])]
+    if converter.endswith(".mx"):
+        expected = _outputs_and_grads(mx_reference.experts, weights, x, counts, grad)
+        for name, value, truth in zip(("out", "w1", "w2", "w3", "x"), got, expected):
+            assert _relative(value, truth) < MATCH, name
+        return
+    plain = _outputs_and_grads(_run_experts_grouped_mm, weights, x, counts, grad)
+    for name, value, truth in zip(("out", "w1", "w2", "w3", "x"), got, plain):
+        assert 1e-3 < _relative(value, truth) < 0.1, name
+
+
+def test_mxfp8_linear_layers_match_the_independent_reference():
+    """quantize.linear.mx: a linear layer whose dimensions are multiples of 32 computes as one MXFP8 GEMM (a group of
+    all its tokens), output and gradients; a layer its filter names, or of other dimensions, stays as it was."""
+    from types import SimpleNamespace
+
+    from torchtitan_ext.models.converters import MXLinearConverter
+
+    job_config = SimpleNamespace(model=SimpleNamespace(converters=["quantize.linear.mx"]),
+                                 quantize=SimpleNamespace(linear=SimpleNamespace(mx=SimpleNamespace(filter_fqns=["output"]))))
+    generator = torch.Generator().manual_seed(2)
+    model = torch.nn.ModuleDict({"up": torch.nn.Linear(64, 96, bias=False), "odd": torch.nn.Linear(64, 48, bias=False),
+                                 "output": torch.nn.Linear(64, 64, bias=False)})
+    weights = {name: torch.randn(layer.weight.shape, generator=generator) * 0.1 for name, layer in model.items()}
+    with torch.no_grad():
+        for name, layer in model.items():
+            layer.weight.copy_(weights[name])
+    MXLinearConverter(job_config, SimpleNamespace()).convert(model)
+    x, grad = torch.randn(64, 64, generator=generator), torch.randn(64, 96, generator=generator)
+
+    def reference(weight, x):
+        return mx_reference.MXGroupedMM.apply(x, weight.t().unsqueeze(0), [x.shape[0]], x.dtype)
+
+    leaf = x.clone().requires_grad_()
+    out = model["up"](leaf)
+    out.backward(grad)
+    expected_weight, expected_x = weights["up"].clone().requires_grad_(), x.clone().requires_grad_()
+    expected = reference(expected_weight, expected_x)
+    expected.backward(grad)
+    for value, truth in ((out, expected), (leaf.grad, expected_x.grad), (model["up"].weight.grad, expected_weight.grad)):
+        assert _relative(value.detach(), truth.detach()) < MATCH
+    for name in ("odd", "output"):
+        assert torch.equal(model[name](x), x @ weights[name].t()), name

@@ -7,7 +7,8 @@ Stages, each reported whatever the others did (a stage past the time budget is s
 
 1. the environment: torch, CUDA, the device, the date;
 2. the GPU tests (``pytest -m "deep_ep or gpu"``): every backend on CUDA at EP = 1, DeepEP and HybridEP on the
-   reference kernels where the library is not built;
+   reference kernels where the library is not built; the low-precision experts on torchao's GPU kernels (MXFP8 on
+   sm100 against the independent reference, float8 on sm90 and newer);
 3. the device-cost ledger of one MoE call per backend at EP = 1 on CUDA against the same call on the CPU (the
    counts must be equal), the passes budgeted no host sync run under ``torch.cuda.set_sync_debug_mode("error")``;
 4. a CUDA-graph capture of one MoE call's forward for each backend whose budget claims a sync-free layer (no host
@@ -65,7 +66,8 @@ def stages(out: Path) -> list[Stage]:
     return [
         _function_stage("environment", "environment", 60),
         Stage("gpu tests", [python, "-m", "pytest", "-m", "deep_ep or gpu", "-rs", "-q", "-n", "0", "-p",
-                            "no:cacheprovider", "tests/ep/test_deep_ep.py"], 240),
+                            "no:cacheprovider", "tests/ep/test_deep_ep.py",
+                            "tests/models/test_low_precision_experts.py"], 240),
         _function_stage("ledger cuda vs cpu", "ledger_on_cuda_and_cpu", 120),
         _function_stage("cuda graph capture", "cuda_graph_capture", 120),
         _function_stage("replica weights copy", "replica_copy_cost", 90),
