@@ -7,6 +7,9 @@ the dequantized operands, each quantized along its contracting dimension: in for
 along the input dimension; for the input's gradient the output gradient and the weights along the output
 dimension; for the weights' gradient the output gradient and the tokens along the token dimension, per expert
 group (groups are multiples of 32 rows, so no block straddles two experts).
+
+Not reproduced, and absent from the tests' inputs: blocks whose largest value is below 448 x 2^-127 (torchao flushes
+them to zero) and blocks holding inf or NaN.
 """
 
 import torch

@@ -17,12 +17,21 @@ DEBUG_JOB = ["--job.config_file", "train_configs/debug_model.toml"]
     ("quantize.grouped_mm.float8", (9, 0), True),
     ("quantize.grouped_mm.float8", (8, 9), False),
 ])
-def test_a_gpu_outside_the_recipes_compute_capabilities_is_refused(converter, capability, accepted):
+def test_a_gpu_outside_the_recipes_compute_capabilities_is_refused(converter, capability, accepted, monkeypatch):
+    # a torchao built with the sm100 kernels (this CPU machine's is not: the next test)
+    monkeypatch.setattr("torchao.prototype.moe_training.mxfp8_grouped_mm._SM100_KERNELS_AVAILABLE", True)
     problem = recipe_problem(RECIPES[converter], "cuda", capability)
     assert (problem is None) == accepted
     if not accepted:
         assert problem.startswith(f"{converter} needs a GPU of sm") and f"this one is sm{capability[0]}{capability[1]}" \
             in problem
+
+
+def test_an_sm100_gpu_with_a_torchao_built_without_its_kernels_is_refused(monkeypatch):
+    monkeypatch.setattr("torchao.prototype.moe_training.mxfp8_grouped_mm._SM100_KERNELS_AVAILABLE", False)
+    assert recipe_problem(RECIPES["quantize.grouped_mm.mx"], "cuda", (10, 0)) == (
+        "quantize.grouped_mm.mx runs torchao's sm100 kernels, which this torchao build lacks: install the torchao 0.18 "
+        "wheel built for CUDA 12.8 or newer")
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -41,3 +50,18 @@ def test_a_gpu_outside_the_recipes_compute_capabilities_is_refused(converter, ca
 def test_a_converter_that_cannot_run_here_is_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_job_config(DEBUG_JOB + overrides, device_type="cpu", world_size=2)
+
+
+@pytest.mark.parametrize("converter, rows", [("quantize.grouped_mm.mx", 32), ("quantize.grouped_mm.float8", 16)])
+def test_every_backend_pads_expert_groups_to_the_recipes_block(converter, rows):
+    """The backends' dispatch derives its pad multiple from the job's converters, as training builds the layers."""
+    from torchtitan_ext.config import MoEShape, parse
+    from torchtitan_ext.ep.backends import backend_variants
+    from torchtitan_ext.ep import backend_class
+
+    shape = MoEShape(hidden_dim=256, num_experts=8, top_k=2, max_tokens_per_rank=512)
+    for variant, overrides in backend_variants().items():
+        job_config = parse(DEBUG_JOB + overrides + ["--model.converters", converter,
+                                                    f"--{converter}.fqns", "experts"])
+        style = backend_class(job_config).layer_factory(job_config, shape)(score_before_experts=False)
+        assert style.pad_multiple == rows, variant

@@ -181,7 +181,9 @@ def test_mxfp8_linear_layers_match_the_independent_reference():
     from torchtitan_ext.models.converters import MXLinearConverter
 
     job_config = SimpleNamespace(model=SimpleNamespace(converters=["quantize.linear.mx"]),
-                                 quantize=SimpleNamespace(linear=SimpleNamespace(mx=SimpleNamespace(filter_fqns=["output"]))))
+                                 quantize=SimpleNamespace(linear=SimpleNamespace(mx=SimpleNamespace(
+                                     filter_fqns=["output"], recipe_name="mxfp8_cublas",
+                                     mxfp8_dim1_cast_kernel_choice="triton"))))
     generator = torch.Generator().manual_seed(2)
     model = torch.nn.ModuleDict({"up": torch.nn.Linear(64, 96, bias=False), "odd": torch.nn.Linear(64, 48, bias=False),
                                  "output": torch.nn.Linear(64, 64, bias=False)})

@@ -1,5 +1,6 @@
 """EP groups held to one NVLink domain: the check on fake fabric tables, and the NVML reading behind it."""
 
+import ctypes
 import sys
 import types
 
@@ -26,23 +27,29 @@ def test_an_ep_group_split_over_two_racks_is_named_with_its_ranks():
 
 
 class _FakeNVML(types.ModuleType):
-    """pynvml with one GPU whose fabric reports ``state`` (and ``cluster``, ``clique``), or no fabric at all."""
+    """pynvml with one GPU whose fabric reports ``state`` (and ``cluster``, ``clique``), or no fabric at all; like
+    the real one, it writes the answer through the pointer it is given."""
 
     NVML_SUCCESS = 0
+    nvmlGpuFabricInfo_v2 = 0x2000024
     NVML_GPU_FABRIC_STATE_NOT_SUPPORTED, NVML_GPU_FABRIC_STATE_NOT_STARTED = 0, 1
     NVML_GPU_FABRIC_STATE_IN_PROGRESS, NVML_GPU_FABRIC_STATE_COMPLETED = 2, 3
 
-    class NVMLError_NotSupported(Exception):
+    class NVMLError(Exception):
+        pass
+
+    class NVMLError_NotSupported(NVMLError):
         pass
 
     def __init__(self, state: int | None, cluster: bytes = bytes(range(16)), clique: int = 7):
         super().__init__("pynvml")
         self.state, self.cluster, self.clique = state, cluster, clique
 
-        class Info:
-            clusterUuid, status, cliqueId, state = b"", 0, 0, 0
+        class Info(ctypes.Structure):
+            _fields_ = [("version", ctypes.c_uint), ("clusterUuid", ctypes.c_ubyte * 16), ("status", ctypes.c_uint),
+                        ("cliqueId", ctypes.c_uint), ("state", ctypes.c_uint), ("healthMask", ctypes.c_uint)]
 
-        self.c_nvmlGpuFabricInfo_t = Info
+        self.c_nvmlGpuFabricInfoV_t = Info
 
     def nvmlInit(self):
         pass
@@ -54,10 +61,13 @@ class _FakeNVML(types.ModuleType):
         assert uuid == "GPU-fake-uuid"
         return "handle"
 
-    def nvmlDeviceGetGpuFabricInfo(self, handle, info):
+    def nvmlDeviceGetGpuFabricInfoV(self, handle, pointer):
+        info = ctypes.cast(pointer, ctypes.POINTER(self.c_nvmlGpuFabricInfoV_t)).contents
+        assert info.version == self.nvmlGpuFabricInfo_v2
         if self.state is None:
             raise self.NVMLError_NotSupported()
-        info.clusterUuid, info.cliqueId, info.state, info.status = self.cluster, self.clique, self.state, 0
+        info.clusterUuid[:] = list(self.cluster)
+        info.cliqueId, info.state, info.status = self.clique, self.state, 0
 
 
 @pytest.fixture
@@ -80,6 +90,7 @@ def test_a_gpu_on_a_multi_node_fabric_is_in_its_cluster_and_clique(one_gpu):
 def test_a_gpu_without_a_fabric_is_in_its_hosts_domain(one_gpu):
     assert one_gpu(_FakeNVML(None)) == "host tray3"
     assert one_gpu(_FakeNVML(_FakeNVML.NVML_GPU_FABRIC_STATE_NOT_SUPPORTED)) == "host tray3"
+    assert one_gpu(_FakeNVML(_FakeNVML.NVML_GPU_FABRIC_STATE_COMPLETED, cluster=bytes(16))) == "host tray3"
 
 
 def test_a_fabric_not_ready_is_refused_in_one_line(one_gpu):

@@ -12,7 +12,8 @@ model converter's low-precision ones.
 
 import torch
 from torch.distributed.tensor import DTensor
-from torchtitan.models.moe.moe import _run_experts_for_loop, _run_experts_grouped_mm, GroupedExperts
+from torchtitan.models.moe import moe as torchtitan_moe
+from torchtitan.models.moe.moe import _run_experts_for_loop, GroupedExperts
 
 
 def run_experts_for_loop(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor,
@@ -42,7 +43,8 @@ class UnboundLoopExperts(GroupedExperts):
         if self.low_precision is not None:
             return self.low_precision.run_experts(w1, w2, w3, x, num_tokens_per_expert)
         if self.use_grouped_mm:
-            return _run_experts_grouped_mm(w1, w2, w3, x, num_tokens_per_expert)
+            # looked up at each call: torchtitan's compile swaps in its compiled version
+            return torchtitan_moe._run_experts_grouped_mm(w1, w2, w3, x, num_tokens_per_expert)
         return run_experts_for_loop(w1, w2, w3, x, num_tokens_per_expert)
 
 

@@ -17,7 +17,7 @@ of the kernel's block (32 rows for MXFP8, 16 for float8): under EP the backend's
 (MXFP8) or torchtitan's padding wrapper does (float8).
 
 Where they run: MXFP8 on sm100 GPUs (B200, GB200, GB300), and on a CPU with torchao's emulated kernels (quantize,
-dequantize to bf16, bf16 grouped GEMM); float8 on sm90 and newer (torchao's Triton casts and CUDA's scaled grouped
+dequantize to bf16, bf16 grouped GEMM); float8 on sm90 and sm100 (torchao's Triton casts and CUDA's scaled grouped
 GEMM; torchao 0.18 has no emulation of it, so a CPU is refused). Each refusal is one line at config time, before
 any allocation.
 """
@@ -29,7 +29,11 @@ from importlib.metadata import PackageNotFoundError, version
 
 import torch
 import torch.nn.functional as F
-from torchtitan.components.quantization import QuantizationConverter
+from torchtitan.components.quantization import (
+    FP8_GROUP_ALIGNMENT_SIZE,
+    MXFP8_GROUP_ALIGNMENT_SIZE,
+    QuantizationConverter,
+)
 from torchtitan.components.quantization.utils import module_filter_fn
 from torchtitan.models.moe.moe import GroupedExperts
 from torchtitan.models.moe.utils import indices_padding_wrapper, set_token_group_alignment_size_m
@@ -37,11 +41,7 @@ from torchtitan.protocols.model_converter import _registry_model_converter_cls
 from torchtitan.tools.logging import logger
 
 from torchtitan_ext.config import ConfigError, register_check, ValidationContext
-
-MXFP8_BLOCK = 32
-"""Rows (and columns) of one MXFP8 scaling block: every grouped dimension is a multiple of it."""
-FLOAT8_ALIGNMENT = 16
-"""Row multiple of float8's grouped GEMM groups (16-byte alignment of 1-byte elements)."""
+from torchtitan_ext.ep.experts import UnboundLoopExperts
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,8 @@ class Recipe:
 
     name: str
     """The converter's name in ``model.converters``."""
+    kind: str
+    """"mx" (MXFP8: blocks of 32 values, power-of-two scales) or "float8" (rowwise float8 scales)."""
     alignment: int
     """Row multiple of every expert group (grouped converters), or of every converted dimension."""
     min_capability: tuple[int, int]
@@ -64,10 +66,12 @@ class Recipe:
 
 RECIPES = {
     recipe.name: recipe for recipe in (
-        Recipe("quantize.grouped_mm.mx", MXFP8_BLOCK, (10, 0), 10, "sm100: B200, GB200, GB300", True),
-        Recipe("quantize.grouped_mm.float8", FLOAT8_ALIGNMENT, (9, 0), None, "sm90 or newer: H100, H200, B200, GB200",
-               False),
-        Recipe("quantize.linear.mx", MXFP8_BLOCK, (10, 0), 10, "sm100: B200, GB200, GB300", True),
+        Recipe("quantize.grouped_mm.mx", "mx", MXFP8_GROUP_ALIGNMENT_SIZE, (10, 0), 10, "sm100: B200, GB200, GB300",
+               True),
+        # torch's scaled grouped GEMM runs on sm90 and sm100 only
+        Recipe("quantize.grouped_mm.float8", "float8", FP8_GROUP_ALIGNMENT_SIZE, (9, 0), 10,
+               "sm90 or sm100: H100, H200, B200, GB200, GB300", False),
+        Recipe("quantize.linear.mx", "mx", MXFP8_GROUP_ALIGNMENT_SIZE, (10, 0), 10, "sm100: B200, GB200, GB300", True),
     )
 }
 """The converters this module serves, by name."""
@@ -91,6 +95,12 @@ def recipe_problem(recipe: Recipe, device_type: str, capability: tuple[int, int]
     too_new = recipe.max_capability_major is not None and capability[0] > recipe.max_capability_major
     if capability < recipe.min_capability or too_new:
         return f"{recipe.name} needs a GPU of {recipe.gpus}; this one is sm{capability[0]}{capability[1]}"
+    if recipe.kind == "mx":
+        from torchao.prototype.moe_training.mxfp8_grouped_mm import _SM100_KERNELS_AVAILABLE
+
+        if not _SM100_KERNELS_AVAILABLE:
+            return (f"{recipe.name} runs torchao's sm100 kernels, which this torchao build lacks: install the torchao "
+                    "0.18 wheel built for CUDA 12.8 or newer")
     return None
 
 
@@ -114,7 +124,7 @@ def _torchao_config(name: str, device_type: str, pad_groups: bool):
     torchao when ``pad_groups`` (MXFP8 only: torchao's float8 op cannot)."""
     from torchao.prototype.moe_training.config import Float8TrainingOpConfig, MXFP8TrainingOpConfig, MXFP8TrainingRecipe
 
-    if name.endswith(".float8"):
+    if RECIPES[name].kind == "float8":
         return Float8TrainingOpConfig()
     recipe = MXFP8TrainingRecipe.MXFP8_EMULATED_RCEIL if device_type == "cpu" else MXFP8TrainingRecipe.MXFP8_RCEIL
     config = MXFP8TrainingOpConfig.from_recipe(recipe)
@@ -161,12 +171,12 @@ class GroupedMMConverter(QuantizationConverter):
         super().__init__(job_config, parallel_dims)
         section = getattr(job_config.quantize.grouped_mm, self.name.rsplit(".", 1)[1])
         self.fqns = [section.fqns] if isinstance(section.fqns, str) else list(section.fqns)
-        device_type = _device_type()
+        recipe = RECIPES[self.name]
         # under EP (and expert replication, which rides on it) the backend's dispatch pads every group
         pad_groups = not parallel_dims.ep_enabled
         self.grouped_mm = LowPrecisionGroupedMM(
-            _torchao_config(self.name, device_type, pad_groups and self.name.endswith(".mx")),
-            pad_with_torchtitan=pad_groups and self.name.endswith(".float8"),
+            _torchao_config(self.name, _device_type(), pad_groups and recipe.kind == "mx"),
+            pad_with_torchtitan=pad_groups and recipe.kind == "float8",
         )
         if self.grouped_mm.pad_with_torchtitan:
             set_token_group_alignment_size_m(RECIPES[self.name].alignment)
@@ -175,9 +185,18 @@ class GroupedMMConverter(QuantizationConverter):
     def convert(self, model: torch.nn.Module) -> None:
         converted = []
         for fqn, module in model.named_modules():
-            if isinstance(module, GroupedExperts) and any(target in fqn for target in self.fqns):
-                module.low_precision = self.grouped_mm
-                converted.append(fqn)
+            if not isinstance(module, GroupedExperts) or not any(target in fqn for target in self.fqns):
+                continue
+            # torchtitan's experts become UnboundLoopExperts in the parallelize plan, which runs the recipe; another
+            # subclass brings its own forward, which would not
+            if type(module) is not GroupedExperts and not isinstance(module, UnboundLoopExperts):
+                raise ConfigError(f"{self.name}.fqns matches {fqn}, a {type(module).__name__}, whose forward would "
+                                  f"not run the recipe: narrow {self.name}.fqns")
+            module.low_precision = self.grouped_mm
+            converted.append(fqn)
+        if not converted:
+            raise ConfigError(f"{self.name}.fqns = {self.fqns} matches no routed experts of the model: set it to "
+                              "['experts']")
         kernels = "emulated kernels (CPU)" if _device_type() == "cpu" else "GPU kernels"
         logger.info(f"{self.name}: {len(converted)} routed experts modules run their grouped GEMMs in "
                     f"{type(self.grouped_mm.config).__name__} ({kernels}), outputs in bf16")
@@ -200,7 +219,14 @@ class MXLinearConverter(QuantizationConverter):
 
     def __init__(self, job_config, parallel_dims):
         super().__init__(job_config, parallel_dims)
-        self.filter_fqns = job_config.quantize.linear.mx.filter_fqns
+        section = job_config.quantize.linear.mx
+        if (section.recipe_name, section.mxfp8_dim1_cast_kernel_choice) != ("mxfp8_cublas", "triton"):
+            raise ConfigError(
+                "quantize.linear.mx: torchao 0.18 serves one MXFP8 linear recipe (power-of-two scales rounded up, "
+                "its own cast kernels): leave quantize.linear.mx.recipe_name and mxfp8_dim1_cast_kernel_choice at "
+                "their defaults"
+            )
+        self.filter_fqns = section.filter_fqns
         self.config = _torchao_config("quantize.linear.mx", _device_type(), pad_groups=False)
         self.enabled = True
 
@@ -209,7 +235,7 @@ class MXLinearConverter(QuantizationConverter):
 
         def converted(module, fqn):
             return (module_filter_fn(module, fqn, self.filter_fqns)
-                    and all(size % MXFP8_BLOCK == 0 for size in module.weight.shape))
+                    and all(size % MXFP8_GROUP_ALIGNMENT_SIZE == 0 for size in module.weight.shape))
 
         quantize_(model, config=self.config, filter_fn=converted)
         logger.info("quantize.linear.mx: linear layers compute in MXFP8")

@@ -10,6 +10,7 @@ ranks, when an EP group spans more than one domain (so that the EP degree always
 domain).
 """
 
+import ctypes
 import socket
 from dataclasses import dataclass
 
@@ -47,15 +48,25 @@ def nvlink_domain(device: torch.device) -> str:
     except ImportError:
         raise ConfigError("fabric.ep_in_one_nvlink_domain = true reads the GPUs' NVLink fabric through NVML: "
                           "pip install nvidia-ml-py") from None
-    pynvml.nvmlInit()
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as e:
+        raise ConfigError(f"fabric.ep_in_one_nvlink_domain = true reads the GPUs' NVLink fabric, but NVML does not "
+                          f"start on {host} ({e}): check the driver, or set it to false") from None
     try:
         handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{torch.cuda.get_device_properties(device).uuid}")
-        info = pynvml.c_nvmlGpuFabricInfo_t()
+        info = pynvml.c_nvmlGpuFabricInfoV_t()
+        info.version = pynvml.nvmlGpuFabricInfo_v2
         try:
-            pynvml.nvmlDeviceGetGpuFabricInfo(handle, info)
+            # by reference: pynvml hands the argument to the C function as it is
+            pynvml.nvmlDeviceGetGpuFabricInfoV(handle, ctypes.byref(info))
         except pynvml.NVMLError_NotSupported:
             return host
-        if info.state == pynvml.NVML_GPU_FABRIC_STATE_NOT_SUPPORTED:
+        except pynvml.NVMLError as e:
+            raise ConfigError(f"NVML could not read the NVLink fabric of {host}'s GPU {device.index} ({e}): update "
+                              "the driver, or set fabric.ep_in_one_nvlink_domain = false") from None
+        cluster = bytes(info.clusterUuid)
+        if info.state == pynvml.NVML_GPU_FABRIC_STATE_NOT_SUPPORTED or not any(cluster):
             return host
         if info.state != pynvml.NVML_GPU_FABRIC_STATE_COMPLETED or info.status != pynvml.NVML_SUCCESS:
             raise ConfigError(
@@ -63,7 +74,7 @@ def nvlink_domain(device: torch.device) -> str:
                 f"status {info.status}): check the node's IMEX and fabric manager services, or set "
                 "fabric.ep_in_one_nvlink_domain = false"
             )
-        return f"fabric {bytes(info.clusterUuid).hex()} clique {info.cliqueId}"
+        return f"fabric {cluster.hex()} clique {info.cliqueId}"
     finally:
         pynvml.nvmlShutdown()
 
