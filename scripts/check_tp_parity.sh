@@ -12,7 +12,6 @@ cd "${ROOT}"
 WORK="${1:-/tmp/tp_parity}"
 COMMON=(--training.steps 5 --training.mixed_precision_param float32 --debug.deterministic
         --training.seq_len 64 --training.local_batch_size 2)
-VARIANTS=(nccl deepep deepep_legacy hybridep hybridep_non_blocking)
 # the folder is emptied: only one this script made (its marker file), a new one or an empty one
 if [ -z "${WORK}" ] || { [ -e "${WORK}" ] && [ -n "$(ls -A "${WORK}" 2>/dev/null)" ] \
         && [ ! -f "${WORK}/.check_tp_parity" ]; }; then
@@ -22,6 +21,8 @@ fi
 rm -rf "${WORK}" && mkdir -p "${WORK}" && touch "${WORK}/.check_tp_parity"
 # shellcheck source=../env.sh
 source "${ROOT}/env.sh"
+# every variant the reference kernels run, from the package's backend table
+VARIANTS=($(python -c "from torchtitan_ext.ep.backends import CPU_VARIANTS; print(*CPU_VARIANTS)"))
 # a backend variant's overrides, from the package's one table of them
 variant_args() { python -c 'import sys; from torchtitan_ext.ep.backends import backend_variants
 print(*backend_variants()[sys.argv[1]])' "$1"; }

@@ -10,7 +10,7 @@ import pytest
 from torchtitan_ext import plan
 from torchtitan_ext.bench import ep
 from torchtitan_ext.config import parse
-from torchtitan_ext.ep.backends import backend_variants
+from torchtitan_ext.ep.backends import backend_variants, variant_backend
 from torchtitan_ext.planning.measured_rates import EPBenchRow
 
 
@@ -20,7 +20,7 @@ def test_every_backend_variant_is_a_label_and_selects_its_backend_on_the_kernels
     assert set(backend_variants()) < set(labels) and "upstream" in labels and "nccl_lib" not in labels
     for variant, overrides in backend_variants().items():
         assert ep.job_args(variant)[:len(overrides)] == overrides
-        backend = ep.variant_backend(variant)
+        backend = variant_backend(variant)
         assert parse(ep.job_args(variant)).parallelism.expert_parallel_comm_backend == backend
         if variant + ep.LIBRARY in labels:
             assert getattr(parse(ep.job_args(variant)), backend).implementation == "reference"

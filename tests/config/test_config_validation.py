@@ -7,6 +7,7 @@ import pytest
 import tomli_w
 from torchtitan.config import JobConfig as TorchTitanJobConfig
 
+from torchtitan_ext.ep.backends import KERNEL_LIBRARY_BACKENDS
 from torchtitan_ext.config import comm_backend, ConfigError, load_job_config, validate
 from torchtitan_ext.config import parse as parse_job_config
 from torchtitan_ext.config.ranges import check_ranges, numeric_fields
@@ -292,7 +293,7 @@ def _cluster(*overrides, config=DEBUG_TOML, world_size=2):
     return load_job_config(["--job.config_file", config, *overrides], None, world_size)
 
 
-@pytest.mark.parametrize("backend", ["deepep", "hybridep"])
+@pytest.mark.parametrize("backend", KERNEL_LIBRARY_BACKENDS)
 def test_library_kernels_need_bf16(backend):
     with pytest.raises(ConfigError, match=(
         f"training.mixed_precision_param = 'float32', but .* bf16 .*{backend}.implementation resolves to deep_ep"
@@ -304,7 +305,7 @@ def test_library_kernels_need_bf16(backend):
              "--training.mixed_precision_param", "float32")
 
 
-@pytest.mark.parametrize("backend", ["deepep", "hybridep"])
+@pytest.mark.parametrize("backend", KERNEL_LIBRARY_BACKENDS)
 def test_library_kernels_need_fsdp_for_bf16_tokens(backend):
     """EP borrowing the TP ranks without a data-parallel shard: torchtitan runs the model in fp32 (its mixed
     precision goes through FSDP), and the first dispatch handed the library fp32 tokens; refused before."""

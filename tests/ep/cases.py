@@ -21,18 +21,12 @@ from torchtitan.models.moe.moe import GroupedExperts, MoE, MoEArgs
 from torchtitan_ext import runtime
 from torchtitan_ext.config import parse as parse_job_config
 from torchtitan_ext.ep import BACKENDS as BACKEND_CLASSES
-from torchtitan_ext.ep.backends import backend_variants
+from torchtitan_ext.ep.backends import backend_variants, CPU_VARIANTS
 from torchtitan_ext.ep import HybridEPExpertParallel, MoEShape
 from torchtitan_ext.ep.base import Routing
 from torchtitan_ext.ep.handle import DispatchHandle
 from torchtitan_ext.ep.kernels.reference import ReferenceHybridEPBuffer
 from torchtitan_ext.models.moe import ExpertParallelMoE, TensorParallelTokenSplit
-
-BACKENDS = ("nccl", "deepep", "deepep_legacy", "hybridep", "hybridep_non_blocking")
-"""The variants (:func:`backend_variants`) every case runs under: deepep drives DeepEP's V2 API (ElasticBuffer),
-deepep_legacy its v1 Buffer; hybridep_non_blocking runs at capacity factor 1.0 without padding, which cannot drop.
-V2.5's EPBuffer (deepep_ep) runs against the deep_ep double (tests/ep/test_deep_ep_double.py)."""
-
 
 @dataclass(frozen=True)
 class Case:
@@ -198,7 +192,7 @@ def run_backend(
 
 
 def conformance_worker(
-    rank: int, ep: int, backends=BACKENDS, implementation: str = "reference",
+    rank: int, ep: int, backends=CPU_VARIANTS, implementation: str = "reference",
     device: str = "cpu", dtype: torch.dtype = torch.float32,
 ) -> dict:
     mesh = init_device_mesh(device, (ep,), mesh_dim_names=("ep",))
@@ -359,7 +353,7 @@ def checkpoint_worker(rank: int, ep: int, case: Case, iterations: int) -> dict:
     _track_handles()
     gc.disable()  # as in torchtitan's training loop: leaks may not hide behind a collection
     results = {}
-    for backend in BACKENDS:
+    for backend in CPU_VARIANTS:
         for mode in ("none", "selective_op", "full"):
             experts = _experts(case, inputs)
             style = make_style(backend, case, ep)

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 from tests.ep.cases import _experts, _rank_slice, Case, global_inputs, make_style, run_backend
+from torchtitan_ext.ep.backends import LIBRARY_VARIANTS
 
 DOUBLE_DIR = Path(__file__).resolve().parent / "deep_ep_double"
 
@@ -34,13 +35,12 @@ def stand_in_cuda_home() -> Path:
     return home
 
 
-LIBRARY_BACKENDS = {
-    "main": ("deepep", "deepep_legacy"),
-    "hybrid-ep": ("deepep_legacy", "hybridep", "hybridep_non_blocking"),
-    "v2.5": ("deepep_ep",),
-}
-"""What each build of the library serves (backend variants): main has the V2 and v1 APIs, the hybrid-ep branch v1
-and HybridEP, V2.5 its EPBuffer only."""
+BUILD_CLASSES = {"main": ("ElasticBuffer", "Buffer"), "hybrid-ep": ("Buffer", "HybridEPBuffer"), "v2.5": ("EPBuffer",)}
+"""The deep_ep classes each build of the library has: main the V2 and v1 APIs, the hybrid-ep branch v1 and
+HybridEP, V2.5 its EPBuffer only."""
+LIBRARY_BACKENDS = {build: tuple(variant for library_class in classes for variant in LIBRARY_VARIANTS[library_class])
+                    for build, classes in BUILD_CLASSES.items()}
+"""What each build of the library serves (backend variants)."""
 
 DROPPING_FACTOR = 0.3
 """A non-blocking capacity factor at which the double's cases drop pairs."""

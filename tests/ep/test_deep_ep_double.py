@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.ep.deep_ep_double.manifest import HYBRID_EP_BUILD, MANIFEST, V2_5_BUILD, V2_5_REMOVED
+from torchtitan_ext.ep.backends import KERNEL_LIBRARY_BACKENDS
 from tests.ep.double_cases import (
     adapters_worker, DOUBLE_DIR, fp32_worker, fresh_group_worker, host_sync_worker, lb_fetch_worker, lb_model_worker,
     LIBRARY_BACKENDS, lifetime_worker, unmeasurable_bandwidth_worker,
@@ -229,7 +230,7 @@ def test_import_failure_is_a_clear_config_error(monkeypatch, installed_build, fa
     a one-line error that says the import failed, not a traceback."""
     installed_build("main")
     monkeypatch.setenv("DEEP_EP_DOUBLE_IMPORT_FAILURE", failure)
-    for backend in ("deepep", "hybridep"):
+    for backend in KERNEL_LIBRARY_BACKENDS:
         message = _library_job_error(monkeypatch, backend)
         assert "but import deep_ep failed: AssertionError" in message and shown in message
         assert f"{backend}.implementation = 'reference'" in message and "\n" not in message

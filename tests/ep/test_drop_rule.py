@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
+from torchtitan_ext.ep.backends import CPU_VARIANTS
 from tests.ep.cases import Case, contract_layout, dense_moe, global_inputs, hybridep_layout_worker, run_backend
 from tests.helpers import run_distributed
 from torchtitan_ext.ep.hybridep import non_blocking_rows
@@ -138,7 +139,7 @@ SKEWED_FACTOR = 0.25
 def _skewed_worker(rank, ep, case):
     mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
     results = {backend: run_backend(rank, ep, case, backend, mesh)
-               for backend in ("nccl", "deepep", "deepep_legacy", "hybridep", "hybridep_non_blocking")}
+               for backend in CPU_VARIANTS}
     results["drops"] = run_backend(rank, ep, case, "hybridep", mesh, capacity_factor=SKEWED_FACTOR)
     return results
 
@@ -159,7 +160,7 @@ def test_all_tokens_to_one_expert():
 
     total_dropped = 0
     for rank, rank_results in enumerate(results):
-        for backend in ("nccl", "deepep", "deepep_legacy", "hybridep", "hybridep_non_blocking"):
+        for backend in CPU_VARIANTS:
             got = rank_results[backend]
             rows, experts = got["rows"], got["experts"]
             close(got["out"], truth["out"][rows], (backend, "out"))

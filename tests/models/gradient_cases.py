@@ -27,11 +27,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torchtitan_ext.ep.backends import backend_variants
+from torchtitan_ext.ep.backends import backend_variants, MATRIX_VARIANTS
 
-MATRIX_VARIANTS = ("nccl", "deepep", "hybridep", "hybridep_non_blocking")
-"""The backend variants (:func:`torchtitan_ext.ep.backends.backend_variants`) every cell runs under: hybridep's
-non-blocking one at factor 1.0 without padding, which cannot drop."""
 SEQ_LEN = 16
 VOCAB = 128
 SEED = 7

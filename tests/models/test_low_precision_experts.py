@@ -10,7 +10,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 from torchtitan.models.moe.moe import _run_experts_grouped_mm
 
-from tests.ep.cases import BACKENDS, Case, global_inputs, make_style
+from tests.ep.cases import Case, global_inputs, make_style
+from torchtitan_ext.ep.backends import DROPLESS_WHEN_PADDED
 from tests.helpers import run_distributed
 from tests.models import mx_reference
 from torchtitan_ext.ep.base import Routing
@@ -25,9 +26,8 @@ UNQUANTIZED = 2e-2
 CASE = Case("mx_e4_top2", num_experts=4, top_k=2, score_before_experts=False, seed=11, total_tokens=64, hidden=64,
             ffn=96, pad_multiple=32)
 """A DeepSeek-V3-like MoE (scores after the experts) whose dimensions are multiples of the MXFP8 block."""
-EP_BACKENDS = tuple(backend for backend in BACKENDS if backend != "hybridep_non_blocking")
-"""Every variant that keeps every pair at the padding the recipe needs (non-blocking at factor 1.0 may drop pairs
-once groups are padded to 32: tests/ep/test_drop_rule.py)."""
+EP_BACKENDS = DROPLESS_WHEN_PADDED
+"""Every variant that keeps every pair at the padding the recipe needs."""
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:

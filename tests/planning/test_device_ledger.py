@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers import run_distributed
-from tests.models.gradient_cases import Cell, ledger_worker, MATRIX_VARIANTS
+from tests.models.gradient_cases import Cell, ledger_worker
+from torchtitan_ext.ep.backends import CPU_VARIANTS
 from torchtitan_ext.planning.device_cost_counter import DeviceCostCounter
 from torchtitan_ext.planning.device_costs import OUTSIDE
 
@@ -15,7 +16,7 @@ AC_MODES = {
     "ac_full": ("--activation_checkpoint.mode", "full"),
     "ac_selective_op": ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"),
 }
-VARIANTS = (*MATRIX_VARIANTS, "deepep_legacy")
+VARIANTS = CPU_VARIANTS
 CELLS = [
     Cell(f"ledger{'_replicas2' if replicas else ''}_{ac}", "deepseek_v3", backend, 2,
          ("--parallelism.expert_parallel_degree", "2", *args), grouped_mm=True, replicas=replicas)

@@ -12,7 +12,7 @@ import torch
 from tests.planning.advice_text import paragraph
 from torchtitan_ext import plan, runtime
 from torchtitan_ext.config import ConfigError, load_job_config, parse
-from torchtitan_ext.ep import PLANNING_PROFILES
+from torchtitan_ext.ep import BACKENDS, PLANNING_PROFILES
 from torchtitan_ext.planning.cost_model import MeasuredRouting
 from torchtitan_ext.planning.advice_report import format_advice, layouts_record
 from torchtitan_ext.planning.layout_advisor import advise, advised_config, overrides_problem
@@ -805,7 +805,7 @@ def test_cli_measures_the_compute(capsys):
                       r"nccl ([0-9.]+) ms, deepep ([0-9.]+) ms, hybridep ([0-9.]+) ms", out)
     assert found, out
     assert float(found[1]) > 0
-    per_call = dict(zip(("nccl", "deepep", "hybridep"), (float(found[index]) for index in (2, 3, 4))))
+    per_call = dict(zip(BACKENDS, (float(found[index]) for index in (2, 3, 4))))
     for backend, ms in per_call.items():
         row = re.search(rf"^ +\d+ +{backend} +2 +1 .*$", raw, re.MULTILINE)
         assert row, raw

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.helpers import REPO_ROOT, run_distributed
 from tests.training.cases import TINY, train_worker
-from torchtitan_ext.ep.backends import backend_variants
+from torchtitan_ext.ep.backends import backend_variants, CPU_VARIANTS
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +37,7 @@ PLACED_STEPS = 5
 PLACED_TOLERANCE = 1e-5
 CONFIG = str(REPO_ROOT / "train_configs/debug_model.toml")
 MOE_LAYERS = [1, 2, 3, 4, 5]
-PARITY_VARIANTS = ("nccl", "deepep", "deepep_legacy", "hybridep", "hybridep_non_blocking")
+PARITY_VARIANTS = CPU_VARIANTS
 BACKENDS = {name: backend_variants()[name] for name in PARITY_VARIANTS}
 
 

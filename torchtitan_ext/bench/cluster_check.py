@@ -34,13 +34,12 @@ import tempfile
 from pathlib import Path
 
 import torchtitan_ext
-from torchtitan_ext.ep.backends import backend_variants
+from torchtitan_ext.ep.backends import backend_variants, LIBRARY_VARIANTS as VARIANTS_OF_CLASS
 from torchtitan_ext.metrics_file import read_metrics
 
 ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
-LIBRARY_VARIANTS = {"ElasticBuffer": "deepep", "Buffer": "deepep_legacy", "EPBuffer": "deepep_ep",
-                    "HybridEPBuffer": "hybridep"}
-"""deep_ep class -> the backend variant (``torchtitan_ext.ep.backends.backend_variants``) that runs on it."""
+LIBRARY_VARIANTS = {library_class: variants[0] for library_class, variants in VARIANTS_OF_CLASS.items()}
+"""deep_ep class -> the backend variant that runs on it in its default settings."""
 
 
 def run(command: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess:

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from torchtitan_ext.ep.backends import BACKENDS, backend_variants
+from torchtitan_ext.ep.backends import BACKENDS, backend_variants, MATRIX_VARIANTS, variant_backend
 from torchtitan_ext.planning.collective_recorder import CollectiveRecorder
 from torchtitan_ext.planning.local_traffic import LocalTrafficCounter
 from torchtitan_ext.planning.measured_rates import EPBenchRow
@@ -61,11 +61,6 @@ class Shape:
 
     def label(self) -> str:
         return f"T={self.tokens} H={self.hidden} E={self.experts} K={self.top_k} EP={self.ep}"
-
-
-def variant_backend(variant: str) -> str:
-    """The comm backend (a key of ``BACKENDS``) that the backend variant ``variant`` selects."""
-    return next(name for name, backend in BACKENDS.items() if variant in backend.variants)
 
 
 def kernel_section(backend: str) -> str | None:
@@ -335,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--backends", nargs="+", choices=labels(), metavar="BACKEND",
-                        default=["nccl", "deepep", "hybridep", "hybridep_non_blocking", UPSTREAM],
+                        default=[*MATRIX_VARIANTS, UPSTREAM],
                         help=f"what to time, among: {', '.join(labels())} (default: %(default)s)")
     parser.add_argument("--forward-only", action="store_true",
                         help="time dispatch + combine forward only (no backward)")

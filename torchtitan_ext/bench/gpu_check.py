@@ -39,9 +39,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torchtitan_ext
+from torchtitan_ext.ep.backends import CPU_VARIANTS
 
 ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
-VARIANTS = ("nccl", "deepep", "deepep_legacy", "hybridep", "hybridep_non_blocking")
+VARIANTS = CPU_VARIANTS
+"""Every variant the reference kernels run (on a GPU without deep_ep, they run there)."""
 MOE_SHAPE = dict(hidden_dim=2048, num_experts=64, top_k=6, max_tokens_per_rank=4096)
 """DeepSeek-V3 16B's MoE layer, at 4,096 tokens per rank."""
 RESULT = "RESULT "

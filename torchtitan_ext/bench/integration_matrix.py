@@ -25,7 +25,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 import torchtitan_ext
-from torchtitan_ext.ep.backends import backend_variants
+from torchtitan_ext.ep.backends import backend_variants, MATRIX_VARIANTS
 from torchtitan_ext.metrics_file import logged_losses
 
 ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
@@ -71,7 +71,7 @@ COMBINATIONS = {
 """name (torchtitan's test id): (processes, overrides), as in torchtitan v0.2.2's models.py; the
 row marked "(ours)" is what the CPU refusal of DualPipeV's overlap points to."""
 
-DEFAULT_VARIANTS = ("nccl", "deepep", "hybridep", "hybridep_non_blocking")
+DEFAULT_VARIANTS = MATRIX_VARIANTS
 """The backend variants (``torchtitan_ext.ep.backends.backend_variants``) each combination runs with by default."""
 
 

@@ -33,12 +33,13 @@ from pathlib import Path
 from tqdm import tqdm
 
 import torchtitan_ext
+from torchtitan_ext.ep.backends import DEFAULT_VARIANTS
 from torchtitan_ext.metrics_file import read_metrics
 
 ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
 JOB = ["--training.local_batch_size", "2", "--training.seq_len", "128"]
-BENCH_VARIANTS = ("nccl", "deepep", "hybridep")
-"""The backend variants (``torchtitan_ext.ep.backends.backend_variants``) the bench check times."""
+BENCH_VARIANTS = DEFAULT_VARIANTS
+"""The backend variants the bench check times: each backend in its default settings."""
 
 
 def measured_step_time(ep: int, steps: int, warmup: int, folder: Path) -> float:

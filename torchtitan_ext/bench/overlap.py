@@ -20,9 +20,8 @@ from pathlib import Path
 
 import torch
 
-from torchtitan_ext.bench.ep import (DEADLINE_S, machine, progress_bar, rank_device, time_once, variant_backend,
-                                     workers_device)
-from torchtitan_ext.ep.backends import backend_variants
+from torchtitan_ext.bench.ep import DEADLINE_S, machine, progress_bar, rank_device, time_once, workers_device
+from torchtitan_ext.ep.backends import backend_variants, DEFAULT_VARIANTS, variant_backend
 from torchtitan_ext.runtime.workers import run_workers
 
 
@@ -134,7 +133,7 @@ def main(argv=None):
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--backends", nargs="+", choices=list(backend_variants()), metavar="VARIANT",
-                        default=["nccl", "deepep", "hybridep"],
+                        default=list(DEFAULT_VARIANTS),
                         help=f"backend variants, among: {', '.join(backend_variants())}")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (CPU)")
     parser.add_argument("--warmup", type=int, default=3)

@@ -16,6 +16,7 @@ rounded to the activation dtype.
 """
 
 import importlib
+from dataclasses import dataclass
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -35,6 +36,24 @@ from torchtitan_ext.runtime.workers import before_process_group_teardown
 from torchtitan_ext.ep.handle import KernelBuffer
 from torchtitan_ext.ep.kernels import KernelUnavailable, resolve_implementation
 from torchtitan_ext.ep.layout import into_groups
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One named way to run a backend: its section's overrides, and what the named variant sets
+    (:mod:`torchtitan_ext.ep.backends`) select it by."""
+
+    overrides: tuple[str, ...] = ()
+    """Overrides of the backend's own section ("--section.field", "value", ...)."""
+    library_class: str | None = None
+    """The deep_ep class its kernels call where the real library runs; None: no kernel library."""
+    reference_kernels: bool = True
+    """The reference kernels implement it, so a CPU runs it; False: only the deep_ep double does."""
+    may_drop_when_padded: bool = False
+    """It may drop (token, expert) pairs once groups are padded (a capacity of 1.0 that padding overflows)."""
+    in_matrix: bool = True
+    """It runs in the costliest test matrices (one variant per kernel family: the gradient matrix, the benches'
+    defaults)."""
 
 
 class Routing:
@@ -346,9 +365,9 @@ class RoutedExpertParallel(ExpertParallel, ABC):
     """Valid ranges of the section's numeric fields, keyed "section.field"."""
 
 
-    variants: ClassVar[dict[str, tuple[str, ...]]] = {}
-    """The named settings of this backend that tests, benchmarks and checks run it in: {name: overrides of its own
-    section} (:func:`torchtitan_ext.ep.backends.backend_variants`)."""
+    variants: ClassVar[dict[str, "Variant"]] = {}
+    """The named settings of this backend that tests, benchmarks and checks run it in (the one named as the backend
+    is its default), gathered into the named sets of :mod:`torchtitan_ext.ep.backends`."""
 
     ops_module: ClassVar[str | None] = None
     """Module of this backend's custom ops: imported when the backend first builds a layer or names its

@@ -35,6 +35,7 @@ from torchtitan_ext.ep.base import (
     sum_scored_rows,
     to_device,
     token_group_alignment,
+    Variant,
 )
 from torchtitan_ext.ep.budget import Budget, DeviceBudget
 from torchtitan_ext.ep.handle import DispatchHandle
@@ -265,8 +266,12 @@ class DeepEPExpertParallel(RoutedExpertParallel):
     config_ranges = {"deepep.num_sms": Range(2, meaning="SMs, an even count")}
 
     shared_experts_overlap = "yes: combine runs asynchronously on DeepEP's communication stream"
-    variants = {"deepep": ("--deepep.api", "elastic"), "deepep_legacy": ("--deepep.api", "legacy"),
-                "deepep_ep": ("--deepep.api", "ep")}
+    variants = {
+        "deepep": Variant(("--deepep.api", "elastic"), "ElasticBuffer"),
+        "deepep_legacy": Variant(("--deepep.api", "legacy"), "Buffer", in_matrix=False),
+        # V2.5's EPBuffer has no reference kernels: it runs against the deep_ep double (tests/ep/test_deep_ep_double.py)
+        "deepep_ep": Variant(("--deepep.api", "ep"), "EPBuffer", reference_kernels=False, in_matrix=False),
+    }
     ops_module = "torchtitan_ext.ep.ops.deepep"
     saved_ops = ("torchtitan_ext::deepep_dispatch", "torchtitan_ext::deepep_combine")
 

@@ -25,6 +25,7 @@ from torchtitan_ext.ep.base import (
     scale_rows,
     SharedKernelBuffer,
     token_group_alignment,
+    Variant,
 )
 from torchtitan_ext.ep.budget import Budget, DeviceBudget
 from torchtitan_ext.ep.handle import DispatchHandle
@@ -192,8 +193,12 @@ class HybridEPExpertParallel(RoutedExpertParallel):
     }
 
     shared_experts_overlap = "no: HybridEP's combine_with_unpermute has no asynchronous mode"
-    # a capacity factor of 1.0 without padding cannot drop: every token to every local expert fits
-    variants = {"hybridep": (), "hybridep_non_blocking": ("--hybridep.non_blocking_capacity_factor", "1.0")}
+    # a capacity factor of 1.0 without padding cannot drop (every token to every local expert fits); with padding it can
+    variants = {
+        "hybridep": Variant((), "HybridEPBuffer"),
+        "hybridep_non_blocking": Variant(("--hybridep.non_blocking_capacity_factor", "1.0"), "HybridEPBuffer",
+                                         may_drop_when_padded=True),
+    }
     ops_module = "torchtitan_ext.ep.ops.hybridep"
     saved_ops = ("torchtitan_ext::hybridep_dispatch", "torchtitan_ext::hybridep_combine")
 

@@ -23,7 +23,7 @@ from torch.distributed._functional_collectives import all_to_all_single
 from torch.distributed.tensor import distribute_tensor, DTensor, Partial, Replicate, Shard
 
 from torchtitan_ext.config import MoEShape
-from torchtitan_ext.ep.base import RoutedExpertParallel, Routing, scale_rows, token_group_alignment
+from torchtitan_ext.ep.base import RoutedExpertParallel, Routing, scale_rows, token_group_alignment, Variant
 from torchtitan_ext.ep.budget import Budget, DeviceBudget
 from torchtitan_ext.ep.in_flight import in_flight
 from torchtitan_ext.ep.layout import expert_major_rows, round_up
@@ -59,7 +59,7 @@ class NcclExpertParallel(RoutedExpertParallel):
     min_pad_multiple = 8
     supports_expert_tensor_parallel = True
     needs_expert_parallelism = False
-    variants = {"nccl": ()}
+    variants = {"nccl": Variant()}
 
     ops_module = "torchtitan_ext.ep.ops.nccl"
     saved_ops = ("_c10d_functional::all_to_all_single", "torchtitan_ext::nccl_dispatch", "torchtitan_ext::nccl_combine")
