@@ -5,15 +5,12 @@ Nothing here waits without a deadline: workers are joined against a deadline and
 """
 
 import os
-import queue
 import re
-import signal
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
+from torchtitan_ext.launch.jobs import descendants, JobResult, run_job, RunningJob  # noqa: F401
 from torchtitan_ext.metrics_file import read_metrics
 from torchtitan_ext.runtime.workers import DEADLINE_S, run_workers, WorkersFailed  # noqa: F401
 
@@ -33,48 +30,25 @@ def launcher_env(**overrides: str) -> dict[str, str]:
     return env
 
 
-def _launched_from_the_root(**env: str) -> dict:
-    """How the tests start a launcher: from the repository root, stdout and stderr as one text stream."""
-    return {"cwd": REPO_ROOT, "env": launcher_env(**env), "stdout": subprocess.PIPE, "stderr": subprocess.STDOUT,
-            "text": True}
+def run_launcher(*args: str, timeout: float = 600, **env: str) -> JobResult:
+    """Run ./run_train.sh from the repository root to its end (the one job launcher), its output kept."""
+    return run_job(["./run_train.sh", *args], timeout_s=timeout, check=False, cwd=REPO_ROOT, env=launcher_env(**env))
 
 
-def run_launcher(*args: str, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
-    """Run ./run_train.sh from the repository root, capturing stdout+stderr."""
-    return subprocess.run(["./run_train.sh", *args], timeout=timeout, **_launched_from_the_root(**env))
-
-
-class LauncherProcess:
-    """./run_train.sh (or another ``program``) running in the background, its output read by a thread.
-
-    ``wait_for`` and ``finish`` take deadlines, so a test never blocks on a
-    pipe that stays silent.
-    """
+class LauncherProcess(RunningJob):
+    """./run_train.sh (or another ``program``) running in the background (the one job launcher's
+    :class:`~torchtitan_ext.launch.jobs.RunningJob`), with what the tests wait for: a line, a logged step."""
 
     def __init__(self, *args: str, program: tuple[str, ...] = ("./run_train.sh",), **env: str):
-        self.process = subprocess.Popen([*program, *args], start_new_session=True, **_launched_from_the_root(**env))
-        self.lines: list[str] = []
-        self._queue: queue.Queue[str | None] = queue.Queue()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.process.stdout:
-            self.lines.append(line)
-            self._queue.put(line)
-        self._queue.put(None)
-
-    @property
-    def output(self) -> str:
-        return "".join(self.lines)
+        super().__init__([*program, *args], cwd=REPO_ROOT, env=launcher_env(**env))
 
     def wait_for(self, pattern: str, timeout: float) -> str:
         """The first new line matching ``pattern`` (a regex); AssertionError past ``timeout`` s or at EOF."""
         deadline = time.monotonic() + timeout
         while True:
             try:
-                line = self._queue.get(timeout=max(deadline - time.monotonic(), 0.01))
-            except queue.Empty:
+                line = self.next_line(deadline)
+            except TimeoutError:
                 raise AssertionError(f"no line matching {pattern!r} within {timeout} s:\n{self.output[-3000:]}") from None
             if line is None:
                 raise AssertionError(f"output ended without {pattern!r}:\n{self.output[-3000:]}")
@@ -93,43 +67,9 @@ class LauncherProcess:
                 raise AssertionError(f"step {step} not logged within {timeout} s:\n{self.output[-3000:]}")
             time.sleep(0.2)
 
-    def finish(self, timeout: float) -> int:
-        """Wait for the process and its output; its return code. Kills it past ``timeout`` s."""
-        try:
-            returncode = self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"still running after {timeout} s:\n{self.output[-3000:]}") from None
-        self._reader.join(timeout=10)
-        return returncode
-
     def kill(self) -> None:
-        """SIGKILL the launcher and every process under it.
-
-        torchrun starts each worker in a session of its own, so killing the launcher's process
-        group would leave the workers training on, orphaned, through the rest of the suite.
-        """
-        for pid in [*descendants(self.process.pid), self.process.pid]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.process.wait(timeout=30)
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process under ``pid`` (Linux /proc), children before their own children."""
-    found, frontier = [], [pid]
-    while frontier:
-        parent = frontier.pop(0)
-        for task in Path(f"/proc/{parent}/task").glob("*"):
-            try:
-                kids = [int(child) for child in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            found += kids
-            frontier += kids
-    return found
+        """SIGKILL the launcher and every process under it, at once."""
+        self.stop(grace_s=0.0)
 
 
 WORKER_PRELOAD = ["torchtitan_ext.train", "tests.training.cases", "tests.ep.cases", "tests.models.gradient_cases"]

@@ -3,12 +3,11 @@ deep_ep needs (one line each, with the fix where something is missing), says wha
 exits 0."""
 
 import os
-import subprocess
 
 import pytest
 import torch
 
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, run_job
 from torchtitan_ext.bench import cluster_check
 
 FIRST_LINE = "check_cluster: what deep_ep needs on this machine"
@@ -48,7 +47,6 @@ def test_every_deep_ep_class_it_looks_for_runs_a_backend_variant():
 @without_cuda
 @pytest.mark.slow
 def test_the_shell_check_runs_the_package_check_in_the_launchers_environment():
-    result = subprocess.run(["./scripts/check_cluster.sh"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "CUDA_HOME": "", "NCCL_DIR": "/nonexistent"})
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.splitlines()[0] == FIRST_LINE
+    result = run_job(["./scripts/check_cluster.sh"], cwd=REPO_ROOT, timeout_s=300,
+                     env={**os.environ, "CUDA_HOME": "", "NCCL_DIR": "/nonexistent"})
+    assert FIRST_LINE in result.output.splitlines()

@@ -12,7 +12,7 @@ is the control: its recomputation repeats the forward collectives.
 import pytest
 
 from tests.ep.cases import Case, checkpoint_worker
-from torchtitan_ext.ep.backends import CPU_VARIANTS, VARIANTS
+from torchtitan_ext.ep.backends import CPU_VARIANTS
 from tests.helpers import run_distributed
 
 pytestmark = pytest.mark.slow

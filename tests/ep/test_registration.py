@@ -2,13 +2,12 @@
 
 import importlib
 import re
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, run_job
 
 PROBE = """
 import torch
@@ -30,9 +29,8 @@ print(registered())
 
 @pytest.mark.slow
 def test_parsing_a_config_registers_its_section_but_no_op():
-    result = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.splitlines()[-2:] == ["8 []", "['hybridep_dispatch']"]
+    result = run_job([sys.executable, "-c", PROBE], cwd=REPO_ROOT, timeout_s=300)
+    assert result.output.splitlines()[-2:] == ["8 []", "['hybridep_dispatch']"]
 
 
 @pytest.mark.parametrize("version, refused", [("2.10.1+cu128", True), ("2.11.0+cu130", False), ("2.12.1", False),

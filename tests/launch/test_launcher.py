@@ -1,11 +1,10 @@
 """run_train.sh: overrides pass through, bad input fails once with one clear line."""
 
 import os
-import subprocess
 
 import pytest
 
-from tests.helpers import launcher_env, REPO_ROOT, run_launcher
+from tests.helpers import JobResult, launcher_env, REPO_ROOT, run_job, run_launcher
 from torchtitan_ext.launch.supervisor import Supervisor
 from torchtitan_ext.metrics_file import MetricsFile, read_metrics
 
@@ -13,11 +12,11 @@ from torchtitan_ext.metrics_file import MetricsFile, read_metrics
 DEFAULT_CONFIG = ["--job.config_file", "train_configs/debug_model.toml"]
 
 
-def _error_line(result: subprocess.CompletedProcess) -> str:
-    lines = [line for line in result.stdout.splitlines() if line.strip()]
-    assert result.returncode == 2, result.stdout[-3000:]
-    assert "Traceback" not in result.stdout, result.stdout[-3000:]
-    assert lines and lines[-1].startswith("error: "), result.stdout[-3000:]
+def _error_line(result: JobResult) -> str:
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.returncode == 2, result.output[-3000:]
+    assert "Traceback" not in result.output, result.output[-3000:]
+    assert lines and lines[-1].startswith("error: "), result.output[-3000:]
     return lines[-1]
 
 
@@ -43,9 +42,9 @@ def test_a_bad_config_stops_the_launcher_in_one_line():
 def test_fake_backend_is_a_dry_run(tmp_path):
     result = run_launcher("--job.dump_folder", str(tmp_path), timeout=300, COMM_MODE="fake_backend", NGPU="8",
                           LOG_RANK="0")
-    assert result.returncode == 0, result.stdout[-3000:]
-    assert "dry run: deepseek_v3 debugmodel on 8 ranks" in result.stdout
-    assert "mesh: batch=8 loss=8 fsdp=8 ep=2 efsdp=4" in result.stdout
+    assert result.returncode == 0, result.output[-3000:]
+    assert "dry run: deepseek_v3 debugmodel on 8 ranks" in result.output
+    assert "mesh: batch=8 loss=8 fsdp=8 ep=2 efsdp=4" in result.output
     assert read_metrics(tmp_path) == [], "a dry run trains no step"
 
 
@@ -75,9 +74,8 @@ def launched(tmp_path, *args: str, fake_gpus: str | None = None, **env: str) -> 
     launch_env["PATH"] = f"{stub}{os.pathsep}{launch_env['PATH']}"
     if fake_gpus is not None:
         launch_env.pop("NGPU")
-    result = subprocess.run(["./run_train.sh", *args], cwd=REPO_ROOT, env=launch_env, capture_output=True, text=True,
-                            timeout=60)
-    assert result.returncode == 0, result.stderr
+    result = run_job(["./run_train.sh", *args], cwd=REPO_ROOT, env=launch_env, timeout_s=60, check=False)
+    assert result.returncode == 0, result.output
     return [call.split("\037")[:-1] for call in calls.read_text().split("\036")[:-1]]
 
 
@@ -189,9 +187,9 @@ def test_supervisor_names_the_rank_that_caused_the_failure(report, named, tmp_pa
 @pytest.mark.slow
 def test_tp_parity_check_never_empties_a_folder_it_did_not_make(tmp_path):
     (tmp_path / "precious.txt").write_text("kept")
-    result = subprocess.run(["./scripts/check_tp_parity.sh", str(tmp_path)], cwd=REPO_ROOT, env=launcher_env(),
-                            capture_output=True, text=True, timeout=120)
+    result = run_job(["./scripts/check_tp_parity.sh", str(tmp_path)], cwd=REPO_ROOT, env=launcher_env(),
+                     timeout_s=120, check=False)
     assert result.returncode == 2
-    assert result.stderr.strip() == (f"error: work folder '{tmp_path}' is not empty and was not made by this script: "
+    assert result.output.strip() == (f"error: work folder '{tmp_path}' is not empty and was not made by this script: "
                                       "pass a new or empty folder")
     assert (tmp_path / "precious.txt").read_text() == "kept"

@@ -2,11 +2,10 @@
 
 import os
 import stat
-import subprocess
 
 import pytest
 
-from tests.helpers import launcher_env, REPO_ROOT
+from tests.helpers import launcher_env, REPO_ROOT, run_job
 
 pytestmark = pytest.mark.slow
 
@@ -47,10 +46,8 @@ def _run(fake_slurm, tmp_path, config, nodes, gpus, *overrides):
     )
     env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
     env.pop("NGPU")  # processes per node come from SLURM
-    result = subprocess.run(
-        ["bash", "multinode_trainer.slurm", *overrides], cwd=REPO_ROOT, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
-    )
+    result = run_job(["bash", "multinode_trainer.slurm", *overrides], cwd=REPO_ROOT, env=env, timeout_s=300,
+                     check=False)
     return result, (record.read_text().splitlines() if record.exists() else [])
 
 
@@ -61,7 +58,7 @@ def test_gb200_command_and_environment(fake_slurm, tmp_path):
         # deep_ep is not installed here; on the cluster the library kernels are used
         "--hybridep.implementation", "reference",
     )
-    assert result.returncode == 0, result.stdout[-3000:]
+    assert result.returncode == 0, result.output[-3000:]
     command = " ".join(argv)
     # one task per node, node i on line i of the host file (the racks in order), torchrun's node rank its task's
     assert argv[:8] == ["--kill-on-bad-exit=1", "--ntasks=64", "--ntasks-per-node=1", "--distribution=arbitrary",
@@ -85,7 +82,7 @@ def test_gb200_command_and_environment(fake_slurm, tmp_path):
 
 def test_no_library_environment_for_nccl(fake_slurm, tmp_path):
     result, argv = _run(fake_slurm, tmp_path, "train_configs/debug_model.toml", 2, 1)
-    assert result.returncode == 0, result.stdout[-3000:]
+    assert result.returncode == 0, result.output[-3000:]
     assert "ENV NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN=unset" in argv
     assert "ENV USE_MNNVL=unset" in argv
 
@@ -94,4 +91,4 @@ def test_world_size_mismatch_fails_before_srun(fake_slurm, tmp_path):
     result, argv = _run(fake_slurm, tmp_path, "train_configs/deepseek_v3_671b_gb200.toml", 8, 4)
     assert result.returncode == 2
     assert argv == []
-    assert "expert_parallel_degree = 64 (x expert TP 1) must divide dp_shard x cp x tp = 32" in result.stdout
+    assert "expert_parallel_degree = 64 (x expert TP 1) must divide dp_shard x cp x tp = 32" in result.output

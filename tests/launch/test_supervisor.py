@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import descendants, REPO_ROOT
+from tests.helpers import descendants, REPO_ROOT, run_job
 
 FAKE_TORCHRUN = """\
 import os, signal, subprocess, sys, time
@@ -137,10 +137,9 @@ def test_a_command_killed_by_a_signal_exits_128_plus_it(tmp_path):
 
 @pytest.mark.slow
 def test_no_command_is_one_line():
-    result = subprocess.run([sys.executable, "-m", "torchtitan_ext.supervise"], cwd=REPO_ROOT,
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1].endswith("error: no command to supervise: python -m "
+    result = run_job([sys.executable, "-m", "torchtitan_ext.supervise"], cwd=REPO_ROOT, timeout_s=60, check=False)
+    assert result.returncode == 2 and "Traceback" not in result.output
+    assert result.output.strip().splitlines()[-1].endswith("error: no command to supervise: python -m "
                                                           "torchtitan_ext.supervise [--checkpoint-folder DIR] [--dump-folder DIR] -- "
                                                           "torchrun ...")
 
@@ -151,8 +150,8 @@ def test_the_supervisor_and_a_ranks_preemption_flag_import_no_torch():
     preemption signals) therefore needs nothing beyond the standard library."""
     probe = ("import sys, torchtitan_ext.supervise, torchtitan_ext.preemption; "
              "print(sorted({name.split('.')[0] for name in sys.modules} & {'torch', 'torchtitan', 'numpy'}))")
-    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0 and result.stdout.strip() == "[]", (result.stdout, result.stderr)
+    result = run_job([sys.executable, "-c", probe], cwd=REPO_ROOT, timeout_s=60)
+    assert result.output.strip() == "[]", result.output
 
 
 @pytest.mark.parametrize("port", ["99999", "abc", "0"])

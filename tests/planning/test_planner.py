@@ -1,6 +1,5 @@
 """EP planner: its sizes equal what the runtime allocates; drop estimates follow the tail rule."""
 
-import subprocess
 import sys
 
 import numpy as np
@@ -11,7 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 from torchtitan.models.moe.moe import GroupedExperts
 
-from tests.helpers import REPO_ROOT, run_distributed
+from tests.helpers import REPO_ROOT, run_distributed, run_job
 from torchtitan_ext import plan as plan_module
 from torchtitan_ext.config import load_job_config
 from torchtitan_ext.planning.memory_plan import Dimensions, expected_drop_rates, plan
@@ -157,11 +156,10 @@ def test_cli(capsys):
             in capsys.readouterr().err)
     # the module's own entry point, as a user runs it
     command = [sys.executable, "-m", "torchtitan_ext.plan", *JOB]
-    result = subprocess.run(command + ["--world-size", "2"], capture_output=True, text=True, cwd=REPO_ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "EP plan: deepseek_v3 debugmodel on 2 ranks, for one rank" in result.stdout
-    assert "[hybridep non-blocking (capacity factor 0.5)]" in result.stdout
-    assert "can drop tokens: yes" in result.stdout
+    result = run_job(command + ["--world-size", "2"], timeout_s=300, cwd=REPO_ROOT)
+    assert "EP plan: deepseek_v3 debugmodel on 2 ranks, for one rank" in result.output
+    assert "[hybridep non-blocking (capacity factor 0.5)]" in result.output
+    assert "can drop tokens: yes" in result.output
 
 
 def test_deepep_v2_5_plan_names_the_load_balancing_region():

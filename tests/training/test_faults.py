@@ -287,9 +287,9 @@ def test_an_interrupted_checkpoint_is_never_loaded(tmp_path, uninterrupted_run):
     (torn / ".metadata").unlink()
 
     resumed = run_launcher(*_job(tmp_path, *CHECKPOINT_EVERY_2), timeout=600)
-    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert resumed.returncode == 0, resumed.output[-3000:]
     assert (f"Checkpoint {torn} is incomplete (no .metadata: its write was interrupted); set aside as "
-            f"{torn.parent / 'incomplete_step_4'}, never loaded or counted; training resumes from step 2") in resumed.stdout
+            f"{torn.parent / 'incomplete_step_4'}, never loaded or counted; training resumes from step 2") in resumed.output
     _assert_resumes(tmp_path, 3, losses)
 
 

@@ -21,9 +21,9 @@ def test_the_gb200_recipe_trains_at_debug_size_with_mxfp8_experts(tmp_path):
     result = run_launcher(*AT_DEBUG_SIZE, "--training.steps", str(STEPS), "--metrics.log_freq", "1",
                           "--job.dump_folder", str(tmp_path), timeout=600,
                           CONFIG_FILE="train_configs/deepseek_v3_671b_gb200.toml")
-    assert result.returncode == 0, result.stdout[-4000:]
+    assert result.returncode == 0, result.output[-4000:]
     assert ("quantize.grouped_mm.mx: 5 routed experts modules run their grouped GEMMs in MXFP8TrainingOpConfig "
-            "(emulated kernels (CPU))") in result.stdout
+            "(emulated kernels (CPU))") in result.output
     losses = logged_losses(tmp_path)
     assert list(losses) == list(range(1, STEPS + 1))
     assert losses[STEPS] < losses[1], losses

@@ -116,8 +116,8 @@ def test_training_log_reports_drops_once_and_records_routing(tmp_path):
         # both ranks' output, so that a failure on rank 1 shows its own last words
         LOG_RANK="0,1",
     )
-    assert result.returncode == 0, result.stdout[-6000:]
-    rank0 = [line for line in result.stdout.splitlines() if line.startswith("[rank0]:")]
+    assert result.returncode == 0, result.output[-6000:]
+    rank0 = [line for line in result.output.splitlines() if line.startswith("[rank0]:")]
     step_lines = [line for line in rank0 if "step:" in line and "loss:" in line]
     assert len(step_lines) == 2
     assert all("recv max/mean: " in line and len(line) < 120 for line in step_lines), step_lines

@@ -30,13 +30,13 @@ def test_quick_start_trains_beside_another_job(tmp_path):
     for thread in threads:
         thread.join()
     # the output's end in full (the assertion's own repr would cut it to a few lines)
-    failed = {name: result.stdout[-4000:] for name, result in results.items() if result.returncode != 0}
+    failed = {name: result.output[-4000:] for name, result in results.items() if result.returncode != 0}
     assert not failed, "\n".join(f"{name} failed; its output ends:\n{output}" for name, output in failed.items())
     assert list(logged_losses(tmp_path / "beside")) == [1]
     losses = logged_losses(tmp_path / "quick_start")
     assert list(losses) == list(range(1, STEPS + 1)), "the steps override must pass through"
     assert losses[STEPS] < losses[1] - 0.5, losses
-    output = results["quick_start"].stdout
+    output = results["quick_start"].output
     step_lines = [line for line in output.splitlines() if "step:" in line and "loss:" in line]
     assert len(step_lines) == STEPS and all("step_time:" in line and len(line) < 120 for line in step_lines), step_lines
     assert "training on CPU with the gloo backend" in output

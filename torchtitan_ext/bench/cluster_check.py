@@ -28,12 +28,12 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import torchtitan_ext
+from torchtitan_ext.launch.jobs import JobResult, run_job
 from torchtitan_ext.ep.backends import backend_variants, LIBRARY_VARIANTS as VARIANTS_OF_CLASS
 from torchtitan_ext.metrics_file import read_metrics
 
@@ -42,11 +42,8 @@ LIBRARY_VARIANTS = {library_class: variants[0] for library_class, variants in VA
 """deep_ep class -> the backend variant that runs on it in its default settings."""
 
 
-def run(command: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        command, cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, timeout=timeout,
-    )
+def run(command: list[str], timeout: float, **env: str) -> JobResult:
+    return run_job(command, cwd=ROOT, env={**os.environ, **env}, timeout_s=timeout, check=False)
 
 
 def versions() -> tuple[list[str], list[str]]:
@@ -72,8 +69,8 @@ def versions() -> tuple[list[str], list[str]]:
 def tests() -> list[str]:
     result = run([sys.executable, "-m", "pytest", "-m", "deep_ep or gpu", "-rA", "-q", "tests/ep/test_deep_ep.py"],
                  3600)
-    summary = [line for line in result.stdout.splitlines() if line.startswith(("PASSED", "FAILED", "SKIPPED", "ERROR"))]
-    return [f"exit status {result.returncode}", "", "```", *summary, result.stdout.strip().splitlines()[-1], "```"]
+    summary = [line for line in result.output.splitlines() if line.startswith(("PASSED", "FAILED", "SKIPPED", "ERROR"))]
+    return [f"exit status {result.returncode}", "", "```", *summary, result.output.strip().splitlines()[-1], "```"]
 
 
 def bench(classes: list[str], gpus: int) -> list[str]:
@@ -86,7 +83,7 @@ def bench(classes: list[str], gpus: int) -> list[str]:
             "--no-progress", "--markdown", str(table),
         ], 3600)
         if result.returncode != 0:
-            return [f"bench ep failed (exit {result.returncode}):", "", "```", result.stdout[-3000:], "```"]
+            return [f"bench ep failed (exit {result.returncode}):", "", "```", result.output[-3000:], "```"]
         return table.read_text().splitlines()
 
 
@@ -106,7 +103,7 @@ def training(classes: list[str], gpus: int, steps: int) -> list[str]:
         losses = " ".join(f"{row['loss_metrics/global_avg_loss']:.3f}" for row in logged)
         times = [row["time_metrics/end_to_end(s)"] for row in logged if row["step"] > 3]
         median = f"{statistics.median(times):.3f}" if times else "n/a"
-        outcome = losses or result.stdout.strip().splitlines()[-1][-200:]
+        outcome = losses or result.output.strip().splitlines()[-1][-200:]
         lines.append(f"| {variant} | {result.returncode} | {outcome} | {median} |")
     return lines
 

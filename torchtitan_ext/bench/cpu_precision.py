@@ -21,7 +21,6 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 import torchtitan_ext
+from torchtitan_ext.launch.jobs import run_job
 from torchtitan_ext.bench.ep import add_timed_run_arguments, machine, parse_timed_run_arguments
 from torchtitan_ext.metrics_file import read_metrics
 
@@ -42,19 +42,19 @@ VARIANTS = {
 }
 
 
-def run_job(variant: str, steps: int, dump_folder: str, overrides: list[str]) -> tuple[dict[int, float], str]:
+def timed_run(variant: str, steps: int, dump_folder: str, overrides: list[str]) -> tuple[dict[int, float], str]:
     """({step: step time s}, the runtime's precision line) of one ./run_train.sh run, in ``dump_folder``."""
     env = dict(os.environ, TORCHTITAN_EXT_CPU_BF16="emulated", NGPU="2", PYTHONUNBUFFERED="1")
     env.pop("CONFIG_FILE", None)
-    result = subprocess.run(
+    result = run_job(
         ["./run_train.sh", "--training.steps", str(steps), "--metrics.log_freq", "1",
          "--metrics.disable_color_printing", "--job.dump_folder", dump_folder, *VARIANTS[variant], *overrides],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=3600,
+        cwd=ROOT, env=env, timeout_s=3600, check=False,
     )
     if result.returncode != 0:
-        raise SystemExit(f"{variant} run failed:\n{result.stdout[-3000:]}")
+        raise SystemExit(f"{variant} run failed:\n{result.output[-3000:]}")
     times = {row["step"]: row["time_metrics/end_to_end(s)"] for row in read_metrics(dump_folder)}
-    precision = PRECISION_LINE.search(result.stdout)
+    precision = PRECISION_LINE.search(result.output)
     return times, precision.group(0) if precision else "no precision line"
 
 
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         for round_index in range(args.rounds):
             for variant in variants:
                 dump_folder = f"{tmp}/{variant}{round_index}"
-                steps, precision[variant] = run_job(variant, args.steps, dump_folder, args.overrides)
+                steps, precision[variant] = timed_run(variant, args.steps, dump_folder, args.overrides)
                 if sorted(steps) != list(range(1, args.steps + 1)):
                     raise SystemExit(f"{variant}: expected metrics of steps 1..{args.steps}, got {sorted(steps)}")
                 times[variant] += [seconds for step, seconds in steps.items() if step > args.warmup]

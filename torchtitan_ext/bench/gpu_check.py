@@ -26,12 +26,9 @@ Writes ``gpu_check.json`` into ``--out``, and a table of the stages with the dev
 
 import argparse
 import json
-import os
 import re
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -40,6 +37,7 @@ from pathlib import Path
 
 import torchtitan_ext
 from torchtitan_ext.ep.backends import CPU_VARIANTS
+from torchtitan_ext.launch.jobs import JobFailed, run_job
 
 ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
 VARIANTS = CPU_VARIANTS
@@ -95,19 +93,14 @@ def stages(out: Path) -> list[Stage]:
 
 def _run(stage: Stage) -> dict:
     """A stage's status, seconds, the end of its output and, for a function stage, its result."""
-    started = time.monotonic()
-    # its own session: a stage stopped at its limit is stopped with every process it started (torchrun's workers
-    # would hold the GPU through the next stages)
-    with subprocess.Popen(stage.command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as process:
-        try:
-            stdout, stderr = process.communicate(timeout=stage.timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            stdout, stderr = process.communicate()
-            return {"status": "timeout", "seconds": stage.timeout_s, "output": (stdout + stderr)[-6000:]}
-    report = {"status": process.returncode, "seconds": round(time.monotonic() - started, 1),
-              "output": (stdout + stderr)[-6000:]}
+    # the one job launcher: a stage stopped at its limit is stopped with every process it started (torchrun's
+    # workers would hold the GPU through the next stages)
+    try:
+        result = run_job(stage.command, cwd=ROOT, timeout_s=stage.timeout_s, check=False, grace_s=5.0)
+    except JobFailed as e:
+        return {"status": "timeout", "seconds": stage.timeout_s, "output": e.result.output[-6000:]}
+    report = {"status": result.returncode, "seconds": round(result.seconds, 1), "output": result.output[-6000:]}
+    stdout = result.output
     results = [line.removeprefix(RESULT) for line in stdout.splitlines() if line.startswith(RESULT)]
     if results:
         report["result"] = json.loads(results[-1])

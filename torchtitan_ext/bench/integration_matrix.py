@@ -16,7 +16,6 @@ Results go to ``--markdown`` with the command, one row per run.
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 import torchtitan_ext
+from torchtitan_ext.launch.jobs import JobFailed, run_job
 from torchtitan_ext.ep.backends import backend_variants, MATRIX_VARIANTS
 from torchtitan_ext.metrics_file import logged_losses
 
@@ -101,11 +101,10 @@ def run(name: str, variant: str, steps: int, timeout: float, dump_folder: str) -
     ]
     started = time.monotonic()
     try:
-        result = subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, timeout=timeout, start_new_session=True)
-        output, returncode = result.stdout, result.returncode
-    except subprocess.TimeoutExpired as e:
-        output, returncode = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), None
+        result = run_job(command, cwd=ROOT, env=env, timeout_s=timeout, check=False)
+        output, returncode = result.output, result.returncode
+    except JobFailed as e:  # past its timeout: stopped with every process it started
+        output, returncode = e.result.output, None
     elapsed = time.monotonic() - started
     result, detail = outcome(returncode, output, logged_losses(dump_folder), steps)
     return {"name": name, "backend": variant, "nproc": nproc, "outcome": result, "detail": detail,

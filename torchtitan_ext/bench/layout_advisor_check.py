@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -33,6 +32,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 import torchtitan_ext
+from torchtitan_ext.launch.jobs import run_job
 from torchtitan_ext.ep.backends import DEFAULT_VARIANTS
 from torchtitan_ext.metrics_file import read_metrics
 
@@ -43,14 +43,13 @@ BENCH_VARIANTS = DEFAULT_VARIANTS
 
 
 def measured_step_time(ep: int, steps: int, warmup: int, folder: Path) -> float:
-    result = subprocess.run(
+    result = run_job(
         ["./run_train.sh", *JOB, "--training.steps", str(steps), "--parallelism.expert_parallel_degree", str(ep),
          "--job.dump_folder", str(folder)],
-        cwd=ROOT, env={**os.environ, "NGPU": "4"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        timeout=1200,
+        cwd=ROOT, env={**os.environ, "NGPU": "4"}, timeout_s=1200, check=False,
     )
     if result.returncode != 0:
-        sys.exit(f"error: the EP={ep} run failed:\n{result.stdout[-3000:]}")
+        sys.exit(f"error: the EP={ep} run failed:\n{result.output[-3000:]}")
     return statistics.median(row["time_metrics/end_to_end(s)"] for row in read_metrics(folder) if row["step"] > warmup)
 
 
@@ -142,10 +141,10 @@ def check_bench_ep(args, topology) -> None:
 def bench_ep(processes: int, ep_degree: int, tokens: int) -> dict:
     """bench ep's rows by backend variant: ``processes`` processes in EP groups of ``ep_degree``."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        subprocess.run(
+        run_job(
             [sys.executable, "-m", "torchtitan_ext.bench", "ep", "--nproc", str(processes), "--ep-degree",
              str(ep_degree), "--tokens", str(tokens), "--backends", *BENCH_VARIANTS, "--json", out.name,
              "--no-progress"],
-            cwd=ROOT, check=True, stdout=subprocess.DEVNULL,
+            cwd=ROOT, timeout_s=1800,
         )
         return {row["backend"]: row for row in json.loads(Path(out.name).read_text())["rows"]}

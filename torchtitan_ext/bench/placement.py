@@ -11,7 +11,6 @@ ranks on it and prints the tool's report and its wall time.
 """
 
 import argparse
-import subprocess
 import sys
 import tempfile
 import time
@@ -21,6 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 import torchtitan_ext
+from torchtitan_ext.launch.jobs import run_job
 
 ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
 EXPERTS, TOP_K, GROUP = 256, 8, 8
@@ -80,10 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         ]
         print("$ python", " ".join(command[1:]).replace(tmp, "<synthetic dump>"))
         began = time.perf_counter()
-        result = subprocess.run(command, cwd=ROOT, text=True, stdout=subprocess.PIPE)
+        result = run_job(command, cwd=ROOT, timeout_s=1800)
         wall = time.perf_counter() - began
     # the placement file went with the temporary folder: its "Wrote ..." line is left out
-    report = [line for line in result.stdout.splitlines() if not line.startswith("Wrote ")]
+    report = [line for line in result.output.splitlines() if not line.startswith("Wrote ")]
     print("\n".join(report[:2] + report[-1:]))
     print(f"tool wall time (process, including imports and the job config): {wall:.1f} s")
     return result.returncode

@@ -23,7 +23,6 @@ import os
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -31,6 +30,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 import torchtitan_ext
+from torchtitan_ext.launch.jobs import run_job
 from torchtitan_ext.metrics_file import read_metrics
 
 ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
@@ -39,13 +39,11 @@ JOB = ["--parallelism.expert_parallel_degree", "4", "--metrics.disable_color_pri
 
 
 def launch(*args: str, log_ranks: str = "0") -> str:
-    result = subprocess.run(
-        ["./run_train.sh", *JOB, *args], cwd=ROOT, env={**os.environ, "NGPU": "4", "LOG_RANK": log_ranks},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1800,
-    )
+    result = run_job(["./run_train.sh", *JOB, *args], cwd=ROOT, env={**os.environ, "NGPU": "4", "LOG_RANK": log_ranks},
+                     timeout_s=1800, check=False)
     if result.returncode != 0:
-        sys.exit(f"error: run failed ({' '.join(args)}):\n{result.stdout[-3000:]}")
-    return result.stdout
+        sys.exit(f"error: run failed ({' '.join(args)}):\n{result.output[-3000:]}")
+    return result.output
 
 
 def median_after_warmup(dump_folder: Path, metric: str, warmup: int) -> float:
@@ -72,12 +70,12 @@ def main(argv: list[str] | None = None) -> int:
                str(args.save_every), "--checkpoint.enable", "--checkpoint.interval", str(record),
                "--checkpoint.no_last_save_model_only", "--job.dump_folder", str(tmp / "record"))
         placement = tmp / "placement.json"
-        report = subprocess.run(
+        report = run_job(
             [sys.executable, "-m", "torchtitan_ext.placement", "--routing-stats", str(tmp / "record/routing_stats"),
              "--job.config_file", "train_configs/debug_model.toml", *JOB[:2], "--world-size", "4",
              "--first-step", str(args.first_step), "-o", str(placement)],
-            cwd=ROOT, stdout=subprocess.PIPE, text=True, check=True,
-        ).stdout
+            cwd=ROOT, timeout_s=600,
+        ).output
         print(report)
         times = {"identity": [], "placed": []}
         received = {"identity": [], "placed": []}

@@ -16,12 +16,12 @@ the advisor predicts for this skew, not what a run measured.
 """
 
 import argparse
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from torchtitan_ext.launch.jobs import run_job
 from torchtitan_ext.bench.placement import ROOT, write_dump
 
 
@@ -46,9 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         shown = " ".join(command[1:])
         print("$ python", shown.replace(tmp, "<synthetic dump>"), flush=True)
         began = time.perf_counter()
-        result = subprocess.run(command, cwd=ROOT, text=True, stdout=subprocess.PIPE)
+        result = run_job(command, cwd=ROOT, timeout_s=1800)
         wall = time.perf_counter() - began
-    advice = result.stdout.splitlines()
+    advice = result.output.splitlines()
     start = next((i for i, line in enumerate(advice) if line.startswith("Layout advice")), 0)
     print("\n".join(advice[start:]).replace(tmp, "<synthetic dump>"))
     print(f"advisor wall time (process, including imports and the job config): {wall:.1f} s")

@@ -22,7 +22,6 @@ far the losses of the first round's runs are from the run without replicas at th
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -30,9 +29,12 @@ from pathlib import Path
 from tqdm import tqdm
 
 import torchtitan_ext
+from torchtitan_ext.launch.jobs import run_job
 from torchtitan_ext.metrics_file import read_metrics
 
 ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
+RUN_TIMEOUT_S = 3600
+"""Seconds one training run of an arm may take before it is stopped."""
 MEASURED = {
     "recv": "ep/recv_rows_max_over_mean_worst",
     "all_layers": "ep/recv_rows_max_over_mean_all_layers",
@@ -61,13 +63,10 @@ def measured(dump_folder: Path | str) -> dict[str, dict[int, float]]:
 def run(args: list[str], steps: int) -> dict[str, dict[int, float]]:
     """:func:`measured` of one ./run_train.sh run."""
     with tempfile.TemporaryDirectory() as dump_folder:
-        result = subprocess.run(
-            ["./run_train.sh", "--training.steps", str(steps), *args, "--job.dump_folder", dump_folder],
-            cwd=ROOT, env={**os.environ, "NGPU": "2"}, capture_output=True, text=True,
-        )
+        result = run_job(["./run_train.sh", "--training.steps", str(steps), *args, "--job.dump_folder", dump_folder],
+                         cwd=ROOT, env={**os.environ, "NGPU": "2"}, timeout_s=RUN_TIMEOUT_S, check=False)
         if result.returncode != 0:
-            sys.exit(f"error: run_train.sh {' '.join(args)} exited {result.returncode}:\n"
-                     f"{result.stdout[-3000:]}{result.stderr[-3000:]}")
+            sys.exit(f"error: run_train.sh {' '.join(args)} exited {result.returncode}:\n{result.output[-6000:]}")
         return measured(dump_folder)
 
 

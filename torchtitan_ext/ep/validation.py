@@ -5,7 +5,6 @@ support the job's expert parallel degrees; then the backend checks its
 section and combinations itself (``RoutedExpertParallel.validate_config``).
 """
 
-from dataclasses import fields
 
 from torchtitan_ext.config import comm_backend, ConfigError, ValidationContext
 from torchtitan_ext.ep.backends import BACKENDS

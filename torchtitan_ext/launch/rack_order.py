@@ -10,9 +10,10 @@ is kept, and says so on stderr.
 """
 
 import os
-import subprocess
 import sys
 from collections.abc import Callable
+
+from torchtitan_ext.launch.jobs import JobFailed, run_job
 
 SCONTROL_TIMEOUT_S = 60
 
@@ -38,8 +39,7 @@ def rack_order(job_hosts: list[str], blocks: list[list[str]]) -> list[str]:
 
 
 def _scontrol(*args: str) -> str:
-    return subprocess.run(["scontrol", *args], capture_output=True, text=True, check=True,
-                          timeout=SCONTROL_TIMEOUT_S).stdout
+    return run_job(["scontrol", *args], timeout_s=SCONTROL_TIMEOUT_S).output
 
 
 def _hostnames(expression: str) -> list[str]:
@@ -54,7 +54,7 @@ def main() -> None:
     job_hosts = _hostnames(nodelist)
     try:
         topology = _scontrol("show", "topology")
-    except subprocess.CalledProcessError:
+    except JobFailed:  # no topology plugin that shows one
         topology = ""
     blocks = blocks_of(topology, _hostnames)
     if not blocks:
