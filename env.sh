@@ -1,4 +1,4 @@
-# Sourced by run_train.sh, test.sh, multinode_trainer.slurm and scripts/check_cluster.sh: makes `python` one that can
+# Sourced by run_train.sh, test.sh and multinode_trainer.slurm: makes `python` one that can
 # import torchtitan_ext.
 #
 # - If the active environment already has torchtitan_ext (a cluster install,

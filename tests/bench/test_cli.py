@@ -1,10 +1,7 @@
-"""``python -m torchtitan_ext.bench NAME``: one entry for every benchmark and check; scripts/ only wraps it."""
-
-import ast
+"""``python -m torchtitan_ext.bench NAME``: the one name of every benchmark and check."""
 
 import pytest
 
-from tests.helpers import REPO_ROOT
 from torchtitan_ext.bench.__main__ import main, names, summary
 
 
@@ -24,14 +21,3 @@ def test_help_lists_every_module_with_the_first_line_of_its_docstring(capsys):
     assert {"ep", "step", "overlap", "cluster_check", "integration_matrix"} <= set(names())
     for line, name in zip(listed, names()):
         assert summary(name) and line.split(maxsplit=1)[1] == summary(name)
-
-
-def test_every_python_script_is_a_wrapper_of_a_bench_module():
-    """What stays in scripts/: shell checks, and Python files that only run a bench module's main."""
-    for script in sorted((REPO_ROOT / "scripts").glob("*.py")):
-        tree = ast.parse(script.read_text())
-        imports = [node for node in tree.body if isinstance(node, ast.ImportFrom)]
-        assert len(tree.body) == 3 and len(imports) == 1, f"{script.name}: more than a wrapper"
-        module = imports[0].module
-        assert module.startswith("torchtitan_ext.bench.") and module.removeprefix("torchtitan_ext.bench.") in names()
-        assert "main" in [alias.name for alias in imports[0].names], script.name

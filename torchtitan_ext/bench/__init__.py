@@ -2,5 +2,5 @@
 
 ``python -m torchtitan_ext.bench --help`` lists them, ``python -m torchtitan_ext.bench NAME --help`` says what NAME
 measures or checks and how. Each module's ``main(argv)`` returns the exit status. Results and the commands that
-made them are in docs/benchmarks.md; ``scripts/`` holds the cluster's shell checks and thin wrappers of these.
+made them are in docs/benchmarks.md.
 """

@@ -1,6 +1,6 @@
 """The first check on a CUDA machine: the real deep_ep kernels against this harness, in one report.
 
-    ./scripts/check_cluster.sh [--report outputs/cluster_check.md] [--steps 10] [--skip-training]
+    python -m torchtitan_ext.bench cluster_check [--report outputs/cluster_check.md] [--steps 10] [--skip-training]
     (that is: python -m torchtitan_ext.bench cluster_check [args], in the environment of ./run_train.sh)
 
 On any machine it first prints what deep_ep needs there (the CUDA toolkit

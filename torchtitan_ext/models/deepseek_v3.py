@@ -47,7 +47,7 @@ def _apply_dense_tp(model, tp_mesh, *, loss_parallel: bool, cp_enabled: bool) ->
 
 CUT_LAYERS = 4
 """Layers of the "16B_4layers" flavour: the 16B model's shapes (its dense first layer and 3 MoE
-layers), small enough for a few-GPU smoke test of a cluster (scripts/check_cluster.sh)."""
+layers), small enough for a few-GPU smoke test of a cluster (python -m torchtitan_ext.bench cluster_check)."""
 
 
 SMALL_DEBUG_ATTENTION = dict(n_heads=4, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32)

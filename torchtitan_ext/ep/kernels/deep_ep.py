@@ -10,7 +10,7 @@ dispatch kept, from which the metrics count the dropped ones.
 This module is imported only when ``implementation`` resolves to ``deep_ep``.
 The test suite runs it against a double of the library that follows its
 pinned sources (tests/ep/deep_ep_double); only a CUDA machine with the library
-built (the tests marked ``deep_ep``, scripts/check_cluster.sh) runs the real kernels.
+built (the tests marked ``deep_ep``, python -m torchtitan_ext.bench cluster_check) runs the real kernels.
 """
 
 import os
