@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from torchtitan_ext.launch.jobs import descendants, JobResult, run_job, RunningJob  # noqa: F401
+from torchtitan_ext.runtime.jobs import descendants, JobFailed, JobResult, run_job, RunningJob  # noqa: F401
 from torchtitan_ext.metrics_file import read_metrics
 from torchtitan_ext.runtime.workers import DEADLINE_S, run_workers, WorkersFailed  # noqa: F401
 
@@ -37,7 +37,7 @@ def run_launcher(*args: str, timeout: float = 600, **env: str) -> JobResult:
 
 class LauncherProcess(RunningJob):
     """./run_train.sh (or another ``program``) running in the background (the one job launcher's
-    :class:`~torchtitan_ext.launch.jobs.RunningJob`), with what the tests wait for: a line, a logged step."""
+    :class:`~torchtitan_ext.runtime.jobs.RunningJob`), with what the tests wait for: a line, a logged step."""
 
     def __init__(self, *args: str, program: tuple[str, ...] = ("./run_train.sh",), **env: str):
         super().__init__([*program, *args], cwd=REPO_ROOT, env=launcher_env(**env))
@@ -66,6 +66,13 @@ class LauncherProcess(RunningJob):
             if self.process.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"step {step} not logged within {timeout} s:\n{self.output[-3000:]}")
             time.sleep(0.2)
+
+    def finish(self, timeout: float) -> int:
+        """Its exit status; AssertionError (after stopping it) past ``timeout`` s."""
+        try:
+            return super().finish(timeout_s=timeout)
+        except JobFailed as e:
+            raise AssertionError(str(e)) from None
 
     def kill(self) -> None:
         """SIGKILL the launcher and every process under it, at once."""

@@ -13,7 +13,7 @@ import torchtitan.tools.utils as tt_utils
 from torch.distributed.fsdp import fully_shard
 
 from torchtitan_ext import runtime
-from torchtitan_ext.launch.jobs import run_job
+from torchtitan_ext.runtime.jobs import run_job
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU accommodations apply only without CUDA")
 
@@ -104,7 +104,7 @@ _HEAP_PROBE = """
 import os
 import torch
 from torchtitan_ext import runtime
-from torchtitan_ext.launch.jobs import run_job
+from torchtitan_ext.runtime.jobs import run_job
 
 torch.set_num_threads(1)
 runtime.configure()

@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 
 import torchtitan_ext
-from torchtitan_ext.launch.jobs import JobResult, run_job
+from torchtitan_ext.runtime.jobs import JobResult, run_job
 from torchtitan_ext.ep.backends import backend_variants, LIBRARY_VARIANTS as VARIANTS_OF_CLASS
 from torchtitan_ext.metrics_file import read_metrics
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 import torchtitan_ext
-from torchtitan_ext.launch.jobs import run_job
+from torchtitan_ext.runtime.jobs import run_job
 from torchtitan_ext.bench.ep import add_timed_run_arguments, machine, parse_timed_run_arguments
 from torchtitan_ext.metrics_file import read_metrics
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torchtitan_ext
 from torchtitan_ext.ep.backends import CPU_VARIANTS
-from torchtitan_ext.launch.jobs import JobFailed, run_job
+from torchtitan_ext.runtime.jobs import JobFailed, run_job
 
 ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
 VARIANTS = CPU_VARIANTS

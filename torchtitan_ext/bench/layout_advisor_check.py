@@ -32,7 +32,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 import torchtitan_ext
-from torchtitan_ext.launch.jobs import run_job
+from torchtitan_ext.runtime.jobs import run_job
 from torchtitan_ext.ep.backends import DEFAULT_VARIANTS
 from torchtitan_ext.metrics_file import read_metrics
 

@@ -20,7 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 import torchtitan_ext
-from torchtitan_ext.launch.jobs import run_job
+from torchtitan_ext.runtime.jobs import run_job
 
 ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
 EXPERTS, TOP_K, GROUP = 256, 8, 8

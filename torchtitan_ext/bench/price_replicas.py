@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from torchtitan_ext.launch.jobs import run_job
+from torchtitan_ext.runtime.jobs import run_job
 from torchtitan_ext.bench.placement import ROOT, write_dump
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torchtitan_ext
 from torchtitan_ext.ep.backends import backend_variants, CPU_VARIANTS
-from torchtitan_ext.launch.jobs import run_job
+from torchtitan_ext.runtime.jobs import run_job
 from torchtitan_ext.metrics_file import logged_losses
 
 ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]

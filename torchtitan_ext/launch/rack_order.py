@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from torchtitan_ext.launch.jobs import JobFailed, run_job
+from torchtitan_ext.runtime.jobs import JobFailed, run_job
 
 SCONTROL_TIMEOUT_S = 60
 

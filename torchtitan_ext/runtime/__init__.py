@@ -3,7 +3,8 @@ torchtitan 0.2.2, host memory, and failed collectives named by where they happen
 
 Owns: :mod:`.device` (device choice, :func:`configure`, the CPU + gloo
 accommodations), :mod:`.memory` (host-memory monitor, heap policy),
-:mod:`.collectives` (:class:`CollectiveFailed`).
+:mod:`.collectives` (:class:`CollectiveFailed`), and the one launcher of every command the tests, benches and
+checks start (:mod:`.jobs`).
 
 May import: :mod:`torchtitan_ext.config` (see the tiers in :mod:`torchtitan_ext`).
 """

@@ -1,11 +1,11 @@
-"""The one job launcher (torchtitan_ext.launch.jobs): a job that ignores SIGTERM and forks leaves nothing behind."""
+"""The one job launcher (torchtitan_ext.runtime.jobs): a job that ignores SIGTERM and forks leaves nothing behind."""
 
 import sys
 import time
 
 import pytest
 
-from torchtitan_ext.launch.jobs import JobFailed, run_job, RunningJob
+from torchtitan_ext.runtime.jobs import JobFailed, run_job, RunningJob
 
 pytestmark = pytest.mark.slow
 
