@@ -35,10 +35,6 @@ def test_an_sm100_gpu_with_a_torchao_built_without_its_kernels_is_refused(monkey
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["--model.converters", "quantize.grouped_mm.float8", "--quantize.grouped_mm.float8.fqns", "experts"],
-     r"^model.converters = \['quantize.grouped_mm.float8'\]: quantize.grouped_mm.float8 runs only on CUDA GPUs .*: "
-     r"torchao 0.18 has no emulated kernels for it; on a CPU use quantize.grouped_mm.mx, which runs emulated; remove "
-     r"quantize.grouped_mm.float8 to train in training.mixed_precision_param = '\w+'$"),
     (["--model.converters", "quantize.grouped_mm.mx"],
      r"^quantize.grouped_mm.mx is in model.converters but quantize.grouped_mm.mx.fqns is empty: set "
      r"--quantize.grouped_mm.mx.fqns experts \(the routed experts' modules\)$"),

@@ -1,8 +1,9 @@
-"""The low-precision routed experts (torchtitan_ext.models.converters) against an independent MXFP8 reference
-(tests/models/mx_reference.py): alone, with groups torchao pads, under EP with every backend, and with a replica.
+"""The low-precision routed experts (torchtitan_ext.models.converters) against independent references written from
+each recipe's definition (tests/models/mx_reference.py, tests/models/float8_reference.py): alone, with groups left
+unpadded, under EP with every backend, and (MXFP8) with a replica.
 
-The plain (unquantized) grouped GEMM misses the reference by about 6% on these shapes: the tolerance below, a
-hundredth of that, can only be met by quantizing as MXFP8 does."""
+The plain (unquantized) grouped GEMM misses the references by about 6% on these shapes: the tolerance below, a
+hundredth of that, can only be met by quantizing as the recipe does."""
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from torchtitan.models.moe.moe import _run_experts_grouped_mm
 from tests.ep.cases import Case, global_inputs, make_style
 from torchtitan_ext.ep.backends import DROPLESS_WHEN_PADDED
 from tests.helpers import run_distributed
-from tests.models import mx_reference
+from tests.models import float8_reference, mx_reference
 from torchtitan_ext.ep.base import Routing
 from torchtitan_ext.ep.experts import UnboundLoopExperts
 from torchtitan_ext.models.converters import LowPrecisionGroupedMM, _torchao_config
@@ -34,8 +35,16 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def _mx(pad_groups: bool = False) -> LowPrecisionGroupedMM:
-    return LowPrecisionGroupedMM(_torchao_config("quantize.grouped_mm.mx", "cpu", pad_groups), pad_with_torchtitan=False)
+REFERENCES = {"quantize.grouped_mm.mx": mx_reference, "quantize.grouped_mm.float8": float8_reference}
+"""Each grouped converter's independent reference."""
+
+
+def _recipe(converter: str, pad_groups: bool = False) -> LowPrecisionGroupedMM:
+    """The converter's recipe on a CPU, groups padded by torchao when ``pad_groups`` (MXFP8; the float8 emulation
+    takes groups of any size)."""
+    float8 = converter.endswith(".float8")
+    return LowPrecisionGroupedMM(_torchao_config(converter, "cpu", pad_groups and not float8),
+                                 pad_with_torchtitan=False, emulate_float8=float8)
 
 
 def _outputs_and_grads(run, weights, x, counts, grad):
@@ -50,26 +59,29 @@ def _weights(generator, experts=3, dim=64, hidden=96):
             for shape in ((experts, hidden, dim), (experts, dim, hidden), (experts, hidden, dim))]
 
 
-def test_mxfp8_experts_match_the_independent_reference_and_not_the_plain_gemms():
+@pytest.mark.parametrize("converter", sorted(REFERENCES))
+def test_the_experts_match_the_independent_reference_and_not_the_plain_gemms(converter):
     """Groups padded by the backend (a multiple of 32 each, one empty): output and the gradients of the tokens and
     of every weight."""
     generator = torch.Generator().manual_seed(0)
     weights, counts = _weights(generator), torch.tensor([64, 0, 32])
     x, grad = torch.randn(96, 64, generator=generator), torch.randn(96, 64, generator=generator)
-    got = _outputs_and_grads(_mx().run_experts, weights, x, counts, grad)
-    expected = _outputs_and_grads(mx_reference.experts, weights, x, counts, grad)
+    got = _outputs_and_grads(_recipe(converter).run_experts, weights, x, counts, grad)
+    expected = _outputs_and_grads(REFERENCES[converter].experts, weights, x, counts, grad)
     plain = _outputs_and_grads(_run_experts_grouped_mm, weights, x, counts, grad)
     for name, value, truth, unquantized in zip(("out", "w1", "w2", "w3", "x"), got, expected, plain):
         assert _relative(value, truth) < MATCH, name
         assert _relative(unquantized, truth) > UNQUANTIZED, name
 
 
-def test_unpadded_groups_are_padded_by_torchao_as_the_kernel_needs():
-    """Without EP nothing pads the groups: torchao pads each to 32 rows, as the reference does with zero rows."""
+@pytest.mark.parametrize("converter", sorted(REFERENCES))
+def test_unpadded_groups_are_computed_as_padded_ones(converter):
+    """Without EP nothing pads the groups: torchao pads each to 32 rows for MXFP8 (the float8 emulation scales each
+    group as it is), as the reference does with zero rows."""
     generator = torch.Generator().manual_seed(1)
     weights, counts = _weights(generator), torch.tensor([40, 0, 25])
     x, grad = torch.randn(65, 64, generator=generator), torch.randn(65, 64, generator=generator)
-    got = _outputs_and_grads(_mx(pad_groups=True).run_experts, weights, x, counts, grad)
+    got = _outputs_and_grads(_recipe(converter, pad_groups=True).run_experts, weights, x, counts, grad)
 
     padded_counts = (counts + 31) // 32 * 32
     rows = torch.cat([torch.arange(start, start + count) for start, count in
@@ -77,16 +89,16 @@ def test_unpadded_groups_are_padded_by_torchao_as_the_kernel_needs():
 
     def padded_reference(w1, w2, w3, x, counts):
         grouped = x.new_zeros(int(padded_counts.sum()), x.shape[1]).index_copy(0, rows, x)
-        return mx_reference.experts(w1, w2, w3, grouped, padded_counts)[rows]
+        return REFERENCES[converter].experts(w1, w2, w3, grouped, padded_counts)[rows]
 
     expected = _outputs_and_grads(padded_reference, weights, x, counts, grad)
     for name, value, truth in zip(("out", "w1", "w2", "w3", "x"), got, expected):
         assert _relative(value, truth) < MATCH, name
 
 
-def _dense_mx_moe(inputs) -> dict[str, torch.Tensor]:
-    """The MoE on the whole batch with MXFP8 experts: each expert's pairs in ascending token order (as every backend
-    lays out an expert's rows), its group padded to 32 rows; scores multiply the expert outputs."""
+def _dense_moe(inputs, reference) -> dict[str, torch.Tensor]:
+    """The MoE on the whole batch with ``reference``'s experts: each expert's pairs in ascending token order (as every
+    backend lays out an expert's rows), its group padded to 32 rows; scores multiply the expert outputs."""
     leaves = {name: inputs[name].clone().requires_grad_() for name in ("x", "scores", "w1", "w2", "w3")}
     ids = inputs["ids"]
     tokens, picks, counts = [], [], []
@@ -101,7 +113,7 @@ def _dense_mx_moe(inputs) -> dict[str, torch.Tensor]:
     rows = torch.cat([torch.arange(start, start + count) for start, count in zip(starts, counts.tolist())])
     token, pick = torch.cat(tokens), torch.cat(picks)
     grouped = leaves["x"].new_zeros(int(padded.sum()), leaves["x"].shape[1]).index_copy(0, rows, leaves["x"][token])
-    results = mx_reference.experts(leaves["w1"], leaves["w2"], leaves["w3"], grouped, padded)[rows]
+    results = reference.experts(leaves["w1"], leaves["w2"], leaves["w3"], grouped, padded)[rows]
     out = torch.zeros_like(leaves["x"]).index_add(0, token, results * leaves["scores"][token, pick].unsqueeze(1))
     out.backward(inputs["grad_out"])
     return {"out": out.detach(), **{f"grad_{name}": leaf.grad for name, leaf in leaves.items()}}
@@ -112,33 +124,34 @@ def _ep_worker(rank: int, ep: int) -> dict:
     inputs = global_inputs(CASE)
     rows = slice(rank * CASE.tokens_per_rank(ep), (rank + 1) * CASE.tokens_per_rank(ep))
     results = {}
-    for backend in EP_BACKENDS:
+    for converter, backend in [(converter, backend) for converter in sorted(REFERENCES) for backend in EP_BACKENDS]:
         experts = UnboundLoopExperts(CASE.hidden, CASE.ffn, CASE.num_experts, use_grouped_mm=False)
         with torch.no_grad():
             for name in ("w1", "w2", "w3"):
                 getattr(experts, name).copy_(inputs[name])
-        experts.low_precision = _mx()
+        experts.low_precision = _recipe(converter)
         parallelize_module(experts, mesh, make_style(backend, CASE, ep))
         x = inputs["x"][rows].clone().requires_grad_()
         scores = inputs["scores"][rows].clone().requires_grad_()
         out = experts(x, Routing(scores, inputs["ids"][rows]))
         out.backward(inputs["grad_out"][rows])
-        results[backend] = {"out": out.detach().clone(), "grad_x": x.grad, "grad_scores": scores.grad,
+        results[converter, backend] = {"out": out.detach().clone(), "grad_x": x.grad, "grad_scores": scores.grad,
                             **{f"grad_{name}": getattr(experts, name).grad.to_local() for name in ("w1", "w2", "w3")}}
     return results
 
 
 @pytest.mark.slow
-def test_mxfp8_experts_under_ep_match_the_dense_reference_on_every_backend():
-    """EP=2: every backend's dispatch pads each expert's group to 32 rows in ascending (source rank, token) order,
-    so each rank's MXFP8 blocks are the dense reference's."""
+def test_the_experts_under_ep_match_the_dense_reference_on_every_backend():
+    """EP=2, both recipes: every backend's dispatch pads each expert's group to 32 rows in ascending (source rank,
+    token) order, so each rank's scaling blocks and groups are the dense reference's."""
     ep = 2
-    truth = _dense_mx_moe(global_inputs(CASE))
+    truths = {converter: _dense_moe(global_inputs(CASE), reference) for converter, reference in REFERENCES.items()}
     local = CASE.local_experts(ep)
     for rank, per_backend in enumerate(run_distributed(ep, _ep_worker)):
         rows = slice(rank * CASE.tokens_per_rank(ep), (rank + 1) * CASE.tokens_per_rank(ep))
         experts = slice(rank * local, (rank + 1) * local)
-        for backend, got in per_backend.items():
+        for (converter, backend), got in per_backend.items():
+            truth = truths[converter]
             for name in ("out", "grad_x", "grad_scores"):
                 assert _relative(got[name], truth[name][rows]) < MATCH, (backend, rank, name)
             for name in ("grad_w1", "grad_w2", "grad_w3"):
@@ -149,9 +162,9 @@ def test_mxfp8_experts_under_ep_match_the_dense_reference_on_every_backend():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("converter", ["quantize.grouped_mm.mx", "quantize.grouped_mm.float8"])
 def test_the_gpu_kernels_quantize_as_the_recipe_says(converter):
-    """On a GPU the recipes run torchao's kernels: MXFP8 (sm100) against the independent reference; float8 (sm90 and
-    newer; its rowwise scaling has no reference here) quantized, neither broken nor left unquantized: its error
-    against the unquantized GEMMs between 0.1% and 10%. A GPU outside a recipe's range gets its one-line refusal."""
+    """On a GPU the recipes run torchao's kernels, against the independent references: MXFP8 (sm100) within the CPU's
+    tolerance, float8 (sm90, sm100) within 1% (its GEMMs accumulate in fast, lower precision). A GPU outside a
+    recipe's range gets its one-line refusal."""
     from torchtitan_ext.models.converters import RECIPES, recipe_problem
 
     problem = recipe_problem(RECIPES[converter], "cuda", torch.cuda.get_device_capability())
@@ -163,14 +176,9 @@ def test_the_gpu_kernels_quantize_as_the_recipe_says(converter):
     cuda = [t.cuda() for t in (*weights, x, grad)]
     recipe = LowPrecisionGroupedMM(_torchao_config(converter, "cuda", False), pad_with_torchtitan=False)
     got = [t.cpu() for t in _outputs_and_grads(recipe.run_experts, cuda[:3], cuda[3], counts.cuda(), cuda[4])]
-    if converter.endswith(".mx"):
-        expected = _outputs_and_grads(mx_reference.experts, weights, x, counts, grad)
-        for name, value, truth in zip(("out", "w1", "w2", "w3", "x"), got, expected):
-            assert _relative(value, truth) < MATCH, name
-        return
-    plain = _outputs_and_grads(_run_experts_grouped_mm, weights, x, counts, grad)
-    for name, value, truth in zip(("out", "w1", "w2", "w3", "x"), got, plain):
-        assert 1e-3 < _relative(value, truth) < 0.1, name
+    expected = _outputs_and_grads(REFERENCES[converter].experts, weights, x, counts, grad)
+    for name, value, truth in zip(("out", "w1", "w2", "w3", "x"), got, expected):
+        assert _relative(value, truth) < (MATCH if converter.endswith(".mx") else 1e-2), name
 
 
 def test_mxfp8_linear_layers_match_the_independent_reference():

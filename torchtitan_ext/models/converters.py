@@ -14,12 +14,12 @@ unsharded parameter, replicas appended. The parameters stay plain tensors, so EP
 expert migration and replication hold the same weights with or without a converter. The groups must be multiples
 of the kernel's block (32 rows for MXFP8, 16 for float8): under EP the backend's dispatch pads them to
 :func:`torchtitan_ext.ep.base.token_group_alignment`, which reads the same converters; without EP torchao pads them
-(MXFP8) or torchtitan's padding wrapper does (float8).
+(MXFP8) or torchtitan's padding wrapper does (float8 on a GPU).
 
 Where they run: MXFP8 on sm100 GPUs (B200, GB200, GB300), and on a CPU with torchao's emulated kernels (quantize,
 dequantize to bf16, bf16 grouped GEMM); float8 on sm90 and sm100 (torchao's Triton casts and CUDA's scaled grouped
-GEMM; torchao 0.18 has no emulation of it, so a CPU is refused). Each refusal is one line at config time, before
-any allocation.
+GEMM), and on a CPU with this module's emulation of that recipe from torchao's own scaling functions (torchao 0.18
+has none). A GPU outside a recipe's range is refused in one line at config time, before any allocation.
 """
 
 import importlib
@@ -60,18 +60,15 @@ class Recipe:
     """Highest CUDA major version its kernels run on; None: no upper bound."""
     gpus: str
     """The GPUs that capability range means, for the refusal."""
-    emulated_on_cpu: bool
-    """torchao runs it on a CPU with emulated kernels."""
 
 
 RECIPES = {
     recipe.name: recipe for recipe in (
-        Recipe("quantize.grouped_mm.mx", "mx", MXFP8_GROUP_ALIGNMENT_SIZE, (10, 0), 10, "sm100: B200, GB200, GB300",
-               True),
+        Recipe("quantize.grouped_mm.mx", "mx", MXFP8_GROUP_ALIGNMENT_SIZE, (10, 0), 10, "sm100: B200, GB200, GB300"),
         # torch's scaled grouped GEMM runs on sm90 and sm100 only
         Recipe("quantize.grouped_mm.float8", "float8", FP8_GROUP_ALIGNMENT_SIZE, (9, 0), 10,
-               "sm90 or sm100: H100, H200, B200, GB200, GB300", False),
-        Recipe("quantize.linear.mx", "mx", MXFP8_GROUP_ALIGNMENT_SIZE, (10, 0), 10, "sm100: B200, GB200, GB300", True),
+               "sm90 or sm100: H100, H200, B200, GB200, GB300"),
+        Recipe("quantize.linear.mx", "mx", MXFP8_GROUP_ALIGNMENT_SIZE, (10, 0), 10, "sm100: B200, GB200, GB300"),
     )
 }
 """The converters this module serves, by name."""
@@ -83,13 +80,10 @@ def _cuda_capability() -> tuple[int, int] | None:
 
 def recipe_problem(recipe: Recipe, device_type: str, capability: tuple[int, int] | None) -> str | None:
     """Why ``recipe`` cannot run on this machine (``capability``: its GPU's, None where none is visible); None if
-    it can, or where this host cannot tell (a CUDA job checked from a host without a GPU is checked again on its
+    it can (a CPU runs every recipe emulated), or where this host cannot tell (a CUDA job checked from a host without a GPU is checked again on its
     ranks)."""
-    if device_type == "cpu":
-        if recipe.emulated_on_cpu:
-            return None
-        return (f"{recipe.name} runs only on CUDA GPUs ({recipe.gpus}): torchao 0.18 has no emulated kernels for it; "
-                "on a CPU use quantize.grouped_mm.mx, which runs emulated")
+    if device_type == "cpu":  # every recipe runs emulated there
+        return None
     if capability is None:
         return None
     too_new = recipe.max_capability_major is not None and capability[0] > recipe.max_capability_major
@@ -132,15 +126,62 @@ def _torchao_config(name: str, device_type: str, pad_groups: bool):
     return config
 
 
+def _float8_dequantized(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` cast to float8 e4m3 with one scale per slice along ``dim`` (torchao's rowwise scaling: the largest
+    magnitude maps to at most 448, the scale rounded down to a power of two, the cast saturating) and back, in
+    bf16 (exact: a float8 value times a power of two)."""
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
+
+    scale = tensor_to_scale(x, torch.float8_e4m3fn, scaling_granularity=ScalingGranularity.AXISWISE,
+                            axiswise_dim=dim, round_scales_to_power_of_2=True)
+    return (to_fp8_saturated(x.float() * scale, torch.float8_e4m3fn).float() / scale).to(torch.bfloat16)
+
+
+def _per_group(x: torch.Tensor, group_ends: list[int], quantize) -> torch.Tensor:
+    """``quantize`` applied to each group of rows of ``x`` alone (rows past the last group kept as zeros)."""
+    out, start = torch.zeros_like(x, dtype=torch.bfloat16), 0
+    for end in group_ends:
+        if end > start:  # an expert without tokens has no scale
+            out[start:end] = quantize(x[start:end])
+        start = end
+    return out
+
+
+class _Float8GroupedMMEmulated(torch.autograd.Function):
+    """torchao 0.18's rowwise float8 grouped GEMM, emulated on a CPU (torchao has no emulation of it): the same
+    scaling as its Triton casts, dequantized, then a bf16 grouped GEMM. Forward: A's rows and B's columns scaled
+    along the contracting dimension; input gradient: the output gradient's rows and B along the output dimension;
+    weight gradient: both operands along the tokens, per expert group."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b_t: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, b_t, offsets)
+        return torch._grouped_mm(_float8_dequantized(a, -1), _float8_dequantized(b_t, -2), offs=offsets)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        a, b_t, offsets = ctx.saved_tensors
+        grad = grad.to(torch.bfloat16)
+        grad_a = torch._grouped_mm(_float8_dequantized(grad, -1), _float8_dequantized(b_t, -1).transpose(-2, -1),
+                                   offs=offsets)
+        ends = offsets.tolist()  # a CPU emulation: reading the group ends costs nothing
+        grad_b = torch._grouped_mm(_per_group(grad, ends, lambda rows: _float8_dequantized(rows, 0)).t(),
+                                   _per_group(a, ends, lambda rows: _float8_dequantized(rows, 0)), offs=offsets)
+        return grad_a.to(a.dtype), grad_b.transpose(-2, -1).to(b_t.dtype), None
+
+
 class LowPrecisionGroupedMM:
     """The routed experts' three grouped GEMMs in a torchao low-precision recipe (SwiGLU as torchtitan's
     ``_run_experts_grouped_mm``: inputs and weights in bf16, outputs in bf16, the result in the input's dtype)."""
 
-    def __init__(self, config, pad_with_torchtitan: bool):
+    def __init__(self, config, pad_with_torchtitan: bool, emulate_float8: bool = False):
         self.config = config
         """torchao's ``MXFP8TrainingOpConfig`` or ``Float8TrainingOpConfig``."""
         self.pad_with_torchtitan = pad_with_torchtitan
         """The groups arrive unpadded and torchao's op cannot pad them: torchtitan's padding wrapper does."""
+        self.emulate_float8 = emulate_float8
+        """Float8 on a CPU: :class:`_Float8GroupedMMEmulated` in place of torchao's CUDA kernels."""
 
     def run_experts(self, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor,
                     num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
@@ -151,7 +192,11 @@ class LowPrecisionGroupedMM:
         from torchao.prototype.moe_training.utils import _quantize_then_scaled_grouped_mm
 
         offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
-        gemm = partial(_quantize_then_scaled_grouped_mm, config=self.config, offs=offsets)
+        if self.emulate_float8:
+            def gemm(a, b_t):
+                return _Float8GroupedMMEmulated.apply(a, b_t, offsets)
+        else:
+            gemm = partial(_quantize_then_scaled_grouped_mm, config=self.config, offs=offsets)
         rows = x.bfloat16()
         hidden = F.silu(gemm(rows, w1.bfloat16().transpose(-2, -1))) * gemm(rows, w3.bfloat16().transpose(-2, -1))
         return gemm(hidden, w2.bfloat16().transpose(-2, -1)).type_as(x)
@@ -174,9 +219,12 @@ class GroupedMMConverter(QuantizationConverter):
         recipe = RECIPES[self.name]
         # under EP (and expert replication, which rides on it) the backend's dispatch pads every group
         pad_groups = not parallel_dims.ep_enabled
+        device_type = _device_type()
         self.grouped_mm = LowPrecisionGroupedMM(
-            _torchao_config(self.name, _device_type(), pad_groups and recipe.kind == "mx"),
-            pad_with_torchtitan=pad_groups and recipe.kind == "float8",
+            _torchao_config(self.name, device_type, pad_groups and recipe.kind == "mx"),
+            # torchtitan's padding wrapper is a Triton kernel; the float8 emulation takes groups of any size
+            pad_with_torchtitan=pad_groups and recipe.kind == "float8" and device_type == "cuda",
+            emulate_float8=recipe.kind == "float8" and device_type == "cpu",
         )
         if self.grouped_mm.pad_with_torchtitan:
             set_token_group_alignment_size_m(RECIPES[self.name].alignment)
