@@ -336,23 +336,22 @@ def test_a_layer_without_replicas_computes_its_home_experts_alone(world_of_one):
     assert experts.w1.grad is not None
 
 
-def test_a_replica_computes_its_home_experts_mxfp8_grouped_gemm(world_of_one):
-    """MXFP8 experts (the converter's recipe, torchao's emulated kernels on a CPU): the home experts and a replica
-    slot compute the MXFP8 GEMMs on the concatenated weights, as one model holding the copy would (the independent
-    reference of tests/models/mx_reference.py), and the replica's gradient arrives home, summed with the home
-    expert's own."""
+@pytest.mark.parametrize("converter", ["quantize.grouped_mm.mx", "quantize.grouped_mm.float8"])
+def test_a_replica_computes_its_home_experts_low_precision_gemms(world_of_one, converter):
+    """Low-precision experts (the converter's recipe, emulated on a CPU): the home experts and a replica slot compute
+    the quantized GEMMs on the concatenated weights, as one model holding the copy would (the recipe's independent
+    reference, tests/models/), and the replica's gradient arrives home, summed with the home expert's own."""
     from torchtitan.models.moe.moe import GroupedExperts
 
-    from tests.models import mx_reference
+    from tests.models.test_low_precision_experts import _recipe, REFERENCES
     from torchtitan_ext.ep.replicated_experts import ExpertsWithReplicas
-    from torchtitan_ext.models.converters import LowPrecisionGroupedMM, _torchao_config
 
     torch.manual_seed(0)
     experts = GroupedExperts(dim=64, hidden_dim=64, num_experts=2, use_grouped_mm=False)
     plain = {name: torch.randn(2, 64, 64) * 0.1 for name in ("w1", "w2", "w3")}
     for name, weight in plain.items():
         setattr(experts, name, torch.nn.Parameter(weight.clone()))
-    experts.low_precision = LowPrecisionGroupedMM(_torchao_config("quantize.grouped_mm.mx", "cpu", False), False)
+    experts.low_precision = _recipe(converter)
     ExpertsWithReplicas.adopt(experts, ReplicaPlan.empty(2, 1, 1), world_of_one)
     # in a group of one, slot 0 holds a copy of the rank's own expert 1 (no plan copies its own: set by hand)
     experts.exchange = (torch.tensor([1]), [1], [1], torch.tensor([0]), torch.tensor([1]))
@@ -364,7 +363,7 @@ def test_a_replica_computes_its_home_experts_mxfp8_grouped_gemm(world_of_one):
     out.backward(grad_out)
 
     one_model = {name: torch.cat([weight, weight[1:]]).requires_grad_() for name, weight in plain.items()}
-    expected = mx_reference.experts(*one_model.values(), x, per_group)
+    expected = REFERENCES[converter].experts(*one_model.values(), x, per_group)
     expected.backward(grad_out)
     assert torch.allclose(out, expected, rtol=0, atol=1e-3 * float(expected.abs().max()))
     for name, copy in one_model.items():
