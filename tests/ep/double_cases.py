@@ -297,8 +297,8 @@ def lb_fetch_worker(rank: int, ep: int) -> dict:
     from torchtitan_ext.config import MoEShape
     from torchtitan_ext.ep.kernels.deep_ep import ep_buffer
     from torchtitan_ext.ep.kernels.deepep_apis import EPBufferAPI
-    from torchtitan_ext.ep.replicated_experts import exchange_arguments, redundancy_mapping, with_replicas
-    from torchtitan_ext.ep.replication import ReplicaPlan
+    from torchtitan_ext.ep.replication.experts import exchange_arguments, redundancy_mapping, with_replicas
+    from torchtitan_ext.ep.replication.plan import ReplicaPlan
     from torchtitan_ext.planning.device_cost_counter import DeviceCostCounter
 
     calls = []

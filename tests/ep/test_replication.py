@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from tests.helpers import run_distributed
-from torchtitan_ext.ep.replica_split import split_quotas, SplitTables, SWEEPS, UNREACHABLE, water_fill
-from torchtitan_ext.ep.replicated_experts import exchange_arguments, redundancy_mapping
-from torchtitan_ext.ep.replication import ReplicaPlan
+from torchtitan_ext.ep.replication.experts import exchange_arguments, redundancy_mapping
+from torchtitan_ext.ep.replication.plan import ReplicaPlan
+from torchtitan_ext.ep.replication.split import split_quotas, SplitTables, SWEEPS, UNREACHABLE, water_fill
 
 EP = 2
 
@@ -160,7 +160,7 @@ def test_exchange_arguments_pair_up_across_ranks():
 def _assign_worker(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
 
-    from torchtitan_ext.ep.replica_split import ReplicaRouter
+    from torchtitan_ext.ep.replication.split import ReplicaRouter
 
     plan = ReplicaPlan(4, world_size, ((2,), (0,)))
     router = ReplicaRouter(plan, dist.group.WORLD)
@@ -209,7 +209,7 @@ def _weights_worker(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _get_process_group_name
 
-    from torchtitan_ext.ep.replicated_experts import with_replicas
+    from torchtitan_ext.ep.replication.experts import with_replicas
 
     plan = ReplicaPlan(4, world_size, ((3, 2), (0, -1)))
     home = [weight.requires_grad_() for weight in _two_weights(rank)]
@@ -250,8 +250,8 @@ def _host_sync_worker(rank: int, world_size: int) -> dict:
     from torch.distributed.distributed_c10d import _get_process_group_name
 
     from tests.ep.double_cases import waits_and_collectives
-    from torchtitan_ext.ep.replica_split import ReplicaRouter
-    from torchtitan_ext.ep.replicated_experts import with_replicas
+    from torchtitan_ext.ep.replication.split import ReplicaRouter
+    from torchtitan_ext.ep.replication.experts import with_replicas
     from torchtitan_ext.planning.device_cost_counter import DeviceCostCounter
 
     plan = ReplicaPlan(4, world_size, ((2,), (0,)))
@@ -286,7 +286,7 @@ def test_the_gradients_of_four_copies_are_summed_in_fp32_and_rounded_once(world_
     from torch.distributed.distributed_c10d import _get_process_group_name
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from torchtitan_ext.ep.replicated_experts import with_replicas
+    from torchtitan_ext.ep.replication.experts import with_replicas
 
     class SumDtypes(TorchDispatchMode):
         def __init__(self):
@@ -318,7 +318,7 @@ def test_a_layer_without_replicas_computes_its_home_experts_alone(world_of_one):
     (the slots' zero rows are padding)."""
     from torchtitan.models.moe.moe import _run_experts_for_loop, GroupedExperts
 
-    from torchtitan_ext.ep.replicated_experts import ExpertsWithReplicas
+    from torchtitan_ext.ep.replication.experts import ExpertsWithReplicas
     from torchtitan_ext.planning.device_cost_counter import DeviceCostCounter
 
     torch.manual_seed(0)
@@ -344,7 +344,7 @@ def test_a_replica_computes_its_home_experts_low_precision_gemms(world_of_one, c
     from torchtitan.models.moe.moe import GroupedExperts
 
     from tests.models.test_low_precision_experts import _recipe, REFERENCES
-    from torchtitan_ext.ep.replicated_experts import ExpertsWithReplicas
+    from torchtitan_ext.ep.replication.experts import ExpertsWithReplicas
 
     torch.manual_seed(0)
     experts = GroupedExperts(dim=64, hidden_dim=64, num_experts=2, use_grouped_mm=False)

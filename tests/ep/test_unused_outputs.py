@@ -67,7 +67,7 @@ def test_the_replicas_gradients_are_added_to_their_home_experts_in_one_write(wor
     671B GB200 job's shape at EP=64, 4 home experts of 88 MB in bf16)."""
     from torch.distributed.distributed_c10d import _get_process_group_name
 
-    from torchtitan_ext.ep.replicated_experts import with_replicas
+    from torchtitan_ext.ep.replication.experts import with_replicas
 
     generator = torch.Generator().manual_seed(0)
     home_experts, dim, hidden = 4, 8, 6

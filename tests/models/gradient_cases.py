@@ -129,7 +129,7 @@ REPLICAS_BEFORE = {2: ((5, -1), (1, 3))}
 
 def _set_replicas(parts, replicas: tuple) -> list:
     """Give every MoE layer these replicas; returns the layers' routers, whose splits the cell reports."""
-    from torchtitan_ext.ep.replication import ReplicaPlan
+    from torchtitan_ext.ep.replication.plan import ReplicaPlan
 
     routers = []
     for part in parts:
@@ -204,11 +204,11 @@ class ReplicaCopyCounter(TorchDispatchMode):
     freed, whoever holds it: autograd's saved tensors, activation checkpointing's, or the forward itself."""
 
     def __init__(self, rows: int, projection_shapes: set[tuple[int, ...]]):
-        from torchtitan_ext.ep.replica_split import replica_ops
+        from torchtitan_ext.ep.replication import transport_ops
 
         super().__init__()
         self.rows, self.projection_shapes = rows, projection_shapes
-        self.replica_weights = replica_ops().replica_weights.default
+        self.replica_weights = transport_ops().replica_weights.default
         self.alive = {"copies": 0, "fetched": 0}
         self.most = dict(self.alive)
         self.most_in_backward = None

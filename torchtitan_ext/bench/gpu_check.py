@@ -264,7 +264,7 @@ def replica_copy_cost(iters: int = 10) -> dict:
     import torch
     from torchtitan.models.moe.moe import _run_experts_grouped_mm
 
-    from torchtitan_ext.ep.replicated_experts import weights_with_replicas
+    from torchtitan_ext.ep.replication.experts import weights_with_replicas
 
     shape = REPLICA_SHAPE
     experts = shape["home_experts"] + shape["slots"]

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torchtitan_ext.balancing.replica_choice import choose_replicas
-from torchtitan_ext.ep.replica_split import split_quotas, SplitTables
+from torchtitan_ext.ep.replication.choice import choose_replicas
+from torchtitan_ext.ep.replication.split import split_quotas, SplitTables
 
 SHAPES = [(2, 8, 2), (8, 64, 2), (64, 256, 1), (64, 256, 2)]
 """(EP degree, experts, slots per rank)."""

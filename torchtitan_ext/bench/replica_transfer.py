@@ -44,9 +44,9 @@ def worker(rank: int, world_size: int, experts: int, floats: int, slots: int, it
     """(median seconds of one layer's fetch, of its gradients' return) on this rank."""
     from torch.distributed.distributed_c10d import _get_process_group_name
 
-    from torchtitan_ext.ep.replica_split import replica_ops
-    from torchtitan_ext.ep.replicated_experts import exchange_arguments, redundancy_mapping
-    from torchtitan_ext.ep.replication import ReplicaPlan
+    from torchtitan_ext.ep.replication import transport_ops
+    from torchtitan_ext.ep.replication.experts import exchange_arguments, redundancy_mapping
+    from torchtitan_ext.ep.replication.plan import ReplicaPlan
 
     per_rank = experts // EP
     # every slot of a rank copies one of the other rank's experts
@@ -58,9 +58,9 @@ def worker(rank: int, world_size: int, experts: int, floats: int, slots: int, it
     for _ in range(iterations + 1):
         dist.barrier()
         began = time.perf_counter()
-        fetched = replica_ops().replica_weights(home, *exchange[:4], redundancy_mapping(plan), slots, group)
+        fetched = transport_ops().replica_weights(home, *exchange[:4], redundancy_mapping(plan), slots, group)
         middle = time.perf_counter()
-        replica_ops().replica_gradients(torch.ones_like(fetched), *exchange, redundancy_mapping(plan), per_rank, group)
+        transport_ops().replica_gradients(torch.ones_like(fetched), *exchange, redundancy_mapping(plan), per_rank, group)
         ended = time.perf_counter()
         fetch.append(middle - began)
         back.append(ended - middle)

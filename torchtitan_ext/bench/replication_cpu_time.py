@@ -40,7 +40,8 @@ from tqdm import tqdm
 import torchtitan_ext
 from torchtitan_ext.config import ConfigError, load_job_config
 from torchtitan_ext.data import prepare_embedded_assets
-from torchtitan_ext.ep import replica_split, replicated_experts
+from torchtitan_ext.ep import replication
+from torchtitan_ext.ep.replication import experts as replica_experts, split as replica_split
 from torchtitan_ext.metrics_file import read_metrics
 from torchtitan_ext.runtime.workers import run_workers
 from torchtitan_ext.training import prepare
@@ -197,7 +198,7 @@ def _timed_counts(clock: CpuClock, op, *args):
 
 
 class _TimedReplicaOps:
-    """``replica_ops()`` whose replica weights, their gradients' return and the count exchange are timed
+    """``transport_ops()`` whose replica weights, their gradients' return and the count exchange are timed
     (:func:`_timed_fetch`, :func:`_timed_return`, :func:`_timed_counts`)."""
 
     def __init__(self, ops):
@@ -214,8 +215,8 @@ def train_arms(rank: int, world_size: int, arms: list[tuple[str, list[str]]], gr
     os.environ["LOCAL_RANK"] = str(rank)
     os.chdir(ROOT)
     prepare()
-    timed_ops = _TimedReplicaOps(replica_split.replica_ops())
-    replicated_experts.replica_ops = replica_split.replica_ops = lambda: timed_ops
+    timed_ops = _TimedReplicaOps(replication.transport_ops())
+    replica_experts.transport_ops = replica_split.transport_ops = lambda: timed_ops
     timed = {}
     for name, args in arms:
         job_config = load_job_config(args, "cpu", world_size)

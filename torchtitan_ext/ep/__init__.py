@@ -5,7 +5,7 @@ Owns: the backend contract (:mod:`.base`), one module per backend
 :class:`~.planning_profile.PlanningProfile` for the planning tools) with its custom ops in
 :mod:`.ops` (registered at first use), the kernels behind DeepEP and HybridEP
 (:mod:`.kernels`: deep_ep adapters and the reference implementation), the routed experts' compute
-(:mod:`.experts`, and with replica slots :mod:`.replicated_experts`), and the
+(:mod:`.experts`), expert replication (:mod:`.replication`: replica slots that copy hot experts), and the
 backend checks of a job config (:mod:`.validation`). Importing it registers
 each backend's section and the checks with :mod:`torchtitan_ext.config`.
 
@@ -19,7 +19,7 @@ from torchtitan_ext.ep.base import RoutedExpertParallel
 from torchtitan_ext.ep.deepep import DeepEPExpertParallel
 from torchtitan_ext.ep.hybridep import HybridEPExpertParallel
 from torchtitan_ext.ep.nccl import NcclExpertParallel
-from torchtitan_ext.ep.replication import check_replication, ExpertReplication, REPLICATION_RANGES
+from torchtitan_ext.ep.replication.plan import check_replication, ExpertReplication, REPLICATION_RANGES
 from torchtitan_ext.ep.validation import check_backend
 
 

@@ -31,11 +31,11 @@ from torchtitan.distributed.expert_parallel import ExpertParallel
 
 from torchtitan_ext.config import ConfigError, MoEShape, Range
 from torchtitan_ext.ep.budget import DeviceBudget
-from torchtitan_ext.runtime.collectives import naming_collective
-from torchtitan_ext.runtime.workers import before_process_group_teardown
 from torchtitan_ext.ep.handle import KernelBuffer
 from torchtitan_ext.ep.kernels import KernelUnavailable, resolve_implementation
 from torchtitan_ext.ep.layout import into_groups
+from torchtitan_ext.runtime.collectives import naming_collective
+from torchtitan_ext.runtime.workers import before_process_group_teardown
 
 
 @dataclass(frozen=True)
@@ -476,7 +476,7 @@ class RoutedExpertParallel(ExpertParallel, ABC):
         x, routing = inputs
         self.stats.counting = mod.training
         self.stats.record_routing(routing.logical_ids, mod.num_experts)
-        # replica slots (torchtitan_ext.ep.replicated_experts) add to the experts dispatched over
+        # replica slots (torchtitan_ext.ep.replication.experts) add to the experts dispatched over
         dispatched = getattr(mod, "dispatched_experts", mod.num_experts)
         with naming_collective(self.collective_name("dispatch")):
             rows, rows_per_expert = self.dispatch(

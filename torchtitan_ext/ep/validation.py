@@ -8,7 +8,7 @@ section and combinations itself (``RoutedExpertParallel.validate_config``).
 
 from torchtitan_ext.config import comm_backend, ConfigError, ValidationContext
 from torchtitan_ext.ep.backends import BACKENDS
-from torchtitan_ext.ep.replication import dispatched_shape
+from torchtitan_ext.ep.replication.plan import dispatched_shape
 
 
 def check_backend(job_config, context: ValidationContext) -> None:

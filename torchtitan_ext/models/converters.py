@@ -8,7 +8,7 @@ torchtitan's converter registry; ``quantize.linear.float8`` stays torchtitan's o
 
 Routed experts (``quantize.grouped_mm.mx`` / ``.float8``): the converter hands each experts module that ``fqns``
 names a :class:`LowPrecisionGroupedMM`; the experts' forward (:class:`torchtitan_ext.ep.experts.UnboundLoopExperts`,
-and the replicas' :class:`~torchtitan_ext.ep.replicated_experts.ExpertsWithReplicas`) then runs torchao's
+and the replicas' :class:`~torchtitan_ext.ep.replication.experts.ExpertsWithReplicas`) then runs torchao's
 quantize-then-scaled grouped GEMM on the weights the parallelize plan leaves it: this rank's EP shard, FSDP's
 unsharded parameter, replicas appended. The parameters stay plain tensors, so EP's partition, FSDP, checkpoints,
 expert migration and replication hold the same weights with or without a converter. The groups must be multiples

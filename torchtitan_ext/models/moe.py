@@ -19,7 +19,7 @@ from torchtitan.models.moe.moe import MoE, MoEArgs
 from torchtitan.tools.utils import has_cuda_capability
 
 from torchtitan_ext.ep.base import Routing
-from torchtitan_ext.ep.replica_split import ReplicaRouter
+from torchtitan_ext.ep.replication.split import ReplicaRouter
 
 
 def grouped_mm_where_supported(moe_args: MoEArgs) -> MoEArgs:

@@ -35,9 +35,10 @@ from torchtitan.tools.logging import logger
 from torchtitan_ext.config import max_tokens_per_rank, MoEShape
 from torchtitan_ext.ep import backend_class
 from torchtitan_ext.ep.experts import adopt_unbound_loop
-from torchtitan_ext.ep.replica_split import replica_save_ops, ReplicaRouter
-from torchtitan_ext.ep.replicated_experts import ExpertsWithReplicas
-from torchtitan_ext.ep.replication import dispatched_shape, ReplicaPlan
+from torchtitan_ext.ep.replication import saved_transport_ops
+from torchtitan_ext.ep.replication.experts import ExpertsWithReplicas
+from torchtitan_ext.ep.replication.plan import dispatched_shape, ReplicaPlan
+from torchtitan_ext.ep.replication.split import ReplicaRouter
 from torchtitan_ext.models.moe import ExpertParallelMoE, TensorParallelTokenSplit
 
 _layer_factories: dict[int, tuple[weakref.ref, Callable]] = {}
@@ -130,7 +131,7 @@ def apply_moe_parallelism(model: torch.nn.Module, parallel_dims, job_config) -> 
         ExpertParallelMoE.adopt(block.moe, token_split)
         slots = job_config.expert_replication.slots_per_rank
         if slots:
-            # no replicas until the first choice (torchtitan_ext.balancing.replica_choice)
+            # no replicas until the first choice (torchtitan_ext.ep.replication.choice)
             plan = ReplicaPlan.empty(block.moe.experts.num_experts, ep_mesh.size(), slots)
             block.moe.replicas = ReplicaRouter(plan, ep_mesh.get_group())
             ExpertsWithReplicas.adopt(block.moe.experts, plan, ep_mesh.get_group())
@@ -197,7 +198,7 @@ def parallelize_moe_model(
         if parallel_dims.ep_enabled:
             op_sac_save_list = op_sac_save_list | set(backend_class(job_config).sac_save_ops())
         if job_config.expert_replication.slots_per_rank:
-            op_sac_save_list = op_sac_save_list | replica_save_ops()
+            op_sac_save_list = op_sac_save_list | saved_transport_ops()
         apply_ac(
             model,
             job_config.activation_checkpoint,

@@ -153,8 +153,8 @@ class _ReplicatedCall:
         from torch.distributed.distributed_c10d import _get_process_group_name
 
         from torchtitan_ext.config.job import meta_model
-        from torchtitan_ext.ep.replica_split import ReplicaRouter
-        from torchtitan_ext.ep.replication import ReplicaPlan
+        from torchtitan_ext.ep.replication.split import ReplicaRouter
+        from torchtitan_ext.ep.replication.plan import ReplicaPlan
 
         slots = job_config.expert_replication.slots_per_rank
         ep = job_config.parallelism.expert_parallel_degree
@@ -174,7 +174,7 @@ class _ReplicatedCall:
         self.slots, self.group_name = slots, _get_process_group_name(group)
 
     def weights(self) -> list[torch.Tensor]:
-        from torchtitan_ext.ep.replicated_experts import with_replicas
+        from torchtitan_ext.ep.replication.experts import with_replicas
 
         return with_replicas(self.home, self.exchange, self.redundancy_mapping, self.slots, self.group_name)
 
@@ -243,7 +243,7 @@ def count_job_moe_call(job_config) -> dict[str, Costs]:
     from torchtitan.config import TORCH_DTYPE_MAP
 
     from torchtitan_ext.config import moe_shape
-    from torchtitan_ext.ep.replication import dispatched_shape
+    from torchtitan_ext.ep.replication.plan import dispatched_shape
     from torchtitan_ext.planning.local_traffic import counted_hidden_sizes, MoECall
 
     logical = moe_shape(job_config)
@@ -329,7 +329,7 @@ def step_budgets() -> dict[str, Budget]:
 
 def job_budget(job_config) -> DeviceBudget:
     """One MoE layer's budget in the job: its backend's, plus what expert replication adds."""
-    from torchtitan_ext.ep.replication import replication_budget
+    from torchtitan_ext.ep.replication.plan import replication_budget
 
     budget = backend_class(job_config).device_budget(job_config)
     if job_config.expert_replication.slots_per_rank:

@@ -16,7 +16,7 @@ from torchtitan.config import TORCH_DTYPE_MAP
 
 from torchtitan_ext.config import comm_backend, ConfigError, load_job_config, model_args_of, MoEShape, validate
 from torchtitan_ext.ep import BACKENDS, PLANNING_PROFILES
-from torchtitan_ext.ep.replication import dispatched_shape
+from torchtitan_ext.ep.replication.plan import dispatched_shape
 from torchtitan_ext.planning.cost_model import layer_costs, MeasuredRouting, token_reach
 from torchtitan_ext.planning.job_shape import job_shape, memory_needed
 from torchtitan_ext.planning.layout import Layout

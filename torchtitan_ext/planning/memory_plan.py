@@ -18,7 +18,7 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan_ext.config import ConfigError, max_tokens_per_rank, model_args_of, MoEShape, routed_expert_elements
 from torchtitan_ext.ep import BACKENDS, PLANNING_PROFILES
 from torchtitan_ext.ep.base import token_group_alignment
-from torchtitan_ext.ep.replication import dispatched_shape
+from torchtitan_ext.ep.replication.plan import dispatched_shape
 from torchtitan_ext.planning.dry_run import dry_run, DryRunReport
 
 

@@ -1,8 +1,8 @@
 """What expert replication changes in a layout's step: the busiest rank's expert rows and the replicas' traffic.
 
 :func:`replay` runs a routing-statistics dump's counts through training's choice of replicas
-(:func:`torchtitan_ext.balancing.replica_choice.choose_replicas`) and per-step split
-(:func:`torchtitan_ext.ep.replica_split.split_quotas`), and returns the rows each rank computes and the
+(:func:`torchtitan_ext.ep.replication.choice.choose_replicas`) and per-step split
+(:func:`torchtitan_ext.ep.replication.split.split_quotas`), and returns the rows each rank computes and the
 whole experts the busiest rank sends or receives per fetch; :func:`replica_traffic` prices that traffic
 per MoE layer and call. The dump's counts are the job's, summed over its EP groups and microbatches.
 See docs/planning.md, "Priced by the layout advisor".
@@ -14,11 +14,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from torchtitan_ext.balancing.replica_choice import choose_replicas, window_start
 from torchtitan_ext.config import ConfigError
-from torchtitan_ext.ep.replica_split import split_quotas, SplitTables
-from torchtitan_ext.ep.replicated_experts import exchange_arguments
-from torchtitan_ext.ep.replication import ReplicaPlan
+from torchtitan_ext.ep.replication.choice import choose_replicas, window_start
+from torchtitan_ext.ep.replication.split import split_quotas, SplitTables
 from torchtitan_ext.planning.cost_model import MeasuredRouting, MoEWorkload, transfer_seconds
 from torchtitan_ext.planning.topology import Topology
 
@@ -74,15 +72,6 @@ def check_replayable(routing: MeasuredRouting, adapt_every: int) -> None:
     _priced(routing, adapt_every)
 
 
-def _busiest_transfer(plan: ReplicaPlan) -> int:
-    """Whole experts the busiest rank sends or receives in one fetch of ``plan``'s replicas."""
-    busiest = 0
-    for rank in range(plan.expert_parallel_degree):
-        send_local, _, recv_counts, *_ = exchange_arguments(plan, rank)
-        busiest = max(busiest, len(send_local), sum(recv_counts))
-    return busiest
-
-
 def replay(routing: MeasuredRouting, ep: int, slots: int, adapt_every: int, progress: bool = False) -> ReplicaReplay:
     """The dump at ``ep`` ranks with ``slots`` replica slots each, chosen every ``adapt_every`` steps."""
     priced = _priced(routing, adapt_every)
@@ -100,7 +89,7 @@ def replay(routing: MeasuredRouting, ep: int, slots: int, adapt_every: int, prog
                 continue
             if (window, layer) not in plans:
                 plan = choose_replicas(counts[window:window + adapt_every, layer].sum(axis=0).tolist(), ep, slots)
-                plans[window, layer] = SplitTables(plan, torch.device("cpu")), _busiest_transfer(plan)
+                plans[window, layer] = SplitTables(plan, torch.device("cpu")), plan.busiest_transfer()
             tables, busiest = plans[window, layer]
             quotas = split_quotas(torch.from_numpy(current), tables)
             ranks = torch.div(tables.dispatched, slots_per_rank, rounding_mode="floor")

@@ -18,11 +18,11 @@ from torchtitan.train import Trainer as TorchTitanTrainer
 
 from torchtitan_ext import runtime
 from torchtitan_ext.balancing import routing_stats
-from torchtitan_ext.balancing.migration import ExpertMigration
-from torchtitan_ext.balancing.replica_choice import ReplicaChooser
+from torchtitan_ext.balancing.migration import ExpertMigration, moe_modules
 from torchtitan_ext.balancing.routing_skew import RoutingSkewer
 from torchtitan_ext.config import comm_backend, ConfigError, moe_layer_ids
 from torchtitan_ext.ep.base import destroy_kernel_buffers
+from torchtitan_ext.ep.replication.choice import ReplicaChooser
 from torchtitan_ext.preemption import PreemptionRequest
 from torchtitan_ext.runtime.collectives import CollectiveFailed, name_other_collective
 from torchtitan_ext.training import checkpoints, faults, nvlink_domains
@@ -31,7 +31,7 @@ from torchtitan_ext.training import checkpoints, faults, nvlink_domains
 class Trainer(TorchTitanTrainer):
     """torchtitan's ``Trainer`` plus the runtime accommodations, the routing recorder, the expert
     placement (:mod:`torchtitan_ext.balancing.migration`) and replicas
-    (:mod:`torchtitan_ext.balancing.replica_choice`), a benchmark's routing skew
+    (:mod:`torchtitan_ext.ep.replication.choice`), a benchmark's routing skew
     (:mod:`torchtitan_ext.balancing.routing_skew`), pipeline
     gradients normalized like the others' (:mod:`torchtitan_ext.training.loss`), and the fault handling of
     :mod:`torchtitan_ext.training.faults` (preemption, non-finite values, named collective failures)."""
@@ -49,7 +49,7 @@ class Trainer(TorchTitanTrainer):
             )
             migration.attach(self.checkpointer)
         self.replica_chooser = (
-            ReplicaChooser(job_config, self.model_parts) if job_config.expert_replication.slots_per_rank else None
+            ReplicaChooser(job_config.expert_replication, moe_modules(self.model_parts)) if job_config.expert_replication.slots_per_rank else None
         )
         if self.replica_chooser is not None:
             self.metrics_processor.sources.append(self.replica_chooser.metrics)

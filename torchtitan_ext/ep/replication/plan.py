@@ -4,14 +4,14 @@ Under ``[expert_replication] slots_per_rank = S`` each EP rank r holds its L
 home experts (slots r*L .. r*L+L-1 of the placement, :mod:`torchtitan_ext.balancing.placement`)
 and S replica slots. A :class:`ReplicaPlan` says which home slot each replica
 slot copies; it changes every ``adapt_every`` steps
-(:mod:`torchtitan_ext.balancing.replica_choice`). The backends dispatch over
+(:mod:`.choice`). The backends dispatch over
 ``EP x (L + S)`` slots (:func:`dispatched_shape`): rank r's dispatched slots
 are ``r*(L+S) + j``, its home experts first (j < L), then its replicas.
 
 Every step, each MoE layer divides the (token, expert) pairs of a replicated
 expert among its copies from that step's global counts
-(:mod:`.replica_split`), and the experts compute with their replicas' weights
-fetched from home (:mod:`.replicated_experts`): only home weights are
+(:mod:`.split`), and the experts compute with their replicas' weights
+fetched from home (:mod:`.experts`): only home weights are
 parameters, so gradients of replicas return home and are summed there, the
 optimizer and checkpoints see logical experts only, and replicas equal their
 home weights bit for bit at every step.
@@ -173,6 +173,15 @@ class ReplicaPlan:
                 if home >= 0:
                     result[home].append((rank, self.dispatched_slot(rank, per_rank + j)))
         return result
+
+    def copies_sent(self, rank: int) -> int:
+        """Whole experts ``rank`` sends per fetch: the replica slots, over all ranks, that copy one of its experts."""
+        return sum(home >= 0 and home // self.experts_per_rank == rank for held in self.replicas for home in held)
+
+    def busiest_transfer(self) -> int:
+        """Whole experts the busiest rank sends or receives in one fetch."""
+        return max(max(self.copies_sent(rank), sum(home >= 0 for home in self.replicas[rank]))
+                   for rank in range(self.expert_parallel_degree))
 
     def replicated(self) -> int:
         return sum(home >= 0 for held in self.replicas for home in held)

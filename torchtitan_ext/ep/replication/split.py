@@ -10,29 +10,14 @@ every rank knows, without further exchange, which copy each of its pairs goes
 to. No host sync: everything stays on the device.
 """
 
-import importlib
-
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_process_group_name
 
 from torchtitan_ext.ep.base import to_device, to_host
 from torchtitan_ext.ep.recompute import recomputing
-from torchtitan_ext.ep.replication import ReplicaPlan
-
-OPS_MODULE = "torchtitan_ext.ep.ops.replicas"
-
-
-def replica_ops():
-    """``torch.ops.torchtitan_ext`` with the replication ops registered (on first use)."""
-    importlib.import_module(OPS_MODULE)
-    return torch.ops.torchtitan_ext
-
-
-def replica_save_ops() -> set:
-    """The replication ops whose outputs selective activation checkpointing saves."""
-    ops = replica_ops()
-    return {ops.replica_weights.default, ops.replica_counts.default}
+from torchtitan_ext.ep.replication import transport_ops
+from torchtitan_ext.ep.replication.plan import ReplicaPlan
 
 SWEEPS = 2
 """Passes of water-filling over the replicated experts (each pass never raises the busiest rank's load)."""
@@ -171,7 +156,7 @@ class ReplicaRouter:
             experts = tables.plan.num_experts
             # scatter-add, not bincount: bincount reads the largest id back to size its output
             local = torch.zeros(experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
-            counts = replica_ops().replica_counts(local, _get_process_group_name(self.group))
+            counts = transport_ops().replica_counts(local, _get_process_group_name(self.group))
             total = counts.sum(0)
             if counting and not recomputing():
                 self.window = total.clone() if self.window is None else self.window.add_(total)

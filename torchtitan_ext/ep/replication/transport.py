@@ -64,7 +64,7 @@ def replica_weights(
     ``redundancy_mapping``: the layer's whole plan, rank after rank, each replica slot's home slot (-1: unused),
     which a registered transport moves all ranks' replicas by.
     Not differentiable: the gradients' way home is :func:`replica_gradients`, called by the backward of the
-    weights' concatenation (``ep.replicated_experts``), which adds them to the home experts' own.
+    weights' concatenation (``ep.replication.experts``), which adds them to the home experts' own.
     """
     transport = _transports.get(group_name)
     if transport is not None:

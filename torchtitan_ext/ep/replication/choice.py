@@ -3,7 +3,7 @@
 :func:`choose_replicas` fills the replica slots one at a time: the home slot
 with the most pairs per copy gets a copy on the least-loaded rank that has a
 free slot and no copy of it yet, and its pairs are re-split over its copies
-(the per-step rule, :func:`torchtitan_ext.ep.replica_split.water_fill`). It
+(the per-step rule, :func:`torchtitan_ext.ep.replication.split.water_fill`). It
 stops when every slot is used or no expert with pairs can be copied further,
 so it always ends (at most EP x S rounds), and since the split may leave a
 copy empty, a plan is never worse than no replicas on the counts it was chosen
@@ -22,10 +22,8 @@ import time
 import torch
 from torchtitan.tools.logging import logger
 
-from torchtitan_ext.balancing.migration import moe_modules
-from torchtitan_ext.ep.replica_split import water_fill
-from torchtitan_ext.ep.replicated_experts import exchange_arguments
-from torchtitan_ext.ep.replication import ReplicaPlan
+from torchtitan_ext.ep.replication.plan import ReplicaPlan
+from torchtitan_ext.ep.replication.split import water_fill
 
 
 def choose_replicas(counts: list[int], expert_parallel_degree: int, slots: int) -> ReplicaPlan:
@@ -114,8 +112,8 @@ class ReplicaChooser:
     already, so the wait costs nothing), and chooses; the choice holds for the next ``adapt_every`` steps.
     """
 
-    def __init__(self, job_config, model_parts):
-        section = job_config.expert_replication
+    def __init__(self, section, moe_layers: dict):
+        """``section``: the job's ``[expert_replication]``; ``moe_layers``: this rank's MoE modules by layer id."""
         self.slots = section.slots_per_rank
         self.adapt_every = section.adapt_every
         self.min_gain = section.min_gain
@@ -124,7 +122,7 @@ class ReplicaChooser:
         self.reported_aside = False
         self.choice_s = 0.0
         """Host time the last choice took (every layer's plan and tables), in seconds."""
-        self.layers = {layer: moe for layer, moe in moe_modules(model_parts).items() if moe.replicas is not None}
+        self.layers = {layer: moe for layer, moe in moe_layers.items() if moe.replicas is not None}
         self.reported = False
         self._closing = False
         """Whether the step running now ends a window."""
@@ -168,7 +166,8 @@ class ReplicaChooser:
             self.stepped_aside[layer] = aside
             moe.replicas.set_plan(plan)
             moe.experts.set_plan(plan)
-            refreshed += self._bytes(moe, plan)
+            rank = torch.distributed.get_rank(moe.replicas.group)
+            refreshed += plan.copies_sent(rank) * moe.experts.bytes_per_expert
         if not self.reported and refreshed:
             self.reported = True
             logger.info(
@@ -183,10 +182,3 @@ class ReplicaChooser:
             return {}
         return {"ep/replica_layers_set_aside": sum(self.stepped_aside.values()) / len(self.stepped_aside),
                 "ep/replica_choice_s": self.choice_s}
-
-    @staticmethod
-    def _bytes(moe, plan: ReplicaPlan) -> int:
-        """Bytes this rank sends to replicas per step (forward; the gradients' return is as many), in the
-        dtype the experts computed in last."""
-        send_local, *_ = exchange_arguments(plan, torch.distributed.get_rank(moe.replicas.group))
-        return len(send_local) * moe.experts.bytes_per_expert

@@ -8,7 +8,7 @@ of whole experts, forward) and whose gradients go home through
 ``replica_gradients`` (backward), added to the home experts' own. Home weights
 stay the only parameters, so the optimizer, FSDP and checkpoints see logical
 experts only. Where the backend's library moves replicas itself (DeepEP V2.5's
-load-balancing kernels), the op goes through it (:mod:`torchtitan_ext.ep.ops.replicas`).
+load-balancing kernels), the op goes through it (:mod:`torchtitan_ext.ep.replication.transport`).
 """
 
 import torch
@@ -19,8 +19,8 @@ from torchtitan.models.moe.moe import GroupedExperts
 
 from torchtitan_ext.ep.base import to_device
 from torchtitan_ext.ep.experts import UnboundLoopExperts
-from torchtitan_ext.ep.replica_split import replica_ops
-from torchtitan_ext.ep.replication import ReplicaPlan
+from torchtitan_ext.ep.replication import transport_ops
+from torchtitan_ext.ep.replication.plan import ReplicaPlan
 
 
 def exchange_arguments(plan: ReplicaPlan, rank: int, device: torch.device = torch.device("cpu")):
@@ -63,7 +63,7 @@ class _HomeAndReplicas(torch.autograd.Function):
     def forward(ctx, exchange, redundancy_mapping: list[int], slots: int, group_name: str, *home: torch.Tensor):
         ctx.exchange, ctx.redundancy_mapping, ctx.group_name = exchange, redundancy_mapping, group_name
         ctx.home_rows, ctx.slots = home[0].shape[0], slots
-        fetched = replica_ops().replica_weights(list(home), *exchange[:4], redundancy_mapping, slots, group_name)
+        fetched = transport_ops().replica_weights(list(home), *exchange[:4], redundancy_mapping, slots, group_name)
         return tuple(weights_with_replicas(list(home), fetched, slots))
 
     @staticmethod
@@ -71,7 +71,7 @@ class _HomeAndReplicas(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor):
         rows, slots = ctx.home_rows, ctx.slots
         replicas = torch.cat([grad[rows:].reshape(slots, -1) for grad in grads], dim=1)
-        summed = replica_ops().replica_gradients(replicas, *ctx.exchange, ctx.redundancy_mapping, rows, ctx.group_name)
+        summed = transport_ops().replica_gradients(replicas, *ctx.exchange, ctx.redundancy_mapping, rows, ctx.group_name)
         sent_experts = ctx.exchange[4]
         own = [grad[:rows] for grad in grads]
         if sent_experts.shape[0] == 0:

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from torchtitan_ext.balancing.replica_choice import choose_replicas, ReplicaChooser, worth_it
-from torchtitan_ext.ep.replica_split import ReplicaRouter, split_quotas, SplitTables, water_fill
-from torchtitan_ext.ep.replication import ReplicaPlan
+from torchtitan_ext.ep.replication.choice import choose_replicas, ReplicaChooser, worth_it
+from torchtitan_ext.ep.replication.plan import ReplicaPlan
+from torchtitan_ext.ep.replication.split import ReplicaRouter, split_quotas, SplitTables, water_fill
 from torchtitan_ext.planning.device_cost_counter import DeviceCostCounter
 
 
@@ -106,18 +106,15 @@ class _Experts:
         self.plans.append(plan)
 
 
-def _job(min_gain: float):
-    return SimpleNamespace(expert_replication=SimpleNamespace(slots_per_rank=1, adapt_every=1, min_gain=min_gain))
+def _section(min_gain: float):
+    return SimpleNamespace(slots_per_rank=1, adapt_every=1, min_gain=min_gain)
 
 
-def _one_layer(world_of_one) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """(a model of one MoE layer, 4 experts over EP = 2 with one slot each, its MoE module)."""
+def _one_layer(world_of_one) -> torch.nn.Module:
+    """The MoE module of one layer: 4 experts over EP = 2 with one slot each."""
     moe = torch.nn.Module()
     moe.replicas, moe.experts = ReplicaRouter(ReplicaPlan.empty(4, 2, 1), world_of_one), _Experts()
-    model = torch.nn.Module()
-    model.layers = torch.nn.ModuleDict({"1": torch.nn.Module()})
-    model.layers["1"].moe = moe
-    return model, moe
+    return moe
 
 
 def _home_slots(counts: list[int]) -> torch.Tensor:
@@ -130,8 +127,8 @@ def test_each_choice_reads_the_counts_the_last_step_copied_to_the_host(world_of_
     of the next step are chosen from them. Step 1 is hot on expert 2 (homed on rank 1): step 2 gives it rank 0's
     slot, and expert 0 (the only other with pairs) rank 1's; step 2 is hot on expert 1: step 3 copies it to rank
     1. No host read of a device value, in the forwards or between the steps."""
-    model, moe = _one_layer(world_of_one)
-    chooser = ReplicaChooser(_job(min_gain=0.0), [model])
+    moe = _one_layer(world_of_one)
+    chooser = ReplicaChooser(_section(min_gain=0.0), {1: moe})
     counts = {1: [1, 0, 9, 0], 2: [0, 9, 0, 1], 3: [5, 5, 5, 5]}
     plans = {}
     with DeviceCostCounter() as counter:
@@ -153,8 +150,8 @@ def test_replicas_that_save_too_little_are_set_aside(world_of_one, caplog):
     assert busiest_rows([30, 10, 10, 10], skewed) == 30 and worth_it([30, 10, 10, 10], skewed, 0.05)
     assert not worth_it([30, 10, 10, 10], skewed, 0.25)  # 25% saved exactly is not more than 25%
     caplog.set_level(logging.INFO)
-    model, moe = _one_layer(world_of_one)
-    chooser = ReplicaChooser(_job(min_gain=0.05), [model])
+    moe = _one_layer(world_of_one)
+    chooser = ReplicaChooser(_section(min_gain=0.05), {1: moe})
     plans, set_aside = {}, {}
     for step, counts in enumerate(([10, 10, 10, 10], [10, 10, 10, 10], [30, 10, 10, 10], [5, 5, 5, 5]), start=1):
         chooser.before_step(step)
