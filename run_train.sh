@@ -55,7 +55,7 @@ fi
 
 if [ "${COMM_MODE}" = "fake_backend" ]; then
     # the world size as every tool takes it: NGPU, else the config's degrees (a dry run is for another machine)
-    NGPU="${NGPU:-}" exec python -m torchtitan_ext.planning.dry_run -- "${config_args[@]}" "$@"
+    NGPU="${NGPU:-}" exec python -m torchtitan_ext.measuring.dry_run -- "${config_args[@]}" "$@"
 fi
 
 if [ -z "${NGPU:-}" ]; then

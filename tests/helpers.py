@@ -10,8 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from torchtitan_ext.records.metrics import read_metrics
 from torchtitan_ext.runtime.jobs import descendants, JobFailed, JobResult, run_job, RunningJob  # noqa: F401
-from torchtitan_ext.metrics_file import read_metrics
 from torchtitan_ext.runtime.workers import DEADLINE_S, run_workers, WorkersFailed  # noqa: F401
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -3,7 +3,7 @@
     python -m torchtitan_ext.ledger --job.config_file X [overrides] [--world-size N] [--moe-call] [--markdown FILE]
 
 Runs the job's first two steps on this machine (N processes; gloo on a CPU) and counts the second under
-:class:`~torchtitan_ext.planning.device_cost_counter.DeviceCostCounter`: host syncs, host-to-device copies, collectives
+:class:`~torchtitan_ext.measuring.device_cost_counter.DeviceCostCounter`: host syncs, host-to-device copies, collectives
 (kind, group, bytes), kernel-library calls, local bytes and weight copies, per MoE layer and pass, against the
 budget its backend and features declare. It counts calls, not time: a CPU run gives the counts a GPU run pays.
 ``--moe-call``, for a job this machine cannot run (the 671B job's 256 ranks): one MoE call of its backend at the
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from torchtitan_ext.config import ConfigError, job_world_size, load_job_config, parse
 from torchtitan_ext.ep import backend_class
-from torchtitan_ext.planning.device_ledger import count_step, format_ledger, moe_call_ledger
+from torchtitan_ext.measuring.device_ledger import count_step, format_ledger, moe_call_ledger
 from torchtitan_ext.runtime import device_type
 from torchtitan_ext.training import prepare
 

@@ -31,14 +31,15 @@ from torchtitan_ext.config import (
     ConfigError, job_world_size, load_job_config, moe_layer_ids, moe_shape, parse, register_hf_model,
 )
 from torchtitan_ext.config.writing import write_job_config
-from torchtitan_ext.planning.calibrate import calibrate
-from torchtitan_ext.planning.paper_model import PaperSetting
+from torchtitan_ext.measuring.compute import check_measurable, measure_compute
+from torchtitan_ext.measuring.dry_run import dry_run
 from torchtitan_ext.planning.advice_report import format_advice, format_paper, layouts_record
+from torchtitan_ext.planning.advisor_fit import fit, format_fit, load_fit, SHIPPED as SHIPPED_FIT, write_fit
+from torchtitan_ext.planning.calibrate import calibrate
 from torchtitan_ext.planning.layout_advisor import advise, advised_config, overrides_problem
-from torchtitan_ext.planning.measured_compute import check_measurable, measure_compute
 from torchtitan_ext.planning.measured_rates import calibration_rates
 from torchtitan_ext.planning.memory_plan import format_plan, plan
-from torchtitan_ext.planning.advisor_fit import fit, format_fit, load_fit, SHIPPED as SHIPPED_FIT, write_fit
+from torchtitan_ext.planning.paper_model import PaperSetting
 from torchtitan_ext.planning.published_comparisons import (
     load_comparisons, SHIPPED as SHIPPED_COMPARISONS, validation_report,
 )
@@ -47,6 +48,31 @@ from torchtitan_ext.training import prepare
 
 
 def main(argv: list[str] | None = None) -> None:
+    args, train_args = _parser().parse_known_args(argv)
+    _exit_on_error(_check_flags, args)
+    if args.hf_config is not None:
+        train_args = [*train_args, *_exit_on_error(register_hf_model, args.hf_config)]
+    if args.calibrate:
+        _exit_on_error(_check_process_count, args.nproc)
+        calibrate(args.nproc, args.calibrate_output)
+    elif args.paper:
+        print("\n".join(_exit_on_error(_paper, args)))
+    elif args.validate:
+        prepare()
+        fit_from = args.fit_from or SHIPPED_FIT
+        fitted = _exit_on_error(load_fit, fit_from)
+        print("\n".join(_exit_on_error(validation_report, args.comparisons, fitted, _shown(fit_from))))
+    elif args.fit:
+        prepare()
+        fitted = _exit_on_error(fit, _exit_on_error(load_comparisons, args.comparisons))
+        _exit_on_error(write_fit, fitted, args.fit_output, args.comparisons)
+        print("\n".join(format_fit(fitted)))
+        print(f"Wrote {fitted.count} parameters to {args.fit_output}")
+    else:
+        _plan_job(args, train_args, " ".join(argv if argv is not None else sys.argv[1:]))
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-size", type=int, help="ranks in the job (default: NGPU, else the config's degrees)")
     parser.add_argument("--routing-stats", type=Path,
@@ -108,55 +134,15 @@ def main(argv: list[str] | None = None) -> None:
         "--calibrate-output", type=Path, default=Path("outputs/this_machine_topology.toml"),
         help="--calibrate: where to write the topology (default outputs/this_machine_topology.toml)",
     )
-    args, train_args = parser.parse_known_args(argv)
-    _exit_on_error(_check_flags, args)
-    if args.hf_config is not None:
-        train_args = [*train_args, *_exit_on_error(register_hf_model, args.hf_config)]
-    if args.calibrate:
-        _exit_on_error(_check_process_count, args.nproc)
-        calibrate(args.nproc, args.calibrate_output)
-        return
-    if args.paper:
-        print("\n".join(_exit_on_error(_paper, args)))
-        return
-    if args.validate:
-        prepare()
-        fit_from = args.fit_from or SHIPPED_FIT
-        fitted = _exit_on_error(load_fit, fit_from)
-        print("\n".join(_exit_on_error(validation_report, args.comparisons, fitted, _shown(fit_from))))
-        return
-    if args.fit:
-        prepare()
-        fitted = _exit_on_error(fit, _exit_on_error(load_comparisons, args.comparisons))
-        _exit_on_error(write_fit, fitted, args.fit_output, args.comparisons)
-        print("\n".join(format_fit(fitted)))
-        print(f"Wrote {fitted.count} parameters to {args.fit_output}")
-        return
+    return parser
+
+
+def _plan_job(args, train_args: list[str], command: str) -> None:
+    """The memory plan and, with --topology, the layout advice; what --json and --emit-config write."""
     prepare()
     try:
-        topology = load_topology(args.topology) if args.topology else None
-        fitted_rates, fitted_fractions = {}, None
-        if args.fit_from is None and topology is not None and SHIPPED_FIT.exists():
-            # a layout priced at a nominal rate is a range: from that bound to the rate the shipped fit gives
-            fitted_fractions = load_fit(SHIPPED_FIT).link_shares()
-        if args.fit_from is not None:
-            fitted = load_fit(args.fit_from)
-            topology, fitted_rates = fitted.applied(topology)
-            if topology.name not in fitted.compute_scale and not fitted_rates:
-                raise ConfigError(f"--fit-from {args.fit_from}: it fits nothing of topology '{topology.name}' (its "
-                                  f"compute scales: {', '.join(fitted.compute_scale) or 'none'}): fit on a "
-                                  "comparison run on it, or drop --fit-from")
         world_size = job_world_size(parse(train_args), args.world_size)
-        placed = topology if topology is None else topology.placed_for(world_size, args.ranks_per_group)
-        # bench_ep's processes fill the machines it ran on: its rows are placed before the job's ranks per group
-        rates = None if args.calibrate_from is None else calibration_rates(args.calibrate_from, topology, placed)
-        rates = {**fitted_rates, **(rates or {})} or None  # a rate measured on the cluster wins over a fitted one
-        if rates and args.measure_compute and any(rate.includes_local_work for rate in rates.values()):
-            raise ConfigError("--calibrate-from's bench_ep rates hold each backend's local work, which "
-                              "--measure-compute adds again: drop one of them")
-        topology = placed
-        if topology is not None:
-            topology.group_sizes(world_size)
+        topology, rates, fitted_fractions = _priced_topology(args, world_size)
         job_config = load_job_config(train_args, device_type=None, world_size=world_size)
         if args.measure_compute:
             check_measurable(load_job_config(train_args, device_type="cpu", world_size=world_size), world_size)
@@ -167,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
             if shape is not None:
                 check_fits(stats, moe_layer_ids(job_config), shape.num_experts, f"--routing-stats {args.routing_stats}")
         # the memory plan is the parallelize plan's dry run: it runs on this harness's own models only
-        result = None if args.hf_config is not None else plan(job_config, world_size, stats)
+        result = None if args.hf_config is not None else plan(job_config, dry_run(job_config, world_size), stats)
         compute = measure_compute(train_args, world_size) if args.measure_compute else None
         advice, routing = (None, None) if topology is None else advise(
             train_args, world_size, topology, stats, str(args.routing_stats), compute, args.replica_slots, progress=True,
@@ -181,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
             layout = advice[0]
             write_job_config(
                 advised_config(train_args, world_size, layout), args.emit_config, world_size,
-                f"Written by python -m torchtitan_ext.plan {' '.join(argv if argv is not None else sys.argv[1:])}\n"
+                f"Written by python -m torchtitan_ext.plan {command}\n"
                 f"the recommended layout on topology '{topology.name}': {layout.label} at EP={layout.ep}, "
                 f"efsdp={layout.efsdp}, {layout.replica_slots} replica slot(s) per rank; every field of the job's config",
             )
@@ -210,6 +196,33 @@ def main(argv: list[str] | None = None) -> None:
     if args.emit_config is not None:
         print(f"Wrote the recommended layout's job config to {args.emit_config} "
               f"(train with: ./run_train.sh --job.config_file {args.emit_config})")
+
+
+def _priced_topology(args, world_size: int):
+    """(the topology with the job's ranks placed, the measured or fitted rates, the shipped fit's link shares):
+    what the advice prices layouts on; all None without --topology."""
+    topology = load_topology(args.topology) if args.topology else None
+    fitted_rates, fitted_fractions = {}, None
+    if args.fit_from is None and topology is not None and SHIPPED_FIT.exists():
+        # a layout priced at a nominal rate is a range: from that bound to the rate the shipped fit gives
+        fitted_fractions = load_fit(SHIPPED_FIT).link_shares()
+    if args.fit_from is not None:
+        fitted = load_fit(args.fit_from)
+        topology, fitted_rates = fitted.applied(topology)
+        if topology.name not in fitted.compute_scale and not fitted_rates:
+            raise ConfigError(f"--fit-from {args.fit_from}: it fits nothing of topology '{topology.name}' (its "
+                              f"compute scales: {', '.join(fitted.compute_scale) or 'none'}): fit on a "
+                              "comparison run on it, or drop --fit-from")
+    placed = topology if topology is None else topology.placed_for(world_size, args.ranks_per_group)
+    # bench_ep's processes fill the machines it ran on: its rows are placed before the job's ranks per group
+    rates = None if args.calibrate_from is None else calibration_rates(args.calibrate_from, topology, placed)
+    rates = {**fitted_rates, **(rates or {})} or None  # a rate measured on the cluster wins over a fitted one
+    if rates and args.measure_compute and any(rate.includes_local_work for rate in rates.values()):
+        raise ConfigError("--calibrate-from's bench_ep rates hold each backend's local work, which "
+                          "--measure-compute adds again: drop one of them")
+    if placed is not None:
+        placed.group_sizes(world_size)
+    return placed, rates, fitted_fractions
 
 
 def _shown(path: Path) -> str:

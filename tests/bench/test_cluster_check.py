@@ -37,6 +37,6 @@ def test_without_cuda_it_lists_the_prerequisites_and_what_it_cannot_check(capsys
 
 
 def test_every_deep_ep_class_it_looks_for_runs_a_backend_variant():
-    from torchtitan_ext.bench.ep import labels
+    from torchtitan_ext.measuring.ep_variants import labels
 
     assert all(variant + "_lib" in labels() for variant in cluster_check.LIBRARY_VARIANTS.values())

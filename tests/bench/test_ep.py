@@ -11,21 +11,22 @@ from torchtitan_ext import plan
 from torchtitan_ext.bench import ep
 from torchtitan_ext.config import parse
 from torchtitan_ext.ep.backends import backend_variants, variant_backend
-from torchtitan_ext.planning.measured_rates import EPBenchRow
+from torchtitan_ext.measuring import ep_variants
+from torchtitan_ext.records.ep_bench import EPBenchRow
 
 
 def test_every_backend_variant_is_a_label_and_selects_its_backend_on_the_kernels_it_names():
     """A variant runs on the reference kernels, its ``_lib`` label on deep_ep's; nccl has no kernel choice."""
-    labels = ep.labels()
+    labels = ep_variants.labels()
     assert set(backend_variants()) < set(labels) and "upstream" in labels and "nccl_lib" not in labels
     for variant, overrides in backend_variants().items():
-        assert ep.job_args(variant)[:len(overrides)] == overrides
+        assert ep_variants.job_args(variant)[:len(overrides)] == overrides
         backend = variant_backend(variant)
-        assert parse(ep.job_args(variant)).parallelism.expert_parallel_comm_backend == backend
-        if variant + ep.LIBRARY in labels:
-            assert getattr(parse(ep.job_args(variant)), backend).implementation == "reference"
-            assert getattr(parse(ep.job_args(variant + ep.LIBRARY)), backend).implementation == "deep_ep"
-    assert ep.job_args("nccl") == backend_variants()["nccl"]
+        assert parse(ep_variants.job_args(variant)).parallelism.expert_parallel_comm_backend == backend
+        if variant + ep_variants.LIBRARY in labels:
+            assert getattr(parse(ep_variants.job_args(variant)), backend).implementation == "reference"
+            assert getattr(parse(ep_variants.job_args(variant + ep_variants.LIBRARY)), backend).implementation == "deep_ep"
+    assert ep_variants.job_args("nccl") == backend_variants()["nccl"]
 
 
 def test_a_row_as_the_bench_writes_it_reads_back_through_the_calibrations_schema():
@@ -36,7 +37,7 @@ def test_a_row_as_the_bench_writes_it_reads_back_through_the_calibrations_schema
     assert EPBenchRow.read(json.loads(json.dumps(asdict(row))), "rows[0]") == row
     assert (row.min_ms, row.median_ms, row.max_ms, row.bare_median_ms) == pytest.approx((1.0, 2.0, 3.0, 0.75))
     assert (row.ratio, row.overhead_us, row.gbps, row.local_gbps) == pytest.approx((2.0 / 0.75, 1250.0, 1.0, 3.0))
-    assert row.comm_backend == "hybridep" and row.job_args == ep.job_args("hybridep_non_blocking_lib")
+    assert row.comm_backend == "hybridep" and row.job_args == ep_variants.job_args("hybridep_non_blocking_lib")
     upstream = ep.bench_row("upstream", shape, 2, [0.001], [0.001], 1, 1, "float32", False, 1, 1.0)
     assert (upstream.comm_backend, upstream.job_args) == (None, [])
 

@@ -4,7 +4,7 @@ time and the loss, per step."""
 import pytest
 
 from torchtitan_ext.bench import replication
-from torchtitan_ext.metrics_file import MetricsFile
+from torchtitan_ext.records.metrics import MetricsFile
 
 
 def test_a_runs_measurements_are_its_logged_metrics_per_step(tmp_path):

@@ -154,7 +154,7 @@ def waits_and_collectives(counter) -> dict[str, int]:
 
 def host_sync_worker(rank: int, ep: int, build: str, case: Case, inject: str | None = None) -> dict:
     """Per backend the build serves: one MoE layer's forward + backward counted by the device-cost ledger's
-    counter (:class:`~torchtitan_ext.planning.device_cost_counter.DeviceCostCounter`), with the host syncs the double
+    counter (:class:`~torchtitan_ext.measuring.device_cost_counter.DeviceCostCounter`), with the host syncs the double
     reports the library making, and the backend's budget for the layer (forward and backward together).
 
     The experts are torchtitan's grouped GEMM, which reads nothing on the host.
@@ -163,7 +163,7 @@ def host_sync_worker(rank: int, ep: int, build: str, case: Case, inject: str | N
     from tests.ep.cases import Routing
     from torchtitan_ext.config import parse
     from torchtitan_ext.ep.backends import backend_variants, BACKENDS
-    from torchtitan_ext.planning.device_cost_counter import DeviceCostCounter
+    from torchtitan_ext.measuring.device_cost_counter import DeviceCostCounter
 
     use_double(build)
     from deep_ep import _double
@@ -299,7 +299,7 @@ def lb_fetch_worker(rank: int, ep: int) -> dict:
     from torchtitan_ext.ep.kernels.deepep_apis import EPBufferAPI
     from torchtitan_ext.ep.replication.experts import exchange_arguments, redundancy_mapping, with_replicas
     from torchtitan_ext.ep.replication.plan import ReplicaPlan
-    from torchtitan_ext.planning.device_cost_counter import DeviceCostCounter
+    from torchtitan_ext.measuring.device_cost_counter import DeviceCostCounter
 
     calls = []
     for name in ("lb_prefetch_weights", "lb_reduce_grads"):

@@ -11,7 +11,7 @@ import torch
 from torchtitan_ext.ep.replication.choice import choose_replicas, ReplicaChooser, worth_it
 from torchtitan_ext.ep.replication.plan import ReplicaPlan
 from torchtitan_ext.ep.replication.split import ReplicaRouter, split_quotas, SplitTables, water_fill
-from torchtitan_ext.planning.device_cost_counter import DeviceCostCounter
+from torchtitan_ext.measuring.device_cost_counter import DeviceCostCounter
 
 
 def busiest_rows(counts: list[int], plan) -> int:

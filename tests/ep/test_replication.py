@@ -252,7 +252,7 @@ def _host_sync_worker(rank: int, world_size: int) -> dict:
     from tests.ep.double_cases import waits_and_collectives
     from torchtitan_ext.ep.replication.split import ReplicaRouter
     from torchtitan_ext.ep.replication.experts import with_replicas
-    from torchtitan_ext.planning.device_cost_counter import DeviceCostCounter
+    from torchtitan_ext.measuring.device_cost_counter import DeviceCostCounter
 
     plan = ReplicaPlan(4, world_size, ((2,), (0,)))
     router = ReplicaRouter(plan, dist.group.WORLD)
@@ -319,7 +319,7 @@ def test_a_layer_without_replicas_computes_its_home_experts_alone(world_of_one):
     from torchtitan.models.moe.moe import _run_experts_for_loop, GroupedExperts
 
     from torchtitan_ext.ep.replication.experts import ExpertsWithReplicas
-    from torchtitan_ext.planning.device_cost_counter import DeviceCostCounter
+    from torchtitan_ext.measuring.device_cost_counter import DeviceCostCounter
 
     torch.manual_seed(0)
     experts = GroupedExperts(dim=4, hidden_dim=6, num_experts=2, use_grouped_mm=False)

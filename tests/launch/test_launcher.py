@@ -6,7 +6,7 @@ import pytest
 
 from tests.helpers import JobResult, launcher_env, REPO_ROOT, run_job, run_launcher
 from torchtitan_ext.launch.supervisor import Supervisor
-from torchtitan_ext.metrics_file import MetricsFile, read_metrics
+from torchtitan_ext.records.metrics import MetricsFile, read_metrics
 
 
 DEFAULT_CONFIG = ["--job.config_file", "train_configs/debug_model.toml"]
@@ -21,7 +21,7 @@ def _error_line(result: JobResult) -> str:
 
 
 def _check_error(capsys, main, argv: list[str]) -> str:
-    """The one line a launcher check (``python -m torchtitan_ext.launch.preflight`` or ``.planning.dry_run``, as
+    """The one line a launcher check (``python -m torchtitan_ext.launch.preflight`` or ``.measuring.dry_run``, as
     run_train.sh calls them) prints for bad input, run in this process: exit status 2, no traceback."""
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
@@ -114,7 +114,7 @@ def test_the_job_config_reaches_every_check_once(tmp_path, args, env, job):
     for mode in ("", "fake_backend"):
         calls = launched(tmp_path / (mode or "train"), *args, COMM_MODE=mode, **env)
         assert [_train_args(call) for call in calls] == [job] * len(calls), calls
-        assert calls[-1][1] == ("torchtitan_ext.planning.dry_run" if mode else "torchtitan_ext.supervise")
+        assert calls[-1][1] == ("torchtitan_ext.measuring.dry_run" if mode else "torchtitan_ext.supervise")
 
 
 @pytest.mark.slow
@@ -127,7 +127,7 @@ def test_ngpu_counts_gpus_not_mig_instances(tmp_path):
 
 
 def test_dry_run_rejects_bad_degrees(capsys):
-    from torchtitan_ext.planning import dry_run
+    from torchtitan_ext.measuring import dry_run
 
     line = _check_error(
         capsys, dry_run.main, ["--world-size", "8", "--", *DEFAULT_CONFIG, "--parallelism.tensor_parallel_degree", "3"]

@@ -148,7 +148,7 @@ def test_no_command_is_one_line():
 def test_the_supervisor_and_a_ranks_preemption_flag_import_no_torch():
     """The supervisor must start at once and outlive whatever the job does; what it shares with the ranks (the
     preemption signals) therefore needs nothing beyond the standard library."""
-    probe = ("import sys, torchtitan_ext.supervise, torchtitan_ext.preemption; "
+    probe = ("import sys, torchtitan_ext.supervise, torchtitan_ext.runtime.preemption; "
              "print(sorted({name.split('.')[0] for name in sys.modules} & {'torch', 'torchtitan', 'numpy'}))")
     result = run_job([sys.executable, "-c", probe], cwd=REPO_ROOT, timeout_s=60)
     assert result.output.strip() == "[]", result.output

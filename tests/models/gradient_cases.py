@@ -383,9 +383,9 @@ def ledger_worker(rank: int, world_size: int, cells: list[Cell]) -> dict:
 
     from tests.helpers import REPO_ROOT
     from torchtitan_ext import runtime
-    from torchtitan_ext.planning.device_cost_counter import DeviceCostCounter
-    from torchtitan_ext.planning.device_costs import LayerScopes
-    from torchtitan_ext.planning.device_ledger import job_budget, Ledger
+    from torchtitan_ext.measuring.device_cost_counter import DeviceCostCounter
+    from torchtitan_ext.measuring.device_costs import LayerScopes
+    from torchtitan_ext.measuring.device_ledger import job_budget, Ledger
     from torchtitan_ext.training import prepare
 
     os.chdir(REPO_ROOT)

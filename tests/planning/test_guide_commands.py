@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from tests.helpers import REPO_ROOT
 from torchtitan_ext.config import load_job_config
-from torchtitan_ext.planning.dry_run import dry_run
+from torchtitan_ext.measuring.dry_run import dry_run
 from torchtitan_ext.training import prepare
 
 GUIDE = REPO_ROOT / "docs" / "gb200_nvl72.md"

@@ -15,8 +15,8 @@ from torchtitan_ext.ep.base import token_group_alignment
 from torchtitan_ext.ep.hybridep import non_blocking_rows
 from torchtitan_ext.ep.in_flight import in_flight, Landing
 from tests.planning.advice_text import paragraph
+from torchtitan_ext.measuring.device_cost_counter import DeviceCostCounter
 from torchtitan_ext.planning.advice_report import format_advice
-from torchtitan_ext.planning.device_cost_counter import DeviceCostCounter
 from torchtitan_ext.planning.layout_advisor import advise, advised_config
 from torchtitan_ext.planning.measured_rates import MeasuredRate
 from torchtitan_ext.planning.local_traffic import (

@@ -13,9 +13,10 @@ from torchtitan_ext.bench.ep import bench_row, Shape
 from torchtitan_ext.config import ConfigError, load_job_config
 from torchtitan_ext.planning.layout_advisor import advise
 from torchtitan_ext.planning.layout_links import candidate_config, rate_evidence
-from torchtitan_ext.planning.measured_rates import BENCH_COMMAND, calibration_rates
+from torchtitan_ext.planning.measured_rates import calibration_rates
 from torchtitan_ext.planning.nccl_tests_log import all_to_all_runs, AllToAllRun
 from torchtitan_ext.planning.topology import Level, load_topology, Topology
+from torchtitan_ext.records.ep_bench import BENCH_COMMAND
 
 NODE_GBPS, NETWORK_GBPS = 100.0, 10.0
 TWO_LEVELS = Topology("t", 1.0, True, (Level("node", 8, NODE_GBPS, 0.0, NODE_GBPS, NODE_GBPS, "nvlink"),

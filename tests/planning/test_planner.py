@@ -13,6 +13,7 @@ from torchtitan.models.moe.moe import GroupedExperts
 from tests.helpers import REPO_ROOT, run_distributed, run_job
 from torchtitan_ext import plan as plan_module
 from torchtitan_ext.config import load_job_config
+from torchtitan_ext.measuring.dry_run import dry_run
 from torchtitan_ext.planning.memory_plan import Dimensions, expected_drop_rates, plan
 from torchtitan_ext.training import prepare
 from torchtitan_ext.training.specs import register_train_specs
@@ -33,7 +34,8 @@ def harness():
 
 def _plan(args):
     try:
-        return plan(load_job_config(args, device_type=None, world_size=WORLD), WORLD)
+        job_config = load_job_config(args, device_type=None, world_size=WORLD)
+        return plan(job_config, dry_run(job_config, WORLD))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

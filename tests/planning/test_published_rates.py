@@ -15,11 +15,13 @@ from torchtitan_ext.config import ConfigError, load_job_config
 from torchtitan_ext.ep import PLANNING_PROFILES
 from torchtitan_ext.ep import deepep, hybridep, nccl
 from torchtitan_ext.ep.published_rates import FABRICS, nearest_sms, PublishedRate
+from torchtitan_ext.measuring.ep_variants import job_args
 from torchtitan_ext.planning import cost_model as cm
 from torchtitan_ext.planning.layout_advisor import advise
 from torchtitan_ext.planning.layout_links import kernel_rate_fractions
-from torchtitan_ext.planning.measured_rates import BENCH_COMMAND, calibration_rates
+from torchtitan_ext.planning.measured_rates import calibration_rates
 from torchtitan_ext.planning.topology import Level, Topology
+from torchtitan_ext.records.ep_bench import BENCH_COMMAND
 
 FIGURES = (REPO_ROOT / "docs" / "published_ep_figures.md").read_text(encoding="utf-8")
 ALL_RATES = [*nccl.PUBLISHED_RATES, *hybridep.PUBLISHED_RATES,
@@ -196,7 +198,7 @@ def _legacy(job_config):
     (lambda row: row.update(median_ms=1e-6),
      "rows[0].median_ms = 1e-06: faster than the 0.0105 ms its all-to-alls take at the nominal rate of 'node': it "
      "was timed on another link, or that level's bandwidth_GBps is below the link's"),
-    (lambda row: row.update(comm_backend="deepep", job_args=bench_ep.job_args("deepep_legacy_lib"), ep=16, processes=16,
+    (lambda row: row.update(comm_backend="deepep", job_args=job_args("deepep_legacy_lib"), ep=16, processes=16,
                             experts=16),
      "rows[0].ep = 16: deepep's kernels reach 8 ranks over NVLink, and a group of 16 spans their split: time it at "
      "EP <= 8"),

@@ -32,7 +32,7 @@ import pytest
 
 from torchtitan_ext.runtime import collectives
 from tests.helpers import LauncherProcess, descendants, run_distributed, run_launcher
-from torchtitan_ext.metrics_file import logged_losses, read_metrics
+from torchtitan_ext.records.metrics import logged_losses, read_metrics
 from tests.training.cases import train_worker
 
 pytestmark = pytest.mark.slow
@@ -193,7 +193,7 @@ sys.exit(subprocess.call([sys.executable, "-c", sys.argv[1]]))
 """
 FAKE_RANK = """\
 import signal, time
-from torchtitan_ext.preemption import PreemptionRequest
+from torchtitan_ext.runtime.preemption import PreemptionRequest
 request = PreemptionRequest()
 request.install()
 print("rank ready", flush=True)

@@ -5,7 +5,7 @@ data and what a CPU cannot do (compile, asynchronous checkpoints) are overridden
 import pytest
 
 from tests.helpers import run_launcher
-from torchtitan_ext.metrics_file import logged_losses
+from torchtitan_ext.records.metrics import logged_losses
 
 AT_DEBUG_SIZE = (
     "--model.flavor", "debugmodel", "--model.hf_assets_path", "./assets/embedded",

@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from tests.helpers import run_launcher
-from torchtitan_ext.metrics_file import logged_losses
+from torchtitan_ext.records.metrics import logged_losses
 
 STEPS = 3
 TINY = ["--model.flavor", "debugmodel_small", "--training.local_batch_size", "2", "--training.seq_len", "64",

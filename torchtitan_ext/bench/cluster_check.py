@@ -33,9 +33,9 @@ import tempfile
 from pathlib import Path
 
 import torchtitan_ext
-from torchtitan_ext.runtime.jobs import JobResult, run_job
 from torchtitan_ext.ep.backends import backend_variants, LIBRARY_VARIANTS as VARIANTS_OF_CLASS
-from torchtitan_ext.metrics_file import read_metrics
+from torchtitan_ext.records.metrics import read_metrics
+from torchtitan_ext.runtime.jobs import JobResult, run_job
 
 ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
 LIBRARY_VARIANTS = {library_class: variants[0] for library_class, variants in VARIANTS_OF_CLASS.items()}

@@ -29,9 +29,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 import torchtitan_ext
+from torchtitan_ext.measuring.timing import add_timed_run_arguments, machine, parse_timed_run_arguments
+from torchtitan_ext.records.metrics import read_metrics
 from torchtitan_ext.runtime.jobs import run_job
-from torchtitan_ext.bench.ep import add_timed_run_arguments, machine, parse_timed_run_arguments
-from torchtitan_ext.metrics_file import read_metrics
 
 ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
 PRECISION_LINE = re.compile(r"CPU precision: .*")

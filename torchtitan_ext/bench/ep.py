@@ -22,32 +22,24 @@ import argparse
 import gc
 import json
 import logging
-import os
-import platform
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from torchtitan_ext.ep.backends import BACKENDS, backend_variants, MATRIX_VARIANTS, variant_backend
-from torchtitan_ext.planning.collective_recorder import CollectiveRecorder
+from torchtitan_ext.ep.backends import BACKENDS, MATRIX_VARIANTS, variant_backend
+from torchtitan_ext.measuring.collective_recorder import CollectiveRecorder
+from torchtitan_ext.measuring.ep_variants import job_args, labels, LIBRARY, UPSTREAM
+from torchtitan_ext.measuring.timing import (
+    copy_gbps, DEADLINE_S, machine, progress_bar, rank_device, timed, workers_device,
+)
 from torchtitan_ext.planning.local_traffic import LocalTrafficCounter
-from torchtitan_ext.planning.measured_rates import EPBenchRow
+from torchtitan_ext.records.ep_bench import EPBenchRow
 from torchtitan_ext.runtime.workers import run_workers
-
-UPSTREAM = "upstream"
-"""The --backends label of torchtitan 0.2.2's own ExpertParallel."""
-
-LIBRARY = "_lib"
-"""Suffix of a variant's label on the real deep_ep kernels."""
-
-DEADLINE_S = 3600.0
-"""Wall-clock limit of one run of workers: a sweep of large shapes on a CPU takes minutes, a hang still ends."""
-
 
 @dataclass(frozen=True)
 class Shape:
@@ -61,31 +53,6 @@ class Shape:
 
     def label(self) -> str:
         return f"T={self.tokens} H={self.hidden} E={self.experts} K={self.top_k} EP={self.ep}"
-
-
-def kernel_section(backend: str) -> str | None:
-    """The config section whose ``implementation`` picks backend ``backend``'s kernels; None if it has none."""
-    config = BACKENDS[backend].Config
-    if config is None or "implementation" not in {field.name for field in fields(config)}:
-        return None
-    return BACKENDS[backend].config_section
-
-
-def labels() -> list[str]:
-    """What --backends takes: every backend variant, each with a kernel choice also with ``_lib``, and upstream."""
-    variants = list(backend_variants())
-    return [*variants, *(v + LIBRARY for v in variants if kernel_section(variant_backend(v))), UPSTREAM]
-
-
-def job_args(label: str) -> list[str]:
-    """The job-config overrides that ``label`` (of --backends, not upstream) runs with: its variant's, and its
-    kernels (the real deep_ep ones for ``_lib``, else the reference) where the backend has that choice."""
-    variant = label.removesuffix(LIBRARY)
-    args = backend_variants()[variant]
-    section = kernel_section(variant_backend(variant))
-    if section is not None:
-        args = [*args, f"--{section}.implementation", "deep_ep" if label.endswith(LIBRARY) else "reference"]
-    return args
 
 
 def bench_row(label: str, shape: Shape, processes: int, times: list[float], bare: list[float], bytes_sent: int,
@@ -105,16 +72,6 @@ def bench_row(label: str, shape: Shape, processes: int, times: list[float], bare
         job_args=[] if upstream else job_args(label), dtype=dtype, forward_only=forward_only,
         local_bytes_per_rank=local_bytes, copy_gbps=copy_gbps,
     )
-
-
-def workers_device() -> str:
-    """The device :func:`run_workers` runs the benchmarks' workers on: one GPU each on CUDA, else the CPU."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def rank_device(rank: int) -> torch.device:
-    """Worker ``rank``'s device, as :func:`run_workers` set it up."""
-    return torch.device(f"cuda:{rank}" if torch.cuda.is_available() else "cpu")
 
 
 def _make_style(label: str, shape: Shape):
@@ -170,50 +127,6 @@ def _iteration_fn(label, shape, mesh, device, dtype, backward: bool = True):
     return step
 
 
-def time_once(fn, device) -> float:
-    """Seconds ``fn`` takes on the slowest rank (all ranks start together)."""
-    dist.barrier()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)  # nccl: on the device
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed)
-
-
-COPY_BYTES = 256 * 2**20
-"""Size of the copy that measures the device's memory bandwidth: well past any cache."""
-
-
-def copy_gbps(device, iters: int = 5) -> float:
-    """Bytes read plus written per second by a copy of :data:`COPY_BYTES` on ``device``, the median of ``iters``;
-    the slowest rank's."""
-    source = torch.ones(COPY_BYTES // 4, device=device)
-    target = torch.empty_like(source)
-    seconds = _time(lambda: target.copy_(source), 1, iters, device)
-    rate = torch.tensor([2 * COPY_BYTES / statistics.median(seconds) / 1e9], dtype=torch.float64, device=device)
-    dist.all_reduce(rate, op=dist.ReduceOp.MIN)
-    return float(rate)
-
-
-def _time(fn, warmup: int, iters: int, device) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    return [time_once(fn, device) for _ in range(iters)]
-
-
-def progress_bar(rank: int, enabled: bool, **tqdm_args):
-    """Rank 0's tqdm bar, or None. It writes to stdout: the harness keeps each worker's stderr for its report."""
-    if rank != 0 or not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(file=sys.stdout, **tqdm_args)
-
-
 def _worker(rank: int, world_size: int, args) -> list[EPBenchRow]:
     logging.getLogger().setLevel(logging.ERROR)  # torchtitan's config warnings, once per case
     from torch.distributed.device_mesh import init_device_mesh
@@ -239,8 +152,8 @@ def _worker(rank: int, world_size: int, args) -> list[EPBenchRow]:
         bare_plan, sent = recorder.replay_plan()
         with LocalTrafficCounter() as local:
             step()
-        times = _time(step, args.warmup, args.iters, device)
-        bare = _time(lambda plan=bare_plan: [call() for call in plan], args.warmup, args.iters, device)
+        times = timed(step, args.warmup, args.iters, device)
+        bare = timed(lambda plan=bare_plan: [call() for call in plan], args.warmup, args.iters, device)
         busiest = torch.tensor([sent, local.bytes], dtype=torch.float64, device=device)
         dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
         row = bench_row(label, shape, world_size, times, bare, int(busiest[0]), len(bare_plan), args.dtype,
@@ -255,36 +168,6 @@ def _worker(rank: int, world_size: int, args) -> list[EPBenchRow]:
     if progress:
         progress.close()
     return rows
-
-
-def add_timed_run_arguments(parser: argparse.ArgumentParser, rounds: int, alternated: str, overridden: str) -> None:
-    """The options of a benchmark that times whole runs, alternating ``alternated``: rounds, steps and warm-up per
-    run, where results go, the progress bar, and config overrides for ``overridden``."""
-    parser.add_argument("--rounds", type=int, default=rounds, help=f"alternations of {alternated}")
-    parser.add_argument("--steps", type=int, default=8, help="steps per run")
-    parser.add_argument("--warmup", type=int, default=2, help="first steps of each run not timed")
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--markdown", type=Path, help="append the results, with the command and the machine, to "
-                                                      "this markdown file (e.g. docs/benchmarks.md)")
-    parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("overrides", nargs="*", help=f"config overrides for {overridden} (after --)")
-
-
-def parse_timed_run_arguments(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
-    """``argv`` parsed; a run with no timed step is refused in one line."""
-    args = parser.parse_args(argv)
-    if args.steps <= args.warmup:
-        parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
-    return args
-
-
-def machine() -> str:
-    if torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
-    # the vector unit (AVX2, AVX512, ...) bounds the CPU's GEMM speed, which the times depend on
-    vector_unit = torch.backends.cpu.get_cpu_capability()
-    return (f"{platform.processor() or platform.machine()} CPU ({vector_unit}), {os.cpu_count()} cores, "
-            f"torch {torch.__version__}, gloo")
 
 
 def shape_label(row: EPBenchRow) -> str:

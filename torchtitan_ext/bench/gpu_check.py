@@ -153,9 +153,9 @@ def ledger_on_cuda_and_cpu() -> dict:
     import torch
     import torch.distributed as dist
 
-    from torchtitan_ext.bench.ep import job_args
+    from torchtitan_ext.measuring.ep_variants import job_args
     from torchtitan_ext.config import MoEShape, parse
-    from torchtitan_ext.planning.device_ledger import count_moe_call
+    from torchtitan_ext.measuring.device_ledger import count_moe_call
     from torchtitan_ext.planning.local_traffic import MoECall
     from torchtitan_ext.training import prepare
 
@@ -190,7 +190,7 @@ def ledger_on_cuda_and_cpu() -> dict:
 def graph_capturable_variants() -> list[str]:
     """The variants whose budget claims a sync-free MoE layer: no host sync and no host-to-device copy in either
     pass (what a CUDA graph can hold)."""
-    from torchtitan_ext.bench.ep import job_args
+    from torchtitan_ext.measuring.ep_variants import job_args
     from torchtitan_ext.config import parse
     from torchtitan_ext.ep import backend_class
 
@@ -210,7 +210,7 @@ def cuda_graph_capture() -> dict:
     import torch.distributed as dist
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
-    from torchtitan_ext.bench.ep import job_args
+    from torchtitan_ext.measuring.ep_variants import job_args
     from torchtitan_ext.config import MoEShape, parse
     from torchtitan_ext.ep import backend_class
     from torchtitan_ext.planning.local_traffic import backend_forward, MoECall

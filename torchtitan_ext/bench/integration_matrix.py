@@ -24,9 +24,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 import torchtitan_ext
-from torchtitan_ext.runtime.jobs import JobFailed, run_job
 from torchtitan_ext.ep.backends import backend_variants, MATRIX_VARIANTS
-from torchtitan_ext.metrics_file import logged_losses
+from torchtitan_ext.records.metrics import logged_losses
+from torchtitan_ext.runtime.jobs import JobFailed, run_job
 
 ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
 

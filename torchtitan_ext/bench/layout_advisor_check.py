@@ -32,9 +32,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 import torchtitan_ext
-from torchtitan_ext.runtime.jobs import run_job
 from torchtitan_ext.ep.backends import DEFAULT_VARIANTS
-from torchtitan_ext.metrics_file import read_metrics
+from torchtitan_ext.records.metrics import read_metrics
+from torchtitan_ext.runtime.jobs import run_job
 
 ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
 JOB = ["--training.local_batch_size", "2", "--training.seq_len", "128"]
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def check_step_time(args, topology) -> None:
     from torchtitan_ext.planning.layout_advisor import advise
-    from torchtitan_ext.planning.measured_compute import measure_compute
+    from torchtitan_ext.measuring.compute import measure_compute
 
     train_args = ["--job.config_file", "train_configs/debug_model.toml", *JOB]
     compute = measure_compute(train_args, 4)

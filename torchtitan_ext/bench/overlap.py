@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from torchtitan_ext.bench.ep import DEADLINE_S, machine, progress_bar, rank_device, time_once, workers_device
 from torchtitan_ext.ep.backends import backend_variants, DEFAULT_VARIANTS, variant_backend
+from torchtitan_ext.measuring.timing import DEADLINE_S, machine, progress_bar, rank_device, time_once, workers_device
 from torchtitan_ext.runtime.workers import run_workers
 
 

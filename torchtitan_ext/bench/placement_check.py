@@ -30,8 +30,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 import torchtitan_ext
+from torchtitan_ext.records.metrics import read_metrics
 from torchtitan_ext.runtime.jobs import run_job
-from torchtitan_ext.metrics_file import read_metrics
 
 ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
 MOVED = re.compile(r"\[rank(\d+)\]:.*Expert placement: moved .*: ([0-9.]+) MB sent by this rank in ([0-9.]+) s")

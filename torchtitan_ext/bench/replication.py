@@ -29,8 +29,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 import torchtitan_ext
+from torchtitan_ext.records.metrics import read_metrics
 from torchtitan_ext.runtime.jobs import run_job
-from torchtitan_ext.metrics_file import read_metrics
 
 ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 3600
@@ -80,38 +80,11 @@ def _after_warmup(values: dict[int, float]) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=20, help="training steps per run (default: 20)")
-    parser.add_argument("--rounds", type=int, default=1, help="rounds of all settings, alternating (default: 1)")
-    parser.add_argument("--settings", default="1x1,2x1,1x5,2x5",
-                        help="replica settings besides none, as SLOTSxADAPT_EVERY (default: 1x1,2x1,1x5,2x5)")
-    parser.add_argument("--alphas", default=None,
-                        help="routing skews to run every setting at, comma separated (default: the job's routing)")
-    parser.add_argument("--drift-every", type=int, default=3,
-                        help="with --alphas: steps between redraws of the skew's expert ranking (default: 3)")
-    parser.add_argument("--markdown", type=Path, help="also append the table to this markdown file")
-    parser.add_argument("extra", nargs="*", help="more run_train.sh arguments for every run (after --)")
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.steps <= WARMUP + 1:
         parser.error(f"--steps {args.steps}: use more than {WARMUP + 1} (the first {WARMUP} are warm-up)")
-    settings = {"no replicas": SETTINGS["no replicas"]}
-    for code in args.settings.split(","):
-        slots, _, adapt_every = code.partition("x")
-        name = f"{slots} slot{'s' if slots != '1' else ''}, adapt every {adapt_every}"
-        if name not in SETTINGS:
-            parser.error(f"--settings {code}: use SLOTSxADAPT_EVERY codes among 1x1, 2x1, 1x5, 2x5")
-        settings[name] = SETTINGS[name]
-    skews = {"": []}
-    if args.alphas is not None:
-        try:
-            alphas = [float(text) for text in args.alphas.split(",")]
-        except ValueError:
-            alphas = [-1.0]
-        if any(not 0 <= alpha < float("inf") for alpha in alphas) or args.drift_every < 1:
-            parser.error(f"--alphas {args.alphas} --drift-every {args.drift_every}: use finite alphas >= 0, "
-                         "comma separated, and a drift of at least 1 step")
-        skews = {f"alpha {alpha:g}": ["--routing_skew.alpha", str(alpha), "--routing_skew.drift_every",
-                                      str(args.drift_every)] for alpha in alphas}
+    settings, skews = _settings(parser, args), _skews(parser, args)
     arms = {(skew, name): [*skew_args, *setting] for skew, skew_args in skews.items() for name, setting in settings.items()}
     rows = {arm: [] for arm in arms}
     with tqdm(total=args.rounds * len(arms), desc="bench_replication", unit="run") as progress:
@@ -124,8 +97,60 @@ def main(argv: list[str] | None = None) -> int:
                 rows[skew, name].append({**metrics, "median_time": median_time,
                                          "time_ratio": median_time / baseline[skew]})
                 progress.update()
+    lines = _table(rows, args.steps) + [""] + _loss_lines(rows, settings, skews) + _round_lines(rows, args.rounds)
+    print("\n".join(lines))
+    if args.markdown is not None:
+        with args.markdown.open("a") as out:
+            out.write("\n".join(lines) + "\n")
+        print(f"table appended to {args.markdown}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20, help="training steps per run (default: 20)")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of all settings, alternating (default: 1)")
+    parser.add_argument("--settings", default="1x1,2x1,1x5,2x5",
+                        help="replica settings besides none, as SLOTSxADAPT_EVERY (default: 1x1,2x1,1x5,2x5)")
+    parser.add_argument("--alphas", default=None,
+                        help="routing skews to run every setting at, comma separated (default: the job's routing)")
+    parser.add_argument("--drift-every", type=int, default=3,
+                        help="with --alphas: steps between redraws of the skew's expert ranking (default: 3)")
+    parser.add_argument("--markdown", type=Path, help="also append the table to this markdown file")
+    parser.add_argument("extra", nargs="*", help="more run_train.sh arguments for every run (after --)")
+    return parser
+
+
+def _settings(parser: argparse.ArgumentParser, args) -> dict[str, list[str]]:
+    """Setting name -> its overrides: no replicas, then each of --settings."""
+    settings = {"no replicas": SETTINGS["no replicas"]}
+    for code in args.settings.split(","):
+        slots, _, adapt_every = code.partition("x")
+        name = f"{slots} slot{'s' if slots != '1' else ''}, adapt every {adapt_every}"
+        if name not in SETTINGS:
+            parser.error(f"--settings {code}: use SLOTSxADAPT_EVERY codes among 1x1, 2x1, 1x5, 2x5")
+        settings[name] = SETTINGS[name]
+    return settings
+
+
+def _skews(parser: argparse.ArgumentParser, args) -> dict[str, list[str]]:
+    """Skew name -> its overrides: the job's own routing ("") unless --alphas."""
+    if args.alphas is None:
+        return {"": []}
+    try:
+        alphas = [float(text) for text in args.alphas.split(",")]
+    except ValueError:
+        alphas = [-1.0]
+    if any(not 0 <= alpha < float("inf") for alpha in alphas) or args.drift_every < 1:
+        parser.error(f"--alphas {args.alphas} --drift-every {args.drift_every}: use finite alphas >= 0, "
+                     "comma separated, and a drift of at least 1 step")
+    return {f"alpha {alpha:g}": ["--routing_skew.alpha", str(alpha), "--routing_skew.drift_every", str(args.drift_every)]
+            for alpha in alphas}
+
+
+def _table(rows: dict, steps: int) -> list[str]:
     lines = [
-        f"| setting | recv max/mean per step (steps 1-{args.steps}) | median, worst after step 1 | "
+        f"| setting | recv max/mean per step (steps 1-{steps}) | median, worst after step 1 | "
         f"all layers, median after step {WARMUP} | replicas set aside, share of layer-steps after step {WARMUP} | "
         "choice, median ms | slowest rank's median step time (s) | vs no replicas |",
         "|---|---|---|---|---|---|---|---|",
@@ -144,7 +169,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"{metrics['median_time']:.3f} | "
                 f"{metrics['time_ratio']:.3f} |"
             )
-    lines.append("")
+    return lines
+
+
+def _loss_lines(rows: dict, settings: dict, skews: dict) -> list[str]:
+    """Per skew, the first round's largest relative loss difference to the run without replicas."""
+    lines = []
     for skew in skews:
         losses = {name: rows[skew, name][0]["loss"] for name in settings}
         reference = losses["no replicas"]
@@ -156,16 +186,17 @@ def main(argv: list[str] | None = None) -> int:
             f"1-10 {max(differences[step] for step in sorted(differences)[:10]):.1e}, any step "
             f"{max(differences.values()):.1e}; first step whose logged loss differs: {first_differing or 'none'}"
         )
-    if len(measured_rounds) > 1:
-        lines.append("")
-        for (skew, name), measured_rounds in rows.items():
-            if name != "no replicas":
-                ratios = sorted(metrics["time_ratio"] for metrics in measured_rounds)
-                lines.append(f"{', '.join(filter(None, (skew, name)))}: step time vs no replicas, median of "
-                             f"{len(ratios)} rounds {statistics.median(ratios):.3f} ({ratios[0]:.3f}-{ratios[-1]:.3f})")
-    print("\n".join(lines))
-    if args.markdown is not None:
-        with args.markdown.open("a") as out:
-            out.write("\n".join(lines) + "\n")
-        print(f"table appended to {args.markdown}")
-    return 0
+    return lines
+
+
+def _round_lines(rows: dict, rounds: int) -> list[str]:
+    """With several rounds, each setting's step time against no replicas: the median and range over rounds."""
+    if rounds < 2:
+        return []
+    lines = [""]
+    for (skew, name), measured_rounds in rows.items():
+        if name != "no replicas":
+            ratios = sorted(metrics["time_ratio"] for metrics in measured_rounds)
+            lines.append(f"{', '.join(filter(None, (skew, name)))}: step time vs no replicas, median of "
+                         f"{len(ratios)} rounds {statistics.median(ratios):.3f} ({ratios[0]:.3f}-{ratios[-1]:.3f})")
+    return lines

@@ -42,7 +42,7 @@ from torchtitan_ext.config import ConfigError, load_job_config
 from torchtitan_ext.data import prepare_embedded_assets
 from torchtitan_ext.ep import replication
 from torchtitan_ext.ep.replication import experts as replica_experts, split as replica_split
-from torchtitan_ext.metrics_file import read_metrics
+from torchtitan_ext.records.metrics import read_metrics
 from torchtitan_ext.runtime.workers import run_workers
 from torchtitan_ext.training import prepare
 from torchtitan_ext.training.trainer import Trainer
@@ -308,44 +308,9 @@ def mean_segments(runs: list[list[dict[int, dict]]]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nproc", type=int, default=4, help="ranks, one thread each, and the EP degree (default: 4)")
-    parser.add_argument("--steps", type=int, default=12, help="training steps per run (default: 12)")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of all arms, alternating (default: 3)")
-    parser.add_argument("--slots", type=int, default=2, help="replica slots per rank of the replicated arms "
-                                                             "(default: 2)")
-    parser.add_argument("--alphas", default="0,1,2", help="routing skews, comma separated (default: 0,1,2)")
-    parser.add_argument("--drift-every", type=int, default=3,
-                        help="steps between redraws of the skew's expert ranking (default: 3)")
-    parser.add_argument("--experts", choices=("grouped_mm", "loop"), default="grouped_mm",
-                        help="the experts' GEMMs: torchtitan's grouped GEMMs in bf16, as a GPU runs them (default), or "
-                             "the per-expert loop a CPU trains with, in the job's precision")
-    parser.add_argument("--markdown", type=Path, help="also append the table to this markdown file")
-    parser.add_argument("--json", type=Path, help="also write every rank's CPU times per run and step here")
-    parser.add_argument("extra", nargs="*", help="more training arguments for every run (after --)")
+    parser = _parser()
     args = parser.parse_args(argv)
-    if args.steps <= WARMUP:
-        parser.error(f"--steps {args.steps}: use more than {WARMUP} (the first {WARMUP} are warm-up)")
-    if args.nproc < 2 or args.slots < 1 or args.rounds < 1 or args.drift_every < 1:
-        parser.error(f"--nproc {args.nproc} --slots {args.slots} --rounds {args.rounds} --drift-every "
-                     f"{args.drift_every}: use at least 2 ranks, 1 slot, 1 round and a drift of 1 step")
-    try:
-        alphas = [float(text) for text in args.alphas.split(",")]
-    except ValueError:
-        alphas = [-1.0]
-    if any(not 0 <= alpha < float("inf") for alpha in alphas):
-        parser.error(f"--alphas {args.alphas}: use finite alphas >= 0, comma separated")
-    prepare()
-    try:
-        job_config = load_job_config([*JOB, "--parallelism.expert_parallel_degree", str(args.nproc), *args.extra],
-                                     "cpu", args.nproc)
-    except ConfigError as e:
-        parser.error(str(e))
-    if job_config.activation_checkpoint.mode != "none" or job_config.parallelism.pipeline_parallel_degree != 1:
-        # a recomputed layer would time its segments twice; ranks of other stages hold other layers
-        parser.error(f"activation_checkpoint.mode {job_config.activation_checkpoint.mode!r}, "
-                     f"parallelism.pipeline_parallel_degree {job_config.parallelism.pipeline_parallel_degree}: the "
-                     "CPU times are split per MoE layer on every rank: use 'none' and 1")
+    alphas = _checked(parser, args)
     replicas = ["--expert_replication.slots_per_rank", str(args.slots), "--expert_replication.adapt_every", "1"]
     settings = {"no replicas": [], f"{args.slots} slot{'s' * (args.slots > 1)}, adapt every 1": replicas}
     runs = {}
@@ -378,6 +343,52 @@ def main(argv: list[str] | None = None) -> int:
             out.write("\n".join(lines) + "\n")
         print(f"table appended to {args.markdown}")
     return 1 if failed else 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=4, help="ranks, one thread each, and the EP degree (default: 4)")
+    parser.add_argument("--steps", type=int, default=12, help="training steps per run (default: 12)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of all arms, alternating (default: 3)")
+    parser.add_argument("--slots", type=int, default=2, help="replica slots per rank of the replicated arms "
+                                                             "(default: 2)")
+    parser.add_argument("--alphas", default="0,1,2", help="routing skews, comma separated (default: 0,1,2)")
+    parser.add_argument("--drift-every", type=int, default=3,
+                        help="steps between redraws of the skew's expert ranking (default: 3)")
+    parser.add_argument("--experts", choices=("grouped_mm", "loop"), default="grouped_mm",
+                        help="the experts' GEMMs: torchtitan's grouped GEMMs in bf16, as a GPU runs them (default), or "
+                             "the per-expert loop a CPU trains with, in the job's precision")
+    parser.add_argument("--markdown", type=Path, help="also append the table to this markdown file")
+    parser.add_argument("--json", type=Path, help="also write every rank's CPU times per run and step here")
+    parser.add_argument("extra", nargs="*", help="more training arguments for every run (after --)")
+    return parser
+
+
+def _checked(parser: argparse.ArgumentParser, args) -> list[float]:
+    """The alphas of ``args``, every option and the job checked first (one line each, through ``parser``)."""
+    if args.steps <= WARMUP:
+        parser.error(f"--steps {args.steps}: use more than {WARMUP} (the first {WARMUP} are warm-up)")
+    if args.nproc < 2 or args.slots < 1 or args.rounds < 1 or args.drift_every < 1:
+        parser.error(f"--nproc {args.nproc} --slots {args.slots} --rounds {args.rounds} --drift-every "
+                     f"{args.drift_every}: use at least 2 ranks, 1 slot, 1 round and a drift of 1 step")
+    try:
+        alphas = [float(text) for text in args.alphas.split(",")]
+    except ValueError:
+        alphas = [-1.0]
+    if any(not 0 <= alpha < float("inf") for alpha in alphas):
+        parser.error(f"--alphas {args.alphas}: use finite alphas >= 0, comma separated")
+    prepare()
+    try:
+        job_config = load_job_config([*JOB, "--parallelism.expert_parallel_degree", str(args.nproc), *args.extra],
+                                     "cpu", args.nproc)
+    except ConfigError as e:
+        parser.error(str(e))
+    if job_config.activation_checkpoint.mode != "none" or job_config.parallelism.pipeline_parallel_degree != 1:
+        # a recomputed layer would time its segments twice; ranks of other stages hold other layers
+        parser.error(f"activation_checkpoint.mode {job_config.activation_checkpoint.mode!r}, "
+                     f"parallelism.pipeline_parallel_degree {job_config.parallelism.pipeline_parallel_degree}: the "
+                     "CPU times are split per MoE layer on every rank: use 'none' and 1")
+    return alphas
 
 
 def _report(runs: dict, args, alphas: list[float], settings: list[str]):

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import torchtitan_ext
-from torchtitan_ext.bench.ep import (
+from torchtitan_ext.measuring.timing import (
     add_timed_run_arguments, DEADLINE_S, machine, parse_timed_run_arguments, progress_bar, workers_device,
 )
 from torchtitan_ext.runtime.workers import run_workers

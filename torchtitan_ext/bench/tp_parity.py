@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torchtitan_ext
 from torchtitan_ext.ep.backends import backend_variants, CPU_VARIANTS
+from torchtitan_ext.records.metrics import logged_losses
 from torchtitan_ext.runtime.jobs import run_job
-from torchtitan_ext.metrics_file import logged_losses
 
 ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
 MARKER = ".tp_parity"

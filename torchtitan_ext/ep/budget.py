@@ -1,5 +1,5 @@
 """What one MoE layer may cost a GPU per training step: the budget each backend and feature declares, and the
-device-cost ledger (:mod:`torchtitan_ext.planning.device_ledger`) holds it to."""
+device-cost ledger (:mod:`torchtitan_ext.measuring.device_ledger`) holds it to."""
 
 from dataclasses import astuple, dataclass, replace
 

@@ -7,7 +7,7 @@ Owns: :mod:`.preflight` (``python -m torchtitan_ext.launch.preflight``, what
 May import: every tier below it (see the tiers in :mod:`torchtitan_ext`); the
 supervisor imports only modules that need nothing beyond the standard library
 (:mod:`.processes`, the reader of ``metrics.jsonl``
-:mod:`torchtitan_ext.metrics_file`, and the preemption signals
-:mod:`torchtitan_ext.preemption`), so that it starts fast and survives what
+:mod:`torchtitan_ext.records.metrics`, and the preemption signals
+:mod:`torchtitan_ext.runtime.preemption`), so that it starts fast and survives what
 the job does.
 """

@@ -32,8 +32,8 @@ from functools import partial
 from pathlib import Path
 
 from torchtitan_ext.launch.processes import die_with_parent
-from torchtitan_ext.metrics_file import read_metrics
-from torchtitan_ext.preemption import PREEMPTION_SIGNALS
+from torchtitan_ext.records.metrics import read_metrics
+from torchtitan_ext.runtime.preemption import PREEMPTION_SIGNALS
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 FAILURE_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")

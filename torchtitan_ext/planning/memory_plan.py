@@ -5,7 +5,7 @@
 non-blocking at the configured capacity factor): the communication buffer, the permuted rows per MoE
 layer and those kept for backward, the expert parameters (with replica slots), whether it can drop
 tokens and, with a routing-statistics dump, the expected drop rate; :func:`format_plan` prints it. Sizes
-come from the runtime's own code on a meta-device model (:mod:`.dry_run`): nothing is allocated, no GPU
+come from the runtime's own code on a meta-device model (:mod:`torchtitan_ext.measuring.dry_run`): nothing is allocated, no GPU
 is needed. See docs/planning.md, "The planner on the 671B GB200 NVL72 config".
 """
 
@@ -19,7 +19,6 @@ from torchtitan_ext.config import ConfigError, max_tokens_per_rank, model_args_o
 from torchtitan_ext.ep import BACKENDS, PLANNING_PROFILES
 from torchtitan_ext.ep.base import token_group_alignment
 from torchtitan_ext.ep.replication.plan import dispatched_shape
-from torchtitan_ext.planning.dry_run import dry_run, DryRunReport
 
 
 @dataclass(frozen=True)
@@ -58,7 +57,8 @@ class BackendPlan:
 @dataclass(frozen=True)
 class Plan:
     dims: Dimensions
-    dry_run: DryRunReport
+    dry_run: object
+    """The job's dry run (:class:`torchtitan_ext.measuring.dry_run.DryRunReport`), whose numbers the plan prints."""
     saved_layers_reason: str
     backends: list[BackendPlan]
     replica_copies: tuple[int, int] = (0, 0)
@@ -110,8 +110,9 @@ def _plan_rows(dims: Dimensions, pad: int) -> tuple[int, int]:
     return dims.tokens * dims.top_k + padding, worst
 
 
-def plan(job_config, world_size: int, routing_stats=None) -> Plan:
-    report = dry_run(job_config, world_size)
+def plan(job_config, report, routing_stats=None) -> Plan:
+    """The plan of ``job_config`` from its dry run ``report`` (the layers rank 0 holds, its parameters); with
+    ``routing_stats``, a dump's expected drop rates."""
     if "name" not in report.ep_settings:
         raise ConfigError("the planner needs an MoE model with expert_parallel_degree > 1")
     model_args = model_args_of(job_config)

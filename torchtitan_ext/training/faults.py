@@ -2,7 +2,7 @@
 
 - **Preemption**: SIGTERM or SIGUSR1 (SLURM's warning, forwarded by
   ``torchtitan_ext.supervise``) only sets a flag
-  (:class:`torchtitan_ext.preemption.PreemptionRequest`). At the end of the
+  (:class:`torchtitan_ext.runtime.preemption.PreemptionRequest`). At the end of the
   step, all ranks agree on it (one all-reduce per step), save a full
   checkpoint of that step and stop cleanly (:class:`Preempted`); the same
   command resumes there.

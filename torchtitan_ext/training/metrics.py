@@ -20,7 +20,7 @@ from torchtitan.tools.logging import logger
 
 from torchtitan_ext.ep import backend_class
 from torchtitan_ext.ep.budget import Budget
-from torchtitan_ext.metrics_file import MetricsFile
+from torchtitan_ext.records.metrics import MetricsFile
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 

@@ -23,8 +23,8 @@ from torchtitan_ext.balancing.routing_skew import RoutingSkewer
 from torchtitan_ext.config import comm_backend, ConfigError, moe_layer_ids
 from torchtitan_ext.ep.base import destroy_kernel_buffers
 from torchtitan_ext.ep.replication.choice import ReplicaChooser
-from torchtitan_ext.preemption import PreemptionRequest
 from torchtitan_ext.runtime.collectives import CollectiveFailed, name_other_collective
+from torchtitan_ext.runtime.preemption import PreemptionRequest
 from torchtitan_ext.training import checkpoints, faults, nvlink_domains
 
 

@@ -1,5 +1,5 @@
 """Calls into a kernel library, announced, so that a count of what a GPU step pays can tell the library's work from
-ours (:mod:`torchtitan_ext.planning.device_ledger`).
+ours (:mod:`torchtitan_ext.measuring.device_ledger`).
 
 The adapters wrap each call into deep_ep, or into the reference kernels that stand for it on a CPU, in
 :func:`kernel_call`, which states how many times the real library makes the host wait during that call (its pinned

@@ -21,8 +21,8 @@ from torchtitan.models.moe.moe import GroupedExperts
 from torchtitan_ext.ep import backend_class
 from torchtitan_ext.ep.budget import Budget, DeviceBudget
 from torchtitan_ext.ep.kernels import calls
-from torchtitan_ext.planning.device_cost_counter import DeviceCostCounter
-from torchtitan_ext.planning.device_costs import Costs, LayerScopes, OUTSIDE, PASSES
+from torchtitan_ext.measuring.device_cost_counter import DeviceCostCounter
+from torchtitan_ext.measuring.device_costs import Costs, LayerScopes, OUTSIDE, PASSES
 
 
 COUNTED_STEP = 2

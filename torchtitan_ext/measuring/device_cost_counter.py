@@ -31,7 +31,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from torchtitan_ext.ep.base import HOST_COPIES
 from torchtitan_ext.ep.kernels import calls
-from torchtitan_ext.planning.device_costs import Costs, LayerScopes, OUTSIDE
+from torchtitan_ext.measuring.device_costs import Costs, LayerScopes, OUTSIDE
 from torchtitan_ext.planning.local_traffic import moved_tensors
 
 

@@ -10,8 +10,8 @@ from torchtitan.distributed import activation_checkpoint
 
 from tests.helpers import REPO_ROOT
 from torchtitan_ext.config import ConfigError, load_job_config
-from torchtitan_ext.planning import dry_run as dry_run_module
-from torchtitan_ext.planning.dry_run import dry_run
+from torchtitan_ext.measuring.dry_run import dry_run
+from torchtitan_ext.measuring import dry_run as dry_run_module
 from torchtitan_ext.training import prepare
 
 SHIPPED = {

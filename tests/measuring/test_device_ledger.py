@@ -8,8 +8,8 @@ import torch.distributed as dist
 from tests.helpers import run_distributed
 from tests.models.gradient_cases import Cell, ledger_worker
 from torchtitan_ext.ep.backends import CPU_VARIANTS
-from torchtitan_ext.planning.device_cost_counter import DeviceCostCounter
-from torchtitan_ext.planning.device_costs import OUTSIDE
+from torchtitan_ext.measuring.device_cost_counter import DeviceCostCounter
+from torchtitan_ext.measuring.device_costs import OUTSIDE
 
 AC_MODES = {
     "ac_none": (),
@@ -80,7 +80,7 @@ def test_the_clis_step_with_replicas_chosen_by_the_trainer_stays_within_budget()
     first replicated step is counted with its plan just chosen. Its index tables are copied between steps, never
     inside a layer (a layer building them in its first replicated forward, two blocking copies, was found by hand
     with the CLI), and every layer fetches replicas (the counts' all-gather: not set aside)."""
-    from torchtitan_ext.planning.device_ledger import count_step
+    from torchtitan_ext.measuring.device_ledger import count_step
 
     ledger = count_step(["--job.config_file", "train_configs/debug_model.toml", "--model.flavor", "debugmodel_small",
                          "--training.seq_len", "64", "--training.local_batch_size", "2",
@@ -105,7 +105,7 @@ def test_a_moe_call_at_a_jobs_shape_counts_what_replication_adds(backend):
     projection's L + S experts at the job's hidden sizes (extended from the two counted ones)."""
     from torchtitan_ext.config import parse
     from torchtitan_ext.config.job import meta_model
-    from torchtitan_ext.planning.device_ledger import EVERY_LAYER, moe_call_ledger
+    from torchtitan_ext.measuring.device_ledger import EVERY_LAYER, moe_call_ledger
 
     job = ["--job.config_file", "train_configs/debug_model.toml", "--parallelism.expert_parallel_degree", "2",
            "--parallelism.expert_parallel_comm_backend", backend, "--training.mixed_precision_param", "float32"]

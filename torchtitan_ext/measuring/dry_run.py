@@ -1,7 +1,7 @@
 """Validate a job on one CPU process, without allocating model weights.
 
 ``COMM_MODE=fake_backend NGPU=<world size> ./run_train.sh`` (or
-``python -m torchtitan_ext.planning.dry_run [--world-size N] -- --job.config_file X [overrides]``; the
+``python -m torchtitan_ext.measuring.dry_run [--world-size N] -- --job.config_file X [overrides]``; the
 world size as every tool takes it: the flag, else NGPU, else the config's degrees)
 parses and validates the config, builds the device mesh over a fake process
 group of the job's world size, builds the model on the meta device, applies the

@@ -1,0 +1,38 @@
+"""What the EP benchmarks call what they time: every backend variant of the table
+(:mod:`torchtitan_ext.ep.backends`), each on the reference kernels or, with ``_lib``, on the real deep_ep ones, and
+``upstream``, torchtitan 0.2.2's own ExpertParallel; and the job-config overrides each label runs with."""
+
+from dataclasses import fields
+
+from torchtitan_ext.ep.backends import BACKENDS, backend_variants, variant_backend
+
+UPSTREAM = "upstream"
+"""The --backends label of torchtitan 0.2.2's own ExpertParallel."""
+
+LIBRARY = "_lib"
+"""Suffix of a variant's label on the real deep_ep kernels."""
+
+
+def kernel_section(backend: str) -> str | None:
+    """The config section whose ``implementation`` picks backend ``backend``'s kernels; None if it has none."""
+    config = BACKENDS[backend].Config
+    if config is None or "implementation" not in {field.name for field in fields(config)}:
+        return None
+    return BACKENDS[backend].config_section
+
+
+def labels() -> list[str]:
+    """What --backends takes: every backend variant, each with a kernel choice also with ``_lib``, and upstream."""
+    variants = list(backend_variants())
+    return [*variants, *(v + LIBRARY for v in variants if kernel_section(variant_backend(v))), UPSTREAM]
+
+
+def job_args(label: str) -> list[str]:
+    """The job-config overrides that ``label`` (of --backends, not upstream) runs with: its variant's, and its
+    kernels (the real deep_ep ones for ``_lib``, else the reference) where the backend has that choice."""
+    variant = label.removesuffix(LIBRARY)
+    args = backend_variants()[variant]
+    section = kernel_section(variant_backend(variant))
+    if section is not None:
+        args = [*args, f"--{section}.implementation", "deep_ep" if label.endswith(LIBRARY) else "reference"]
+    return args
