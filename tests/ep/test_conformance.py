@@ -62,8 +62,9 @@ def test_matches_dense_moe(results, ground_truth, case, ep, backend):
         assert got.get("dropped_pairs", 0) == 0
 
 
-def test_cases_cover_the_contract():
-    """The suite exercises top_k 1/2/4, 1-4 local experts, empty experts, padding, both score modes."""
+def test_guard_of_the_suites_coverage_cases_span_the_contract():
+    """A guard of the suite's own coverage, not of the product: the cases above exercise top_k 1/2/4, 1-4 local
+    experts, empty experts, padding and both score modes, so an edit of CASES cannot quietly drop one."""
     assert {case.top_k for case in CASES} >= {1, 2, 4}
     assert {case.num_experts // ep for case, ep in _cases_and_degrees()} >= {1, 2, 3, 4}
     assert {case.score_before_experts for case in CASES} == {True, False}

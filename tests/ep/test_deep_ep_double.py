@@ -62,7 +62,9 @@ def test_double_computes_without_the_project():
             assert not any(name.split(".")[0] in ("torchtitan_ext", "tests") for name in names), (source, names)
 
 
-def test_double_has_the_manifests_signatures(double_modules):
+def test_guard_of_the_suites_double_it_has_the_manifests_signatures(double_modules):
+    """A guard of the suite's own double, not of the product: the double keeps the signatures the manifest read at
+    the library's pinned commits, so the adapters' calls, which run against it, bind as they would to deep_ep."""
     buffers, hybrid = double_modules
     manifest = MANIFEST | (HYBRID_EP_BUILD if buffers.BUILD == "hybrid-ep" else {})
     for qualified, (signature, _, repo, commit, path) in manifest.items():
@@ -74,9 +76,10 @@ def test_double_has_the_manifests_signatures(double_modules):
         assert _rendered(inspect.signature(target)) == signature, (qualified, repo, commit, path)
 
 
-def test_v2_5_double_has_the_manifests_signatures_and_no_v1(installed_build):
-    """DeepEP V2.5 exports EPBuffer (V2's buffer split by job, with the load-balancing kernels) and no
-    Buffer or ElasticBuffer: the double of that build has exactly the manifest's signatures."""
+def test_guard_of_the_suites_double_v2_5_has_the_manifests_signatures_and_no_v1(installed_build):
+    """A guard of the suite's own double, not of the product: DeepEP V2.5 exports EPBuffer (V2's buffer split by
+    job, with the load-balancing kernels) and no Buffer or ElasticBuffer, and the double of that build has exactly
+    the manifest's signatures."""
     installed_build("v2.5")
     library = importlib.import_module("deep_ep")
     assert library.__version__ == "2.5.0"

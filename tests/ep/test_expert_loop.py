@@ -51,7 +51,9 @@ def test_the_loop_equals_torchtitans_and_writes_each_weights_gradient_once():
 
 
 @pytest.mark.parametrize("config", ["debug_model.toml", "llama4_debug_model.toml"])
-def test_the_parallelize_plan_runs_every_moe_layers_experts_on_the_unbound_loop(world_of_one, config):
+def test_under_the_parallelize_plan_every_moe_layer_writes_each_weights_gradient_once(world_of_one, config):
+    """The plan applied as training applies it: every MoE layer's experts, run forward and backward on rows routed
+    to all of its experts, write one stacked gradient per projection (torchtitan's loop writes one per expert)."""
     from torchtitan.distributed import ParallelDims
     from torchtitan.protocols.train_spec import get_train_spec
 
@@ -64,5 +66,16 @@ def test_the_parallelize_plan_runs_every_moe_layers_experts_on_the_unbound_loop(
     model = meta_model(job_config)
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
     get_train_spec(job_config.model.name).parallelize_fn(model, dims, job_config)
-    experts = [block.moe.experts for block in model.layers.values() if block.moe_enabled]
-    assert experts and all(type(module) is UnboundLoopExperts and not module.use_grouped_mm for module in experts)
+    layers = [block.moe.experts for block in model.layers.values() if block.moe_enabled]
+    assert layers
+    generator = torch.Generator().manual_seed(0)
+    for experts in layers:
+        experts.to_empty(device="cpu")
+        for parameter in experts.parameters():
+            parameter.data.copy_(torch.randn(parameter.shape, generator=generator) * 0.02)
+        counts = torch.arange(1, experts.num_experts + 1)
+        tokens = torch.randn(int(counts.sum()), experts.w1.shape[-1], generator=generator)
+        out = experts(tokens, counts)
+        with StackSizedOutputs(experts.w1.numel()) as written:
+            out.backward(torch.ones_like(out))
+        assert written.count == 3

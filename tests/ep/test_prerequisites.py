@@ -125,11 +125,21 @@ def test_hybridep_jit_reads_cuda_home_only(clean_environment, monkeypatch):
     check_hybridep_jit()
 
 
-def test_hybridep_jit_folder_ignores_home(clean_environment, monkeypatch):
-    """The C++ side takes the home from the password database (getpwuid), not $HOME."""
+@pytest.mark.parametrize("database_home, expected", [("/home/from-the-database", "/home/from-the-database"),
+                                                     ("", "/tmp"), (None, "/tmp")])
+def test_hybridep_jit_folder_ignores_home(clean_environment, monkeypatch, database_home, expected):
+    """The C++ side takes the home from the password database (getpwuid), not $HOME; /tmp where the database gives
+    none (an empty entry, or no entry for the user: KeyError)."""
+    import pwd
+
+    def getpwuid(uid):
+        if database_home is None:
+            raise KeyError(uid)
+        return pwd.struct_passwd(("user", "x", uid, uid, "", database_home, "/bin/sh"))
+
     monkeypatch.delenv("HYBRID_EP_CACHE_DIR")
     monkeypatch.setenv("HOME", str(clean_environment / "elsewhere"))
-    expected = prerequisites.password_home() or "/tmp"
+    monkeypatch.setattr(pwd, "getpwuid", getpwuid)
     assert str(prerequisites.hybridep_jit_folder()) == f"{expected}/.deepep/hybrid_ep/jit"
 
 

@@ -138,7 +138,11 @@ def test_training_log_reports_drops_once_and_records_routing(tmp_path):
     assert data["layers"].tolist() == [1, 2, 3, 4, 5]
     assert data["tokens_per_expert"].shape == (1, 5, 8)
     assert (data["tokens_per_expert"].sum(axis=2) == 2 * 4 * 256 * 3).all()
-    assert routing_report.main([str(folder)])
+    # the report's co-activation plot is of the layer whose busiest expert is furthest above the mean, over steps
+    totals = sum(load(path)["tokens_per_expert"].sum(axis=0) for path in folder.glob("*.npz"))  # [layers, experts]
+    furthest = data["layers"][int((totals.max(axis=1) / totals.mean(axis=1)).argmax())]
+    assert [path.name for path in routing_report.main([str(folder)])] == ["expert_load.png",
+                                                                         f"coactivation_layer{furthest}.png"]
 
 
 def _metrics_processor(log_freq: int):
