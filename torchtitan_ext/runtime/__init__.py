@@ -4,19 +4,29 @@ torchtitan 0.2.2, host memory, and failed collectives named by where they happen
 Owns: :mod:`.device` (device choice, :func:`configure`, the CPU + gloo
 accommodations), :mod:`.memory` (host-memory monitor, heap policy),
 :mod:`.collectives` (:class:`CollectiveFailed`), and the one launcher of every command the tests, benches and
-checks start (:mod:`.jobs`).
+checks start (:mod:`.jobs`), and the preemption signals a job's supervisor and its ranks share
+(:mod:`.preemption`).
 
 May import: :mod:`torchtitan_ext.config` (see the tiers in :mod:`torchtitan_ext`).
 """
 
-from torchtitan_ext.runtime.device import adapt_model_parts, configure, device_type, max_local_world_size
-from torchtitan_ext.runtime.memory import keep_freed_memory_in_heap, release_freed_memory
+import importlib
 
-__all__ = [
-    "adapt_model_parts",
-    "configure",
-    "device_type",
-    "keep_freed_memory_in_heap",
-    "max_local_world_size",
-    "release_freed_memory",
-]
+_EXPORTS = {
+    "adapt_model_parts": "device",
+    "configure": "device",
+    "device_type": "device",
+    "max_local_world_size": "device",
+    "keep_freed_memory_in_heap": "memory",
+    "release_freed_memory": "memory",
+}
+"""Name -> the module of this package that defines it. They load on first use: the supervisor imports
+:mod:`.preemption`, and it must start without torch (which :mod:`.device` and :mod:`.memory` import)."""
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
