@@ -307,7 +307,7 @@ def _paper(args) -> list[str]:
         raise ConfigError(f"--paper-pre-expert-ms {args.paper_pre_expert_ms}: use a finite time >= 0")
     topology = load_topology(args.topology)
     # the one link G workers span: the innermost level whose group holds them all
-    link = topology.levels[topology.level_of(topology.group_sizes(args.world_size), 0, args.world_size - 1)]
+    link = topology.levels[topology.rank_levels(args.world_size)[-1]]
     setting = PaperSetting(
         args.world_size, args.paper_data_mb * 1e6, args.paper_expert_mb * 1e6, link.bandwidth_GBps * 1e9,
         args.paper_pre_expert_ms * 1e-3,

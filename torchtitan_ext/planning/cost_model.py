@@ -163,12 +163,11 @@ class LayerCosts:
         return self.all_to_alls(recomputed) * self.a2a + forward_gather + backward_fsdp
 
 
-def _levels_of_peers(topology: Topology, sizes: list[int], peers: list[int]) -> dict[int, int]:
-    """{level index: how many of ``peers`` rank 0 reaches first at that level}."""
+def _levels_of_peers(levels: tuple[int, ...], peers: range) -> dict[int, int]:
+    """{level index: how many of ``peers`` rank 0 reaches over that level} (``levels``: :meth:`Topology.rank_levels`)."""
     counts: dict[int, int] = {}
     for peer in peers:
-        level = topology.level_of(sizes, 0, peer)
-        counts[level] = counts.get(level, 0) + 1
+        counts[levels[peer]] = counts.get(levels[peer], 0) + 1
     return counts
 
 
@@ -206,7 +205,8 @@ def token_bytes_per_level(
     routing's, for per-pair sends (under expert replication: after the split, :mod:`.replica_cost`).
     """
     row = work.hidden * work.activation_bytes
-    by_level = _levels_of_peers(topology, sizes, list(range(1, ep)))
+    levels = topology.rank_levels(sizes[-1])
+    by_level = _levels_of_peers(levels, range(1, ep))
     volume: dict[int, float] = {}
     copies = 0.0
     if not copies_per_rank:
@@ -229,7 +229,7 @@ def token_bytes_per_level(
             continue
         domains: dict[int, int] = {}
         for peer in range(1, ep):
-            if topology.level_of(sizes, 0, peer) == level:
+            if levels[peer] == level:
                 domains[peer // sizes[level - 1]] = domains.get(peer // sizes[level - 1], 0) + 1
         for ranks in domains.values():
             reach_domain = reach(ranks, sizes[level - 1])
@@ -269,13 +269,12 @@ def layer_costs(
     expert-FSDP group (ranks ep apart), of this rank's E/ep experts in FSDP's shards, once or twice per
     step, and the gradients' reduce-scatter of the same bytes at the reduce dtype.
     """
-    sizes = topology.group_sizes(world_size)
     links = topology if token_links is None else token_links
     volume, copies = token_bytes_per_level(work, links, links.group_sizes(world_size), ep, copies_per_rank, routing, pair_share)
     a2a = transfer_seconds(links, volume, rate_fractions=token_rate_fractions)
     gathered = work.experts // ep * work.expert_parameters * (efsdp - 1) / efsdp
     if efsdp > 1:
-        level = max(topology.level_of(sizes, 0, j * ep) for j in range(1, efsdp))
+        level = topology.rank_levels(world_size)[(efsdp - 1) * ep]
         all_gather = transfer_seconds(topology, {level: gathered * work.gather_bytes}, "all_gather")
         reduce_scatter = transfer_seconds(topology, {level: gathered * work.reduce_bytes}, "reduce_scatter")
     else:
@@ -338,13 +337,13 @@ class DataParallelSync:
 
     def per_level(self, topology: Topology, world_size: int) -> dict[int, float]:
         """:meth:`communication` by the level whose link carries it (each group's outermost)."""
-        sizes = topology.group_sizes(world_size)
+        levels = topology.rank_levels(world_size)
         busy: dict[int, float] = {}
 
         def add(collective: Collective, size: int, stride: int, elements: float, element_bytes: int, times: int) -> None:
             if size == 1:
                 return
-            level = topology.level_of(sizes, 0, (size - 1) * stride)
+            level = levels[(size - 1) * stride]
             link = topology.levels[level]
             moved = elements * (size - 1) / size
             seconds = moved * element_bytes / link.bandwidth(collective) + self.units * link.latency_us * 1e-6

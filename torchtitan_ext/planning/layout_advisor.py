@@ -27,7 +27,7 @@ from torchtitan_ext.planning.layout_links import (
 from torchtitan_ext.planning.local_traffic import count_local_traffic, LocalTraffic
 from torchtitan_ext.planning.measured_compute import MeasuredCompute
 from torchtitan_ext.planning.measured_rates import MeasuredRate
-from torchtitan_ext.planning.replica_cost import check_replayable, replay, replica_traffic, ReplicaReplay
+from torchtitan_ext.planning.replica_cost import replay, replica_traffic, ReplicaReplay
 from torchtitan_ext.planning.topology import Topology
 
 
@@ -63,9 +63,8 @@ def advise(
     prices_replicas = any(slot_counts)
     routing = None
     if routing_stats is not None:
+        # a dump that cannot be replayed under replicas is refused at the first replay (replica_cost.replay)
         routing = MeasuredRouting.from_dump(routing_stats, routing_source, work.experts, work.top_k)
-        if prices_replicas:
-            check_replayable(routing, replication.adapt_every)
     if measured_compute is None:
         compute_s = topology.compute_seconds(shape.step_flops, shape.mxfp8_flop_share)
         expert_compute_s = topology.compute_seconds(shape.step_flops * shape.expert_flop_share,
@@ -81,10 +80,11 @@ def advise(
     score_before_experts = model_args_of(job_config).moe_args.score_before_experts
 
     def local_work(
-        backend_name: str, candidate, ep: int, received_tokens: float
+        backend_name: str, candidate, ep: int, received_tokens: float, counted_settings: dict
     ) -> tuple[float, float, LocalTraffic | None]:
         """(seconds per MoE call, the forward's share, the bytes counted in a group of one) of the backend's local
-        work, where the mean rank holds ``received_tokens`` token vectors per token it sends."""
+        work, where the mean rank holds ``received_tokens`` token vectors per token it sends; counted in a group
+        of one at ``counted_settings`` (:meth:`~torchtitan_ext.ep.planning_profile.PlanningProfile.counted_settings`)."""
         if measured_compute is not None:
             return (0.0 if ep == 1 else measured_compute.dispatch_work_s[backend_name]), 0.5, None
         if topology.memory_bandwidth_GBps is None:
@@ -96,7 +96,7 @@ def advise(
             return 0.0, 0.5, None  # the cluster's measured rate (bench_ep's rows) holds it
         # the job's experts: a group of one has no replica slots
         counted = copy.deepcopy(candidate)
-        for field, value in profile.counted_settings(candidate, moe_shape, ep).items():
+        for field, value in counted_settings.items():
             setattr(getattr(counted, backend.config_section), field, value)
         traffic = count_local_traffic(
             backend_name if ep > 1 else None, counted, moe_shape, work.tokens,
@@ -108,7 +108,7 @@ def advise(
     def level_name(links: Topology, last_peer: int) -> str:
         if not last_peer:
             return ""
-        return links.levels[links.level_of(links.group_sizes(world_size), 0, last_peer)].name
+        return links.levels[links.rank_levels(world_size)[last_peer]].name
 
     replays: dict[tuple[int, int], ReplicaReplay] = {}
 
@@ -152,7 +152,8 @@ def advise(
             gathered = work.experts // ep * work.expert_parameters * work.gather_bytes
             buffer_bytes = profile.planned_buffer(candidate, dispatched_shape(candidate, moe_shape))[0]
             # a backend's kernels carry replicas within one NVLink domain only (elsewhere they move by all-to-all)
-            region = profile.planned_replica_region(candidate) if ep > 1 and topology.level_of(sizes, 0, ep - 1) == 0 else 0
+            region = profile.planned_replica_region(candidate) if ep > 1 and topology.rank_levels(world_size)[ep - 1] == 0 else 0
+            counted_settings = profile.counted_settings(candidate, moe_shape, ep)
             memory = memory_needed(shape, ep, gathered, buffer_bytes, ratio, slots, region)
             if topology.memory_GB is not None and memory > topology.memory_GB * 1e9:
                 refused.append(replace(layout, refused=(
@@ -166,7 +167,7 @@ def advise(
                 continue
             fetch_s, return_s = replica_traffic(work, topology, world_size, ep, moved)
             fractions = kernel_rate_fractions(backend_name, candidate, topology, links, measured_rates)
-            crossed = links.level_of(links.group_sizes(world_size), 0, ep - 1) + 1 if ep > 1 else 0
+            crossed = links.rank_levels(world_size)[ep - 1] + 1 if ep > 1 else 0
             nominal = [index for index, level in enumerate(links.levels[:crossed])
                        if level.fabric is not None and index not in fractions]
             nominal_levels = [links.levels[index] for index in nominal]
@@ -181,7 +182,7 @@ def advise(
                 {**fractions, **fitted})
             # the mean rank's token vectors per token it sends: the EP ranks one token reaches, its own among them
             received = ep * token_reach(work, ep, None) if profile.sends_each_token_once_per_rank and ep > 1 else 1.0
-            work_s, forward_share, traffic = local_work(backend_name, candidate, ep, received)
+            work_s, forward_share, traffic = local_work(backend_name, candidate, ep, received, counted_settings)
             priced = replace(
                 layout,
                 costs=costs,

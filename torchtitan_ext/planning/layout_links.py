@@ -35,7 +35,7 @@ def crossed_fabrics(backend_name: str, candidate, topology: Topology, world_size
         links = kernel_links(backend_name, candidate, topology, world_size, ep)
     except ConfigError:
         return ()
-    crossed = links.level_of(links.group_sizes(world_size), 0, ep - 1) + 1
+    crossed = links.rank_levels(world_size)[ep - 1] + 1
     return tuple(level.fabric for level in links.levels[:crossed])
 
 
@@ -180,17 +180,17 @@ def link_busy(layout: Layout, topology: Topology, links: Topology, world_size: i
     """:attr:`Layout.link_busy`: each collective's time per step on the physical link of its group's outermost
     level (an all-to-all's on its outermost level, whose bytes set its time; over a backend's kernel-domain
     split, the next level's link)."""
-    sizes = topology.group_sizes(world_size)
+    levels = topology.rank_levels(world_size)
     busy = dict(data_parallel_busy)
     costs = layout.costs
     if layout.ep > 1:
-        physical = physical_level(topology, links, links.level_of(links.group_sizes(world_size), 0, layout.ep - 1))
+        physical = physical_level(topology, links, links.rank_levels(world_size)[layout.ep - 1])
         a2a = layout._per_step(lambda recomputed: costs.all_to_alls(recomputed) * costs.a2a)
         busy[physical] = busy.get(physical, 0.0) + a2a
-        ep_level = topology.level_of(sizes, 0, layout.ep - 1)
+        ep_level = levels[layout.ep - 1]
         busy[ep_level] = busy.get(ep_level, 0.0) + layout.replica_s
     if layout.efsdp > 1:
-        gather_level = topology.level_of(sizes, 0, (layout.efsdp - 1) * layout.ep)
+        gather_level = levels[(layout.efsdp - 1) * layout.ep]
         fsdp = layout.dispatches * layout.moe_layers * (costs.all_gathers * costs.all_gather + costs.reduce_scatter)
         busy[gather_level] = busy.get(gather_level, 0.0) + fsdp
     return tuple((topology.levels[level].name, seconds) for level, seconds in sorted(busy.items()) if seconds > 0)

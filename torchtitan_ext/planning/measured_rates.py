@@ -96,7 +96,7 @@ def nccl_tests_rates(path: Path, topology: Topology, text: str) -> dict[tuple[st
                         f"but fill one group of '{level.name}', one node's NVLink: run it with {sizes[index]} "
                         "ranks per node, placed in blocks (mpirun --map-by slot, srun -m block)"
                     )
-        level = topology.level_of(sizes, 0, run.ranks - 1)
+        level = topology.rank_levels(sizes[-1])[run.ranks - 1]
         # a uniform all-to-all: each rank sends size / ranks bytes to every rank, itself included
         work = MoEWorkload(
             tokens=run.size_bytes, hidden=1, top_k=1, experts=run.ranks, expert_parameters=0, activation_bytes=1,
@@ -152,10 +152,9 @@ def measured_rates(path: Path, topology: Topology, text: str) -> dict[tuple[str,
             raise ConfigError(f"{where}.ep = {ep}: {row.comm_backend}'s kernels reach {reach} ranks over NVLink, "
                               f"and a group of {ep} spans their split: time it at EP <= {reach}")
         try:
-            sizes = topology.group_sizes(processes)
+            level = topology.rank_levels(processes)[ep - 1]
         except ConfigError as e:
             raise ConfigError(f"{where}.processes = {processes} on topology '{topology.name}': {e}") from None
-        level = topology.level_of(sizes, 0, ep - 1)
         element = DTYPE_BYTES[row.dtype]
         work = MoEWorkload(
             tokens=row.tokens, hidden=row.hidden, top_k=row.top_k, experts=row.experts, expert_parameters=0,

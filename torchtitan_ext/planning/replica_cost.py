@@ -67,11 +67,6 @@ def _priced(routing: MeasuredRouting, adapt_every: int) -> list[tuple[int, int]]
     return priced
 
 
-def check_replayable(routing: MeasuredRouting, adapt_every: int) -> None:
-    """ConfigError when no step of the dump can be priced under replicas."""
-    _priced(routing, adapt_every)
-
-
 def replay(routing: MeasuredRouting, ep: int, slots: int, adapt_every: int, progress: bool = False) -> ReplicaReplay:
     """The dump at ``ep`` ranks with ``slots`` replica slots each, chosen every ``adapt_every`` steps."""
     priced = _priced(routing, adapt_every)
@@ -103,8 +98,7 @@ def replica_traffic(work: MoEWorkload, topology: Topology, world_size: int, ep: 
     when the busiest rank sends or receives ``experts_moved`` whole experts per fetch."""
     if not experts_moved:
         return 0.0, 0.0
-    sizes = topology.group_sizes(world_size)
-    level = topology.level_of(sizes, 0, ep - 1)
+    level = topology.rank_levels(world_size)[ep - 1]
     weights = experts_moved * work.expert_parameters * work.gather_bytes
     fetch = transfer_seconds(topology, {level: weights})
     exchange = transfer_seconds(topology, {level: work.experts * COUNT_BYTES * (ep - 1)}, "all_gather")

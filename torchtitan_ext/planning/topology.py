@@ -168,12 +168,12 @@ class Topology:
             *self.levels[1:],
         ))
 
-    def level_of(self, sizes: list[int], rank_a: int, rank_b: int) -> int:
-        """Index of the innermost level whose group holds both ranks."""
-        for index, size in enumerate(sizes):
-            if rank_a // size == rank_b // size:
-                return index
-        raise ValueError(f"ranks {rank_a} and {rank_b} are outside a job of {sizes[-1]} ranks")
+    def rank_levels(self, world_size: int) -> tuple[int, ...]:
+        """For each rank of a job of ``world_size`` ranks, the index of the innermost level whose group holds it
+        and rank 0 (0 for rank 0 itself): the link rank 0 reaches it over. A group of ranks 0, s, 2s, ... spans
+        the level of its last rank."""
+        sizes = self.group_sizes(world_size)
+        return tuple(next(index for index, size in enumerate(sizes) if rank // size == 0) for rank in range(world_size))
 
 
 TOP_KEYS = {"name", "compute_tflops", "mxfp8_compute_tflops", "overlap", "levels", "memory_GB", "memory_bandwidth_GBps", "ranks_per_group"}
