@@ -9,7 +9,7 @@ AVX512_BF16/AMX), alternating in one session:
 
 - ``default``: the job as shipped; the runtime must choose float32 parameters;
 - ``float32``: the same with ``--training.mixed_precision_param float32``;
-- ``bfloat16`` (``--with-bf16``): bf16 forced, what the default used to cost.
+- ``bfloat16`` (``--with-bf16``): bf16 forced: what emulated bf16 GEMMs cost on a CPU without bf16 units.
 
 Each run trains ``--steps`` steps; the first ``--warmup`` step times of each run
 (the job's metrics.jsonl) are dropped. Reports medians and the ratio default / float32 (goal <= 1.2), and

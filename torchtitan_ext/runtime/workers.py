@@ -45,8 +45,8 @@ GLOO_COLLECTIVE_SEGFAULT = re.compile(
     r"Fatal Python error: Segmentation fault.*?\(most recent call first\):\n"
     r"(?:  File [^\n]*\n)?  File \"[^\"]*/torch/distributed/", re.S)
 """What faulthandler writes to a worker's stderr when it died of a segmentation fault while a thread was inside a
-torch.distributed collective (its innermost Python frame, or the one under torch's op call): seen in full-suite
-runs under load, a gloo ``all_gather`` of DTensor gradients crashing (2026-11-27), never on its own."""
+torch.distributed collective (its innermost Python frame, or the one under torch's op call), as a gloo
+``all_gather`` of DTensor gradients can under load."""
 
 _before_teardown: list[Callable[[], None]] = []
 
