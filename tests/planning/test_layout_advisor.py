@@ -648,7 +648,9 @@ def _advice_16b(*overrides: str) -> dict:
     prepare()  # our model args: every backend builds torchtitan's standard MoE (its "deepep" one imports deep_ep)
     # one sequence per rank: what is checked (links, copies, the rates' ratio) does not scale with the batch
     job = ["--job.config_file", "train_configs/deepseek_v3_16b.toml", "--training.local_batch_size", "1", *overrides]
-    return {(layout.label, layout.ep): layout for layout in advise(job, 64, load_topology("gb200_nvl72"))[0]
+    # the EP degrees the tests compare: within v1's 8 NVLink peers, and a whole rack
+    return {(layout.label, layout.ep): layout for layout in advise(job, 64, load_topology("gb200_nvl72"),
+                                                                   ep_degrees={8, 64})[0]
             if layout.refused is None}
 
 
@@ -798,7 +800,8 @@ def test_replica_traffic_uses_the_physical_links_whatever_the_kernels_reach():
     job = ["--job.config_file", "train_configs/deepseek_v3_16b.toml"]
     priced = {}
     for api in ("legacy", "elastic"):
-        layouts, _ = advise([*job, "--deepep.api", api], 64, load_topology("gb200_nvl72"), replica_slots=[1])
+        layouts, _ = advise([*job, "--deepep.api", api], 64, load_topology("gb200_nvl72"), replica_slots=[1],
+                            ep_degrees={64})
         priced[api] = next(layout for layout in layouts if (layout.label, layout.ep) == ("deepep", 64))
     assert priced["legacy"].refused is None and priced["elastic"].refused is None
     assert priced["legacy"].replica_fetch_s == priced["elastic"].replica_fetch_s > 0
@@ -903,7 +906,7 @@ def test_memory_counts_deepep_v2_5s_load_balancing_region_within_one_nvlink_doma
         # one sequence per rank: the region does not scale with the batch, and fewer rows count faster
         job = ["--job.config_file", str(config), "--compile.no-enable", "--expert_replication.slots_per_rank", "2",
                "--deepep.api", api, "--training.local_batch_size", "1"]
-        layouts = advise(job, 256, topology)[0]
+        layouts = advise(job, 256, topology, ep_degrees={32, 64, 128})[0]  # within a rack, a rack, beyond it
         return {(layout.label, layout.ep): layout.memory_bytes for layout in layouts if layout.refused is None}
 
     v2_5, elastic = memory("ep"), memory("elastic")
