@@ -141,8 +141,7 @@ def _plan_job(args, train_args: list[str], command: str) -> None:
     """The memory plan and, with --topology, the layout advice; what --json and --emit-config write."""
     prepare()
     try:
-        world_size = job_world_size(parse(train_args), args.world_size)
-        topology, rates, fitted_fractions = _priced_topology(args, world_size)
+        world_size, topology, rates, fitted_fractions = _priced_topology(args, train_args)
         job_config = load_job_config(train_args, device_type=None, world_size=world_size)
         if args.measure_compute:
             check_measurable(load_job_config(train_args, device_type="cpu", world_size=world_size), world_size)
@@ -198,9 +197,10 @@ def _plan_job(args, train_args: list[str], command: str) -> None:
               f"(train with: ./run_train.sh --job.config_file {args.emit_config})")
 
 
-def _priced_topology(args, world_size: int):
-    """(the topology with the job's ranks placed, the measured or fitted rates, the shipped fit's link shares):
-    what the advice prices layouts on; all None without --topology."""
+def _priced_topology(args, train_args: list[str]):
+    """(the job's world size, the topology with its ranks placed, the measured or fitted rates, the shipped fit's
+    link shares): what the advice prices layouts on, the last three None without --topology. The topology and
+    fit files are read before the job config, so that a bad file is named first."""
     topology = load_topology(args.topology) if args.topology else None
     fitted_rates, fitted_fractions = {}, None
     if args.fit_from is None and topology is not None and SHIPPED_FIT.exists():
@@ -213,6 +213,7 @@ def _priced_topology(args, world_size: int):
             raise ConfigError(f"--fit-from {args.fit_from}: it fits nothing of topology '{topology.name}' (its "
                               f"compute scales: {', '.join(fitted.compute_scale) or 'none'}): fit on a "
                               "comparison run on it, or drop --fit-from")
+    world_size = job_world_size(parse(train_args), args.world_size)
     placed = topology if topology is None else topology.placed_for(world_size, args.ranks_per_group)
     # bench_ep's processes fill the machines it ran on: its rows are placed before the job's ranks per group
     rates = None if args.calibrate_from is None else calibration_rates(args.calibrate_from, topology, placed)
@@ -222,7 +223,7 @@ def _priced_topology(args, world_size: int):
                           "--measure-compute adds again: drop one of them")
     if placed is not None:
         placed.group_sizes(world_size)
-    return placed, rates, fitted_fractions
+    return world_size, placed, rates, fitted_fractions
 
 
 def _shown(path: Path) -> str:

@@ -285,7 +285,7 @@ def fresh_group_worker(rank: int, ep: int) -> dict:
 
 
 def lb_fetch_worker(rank: int, ep: int) -> dict:
-    """One layer's replica weights out and their gradients home (``replicated_experts.with_replicas``): by all-to-all,
+    """One layer's replica weights out and their gradients home (``torchtitan_ext.ep.replication.experts``): by all-to-all,
     then through DeepEP V2.5's load-balancing kernels (the transport an ``EPBuffer`` registers), then by
     all-to-all again once that buffer is destroyed. bf16 experts of 16 elements (32 bytes, the kernels'
     row multiple); per run the fetched rows, the home gradient, the collectives and the LB calls."""

@@ -6,7 +6,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torchtitan.models.moe.moe import _run_experts_for_loop
 
-from torchtitan_ext.ep.experts import run_experts_for_loop, UnboundLoopExperts
+from torchtitan_ext.ep.experts import run_experts_for_loop
 
 
 class StackSizedOutputs(TorchDispatchMode):

@@ -124,6 +124,15 @@ def test_a_dump_without_a_step_after_the_first_choice_is_named():
     )
 
 
+def test_the_advice_refuses_such_a_dump_even_where_every_layout_with_replicas_is_refused():
+    """A compiled model refuses replicas, so every layout with them is refused before its replay; the dump still
+    cannot price replicas chosen every 2 steps from 2 recorded steps, and the advice says so instead of printing
+    only refusals."""
+    job = [*DEBUG_JOB, "--expert_replication.adapt_every", "2", "--compile.enable", "--compile.components", "model"]
+    with pytest.raises(ConfigError, match=r"records steps 1\.\.2; pricing replicas chosen every 2 step\(s\)"):
+        advise(job, 2, ONE_LINK, _dump(np.array([[COLLAPSED] * 5] * 2)), "collapsed", replica_slots=[1])
+
+
 def test_the_busiest_sender_sets_the_replica_traffic():
     """Three hot experts homed on ranks 0 and 1 of 4, two slots each: rank 0, home of two of them, sends 5 experts
     per fetch, more than the 2 each rank receives, and the layout's fetch is priced at those 5."""

@@ -8,7 +8,7 @@
 - host-to-device copies, blocking (pageable, or without ``non_blocking``) or not;
 - collectives, with their kind, group size and bytes, and the kernel libraries' calls;
 - local bytes: what operators outside the GEMMs and the libraries read and write (the layout advisor's counting,
-  :mod:`.local_traffic`);
+  :mod:`torchtitan_ext.planning.local_traffic`);
 - weight tensors materialised beyond the parameters (an operator on weights alone that writes a new tensor).
 
 On a CPU every tensor is a host tensor, so the counter keeps its own account of which hold host data: values read

@@ -63,7 +63,7 @@ def advise(
     prices_replicas = any(slot_counts)
     routing = None
     if routing_stats is not None:
-        # a dump that cannot be replayed under replicas is refused at the first replay (replica_cost.replay)
+        # a dump that cannot be replayed under replicas is refused at its first replay (replica_cost.replay)
         routing = MeasuredRouting.from_dump(routing_stats, routing_source, work.experts, work.top_k)
     if measured_compute is None:
         compute_s = topology.compute_seconds(shape.step_flops, shape.mxfp8_flop_share)
@@ -121,6 +121,8 @@ def advise(
         return replays[ep, slots]
 
     runnable, refused = [], []
+    replicated: tuple[int, int] | None = None
+    """The first (EP, slots) with replicas considered: replayed at the end if no layout with replicas was priced."""
     for ep in range(1, shape.expert_world + 1):
         if shape.expert_world % ep or work.experts % ep or (ep_degrees is not None and ep not in ep_degrees):
             continue
@@ -129,6 +131,8 @@ def advise(
             profile = PLANNING_PROFILES[backend_name]
             if ep == 1 and slots and 0 in slot_counts:
                 continue  # replicas need EP > 1: this EP = 1 layout is priced without them
+            if replicated is None and ep > 1 and slots:
+                replicated = (ep, slots)
             layout = Layout(backend_name, ep, efsdp, refused=None, replica_slots=slots,
                             job_replica_slots=replication.slots_per_rank,
                             settings=tuple((backend.config_section, field, value) for field, value in settings.items()))
@@ -216,6 +220,8 @@ def advise(
             if fitted_costs is not None:
                 priced = replace(priced, fitted_step_s=replace(priced, costs=fitted_costs).step_s)
             runnable.append(replace(priced, link_busy=link_busy(priced, topology, links, world_size, data_parallel_busy)))
+    if replicated is not None and not replays:
+        replayed(*replicated)  # a dump the replicas cannot be priced on is refused even where every such layout was
     # a layout priced at a nominal rate (no published figure) ranks below every priced one, whatever its step: its
     # step is a bound it may not reach; equal predictions keep the job's own backend (and slot count) first
     configured = comm_backend(job_config)

@@ -7,6 +7,7 @@ innermost level's groups are consecutive ranks). Format: docs/planning.md, "Topo
 """
 
 import difflib
+import functools
 import math
 import tomllib
 from dataclasses import dataclass, replace
@@ -172,8 +173,18 @@ class Topology:
         """For each rank of a job of ``world_size`` ranks, the index of the innermost level whose group holds it
         and rank 0 (0 for rank 0 itself): the link rank 0 reaches it over. A group of ranks 0, s, 2s, ... spans
         the level of its last rank."""
-        sizes = self.group_sizes(world_size)
-        return tuple(next(index for index, size in enumerate(sizes) if rank // size == 0) for rank in range(world_size))
+        return _rank_levels(tuple(self.group_sizes(world_size)))
+
+
+@functools.lru_cache(maxsize=64)
+def _rank_levels(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """:meth:`Topology.rank_levels` for groups of ``sizes`` ranks (each a multiple of the one inside it): ranks
+    below the innermost group's size are level 0, then each level's ranks up to its size. Computed once per
+    placement: the advisor reads it for every layout it prices."""
+    levels: list[int] = []
+    for index, size in enumerate(sizes):
+        levels += [index] * (size - len(levels))
+    return tuple(levels)
 
 
 TOP_KEYS = {"name", "compute_tflops", "mxfp8_compute_tflops", "overlap", "levels", "memory_GB", "memory_bandwidth_GBps", "ranks_per_group"}

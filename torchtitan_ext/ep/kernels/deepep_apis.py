@@ -17,7 +17,7 @@ from torch.distributed.distributed_c10d import _get_process_group_name
 from torchtitan.tools.logging import logger
 
 from torchtitan_ext.ep.kernels.calls import kernel_call, library_work
-from torchtitan_ext.ep.replication.transport import register_transport, ReplicaTransport
+from torchtitan_ext.ep.replication import register_transport, ReplicaTransport
 
 FALLBACK_SMS = 20
 """SMs for V2's dispatch and combine when the library cannot estimate them (torchtitan's choice)."""

@@ -5,17 +5,20 @@
 - :mod:`.choice`: which experts get replicas, re-chosen between steps from the routed counts;
 - :mod:`.split`: every step, which copy of a replicated expert each (token, expert) pair goes to;
 - :mod:`.experts`: the experts module that computes with its replicas' weights fetched from home;
-- :mod:`.transport`: the custom ops that fetch replica weights, return their gradients and exchange counts.
+- :mod:`.transport`: the custom ops that fetch replica weights, return their gradients and exchange counts;
+  a kernel library that moves replicas itself registers its :class:`ReplicaTransport` here.
 """
 
 import importlib
+from typing import Protocol
 
 import torch
 
 
 def transport_ops():
     """``torch.ops.torchtitan_ext`` with the transport ops registered: on first use, when a layer with replicas
-    runs, so that reading a config registers no op."""
+    runs, so that reading a config registers no op (a kernel library registers its transport below without
+    them)."""
     importlib.import_module("torchtitan_ext.ep.replication.transport")
     return torch.ops.torchtitan_ext
 
@@ -24,3 +27,27 @@ def saved_transport_ops() -> set:
     """The transport ops whose outputs selective activation checkpointing saves (neither collective repeats)."""
     ops = transport_ops()
     return {ops.replica_weights.default, ops.replica_counts.default}
+
+
+class ReplicaTransport(Protocol):
+    """Moves one MoE layer's replica weights from home, and their gradients back, for one EP group."""
+
+    def fetch(self, home: list[torch.Tensor], redundancy_mapping: list[int]) -> torch.Tensor:
+        """[slots, F] this rank's replica weights (0 in unused slots) from every rank's ``home`` weights, each
+        [L, ...]: a slot's row is its expert's weights flattened, one after the other (F elements in all)."""
+
+    def return_gradients(self, grad: torch.Tensor, redundancy_mapping: list[int], home_rows: int) -> torch.Tensor:
+        """[home_rows, F] fp32: the sum, per home expert of this rank, of its replicas' gradients ``grad``
+        [slots, F] (0 for an expert without copies)."""
+
+
+transports: dict[str, ReplicaTransport] = {}
+"""Group name -> the transport its backend registered (absent: all-to-all)."""
+
+
+def register_transport(group_name: str, transport: ReplicaTransport | None) -> None:
+    """Replica weights of ``group_name`` move through ``transport`` from now on (None: by all-to-all again)."""
+    if transport is None:
+        transports.pop(group_name, None)
+    else:
+        transports[group_name] = transport

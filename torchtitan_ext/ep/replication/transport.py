@@ -8,40 +8,16 @@ checkpointing's save list, so recomputation repeats neither collective.
 
 Replica weights move by one all-to-all per direction, unless the EP group's
 kernel library moves them itself: a backend registers a
-:class:`ReplicaTransport` for its group (DeepEP V2.5's load-balancing kernels,
+:class:`~torchtitan_ext.ep.replication.ReplicaTransport` for its group
+(:func:`~torchtitan_ext.ep.replication.register_transport`) (DeepEP V2.5's load-balancing kernels,
 :mod:`torchtitan_ext.ep.kernels.deep_ep`), and both directions go through it.
 """
-
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-
-
-class ReplicaTransport(Protocol):
-    """Moves one MoE layer's replica weights from home, and their gradients back, for one EP group."""
-
-    def fetch(self, home: list[torch.Tensor], redundancy_mapping: list[int]) -> torch.Tensor:
-        """[slots, F] this rank's replica weights (0 in unused slots) from every rank's ``home`` weights, each
-        [L, ...]: a slot's row is its expert's weights flattened, one after the other (F elements in all)."""
-
-    def return_gradients(self, grad: torch.Tensor, redundancy_mapping: list[int], home_rows: int) -> torch.Tensor:
-        """[home_rows, F] fp32: the sum, per home expert of this rank, of its replicas' gradients ``grad``
-        [slots, F] (0 for an expert without copies)."""
-
-
-_transports: dict[str, ReplicaTransport] = {}
-"""Group name -> the transport its backend registered (absent: all-to-all)."""
-
-
-def register_transport(group_name: str, transport: ReplicaTransport | None) -> None:
-    """Replica weights of ``group_name`` move through ``transport`` from now on (None: by all-to-all again)."""
-    if transport is None:
-        _transports.pop(group_name, None)
-    else:
-        _transports[group_name] = transport
+from torchtitan_ext.ep.replication import transports
 
 
 @torch.library.custom_op("torchtitan_ext::replica_weights", mutates_args=())
@@ -66,7 +42,7 @@ def replica_weights(
     Not differentiable: the gradients' way home is :func:`replica_gradients`, called by the backward of the
     weights' concatenation (``ep.replication.experts``), which adds them to the home experts' own.
     """
-    transport = _transports.get(group_name)
+    transport = transports.get(group_name)
     if transport is not None:
         return transport.fetch(home, redundancy_mapping)
     # only the experts sent are copied, never the whole of the home weights
@@ -99,7 +75,7 @@ def replica_gradients(
     ``grad`` [slots, F]): the reverse of :func:`replica_weights`, with its arguments. Summed in fp32: an expert
     with many copies would lose low bits at every bf16 addition, and ``index_add_`` has a fixed order under
     ``torch.use_deterministic_algorithms`` (``debug.deterministic``). ``home_rows``: this rank's experts (L)."""
-    transport = _transports.get(group_name)
+    transport = transports.get(group_name)
     if transport is not None:
         return transport.return_gradients(grad, redundancy_mapping, home_rows).index_select(0, sent_experts)
     returned = grad.index_select(0, recv_slot)
