@@ -42,23 +42,20 @@ def test_a_row_as_the_bench_writes_it_reads_back_through_the_calibrations_schema
     assert (upstream.comm_backend, upstream.job_args) == (None, [])
 
 
-def test_local_work_rows_name_the_groups_that_ran_side_by_side(monkeypatch):
-    monkeypatch.setattr(ep, "machine", lambda: "a test machine")  # platform.processor() runs uname
+def test_local_work_rows_name_the_groups_that_ran_side_by_side():
     row = ep.bench_row("nccl", ep.Shape(32, 16, 4, 2, ep=1), 2, [0.001], [0.001], 1, 1, "float32", False,
                        local_bytes=5_000_000, copy_gbps=10.0)
     assert ep.shape_label(row) == "T=32 H=16 E=4 K=2 EP=1 x 2 groups"
-    table = ep.markdown([row], "command", False)
-    assert "| nccl | T=32 H=16 E=4 K=2 EP=1 x 2 groups | 1.00 |" in table
-    assert table.rstrip().endswith("| 5.0 | 5.0 | 50% |")
+    assert ep.summary_line(row, 4).endswith("local 5.0 GB/s (50% of the copy's 10.0)")
 
 
 @pytest.mark.slow
 def test_a_bench_ep_run_calibrates_the_layout_advisor(tmp_path, capsys):
     """The rows of a tiny run, in --backends order, read back through the calibration's schema; the file then
     prices each backend it timed between ranks on the link these 2 processes share."""
-    out, table = tmp_path / "ep.json", tmp_path / "bench.md"
+    out, campaign = tmp_path / "ep.json", tmp_path / "ep_test-machine_2026-11-29.jsonl"
     assert ep.main(["--nproc", "2", "--tokens", "32", "--hidden", "16", "--experts", "4", "--top-k", "2", "--warmup",
-                    "1", "--iters", "2", "--no-progress", "--json", str(out), "--markdown", str(table)]) == 0
+                    "1", "--iters", "2", "--no-progress", "--json", str(out), "--campaign", str(campaign)]) == 0
     rows = [EPBenchRow.read(row, f"rows[{i}]") for i, row in enumerate(json.loads(out.read_text())["rows"])]
     assert [(r.backend, r.comm_backend, r.ep, r.processes, r.dtype, r.forward_only) for r in rows] == [
         ("nccl", "nccl", 2, 2, "float32", False), ("deepep", "deepep", 2, 2, "float32", False),
@@ -66,7 +63,9 @@ def test_a_bench_ep_run_calibrates_the_layout_advisor(tmp_path, capsys):
         ("hybridep_non_blocking", "hybridep", 2, 2, "float32", False), ("upstream", None, 2, 2, "float32", False)]
     assert all(row.bytes_sent_per_rank > 0 and row.collectives > 0 and row.local_bytes_per_rank > 0 for row in rows)
     assert len({row.copy_gbps for row in rows}) == 1 and rows[0].copy_gbps > 0
-    assert "| nccl | T=32 H=16 E=4 K=2 EP=2 |" in table.read_text()
+    header, *campaign_rows = [json.loads(line) for line in campaign.read_text().splitlines()]
+    assert header["commands"][0].startswith("python -m torchtitan_ext.bench ep ") and campaign_rows == [
+        json.loads(json.dumps(row)) for row in json.loads(out.read_text())["rows"]]
     capsys.readouterr()
     plan.main(["--job.config_file", "train_configs/debug_model.toml", "--topology", "hgx_h100_ib", "--world-size", "2",
                "--calibrate-from", str(out)])

@@ -1,4 +1,4 @@
-"""The one-GPU check on a CPU: what it would run (its dry run), its refusal to run, and the table it appends."""
+"""The one-GPU check on a CPU: what it would run (its dry run), its refusal to run, and the table it prints."""
 
 import sys
 
@@ -24,7 +24,7 @@ def test_without_a_gpu_it_refuses_in_one_line(capsys, tmp_path):
     assert not (tmp_path / "gpu_check.json").exists()
 
 
-def test_the_markdown_table_has_each_stage_with_its_result_or_what_failed():
+def test_the_table_has_each_stage_with_its_result_or_what_failed():
     report = {
         "environment": {"status": 0, "seconds": 2.0, "result": {"torch": "2.13.0", "cuda": "13.0",
                                                                    "device": "NVIDIA H100", "date": "2026-11-26"}},
@@ -35,9 +35,8 @@ def test_the_markdown_table_has_each_stage_with_its_result_or_what_failed():
         "bench ep": {"status": 1, "seconds": 30.1, "output": "Traceback\nRuntimeError: No backend\n  return f()\n"},
         "inductor compile, debug model": {"status": "skipped: 337 s spent of 300"},
     }
-    table = gpu_check.markdown(report, "python -m torchtitan_ext.bench gpu_check").splitlines()
-    assert table[0] == "### gpu_check (2026-11-26)"
-    assert "Device: NVIDIA H100, torch 2.13.0, CUDA 13.0." in table
+    table = gpu_check.stage_table(report).splitlines()
+    assert len(table) == 2 + len(report)
     assert table[-4] == "| gpu tests | 0 | 80.5 | 5 passed, 5 skipped in 82.36s |"
     assert table[-3] == ("| ledger cuda vs cpu | 0 | 20.0 | nccl: agree=True; hybridep: agree=False; "
                          "hybridep cuda: RuntimeError: sync |")

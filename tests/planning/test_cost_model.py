@@ -33,7 +33,7 @@ def test_table_vii_pair_counts(G, S):
 
 def test_two_level_example_pair_counts():
     """Fig. 8b: 4 data centres x 4 GPUs, domains of 2 data centres and of all 4 GPUs in one. The paper
-    gives no counts for it; these follow from Algorithm 1 as read here (docs/planning.md), and they
+    gives no counts for it; these follow from Algorithm 1 as read here (paper_model's docstring), and they
     equal the one-level formulas summed over levels: AG 16 x ((2-1) + (4-1)), A2A 16 x (4/2 - 1)."""
     assert paper.pair_counts([4, 4], [2, 4]) == {"AG": 64, "A2A": 16}
 
@@ -89,7 +89,7 @@ def test_optimal_p_is_the_continuous_minimum(G, D, P_E, pre_expert):
 def test_table_iv_cases(row, D, P_E, pre_expert, all_gather_only):
     """Table IV (G = 8): the Mix rows are case 2.1 (2D < G P_E: both transfers), the AG-only rows case
     2.2 (p* = 0). The table's absolute p values do not follow from its own numbers at 128 Gbit/s
-    (docs/planning.md), so the checks are the classification and the Mix rows' ratio
+    (paper_model's docstring), so the checks are the classification and the Mix rows' ratio
     (1 - p) proportional to 1 / P_E."""
     p_star = paper.optimal_p(8, D * MB, P_E * MB, GBPS_128, pre_expert)
     if all_gather_only:

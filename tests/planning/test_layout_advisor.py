@@ -891,7 +891,7 @@ def test_the_routed_experts_are_timed_on_the_rows_each_layer_received():
 
 def test_memory_counts_deepep_v2_5s_load_balancing_region_within_one_nvlink_domain(tmp_path):
     """With api = 'ep' and 2 replica slots, a DeepEP layout whose EP group is one NVLink domain (a GB200 rack:
-    EP <= 64) also holds the replicas' region (671B: 504 MiB, docs/planning.md); beyond a rack the replicas move
+    EP <= 64) also holds the replicas' region (671B: 504 MiB); beyond a rack the replicas move
     by all-to-all and the memory equals the elastic API's. Other backends reserve none."""
     prepare()
     text = Path("train_configs/deepseek_v3_671b_gb200.toml").read_text()

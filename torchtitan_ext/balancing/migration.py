@@ -5,7 +5,7 @@
 writes the last step's model-only export in the identity (logical order). A move is one all-to-all of
 the rows that change rank; nothing is gathered whole. The routers keep logical expert ids; each MoE
 layer maps them to slots (``expert_slot``) before dispatch.
-See docs/planning.md, "Training under a placement".
+See docs/balancing.md, "Placement from recorded routing".
 """
 
 import re

@@ -4,8 +4,8 @@
 (the fit steps), it minimises the largest per-rank token load, then, within ``--load-tolerance`` of it,
 keeps co-activated experts on one rank or NVLink domain; it is never worse than the identity there.
 It reports before and after on the held-out later steps. ``--first-step`` leaves out earlier files.
-See docs/planning.md, "What the tool optimises" and "Where the seed papers' algorithms fail, and what
-is taken from them".
+See docs/balancing.md, "Placement from recorded routing" and "Where the seed papers' algorithms fail,
+and what is taken".
 """
 
 import math

@@ -4,8 +4,8 @@ Off by default (``[routing_stats] enable = true``). :class:`RoutingRecorder` hoo
 counts on the device: tokens per expert per step, the top-k co-activation matrix, the transitions to
 the next MoE layer, and sampled tokens' expert ids. Every ``save_every`` steps rank 0 writes the counts,
 summed over all ranks, to ``<dump_folder>/<folder>/routing_step<FIRST>-<LAST>.npz``; :func:`load`
-and :func:`load_folder` read them back. File schema: docs/planning.md, "What is recorded, and the file
-format".
+and :func:`load_folder` read them back. File schema: docs/metrics.md, "Routing statistics and
+plots".
 """
 
 import os
@@ -29,8 +29,8 @@ class RoutingStats:
     """
     Record routing statistics per MoE layer (tokens per expert per step,
     top-k co-activation, layer-to-layer transitions) and save them as .npz
-    (file schema: docs/planning.md, "What is recorded, and the file
-    format"). Off by default: it costs two [E, E] matrix products per MoE
+    (file schema: docs/metrics.md, "Routing statistics and
+    plots"). Off by default: it costs two [E, E] matrix products per MoE
     layer and microbatch.
     """
 

@@ -76,15 +76,19 @@ def tests() -> list[str]:
 def bench(classes: list[str], gpus: int) -> list[str]:
     labels = ["nccl"] + [f"{LIBRARY_VARIANTS[name]}_lib" for name in classes]
     with tempfile.TemporaryDirectory() as tmp:
-        table = Path(tmp) / "bench.md"
+        rows_file = Path(tmp) / "bench_ep.json"
         result = run([
             sys.executable, "-m", "torchtitan_ext.bench", "ep", "--nproc", str(gpus), "--tokens", "4096",
             "--hidden", "2048", "--experts", "64", "--top-k", "6", "--dtype", "bfloat16", "--backends", *labels,
-            "--no-progress", "--markdown", str(table),
+            "--no-progress", "--json", str(rows_file),
         ], 3600)
         if result.returncode != 0:
             return [f"bench ep failed (exit {result.returncode}):", "", "```", result.output[-3000:], "```"]
-        return table.read_text().splitlines()
+        rows = json.loads(rows_file.read_text())["rows"]
+    return ["| backend | tokens | EP | median ms | bare median ms | ratio | GB/s sent |", "|---|---|---|---|---|---|---|",
+            *(f"| {r['backend']} | {r['tokens']} | {r['ep']} | {r['median_ms']:.2f} | {r['bare_median_ms']:.2f} | "
+              f"{r['ratio']:.2f} | {r['gbps']:.2f} |"
+              for r in rows)]
 
 
 def training(classes: list[str], gpus: int, steps: int) -> list[str]:

@@ -1,7 +1,7 @@
 """The default job's step time on a CPU without bf16 matrix units, against an explicit fp32 job.
 
     python -m torchtitan_ext.bench cpu_precision --rounds 2 --steps 8 --warmup 2 [--with-bf16] [--json FILE]
-        [--markdown FILE] [-- job overrides]
+        [--campaign FILE] [-- job overrides]
 
 Runs ``./run_train.sh`` (the quick start's command, 2 processes) with
 ``TORCHTITAN_EXT_CPU_BF16=emulated`` (any CPU behaves as one without
@@ -13,7 +13,7 @@ AVX512_BF16/AMX), alternating in one session:
 
 Each run trains ``--steps`` steps; the first ``--warmup`` step times of each run
 (the job's metrics.jsonl) are dropped. Reports medians and the ratio default / float32 (goal <= 1.2), and
-appends a section to ``--markdown`` where one is given (nothing is written otherwise).
+writes the step times to a new campaign file with ``--campaign``.
 """
 
 import argparse
@@ -23,13 +23,13 @@ import re
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from tqdm import tqdm
 
 import torchtitan_ext
-from torchtitan_ext.measuring.timing import add_timed_run_arguments, machine, parse_timed_run_arguments
+from torchtitan_ext.measuring.timing import add_timed_run_arguments, parse_timed_run_arguments
+from torchtitan_ext.records.campaign import write_campaign
 from torchtitan_ext.records.metrics import read_metrics
 from torchtitan_ext.runtime.jobs import run_job
 
@@ -88,21 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(
             {"command": command, "times": times, "medians": medians, "ratio": ratio, "precision": precision}, indent=2
         ))
-    if args.markdown is not None:
-        with open(args.markdown, "a") as f:
-            f.write(
-                f"\n### bench_cpu_precision ({time.strftime('%Y-%m-%d')})\n\n`{command}`\n\n"
-                f"Machine: {machine()}; runs forced to behave as on a CPU without bf16 matrix units "
-                f"(TORCHTITAN_EXT_CPU_BF16=emulated). `./run_train.sh` (DeepSeek-V3 debug, EP=2, 2 processes), "
-                f"variants alternating, {args.rounds} runs each; medians over {len(times['default'])} timed steps "
-                "each.\n\n"
-                "| variant | min s | median s | max s | runtime's precision line |\n|---|---|---|---|---|\n"
-                + "".join(
-                    f"| {variant} | {min(values):.3f} | {statistics.median(values):.3f} | {max(values):.3f} "
-                    f"| {precision[variant]} |\n"
-                    for variant, values in times.items()
-                )
-                + f"\nRatio default / float32 (medians): **{ratio:.3f}** (goal <= 1.2)\n"
-            )
-        print(f"results appended to {args.markdown}")
+    if args.campaign is not None:
+        rows = [{"variant": variant, "precision": precision[variant], "step_s": seconds}
+                for variant, values in times.items() for seconds in values]
+        write_campaign(args.campaign, [command], [*rows, {"table": "summary", "default_over_float32": ratio}])
     return 0

@@ -1,7 +1,7 @@
 """One EP dispatch + combine per backend, timed against the bare collectives it issues.
 
     python -m torchtitan_ext.bench ep --nproc 2 --tokens 2048 8192 --hidden 1024 --experts 8 --top-k 2
-        [--ep-degree N] [--backends BACKEND ...] [--dtype bfloat16] [--forward-only] [--json F] [--markdown F]
+        [--ep-degree N] [--backends BACKEND ...] [--dtype bfloat16] [--forward-only] [--json F] [--campaign F]
 
 Runs ``--nproc`` processes (gloo on CPU, NCCL with one GPU each on CUDA) in EP groups of ``--ep-degree`` (default:
 all of them; 1: each backend's local work alone, every process its own group, no traffic). For every shape and
@@ -15,7 +15,7 @@ device's copy bandwidth measured in the same run (at ``--ep-degree 1`` on a GPU:
 ``--backends``: the backend variants (``torchtitan_ext.ep.backends.backend_variants``) on the reference kernels;
 the same with ``_lib`` on the real deep_ep kernels (CUDA, deep_ep importable); ``upstream``, torchtitan 0.2.2's own
 ExpertParallel. The rows (``EPBenchRow``) go to ``--json``, which ``python -m torchtitan_ext.plan --calibrate-from``
-reads; ``--markdown`` appends them as a table with the command and the machine.
+reads; ``--campaign`` writes them as a measurement campaign (:mod:`torchtitan_ext.records.campaign`).
 """
 
 import argparse
@@ -24,7 +24,6 @@ import json
 import logging
 import statistics
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -35,9 +34,10 @@ from torchtitan_ext.ep.backends import BACKENDS, MATRIX_VARIANTS, variant_backen
 from torchtitan_ext.measuring.collective_recorder import CollectiveRecorder
 from torchtitan_ext.measuring.ep_variants import job_args, labels, LIBRARY, UPSTREAM
 from torchtitan_ext.measuring.timing import (
-    copy_gbps, DEADLINE_S, machine, progress_bar, rank_device, timed, workers_device,
+    copy_gbps, DEADLINE_S, progress_bar, rank_device, timed, workers_device,
 )
 from torchtitan_ext.planning.local_traffic import LocalTrafficCounter
+from torchtitan_ext.records.campaign import check_new_campaign_path, describe_machine, write_campaign
 from torchtitan_ext.records.ep_bench import EPBenchRow
 from torchtitan_ext.runtime.workers import run_workers
 
@@ -135,7 +135,7 @@ def _worker(rank: int, world_size: int, args) -> list[EPBenchRow]:
 
     device = rank_device(rank)
     if runtime.configure() == "cpu":
-        runtime.keep_freed_memory_in_heap()  # see docs/benchmarks.md: page faults would dominate the copies
+        runtime.keep_freed_memory_in_heap()  # page faults would dominate the copies: docs/benchmarks.md
     ep = args.ep_degree or world_size
     mesh = init_device_mesh(device.type, (world_size // ep, ep), mesh_dim_names=("replica", "ep"))["ep"]
     dtype = getattr(torch, args.dtype)
@@ -175,31 +175,11 @@ def shape_label(row: EPBenchRow) -> str:
     return label if row.processes == row.ep else f"{label} x {row.processes // row.ep} groups"
 
 
-def markdown(rows: list[EPBenchRow], command: str, forward_only: bool) -> str:
-    lines = [
-        f"### bench_ep ({time.strftime('%Y-%m-%d')})",
-        "",
-        f"`{command}`",
-        "",
-        f"Machine: {machine()}. Per iteration: one dispatch + combine, "
-        f"{'forward only' if forward_only else 'forward and backward'}; "
-        "time of the slowest rank; bare = the same collectives alone.",
-        "",
-        "Local = the bytes its operators outside the collectives and library kernels read and write, over the "
-        f"median; copy = the device's copy bandwidth in the same run ({rows[0].copy_gbps:.1f} GB/s).",
-        "",
-        "| backend | shape | min ms | median ms | max ms | bare median ms | ratio | overhead us | MB sent/rank "
-        "| GB/s | local MB | local GB/s | local / copy |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r.backend} | {shape_label(r)} | {r.min_ms:.2f} | {r.median_ms:.2f} | {r.max_ms:.2f} | "
-            f"{r.bare_median_ms:.2f} | {r.ratio:.2f} | {r.overhead_us:.0f} | "
-            f"{r.bytes_sent_per_rank / 1e6:.1f} | {r.gbps:.2f} | {r.local_bytes_per_rank / 1e6:.1f} | "
-            f"{r.local_gbps:.1f} | {r.local_gbps / r.copy_gbps:.0%} |"
-        )
-    return "\n".join(lines) + "\n"
+def summary_line(row: EPBenchRow, backend_width: int) -> str:
+    return (f"{row.backend:>{backend_width}}  {shape_label(row)}  median {row.median_ms:8.2f} ms  "
+            f"bare {row.bare_median_ms:8.2f} ms  ratio {row.ratio:.2f}  {row.gbps:.2f} GB/s sent  "
+            f"local {row.local_gbps:.1f} GB/s ({row.local_gbps / row.copy_gbps:.0%} of the copy's "
+            f"{row.copy_gbps:.1f})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,25 +200,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--markdown", type=Path, help="append the table, with the command and the machine, to this "
-                                                      "markdown file (e.g. docs/benchmarks.md)")
+    parser.add_argument("--campaign", type=Path, help="also write the rows as a new campaign file "
+                                                      "(benchmarks/THEME_HARDWARE_DATE.jsonl)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     if args.ep_degree is not None and (args.ep_degree < 1 or args.nproc % args.ep_degree):
         parser.error(f"--ep-degree {args.ep_degree}: use a divisor of --nproc {args.nproc}")
+    if args.campaign is not None:
+        check_new_campaign_path(args.campaign)
     command = "python -m torchtitan_ext.bench ep " + " ".join(argv if argv is not None else sys.argv[1:])
     rows = run_workers(args.nproc, _worker, args, device=workers_device(), deadline_s=DEADLINE_S,
                        preload=[__name__])[0]
     width = max(len(r.backend) for r in rows)
     for r in rows:
-        print(f"{r.backend:>{width}}  {shape_label(r)}  median {r.median_ms:8.2f} ms  bare {r.bare_median_ms:8.2f} ms  "
-              f"ratio {r.ratio:.2f}  {r.gbps:.2f} GB/s sent  local {r.local_gbps:.1f} GB/s "
-              f"({r.local_gbps / r.copy_gbps:.0%} of the copy's {r.copy_gbps:.1f})")
+        print(summary_line(r, width))
     if args.json:
-        document = {"command": command, "machine": machine(), "rows": [asdict(r) for r in rows]}
+        document = {"command": command, "machine": describe_machine(), "rows": [asdict(r) for r in rows]}
         args.json.write_text(json.dumps(document, indent=2))
-    if args.markdown is not None:
-        with open(args.markdown, "a") as f:
-            f.write("\n" + markdown(rows, command, args.forward_only))
-        print(f"table appended to {args.markdown}")
+    if args.campaign is not None:
+        write_campaign(args.campaign, [command], [asdict(r) for r in rows])
     return 0

@@ -1,6 +1,6 @@
 """The one-GPU check: what a CPU cannot show, run on one CUDA device in at most a few minutes.
 
-    python -m torchtitan_ext.bench gpu_check [--out DIR] [--budget-s 330] [--markdown FILE] [--dry-run]
+    python -m torchtitan_ext.bench gpu_check [--out DIR] [--budget-s 330] [--campaign FILE] [--dry-run]
         [--stages NAME ...]
 
 Stages, each reported whatever the others did (a stage past the time budget is skipped, said so):
@@ -20,8 +20,8 @@ Stages, each reported whatever the others did (a stage past the time budget is s
    a ratio in one run;
 8. torch.compile (inductor) of the debug model: two training steps.
 
-Writes ``gpu_check.json`` into ``--out``, and a table of the stages with the device and the date to
-``--markdown`` (docs/benchmarks.md). ``--dry-run`` prints the stages' commands without running them (any machine).
+Writes ``gpu_check.json`` into ``--out``, prints a table of the stages, and with ``--campaign`` writes the
+stages' results as a new campaign file under ``benchmarks/``. ``--dry-run`` prints the stages' commands without running them (any machine).
 """
 
 import argparse
@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torchtitan_ext
 from torchtitan_ext.ep.backends import CPU_VARIANTS
+from torchtitan_ext.records.campaign import check_new_campaign_path, write_campaign
 from torchtitan_ext.runtime.jobs import JobFailed, run_job
 
 ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
@@ -319,27 +320,30 @@ def replica_copy_cost(iters: int = 10) -> dict:
     return result
 
 
-def markdown(report: dict, command: str) -> str:
-    environment = report.get("environment", {}).get("result", {})
-    return (
-        f"### gpu_check ({environment.get('date', time.strftime('%Y-%m-%d'))})\n\n`{command}`\n\n"
-        f"Device: {environment.get('device', 'unknown')}, torch {environment.get('torch', 'unknown')}, "
-        f"CUDA {environment.get('cuda', 'unknown')}.\n\n| stage | status | seconds | result or last line |\n"
-        "|---|---|---|---|\n"
-        + "".join(f"| {name} | {r['status']} | {r.get('seconds', '')} | {summary(r).replace('|', '/')} |\n"
-                  for name, r in report.items())
-    )
+def stage_table(report: dict) -> str:
+    """The stages as a markdown table: status, seconds, and the result or what failed."""
+    return ("| stage | status | seconds | result or last line |\n|---|---|---|---|\n"
+            + "".join(f"| {name} | {r['status']} | {r.get('seconds', '')} | {summary(r).replace('|', '/')} |\n"
+                      for name, r in report.items()))
+
+
+def campaign_rows(report: dict) -> list[dict]:
+    return [{"stage": name, "status": r["status"], "seconds": r.get("seconds"), "summary": summary(r),
+             "result": r.get("result")} for name, r in report.items()]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("."), help="folder of gpu_check.json")
     parser.add_argument("--budget-s", type=float, default=330.0, help="stages past this many seconds are skipped")
-    parser.add_argument("--markdown", type=Path, help="append the stages' table to this file (docs/benchmarks.md)")
+    parser.add_argument("--campaign", type=Path, help="also write the stages' results as a new campaign file "
+                                                      "(benchmarks/THEME_HARDWARE_DATE.jsonl)")
     parser.add_argument("--dry-run", action="store_true", help="print the stages' commands, run nothing")
     parser.add_argument("--stages", nargs="+", metavar="NAME",
                         help="run only these stages (names as --dry-run prints them; the environment always runs)")
     args = parser.parse_args(argv)
+    if args.campaign is not None:
+        check_new_campaign_path(args.campaign)
     args.out = args.out.resolve()  # the stages run in the repository's root
     names = [stage.name for stage in stages(args.out)]
     unknown = sorted(set(args.stages or ()) - set(names))
@@ -371,9 +375,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report[stage.name])[:3000], flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2))
-    if args.markdown:
-        with args.markdown.open("a") as f:
-            f.write("\n" + markdown(report, command))
+    print(stage_table(report))
+    if args.campaign is not None:
+        write_campaign(args.campaign, [command], campaign_rows(report))
     print(f"[gpu_check] done in {time.monotonic() - started:.0f} s; {args.out / 'gpu_check.json'}")
     return 0
 

@@ -1,27 +1,27 @@
 """The MoE layer's forward with the shared experts overlapping combine, against combine landed first.
 
     python -m torchtitan_ext.bench overlap --nproc 2 --tokens 4096 --hidden 1024 --ffn 2048 --experts 8 --top-k 2
-        [--backends VARIANT ...] [--markdown FILE]
+        [--backends VARIANT ...] [--campaign FILE]
 
 Runs ``--nproc`` processes (gloo on CPU, NCCL with one GPU each on CUDA), EP over all of them, and builds
 torchtitan's MoE layer (router, routed experts under the backend, one shared expert) for each backend variant.
 Every timed iteration runs the layer's forward twice, in alternating order: as trained (the shared experts run
 while combine is in flight, where the backend allows it) and with combine landed before the shared experts.
 Reported per backend: median ms of each, the slowest rank's, and their ratio (landed first / overlapped; above 1:
-the overlap saves time). ``hybridep`` cannot overlap: its ratio shows the noise. ``--markdown`` appends the table
-with the command and the machine.
+the overlap saves time). ``hybridep`` cannot overlap: its ratio shows the noise. ``--campaign`` writes the rows
+to a new campaign file.
 """
 
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from torchtitan_ext.ep.backends import backend_variants, DEFAULT_VARIANTS, variant_backend
-from torchtitan_ext.measuring.timing import DEADLINE_S, machine, progress_bar, rank_device, time_once, workers_device
+from torchtitan_ext.measuring.timing import DEADLINE_S, progress_bar, rank_device, time_once, workers_device
+from torchtitan_ext.records.campaign import check_new_campaign_path, write_campaign
 from torchtitan_ext.runtime.workers import run_workers
 
 
@@ -105,24 +105,6 @@ def _worker(rank: int, world_size: int, args) -> list[dict]:
     return rows
 
 
-def markdown(rows, args, command: str) -> str:
-    lines = [
-        f"### bench_overlap ({time.strftime('%Y-%m-%d')})",
-        "",
-        f"`{command}`",
-        "",
-        f"Machine: {machine()}. MoE layer forward, T={args.tokens} tokens per rank, H={args.hidden}, "
-        f"FFN={args.ffn}, E={args.experts}, K={args.top_k}, EP={args.nproc}, one shared expert, {args.dtype}; "
-        f"median of {args.iters} iterations each, slowest rank.",
-        "",
-        "| backend | overlapped ms | landed first ms | landed first / overlapped |",
-        "|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(f"| {r['backend']} | {r['overlapped_ms']:.2f} | {r['landed_first_ms']:.2f} | {r['ratio']:.3f} |")
-    return "\n".join(lines) + "\n"
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=2, help="EP degree = processes")
@@ -138,17 +120,17 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (CPU)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--markdown", type=Path, help="append the table, with the command and the machine, to this "
-                                                      "markdown file (e.g. docs/benchmarks.md)")
+    parser.add_argument("--campaign", type=Path, help="also write the rows as a new campaign file "
+                                                      "(benchmarks/THEME_HARDWARE_DATE.jsonl)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+    if args.campaign is not None:
+        check_new_campaign_path(args.campaign)
     command = "python -m torchtitan_ext.bench overlap " + " ".join(argv if argv is not None else sys.argv[1:])
     rows = run_workers(args.nproc, _worker, args, device=workers_device(), deadline_s=DEADLINE_S, preload=[__name__])[0]
     for r in rows:
         print(f"{r['backend']:>10}  overlapped {r['overlapped_ms']:8.2f} ms  "
               f"landed first {r['landed_first_ms']:8.2f} ms  ratio {r['ratio']:.3f}")
-    if args.markdown is not None:
-        with open(args.markdown, "a") as f:
-            f.write("\n" + markdown(rows, args, command))
-        print(f"table appended to {args.markdown}")
+    if args.campaign is not None:
+        write_campaign(args.campaign, [command], rows)
     return 0

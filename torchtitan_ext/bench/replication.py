@@ -1,7 +1,7 @@
 """Expert replication on a real training run: rank load per step and step time, with and without replicas.
 
     python -m torchtitan_ext.bench replication [--steps 20] [--rounds 1] [--settings 1x1,2x1,1x5,2x5]
-        [--alphas A[,A...] [--drift-every 3]] [--markdown FILE] [-- extra run_train args]
+        [--alphas A[,A...] [--drift-every 3]] [--campaign FILE] [-- extra run_train args]
 
 Runs a job (``./run_train.sh``, NGPU=2, EP=2; the default job unless the extra arguments say otherwise) once per
 setting, the settings alternating within each round so that machine noise spreads evenly: no replication, then
@@ -29,6 +29,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 import torchtitan_ext
+from torchtitan_ext.records.campaign import check_new_campaign_path, write_campaign
 from torchtitan_ext.records.metrics import read_metrics
 from torchtitan_ext.runtime.jobs import run_job
 
@@ -82,6 +83,8 @@ def _after_warmup(values: dict[int, float]) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.campaign is not None:
+        check_new_campaign_path(args.campaign)
     if args.steps <= WARMUP + 1:
         parser.error(f"--steps {args.steps}: use more than {WARMUP + 1} (the first {WARMUP} are warm-up)")
     settings, skews = _settings(parser, args), _skews(parser, args)
@@ -99,11 +102,23 @@ def main(argv: list[str] | None = None) -> int:
                 progress.update()
     lines = _table(rows, args.steps) + [""] + _loss_lines(rows, settings, skews) + _round_lines(rows, args.rounds)
     print("\n".join(lines))
-    if args.markdown is not None:
-        with args.markdown.open("a") as out:
-            out.write("\n".join(lines) + "\n")
-        print(f"table appended to {args.markdown}")
+    if args.campaign is not None:
+        command = "python -m torchtitan_ext.bench replication " + " ".join(argv if argv is not None else sys.argv[1:])
+        write_campaign(args.campaign, [command], _campaign_rows(rows))
     return 0
+
+
+def _campaign_rows(rows: dict[tuple, list[dict]]) -> list[dict]:
+    """One row per run (its median step time and ratio), then one per run and step (what it measured)."""
+    runs, steps = [], []
+    for (skew, setting), arm_runs in rows.items():
+        for round_number, measurements in enumerate(arm_runs, start=1):
+            arm = {"skew": skew, "setting": setting, "round": round_number}
+            runs.append({"table": "run", **arm, "median_step_s": measurements["median_time"],
+                         "vs_no_replicas": measurements["time_ratio"]})
+            steps += [{"table": "step", **arm, "step": step, **{name: measurements[name].get(step) for name in MEASURED}}
+                      for step in sorted(measurements["time"])]
+    return runs + steps
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -116,7 +131,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="routing skews to run every setting at, comma separated (default: the job's routing)")
     parser.add_argument("--drift-every", type=int, default=3,
                         help="with --alphas: steps between redraws of the skew's expert ranking (default: 3)")
-    parser.add_argument("--markdown", type=Path, help="also append the table to this markdown file")
+    parser.add_argument("--campaign", type=Path, help="also write every run's measurements as a new campaign file "
+                                                      "(benchmarks/THEME_HARDWARE_DATE.jsonl)")
     parser.add_argument("extra", nargs="*", help="more run_train.sh arguments for every run (after --)")
     return parser
 

@@ -1,7 +1,7 @@
 """Expert replication timed by each rank's CPU time, for more ranks than cores: the step one device per rank would take.
 
     python -m torchtitan_ext.bench replication_cpu_time [--nproc 4] [--steps 12] [--rounds 3] [--slots 2]
-        [--alphas 0,1,2] [--drift-every 3] [--experts grouped_mm|loop] [--markdown FILE] [--json FILE]
+        [--alphas 0,1,2] [--drift-every 3] [--experts grouped_mm|loop] [--campaign FILE]
         [-- extra training args]
 
 Trains, in ``--nproc`` processes of one thread each (EP = ``--nproc``), the experts-dominated debug model
@@ -19,15 +19,14 @@ collective that joins the ranks, so it costs its slowest rank's time; the sum of
 remainder, plus replication's own work (each layer's slowest transfers, the slowest choice). The slowest rank's
 wall time per step is reported beside it: with no more ranks than cores (``--nproc 2`` here) it is honest too.
 The experts run torchtitan's grouped GEMMs in bf16, as on a GPU (``--experts loop``: the per-expert loop a CPU
-trains with, :mod:`torchtitan_ext.ep.experts`). docs/benchmarks.md says what the verdict stands for and where it
-does not.
+trains with, :mod:`torchtitan_ext.ep.experts`). docs/balancing.md says what it found.
 """
 
 import argparse
-import json
 import math
 import os
 import statistics
+import sys
 import tempfile
 import time
 from functools import partial
@@ -42,6 +41,7 @@ from torchtitan_ext.config import ConfigError, load_job_config
 from torchtitan_ext.data import prepare_embedded_assets
 from torchtitan_ext.ep import replication
 from torchtitan_ext.ep.replication import experts as replica_experts, split as replica_split
+from torchtitan_ext.records.campaign import check_new_campaign_path, write_campaign
 from torchtitan_ext.records.metrics import read_metrics
 from torchtitan_ext.runtime.workers import run_workers
 from torchtitan_ext.training import prepare
@@ -335,13 +335,10 @@ def main(argv: list[str] | None = None) -> int:
                     progress.update()
     lines, failed = _report(runs, args, alphas, list(settings))
     print("\n".join(lines))
-    if args.json is not None:
-        args.json.write_text(json.dumps(runs))
-        print(f"CPU times written to {args.json}")
-    if args.markdown is not None:
-        with args.markdown.open("a") as out:
-            out.write("\n".join(lines) + "\n")
-        print(f"table appended to {args.markdown}")
+    if args.campaign is not None:
+        command = ("python -m torchtitan_ext.bench replication_cpu_time "
+                   + " ".join(argv if argv is not None else sys.argv[1:]))
+        write_campaign(args.campaign, [command], [{"run": name, **run} for name, run in runs.items()])
     return 1 if failed else 0
 
 
@@ -358,8 +355,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--experts", choices=("grouped_mm", "loop"), default="grouped_mm",
                         help="the experts' GEMMs: torchtitan's grouped GEMMs in bf16, as a GPU runs them (default), or "
                              "the per-expert loop a CPU trains with, in the job's precision")
-    parser.add_argument("--markdown", type=Path, help="also append the table to this markdown file")
-    parser.add_argument("--json", type=Path, help="also write every rank's CPU times per run and step here")
+    parser.add_argument("--campaign", type=Path, help="also write every rank's CPU times per run and step as a new "
+                                                      "campaign file (benchmarks/THEME_HARDWARE_DATE.jsonl)")
     parser.add_argument("extra", nargs="*", help="more training arguments for every run (after --)")
     return parser
 
@@ -377,6 +374,8 @@ def _checked(parser: argparse.ArgumentParser, args) -> list[float]:
         alphas = [-1.0]
     if any(not 0 <= alpha < float("inf") for alpha in alphas):
         parser.error(f"--alphas {args.alphas}: use finite alphas >= 0, comma separated")
+    if args.campaign is not None:
+        check_new_campaign_path(args.campaign)
     prepare()
     try:
         job_config = load_job_config([*JOB, "--parallelism.expert_parallel_degree", str(args.nproc), *args.extra],

@@ -1,15 +1,15 @@
 """Training step time: torchtitan_ext's nccl backend against upstream torchtitan's ExpertParallel.
 
     python -m torchtitan_ext.bench step --rounds 3 --steps 8 --warmup 2 [--nproc 2] [--config FILE]
-        [--json FILE] [--markdown FILE] [-- job overrides]
+        [--json FILE] [--campaign FILE] [-- job overrides]
 
 Trains the same job (default: the DeepSeek-V3 debug model, EP=2, same seed and data) on ``--nproc`` processes
 (gloo on CPU, NCCL with one GPU each on CUDA) through upstream torchtitan 0.2.2's own train spec (its parallelize
 plan and ExpertParallel) and through ours (``nccl`` backend), alternating runs: A B A B ... Each run trains
 ``--steps`` steps; the first ``--warmup`` of each are not timed. Reports the median step time (the slowest
 rank's) of each and the ratio ours / upstream. Both get the same CPU runtime accommodations, so the ratio isolates
-the EP path and everything our spec changes. Results go to ``--json`` and, with the command and the machine, to
-``--markdown``.
+the EP path and everything our spec changes. Results go to ``--json``, and the step times
+to a new campaign file with ``--campaign`` (:mod:`torchtitan_ext.records.campaign`).
 """
 
 import argparse
@@ -24,8 +24,9 @@ from pathlib import Path
 
 import torchtitan_ext
 from torchtitan_ext.measuring.timing import (
-    add_timed_run_arguments, DEADLINE_S, machine, parse_timed_run_arguments, progress_bar, workers_device,
+    add_timed_run_arguments, DEADLINE_S, parse_timed_run_arguments, progress_bar, workers_device,
 )
+from torchtitan_ext.records.campaign import write_campaign
 from torchtitan_ext.runtime.workers import run_workers
 
 ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
@@ -50,7 +51,7 @@ def _worker(rank: int, world_size: int, args, dump_folder: str) -> dict[str, lis
     device_type = runtime.configure()
     register_embedded_dataset()
     if device_type == "cpu":
-        runtime.keep_freed_memory_in_heap()  # both variants alike; see docs/benchmarks.md
+        runtime.keep_freed_memory_in_heap()  # both variants alike; see docs/benchmarks.md, "What they found"
     register_train_spec(OURS, train_spec("deepseek_v3"))
     _share_our_flavors()
     times = {"upstream": [], "ours": []}
@@ -106,21 +107,6 @@ def _share_our_flavors() -> None:
             deepseekv3_args[name] = DeepSeekV3ModelArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args)})
 
 
-def markdown(times: dict[str, list[float]], ratio: float, command: str, config: str, processes: int) -> str:
-    return (
-        f"### bench_step ({time.strftime('%Y-%m-%d')})\n\n`{command}`\n\n"
-        f"Machine: {machine()}. `{config}`, {processes} processes, same seed and data; "
-        f"runs alternate upstream / ours; medians over {len(times['ours'])} timed steps each.\n\n"
-        "| variant | min s | median s | max s |\n|---|---|---|---|\n"
-        + "".join(
-            f"| {name} | {min(values):.3f} | {statistics.median(values):.3f} | {max(values):.3f} |\n"
-            for name, values in (("upstream torchtitan ExpertParallel", times["upstream"]),
-                                 ("torchtitan_ext nccl", times["ours"]))
-        )
-        + f"\nRatio ours / upstream (medians): **{ratio:.3f}**\n"
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="train_configs/debug_model.toml")
@@ -137,8 +123,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({len(times['ours'])} steps each)")
     if args.json:
         args.json.write_text(json.dumps({"command": command, "times": times, "ratio": ratio}, indent=2))
-    if args.markdown is not None:
-        with open(args.markdown, "a") as f:
-            f.write("\n" + markdown(times, ratio, command, args.config, args.nproc))
-        print(f"results appended to {args.markdown}")
+    if args.campaign is not None:
+        rows = [{"variant": variant, "step_s": t} for variant in ("upstream", "ours") for t in times[variant]]
+        write_campaign(args.campaign, [command], [*rows, {"table": "summary", "ours_over_upstream": ratio}])
     return 0

@@ -4,7 +4,7 @@ Without grouped GEMMs (a CPU, a GPU below SM90) torchtitan's ``GroupedExperts`` 
 indexes each out of the stacked [E, ...] weight. Each index's backward writes a zero-filled gradient of the
 whole stack, and autograd sums the E of them: E x E experts' bytes written and (E - 1) x E added per
 projection, per layer and step (with 16 local experts, half of the experts' forward and backward on a CPU:
-docs/benchmarks.md, "The per-expert loop's weight gradient"). Unbound, the E gradients are stacked once.
+docs/balancing.md, "The CPU's per-expert loop"). Unbound, the E gradients are stacked once.
 Outputs and gradients equal torchtitan's. :class:`UnboundLoopExperts` is ``GroupedExperts`` with that loop
 (:func:`adopt_unbound_loop` turns a model's experts into it, in place); its grouped GEMMs are torchtitan's, or a
 model converter's low-precision ones.

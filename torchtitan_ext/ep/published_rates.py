@@ -4,7 +4,7 @@ A :class:`PublishedRate` is one published dispatch/combine figure (quoted, with 
 docs/published_ep_figures.md at the row it names), read as the fraction of its link's nominal rate that
 the bytes leaving a rank reach. Each backend's planning profile lists its figures
 (:meth:`~torchtitan_ext.ep.planning_profile.PlanningProfile.published_rates`); the layout advisor prices that
-backend's all-to-all bytes at a link's nominal rate times that fraction. See docs/planning.md, "How to read it" (kernel rates).
+backend's all-to-all bytes at a link's nominal rate times that fraction. See docs/planning.md, "How each backend's all-to-all is priced".
 """
 
 from dataclasses import dataclass

@@ -5,7 +5,7 @@ all at once) builds the job's model as the trainer does here, times forward and 
 batch, gradient clipping and the optimizer step; then the routed experts alone on the rows each MoE layer
 saw; then each backend's local work (one MoE call's dispatch and combine in a group of one, less its
 collectives replayed alone and less torchtitan's own sort). What it measures and leaves out, and why FLOPs
-do not price a CPU step: docs/planning.md, "Topologies" (``--measure-compute``).
+do not price a CPU step: docs/planning.md, "Calibrate it on your own cluster" (``--measure-compute``).
 """
 
 import copy

@@ -1,10 +1,7 @@
 """What the benchmarks share: timing a function on the slowest of its ranks, the device's copy bandwidth, the
-workers' devices, a progress bar on rank 0, the options of a benchmark that times whole runs, and the machine a
-result was measured on."""
+workers' devices, a progress bar on rank 0, and the options of a benchmark that times whole runs."""
 
 import argparse
-import os
-import platform
 import statistics
 import sys
 import time
@@ -12,6 +9,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from torchtitan_ext.records.campaign import check_new_campaign_path
 
 DEADLINE_S = 3600.0
 """Wall-clock limit of one run of workers: a sweep of large shapes on a CPU takes minutes, a hang still ends."""
@@ -79,24 +78,19 @@ def add_timed_run_arguments(parser: argparse.ArgumentParser, rounds: int, altern
     parser.add_argument("--steps", type=int, default=8, help="steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="first steps of each run not timed")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--markdown", type=Path, help="append the results, with the command and the machine, to "
-                                                      "this markdown file (e.g. docs/benchmarks.md)")
+    parser.add_argument("--campaign", type=Path, help="also write the results as a new campaign file "
+                                                      "(benchmarks/THEME_HARDWARE_DATE.jsonl)")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("overrides", nargs="*", help=f"config overrides for {overridden} (after --)")
 
 
 def parse_timed_run_arguments(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
-    """``argv`` parsed; a run with no timed step is refused in one line."""
+    """``argv`` parsed; a run with no timed step, or a campaign file that cannot be written, is refused in one line
+    before anything runs."""
     args = parser.parse_args(argv)
     if args.steps <= args.warmup:
         parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
+    if args.campaign is not None:
+        check_new_campaign_path(args.campaign)
     return args
 
-
-def machine() -> str:
-    if torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
-    # the vector unit (AVX2, AVX512, ...) bounds the CPU's GEMM speed, which the times depend on
-    vector_unit = torch.backends.cpu.get_cpu_capability()
-    return (f"{platform.processor() or platform.machine()} CPU ({vector_unit}), {os.cpu_count()} cores, "
-            f"torch {torch.__version__}, gloo")

@@ -3,8 +3,8 @@
 The paper's equations, its one-level setting and its Algorithm 1 are :mod:`.paper_model`'s. :func:`layer_costs`
 applies the model to a torchtitan job (an expert domain is the expert-FSDP group, the A2A group the EP
 group): token bytes, each backend's copies per token, forward and backward, every level of the topology.
-Where this goes beyond the paper is said at the function. See docs/planning.md, "The model, and the seed
-paper".
+Where this goes beyond the paper is said at the function. See docs/planning.md, "What the advisor
+cannot predict".
 """
 
 from dataclasses import dataclass

@@ -6,7 +6,7 @@ for (:mod:`.cost_model`), the backend's local work, the busiest rank's expert co
 the replicas' traffic (:mod:`.replica_cost`), and the per-rank memory; it ranks the layouts by predicted
 step. A layout the job config's own validation refuses is listed with the reason, never ranked.
 :func:`~torchtitan_ext.planning.advice_report.format_advice` prints the table. See docs/planning.md, "Which
-backend and EP layout: the layout advisor".
+backend and EP layout"
 """
 
 import copy

@@ -6,7 +6,7 @@ operator reads and writes, except views and what runs inside an operator (the co
 calls). It counts at two small hidden sizes and extends the line to the job's; :class:`LocalTraffic`
 holds the result (:meth:`LocalTraffic.receiving` grows it for a backend that sends a token once per rank).
 The advisor prices it at the topology's ``memory_bandwidth_GBps``, in eager mode.
-See docs/planning.md, "How to read it" (local).
+See docs/planning.md, the advisor's `local` column.
 """
 
 import os

@@ -5,7 +5,7 @@
 combine, on one machine: the innermost link) or an nccl-tests ``alltoall_perf`` log (:mod:`.nccl_tests_log`: NCCL's all-to-all alone, on the link its ranks span). Each
 measurement becomes the fraction of its link's nominal rate the backend reached (the cost model's time at
 the nominal rate over the measured time), per link and per the settings that set the backend's rate.
-See docs/planning.md, "How to read it" (kernel rates).
+See docs/planning.md, "Calibrate it on your own cluster".
 """
 
 import json

@@ -6,7 +6,7 @@ non-blocking at the configured capacity factor): the communication buffer, the p
 layer and those kept for backward, the expert parameters (with replica slots), whether it can drop
 tokens and, with a routing-statistics dump, the expected drop rate; :func:`format_plan` prints it. Sizes
 come from the runtime's own code on a meta-device model (:mod:`torchtitan_ext.measuring.dry_run`): nothing is allocated, no GPU
-is needed. See docs/planning.md, "The planner on the 671B GB200 NVL72 config".
+is needed. See docs/planning.md, "Memory and drops: the planner".
 """
 
 from dataclasses import dataclass

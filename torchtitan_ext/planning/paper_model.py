@@ -1,6 +1,21 @@
 """The seed paper's stream model (seeds/000), in its notation: its equations (``eq3_*`` .. ``eq13_*``), its
 one-level setting (:class:`PaperSetting`) and its Algorithm 1's pair counts (:func:`pair_counts`, Table VII).
-:mod:`.cost_model` applies it to a torchtitan job. See docs/planning.md, "The model, and the seed paper".
+:mod:`.cost_model` applies it to a torchtitan job. See docs/planning.md, "The seed paper's model".
+
+An expert domain of S ranks is torchtitan's expert FSDP group (it all-gathers its experts before use and
+reduce-scatters their gradients), and the all-to-all group its EP group. Where the paper and this reading differ:
+
+- Table IV's absolute p values (0.75, 0.5) do not follow from its own numbers at 128 Gbit/s (p* = 0.976 and
+  0.952), and its text also gives 0.5 and 0.25; the tests check what is consistent: the case and the ratio.
+- Algorithm 1 read literally (only the inner coordinates compared) puts all-gathers across data centres: 208 AG
+  pairs in Fig. 8b's 4 x 4 example. Here two ranks are compared at the one level where their coordinates differ
+  (64 AG and 16 A2A pairs there, the one-level formulas summed over the levels; the paper prints no counts).
+- Section V-B maps p = 0, 0.5, 0.75, 1 to S = 8, 4, 2, 1; eqs. 3-4 need p = (G - S)/(G - 1) (0.571 at S = 4).
+  The advisor works in S directly.
+- Eq. 7 hides all expert compute under the all-to-alls; the advisor keeps expert compute in the step's compute
+  and every all-to-all exposed. The paper has no latency term, one level and forward only; the advisor adds a
+  start-up latency per collective, runs levels' links side by side, counts backward (four all-to-alls, the
+  re-gather, the reduce-scatter) and models the de-duplicating backends' copies.
 """
 
 import itertools

@@ -3,7 +3,7 @@
 The layout advisor prices a pipeline-parallel job by its busiest rank (the stage that sets the pipeline's pace) and
 stretches that rank's work by the schedule's bubble. The split is torchtitan's own
 (``generate_llm_fqn_per_model_part``, or the job's ``module_fqns_per_model_part``), with its stage-to-rank order
-(looped, or V for ZBV and DualPipeV). See docs/planning.md, "Pipeline parallelism".
+(looped, or V for ZBV and DualPipeV). See docs/planning.md, "Models, topologies, pipelines".
 """
 
 import math

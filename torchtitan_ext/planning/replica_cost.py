@@ -5,7 +5,7 @@
 (:func:`torchtitan_ext.ep.replication.split.split_quotas`), and returns the rows each rank computes and the
 whole experts the busiest rank sends or receives per fetch; :func:`replica_traffic` prices that traffic
 per MoE layer and call. The dump's counts are the job's, summed over its EP groups and microbatches.
-See docs/planning.md, "Priced by the layout advisor".
+See docs/balancing.md, "Pricing replication before you run it".
 """
 
 from dataclasses import dataclass

@@ -3,7 +3,7 @@
 A topology is a TOML file (shipped ones in ``topologies/``; :func:`load_topology` reads one): per-worker
 compute, overlap, memory and memory bandwidth, and ``[[levels]]``, innermost first, each with its group
 size, bandwidths, latency and link ``fabric``. Ranks are numbered as torchtitan numbers them (the
-innermost level's groups are consecutive ranks). Format: docs/planning.md, "Topologies".
+innermost level's groups are consecutive ranks). Format: docs/planning.md, "Models, topologies, pipelines".
 """
 
 import difflib

@@ -1,7 +1,7 @@
 """``<dump_folder>/metrics.jsonl``: a job's logged steps as a file, written by the trainer and read by every tool.
 
 One JSON object per logged step, ``{"step": N, ...}`` with every metric under the name TensorBoard shows it by
-(docs/planning.md, "metrics.jsonl"). Imports only the standard library: the supervisor reads it too.
+(docs/metrics.md). Imports only the standard library: the supervisor reads it too.
 """
 
 import json

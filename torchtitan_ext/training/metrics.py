@@ -4,7 +4,7 @@ Every logged step goes to torchtitan's loggers (console, TensorBoard, W&B) and, 
 ``<dump_folder>/metrics.jsonl`` (:class:`MetricsFile`; :func:`~torchtitan_ext.records.metrics.read_metrics`
 reads it back), which every tool reads instead of the console. The expert-parallel counters (``ep/...``, :class:`ExpertParallelMetrics`) live on
 the device and are read once per logged step with one all-reduce (sum) and one all-reduce (max) over all ranks:
-the hot path never syncs with the host. docs/reliability.md lists every metric and what it means.
+the hot path never syncs with the host. docs/metrics.md lists every metric and what it means.
 """
 
 import re

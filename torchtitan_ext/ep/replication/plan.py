@@ -54,8 +54,8 @@ class ExpertReplication:
     choice reads, the same on every rank. Range 0 .. 1; 0: never steps
     aside. 0.05: just below the lowest break-even measured on a CPU
     (replication's own time over the slowest rank's MoE layers, 0.054 at EP=2
-    and 0.078 at EP=4 on debugmodel_wide_experts; docs/benchmarks.md,
-    "bench_replication under a drifting routing skew, on the unbound loop"); a
+    and 0.078 at EP=4 on debugmodel_wide_experts; docs/balancing.md,
+    "`min_gain` from these measurements"); a
     GPU's is not measured.
     """
 
