@@ -6,7 +6,7 @@
     python -m torchtitan_ext.plan --paper --topology T --world-size G --paper-data-mb D --paper-expert-mb P_E
         --paper-pre-expert-ms PE
     python -m torchtitan_ext.plan --calibrate [--nproc N] [--calibrate-output FILE]
-    python -m torchtitan_ext.plan --validate [--comparisons FILE] [--fit-from FILE]
+    python -m torchtitan_ext.plan --validate [--comparisons FILE] [--fit-from FILE] [--error-output FILE]
     python -m torchtitan_ext.plan --fit [--comparisons FILE] [--fit-output FILE]
 
 The first prints the memory plan (:mod:`torchtitan_ext.planning.memory_plan`), and with ``--topology`` the
@@ -33,7 +33,10 @@ from torchtitan_ext.config import (
 from torchtitan_ext.config.writing import write_job_config
 from torchtitan_ext.measuring.compute import check_measurable, measure_compute
 from torchtitan_ext.measuring.dry_run import dry_run
-from torchtitan_ext.planning.advice_report import format_advice, format_paper, layouts_record
+from torchtitan_ext.planning.advice_report import advice_record, format_advice, format_paper
+from torchtitan_ext.planning.advisor_error import (
+    AS_SHIPPED, load_error, measured_error, pricing_name, SHIPPED as SHIPPED_ERROR, write_error,
+)
 from torchtitan_ext.planning.advisor_fit import fit, format_fit, load_fit, SHIPPED as SHIPPED_FIT, write_fit
 from torchtitan_ext.planning.calibrate import calibrate
 from torchtitan_ext.planning.layout_advisor import advise, advised_config, overrides_problem
@@ -41,7 +44,7 @@ from torchtitan_ext.planning.measured_rates import calibration_rates
 from torchtitan_ext.planning.memory_plan import format_plan, plan
 from torchtitan_ext.planning.paper_model import PaperSetting
 from torchtitan_ext.planning.published_comparisons import (
-    load_comparisons, SHIPPED as SHIPPED_COMPARISONS, validation_report,
+    format_validation, load_comparisons, SHIPPED as SHIPPED_COMPARISONS, validate,
 )
 from torchtitan_ext.planning.topology import load_topology
 from torchtitan_ext.training import prepare
@@ -61,7 +64,14 @@ def main(argv: list[str] | None = None) -> None:
         prepare()
         fit_from = args.fit_from or SHIPPED_FIT
         fitted = _exit_on_error(load_fit, fit_from)
-        print("\n".join(_exit_on_error(validation_report, args.comparisons, fitted, _shown(fit_from))))
+        comparisons, shipped, under_fit = _exit_on_error(validate, args.comparisons, fitted)
+        print("\n".join(format_validation(comparisons, shipped, under_fit, _shown(fit_from))))
+        if args.error_output is not None:
+            errors = [_exit_on_error(measured_error, AS_SHIPPED, comparisons, shipped),
+                      _exit_on_error(measured_error, pricing_name(fit_from), comparisons, under_fit)]
+            command = "python -m torchtitan_ext.plan " + " ".join(argv if argv is not None else sys.argv[1:])
+            _exit_on_error(write_error, errors, args.error_output, command)
+            print(f"Wrote the advisor's error ({', '.join(e.pricing for e in errors)}) to {args.error_output}")
     elif args.fit:
         prepare()
         fitted = _exit_on_error(fit, _exit_on_error(load_comparisons, args.comparisons))
@@ -122,6 +132,12 @@ def _parser() -> argparse.ArgumentParser:
                              "scale, and the fitted link rates where no published figure exists; a --calibrate-from "
                              "rate wins over a fitted one); --validate: predict under them beside the advisor as "
                              "shipped (default docs/advisor_fit.toml)")
+    parser.add_argument("--error-output", type=Path, metavar="FILE",
+                        help="--validate: also write the advisor's error on the held-out comparisons, as shipped and "
+                             "under the fit, to FILE (docs/advisor_error.toml ships)")
+    parser.add_argument("--error-from", type=Path, metavar="FILE",
+                        help="with --topology: the advisor's measured error that sets the decision's band and the "
+                             "TFLOPS ranges (default docs/advisor_error.toml)")
     parser.add_argument("--calibrate", action="store_true", help="measure this machine and write its topology")
     parser.add_argument("--nproc", type=int, default=2, help="--calibrate: gloo processes (default 2)")
     parser.add_argument(
@@ -142,6 +158,9 @@ def _plan_job(args, train_args: list[str], command: str) -> None:
     prepare()
     try:
         world_size, topology, rates, fitted_fractions = _priced_topology(args, train_args)
+        # the advisor's error under this pricing, measured on the held-out published comparisons
+        error = None if topology is None else load_error(
+            args.error_from or SHIPPED_ERROR, pricing_name(args.fit_from))
         job_config = load_job_config(train_args, device_type=None, world_size=world_size)
         if args.measure_compute:
             check_measurable(load_job_config(train_args, device_type="cpu", world_size=world_size), world_size)
@@ -180,11 +199,11 @@ def _plan_job(args, train_args: list[str], command: str) -> None:
         print("\n".join(format_plan(result, world_size)))
     model = result.dry_run.model if result is not None else f"{job_config.model.name} of {args.hf_config}"
     if advice is not None:
-        print("\n".join(format_advice(advice, topology, world_size, model, problem, routing, compute)))
+        print("\n".join(format_advice(advice, topology, world_size, model, problem, routing, compute, error=error)))
     if args.json is not None:
         written = args.json.with_name(f".{args.json.name}.partial")
         try:
-            written.write_text(json.dumps(layouts_record(advice), indent=1) + "\n", encoding="utf-8")
+            written.write_text(json.dumps(advice_record(advice, error), indent=1) + "\n", encoding="utf-8")
             os.replace(written, args.json)
         except OSError as e:
             written.unlink(missing_ok=True)
@@ -241,6 +260,8 @@ def _check_flags(args) -> None:
                               "--fit do not give: drop one of them")
     if args.validate and args.fit:
         raise ConfigError("--validate and --fit: run --fit first (it writes the parameters), then --validate")
+    if args.error_output is not None and not args.validate:
+        raise ConfigError("--error-output writes the error --validate measures: add --validate")
     if args.hf_config is not None:
         # priced only (this harness trains the models of its train configs): the advice is all it gives
         for flag, given in (("--topology", args.topology is not None), ("no --emit-config", args.emit_config is None),
@@ -248,7 +269,7 @@ def _check_flags(args) -> None:
             if not given:
                 raise ConfigError(f"--hf-config prices a model by its FLOPs and bytes in the layout advice: use it "
                                   f"with {flag}")
-    for flag, path in (("--json", args.json), ("--emit-config", args.emit_config)):
+    for flag, path in (("--json", args.json), ("--emit-config", args.emit_config), ("--error-output", args.error_output)):
         if path is not None and (path.is_dir() or not path.parent.is_dir() or not os.access(path.parent, os.W_OK)):
             raise ConfigError(f"{flag} {path}: not a file in a writable folder: give a path in an existing folder you "
                               "can write")
@@ -260,6 +281,7 @@ def _check_flags(args) -> None:
         ("--ranks-per-group", args.ranks_per_group is not None, "places ranks in the topology's groups"),
         ("--measure-compute", args.measure_compute, "sets the layout advice's compute"),
         ("--replica-slots", args.replica_slots is not None, "prices the layout advice's layouts"),
+        ("--error-from", args.error_from is not None, "sets the layout advice's decision"),
         ("--json", args.json is not None, "writes from the layout advice"),
         ("--emit-config", args.emit_config is not None, "writes from the layout advice"),
     ):

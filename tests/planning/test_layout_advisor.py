@@ -9,17 +9,21 @@ import numpy as np
 import pytest
 import torch
 
-from tests.planning.advice_text import paragraph
+from tests.planning.advice_text import ERROR, headline, paragraph
 from torchtitan_ext import plan, runtime
 from torchtitan_ext.config import ConfigError, load_job_config, parse
 from torchtitan_ext.ep import BACKENDS, PLANNING_PROFILES
 from torchtitan_ext.measuring.compute import check_measurable
+from torchtitan_ext.planning.advice_decision import decide, measure_arguments
 from torchtitan_ext.planning.advice_report import format_advice, layouts_record
 from torchtitan_ext.planning.advisor_fit import load_fit, SHIPPED as SHIPPED_FIT
 from torchtitan_ext.planning.cost_model import MeasuredRouting
 from torchtitan_ext.planning.layout_advisor import advise, advised_config, overrides_problem
 from torchtitan_ext.planning.measured_compute import MeasuredCompute
-from torchtitan_ext.planning.published_comparisons import SHIPPED as SHIPPED_COMPARISONS, validation_report
+from torchtitan_ext.planning.advisor_error import AS_SHIPPED, load_error, measured_error, SHIPPED as SHIPPED_ERROR
+from torchtitan_ext.planning.published_comparisons import (
+    format_validation, load_comparisons, SHIPPED as SHIPPED_COMPARISONS, validate,
+)
 from torchtitan_ext.planning.topology import load_topology, parse_topology, SHIPPED
 from torchtitan_ext.training import prepare
 
@@ -166,7 +170,7 @@ def test_advice_ranks_runnable_layouts_and_lists_refused_ones():
     assert {(layout.label, layout.ep) for layout in refused} == {("deepep", 1), ("deepep legacy", 1), ("hybridep", 1)}
     assert all("needs expert parallelism" in layout.refused for layout in refused)
     # v1 is refused at EP = 1 for the reason V2 is: the advice lists that once
-    lines = format_advice(layouts, load_topology("hgx_h100_ib"), 4, "deepseek_v3 debugmodel", None)
+    lines = format_advice(layouts, load_topology("hgx_h100_ib"), 4, "deepseek_v3 debugmodel", None, error=ERROR)
     listed = lines[lines.index("  not runnable (the job's config checks; other backends' sections at their defaults):") + 1:]
     assert [line.split(":")[0].strip() for line in listed if not line.startswith("      ")] == [
         "deepep EP=1", "hybridep EP=1"]
@@ -217,7 +221,7 @@ def _advice_lines(advice_671b, name: str) -> list[str]:
     """The plan CLI's advice for the 671B job on topology ``name``, as it prints it."""
     layouts = advice_671b[name]
     return format_advice(layouts, TOPOLOGIES_671B[name], 256, "deepseek_v3 671B",
-                         overrides_problem(JOB_671B, 256, layouts[0]))
+                         overrides_problem(JOB_671B, 256, layouts[0]), error=ERROR)
 
 
 def _block_rows(advice_671b, name: str) -> dict[tuple[str, int], dict[str, str]]:
@@ -504,9 +508,10 @@ def test_measured_local_work_decides_between_backends():
     layouts, routing = advise(job, 4, THIS_MACHINE, measured_compute=compute)
     runnable = [layout for layout in layouts if layout.refused is None]
     assert (runnable[0].backend, runnable[0].ep) == ("nccl", 4)
-    lines = format_advice(layouts, THIS_MACHINE, 4, "deepseek_v3 debugmodel", None, routing, compute)
-    recommended = paragraph(lines, "  recommended:")
-    found = re.match(r"  recommended: nccl at EP=4, efsdp=1: [0-9,.]+ ms per step, [0-9.]+ TFLOPS/GPU "
+    lines = format_advice(layouts, THIS_MACHINE, 4, "deepseek_v3 debugmodel", None, routing, compute, error=ERROR)
+    recommended = headline(lines)
+    found = re.match(r"  (?:recommended|first by the model): nccl at EP=4, efsdp=1: [0-9,.]+ ms per step predicted, "
+                     r"[0-9,.]+ to [0-9,.]+ TFLOPS/GPU \([0-9,.]+ as priced\) "
                      r"evidence: its all-to-all rates: gloo at the topology's stated rate; compute measured on this "
                      r"machine \(--measure-compute\); uniform routing why: least exposed MoE communication plus the backend's "
                      r"local work per step, ([0-9.]+) ms: ([0-9.]+) exposed communication \+ ([0-9.]+) local work; "
@@ -696,7 +701,8 @@ def test_json_lists_every_layout_considered(capsys, tmp_path):
     out = tmp_path / "layouts.json"
     plan.main(["--topology", "hgx_h100_ib", "--world-size", "4", "--json", str(out), *DEBUG_JOB])
     assert capsys.readouterr().out.splitlines()[-1] == f"Wrote 12 layouts to {out}"
-    records = json.loads(out.read_text())
+    advice = json.loads(out.read_text())
+    records = advice["layouts"]
     layouts, _ = advise(DEBUG_JOB, 4, load_topology("hgx_h100_ib"))
     assert [(r["backend"], r["settings"], r["ep_degree"], r["runnable"]) for r in records] == [
         (layout.backend, {f"{section}.{field}": value for section, field, value in layout.settings}, layout.ep,
@@ -709,6 +715,9 @@ def test_json_lists_every_layout_considered(capsys, tmp_path):
     assert runnable[0]["overrides"] == layouts[0].overrides()
     assert all(r["refused"] and "step_s" not in r for r in records if not r["runnable"])
     assert {(r["pricing"], r["assumption"]) for r in runnable} == {("priced", None)}  # every rate published on HGX
+    assert advice["decision"] in ("pick", "measure") and advice["band"] == ERROR.gap_band
+    assert (advice["decision"] == "pick") == (len(advice["candidates"]) == 1)
+    assert advice["candidates"][0]["overrides"] == layouts[0].overrides() and advice["candidates"][0]["rank"] == 1
     assert not list(tmp_path.glob(".*partial"))
 
 
@@ -808,40 +817,32 @@ def test_replica_traffic_uses_the_physical_links_whatever_the_kernels_reach():
     assert priced["legacy"].costs.a2a > 5 * priced["elastic"].costs.a2a
 
 
-def test_margins_under_the_models_resolution_are_said(advice_671b):
-    """On GB200 the 671B job's four best priced layouts are within 10% of each other (hybridep at EP=64 at two SM
-    counts, deepep at EP=32 and 64), and nccl, predicted faster at NCCL's nominal NVL72 rate (none published), is
-    ranked below them with the step at the shipped fit's rate beside it: both are said. On HGX
-    nodes DeepEP v1 at EP=16 and nccl and both DeepEP APIs at EP=8 are within 10% of EP=16 with V2, and every
-    backend has a published figure on each link there."""
-    for name, expected in (("gb200_nvl72", ["hybridep EP=64", "deepep EP=32", "deepep EP=64"]),
-                           ("hgx_h100_ib", ["deepep legacy EP=16", "deepep legacy EP=8", "deepep EP=8"])):
-        layouts = advice_671b[name]
-        runnable = [layout for layout in layouts if layout.refused is None]
-        close = [layout for layout in runnable[1:]
-                 if not layout.nominal_links and layout.step_s <= runnable[0].step_s * 1.1]
-        assert [f"{layout.label} EP={layout.ep}" for layout in close[:3]] == expected
-        lines = format_advice(layouts, TOPOLOGIES_671B[name], 256, "671B", None)
-        assert max(len(line) for line in lines) <= 118
-        unpublished = [line for line in lines if line.startswith("  ranked below every priced layout:")]
-        assert paragraph(lines, "  within the model's resolution:") == (
-            f"  within the model's resolution: {len(close)} other layout(s) predict a step within 10% of this one "
-            f"({', '.join(expected)}{', ...' if len(close) > 3 else ''}): measure them before choosing"
-        )
-        if name == "hgx_h100_ib":
-            assert unpublished == [] and not any(layout.nominal_links for layout in runnable)
-            continue
-        nccl = [_runnable(advice_671b, name)["nccl", ep] for ep in (32, 64)]
-        assert all(layout.step_s < runnable[0].step_s for layout in nccl)
-        ends = [(layout.step_s * 1e3, layout.fitted_step_s * 1e3) for layout in nccl]
-        assert paragraph(lines, "  ranked below every priced layout:") == (
-            f"  ranked below every priced layout: nccl EP=32 ({ends[0][0]:,.0f} ms over NVLink domain (one rack), "
-            f"{ends[0][1]:,.0f} ms at the fitted rate), nccl EP=64 ({ends[1][0]:,.0f} ms over NVLink domain (one "
-            f"rack), {ends[1][1]:,.0f} ms at the fitted rate) predicted faster, but priced at the link's "
-            "nominal rate (no published figure), a bound it may not reach: time it and give --calibrate-from the "
-            "measurement (python -m torchtitan_ext.bench ep --json, or an nccl-tests alltoall_perf log) before "
-            "choosing it"
-        )
+def test_the_671b_advice_says_measure_and_its_range_holds_the_published_hybridep_run(advice_671b):
+    """On GB200 the 671B job's best priced layouts lie within the advisor's measured band of each other, and nccl,
+    a bound at NVL72's nominal rate, predicts a shorter step than all of them: the advice says "measure" and lists
+    them, each with what to add to the job's launch, and each candidate's overrides pass the job's own checks. The
+    TFLOPS range of HybridEP at EP=64 as configured holds the figure torchtitan PR #2207 published for that layout
+    (the comparisons file's fit row: no held-out row, so not what the band was measured on)."""
+    layouts = advice_671b["gb200_nvl72"]
+    runnable = [layout for layout in layouts if layout.refused is None]
+    decision = decide(runnable, ERROR)
+    within = [layout for layout in runnable[1:] if layout.step_s <= runnable[0].step_s * (1 + ERROR.gap_band)]
+    assert decision.kind == "measure" and list(decision.candidates) == [runnable[0], *within]
+    assert {("nccl", 32), ("nccl", 64), ("hybridep", 64)} <= {(layout.label, layout.ep) for layout in within}
+    assert all(overrides_problem(JOB_671B, 256, layout) is None for layout in decision.candidates)
+    published = next(row for row in load_comparisons() if row.id == "torchtitan-2207-dsv3-671b-gb200-ep64")
+    as_run = next(layout for layout in decision.candidates if (layout.label, layout.ep) == ("hybridep", 64))
+    low, high = decision.tflops_range(as_run)
+    assert low <= published.measured["hybridep"] <= high < as_run.tflops_per_gpu
+    lines = _advice_lines(advice_671b, "gb200_nvl72")
+    assert max(len(line) for line in lines) <= 118
+    assert paragraph(lines, "  decision:").startswith(
+        f"  decision: measure. {len(decision.candidates)} layouts predict steps within {ERROR.gap_band:.1%} of the "
+        "first's, which the model cannot tell apart")
+    listed = [paragraph(lines, f"    {index}. ") for index in range(1, 5)]
+    assert [entry.split(":")[0].split(". ")[1] for entry in listed] == [
+        "hybridep 16/32 EP=64", "hybridep EP=64", "deepep EP=32", "nccl EP=32"]
+    assert " ".join(measure_arguments(as_run)) in listed[1].replace("\\ ", "")
 
 
 def test_the_routed_experts_are_timed_on_the_rows_each_layer_received():
@@ -986,7 +987,11 @@ def test_the_shipped_fit_reproduces_its_fit_row_where_the_advisor_as_shipped_ran
     prices nccl at NVL72's nominal rate and calls it faster; under docs/advisor_fit.toml both figures match."""
     fitted = load_fit(SHIPPED_FIT)
     assert fitted.count <= 3
-    report = validation_report(SHIPPED_COMPARISONS, fitted, "docs/advisor_fit.toml")
+    comparisons, shipped, under_fit = validate(SHIPPED_COMPARISONS, fitted)
+    report = format_validation(comparisons, shipped, under_fit, "docs/advisor_fit.toml")
+    # the advice's band and ranges are these predictions' error (plan --validate --error-output wrote the file)
+    for pricing, predictions in ((AS_SHIPPED, shipped), ("docs/advisor_fit.toml", under_fit)):
+        assert load_error(SHIPPED_ERROR, pricing) == pytest.approx(measured_error(pricing, comparisons, predictions))
     assert report[1].startswith("  as shipped: nccl ") and "(nominal rate: a bound)" in report[1]
     assert report[1].endswith("the faster backend disagrees")
     assert re.search(r"off the published by nccl [+-]0\.[01]%, hybridep [+-]0\.[01]%; the faster backend agrees$",

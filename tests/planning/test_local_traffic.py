@@ -14,7 +14,7 @@ from torchtitan_ext.ep import BACKENDS, PLANNING_PROFILES
 from torchtitan_ext.ep.base import token_group_alignment
 from torchtitan_ext.ep.hybridep import non_blocking_rows
 from torchtitan_ext.ep.in_flight import in_flight, Landing
-from tests.planning.advice_text import paragraph
+from tests.planning.advice_text import ERROR, paragraph
 from torchtitan_ext.measuring.device_cost_counter import DeviceCostCounter
 from torchtitan_ext.planning.advice_report import format_advice
 from torchtitan_ext.planning.layout_advisor import advise, advised_config
@@ -260,7 +260,7 @@ def test_a_rate_measured_with_the_local_work_is_not_priced_twice(holds_local_wor
     for layout in layouts:
         held = holds_local_work and layout.backend == "nccl" and layout.ep > 1
         assert (layout.dispatch_work_s == 0 and layout.local_traffic is None) is held
-    lines = format_advice(layouts, topology, 4, "debug", None)
+    lines = format_advice(layouts, topology, 4, "debug", None, error=ERROR)
     said = paragraph(lines, "  local:")
     assert ("not counted for nccl: the rate measured on the cluster (--calibrate-from, bench_ep) holds it"
             in said) is holds_local_work

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from tests.planning.advice_text import paragraph
+from tests.planning.advice_text import ERROR, headline, paragraph
 from torchtitan_ext import plan
 from torchtitan_ext.config import ConfigError, load_job_config
 from torchtitan_ext.planning.cost_model import MeasuredRouting, MoEWorkload
@@ -188,8 +188,8 @@ def test_replicas_win_where_the_busiest_rank_sets_the_step():
     assert best.moe_s == pytest.approx(best.exposed_s + best.imbalance_s + best.replica_s)
     assert not any(layout.ep == 1 and layout.replica_slots for layout in layouts)  # EP=1 is priced without only
     assert best.overrides()[-2:] == ["--expert_replication.slots_per_rank", "2"]
-    lines = format_advice(layouts, slow, 2, "debug", None, routing)
-    recommended = paragraph(lines, "  recommended:")
+    lines = format_advice(layouts, slow, 2, "debug", None, routing, error=ERROR)
+    recommended = headline(lines)
     assert f"with 2 replica slot(s) the busiest rank computes {best.rows_ratio:.3f}x the mean rank's" in recommended
 
 
@@ -198,7 +198,7 @@ def test_under_uniform_routing_replicas_only_cost():
     runnable = [layout for layout in layouts if layout.refused is None]
     assert runnable[0].replica_slots == 0 and all(layout.rows_ratio == 1.0 for layout in runnable)
     assert all(layout.replica_s > 0 for layout in runnable if layout.replica_slots)
-    lines = format_advice(layouts, load_topology("hgx_h100_ib"), 4, "debug", None, routing)
+    lines = format_advice(layouts, load_topology("hgx_h100_ib"), 4, "debug", None, routing, error=ERROR)
     assert any("replica slots priced under uniform routing" in line for line in lines)
     inputs = paragraph(lines, "  replicas' inputs:")
     assert "expert time from their FLOPs at 400 TFLOP/s, taken as proportional to the rows" in inputs

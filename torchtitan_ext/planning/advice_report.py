@@ -4,6 +4,8 @@ cannot run, the seed paper's one-level setting."""
 import textwrap
 
 from torchtitan_ext.ep import PLANNING_PROFILES
+from torchtitan_ext.planning.advice_decision import decide, Decision, measure_arguments
+from torchtitan_ext.planning.advisor_error import ModelError
 from torchtitan_ext.planning.cost_model import MeasuredRouting
 from torchtitan_ext.planning.layout import Layout
 from torchtitan_ext.planning.measured_compute import MeasuredCompute
@@ -11,11 +13,6 @@ from torchtitan_ext.planning.paper_model import (
     eq3_a2a_volume, eq4_ag_volume, optimal_p, p_of_domain_size, pair_counts, PaperSetting,
 )
 from torchtitan_ext.planning.topology import Topology
-
-
-RESOLUTION = 0.10
-"""Relative step-time margin under which the advisor cannot tell layouts apart: it prices every backend at
-the topology's nominal link rates, without each library's achieved bandwidth, fixed costs or SM use."""
 
 
 def _ms(seconds: float) -> str:
@@ -134,9 +131,12 @@ def _reason(best: Layout, others: list[Layout]) -> str:
 
 def format_advice(
     layouts: list[Layout], topology: Topology, world_size: int, model: str, overrides_problem: str | None,
-    routing: MeasuredRouting | None = None, measured_compute: MeasuredCompute | None = None,
+    routing: MeasuredRouting | None = None, measured_compute: MeasuredCompute | None = None, *, error: ModelError,
 ) -> list[str]:
+    """The advice as lines of at most :data:`WIDTH` columns, its decision taken with the advisor's measured
+    ``error`` (:func:`~torchtitan_ext.planning.advice_decision.decide`)."""
     runnable = [layout for layout in layouts if layout.refused is None]
+    decision = decide(runnable, error) if runnable else None
     lines = [
         f"Layout advice: {model} on {world_size} ranks, topology '{topology.name}' "
         f"(communication {'overlaps' if topology.overlap else 'does not overlap'} compute)",
@@ -243,11 +243,18 @@ def format_advice(
             + "".join(f"; {legend}" for legend in dict.fromkeys(
                 PLANNING_PROFILES[layout.backend].settings_legend for layout in runnable if layout.settings) if legend), "  ")
         with_slots = f", {first.replica_slots} replica slot(s) per rank" if prices_replicas else ""
+        low, high = decision.tflops_range(first)
         lines.append(
-            f"  recommended: {first.label} at EP={first.ep}, efsdp={first.efsdp}{with_slots}: "
-            f"{_ms(first.step_s)} ms per step, {_tflops(first.tflops_per_gpu)} TFLOPS/GPU"
+            f"  {'recommended' if decision.kind == 'pick' else 'first by the model'}: {first.label} at EP={first.ep}, "
+            f"efsdp={first.efsdp}{with_slots}: {_ms(first.step_s)} ms per step predicted, {_tflops(low)} to "
+            f"{_tflops(high)} TFLOPS/GPU ({_tflops(first.tflops_per_gpu)} as priced)"
         )
         lines += _wrapped(f"evidence: {_evidence(first, topology, routing, measured_compute)}", "    ")
+        if first.nominal_links:
+            lines += _wrapped(
+                f"priced at the nominal rate of {' and '.join(first.nominal_links)} (no published figure), a bound it "
+                f"may not reach{_fitted(first)}, as every runnable layout here is: time it, and give --calibrate-from "
+                "the measurement (python -m torchtitan_ext.bench ep --json, or an nccl-tests alltoall_perf log)", "    ")
         # compared with the layouts priced as it is (a nominal rate's bound is no price)
         alike = [layout for layout in runnable[1:] if bool(layout.nominal_links) == bool(first.nominal_links)]
         lines += _wrapped(f"why: {_reason(first, alike)}", "    ")
@@ -256,31 +263,7 @@ def format_advice(
             lines += _wrapped(
                 f"busiest link: {link} carries {_ms(busy)} ms per step ({busy / first.step_s:.0%} of the step"
                 + ("; it sets the step: its traffic cannot all hide)" if first.link_bound else ")"), "    ")
-        close = [layout for layout in alike if layout.step_s <= first.step_s * (1 + RESOLUTION)]
-        if close:
-            named = ", ".join(f"{layout.label} EP={layout.ep}" + (f" {layout.replica_slots} slots" if prices_replicas else "")
-                              for layout in close[:3])
-            lines += _wrapped(
-                f"within the model's resolution: {len(close)} other layout(s) predict a step within "
-                f"{RESOLUTION:.0%} of this one ({named}{', ...' if len(close) > 3 else ''}): measure them before choosing",
-                "  ")
-        faster = [layout for layout in runnable if layout.nominal_links and layout.step_s < first.step_s]
-        if faster and not first.nominal_links:
-            named = ", ".join(dict.fromkeys(
-                f"{layout.label} EP={layout.ep}{f' {layout.replica_slots} slots' if prices_replicas else ''} "
-                f"({_ms(layout.step_s)} ms over {' and '.join(layout.nominal_links)}{_fitted(layout)})"
-                for layout in faster[:3]))
-            lines += _wrapped(
-                f"ranked below every priced layout: {named}{', ...' if len(faster) > 3 else ''} predicted faster, "
-                "but priced at the link's nominal rate (no published figure), a bound it may not reach: time it and "
-                "give --calibrate-from the measurement (python -m torchtitan_ext.bench ep --json, or an nccl-tests "
-                "alltoall_perf log) before choosing it", "  ")
-        elif first.nominal_links:
-            lines += _wrapped(
-                f"priced at the nominal rate of {' and '.join(first.nominal_links)} (no published figure), a bound "
-                f"it may not reach{_fitted(first)}, as every runnable layout here is: time it (--calibrate-from) "
-                "before choosing it",
-                "  ")
+        lines += _decision_lines(decision, prices_replicas)
         lines += _command("  overrides: ", first.overrides())
         if overrides_problem is not None:
             lines += _wrapped(f"with those, this job config still fails its checks: {overrides_problem}", "  ")
@@ -299,9 +282,67 @@ def format_advice(
                                                       if len(line) > WIDTH else [line])]
 
 
+def _decision_lines(decision: Decision, prices_replicas: bool) -> list[str]:
+    """The decision: one layout, or the layouts to time on the cluster, each with what to add to the job's launch;
+    and where the band and the TFLOPS ranges come from."""
+    error = decision.error
+    source = (f"the largest error of a predicted gap between two backends on {len(error.rows)} held-out published "
+              f"comparisons, priced {error.pricing} (docs/advisor_error.toml); TFLOPS ranges: the predicted figure "
+              f"over {error.figure_ratio_low:.2f}x to {error.figure_ratio_high:.2f}x, the predicted / published "
+              "figures measured there")
+    if decision.kind == "pick":
+        return _wrapped(f"decision: pick. Every other layout predicts a step more than {error.gap_band:.1%} longer: "
+                        f"the band is {source}", "  ")
+    lines = _wrapped(
+        f"decision: measure. {len(decision.candidates)} layouts predict steps within {error.gap_band:.1%} of the "
+        f"first's, which the model cannot tell apart (the band is {source}). Time each on your cluster: launch the "
+        "job as you do with each line's arguments added, and compare the median "
+        "time_metrics/end_to_end_slowest_rank(s) in each run's metrics.jsonl after its first 3 steps:", "  ")
+    # each backend setting's best candidate; the others are in --json
+    best = {}
+    for layout in decision.candidates:
+        best.setdefault(layout.label, layout)
+    shown = list(best.values())
+    for index, layout in enumerate(shown, start=1):
+        low, high = decision.tflops_range(layout)
+        bound = (f", a bound at {' and '.join(layout.nominal_links)}'s nominal rate (no published figure)"
+                 f"{_fitted(layout)}" if layout.nominal_links else "")
+        slots = f" {layout.replica_slots} slots" if prices_replicas else ""
+        lines += _wrapped(f"{index}. {layout.label} EP={layout.ep}{slots}: {_ms(layout.step_s)} ms{bound}, "
+                          f"{_tflops(low)} to {_tflops(high)} TFLOPS/GPU", "    ")
+        lines += _command("       ", measure_arguments(layout))
+    if len(shown) < len(decision.candidates):
+        lines += _wrapped(f"and {len(decision.candidates) - len(shown)} more layout(s) of these backends within the "
+                          "band (--json FILE lists every candidate)", "    ")
+    return lines
+
+
 def _fitted(layout: Layout) -> str:
     """", 9,130 ms at the fitted rate": the other end of a nominal rate's range, where a fit covers it."""
     return "" if layout.fitted_step_s is None else f", {_ms(layout.fitted_step_s)} ms at the fitted rate"
+
+
+def advice_record(layouts: list[Layout], error: ModelError) -> dict:
+    """The advice as a JSON-ready object: the decision, its band and where the band comes from, the candidates
+    (rank among the layouts, the TFLOPS range, what to add to the job's launch to time it), and every layout."""
+    runnable = [layout for layout in layouts if layout.refused is None]
+    decision = decide(runnable, error) if runnable else None
+    if decision is None:
+        return {"decision": None, "band": None, "error": None, "candidates": [], "layouts": layouts_record(layouts)}
+    error = decision.error
+    return {
+        "decision": decision.kind,
+        "band": error.gap_band,
+        "error": {"pricing": error.pricing, "gap_band": error.gap_band, "figure_ratio_low": error.figure_ratio_low,
+                  "figure_ratio_high": error.figure_ratio_high, "held_out_rows": list(error.rows)},
+        "candidates": [
+            {"rank": layouts.index(layout) + 1, "backend": layout.backend, "ep_degree": layout.ep,
+             "replica_slots": layout.replica_slots, "step_s": layout.step_s, "tflops_per_gpu": layout.tflops_per_gpu,
+             "tflops_per_gpu_range": list(decision.tflops_range(layout)), "bound": bool(layout.nominal_links),
+             "overrides": layout.overrides(), "measure_with": measure_arguments(layout)}
+            for layout in decision.candidates],
+        "layouts": layouts_record(layouts),
+    }
 
 
 def layouts_record(layouts: list[Layout]) -> list[dict]:

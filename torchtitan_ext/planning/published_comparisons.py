@@ -295,11 +295,17 @@ def format_validation(comparisons: list[Comparison], shipped: dict[str, Predicti
     return lines + [summary, *goals]
 
 
-def validation_report(path: Path = SHIPPED, fitted=None, fit_source: str = "") -> list[str]:
-    """``format_validation`` of every comparison in ``path``, the priced ones predicted as shipped and, given
-    ``fitted`` parameters (read from ``fit_source``), under them."""
+def validate(path: Path = SHIPPED, fitted=None):
+    """(every comparison in ``path``, the priced ones' predictions as shipped, and under ``fitted`` parameters or
+    None), by comparison id."""
     comparisons = load_comparisons(path)
     priced = [comparison for comparison in comparisons if comparison.priced]
     shipped = {comparison.id: predict(comparison) for comparison in priced}
     under_fit = None if fitted is None else {comparison.id: predict(comparison, fitted) for comparison in priced}
-    return format_validation(comparisons, shipped, under_fit, fit_source)
+    return comparisons, shipped, under_fit
+
+
+def validation_report(path: Path = SHIPPED, fitted=None, fit_source: str = "") -> list[str]:
+    """``format_validation`` of :func:`validate`: the priced comparisons predicted as shipped and, given ``fitted``
+    parameters (read from ``fit_source``), under them."""
+    return format_validation(*validate(path, fitted), fit_source)

@@ -1,0 +1,75 @@
+"""The advice's decision on hand-worked cases: a pick only past the measured band, a nominal-rate bound listed
+when it may be as fast, the TFLOPS range from the measured figure ratios, and the error measured from held-out
+rows worked by hand."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from torchtitan_ext.config import ConfigError
+from torchtitan_ext.planning.advice_decision import decide
+from torchtitan_ext.planning.advisor_error import load_error, measured_error, ModelError, write_error
+
+ERROR = ModelError("as shipped", gap_band=0.10, figure_ratio_low=1.25, figure_ratio_high=2.5, rows=("row",))
+
+
+def layout(step_s: float, nominal: bool = False, tflops: float = 500.0):
+    return SimpleNamespace(step_s=step_s, nominal_links=("NVLink",) if nominal else (), tflops_per_gpu=tflops)
+
+
+def test_a_layout_is_picked_only_when_the_next_is_slower_by_more_than_the_band():
+    first, second, third = layout(1.0), layout(1.11), layout(1.5)
+    assert decide([first, second, third], ERROR).kind == "pick"
+    close = layout(1.09)
+    decision = decide([first, close, third], ERROR)
+    assert decision.kind == "measure" and decision.candidates == (first, close)
+
+
+def test_a_nominal_rate_bound_that_may_be_as_fast_is_a_candidate():
+    first, bound_fast, bound_slow = layout(1.0), layout(0.8, nominal=True), layout(1.2, nominal=True)
+    decision = decide([first, layout(1.3), bound_fast, bound_slow], ERROR)
+    assert decision.kind == "measure" and decision.candidates == (first, bound_fast)
+
+
+def test_the_tflops_range_divides_by_the_measured_figure_ratios():
+    # the advisor overstated the published figures by 1.25x to 2.5x: 500 predicted stands for 200 to 400
+    assert decide([layout(1.0, tflops=500.0)], ERROR).tflops_range(layout(1.0, tflops=500.0)) == (200.0, 400.0)
+    assert ERROR.step_range(2.0) == (2.5, 5.0)
+
+
+def row(row_id: str, role: str, measured: dict[str, float]):
+    """A comparison in TFLOPS/GPU: the gap is the second backend's figure over the first's, less one."""
+    def gap(figures):
+        first, second = (figures[name] for name in measured)
+        return second / first - 1
+    return SimpleNamespace(id=row_id, role=role, measured=measured, gap=gap)
+
+
+def prediction(figures: dict[str, float]):
+    return SimpleNamespace(figures=figures, figure=figures.__getitem__)
+
+
+def test_the_error_is_measured_on_the_held_out_rows_only():
+    rows = [row("fit", "fit", {"nccl": 100.0, "hybridep": 200.0}),
+            row("a", "held_out", {"nccl": 100.0, "hybridep": 110.0}),   # published +10%
+            row("b", "held_out", {"deepep": 200.0, "hybridep": 190.0})]  # published -5%
+    predictions = {"fit": prediction({"nccl": 900.0, "hybridep": 100.0}),  # a fit row's error counts for nothing
+                   "a": prediction({"nccl": 150.0, "hybridep": 150.0}),   # predicted 0%: 10 points off
+                   "b": prediction({"deepep": 300.0, "hybridep": 300.0})}  # predicted 0%: 5 points off
+    error = measured_error("as shipped", rows, predictions)
+    assert error.gap_band == pytest.approx(0.10) and error.rows == ("a", "b")
+    # predicted / published: 1.5, 150/110, 1.5, 300/190
+    assert (error.figure_ratio_low, error.figure_ratio_high) == pytest.approx((150 / 110, 300 / 190))
+    with pytest.raises(ConfigError, match="no held-out comparison is priced"):
+        measured_error("as shipped", rows[:1], predictions)
+
+
+def test_the_error_file_reads_back_and_refuses_a_pricing_it_does_not_hold(tmp_path):
+    path = tmp_path / "error.toml"
+    write_error([ERROR], path, "test")
+    assert load_error(path, "as shipped") == ERROR
+    with pytest.raises(ConfigError, match="no measured error for pricing 'my_fit.toml' \\(it holds: as shipped\\)"):
+        load_error(path, "my_fit.toml")
+    path.write_text(path.read_text().replace("figure_ratio_low = 1.25", "figure_ratio_low = 3.0"))
+    with pytest.raises(ConfigError, match="figure_ratio_low must be > 0 and at most figure_ratio_high"):
+        load_error(path, "as shipped")
