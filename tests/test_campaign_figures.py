@@ -15,7 +15,8 @@ from torchtitan_ext.records.campaign import NAME, read_campaign
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CAMPAIGNS = sorted((REPO_ROOT / "benchmarks").glob("*.jsonl"))
 GUIDES = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
-QUOTE = re.compile(r"\[(?P<text>[^\]]+)\]\((?P<target>[^)\s#]*benchmarks/[^)\s#]+\.jsonl)(?:#(?P<fields>[\w,]+))?\)")
+QUOTE = re.compile(r"\[(?P<text>[^\]]+)\]\((?P<target>[^)\s#]*benchmarks/[^)\s#]+\.jsonl)(?:#(?P<fields>[^)\s]*))?\)")
+FIELDS = re.compile(r"\w+(?:,\w+)*")
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
@@ -65,6 +66,8 @@ def test_every_figure_a_guide_quotes_is_in_its_campaigns_rows():
     for where, figure, campaign, fields in all_quotes:
         if not campaign.exists():
             wrong.append(f"{where}: {campaign.name} does not exist")
+        elif fields and not FIELDS.fullmatch(",".join(fields)):
+            wrong.append(f"{where}: #{','.join(fields)}: name fields as #field or #field,field")
         elif figure is None:
             continue
         elif not fields:

@@ -70,6 +70,12 @@ def _plan(args):
     return plan.main(args)
 
 
+def _bench(args):
+    from torchtitan_ext.bench.__main__ import main
+
+    sys.exit(main(args))  # as python -m torchtitan_ext.bench ends
+
+
 def _placement(args):
     from torchtitan_ext import placement
 
@@ -294,6 +300,9 @@ for name, tool, args, expected in [
      "--error-output writes the error --validate measures: add --validate"),
     ("plan_error_from_missing", _plan, ["--world-size", "2", "--topology", "hgx_h100_ib", "--error-from", "no.toml", *DEBUG],
      "no.toml: cannot read the advisor's error"),
+    ("bench_campaign_misnamed", _bench, ["ep", "--campaign", "ep.jsonl"], "--campaign ep.jsonl: name it THEME_HARDWARE_DATE.jsonl"),
+    ("bench_campaign_no_folder", _bench, ["step", "--campaign", "benchmark/step_cpu_2026-11-29.jsonl"],
+     "benchmark is not a folder you can write: create it or give another"),
     ("plan_validate_and_fit", _plan, ["--validate", "--fit"],
      "--validate and --fit: run --fit first (it writes the parameters), then --validate"),
     ("plan_paper_missing_flags", _plan, ["--paper", "--topology", "cross_dc"], "--paper needs --world-size, --paper-data-mb"),

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from torchtitan_ext.config import ConfigError
-from torchtitan_ext.records.campaign import read_campaign, write_campaign
+from torchtitan_ext.records.campaign import check_new_campaign_path, read_campaign, write_campaign
 
 
 def test_a_written_campaign_reads_back_once_its_finding_is_filled_in(tmp_path):
@@ -23,18 +23,28 @@ def test_a_written_campaign_reads_back_once_its_finding_is_filled_in(tmp_path):
         write_campaign(path, ["again"], [{}])
 
 
-@pytest.mark.parametrize("name", ["ep_2026-11-29.jsonl", "EP_cpu_2026-11-29.jsonl", "ep_cpu_2026-11-29.json"])
+@pytest.mark.parametrize("name", ["ep_2026-11-29.jsonl", "EP_cpu_2026-11-29.jsonl", "ep_cpu_2026-11-29.json",
+                                  "ep_cpu_2026-13-45.jsonl"])
 def test_a_misnamed_campaign_is_refused_before_anything_is_written(tmp_path, name):
     with pytest.raises(ConfigError, match="name it THEME_HARDWARE_DATE.jsonl"):
         write_campaign(tmp_path / name, ["command"], [{}])
     assert not list(tmp_path.iterdir())
 
 
+def test_a_campaign_in_a_missing_folder_is_refused_before_the_run(tmp_path):
+    with pytest.raises(ConfigError, match="is not a folder you can write: create it or give another"):
+        check_new_campaign_path(tmp_path / "benchmark" / "ep_cpu_2026-11-29.jsonl")
+
+
 @pytest.mark.parametrize(("change", "message"), [
     ({"campaign": "ep_cpu_2026-11-28"}, "line 1: campaign is 'ep_cpu_2026-11-28', the file is 'ep_cpu_2026-11-29'"),
     ({"date": "2026-11-28"}, "line 1: date must be the date in the file's name"),
     ({"commands": []}, "line 1: commands must list each command run"),
-    ({"versions": {"python": "3.11"}}, "line 1: versions must give torch's version at least"),
+    ({"versions": {"python": "3.11"}}, "line 1: versions must map each package to its version, torch's at least"),
+    ({"versions": "torch 2.13"}, "line 1: versions must map each package"),
+    ({"commands": "python -m torchtitan_ext.bench ep"}, "line 1: commands must list each command run"),
+    ({"finding": None}, "line 1: types finding must be text"),
+    ({"date": "2026-13-45"}, "line 1: date must be the date in the file.s name, a real day"),
     ({"colour": "red"}, "line 1: .*colour"),
 ])
 def test_a_header_missing_what_a_reader_needs_is_refused_naming_the_field(tmp_path, change, message):

@@ -1,6 +1,6 @@
 """The benchmarks and checks: one module each, run as ``python -m torchtitan_ext.bench NAME [args]``.
 
 ``python -m torchtitan_ext.bench --help`` lists them, ``python -m torchtitan_ext.bench NAME --help`` says what NAME
-measures or checks and how. Each module's ``main(argv)`` returns the exit status. A run's results are recorded as a
-campaign under benchmarks/ (``--campaign``); docs/benchmarks.md says what they found.
+measures or checks and how. Each module's ``main(argv)`` returns the exit status. The benchmarks that time runs
+record their results as a campaign under benchmarks/ (``--campaign``); docs/benchmarks.md says what they found.
 """

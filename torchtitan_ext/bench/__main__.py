@@ -6,6 +6,8 @@ import pkgutil
 import sys
 from pathlib import Path
 
+from torchtitan_ext.config import ConfigError
+
 PACKAGE = Path(__file__).parent
 
 
@@ -35,7 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     name, *args = argv
     # argparse names the program by sys.argv[0]: the command as typed, for NAME's usage and errors
     sys.argv[0] = f"python -m torchtitan_ext.bench {name}"
-    return importlib.import_module(f"{__package__}.{name}").main(args)
+    try:
+        return importlib.import_module(f"{__package__}.{name}").main(args)
+    except ConfigError as e:  # a bad option or input file: one line, before anything is measured
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

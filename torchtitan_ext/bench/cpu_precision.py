@@ -21,7 +21,6 @@ import json
 import os
 import re
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from tqdm import tqdm
 
 import torchtitan_ext
 from torchtitan_ext.measuring.timing import add_timed_run_arguments, parse_timed_run_arguments
-from torchtitan_ext.records.campaign import write_campaign
+from torchtitan_ext.records.campaign import bench_command, write_campaign
 from torchtitan_ext.records.metrics import read_metrics
 from torchtitan_ext.runtime.jobs import run_job
 
@@ -63,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--with-bf16", action="store_true", help="also time bf16 forced (slow on such CPUs)")
     add_timed_run_arguments(parser, rounds=2, alternated="the variants", overridden="every variant")
     args = parse_timed_run_arguments(parser, argv)
-    command = "python -m torchtitan_ext.bench cpu_precision " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = bench_command("cpu_precision", argv)
     variants = ["default", "float32"] + (["bfloat16"] if args.with_bf16 else [])
     times = {variant: [] for variant in variants}
     precision = {}
@@ -91,5 +90,5 @@ def main(argv: list[str] | None = None) -> int:
     if args.campaign is not None:
         rows = [{"variant": variant, "precision": precision[variant], "step_s": seconds}
                 for variant, values in times.items() for seconds in values]
-        write_campaign(args.campaign, [command], [*rows, {"table": "summary", "default_over_float32": ratio}])
+        write_campaign(args.campaign, [command], [*rows, {"table": "summary", "ratio_default_over_float32_median": ratio}])
     return 0

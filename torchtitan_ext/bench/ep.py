@@ -23,7 +23,6 @@ import gc
 import json
 import logging
 import statistics
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -37,7 +36,7 @@ from torchtitan_ext.measuring.timing import (
     copy_gbps, DEADLINE_S, progress_bar, rank_device, timed, workers_device,
 )
 from torchtitan_ext.planning.local_traffic import LocalTrafficCounter
-from torchtitan_ext.records.campaign import check_new_campaign_path, describe_machine, write_campaign
+from torchtitan_ext.records.campaign import bench_command, check_new_campaign_path, describe_machine, write_campaign
 from torchtitan_ext.records.ep_bench import EPBenchRow
 from torchtitan_ext.runtime.workers import run_workers
 
@@ -208,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--ep-degree {args.ep_degree}: use a divisor of --nproc {args.nproc}")
     if args.campaign is not None:
         check_new_campaign_path(args.campaign)
-    command = "python -m torchtitan_ext.bench ep " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = bench_command("ep", argv)
     rows = run_workers(args.nproc, _worker, args, device=workers_device(), deadline_s=DEADLINE_S,
                        preload=[__name__])[0]
     width = max(len(r.backend) for r in rows)

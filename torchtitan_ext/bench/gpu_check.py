@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torchtitan_ext
 from torchtitan_ext.ep.backends import CPU_VARIANTS
-from torchtitan_ext.records.campaign import check_new_campaign_path, write_campaign
+from torchtitan_ext.records.campaign import bench_command, check_new_campaign_path, write_campaign
 from torchtitan_ext.runtime.jobs import JobFailed, run_job
 
 ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: gpu_check needs a CUDA device (--dry-run prints what it runs): on a CPU the suite covers what "
               "runs here", file=sys.stderr)
         return 2
-    command = "python -m torchtitan_ext.bench gpu_check " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = bench_command("gpu_check", argv)
     started = time.monotonic()
     report = {}
     for stage in chosen:

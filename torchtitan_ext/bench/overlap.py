@@ -14,14 +14,13 @@ to a new campaign file.
 
 import argparse
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 
 from torchtitan_ext.ep.backends import backend_variants, DEFAULT_VARIANTS, variant_backend
 from torchtitan_ext.measuring.timing import DEADLINE_S, progress_bar, rank_device, time_once, workers_device
-from torchtitan_ext.records.campaign import check_new_campaign_path, write_campaign
+from torchtitan_ext.records.campaign import bench_command, check_new_campaign_path, write_campaign
 from torchtitan_ext.runtime.workers import run_workers
 
 
@@ -96,7 +95,7 @@ def _worker(rank: int, world_size: int, args) -> list[dict]:
             "backend": variant,
             "overlapped_ms": overlapped * 1e3,
             "landed_first_ms": landed * 1e3,
-            "ratio": landed / overlapped,
+            "landed_first_over_overlapped": landed / overlapped,
         })
         if progress:
             progress.set_postfix_str(f"{variant}: {landed / overlapped:.3f}x")
@@ -126,11 +125,11 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.campaign is not None:
         check_new_campaign_path(args.campaign)
-    command = "python -m torchtitan_ext.bench overlap " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = bench_command("overlap", argv)
     rows = run_workers(args.nproc, _worker, args, device=workers_device(), deadline_s=DEADLINE_S, preload=[__name__])[0]
     for r in rows:
         print(f"{r['backend']:>10}  overlapped {r['overlapped_ms']:8.2f} ms  "
-              f"landed first {r['landed_first_ms']:8.2f} ms  ratio {r['ratio']:.3f}")
+              f"landed first {r['landed_first_ms']:8.2f} ms  ratio {r['landed_first_over_overlapped']:.3f}")
     if args.campaign is not None:
         write_campaign(args.campaign, [command], rows)
     return 0

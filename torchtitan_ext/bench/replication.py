@@ -29,7 +29,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 import torchtitan_ext
-from torchtitan_ext.records.campaign import check_new_campaign_path, write_campaign
+from torchtitan_ext.records.campaign import bench_command, check_new_campaign_path, write_campaign
 from torchtitan_ext.records.metrics import read_metrics
 from torchtitan_ext.runtime.jobs import run_job
 
@@ -103,13 +103,20 @@ def main(argv: list[str] | None = None) -> int:
     lines = _table(rows, args.steps) + [""] + _loss_lines(rows, settings, skews) + _round_lines(rows, args.rounds)
     print("\n".join(lines))
     if args.campaign is not None:
-        command = "python -m torchtitan_ext.bench replication " + " ".join(argv if argv is not None else sys.argv[1:])
+        command = bench_command("replication", argv)
         write_campaign(args.campaign, [command], _campaign_rows(rows))
     return 0
 
 
 def _campaign_rows(rows: dict[tuple, list[dict]]) -> list[dict]:
-    """One row per run (its median step time and ratio), then one per run and step (what it measured)."""
+    """One row per setting with replicas (its step time against no replicas over the rounds: median and range),
+    one per run (its median step time and ratio), then one per run and step (what it measured)."""
+    summaries = []
+    for (skew, setting), arm_runs in rows.items():
+        if setting != "no replicas":
+            ratios = sorted(measurements["time_ratio"] for measurements in arm_runs)
+            summaries.append({"table": "summary", "skew": skew, "setting": setting, "rounds": len(ratios),
+                              "vs_no_replicas_median": statistics.median(ratios), "low": ratios[0], "high": ratios[-1]})
     runs, steps = [], []
     for (skew, setting), arm_runs in rows.items():
         for round_number, measurements in enumerate(arm_runs, start=1):
@@ -118,7 +125,7 @@ def _campaign_rows(rows: dict[tuple, list[dict]]) -> list[dict]:
                          "vs_no_replicas": measurements["time_ratio"]})
             steps += [{"table": "step", **arm, "step": step, **{name: measurements[name].get(step) for name in MEASURED}}
                       for step in sorted(measurements["time"])]
-    return runs + steps
+    return summaries + runs + steps
 
 
 def _parser() -> argparse.ArgumentParser:

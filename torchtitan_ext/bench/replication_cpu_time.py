@@ -26,7 +26,6 @@ import argparse
 import math
 import os
 import statistics
-import sys
 import tempfile
 import time
 from functools import partial
@@ -41,7 +40,7 @@ from torchtitan_ext.config import ConfigError, load_job_config
 from torchtitan_ext.data import prepare_embedded_assets
 from torchtitan_ext.ep import replication
 from torchtitan_ext.ep.replication import experts as replica_experts, split as replica_split
-from torchtitan_ext.records.campaign import check_new_campaign_path, write_campaign
+from torchtitan_ext.records.campaign import bench_command, check_new_campaign_path, write_campaign
 from torchtitan_ext.records.metrics import read_metrics
 from torchtitan_ext.runtime.workers import run_workers
 from torchtitan_ext.training import prepare
@@ -336,8 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     lines, failed = _report(runs, args, alphas, list(settings))
     print("\n".join(lines))
     if args.campaign is not None:
-        command = ("python -m torchtitan_ext.bench replication_cpu_time "
-                   + " ".join(argv if argv is not None else sys.argv[1:]))
+        command = bench_command("replication_cpu_time", argv)
         write_campaign(args.campaign, [command], [{"run": name, **run} for name, run in runs.items()])
     return 1 if failed else 0
 

@@ -17,7 +17,6 @@ import gc
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ import torchtitan_ext
 from torchtitan_ext.measuring.timing import (
     add_timed_run_arguments, DEADLINE_S, parse_timed_run_arguments, progress_bar, workers_device,
 )
-from torchtitan_ext.records.campaign import write_campaign
+from torchtitan_ext.records.campaign import bench_command, write_campaign
 from torchtitan_ext.runtime.workers import run_workers
 
 ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
@@ -113,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=2, help="processes (the debug job's EP degree is 2)")
     add_timed_run_arguments(parser, rounds=3, alternated="upstream/ours", overridden="both variants")
     args = parse_timed_run_arguments(parser, argv)
-    command = "python -m torchtitan_ext.bench step " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = bench_command("step", argv)
     with tempfile.TemporaryDirectory() as dump_folder:
         times = run_workers(args.nproc, _worker, args, dump_folder, device=workers_device(), deadline_s=DEADLINE_S,
                             preload=[__name__])[0]
@@ -125,5 +124,5 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({"command": command, "times": times, "ratio": ratio}, indent=2))
     if args.campaign is not None:
         rows = [{"variant": variant, "step_s": t} for variant in ("upstream", "ours") for t in times[variant]]
-        write_campaign(args.campaign, [command], [*rows, {"table": "summary", "ours_over_upstream": ratio}])
+        write_campaign(args.campaign, [command], [*rows, {"table": "summary", "ratio_ours_over_upstream_median": ratio}])
     return 0

@@ -11,6 +11,8 @@ import json
 import os
 import platform
 import re
+import shlex
+import sys
 from dataclasses import asdict, dataclass, field
 from datetime import date
 from importlib import metadata
@@ -54,15 +56,33 @@ class Campaign:
     rows: list[dict]
 
 
+def _is_date(text: str) -> bool:
+    try:
+        date.fromisoformat(text)
+    except ValueError:
+        return False
+    return True
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo), else what the platform module knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def describe_machine() -> str:
     """The machine the caller runs on, as a campaign records it."""
     import torch
 
     if torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}, nccl"
+        return f"{torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}, nccl; host CPU {cpu_model()}"
     # the vector unit (AVX2, AVX512, ...) bounds the CPU's GEMM speed, which the times depend on
-    return (f"{platform.processor() or platform.machine()} CPU ({torch.backends.cpu.get_cpu_capability()}), "
-            f"{os.cpu_count()} cores, gloo")
+    return f"{cpu_model()} ({torch.backends.cpu.get_cpu_capability()}), {os.cpu_count()} cores, gloo"
 
 
 def installed_versions() -> dict[str, str]:
@@ -79,9 +99,17 @@ def check_new_campaign_path(path: Path) -> None:
     """Refuse, before anything is measured, a ``--campaign`` path that is taken or misnamed."""
     if path.exists():
         raise ConfigError(f"--campaign {path}: the file exists and a campaign is never rewritten: name a new one")
-    if path.suffix != ".jsonl" or not NAME.fullmatch(path.stem):
+    match = NAME.fullmatch(path.stem)
+    if path.suffix != ".jsonl" or not match or not _is_date(match["date"]):
         raise ConfigError(f"--campaign {path}: name it THEME_HARDWARE_DATE.jsonl (e.g. "
                           f"ep_epyc-avx2_{date.today().isoformat()}.jsonl): lower case, words joined by '-'")
+    if not path.parent.is_dir() or not os.access(path.parent, os.W_OK):
+        raise ConfigError(f"--campaign {path}: {path.parent} is not a folder you can write: create it or give another")
+
+
+def bench_command(name: str, argv: list[str] | None) -> str:
+    """The command that ran benchmark ``name`` with ``argv`` (None: this process's arguments), as a shell takes it."""
+    return shlex.join(["python", "-m", "torchtitan_ext.bench", name, *(sys.argv[1:] if argv is None else argv)])
 
 
 def write_campaign(path: Path, commands: list[str], rows: list[dict]) -> None:
@@ -113,14 +141,21 @@ def read_campaign(path: Path) -> Campaign:
     except TypeError as error:
         raise ConfigError(f"{path}: line 1: {error}: the fields are those of CampaignHeader") from None
     match = NAME.fullmatch(path.stem)
+    text = {name: isinstance(getattr(header, name), str) for name in ("campaign", "date", "machine", "finding", "code")}
     problems = {
+        "types": None if all(text.values()) else f"{', '.join(n for n, ok in text.items() if not ok)} must be text",
         "campaign": None if header.campaign == path.stem else f"is {header.campaign!r}, the file is {path.stem!r}",
-        "date": None if match and header.date == match["date"] else "must be the date in the file's name",
-        "commands": None if header.commands and all(isinstance(c, str) and c for c in header.commands)
-        else "must list each command run",
-        "machine": None if header.machine else "is empty: say what ran it",
-        "versions": None if "torch" in header.versions else "must give torch's version at least",
-        "finding": None if header.finding.strip() else "is empty: write what the rows show",
+        "date": None if match and header.date == match["date"] and _is_date(header.date)
+        else "must be the date in the file's name, a real day",
+        "commands": None if isinstance(header.commands, list) and header.commands
+        and all(isinstance(c, str) and c for c in header.commands) else "must list each command run",
+        "machine": None if not text["machine"] or header.machine.strip() else "is empty: say what ran it",
+        "versions": None if isinstance(header.versions, dict) and "torch" in header.versions
+        and all(isinstance(v, str) for v in header.versions.values()) else "must map each package to its version, "
+        "torch's at least",
+        "notes": None if isinstance(header.notes, list) and all(isinstance(n, str) for n in header.notes)
+        else "must be a list of text",
+        "finding": None if not text["finding"] or header.finding.strip() else "is empty: write what the rows show",
     }
     for name, problem in problems.items():
         if problem:
