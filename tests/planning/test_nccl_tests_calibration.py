@@ -1,9 +1,11 @@
 """plan --calibrate-from reads nccl-tests' alltoall_perf log: the nccl backend's rate on the link its ranks
-spanned is the model's time for the largest message at the nominal rate over the measured time; a log that is
-not one alltoall_perf run per link, placed as it ran, is refused in one line naming the line."""
+spanned, from a size sweep fitted to a per-call floor and a bandwidth, or from the largest message alone (the
+model's time at the nominal rate over the measured time); a log that is not one alltoall_perf run per link,
+placed as it ran, is refused in one line naming the line."""
 
 import json
-from dataclasses import asdict
+import re
+from dataclasses import asdict, replace
 
 import pytest
 
@@ -13,8 +15,8 @@ from torchtitan_ext.bench.ep import bench_row, Shape
 from torchtitan_ext.config import ConfigError, load_job_config
 from torchtitan_ext.planning.layout_advisor import advise
 from torchtitan_ext.planning.layout_links import candidate_config, rate_evidence
-from torchtitan_ext.planning.measured_rates import calibration_rates
-from torchtitan_ext.planning.nccl_tests_log import all_to_all_runs, AllToAllRun
+from torchtitan_ext.planning.measured_rates import calibration_rates, fit_sweep
+from torchtitan_ext.planning.nccl_tests_log import all_to_all_runs
 from torchtitan_ext.planning.topology import Level, load_topology, Topology
 from torchtitan_ext.records.ep_bench import BENCH_COMMAND
 
@@ -84,6 +86,23 @@ def test_a_log_calibrates_nccl_on_the_link_its_ranks_spanned(tmp_path):
     assert rates["nccl", (), 1].fraction == pytest.approx(0.8, rel=1e-3)
     assert "alltoall_perf on 16 ranks (2 host(s)), 268435456 B" in rates["nccl", (), 1].source
 
+
+
+def test_a_size_sweep_is_fitted_to_a_floor_per_call_and_a_rate_which_the_advice_charges(tmp_path):
+    """Five sizes timed as 25 us per call plus the node's bytes at 0.6 of its rate: the fit gives both back, its
+    residuals within the printed times' rounding, and nccl's all-to-all is priced with that floor in place of the
+    level's latency (here 0): 25 us more per call than the same rate without it."""
+    rows = [(size, 25.0 + _time_us(size, 8, (7, NODE_GBPS), 0.6), 0) for size in (MiB * 4**k for k in range(5))]
+    rate = calibration_rates([_write(tmp_path, _log(["node-a"] * 8, rows))], TWO_LEVELS)["nccl", (), 0]
+    assert rate.fraction == pytest.approx(0.6, rel=1e-3) and rate.floor_s == pytest.approx(25e-6, rel=1e-2)
+    assert "5 sizes 1048576-268435456 B fitted to a 25 us floor per call" in rate.source
+    assert re.search(r"residuals [+-]0% to [+-]0%", rate.source)
+    with_floor = advise(DEBUG_JOB, 8, TWO_LEVELS, measured_rates={("nccl", (), 0): rate})[0]
+    without = advise(DEBUG_JOB, 8, TWO_LEVELS, measured_rates={("nccl", (), 0): replace(rate, floor_s=None)})[0]
+    a2a = {(layout.backend, layout.ep): layout.costs.a2a for layout in without if layout.refused is None}
+    assert [layout.costs.a2a - a2a["nccl", layout.ep] for layout in with_floor
+            if layout.backend == "nccl" and layout.ep > 1 and layout.refused is None] == pytest.approx([25e-6] * 3,
+                                                                                                    rel=1e-2)
 
 
 def test_the_advice_prices_nccl_at_the_measured_rates(tmp_path):
@@ -261,26 +280,32 @@ PUBLISHED_LOG = REPO_ROOT / "tests/planning/data/alltoall_perf_oci_gb300.log"
 """A real alltoall_perf log, verbatim from a public page (its header names the page): 4 ranks of one GB300 tray."""
 
 
-def test_a_published_log_is_read_to_its_largest_row():
+def test_a_published_log_is_read_to_its_largest_row_and_its_sweep():
     """Read by hand from the file: ranks 0-3 on host GPU-3882; the largest message, 17179869184 B per rank, on line
-    33, 20527 us out of place (18929 in place, not read)."""
-    assert all_to_all_runs(PUBLISHED_LOG, PUBLISHED_LOG.read_text()) == [
-        AllToAllRun(("GPU-3882",) * 4, 17179869184, 20527.0, 33)]
+    33, 20527 us out of place (18929 in place, not read); 16 sizes from 524288 B (14.50 us, line 18)."""
+    [run] = all_to_all_runs(PUBLISHED_LOG, PUBLISHED_LOG.read_text())
+    assert (run.hosts, run.size_bytes, run.time_us, run.line) == (("GPU-3882",) * 4, 17179869184, 20527.0, 33)
+    assert len(run.rows) == 16 and run.rows[0] == (524288, 14.5, 18) and run.rows[-1] == (17179869184, 20527.0, 33)
+    # its sweep fits a floor per call of the order of its smallest message's time, and a line within 25% of every
+    # size (the guide says so)
+    floor_s, seconds_per_byte, residuals = fit_sweep(run.rows)
+    assert 0 < floor_s < 2 * 14.5e-6 and max(abs(residual) for residual in residuals) < 0.25 and seconds_per_byte > 0
 
 
 @pytest.mark.parametrize("size, time_us, busbw", [
     (4194304, 23.03, 136.59), (1073741824, 1454.3, 553.75), (17179869184, 20527.0, 627.69)])
 def test_a_published_row_calibrates_to_the_bus_bandwidth_it_prints(tmp_path, size, time_us, busbw):
-    """The published log cut after one row (figures copied by hand from it), so that the row is its largest: the
+    """The published log cut to one row (figures copied by hand from it), so that no sweep is fitted: the
     parser reads that row's size and out-of-place time, and over one zero-latency link the nccl rate is the
     busbw the row prints over the link's nominal rate (nccl-tests' busbw: size / time x (ranks - 1) / ranks, the
     bytes that leave a rank, as the model counts them)."""
     lines = PUBLISHED_LOG.read_text().splitlines()
+    first = next(number for number, line in enumerate(lines) if line.split()[:1] == ["524288"])
     row = next(number for number, line in enumerate(lines, start=1) if line.split()[:1] == [str(size)])
-    cut = _write(tmp_path, "\n".join(lines[:row] + lines[-4:]) + "\n")
+    cut = _write(tmp_path, "\n".join(lines[:first] + [lines[row - 1]] + lines[-4:]) + "\n")
     assert lines[-1] == "# Collective test concluded: alltoall_perf"
     [run] = all_to_all_runs(cut, cut.read_text())
-    assert (run.size_bytes, run.time_us, run.line) == (size, time_us, row)
+    assert (run.size_bytes, run.time_us, run.line) == (size, time_us, first + 1)
     link = Topology("link", 1.0, True, (Level("NVLink", None, 900.0, 0.0, 900.0, 900.0, "mnnvl"),))
     rate = calibration_rates([cut], link)["nccl", (), 0]
     # the printed time has 4 or 5 significant digits (busbw was computed from the unrounded one)

@@ -173,14 +173,15 @@ def _levels_of_peers(levels: tuple[int, ...], peers: range) -> dict[int, int]:
 
 def transfer_seconds(
     topology: Topology, bytes_per_level: dict[int, float], collective: Collective = "all_to_all",
-    rate_fractions: dict[int, float] | None = None,
+    rate_fractions: dict[int, float] | None = None, call_floors: dict[int, float] | None = None,
 ) -> float:
     """Levels' links run side by side: the slowest level's bytes / the collective's bandwidth + start-up.
-    ``rate_fractions``: {level: the fraction of its bandwidth the transfer reaches there} (default 1)."""
-    fractions = rate_fractions or {}
+    ``rate_fractions``: {level: the fraction of its bandwidth the transfer reaches there} (default 1);
+    ``call_floors``: {level: a measured fixed cost per call there, seconds}, in place of the level's latency."""
+    fractions, floors = rate_fractions or {}, call_floors or {}
     return max(
         (volume / (topology.levels[level].bandwidth(collective) * fractions.get(level, 1.0))
-         + topology.levels[level].latency_us * 1e-6
+         + floors.get(level, topology.levels[level].latency_us * 1e-6)
          for level, volume in bytes_per_level.items() if volume > 0),
         default=0.0,
     )
@@ -257,7 +258,7 @@ def token_reach(
 def layer_costs(
     work: MoEWorkload, topology: Topology, world_size: int, ep: int, efsdp: int, copies_per_rank: bool,
     routing: MeasuredRouting | None = None, pair_share: float | None = None, token_links: Topology | None = None,
-    token_rate_fractions: dict[int, float] | None = None,
+    token_rate_fractions: dict[int, float] | None = None, token_call_floors: dict[int, float] | None = None,
 ) -> LayerCosts:
     """The paper's streams for one MoE layer of a torchtitan job at (ep, efsdp), per rank and step.
 
@@ -265,13 +266,14 @@ def layer_costs(
     six when activation checkpointing recomputes the layer), over ``token_links`` when the backend's
     kernels see the links otherwise (:meth:`Topology.within_kernel_domain`), each level at the fraction
     of its rate the backend's kernels reach there (``token_rate_fractions``, by level of ``token_links``;
-    default: the nominal rate). Experts: eq. 4's AG over the
+    default: the nominal rate) and with the fixed cost per call measured there (``token_call_floors``, by level;
+    default: the level's latency). Experts: eq. 4's AG over the
     expert-FSDP group (ranks ep apart), of this rank's E/ep experts in FSDP's shards, once or twice per
     step, and the gradients' reduce-scatter of the same bytes at the reduce dtype.
     """
     links = topology if token_links is None else token_links
     volume, copies = token_bytes_per_level(work, links, links.group_sizes(world_size), ep, copies_per_rank, routing, pair_share)
-    a2a = transfer_seconds(links, volume, rate_fractions=token_rate_fractions)
+    a2a = transfer_seconds(links, volume, rate_fractions=token_rate_fractions, call_floors=token_call_floors)
     gathered = work.experts // ep * work.expert_parameters * (efsdp - 1) / efsdp
     if efsdp > 1:
         level = topology.rank_levels(world_size)[(efsdp - 1) * ep]

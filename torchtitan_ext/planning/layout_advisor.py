@@ -21,8 +21,8 @@ from torchtitan_ext.planning.cost_model import layer_costs, MeasuredRouting, tok
 from torchtitan_ext.planning.job_shape import job_shape, memory_needed
 from torchtitan_ext.planning.layout import Layout
 from torchtitan_ext.planning.layout_links import (
-    candidate_config, check_nvlink_domain, describe_kernel_rates, kernel_links, kernel_rate_fractions, link_busy,
-    priced_settings, rate_evidence,
+    candidate_config, check_nvlink_domain, describe_kernel_rates, kernel_call_floors, kernel_links,
+    kernel_rate_fractions, link_busy, priced_settings, rate_evidence,
 )
 from torchtitan_ext.planning.local_traffic import count_local_traffic, LocalTraffic
 from torchtitan_ext.planning.measured_compute import MeasuredCompute
@@ -171,19 +171,20 @@ def advise(
                 continue
             fetch_s, return_s = replica_traffic(work, topology, world_size, ep, moved)
             fractions = kernel_rate_fractions(backend_name, candidate, topology, links, measured_rates)
+            floors = kernel_call_floors(backend_name, candidate, topology, links, measured_rates)
             crossed = links.rank_levels(world_size)[ep - 1] + 1 if ep > 1 else 0
             nominal = [index for index, level in enumerate(links.levels[:crossed])
                        if level.fabric is not None and index not in fractions]
             nominal_levels = [links.levels[index] for index in nominal]
             copies_per_rank = profile.sends_each_token_once_per_rank and not slots
             costs = layer_costs(work, topology, world_size, ep, efsdp, copies_per_rank, routing, pair_share, links,
-                                fractions)
+                                fractions, floors)
             rated = profile.rate_settings(candidate)
             fitted = {index: (fitted_fractions or {}).get((backend_name, rated, links.levels[index].fabric))
                       for index in nominal}
             fitted_costs = None if not fitted or None in fitted.values() else layer_costs(
                 work, topology, world_size, ep, efsdp, copies_per_rank, routing, pair_share, links,
-                {**fractions, **fitted})
+                {**fractions, **fitted}, floors)
             # the mean rank's token vectors per token it sends: the EP ranks one token reaches, its own among them
             received = ep * token_reach(work, ep, None) if profile.sends_each_token_once_per_rank and ep > 1 else 1.0
             work_s, forward_share, traffic = local_work(backend_name, candidate, ep, received, counted_settings)

@@ -118,6 +118,16 @@ def kernel_rate_fractions(
     return fractions
 
 
+def kernel_call_floors(
+    backend_name: str, candidate, topology: Topology, links: Topology,
+    measured: dict[tuple[str, tuple, int], MeasuredRate] | None = None,
+) -> dict[int, float]:
+    """{level of ``links``: the fixed cost of one all-to-all call the cluster's size sweep measured there}: where
+    :mod:`.measured_rates` fitted one; elsewhere the level's latency stands."""
+    return {index: own.floor_s for index, (_, own, _) in enumerate(
+        _rated_levels(backend_name, candidate, topology, links, measured)) if own is not None and own.floor_s is not None}
+
+
 def _rated_levels(backend_name: str, candidate, topology: Topology, links: Topology,
                   measured: dict[tuple[str, tuple, int], MeasuredRate] | None):
     """(level, the rate measured or fitted on its physical link or None, the backend's published rate for its fabric
@@ -143,7 +153,8 @@ def describe_kernel_rates(
     parts = []
     for level, own, rate in _rated_levels(backend_name, candidate, topology, topology, measured):
         if own is not None:
-            parts.append(f"{level.name}: {own.fraction:.2f} of nominal, {'fitted' if own.fitted else 'measured'} "
+            floor = "" if own.floor_s is None else f" and {own.floor_s * 1e6:.3g} us per call"
+            parts.append(f"{level.name}: {own.fraction:.2f} of nominal{floor}, {'fitted' if own.fitted else 'measured'} "
                          f"({own.source})")
         elif level.fabric is None:
             parts.append(f"{level.name}: nominal (the topology names no fabric)")

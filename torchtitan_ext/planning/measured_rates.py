@@ -4,13 +4,16 @@
 --json`` output (rows of :class:`~torchtitan_ext.records.ep_bench.EPBenchRow`: each backend's dispatch +
 combine, on one machine: the innermost link) or an nccl-tests ``alltoall_perf`` log (:mod:`.nccl_tests_log`: NCCL's all-to-all alone, on the link its ranks span). Each
 measurement becomes the fraction of its link's nominal rate the backend reached (the cost model's time at
-the nominal rate over the measured time), per link and per the settings that set the backend's rate.
+the nominal rate over the measured time), per link and per the settings that set the backend's rate; an
+nccl-tests size sweep also gives the link's fixed cost per call (:func:`fit_sweep`), which replaces its latency.
 See docs/planning.md, "Calibrate it on your own cluster".
 """
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from torchtitan_ext.config import ConfigError, parse
 from torchtitan_ext.ep import PLANNING_PROFILES
@@ -38,6 +41,9 @@ class MeasuredRate:
     permutes; an nccl-tests log: no), which ``--measure-compute`` would add a second time."""
     fitted: bool = False
     """Fitted on published comparisons (``plan --fit``), not measured on the cluster."""
+    floor_s: float | None = None
+    """The fixed cost of one all-to-all call on this link, fitted to an nccl-tests size sweep with the fraction
+    (:func:`fit_sweep`), in place of the level's ``latency_us``; None where no sweep measured it."""
 
 
 def calibration_rates(
@@ -70,8 +76,10 @@ def calibration_rates(
 
 
 def nccl_tests_rates(path: Path, topology: Topology, text: str) -> dict[tuple[str, tuple, int], MeasuredRate]:
-    """{(backend, its rate settings, level): the rate} of each alltoall_perf run in the log ``text``, at its
-    largest message, for every backend whose tokens move by the collective all-to-all it times. ConfigError for a
+    """{(backend, its rate settings, level): the rate} of each alltoall_perf run in the log ``text``, for every
+    backend whose tokens move by the collective all-to-all it times: from a sweep of :data:`MIN_SWEEP` sizes or more,
+    the fitted per-call floor and bandwidth (:func:`fit_sweep`); else from its largest message, its floor included
+    in the fraction. ConfigError for a
     run the topology cannot place as it ran (ranks of different hosts in one group of a one-node NVLink level), a
     time faster than the nominal rate, or two runs on one link."""
     measured_backends = {
@@ -97,28 +105,69 @@ def nccl_tests_rates(path: Path, topology: Topology, text: str) -> dict[tuple[st
                         "ranks per node, placed in blocks (mpirun --map-by slot, srun -m block)"
                     )
         level = topology.rank_levels(sizes[-1])[run.ranks - 1]
-        # a uniform all-to-all: each rank sends size / ranks bytes to every rank, itself included
-        work = MoEWorkload(
-            tokens=run.size_bytes, hidden=1, top_k=1, experts=run.ranks, expert_parameters=0, activation_bytes=1,
-            gather_bytes=1, reduce_bytes=1, pre_expert_flops=0.0, regather_in_backward=False,
-        )
-        nominal = layer_costs(work, topology, run.ranks, run.ranks, 1, False).a2a
-        measured = run.time_us * 1e-6
-        if nominal > measured:
+        link = topology.levels[level].name
+        nominal = _nominal_seconds(topology, run.ranks, run.size_bytes)
+        sweep = fit_sweep(run.rows) if len(run.rows) >= MIN_SWEEP else None
+        if sweep is None:
+            floor_s = None
+            how = f"{run.size_bytes} B, {run.time_us:g} us measured, {nominal * 1e6:.3g} us at the nominal rate"
+            fraction = nominal / (run.time_us * 1e-6)
+        else:
+            # the fitted seconds per byte against the nominal rate's; the floor replaces the level's latency
+            floor_s, seconds_per_byte, residuals = sweep
+            nominal_per_byte = (_nominal_seconds(topology, run.ranks, 2 * run.size_bytes) - nominal) / run.size_bytes
+            fraction = nominal_per_byte / seconds_per_byte
+            how = (f"{len(run.rows)} sizes {min(row[0] for row in run.rows)}-{run.size_bytes} B fitted to a {floor_s * 1e6:.3g} us floor "
+                   f"per call and {1 / seconds_per_byte / 1e9:.4g} GB/s, residuals {min(residuals):+.0%} to "
+                   f"{max(residuals):+.0%}, {nominal_per_byte * run.size_bytes * 1e6:.3g} us for {run.size_bytes} B "
+                   "at the nominal rate")
+        if fraction > 1:
             raise ConfigError(
                 f"{where}: time = {run.time_us:g} us: faster than the {nominal * 1e6:.3g} us a {run.size_bytes}-byte "
-                f"all-to-all takes at the nominal rate of '{topology.levels[level].name}': it ran on another link, or "
-                "that level's bandwidth_GBps is below the link's"
+                f"all-to-all takes at the nominal rate of '{link}': it ran on another link, or that level's "
+                "bandwidth_GBps is below the link's"
             )
         source = (f"{path.name} line {run.line}: alltoall_perf on {run.ranks} ranks ({len(set(run.hosts))} host(s)), "
-                  f"{run.size_bytes} B, {run.time_us:g} us measured, {nominal * 1e6:.3g} us at the nominal rate")
+                  f"{how}")
         for name, settings in measured_backends.items():
             key = (name, settings, level)
             if key in rates:
-                raise ConfigError(f"{where}: a second alltoall_perf run on '{topology.levels[level].name}' "
+                raise ConfigError(f"{where}: a second alltoall_perf run on '{link}' "
                                   f"({rates[key].source}): keep one of them")
-            rates[key] = MeasuredRate(name, settings, level, nominal / measured, source, includes_local_work=False)
+            rates[key] = MeasuredRate(name, settings, level, fraction, source, includes_local_work=False,
+                                      floor_s=floor_s)
     return rates
+
+
+MIN_SWEEP = 3
+"""Message sizes an alltoall_perf run needs for a per-call floor and a bandwidth to be fitted (two unknowns, and
+one more size to show a residual); with fewer, its largest message alone gives the fraction, floor included."""
+
+
+def _nominal_seconds(topology: Topology, ranks: int, size_bytes: int) -> float:
+    """The cost model's time for nccl-tests' uniform all-to-all on ``ranks`` ranks at the topology's nominal rates:
+    each rank sends ``size_bytes`` split evenly over every rank, itself included."""
+    work = MoEWorkload(
+        tokens=size_bytes, hidden=1, top_k=1, experts=ranks, expert_parameters=0, activation_bytes=1,
+        gather_bytes=1, reduce_bytes=1, pre_expert_flops=0.0, regather_in_backward=False,
+    )
+    return layer_costs(work, topology, ranks, ranks, 1, False).a2a
+
+
+def fit_sweep(rows: tuple[tuple[int, float, int], ...]) -> tuple[float, float, list[float]]:
+    """(the per-call floor in seconds, the seconds per byte, each row's relative residual) of
+    ``time = floor + bytes x seconds_per_byte`` fitted to ``rows`` (bytes, microseconds, line) by least squares on the
+    relative error, so that small messages weigh as much as large ones. A negative floor is taken as 0 (the
+    bandwidth refitted through the origin)."""
+    sizes = np.array([row[0] for row in rows], dtype=np.float64)
+    times = np.array([row[1] for row in rows], dtype=np.float64) * 1e-6
+    weights = 1 / times
+    (floor, per_byte), *_ = np.linalg.lstsq(np.stack([weights, sizes * weights], axis=1), np.ones_like(times),
+                                            rcond=None)
+    if floor < 0:
+        floor, per_byte = 0.0, float(np.sum(sizes * weights * weights * times) / np.sum((sizes * weights) ** 2))
+    residuals = ((floor + per_byte * sizes) / times - 1).tolist()
+    return float(floor), float(per_byte), residuals
 
 
 def measured_rates(path: Path, topology: Topology, text: str) -> dict[tuple[str, tuple, int], MeasuredRate]:

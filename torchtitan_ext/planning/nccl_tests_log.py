@@ -33,7 +33,7 @@ PROGRAM = "alltoall_perf"
 
 @dataclass(frozen=True)
 class AllToAllRun:
-    """One ``alltoall_perf`` run of a log: where its ranks ran and its largest message."""
+    """One ``alltoall_perf`` run of a log: where its ranks ran, its largest message, and every message size."""
 
     hosts: tuple[str, ...]
     """The host of each rank, in rank order."""
@@ -43,6 +43,9 @@ class AllToAllRun:
     """Its out-of-place time, microseconds (nccl-tests' average over its iterations)."""
     line: int
     """The row's line number in the log (1-based), for messages."""
+    rows: tuple[tuple[int, float, int], ...] = ()
+    """(bytes each rank sends, out-of-place microseconds, line) of every message size of more than 0 bytes, in the
+    log's order: the sweep a per-call floor and a bandwidth are fitted to."""
 
     @property
     def ranks(self) -> int:
@@ -77,6 +80,7 @@ class _Run:
         self.groups: set[int] = set()
         self.in_table = False
         self.best: tuple[int, float, int] | None = None
+        self.rows: list[tuple[int, float, int]] = []
 
     def finished(self, path: Path) -> AllToAllRun:
         where = f"--calibrate-from {path}: the {PROGRAM} run at line {self.line}"
@@ -91,7 +95,8 @@ class _Run:
         if size == 0:
             raise ConfigError(f"--calibrate-from {path}: line {line}: its largest message is 0 bytes (each peer's "
                               "share rounds down to 16 bytes): run alltoall_perf with -e of at least a few MB")
-        return AllToAllRun(tuple(self.hosts[rank] for rank in range(len(self.hosts))), size, time_us, line)
+        return AllToAllRun(tuple(self.hosts[rank] for rank in range(len(self.hosts))), size, time_us, line,
+                           tuple(row for row in self.rows if row[0] > 0))
 
 
 def all_to_all_runs(path: Path, text: str) -> list[AllToAllRun]:
@@ -125,6 +130,7 @@ def all_to_all_runs(path: Path, text: str) -> list[AllToAllRun]:
             run.in_table = True
         elif run.in_table and ROW_START.match(line):
             size, time_us = _row(line, where)
+            run.rows.append((size, time_us, number))
             if run.best is None or size > run.best[0]:
                 run.best = (size, time_us, number)
     if run is not None:
