@@ -36,6 +36,7 @@ def advise(
     measured_compute: MeasuredCompute | None = None, replica_slots: list[int] | None = None, progress: bool = False,
     measured_rates: dict[tuple[str, tuple, int], MeasuredRate] | None = None, job_config=None,
     fitted_fractions: dict[tuple[str, tuple, str], float] | None = None, ep_degrees: set[int] | None = None,
+    device_type: str | None = None,
 ) -> tuple[list[Layout], MeasuredRouting | None]:
     """Every backend x EP degree (x replica slot count): runnable ones ranked by what each adds to the step
     (:attr:`Layout.moe_s`), then the refused; and the measured routing used for token bytes and rank loads
@@ -52,8 +53,9 @@ def advise(
     fit prices one job many times; reading a config is most of a small job's pricing). ``fitted_fractions``:
     {(backend, rate settings, fabric): share of the nominal rate} a fit gives (docs/advisor_fit.toml), which a
     layout priced at a nominal rate is also priced at, the other end of its range (:attr:`Layout.fitted_step_s`).
-    ``ep_degrees``: the EP degrees to price (default: every one the job can run at its world size)."""
-    device_type = None if measured_compute is None else "cpu"
+    ``ep_degrees``: the EP degrees to price (default: every one the job can run at its world size).
+    ``device_type``: where the job runs, for its config checks (None: a GPU job; a measured compute is a CPU's)."""
+    device_type = "cpu" if measured_compute is not None else device_type
     if job_config is None or measured_compute is not None:
         job_config = load_job_config(train_args, device_type=device_type, world_size=world_size)
     shape = job_shape(job_config, world_size)

@@ -27,10 +27,11 @@ HIGHER_IS_FASTER = {"TFLOPS/GPU": True, "tokens/s": True, "s/step": False}
 PREDICTED_METRICS = ("TFLOPS/GPU", "s/step")
 """The metrics the advisor predicts (a priced row must report one of them)."""
 MXFP8_CONVERTERS = ("quantize.linear.mx", "quantize.grouped_mm.mx")
-PRICED_PRECISIONS = {"bf16": (), "mxfp8": MXFP8_CONVERTERS}
-"""The precisions a priced row may state -> the MXFP8 converters its job runs: none in bf16; in mxfp8 every linear
-layer (but the output layer, torchtitan's default filter) and the routed experts' grouped GEMMs, as Megatron's
-MXFP8 recipe quantizes them."""
+PRICED_PRECISIONS = {"bf16": (), "fp32": (), "mxfp8": MXFP8_CONVERTERS}
+"""The precisions a priced row may state -> the MXFP8 converters its job runs: none in bf16 or fp32 (a CPU job's,
+as ``bench ab`` measures it; its overrides give the parameter dtype); in mxfp8 every linear layer (but the output
+layer, torchtitan's default filter) and the routed experts' grouped GEMMs, as Megatron's MXFP8 recipe quantizes
+them."""
 TEXT_FIELDS = ("id", "url", "source", "date", "hardware", "model", "parallelism", "batch", "precision",
                "activation_checkpointing", "compared", "metric", "role")
 
@@ -53,6 +54,14 @@ class PricedJob:
     """A Hugging Face config.json (repository path) whose model takes the place of the config's, or ""."""
     precision: str = "bf16"
     """The row's precision, one of :data:`PRICED_PRECISIONS`: it sets the job's MXFP8 converters."""
+    device: str = "cuda"
+    """Where the job ran: "cuda" (the kernel libraries' real kernels), or "cpu" (``bench ab`` on a CPU: DeepEP and
+    HybridEP on their reference kernels, which take fp32), which the job's config checks resolve for."""
+
+    @property
+    def device_type(self) -> str | None:
+        """``load_job_config``'s device type for the job's checks: None (the generic GPU job) on "cuda"."""
+        return None if self.device == "cuda" else self.device
 
     @property
     def train_args(self) -> list[str]:
@@ -139,10 +148,12 @@ def _comparison(row: dict, where: str) -> Comparison:
             _refuse(where, f"metric '{row['metric']}' of a priced row: the advisor predicts {', '.join(PREDICTED_METRICS)}")
         if not isinstance(job, dict) or not isinstance(job.get("config"), str) or not isinstance(job.get("topology"), str):
             _refuse(where, "'priced' needs config and topology (strings), overrides, world_size and ep")
-        unknown = sorted(set(job) - {"config", "overrides", "topology", "world_size", "ep", "hf_config"})
+        unknown = sorted(set(job) - {"config", "overrides", "topology", "world_size", "ep", "hf_config", "device"})
         if unknown:
             _refuse(where, f"priced has no field {', '.join(unknown)}: its fields are config, overrides, topology, "
-                           "world_size, ep and hf_config")
+                           "world_size, ep, hf_config and device")
+        if job.get("device", "cuda") not in ("cuda", "cpu"):
+            _refuse(where, f"priced.device = {job['device']!r}: use \"cuda\" or \"cpu\" (where the job ran)")
         if not isinstance(job.get("hf_config", ""), str):
             _refuse(where, "priced.hf_config must be the path of a Hugging Face config.json")
         overrides = job.get("overrides", [])
@@ -155,7 +166,7 @@ def _comparison(row: dict, where: str) -> Comparison:
             _refuse(where, f"precision '{row['precision']}' of a priced row: the advisor prices "
                            f"{', '.join(PRICED_PRECISIONS)} (or give 'unpriced' instead)")
         priced = PricedJob(job["config"], tuple(overrides), job["topology"], job["world_size"], job["ep"],
-                           job.get("hf_config", ""), row["precision"])
+                           job.get("hf_config", ""), row["precision"], job.get("device", "cuda"))
         if priced.hf_config:
             register_hf_model(Path(priced.hf_config), f"{where}: priced.hf_config {priced.hf_config}")
     elif not isinstance(row["unpriced"], str) or not row["unpriced"]:
@@ -215,7 +226,7 @@ def job_of(comparison: Comparison):
     """The comparison's job config, as the advisor reads it (for :func:`predict` to price many times), with the MXFP8
     converters of the row's precision (:data:`PRICED_PRECISIONS`)."""
     job = comparison.priced
-    job_config = load_job_config(job.train_args, device_type=None, world_size=job.world_size)
+    job_config = load_job_config(job.train_args, device_type=job.device_type, world_size=job.world_size)
     kept = [name for name in job_config.model.converters if name not in MXFP8_CONVERTERS]
     job_config.model.converters = kept + list(PRICED_PRECISIONS[job.precision])
     job_config.quantize.grouped_mm.mx.fqns = ["experts"]
@@ -235,7 +246,7 @@ def predict(comparison: Comparison, fitted=None, job_config=None) -> Prediction:
         topology, rates = fitted.applied(topology)
     topology = topology.placed_for(job.world_size, None)
     layouts, _ = advise(train_args, job.world_size, topology, measured_rates=rates, job_config=job_config,
-                        ep_degrees={job.ep})
+                        ep_degrees={job.ep}, device_type=job.device_type)
     # the layout the published job ran: its own settings (the advisor's variants of them are other jobs)
     as_run = {layout.backend: layout for layout in layouts
               if layout.refused is None and layout.ep == job.ep and layout.backend in comparison.measured
