@@ -88,7 +88,7 @@ def test_the_shipped_comparisons_hold_a_fit_a_held_out_set_and_a_flip():
     ("overrides = [],", 'overrides = [], hf_config = "no/config.json",',
      "priced.hf_config no/config.json: cannot read it (No such file or directory)"),
     ("priced = {", 'unpriced = "no model"\npriced = {', "give exactly one of 'priced'"),
-    ('precision = "bf16"', 'precision = "fp8"', "precision 'fp8' of a priced row: the advisor prices bf16, mxfp8"),
+    ('precision = "bf16"', 'precision = "fp8"', "precision 'fp8' of a priced row: the advisor prices bf16, fp32, mxfp8"),
 ])
 def test_a_malformed_comparison_is_refused_in_one_line_naming_its_row(tmp_path, old, new, message):
     assert old in ROW

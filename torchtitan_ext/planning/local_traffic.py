@@ -2,8 +2,8 @@
 
 :func:`count_local_traffic` runs one MoE call's dispatch and combine, forward and backward, in a process
 group of this process alone (identity experts), under :class:`LocalTrafficCounter`: the bytes every
-operator reads and writes, except views and what runs inside an operator (the collectives, the library
-calls). It counts at two small hidden sizes and extends the line to the job's; :class:`LocalTraffic`
+operator reads and writes, the bodies of the backends' own operators included, except views, the collectives
+and the library calls. It counts at two small hidden sizes and extends the line to the job's; :class:`LocalTraffic`
 holds the result (:meth:`LocalTraffic.receiving` grows it for a backend that sends a token once per rank).
 The advisor prices it at the topology's ``memory_bandwidth_GBps``, in eager mode.
 See docs/planning.md, the advisor's `local` column.
@@ -84,11 +84,12 @@ class LocalTrafficCounter(TorchDispatchMode):
     destination, and the indexed writes (``index_put_``, ``index_copy_``, ``index_add_``, ``index_fill_``), which
     touch only the rows they index.
 
-    A dispatch mode sees only the operators called outside any other operator's kernel: what the collectives and
-    the backends' own operators run (the library calls, and the adapter code inside those operators: HybridEP's
-    routing map, the nccl operator's zeroing of pad rows) is not counted; the all-to-all's price holds it. A
-    combine that lands later is counted where it lands, inside the wait for its result, unless its landing
-    finishes a library kernel (:func:`~torchtitan_ext.ep.kernels.calls.inside_kernel`).
+    A dispatch mode sees only the operators called outside any other operator's kernel, so a backend's own operator
+    (``torchtitan_ext::*``) runs its body under this mode: the adapter code in it (the nccl operator's gathers into
+    groups and zeroing of pad rows, HybridEP's routing map) is counted. What the collectives and the library calls
+    run is not: the all-to-all's price holds it. A combine that lands later is counted where it lands, inside the
+    wait for its result, unless its landing finishes a library kernel
+    (:func:`~torchtitan_ext.ep.kernels.calls.inside_kernel`).
 
     ``token_bytes`` is the part in token vectors: [``tokens``, ``hidden``] tensors (a shape no other tensor
     has). At EP > 1 a backend that sends each token once per rank receives more tokens than it sends."""
@@ -109,6 +110,12 @@ class LocalTrafficCounter(TorchDispatchMode):
                     # whose storage holds no data
                     return args[0].trigger_wait()
                 return func.redispatch(torch._C._dispatch_keys(args[0]) & _AFTER_PYTHON, *args, **kwargs)
+        tensors = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+        if func.namespace == "torchtitan_ext" and tensors and not inside_kernel():
+            # a backend's own operator: run its body with this mode on, to count the permutes and sums it runs
+            # around its collectives and library calls (which stay uncounted)
+            with self:
+                return func.redispatch(torch._C._dispatch_keys(tensors[0]) & _AFTER_PYTHON, *args, **kwargs)
         out = func(*args, **kwargs)
         if (func.namespace not in ("aten", "prims") or inside_kernel() or func.is_view
                 or func.overloadpacket in _ALLOCATE_ONLY):
