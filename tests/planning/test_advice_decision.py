@@ -2,6 +2,7 @@
 when it may be as fast, the TFLOPS range from the measured figure ratios, and the error measured from held-out
 rows worked by hand."""
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -67,7 +68,7 @@ def test_the_error_is_measured_on_the_held_out_rows_only():
 def test_the_error_file_reads_back_and_refuses_a_pricing_it_does_not_hold(tmp_path):
     path = tmp_path / "error.toml"
     write_error([ERROR], path, "test")
-    assert load_error(path, "as shipped") == ERROR
+    assert load_error(path, "as shipped") == replace(ERROR, file=str(path))
     with pytest.raises(ConfigError, match="no measured error for pricing 'my_fit.toml' \\(it holds: as shipped\\)"):
         load_error(path, "my_fit.toml")
     path.write_text(path.read_text().replace("figure_ratio_low = 1.25", "figure_ratio_low = 3.0"))

@@ -286,8 +286,8 @@ def _decision_lines(decision: Decision, prices_replicas: bool) -> list[str]:
     """The decision: one layout, or the layouts to time on the cluster, each with what to add to the job's launch;
     and where the band and the TFLOPS ranges come from."""
     error = decision.error
-    source = (f"the largest error of a predicted gap between two backends on {len(error.rows)} held-out published "
-              f"comparisons, priced {error.pricing} (docs/advisor_error.toml); TFLOPS ranges: the predicted figure "
+    source = (f"the largest error of a predicted gap between two backends on {len(error.rows)} held-out "
+              f"comparisons, priced {error.pricing} ({error.file}); TFLOPS ranges: the predicted figure "
               f"over {error.figure_ratio_low:.2f}x to {error.figure_ratio_high:.2f}x, the predicted / published "
               "figures measured there")
     if decision.kind == "pick":

@@ -53,6 +53,8 @@ class ModelError:
     """The largest predicted / published figure (>= ``figure_ratio_low``)."""
     rows: tuple[str, ...]
     """The held-out comparisons measured."""
+    file: str = ""
+    """The error file it was read from, as given (:func:`load_error`)."""
 
     def tflops_range(self, predicted: float) -> tuple[float, float]:
         """The range of TFLOPS per GPU that ``predicted`` stands for, given the measured figure ratios."""
@@ -115,4 +117,5 @@ def load_error(path: Path, pricing: str) -> ModelError:
     rows = entry.get("rows")
     if not isinstance(rows, list) or not rows or not all(isinstance(row, str) for row in rows):
         raise ConfigError(f"{where}: rows must list the held-out comparisons measured")
-    return ModelError(pricing, values["gap_band"], values["figure_ratio_low"], values["figure_ratio_high"], tuple(rows))
+    return ModelError(pricing, values["gap_band"], values["figure_ratio_low"], values["figure_ratio_high"], tuple(rows),
+                      pricing_name(path) if path.resolve().is_relative_to(ROOT) else str(path))
