@@ -154,6 +154,21 @@ def test_measured_compute_is_refused_beside_bench_rows_only(tmp_path, capsys):
            "again: drop one of them")
 
 
+def test_bench_ep_rows_at_three_shapes_are_fitted_to_a_floor_per_call_and_a_rate(tmp_path):
+    """nccl at EP=2 on the node's link (100 GB/s, no latency), timed at three token counts as 30 us per all-to-all
+    plus its bytes at half the rate, four all-to-alls an iteration: by hand, half of each token's 2 rows of 256
+    bf16 leave the rank, 512 bytes a token per all-to-all. The fit gives back 30 us and 0.5."""
+    rows = []
+    for tokens in (1024, 4096, 16384):
+        iteration = 4 * (30e-6 + 512 * tokens / (NODE_GBPS * 1e9) / 0.5)
+        rows.append(asdict(bench_row("nccl", Shape(tokens=tokens, hidden=256, experts=8, top_k=2, ep=2), 2,
+                                     [iteration], [iteration / 2], 2**20, 4, "bfloat16", False,
+                                     local_bytes=2**22, copy_gbps=100.0)))
+    rate = calibration_rates([_write(tmp_path, json.dumps({"rows": rows}), "bench.json")], TWO_LEVELS)["nccl", (), 0]
+    assert rate.fraction == pytest.approx(0.5, rel=1e-6) and rate.floor_s == pytest.approx(30e-6, rel=1e-6)
+    assert rate.source.startswith("bench.json rows[0,1,2]: 3 shapes fitted to a 30 us floor per all-to-all and 0.50")
+
+
 def test_a_log_and_a_bench_file_combine_and_may_not_measure_one_rate_twice(tmp_path):
     log = _write(tmp_path, _log(["node-a"] * 8, [(64 * MiB, _time_us(64 * MiB, 8, (7, NODE_GBPS), 0.5), 0)]))
     row = bench_row("hybridep", Shape(tokens=4096, hidden=256, experts=8, top_k=2, ep=2), 2, [5e-3], [2e-3], 2**20, 2,

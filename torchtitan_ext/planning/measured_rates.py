@@ -10,7 +10,7 @@ See docs/planning.md, "Calibrate it on your own cluster".
 """
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -154,10 +154,12 @@ def _nominal_seconds(topology: Topology, ranks: int, size_bytes: int) -> float:
     return layer_costs(work, topology, ranks, ranks, 1, False).a2a
 
 
-def fit_sweep(rows: tuple[tuple[int, float, int], ...]) -> tuple[float, float, list[float]]:
-    """(the per-call floor in seconds, the seconds per byte, each row's relative residual) of
-    ``time = floor + bytes x seconds_per_byte`` fitted to ``rows`` (bytes, microseconds, line) by least squares on the
-    relative error, so that small messages weigh as much as large ones. A negative floor is taken as 0 (the
+def fit_sweep(rows: tuple[tuple[float, float, int], ...]) -> tuple[float, float, list[float]]:
+    """(the per-call floor in seconds, the seconds per unit, each row's relative residual) of
+    ``time = floor + size x seconds_per_unit`` fitted to ``rows`` (size, microseconds, line or row) by least squares on
+    the relative error, so that small messages weigh as much as large ones. The size is a message's bytes (an
+    nccl-tests sweep) or its all-to-all's seconds at the nominal rate (bench_ep's shapes: the slope is then one over
+    the fraction of the nominal rate reached). A negative floor is taken as 0 (the
     bandwidth refitted through the origin)."""
     sizes = np.array([row[0] for row in rows], dtype=np.float64)
     times = np.array([row[1] for row in rows], dtype=np.float64) * 1e-6
@@ -172,8 +174,10 @@ def fit_sweep(rows: tuple[tuple[int, float, int], ...]) -> tuple[float, float, l
 
 def measured_rates(path: Path, topology: Topology, text: str) -> dict[tuple[str, tuple, int], MeasuredRate]:
     """{(backend, its rate settings, level): the measured rate} from a bench_ep JSON file's ``text``, for the rows
-    timed between ranks (EP > 1) of a backend the advisor prices; where several rows measure one backend at one
-    setting on one link, the one with the most tokens (the least dominated by fixed costs). ``topology`` as the
+    timed between ranks (EP > 1) of a backend the advisor prices. Where :data:`MIN_SWEEP` shapes or more measure one
+    backend at one setting on one link, each all-to-all's measured time is fitted to a fixed cost per call plus its
+    nominal time over a fraction (:func:`fit_sweep`); with fewer, the row with the most tokens gives the fraction,
+    its fixed costs included. ``topology`` as the
     bench ran on it: its processes fill the innermost groups in order. ConfigError, naming the field, for a
     file that is not bench_ep's, for rows that calibrate nothing and for a time faster than the nominal rate."""
     try:
@@ -184,6 +188,7 @@ def measured_rates(path: Path, topology: Topology, text: str) -> dict[tuple[str,
     if not isinstance(rows, list) or not rows:
         raise ConfigError(f"--calibrate-from {path}: no 'rows' list: write it with {BENCH_COMMAND}")
     chosen: dict[tuple[str, tuple, int], tuple[int, int, MeasuredRate]] = {}
+    sweeps: dict[tuple[str, tuple, int], list[tuple[float, float, int]]] = {}
     for index, row in enumerate(rows):
         where = f"--calibrate-from {path}: rows[{index}]"
         row = EPBenchRow.read(row, where)
@@ -211,7 +216,8 @@ def measured_rates(path: Path, topology: Topology, text: str) -> dict[tuple[str,
             regather_in_backward=False,
         )
         costs = layer_costs(work, topology, processes, ep, 1, profile.sends_each_token_once_per_rank)
-        nominal = costs.a2a * (2 if row.forward_only else 4)
+        calls = 2 if row.forward_only else 4
+        nominal = costs.a2a * calls
         measured = row.median_ms / 1e3
         if nominal > measured:
             raise ConfigError(
@@ -236,7 +242,24 @@ def measured_rates(path: Path, topology: Topology, text: str) -> dict[tuple[str,
             )
         if key not in chosen or row.tokens > chosen[key][0]:
             chosen[key] = (row.tokens, index, rate)
+        # per call: the nominal rate's time without the link's latency, and the measured time
+        sweeps.setdefault(key, []).append(
+            (costs.a2a - topology.levels[level].latency_us * 1e-6, measured / calls * 1e6, index))
     if not chosen:
         raise ConfigError(f"--calibrate-from {path}: no row times an EP backend between ranks (ep > 1): run "
                           f"{BENCH_COMMAND} with --nproc and --ep-degree >= 2")
-    return {key: rate for key, (_, _, rate) in chosen.items()}
+    rates = {key: rate for key, (_, _, rate) in chosen.items()}
+    for key, sweep in sweeps.items():
+        if len(sweep) >= MIN_SWEEP:
+            floor_s, per_nominal, residuals = fit_sweep(tuple(sweep))
+            rows_used = ",".join(str(index) for _, _, index in sweep)
+            rates[key] = replace(
+                rates[key], fraction=1 / per_nominal, floor_s=floor_s,
+                source=(f"{path.name} rows[{rows_used}]: {len(sweep)} shapes fitted to a {floor_s * 1e6:.3g} us floor "
+                        f"per all-to-all and {1 / per_nominal:.2f} of the nominal rate, residuals {min(residuals):+.0%} "
+                        f"to {max(residuals):+.0%}"))
+            if per_nominal < 1:
+                raise ConfigError(f"--calibrate-from {path}: rows[{rows_used}] of {key[0]}: faster than the nominal "
+                                  f"rate of '{topology.levels[key[2]].name}' once a fixed cost per call is fitted: "
+                                  "they were timed on another link, or that level's bandwidth_GBps is below the link's")
+    return rates
