@@ -26,43 +26,52 @@ def test_a_layout_is_picked_only_when_the_next_is_slower_by_more_than_the_band()
     assert decision.kind == "measure" and decision.candidates == (first, close)
 
 
-def test_a_nominal_rate_bound_that_may_be_as_fast_is_a_candidate():
+def test_a_nominal_rate_bound_that_may_be_as_fast_is_a_candidate_and_never_a_pick():
     first, bound_fast, bound_slow = layout(1.0), layout(0.8, nominal=True), layout(1.2, nominal=True)
     decision = decide([first, layout(1.3), bound_fast, bound_slow], ERROR)
     assert decision.kind == "measure" and decision.candidates == (first, bound_fast)
+    assert decide([bound_fast], ERROR).kind == "measure"
 
 
 def test_the_tflops_range_divides_by_the_measured_figure_ratios():
     # the advisor overstated the published figures by 1.25x to 2.5x: 500 predicted stands for 200 to 400
     assert decide([layout(1.0, tflops=500.0)], ERROR).tflops_range(layout(1.0, tflops=500.0)) == (200.0, 400.0)
-    assert ERROR.step_range(2.0) == (2.5, 5.0)
 
 
-def row(row_id: str, role: str, measured: dict[str, float]):
-    """A comparison in TFLOPS/GPU: the gap is the second backend's figure over the first's, less one."""
+def row(row_id: str, role: str, measured: dict[str, float], metric: str = "TFLOPS/GPU"):
+    """A comparison: the gap is how much faster the second backend is than the first, less one."""
     def gap(figures):
         first, second = (figures[name] for name in measured)
-        return second / first - 1
-    return SimpleNamespace(id=row_id, role=role, measured=measured, gap=gap)
+        return second / first - 1 if metric == "TFLOPS/GPU" else first / second - 1
+    return SimpleNamespace(id=row_id, role=role, metric=metric, measured=measured, gap=gap)
 
 
 def prediction(figures: dict[str, float]):
     return SimpleNamespace(figures=figures, figure=figures.__getitem__)
 
 
-def test_the_error_is_measured_on_the_held_out_rows_only():
+def test_the_error_is_measured_on_the_held_out_rows_only_whichever_backend_a_row_lists_first():
     rows = [row("fit", "fit", {"nccl": 100.0, "hybridep": 200.0}),
-            row("a", "held_out", {"nccl": 100.0, "hybridep": 110.0}),   # published +10%
-            row("b", "held_out", {"deepep": 200.0, "hybridep": 190.0})]  # published -5%
+            row("a", "held_out", {"nccl": 100.0, "hybridep": 110.0}),   # hybridep 1.10x as fast
+            row("b", "held_out", {"hybridep": 190.0, "deepep": 200.0})]  # deepep 200/190 = 1.053x as fast
     predictions = {"fit": prediction({"nccl": 900.0, "hybridep": 100.0}),  # a fit row's error counts for nothing
-                   "a": prediction({"nccl": 150.0, "hybridep": 150.0}),   # predicted 0%: 10 points off
-                   "b": prediction({"deepep": 300.0, "hybridep": 300.0})}  # predicted 0%: 5 points off
+                   "a": prediction({"nccl": 150.0, "hybridep": 150.0}),   # predicted alike: 1.10x off
+                   "b": prediction({"hybridep": 300.0, "deepep": 300.0})}  # predicted alike: 1.053x off
     error = measured_error("as shipped", rows, predictions)
     assert error.gap_band == pytest.approx(0.10) and error.rows == ("a", "b")
-    # predicted / published: 1.5, 150/110, 1.5, 300/190
+    listed_the_other_way = [rows[0], rows[1], row("b", "held_out", {"deepep": 200.0, "hybridep": 190.0})]
+    assert measured_error("as shipped", listed_the_other_way, predictions).gap_band == pytest.approx(0.10)
+    # predicted / published throughput: 1.5, 150/110, 300/190, 1.5
     assert (error.figure_ratio_low, error.figure_ratio_high) == pytest.approx((150 / 110, 300 / 190))
     with pytest.raises(ConfigError, match="no held-out comparison is priced"):
         measured_error("as shipped", rows[:1], predictions)
+
+
+def test_a_row_timed_in_seconds_per_step_counts_its_throughput_ratio():
+    """A model that predicts half the published step time overstates throughput 2x: ratio 2, as in TFLOPS."""
+    timed = [row("s", "held_out", {"nccl": 4.0, "deepep": 2.0}, metric="s/step")]  # deepep 2x as fast
+    error = measured_error("as shipped", timed, {"s": prediction({"nccl": 2.0, "deepep": 1.0})})
+    assert (error.figure_ratio_low, error.figure_ratio_high, error.gap_band) == pytest.approx((2.0, 2.0, 0.0))
 
 
 def test_the_error_file_reads_back_and_refuses_a_pricing_it_does_not_hold(tmp_path):

@@ -4,8 +4,9 @@ layout advisor can fit on or be checked against.
     NGPU=N python -m torchtitan_ext.bench ab --backends nccl deepep --topology T --comparison FILE
         [--steps 20] [--warmup 3] [--rounds 2] [--role fit|held_out] [--id ID] [-- job overrides]
 
-Runs ``./run_train.sh`` (the one launcher; ``NGPU`` processes, default 2) with the job's overrides, once per backend
-per round, the backends alternating, and reads each run's ``metrics.jsonl``: the slowest rank's step time after
+Runs ``./run_train.sh`` (the one launcher; ``NGPU`` processes, else the config's degrees; the job of
+``--job.config_file``, else ``CONFIG_FILE``, else the default job) with the job's overrides, once per backend per
+round, A B then B A, and reads each run's ``metrics.jsonl``: the slowest rank's step time after
 the warm-up steps. Each backend's figure is the median over every round's steps, in seconds per step. The row goes
 to ``--comparison`` in the comparisons format (``docs/published_comparisons.toml``'s header gives the fields), with
 its job priced on ``--topology``, and is read back through the same checks ``plan`` applies. Then
@@ -40,9 +41,9 @@ STEP_TIME = "time_metrics/end_to_end_slowest_rank(s)"
 PRECISION_LINE = re.compile(r"CPU precision: training\.mixed_precision_param = (\w+)")
 """The runtime's line when it chose the CPU job's parameter dtype (it may differ from the config's)."""
 PRECISIONS = {"bfloat16": "bf16", "float32": "fp32"}
-DEFAULT_CONFIG = "train_configs/debug_model.toml"
-"""run_train.sh's job when the overrides name none."""
 """training.mixed_precision_param -> the comparisons file's precision."""
+DEFAULT_CONFIG = "train_configs/debug_model.toml"
+"""run_train.sh's job when neither the overrides nor CONFIG_FILE name one."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -62,8 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _checked(parser: argparse.ArgumentParser, args, world_size: int):
-    """The job config, every option checked first, one line each."""
+def _checked(parser: argparse.ArgumentParser, args, world_size: int, device_type: str | None):
+    """The job config, every option checked first, one line each, as the runs' device checks it."""
     if args.backends[0] == args.backends[1]:
         parser.error(f"--backends {' '.join(args.backends)}: compare two different backends")
     if args.steps <= args.warmup or args.warmup < 0 or args.rounds < 1:
@@ -73,15 +74,19 @@ def _checked(parser: argparse.ArgumentParser, args, world_size: int):
         raise ConfigError(f"--comparison {args.comparison}: give a new file in an existing folder")
     for backend in args.backends:  # each run's config, as the launcher will check it
         load_job_config([*args.overrides, "--parallelism.expert_parallel_comm_backend", backend],
-                        device_type=None, world_size=world_size)
-    return load_job_config(args.overrides, device_type=None, world_size=world_size)
+                        device_type=device_type, world_size=world_size)
+    job_config = load_job_config(args.overrides, device_type=device_type, world_size=world_size)
+    if job_config.training.mixed_precision_param not in PRECISIONS:
+        raise ConfigError(f"training.mixed_precision_param = {job_config.training.mixed_precision_param!r}: the "
+                          f"comparisons file states {', '.join(PRECISIONS)}: use one of them")
+    return job_config
 
 
 def timed_run(backend: str, args, world_size: int, dump_folder: str) -> tuple[list[float], str | None]:
     """(the slowest rank's step times after the warm-up, the parameter dtype the runtime chose or None) of one
     ./run_train.sh run under ``backend``."""
     env = {**os.environ, "NGPU": str(world_size), "PYTHONUNBUFFERED": "1"}
-    env.pop("CONFIG_FILE", None)
+    env.pop("CONFIG_FILE", None)  # the overrides name the job's config
     result = run_job(
         ["./run_train.sh", *args.overrides, "--parallelism.expert_parallel_comm_backend", backend,
          "--training.steps", str(args.steps), "--metrics.log_freq", "1", "--job.dump_folder", dump_folder],
@@ -130,15 +135,22 @@ def comparison_row(args, job_config, world_size: int, medians: dict[str, float],
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if "--job.config_file" not in args.overrides:  # as run_train.sh reads it
-        args.overrides = ["--job.config_file", DEFAULT_CONFIG, *args.overrides]
-    world_size = job_world_size(parse(args.overrides), int(os.environ.get("NGPU", "2")))
-    job_config = _checked(parser, args, world_size)
+    if not any(value.split("=")[0] == "--job.config_file" for value in args.overrides):  # as run_train.sh reads it
+        args.overrides = ["--job.config_file", os.environ.get("CONFIG_FILE") or DEFAULT_CONFIG, *args.overrides]
+    given = os.environ.get("NGPU")
+    if given is not None and not given.isdigit():
+        raise ConfigError(f"NGPU={given!r}: set it to the processes per run, a whole number >= 1")
+    world_size = job_world_size(parse(args.overrides), int(given) if given else None)
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where the launcher places the runs
+    job_config = _checked(parser, args, world_size, None if device == "cuda" else device)
     times = {backend: [] for backend in args.backends}
     dtypes = set()
     with tempfile.TemporaryDirectory() as tmp, tqdm(total=args.rounds * 2, desc="bench ab", unit="run") as progress:
         for round_index in range(args.rounds):
-            for backend in args.backends:
+            # A B, then B A: neither backend always runs first
+            for backend in args.backends if round_index % 2 == 0 else args.backends[::-1]:
                 steps, chosen = timed_run(backend, args, world_size, f"{tmp}/{backend}{round_index}")
                 times[backend] += steps
                 dtypes.add(chosen or job_config.training.mixed_precision_param)
@@ -150,12 +162,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{backend}: {median:.4f} s per step, median of {len(times[backend])} steps")
     first, second = args.backends
     print(f"{second} over {first}: {medians[second] / medians[first]:.3f}x the step time")
-    import torch
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # as the launcher placed the runs
     row = comparison_row(args, job_config, world_size, medians, dtypes.pop(), bench_command("ab", argv), device)
-    args.comparison.write_text(tomli_w.dumps({"comparison": [row]}), encoding="utf-8")
-    load_comparisons(args.comparison)  # what plan --fit and --validate read, through the same checks
+    partial = args.comparison.with_name(f".{args.comparison.name}.partial")
+    partial.write_text(tomli_w.dumps({"comparison": [row]}), encoding="utf-8")
+    try:
+        load_comparisons(partial)  # what plan --fit and --validate read, through the same checks
+    except ConfigError:
+        partial.unlink()
+        raise
+    partial.replace(args.comparison)  # whole, once it reads back
     print(f"Wrote the comparison '{row['id']}' (role {args.role}) to {args.comparison}")
     return 0
 

@@ -21,7 +21,8 @@ MEASURED_STEPS = 30
 @dataclass(frozen=True)
 class Decision:
     kind: str
-    """"pick": the first layout is faster than every other by more than the band; "measure": it is not."""
+    """"pick": the first layout is faster than every other by more than the band, and priced, not a bound;
+    "measure": otherwise."""
     error: ModelError
     candidates: tuple[Layout, ...]
     """The first layout, then (for "measure") every other layout within the band, in the advice's order."""
@@ -38,7 +39,8 @@ def decide(runnable: list[Layout], error: ModelError) -> Decision:
     """The decision over ``runnable`` (ranked, the advice's order: priced layouts first, nominal-rate bounds after)."""
     first = runnable[0]
     within = tuple(layout for layout in runnable[1:] if layout.step_s <= first.step_s * (1 + error.gap_band))
-    return Decision("measure" if within else "pick", error, (first, *within))
+    # a layout priced at a nominal rate is a bound on its time, never a pick
+    return Decision("measure" if within or first.nominal_links else "pick", error, (first, *within))
 
 
 def measure_arguments(layout: Layout) -> list[str]:

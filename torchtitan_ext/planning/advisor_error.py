@@ -5,11 +5,13 @@ may therefore claim.
 under the fit, and writes two numbers per pricing (as shipped, or the fit file's name) to ``FILE``
 (``docs/advisor_error.toml`` ships):
 
-- the **gap band**: the largest error, over the held-out rows, of the predicted gap between two backends against
-  the published gap (both as the second backend's figure over the first's, less one). Two layouts whose predicted
-  steps are closer than the band cannot be told apart: the advice says "measure both";
-- the **figure ratios**: the smallest and largest predicted over published figure over the held-out rows' backends.
-  The advice's headline TFLOPS per GPU is the predicted one divided by each: the range that error spans.
+- the **gap band**: the largest error, over the held-out rows, of the predicted speed ratio between two backends
+  against the published one, as ``exp(|ln(predicted ratio / published ratio)|) - 1`` (whichever backend a row
+  lists first). Two layouts whose predicted steps are closer than the band cannot be told apart: the advice says
+  "measure both";
+- the **figure ratios**: the smallest and largest predicted over published throughput (TFLOPS per GPU, or a step
+  time's inverse) over the held-out rows' backends. The advice's headline TFLOPS per GPU is the predicted one
+  divided by each: the range that error spans.
 
 The advice reads the shipped file (:data:`SHIPPED`), the entry of its own pricing; a pricing the file does not hold
 is refused in one line, since an unmeasured model has no band to state.
@@ -23,6 +25,7 @@ from pathlib import Path
 import tomli_w
 
 from torchtitan_ext.config import ConfigError
+from torchtitan_ext.planning.published_comparisons import HIGHER_IS_FASTER
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "docs" / "advisor_error.toml"
@@ -54,15 +57,11 @@ class ModelError:
     rows: tuple[str, ...]
     """The held-out comparisons measured."""
     file: str = ""
-    """The error file it was read from, as given (:func:`load_error`)."""
+    """The error file it was read from (:func:`load_error`), from the repository's root where it lies inside it."""
 
     def tflops_range(self, predicted: float) -> tuple[float, float]:
         """The range of TFLOPS per GPU that ``predicted`` stands for, given the measured figure ratios."""
         return predicted / self.figure_ratio_high, predicted / self.figure_ratio_low
-
-    def step_range(self, predicted_s: float) -> tuple[float, float]:
-        """The range of step times that ``predicted_s`` stands for (a step is the inverse of a throughput)."""
-        return predicted_s * self.figure_ratio_low, predicted_s * self.figure_ratio_high
 
 
 def measured_error(pricing: str, comparisons, predictions) -> ModelError:
@@ -71,9 +70,12 @@ def measured_error(pricing: str, comparisons, predictions) -> ModelError:
     if not rows:
         raise ConfigError("no held-out comparison is priced: the advisor's error cannot be measured; add a priced "
                           "row with role = \"held_out\" to the comparisons file")
-    gaps = [abs(c.gap(predictions[c.id].figures) - c.gap(c.measured)) for c in rows]
-    ratios = [predictions[c.id].figure(backend) / figure for c in rows for backend, figure in c.measured.items()]
-    return ModelError(pricing, max(gaps), min(ratios), max(ratios), tuple(c.id for c in rows))
+    # the speed ratio of the two backends either way round: ln of it flips sign with the order, its error does not
+    errors = [abs(math.log((1 + c.gap(predictions[c.id].figures)) / (1 + c.gap(c.measured)))) for c in rows]
+    # predicted over published throughput: a step time's ratio is inverted
+    ratios = [(predictions[c.id].figure(backend) / figure) ** (1 if HIGHER_IS_FASTER[c.metric] else -1)
+              for c in rows for backend, figure in c.measured.items()]
+    return ModelError(pricing, math.exp(max(errors)) - 1, min(ratios), max(ratios), tuple(c.id for c in rows))
 
 
 def write_error(errors: list[ModelError], path: Path, command: str) -> None:
@@ -118,4 +120,4 @@ def load_error(path: Path, pricing: str) -> ModelError:
     if not isinstance(rows, list) or not rows or not all(isinstance(row, str) for row in rows):
         raise ConfigError(f"{where}: rows must list the held-out comparisons measured")
     return ModelError(pricing, values["gap_band"], values["figure_ratio_low"], values["figure_ratio_high"], tuple(rows),
-                      pricing_name(path) if path.resolve().is_relative_to(ROOT) else str(path))
+                      pricing_name(path))

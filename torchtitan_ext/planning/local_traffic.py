@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map_only
 import torchtitan.models.moe.utils as tt_moe_utils
 from torchtitan.models.moe.kernels import generate_permute_indices
 from torchtitan.models.moe.moe import TokenReorderer
@@ -113,8 +113,10 @@ class LocalTrafficCounter(TorchDispatchMode):
         tensors = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
         if func.namespace == "torchtitan_ext" and tensors and not inside_kernel():
             # a backend's own operator: run its body with this mode on, to count the permutes and sums it runs
-            # around its collectives and library calls (which stay uncounted)
+            # around its collectives and library calls (which stay uncounted); an in-flight argument lands first
+            # (below Python an operator would get the pending wrapper, whose storage holds no data)
             with self:
+                args, kwargs = tree_map_only(AsyncCollectiveTensor, lambda t: t.trigger_wait(), (args, kwargs))
                 return func.redispatch(torch._C._dispatch_keys(tensors[0]) & _AFTER_PYTHON, *args, **kwargs)
         out = func(*args, **kwargs)
         if (func.namespace not in ("aten", "prims") or inside_kernel() or func.is_view

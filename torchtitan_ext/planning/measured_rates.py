@@ -75,6 +75,39 @@ def calibration_rates(
     return rates
 
 
+MIN_SWEEP = 3
+"""Message sizes an alltoall_perf run needs for a per-call floor and a bandwidth to be fitted (two unknowns, and
+one more size to show a residual); with fewer, its largest message alone gives the fraction, floor included."""
+
+
+def _nominal_seconds(topology: Topology, ranks: int, size_bytes: int) -> float:
+    """The cost model's time for nccl-tests' uniform all-to-all on ``ranks`` ranks at the topology's nominal rates:
+    each rank sends ``size_bytes`` split evenly over every rank, itself included."""
+    work = MoEWorkload(
+        tokens=size_bytes, hidden=1, top_k=1, experts=ranks, expert_parameters=0, activation_bytes=1,
+        gather_bytes=1, reduce_bytes=1, pre_expert_flops=0.0, regather_in_backward=False,
+    )
+    return layer_costs(work, topology, ranks, ranks, 1, False).a2a
+
+
+def fit_sweep(rows: tuple[tuple[float, float, int], ...]) -> tuple[float, float, list[float]]:
+    """(the per-call floor in seconds, the seconds per unit, each row's relative residual) of
+    ``time = floor + size x seconds_per_unit`` fitted to ``rows`` (size, microseconds, line or row) by least squares on
+    the relative error, so that small messages weigh as much as large ones. The size is a message's bytes (an
+    nccl-tests sweep) or its all-to-all's seconds at the nominal rate (bench_ep's shapes: the slope is then one over
+    the fraction of the nominal rate reached). A negative floor is taken as 0 (the
+    bandwidth refitted through the origin)."""
+    sizes = np.array([row[0] for row in rows], dtype=np.float64)
+    times = np.array([row[1] for row in rows], dtype=np.float64) * 1e-6
+    weights = 1 / times
+    (floor, per_byte), *_ = np.linalg.lstsq(np.stack([weights, sizes * weights], axis=1), np.ones_like(times),
+                                            rcond=None)
+    if floor < 0:
+        floor, per_byte = 0.0, float(np.sum(sizes * weights * weights * times) / np.sum((sizes * weights) ** 2))
+    residuals = ((floor + per_byte * sizes) / times - 1).tolist()
+    return float(floor), float(per_byte), residuals
+
+
 def nccl_tests_rates(path: Path, topology: Topology, text: str) -> dict[tuple[str, tuple, int], MeasuredRate]:
     """{(backend, its rate settings, level): the rate} of each alltoall_perf run in the log ``text``, for every
     backend whose tokens move by the collective all-to-all it times: from a sweep of :data:`MIN_SWEEP` sizes or more,
@@ -107,7 +140,7 @@ def nccl_tests_rates(path: Path, topology: Topology, text: str) -> dict[tuple[st
         level = topology.rank_levels(sizes[-1])[run.ranks - 1]
         link = topology.levels[level].name
         nominal = _nominal_seconds(topology, run.ranks, run.size_bytes)
-        sweep = fit_sweep(run.rows) if len(run.rows) >= MIN_SWEEP else None
+        sweep = fit_sweep(run.rows) if len({row[0] for row in run.rows}) >= MIN_SWEEP else None
         if sweep is None:
             floor_s = None
             how = f"{run.size_bytes} B, {run.time_us:g} us measured, {nominal * 1e6:.3g} us at the nominal rate"
@@ -115,6 +148,9 @@ def nccl_tests_rates(path: Path, topology: Topology, text: str) -> dict[tuple[st
         else:
             # the fitted seconds per byte against the nominal rate's; the floor replaces the level's latency
             floor_s, seconds_per_byte, residuals = sweep
+            if seconds_per_byte <= 0:
+                raise ConfigError(f"{where}: its times do not grow with the message size (the fitted seconds per byte "
+                                  "is not > 0): sweep up to larger messages (alltoall_perf -e of a few hundred MB)")
             nominal_per_byte = (_nominal_seconds(topology, run.ranks, 2 * run.size_bytes) - nominal) / run.size_bytes
             fraction = nominal_per_byte / seconds_per_byte
             how = (f"{len(run.rows)} sizes {min(row[0] for row in run.rows)}-{run.size_bytes} B fitted to a {floor_s * 1e6:.3g} us floor "
@@ -122,8 +158,10 @@ def nccl_tests_rates(path: Path, topology: Topology, text: str) -> dict[tuple[st
                    f"{max(residuals):+.0%}, {nominal_per_byte * run.size_bytes * 1e6:.3g} us for {run.size_bytes} B "
                    "at the nominal rate")
         if fraction > 1:
+            measured = (f"time = {run.time_us:g} us" if sweep is None
+                        else f"its sweep's fitted rate ({fraction:.2f} of nominal)")
             raise ConfigError(
-                f"{where}: time = {run.time_us:g} us: faster than the {nominal * 1e6:.3g} us a {run.size_bytes}-byte "
+                f"{where}: {measured}: faster than the {nominal * 1e6:.3g} us a {run.size_bytes}-byte "
                 f"all-to-all takes at the nominal rate of '{link}': it ran on another link, or that level's "
                 "bandwidth_GBps is below the link's"
             )
@@ -137,39 +175,6 @@ def nccl_tests_rates(path: Path, topology: Topology, text: str) -> dict[tuple[st
             rates[key] = MeasuredRate(name, settings, level, fraction, source, includes_local_work=False,
                                       floor_s=floor_s)
     return rates
-
-
-MIN_SWEEP = 3
-"""Message sizes an alltoall_perf run needs for a per-call floor and a bandwidth to be fitted (two unknowns, and
-one more size to show a residual); with fewer, its largest message alone gives the fraction, floor included."""
-
-
-def _nominal_seconds(topology: Topology, ranks: int, size_bytes: int) -> float:
-    """The cost model's time for nccl-tests' uniform all-to-all on ``ranks`` ranks at the topology's nominal rates:
-    each rank sends ``size_bytes`` split evenly over every rank, itself included."""
-    work = MoEWorkload(
-        tokens=size_bytes, hidden=1, top_k=1, experts=ranks, expert_parameters=0, activation_bytes=1,
-        gather_bytes=1, reduce_bytes=1, pre_expert_flops=0.0, regather_in_backward=False,
-    )
-    return layer_costs(work, topology, ranks, ranks, 1, False).a2a
-
-
-def fit_sweep(rows: tuple[tuple[float, float, int], ...]) -> tuple[float, float, list[float]]:
-    """(the per-call floor in seconds, the seconds per unit, each row's relative residual) of
-    ``time = floor + size x seconds_per_unit`` fitted to ``rows`` (size, microseconds, line or row) by least squares on
-    the relative error, so that small messages weigh as much as large ones. The size is a message's bytes (an
-    nccl-tests sweep) or its all-to-all's seconds at the nominal rate (bench_ep's shapes: the slope is then one over
-    the fraction of the nominal rate reached). A negative floor is taken as 0 (the
-    bandwidth refitted through the origin)."""
-    sizes = np.array([row[0] for row in rows], dtype=np.float64)
-    times = np.array([row[1] for row in rows], dtype=np.float64) * 1e-6
-    weights = 1 / times
-    (floor, per_byte), *_ = np.linalg.lstsq(np.stack([weights, sizes * weights], axis=1), np.ones_like(times),
-                                            rcond=None)
-    if floor < 0:
-        floor, per_byte = 0.0, float(np.sum(sizes * weights * weights * times) / np.sum((sizes * weights) ** 2))
-    residuals = ((floor + per_byte * sizes) / times - 1).tolist()
-    return float(floor), float(per_byte), residuals
 
 
 def measured_rates(path: Path, topology: Topology, text: str) -> dict[tuple[str, tuple, int], MeasuredRate]:
@@ -250,9 +255,12 @@ def measured_rates(path: Path, topology: Topology, text: str) -> dict[tuple[str,
                           f"{BENCH_COMMAND} with --nproc and --ep-degree >= 2")
     rates = {key: rate for key, (_, _, rate) in chosen.items()}
     for key, sweep in sweeps.items():
-        if len(sweep) >= MIN_SWEEP:
+        if len({nominal for nominal, _, _ in sweep}) >= MIN_SWEEP:
             floor_s, per_nominal, residuals = fit_sweep(tuple(sweep))
             rows_used = ",".join(str(index) for _, _, index in sweep)
+            if per_nominal <= 0:
+                raise ConfigError(f"--calibrate-from {path}: rows[{rows_used}] of {key[0]}: their times do not grow "
+                                  "with the tokens (the fitted slope is not > 0): time larger shapes")
             rates[key] = replace(
                 rates[key], fraction=1 / per_nominal, floor_s=floor_s,
                 source=(f"{path.name} rows[{rows_used}]: {len(sweep)} shapes fitted to a {floor_s * 1e6:.3g} us floor "
