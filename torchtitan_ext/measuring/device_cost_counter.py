@@ -32,12 +32,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 from torchtitan_ext.ep.base import HOST_COPIES
 from torchtitan_ext.ep.kernels import calls
 from torchtitan_ext.measuring.device_costs import Costs, LayerScopes, OUTSIDE
-from torchtitan_ext.planning.local_traffic import moved_tensors
+from torchtitan_ext.planning.local_traffic import moved_tensors, run_below_python
 
 
-_AFTER_PYTHON = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python).remove(
-    torch._C.DispatchKey.PythonDispatcher
-)
 _HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
 """Tensor methods that read device values on the host (on a CPU tensor most of them dispatch no operator)."""
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
@@ -117,7 +114,7 @@ class DeviceCostCounter(TorchDispatchMode):
             # count the op's body too (a dispatch mode alone sees only the op), and what an in-flight combine
             # runs when it lands, inside the wait for it
             with self:
-                return func.redispatch(torch._C._dispatch_keys(tensors[0]) & _AFTER_PYTHON, *args, **kwargs)
+                return run_below_python(func, tensors[0], args, kwargs)
         name = func.overloadpacket.__name__
         all_host = bool(tensors) and all(self.is_host(t) for t in tensors)
         costs = self._costs()

@@ -33,6 +33,12 @@ _AFTER_PYTHON = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python
     torch._C.DispatchKey.PythonDispatcher
 )
 
+
+def run_below_python(func, tensor: torch.Tensor, args, kwargs):
+    """``func`` run past the Python dispatch key, as ``tensor``'s keys route it: a dispatch mode that is entered
+    around this call then sees the operators ``func``'s body runs (a mode alone sees only ``func``)."""
+    return func.redispatch(torch._C._dispatch_keys(tensor) & _AFTER_PYTHON, *args, **kwargs)
+
 _aten = torch.ops.aten
 _ALLOCATE_ONLY = {_aten.empty, _aten.empty_like, _aten.empty_strided, _aten.new_empty, _aten.new_empty_strided}
 """Operators that allocate without writing: no pass over memory."""
@@ -109,7 +115,7 @@ class LocalTrafficCounter(TorchDispatchMode):
                     # its own wait returns the landed tensor; a wait below Python would return the wrapper,
                     # whose storage holds no data
                     return args[0].trigger_wait()
-                return func.redispatch(torch._C._dispatch_keys(args[0]) & _AFTER_PYTHON, *args, **kwargs)
+                return run_below_python(func, args[0], args, kwargs)
         tensors = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
         if func.namespace == "torchtitan_ext" and tensors and not inside_kernel():
             # a backend's own operator: run its body with this mode on, to count the permutes and sums it runs
@@ -117,7 +123,7 @@ class LocalTrafficCounter(TorchDispatchMode):
             # (below Python an operator would get the pending wrapper, whose storage holds no data)
             with self:
                 args, kwargs = tree_map_only(AsyncCollectiveTensor, lambda t: t.trigger_wait(), (args, kwargs))
-                return func.redispatch(torch._C._dispatch_keys(tensors[0]) & _AFTER_PYTHON, *args, **kwargs)
+                return run_below_python(func, tensors[0], args, kwargs)
         out = func(*args, **kwargs)
         if (func.namespace not in ("aten", "prims") or inside_kernel() or func.is_view
                 or func.overloadpacket in _ALLOCATE_ONLY):

@@ -103,7 +103,7 @@ def fit_sweep(rows: tuple[tuple[float, float, int], ...]) -> tuple[float, float,
     (floor, per_byte), *_ = np.linalg.lstsq(np.stack([weights, sizes * weights], axis=1), np.ones_like(times),
                                             rcond=None)
     if floor < 0:
-        floor, per_byte = 0.0, float(np.sum(sizes * weights * weights * times) / np.sum((sizes * weights) ** 2))
+        floor, per_byte = 0.0, float(np.sum(sizes / times) / np.sum((sizes / times) ** 2))
     residuals = ((floor + per_byte * sizes) / times - 1).tolist()
     return float(floor), float(per_byte), residuals
 
