@@ -108,8 +108,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="with --topology (repeatable): price each backend's all-to-all at the rate measured on "
                              "your cluster, on the link the measurement spanned, in place of the published figures: "
                              "FILE is python -m torchtitan_ext.bench ep --json output (one machine: the innermost "
-                             "link) or the log of nccl-tests' alltoall_perf (the nccl backend, on as many nodes as it "
-                             "ran)")
+                             "link), the log of nccl-tests' alltoall_perf (the nccl backend, on as many nodes as it "
+                             "ran), or the log of DeepEP's or HybridEP's own test script at the job's hidden size and "
+                             "tokens per rank (its NVLink or RDMA link)")
     parser.add_argument("--emit-config", type=Path, metavar="FILE",
                         help="with --topology: write the recommended layout's job config (every field, the other "
                              "backends' sections at their defaults) to FILE as TOML, checked by loading it back")
@@ -232,10 +233,12 @@ def _priced_topology(args, train_args: list[str]):
             raise ConfigError(f"--fit-from {args.fit_from}: it fits nothing of topology '{topology.name}' (its "
                               f"compute scales: {', '.join(fitted.compute_scale) or 'none'}): fit on a "
                               "comparison run on it, or drop --fit-from")
-    world_size = job_world_size(parse(train_args), args.world_size)
+    job_config = parse(train_args)
+    world_size = job_world_size(job_config, args.world_size)
     placed = topology if topology is None else topology.placed_for(world_size, args.ranks_per_group)
     # bench_ep's processes fill the machines it ran on: its rows are placed before the job's ranks per group
-    rates = None if args.calibrate_from is None else calibration_rates(args.calibrate_from, topology, placed)
+    rates = None if args.calibrate_from is None else calibration_rates(args.calibrate_from, topology, placed,
+                                                                       moe_shape(job_config))
     rates = {**fitted_rates, **(rates or {})} or None  # a rate measured on the cluster wins over a fitted one
     if rates and args.measure_compute and any(rate.includes_local_work for rate in rates.values()):
         raise ConfigError("--calibrate-from's bench_ep rates hold each backend's local work, which "

@@ -270,3 +270,24 @@ def test_group_limited_routing_sends_fewer_copies_across_nodes():
     # within the node a token's copies barely change (a rank holds 4 experts of one group)
     assert limited_volume[0] == pytest.approx(free_volume[0], rel=0.1)
     assert cm.token_bytes_per_level(limited, hgx, sizes, 64, False) == cm.token_bytes_per_level(work, hgx, sizes, 64, False)
+
+
+@pytest.mark.parametrize("communication, compute, sm_share, exposed", [
+    (4.0, 10.0, 0.0, 0.0),   # hidden whole, the SMs not priced
+    (4.0, 10.0, 0.2, 0.8),   # the GEMMs lose a fifth of the SMs for 4 s: 10 + 0.8
+    (10.0, 4.0, 0.2, 6.0),   # 4 s of compute at 0.8 of the SMs fits in the 10 s: the excess alone
+    (5.0, 4.0, 0.25, 1.25),  # 4 s of compute needs 5.33 s at 0.75 of the SMs: 4 + 1.25 over the compute
+])
+def test_overlapped_all_to_alls_expose_their_excess_or_the_sms_they_take(communication, compute, sm_share, exposed):
+    """By hand: the pair takes max(c, C + s x c); exposed is that minus C."""
+    assert cm.overlapped_exposure(communication, compute, sm_share) == pytest.approx(exposed)
+
+
+def test_a_layers_all_to_alls_beside_another_microbatch_are_exposed_only_past_its_compute():
+    """Four 1 ms all-to-alls beside 3 ms of another microbatch, the kernels holding a tenth of the SMs: 1 ms
+    exposed (no FSDP traffic here); without the other microbatch, all 4 ms."""
+    costs = cm.LayerCosts(a2a=1e-3, all_gather=0.0, reduce_scatter=0.0, pre_expert_forward=1e-3, token_copies=1.0,
+                          all_gathers=1)
+    assert costs.exposed(overlap=True, a2a_beside=3e-3, sm_share=0.1) == pytest.approx(1e-3)
+    assert costs.exposed(overlap=True, a2a_beside=30e-3, sm_share=0.1) == pytest.approx(0.4e-3)
+    assert costs.exposed(overlap=True) == pytest.approx(4e-3)

@@ -236,7 +236,7 @@ ONE_ROW = [(MiB, 100.0, 0)]
     ("# nThread 1 nGpus 1 minBytes 8 maxBytes 1048576\n# size count type\n1048576 262144 float none -1 100.0 10.5 9.2 0\n",
      "no '# Collective test starting: alltoall_perf' line: write the log with nccl-tests' alltoall_perf (v2.16.7 or "
      "later prints that line)"),
-    ("size,time\n1048576,100\n", f"neither {BENCH_COMMAND} output nor an nccl-tests alltoall_perf log"),
+    ("size,time\n1048576,100\n", f"neither {BENCH_COMMAND} output, an nccl-tests alltoall_perf log, nor DeepEP's or HybridEP's test log"),
 ])
 def test_a_log_that_cannot_calibrate_is_one_line(tmp_path, text, message):
     log = _write(tmp_path, text)

@@ -69,8 +69,8 @@ def test_the_shipped_comparisons_hold_a_fit_a_held_out_set_and_a_flip():
     fit_rows = [c for c in comparisons if c.role == "fit"]
     held_out = [c for c in comparisons if c.role == "held_out"]
     assert fit_rows and all(c.priced for c in fit_rows) and len(held_out) >= 3
-    # the fit rows' faster backend is hybridep; a held-out row where plain all-to-all wins checks the other way
-    assert {c.faster(c.measured) for c in fit_rows} == {"hybridep"}
+    # plain all-to-all is slower on every fit row; a held-out row where it wins checks the other way
+    assert "nccl" not in {c.faster(c.measured) for c in fit_rows}
     assert any(c.faster(c.measured) == "nccl" and "hybridep" in c.measured for c in held_out)
     assert all(Path(c.priced.config).is_file() for c in comparisons if c.priced)
 

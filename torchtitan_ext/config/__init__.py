@@ -26,7 +26,7 @@ from torchtitan_ext.config.job import (
 from torchtitan_ext.config.loading import load_job_config, parse
 from torchtitan_ext.config.ranges import Range
 from torchtitan_ext.config.registry import register_check, register_section, ValidationContext
-from torchtitan_ext.config.sections import comm_backend
+from torchtitan_ext.config.sections import comm_backend, overlaps_expert_parallel
 from torchtitan_ext.config.validation import validate
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "meta_model",
     "model_args_of",
     "moe_layer_ids",
+    "overlaps_expert_parallel",
     "moe_shape",
     "MoEShape",
     "routed_expert_elements",

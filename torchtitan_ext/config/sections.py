@@ -31,3 +31,13 @@ def comm_backend(job_config) -> str:
     """The EP backend's canonical name (aliases resolved)."""
     name = job_config.parallelism.expert_parallel_comm_backend
     return BACKEND_ALIASES.get(name, name)
+
+
+def overlaps_expert_parallel(parallelism) -> bool:
+    """Whether the job runs one microbatch's EP communication beside another's compute: torchtitan 0.2.2 does so
+    under DualPipeV with ``pipeline_parallel_expert_parallel_overlap`` (its only schedule that overlaps EP)."""
+    return (
+        parallelism.pipeline_parallel_degree > 1
+        and parallelism.pipeline_parallel_expert_parallel_overlap
+        and parallelism.pipeline_parallel_schedule.lower() == "dualpipev"
+    )

@@ -9,6 +9,7 @@ from torchtitan_ext.config.errors import ConfigError
 from torchtitan_ext.config.job import model_args_of, moe_shape, MoEShape
 from torchtitan_ext.config.ranges import check_ranges
 from torchtitan_ext.config.registry import field_ranges, registered_checks, ValidationContext
+from torchtitan_ext.config.sections import overlaps_expert_parallel
 
 
 def validate(job_config, *, device_type: str | None, world_size: int | None = None,
@@ -78,13 +79,7 @@ def _check_activation_checkpointing(job_config) -> None:
 
 def _check_pipeline(job_config, device_type: str | None) -> None:
     p = job_config.parallelism
-    overlapped_dual_pipe = (
-        p.pipeline_parallel_degree > 1
-        and p.expert_parallel_degree > 1
-        and p.pipeline_parallel_schedule.lower() == "dualpipev"
-        and p.pipeline_parallel_expert_parallel_overlap
-    )
-    if not overlapped_dual_pipe:
+    if p.expert_parallel_degree == 1 or not overlaps_expert_parallel(p):
         return
     if job_config.activation_checkpoint.mode != "none":
         raise ConfigError(

@@ -401,6 +401,8 @@ class DeepEPPlanningProfile(PlanningProfile):
 
     settings_legend = "deepep legacy/elastic: its API"
     sends_each_token_once_per_rank = True
+    test_log_settings = (("legacy",),)
+    """tests/legacy/test_intranode.py and test_internode.py time v1's kernels."""
 
     @classmethod
     def kernel_nvlink_ranks(cls, job_config) -> int | None:
@@ -425,6 +427,12 @@ class DeepEPPlanningProfile(PlanningProfile):
         """The API: v1 and V2 are different kernels."""
         section = job_config.deepep
         return (resolve_api(section.api, section.implementation, None),)
+
+    @classmethod
+    def communication_sms(cls, job_config) -> float | None:
+        """``num_sms``, or the library's default (v1's 20; V2's and V2.5's computed minimum, priced as the 20 it
+        falls back to)."""
+        return float(job_config.deepep.num_sms or LEGACY_DEFAULT_SMS)
 
     @classmethod
     def published_rates(cls, job_config) -> tuple[PublishedRate, ...]:

@@ -18,7 +18,7 @@ import torch
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools.logging import logger
 
-from torchtitan_ext.config import ConfigError, MoEShape, Range
+from torchtitan_ext.config import ConfigError, MoEShape, overlaps_expert_parallel, Range
 from torchtitan_ext.ep.base import (
     check_kernels,
     RoutedExpertParallel,
@@ -47,15 +47,6 @@ def non_blocking_rows(
 ) -> int:
     """Rows of a non-blocking dispatch: roundup(int(N * R * min(L, K) * factor), P)."""
     return round_up(int(num_tokens * ep_degree * min(local_experts, top_k) * capacity_factor), pad_multiple)
-
-
-def _overlaps_pipeline_ep(parallelism) -> bool:
-    """Whether DualPipeV runs one microbatch's EP communication beside the other's compute."""
-    return (
-        parallelism.pipeline_parallel_degree > 1
-        and parallelism.pipeline_parallel_expert_parallel_overlap
-        and parallelism.pipeline_parallel_schedule.lower() == "dualpipev"
-    )
 
 
 def library_environment(section) -> dict[str, str]:
@@ -247,7 +238,7 @@ class HybridEPExpertParallel(RoutedExpertParallel):
                     f"x {factor} < 1): every token would be dropped; raise it (the planner, "
                     "python -m torchtitan_ext.plan, shows the rows each value gives)"
                 )
-        if factor is not None and _overlaps_pipeline_ep(parallelism):
+        if factor is not None and overlaps_expert_parallel(parallelism):
             raise ConfigError(
                 "non-blocking HybridEP cannot serve pipeline_parallel_schedule = 'DualPipeV' with "
                 "pipeline_parallel_expert_parallel_overlap: the overlapped microbatch would launch its "
@@ -399,6 +390,8 @@ class HybridEPPlanningProfile(PlanningProfile):
 
     settings_legend = "hybridep D/C: its dispatch/combine SMs"
     sends_each_token_once_per_rank = True
+    test_log_settings = (("blocking",), ("non-blocking",))
+    """tests/test_hybrid_ep.py times the kernels both modes run."""
 
     @classmethod
     def counted_settings(cls, job_config, shape: MoEShape, ep: int) -> dict[str, object]:
@@ -423,7 +416,7 @@ class HybridEPPlanningProfile(PlanningProfile):
         offered. Over two kinds of link, which one bounds the all-to-all depends on its bytes per link, so
         none is offered either. Not blocking against non-blocking: no published figure separates their speed
         (the planner gives a capacity factor's drops from recorded routing)."""
-        if len(set(fabrics)) != 1 or _overlaps_pipeline_ep(job_config.parallelism):
+        if len(set(fabrics)) != 1 or overlaps_expert_parallel(job_config.parallelism):
             return ()
         (fabric,) = set(fabrics)
         figures = [rate for rate in PUBLISHED_RATES if rate.fabric == fabric and rate.sms is not None]
@@ -438,6 +431,12 @@ class HybridEPPlanningProfile(PlanningProfile):
         if (dispatch_sms, combine_sms) == (section.num_sms_dispatch, section.num_sms_combine):
             return ()
         return ({"num_sms_dispatch": dispatch_sms, "num_sms_combine": combine_sms},)
+
+    @classmethod
+    def communication_sms(cls, job_config) -> float | None:
+        """The mean of dispatch's and combine's SMs (each runs in half the all-to-alls)."""
+        section = job_config.hybridep
+        return (section.num_sms_dispatch + section.num_sms_combine) / 2
 
     @classmethod
     def settings_label(cls, settings: dict[str, object]) -> str:

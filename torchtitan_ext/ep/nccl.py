@@ -185,5 +185,11 @@ class NcclPlanningProfile(PlanningProfile):
     moves_tokens_with_collective_all_to_all = True
 
     @classmethod
+    def communication_sms(cls, job_config) -> float | None:
+        """None: NCCL picks the CTAs (one SM each) of every all-to-all at run time, up to its communicator's
+        ``maxCTAs``; what they take from the GEMMs beside them is not priced."""
+        return None
+
+    @classmethod
     def published_rates(cls, job_config) -> tuple[PublishedRate, ...]:
         return PUBLISHED_RATES

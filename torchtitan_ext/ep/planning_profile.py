@@ -26,6 +26,10 @@ class PlanningProfile:
     all_to_all_single, NCCL on GPUs), whose transport nccl-tests' alltoall_perf times: such a log
     calibrates this backend (:mod:`torchtitan_ext.planning.measured_rates`)."""
 
+    test_log_settings: ClassVar[tuple[tuple, ...]] = ()
+    """The :meth:`rate_settings` whose kernels the library's own test script times (its log calibrates them:
+    :mod:`torchtitan_ext.planning.kernel_test_log`); empty: the backend has no such script."""
+
     settings_legend: ClassVar[str] = ""
     """What :meth:`settings_label` names, for the advisor's column legend ("" where it prices no alternative)."""
 
@@ -60,6 +64,12 @@ class PlanningProfile:
         """The settings of the backend that change how fast its kernels move bytes (beyond SMs): a measured rate
         applies to the layouts whose settings are these. Empty: one rate for the backend."""
         return ()
+
+    @classmethod
+    def communication_sms(cls, job_config) -> float | None:
+        """SMs the backend's dispatch and combine kernels hold while they run, as configured (the mean of the two
+        where they differ), which GEMMs running beside them lose; None where the library picks them at run time."""
+        return None
 
     @classmethod
     def published_rates(cls, job_config) -> tuple[PublishedRate, ...]:

@@ -57,7 +57,16 @@ def _evidence(layout: Layout, topology: Topology, routing: MeasuredRouting | Non
     else:
         compute = "compute at the topology's stated rate (not fitted)"
     traffic = f"routing measured ({routing.source})" if routing is not None else "uniform routing"
-    return f"{rates}; {compute}; {traffic}"
+    return f"{rates}; {compute}; {traffic}{_overlap(layout)}"
+
+
+def _overlap(layout: Layout) -> str:
+    """The all-to-alls' overlap with another microbatch, and the SMs priced against the GEMMs beside them."""
+    if not layout.a2a_overlap:
+        return ""
+    sms = (f"its kernels hold {layout.communication_sm_share:.0%} of the SMs, priced against the GEMMs beside them"
+           if not layout.sm_note else f"the SMs its kernels take are not priced ({layout.sm_note})")
+    return f"; all-to-alls beside another microbatch's compute ({_ms(layout.exposed_s)} ms of communication exposed per step), {sms}"
 
 
 def _reason(best: Layout, others: list[Layout]) -> str:
@@ -372,7 +381,8 @@ def layouts_record(layouts: list[Layout]) -> list[dict]:
                             + ("the range's other end at the share of it a fit gives (docs/advisor_fit.toml)"
                                if layout.fitted_step_s is not None else "no fit covers it: the range has no other end")
                             if layout.nominal_links else None),
-                link_bound=layout.link_bound,
+                link_bound=layout.link_bound, all_to_all_overlap=layout.a2a_overlap,
+                communication_sm_share=layout.communication_sm_share if layout.a2a_overlap else None,
             )
         records.append(record)
     return records

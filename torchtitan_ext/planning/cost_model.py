@@ -146,13 +146,16 @@ class LayerCosts:
     def communication(self, recomputed: bool = False) -> float:
         return self.all_to_alls(recomputed) * self.a2a + self.all_gathers * self.all_gather + self.reduce_scatter
 
-    def exposed(self, overlap: bool, recomputed: bool = False) -> float:
+    def exposed(self, overlap: bool, recomputed: bool = False, a2a_beside: float | None = None,
+                sm_share: float = 0.0) -> float:
         """Communication the step waits for. With overlap: forward as eq. 10 (the all-gather hides
         behind the prefetch window, the paper's pre-expert compute or torchtitan's previous block; the
         all-to-alls cannot, their input is the pre-expert output); in backward the re-gather and the
         gradients' reduce-scatter share the expert-FSDP link and hide together behind twice that
         window (a backward's FLOPs). The paper's eq. 7 also hides expert compute under the
-        all-to-alls; here expert compute stays in the step's compute and every all-to-all is exposed.
+        all-to-alls; here expert compute stays in the step's compute and every all-to-all is exposed,
+        unless the job runs them beside another microbatch's compute: ``a2a_beside``, that compute's
+        seconds per layer call, with the kernels holding ``sm_share`` of the SMs (:func:`overlapped_exposure`).
         Without overlap: all of it."""
         if not overlap:
             return self.communication(recomputed)
@@ -160,7 +163,24 @@ class LayerCosts:
         forward_gather = max(0.0, self.all_gather - window)
         regather = self.all_gather if self.all_gathers > 1 else 0.0
         backward_fsdp = max(0.0, regather + self.reduce_scatter - 2 * window)
-        return self.all_to_alls(recomputed) * self.a2a + forward_gather + backward_fsdp
+        all_to_alls = self.all_to_alls(recomputed) * self.a2a
+        if a2a_beside is not None:
+            all_to_alls = overlapped_exposure(all_to_alls, a2a_beside, sm_share)
+        return all_to_alls + forward_gather + backward_fsdp
+
+
+def overlapped_exposure(communication: float, compute: float, sm_share: float) -> float:
+    """Seconds the step waits for ``communication`` run beside ``compute`` (another microbatch's, both seconds
+    alone) when its kernels hold ``sm_share`` of the SMs (in [0, 1)).
+
+    While the communication runs the GEMMs have 1 - ``sm_share`` of the SMs; once it ends, all. The pair
+    takes max(c, C + s x c): the communication alone where it is the longer, else the compute stretched by
+    the SMs it lost for the communication's c seconds. Over the compute alone that is max(c - C, s x c): the
+    communication's excess over the compute, or the SMs' cost, whichever is more. ``sm_share`` 0 (not priced)
+    gives the familiar max(0, c - C)."""
+    if not 0.0 <= sm_share < 1.0:
+        raise ValueError(f"sm_share = {sm_share}: a share of the SMs in [0, 1)")
+    return max(communication - compute, sm_share * communication)
 
 
 def _levels_of_peers(levels: tuple[int, ...], peers: range) -> dict[int, int]:

@@ -90,6 +90,15 @@ class Layout:
     pipeline_bubble: float = 0.0
     """The pipeline schedule's idle time over a rank's busy time (:attr:`.PipelineSplit.bubble`): the step
     stretches the busiest rank's compute and MoE work by 1 + this. 0 without pipeline parallelism."""
+    a2a_overlap: bool = False
+    """Whether the job runs each MoE layer's all-to-alls beside another microbatch's compute (DualPipeV's
+    overlapped EP, or a published run's equivalent): then only what that compute cannot hide is exposed."""
+    communication_sm_share: float = 0.0
+    """The share of a GPU's SMs the backend's communication kernels hold, in [0, 1), which the GEMMs beside them
+    lose while they run (priced under ``a2a_overlap`` only; 0 where the backend's SM count or the topology's is
+    unknown: ``sm_note`` says which)."""
+    sm_note: str = ""
+    """Why ``communication_sm_share`` is 0 under ``a2a_overlap``, or ""."""
     fitted_step_s: float | None = None
     """With ``nominal_links``: the step with them at the rate a fit gives the backend there
     (docs/advisor_fit.toml), the other end of the range the nominal rate opens; None where no fit row covers
@@ -104,8 +113,16 @@ class Layout:
         return self._per_step(self.costs.communication)
 
     @property
+    def compute_per_layer_call_s(self) -> float:
+        """The step's compute spread over its MoE layer calls (dense layers' share included): what another
+        microbatch computes beside one layer's all-to-alls under ``a2a_overlap``."""
+        return self.compute_s / (self.dispatches * self.moe_layers)
+
+    @property
     def exposed_s(self) -> float:
-        return self._per_step(lambda recomputed: self.costs.exposed(self.overlap, recomputed))
+        beside = self.compute_per_layer_call_s if self.a2a_overlap else None
+        return self._per_step(lambda recomputed: self.costs.exposed(
+            self.overlap, recomputed, beside, self.communication_sm_share))
 
     @property
     def local_work_s(self) -> float:

@@ -14,7 +14,9 @@ from dataclasses import replace
 
 from torchtitan.config import TORCH_DTYPE_MAP
 
-from torchtitan_ext.config import comm_backend, ConfigError, load_job_config, model_args_of, MoEShape, validate
+from torchtitan_ext.config import (
+    comm_backend, ConfigError, load_job_config, model_args_of, MoEShape, overlaps_expert_parallel, validate,
+)
 from torchtitan_ext.ep import BACKENDS, PLANNING_PROFILES
 from torchtitan_ext.ep.replication.plan import dispatched_shape
 from torchtitan_ext.planning.cost_model import layer_costs, MeasuredRouting, token_reach
@@ -36,7 +38,7 @@ def advise(
     measured_compute: MeasuredCompute | None = None, replica_slots: list[int] | None = None, progress: bool = False,
     measured_rates: dict[tuple[str, tuple, int], MeasuredRate] | None = None, job_config=None,
     fitted_fractions: dict[tuple[str, tuple, str], float] | None = None, ep_degrees: set[int] | None = None,
-    device_type: str | None = None,
+    device_type: str | None = None, a2a_overlap: bool | None = None,
 ) -> tuple[list[Layout], MeasuredRouting | None]:
     """Every backend x EP degree (x replica slot count): runnable ones ranked by what each adds to the step
     (:attr:`Layout.moe_s`), then the refused; and the measured routing used for token bytes and rank loads
@@ -54,7 +56,9 @@ def advise(
     {(backend, rate settings, fabric): share of the nominal rate} a fit gives (docs/advisor_fit.toml), which a
     layout priced at a nominal rate is also priced at, the other end of its range (:attr:`Layout.fitted_step_s`).
     ``ep_degrees``: the EP degrees to price (default: every one the job can run at its world size).
-    ``device_type``: where the job runs, for its config checks (None: a GPU job; a measured compute is a CPU's)."""
+    ``device_type``: where the job runs, for its config checks (None: a GPU job; a measured compute is a CPU's).
+    ``a2a_overlap``: whether the all-to-alls run beside another microbatch's compute (None: as the job runs them,
+    :func:`~torchtitan_ext.config.overlaps_expert_parallel`; a published run states its own)."""
     device_type = "cpu" if measured_compute is not None else device_type
     if job_config is None or measured_compute is not None:
         job_config = load_job_config(train_args, device_type=device_type, world_size=world_size)
@@ -80,6 +84,19 @@ def advise(
     moe_shape = MoEShape(work.hidden, work.experts, work.top_k, work.tokens)
     sizes = topology.group_sizes(world_size)
     score_before_experts = model_args_of(job_config).moe_args.score_before_experts
+    if a2a_overlap is None:
+        a2a_overlap = overlaps_expert_parallel(job_config.parallelism)
+
+    def sm_share(backend_name: str, candidate) -> tuple[float, str]:
+        """(the share of the SMs the backend's kernels hold, why it is 0 where it is not priced) under overlap."""
+        if not (a2a_overlap and topology.overlap):
+            return 0.0, ""
+        sms = PLANNING_PROFILES[backend_name].communication_sms(candidate)
+        if sms is None:
+            return 0.0, f"{backend_name} picks its SMs at run time"
+        if topology.sms is None:
+            return 0.0, f"topology '{topology.name}' gives no sms"
+        return sms / topology.sms, ""
 
     def local_work(
         backend_name: str, candidate, ep: int, received_tokens: float, counted_settings: dict
@@ -190,6 +207,7 @@ def advise(
             # the mean rank's token vectors per token it sends: the EP ranks one token reaches, its own among them
             received = ep * token_reach(work, ep, None) if profile.sends_each_token_once_per_rank and ep > 1 else 1.0
             work_s, forward_share, traffic = local_work(backend_name, candidate, ep, received, counted_settings)
+            share, sm_note = sm_share(backend_name, candidate)
             priced = replace(
                 layout,
                 costs=costs,
@@ -219,6 +237,9 @@ def advise(
                 rate_evidence=rate_evidence(backend_name, candidate, topology, links, measured_rates, crossed),
                 nominal_links=tuple(level.name for level in nominal_levels),
                 nominal_fabrics=tuple(level.fabric for level in nominal_levels),
+                a2a_overlap=a2a_overlap and topology.overlap,
+                communication_sm_share=share,
+                sm_note=sm_note,
             )
             if fitted_costs is not None:
                 priced = replace(priced, fitted_step_s=replace(priced, costs=fitted_costs).step_s)

@@ -2,7 +2,9 @@
 
 ``plan --calibrate-from FILE`` (repeatable; :func:`calibration_rates`) reads ``python -m torchtitan_ext.bench ep
 --json`` output (rows of :class:`~torchtitan_ext.records.ep_bench.EPBenchRow`: each backend's dispatch +
-combine, on one machine: the innermost link) or an nccl-tests ``alltoall_perf`` log (:mod:`.nccl_tests_log`: NCCL's all-to-all alone, on the link its ranks span). Each
+combine, on one machine: the innermost link), an nccl-tests ``alltoall_perf`` log (:mod:`.nccl_tests_log`: NCCL's
+all-to-all alone, on the link its ranks span), or DeepEP's or HybridEP's own test log (:mod:`.kernel_test_log`:
+their kernels' figures, as the published ones the advisor prices by default). Each
 measurement becomes the fraction of its link's nominal rate the backend reached (the cost model's time at
 the nominal rate over the measured time), per link and per the settings that set the backend's rate; an
 nccl-tests size sweep also gives the link's fixed cost per call (:func:`fit_sweep`), which replaces its latency.
@@ -15,9 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
-from torchtitan_ext.config import ConfigError, parse
+from torchtitan_ext.config import ConfigError, MoEShape, parse
 from torchtitan_ext.ep import PLANNING_PROFILES
+from torchtitan_ext.ep.published_rates import PublishedRate
 from torchtitan_ext.planning.cost_model import layer_costs, MoEWorkload
+from torchtitan_ext.planning.kernel_test_log import KernelTestLog, read_kernel_test_log
 from torchtitan_ext.planning.nccl_tests_log import all_to_all_runs
 from torchtitan_ext.planning.topology import Topology
 from torchtitan_ext.records.ep_bench import BENCH_COMMAND, DTYPE_BYTES, EPBenchRow
@@ -47,13 +51,14 @@ class MeasuredRate:
 
 
 def calibration_rates(
-    paths: list[Path], topology: Topology, placed: Topology | None = None,
+    paths: list[Path], topology: Topology, placed: Topology | None = None, shape: MoEShape | None = None,
 ) -> dict[tuple[str, tuple, int], MeasuredRate]:
-    """{(backend, its rate settings, level): the measured rate} from bench_ep JSON files and nccl-tests
-    alltoall_perf logs (told apart by their content). bench_ep's rows are placed on ``topology`` as they ran
-    (whole machines); an nccl-tests run, which spans as many nodes as the job's all-to-all, on ``placed``: the
-    topology as the job places its ranks (``plan --ranks-per-group``; default ``topology``). ConfigError, naming
-    the file, for a file of neither kind and for two files that measure one rate."""
+    """{(backend, its rate settings, level): the measured rate} from bench_ep JSON files, nccl-tests alltoall_perf
+    logs and DeepEP's or HybridEP's test logs (told apart by their content). bench_ep's rows are placed on
+    ``topology`` as they ran (whole machines); an nccl-tests run, which spans as many nodes as the job's all-to-all,
+    on ``placed``: the topology as the job places its ranks (``plan --ranks-per-group``; default ``topology``).
+    ``shape``: the job's, which a test log that prints its own must match. ConfigError, naming the file, for a file
+    of no such kind and for two files that measure one rate."""
     rates: dict[tuple[str, tuple, int], MeasuredRate] = {}
     for path in paths:
         try:
@@ -64,9 +69,11 @@ def calibration_rates(
             found = measured_rates(path, topology, text)
         elif "# Collective test starting: " in text or "# nThread " in text:
             found = nccl_tests_rates(path, topology if placed is None else placed, text)
+        elif (log := read_kernel_test_log(path, text)) is not None:
+            found = kernel_test_rates(path, topology, log, shape)
         else:
-            raise ConfigError(f"--calibrate-from {path}: neither {BENCH_COMMAND} output nor an nccl-tests "
-                              "alltoall_perf log")
+            raise ConfigError(f"--calibrate-from {path}: neither {BENCH_COMMAND} output, an nccl-tests "
+                              "alltoall_perf log, nor DeepEP's or HybridEP's test log")
         for key, rate in found.items():
             if key in rates:
                 raise ConfigError(f"--calibrate-from {path}: measures {' '.join((key[0], *key[1]))} on "
@@ -271,3 +278,49 @@ def measured_rates(path: Path, topology: Topology, text: str) -> dict[tuple[str,
                                   f"rate of '{topology.levels[key[2]].name}' once a fixed cost per call is fitted: "
                                   "they were timed on another link, or that level's bandwidth_GBps is below the link's")
     return rates
+
+
+def kernel_test_rates(
+    path: Path, topology: Topology, log: KernelTestLog, shape: MoEShape | None = None,
+) -> dict[tuple[str, tuple, int], MeasuredRate]:
+    """{(backend, its rate settings, level): the rate} of a DeepEP or HybridEP test log, read as the library's
+    published figures are (:class:`~torchtitan_ext.ep.published_rates.PublishedRate`: dispatch's and combine's
+    shares of the nominal rate of the bytes that leave a rank, their harmonic mean): a log with RDMA figures
+    calibrates the topology's RDMA level (its NVLink figures count the tokens forwarded from it), one without the
+    innermost NVLink level. For every rate setting the library's test times
+    (:attr:`~torchtitan_ext.ep.planning_profile.PlanningProfile.test_log_settings`). ConfigError for a shape that
+    is not the job's, a link the topology lacks, an unknown node or rank count, or a figure above the nominal rate."""
+    where = f"--calibrate-from {path}"
+    if shape is not None and log.shape is not None and log.shape != (shape.max_tokens_per_rank, shape.hidden_dim):
+        tokens, hidden = log.shape
+        raise ConfigError(f"{where}: the test ran {tokens} tokens per rank at hidden {hidden}; the job's are "
+                          f"{shape.max_tokens_per_rank} and {shape.hidden_dim}: rerun it with --num-tokens {shape.max_tokens_per_rank} "
+                          f"--hidden {shape.hidden_dim}")
+    fabric = "RDMA" if "RDMA" in log.figures else "NVL"
+    kinds = ("rdma",) if fabric == "RDMA" else ("nvlink", "mnnvl")
+    level = next((index for index, spec in enumerate(topology.levels) if spec.fabric in kinds), None)
+    if level is None or (fabric == "NVL" and level != 0):
+        raise ConfigError(f"{where}: {fabric} figures, and topology '{topology.name}' has no "
+                          f"{'RDMA' if fabric == 'RDMA' else 'innermost NVLink'} level (fabric = "
+                          f"{' or '.join(repr(kind) for kind in kinds)}): use the topology the test ran on")
+    units = log.nodes if fabric == "RDMA" else log.ranks_per_node
+    if units is None or units < 2:
+        name = "nodes" if fabric == "RDMA" else "ranks_per_node"
+        raise ConfigError(f"{where}: {'its RDMA figures count the own node' if fabric == 'RDMA' else 'its NVL figures count the own rank'}"
+                          f"'s bytes, and the log does not say over how many {'nodes' if fabric == 'RDMA' else 'ranks'} "
+                          f"(at least 2): add a line '# {name}: N' with the run's count")
+    link = topology.levels[level]
+    dispatch, combine = log.figures[fabric]
+    figures = PublishedRate(kinds[0], dispatch, combine, link.bandwidth_GBps, units, log.sms, str(path))
+    fraction = 2 / (1 / figures.dispatch_fraction + 1 / figures.combine_fraction)
+    lines = log.lines[fabric]
+    if fraction > 1:
+        raise ConfigError(f"{where}: lines {lines[0]} and {lines[1]}: {dispatch:g} and {combine:g} GB/s over {units} "
+                          f"{'nodes' if fabric == 'RDMA' else 'ranks'} are above the nominal {link.bandwidth_GBps:g} GB/s of "
+                          f"'{link.name}': it ran on another link, or that level's bandwidth_GBps is below the link's")
+    source = (f"{path.name} lines {lines[0]}, {lines[1]}: {log.backend}'s test, dispatch {dispatch:g} and combine "
+              f"{combine:g} GB/s ({fabric}, {units} {'nodes' if fabric == 'RDMA' else 'ranks'}"
+              f"{f', {log.sms} SMs' if log.sms else ''}), {fraction:.3f} of the nominal rate")
+    return {(log.backend, settings, level): MeasuredRate(log.backend, settings, level, fraction, source,
+                                                         includes_local_work=False)
+            for settings in PLANNING_PROFILES[log.backend].test_log_settings}

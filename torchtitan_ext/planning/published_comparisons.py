@@ -57,6 +57,10 @@ class PricedJob:
     device: str = "cuda"
     """Where the job ran: "cuda" (the kernel libraries' real kernels), or "cpu" (``bench ab`` on a CPU: DeepEP and
     HybridEP on their reference kernels, which take fp32), which the job's config checks resolve for."""
+    a2a_overlap: bool | None = None
+    """Whether the published run overlapped its all-to-alls with another microbatch's compute (Megatron's
+    ``overlap_moe_expert_parallel_comm``, "moe_a2a_overlap"), where torchtitan's config cannot say it (it overlaps
+    them only under DualPipeV); None: as the job's config runs them."""
 
     @property
     def device_type(self) -> str | None:
@@ -148,12 +152,16 @@ def _comparison(row: dict, where: str) -> Comparison:
             _refuse(where, f"metric '{row['metric']}' of a priced row: the advisor predicts {', '.join(PREDICTED_METRICS)}")
         if not isinstance(job, dict) or not isinstance(job.get("config"), str) or not isinstance(job.get("topology"), str):
             _refuse(where, "'priced' needs config and topology (strings), overrides, world_size and ep")
-        unknown = sorted(set(job) - {"config", "overrides", "topology", "world_size", "ep", "hf_config", "device"})
+        unknown = sorted(set(job) - {"config", "overrides", "topology", "world_size", "ep", "hf_config", "device",
+                                "a2a_overlap"})
         if unknown:
             _refuse(where, f"priced has no field {', '.join(unknown)}: its fields are config, overrides, topology, "
-                           "world_size, ep, hf_config and device")
+                           "world_size, ep, hf_config, device and a2a_overlap")
         if job.get("device", "cuda") not in ("cuda", "cpu"):
             _refuse(where, f"priced.device = {job['device']!r}: use \"cuda\" or \"cpu\" (where the job ran)")
+        if not isinstance(job.get("a2a_overlap", False), bool):
+            _refuse(where, f"priced.a2a_overlap = {job['a2a_overlap']!r}: use true or false (whether the run "
+                           "overlapped its all-to-alls with another microbatch's compute)")
         if not isinstance(job.get("hf_config", ""), str):
             _refuse(where, "priced.hf_config must be the path of a Hugging Face config.json")
         overrides = job.get("overrides", [])
@@ -166,7 +174,8 @@ def _comparison(row: dict, where: str) -> Comparison:
             _refuse(where, f"precision '{row['precision']}' of a priced row: the advisor prices "
                            f"{', '.join(PRICED_PRECISIONS)} (or give 'unpriced' instead)")
         priced = PricedJob(job["config"], tuple(overrides), job["topology"], job["world_size"], job["ep"],
-                           job.get("hf_config", ""), row["precision"], job.get("device", "cuda"))
+                           job.get("hf_config", ""), row["precision"], job.get("device", "cuda"),
+                           job.get("a2a_overlap"))
         if priced.hf_config:
             register_hf_model(Path(priced.hf_config), f"{where}: priced.hf_config {priced.hf_config}")
     elif not isinstance(row["unpriced"], str) or not row["unpriced"]:
@@ -246,7 +255,7 @@ def predict(comparison: Comparison, fitted=None, job_config=None) -> Prediction:
         topology, rates = fitted.applied(topology)
     topology = topology.placed_for(job.world_size, None)
     layouts, _ = advise(train_args, job.world_size, topology, measured_rates=rates, job_config=job_config,
-                        ep_degrees={job.ep}, device_type=job.device_type)
+                        ep_degrees={job.ep}, device_type=job.device_type, a2a_overlap=job.a2a_overlap)
     # the layout the published job ran: its own settings (the advisor's variants of them are other jobs)
     as_run = {layout.backend: layout for layout in layouts
               if layout.refused is None and layout.ep == job.ep and layout.backend in comparison.measured

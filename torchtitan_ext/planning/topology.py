@@ -84,6 +84,10 @@ class Topology:
     """Achieved dense MXFP8 matrix-multiply throughput of one worker, in TFLOP/s, for the GEMMs a job's
     ``quantize.linear.mx`` and ``quantize.grouped_mm.mx`` converters run in MXFP8. > 0. None: the worker has no
     MXFP8 rate given, and those GEMMs are priced at ``compute_tflops``."""
+    sms: int | None = None
+    """Streaming multiprocessors of one worker. >= 1. Prices the SMs an EP backend's kernels take from the GEMMs
+    that run beside them (under overlapped EP, :func:`~torchtitan_ext.planning.cost_model.overlapped_exposure`);
+    None: not priced."""
     compute_source: str = ""
     """Where the compute rates come from when not the topology file's own figures (a fit's scale and the rows it
     was fitted on), for the advice's evidence line; empty: the file's."""
@@ -187,7 +191,7 @@ def _rank_levels(sizes: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(levels)
 
 
-TOP_KEYS = {"name", "compute_tflops", "mxfp8_compute_tflops", "overlap", "levels", "memory_GB", "memory_bandwidth_GBps", "ranks_per_group"}
+TOP_KEYS = {"name", "compute_tflops", "mxfp8_compute_tflops", "overlap", "levels", "memory_GB", "memory_bandwidth_GBps", "ranks_per_group", "sms"}
 LEVEL_KEYS = {"name", "workers", "bandwidth_GBps", "latency_us", "all_gather_bandwidth_GBps",
               "reduce_scatter_bandwidth_GBps", "fabric"}
 
@@ -287,7 +291,12 @@ def parse_topology(data: dict, source: str) -> Topology:
             raise ConfigError(f"{source}.ranks_per_group = {ranks_per_group}: its innermost level '{inner.name}' holds "
                               f"{inner.workers} workers: use a count from 1 to {inner.workers}, or omit it")
     name = _field(data, "name", str, source, default=source)
-    return Topology(name, compute, overlap, tuple(levels), memory, memory_bandwidth, ranks_per_group, mxfp8)
+    sms = data.get("sms")
+    if sms is not None:
+        sms = _field(data, "sms", int, source)
+        if sms < 1:
+            raise ConfigError(f"{source}.sms = {sms}: use the worker's count of streaming multiprocessors (>= 1), or omit it")
+    return Topology(name, compute, overlap, tuple(levels), memory, memory_bandwidth, ranks_per_group, mxfp8, sms)
 
 
 def load_topology(spec: str) -> Topology:

@@ -19,7 +19,7 @@ home weights bit for bit at every step.
 
 from dataclasses import dataclass, replace
 
-from torchtitan_ext.config import ConfigError, MoEShape, Range, ValidationContext
+from torchtitan_ext.config import ConfigError, MoEShape, overlaps_expert_parallel, Range, ValidationContext
 from torchtitan_ext.ep.budget import Budget, DeviceBudget
 
 
@@ -115,7 +115,7 @@ def check_replication(job_config, context: ValidationContext) -> None:
             f"{where} is not supported with compile.enable and 'model' in compile.components (the per-step split "
             "is not compiled): turn one of them off"
         )
-    if parallelism.pipeline_parallel_expert_parallel_overlap and parallelism.pipeline_parallel_schedule.lower() == "dualpipev":
+    if overlaps_expert_parallel(parallelism):
         raise ConfigError(
             f"{where} is not supported with DualPipeV's overlapped expert parallelism: set "
             "parallelism.pipeline_parallel_expert_parallel_overlap = false, or slots to 0"
