@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from torchtitan_ext.balancing.routing_stats import check_fits, load_path
 from torchtitan_ext.config import (
-    ConfigError, job_world_size, load_job_config, moe_layer_ids, moe_shape, parse, register_hf_model,
+    ConfigError, job_world_size, load_job_config, moe_layer_ids, moe_shape, parse, register_hf_model, with_config_file,
 )
 from torchtitan_ext.config.writing import write_job_config
 from torchtitan_ext.measuring.compute import check_measurable, measure_compute
@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> None:
         print("\n".join(format_fit(fitted)))
         print(f"Wrote {fitted.count} parameters to {args.fit_output}")
     else:
-        _plan_job(args, train_args, " ".join(argv if argv is not None else sys.argv[1:]))
+        # the job run_train.sh would run: its config file, else CONFIG_FILE, else the default job
+        _plan_job(args, _exit_on_error(with_config_file, train_args), " ".join(argv if argv is not None else sys.argv[1:]))
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -369,3 +369,15 @@ def test_profiling_on_cpu_is_refused_before_the_first_step():
     assert str(error.value).startswith("profiling.enable_profiling on CPU: torchtitan 0.2.2's profiler asks")
     assert "unset it on CPU" in str(error.value)
     _load("--profiling.enable_profiling", device_type="cuda")
+
+
+def test_a_tool_without_a_config_file_takes_the_launchers_job(monkeypatch):
+    """As run_train.sh: the arguments' own config file, else $CONFIG_FILE, else the default job."""
+    from torchtitan_ext.config import with_config_file
+
+    monkeypatch.delenv("CONFIG_FILE", raising=False)
+    assert with_config_file(["--training.steps", "2"]) == [
+        "--job.config_file", "train_configs/debug_model.toml", "--training.steps", "2"]
+    monkeypatch.setenv("CONFIG_FILE", "train_configs/llama4_debug_model.toml")
+    assert with_config_file([])[:2] == ["--job.config_file", "train_configs/llama4_debug_model.toml"]
+    assert with_config_file(["--job.config_file=a.toml"]) == ["--job.config_file=a.toml"]

@@ -28,7 +28,7 @@ import tomli_w
 from tqdm import tqdm
 
 import torchtitan_ext
-from torchtitan_ext.config import ConfigError, job_world_size, load_job_config, parse
+from torchtitan_ext.config import ConfigError, job_world_size, load_job_config, parse, with_config_file
 from torchtitan_ext.ep import BACKENDS
 from torchtitan_ext.planning.published_comparisons import load_comparisons, MXFP8_CONVERTERS, ROLES
 from torchtitan_ext.records.campaign import bench_command, describe_machine
@@ -42,8 +42,6 @@ PRECISION_LINE = re.compile(r"CPU precision: training\.mixed_precision_param = (
 """The runtime's line when it chose the CPU job's parameter dtype (it may differ from the config's)."""
 PRECISIONS = {"bfloat16": "bf16", "float32": "fp32"}
 """training.mixed_precision_param -> the comparisons file's precision."""
-DEFAULT_CONFIG = "train_configs/debug_model.toml"
-"""run_train.sh's job when neither the overrides nor CONFIG_FILE name one."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -135,8 +133,7 @@ def comparison_row(args, job_config, world_size: int, medians: dict[str, float],
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if not any(value.split("=")[0] == "--job.config_file" for value in args.overrides):  # as run_train.sh reads it
-        args.overrides = ["--job.config_file", os.environ.get("CONFIG_FILE") or DEFAULT_CONFIG, *args.overrides]
+    args.overrides = with_config_file(args.overrides)  # as run_train.sh reads it
     given = os.environ.get("NGPU")
     if given is not None and not given.isdigit():
         raise ConfigError(f"NGPU={given!r}: set it to the processes per run, a whole number >= 1")

@@ -24,6 +24,7 @@ from torchtitan_ext.config.job import (
     routed_expert_elements,
 )
 from torchtitan_ext.config.loading import load_job_config, parse
+from torchtitan_ext.config.parsing import with_config_file
 from torchtitan_ext.config.ranges import Range
 from torchtitan_ext.config.registry import register_check, register_section, ValidationContext
 from torchtitan_ext.config.sections import comm_backend, overlaps_expert_parallel
@@ -48,5 +49,6 @@ __all__ = [
     "register_check",
     "register_section",
     "validate",
+    "with_config_file",
     "ValidationContext",
 ]

@@ -10,6 +10,7 @@ import difflib
 import functools
 import importlib
 import math
+import os
 import types
 import typing
 from dataclasses import fields, is_dataclass
@@ -26,6 +27,16 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 CONFIG_FILE_KEYS = ("--job.config_file", "--job.config-file")
+DEFAULT_CONFIG_FILE = "train_configs/debug_model.toml"
+"""The job ``run_train.sh`` runs when neither ``CONFIG_FILE`` nor ``--job.config_file`` names one."""
+
+
+def with_config_file(args: list[str]) -> list[str]:
+    """``args`` naming their job config as ``run_train.sh`` does: their ``--job.config_file``, else
+    ``$CONFIG_FILE``, else :data:`DEFAULT_CONFIG_FILE`."""
+    if _config_file_from_args(args) is not None:
+        return args
+    return ["--job.config_file", os.environ.get("CONFIG_FILE") or DEFAULT_CONFIG_FILE, *args]
 
 
 def parse_job_config(args: list[str], config_cls) -> tuple[Any, set[str]]:
