@@ -49,10 +49,40 @@ def test_hybrideps_log_calibrates_the_nvlink_of_both_modes_from_rank_0s_torch_ap
      "rerun it with --num-tokens 8192 --hidden 7168"),
 ])
 def test_a_test_log_that_cannot_calibrate_is_one_line(tmp_path, text, message):
-    """Lines in the scripts' current formats (their f-strings, values made up): a missing combine, an internode run
+    """Lines in the scripts' formats (their f-strings, values made up): a missing combine, an internode run
     without its node count, a shape that is not the job's."""
     path = tmp_path / "test.log"
     path.write_text(text)
     with pytest.raises(ConfigError, match=message) as caught:
         calibration_rates([path], load_topology("hgx_h100_ib"), shape=MoEShape(7168, 256, 8, 8192))
     assert "\n" not in str(caught.value)
+
+
+HYBRIDEP_CURRENT = """=== Kernel Benchmark (BF16, 8 ranks) ===
+dispatch kernel (BF16)(NVL):                     149.24 GB/s, avg_t=2638.9 us [min=2609.0, max=2671.0]
+combine kernel(NVL):                             135.98 GB/s, avg_t=2896.4 us [min=2862.0, max=3111.0]
+=== Torch API Benchmark (BF16, 8 ranks) ===
+dispatch (BF16):                                 400.00 GB/s (NVL), t: 100.0 us [min=99.0, max=101.0], nvl_recv_bytes: 40.00 MB
+combine:                                         300.00 GB/s (NVL), t: 133.3 us [min=130.0, max=140.0], combine_send_bytes: 40.00 MB
+dispatch+permute (BF16):                         350.00 GB/s (NVL), t: 114.3 us [min=110.0, max=120.0], nvl_recv_bytes: 40.00 MB
+=== Torch API Benchmark (FP8, 8 ranks) ===
+dispatch (FP8):                                  500.00 GB/s (NVL), t: 80.0 us [min=79.0, max=81.0], nvl_recv_bytes: 20.00 MB
+combine:                                         310.00 GB/s (NVL), t: 129.0 us [min=128.0, max=130.0], combine_send_bytes: 40.00 MB
+"""
+
+
+@pytest.mark.parametrize("text, backend, figures, ranks_per_node", [
+    (HYBRIDEP_CURRENT, "hybridep", {"NVL": (400.0, 300.0)}, 8),
+    ("# nodes: 2\n[rank 0] HybridEP dispatch torch API (BF16): 40.00 GB/s (IB), t: 900.00 us, rdma_send_bytes: 9.00 MB\n"
+     "[rank 0] HybridEP combine torch API: 42.00 GB/s (IB), t: 850.00 us, rdma_recv_bytes: 9.00 MB\n",
+     "hybridep", {"RDMA": (40.0, 42.0)}, None),
+    ("[tuning] Best dispatch (BF16): SMs 24, NVL chunk 8, 153.00 GB/s (NVL), t: 312.50 us\n"
+     "[tuning] Best combine: SMs 24, NVL chunk 4: 158.00 GB/s (NVL), t: 300.00 us\n", "deepep", {"NVL": (153.0, 158.0)}, 8),
+])
+def test_each_format_the_scripts_print_is_read_to_its_bf16_torch_api_figures(tmp_path, text, backend, figures,
+                                                                              ranks_per_node):
+    """Lines in the scripts' formats (their f-strings, values made up): HybridEP's current one with its kernel-only,
+    permute and FP8 sections skipped (its FP8 combine line names no dtype), its earlier one over IB, and DeepEP's
+    intranode best lines (8 ranks, the test's default)."""
+    log = read_kernel_test_log(tmp_path / "test.log", text)
+    assert (log.backend, log.figures, log.ranks_per_node) == (backend, figures, ranks_per_node)

@@ -67,6 +67,7 @@ def test_shipped_topologies_load(name):
         ({"mxfp8_compute_tflops": -1}, "test.mxfp8_compute_tflops = -1.0: use a throughput > 0 (TFLOP/s per worker), "
                                        "or omit it (MXFP8 GEMMs at compute_tflops)"),
         ({"memory_GB": "80"}, "test.memory_GB = '80': expected a float"),
+        ({"sms": 0}, "test.sms = 0: use the worker's count of streaming multiprocessors (>= 1), or omit it"),
         ({"ranks_per_group": 9}, "test.ranks_per_group = 9: its innermost level 'node' holds 8 workers: use a count "
                                  "from 1 to 8, or omit it"),
         ({"levels": [LEVELS[1]], "ranks_per_group": 4},
@@ -1024,3 +1025,24 @@ def test_the_advice_prices_under_a_fit_when_asked(capsys, advice_671b):
     assert capsys.readouterr().err.strip() == (
         f"error: --fit-from {SHIPPED_FIT}: it fits nothing of topology '{load_topology('cross_dc').name}' (its "
         f"compute scales: {', '.join(fitted.compute_scale)}): fit on a comparison run on it, or drop --fit-from")
+
+
+def test_a_job_overlapping_its_all_to_alls_pays_only_the_sms_its_kernels_take():
+    """DualPipeV with overlapped EP on HGX H100 (132 SMs): the debug model's all-to-alls are far shorter than the
+    other microbatch's compute per layer, so each layout's exposed time drops by its all-to-alls less the SMs'
+    share of them: HybridEP 16/132, DeepEP v1 20/132; NCCL's and DeepEP V2's SMs are not priced (run-time picks)."""
+    args = ["--job.config_file", "train_configs/debug_model.toml", "--parallelism.pipeline_parallel_degree", "2",
+            "--parallelism.pipeline_parallel_schedule", "DualPipeV", "--parallelism.pipeline_parallel_expert_parallel_overlap",
+            "--activation_checkpoint.mode", "none", "--parallelism.expert_parallel_degree", "4"]
+    topology = load_topology("hgx_h100_ib")
+    overlapped, plain = ({layout.label: layout for layout in advise(args, 8, topology, ep_degrees={4}, a2a_overlap=overlap)[0]}
+                         for overlap in (None, False))
+    shares = {"hybridep": 16 / 132, "deepep legacy": 20 / 132, "nccl": 0.0, "deepep": 0.0}
+    assert set(overlapped) == set(shares)
+    for label, share in shares.items():
+        layout, alone = overlapped[label], plain[label]
+        assert layout.a2a_overlap and not alone.a2a_overlap
+        assert layout.communication_sm_share == pytest.approx(share) and bool(layout.sm_note) == (share == 0.0)
+        all_to_alls = alone.communication_s - layout._per_step(lambda _: layout.costs.all_gather * layout.costs.all_gathers
+                                                                + layout.costs.reduce_scatter)
+        assert layout.exposed_s == pytest.approx(alone.exposed_s - (1 - share) * all_to_alls, rel=1e-9)

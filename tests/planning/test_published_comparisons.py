@@ -85,6 +85,7 @@ def test_the_shipped_comparisons_hold_a_fit_a_held_out_set_and_a_flip():
     ("overrides = [],", "overides = [],", "priced has no field overides"),
     ('metric = "TFLOPS/GPU"', 'metric = "tokens/s"', "metric 'tokens/s' of a priced row: the advisor predicts"),
     ("world_size = 8,", "world_size = 0,", "priced.world_size must be an integer >= 1"),
+    ("world_size = 8,", "world_size = 8, a2a_overlap = 1,", "priced.a2a_overlap = 1: use true or false"),
     ("overrides = [],", 'overrides = [], hf_config = "no/config.json",',
      "priced.hf_config no/config.json: cannot read it (No such file or directory)"),
     ("priced = {", 'unpriced = "no model"\npriced = {', "give exactly one of 'priced'"),

@@ -430,9 +430,12 @@ class DeepEPPlanningProfile(PlanningProfile):
 
     @classmethod
     def communication_sms(cls, job_config) -> float | None:
-        """``num_sms``, or the library's default (v1's 20; V2's and V2.5's computed minimum, priced as the 20 it
-        falls back to)."""
-        return float(job_config.deepep.num_sms or LEGACY_DEFAULT_SMS)
+        """``num_sms``, or v1's default 20; None for V2 and V2.5 left to compute their own minimum (at run time,
+        from the bandwidths they detect)."""
+        section = job_config.deepep
+        if section.num_sms is not None:
+            return float(section.num_sms)
+        return float(LEGACY_DEFAULT_SMS) if resolve_api(section.api, section.implementation, None) == "legacy" else None
 
     @classmethod
     def published_rates(cls, job_config) -> tuple[PublishedRate, ...]:

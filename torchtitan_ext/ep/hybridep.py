@@ -410,10 +410,9 @@ class HybridEPPlanningProfile(PlanningProfile):
     def advised_alternatives(cls, job_config, fabrics: tuple[str | None, ...]) -> tuple[dict[str, object], ...]:
         """Where the all-to-all crosses one kind of link: the published SM counts whose figures there are the
         fastest, dispatch's and combine's each, where the job's counts are priced at slower ones (a count
-        whose figure is already the fastest stays). More SMs cost no compute the advisor counts: nothing of
-        this harness computes beside HybridEP's kernels (its combine has no asynchronous mode, so the shared
-        experts wait for it), except the other microbatch under DualPipeV's overlapped EP, where none is
-        offered. Over two kinds of link, which one bounds the all-to-all depends on its bytes per link, so
+        whose figure is already the fastest stays). More SMs cost compute only where something runs beside
+        HybridEP's kernels (its combine has no asynchronous mode, so the shared experts wait for it): the other
+        microbatch under DualPipeV's overlapped EP, where the SMs are priced and no alternative is offered. Over two kinds of link, which one bounds the all-to-all depends on its bytes per link, so
         none is offered either. Not blocking against non-blocking: no published figure separates their speed
         (the planner gives a capacity factor's drops from recorded routing)."""
         if len(set(fabrics)) != 1 or overlaps_expert_parallel(job_config.parallelism):

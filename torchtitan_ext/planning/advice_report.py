@@ -66,7 +66,7 @@ def _overlap(layout: Layout) -> str:
         return ""
     sms = (f"its kernels hold {layout.communication_sm_share:.0%} of the SMs, priced against the GEMMs beside them"
            if not layout.sm_note else f"the SMs its kernels take are not priced ({layout.sm_note})")
-    return f"; all-to-alls beside another microbatch's compute ({_ms(layout.exposed_s)} ms of communication exposed per step), {sms}"
+    return f"; all-to-alls beside another microbatch's compute ({_ms(layout.exposed_s)} ms of MoE communication exposed per step), {sms}"
 
 
 def _reason(best: Layout, others: list[Layout]) -> str:
@@ -382,7 +382,8 @@ def layouts_record(layouts: list[Layout]) -> list[dict]:
                                if layout.fitted_step_s is not None else "no fit covers it: the range has no other end")
                             if layout.nominal_links else None),
                 link_bound=layout.link_bound, all_to_all_overlap=layout.a2a_overlap,
-                communication_sm_share=layout.communication_sm_share if layout.a2a_overlap else None,
+                communication_sm_share=layout.communication_sm_share if layout.a2a_overlap and not layout.sm_note else None,
+                sm_not_priced=layout.sm_note or None,
             )
         records.append(record)
     return records

@@ -11,7 +11,8 @@ num_tokens=T, hidden=H`` gives the shape where printed.
 HybridEP (DeepEP's hybrid-ep branch, ``tests/test_hybrid_ep.py``): rank 0 prints, under ``=== Torch API Benchmark
 (BF16, N ranks) ===``, ``dispatch (BF16): X GB/s (NVL), t: ...`` and ``combine: X GB/s (NVL), ...``, and with more
 than one node the same with ``(RDMA)``; earlier versions ``[rank 0] HybridEP dispatch torch API (BF16): X GB/s
-(NVL), ...`` and ``(IB)``. The kernel-only lines (``dispatch kernel ...``) and the fused permute variants are
+(NVL), ...`` and ``(IB)``. Lines under an FP8 section's header are skipped (its combine lines name no
+dtype). The kernel-only lines (``dispatch kernel ...``) and the fused permute variants are
 skipped: the Torch API's time is what a training step pays. The script prints no shape.
 
 FP8 dispatch lines are skipped (the published figures the advisor prices are BF16). Neither script prints its node
@@ -67,6 +68,7 @@ def read_kernel_test_log(path: Path, text: str) -> KernelTestLog | None:
     where = f"--calibrate-from {path}"
     found: dict[tuple[str, str], tuple[float, int]] = {}
     backends, sms, shape, header_ranks, notes = set(), None, None, None, {}
+    section_dtype = None  # HybridEP's: the dtype of the Torch API section a line is in (its combine lines name none)
 
     def add(backend: str, kernel: str, fabric: str, figure: str, number: int) -> None:
         backends.add(backend)
@@ -92,10 +94,12 @@ def read_kernel_test_log(path: Path, text: str) -> KernelTestLog | None:
             for figure, fabric in FIGURE.findall(line[match.end():]):
                 add("deepep", kernel, fabric, figure, number)
         elif match := HYBRIDEP_HEADER.search(line):
-            header_ranks = int(match.group(2))
+            section_dtype, header_ranks = match.group(1), int(match.group(2))
+        elif line.startswith("==="):
+            section_dtype = None  # another section (the kernel benchmark's)
         elif match := HYBRIDEP_LINE.match(line):
             kernel, dtype, figure, fabric = match.groups()
-            if dtype != "FP8":
+            if (dtype or section_dtype) != "FP8":
                 add("hybridep", kernel, "RDMA" if fabric == "IB" else fabric, figure, number)
     if not backends:
         return None

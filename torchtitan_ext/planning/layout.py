@@ -116,7 +116,7 @@ class Layout:
     def compute_per_layer_call_s(self) -> float:
         """The step's compute spread over its MoE layer calls (dense layers' share included): what another
         microbatch computes beside one layer's all-to-alls under ``a2a_overlap``."""
-        return self.compute_s / (self.dispatches * self.moe_layers)
+        return self.compute_s / (self.dispatches * max(self.moe_layers, 1))
 
     @property
     def exposed_s(self) -> float:

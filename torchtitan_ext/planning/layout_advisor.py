@@ -96,6 +96,9 @@ def advise(
             return 0.0, f"{backend_name} picks its SMs at run time"
         if topology.sms is None:
             return 0.0, f"topology '{topology.name}' gives no sms"
+        if sms >= topology.sms:
+            raise ConfigError(f"{backend_name}'s kernels are set to {sms:g} SMs, and topology '{topology.name}' gives "
+                              f"its GPUs {topology.sms}: set the backend's SMs below that, or the topology's sms")
         return sms / topology.sms, ""
 
     def local_work(
@@ -207,7 +210,11 @@ def advise(
             # the mean rank's token vectors per token it sends: the EP ranks one token reaches, its own among them
             received = ep * token_reach(work, ep, None) if profile.sends_each_token_once_per_rank and ep > 1 else 1.0
             work_s, forward_share, traffic = local_work(backend_name, candidate, ep, received, counted_settings)
-            share, sm_note = sm_share(backend_name, candidate)
+            try:
+                share, sm_note = sm_share(backend_name, candidate)
+            except ConfigError as e:
+                refused.append(replace(layout, refused=str(e)))
+                continue
             priced = replace(
                 layout,
                 costs=costs,

@@ -314,13 +314,14 @@ def kernel_test_rates(
     figures = PublishedRate(kinds[0], dispatch, combine, link.bandwidth_GBps, units, log.sms, str(path))
     fraction = 2 / (1 / figures.dispatch_fraction + 1 / figures.combine_fraction)
     lines = log.lines[fabric]
-    if fraction > 1:
+    if max(figures.dispatch_fraction, figures.combine_fraction) > 1:
         raise ConfigError(f"{where}: lines {lines[0]} and {lines[1]}: {dispatch:g} and {combine:g} GB/s over {units} "
                           f"{'nodes' if fabric == 'RDMA' else 'ranks'} are above the nominal {link.bandwidth_GBps:g} GB/s of "
                           f"'{link.name}': it ran on another link, or that level's bandwidth_GBps is below the link's")
+    shape_checked = "at the job's shape" if shape is not None and log.shape is not None else "its shape not printed: not checked against the job's"
     source = (f"{path.name} lines {lines[0]}, {lines[1]}: {log.backend}'s test, dispatch {dispatch:g} and combine "
               f"{combine:g} GB/s ({fabric}, {units} {'nodes' if fabric == 'RDMA' else 'ranks'}"
-              f"{f', {log.sms} SMs' if log.sms else ''}), {fraction:.3f} of the nominal rate")
+              f"{f', {log.sms} SMs' if log.sms else ''}; {shape_checked}), {fraction:.3f} of the nominal rate")
     return {(log.backend, settings, level): MeasuredRate(log.backend, settings, level, fraction, source,
                                                          includes_local_work=False)
             for settings in PLANNING_PROFILES[log.backend].test_log_settings}
