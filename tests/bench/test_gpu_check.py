@@ -1,5 +1,6 @@
 """The one-GPU check on a CPU: what it would run (its dry run), its refusal to run, and the table it prints."""
 
+import json
 import sys
 
 import pytest
@@ -66,3 +67,24 @@ def test_a_stage_stopped_at_its_limit_reports_what_both_streams_held():
     report = gpu_check._run(gpu_check.Stage("slow", [sys.executable, "-c", code], timeout_s=3))
     assert report["status"] == "timeout"
     assert report["output"] == "step 3 of 16\nloading\n"
+
+
+@pytest.mark.slow
+def test_a_failed_stage_fails_the_check_and_each_stage_is_on_disk_before_the_next_starts(monkeypatch, tmp_path):
+    """Three stages in 3 s: the second reads the report the first left on disk and fails; the third would sleep
+    past the budget and is stopped there (not a failure of its own); the check exits 1, naming the failed one."""
+    import torch
+
+    report_path = tmp_path / "gpu_check.json"
+    read_report = f"import json, sys; print(sorted(json.load(open({str(report_path)!r})))); sys.exit(3)"
+    monkeypatch.setattr(gpu_check, "stages", lambda out: [
+        gpu_check.Stage("environment", [sys.executable, "-c", "print('ok')"], 60),
+        gpu_check.Stage("reads the report", [sys.executable, "-c", read_report], 60),
+        gpu_check.Stage("past the budget", [sys.executable, "-c", "import time; time.sleep(60)"], 60),
+    ])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert gpu_check.main(["--out", str(tmp_path), "--budget-s", "3"]) == 1
+    report = json.loads(report_path.read_text())
+    assert report["environment"]["status"] == 0
+    assert (report["reads the report"]["status"], report["reads the report"]["output"]) == (3, "['environment']\n")
+    assert report["past the budget"]["status"] == "stopped at the budget: 3 s spent"

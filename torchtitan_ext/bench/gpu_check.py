@@ -3,7 +3,8 @@
     python -m torchtitan_ext.bench gpu_check [--out DIR] [--budget-s 330] [--campaign FILE] [--dry-run]
         [--stages NAME ...]
 
-Stages, each reported whatever the others did (a stage past the time budget is skipped, said so):
+Stages, each reported whatever the others did, each run within its own time limit and what is left of
+``--budget-s`` (a stage stopped at the budget is reported so, not as failed; none starts once it is spent):
 
 1. the environment: torch, CUDA, the device, the date;
 2. the GPU tests (``pytest -m "deep_ep or gpu"``): every backend on CUDA at EP = 1, DeepEP and HybridEP on the
@@ -20,8 +21,11 @@ Stages, each reported whatever the others did (a stage past the time budget is s
    a ratio in one run;
 8. torch.compile (inductor) of the debug model: two training steps.
 
-Writes ``gpu_check.json`` into ``--out``, prints a table of the stages, and with ``--campaign`` writes the
-stages' results as a new campaign file under ``benchmarks/``. ``--dry-run`` prints the stages' commands without running them (any machine).
+Writes ``gpu_check.json`` into ``--out`` after each stage (a check stopped from outside keeps what finished),
+prints a table of the stages, and with ``--campaign`` writes the stages' results as a new campaign file under
+``benchmarks/``. Exits 1 when a stage failed (a non-zero status or its time limit), 0 when every stage that ran
+passed. ``--dry-run`` prints the stages' commands without running them (any machine). Runs as ``python -m
+torchtitan_ext.bench.gpu_check`` too.
 """
 
 import argparse
@@ -32,7 +36,7 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torchtitan_ext
@@ -335,7 +339,8 @@ def campaign_rows(report: dict) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("."), help="folder of gpu_check.json")
-    parser.add_argument("--budget-s", type=float, default=330.0, help="stages past this many seconds are skipped")
+    parser.add_argument("--budget-s", type=float, default=330.0,
+                        help="seconds for every stage together: each runs within what is left of them")
     parser.add_argument("--campaign", type=Path, help="also write the stages' results as a new campaign file "
                                                       "(benchmarks/THEME_HARDWARE_DATE.jsonl)")
     parser.add_argument("--dry-run", action="store_true", help="print the stages' commands, run nothing")
@@ -365,21 +370,39 @@ def main(argv: list[str] | None = None) -> int:
     command = bench_command("gpu_check", argv)
     started = time.monotonic()
     report = {}
+    args.out.mkdir(parents=True, exist_ok=True)
     for stage in chosen:
         elapsed = time.monotonic() - started
-        if elapsed > args.budget_s:
+        left = args.budget_s - elapsed
+        if left < 1:
             report[stage.name] = {"status": f"skipped: {elapsed:.0f} s spent of {args.budget_s:.0f}"}
-            continue
-        print(f"[gpu_check] {stage.name} ({elapsed:.0f} s)", flush=True)
-        report[stage.name] = _run(stage)
-        print(json.dumps(report[stage.name])[:3000], flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2))
+        else:
+            print(f"[gpu_check] {stage.name} ({elapsed:.0f} s)", flush=True)
+            report[stage.name] = _run(replace(stage, timeout_s=min(stage.timeout_s, left)))
+            if report[stage.name]["status"] == "timeout" and left < stage.timeout_s:
+                report[stage.name]["status"] = f"stopped at the budget: {args.budget_s:.0f} s spent"
+            print(json.dumps(report[stage.name])[:3000], flush=True)
+        write_report(report, args.out / "gpu_check.json")
     print(stage_table(report))
     if args.campaign is not None:
         write_campaign(args.campaign, [command], campaign_rows(report))
-    print(f"[gpu_check] done in {time.monotonic() - started:.0f} s; {args.out / 'gpu_check.json'}")
-    return 0
+    failed = [name for name, stage_report in report.items() if stage_failed(stage_report)]
+    print(f"[gpu_check] done in {time.monotonic() - started:.0f} s; {args.out / 'gpu_check.json'}"
+          f"{'; failed: ' + ', '.join(failed) if failed else ''}")
+    return 1 if failed else 0
+
+
+def stage_failed(report: dict) -> bool:
+    """Whether a stage that ran failed: a non-zero exit or its time limit (a skipped stage did not run)."""
+    status = report["status"]
+    return status == "timeout" or (isinstance(status, int) and status != 0)
+
+
+def write_report(report: dict, path: Path) -> None:
+    """``report`` as JSON at ``path``, replaced whole (a reader never sees half a file)."""
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(report, indent=2))
+    partial.replace(path)
 
 
 if __name__ == "__main__":
