@@ -161,3 +161,22 @@ def test_replicas_that_save_too_little_are_set_aside(world_of_one, caplog):
     assert plans == {1: (0, None), 2: (0, True), 3: (0, True), 4: (2, False)}
     assert set_aside == {1: None, 2: 1.0, 3: 1.0, 4: 0.0}  # the metric the training log writes each step
     assert sum("set aside" in record.getMessage() for record in caplog.records) == 1
+
+
+def test_a_plan_in_place_stays_until_a_new_one_saves_min_gain_over_it(world_of_one):
+    """Ranks 0 and 1 hold experts 0-1 and 2-3, one slot each, min_gain 0.05. From [30, 10, 10, 10] the choice copies
+    expert 0 to rank 1 and expert 2 to rank 0 (busiest 40 -> 30). On [30, 10, 9, 11] a fresh choice would copy
+    expert 3 instead: 30 either way, so the plan stays; on [10, 30, 10, 10] the plan in place already gives 30 and
+    30 (expert 0's pairs go to rank 1's copy). On [10, 10, 10, 40] it leaves rank 1 at 40, and copying expert 3 to
+    rank 0 gives 35 and 35 (12.5% saved): the plan changes. Each change is counted once."""
+    moe = _one_layer(world_of_one)
+    chooser = ReplicaChooser(_section(min_gain=0.05), {1: moe})
+    plans, changes = {}, {}
+    for step, counts in enumerate(([30, 10, 10, 10], [30, 10, 9, 11], [10, 30, 10, 10], [10, 10, 10, 40], [1, 1, 1, 1]),
+                                  start=1):
+        chooser.before_step(step)
+        plans[step], changes[step] = moe.replicas.plan.replicas, chooser.metrics().get("ep/replica_plan_changes")
+        moe.replicas.assign(_home_slots(counts), counting=True)
+    assert plans == {1: ((-1,), (-1,)), 2: ((2,), (0,)), 3: ((2,), (0,)), 4: ((2,), (0,)), 5: ((3,), (0,))}
+    assert changes == {1: None, 2: 1, 3: 1, 4: 1, 5: 2}
+    assert [plan.replicas for plan in moe.experts.plans] == [((2,), (0,)), ((3,), (0,))]

@@ -43,6 +43,7 @@ MEASURED = {
     "loss": "loss_metrics/global_avg_loss",
     "set_aside": "ep/replica_layers_set_aside",
     "choice": "ep/replica_choice_s",
+    "changes": "ep/replica_plan_changes",
 }
 """What each run reports: {name: its metric in metrics.jsonl}."""
 SETTINGS = {
@@ -175,8 +176,8 @@ def _table(rows: dict, steps: int) -> list[str]:
     lines = [
         f"| setting | recv max/mean per step (steps 1-{steps}) | median, worst after step 1 | "
         f"all layers, median after step {WARMUP} | replicas set aside, share of layer-steps after step {WARMUP} | "
-        "choice, median ms | slowest rank's median step time (s) | vs no replicas |",
-        "|---|---|---|---|---|---|---|---|",
+        "choice, median ms | plan changes per 100 steps | slowest rank's median step time (s) | vs no replicas |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for (skew, name), measured_rounds in rows.items():
         for metrics in measured_rounds:
@@ -189,10 +190,20 @@ def _table(rows: dict, steps: int) -> list[str]:
                 f"{statistics.median(_after_warmup(metrics['all_layers'])):.2f} | "
                 f"{f'{statistics.mean(aside):.2f}' if aside else '-'} | "
                 f"{f'{1000 * statistics.median(choice):.1f}' if choice else '-'} | "
+                f"{_changes_per_100_steps(metrics['changes'])} | "
                 f"{metrics['median_time']:.3f} | "
                 f"{metrics['time_ratio']:.3f} |"
             )
     return lines
+
+
+def _changes_per_100_steps(changes: dict[int, float]) -> str:
+    """The layers' plan changes per 100 steps after the first choice (whose own plans are not changes), to the run's
+    end ("-" without replicas, or with one choice only)."""
+    first, last = min(changes, default=0), max(changes, default=0)
+    if last == first:
+        return "-"
+    return f"{100 * (changes[last] - changes[first]) / (last - first):.1f}"
 
 
 def _loss_lines(rows: dict, settings: dict, skews: dict) -> list[str]:

@@ -87,11 +87,11 @@ def _filled_loads(counts: list[int], plan: ReplicaPlan) -> list[int]:
     return loads
 
 
-def worth_it(counts: list[int], plan: ReplicaPlan, min_gain: float) -> bool:
-    """Whether ``plan`` (chosen from ``counts``) lowers the busiest rank's pairs on them by more than ``min_gain``
-    of them, as the choice's own fill prices it."""
-    without = max(_home_loads(counts, plan.expert_parallel_degree))
-    return without > 0 and max(_filled_loads(counts, plan)) < without * (1 - min_gain)
+def worth_it(counts: list[int], plan: ReplicaPlan, min_gain: float, current: ReplicaPlan | None = None) -> bool:
+    """Whether ``plan`` lowers the busiest rank's pairs on ``counts`` by more than ``min_gain`` of them against
+    ``current`` (None: no replicas), as the choice's own fill prices both."""
+    before = max(_home_loads(counts, plan.expert_parallel_degree) if current is None else _filled_loads(counts, current))
+    return before > 0 and max(_filled_loads(counts, plan)) < before * (1 - min_gain)
 
 
 def window_start(step: int, adapt_every: int) -> int | None:
@@ -119,6 +119,8 @@ class ReplicaChooser:
         self.min_gain = section.min_gain
         self.stepped_aside: dict[int, bool] = {}
         """Layer -> whether its last choice was set aside (too little gain)."""
+        self.plan_changes = 0
+        """Plans changed since the start, over every layer: each one a new fetch of weights and new split tables."""
         self.reported_aside = False
         self.choice_s = 0.0
         """Host time the last choice took (every layer's plan and tables), in seconds."""
@@ -152,10 +154,17 @@ class ReplicaChooser:
             if copied_ready is not None:
                 copied_ready.synchronize()  # passed in the last step's forward
             window = counts.tolist()
-            plan = choose_replicas(window, moe.replicas.plan.expert_parallel_degree, self.slots)
+            current = moe.replicas.plan
+            plan = choose_replicas(window, current.expert_parallel_degree, self.slots)
+            if current.replicated() and plan != current and not worth_it(window, plan, self.min_gain, current):
+                plan = current  # hysteresis: a new plan must save min_gain over the one in place, not just over none
             aside = not worth_it(window, plan, self.min_gain)
             if aside:
                 plan = ReplicaPlan.empty(plan.num_experts, plan.expert_parallel_degree, self.slots)
+            if plan != current:
+                self.plan_changes += 1
+                moe.replicas.set_plan(plan)
+                moe.experts.set_plan(plan)
             if aside and not self.reported_aside:
                 self.reported_aside = True
                 logger.info(
@@ -164,8 +173,6 @@ class ReplicaChooser:
                     "weight fetch, no gradient return until a choice saves more)"
                 )
             self.stepped_aside[layer] = aside
-            moe.replicas.set_plan(plan)
-            moe.experts.set_plan(plan)
             rank = torch.distributed.get_rank(moe.replicas.group)
             refreshed += plan.copies_sent(rank) * moe.experts.bytes_per_expert
         if not self.reported and refreshed:
@@ -177,8 +184,9 @@ class ReplicaChooser:
 
     def metrics(self) -> dict[str, float]:
         """This step's share of the replicated MoE layers running without replicas because their choice was set
-        aside, and the host time of the last choice; nothing before the first choice."""
+        aside, the host time of the last choice, and the layers' plan changes so far; nothing before the first
+        choice."""
         if not self.stepped_aside:
             return {}
         return {"ep/replica_layers_set_aside": sum(self.stepped_aside.values()) / len(self.stepped_aside),
-                "ep/replica_choice_s": self.choice_s}
+                "ep/replica_choice_s": self.choice_s, "ep/replica_plan_changes": self.plan_changes}

@@ -50,7 +50,10 @@ class ExpertReplication:
     must save, on the window they were chosen from, for the layer to use
     them; below it the layer steps aside until the next choice: no weight
     fetch, no gradient return (where routing is already balanced, replicas
-    only cost their traffic). Decided between steps from the counts the
+    only cost their traffic). The same share guards a change of plan: a new
+    choice replaces the plan in place only where it saves this much more on
+    the window than that plan does (each change refetches the weights and
+    rebuilds the split's tables). Decided between steps from the counts the
     choice reads, the same on every rank. Range 0 .. 1; 0: never steps
     aside. 0.05: just below the lowest break-even measured on a CPU
     (replication's own time over the slowest rank's MoE layers, 0.054 at EP=2
