@@ -180,3 +180,23 @@ def test_a_plan_in_place_stays_until_a_new_one_saves_min_gain_over_it(world_of_o
     assert plans == {1: ((-1,), (-1,)), 2: ((2,), (0,)), 3: ((2,), (0,)), 4: ((2,), (0,)), 5: ((3,), (0,))}
     assert changes == {1: None, 2: 1, 3: 1, 4: 1, 5: 2}
     assert [plan.replicas for plan in moe.experts.plans] == [((2,), (0,)), ((3,), (0,))]
+
+
+def test_layers_chosen_together_are_each_chosen_alone():
+    """The layers take their rounds together: each gets the plan, and the fill, it gets alone; the host's
+    water-fill is the device's."""
+    import numpy as np
+
+    from torchtitan_ext.ep.replication.choice import choose_layers, filled_loads, water_fill_host
+
+    generator = np.random.default_rng(0)
+    for ranks, per_rank, slots in ((2, 4, 2), (4, 2, 1), (8, 4, 3)):
+        counts = (generator.pareto(1.2, size=(6, ranks * per_rank)) * 10).astype(np.int64)
+        counts[1] = 0  # a layer with no pairs
+        counts[2, 0] *= 100  # one expert hot enough to run out of free ranks
+        plans = choose_layers(counts, ranks, slots)
+        assert plans == [choose_replicas(layer.tolist(), ranks, slots) for layer in counts]
+        together = filled_loads(counts, plans)
+        assert all((together[i] == filled_loads(counts[i:i + 1], [plan])[0]).all() for i, plan in enumerate(plans))
+    loads, amounts = generator.integers(0, 50, size=(40, 5)), generator.integers(0, 100, size=40)
+    assert (water_fill_host(loads, amounts) == water_fill(torch.from_numpy(loads), torch.from_numpy(amounts)).numpy()).all()

@@ -1,4 +1,5 @@
-"""The per-step split of expert replication at scale: operators per MoE layer and call, and their host time.
+"""Expert replication's host work at scale: the per-step split's operators and time per MoE layer, and the choice
+of every layer's replicas.
 
     python -m torchtitan_ext.bench replica_split [--calls 20]
 
@@ -7,7 +8,13 @@ rank, counts drawn from a Zipf 0.8 popularity (512 pairs per expert on
 average), replicas chosen from them: counts the tensor operators one
 ``split_quotas`` call dispatches (on a GPU each is at least one kernel
 launch, so their number bounds the split's time from below at a few
-microseconds each) and times the call on this CPU, one thread.
+microseconds each) and times the call on this CPU, one thread. Then times,
+at DeepSeek-V3 671B's 58 MoE layers, what the trainer does between steps
+when it re-chooses every layer's replicas (``adapt_every = 1``): the choice
+(:func:`~torchtitan_ext.ep.replication.choice.choose_layers`) and one fill
+pricing the chosen plans (:func:`~torchtitan_ext.ep.replication.choice.filled_loads`;
+the trainer runs one, and a second for the plans in place where a layer's plan
+would change), each layer's counts drawn from its own Dirichlet(0.5) popularity.
 """
 
 import argparse
@@ -18,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torchtitan_ext.ep.replication.choice import choose_replicas
+from torchtitan_ext.ep.replication.choice import choose_layers, choose_replicas, filled_loads
 from torchtitan_ext.ep.replication.split import split_quotas, SplitTables
 
 SHAPES = [(2, 8, 2), (8, 64, 2), (64, 256, 1), (64, 256, 2)]
@@ -60,4 +67,26 @@ def main(argv: list[str] | None = None) -> int:
             times.append(time.perf_counter() - began)
         print(f"| {ep} | {experts} | {slots} | {len(tables.replicated)} | {operators.count:,} | "
               f"{statistics.median(times) * 1e3:.2f} |")
+    print(f"\nEvery layer's choice at once, {CHOICE_LAYERS} MoE layers (median and range of {args.calls} calls):\n")
+    print("| EP | experts | slots per rank | choice ms | one fill ms |")
+    print("|---|---|---|---|---|")
+    for ep, experts, slots in SHAPES:
+        counts = (rng.dirichlet(np.full(experts, 0.5), size=CHOICE_LAYERS) * experts * 512).astype(np.int64)
+        choice, fill = [], []
+        for _ in range(args.calls):
+            began = time.perf_counter()
+            plans = choose_layers(counts, ep, slots)
+            chosen = time.perf_counter()
+            filled_loads(counts, plans)
+            choice.append(chosen - began)
+            fill.append(time.perf_counter() - chosen)
+        print(f"| {ep} | {experts} | {slots} | {_spread(choice)} | {_spread(fill)} |")
     return 0
+
+
+CHOICE_LAYERS = 58
+"""DeepSeek-V3 671B's MoE layers."""
+
+
+def _spread(seconds: list[float]) -> str:
+    return f"{statistics.median(seconds) * 1e3:.1f} ({min(seconds) * 1e3:.1f}-{max(seconds) * 1e3:.1f})"

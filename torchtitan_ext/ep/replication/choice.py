@@ -9,89 +9,167 @@ so it always ends (at most EP x S rounds), and since the split may leave a
 copy empty, a plan is never worse than no replicas on the counts it was chosen
 from.
 
-:class:`ReplicaChooser` runs it for every MoE layer, between steps, from the
+:class:`ReplicaChooser` runs it for every MoE layer at once, between steps
+(:func:`choose_layers`: the layers take their rounds together), from the
 global counts of the steps since the last choice (the same on every rank: the
 choice needs no communication), which each layer's forward copied to host
 memory in the window's last step. Replicas are derived state: nothing of them
 is checkpointed, and a resumed job chooses afresh.
 """
 
-import heapq
 import time
 
+import numpy as np
 import torch
 from torchtitan.tools.logging import logger
 
 from torchtitan_ext.ep.replication.plan import ReplicaPlan
-from torchtitan_ext.ep.replication.split import water_fill
 
 
 def choose_replicas(counts: list[int], expert_parallel_degree: int, slots: int) -> ReplicaPlan:
-    """The replicas for pairs ``counts`` per home slot, ``slots`` per rank."""
-    experts = len(counts)
-    per_rank = experts // expert_parallel_degree
-    copy_ranks = [[home // per_rank] for home in range(experts)]
-    shares = [[count] for count in counts]
-    loads = _home_loads(counts, expert_parallel_degree)
-    held: list[list[int]] = [[] for _ in range(expert_parallel_degree)]
-    # most pairs per copy first, ties to the lower slot; a slot that finds no free rank never will again (free
-    # ranks only fill, copies only grow), so it leaves the heap for good
-    heap = [(-count, home) for home, count in enumerate(counts) if count]
-    heapq.heapify(heap)
-    while heap:
-        _, home = heapq.heappop(heap)
-        free = [rank for rank in range(expert_parallel_degree)
-                if len(held[rank]) < slots and rank not in copy_ranks[home]]
-        if not free:
-            continue
-        rank = min(free, key=lambda r: (loads[r], r))
-        held[rank].append(home)
-        copy_ranks[home].append(rank)
-        _refill(home, counts, copy_ranks, shares, loads)
-        heapq.heappush(heap, (-counts[home] / len(copy_ranks[home]), home))
-    replicas = tuple(tuple(homes + [-1] * (slots - len(homes))) for homes in held)
-    return ReplicaPlan(experts, expert_parallel_degree, replicas)
+    """The replicas for pairs ``counts`` per home slot, ``slots`` per rank (:func:`choose_layers` of one layer)."""
+    return choose_layers(np.asarray([counts], dtype=np.int64), expert_parallel_degree, slots)[0]
 
 
-def _home_loads(counts: list[int], expert_parallel_degree: int) -> list[int]:
-    per_rank = len(counts) // expert_parallel_degree
-    loads = [0] * expert_parallel_degree
-    for home, count in enumerate(counts):
-        loads[home // per_rank] += count
-    return loads
+def choose_layers(counts: np.ndarray, expert_parallel_degree: int, slots: int) -> list[ReplicaPlan]:
+    """The replicas of every layer at once, ``counts`` [layers, E] pairs per home slot: each layer's choice is the
+    rule above, and the layers take their rounds together (at most EP x S + E rounds of a few array operations over
+    all layers, where one layer at a time took a Python loop per copy)."""
+    layers, experts = counts.shape
+    ep = expert_parallel_degree
+    per_rank = experts // ep
+    rows = np.arange(layers)
+    flat_counts = counts.reshape(-1)
+    # per (layer, home slot): its copies' ranks (home first; column ep: a padded copy's sink rank) and pair shares
+    copies = np.ones(layers * experts, dtype=np.int64)
+    copy_rank = np.full((layers * experts, ep), ep, dtype=np.int64)
+    copy_rank[:, 0] = np.tile(np.arange(experts) // per_rank, layers)
+    shares = np.zeros((layers * experts, ep), dtype=np.int64)
+    shares[:, 0] = flat_counts
+    holds = np.zeros((layers * experts, ep), dtype=bool)
+    holds[np.arange(layers * experts), copy_rank[:, 0]] = True
+    free_slots = np.full((layers, ep), slots, dtype=np.int64)
+    replicas = np.full((layers, ep, slots), -1, dtype=np.int64)
+    loads = np.empty((layers, ep + 1), dtype=np.int64)
+    loads[:, :ep] = counts.reshape(layers, ep, per_rank).sum(-1)
+    loads[:, ep] = _UNREACHABLE  # a padded copy takes no pair, so its sink keeps this load
+    # pairs per copy, the heap's key: most first, ties to the lower slot (argmax's first); -inf: out for good
+    key = np.where(counts > 0, counts.astype(np.float64), -np.inf)
+    while True:
+        home = key.argmax(1)
+        live = key[rows, home] > -np.inf
+        if not live.any():
+            break
+        layer, home = rows[live], home[live]
+        index = layer * experts + home
+        free = (free_slots[layer] > 0) & ~holds[index]
+        # a slot that finds no free rank never will again (free ranks only fill, copies only grow)
+        stuck = ~free.any(1)
+        if stuck.any():
+            key[layer[stuck], home[stuck]] = -np.inf
+            layer, home, index, free = layer[~stuck], home[~stuck], index[~stuck], free[~stuck]
+            if not len(layer):
+                continue
+        rank = np.where(free, loads[layer, :ep], np.iinfo(np.int64).max).argmin(1)  # least loaded, ties the lower
+        free_slots[layer, rank] -= 1
+        replicas[layer, rank, slots - 1 - free_slots[layer, rank]] = home
+        holds[index, rank] = True
+        held = copies[index]
+        copy_rank[index, held] = rank
+        copies[index] = held + 1
+        width = int(held.max()) + 1
+        ranks = copy_rank[index, :width]
+        others = loads[layer[:, None], ranks] - shares[index, :width]
+        quotas = water_fill_host(others, flat_counts[index])
+        shares[index, :width] = quotas
+        loads[layer[:, None], ranks] = others + quotas
+        key[layer, home] = flat_counts[index] / (held + 1)
+    return [ReplicaPlan(experts, ep, tuple(map(tuple, held.tolist()))) for held in replicas]
 
 
-def _refill(home: int, counts: list[int], copy_ranks: list[list[int]], shares: list[list[int]], loads: list[int]):
-    """Re-split ``home``'s pairs over its copies (water-filling; a new copy holds none yet), updating their ranks'
-    loads."""
-    held = shares[home] + [0] * (len(copy_ranks[home]) - len(shares[home]))
-    others = [loads[r] - share for r, share in zip(copy_ranks[home], held)]
-    shares[home] = water_fill(torch.tensor(others), torch.tensor(counts[home])).tolist()
-    for r, other, share in zip(copy_ranks[home], others, shares[home]):
-        loads[r] = other + share
+_UNREACHABLE = 2**40
+"""The load of a padded copy's sink rank: water-filling never gives it a pair."""
 
 
-def _filled_loads(counts: list[int], plan: ReplicaPlan) -> list[int]:
-    """Each rank's pairs with ``plan``'s copies filled in the choice's order (most pairs first)."""
-    per_rank = plan.experts_per_rank
-    copy_ranks = [[home // per_rank] for home in range(plan.num_experts)]
-    for rank, homes in enumerate(plan.replicas):
-        for home in homes:
-            if home >= 0:
-                copy_ranks[home].append(rank)
-    shares = [[count] for count in counts]
-    loads = _home_loads(counts, plan.expert_parallel_degree)
-    for home in sorted(range(plan.num_experts), key=lambda home: -counts[home]):
-        if len(copy_ranks[home]) > 1:
-            _refill(home, counts, copy_ranks, shares, loads)
-    return loads
+def water_fill_host(loads: np.ndarray, amount: np.ndarray) -> np.ndarray:
+    """:func:`~torchtitan_ext.ep.replication.split.water_fill` on host arrays (the choice's, between steps; the
+    split's runs on the device): integer quotas summing to ``amount`` [rows] over ``loads`` [rows, C], minimising
+    max(loads + quotas), ties to the earlier copy."""
+    order = np.argsort(loads, axis=-1, kind="stable")
+    ordered = np.take_along_axis(loads, order, -1)
+    prefix = ordered.cumsum(-1)
+    participants = np.arange(1, loads.shape[-1] + 1)
+    levels = (amount[:, None] + prefix) // participants
+    filled = np.maximum((levels >= ordered).sum(-1, keepdims=True), 1)
+    level = np.take_along_axis(levels, filled - 1, -1)
+    remainder = amount[:, None] + np.take_along_axis(prefix, filled - 1, -1) - level * filled
+    quotas = np.empty_like(ordered)
+    np.put_along_axis(quotas, order, np.maximum(level - ordered, 0) + (participants - 1 < remainder), -1)
+    return quotas
+
+
+def filled_loads(counts: np.ndarray, plans: list[ReplicaPlan]) -> np.ndarray:
+    """[layers, EP] each rank's pairs of ``counts`` [layers, E] with each layer's plan's copies filled in the choice's
+    order (most pairs first, ties the lower slot; an expert's copies home first, then rank by rank), all layers at
+    once."""
+    layers, experts = counts.shape
+    ep = plans[0].expert_parallel_degree
+    per_rank = experts // ep
+    loads = np.empty((layers, ep + 1), dtype=np.int64)
+    loads[:, :ep] = counts.reshape(layers, ep, per_rank).sum(-1)
+    loads[:, ep] = _UNREACHABLE  # a padded copy's sink, as in the choice
+    replicas = np.array([plan.replicas for plan in plans], dtype=np.int64).reshape(layers, -1)  # [L, EP x S]
+    slot_rank = np.broadcast_to(np.repeat(np.arange(ep), plans[0].slots), replicas.shape)
+    used = replicas >= 0
+    if not used.any():
+        return loads[:, :ep]
+    # each copy's place among its expert's copies: after the home, in rank order
+    layer, home, rank = np.nonzero(used)[0], replicas[used], slot_rank[used]
+    key = layer * experts + home
+    order = np.argsort(key, kind="stable")
+    key, rank = key[order], rank[order]
+    first = np.searchsorted(key, key)
+    width = int((np.arange(len(key)) - first).max()) + 2
+    copy_rank = np.full((layers * experts, width), ep, dtype=np.int64)
+    copy_rank[:, 0] = np.tile(np.arange(experts) // per_rank, layers)
+    copy_rank[key, np.arange(len(key)) - first + 1] = rank
+    # the replicated experts of each layer, most pairs first (ties the lower slot); padded with layer-free fills
+    replicated = np.zeros((layers, experts), dtype=bool)
+    replicated.reshape(-1)[key] = True
+    ranked = np.argsort(np.where(replicated, -counts, 1), axis=1, kind="stable")
+    rounds = int(replicated.sum(1).max())
+    rows = np.arange(layers)
+    for turn in range(rounds):
+        home = ranked[:, turn]
+        active = replicated[rows, home]
+        layer, home = rows[active], home[active]
+        index = layer * experts + home
+        ranks = copy_rank[index]
+        shares = np.zeros_like(ranks)
+        shares[:, 0] = counts[layer, home]
+        others = loads[layer[:, None], ranks] - shares
+        loads[layer[:, None], ranks] = others + water_fill_host(others, counts[layer, home])
+    return loads[:, :ep]
+
+
+def saves_enough(before: np.ndarray, after: np.ndarray, min_gain: float) -> np.ndarray:
+    """[layers] whether the busiest rank's pairs go from ``before`` to ``after`` (each [layers, EP]) down by more than
+    ``min_gain`` of them."""
+    busiest = before.max(1)
+    return (busiest > 0) & (after.max(1) < busiest * (1 - min_gain))
+
+
+def home_loads(counts: np.ndarray, expert_parallel_degree: int) -> np.ndarray:
+    """[layers, EP] each rank's pairs of ``counts`` [layers, E] without replicas."""
+    return counts.reshape(len(counts), expert_parallel_degree, -1).sum(-1)
 
 
 def worth_it(counts: list[int], plan: ReplicaPlan, min_gain: float, current: ReplicaPlan | None = None) -> bool:
     """Whether ``plan`` lowers the busiest rank's pairs on ``counts`` by more than ``min_gain`` of them against
-    ``current`` (None: no replicas), as the choice's own fill prices both."""
-    before = max(_home_loads(counts, plan.expert_parallel_degree) if current is None else _filled_loads(counts, current))
-    return before > 0 and max(_filled_loads(counts, plan)) < before * (1 - min_gain)
+    ``current`` (None: no replicas), as the choice's own fill prices both (:func:`filled_loads`)."""
+    layer = np.asarray([counts], dtype=np.int64)
+    before = home_loads(layer, plan.expert_parallel_degree) if current is None else filled_loads(layer, [current])
+    return bool(saves_enough(before, filled_loads(layer, [plan]), min_gain)[0])
 
 
 def window_start(step: int, adapt_every: int) -> int | None:
@@ -145,36 +223,48 @@ class ReplicaChooser:
             moe.replicas.closes_window = self._closing
 
     def _choose(self, step: int) -> None:
-        refreshed = 0
+        chosen = {}
         for layer, moe in self.layers.items():
             copied = moe.replicas.take_copied_window()
-            if copied is None:
-                continue
-            counts, copied_ready = copied
-            if copied_ready is not None:
-                copied_ready.synchronize()  # passed in the last step's forward
-            window = counts.tolist()
-            current = moe.replicas.plan
-            plan = choose_replicas(window, current.expert_parallel_degree, self.slots)
-            if current.replicated() and plan != current and not worth_it(window, plan, self.min_gain, current):
-                plan = current  # hysteresis: a new plan must save min_gain over the one in place, not just over none
-            aside = not worth_it(window, plan, self.min_gain)
-            if aside:
-                plan = ReplicaPlan.empty(plan.num_experts, plan.expert_parallel_degree, self.slots)
-            if plan != current:
+            if copied is not None:
+                counts, copied_ready = copied
+                if copied_ready is not None:
+                    copied_ready.synchronize()  # passed in the last step's forward
+                chosen[layer] = counts
+        if not chosen:
+            return
+        moes = [self.layers[layer] for layer in chosen]
+        counts = torch.stack(list(chosen.values())).numpy().astype(np.int64)
+        current = [moe.replicas.plan for moe in moes]
+        ep = current[0].expert_parallel_degree
+        plans = choose_layers(counts, ep, self.slots)
+        fill = filled_loads(counts, plans)
+        # hysteresis: a new plan must save min_gain over the one in place, not just over none
+        changing = np.array([plan != now and now.replicated() > 0 for plan, now in zip(plans, current)])
+        if changing.any():
+            in_place = filled_loads(counts, current)
+            kept = changing & ~saves_enough(in_place, fill, self.min_gain)
+            plans = [now if keep else plan for plan, now, keep in zip(plans, current, kept)]
+            fill = np.where(kept[:, None], in_place, fill)
+        aside = ~saves_enough(home_loads(counts, ep), fill, self.min_gain)
+        refreshed = 0
+        for layer, moe, plan, now, set_aside in zip(chosen, moes, plans, current, aside.tolist()):
+            if set_aside:
+                plan = ReplicaPlan.empty(plan.num_experts, ep, self.slots)
+            if plan != now:
                 self.plan_changes += 1
                 moe.replicas.set_plan(plan)
                 moe.experts.set_plan(plan)
-            if aside and not self.reported_aside:
+            if set_aside and not self.reported_aside:
                 self.reported_aside = True
                 logger.info(
                     f"Expert replicas of MoE layer {layer} set aside before step {step}: on their window they save "
                     f"less than expert_replication.min_gain = {self.min_gain:g} of its busiest rank's rows (no "
                     "weight fetch, no gradient return until a choice saves more)"
                 )
-            self.stepped_aside[layer] = aside
-            rank = torch.distributed.get_rank(moe.replicas.group)
-            refreshed += plan.copies_sent(rank) * moe.experts.bytes_per_expert
+            self.stepped_aside[layer] = set_aside
+            if not self.reported:  # the bytes are logged once: counted until then only
+                refreshed += plan.copies_sent(torch.distributed.get_rank(moe.replicas.group)) * moe.experts.bytes_per_expert
         if not self.reported and refreshed:
             self.reported = True
             logger.info(

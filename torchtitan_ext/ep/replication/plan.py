@@ -19,6 +19,8 @@ home weights bit for bit at every step.
 
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from torchtitan_ext.config import ConfigError, MoEShape, overlaps_expert_parallel, Range, ValidationContext
 from torchtitan_ext.ep.budget import Budget, DeviceBudget
 
@@ -143,11 +145,14 @@ class ReplicaPlan:
         return cls(num_experts, expert_parallel_degree, ((-1,) * slots,) * expert_parallel_degree)
 
     def __post_init__(self):
-        per_rank = self.experts_per_rank
-        for rank, held in enumerate(self.replicas):
-            used = [slot for slot in held if slot >= 0]
-            if len(set(used)) != len(used) or any(slot // per_rank == rank or slot >= self.num_experts for slot in used):
-                raise ValueError(f"rank {rank}'s replicas {held}: each another rank's expert, at most once")
+        held = np.asarray(self.replicas, dtype=np.int64).reshape(len(self.replicas), -1)
+        ordered = np.sort(held, axis=1)
+        wrong = ((held >= 0) & ((held // self.experts_per_rank == np.arange(len(held))[:, None])
+                                | (held >= self.num_experts))).any(1)
+        wrong |= ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(1)
+        if wrong.any():
+            rank = int(np.argmax(wrong))
+            raise ValueError(f"rank {rank}'s replicas {self.replicas[rank]}: each another rank's expert, at most once")
 
     @property
     def experts_per_rank(self) -> int:
