@@ -1,14 +1,18 @@
 """Expert replication on a real training run: rank load per step and step time, with and without replicas.
 
     python -m torchtitan_ext.bench replication [--steps 20] [--rounds 1] [--settings 1x1,2x1,1x5,2x5]
-        [--alphas A[,A...] [--drift-every 3]] [--campaign FILE] [-- extra run_train args]
+        [--alphas A[,A...] [--drift-every 3]] [--forced-balance] [--campaign FILE] [-- extra run_train args]
 
 Runs a job (``./run_train.sh``, NGPU=2, EP=2; the default job unless the extra arguments say otherwise) once per
 setting, the settings alternating within each round so that machine noise spreads evenly: no replication, then
 ``--expert_replication.slots_per_rank`` 1 and 2 with ``adapt_every`` 1 and 5 (``--settings``: which of them, as
 SLOTSxADAPT_EVERY). With ``--alphas``, every setting runs at each routing skew ``--routing_skew.alpha A
 --routing_skew.drift_every D`` (the same seed: a pair of settings at one alpha routes alike until the replicas'
-rounding parts them), and each is compared with the run without replicas at its alpha.
+rounding parts them), and each is compared with the run without replicas at its alpha. With ``--forced-balance`` every setting also runs
+under torchtitan's forced-balance routing (``--debug.moe_force_load_balance``): without replicas it is the ideal a
+perfect balance would give for free, and each setting at an alpha is given the share of that headroom it captured,
+(no replicas - replicated) / (no replicas - forced balance), per round; with replicas it is the balanced case, where
+they must step aside. Each round runs the arms in the other order from the last.
 Prints, per setting, from each run's metrics.jsonl: ``recv max/mean`` (the worst MoE layer's
 busiest rank's rows over the mean) at every step, its median and worst after
 step 1, the median after the warm-up of the "all layers" ratio (each MoE
@@ -92,16 +96,17 @@ def main(argv: list[str] | None = None) -> int:
     arms = {(skew, name): [*skew_args, *setting] for skew, skew_args in skews.items() for name, setting in settings.items()}
     rows = {arm: [] for arm in arms}
     with tqdm(total=args.rounds * len(arms), desc="bench_replication", unit="run") as progress:
-        for _ in range(args.rounds):
-            baseline = {}
-            for (skew, name), arm_args in arms.items():
+        for round_number in range(args.rounds):
+            order = list(arms.items()) if round_number % 2 == 0 else list(reversed(arms.items()))
+            for (skew, name), arm_args in order:
                 metrics = run([*arm_args, *args.extra], args.steps)
-                median_time = slowest_median(metrics["time"])
-                baseline.setdefault(skew, median_time)
-                rows[skew, name].append({**metrics, "median_time": median_time,
-                                         "time_ratio": median_time / baseline[skew]})
+                rows[skew, name].append({**metrics, "median_time": slowest_median(metrics["time"])})
                 progress.update()
-    lines = _table(rows, args.steps) + [""] + _loss_lines(rows, settings, skews) + _round_lines(rows, args.rounds)
+            for (skew, name), measured_rounds in rows.items():  # against no replicas at the skew, this round
+                measured_rounds[-1]["time_ratio"] = (measured_rounds[-1]["median_time"]
+                                                     / rows[skew, "no replicas"][-1]["median_time"])
+    lines = (_table(rows, args.steps) + [""] + _loss_lines(rows, settings, skews) + _round_lines(rows, args.rounds)
+             + _headroom_lines(rows))
     print("\n".join(lines))
     if args.campaign is not None:
         command = bench_command("replication", argv)
@@ -139,6 +144,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="routing skews to run every setting at, comma separated (default: the job's routing)")
     parser.add_argument("--drift-every", type=int, default=3,
                         help="with --alphas: steps between redraws of the skew's expert ranking (default: 3)")
+    parser.add_argument("--forced-balance", action="store_true",
+                        help="also run every setting under forced-balance routing: the ideal, and the balanced case")
     parser.add_argument("--campaign", type=Path, help="also write every run's measurements as a new campaign file "
                                                       "(benchmarks/THEME_HARDWARE_DATE.jsonl)")
     parser.add_argument("extra", nargs="*", help="more run_train.sh arguments for every run (after --)")
@@ -158,9 +165,11 @@ def _settings(parser: argparse.ArgumentParser, args) -> dict[str, list[str]]:
 
 
 def _skews(parser: argparse.ArgumentParser, args) -> dict[str, list[str]]:
-    """Skew name -> its overrides: the job's own routing ("") unless --alphas."""
+    """Skew name -> its overrides: the job's own routing ("") unless --alphas; then forced balance with
+    --forced-balance."""
+    forced = {FORCED_BALANCE: ["--debug.moe_force_load_balance"]} if args.forced_balance else {}
     if args.alphas is None:
-        return {"": []}
+        return {"": [], **forced}
     try:
         alphas = [float(text) for text in args.alphas.split(",")]
     except ValueError:
@@ -168,8 +177,46 @@ def _skews(parser: argparse.ArgumentParser, args) -> dict[str, list[str]]:
     if any(not 0 <= alpha < float("inf") for alpha in alphas) or args.drift_every < 1:
         parser.error(f"--alphas {args.alphas} --drift-every {args.drift_every}: use finite alphas >= 0, "
                      "comma separated, and a drift of at least 1 step")
-    return {f"alpha {alpha:g}": ["--routing_skew.alpha", str(alpha), "--routing_skew.drift_every", str(args.drift_every)]
-            for alpha in alphas}
+    return {**{f"alpha {alpha:g}": ["--routing_skew.alpha", str(alpha), "--routing_skew.drift_every",
+                                     str(args.drift_every)] for alpha in alphas}, **forced}
+
+
+FORCED_BALANCE = "forced balance"
+"""The skew of torchtitan's forced-balance routing: every expert gets the same pairs."""
+
+
+def _headroom_lines(rows: dict) -> list[str]:
+    """With forced balance: each setting's share of the headroom at each other skew, per round, (no replicas -
+    replicated) / (no replicas - forced balance); and under forced balance, each setting against no replicas and
+    the share of its layer-steps whose replicas stepped aside."""
+    skews = list(dict.fromkeys(skew for skew, _ in rows))
+    if FORCED_BALANCE not in skews:
+        return []
+    ideal = [measured["median_time"] for measured in rows[FORCED_BALANCE, "no replicas"]]
+    lines = [""]
+    for skew, name in rows:
+        if name == "no replicas":
+            continue
+        if skew == FORCED_BALANCE:
+            ratios = [measured["time_ratio"] for measured in rows[skew, name]]
+            aside = [value for measured in rows[skew, name] for value in _after_warmup(measured["set_aside"])]
+            lines.append(f"{FORCED_BALANCE}, {name}: step time vs no replicas {_median_range(ratios)}; replicas set "
+                         f"aside on {statistics.mean(aside) if aside else 0:.0%} of layer-steps after step {WARMUP}")
+            continue
+        without = [measured["median_time"] for measured in rows[skew, "no replicas"]]
+        # a round where forced balance was not faster has no headroom to capture (noise, or a balanced skew)
+        captured = [(none - measured["median_time"]) / (none - best)
+                    for none, best, measured in zip(without, ideal, rows[skew, name]) if none > best]
+        share = (f"headroom captured {_median_range(captured, '.0%')}" if captured else
+                 "no headroom: forced balance was not faster in any round")
+        lines.append(f"{', '.join(filter(None, (skew, name)))}: {share} (no replicas {statistics.median(without):.3f} s, "
+                     f"forced balance {statistics.median(ideal):.3f} s)")
+    return lines
+
+
+def _median_range(values: list[float], form: str = ".3f") -> str:
+    ordered = sorted(values)
+    return f"{statistics.median(ordered):{form}} ({ordered[0]:{form}} to {ordered[-1]:{form}}, {len(ordered)} rounds)"
 
 
 def _table(rows: dict, steps: int) -> list[str]:
