@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from torchtitan_ext.ep.replication.choice import choose_replicas, ReplicaChooser, worth_it
+from torchtitan_ext.ep.replication.choice import choose_replicas, filled_loads, ReplicaChooser
 from torchtitan_ext.ep.replication.plan import ReplicaPlan
 from torchtitan_ext.ep.replication.split import ReplicaRouter, split_quotas, SplitTables, water_fill
 from torchtitan_ext.measuring.device_cost_counter import DeviceCostCounter
@@ -23,6 +23,44 @@ def busiest_rows(counts: list[int], plan) -> int:
         for copy, rank in enumerate(ranks):
             loads[rank] += int(quotas[home, copy])
     return max(loads)
+
+
+def _fill_literally(counts: list[int], plan) -> list[int]:
+    """The fill that prices a plan, read literally, one expert at a time: each replicated expert, most pairs first
+    (ties: the lower slot), re-splits its pairs over its copies (home first, then rank by rank) by water-filling."""
+    per_rank = plan.experts_per_rank
+    copy_ranks = [[home // per_rank] for home in range(plan.num_experts)]
+    for rank, homes in enumerate(plan.replicas):
+        for home in homes:
+            if home >= 0:
+                copy_ranks[home].append(rank)
+    loads = [sum(counts[r * per_rank:(r + 1) * per_rank]) for r in range(plan.expert_parallel_degree)]
+    for home in sorted(range(plan.num_experts), key=lambda h: -counts[h]):
+        ranks = copy_ranks[home]
+        if len(ranks) > 1:
+            others = [loads[r] - (counts[home] if copy == 0 else 0) for copy, r in enumerate(ranks)]
+            for r, other, share in zip(ranks, others, water_fill(torch.tensor(others), torch.tensor(counts[home])).tolist()):
+                loads[r] = other + share
+    return loads
+
+
+def worth_it(counts: list[int], plan, min_gain: float) -> bool:
+    """Whether ``plan`` saves more than ``min_gain`` of the busiest rank's pairs on ``counts``, priced literally."""
+    before = max(_fill_literally(counts, ReplicaPlan.empty(plan.num_experts, plan.expert_parallel_degree, plan.slots)))
+    return before > 0 and max(_fill_literally(counts, plan)) < before * (1 - min_gain)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_fill_that_prices_plans_is_the_rule_read_literally(seed):
+    """Every layer's plan (chosen from one window) priced on the next window's counts, all layers at once."""
+    import numpy as np
+
+    generator = np.random.default_rng(seed)
+    ranks, per_rank, slots = [(2, 4, 2), (4, 2, 1), (8, 4, 3), (4, 4, 2)][seed % 4]
+    chosen_from, priced_on = ((generator.pareto(1.2, size=(5, ranks * per_rank)) * 10).astype(np.int64) for _ in range(2))
+    plans = [choose_replicas(layer.tolist(), ranks, slots) for layer in chosen_from]
+    assert filled_loads(priced_on, plans).tolist() == [_fill_literally(layer.tolist(), plan)
+                                                        for layer, plan in zip(priced_on, plans)]
 
 
 def test_one_dominant_expert_ends():
@@ -200,3 +238,19 @@ def test_layers_chosen_together_are_each_chosen_alone():
         assert all((together[i] == filled_loads(counts[i:i + 1], [plan])[0]).all() for i, plan in enumerate(plans))
     loads, amounts = generator.integers(0, 50, size=(40, 5)), generator.integers(0, 100, size=40)
     assert (water_fill_host(loads, amounts) == water_fill(torch.from_numpy(loads), torch.from_numpy(amounts)).numpy()).all()
+
+
+def test_a_plan_in_place_that_no_longer_pays_gives_way_to_a_new_one_that_does(world_of_one):
+    """Chosen from [28, 19, 15, 18]: expert 3 copied to rank 0 and expert 0 to rank 1. On [17, 8, 28, 1] (29 pairs
+    on rank 1 without replicas) that plan leaves 28 (3.4% saved, too little to keep replicas at all) and a fresh
+    choice, expert 2 copied to rank 0, leaves 27 and 27 (6.9% saved; 3.6% over the plan in place): the fresh plan
+    is taken in one change, not the layer set aside in between."""
+    moe = _one_layer(world_of_one)
+    chooser = ReplicaChooser(_section(min_gain=0.05), {1: moe})
+    plans = {}
+    for step, counts in enumerate(([28, 19, 15, 18], [17, 8, 28, 1], [1, 1, 1, 1]), start=1):
+        chooser.before_step(step)
+        plans[step] = (moe.replicas.plan.replicas, chooser.stepped_aside.get(1))
+        moe.replicas.assign(_home_slots(counts), counting=True)
+    assert plans == {1: (((-1,), (-1,)), None), 2: (((3,), (0,)), False), 3: (((2,), (0,)), False)}
+    assert chooser.metrics()["ep/replica_plan_changes"] == 2

@@ -223,7 +223,7 @@ def _table(rows: dict, steps: int) -> list[str]:
     lines = [
         f"| setting | recv max/mean per step (steps 1-{steps}) | median, worst after step 1 | "
         f"all layers, median after step {WARMUP} | replicas set aside, share of layer-steps after step {WARMUP} | "
-        "choice, median ms | plan changes per 100 steps | slowest rank's median step time (s) | vs no replicas |",
+        "choice, median ms | plan changes per 100 steps, all layers | slowest rank's median step time (s) | vs no replicas |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for (skew, name), measured_rounds in rows.items():

@@ -52,7 +52,7 @@ def choose_layers(counts: np.ndarray, expert_parallel_degree: int, slots: int) -
     replicas = np.full((layers, ep, slots), -1, dtype=np.int64)
     loads = np.empty((layers, ep + 1), dtype=np.int64)
     loads[:, :ep] = counts.reshape(layers, ep, per_rank).sum(-1)
-    loads[:, ep] = _UNREACHABLE  # a padded copy takes no pair, so its sink keeps this load
+    loads[:, ep] = _sink_load(counts)  # a padded copy takes no pair, so its sink keeps this load
     # pairs per copy, the heap's key: most first, ties to the lower slot (argmax's first); -inf: out for good
     key = np.where(counts > 0, counts.astype(np.float64), -np.inf)
     while True:
@@ -87,8 +87,9 @@ def choose_layers(counts: np.ndarray, expert_parallel_degree: int, slots: int) -
     return [ReplicaPlan(experts, ep, tuple(map(tuple, held.tolist()))) for held in replicas]
 
 
-_UNREACHABLE = 2**40
-"""The load of a padded copy's sink rank: water-filling never gives it a pair."""
+def _sink_load(counts: np.ndarray) -> int:
+    """The load of a padded copy's sink rank: above any layer's pairs, so water-filling never gives it one."""
+    return int(counts.sum(1).max()) + 1
 
 
 def water_fill_host(loads: np.ndarray, amount: np.ndarray) -> np.ndarray:
@@ -117,7 +118,7 @@ def filled_loads(counts: np.ndarray, plans: list[ReplicaPlan]) -> np.ndarray:
     per_rank = experts // ep
     loads = np.empty((layers, ep + 1), dtype=np.int64)
     loads[:, :ep] = counts.reshape(layers, ep, per_rank).sum(-1)
-    loads[:, ep] = _UNREACHABLE  # a padded copy's sink, as in the choice
+    loads[:, ep] = _sink_load(counts)  # a padded copy's sink, as in the choice
     replicas = np.array([plan.replicas for plan in plans], dtype=np.int64).reshape(layers, -1)  # [L, EP x S]
     slot_rank = np.broadcast_to(np.repeat(np.arange(ep), plans[0].slots), replicas.shape)
     used = replicas >= 0
@@ -162,14 +163,6 @@ def saves_enough(before: np.ndarray, after: np.ndarray, min_gain: float) -> np.n
 def home_loads(counts: np.ndarray, expert_parallel_degree: int) -> np.ndarray:
     """[layers, EP] each rank's pairs of ``counts`` [layers, E] without replicas."""
     return counts.reshape(len(counts), expert_parallel_degree, -1).sum(-1)
-
-
-def worth_it(counts: list[int], plan: ReplicaPlan, min_gain: float, current: ReplicaPlan | None = None) -> bool:
-    """Whether ``plan`` lowers the busiest rank's pairs on ``counts`` by more than ``min_gain`` of them against
-    ``current`` (None: no replicas), as the choice's own fill prices both (:func:`filled_loads`)."""
-    layer = np.asarray([counts], dtype=np.int64)
-    before = home_loads(layer, plan.expert_parallel_degree) if current is None else filled_loads(layer, [current])
-    return bool(saves_enough(before, filled_loads(layer, [plan]), min_gain)[0])
 
 
 def window_start(step: int, adapt_every: int) -> int | None:
@@ -240,13 +233,17 @@ class ReplicaChooser:
         plans = choose_layers(counts, ep, self.slots)
         fill = filled_loads(counts, plans)
         # hysteresis: a new plan must save min_gain over the one in place, not just over none
-        changing = np.array([plan != now and now.replicated() > 0 for plan, now in zip(plans, current)])
-        if changing.any():
-            in_place = filled_loads(counts, current)
-            kept = changing & ~saves_enough(in_place, fill, self.min_gain)
-            plans = [now if keep else plan for plan, now, keep in zip(plans, current, kept)]
-            fill = np.where(kept[:, None], in_place, fill)
-        aside = ~saves_enough(home_loads(counts, ep), fill, self.min_gain)
+        without = home_loads(counts, ep)
+        changing = np.flatnonzero([plan != now and now.replicated() > 0 for plan, now in zip(plans, current)])
+        if len(changing):
+            in_place = filled_loads(counts[changing], [current[i] for i in changing])
+            # the plan in place stays where it still pays and the new one saves too little over it
+            kept = changing[saves_enough(without[changing], in_place, self.min_gain)
+                            & ~saves_enough(in_place, fill[changing], self.min_gain)]
+            for i in kept:
+                plans[i] = current[i]
+            fill[kept] = in_place[np.isin(changing, kept)]
+        aside = ~saves_enough(without, fill, self.min_gain)
         refreshed = 0
         for layer, moe, plan, now, set_aside in zip(chosen, moes, plans, current, aside.tolist()):
             if set_aside:

@@ -145,6 +145,9 @@ class ReplicaPlan:
         return cls(num_experts, expert_parallel_degree, ((-1,) * slots,) * expert_parallel_degree)
 
     def __post_init__(self):
+        if len(self.replicas) != self.expert_parallel_degree or len(set(map(len, self.replicas))) > 1:
+            raise ValueError(f"replicas {self.replicas}: one tuple of the same slots for each of the "
+                             f"{self.expert_parallel_degree} ranks")
         held = np.asarray(self.replicas, dtype=np.int64).reshape(len(self.replicas), -1)
         ordered = np.sort(held, axis=1)
         wrong = ((held >= 0) & ((held // self.experts_per_rank == np.arange(len(held))[:, None])
