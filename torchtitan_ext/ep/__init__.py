@@ -1,10 +1,10 @@
 """Expert-parallel backends: one ``ExpertParallel`` subclass per backend, each owning its config section.
 
 Owns: the backend contract (:mod:`.base`), one module per backend
-(:mod:`.nccl`, :mod:`.deepep`, :mod:`.hybridep`: its ``ExpertParallel`` class and, beside it, its
+(:mod:`.nccl`, :mod:`.deepep`, :mod:`.hybridep`, :mod:`.ncclep`: its ``ExpertParallel`` class and, beside it, its
 :class:`~.planning_profile.PlanningProfile` for the planning tools) with its custom ops in
-:mod:`.ops` (registered at first use), the kernels behind DeepEP and HybridEP
-(:mod:`.kernels`: deep_ep adapters and the reference implementation), the routed experts' compute
+:mod:`.ops` (registered at first use), the kernels behind DeepEP, HybridEP and NCCL EP
+(:mod:`.kernels`: deep_ep and nccl.ep adapters, the reference implementation and NCCL EP's double), the routed experts' compute
 (:mod:`.experts`), expert replication (:mod:`.replication`: replica slots that copy hot experts), and the
 backend checks of a job config (:mod:`.validation`). Importing it registers
 each backend's section and the checks with :mod:`torchtitan_ext.config`.
@@ -19,6 +19,7 @@ from torchtitan_ext.ep.base import RoutedExpertParallel
 from torchtitan_ext.ep.deepep import DeepEPExpertParallel
 from torchtitan_ext.ep.hybridep import HybridEPExpertParallel
 from torchtitan_ext.ep.nccl import NcclExpertParallel
+from torchtitan_ext.ep.ncclep import NcclEPExpertParallel
 from torchtitan_ext.ep.replication.plan import check_replication, ExpertReplication, REPLICATION_RANGES
 from torchtitan_ext.ep.validation import check_backend
 
@@ -41,6 +42,7 @@ __all__ = [
     "DeepEPExpertParallel",
     "HybridEPExpertParallel",
     "MoEShape",
+    "NcclEPExpertParallel",
     "NcclExpertParallel",
     "PLANNING_PROFILES",
     "planning_profile",

@@ -13,6 +13,7 @@ from torchtitan_ext.ep.base import RoutedExpertParallel, Variant
 from torchtitan_ext.ep.deepep import DeepEPExpertParallel, DeepEPPlanningProfile
 from torchtitan_ext.ep.hybridep import HybridEPExpertParallel, HybridEPPlanningProfile
 from torchtitan_ext.ep.nccl import NcclExpertParallel, NcclPlanningProfile
+from torchtitan_ext.ep.ncclep import NcclEPExpertParallel, NcclEPPlanningProfile
 from torchtitan_ext.ep.planning_profile import PlanningProfile
 
 
@@ -30,6 +31,7 @@ TABLE = (
     Backend("nccl", NcclExpertParallel, NcclPlanningProfile),
     Backend("deepep", DeepEPExpertParallel, DeepEPPlanningProfile),
     Backend("hybridep", HybridEPExpertParallel, HybridEPPlanningProfile),
+    Backend("ncclep", NcclEPExpertParallel, NcclEPPlanningProfile),
 )
 
 BACKENDS: dict[str, type[RoutedExpertParallel]] = {backend.name: backend.expert_parallel for backend in TABLE}
