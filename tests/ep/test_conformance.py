@@ -38,7 +38,7 @@ def _skip_if_padding_can_drop(case, backend):
     # Not a dense-MoE case: with padding, capacity 1.0 drops pairs by design, and
     # test_drop_rule compares exactly those runs with the dense MoE over the kept pairs.
     if VARIANTS[backend].may_drop_when_padded and case.pad_multiple > 1:
-        pytest.skip("non-blocking capacity 1.0 with padding may drop pairs; test_drop_rule covers it")
+        pytest.skip("a capacity factor of 1.0 with padding may drop pairs; test_drop_rule covers it")
 
 
 def _cases_and_degrees():
