@@ -16,7 +16,7 @@ from torchtitan_ext.records.ep_bench import EPBenchRow
 
 
 def test_every_backend_variant_is_a_label_and_selects_its_backend_on_the_kernels_it_names():
-    """A variant runs on the reference kernels, its ``_lib`` label on deep_ep's; nccl has no kernel choice."""
+    """A variant runs on the reference kernels, its ``_lib`` label on its library's; nccl has no kernel choice."""
     labels = ep_variants.labels()
     assert set(backend_variants()) < set(labels) and "upstream" in labels and "nccl_lib" not in labels
     for variant, overrides in backend_variants().items():
@@ -25,7 +25,8 @@ def test_every_backend_variant_is_a_label_and_selects_its_backend_on_the_kernels
         assert parse(ep_variants.job_args(variant)).parallelism.expert_parallel_comm_backend == backend
         if variant + ep_variants.LIBRARY in labels:
             assert getattr(parse(ep_variants.job_args(variant)), backend).implementation == "reference"
-            assert getattr(parse(ep_variants.job_args(variant + ep_variants.LIBRARY)), backend).implementation == "deep_ep"
+            library = getattr(parse(ep_variants.job_args(variant + ep_variants.LIBRARY)), backend).implementation
+            assert library == {"ncclep": "nccl_ep"}.get(backend, "deep_ep")
     assert ep_variants.job_args("nccl") == backend_variants()["nccl"]
 
 
@@ -60,7 +61,8 @@ def test_a_bench_ep_run_calibrates_the_layout_advisor(tmp_path, capsys):
     assert [(r.backend, r.comm_backend, r.ep, r.processes, r.dtype, r.forward_only) for r in rows] == [
         ("nccl", "nccl", 2, 2, "float32", False), ("deepep", "deepep", 2, 2, "float32", False),
         ("hybridep", "hybridep", 2, 2, "float32", False),
-        ("hybridep_non_blocking", "hybridep", 2, 2, "float32", False), ("upstream", None, 2, 2, "float32", False)]
+        ("hybridep_non_blocking", "hybridep", 2, 2, "float32", False), ("ncclep", "ncclep", 2, 2, "float32", False),
+        ("upstream", None, 2, 2, "float32", False)]
     assert all(row.bytes_sent_per_rank > 0 and row.collectives > 0 and row.local_bytes_per_rank > 0 for row in rows)
     assert len({row.copy_gbps for row in rows}) == 1 and rows[0].copy_gbps > 0
     header, *campaign_rows = [json.loads(line) for line in campaign.read_text().splitlines()]

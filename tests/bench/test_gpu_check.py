@@ -15,7 +15,7 @@ def test_the_dry_run_prints_every_stage_and_captures_only_sync_free_backends(cap
     assert [line.split(" (at most")[0] for line in lines[:-1]] == names
     assert "cuda graph capture" in names and "16B step ours vs upstream" in names
     # nccl reads its split sizes on the host and blocking hybridep reads its token count: neither fits a graph
-    assert lines[-1] == "cuda graph capture covers: hybridep_non_blocking"
+    assert lines[-1] == "cuda graph capture covers: hybridep_non_blocking, ncclep_static"
 
 
 def test_without_a_gpu_it_refuses_in_one_line(capsys, tmp_path):

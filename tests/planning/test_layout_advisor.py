@@ -167,15 +167,16 @@ def test_advice_ranks_runnable_layouts_and_lists_refused_ones():
     refused = [layout for layout in layouts if layout.refused is not None]
     # DeepEP also at its other API (the job's "auto" resolves to V2 here: v1 is priced beside it)
     assert {(layout.label, layout.ep) for layout in runnable} == {
-        (backend, ep) for backend in ("nccl", "deepep", "deepep legacy", "hybridep") for ep in (1, 2, 4)
-    } - {("deepep", 1), ("deepep legacy", 1), ("hybridep", 1)}
-    assert {(layout.label, layout.ep) for layout in refused} == {("deepep", 1), ("deepep legacy", 1), ("hybridep", 1)}
+        (backend, ep) for backend in ("nccl", "deepep", "deepep legacy", "hybridep", "ncclep") for ep in (1, 2, 4)
+    } - {("deepep", 1), ("deepep legacy", 1), ("hybridep", 1), ("ncclep", 1)}
+    assert {(layout.label, layout.ep) for layout in refused} == {("deepep", 1), ("deepep legacy", 1), ("hybridep", 1),
+                                                                 ("ncclep", 1)}
     assert all("needs expert parallelism" in layout.refused for layout in refused)
     # v1 is refused at EP = 1 for the reason V2 is: the advice lists that once
     lines = format_advice(layouts, load_topology("hgx_h100_ib"), 4, "deepseek_v3 debugmodel", None, error=ERROR)
     listed = lines[lines.index("  not runnable (the job's config checks; other backends' sections at their defaults):") + 1:]
     assert [line.split(":")[0].strip() for line in listed if not line.startswith("      ")] == [
-        "deepep EP=1", "hybridep EP=1"]
+        "deepep EP=1", "hybridep EP=1", "ncclep EP=1"]
     assert [layout.step_s for layout in runnable] == sorted(layout.step_s for layout in runnable)
     legacy = next(layout for layout in runnable if layout.label == "deepep legacy")
     assert legacy.settings == (("deepep", "api", "legacy"),) and legacy.overrides()[-2:] == ["--deepep.api", "legacy"]
@@ -449,7 +450,7 @@ THIS_MACHINE = parse_topology(
 )
 
 
-LOCAL_WORK = {"nccl": 0.004, "deepep": 0.030, "hybridep": 0.050}
+LOCAL_WORK = {"nccl": 0.004, "deepep": 0.030, "hybridep": 0.050, "ncclep": 0.060}
 """Per MoE call, seconds: the reference kernels' local work is larger than nccl's permutation here."""
 
 
@@ -702,7 +703,7 @@ def test_an_all_to_all_beyond_the_kernels_reach_occupies_the_next_link():
 def test_json_lists_every_layout_considered(capsys, tmp_path):
     out = tmp_path / "layouts.json"
     plan.main(["--topology", "hgx_h100_ib", "--world-size", "4", "--json", str(out), *DEBUG_JOB])
-    assert capsys.readouterr().out.splitlines()[-1] == f"Wrote 12 layouts to {out}"
+    assert capsys.readouterr().out.splitlines()[-1] == f"Wrote 15 layouts to {out}"
     advice = json.loads(out.read_text())
     records = advice["layouts"]
     layouts, _ = advise(DEBUG_JOB, 4, load_topology("hgx_h100_ib"))
@@ -716,7 +717,9 @@ def test_json_lists_every_layout_considered(capsys, tmp_path):
     assert [r["rank"] for r in runnable] == list(range(1, len(runnable) + 1))
     assert runnable[0]["overrides"] == layouts[0].overrides()
     assert all(r["refused"] and "step_s" not in r for r in records if not r["runnable"])
-    assert {(r["pricing"], r["assumption"]) for r in runnable} == {("priced", None)}  # every rate published on HGX
+    # every rate published on HGX but NCCL EP's, priced at the nominal rate: a bound
+    assert {(r["pricing"], r["assumption"] is None) for r in runnable if r["backend"] != "ncclep"} == {("priced", True)}
+    assert {r["pricing"] for r in runnable if r["backend"] == "ncclep"} == {"range"}
     assert advice["decision"] in ("pick", "measure") and advice["band"] == ERROR.gap_band
     assert (advice["decision"] == "pick") == (len(advice["candidates"]) == 1)
     assert advice["candidates"][0]["overrides"] == layouts[0].overrides() and advice["candidates"][0]["rank"] == 1
@@ -917,7 +920,7 @@ def test_memory_counts_deepep_v2_5s_load_balancing_region_within_one_nvlink_doma
     job_config = parse(["--job.config_file", str(tmp_path / "ep.toml"), "--compile.no-enable",
                         "--expert_replication.slots_per_rank", "2", "--deepep.api", "ep"])
     assert {name: profile.planned_replica_region(job_config) for name, profile in PLANNING_PROFILES.items()} == {
-        "nccl": 0, "deepep": region, "hybridep": 0}
+        "nccl": 0, "deepep": region, "hybridep": 0, "ncclep": 0}
     # the kernels' conditions that hold whatever the group: deterministic algorithms move replicas by all-to-all
     job_config.debug.deterministic = True
     assert PLANNING_PROFILES["deepep"].planned_replica_region(job_config) == 0
@@ -1037,7 +1040,7 @@ def test_a_job_overlapping_its_all_to_alls_pays_only_the_sms_its_kernels_take():
     topology = load_topology("hgx_h100_ib")
     overlapped, plain = ({layout.label: layout for layout in advise(args, 8, topology, ep_degrees={4}, a2a_overlap=overlap)[0]}
                          for overlap in (None, False))
-    shares = {"hybridep": 16 / 132, "deepep legacy": 20 / 132, "nccl": 0.0, "deepep": 0.0}
+    shares = {"hybridep": 16 / 132, "deepep legacy": 20 / 132, "nccl": 0.0, "deepep": 0.0, "ncclep": 0.0}
     assert set(overlapped) == set(shares)
     for label, share in shares.items():
         layout, alone = overlapped[label], plain[label]

@@ -369,6 +369,10 @@ class RoutedExpertParallel(ExpertParallel, ABC):
     """The named settings of this backend that tests, benchmarks and checks run it in (the one named as the backend
     is its default), gathered into the named sets of :mod:`torchtitan_ext.ep.backends`."""
 
+    library_implementation: ClassVar[str | None] = None
+    """The section's ``implementation`` value that selects the real kernel library ("deep_ep", "nccl_ep"); None:
+    the backend has no kernel choice."""
+
     ops_module: ClassVar[str | None] = None
     """Module of this backend's custom ops: imported when the backend first builds a layer or names its
     saved ops, so that parsing a config that selects it registers no op with torch."""

@@ -272,6 +272,7 @@ class DeepEPExpertParallel(RoutedExpertParallel):
         # V2.5's EPBuffer has no reference kernels: it runs against the deep_ep double (tests/ep/test_deep_ep_double.py)
         "deepep_ep": Variant(("--deepep.api", "ep"), "EPBuffer", reference_kernels=False, in_matrix=False),
     }
+    library_implementation = "deep_ep"
     ops_module = "torchtitan_ext.ep.ops.deepep"
     saved_ops = ("torchtitan_ext::deepep_dispatch", "torchtitan_ext::deepep_combine")
 

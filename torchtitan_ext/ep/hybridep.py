@@ -190,6 +190,7 @@ class HybridEPExpertParallel(RoutedExpertParallel):
         "hybridep_non_blocking": Variant(("--hybridep.non_blocking_capacity_factor", "1.0"), "HybridEPBuffer",
                                          may_drop_when_padded=True),
     }
+    library_implementation = "deep_ep"
     ops_module = "torchtitan_ext.ep.ops.hybridep"
     saved_ops = ("torchtitan_ext::hybridep_dispatch", "torchtitan_ext::hybridep_combine")
 

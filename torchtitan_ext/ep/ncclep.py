@@ -112,6 +112,7 @@ class NcclEPExpertParallel(RoutedExpertParallel):
         "ncclep": Variant(()),
         "ncclep_static": Variant(("--ncclep.max_recv_capacity_factor", "1.0"), may_drop_when_padded=True, in_matrix=False),
     }
+    library_implementation = "nccl_ep"
     ops_module = "torchtitan_ext.ep.ops.ncclep"
     saved_ops = ("torchtitan_ext::ncclep_dispatch", "torchtitan_ext::ncclep_combine")
 

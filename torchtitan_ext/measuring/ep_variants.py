@@ -1,8 +1,6 @@
 """What the EP benchmarks call what they time: every backend variant of the table
-(:mod:`torchtitan_ext.ep.backends`), each on the reference kernels or, with ``_lib``, on the real deep_ep ones, and
+(:mod:`torchtitan_ext.ep.backends`), each on the reference kernels or, with ``_lib``, on the real library's, and
 ``upstream``, torchtitan 0.2.2's own ExpertParallel; and the job-config overrides each label runs with."""
-
-from dataclasses import fields
 
 from torchtitan_ext.ep.backends import BACKENDS, backend_variants, variant_backend
 
@@ -10,15 +8,12 @@ UPSTREAM = "upstream"
 """The --backends label of torchtitan 0.2.2's own ExpertParallel."""
 
 LIBRARY = "_lib"
-"""Suffix of a variant's label on the real deep_ep kernels."""
+"""Suffix of a variant's label on the real library's kernels."""
 
 
 def kernel_section(backend: str) -> str | None:
     """The config section whose ``implementation`` picks backend ``backend``'s kernels; None if it has none."""
-    config = BACKENDS[backend].Config
-    if config is None or "implementation" not in {field.name for field in fields(config)}:
-        return None
-    return BACKENDS[backend].config_section
+    return BACKENDS[backend].config_section if BACKENDS[backend].library_implementation else None
 
 
 def labels() -> list[str]:
@@ -29,10 +24,11 @@ def labels() -> list[str]:
 
 def job_args(label: str) -> list[str]:
     """The job-config overrides that ``label`` (of --backends, not upstream) runs with: its variant's, and its
-    kernels (the real deep_ep ones for ``_lib``, else the reference) where the backend has that choice."""
+    kernels (the real library's for ``_lib``, else the reference) where the backend has that choice."""
     variant = label.removesuffix(LIBRARY)
     args = backend_variants()[variant]
     section = kernel_section(variant_backend(variant))
     if section is not None:
-        args = [*args, f"--{section}.implementation", "deep_ep" if label.endswith(LIBRARY) else "reference"]
+        library = BACKENDS[variant_backend(variant)].library_implementation
+        args = [*args, f"--{section}.implementation", library if label.endswith(LIBRARY) else "reference"]
     return args
