@@ -177,7 +177,10 @@ def test_advice_ranks_runnable_layouts_and_lists_refused_ones():
     listed = lines[lines.index("  not runnable (the job's config checks; other backends' sections at their defaults):") + 1:]
     assert [line.split(":")[0].strip() for line in listed if not line.startswith("      ")] == [
         "deepep EP=1", "hybridep EP=1", "ncclep EP=1"]
-    assert [layout.step_s for layout in runnable] == sorted(layout.step_s for layout in runnable)
+    # priced layouts by step time, then the bounds at a nominal rate (NCCL EP's)
+    priced = [layout for layout in runnable if not layout.nominal_links]
+    assert runnable[:len(priced)] == priced and {layout.label for layout in runnable[len(priced):]} == {"ncclep"}
+    assert [layout.step_s for layout in priced] == sorted(layout.step_s for layout in priced)
     legacy = next(layout for layout in runnable if layout.label == "deepep legacy")
     assert legacy.settings == (("deepep", "api", "legacy"),) and legacy.overrides()[-2:] == ["--deepep.api", "legacy"]
     # its overrides select it, and the config the advisor priced is the one they give
