@@ -1,4 +1,4 @@
-"""The conformance suite against the real deep_ep kernels, and the nccl backend on a GPU.
+"""The conformance suite against the real kernel libraries (deep_ep, NCCL EP), and the nccl backend on a GPU.
 
 These run only on CUDA machines; elsewhere they are skipped with the reason
 (tests/ep/test_deep_ep_double.py runs the same adapters against a double of the
@@ -21,7 +21,7 @@ import torch
 from tests.ep.cases import cases_for, conformance_worker, dense_moe, global_inputs
 from torchtitan_ext.ep.backends import CPU_VARIANTS, variant_backend, VARIANTS
 from tests.helpers import run_distributed
-from torchtitan_ext.ep.kernels import deep_ep_unavailable_reason
+from torchtitan_ext.ep.kernels import deep_ep_unavailable_reason, nccl_ep
 
 BF16_TOLERANCE = dict(rtol=2e-2, atol=2e-2)
 
@@ -74,3 +74,19 @@ def test_every_backend_on_one_gpu(backend):
         pytest.skip("no CUDA device")
     results = run_distributed(1, conformance_worker, (backend,), "reference", "cuda", torch.float32, device="cuda")
     _compare(results, backend, 1, dict(rtol=1e-4, atol=1e-4))
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", [name for name in VARIANTS if variant_backend(name) == "ncclep"])
+def test_real_nccl_ep_matches_dense_moe(backend):
+    """The same cases on NCCL EP itself (the nccl-extensions wheel, ``implementation = "nccl_ep"``) over every GPU
+    here up to 4 (one GPU: a group of one, which the library may refuse: its own error is then the failure), fp32
+    tokens. tests/ep/test_conformance.py runs them on NCCL EP's double on every machine."""
+    reason = nccl_ep.unavailable_reason()
+    if reason:
+        # Skipped, not passed: the real library runs on CUDA with the wheel installed (pip install -e ".[ncclep]")
+        pytest.skip(f"NCCL EP: {reason}")
+    ep = min(1 << (torch.cuda.device_count().bit_length() - 1), 4)
+    results = run_distributed(ep, conformance_worker, (backend,), "nccl_ep", "cuda", torch.float32, device="cuda")
+    _compare(results, backend, ep, dict(rtol=1e-4, atol=1e-4))

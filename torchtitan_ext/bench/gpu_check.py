@@ -70,9 +70,12 @@ def stages(out: Path) -> list[Stage]:
     python = sys.executable
     return [
         _function_stage("environment", "environment", 60),
-        Stage("gpu tests", [python, "-m", "pytest", "-m", "deep_ep or gpu", "-rs", "-q", "-n", "0", "-p",
-                            "no:cacheprovider", "tests/ep/test_deep_ep.py",
+        Stage("gpu tests", [python, "-m", "pytest", "-m", "deep_ep or gpu", "-k", "not real_nccl_ep", "-rs", "-q", "-n",
+                            "0", "-p", "no:cacheprovider", "tests/ep/test_deep_ep.py",
                             "tests/models/test_low_precision_experts.py"], 240),
+        # the wheel where installed (nothing is installed at run time): skipped with the import's own message else
+        Stage("ncclep on nccl.ep", [python, "-m", "pytest", "-m", "gpu", "-rs", "-q", "-n", "0", "-p", "no:cacheprovider",
+                                    "tests/ep/test_deep_ep.py::test_real_nccl_ep_matches_dense_moe"], 180),
         _function_stage("ledger cuda vs cpu", "ledger_on_cuda_and_cpu", 120),
         _function_stage("cuda graph capture", "cuda_graph_capture", 120),
         _function_stage("replica weights copy", "replica_copy_cost", 90),
@@ -121,13 +124,14 @@ RESULT_LINES = re.compile(r"\b(passed|failed|ratio)\b|\bstep:\s+\d+|\| \w+ \|")
 
 def _leaves(result: dict) -> str:
     """A function stage's result in a line: its values, or each variant's flags (agree, captured,
-    replay_equals_eager) and errors' last lines."""
+    replay_equals_eager), errors' last lines and why a variant was skipped."""
     if not all(isinstance(found, dict) for found in result.values()):
         return ", ".join(f"{key} {value}" for key, value in result.items())
     parts = []
     for variant, found in result.items():
         flags = [f"{key}={value}" for key, value in found.items() if isinstance(value, bool)]
-        errors = [str(value).strip().splitlines()[-1] for key, value in found.items() if key == "error"]
+        errors = [f"{'skipped: ' if key == 'skipped' else ''}{str(value).strip().splitlines()[-1]}"
+                  for key, value in found.items() if key in ("error", "skipped")]
         parts.append(f"{variant}: {', '.join(flags + errors)}")
         parts += [f"{variant} {device}: {found[device]['error'].strip().splitlines()[-1]}" for device in ("cuda", "cpu")
                   if isinstance(found.get(device), dict) and "error" in found[device]]
@@ -210,12 +214,13 @@ def graph_capturable_variants() -> list[str]:
 
 def cuda_graph_capture() -> dict:
     """Per sync-free variant: one MoE call's forward (dispatch and combine, the experts as the identity) captured in
-    a CUDA graph, replayed, and compared with the same call run eagerly."""
+    a CUDA graph, replayed, and compared with the same call run eagerly. A backend whose CPU kernels sync the host
+    (NCCL EP's double) is captured on its library, or skipped with the reason the library cannot run here."""
     import torch
     import torch.distributed as dist
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
-    from torchtitan_ext.measuring.ep_variants import job_args
+    from torchtitan_ext.measuring.ep_variants import job_args, LIBRARY
     from torchtitan_ext.config import MoEShape, parse
     from torchtitan_ext.ep import backend_class
     from torchtitan_ext.planning.local_traffic import backend_forward, MoECall
@@ -231,7 +236,12 @@ def cuda_graph_capture() -> dict:
     results = {}
     try:
         for variant in graph_capturable_variants():
-            job_config = parse(job_args(variant))
+            backend = backend_class(parse(job_args(variant)))
+            if backend.reference_syncs_host and backend.library_unavailable_reason():
+                results[variant] = {"captured": None, "skipped": f"its CPU kernels sync the host, and its library "
+                                                                 f"cannot run here: {backend.library_unavailable_reason()}"}
+                continue
+            job_config = parse(job_args(variant + LIBRARY if backend.reference_syncs_host else variant))
             style = backend_class(job_config).layer_factory(job_config, shape)(score_before_experts=False)
             call = MoECall.random(shape, shape.max_tokens_per_rank, torch.bfloat16)
             call = MoECall(call.x.cuda(), call.scores.cuda(), call.expert_ids.cuda())

@@ -373,6 +373,10 @@ class RoutedExpertParallel(ExpertParallel, ABC):
     """The section's ``implementation`` value that selects the real kernel library ("deep_ep", "nccl_ep"); None:
     the backend has no kernel choice."""
 
+    reference_syncs_host: ClassVar[bool] = False
+    """Whether the backend's CPU kernels (its double) make the host wait inside the library's calls, where the
+    library does not: a CUDA graph then captures the backend on the library only."""
+
     ops_module: ClassVar[str | None] = None
     """Module of this backend's custom ops: imported when the backend first builds a layer or names its
     saved ops, so that parsing a config that selects it registers no op with torch."""
@@ -432,6 +436,11 @@ class RoutedExpertParallel(ExpertParallel, ABC):
         ``device_type`` None: validating for another machine (a dry run), which skips
         the checks of what this machine can run.
         """
+
+    @classmethod
+    def library_unavailable_reason(cls) -> str | None:
+        """Why this machine cannot run the backend's real kernel library, or None when it can (or has none)."""
+        return None
 
     @classmethod
     def kernels_take_bf16_tokens_only(cls, job_config, device_type: str | None) -> bool:

@@ -113,6 +113,7 @@ class NcclEPExpertParallel(RoutedExpertParallel):
         "ncclep_static": Variant(("--ncclep.max_recv_capacity_factor", "1.0"), may_drop_when_padded=True, in_matrix=False),
     }
     library_implementation = "nccl_ep"
+    reference_syncs_host = True  # the double reads the routing on the host; NCCL EP's static mode does not
     ops_module = "torchtitan_ext.ep.ops.ncclep"
     saved_ops = ("torchtitan_ext::ncclep_dispatch", "torchtitan_ext::ncclep_combine")
 
@@ -170,6 +171,10 @@ class NcclEPExpertParallel(RoutedExpertParallel):
                 raise ConfigError(str(e)) from None
             if nccl_ep.uses_library(section.implementation, device_type):
                 cls._check_cuda_build()
+
+    @classmethod
+    def library_unavailable_reason(cls) -> str | None:
+        return nccl_ep.unavailable_reason()
 
     @staticmethod
     def _check_library_limits(job_config, shape: MoEShape) -> None:

@@ -60,6 +60,17 @@ def resolve_implementation(implementation: str, device_type: str) -> str:
     return "nccl_ep"
 
 
+def unavailable_reason() -> str | None:
+    """Why the real NCCL EP cannot run here (no CUDA device, or the import's own message), or None when it can."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        import_facade()
+    except KernelUnavailable as e:
+        return str(e)
+    return None
+
+
 def facade(implementation: str):
     """The module whose calls run: ``nccl.ep`` or the double; with ``get_nccl_comm_from_group`` from its torch
     interop."""
