@@ -1,0 +1,54 @@
+"""The ncclep backend's config checks: each limit NCCL EP documents (or asserts, aborting the process) refused in one
+line that names the field and the fix, before anything is allocated; and what the section sets reaches the
+library's group (checked on its double)."""
+
+import pytest
+
+from torchtitan_ext.config import ConfigError, MoEShape, parse
+from torchtitan_ext.ep.ncclep import NcclEPExpertParallel, receive_slots
+
+NCCLEP = ["--parallelism.expert_parallel_comm_backend", "ncclep", "--parallelism.expert_parallel_degree", "2"]
+SHAPE = dict(hidden_dim=256, num_experts=8, top_k=2, max_tokens_per_rank=1024)
+
+LIMITS = {
+    "low-latency mode": (["--ncclep.mode", "ll"], {}, "ncclep.mode = 'll'.* no backward pass"),
+    "zero copy": (["--ncclep.zero_copy", "on"], {}, "ncclep.zero_copy = 'on' needs .* windows"),
+    "NVLink domain": (["--ncclep.ranks_per_nvlink_domain", "3"], {}, "ranks_per_nvlink_domain = 3 does not divide"),
+    "budget with padded groups": (["--ncclep.max_recv_capacity_factor", "1.0", "--model.converters",
+                                   "quantize.grouped_mm.mx"], {}, "padded to 32 rows .* unset it"),
+    "budget under the tokens a rank sends": (["--ncclep.max_recv_capacity_factor", "0.2"], {},
+                                             "gives 819 receive slots per rank, fewer than the 1024 tokens"),
+    "hidden size": ([], dict(hidden_dim=16392), "MAX_HIDDEN_DIM = 16384"),
+    "token row bytes": (["--training.mixed_precision_param", "bfloat16"], dict(hidden_dim=100),
+                        "a token row is 200 bytes .* multiple of 16"),
+    "top_k": ([], dict(num_experts=64, top_k=33), "MAX_NUM_TOPK = 32"),
+    "tokens per rank": ([], dict(max_tokens_per_rank=8200), "MAX_SUPPORTED_TOKENS_PER_RANK = 8192"),
+    "experts per rank": ([], dict(num_experts=2 * 1028), "NUM_MAX_LOCAL_EXPERTS = 1024"),
+    "experts per NVLink team": ([], dict(num_experts=6), "3 local experts x 2 ranks .* multiple of 4"),
+    "RDMA peers": (["--parallelism.expert_parallel_degree", "168"], dict(num_experts=168 * 4),
+                   "spans 21 NVLink domains .* NUM_MAX_RDMA_PEERS = 20"),
+    "the library on a CPU": (["--ncclep.implementation", "nccl_ep"], {}, "'nccl_ep' needs CUDA"),
+}
+"""Each limit: (overrides, the model shape's changes, what the refusal says)."""
+
+
+@pytest.mark.parametrize("limit", LIMITS)
+def test_each_limit_is_refused_in_one_line(limit):
+    overrides, shape, message = LIMITS[limit]
+    job_config = parse([*NCCLEP, *overrides])
+    with pytest.raises(ConfigError, match=message) as refused:
+        NcclEPExpertParallel.validate_config(job_config, "cpu", MoEShape(**{**SHAPE, **shape}))
+    assert "\n" not in str(refused.value)
+    NcclEPExpertParallel.validate_config(parse(NCCLEP), "cpu", MoEShape(**SHAPE))  # the same job within the limits
+
+
+def test_the_library_missing_on_cuda_says_how_to_install_it():
+    with pytest.raises(ConfigError, match=r"import nccl.ep failed: .*pip install -e \"\.\[ncclep\]\""):
+        NcclEPExpertParallel.validate_config(parse([*NCCLEP, "--ncclep.implementation", "nccl_ep"]), "cuda",
+                                             MoEShape(**SHAPE))
+
+
+def test_the_static_budget_is_the_capacity_factors_rows():
+    # N x R x min(L, K) x factor = 1024 x 2 x 2 x 0.5, the non-blocking HybridEP rows' formula
+    assert receive_slots(MoEShape(**SHAPE), 2, 0.5, 1) == 2048
+    assert receive_slots(MoEShape(**SHAPE), 2, None, 1) == 0
