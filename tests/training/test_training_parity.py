@@ -144,13 +144,14 @@ def stop_after(step: int, trainer) -> None:
 
 def test_checkpoint_resumes_under_another_backend_ep_degree_and_placement(parity, tmp_path):
     """Step 2 of the parity run written at EP=2 under nccl with the crossing placement and 2 replica slots per
-    rank, resumed at EP=2 under hybridep with another placement and no replicas, and at EP=1 (no placement: the
-    experts go back to logical order)."""
+    rank, resumed at EP=2 under hybridep and under ncclep with another placement and no replicas, and at EP=1 (no
+    placement: the experts go back to logical order)."""
     losses, tmp = parity
     written = tmp / "replicated_nccl"
     other = _placement(tmp_path, "other", lambda layer: [(3 * s + layer) % 8 for s in range(8)])
     runs = []
     for name, args in (("resumed_hybridep_ep2", [*BACKENDS["hybridep"], "--expert_placement.file", other]),
+                       ("resumed_ncclep_ep2", [*BACKENDS["ncclep"], "--expert_placement.file", other]),
                        ("resumed_nccl_ep1", ["--parallelism.expert_parallel_degree", "1"])):
         shutil.copytree(written / "checkpoint" / "step-2", tmp_path / name / "checkpoint" / "step-2")
         runs.append((name, _job(tmp_path / name, *args, *RESUME, steps=PLACED_STEPS)))
