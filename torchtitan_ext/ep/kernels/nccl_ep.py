@@ -35,11 +35,17 @@ def uses_library(implementation: str, device_type: str | None) -> bool:
 
 
 def import_facade():
-    """``nccl.ep``, or KernelUnavailable with the library's own message."""
+    """``nccl.ep`` with its ``libnccl_ep.so`` loaded, or KernelUnavailable with the library's own message (the
+    facade imports without the library; loading it needs the CUDA driver, ``libcuda.so.1``)."""
     try:
-        return importlib.import_module("nccl.ep")
+        ep = importlib.import_module("nccl.ep")
     except Exception as e:  # noqa: BLE001 - every failure of the import is the same answer
         raise KernelUnavailable(f"import nccl.ep failed: {type(e).__name__}: {e}") from None
+    try:
+        ep.get_lib_version()
+    except Exception as e:  # noqa: BLE001 - likewise for loading the library
+        raise KernelUnavailable(f"nccl.ep imports but its library does not load: {type(e).__name__}: {e}") from None
+    return ep
 
 
 def resolve_implementation(implementation: str, device_type: str) -> str:
@@ -61,14 +67,13 @@ def resolve_implementation(implementation: str, device_type: str) -> str:
 
 
 def unavailable_reason() -> str | None:
-    """Why the real NCCL EP cannot run here (no CUDA device, or the import's own message), or None when it can."""
-    if not torch.cuda.is_available():
-        return "no CUDA device"
+    """Why the real NCCL EP cannot run here, in one line (the import's or the library's own message, else no CUDA
+    device), or None when it can."""
     try:
         import_facade()
     except KernelUnavailable as e:
         return str(e)
-    return None
+    return None if torch.cuda.is_available() else "no CUDA device"
 
 
 def facade(implementation: str):
