@@ -22,7 +22,7 @@ from torchtitan_ext import runtime
 from torchtitan_ext.config import parse as parse_job_config
 from torchtitan_ext.ep import BACKENDS as BACKEND_CLASSES
 from torchtitan_ext.ep.backends import backend_variants, CPU_VARIANTS
-from torchtitan_ext.ep import HybridEPExpertParallel, MoEShape
+from torchtitan_ext.ep import MoEShape
 from torchtitan_ext.ep.base import Routing
 from torchtitan_ext.ep.handle import DispatchHandle
 from torchtitan_ext.ep.kernels.reference import ReferenceHybridEPBuffer
@@ -183,7 +183,7 @@ def run_backend(
         **{f"grad_{name}": getattr(experts, name).grad.to_local() for name in ("w1", "w2", "w3")},
     }
     result = {k: v.float().cpu() if isinstance(v, torch.Tensor) else v for k, v in result.items()}
-    if isinstance(style, HybridEPExpertParallel):
+    if style.stats.kept_pairs is not None:  # a backend that can drop counts the pairs it kept
         # what the metrics compute, for this rank's experts: the pairs routed to them from every rank
         # less the pairs they kept
         routed = int(((inputs["ids"] >= local.start) & (inputs["ids"] < local.stop)).sum())

@@ -174,3 +174,44 @@ def test_the_librarys_rules_in_its_words(world_of_one):
     trapping = _group(world_of_one, max_recv_tokens_per_rank=6, overflow_policy=ep.OverflowPolicy.TRAP)
     with pytest.raises(AssertionError, match="padded EM slots 10 > max_recv_tokens_per_rank 6"):
         _layout(trapping, IDS, 1)
+
+
+def _ncclep_layer(factor=None):
+    """The ncclep backend's style on the debug shape of :data:`IDS` (4 experts, top-2, 5 tokens, hidden 16), built
+    from a job config as training builds it, with its experts."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torchtitan.models.moe.moe import GroupedExperts
+
+    from torchtitan_ext.config import MoEShape, parse
+    from torchtitan_ext.ep.ncclep import NcclEPExpertParallel
+
+    args = ["--parallelism.expert_parallel_comm_backend", "ncclep", "--ncclep.implementation", "reference"]
+    if factor is not None:
+        args += ["--ncclep.max_recv_capacity_factor", str(factor)]
+    shape = MoEShape(hidden_dim=16, num_experts=4, top_k=2, max_tokens_per_rank=5)
+    style = NcclEPExpertParallel.layer_factory(parse(args), shape)(score_before_experts=False)
+    experts = parallelize_module(GroupedExperts(16, 8, 4, use_grouped_mm=False), DeviceMesh("cpu", [0]), style)
+    return experts, style
+
+
+def test_one_handle_serves_every_step_and_the_budget_counts_its_drops(world_of_one, monkeypatch):
+    """The group is created once and its handle rebound each step, not created again; a static budget of 7 slots
+    (factor 0.7: 5 tokens x min(4, 2) x 0.7) keeps 7 of IDS's 10 pairs, which the metrics read as kept pairs."""
+    from torchtitan_ext.ep.base import Routing
+
+    calls = {"create_handle": 0, "update": 0}
+    for owner, name in ((ep.Group, "create_handle"), (ep.Handle, "update")):
+        original = getattr(owner, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counted)
+    experts, style = _ncclep_layer(factor=0.7)
+    for step in range(3):
+        tokens = torch.randn(5, 16, requires_grad=True)
+        experts(tokens, Routing(torch.rand(5, 2), IDS)).sum().backward()
+    assert calls == {"create_handle": 1, "update": 3}  # the double's create_handle binds the first routing by update
+    assert int(style.stats.kept_pairs) == 3 * 7
