@@ -196,8 +196,10 @@ def _ncclep_layer(factor=None):
 
 
 def test_one_handle_serves_every_step_and_the_budget_counts_its_drops(world_of_one, monkeypatch):
-    """The group is created once and its handle rebound each step, not created again; a static budget of 7 slots
-    (factor 0.7: 5 tokens x min(4, 2) x 0.7) keeps 7 of IDS's 10 pairs, which the metrics read as kept pairs."""
+    """The group is created once and its handle rebound each step, not created again. A static budget of 8 slots
+    (factor 0.7: 5 tokens x min(4, 2) x 0.7 = 7, rounded up to the pad multiple 8) keeps expert 0's 4 pairs (its
+    zone padded to 8 fills the budget) and drops the 6 of experts 2 and 3, whose zones start at slot 8: the metrics
+    read 4 kept pairs per step."""
     from torchtitan_ext.ep.base import Routing
 
     calls = {"create_handle": 0, "update": 0}
@@ -214,4 +216,4 @@ def test_one_handle_serves_every_step_and_the_budget_counts_its_drops(world_of_o
         tokens = torch.randn(5, 16, requires_grad=True)
         experts(tokens, Routing(torch.rand(5, 2), IDS)).sum().backward()
     assert calls == {"create_handle": 1, "update": 3}  # the double's create_handle binds the first routing by update
-    assert int(style.stats.kept_pairs) == 3 * 7
+    assert int(style.stats.kept_pairs) == 3 * 4

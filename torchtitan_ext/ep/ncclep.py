@@ -14,6 +14,7 @@ from functools import partial
 from typing import Literal
 
 import torch
+from torch.distributed._functional_collectives import all_to_all_single
 from torchtitan.tools.logging import logger
 
 from torchtitan_ext.config import ConfigError, MoEShape, Range
@@ -21,6 +22,7 @@ from torchtitan_ext.ep.base import RoutedExpertParallel, scale_rows, SharedKerne
 from torchtitan_ext.ep.budget import Budget, DeviceBudget
 from torchtitan_ext.ep.handle import DispatchHandle
 from torchtitan_ext.ep.hybridep import non_blocking_rows
+from torchtitan_ext.ep.layout import round_up
 from torchtitan_ext.ep.kernels import KernelUnavailable
 from torchtitan_ext.ep.kernels import nccl_ep
 from torchtitan_ext.ep.kernels import nccl_ep_double as library_limits
@@ -79,9 +81,9 @@ class NcclEPExpertParallel(RoutedExpertParallel):
         A float in (0, 1]: a static budget of M = roundup(int(N * R * min(L, K) * factor), P) receive slots per
         rank (the group's ``max_recv_tokens_per_rank``; N tokens per rank, R = EP degree, L experts per rank,
         K = top_k, P the pad multiple): no host sync. Slots at or above M are dropped by the library
-        (``OverflowPolicy.DROP``: the tail of the expert-major order), counted and reported. 1.0 is the worst
-        case when P = 1. M must be at least N (the library's rule), and with padded groups (P > 1, FP8/MXFP8)
-        it is refused: the library reports its overflow in padded slots, which do not count dropped pairs.
+        (``OverflowPolicy.DROP``: the tail of the expert-major order), counted and reported (the pairs kept are
+        counted from one all-to-all of the pair counts). Padding adds up to L * (P - 1) slots, so even 1.0 can
+        drop. M must be at least N (the library's rule).
         """
 
         num_channels: int = 0
@@ -107,6 +109,7 @@ class NcclEPExpertParallel(RoutedExpertParallel):
         "ncclep.ranks_per_nvlink_domain": Range(1, meaning="ranks"),
     }
 
+    min_pad_multiple = 8  # torchtitan's token-group alignment for grouped GEMMs, as the nccl backend pads
     shared_experts_overlap = "no: NCCL EP's high-throughput combine has no asynchronous mode (send_only is LL-only)"
     variants = {
         "ncclep": Variant(()),
@@ -115,7 +118,7 @@ class NcclEPExpertParallel(RoutedExpertParallel):
     library_implementation = "nccl_ep"
     reference_syncs_host = True  # the double reads the routing on the host; NCCL EP's static mode does not
     ops_module = "torchtitan_ext.ep.ops.ncclep"
-    saved_ops = ("torchtitan_ext::ncclep_dispatch", "torchtitan_ext::ncclep_combine")
+    saved_ops = ("_c10d_functional::all_to_all_single", "torchtitan_ext::ncclep_dispatch", "torchtitan_ext::ncclep_combine")
 
     @classmethod
     def layer_factory(cls, job_config, shape: MoEShape):
@@ -129,8 +132,10 @@ class NcclEPExpertParallel(RoutedExpertParallel):
     def device_budget(cls, job_config) -> DeviceBudget:
         update = "the library's handle update (its routing exchange), dispatch and combine forward, dispatch and combine backward"
         if job_config.ncclep.max_recv_capacity_factor is not None:
-            return DeviceBudget(forward=Budget(collectives=3), backward=Budget(collectives=2),
-                                why=f"{update}; a static receive budget: no host sync")
+            return DeviceBudget(forward=Budget(collectives=4), backward=Budget(collectives=2),
+                                why=f"{update}; a static receive budget: no host sync, and the pair counts' all-to-all "
+                                    "(unless the routing carries them) to count the pairs it keeps",
+                                counts_exchange=Budget(collectives=1))
         return DeviceBudget(forward=Budget(host_syncs=1, collectives=3), backward=Budget(collectives=2),
                             why=f"{update}; eager mode reads the padded receive total on the host to size the dispatch")
 
@@ -151,11 +156,6 @@ class NcclEPExpertParallel(RoutedExpertParallel):
         pad = max(token_group_alignment(job_config), cls.min_pad_multiple)
         factor = section.max_recv_capacity_factor
         if factor is not None:
-            if pad > 1:
-                raise ConfigError(
-                    f"ncclep.max_recv_capacity_factor = {factor} with expert groups padded to {pad} rows (the FP8/MXFP8 "
-                    "converter): NCCL EP reports its overflow in padded slots, which do not count the dropped pairs; "
-                    "unset it (eager mode: dropless, one host sync per MoE layer)")
             slots = receive_slots(shape, ep, factor, pad)
             if slots < shape.max_tokens_per_rank:
                 raise ConfigError(
@@ -272,15 +272,36 @@ class NcclEPExpertParallel(RoutedExpertParallel):
                 "created for (a microbatch's tokens per rank, from training.local_batch_size, seq_len and the "
                 "validation batch)")
         static_slots = receive_slots(self.shape, group.size(), self.capacity_factor, self.pad_multiple)
-        rows, row_weights, rows_per_expert, kept_slots, handle = ncclep_dispatch(
+        if static_slots:
+            self.stats.record_kept(self._kept_pairs(expert_ids, num_experts, group, sent_counts, static_slots))
+        rows, row_weights, rows_per_expert, handle = ncclep_dispatch(
             x, expert_ids, scores.float(), self.kernels.get(group, x), static_slots or -1,
         )
-        if static_slots:
-            self.stats.record_kept(kept_slots)  # slots are pairs here: groups are not padded (the config's rule)
         if self.score_before_experts:
             rows = scale_rows(rows, row_weights)
         self._pending = _NcclEPDispatchState(handle, None if self.score_before_experts else row_weights)
         return rows, rows_per_expert
+
+    def _kept_pairs(self, expert_ids, num_experts: int, group, sent_counts, budget: int) -> torch.Tensor:
+        """[1]: the pairs this rank's experts keep under a static budget, on the device. The library drops the slots
+        at or above the budget in its expert-major order, zones starting at the prefix sums of the padded counts
+        (``scan_kernel.cuh``), so local expert e keeps min(c_e, budget - start_e) of its c_e pairs. The counts take
+        one all-to-all of the pair counts, none where the routing carries them (expert replication's split)."""
+        ep_degree = group.size()
+        local_experts = num_experts // ep_degree
+        with torch.no_grad():
+            if sent_counts is None:
+                flat = expert_ids.reshape(-1)
+                send = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+                send.scatter_add_(0, flat, torch.ones_like(flat))
+                received = all_to_all_single(send, None, None, group=group.group_name).view(ep_degree, local_experts)
+            else:
+                first = group.rank() * local_experts
+                received = sent_counts[:, first:first + local_experts]
+            counts = received.sum(0)
+            padded = round_up(counts, self.pad_multiple)
+            starts = torch.cumsum(padded, 0) - padded
+            return torch.minimum(counts, (budget - starts).clamp(min=0)).sum().view(1)
 
     def combine(self, routed_output, group):
         from torchtitan_ext.ep.ops.ncclep import ncclep_combine

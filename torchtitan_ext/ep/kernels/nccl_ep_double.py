@@ -18,8 +18,10 @@ text here. What the double computes, from those sources:
 - ``Handle.dispatch`` writes each kept slot's token (and, forward, its weight) and zeroes the padding slots'
   token rows (the dispatch kernel's PAD warp); it writes no weight for a padding slot, nothing past the padded
   total, and nothing for a dropped pair.
-- ``Handle.combine`` sums each token's slots (accumulated in fp32, rounded once) on its source rank; backward it
-  also returns each pick's slot weight in ``outputs.topk_weights`` [tokens, top_k] (0 for a dropped pick).
+- ``Handle.combine`` sends each slot's row back to its token's rank, which sums the token's picks by ascending
+  expert id in fp32 and rounds once (the library's own order is not documented: this one is the nccl backend's,
+  so the two train alike bit for bit); backward it also returns each pick's slot weight in
+  ``outputs.topk_weights`` [tokens, top_k] (0 for a dropped pick).
 
 Streams are accepted and ignored (one CPU stream). The double imports nothing of torchtitan_ext.
 """
@@ -321,6 +323,8 @@ class _Routing:
 
     num_tokens: int
     top_k: int
+    pick_order: torch.Tensor
+    """[this rank's tokens, top_k] each token's picks by ascending expert id: the order combine sums them in."""
     slot_token: torch.Tensor
     """[kept slots] global token (source rank * max tokens + token) of each kept slot."""
     slot_index: torch.Tensor
@@ -387,7 +391,8 @@ class Handle:
         kept = slot < capacity
         pads = torch.cat([torch.arange(int(s) + int(c), int(s) + int(p))
                           for s, c, p in zip(starts.tolist(), counts.tolist(), padded.tolist())] or [torch.empty(0)])
-        self._routing = _Routing(num_tokens, top_k, token[kept], slot[kept], pick[kept],
+        self._routing = _Routing(num_tokens, top_k, torch.argsort(ids.long(), dim=1, stable=True),
+                                 token[kept], slot[kept], pick[kept],
                                  pads[pads < capacity].long(), capacity)
         if layout_info is not None:
             room = (capacity - starts).clamp(min=0)
@@ -485,10 +490,17 @@ class Handle:
         else:
             _require(inputs.topk_weights is None, "topk_weights_in == nullptr")
         num_global = comm.nranks * max_tokens
-        partial = rows.new_zeros((num_global, rows.shape[1]), dtype=torch.float32)
-        partial.index_add_(0, routing.slot_token, rows[routing.slot_index].float())
+        # every pick's row goes back to its token's rank (exactly one rank holds it; the others send zeros), which
+        # sums the token's picks by ascending expert id in fp32 and rounds once
+        per_pick = rows.new_zeros((num_global, routing.top_k, rows.shape[1]), dtype=torch.float32)
+        per_pick[routing.slot_token, routing.slot_pick] = rows[routing.slot_index].float()
+        picks = self._to_sources(per_pick)[:routing.num_tokens]
+        tokens = torch.arange(routing.num_tokens)
+        total = picks.new_zeros((routing.num_tokens, rows.shape[1]))
+        for position in range(routing.top_k):
+            total += picks[tokens, routing.pick_order[:, position]]
         out = outputs.tokens.buffer
-        out.copy_(self._to_sources(partial)[:routing.num_tokens].to(out.dtype))
+        out.copy_(total.to(out.dtype))
         if backward:
             weights = rows.new_zeros((num_global, routing.top_k), dtype=torch.float32)
             weights[routing.slot_token, routing.slot_pick] = inputs.topk_weights.buffer[routing.slot_index].float()

@@ -14,9 +14,9 @@ from torchtitan_ext.ep.ops.opaque_schema import custom_op_returning_opaque
 @custom_op_returning_opaque("torchtitan_ext::ncclep_dispatch")
 def ncclep_dispatch(
     x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, kernels: KernelBuffer, num_rows: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, DispatchHandle]:
-    """(rows [M, H], each row's routing weight [M] fp32, padded rows per local expert [L] int64, slots kept [1]
-    int64, handle), all on x's device.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DispatchHandle]:
+    """(rows [M, H], each row's routing weight [M] fp32, padded rows per local expert [L] int64, handle), on x's
+    device.
 
     ``num_rows`` >= 0: the static budget M (the group's ``max_recv_tokens_per_rank``), slots past it dropped;
     < 0: eager mode, M read from the library's padded total (a host sync). The library zeroes padding rows but
@@ -31,15 +31,14 @@ def ncclep_dispatch(
     library.dispatch(pooled, x, out, topk_weights.float().contiguous(), out_weights)
     handle = DispatchHandle((library, pooled, x.shape[0], topk_idx.shape[1]))
     library.release_when_freed(handle, pooled)
-    return out, out_weights, pooled.counters.clone(), pooled.total.clamp(max=rows), handle
+    return out, out_weights, pooled.counters.clone(), handle
 
 
 @ncclep_dispatch.register_fake
 def _(x, topk_idx, topk_weights, kernels, num_rows):
     rows = num_rows if num_rows >= 0 else torch.library.get_ctx().new_dynamic_size()
     return (x.new_empty((rows, x.shape[1])), x.new_empty((rows,), dtype=torch.float32),
-            x.new_empty((kernels.value.local_experts,), dtype=torch.int64),
-            x.new_empty((1,), dtype=torch.int64), DispatchHandle())
+            x.new_empty((kernels.value.local_experts,), dtype=torch.int64), DispatchHandle())
 
 
 @torch.library.custom_op("torchtitan_ext::ncclep_combine", mutates_args=())
