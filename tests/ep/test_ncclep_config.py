@@ -25,9 +25,9 @@ LIMITS = {
     "experts per NVLink team": ([], dict(num_experts=6), "3 local experts x 2 ranks .* multiple of 4"),
     "RDMA peers": (["--parallelism.expert_parallel_degree", "168"], dict(num_experts=168 * 4),
                    "spans 21 NVLink domains .* NUM_MAX_RDMA_PEERS = 20"),
-    "the library on a CPU": (["--ncclep.implementation", "nccl_ep"], {}, "'nccl_ep' needs CUDA"),
 }
-"""Each limit: (overrides, the model shape's changes, what the refusal says)."""
+"""Each limit: (overrides, the model shape's changes, what the refusal says), validated for a cluster (a dry run:
+the device unknown, "auto" means the library)."""
 
 
 @pytest.mark.parametrize("limit", LIMITS)
@@ -35,9 +35,18 @@ def test_each_limit_is_refused_in_one_line(limit):
     overrides, shape, message = LIMITS[limit]
     job_config = parse([*NCCLEP, *overrides])
     with pytest.raises(ConfigError, match=message) as refused:
-        NcclEPExpertParallel.validate_config(job_config, "cpu", MoEShape(**{**SHAPE, **shape}))
+        NcclEPExpertParallel.validate_config(job_config, None, MoEShape(**{**SHAPE, **shape}))
     assert "\n" not in str(refused.value)
-    NcclEPExpertParallel.validate_config(parse(NCCLEP), "cpu", MoEShape(**SHAPE))  # the same job within the limits
+    NcclEPExpertParallel.validate_config(parse(NCCLEP), None, MoEShape(**SHAPE))  # the same job within the limits
+
+
+def test_the_double_takes_shapes_the_library_refuses_and_not_the_library_on_a_cpu():
+    """On a CPU "auto" runs the double, which has none of the library's shape limits (the gradient matrix's model
+    has 5 experts per rank); asking for the library there is refused."""
+    NcclEPExpertParallel.validate_config(parse(NCCLEP), "cpu", MoEShape(**{**SHAPE, "num_experts": 10}))
+    with pytest.raises(ConfigError, match="'nccl_ep' needs CUDA"):
+        NcclEPExpertParallel.validate_config(parse([*NCCLEP, "--ncclep.implementation", "nccl_ep"]), "cpu",
+                                             MoEShape(**SHAPE))
 
 
 def test_the_library_missing_on_cuda_says_how_to_install_it():

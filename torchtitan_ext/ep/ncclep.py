@@ -163,7 +163,8 @@ class NcclEPExpertParallel(RoutedExpertParallel):
                     f"{shape.max_tokens_per_rank} tokens a rank dispatches; NCCL EP's high-throughput mode needs "
                     "max_recv_tokens_per_rank >= max_dispatch_tokens_per_rank: raise it (the planner, "
                     "python -m torchtitan_ext.plan, shows the slots each value gives)")
-        cls._check_library_limits(job_config, shape)
+        if nccl_ep.uses_library(section.implementation, device_type):  # the double has no such limits
+            cls._check_library_limits(job_config, shape)
         if device_type is not None:
             try:
                 nccl_ep.resolve_implementation(section.implementation, device_type)
