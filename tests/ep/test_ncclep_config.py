@@ -21,7 +21,7 @@ LIMITS = {
                         "a token row is 200 bytes .* multiple of 16"),
     "top_k": ([], dict(num_experts=64, top_k=33), "MAX_NUM_TOPK = 32"),
     "tokens per rank": ([], dict(max_tokens_per_rank=8200), "MAX_SUPPORTED_TOKENS_PER_RANK = 8192"),
-    "experts per rank": ([], dict(num_experts=2 * 1028), "NUM_MAX_LOCAL_EXPERTS = 1024"),
+    "experts per rank": ([], dict(num_experts=2 * 260), "kLocalPermuteMaxExpertsPerRank = 256"),
     "experts per NVLink team": ([], dict(num_experts=6), "3 local experts x 2 ranks .* multiple of 4"),
     "RDMA peers": (["--parallelism.expert_parallel_degree", "168"], dict(num_experts=168 * 4),
                    "spans 21 NVLink domains .* NUM_MAX_RDMA_PEERS = 20"),

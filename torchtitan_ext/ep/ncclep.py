@@ -179,8 +179,9 @@ class NcclEPExpertParallel(RoutedExpertParallel):
 
     @staticmethod
     def _check_library_limits(job_config, shape: MoEShape) -> None:
-        """What NCCL EP 0.2.0 asserts (its process aborts) when it creates its group or dispatches, checked from the
-        config: ``nccl_ep/common.hpp``'s limits and the high-throughput kernels' alignment rules."""
+        """What NCCL EP 0.2.0 asserts (its process aborts) or is built for, checked from the config: the constants
+        of ``nccl_ep/common.hpp`` its kernels are instantiated for, the expert-major dispatch's experts per rank,
+        and the high-throughput kernels' alignment rules."""
         section = job_config.ncclep
         ep = job_config.parallelism.expert_parallel_degree
         local_experts = shape.num_experts // ep
@@ -202,9 +203,10 @@ class NcclEPExpertParallel(RoutedExpertParallel):
              f"{shape.max_tokens_per_rank} tokens per rank per dispatch (training.local_batch_size x seq_len) exceed "
              f"NCCL EP's MAX_SUPPORTED_TOKENS_PER_RANK = {library_limits.MAX_SUPPORTED_TOKENS_PER_RANK}: lower "
              "local_batch_size or seq_len (or raise pipeline microbatches)"),
-            (local_experts <= library_limits.NUM_MAX_LOCAL_EXPERTS,
-             f"{local_experts} experts per rank exceed NCCL EP's NUM_MAX_LOCAL_EXPERTS = "
-             f"{library_limits.NUM_MAX_LOCAL_EXPERTS}: raise parallelism.expert_parallel_degree"),
+            (local_experts <= library_limits.LOCAL_PERMUTE_MAX_EXPERTS_PER_RANK,
+             f"{local_experts} experts per rank exceed NCCL EP's expert-major dispatch limit "
+             f"(kLocalPermuteMaxExpertsPerRank = {library_limits.LOCAL_PERMUTE_MAX_EXPERTS_PER_RANK}): raise "
+             "parallelism.expert_parallel_degree"),
             ((local_experts * domain) % 4 == 0,
              f"{local_experts} local experts x {domain} ranks per NVLink domain{assumed} = {local_experts * domain}: "
              "NCCL EP's high-throughput dispatch needs a multiple of 4 (experts per NVLink team, 16-byte TMA copies "
@@ -351,4 +353,14 @@ class NcclEPPlanningProfile(PlanningProfile):
 
     @classmethod
     def planned_buffer(cls, job_config, shape: MoEShape) -> tuple[int | None, str]:
-        return None, "NCCL EP sizes its staging buffers itself (ncclEpCreateGroup); not known here"
+        """The library's high-throughput staging buffer: one token row per receive slot of its budget, in eager
+        mode the worst case R x N x max(K, 1) slots (ncclEpCreateGroup's own sizing, as its allocation error
+        states)."""
+        ep = job_config.parallelism.expert_parallel_degree
+        pad = max(token_group_alignment(job_config), NcclEPExpertParallel.min_pad_multiple)
+        factor = job_config.ncclep.max_recv_capacity_factor
+        slots = receive_slots(shape, ep, factor, pad) or ep * shape.max_tokens_per_rank * max(shape.top_k, 1)
+        element = torch.empty((), dtype=getattr(torch, job_config.training.mixed_precision_param)).element_size()
+        budget = "the static budget" if factor is not None else "eager mode's worst case, R x N x K"
+        return slots * shape.hidden_dim * element, (f"NCCL EP's staging buffer: {slots:,} receive slots ({budget}) "
+                                                    "of one token row; its other buffers are not counted")

@@ -6,7 +6,11 @@ the nccl-extensions wheel on CUDA) or on its double (``"reference"``,
 mode, expert-major layout: the group is created once from the job's shape; a handle carries one routing, is
 created once and rebound per step on the device (``Handle.update``), and goes back to a pool when the last op
 that needs its routing (the dispatch's backward) has been freed, so one handle serves each routing in flight
-(one per MoE layer without pipelining, more with microbatches in flight) and no more.
+(one per MoE layer without pipelining, more with microbatches in flight) and no more. Two assumptions hold that
+safe: every call runs on the current stream (a handle returns to the pool when the host frees it, so a rebinding
+is queued after the kernels that read it), and every rank frees its graphs at the same point of the program
+(CPython's reference counting; a handle kept alive by a reference cycle would return at the cyclic collector's
+time, and one rank could create a handle where another rebinds one).
 """
 
 import importlib
@@ -142,7 +146,8 @@ class NcclEpKernels:
             max_token_bytes=shape.hidden_bytes, num_channels=shape.num_channels, max_num_sms=shape.max_num_sms,
             overflow_policy=overflow, num_topk=shape.top_k,
         )
-        self.group = ep.Group.create(get_comm(group), config)
+        self.comm = get_comm(group)
+        self.group = ep.Group.create(self.comm, config)
         self._handle_config = ep.HandleConfig(dispatch_output_per_expert_alignment=shape.alignment)
         self._idle: list[_PooledHandle] = []
 
@@ -187,8 +192,10 @@ class NcclEpKernels:
             pooled.handle.combine(inputs, outputs, config=config, stream=self.stream())
 
     def destroy(self) -> None:
-        """Release the handles and the group (before the process group goes)."""
+        """Release the idle handles, the group and its communicator (before the process group goes; a handle still
+        held by an autograd graph goes with the library's group)."""
         for pooled in self._idle:
             pooled.handle.destroy()
         self._idle.clear()
         self.group.destroy()
+        self.comm.destroy()

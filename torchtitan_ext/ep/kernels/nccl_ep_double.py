@@ -16,12 +16,14 @@ text here. What the double computes, from those sources:
   offsets are clamped to the budget (the scan's ``em_populate_cnt_tensors``); under ``TRAP`` an overflow stops
   with the kernel's message.
 - ``Handle.dispatch`` writes each kept slot's token (and, forward, its weight) and zeroes the padding slots'
-  token rows (the dispatch kernel's PAD warp); it writes no weight for a padding slot, nothing past the padded
-  total, and nothing for a dropped pair.
+  token rows and weights (``ht_ep.cuh``'s local permute); nothing past the padded total, nothing for a dropped
+  pair.
 - ``Handle.combine`` sends each slot's row back to its token's rank, which sums the token's picks by ascending
-  expert id in fp32 and rounds once (the library's own order is not documented: this one is the nccl backend's,
-  so the two train alike bit for bit); backward it also returns each pick's slot weight in
-  ``outputs.topk_weights`` [tokens, top_k] (0 for a dropped pick).
+  expert id in fp32 and rounds once: the nccl backend's order, so that the two train alike bit for bit on a CPU.
+  The library's kernel (``local_permute_reduce``) sums each rank's picks first, in fp32 stored in the token
+  dtype, then the ranks' partial sums: on a GPU the two backends agree within that rounding, not bit for bit.
+  Backward it also returns each pick's slot weight in ``outputs.topk_weights`` [tokens, top_k] (0 for a dropped
+  pick).
 
 Streams are accepted and ignored (one CPU stream). The double imports nothing of torchtitan_ext.
 """
@@ -42,9 +44,10 @@ API_VERSION = 2
 MAX_HIDDEN_DIM = 16384
 MAX_NUM_TOPK = 32
 MAX_SUPPORTED_TOKENS_PER_RANK = 8192
-NUM_MAX_LOCAL_EXPERTS = 1024
 NUM_MAX_RDMA_PEERS = 20
 """``nccl_ep/common.hpp``'s limits."""
+LOCAL_PERMUTE_MAX_EXPERTS_PER_RANK = 256
+"""``ht_ep.cuh``'s ``kLocalPermuteMaxExpertsPerRank``: the expert-major dispatch's experts per rank, at most."""
 HT_TOKEN_BYTE_MULTIPLE = 16
 """HT's ``max_token_bytes`` and each token's bytes must be multiples of 16 (TMA copies)."""
 
@@ -136,6 +139,9 @@ class Communicator:
         self.group = group
         self.nranks = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+
+    def destroy(self) -> None:
+        """Nothing to release: the torch process group is its owner's."""
 
 
 def get_nccl_comm_from_group(group=None) -> Communicator:
@@ -239,11 +245,6 @@ def _require(condition: bool, message: str) -> None:
         raise AssertionError(message)
 
 
-def _stream_given(stream) -> None:
-    if stream is None:
-        raise NcclInvalid("stream is required (NcclStreamSpec)")
-
-
 class Group:
     """``nccl.ep.Group``: created collectively from a communicator and a :class:`GroupConfig`."""
 
@@ -269,7 +270,6 @@ class Group:
     def create_handle(self, layout: Layout, topk_idx: Tensor, *, layout_info: LayoutInfo | None = None,
                       config: HandleConfig | None = None, stream) -> "Handle":
         self._check_valid("create_handle")
-        _stream_given(stream)
         _require(layout != Layout.UNSET, "ncclEpInitHandle: layout must be set explicitly")
         _require(not (self.config.algorithm == Algorithm.HIGH_THROUGHPUT
                       and layout not in (Layout.FLAT, Layout.EXPERT_MAJOR)),
@@ -310,9 +310,8 @@ def _check_group_config(config: GroupConfig, nranks: int) -> None:
                   and config.overflow_policy == OverflowPolicy.DROP),
              "ncclEpCreateGroup: eager mode (max_recv_tokens_per_rank = NCCL_EP_AUTO) does not support "
              "NCCL_EP_OVERFLOW_DROP")
-    _require(config.num_experts // nranks <= NUM_MAX_LOCAL_EXPERTS, "num_local_experts <= NUM_MAX_LOCAL_EXPERTS")
-    _require(config.max_dispatch_tokens_per_rank <= MAX_SUPPORTED_TOKENS_PER_RANK,
-             "max_dispatch_tokens_per_rank <= MAX_SUPPORTED_TOKENS_PER_RANK")
+    _require(0 < config.num_experts // nranks <= LOCAL_PERMUTE_MAX_EXPERTS_PER_RANK,
+             "experts_per_rank > 0 && experts_per_rank <= ::ht_ep::kLocalPermuteMaxExpertsPerRank")
     if config.zero_copy == ZeroCopyMode.ON:
         raise NotImplementedError("the double has no NCCL windows: ZeroCopyMode.ON")
 
@@ -353,7 +352,6 @@ class Handle:
     def update(self, topk_idx: Tensor, *, layout_info: LayoutInfo | None = None, stream) -> None:
         """Collective: every rank's routing, and this rank's slots."""
         self._check_valid("update")
-        _stream_given(stream)
         group, comm = self._group, self._group._comm
         config = group.config
         ids = topk_idx.buffer
@@ -417,7 +415,6 @@ class Handle:
     def dispatch(self, inputs: DispatchInputs, outputs: DispatchOutputs, *, layout_info: LayoutInfo | None = None,
                  config: DispatchConfig | None = None, stream) -> None:
         routing = self._routing_for("dispatch")
-        _stream_given(stream)
         config = config or DispatchConfig()
         group = self._group
         tokens = inputs.tokens.buffer
@@ -446,13 +443,17 @@ class Handle:
             raise AssertionError(f"NCCL EP: eager dispatch recv buffer too small: {out.shape[0]} tokens < "
                                  f"{routing.capacity} required (size from ncclEpLayoutInfo_t::recv_total_counter)")
         every = self._all_tokens(tokens)
-        out[routing.slot_index] = every[routing.slot_token].to(out.dtype)
+        _require(out.dtype == tokens.dtype and out.shape[1] == tokens.shape[1],
+                 "outputs->tokens must match the inputs' dtype and row width")
+        out[routing.slot_index] = every[routing.slot_token]
         out[routing.pad_slots] = 0
         if forward:
             weights = inputs.topk_weights.buffer
             _require(weights.dim() == 2 and weights.dtype == torch.float32, "topk_weights->ndim == 2")
+            _require(tuple(weights.shape) == (routing.num_tokens, routing.top_k), "topk_weights->ndim == 2")
             every_weights = self._all_tokens(weights)
             outputs.topk_weights.buffer[routing.slot_index] = every_weights[routing.slot_token, routing.slot_pick]
+            outputs.topk_weights.buffer[routing.pad_slots] = 0
 
     def _all_tokens(self, rows: torch.Tensor) -> torch.Tensor:
         """Every rank's rows, each rank's padded to ``max_dispatch_tokens_per_rank`` ([G, ...])."""
@@ -474,11 +475,10 @@ class Handle:
     def combine(self, inputs: CombineInputs, outputs: CombineOutputs, *, config: CombineConfig | None = None,
                 stream) -> None:
         routing = self._routing_for("combine")
-        _stream_given(stream)
         config = config or CombineConfig()
         comm, max_tokens = self._group._comm, self._group.config.max_dispatch_tokens_per_rank
         rows = inputs.tokens.buffer
-        if rows.dtype not in _TOKEN_DTYPES:
+        if rows.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise AssertionError(f"NCCL EP: combine unsupported token dtype {rows.dtype}")
         if config.quantization_recipe != CombineQuantizationRecipe.NONE:
             raise NotImplementedError("the double transports tokens unquantized (CombineQuantizationRecipe.NONE)")

@@ -19,10 +19,13 @@ def ncclep_dispatch(
     device.
 
     ``num_rows`` >= 0: the static budget M (the group's ``max_recv_tokens_per_rank``), slots past it dropped;
-    < 0: eager mode, M read from the library's padded total (a host sync). The library zeroes padding rows but
-    writes no weight for them, so the weights start at zero.
+    < 0: eager mode, M read from the library's padded total (a host sync). The library zeroes padding rows; its
+    weights it zeroes on one path only (``ht_ep.cuh``: the local permute writes 0, the dispatch kernel's PAD warp
+    writes none), so the weights start at zero. The library reads pointers and shapes, not strides: every tensor
+    it is handed is contiguous.
     """
     library = kernels.value
+    x, topk_idx = x.contiguous(), topk_idx.contiguous()
     pooled = library.route(topk_idx)
     # eager mode: the library's documented way to size the outputs is to read its total on the host
     rows = num_rows if num_rows >= 0 else int(pooled.total.item())
