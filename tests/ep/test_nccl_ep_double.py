@@ -176,9 +176,9 @@ def test_the_librarys_rules_in_its_words(world_of_one):
         _layout(trapping, IDS, 1)
 
 
-def _ncclep_layer(factor=None):
-    """The ncclep backend's style on the debug shape of :data:`IDS` (4 experts, top-2, 5 tokens, hidden 16), built
-    from a job config as training builds it, with its experts."""
+def _ncclep_layer(factor=None, tokens=5):
+    """The ncclep backend's style (4 experts, top-2, hidden 16, ``tokens`` per rank), built from a job config as
+    training builds it, with its experts."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import parallelize_module
     from torchtitan.models.moe.moe import GroupedExperts
@@ -189,17 +189,17 @@ def _ncclep_layer(factor=None):
     args = ["--parallelism.expert_parallel_comm_backend", "ncclep", "--ncclep.implementation", "reference"]
     if factor is not None:
         args += ["--ncclep.max_recv_capacity_factor", str(factor)]
-    shape = MoEShape(hidden_dim=16, num_experts=4, top_k=2, max_tokens_per_rank=5)
+    shape = MoEShape(hidden_dim=16, num_experts=4, top_k=2, max_tokens_per_rank=tokens)
     style = NcclEPExpertParallel.layer_factory(parse(args), shape)(score_before_experts=False)
     experts = parallelize_module(GroupedExperts(16, 8, 4, use_grouped_mm=False), DeviceMesh("cpu", [0]), style)
     return experts, style
 
 
 def test_one_handle_serves_every_step_and_the_budget_counts_its_drops(world_of_one, monkeypatch):
-    """The group is created once and its handle rebound each step, not created again. A static budget of 8 slots
-    (factor 0.7: 5 tokens x min(4, 2) x 0.7 = 7, rounded up to the pad multiple 8) keeps expert 0's 4 pairs (its
-    zone padded to 8 fills the budget) and drops the 6 of experts 2 and 3, whose zones start at slot 8: the metrics
-    read 4 kept pairs per step."""
+    """The group is created once and its handle rebound each step, not created again. 40 tokens each to experts 0
+    and 2 under a budget of 72 slots (factor 0.5: 40 x min(4, 2) x 0.5 = 40 pairs, and 4 x 7 padding rows, to a
+    multiple of 8): expert 0's zone holds slots 0-39, expert 2's starts at 40 and keeps 32 of its 40 pairs, so the
+    metrics read 72 kept pairs per step."""
     from torchtitan_ext.ep.base import Routing
 
     calls = {"create_handle": 0, "update": 0}
@@ -211,9 +211,10 @@ def test_one_handle_serves_every_step_and_the_budget_counts_its_drops(world_of_o
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(owner, name, counted)
-    experts, style = _ncclep_layer(factor=0.7)
+    experts, style = _ncclep_layer(factor=0.5, tokens=40)
+    ids = torch.tensor([[0, 2]]).expand(40, 2)
     for step in range(3):
-        tokens = torch.randn(5, 16, requires_grad=True)
-        experts(tokens, Routing(torch.rand(5, 2), IDS)).sum().backward()
+        tokens = torch.randn(40, 16, requires_grad=True)
+        experts(tokens, Routing(torch.rand(40, 2), ids)).sum().backward()
     assert calls == {"create_handle": 1, "update": 3}  # the double's create_handle binds the first routing by update
-    assert int(style.stats.kept_pairs) == 3 * 4
+    assert int(style.stats.kept_pairs) == 3 * 72

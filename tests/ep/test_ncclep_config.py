@@ -15,7 +15,7 @@ LIMITS = {
     "zero copy": (["--ncclep.zero_copy", "on"], {}, "ncclep.zero_copy = 'on' needs .* windows"),
     "NVLink domain": (["--ncclep.ranks_per_nvlink_domain", "3"], {}, "ranks_per_nvlink_domain = 3 does not divide"),
     "budget under the tokens a rank sends": (["--ncclep.max_recv_capacity_factor", "0.2"], {},
-                                             "gives 824 receive slots per rank, fewer than the 1024 tokens"),
+                                             "gives 848 receive slots per rank, fewer than the 1024 tokens"),
     "hidden size": ([], dict(hidden_dim=16392), "MAX_HIDDEN_DIM = 16384"),
     "token row bytes": (["--training.mixed_precision_param", "bfloat16"], dict(hidden_dim=100),
                         "a token row is 200 bytes .* multiple of 16"),
@@ -56,6 +56,6 @@ def test_the_library_missing_on_cuda_says_how_to_install_it():
 
 
 def test_the_static_budget_is_the_capacity_factors_rows():
-    # N x R x min(L, K) x factor = 1024 x 2 x 2 x 0.5, the non-blocking HybridEP rows' formula
-    assert receive_slots(MoEShape(**SHAPE), 2, 0.5, 8) == 2048
+    # N x R x min(L, K) x factor = 1024 x 2 x 2 x 0.5 pairs, and L x (P - 1) = 4 x 7 padding rows, to a multiple of 8
+    assert receive_slots(MoEShape(**SHAPE), 2, 0.5, 8) == 2080
     assert receive_slots(MoEShape(**SHAPE), 2, None, 1) == 0

@@ -310,14 +310,15 @@ class SharedKernelBuffer:
             self._buffer.value.destroy()
             self._buffer = None
 
-    def get(self, group, example: torch.Tensor) -> KernelBuffer:
-        """The buffer; ``example`` (the first dispatched tokens) gives device and dtype."""
+    def get(self, group, example: torch.Tensor, *settings) -> KernelBuffer:
+        """The buffer; ``example`` (the first dispatched tokens) gives device and dtype, ``settings`` what else the
+        first layer's call knows that sizes it (passed on to the constructor)."""
         if self._buffer is None:
             # Creation runs collectives (handle exchange) inside the first dispatch. Selective
             # activation checkpointing's caching mode must not record them: its recompute
             # never creates the buffer again, so cached outputs would shift onto other ops.
             with _disable_current_modes():
-                self._buffer = KernelBuffer(self._create(group, example))
+                self._buffer = KernelBuffer(self._create(group, example, *settings))
         return self._buffer
 
 

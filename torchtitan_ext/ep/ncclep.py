@@ -21,7 +21,6 @@ from torchtitan_ext.config import ConfigError, MoEShape, Range
 from torchtitan_ext.ep.base import RoutedExpertParallel, scale_rows, SharedKernelBuffer, token_group_alignment, Variant
 from torchtitan_ext.ep.budget import Budget, DeviceBudget
 from torchtitan_ext.ep.handle import DispatchHandle
-from torchtitan_ext.ep.hybridep import non_blocking_rows
 from torchtitan_ext.ep.layout import round_up
 from torchtitan_ext.ep.kernels import KernelUnavailable
 from torchtitan_ext.ep.kernels import nccl_ep
@@ -31,13 +30,16 @@ from torchtitan_ext.ep.published_rates import PublishedRate
 
 
 def receive_slots(shape: MoEShape, ep: int, factor: float | None, pad_multiple: int) -> int:
-    """``max_recv_tokens_per_rank``: roundup(int(N * R * min(L, K) * factor), P) slots, or 0 (eager mode) unset."""
+    """``max_recv_tokens_per_rank``: roundup(int(N * R * min(L, K) * factor) + L * (P - 1), P) slots, or 0 (eager
+    mode) unset. At 1.0 the worst case: every token to every local expert, each zone padded."""
     if factor is None:
         return 0
-    return non_blocking_rows(shape.max_tokens_per_rank, ep, shape.num_experts // ep, shape.top_k, factor, pad_multiple)
+    local_experts = shape.num_experts // ep
+    pairs = int(shape.max_tokens_per_rank * ep * min(local_experts, shape.top_k) * factor)
+    return round_up(pairs + local_experts * (pad_multiple - 1), pad_multiple)
 
 
-def _create_kernels(shape: MoEShape, section, alignment: int, group, example: torch.Tensor):
+def _create_kernels(shape: MoEShape, section, group, example: torch.Tensor, alignment: int):
     implementation = nccl_ep.resolve_implementation(section.implementation, example.device.type)
     ep = group.size()
     slots = receive_slots(shape, ep, section.max_recv_capacity_factor, alignment)
@@ -78,12 +80,12 @@ class NcclEPExpertParallel(RoutedExpertParallel):
         Unset: eager mode. Each dispatch reads the library's padded receive total on the host (one host sync per
         MoE layer) and sizes its output exactly: no pair is ever dropped.
 
-        A float in (0, 1]: a static budget of M = roundup(int(N * R * min(L, K) * factor), P) receive slots per
-        rank (the group's ``max_recv_tokens_per_rank``; N tokens per rank, R = EP degree, L experts per rank,
-        K = top_k, P the pad multiple): no host sync. Slots at or above M are dropped by the library
-        (``OverflowPolicy.DROP``: the tail of the expert-major order), counted and reported (the pairs kept are
-        counted from one all-to-all of the pair counts). Padding adds up to L * (P - 1) slots, so even 1.0 can
-        drop. M must be at least N (the library's rule).
+        A float in (0, 1]: a static budget of M = roundup(int(N * R * min(L, K) * factor) + L * (P - 1), P)
+        receive slots per rank (the group's ``max_recv_tokens_per_rank``; N tokens per rank, R = EP degree, L
+        experts per rank, K = top_k, P the pad multiple, each zone's padding counted in): no host sync. 1.0 is
+        the worst case and never drops. Slots at or above M are dropped by the library (``OverflowPolicy.DROP``:
+        the tail of the expert-major order), counted and reported (the pairs kept are counted from one all-to-all
+        of the pair counts). M must be at least N (the library's rule).
         """
 
         num_channels: int = 0
@@ -113,7 +115,7 @@ class NcclEPExpertParallel(RoutedExpertParallel):
     shared_experts_overlap = "no: NCCL EP's high-throughput combine has no asynchronous mode (send_only is LL-only)"
     variants = {
         "ncclep": Variant(()),
-        "ncclep_static": Variant(("--ncclep.max_recv_capacity_factor", "1.0"), may_drop_when_padded=True, in_matrix=False),
+        "ncclep_static": Variant(("--ncclep.max_recv_capacity_factor", "1.0"), in_matrix=False),
     }
     library_implementation = "nccl_ep"
     reference_syncs_host = True  # the double reads the routing on the host; NCCL EP's static mode does not
@@ -123,10 +125,9 @@ class NcclEPExpertParallel(RoutedExpertParallel):
     @classmethod
     def layer_factory(cls, job_config, shape: MoEShape):
         section = job_config.ncclep
-        alignment = max(token_group_alignment(job_config), cls.min_pad_multiple)
-        kernels = SharedKernelBuffer(partial(_create_kernels, shape, section, alignment))
+        kernels = SharedKernelBuffer(partial(_create_kernels, shape, section))
         return partial(cls, kernels=kernels, shape=shape, capacity_factor=section.max_recv_capacity_factor,
-                       pad_multiple=alignment)
+                       pad_multiple=token_group_alignment(job_config))
 
     @classmethod
     def device_budget(cls, job_config) -> DeviceBudget:
@@ -277,8 +278,12 @@ class NcclEPExpertParallel(RoutedExpertParallel):
         static_slots = receive_slots(self.shape, group.size(), self.capacity_factor, self.pad_multiple)
         if static_slots:
             self.stats.record_kept(self._kept_pairs(expert_ids, num_experts, group, sent_counts, static_slots))
+        kernels = self.kernels.get(group, x, self.pad_multiple)
+        if kernels.value.shape.alignment != self.pad_multiple:
+            raise ValueError(f"{self.layer_name} pads expert groups to {self.pad_multiple} rows, but the NCCL EP group "
+                             f"all MoE layers share zones of {kernels.value.shape.alignment}: every layer must pad alike")
         rows, row_weights, rows_per_expert, handle = ncclep_dispatch(
-            x, expert_ids, scores.float(), self.kernels.get(group, x), static_slots or -1,
+            x, expert_ids, scores.float(), kernels, static_slots or -1,
         )
         if self.score_before_experts:
             rows = scale_rows(rows, row_weights)
