@@ -12,6 +12,7 @@ from torchtitan_ext.bench import ep
 from torchtitan_ext.config import parse
 from torchtitan_ext.ep.backends import backend_variants, variant_backend
 from torchtitan_ext.measuring import ep_variants
+from torchtitan_ext.ep import BACKENDS
 from torchtitan_ext.records.ep_bench import EPBenchRow
 
 
@@ -26,7 +27,7 @@ def test_every_backend_variant_is_a_label_and_selects_its_backend_on_the_kernels
         if variant + ep_variants.LIBRARY in labels:
             assert getattr(parse(ep_variants.job_args(variant)), backend).implementation == "reference"
             library = getattr(parse(ep_variants.job_args(variant + ep_variants.LIBRARY)), backend).implementation
-            assert library == {"ncclep": "nccl_ep"}.get(backend, "deep_ep")
+            assert library == BACKENDS[backend].library_implementation and library in ("deep_ep", "nccl_ep")
     assert ep_variants.job_args("nccl") == backend_variants()["nccl"]
 
 
