@@ -74,3 +74,16 @@ def test_guard_of_the_suites_coverage_cases_span_the_contract():
             ids = global_inputs(case)["ids"]
             assert torch.bincount(ids.view(-1), minlength=case.num_experts).eq(0).any(), case.name
     assert any((global_inputs(case)["scores"] == 0).any() for case in CASES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, ep", _cases_and_degrees(), ids=lambda v: v.name if hasattr(v, "name") else f"ep{v}")
+def test_ncclep_on_its_double_is_the_nccl_backend_bit_for_bit(results, case, ep):
+    """The double sums each token's picks as the nccl backend does and NCCL EP's zones pad as nccl's groups, so on a
+    CPU the two backends give the same outputs and gradients, bit for bit (what lets a training run on either give
+    the same losses over many steps)."""
+    for rank_result in results[ep]:
+        for variant in ("ncclep", "ncclep_static"):
+            got, nccl = rank_result[(case.name, variant)], rank_result[(case.name, "nccl")]
+            for key in ("out", "grad_x", "grad_scores", "grad_w1", "grad_w2", "grad_w3"):
+                assert torch.equal(got[key], nccl[key]), (variant, key)
