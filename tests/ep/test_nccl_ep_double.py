@@ -4,7 +4,7 @@ The signatures, dataclass fields and enum values the adapter relies on equal tho
 wheel (:data:`FACADE`, read from its ``nccl/ep`` sources); the expert-major layout, drop rule and counters equal an
 oracle written here from ``nccl_ep.h`` and ``scan_kernel.cuh``'s ``em_populate_cnt_tensors``; each rule the library
 asserts is refused with its own words. Everything here runs in a group of this process alone: the conformance
-cases (tests/ep/test_conformance.py) run the double at EP 2 and 4.
+cases (tests/ep/test_conformance.py) run the double at EP 1, 2 and 4.
 """
 
 import ast

@@ -5,6 +5,7 @@ library's group (checked on its double)."""
 import pytest
 
 from torchtitan_ext.config import ConfigError, MoEShape, parse
+from torchtitan_ext.ep.kernels import KernelUnavailable, nccl_ep
 from torchtitan_ext.ep.ncclep import NcclEPExpertParallel, receive_slots
 
 NCCLEP = ["--parallelism.expert_parallel_comm_backend", "ncclep", "--parallelism.expert_parallel_degree", "2"]
@@ -49,8 +50,12 @@ def test_the_double_takes_shapes_the_library_refuses_and_not_the_library_on_a_cp
                                              MoEShape(**SHAPE))
 
 
-def test_the_library_missing_on_cuda_says_how_to_install_it():
-    with pytest.raises(ConfigError, match=r"import nccl.ep failed: .*pip install -e \"\.\[ncclep\]\""):
+def test_the_library_missing_on_cuda_says_how_to_install_it(monkeypatch):
+    def missing():
+        raise KernelUnavailable("import nccl.ep failed: ModuleNotFoundError: No module named 'nccl'")
+
+    monkeypatch.setattr(nccl_ep, "import_facade", missing)
+    with pytest.raises(ConfigError, match=r"No module named 'nccl'.*pip install -e \"\.\[ncclep\]\""):
         NcclEPExpertParallel.validate_config(parse([*NCCLEP, "--ncclep.implementation", "nccl_ep"]), "cuda",
                                              MoEShape(**SHAPE))
 

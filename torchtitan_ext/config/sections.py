@@ -19,6 +19,8 @@ class Parallelism:
     - "deepep": DeepEP's kernels; knobs in [deepep].
     - "hybridep": DeepEP's HybridEP kernels (fused permute, optional
       non-blocking mode); knobs in [hybridep].
+    - "ncclep": NCCL EP, NVIDIA's EP library (eager or a static receive
+      budget); knobs in [ncclep].
 
     No effect for models without MoE layers or when expert_parallel_degree = 1.
     """

@@ -6,7 +6,7 @@ sum; backward runs the library's backward passes. One EP group serves every MoE 
 (:mod:`torchtitan_ext.ep.kernels.nccl_ep`). Eager mode (the default) sizes each dispatch from the library's
 padded total, one host sync per layer, and drops nothing; a receive capacity factor gives the group a static
 budget of slots (no host sync), beyond which the library drops slots and reports the true total, counted here as
-dropped pairs. See docs/backends.md, "`[ncclep]`".
+dropped pairs. See docs/ncclep.md.
 """
 
 from dataclasses import dataclass
@@ -47,6 +47,7 @@ def _create_kernels(shape: MoEShape, section, group, example: torch.Tensor, alig
         num_experts=shape.num_experts, max_tokens_per_rank=shape.max_tokens_per_rank,
         hidden_bytes=shape.hidden_dim * example.element_size(), top_k=shape.top_k, max_recv_slots=slots,
         alignment=alignment, num_channels=section.num_channels, max_num_sms=section.max_num_sms,
+        zero_copy_off=section.zero_copy == "off",
     )
     logger.info(f"NCCL EP group ({implementation}): {group_shape}")
     return nccl_ep.NcclEpKernels(implementation, group, group_shape, example.device)
@@ -95,8 +96,9 @@ class NcclEPExpertParallel(RoutedExpertParallel):
         """Most SMs NCCL EP's kernels may use. 0: the library's default. Integer >= 0."""
 
         zero_copy: Literal["auto", "off", "on"] = "auto"
-        """``ZeroCopyMode``: "on" needs the dispatch output and combine input in NCCL-registered windows, which
-        this backend does not allocate: refused. "auto" and "off" stage through the library's buffers."""
+        """The group's ``ZeroCopyMode``: "auto" and "off" (passed as such) stage through the library's buffers; "on"
+        needs the dispatch output and combine input in NCCL-registered windows, which this backend does not
+        allocate: refused."""
 
         ranks_per_nvlink_domain: int | None = None
         """Ranks NCCL reaches over NVLink (the library's LSA team: 8 on an HGX node, up to 72 on GB200 NVL72). Read
@@ -199,7 +201,8 @@ class NcclEPExpertParallel(RoutedExpertParallel):
              f"training.mixed_precision_param); NCCL EP's high-throughput kernels need a multiple of "
              f"{library_limits.HT_TOKEN_BYTE_MULTIPLE}: use a hidden size that makes it one"),
             (shape.top_k <= library_limits.MAX_NUM_TOPK,
-             f"the model's top_k = {shape.top_k} exceeds NCCL EP's MAX_NUM_TOPK = {library_limits.MAX_NUM_TOPK}"),
+             f"the model's top_k = {shape.top_k} exceeds NCCL EP's MAX_NUM_TOPK = {library_limits.MAX_NUM_TOPK}: "
+             "use another backend"),
             (shape.max_tokens_per_rank <= library_limits.MAX_SUPPORTED_TOKENS_PER_RANK,
              f"{shape.max_tokens_per_rank} tokens per rank per dispatch (training.local_batch_size x seq_len) exceed "
              f"NCCL EP's MAX_SUPPORTED_TOKENS_PER_RANK = {library_limits.MAX_SUPPORTED_TOKENS_PER_RANK}: lower "
@@ -276,7 +279,7 @@ class NcclEPExpertParallel(RoutedExpertParallel):
                 "created for (a microbatch's tokens per rank, from training.local_batch_size, seq_len and the "
                 "validation batch)")
         static_slots = receive_slots(self.shape, group.size(), self.capacity_factor, self.pad_multiple)
-        if static_slots:
+        if static_slots and self.stats.counting:  # an evaluation forward counts nothing: no counts to exchange
             self.stats.record_kept(self._kept_pairs(expert_ids, num_experts, group, sent_counts, static_slots))
         kernels = self.kernels.get(group, x, self.pad_multiple)
         if kernels.value.shape.alignment != self.pad_multiple:

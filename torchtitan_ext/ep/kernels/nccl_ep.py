@@ -25,7 +25,7 @@ from torchtitan_ext.ep.kernels.calls import kernel_call
 IMPLEMENTATIONS = ("auto", "nccl_ep", "reference")
 LIBRARY_DEVICE_TYPE = "cuda"
 """The device the real library runs on (tests point it at the CPU to run the adapter on the double)."""
-INSTALL_HINT = "pip install -e \".[ncclep]\" on this CUDA machine (docs/backends.md#ncclep)"
+INSTALL_HINT = "pip install -e \".[ncclep]\" on this CUDA machine (docs/ncclep.md#installing)"
 CUDA_MAJORS = (12, 13)
 """The CUDA majors the wheel ships ``libnccl_ep.so`` for (``nccl/ep/lib/cu12``, ``cu13``)."""
 
@@ -112,6 +112,8 @@ class GroupShape:
     """``num_channels`` (2 SMs each); 0: the library's choice."""
     max_num_sms: int
     """``max_num_sms``; 0: the library's choice."""
+    zero_copy_off: bool
+    """``zero_copy``: ``ZeroCopyMode.OFF`` where True, else ``AUTO``."""
 
 
 class _PooledHandle:
@@ -120,11 +122,9 @@ class _PooledHandle:
     def __init__(self, kernels: "NcclEpKernels", device):
         local = kernels.local_experts
         self.counters = torch.zeros(local, dtype=torch.int64, device=device)
-        self.offsets = torch.zeros(local, dtype=torch.int64, device=device)
         self.total = torch.zeros(1, dtype=torch.int64, device=device)
         ep = kernels.ep
-        self.layout_info = ep.LayoutInfo(expert_counters=ep.Tensor(self.counters), expert_offsets=ep.Tensor(self.offsets),
-                                         recv_total_counter=ep.Tensor(self.total))
+        self.layout_info = ep.LayoutInfo(expert_counters=ep.Tensor(self.counters), recv_total_counter=ep.Tensor(self.total))
         self.handle = None
         self.index = None
         """The routing the handle reads, kept alive with it."""
@@ -145,6 +145,7 @@ class NcclEpKernels:
             max_dispatch_tokens_per_rank=shape.max_tokens_per_rank, max_recv_tokens_per_rank=shape.max_recv_slots,
             max_token_bytes=shape.hidden_bytes, num_channels=shape.num_channels, max_num_sms=shape.max_num_sms,
             overflow_policy=overflow, num_topk=shape.top_k,
+            zero_copy=ep.ZeroCopyMode.OFF if shape.zero_copy_off else ep.ZeroCopyMode.AUTO,
         )
         self.comm = get_comm(group)
         self.group = ep.Group.create(self.comm, config)
@@ -157,7 +158,7 @@ class NcclEpKernels:
 
     def route(self, topk_idx: torch.Tensor) -> _PooledHandle:
         """A handle bound to ``topk_idx`` (collective): an idle one rebound, or a new one. Its layout tensors hold
-        the padded rows per local expert, their offsets and the true padded total, on the device."""
+        the padded rows per local expert and the true padded total, on the device."""
         pooled = self._idle.pop() if self._idle else _PooledHandle(self, self.device)
         index = self.ep.Tensor(topk_idx)
         with kernel_call("ncclep.update_handle"):
