@@ -44,8 +44,9 @@ def _check_experts_divide(job_config, shape: MoEShape | None) -> None:
 
 
 def _check_attention(job_config, device_type: str | None) -> None:
-    attention = getattr(model_args_of(job_config), "attn_type", "sdpa")
-    if attention == "flex" and device_type == "cpu":
+    model_args = model_args_of(job_config)
+    attention = getattr(model_args, "attn_type", "sdpa")
+    if attention == "flex" and device_type == "cpu" and not getattr(model_args, "dense_attention_on_cpu", False):
         raise ConfigError(
             f"model.flavor = '{job_config.model.flavor}' uses FlexAttention, whose backward PyTorch does not "
             "implement on CPU: use an SDPA flavour (e.g. debugmodel) on CPU"

@@ -1,4 +1,4 @@
-"""Parallelize plan pieces shared by DeepSeek-V3 and Llama4.
+"""Parallelize plan pieces shared by every model (DeepSeek-V3, Llama4, Qwen3, GPT-OSS).
 
 :func:`parallelize_moe_model` gives the routed experts our per-expert loop
 (:mod:`torchtitan_ext.ep.experts`), then applies, in torchtitan's order: TP (the model's
@@ -92,8 +92,10 @@ class ScoresAfterTensorParallelExperts(ParallelStyle):
         return distribute_module(module, device_mesh, partition_fn=lambda *_: None, output_fn=self._mark_scores)
 
 
-def apply_moe_parallelism(model: torch.nn.Module, parallel_dims, job_config) -> None:
-    """TP for the MoE layers' router and shared experts, and EP (or TP) for the routed experts."""
+def apply_moe_parallelism(model: torch.nn.Module, parallel_dims, job_config,
+                          experts_tensor_parallel: type[ParallelStyle] = TensorParallel) -> None:
+    """TP for the MoE layers' router and shared experts, and EP (or TP: ``experts_tensor_parallel``, the model's
+    style for its experts' parameters) for the routed experts."""
     tp_mesh = parallel_dims.get_optional_mesh("tp")
     ep_mesh = parallel_dims.get_optional_mesh("ep")
     etp_enabled = parallel_dims.etp_enabled
@@ -123,7 +125,7 @@ def apply_moe_parallelism(model: torch.nn.Module, parallel_dims, job_config) -> 
             parallelize_module(block, tp_mesh, plan)
 
         if make_layer is None:
-            parallelize_module(block.moe.experts, tp_mesh, TensorParallel())
+            parallelize_module(block.moe.experts, tp_mesh, experts_tensor_parallel())
             if not block.moe.score_before_experts:
                 parallelize_module(block.moe.router, tp_mesh, ScoresAfterTensorParallelExperts())
             continue
@@ -169,8 +171,11 @@ def parallelize_moe_model(
     *,
     apply_dense_tp: Callable[[torch.nn.Module, object], None],
     op_sac_save_list: set,
+    experts_tensor_parallel: type[ParallelStyle] = TensorParallel,
 ) -> torch.nn.Module:
-    """Apply every configured parallelism; ``apply_dense_tp(model, tp_mesh)`` is the model's own TP plan."""
+    """Apply every configured parallelism; ``apply_dense_tp(model, tp_mesh)`` is the model's own TP plan,
+    ``experts_tensor_parallel`` its style for the routed experts under TP without EP (torchtitan's for w1, w2, w3
+    by default)."""
     if job_config.training.seq_len % parallel_dims.seq_len_divisor:
         raise ValueError(
             f"training.seq_len = {job_config.training.seq_len} must be divisible by "
@@ -183,7 +188,7 @@ def parallelize_moe_model(
         maybe_enable_async_tp(job_config, tp_mesh)
 
     if parallel_dims.tp_enabled or parallel_dims.ep_enabled:
-        apply_moe_parallelism(model, parallel_dims, job_config)
+        apply_moe_parallelism(model, parallel_dims, job_config, experts_tensor_parallel)
 
     if parallel_dims.cp_enabled:
         apply_cp_to_attention_module(

@@ -1,32 +1,36 @@
-"""Train specs for DeepSeek-V3 and Llama4, registered under torchtitan's names.
+"""Train specs for DeepSeek-V3, Llama4, Qwen3 (Qwen3-MoE) and GPT-OSS, registered under torchtitan's names.
 
 Each is torchtitan's own spec with our model args and flavours, our
 parallelize plan (:mod:`torchtitan_ext.models`), our metrics processor and
 pipeline-normalized loss. A spec registered with ``register_train_spec``
 takes precedence over torchtitan's built-in one of the same name, so configs
-keep ``model.name = "deepseek_v3"`` / ``"llama4"``.
+keep ``model.name = "deepseek_v3"``, ``"llama4"``, ``"qwen3"``, ``"gpt_oss"``.
 """
 
 import dataclasses
 
 from torchtitan.models.deepseek_v3 import get_train_spec as deepseek_v3_spec
+from torchtitan.models.gpt_oss import get_train_spec as gpt_oss_spec
 from torchtitan.models.llama4 import get_train_spec as llama4_spec
+from torchtitan.models.qwen3 import get_train_spec as qwen3_spec
 from torchtitan.protocols.train_spec import get_train_spec, register_train_spec, TrainSpec
 
-from torchtitan_ext.models import deepseek_v3, llama4
+from torchtitan_ext.models import deepseek_v3, gpt_oss, llama4, qwen3
 from torchtitan_ext.training.loss import build_loss_fn
 from torchtitan_ext.training.metrics import build_metrics_processor
 
 MODELS = {
-    "deepseek_v3": (deepseek_v3_spec, deepseek_v3.flavors, deepseek_v3.parallelize_deepseekv3),
-    "llama4": (llama4_spec, llama4.flavors, llama4.parallelize_llama4),
+    "deepseek_v3": (deepseek_v3_spec, deepseek_v3.flavors, deepseek_v3.parallelize_deepseekv3, {}),
+    "llama4": (llama4_spec, llama4.flavors, llama4.parallelize_llama4, {}),
+    "qwen3": (qwen3_spec, qwen3.flavors, qwen3.parallelize_qwen3, {}),
+    "gpt_oss": (gpt_oss_spec, gpt_oss.flavors, gpt_oss.parallelize_gptoss, {"model_cls": gpt_oss.GptOssModel}),
 }
-"""Model name -> (torchtitan's spec, our flavours, our parallelize function)."""
+"""Model name -> (torchtitan's spec, our flavours, our parallelize function, other fields of the spec we replace)."""
 
 
 def train_spec(name: str) -> TrainSpec:
-    """Our spec of model ``name`` ("deepseek_v3" or "llama4")."""
-    upstream_spec, flavors, parallelize = MODELS[name]
+    """Our spec of model ``name`` (a key of :data:`MODELS`)."""
+    upstream_spec, flavors, parallelize, replaced = MODELS[name]
     upstream = upstream_spec()
     return dataclasses.replace(
         upstream,
@@ -34,11 +38,12 @@ def train_spec(name: str) -> TrainSpec:
         parallelize_fn=parallelize,
         build_metrics_processor_fn=build_metrics_processor,
         build_loss_fn=build_loss_fn(upstream.build_loss_fn),
+        **replaced,
     )
 
 
 def register_train_specs() -> None:
-    """Register our specs as "deepseek_v3" and "llama4" (idempotent)."""
+    """Register our specs under torchtitan's names (idempotent)."""
     for name in MODELS:
         try:
             register_train_spec(name, train_spec(name))
