@@ -1,7 +1,7 @@
 """The gradient matrix's cells and their per-rank worker.
 
 A cell is one (model, EP backend, parallelism) combination. Its worker builds a
-tiny DeepSeek-V3 or Llama4 on every rank with the same seed, keeps an
+tiny DeepSeek-V3, Llama4, Qwen3-MoE or GPT-OSS on every rank with the same seed, keeps an
 unparallelized copy whose MoE layers compute densely (every expert applied to
 the tokens that picked it, no dispatch at all), applies the job's parallelize
 plan (and pipeline split) to the other copy exactly as training does, runs one
@@ -68,10 +68,28 @@ class Cell:
 
 def tiny_model_args(model: str, grouped_mm: bool, load_balance: bool = True):
     from torchtitan.models.deepseek_v3.model.args import DeepSeekV3ModelArgs
+    from torchtitan.models.gpt_oss.model.args import GptOssModelArgs
     from torchtitan.models.llama4.model.args import TransformerModelArgs
     from torchtitan.models.moe.moe import MoEArgs
+    from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
 
     coeff = 1e-3 if load_balance else None
+    if model == "qwen3":
+        return Qwen3ModelArgs(
+            vocab_size=VOCAB, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, hidden_dim=64, qk_norm=True,
+            max_seq_len=64, moe_enabled=True, moe_inter_dim=16,
+            moe_args=MoEArgs(num_experts=8, num_shared_experts=0, score_func="softmax", route_norm=True, top_k=3,
+                             score_before_experts=False, use_grouped_mm=grouped_mm, load_balance_coeff=coeff),
+        )
+    if model == "gpt_oss":
+        # swiglu_limit 0.05 clamps a share of the tiny model's pre-activations, so the clamp's gradient counts
+        return GptOssModelArgs(
+            vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, moe_inter_dim=16,
+            max_seq_len=SEQ_LEN, sliding_window_size=4, swiglu_limit=0.05,
+            moe_args=MoEArgs(num_experts=8, num_shared_experts=0, score_func="softmax", route_norm=True, top_k=3,
+                             gate_bias=True, score_before_experts=False, use_grouped_mm=grouped_mm,
+                             load_balance_coeff=coeff),
+        )
     if model == "deepseek_v3":
         args = DeepSeekV3ModelArgs(
             vocab_size=VOCAB, dim=32, inter_dim=64, moe_inter_dim=16, n_layers=4, n_dense_layers=1,
@@ -90,6 +108,22 @@ def tiny_model_args(model: str, grouped_mm: bool, load_balance: bool = True):
     )
 
 
+def _swiglu_expert(experts, expert: int, rows: torch.Tensor) -> torch.Tensor:
+    """torchtitan's standard expert: w2 (silu(w1 x) * w3 x), no bias."""
+    w1, w2, w3 = experts.w1[expert], experts.w2[expert], experts.w3[expert]
+    return (F.silu(rows @ w1.t()) * (rows @ w3.t())) @ w2.t()
+
+
+def _gpt_oss_expert(experts, expert: int, rows: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS's expert as its reference implementation defines it: h = mlp1 x + b1, its even columns the gate
+    and odd ones the linear half, each clamped to the SwiGLU limit (the gate from above only), then
+    mlp2 (gate * sigmoid(1.702 gate) * (linear + 1)) + b2."""
+    limit = experts.swiglu_limit
+    h = rows @ experts.mlp1_weight[expert].t() + experts.mlp1_bias[expert]
+    gate, linear = h[:, 0::2].clamp(max=limit), h[:, 1::2].clamp(-limit, limit)
+    return (gate * torch.sigmoid(1.702 * gate) * (linear + 1)) @ experts.mlp2_weight[expert].t() + experts.mlp2_bias[expert]
+
+
 def dense_moe_forward(moe, x: torch.Tensor) -> torch.Tensor:
     """The MoE layer by definition: out[t] = sum_k score[t,k] * expert_{id[t,k]}(x[t]) (Llama4: the
     expert of score * x[t]) + shared experts(x[t]); the router is the layer's own."""
@@ -97,18 +131,26 @@ def dense_moe_forward(moe, x: torch.Tensor) -> torch.Tensor:
     x = x.reshape(-1, dim)
     scores, ids, _ = moe.router(x, moe.expert_bias)
     out = torch.zeros_like(x)
-    w1, w2, w3 = moe.experts.w1, moe.experts.w2, moe.experts.w3
-    for expert in range(w1.shape[0]):
+    run_expert = _swiglu_expert if hasattr(moe.experts, "w1") else _gpt_oss_expert
+    for expert in range(moe.experts.num_experts):
         token, slot = (ids == expert).nonzero(as_tuple=True)
         if token.numel() == 0:
             continue
         score = scores[token, slot].unsqueeze(1)  # fp32; products rounded to the activation dtype
         rows = (x[token] * score).to(x.dtype) if moe.score_before_experts else x[token]
-        result = (F.silu(rows @ w1[expert].t()) * (rows @ w3[expert].t())) @ w2[expert].t()
+        result = run_expert(moe.experts, expert, rows)
         out = out.index_add(0, token, result if moe.score_before_experts else (result * score).to(x.dtype))
     if moe.shared_experts is not None:
         out = out + moe.shared_experts(x)
     return out.view(bs, slen, dim)
+
+
+def _forward(model, tokens: torch.Tensor) -> torch.Tensor:
+    """The model's logits, with the attention masks a FlexAttention model (GPT-OSS) takes, built as the trainer
+    builds them."""
+    if getattr(model.model_args, "attn_type", "sdpa") != "flex":
+        return model(tokens)
+    return model(tokens, attention_masks=model.get_attention_masks(tokens, tokenizer=None))
 
 
 def _batch(cell: Cell, dp_size: int):
@@ -158,6 +200,7 @@ def _job_config(cell: Cell, dp_shard: int, world_size: int):
     job_config = copy.deepcopy(_BASE_CONFIG["base"])
     overrides = [
         "--model.name", cell.model,
+        "--model.flavor", VALIDATED_FLAVOR.get(cell.model, "debugmodel"),
         "--training.local_batch_size", str(max(cell.batch_per_rank or (2,))),
         "--parallelism.data_parallel_shard_degree", str(dp_shard),
         *(backend_variants()[cell.backend] if cell.backend is not None else []),
@@ -174,6 +217,9 @@ def _job_config(cell: Cell, dp_shard: int, world_size: int):
 
 
 _BASE_CONFIG: dict = {}
+VALIDATED_FLAVOR = {"qwen3": "debugmodel_moe_small", "gpt_oss": "debugmodel_small"}
+"""The flavour a cell's job config names, for validation (the cell builds its own tiny model): one with MoE
+layers of the model's kind (Qwen3's "debugmodel" is dense)."""
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -305,7 +351,7 @@ def run_cell(rank: int, world_size: int, cell: Cell, count_replica_copies: bool 
         if cell.plan_change:
             _set_replicas(parts, REPLICAS_BEFORE[cell.replicas])
             with dist_utils.get_train_context(loss_parallel)():
-                (loss_fn(parts[0](tokens[start:end]), labels[start:end]) / global_tokens).backward()
+                (loss_fn(_forward(parts[0], tokens[start:end]), labels[start:end]) / global_tokens).backward()
             parts[0].zero_grad(set_to_none=True)
         routers = _set_replicas(parts, REPLICAS[cell.replicas]) if cell.replicas else []
         counter = None
@@ -316,7 +362,7 @@ def run_cell(rank: int, world_size: int, cell: Cell, count_replica_copies: bool 
             inner, dim = model_args.moe_inter_dim, model_args.dim
             counter = ReplicaCopyCounter(local, {(inner, dim), (dim, inner)})
         with dist_utils.get_train_context(loss_parallel)(), counter or contextlib.nullcontext():
-            pred = parts[0](tokens[start:end])
+            pred = _forward(parts[0], tokens[start:end])
             loss = loss_fn(pred, labels[start:end]) / global_tokens
             if counter is not None:
                 counter.forward_ended()
@@ -408,7 +454,7 @@ def ledger_worker(rank: int, world_size: int, cells: list[Cell]) -> dict:
         start, end = slices[dp_rank]
 
         def step():
-            loss_fn(parts[0](tokens[start:end]), labels[start:end]).backward()
+            loss_fn(_forward(parts[0], tokens[start:end]), labels[start:end]).backward()
 
         step()
         scopes = LayerScopes(parts)
@@ -436,7 +482,7 @@ def _dense(model):
 
 def _reference_step(model, loss_fn, tokens, labels, global_tokens) -> dict:
     """Loss, gradients (fp32) and gradient norm of one process computing the whole batch."""
-    loss = loss_fn(model(tokens), labels) / global_tokens
+    loss = loss_fn(_forward(model, tokens), labels) / global_tokens
     loss.backward()
     grads = {name: param.grad.detach().float().clone() for name, param in model.named_parameters()}
     return {
@@ -543,6 +589,20 @@ def cells() -> list[Cell]:
             Cell("ep2_expert_tp2", model, "nccl", 4,
                  ep2 + tp2 + ("--parallelism.expert_tensor_parallel_degree", "2")),
         ]
+    for model in ("qwen3", "gpt_oss"):
+        # the MoE layer is DeepSeek-V3's scoring style; what differs is the model around it and, for GPT-OSS, the
+        # experts: every backend under EP with FSDP, the other parallelisms on nccl
+        result += [Cell("ep2_fsdp", model, backend, 2, ep2) for backend in MATRIX_VARIANTS]
+        result += [
+            Cell("ep2_rank_receives_nothing", model, "nccl", 2, ep2, empty_last_rank=True),
+            Cell("ep2_ac_selective_op", model, "nccl", 2, ep2 + ac["ac_selective_op"]),
+        ]
+    # Qwen3's TP plan runs attention on DTensors, which a CPU cannot (config validation refuses it there)
+    result += [
+        Cell("ep2_replicas2", "qwen3", "nccl", 2, ep2, replicas=2),
+        Cell("ep2_borrowing_tp_batch2", "gpt_oss", "nccl", 2, ep2 + tp2),
+        Cell("tp2_only", "gpt_oss", None, 2, tp2 + ("--parallelism.expert_parallel_degree", "1")),
+    ]
     result.append(Cell("ep2_replicas2_after_a_plan_change", "deepseek_v3", "nccl", 2, ep2, replicas=2,
                        plan_change=True))
     result.append(Cell("mutant_defect1", "deepseek_v3", "nccl", 2, ep2 + tp2,

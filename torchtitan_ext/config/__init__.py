@@ -21,6 +21,7 @@ from torchtitan_ext.config.job import (
     moe_layer_ids,
     moe_shape,
     MoEShape,
+    nonstandard_experts,
     routed_expert_elements,
 )
 from torchtitan_ext.config.loading import load_job_config, parse
@@ -42,6 +43,7 @@ __all__ = [
     "overlaps_expert_parallel",
     "moe_shape",
     "MoEShape",
+    "nonstandard_experts",
     "routed_expert_elements",
     "parse",
     "register_hf_model",

@@ -81,6 +81,24 @@ def routed_expert_elements(job_config) -> int:
     return 0
 
 
+STANDARD_EXPERT_PARAMETERS = ("w1", "w2", "w3")
+"""torchtitan's routed experts (``GroupedExperts``): SwiGLU without bias, one stacked weight per projection."""
+
+
+def nonstandard_experts(job_config) -> str | None:
+    """None when the model's routed experts are torchtitan's standard ones (:data:`STANDARD_EXPERT_PARAMETERS`);
+    else what a refusal says of them (e.g. GPT-OSS's biased, clamped experts). Read from the model on the meta
+    device: call it only where a feature needs the standard experts."""
+    for block in meta_model(job_config).layers.values():
+        if block.moe_enabled:
+            names = tuple(name for name, _ in block.moe.experts.named_parameters())
+            if names == STANDARD_EXPERT_PARAMETERS:
+                return None
+            return f"{job_config.model.name}'s routed experts ({', '.join(names)}) are not the bias-free SwiGLU " \
+                   f"experts ({', '.join(STANDARD_EXPERT_PARAMETERS)}) it is written for"
+    return None
+
+
 def moe_layer_ids(job_config) -> list[int]:
     """Ids of the model's MoE layers (the ``layers.<id>`` of their parameters)."""
     return sorted(int(layer_id) for layer_id, block in meta_model(job_config).layers.items() if block.moe_enabled)

@@ -5,6 +5,8 @@ field and the fix (:class:`~torchtitan_ext.config.errors.ConfigError`), before
 any process group, buffer or model exists.
 """
 
+from torchtitan.protocols.train_spec import get_train_spec
+
 from torchtitan_ext.config.errors import ConfigError
 from torchtitan_ext.config.job import model_args_of, moe_shape, MoEShape
 from torchtitan_ext.config.ranges import check_ranges
@@ -24,9 +26,11 @@ def validate(job_config, *, device_type: str | None, world_size: int | None = No
     shape = moe_shape(job_config)
     _check_attention(job_config, device_type)
     _check_profiling(job_config, device_type)
+    _check_tensor_parallel(job_config, device_type)
     _check_experts_divide(job_config, shape)
     _check_activation_checkpointing(job_config)
     _check_pipeline(job_config, device_type)
+    _check_pipeline_split(job_config)
     if world_size is not None:
         _check_world_size(job_config, world_size)
     context = ValidationContext(device_type, world_size, shape, command_line)
@@ -53,6 +57,14 @@ def _check_attention(job_config, device_type: str | None) -> None:
         )
 
 
+def _check_tensor_parallel(job_config, device_type: str | None) -> None:
+    problem = getattr(model_args_of(job_config), "cpu_tensor_parallel_problem", None)
+    degree = job_config.parallelism.tensor_parallel_degree
+    if problem and degree > 1 and device_type == "cpu":
+        raise ConfigError(f"parallelism.tensor_parallel_degree = {degree} on a CPU: {problem}; set it to 1 here "
+                          "(shard with FSDP and EP), or run on GPUs")
+
+
 def _check_profiling(job_config, device_type: str | None) -> None:
     if job_config.profiling.enable_profiling and device_type == "cpu":
         raise ConfigError(
@@ -76,6 +88,14 @@ def _check_activation_checkpointing(job_config) -> None:
                 f"activation_checkpoint.selective_ac_option = '{option}': use 'op' (per operator) "
                 "or a positive integer N (every N-th layer)"
             )
+
+
+def _check_pipeline_split(job_config) -> None:
+    degree = job_config.parallelism.pipeline_parallel_degree
+    name = job_config.model.name
+    if degree > 1 and get_train_spec(name).pipelining_fn is None:
+        raise ConfigError(f"parallelism.pipeline_parallel_degree = {degree}: torchtitan 0.2.2 gives {name} no "
+                          "pipeline split: set it to 1 (shard the model with FSDP, TP or EP instead)")
 
 
 def _check_pipeline(job_config, device_type: str | None) -> None:

@@ -346,7 +346,7 @@ class DeepEPExpertParallel(RoutedExpertParallel):
 
     def _apply(self, module: torch.nn.Module, device_mesh):
         if self.replica_rows is not None:
-            self.replica_rows.elements = sum(weight[0].numel() for weight in (module.w1, module.w2, module.w3))
+            self.replica_rows.elements = sum(weight[0].numel() for weight in module.parameters(recurse=False))
         return super()._apply(module, device_mesh)
 
     def dispatch(self, x, scores, expert_ids, num_experts, group, sent_counts=None):

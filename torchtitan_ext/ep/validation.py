@@ -6,7 +6,7 @@ section and combinations itself (``RoutedExpertParallel.validate_config``).
 """
 
 
-from torchtitan_ext.config import comm_backend, ConfigError, ValidationContext
+from torchtitan_ext.config import comm_backend, ConfigError, nonstandard_experts, ValidationContext
 from torchtitan_ext.ep.backends import BACKENDS
 from torchtitan_ext.ep.replication.plan import dispatched_shape
 
@@ -78,3 +78,8 @@ def _check_degrees(job_config, backend: str) -> None:
             f"parallelism.expert_tensor_parallel_degree = {etp} is not supported by the "
             f"'{backend}' backend: set expert_tensor_parallel_degree = 1 or use the nccl backend"
         )
+    if ep > 1 and etp > 1:
+        experts = nonstandard_experts(job_config)
+        if experts:
+            raise ConfigError(f"parallelism.expert_tensor_parallel_degree = {etp}: expert TP under EP splits "
+                              f"w1, w3 by column and w2 by row, and {experts}: set expert_tensor_parallel_degree = 1")

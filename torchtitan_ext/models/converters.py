@@ -40,7 +40,7 @@ from torchtitan.models.moe.utils import indices_padding_wrapper, set_token_group
 from torchtitan.protocols.model_converter import _registry_model_converter_cls
 from torchtitan.tools.logging import logger
 
-from torchtitan_ext.config import ConfigError, register_check, ValidationContext
+from torchtitan_ext.config import ConfigError, nonstandard_experts, register_check, ValidationContext
 from torchtitan_ext.ep.experts import UnboundLoopExperts
 
 
@@ -319,6 +319,10 @@ def check_model_converters(job_config, context: ValidationContext) -> None:
             if not section.fqns:
                 raise ConfigError(f"{name} is in model.converters but {name}.fqns is empty: set "
                                   f"--{name}.fqns experts (the routed experts' modules)")
+            experts = nonstandard_experts(job_config)
+            if experts:
+                raise ConfigError(f"model.converters has {name}, whose grouped GEMMs quantize w1, w2, w3, and "
+                                  f"{experts}: remove {name}")
     if context.device_type is None:
         return
     problem = _torchao_problem()

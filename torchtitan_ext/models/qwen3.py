@@ -3,11 +3,13 @@
 Qwen3-MoE's layers are torchtitan's standard MoE (SwiGLU experts without bias, softmax routing
 renormalised over the top-k, no shared experts, scores applied after the experts), so every
 backend, expert placement and replication applies as to DeepSeek-V3. torchtitan 0.2.2 gives
-Qwen3 no pipeline split, so neither does this spec (config validation refuses PP > 1).
+Qwen3 no pipeline split, so neither does this spec (config validation refuses PP > 1); its TP plan
+runs on GPUs only (:attr:`Qwen3ModelArgs.cpu_tensor_parallel_problem`).
 """
 
 import dataclasses
 from functools import partial
+from typing import ClassVar
 
 from torchtitan.models.moe import MoEArgs
 from torchtitan.models.qwen3 import qwen3_args
@@ -20,6 +22,11 @@ from torchtitan_ext.models.parallelize import parallelize_moe_model
 
 @dataclasses.dataclass
 class Qwen3ModelArgs(TorchTitanArgs):
+    cpu_tensor_parallel_problem: ClassVar[str] = (
+        "torchtitan's Qwen3 TP plan runs attention on DTensors, and PyTorch has no DTensor rule for a CPU's "
+        "SDPA kernel (aten._scaled_dot_product_flash_attention_for_cpu)")
+    """Why TP cannot run on a CPU (config validation reads this); on a GPU it is torchtitan's plan."""
+
     def update_from_config(self, job_config, **kwargs) -> None:
         self.moe_args = grouped_mm_where_supported(self.moe_args)
         super().update_from_config(job_config, **kwargs)
