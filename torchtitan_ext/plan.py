@@ -144,9 +144,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--nproc", type=int, default=2, help="--calibrate: gloo processes (default 2)")
     parser.add_argument(
         "--hf-config", type=Path, default=None, metavar="FILE",
-        help="with --topology: price the model of this Hugging Face config.json (model_type deepseek_v3, gpt_oss, "
-             "qwen3_moe or mixtral) in place of the job config's model; the job config gives the rest (batch, "
-             "parallelism, precision)",
+        help="with --topology: plan the model of this Hugging Face config.json (model_type deepseek_v3, gpt_oss, "
+             "qwen3_moe, mixtral or llama4) in place of the job config's model; the job config gives the rest (batch, "
+             "parallelism, precision); --emit-config names it as model.flavor 'hf:FILE', which training reads",
     )
     parser.add_argument(
         "--calibrate-output", type=Path, default=Path("outputs/this_machine_topology.toml"),
@@ -172,8 +172,7 @@ def _plan_job(args, train_args: list[str], command: str) -> None:
             shape = moe_shape(job_config)
             if shape is not None:
                 check_fits(stats, moe_layer_ids(job_config), shape.num_experts, f"--routing-stats {args.routing_stats}")
-        # the memory plan is the parallelize plan's dry run: it runs on this harness's own models only
-        result = None if args.hf_config is not None else plan(job_config, dry_run(job_config, world_size), stats)
+        result = plan(job_config, dry_run(job_config, world_size), stats)
         compute = measure_compute(train_args, world_size) if args.measure_compute else None
         advice, routing = (None, None) if topology is None else advise(
             train_args, world_size, topology, stats, str(args.routing_stats), compute, args.replica_slots, progress=True,
@@ -197,9 +196,8 @@ def _plan_job(args, train_args: list[str], command: str) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    if result is not None:
-        print("\n".join(format_plan(result, world_size)))
-    model = result.dry_run.model if result is not None else f"{job_config.model.name} of {args.hf_config}"
+    print("\n".join(format_plan(result, world_size)))
+    model = result.dry_run.model
     if advice is not None:
         print("\n".join(format_advice(advice, topology, world_size, model, problem, routing, compute, error=error)))
     if args.json is not None:
@@ -267,9 +265,8 @@ def _check_flags(args) -> None:
     if args.error_output is not None and not args.validate:
         raise ConfigError("--error-output writes the error --validate measures: add --validate")
     if args.hf_config is not None:
-        # priced only (this harness trains the models of its train configs): the advice is all it gives
-        for flag, given in (("--topology", args.topology is not None), ("no --emit-config", args.emit_config is None),
-                            ("no --measure-compute", not args.measure_compute)):
+        # the layout advice prices the model by its FLOPs and bytes: its compute is not measured here
+        for flag, given in (("--topology", args.topology is not None), ("no --measure-compute", not args.measure_compute)):
             if not given:
                 raise ConfigError(f"--hf-config prices a model by its FLOPs and bytes in the layout advice: use it "
                                   f"with {flag}")

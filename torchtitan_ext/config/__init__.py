@@ -12,7 +12,7 @@ package (the bottom tier, see :mod:`torchtitan_ext`).
 """
 
 from torchtitan_ext.config.errors import ConfigError
-from torchtitan_ext.config.hf_model import register_hf_model
+from torchtitan_ext.config.hf_model import hf_flavor_args, HF_FLAVOR_PREFIX, register_hf_model
 from torchtitan_ext.config.job import (
     job_world_size,
     max_tokens_per_rank,
@@ -34,6 +34,8 @@ from torchtitan_ext.config.validation import validate
 __all__ = [
     "comm_backend",
     "ConfigError",
+    "hf_flavor_args",
+    "HF_FLAVOR_PREFIX",
     "job_world_size",
     "load_job_config",
     "max_tokens_per_rank",

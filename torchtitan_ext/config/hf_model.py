@@ -5,7 +5,8 @@ architecture (``model_type`` ``deepseek_v3`` onto torchtitan's DeepSeek-V3, ``gp
 ``qwen3_moe`` onto its Qwen3 with MoE layers, ``mixtral`` onto the same without query and key norms, ``llama4``'s
 text model (or a ``llama4_text`` config) onto its Llama4) and
 registers the arguments under the flavour ``hf:<path>``, so that ``--model.name <family> --model.flavor hf:<path>``
-names the model everywhere a job config is read. Every field is either read (it fixes a shape), held to the value
+names the model everywhere a job config is read (a job config naming such a flavour reads the file itself: a
+config ``plan --hf-config --emit-config`` writes trains as it is). Every field is either read (it fixes a shape), held to the value
 the torchtitan model assumes (``hidden_act``, tied embeddings, the layer pattern), or known not to change the FLOPs
 or bytes of a step (token ids, dropout, the checkpoint's storage format); any other field, and any missing one,
 is refused in one line naming it: a field this module does not know may change the model it prices.
@@ -350,6 +351,15 @@ def register_hf_model(path: Path, where: str = "") -> list[str]:
     return ["--model.name", name, "--model.flavor", flavor]
 
 
-def registered_hf_model(name: str, flavor: str):
-    """The model arguments :func:`register_hf_model` registered under ``flavor``, or None."""
-    return _registered.get((name, flavor))
+def hf_flavor_args(name: str, flavor: str):
+    """The model arguments of flavour ``hf:<path>`` of model ``name``: registered already, or read from the
+    config.json at ``<path>`` now. ConfigError, naming ``model.flavor``, for a file :func:`hf_model_args` refuses
+    and for a config of another model."""
+    if (name, flavor) not in _registered:
+        where = f"model.flavor = '{flavor}'"
+        family, model_args = hf_model_args(Path(flavor.removeprefix(HF_FLAVOR_PREFIX)), where)
+        if family != name:
+            raise ConfigError(f"{where}: that config.json is a {family} model, not {name}: set model.name = "
+                              f"'{family}'")
+        _registered[name, flavor] = model_args
+    return _registered[name, flavor]

@@ -9,7 +9,7 @@ from torchtitan.models import _supported_models
 from torchtitan.protocols.train_spec import _extra_train_specs, get_train_spec
 
 from torchtitan_ext.config.errors import ConfigError
-from torchtitan_ext.config.hf_model import registered_hf_model
+from torchtitan_ext.config.hf_model import hf_flavor_args, HF_FLAVOR_PREFIX
 
 
 @dataclass(frozen=True)
@@ -27,14 +27,19 @@ class MoEShape:
 def model_args_of(job_config):
     """The configured model flavour's arguments; ConfigError for an unknown model or flavour."""
     name, flavor = job_config.model.name, job_config.model.flavor
-    registered = registered_hf_model(name, flavor)
-    if registered is not None:
-        return registered
+    read = hf_flavor_args(name, flavor) if flavor.startswith(HF_FLAVOR_PREFIX) else None
     try:
         spec = get_train_spec(name)
     except ValueError:
+        if read is not None:
+            return read
         known = sorted(set(_extra_train_specs) | set(_supported_models))
         raise ConfigError(f"model.name = '{name}' is not a registered model: use one of {', '.join(known)}") from None
+    if read is not None:
+        try:
+            return spec.model_args[flavor]  # our spec's flavours hold it as the model's own args
+        except KeyError:
+            return read
     if flavor not in spec.model_args:
         raise ConfigError(f"model.flavor = '{flavor}' is not a flavour of {name}: use one of {', '.join(spec.model_args)}")
     return spec.model_args[flavor]

@@ -70,7 +70,9 @@ class FlexOrDenseAttention(FlexAttentionWrapper):
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         scores = (q @ k.transpose(-2, -1)) * scale
         if block_mask is not None:
-            allowed = create_mask(block_mask.mask_mod, None, None, q.shape[2], k.shape[2], device=q.device)
+            # the mask's own batch and head sizes: a per-document mask differs per sequence
+            batch, heads = block_mask.shape[:2]
+            allowed = create_mask(block_mask.mask_mod, batch, heads, q.shape[2], k.shape[2], device=q.device)
             scores = scores.masked_fill(~allowed, float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)
         out = torch.exp(scores - lse.unsqueeze(-1)) @ v

@@ -15,6 +15,7 @@ from torchtitan.models.llama4 import get_train_spec as llama4_spec
 from torchtitan.models.qwen3 import get_train_spec as qwen3_spec
 from torchtitan.protocols.train_spec import get_train_spec, register_train_spec, TrainSpec
 
+from torchtitan_ext.config import hf_flavor_args, HF_FLAVOR_PREFIX
 from torchtitan_ext.models import deepseek_v3, gpt_oss, llama4, qwen3
 from torchtitan_ext.training.loss import build_loss_fn
 from torchtitan_ext.training.metrics import build_metrics_processor
@@ -28,13 +29,31 @@ MODELS = {
 """Model name -> (torchtitan's spec, our flavours, our parallelize function, other fields of the spec we replace)."""
 
 
+class Flavours(dict):
+    """A model's flavours: its named ones, and any ``hf:<path>`` flavour (the Hugging Face config.json at
+    ``<path>``, read at first use, as our model args), so that a config ``plan --emit-config`` writes for a
+    ``--hf-config`` model trains as written."""
+
+    def __init__(self, name: str, named: dict):
+        super().__init__(named)
+        self.name = name
+
+    def __missing__(self, flavor: str):
+        if not flavor.startswith(HF_FLAVOR_PREFIX):
+            raise KeyError(flavor)
+        read = hf_flavor_args(self.name, flavor)
+        ours = type(next(iter(self.values())))
+        self[flavor] = ours(**{field.name: getattr(read, field.name) for field in dataclasses.fields(read)})
+        return self[flavor]
+
+
 def train_spec(name: str) -> TrainSpec:
     """Our spec of model ``name`` (a key of :data:`MODELS`)."""
     upstream_spec, flavors, parallelize, replaced = MODELS[name]
     upstream = upstream_spec()
     return dataclasses.replace(
         upstream,
-        model_args=flavors(),
+        model_args=Flavours(name, flavors()),
         parallelize_fn=parallelize,
         build_metrics_processor_fn=build_metrics_processor,
         build_loss_fn=build_loss_fn(upstream.build_loss_fn),
