@@ -8,14 +8,15 @@ shards every expert parameter over EP along its expert dimension. Features writt
 standard experts' w1, w2, w3 (expert replication, the FP8/MXFP8 expert GEMMs, expert TP under EP)
 are refused for it in one line by their own checks.
 
-Two departures from torchtitan 0.2.2's model, both outside the math it computes:
+Three departures from torchtitan 0.2.2's model, none in the math it computes:
 
 - the transformer blocks hold their parameters in the default dtype (fp32), as every other model
   here does, instead of bf16: FSDP's ``mixed_precision_param`` sets the compute dtype, and the
   optimizer updates fp32 masters;
 - where the tensors are on a CPU, attention runs :class:`FlexOrDenseAttention`'s dense form (PyTorch
   implements no FlexAttention backward on a CPU), and the masks are built eagerly (compiling
-  ``create_block_mask`` takes about 14 s per process there). On a GPU both are torchtitan's.
+  ``create_block_mask`` takes about 14 s per process there). On a GPU both are torchtitan's;
+- the router's bias starts at zero (torchtitan leaves it uninitialized, so routing differed run to run).
 """
 
 import dataclasses
@@ -80,13 +81,23 @@ class FlexOrDenseAttention(FlexAttentionWrapper):
 
 
 class GptOssModel(TorchTitanModel):
-    """torchtitan's GPT-OSS with fp32 blocks and :class:`FlexOrDenseAttention` (see the module docstring)."""
+    """torchtitan's GPT-OSS with fp32 blocks, :class:`FlexOrDenseAttention` and a zero router bias at
+    initialization (see the module docstring)."""
 
     def __init__(self, model_args: TorchTitanArgs):
         super().__init__(model_args)
         self.layers.to(torch.get_default_dtype())
         for block in self.layers.values():
             block.attention.inner_attention = FlexOrDenseAttention()
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        super().init_weights(buffer_device)
+        # torchtitan 0.2.2 initializes the router's weight only: its bias would keep whatever memory the model was
+        # materialized in (to_empty after a meta-device build), and routing would differ from run to run
+        with torch.no_grad():
+            for block in self.layers.values():
+                if block.moe.router.gate.bias is not None:
+                    block.moe.router.gate.bias.zero_()
 
     def get_attention_masks(self, input_batch, tokenizer, extra_inputs=None):
         if input_batch.device.type != "cpu":
