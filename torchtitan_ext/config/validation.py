@@ -50,6 +50,12 @@ def _check_experts_divide(job_config, shape: MoEShape | None) -> None:
 def _check_attention(job_config, device_type: str | None) -> None:
     model_args = model_args_of(job_config)
     attention = getattr(model_args, "attn_type", "sdpa")
+    cp = job_config.parallelism.context_parallel_degree
+    if cp > 1 and attention != "sdpa":
+        raise ConfigError(
+            f"parallelism.context_parallel_degree = {cp}: model.flavor = '{job_config.model.flavor}' uses {attention} "
+            "attention, and torchtitan's context parallelism takes SDPA only: set it to 1, or use an SDPA flavour"
+        )
     if attention == "flex" and device_type == "cpu" and not getattr(model_args, "dense_attention_on_cpu", False):
         raise ConfigError(
             f"model.flavor = '{job_config.model.flavor}' uses FlexAttention, whose backward PyTorch does not "

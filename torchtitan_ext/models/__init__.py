@@ -1,7 +1,7 @@
-"""DeepSeek-V3 and Llama4: torchtitan's models with our parallelize plans and model args.
+"""DeepSeek-V3, Llama4, Qwen3 (Qwen3-MoE) and GPT-OSS: torchtitan's models with our parallelize plans and model args.
 
 Owns: one ``parallelize_<model>`` per model (:mod:`.deepseek_v3`,
-:mod:`.llama4`) over the shared plan (:mod:`.parallelize`), each model's
+:mod:`.llama4`, :mod:`.qwen3`, :mod:`.gpt_oss`) over the shared plan (:mod:`.parallelize`), each model's
 flavours, the MoE layer that hands routing to the EP backend
 (:mod:`.moe`), and the low-precision model converters (:mod:`.converters`). Their train specs (with training's loss and metrics) are
 registered by :mod:`torchtitan_ext.training.specs`.

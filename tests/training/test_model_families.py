@@ -1,0 +1,62 @@
+"""Qwen3-MoE and GPT-OSS train as the other models do: from one seed the backends give the same per-step losses,
+and a checkpoint written at EP=2 under nccl resumes under another backend and at another EP degree with the same
+next losses (torchtitan DCP reshards the experts, GPT-OSS's biases with them). Debug flavours, fp32, 2 ranks."""
+
+import shutil
+from functools import partial
+
+import pytest
+
+from tests.helpers import REPO_ROOT, run_distributed
+from tests.training.cases import TINY, train_worker
+from tests.training.test_training_parity import RESUME, RESUME_TOLERANCE, stop_after
+from torchtitan_ext.ep.backends import backend_variants
+
+pytestmark = pytest.mark.slow
+
+STEPS = 4
+CONFIGS = {"qwen3": "train_configs/qwen3_moe_debug_model.toml", "gpt_oss": "train_configs/gpt_oss_debug_model.toml"}
+PARITY_TOLERANCE = 1e-6
+
+
+def _job(model: str, folder, *extra):
+    return ["--job.config_file", str(REPO_ROOT / CONFIGS[model]), "--training.steps", str(STEPS),
+            "--job.dump_folder", str(folder), *TINY, *extra]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("families")
+    runs = []
+    for model in CONFIGS:
+        runs.append((f"{model}_nccl", _job(model, tmp / f"{model}_nccl", *backend_variants()["nccl"],
+                                           "--checkpoint.enable", "--checkpoint.interval", "2")))
+        runs.append((f"{model}_ncclep", _job(model, tmp / f"{model}_ncclep", *backend_variants()["ncclep"])))
+    return run_distributed(2, train_worker, runs)[0], tmp
+
+
+def test_backends_agree_from_one_seed(trained):
+    losses, _ = trained
+    for model in CONFIGS:
+        reference = losses[f"{model}_nccl"]
+        assert list(reference) == list(range(1, STEPS + 1))
+        assert reference[STEPS] < reference[1], reference
+        for step, loss in reference.items():
+            assert losses[f"{model}_ncclep"][step] == pytest.approx(loss, rel=PARITY_TOLERANCE), (model, step)
+
+
+def test_checkpoint_resumes_under_another_backend_and_ep_degree(trained, tmp_path):
+    losses, tmp = trained
+    runs = []
+    for model in CONFIGS:
+        for name, args in (("deepep_ep2", backend_variants()["deepep"]),
+                           ("nccl_ep1", ["--parallelism.expert_parallel_degree", "1"])):
+            folder = tmp_path / f"{model}_{name}"
+            shutil.copytree(tmp / f"{model}_nccl" / "checkpoint" / "step-2", folder / "checkpoint" / "step-2")
+            runs.append((f"{model}_{name}", _job(model, folder, *args, *RESUME)))
+    resumed = run_distributed(2, train_worker, runs, partial(stop_after, STEPS))[0]
+    for run, got in resumed.items():
+        model = run.rsplit("_", 2)[0]
+        assert list(got) == [3, 4], (run, got)
+        for step, loss in got.items():
+            assert loss == pytest.approx(losses[f"{model}_nccl"][step], rel=RESUME_TOLERANCE), (run, step)
