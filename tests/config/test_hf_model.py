@@ -99,13 +99,23 @@ def test_a_file_that_is_not_a_config_is_refused(tmp_path):
             hf_model_args(path)
 
 
-@pytest.mark.parametrize("flags, needed", [([], "--topology"), (["--topology", "gb200_nvl72", "--emit-config", "x.toml"],
-                                                                 "no --emit-config")])
-def test_the_cli_gives_only_the_layout_advice_for_it(capsys, flags, needed):
+@pytest.mark.parametrize("flags, needed", [([], "--topology"), (["--topology", "gb200_nvl72", "--measure-compute"],
+                                                                 "no --measure-compute")])
+def test_the_cli_prices_it_by_flops_and_bytes(capsys, flags, needed):
     with pytest.raises(SystemExit):
         plan.main(["--hf-config", str(GPT_OSS_120B), *flags, "--job.config_file", "train_configs/debug_model.toml"])
     assert capsys.readouterr().err == ("error: --hf-config prices a model by its FLOPs and bytes in the layout "
                                        f"advice: use it with {needed}\n")
+
+
+def test_a_flavour_naming_another_models_config_is_refused():
+    """A job config's model.flavor 'hf:<path>' is read by the job itself: a config of another family is named."""
+    from torchtitan_ext.config import load_job_config
+
+    with pytest.raises(ConfigError, match=f"^model.flavor = 'hf:{GPT_OSS_120B}': that config.json is a gpt_oss model, "
+                                          "not qwen3: set model.name = 'gpt_oss'$"):
+        load_job_config(["--job.config_file", "train_configs/debug_model.toml", "--model.name", "qwen3",
+                         "--model.flavor", f"hf:{GPT_OSS_120B}"], "cpu")
 
 
 def test_a_registered_config_is_the_jobs_model_wherever_a_job_config_is_read():

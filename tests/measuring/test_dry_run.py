@@ -24,6 +24,12 @@ SHIPPED = {
     "deepseek_v3_671b_gb200.toml": 256,
     "llama4_17bx16e.toml": 32,
     "llama4_17bx128e_gb200.toml": 64,
+    "qwen3_moe_debug_model.toml": 2,
+    "gpt_oss_debug_model.toml": 2,
+    "qwen3_30b_a3b.toml": 8,
+    "qwen3_235b_a22b_gb200.toml": 64,
+    "gpt_oss_20b.toml": 8,
+    "gpt_oss_120b_gb200.toml": 64,
 }
 
 PARALLELISMS = {
