@@ -993,6 +993,7 @@ def test_a_measured_rate_leaves_out_an_alternative_it_would_price_alike():
 def test_the_shipped_fit_reproduces_its_fit_row_where_the_advisor_as_shipped_ranks_it_the_other_way(advice_671b):
     """torchtitan #2207 (DeepSeek-V3 671B, 256 GB200, EP=64): hybridep 1.31x nccl published; as shipped the advisor
     prices nccl at NVL72's nominal rate and calls it faster; under docs/advisor_fit.toml both figures match."""
+    prepare()  # as plan --validate: our model args (torchtitan's "deepep" MoE would import deep_ep)
     fitted = load_fit(SHIPPED_FIT)
     assert fitted.count <= 3
     comparisons, shipped, under_fit = validate(SHIPPED_COMPARISONS, fitted)
