@@ -1,15 +1,19 @@
-"""plan --hf-config ... --emit-config writes a job config that run_train.sh runs as written: the model named as
-``hf:<config.json>``, read by training itself. For each family the emitted config dry-runs at full size on the
-world size it was planned for, then trains a few steps on a CPU at its debug flavour (only the size, the data and
-what a CPU cannot do are overridden)."""
-
-import subprocess
-import sys
+"""plan --hf-config ... --emit-config writes a job config that trains as written: the model named as
+``hf:<config.json>``, read by training itself. For each family the emitted config dry-runs at full size on the world
+size it was planned for, then trains a few steps on a CPU at its debug flavour (only the size, the data and what a
+CPU cannot do are overridden). In-process, as run_train.sh's ranks load a job: the launcher's own path for a config
+file is the other configs' (tests/launch)."""
 
 import pytest
+import torch.distributed as dist
 
-from tests.helpers import launcher_env, REPO_ROOT, run_launcher
-from torchtitan_ext.records.metrics import logged_losses
+from tests.helpers import REPO_ROOT, run_distributed
+from tests.training.cases import TINY, train_worker
+from torchtitan_ext import plan
+from torchtitan_ext.config import load_job_config
+from torchtitan_ext.measuring.dry_run import dry_run
+
+pytestmark = pytest.mark.slow  # the planner's advice over every layout, twice: about 25 s
 
 FAMILIES = {
     # family: (HF config, the job planned, its world size, topology, debug flavour)
@@ -19,32 +23,50 @@ FAMILIES = {
                 "debugmodel_small"),
 }
 STEPS = 2
+AT_DEBUG_SIZE = (
+    "--model.hf_assets_path", "./assets/embedded", "--training.dataset", "stdlib_code",
+    "--parallelism.expert_parallel_degree", "2", "--compile.no-enable", "--model.converters", "",
+    "--checkpoint.no-enable", "--training.steps", str(STEPS), "--metrics.log_freq", "1", *TINY,
+)
 
 
-@pytest.mark.slow
+@pytest.fixture(scope="module")
+def emitted(tmp_path_factory, monkeypatch_module):
+    """{family: the emitted config's path}: plan run as its CLI, from the repository root."""
+    monkeypatch_module.chdir(REPO_ROOT)
+    folder = tmp_path_factory.mktemp("emitted")
+    written = {}
+    for family, (hf_config, job, world_size, topology, _) in FAMILIES.items():
+        written[family] = folder / f"{family}.toml"
+        plan.main(["--hf-config", hf_config, "--job.config_file", job, "--world-size", str(world_size),
+                   "--topology", topology, "--emit-config", str(written[family])])
+    return written
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_emitted_config_dry_runs_and_trains(family, tmp_path):
-    hf_config, job, world_size, topology, debug_flavor = FAMILIES[family]
-    emitted = tmp_path / "emitted.toml"
-    planned = subprocess.run(
-        [sys.executable, "-m", "torchtitan_ext.plan", "--hf-config", hf_config, "--job.config_file", job,
-         "--world-size", str(world_size), "--topology", topology, "--emit-config", str(emitted)],
-        cwd=REPO_ROOT, env=launcher_env(), capture_output=True, text=True, timeout=300,
-    )
-    assert planned.returncode == 0, planned.stderr[-3000:]
-    written = emitted.read_text()
-    assert f'name = "{family}"' in written and f'flavor = "hf:{hf_config}"' in written
+def test_emitted_config_names_the_model_and_dry_runs_at_full_size(family, emitted):
+    hf_config, _, world_size, _, _ = FAMILIES[family]
+    text = emitted[family].read_text()
+    assert f'name = "{family}"' in text and f'flavor = "hf:{hf_config}"' in text
+    try:
+        report = dry_run(load_job_config(["--job.config_file", str(emitted[family])], device_type=None,
+                                         world_size=world_size), world_size)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert report.model == f"{family} hf:{hf_config}"
+    assert report.parameter_devices == {"meta"}
 
-    dry = run_launcher("--job.config_file", str(emitted), timeout=300, COMM_MODE="fake_backend", NGPU=str(world_size))
-    assert dry.returncode == 0, dry.output[-3000:]
-    assert f"dry run: {family} hf:{hf_config} on {world_size} ranks" in dry.output
 
-    trained = run_launcher(
-        "--job.config_file", str(emitted), "--model.flavor", debug_flavor, "--model.hf_assets_path",
-        "./assets/embedded", "--training.dataset", "stdlib_code", "--training.local_batch_size", "1",
-        "--training.seq_len", "64", "--parallelism.expert_parallel_degree", "2", "--compile.no-enable",
-        "--model.converters", "", "--checkpoint.no-enable", "--training.steps", str(STEPS), "--metrics.log_freq", "1",
-        "--job.dump_folder", str(tmp_path / "run"), timeout=300,
-    )
-    assert trained.returncode == 0, trained.output[-3000:]
-    assert list(logged_losses(tmp_path / "run")) == list(range(1, STEPS + 1))
+def test_emitted_configs_train_at_debug_size(emitted, tmp_path):
+    runs = [(family, ["--job.config_file", str(emitted[family]), "--model.flavor", FAMILIES[family][4],
+                      "--job.dump_folder", str(tmp_path / family), *AT_DEBUG_SIZE]) for family in FAMILIES]
+    losses = run_distributed(2, train_worker, runs)[0]
+    for family in FAMILIES:
+        assert list(losses[family]) == list(range(1, STEPS + 1)), (family, losses[family])
