@@ -1,6 +1,7 @@
 """GPT-OSS's attention on a CPU (:class:`torchtitan_ext.models.gpt_oss.FlexOrDenseAttention`) equals PyTorch's
 FlexAttention, run eagerly (forward only: PyTorch has no FlexAttention backward on a CPU), on the masks GPT-OSS uses:
-causal, causal with a sliding window, and per-document causal; with grouped-query heads, output and log-sum-exp."""
+causal, causal with a sliding window, and per-document (torchtitan's "block_causal" for GPT-OSS); with
+grouped-query heads, output and log-sum-exp, in fp32 and from bf16 inputs (accumulated in fp32, as FlexAttention does)."""
 
 import warnings
 
@@ -25,17 +26,22 @@ def _masks():
     }
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("mask", _masks())
-def test_dense_attention_equals_flex_attention(mask):
+def test_dense_attention_equals_flex_attention(mask, dtype):
+    """bf16 inputs: FlexAttention's fp32 result on the same (exactly upcast) values, its output rounded once to
+    bf16 and its log-sum-exp in fp32."""
     batch, mask_mod = _masks()[mask]
     generator = torch.Generator().manual_seed(3)
-    q = torch.randn(2, 4, LENGTH, 16, generator=generator)
-    k, v = (torch.randn(2, 2, LENGTH, 16, generator=generator) for _ in range(2))
+    q = torch.randn(2, 4, LENGTH, 16, generator=generator).to(dtype)
+    k, v = (torch.randn(2, 2, LENGTH, 16, generator=generator).to(dtype) for _ in range(2))
     block_mask = create_block_mask(mask_mod, batch, None, LENGTH, LENGTH, device="cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # eager FlexAttention's notice that it is for debugging
-        expected, expected_lse = flex_attention(q, k, v, block_mask=block_mask, scale=0.3, return_lse=True,
-                                                enable_gqa=True)
+        expected, expected_lse = flex_attention(q.float(), k.float(), v.float(), block_mask=block_mask, scale=0.3,
+                                                return_lse=True, enable_gqa=True)
     out, lse = FlexOrDenseAttention()(q, k, v, block_mask=block_mask, scale=0.3, return_lse=True, enable_gqa=True)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    rounding = {"rtol": 2**-8, "atol": 2**-8} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-6}
+    torch.testing.assert_close(out, expected.to(dtype), **rounding)
     torch.testing.assert_close(lse, expected_lse, rtol=1e-5, atol=1e-6)

@@ -69,14 +69,15 @@ class FlexOrDenseAttention(FlexAttentionWrapper):
         if enable_gqa and k.shape[1] != q.shape[1]:
             k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        scores = (q @ k.transpose(-2, -1)) * scale
+        # in fp32, as FlexAttention accumulates (its log-sum-exp is fp32 whatever the inputs' dtype)
+        scores = (q.float() @ k.float().transpose(-2, -1)) * scale
         if block_mask is not None:
             # the mask's own batch and head sizes: a per-document mask differs per sequence
             batch, heads = block_mask.shape[:2]
             allowed = create_mask(block_mask.mask_mod, batch, heads, q.shape[2], k.shape[2], device=q.device)
             scores = scores.masked_fill(~allowed, float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)
-        out = torch.exp(scores - lse.unsqueeze(-1)) @ v
+        out = (torch.exp(scores - lse.unsqueeze(-1)) @ v.float()).to(q.dtype)
         return (out, lse) if return_lse else out
 
 
@@ -103,10 +104,13 @@ class GptOssModel(TorchTitanModel):
         if input_batch.device.type != "cpu":
             return super().get_attention_masks(input_batch, tokenizer, extra_inputs)
         # torchtitan's masks (get_attention_masks), built without compiling
-        if self.model_args.attn_mask_type == "causal":
-            batch, basic = None, get_causal_mask_mod()
-        else:
-            batch, basic = input_batch.shape[0], get_document_mask_mod(input_batch, tokenizer.eos_id)
+        match self.model_args.attn_mask_type:
+            case "causal":
+                batch, basic = None, get_causal_mask_mod()
+            case "block_causal":
+                batch, basic = input_batch.shape[0], get_document_mask_mod(input_batch, tokenizer.eos_id)
+            case other:
+                raise ValueError(f"Unknown attention mask type: {other}")
         window = get_sliding_window_mask_mod(self.model_args.sliding_window_size)
         length = input_batch.shape[1]
         build = partial(create_block_mask, B=batch, H=None, Q_LEN=length, KV_LEN=length, device="cpu")

@@ -9,6 +9,7 @@ keep ``model.name = "deepseek_v3"``, ``"llama4"``, ``"qwen3"``, ``"gpt_oss"``.
 
 import dataclasses
 
+from torchtitan.components.optimizer import build_optimizers_with_moe_load_balancing
 from torchtitan.models.deepseek_v3 import get_train_spec as deepseek_v3_spec
 from torchtitan.models.gpt_oss import get_train_spec as gpt_oss_spec
 from torchtitan.models.llama4 import get_train_spec as llama4_spec
@@ -23,7 +24,10 @@ from torchtitan_ext.training.metrics import build_metrics_processor
 MODELS = {
     "deepseek_v3": (deepseek_v3_spec, deepseek_v3.flavors, deepseek_v3.parallelize_deepseekv3, {}),
     "llama4": (llama4_spec, llama4.flavors, llama4.parallelize_llama4, {}),
-    "qwen3": (qwen3_spec, qwen3.flavors, qwen3.parallelize_qwen3, {}),
+    # torchtitan's Qwen3 spec never updates its MoE layers' expert_bias (load_balance_coeff is set): balanced as the
+    # other three models are
+    "qwen3": (qwen3_spec, qwen3.flavors, qwen3.parallelize_qwen3,
+              {"build_optimizers_fn": build_optimizers_with_moe_load_balancing}),
     "gpt_oss": (gpt_oss_spec, gpt_oss.flavors, gpt_oss.parallelize_gptoss, {"model_cls": gpt_oss.GptOssModel}),
 }
 """Model name -> (torchtitan's spec, our flavours, our parallelize function, other fields of the spec we replace)."""
