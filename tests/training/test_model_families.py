@@ -40,7 +40,6 @@ def test_backends_agree_from_one_seed(trained):
     for model in CONFIGS:
         reference = losses[f"{model}_nccl"]
         assert list(reference) == list(range(1, STEPS + 1))
-        assert reference[STEPS] < reference[1], reference
         for step, loss in reference.items():
             assert losses[f"{model}_ncclep"][step] == pytest.approx(loss, rel=PARITY_TOLERANCE), (model, step)
 
