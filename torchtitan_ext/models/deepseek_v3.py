@@ -7,6 +7,7 @@ from torchtitan.models.deepseek_v3 import deepseekv3_args
 from torchtitan.models.deepseek_v3.infra.parallelize import _op_sac_save_list, apply_non_moe_tp
 from torchtitan.models.deepseek_v3.model.args import DeepSeekV3ModelArgs as TorchTitanArgs
 
+from torchtitan_ext.models.args import as_our_args
 from torchtitan_ext.models.moe import grouped_mm_where_supported
 from torchtitan_ext.models.parallelize import parallelize_moe_model
 
@@ -67,7 +68,7 @@ def flavors() -> dict[str, DeepSeekV3ModelArgs]:
     """torchtitan's DeepSeek-V3 flavours as our model args, plus "16B_4layers", "debugmodel_small" and
     "debugmodel_wide_experts"."""
     found = {
-        name: DeepSeekV3ModelArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args)})
+        name: as_our_args(DeepSeekV3ModelArgs, args)
         for name, args in deepseekv3_args.items()
     }
     found[f"16B_{CUT_LAYERS}layers"] = dataclasses.replace(found["16B"], n_layers=CUT_LAYERS)

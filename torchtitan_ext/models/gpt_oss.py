@@ -38,6 +38,7 @@ from torchtitan.models.gpt_oss.model.args import GptOssModelArgs as TorchTitanAr
 from torchtitan.models.gpt_oss.model.model import GptOssModel as TorchTitanModel
 from torchtitan.models.moe import MoEArgs
 
+from torchtitan_ext.models.args import as_our_args
 from torchtitan_ext.models.moe import grouped_mm_where_supported
 from torchtitan_ext.models.parallelize import parallelize_moe_model
 
@@ -146,7 +147,7 @@ with sinks, sliding-window on even layers) at a size a CPU trains in seconds a s
 def flavors() -> dict[str, GptOssModelArgs]:
     """torchtitan's GPT-OSS flavours as our model args, plus "debugmodel_small"."""
     found = {
-        name: GptOssModelArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args)})
+        name: as_our_args(GptOssModelArgs, args)
         for name, args in gptoss_configs.items()
     }
     found["debugmodel_small"] = dataclasses.replace(found["debugmodel"], **DEBUG_SMALL)

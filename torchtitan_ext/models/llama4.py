@@ -7,6 +7,7 @@ from torchtitan.models.llama4 import llama4_args
 from torchtitan.models.llama4.model.args import TransformerModelArgs
 from torchtitan.models.llama4.infra.parallelize import _op_sac_save_list, apply_non_moe_tp
 
+from torchtitan_ext.models.args import as_our_args
 from torchtitan_ext.models.moe import grouped_mm_where_supported
 from torchtitan_ext.models.parallelize import parallelize_moe_model
 
@@ -48,6 +49,6 @@ def _apply_dense_tp(model, tp_mesh, *, loss_parallel: bool, enable_float8_tensor
 def flavors() -> dict[str, Llama4ModelArgs]:
     """torchtitan's Llama4 flavours as our model args."""
     return {
-        name: Llama4ModelArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args)})
+        name: as_our_args(Llama4ModelArgs, args)
         for name, args in llama4_args.items()
     }

@@ -16,6 +16,7 @@ from torchtitan.models.qwen3 import qwen3_args
 from torchtitan.models.qwen3.infra.parallelize import _op_sac_save_list, apply_non_moe_tp
 from torchtitan.models.qwen3.model.args import Qwen3ModelArgs as TorchTitanArgs
 
+from torchtitan_ext.models.args import as_our_args
 from torchtitan_ext.models.moe import grouped_mm_where_supported
 from torchtitan_ext.models.parallelize import parallelize_moe_model
 
@@ -63,7 +64,7 @@ size a CPU trains in seconds a step: 4 layers of 16 experts, top-4. torchtitan's
 def flavors() -> dict[str, Qwen3ModelArgs]:
     """torchtitan's Qwen3 flavours (dense and MoE) as our model args, plus "debugmodel_moe_small"."""
     found = {
-        name: Qwen3ModelArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args)})
+        name: as_our_args(Qwen3ModelArgs, args)
         for name, args in qwen3_args.items()
     }
     found["debugmodel_moe_small"] = dataclasses.replace(found["debugmodel_moe"], **DEBUG_MOE_SMALL)

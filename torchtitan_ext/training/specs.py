@@ -18,6 +18,7 @@ from torchtitan.protocols.train_spec import get_train_spec, register_train_spec,
 
 from torchtitan_ext.config import hf_flavor_args, HF_FLAVOR_PREFIX
 from torchtitan_ext.models import deepseek_v3, gpt_oss, llama4, qwen3
+from torchtitan_ext.models.args import as_our_args
 from torchtitan_ext.training.loss import build_loss_fn
 from torchtitan_ext.training.metrics import build_metrics_processor
 
@@ -47,7 +48,7 @@ class Flavours(dict):
             raise KeyError(flavor)
         read = hf_flavor_args(self.name, flavor)
         ours = type(next(iter(self.values())))
-        self[flavor] = ours(**{field.name: getattr(read, field.name) for field in dataclasses.fields(read)})
+        self[flavor] = as_our_args(ours, read)
         return self[flavor]
 
 
