@@ -6,6 +6,7 @@ closest valid one), ill-typed values and a missing or malformed file raise
 :class:`~torchtitan_ext.config.errors.ConfigError` naming them.
 """
 
+import copy
 import difflib
 import functools
 import importlib
@@ -47,8 +48,18 @@ def parse_job_config(args: list[str], config_cls) -> tuple[Any, set[str]]:
     ``ConfigError`` with one line, before torchtitan's parser sees them.
     """
     config_file = _config_file_from_args(args)
-    toml_values = _load_toml(config_file) if config_file else {}
-    custom_module = _custom_config_module(args, toml_values)
+    text = _read_config_file(config_file) if config_file else b""
+    config, explicit = _parsed(config_cls, tuple(args), config_file, text)
+    return copy.deepcopy(config), set(explicit)
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed(config_cls, args: tuple[str, ...], config_file: str | None, text: bytes) -> tuple[Any, frozenset[str]]:
+    """One parse per class, arguments and file content: torchtitan's parser (tyro) builds its parser from the
+    config classes at every call, a tenth of a second, and the planner and the tools read one job many times.
+    The caller gets a copy: the cached config is never handed out."""
+    toml_values = _toml_values(config_file, text) if config_file else {}
+    custom_module = _custom_config_module(list(args), toml_values)
     if custom_module:
         try:
             custom = importlib.import_module(custom_module)
@@ -59,8 +70,9 @@ def parse_job_config(args: list[str], config_cls) -> tuple[Any, set[str]]:
             raise ConfigError(f"job.custom_config_module = '{custom_module}' defines no JobConfig: add one")
         config_cls = _merged_with(config_cls, custom.JobConfig)
     _check_toml(config_cls, toml_values, config_file)
-    _check_cli(config_cls, args)
-    return _without_empty_lists(_config_manager(config_cls).parse_args(args)), _explicit_settings(toml_values, args)
+    _check_cli(config_cls, list(args))
+    config = _without_empty_lists(_config_manager(config_cls).parse_args(list(args)))
+    return config, frozenset(_explicit_settings(toml_values, list(args)))
 
 
 def _without_empty_lists(config):
@@ -108,15 +120,18 @@ def _config_file_from_args(args: list[str]) -> str | None:
     return found
 
 
-def _load_toml(path: str) -> dict[str, Any]:
+def _read_config_file(path: str) -> bytes:
     if not Path(path).is_file():
         raise ConfigError(
             f"config file '{path}' not found: set CONFIG_FILE (or --job.config_file) "
             "to an existing TOML, e.g. train_configs/debug_model.toml"
         )
+    return Path(path).read_bytes()
+
+
+def _toml_values(path: str, text: bytes) -> dict[str, Any]:
     try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
+        return tomllib.loads(text.decode())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file '{path}' is not valid UTF-8 TOML: {e}") from None
 
