@@ -1,7 +1,7 @@
 """Training parity across backends, expert placements, multi-process layouts, and checkpoints.
 
 Same seed, deterministic algorithms, fp32, 2 ranks at EP=2; DeepSeek-V3's debug model with its small attention
-("debugmodel_small"). Backends: the variants of :data:`PARITY_VARIANTS` (the reference kernels on a CPU).
+("debugmodel_small"). Backends: the variants of :data:`PARITY_VARIANTS` (one per kernel family, on the reference kernels).
 One training per job, shared by the tests that read it (the ``parity`` fixture):
 
 - 5 steps under every backend with an expert placement that moves every expert to the other rank
@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.helpers import REPO_ROOT, run_distributed
 from tests.training.cases import TINY, train_worker
-from torchtitan_ext.ep.backends import backend_variants, CPU_VARIANTS
+from torchtitan_ext.ep.backends import backend_variants, MATRIX_VARIANTS
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +37,8 @@ PLACED_STEPS = 5
 PLACED_TOLERANCE = 1e-5
 CONFIG = str(REPO_ROOT / "train_configs/debug_model.toml")
 MOE_LAYERS = [1, 2, 3, 4, 5]
-PARITY_VARIANTS = CPU_VARIANTS
+PARITY_VARIANTS = MATRIX_VARIANTS
+"""One variant per kernel family: each variant's layer against the dense one is tests/ep/test_conformance.py's."""
 BACKENDS = {name: backend_variants()[name] for name in PARITY_VARIANTS}
 
 

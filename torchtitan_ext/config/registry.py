@@ -12,14 +12,11 @@ Registration happens when the feature is imported: a process reads job configs
 after importing what it runs (``torchtitan_ext.training`` imports every feature).
 """
 
-import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field, make_dataclass
-
-from torchtitan.config import ConfigManager
-from torchtitan.config import JobConfig as TorchTitanJobConfig
+from dataclasses import dataclass
 
 from torchtitan_ext.config.job import MoEShape
+from torchtitan_ext.config.merged import merged_job_config
 from torchtitan_ext.config.ranges import FIELD_RANGES, Range
 
 
@@ -77,16 +74,4 @@ def field_ranges() -> dict[str, Range]:
 
 def job_config_class() -> type:
     """torchtitan's JobConfig with every registered section (a new class when a section joins)."""
-    return _merged(tuple(_sections.items()))
-
-
-@functools.cache
-def _merged(sections: tuple[tuple[str, type], ...]) -> type:
-    ours = make_dataclass("JobConfig", [(name, cls, field(default_factory=cls)) for name, cls in sections])
-    merged = ConfigManager._merge_configs(TorchTitanJobConfig, ours)
-    # tyro looks for each section's docstring in the class's source on every parse, and a class made at run time
-    # has none: inspect searches its module's file for it, this short one rather than the standard library's
-    # types.py (8 ms a search, a search per section, every parse)
-    merged.__module__ = __name__
-    return merged
-
+    return merged_job_config(tuple(_sections.items()))
