@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_ext.config import ConfigError, load_job_config
-from torchtitan_ext.config.job import meta_model
+from torchtitan_ext.config.job import shared_meta_model
 from torchtitan_ext.runtime.workers import run_workers
 from torchtitan_ext.training import prepare
 
@@ -31,7 +31,7 @@ EP = 2
 def expert_shape(config_args: list[str]) -> tuple[str, int, int, int]:
     """(model and flavour, experts per MoE layer, floats in one expert's w1, w2 and w3, MoE layers)."""
     job_config = load_job_config(config_args, device_type=None, world_size=EP)
-    moes = [block.moe for block in meta_model(job_config).layers.values() if block.moe_enabled]
+    moes = [block.moe for block in shared_meta_model(job_config).layers.values() if block.moe_enabled]
     if not moes:
         raise ConfigError(f"model {job_config.model.name} {job_config.model.flavor} has no MoE layer to replicate")
     experts = moes[0].experts

@@ -3,7 +3,7 @@
 Owns: the error of a bad job (:class:`ConfigError`), TOML + command-line
 parsing, the valid range of numeric fields, the shared ``[parallelism]``
 widening, the registry through which each feature adds its section and checks
-(:mod:`.registry`), what a config fixes about the job (:mod:`.job`), the
+(:mod:`.registry`; the merged class, :mod:`.merged`), what a config fixes about the job (:mod:`.job`), the
 defaults this machine decides (:mod:`.machine`), a model given by a Hugging Face config.json (:mod:`.hf_model`), validation and
 :func:`load_job_config`.
 
@@ -17,6 +17,7 @@ from torchtitan_ext.config.job import (
     job_world_size,
     max_tokens_per_rank,
     meta_model,
+    shared_meta_model,
     model_args_of,
     moe_layer_ids,
     moe_shape,
@@ -40,6 +41,7 @@ __all__ = [
     "load_job_config",
     "max_tokens_per_rank",
     "meta_model",
+    "shared_meta_model",
     "model_args_of",
     "moe_layer_ids",
     "overlaps_expert_parallel",

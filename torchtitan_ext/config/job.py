@@ -70,31 +70,40 @@ def moe_shape(job_config) -> MoEShape | None:
 
 
 def meta_model(job_config):
-    """The job's model on the meta device: its structure, no memory. One model per model class and arguments,
-    shared by every caller, to be read and never changed: building a 671B model takes a fifth of a second, and
-    config checks, the planner and the tools each read its structure."""
+    """The job's model on the meta device, built for the caller, who may change it: its structure, no memory."""
+    model_args = model_args_of(job_config)
+    model_args.update_from_config(job_config)
+    with torch.device("meta"):
+        return get_train_spec(job_config.model.name).model_cls(model_args)
+
+
+def shared_meta_model(job_config):
+    """The job's model on the meta device, shared by every caller in this process: to be read, never changed
+    (:func:`meta_model` builds one to change). Building a 671B model takes a fifth of a second, and the config
+    checks, the planner and the tools read the structure of one job many times."""
     model_args = model_args_of(job_config)
     model_args.update_from_config(job_config)
     model_cls = get_train_spec(job_config.model.name).model_cls
-    # the arguments are not hashable: their repr (a dataclass's: every field) is the key
-    key = (model_cls, repr(model_args))
-    if key not in _META_MODELS:
-        if len(_META_MODELS) >= META_MODELS_KEPT:
-            _META_MODELS.pop(next(iter(_META_MODELS)))
+    # every attribute of the arguments (those set outside their fields too, such as DeepSeek-V3's moe_impl), and the
+    # dtype new parameters take: the arguments are not hashable
+    key = (model_cls, type(model_args), repr(vars(model_args)), torch.get_default_dtype())
+    if key not in _SHARED_META_MODELS:
+        if len(_SHARED_META_MODELS) >= SHARED_META_MODELS_KEPT:
+            _SHARED_META_MODELS.pop(next(iter(_SHARED_META_MODELS)))
         with torch.device("meta"):
-            _META_MODELS[key] = model_cls(model_args)
-    return _META_MODELS[key]
+            _SHARED_META_MODELS[key] = model_cls(model_args)
+    return _SHARED_META_MODELS[key]
 
 
-META_MODELS_KEPT = 8
-"""How many meta-device models :func:`meta_model` keeps (the oldest built goes first)."""
-_META_MODELS: dict[tuple[type, str], torch.nn.Module] = {}
+SHARED_META_MODELS_KEPT = 8
+"""How many models :func:`shared_meta_model` keeps (the oldest built goes first)."""
+_SHARED_META_MODELS: dict[tuple, torch.nn.Module] = {}
 
 
 def routed_expert_elements(job_config) -> int:
     """Elements of one routed expert's weights, all projections, from the model built on the meta device
     (0 for a dense model)."""
-    for block in meta_model(job_config).layers.values():
+    for block in shared_meta_model(job_config).layers.values():
         if block.moe_enabled:
             return sum(parameter[0].numel() for parameter in block.moe.experts.parameters())
     return 0
@@ -108,7 +117,7 @@ def nonstandard_experts(job_config) -> str | None:
     """None when the model's routed experts are torchtitan's standard ones (:data:`STANDARD_EXPERT_PARAMETERS`);
     else what a refusal says of them (e.g. GPT-OSS's biased, clamped experts). Read from the model on the meta
     device: call it only where a feature needs the standard experts."""
-    for block in meta_model(job_config).layers.values():
+    for block in shared_meta_model(job_config).layers.values():
         if block.moe_enabled:
             names = tuple(name for name, _ in block.moe.experts.named_parameters())
             if names == STANDARD_EXPERT_PARAMETERS:
@@ -120,7 +129,7 @@ def nonstandard_experts(job_config) -> str | None:
 
 def moe_layer_ids(job_config) -> list[int]:
     """Ids of the model's MoE layers (the ``layers.<id>`` of their parameters)."""
-    return sorted(int(layer_id) for layer_id, block in meta_model(job_config).layers.items() if block.moe_enabled)
+    return sorted(int(layer_id) for layer_id, block in shared_meta_model(job_config).layers.items() if block.moe_enabled)
 
 
 def job_world_size(job_config, given: int | None = None) -> int:

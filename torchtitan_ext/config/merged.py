@@ -1,6 +1,6 @@
 """torchtitan's JobConfig with our sections: a class made at run time, whose module this is.
 
-tyro looks for each section's docstring in the merged class's source on every parse (a search per
+tyro looks for each top-level section's docstring in the merged class's source on every parse (a search per
 section): the search reads this module's file, so it stays this short.
 """
 

@@ -49,17 +49,20 @@ def parse_job_config(args: list[str], config_cls) -> tuple[Any, set[str]]:
     """
     config_file = _config_file_from_args(args)
     text = _read_config_file(config_file) if config_file else b""
-    config, explicit = _parsed(config_cls, tuple(args), config_file, text)
+    config, explicit = _parsed(config_cls, tuple(args), config_file, text, os.getcwd())
     return copy.deepcopy(config), set(explicit)
 
 
 @functools.lru_cache(maxsize=64)
-def _parsed(config_cls, args: tuple[str, ...], config_file: str | None, text: bytes) -> tuple[Any, frozenset[str]]:
-    """One parse per class, arguments and file content: torchtitan's parser (tyro) builds its parser from the
-    config classes at every call, a tenth of a second, and the planner and the tools read one job many times.
-    The caller gets a copy: the cached config is never handed out."""
+def _parsed(config_cls, arguments: tuple[str, ...], config_file: str | None, text: bytes,
+            working_folder: str) -> tuple[Any, frozenset[str]]:
+    """One parse per class, arguments, file content and working folder (torchtitan's checks read paths relative
+    to it): torchtitan's parser (tyro) builds its parser from the config classes at every call, a tenth of a
+    second, and the planner and the tools read one job many times. The caller gets a copy: the cached config is
+    never handed out. The parse's own warnings (torchtitan's missing HF assets) come at the first parse only."""
+    args = list(arguments)
     toml_values = _toml_values(config_file, text) if config_file else {}
-    custom_module = _custom_config_module(list(args), toml_values)
+    custom_module = _custom_config_module(args, toml_values)
     if custom_module:
         try:
             custom = importlib.import_module(custom_module)
@@ -70,9 +73,9 @@ def _parsed(config_cls, args: tuple[str, ...], config_file: str | None, text: by
             raise ConfigError(f"job.custom_config_module = '{custom_module}' defines no JobConfig: add one")
         config_cls = _merged_with(config_cls, custom.JobConfig)
     _check_toml(config_cls, toml_values, config_file)
-    _check_cli(config_cls, list(args))
-    config = _without_empty_lists(_config_manager(config_cls).parse_args(list(args)))
-    return config, frozenset(_explicit_settings(toml_values, list(args)))
+    _check_cli(config_cls, args)
+    config = _without_empty_lists(_config_manager(config_cls).parse_args(args))
+    return config, frozenset(_explicit_settings(toml_values, args))
 
 
 def _without_empty_lists(config):

@@ -23,7 +23,7 @@ from torchtitan.models.moe.moe import GroupedExperts
 from torchtitan.protocols.train_spec import get_train_spec
 
 from torchtitan_ext import runtime
-from torchtitan_ext.config import ConfigError, load_job_config, meta_model, model_args_of, MoEShape, parse
+from torchtitan_ext.config import ConfigError, load_job_config, shared_meta_model, model_args_of, MoEShape, parse
 from torchtitan_ext.ep import BACKENDS
 from torchtitan_ext.ep.experts import adopt_unbound_loop
 from torchtitan_ext.measuring.collective_recorder import CollectiveRecorder
@@ -67,7 +67,7 @@ def check_measurable(job_config, world_size: int) -> None:
             f"than the {most} ranks it can run: it measures a job this machine runs; drop --measure-compute for "
             "another machine's job"
         )
-    model = meta_model(job_config)
+    model = shared_meta_model(job_config)
     if not any(isinstance(module, GroupedExperts) for module in model.modules()):
         raise ConfigError(
             f"--measure-compute times the routed experts as torchtitan's GroupedExperts, which model.name = "

@@ -152,7 +152,7 @@ class _ReplicatedCall:
     def __init__(self, job_config, shape, group, device: torch.device, dtype: torch.dtype):
         from torch.distributed.distributed_c10d import _get_process_group_name
 
-        from torchtitan_ext.config.job import meta_model
+        from torchtitan_ext.config.job import shared_meta_model
         from torchtitan_ext.ep.replication.split import ReplicaRouter
         from torchtitan_ext.ep.replication.plan import ReplicaPlan
 
@@ -163,7 +163,7 @@ class _ReplicatedCall:
         plan = ReplicaPlan(experts, ep, tuple(
             tuple(((rank + 1) * home_experts + j) % experts for j in range(slots)) for rank in range(ep)))
         self.router = ReplicaRouter(plan, group)
-        expert_hidden = next(block.moe.experts.w1.shape[1] for block in meta_model(job_config).layers.values()
+        expert_hidden = next(block.moe.experts.w1.shape[1] for block in shared_meta_model(job_config).layers.values()
                              if block.moe_enabled)
         up, down = (expert_hidden, shape.hidden_dim), (shape.hidden_dim, expert_hidden)
         self.home = [torch.nn.Parameter(torch.randn(home_experts, *size, dtype=dtype, device=device))

@@ -7,7 +7,7 @@ import torch
 from torchtitan.components.quantization.utils import module_filter_fn
 from torchtitan.config import TORCH_DTYPE_MAP
 
-from torchtitan_ext.config import ConfigError, meta_model
+from torchtitan_ext.config import ConfigError, shared_meta_model
 from torchtitan_ext.planning.cost_model import DataParallelSync, MoEWorkload
 from torchtitan_ext.planning.memory_plan import replica_copies_alive, saved_moe_layers
 from torchtitan_ext.planning.pipeline_split import pipeline_split
@@ -86,7 +86,7 @@ def mxfp8_parameters(job_config, model) -> set[str]:
 
 def job_shape(job_config, world_size: int) -> JobShape:
     """The job's MoE dims, dtypes and FLOPs, from its model built on the meta device."""
-    model = meta_model(job_config)
+    model = shared_meta_model(job_config)
     model_args = model.model_args
     moe_args = model_args.moe_args
     expert_parameters, dense_parameters, moe_layers = 0, 0, set()
