@@ -311,15 +311,16 @@ def lb_fetch_worker(rank: int, ep: int) -> dict:
     def run() -> dict:
         del calls[:]
         home = torch.arange(2 * 16, dtype=torch.bfloat16).view(2, 16).add(100 * rank).requires_grad_()
+        scale = torch.tensor([[1.0], [10.0]], dtype=torch.bfloat16)
+        tables = exchange_arguments(plan, rank), redundancy_mapping(plan)  # once per plan, as the experts do
         counter = DeviceCostCounter()
         with counter:
-            (weights,) = with_replicas(
-                [home], exchange_arguments(plan, rank), redundancy_mapping(plan), 2, _get_process_group_name(group)
-            )
+            (weights,) = with_replicas([home], *tables, 2, _get_process_group_name(group))
             fetched = weights[2:]
-            (fetched * torch.tensor([[1.0], [10.0]], dtype=torch.bfloat16)).sum().backward()
+            (fetched * scale).sum().backward()
+        copies = sum(sum(costs.h2d_copies.values()) for costs in counter.costs.values())
         return {"fetched": fetched.detach().float(), "grad": home.grad.float(), "events": waits_and_collectives(counter),
-                "lb_calls": list(calls)}
+                "host_to_device_copies": copies, "lb_calls": list(calls)}
 
     import logging
 

@@ -303,7 +303,8 @@ def test_the_gradients_of_four_copies_are_summed_in_fp32_and_rounded_once(world_
     send_local = torch.tensor([2, 0, 2, 2, 2])  # four copies of expert 2, one of expert 0, none of expert 1
     copies = len(send_local)
     exchange = (send_local, [copies], [copies], torch.arange(copies), torch.tensor([0, 2]))
-    (weights,) = with_replicas([home], exchange, [0] * copies, copies, _get_process_group_name(world_of_one))
+    mapping = torch.zeros(1, copies, dtype=torch.int32)
+    (weights,) = with_replicas([home], exchange, mapping, copies, _get_process_group_name(world_of_one))
     with SumDtypes() as sums:
         # the home experts' own gradients (7, 3, 1), then the five copies' (expert 2, 0, 2, 2, 2)
         weights.backward(torch.tensor([[7.0], [3.0], [1.0], [2**-9], [5.0], [2**-9], [2**-16], [0.0]],
@@ -355,7 +356,7 @@ def test_a_replica_computes_its_home_experts_low_precision_gemms(world_of_one, c
     ExpertsWithReplicas.adopt(experts, ReplicaPlan.empty(2, 1, 1), world_of_one)
     # in a group of one, slot 0 holds a copy of the rank's own expert 1 (no plan copies its own: set by hand)
     experts.exchange = (torch.tensor([1]), [1], [1], torch.tensor([0]), torch.tensor([1]))
-    experts.redundancy_mapping, experts.holds_replicas = [1], True
+    experts.redundancy_mapping, experts.holds_replicas = torch.tensor([[1]], dtype=torch.int32), True
     x = torch.randn(96, 64)
     per_group = torch.tensor([32, 32, 32])
     out = experts(x, per_group)

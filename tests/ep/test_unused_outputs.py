@@ -76,7 +76,8 @@ def test_the_replicas_gradients_are_added_to_their_home_experts_in_one_write(wor
     # a group of one: expert 2 is copied into the rank's one slot, or the slot is unused
     exchange = (torch.tensor(sent, dtype=torch.int64), [len(sent)], [len(sent)], torch.arange(len(sent)),
                 torch.tensor(sent, dtype=torch.int64))
-    weights = with_replicas(home, exchange, sent or [-1], 1, _get_process_group_name(world_of_one))
+    mapping = torch.tensor([sent or [-1]], dtype=torch.int32)
+    weights = with_replicas(home, exchange, mapping, 1, _get_process_group_name(world_of_one))
     grads = [torch.randn(weight.shape, generator=generator) for weight in weights]
     with _HomeSizedWrites(home[0].numel()) as writes:
         torch.autograd.backward(weights, grads)

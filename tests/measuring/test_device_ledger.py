@@ -79,7 +79,7 @@ def test_the_clis_step_with_replicas_chosen_by_the_trainer_stays_within_budget()
     """count_step (``python -m torchtitan_ext.ledger``'s path): the trainer's own chooser picks the replicas, so the
     first replicated step is counted with its plan just chosen. Its index tables are copied between steps, never
     inside a layer (a layer building them in its first replicated forward, two blocking copies, was found by hand
-    with the CLI), and every layer fetches replicas (the counts' all-gather: not set aside)."""
+    with the CLI), and every layer fetches replicas (the counts' all-gather: not set aside), ahead of its dispatch."""
     from torchtitan_ext.measuring.device_ledger import count_step
 
     ledger = count_step(["--job.config_file", "train_configs/debug_model.toml", "--model.flavor", "debugmodel_small",
@@ -89,8 +89,13 @@ def test_the_clis_step_with_replicas_chosen_by_the_trainer_stays_within_budget()
     assert ledger.over_budget() == []
     forwards = {layer: costs for (layer, phase), costs in ledger.costs.items() if layer != OUTSIDE and phase == "forward"}
     assert forwards == {layer: forwards[layer] for layer in (1, 2, 3, 4, 5)}
+    transport = "torchtitan_ext/ep/replication/transport.py"
     for costs in forwards.values():
         assert not costs.h2d_copies and [kind for kind, *_ in costs.collectives].count("allgather") == 1
+        issued = [(kind, caller.split(":")[0]) for kind, *_, caller in costs.collectives]
+        # the counts' all-gather, then the replicas' fetch, both before the backend's dispatch
+        assert issued[:2] == [("allgather", transport), ("alltoall_base", transport)], issued
+        assert all(caller != transport for _, caller in issued[2:]), issued
         assert costs.collective_count(ledger.ep_group) == ledger.budget.forward.collectives
     between_steps = ledger.costs[OUTSIDE, "step"].h2d_copies
     assert all(kind.startswith("non-blocking") for kind in between_steps if "torchtitan_ext/ep/" in kind)

@@ -51,16 +51,16 @@ def worker(rank: int, world_size: int, experts: int, floats: int, slots: int, it
     per_rank = experts // EP
     # every slot of a rank copies one of the other rank's experts
     plan = ReplicaPlan(experts, EP, tuple(tuple((1 - r) * per_rank + j for j in range(slots)) for r in range(EP)))
-    exchange = exchange_arguments(plan, rank)
+    exchange, mapping = exchange_arguments(plan, rank), redundancy_mapping(plan)
     group = _get_process_group_name(dist.group.WORLD)
     home = [torch.randn(per_rank, floats, dtype=dtype)]
     fetch, back = [], []
     for _ in range(iterations + 1):
         dist.barrier()
         began = time.perf_counter()
-        fetched = transport_ops().replica_weights(home, *exchange[:4], redundancy_mapping(plan), slots, group)
+        fetched = transport_ops().replica_weights(home, *exchange[:4], mapping, slots, group)
         middle = time.perf_counter()
-        transport_ops().replica_gradients(torch.ones_like(fetched), *exchange, redundancy_mapping(plan), per_rank, group)
+        transport_ops().replica_gradients(torch.ones_like(fetched), *exchange, mapping, per_rank, group)
         ended = time.perf_counter()
         fetch.append(middle - began)
         back.append(ended - middle)

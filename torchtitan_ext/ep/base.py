@@ -492,12 +492,22 @@ class RoutedExpertParallel(ExpertParallel, ABC):
         self.stats.record_routing(routing.logical_ids, mod.num_experts)
         # replica slots (torchtitan_ext.ep.replication.experts) add to the experts dispatched over
         dispatched = getattr(mod, "dispatched_experts", mod.num_experts)
+        group = device_mesh.get_group()
+        queue_replica_fetch = getattr(mod, "queue_replica_fetch", None)
+        if queue_replica_fetch is not None:
+            # the replicas' fetch goes ahead of the dispatch, through the transport a kernel buffer may carry
+            self.prepare_buffer(x, group)
+            queue_replica_fetch()
         with naming_collective(self.collective_name("dispatch")):
             rows, rows_per_expert = self.dispatch(
-                x, routing.scores, routing.expert_ids, dispatched, device_mesh.get_group(), routing.sent_counts
+                x, routing.scores, routing.expert_ids, dispatched, group, routing.sent_counts
             )
         self.stats.record_rows(rows_per_expert)
         return rows, rows_per_expert
+
+    def prepare_buffer(self, x: torch.Tensor, group) -> None:
+        """Create the kernel buffer the dispatch of ``x`` would (a backend with one overrides this), ahead of it:
+        the buffer may register the group's replica transport (:mod:`torchtitan_ext.ep.replication`)."""
 
     def _token_combine(self, mod, routed_output, device_mesh):
         with naming_collective(self.collective_name("combine")):

@@ -349,6 +349,9 @@ class DeepEPExpertParallel(RoutedExpertParallel):
             self.replica_rows.elements = sum(weight[0].numel() for weight in module.parameters(recurse=False))
         return super()._apply(module, device_mesh)
 
+    def prepare_buffer(self, x, group) -> None:
+        self.buffer.get(group, x)
+
     def dispatch(self, x, scores, expert_ids, num_experts, group, sent_counts=None):
         from torchtitan_ext.ep.ops.deepep import deepep_dispatch
 

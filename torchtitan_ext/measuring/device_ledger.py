@@ -170,13 +170,18 @@ class _ReplicatedCall:
                      for size in (up, down, up)]
         copies = torch.arange(slots, device=device) % home_experts
         self.exchange = (copies, [slots], [slots], torch.arange(slots, device=device), copies.unique())
-        self.redundancy_mapping = copies.tolist()
+        self.redundancy_mapping = copies.to(torch.int32).view(1, slots)
         self.slots, self.group_name = slots, _get_process_group_name(group)
 
-    def weights(self) -> list[torch.Tensor]:
+    def fetch(self) -> torch.Tensor:
+        from torchtitan_ext.ep.replication.experts import fetch_replicas
+
+        return fetch_replicas(self.home, self.exchange, self.redundancy_mapping, self.slots, self.group_name)
+
+    def weights(self, fetched: torch.Tensor) -> list[torch.Tensor]:
         from torchtitan_ext.ep.replication.experts import with_replicas
 
-        return with_replicas(self.home, self.exchange, self.redundancy_mapping, self.slots, self.group_name)
+        return with_replicas(self.home, self.exchange, self.redundancy_mapping, self.slots, self.group_name, fetched)
 
 
 def count_moe_call(job_config, shape, call, group, sync_debug: bool = False) -> dict[str, Costs]:
@@ -199,13 +204,14 @@ def count_moe_call(job_config, shape, call, group, sync_debug: bool = False) -> 
 
     def forward() -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The call's output (landed) and the replica weights the experts would compute with."""
-        expert_ids, sent_counts = call.expert_ids, None
+        expert_ids, sent_counts, fetched = call.expert_ids, None, None
         if replicated is not None:
             expert_ids, sent_counts = replicated.router.assign(call.expert_ids, counting=True)
+            fetched = replicated.fetch()  # ahead of the dispatch, as the experts' pre-hook queues it
         out = backend_forward(style, call, shape, group, expert_ids, sent_counts)
         if isinstance(out, AsyncCollectiveTensor):
             out = out.trigger_wait()  # an in-flight combine lands (sums its rows) inside the pass
-        return out.float(), [] if replicated is None else replicated.weights()
+        return out.float(), [] if replicated is None else replicated.weights(fetched)
 
     def backward(out: torch.Tensor, weights: list[torch.Tensor], gradients: list[torch.Tensor]) -> None:
         if replicated is not None:

@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 from torchtitan.tools.logging import logger
 
-from torchtitan_ext.ep.base import to_device
 from torchtitan_ext.ep.kernels.calls import kernel_call
 from torchtitan_ext.ep.kernels.deepep_apis import FALLBACK_SMS
 
@@ -94,12 +93,7 @@ class LoadBalancingKernels:
         self.gradients = gradients
         self.num_sms = num_sms
 
-    def _mapping(self, redundancy_mapping: list[int]) -> torch.Tensor:
-        """[ranks, S] int32 on the device, identical on every rank (the plan is)."""
-        table = torch.tensor(redundancy_mapping, dtype=torch.int32).view(-1, self.weights.shape[0])
-        return to_device(table, self.weights.device)
-
-    def fetch(self, home: list[torch.Tensor], redundancy_mapping: list[int]) -> torch.Tensor:
+    def fetch(self, home: list[torch.Tensor], redundancy_mapping: torch.Tensor) -> torch.Tensor:
         rows = [weight.reshape(weight.shape[0], -1).contiguous() for weight in home]
         elements = sum(row.shape[1] for row in rows)
         if any(row.dtype != self.weights.dtype for row in rows) or elements != self.weights.shape[1]:
@@ -115,19 +109,17 @@ class LoadBalancingKernels:
         for row in rows:
             blocks.append(region[start:start + slots * row.shape[1]].view(slots, row.shape[1]))
             start += slots * row.shape[1]
-        mapping = self._mapping(redundancy_mapping)
         with kernel_call("deepep.lb_prefetch_weights"):
-            self.buffer.lb_prefetch_weights(blocks, rows, mapping, self.num_sms).current_stream_wait()
+            self.buffer.lb_prefetch_weights(blocks, rows, redundancy_mapping, self.num_sms).current_stream_wait()
         rank = dist.get_rank(self.buffer.group)
-        unused = (mapping[rank] < 0).unsqueeze(1)
+        unused = (redundancy_mapping[rank] < 0).unsqueeze(1)
         return torch.cat(blocks, dim=1).masked_fill_(unused, 0)
 
-    def return_gradients(self, grad: torch.Tensor, redundancy_mapping: list[int], home_rows: int) -> torch.Tensor:
+    def return_gradients(self, grad: torch.Tensor, redundancy_mapping: torch.Tensor, home_rows: int) -> torch.Tensor:
         self.gradients.copy_(grad)
         summed = torch.zeros((home_rows, grad.shape[1]), dtype=torch.float32, device=grad.device)
-        mapping = self._mapping(redundancy_mapping)
         with kernel_call("deepep.lb_reduce_grads"):
-            self.buffer.lb_reduce_grads(self.gradients, summed, mapping, self.num_sms).current_stream_wait()
+            self.buffer.lb_reduce_grads(self.gradients, summed, redundancy_mapping, self.num_sms).current_stream_wait()
         return summed
 
 

@@ -34,27 +34,31 @@ def choose_replicas(counts: list[int], expert_parallel_degree: int, slots: int) 
 def choose_layers(counts: np.ndarray, expert_parallel_degree: int, slots: int) -> list[ReplicaPlan]:
     """The replicas of every layer at once, ``counts`` [layers, E] pairs per home slot: each layer's choice is the
     rule above, and the layers take their rounds together (at most EP x S + E rounds of a few array operations over
-    all layers, where one layer at a time took a Python loop per copy)."""
+    all layers, where one layer at a time took a Python loop per copy); a layer whose slots are all used leaves."""
     layers, experts = counts.shape
     ep = expert_parallel_degree
     per_rank = experts // ep
     rows = np.arange(layers)
     flat_counts = counts.reshape(-1)
-    # per (layer, home slot): its copies' ranks (home first; column ep: a padded copy's sink rank) and pair shares
+    home_rank = np.tile(np.arange(experts) // per_rank, layers)
+    # per (layer, home slot), copy-major: its copies' ranks (home first; rank ep: a padded copy's sink) and pair
+    # shares; a copy column is filled with the sink when some slot first reaches it, not all EP up front
     copies = np.ones(layers * experts, dtype=np.int64)
-    copy_rank = np.full((layers * experts, ep), ep, dtype=np.int64)
-    copy_rank[:, 0] = np.tile(np.arange(experts) // per_rank, layers)
-    shares = np.zeros((layers * experts, ep), dtype=np.int64)
-    shares[:, 0] = flat_counts
-    holds = np.zeros((layers * experts, ep), dtype=bool)
-    holds[np.arange(layers * experts), copy_rank[:, 0]] = True
-    free_slots = np.full((layers, ep), slots, dtype=np.int64)
+    copy_rank = np.empty((ep, layers * experts), dtype=np.int64)
+    copy_rank[0] = home_rank
+    columns = 1
+    shares = np.zeros((ep, layers * experts), dtype=np.int64)
+    shares[0] = flat_counts
+    free_slots = np.full((layers, ep + 1), slots, dtype=np.int64)
+    free_slots[:, ep] = 0  # the sink rank: never a copy's
+    open_slots = np.full(layers, ep * slots, dtype=np.int64)
     replicas = np.full((layers, ep, slots), -1, dtype=np.int64)
     loads = np.empty((layers, ep + 1), dtype=np.int64)
     loads[:, :ep] = counts.reshape(layers, ep, per_rank).sum(-1)
     loads[:, ep] = _sink_load(counts)  # a padded copy takes no pair, so its sink keeps this load
     # pairs per copy, the heap's key: most first, ties to the lower slot (argmax's first); -inf: out for good
     key = np.where(counts > 0, counts.astype(np.float64), -np.inf)
+    unavailable = np.iinfo(np.int64).max
     while True:
         home = key.argmax(1)
         live = key[rows, home] > -np.inf
@@ -62,28 +66,35 @@ def choose_layers(counts: np.ndarray, expert_parallel_degree: int, slots: int) -
             break
         layer, home = rows[live], home[live]
         index = layer * experts + home
-        free = (free_slots[layer] > 0) & ~holds[index]
+        width = int(copies[index].max())
+        # free ranks: a free slot and no copy of this expert yet (the sink column is never free)
+        free = free_slots[layer] > 0
+        free[np.arange(len(layer))[:, None], copy_rank[:width, index].T] = False
         # a slot that finds no free rank never will again (free ranks only fill, copies only grow)
-        stuck = ~free.any(1)
+        stuck = ~free[:, :ep].any(1)
         if stuck.any():
             key[layer[stuck], home[stuck]] = -np.inf
             layer, home, index, free = layer[~stuck], home[~stuck], index[~stuck], free[~stuck]
             if not len(layer):
                 continue
-        rank = np.where(free, loads[layer, :ep], np.iinfo(np.int64).max).argmin(1)  # least loaded, ties the lower
+        rank = np.where(free, loads[layer], unavailable).argmin(1)  # least loaded, ties the lower
         free_slots[layer, rank] -= 1
         replicas[layer, rank, slots - 1 - free_slots[layer, rank]] = home
-        holds[index, rank] = True
         held = copies[index]
-        copy_rank[index, held] = rank
-        copies[index] = held + 1
         width = int(held.max()) + 1
-        ranks = copy_rank[index, :width]
-        others = loads[layer[:, None], ranks] - shares[index, :width]
+        if width > columns:
+            copy_rank[columns:width] = ep
+            columns = width
+        copy_rank[held, index] = rank
+        copies[index] = held + 1
+        ranks = copy_rank[:width, index].T
+        others = loads[layer[:, None], ranks] - shares[:width, index].T
         quotas = water_fill_host(others, flat_counts[index])
-        shares[index, :width] = quotas
+        shares[:width, index] = quotas.T
         loads[layer[:, None], ranks] = others + quotas
         key[layer, home] = flat_counts[index] / (held + 1)
+        open_slots[layer] -= 1
+        key[layer[open_slots[layer] == 0]] = -np.inf
     return [ReplicaPlan(experts, ep, tuple(map(tuple, held.tolist()))) for held in replicas]
 
 
@@ -96,16 +107,17 @@ def water_fill_host(loads: np.ndarray, amount: np.ndarray) -> np.ndarray:
     """:func:`~torchtitan_ext.ep.replication.split.water_fill` on host arrays (the choice's, between steps; the
     split's runs on the device): integer quotas summing to ``amount`` [rows] over ``loads`` [rows, C], minimising
     max(loads + quotas), ties to the earlier copy."""
+    rows = np.arange(len(loads))
     order = np.argsort(loads, axis=-1, kind="stable")
-    ordered = np.take_along_axis(loads, order, -1)
+    ordered = loads[rows[:, None], order]
     prefix = ordered.cumsum(-1)
     participants = np.arange(1, loads.shape[-1] + 1)
     levels = (amount[:, None] + prefix) // participants
-    filled = np.maximum((levels >= ordered).sum(-1, keepdims=True), 1)
-    level = np.take_along_axis(levels, filled - 1, -1)
-    remainder = amount[:, None] + np.take_along_axis(prefix, filled - 1, -1) - level * filled
+    filled = np.maximum((levels >= ordered).sum(-1), 1) - 1
+    level = levels[rows, filled]
+    remainder = amount + prefix[rows, filled] - level * (filled + 1)
     quotas = np.empty_like(ordered)
-    np.put_along_axis(quotas, order, np.maximum(level - ordered, 0) + (participants - 1 < remainder), -1)
+    quotas[rows[:, None], order] = np.maximum(level[:, None] - ordered, 0) + (participants <= remainder[:, None])
     return quotas
 
 

@@ -9,6 +9,13 @@ of whole experts, forward) and whose gradients go home through
 stay the only parameters, so the optimizer, FSDP and checkpoints see logical
 experts only. Where the backend's library moves replicas itself (DeepEP V2.5's
 load-balancing kernels), the op goes through it (:mod:`torchtitan_ext.ep.replication.transport`).
+
+The fetch is queued ahead of the dispatch: the EP backend's dispatch hook,
+which runs after FSDP's unshard, has its kernel buffer ready (which may carry
+the group's transport) and calls :meth:`ExpertsWithReplicas.queue_replica_fetch`
+before it dispatches (on a GPU the fetch runs on a side stream beside the
+dispatch, each layer into its own output), and the forward waits for it right
+before the experts compute.
 """
 
 import torch
@@ -19,7 +26,7 @@ from torchtitan.models.moe.moe import GroupedExperts
 
 from torchtitan_ext.ep.base import to_device
 from torchtitan_ext.ep.experts import UnboundLoopExperts
-from torchtitan_ext.ep.replication import transport_ops
+from torchtitan_ext.ep.replication import transport_ops, transports
 from torchtitan_ext.ep.replication.plan import ReplicaPlan
 
 
@@ -60,10 +67,10 @@ class _HomeAndReplicas(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, exchange, redundancy_mapping: list[int], slots: int, group_name: str, *home: torch.Tensor):
+    def forward(ctx, fetched: torch.Tensor, exchange, redundancy_mapping: torch.Tensor, slots: int, group_name: str,
+                *home: torch.Tensor):
         ctx.exchange, ctx.redundancy_mapping, ctx.group_name = exchange, redundancy_mapping, group_name
         ctx.home_rows, ctx.slots = home[0].shape[0], slots
-        fetched = transport_ops().replica_weights(list(home), *exchange[:4], redundancy_mapping, slots, group_name)
         return tuple(weights_with_replicas(list(home), fetched, slots))
 
     @staticmethod
@@ -75,7 +82,7 @@ class _HomeAndReplicas(torch.autograd.Function):
         sent_experts = ctx.exchange[4]
         own = [grad[:rows] for grad in grads]
         if sent_experts.shape[0] == 0:
-            return None, None, None, None, *own
+            return None, None, None, None, None, *own
         home_grads = []
         for grad, part in zip(own, summed.split([grad[0].numel() for grad in own], dim=1)):
             part = part.view(-1, *grad.shape[1:])
@@ -84,19 +91,31 @@ class _HomeAndReplicas(torch.autograd.Function):
             else:
                 total = part.add_(grad.index_select(0, sent_experts))
                 home_grads.append(grad.index_copy(0, sent_experts, total.to(grad.dtype)))
-        return None, None, None, None, *home_grads
+        return None, None, None, None, None, *home_grads
 
 
-def with_replicas(home: list[torch.Tensor], exchange, redundancy_mapping: list[int], slots: int,
-                  group_name: str) -> list[torch.Tensor]:
-    """w1, w2, w3 of the L home experts followed by the ``slots`` replicas fetched by ``exchange``
-    (:func:`exchange_arguments`); each replica's gradient is added to its home expert's (:class:`_HomeAndReplicas`)."""
-    return list(_HomeAndReplicas.apply(exchange, redundancy_mapping, slots, group_name, *home))
+def fetch_replicas(home: list[torch.Tensor], exchange, redundancy_mapping: torch.Tensor, slots: int,
+                   group_name: str) -> torch.Tensor:
+    """[slots, F] the replica weights of this rank's slots, fetched from their homes by ``exchange``
+    (:func:`exchange_arguments`, :func:`redundancy_mapping`); outside autograd: the gradients' way home is
+    :func:`with_replicas`'s backward."""
+    with torch.no_grad():
+        return transport_ops().replica_weights(home, *exchange[:4], redundancy_mapping, slots, group_name)
 
 
-def redundancy_mapping(plan: ReplicaPlan) -> list[int]:
-    """The plan's replica slots, rank after rank: each one's home slot, -1 when unused."""
-    return [home for held in plan.replicas for home in held]
+def with_replicas(home: list[torch.Tensor], exchange, redundancy_mapping: torch.Tensor, slots: int,
+                  group_name: str, fetched: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """w1, w2, w3 of the L home experts followed by the ``slots`` replicas ``fetched`` (None: fetched now,
+    :func:`fetch_replicas`); each replica's gradient is added to its home expert's (:class:`_HomeAndReplicas`)."""
+    if fetched is None:
+        fetched = fetch_replicas(home, exchange, redundancy_mapping, slots, group_name)
+    return list(_HomeAndReplicas.apply(fetched, exchange, redundancy_mapping, slots, group_name, *home))
+
+
+def redundancy_mapping(plan: ReplicaPlan, device: torch.device = torch.device("cpu")) -> torch.Tensor:
+    """[EP, S] int32 on ``device``: each rank's replica slots' home slots, -1 when unused. Built once per plan
+    (copied without making the host wait), so that no fetch or return copies it within a layer."""
+    return to_device(torch.tensor(plan.replicas, dtype=torch.int32), device)
 
 
 class ExpertsWithReplicas(UnboundLoopExperts):
@@ -106,11 +125,15 @@ class ExpertsWithReplicas(UnboundLoopExperts):
     group = None
     plan: ReplicaPlan
     exchange: tuple[torch.Tensor, list[int], list[int], torch.Tensor, torch.Tensor] | None
-    redundancy_mapping: list[int]
+    redundancy_mapping: torch.Tensor | None
+    """[EP, S] the plan's table (:func:`redundancy_mapping`) where the weights live; None until then."""
     holds_replicas: bool
     """Whether some rank's slot holds a replica under the plan (else the layer runs its home experts alone)."""
     bytes_per_expert: int = 0
     """One expert's weights as the last forward fetched them (its compute dtype), for reports."""
+    fetched: tuple[torch.Tensor, torch.Event | None] | None = None
+    """The replicas queued for this forward, and the event the side stream records after them (None on a CPU, or
+    where the kernel library moves them on its own streams)."""
 
     @classmethod
     def adopt(cls, experts: GroupedExperts, plan: ReplicaPlan, group) -> "ExpertsWithReplicas":
@@ -131,23 +154,59 @@ class ExpertsWithReplicas(UnboundLoopExperts):
         built = getattr(self, "exchange", None)
         # where the weights live (none yet while the model is parallelized on the meta device: first use builds)
         device = self.w1.device if built is None else built[0].device
-        self.exchange = None if device.type == "meta" else exchange_arguments(
-            plan, torch.distributed.get_rank(self.group), device)
-        self.redundancy_mapping = redundancy_mapping(plan)
+        self.exchange = self.redundancy_mapping = None
+        if device.type != "meta":
+            self._build_tables(device)
 
-    def _exchange_on(self, device: torch.device):
+    def _build_tables(self, device: torch.device) -> None:
+        self.exchange = exchange_arguments(self.plan, torch.distributed.get_rank(self.group), device)
+        self.redundancy_mapping = redundancy_mapping(self.plan, device)
+
+    def _home(self) -> list[torch.Tensor]:
+        return [w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3)]
+
+    def queue_replica_fetch(self) -> None:
+        """Queue this forward's fetch (none where no slot holds a replica): the EP backend calls it before its
+        dispatch, once the weights are unsharded and its kernel buffer exists."""
+        self.fetched = self._fetch(self._home()) if self.holds_replicas else None
+
+    def _fetch(self, home: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Event | None]:
+        device = home[0].device
         if self.exchange is None or self.exchange[0].device != device:
-            # built on first use: the model is parallelized on the meta device
-            self.exchange = exchange_arguments(self.plan, torch.distributed.get_rank(self.group), device)
-        return self.exchange
+            self._build_tables(device)  # on first use: the model is parallelized on the meta device
+        group_name = _get_process_group_name(self.group)
+        if device.type != "cuda" or transports.get(group_name) is not None:
+            # a CPU has one stream; a kernel library moves replicas on its own streams
+            return fetch_replicas(home, self.exchange, self.redundancy_mapping, self.slots, group_name), None
+        side = _side_stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))  # the home weights are ready (FSDP's unshard)
+        with torch.cuda.stream(side):
+            fetched = fetch_replicas(home, self.exchange, self.redundancy_mapping, self.slots, group_name)
+        fetched.record_stream(torch.cuda.current_stream(device))  # used there: not reused by the side stream before
+        return fetched, side.record_event()
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        home = [w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3)]
+        home = self._home()
         self.bytes_per_expert = sum(w[0].numel() for w in home) * home[0].element_size()
+        fetched, self.fetched = self.fetched, None
         if not self.holds_replicas:
             # no replica this step (none chosen yet, or the choice set aside): the slots get no pairs, so their
             # (zero) rows are padding after the home experts' groups; no fetch, no gradient return
             return self.run_experts(*home, x, num_tokens_per_expert[:home[0].shape[0]])
-        weights = with_replicas(home, self._exchange_on(home[0].device), self.redundancy_mapping, self.slots,
-                                _get_process_group_name(self.group))
+        replicas, ready = self._fetch(home) if fetched is None else fetched  # None: called without the EP hooks
+        if ready is not None:
+            torch.cuda.current_stream(x.device).wait_event(ready)  # right before the experts
+        weights = with_replicas(home, self.exchange, self.redundancy_mapping, self.slots,
+                                _get_process_group_name(self.group), replicas)
         return self.run_experts(*weights, x, num_tokens_per_expert)
+
+
+_side_streams: dict[torch.device, torch.Stream] = {}
+"""Per device, the stream replica fetches run on beside the dispatch (one for every layer: fetches keep their
+order, as the collectives they issue must on every rank)."""
+
+
+def _side_stream(device: torch.device) -> torch.Stream:
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]

@@ -18,6 +18,7 @@ home weights bit for bit at every step.
 """
 
 from dataclasses import dataclass, replace
+from itertools import chain
 
 import numpy as np
 
@@ -152,7 +153,8 @@ class ReplicaPlan:
         if len(self.replicas) != self.expert_parallel_degree or len(set(map(len, self.replicas))) > 1:
             raise ValueError(f"replicas {self.replicas}: one tuple of the same slots for each of the "
                              f"{self.expert_parallel_degree} ranks")
-        held = np.asarray(self.replicas, dtype=np.int64).reshape(len(self.replicas), -1)
+        ranks, slots = len(self.replicas), len(self.replicas[0])
+        held = np.fromiter(chain.from_iterable(self.replicas), np.int64, ranks * slots).reshape(ranks, slots)
         ordered = np.sort(held, axis=1)
         wrong = ((held >= 0) & ((held // self.experts_per_rank == np.arange(len(held))[:, None])
                                 | (held >= self.num_experts))).any(1)

@@ -27,7 +27,7 @@ def replica_weights(
     send_counts: list[int],
     recv_counts: list[int],
     recv_slot: torch.Tensor,
-    redundancy_mapping: list[int],
+    redundancy_mapping: torch.Tensor,
     slots: int,
     group_name: str,
 ) -> torch.Tensor:
@@ -37,8 +37,8 @@ def replica_weights(
     Sends experts ``send_local`` in that order, ``send_counts[d]`` to rank d; receives ``recv_counts[s]``
     from rank s, in order, into replica slots ``recv_slot``. Unused slots are 0. The index lists: int64 on the
     weights' device, built once per plan (no copy from the host here).
-    ``redundancy_mapping``: the layer's whole plan, rank after rank, each replica slot's home slot (-1: unused),
-    which a registered transport moves all ranks' replicas by.
+    ``redundancy_mapping``: the layer's whole plan, [EP, S] int32 on the weights' device, each replica slot's home
+    slot (-1: unused), which a registered transport moves all ranks' replicas by (built once per plan too).
     Not differentiable: the gradients' way home is :func:`replica_gradients`, called by the backward of the
     weights' concatenation (``ep.replication.experts``), which adds them to the home experts' own.
     """
@@ -66,7 +66,7 @@ def replica_gradients(
     recv_counts: list[int],
     recv_slot: torch.Tensor,
     sent_experts: torch.Tensor,
-    redundancy_mapping: list[int],
+    redundancy_mapping: torch.Tensor,
     home_rows: int,
     group_name: str,
 ) -> torch.Tensor:
