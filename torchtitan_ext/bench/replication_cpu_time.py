@@ -11,9 +11,9 @@ no replicas and with ``--slots`` replica slots per rank re-chosen every step, th
 round, each in fresh processes. When ranks outnumber cores an idle rank gives its core away, so wall
 time says nothing of balance; each rank's CPU time (``time.process_time``) does. Per step and rank it is split
 (:class:`CpuClock`) into, per MoE layer, the router and the replicas' split (the MoE's forward up to its
-dispatch), the experts' forward and backward (dispatch to combine, without the replica transfers), and the
-replica transfers (the ops ``replica_weights``, forward, and ``replica_gradients``, backward); the replicas'
-choice; and the rest of the step.
+experts' hooks), the experts' forward and backward (the dispatch's end to the combine, without the gradients'
+return), and the replica transfers (the ops ``replica_weights``, forward, issued in the backend's dispatch hook
+before the dispatch, and ``replica_gradients``, backward); the replicas' choice; and the rest of the step.
 The verdict (:func:`verdict`) is the step one device per rank would take: each segment of an MoE layer ends at a
 collective that joins the ranks, so it costs its slowest rank's time; the sum of those, plus the slowest rank's
 remainder, plus replication's own work (each layer's slowest transfers, the slowest choice). The slowest rank's
@@ -243,14 +243,13 @@ def verdict(ranks: list[dict]) -> dict[str, float]:
     backward their backward. So each segment costs its slowest rank's time. "layers": the sum over the layers and
     segments of the slowest rank's router and split without the count exchange, and experts' forward and backward
     without the weights' transfers; "balanced": the same, the mean rank's; "remainder": the slowest rank's step
-    without its MoE layers' timed segments and its choice; "replication": each layer's slowest count exchange,
+    without its MoE layers' timed segments, their fetches and its choice; "replication": each layer's slowest count exchange,
     fetch and return, summed, plus the slowest choice; "step": layers + remainder + replication; "wall": the
     slowest rank's wall time, which says the same only where every rank has a core of its own. A segment timed
     twice (a layer recomputed in backward) would leave a negative remainder: refused."""
     def segments(record, layer):
         timed = record["layers"][layer]
-        return (timed["router"] - timed["counts"], timed["experts_forward"] - timed["fetch"],
-                timed["experts_backward"] - timed["return"])
+        return timed["router"] - timed["counts"], timed["experts_forward"], timed["experts_backward"] - timed["return"]
 
     def transfers(record, layer):
         timed = record["layers"][layer]
@@ -259,8 +258,9 @@ def verdict(ranks: list[dict]) -> dict[str, float]:
     layers = sorted(ranks[0]["layers"])
     compute = [[value for layer in layers for value in segments(record, layer)] for record in ranks]
     moved = [[value for layer in layers for value in transfers(record, layer)] for record in ranks]
+    # the fetch runs in the dispatch hook, between the router's segment and the experts' forward
     remainder = [record["total"] - record["choice"] - sum(
-        timed["router"] + timed["experts_forward"] + timed["experts_backward"]
+        timed["router"] + timed["fetch"] + timed["experts_forward"] + timed["experts_backward"]
         for timed in record["layers"].values()) for record in ranks]
     if min(remainder) < 0:
         raise ValueError(f"a rank's timed segments exceed its step ({min(remainder):.3f} s left): a segment was timed "
@@ -295,8 +295,7 @@ def mean_segments(runs: list[list[dict[int, dict]]]) -> dict[str, float]:
     return {
         "router": statistics.mean(layers_sum(record, "router") - layers_sum(record, "counts") for record in records),
         "counts": statistics.mean(layers_sum(record, "counts") for record in records),
-        "experts_forward": statistics.mean(layers_sum(record, "experts_forward") - layers_sum(record, "fetch")
-                                           for record in records),
+        "experts_forward": statistics.mean(layers_sum(record, "experts_forward") for record in records),
         "experts_backward": statistics.mean(layers_sum(record, "experts_backward") - layers_sum(record, "return")
                                             for record in records),
         "fetch": statistics.mean(layers_sum(record, "fetch") for record in records),

@@ -13,9 +13,11 @@ load-balancing kernels), the op goes through it (:mod:`torchtitan_ext.ep.replica
 The fetch is queued ahead of the dispatch: the EP backend's dispatch hook,
 which runs after FSDP's unshard, has its kernel buffer ready (which may carry
 the group's transport) and calls :meth:`ExpertsWithReplicas.queue_replica_fetch`
-before it dispatches (on a GPU the fetch runs on a side stream beside the
-dispatch, each layer into its own output), and the forward waits for it right
-before the experts compute.
+before it dispatches, on the same stream. Running it beside the dispatch (a
+side stream) is not done: the fetched weights would come from that stream's
+share of the caching allocator, which per-op checkpointing keeps until
+backward and which backward's own allocations cannot reuse, and NCCL's
+all-to-all would run concurrently with a kernel library's dispatch.
 """
 
 import torch
@@ -26,7 +28,7 @@ from torchtitan.models.moe.moe import GroupedExperts
 
 from torchtitan_ext.ep.base import to_device
 from torchtitan_ext.ep.experts import UnboundLoopExperts
-from torchtitan_ext.ep.replication import transport_ops, transports
+from torchtitan_ext.ep.replication import transport_ops
 from torchtitan_ext.ep.replication.plan import ReplicaPlan
 
 
@@ -131,9 +133,8 @@ class ExpertsWithReplicas(UnboundLoopExperts):
     """Whether some rank's slot holds a replica under the plan (else the layer runs its home experts alone)."""
     bytes_per_expert: int = 0
     """One expert's weights as the last forward fetched them (its compute dtype), for reports."""
-    fetched: tuple[torch.Tensor, torch.Event | None] | None = None
-    """The replicas queued for this forward, and the event the side stream records after them (None on a CPU, or
-    where the kernel library moves them on its own streams)."""
+    fetched: torch.Tensor | None = None
+    """The replicas queued for this forward by :meth:`queue_replica_fetch`, taken by it."""
 
     @classmethod
     def adopt(cls, experts: GroupedExperts, plan: ReplicaPlan, group) -> "ExpertsWithReplicas":
@@ -150,6 +151,7 @@ class ExpertsWithReplicas(UnboundLoopExperts):
         if plan == getattr(self, "plan", None):
             return
         self.plan = plan
+        self.fetched = None
         self.holds_replicas = plan.replicated() > 0
         built = getattr(self, "exchange", None)
         # where the weights live (none yet while the model is parallelized on the meta device: first use builds)
@@ -170,20 +172,11 @@ class ExpertsWithReplicas(UnboundLoopExperts):
         dispatch, once the weights are unsharded and its kernel buffer exists."""
         self.fetched = self._fetch(self._home()) if self.holds_replicas else None
 
-    def _fetch(self, home: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Event | None]:
-        device = home[0].device
-        if self.exchange is None or self.exchange[0].device != device:
-            self._build_tables(device)  # on first use: the model is parallelized on the meta device
-        group_name = _get_process_group_name(self.group)
-        if device.type != "cuda" or transports.get(group_name) is not None:
-            # a CPU has one stream; a kernel library moves replicas on its own streams
-            return fetch_replicas(home, self.exchange, self.redundancy_mapping, self.slots, group_name), None
-        side = _side_stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))  # the home weights are ready (FSDP's unshard)
-        with torch.cuda.stream(side):
-            fetched = fetch_replicas(home, self.exchange, self.redundancy_mapping, self.slots, group_name)
-        fetched.record_stream(torch.cuda.current_stream(device))  # used there: not reused by the side stream before
-        return fetched, side.record_event()
+    def _fetch(self, home: list[torch.Tensor]) -> torch.Tensor:
+        if self.exchange is None or self.exchange[0].device != home[0].device:
+            self._build_tables(home[0].device)  # on first use: the model is parallelized on the meta device
+        return fetch_replicas(home, self.exchange, self.redundancy_mapping, self.slots,
+                              _get_process_group_name(self.group))
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         home = self._home()
@@ -193,20 +186,8 @@ class ExpertsWithReplicas(UnboundLoopExperts):
             # no replica this step (none chosen yet, or the choice set aside): the slots get no pairs, so their
             # (zero) rows are padding after the home experts' groups; no fetch, no gradient return
             return self.run_experts(*home, x, num_tokens_per_expert[:home[0].shape[0]])
-        replicas, ready = self._fetch(home) if fetched is None else fetched  # None: called without the EP hooks
-        if ready is not None:
-            torch.cuda.current_stream(x.device).wait_event(ready)  # right before the experts
+        if fetched is None:  # called without the EP hooks
+            fetched = self._fetch(home)
         weights = with_replicas(home, self.exchange, self.redundancy_mapping, self.slots,
-                                _get_process_group_name(self.group), replicas)
+                                _get_process_group_name(self.group), fetched)
         return self.run_experts(*weights, x, num_tokens_per_expert)
-
-
-_side_streams: dict[torch.device, torch.Stream] = {}
-"""Per device, the stream replica fetches run on beside the dispatch (one for every layer: fetches keep their
-order, as the collectives they issue must on every rank)."""
-
-
-def _side_stream(device: torch.device) -> torch.Stream:
-    if device not in _side_streams:
-        _side_streams[device] = torch.cuda.Stream(device)
-    return _side_streams[device]
