@@ -221,11 +221,11 @@ def test_a_plan_in_place_stays_until_a_new_one_saves_min_gain_over_it(world_of_o
 
 
 def test_layers_chosen_together_are_each_chosen_alone():
-    """The layers take their rounds together: each gets the plan, and the fill, it gets alone; the host's
-    water-fill is the device's."""
+    """Each layer gets the plan, and the fill, it gets alone; the host's compiled water-fill is the device's."""
     import numpy as np
 
-    from torchtitan_ext.ep.replication.choice import choose_layers, filled_loads, water_fill_host
+    from torchtitan_ext.ep.replication.choice import choose_layers, filled_loads
+    from torchtitan_ext.ep.replication.choice_loops import water_fill as water_fill_host
 
     generator = np.random.default_rng(0)
     for ranks, per_rank, slots in ((2, 4, 2), (4, 2, 1), (8, 4, 3)):
@@ -237,7 +237,10 @@ def test_layers_chosen_together_are_each_chosen_alone():
         together = filled_loads(counts, plans)
         assert all((together[i] == filled_loads(counts[i:i + 1], [plan])[0]).all() for i, plan in enumerate(plans))
     loads, amounts = generator.integers(0, 50, size=(40, 5)), generator.integers(0, 100, size=40)
-    assert (water_fill_host(loads, amounts) == water_fill(torch.from_numpy(loads), torch.from_numpy(amounts)).numpy()).all()
+    on_host = np.empty_like(loads)
+    for row, amount, quotas in zip(loads, amounts, on_host):
+        water_fill_host(row, amount, quotas)
+    assert (on_host == water_fill(torch.from_numpy(loads), torch.from_numpy(amounts)).numpy()).all()
 
 
 def test_a_plan_in_place_that_no_longer_pays_gives_way_to_a_new_one_that_does(world_of_one):

@@ -14,7 +14,8 @@ when it re-chooses every layer's replicas (``adapt_every = 1``): the choice
 (:func:`~torchtitan_ext.ep.replication.choice.choose_layers`) and one fill
 pricing the chosen plans (:func:`~torchtitan_ext.ep.replication.choice.filled_loads`;
 the trainer runs one, and a second for the plans in place where a layer's plan
-would change), each layer's counts drawn from its own Dirichlet(0.5) popularity.
+would change), each layer's counts drawn from its own Dirichlet(0.5) popularity;
+the compiled loops are loaded (or compiled) before the first timed call.
 """
 
 import argparse
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from torchtitan_ext.ep.replication import choice_loops
 from torchtitan_ext.ep.replication.choice import choose_layers, choose_replicas, filled_loads
 from torchtitan_ext.ep.replication.split import split_quotas, SplitTables
 
@@ -67,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             times.append(time.perf_counter() - began)
         print(f"| {ep} | {experts} | {slots} | {len(tables.replicated)} | {operators.count:,} | "
               f"{statistics.median(times) * 1e3:.2f} |")
+    choice_loops.warm()
     print(f"\nEvery layer's choice at once, {CHOICE_LAYERS} MoE layers (median and range of {args.calls} calls):\n")
     print("| EP | experts | slots per rank | choice ms | one fill ms |")
     print("|---|---|---|---|---|")

@@ -9,8 +9,8 @@ so it always ends (at most EP x S rounds), and since the split may leave a
 copy empty, a plan is never worse than no replicas on the counts it was chosen
 from.
 
-:class:`ReplicaChooser` runs it for every MoE layer at once, between steps
-(:func:`choose_layers`: the layers take their rounds together), from the
+:class:`ReplicaChooser` runs it for every MoE layer between steps
+(:func:`choose_layers`, a loop compiled for the host: :mod:`.choice_loops`), from the
 global counts of the steps since the last choice (the same on every rank: the
 choice needs no communication), which each layer's forward copied to host
 memory in the window's last step. Replicas are derived state: nothing of them
@@ -32,137 +32,26 @@ def choose_replicas(counts: list[int], expert_parallel_degree: int, slots: int) 
 
 
 def choose_layers(counts: np.ndarray, expert_parallel_degree: int, slots: int) -> list[ReplicaPlan]:
-    """The replicas of every layer at once, ``counts`` [layers, E] pairs per home slot: each layer's choice is the
-    rule above, and the layers take their rounds together (at most EP x S + E rounds of a few array operations over
-    all layers, where one layer at a time took a Python loop per copy); a layer whose slots are all used leaves."""
-    layers, experts = counts.shape
-    ep = expert_parallel_degree
-    per_rank = experts // ep
-    rows = np.arange(layers)
-    flat_counts = counts.reshape(-1)
-    home_rank = np.tile(np.arange(experts) // per_rank, layers)
-    # per (layer, home slot), copy-major: its copies' ranks (home first; rank ep: a padded copy's sink) and pair
-    # shares; a copy column is filled with the sink when some slot first reaches it, not all EP up front
-    copies = np.ones(layers * experts, dtype=np.int64)
-    copy_rank = np.empty((ep, layers * experts), dtype=np.int64)
-    copy_rank[0] = home_rank
-    columns = 1
-    shares = np.zeros((ep, layers * experts), dtype=np.int64)
-    shares[0] = flat_counts
-    free_slots = np.full((layers, ep + 1), slots, dtype=np.int64)
-    free_slots[:, ep] = 0  # the sink rank: never a copy's
-    open_slots = np.full(layers, ep * slots, dtype=np.int64)
-    replicas = np.full((layers, ep, slots), -1, dtype=np.int64)
-    loads = np.empty((layers, ep + 1), dtype=np.int64)
-    loads[:, :ep] = counts.reshape(layers, ep, per_rank).sum(-1)
-    loads[:, ep] = _sink_load(counts)  # a padded copy takes no pair, so its sink keeps this load
-    # pairs per copy, the heap's key: most first, ties to the lower slot (argmax's first); -inf: out for good
-    key = np.where(counts > 0, counts.astype(np.float64), -np.inf)
-    unavailable = np.iinfo(np.int64).max
-    while True:
-        home = key.argmax(1)
-        live = key[rows, home] > -np.inf
-        if not live.any():
-            break
-        layer, home = rows[live], home[live]
-        index = layer * experts + home
-        width = int(copies[index].max())
-        # free ranks: a free slot and no copy of this expert yet (the sink column is never free)
-        free = free_slots[layer] > 0
-        free[np.arange(len(layer))[:, None], copy_rank[:width, index].T] = False
-        # a slot that finds no free rank never will again (free ranks only fill, copies only grow)
-        stuck = ~free[:, :ep].any(1)
-        if stuck.any():
-            key[layer[stuck], home[stuck]] = -np.inf
-            layer, home, index, free = layer[~stuck], home[~stuck], index[~stuck], free[~stuck]
-            if not len(layer):
-                continue
-        rank = np.where(free, loads[layer], unavailable).argmin(1)  # least loaded, ties the lower
-        free_slots[layer, rank] -= 1
-        replicas[layer, rank, slots - 1 - free_slots[layer, rank]] = home
-        held = copies[index]
-        width = int(held.max()) + 1
-        if width > columns:
-            copy_rank[columns:width] = ep
-            columns = width
-        copy_rank[held, index] = rank
-        copies[index] = held + 1
-        ranks = copy_rank[:width, index].T
-        others = loads[layer[:, None], ranks] - shares[:width, index].T
-        quotas = water_fill_host(others, flat_counts[index])
-        shares[:width, index] = quotas.T
-        loads[layer[:, None], ranks] = others + quotas
-        key[layer, home] = flat_counts[index] / (held + 1)
-        open_slots[layer] -= 1
-        key[layer[open_slots[layer] == 0]] = -np.inf
-    return [ReplicaPlan(experts, ep, tuple(map(tuple, held.tolist()))) for held in replicas]
-
-
-def _sink_load(counts: np.ndarray) -> int:
-    """The load of a padded copy's sink rank: above any layer's pairs, so water-filling never gives it one."""
-    return int(counts.sum(1).max()) + 1
-
-
-def water_fill_host(loads: np.ndarray, amount: np.ndarray) -> np.ndarray:
-    """:func:`~torchtitan_ext.ep.replication.split.water_fill` on host arrays (the choice's, between steps; the
-    split's runs on the device): integer quotas summing to ``amount`` [rows] over ``loads`` [rows, C], minimising
-    max(loads + quotas), ties to the earlier copy."""
-    rows = np.arange(len(loads))
-    order = np.argsort(loads, axis=-1, kind="stable")
-    ordered = loads[rows[:, None], order]
-    prefix = ordered.cumsum(-1)
-    participants = np.arange(1, loads.shape[-1] + 1)
-    levels = (amount[:, None] + prefix) // participants
-    filled = np.maximum((levels >= ordered).sum(-1), 1) - 1
-    level = levels[rows, filled]
-    remainder = amount + prefix[rows, filled] - level * (filled + 1)
-    quotas = np.empty_like(ordered)
-    quotas[rows[:, None], order] = np.maximum(level[:, None] - ordered, 0) + (participants <= remainder[:, None])
-    return quotas
+    """The replicas of every layer, ``counts`` [layers, E] pairs per home slot, by the rule above
+    (:func:`~torchtitan_ext.ep.replication.choice_loops.choose`)."""
+    replicas = _loops().choose(np.ascontiguousarray(counts, dtype=np.int64), expert_parallel_degree, slots)
+    return [ReplicaPlan(counts.shape[1], expert_parallel_degree, tuple(map(tuple, held))) for held in replicas.tolist()]
 
 
 def filled_loads(counts: np.ndarray, plans: list[ReplicaPlan]) -> np.ndarray:
     """[layers, EP] each rank's pairs of ``counts`` [layers, E] with each layer's plan's copies filled in the choice's
-    order (most pairs first, ties the lower slot; an expert's copies home first, then rank by rank), all layers at
-    once."""
-    layers, experts = counts.shape
-    ep = plans[0].expert_parallel_degree
-    per_rank = experts // ep
-    loads = np.empty((layers, ep + 1), dtype=np.int64)
-    loads[:, :ep] = counts.reshape(layers, ep, per_rank).sum(-1)
-    loads[:, ep] = _sink_load(counts)  # a padded copy's sink, as in the choice
-    replicas = np.array([plan.replicas for plan in plans], dtype=np.int64).reshape(layers, -1)  # [L, EP x S]
-    slot_rank = np.broadcast_to(np.repeat(np.arange(ep), plans[0].slots), replicas.shape)
-    used = replicas >= 0
-    if not used.any():
-        return loads[:, :ep]
-    # each copy's place among its expert's copies: after the home, in rank order
-    layer, home, rank = np.nonzero(used)[0], replicas[used], slot_rank[used]
-    key = layer * experts + home
-    order = np.argsort(key, kind="stable")
-    key, rank = key[order], rank[order]
-    first = np.searchsorted(key, key)
-    width = int((np.arange(len(key)) - first).max()) + 2
-    copy_rank = np.full((layers * experts, width), ep, dtype=np.int64)
-    copy_rank[:, 0] = np.tile(np.arange(experts) // per_rank, layers)
-    copy_rank[key, np.arange(len(key)) - first + 1] = rank
-    # the replicated experts of each layer, most pairs first (ties the lower slot); padded with layer-free fills
-    replicated = np.zeros((layers, experts), dtype=bool)
-    replicated.reshape(-1)[key] = True
-    ranked = np.argsort(np.where(replicated, -counts, 1), axis=1, kind="stable")
-    rounds = int(replicated.sum(1).max())
-    rows = np.arange(layers)
-    for turn in range(rounds):
-        home = ranked[:, turn]
-        active = replicated[rows, home]
-        layer, home = rows[active], home[active]
-        index = layer * experts + home
-        ranks = copy_rank[index]
-        shares = np.zeros_like(ranks)
-        shares[:, 0] = counts[layer, home]
-        others = loads[layer[:, None], ranks] - shares
-        loads[layer[:, None], ranks] = others + water_fill_host(others, counts[layer, home])
-    return loads[:, :ep]
+    order (most pairs first, ties the lower slot; an expert's copies home first, then rank by rank)
+    (:func:`~torchtitan_ext.ep.replication.choice_loops.fill`)."""
+    replicas = np.array([plan.replicas for plan in plans], dtype=np.int64)
+    return _loops().fill(np.ascontiguousarray(counts, dtype=np.int64), replicas)
+
+
+def _loops():
+    """The compiled loops, imported at the first choice: importing numba takes half a second, which a job without
+    replicas need not pay."""
+    from torchtitan_ext.ep.replication import choice_loops
+
+    return choice_loops
 
 
 def saves_enough(before: np.ndarray, after: np.ndarray, min_gain: float) -> np.ndarray:
@@ -208,6 +97,8 @@ class ReplicaChooser:
         self.choice_s = 0.0
         """Host time the last choice took (every layer's plan and tables), in seconds."""
         self.layers = {layer: moe for layer, moe in moe_layers.items() if moe.replicas is not None}
+        if self.layers:
+            _loops().warm()  # loaded (or compiled) now, not in the first choice's step
         self.reported = False
         self._closing = False
         """Whether the step running now ends a window."""
