@@ -8,12 +8,14 @@ summed with the home's own.
 """
 
 import itertools
+import os
 import random
+import sys
 
 import pytest
 import torch
 
-from tests.helpers import run_distributed
+from tests.helpers import REPO_ROOT, run_distributed, run_job
 from torchtitan_ext.ep.replication.experts import exchange_arguments, redundancy_mapping
 from torchtitan_ext.ep.replication.plan import ReplicaPlan
 from torchtitan_ext.ep.replication.split import split_quotas, SplitTables, SWEEPS, UNREACHABLE, water_fill
@@ -119,6 +121,38 @@ def test_rounds_fill_disjoint_copies_at_once_as_one_at_a_time_would(seed):
         assert len(used) == len(set(used))
     counts = torch.tensor([generator.randint(0, 500) for _ in range(experts)])
     assert split_quotas(counts, tables).tolist() == _split_one_expert_at_a_time(counts, tables, order).tolist()
+
+
+def _one_kernel_against_rounds() -> None:
+    """Run under ``TRITON_INTERPRET=1``: the split in one Triton kernel (a GPU's) equals the rounds' operators on
+    random plans (EP 2-16, zero counts among them) and at DeepSeek-V3's EP=64 with 2 slots, in as many operators at
+    every EP degree."""
+    from torchtitan_ext.bench.replica_split import OperatorCount
+    from torchtitan_ext.ep.replication.choice import choose_replicas
+
+    generator = random.Random(0)
+    operators = set()
+    cases = [(ranks, per_rank, generator.randint(1, 3)) for ranks, per_rank in ((2, 4), (4, 2), (8, 2), (8, 4), (16, 2))
+             ] + [(64, 4, 2)]
+    for ranks, per_rank, slots in cases:
+        experts = ranks * per_rank
+        counts = torch.tensor([generator.randint(0, 500) * generator.choice([0, 1, 1]) for _ in range(experts)])
+        counts[0] = 4000  # one hot expert, so the choice copies it widely
+        tables = SplitTables(choose_replicas(counts.tolist(), ranks, slots), torch.device("cpu"))
+        step = counts[torch.randperm(experts, generator=torch.Generator().manual_seed(ranks))]  # a later step's
+        with OperatorCount() as counted:
+            in_one_kernel = split_quotas(step, tables, in_one_kernel=True)
+        operators.add(counted.count)
+        assert torch.equal(in_one_kernel, split_quotas(step, tables, in_one_kernel=False)), (ranks, per_rank, slots)
+    assert len(operators) == 1, operators
+
+
+@pytest.mark.slow
+def test_the_split_in_one_kernel_equals_the_rounds():
+    """Triton's interpreter runs the kernel on the CPU, in a process of its own: it must be chosen before Triton is
+    imported."""
+    run_job([sys.executable, "-c", f"from {__name__} import _one_kernel_against_rounds as check; check()"],
+            timeout_s=300, cwd=REPO_ROOT, env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)})
 
 
 def test_split_of_one_hot_expert_over_two_ranks():

@@ -17,7 +17,8 @@ Stages, each reported whatever the others did, each run within its own time limi
 4. a CUDA-graph capture of one MoE call's forward for each backend whose budget claims a sync-free layer (no host
    sync, no host-to-device copy), replayed against the same call run eagerly;
 5. the replica slots' weight concatenation against the routed experts' GEMMs at DeepSeek-V3 671B's shape on one
-   rank at EP = 64 (forward and backward, median milliseconds, in one process);
+   rank at EP = 64 (forward and backward, median milliseconds, in one process); and the replicas' per-step split in
+   one Triton kernel against its rounds of operators (equal quotas, device milliseconds of each);
 6. bench ep on CUDA: each backend's dispatch and combine at EP = 1 (local work alone, no traffic);
 7. a DeepSeek-V3-16B-shaped training step (flavour "16B_4layers"), ours against upstream torchtitan 0.2.2, as
    a ratio in one run;
@@ -84,6 +85,7 @@ def stages(out: Path) -> list[Stage]:
         _function_stage("ledger cuda vs cpu", "ledger_on_cuda_and_cpu", 240),
         _function_stage("cuda graph capture", "cuda_graph_capture", 120),
         _function_stage("replica weights copy", "replica_copy_cost", 90),
+        _function_stage("replica split in one kernel", "replica_split_kernel", 120),
         Stage("bench ep", [python, "-m", "torchtitan_ext.bench", "ep", "--nproc", "1", "--tokens", "4096", "16384",
                            "--hidden", "2048", "--experts", "64", "--top-k", "6", "--dtype", "bfloat16", "--warmup",
                            "3", "--iters", "10", "--no-progress", "--backends", *VARIANTS, "upstream", "--json",
@@ -343,6 +345,48 @@ def replica_copy_cost(iters: int = 10) -> dict:
     result["rows"] = x.shape[0]
     result["copied_mb"] = round(sum(w.numel() for w in whole) * 2 / 1e6, 1)
     result["with_over_without"] = round(result["with_copy_ms"] / result["without_copy_ms"], 4)
+    return result
+
+
+def replica_split_kernel(iters: int = 20) -> dict:
+    """Per shape of ``bench replica_split``: whether the split in one Triton kernel on CUDA equals the rounds'
+    operators on the CPU (the stage fails where it does not), and the device milliseconds (median of ``iters`` after warm-up) of each path on CUDA."""
+    import numpy as np
+    import torch
+
+    from torchtitan_ext.bench.replica_split import SHAPES
+    from torchtitan_ext.ep.replication.choice import choose_replicas
+    from torchtitan_ext.ep.replication.split import split_quotas, SplitTables
+
+    torch.cuda.set_device(0)
+    device = torch.device("cuda")
+    rng = np.random.default_rng(0)
+    result = {}
+    for ep, experts, slots in SHAPES:
+        popularity = 1 / np.arange(1, experts + 1) ** 0.8
+        chosen_from, step = (torch.tensor(rng.multinomial(experts * 512, popularity / popularity.sum())) for _ in range(2))
+        plan = choose_replicas(chosen_from.tolist(), ep, slots)
+        on_host = split_quotas(step, SplitTables(plan, torch.device("cpu")))
+        tables, counts = SplitTables(plan, device), step.to(device)
+
+        def median_ms(in_one_kernel: bool) -> float:
+            for _ in range(3):
+                split_quotas(counts, tables, in_one_kernel=in_one_kernel)
+            times = []
+            for _ in range(iters):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                split_quotas(counts, tables, in_one_kernel=in_one_kernel)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            return round(statistics.median(times), 4)
+
+        result[f"ep{ep}_experts{experts}_slots{slots}"] = {
+            "equal": bool(torch.equal(split_quotas(counts, tables).cpu(), on_host)),
+            "one_kernel_ms": median_ms(True), "operators_ms": median_ms(False)}
+    if not all(shape["equal"] for shape in result.values()):
+        raise AssertionError(f"the split in one kernel differs from the rounds' operators: {result}")
     return result
 
 

@@ -6,9 +6,11 @@ of every layer's replicas.
 For EP degrees up to DeepSeek-V3's 256 experts at EP=64, 1 and 2 slots per
 rank, counts drawn from a Zipf 0.8 popularity (512 pairs per expert on
 average), replicas chosen from them: counts the tensor operators one
-``split_quotas`` call dispatches (on a GPU each is at least one kernel
-launch, so their number bounds the split's time from below at a few
-microseconds each) and times the call on this CPU, one thread. Then times,
+``split_quotas`` call dispatches on the host's path (on a GPU each would be
+at least one kernel launch, so their number bounds the split's time from
+below at a few microseconds each) and times the call on this CPU, one
+thread; and the launches of a GPU's path, which runs the split in one
+Triton kernel (its operators and the kernel, counted without running it). Then times,
 at DeepSeek-V3 671B's 58 MoE layers, what the trainer does between steps
 when it re-chooses every layer's replicas (``adapt_every = 1``): the choice
 (:func:`~torchtitan_ext.ep.replication.choice.choose_layers`) and one fill
@@ -21,12 +23,13 @@ the compiled loops are loaded (or compiled) before the first timed call.
 import argparse
 import statistics
 import time
+from unittest import mock
 
 import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torchtitan_ext.ep.replication import choice_loops
+from torchtitan_ext.ep.replication import choice_loops, split_kernel
 from torchtitan_ext.ep.replication.choice import choose_layers, choose_replicas, filled_loads
 from torchtitan_ext.ep.replication.split import split_quotas, SplitTables
 
@@ -54,8 +57,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--calls: use at least 1")
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
-    print("| EP | experts | slots per rank | replicated experts | operators per call | host ms per call (median) |")
-    print("|---|---|---|---|---|---|")
+    print("| EP | experts | slots per rank | replicated experts | operators per call | host ms per call (median) | "
+          "GPU path: operators and launch |")
+    print("|---|---|---|---|---|---|---|")
     for ep, experts, slots in SHAPES:
         popularity = 1 / np.arange(1, experts + 1) ** 0.8
         counts = torch.tensor(rng.multinomial(experts * 512, popularity / popularity.sum()))
@@ -68,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             split_quotas(counts, tables)
             times.append(time.perf_counter() - began)
         print(f"| {ep} | {experts} | {slots} | {len(tables.replicated)} | {operators.count:,} | "
-              f"{statistics.median(times) * 1e3:.2f} |")
+              f"{statistics.median(times) * 1e3:.2f} | {_launches_in_one_kernel(counts, tables)} |")
     choice_loops.warm()
     print(f"\nEvery layer's choice at once, {CHOICE_LAYERS} MoE layers (median and range of {args.calls} calls):\n")
     print("| EP | experts | slots per rank | choice ms | one fill ms |")
@@ -85,6 +89,16 @@ def main(argv: list[str] | None = None) -> int:
             fill.append(time.perf_counter() - chosen)
         print(f"| {ep} | {experts} | {slots} | {_spread(choice)} | {_spread(fill)} |")
     return 0
+
+
+def _launches_in_one_kernel(counts: torch.Tensor, tables: SplitTables) -> int:
+    """The tensor operators a GPU's split dispatches around its kernel, and the kernel's launch: counted here with
+    the launch recorded, not run (it runs on a CUDA device, or under Triton's interpreter)."""
+    launched = []
+    with mock.patch.object(split_kernel, "launch", lambda *arguments: launched.append(arguments)), \
+            OperatorCount() as operators:
+        split_quotas(counts, tables, in_one_kernel=True)
+    return operators.count + len(launched)
 
 
 CHOICE_LAYERS = 58

@@ -68,6 +68,10 @@ class SplitTables:
         self.width = width
         self.rounds = [self._round_tensors(homes, device) for homes in self._rounds()]
         """Per round: (home slots [R], their copies' ranks [R, C] padded with EP, which copies are real [R, C])."""
+        self.sequence = torch.cat([homes for homes, _, _ in self.rounds]) if self.rounds else None
+        """The rounds' home slots one after another [replicated], for the split in one kernel (a GPU's)."""
+        self.sequence_ranks = torch.cat([at for _, at, _ in self.rounds]) if self.rounds else None
+        """Their copies' ranks [replicated, C], padded with EP."""
 
     def _rounds(self) -> list[list[int]]:
         """The replicated experts, in order, each in the first round whose ranks it does not share."""
@@ -89,14 +93,25 @@ class SplitTables:
         return to_device(torch.tensor(homes, dtype=torch.int64), device), at, at != sink
 
 
-def split_quotas(counts: torch.Tensor, tables: SplitTables) -> torch.Tensor:
-    """[E, C] pairs each copy of each home slot takes, from the global ``counts`` [E] of this step."""
+def split_quotas(counts: torch.Tensor, tables: SplitTables, in_one_kernel: bool | None = None) -> torch.Tensor:
+    """[E, C] pairs each copy of each home slot takes, from the global ``counts`` [E] of this step.
+
+    ``in_one_kernel`` (default: on a CUDA device) runs the rounds inside one Triton kernel
+    (:mod:`.split_kernel`): the same quotas in 5 launches at any EP degree, where the rounds' operators take a
+    few hundred at EP=64; on the host, where an operator launches nothing, the operators run."""
     experts, ranks = counts.shape[0], tables.plan.expert_parallel_degree
     quotas = torch.zeros(experts, tables.width, dtype=torch.int64, device=counts.device)
     quotas[:, 0] = counts
     # one more entry: the padded copies' rank, read and written but never a real rank's
     loads = torch.zeros(ranks + 1, dtype=torch.int64, device=counts.device).index_add_(0, tables.home_rank, counts)
-    for _ in range(SWEEPS if tables.rounds else 0):
+    if not tables.rounds:
+        return quotas
+    if (counts.is_cuda if in_one_kernel is None else in_one_kernel):
+        from torchtitan_ext.ep.replication import split_kernel  # Triton's import: only where it runs
+
+        split_kernel.launch(counts, quotas, loads, tables.sequence, tables.sequence_ranks, SWEEPS, UNREACHABLE)
+        return quotas
+    for _ in range(SWEEPS):
         for homes, at, real in tables.rounds:
             others = torch.where(real, loads[at] - quotas.index_select(0, homes), UNREACHABLE)
             share = water_fill(others, counts.index_select(0, homes))
