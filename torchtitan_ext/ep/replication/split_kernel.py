@@ -16,7 +16,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# one compilation per EP degree: the plan's sizes are plain arguments, and the blocks are sized by EP (a copy per rank
+# at most), so a new plan between steps compiles nothing
+@triton.jit(do_not_specialize=["replicated", "width", "sink", "sweeps"])
 def split_in_sequence(counts, quotas, loads, sequence, sequence_ranks, replicated, width, sink, sweeps,
                       unreachable, COPIES: tl.constexpr, RANKS: tl.constexpr):
     """One program: ``sweeps`` passes over the ``replicated`` experts of ``sequence`` [R] (home slots), each
@@ -54,6 +56,6 @@ def launch(counts: torch.Tensor, quotas: torch.Tensor, loads: torch.Tensor, sequ
            sequence_ranks: torch.Tensor, sweeps: int, unreachable: int) -> None:
     """Runs the kernel, one program, on ``quotas`` (the home column filled) in place, from ``loads`` (the home
     loads, one more entry for the padded copies' rank); under ``TRITON_INTERPRET=1`` on CPU tensors too."""
-    width = quotas.shape[1]
-    split_in_sequence[(1,)](counts, quotas, loads, sequence, sequence_ranks, sequence.shape[0], width, loads.shape[0] - 1,
-                 sweeps, unreachable, COPIES=triton.next_power_of_2(width), RANKS=triton.next_power_of_2(loads.shape[0]))
+    sink = loads.shape[0] - 1  # the EP degree
+    split_in_sequence[(1,)](counts, quotas, loads, sequence, sequence_ranks, sequence.shape[0], quotas.shape[1], sink,
+                            sweeps, unreachable, COPIES=triton.next_power_of_2(sink), RANKS=triton.next_power_of_2(sink + 1))
