@@ -57,8 +57,8 @@ def test_the_arms_must_train_alike(replicated_losses, failed):
         parts = {"step": 1.0, "layers": 0.5, "balanced": 0.5, "remainder": 0.5, "replication": 0.0, "wall": 1.0}
         return {"parts": parts, "metrics": rows, "ranks": [{bench.WARMUP + 1: RANK_0}, {bench.WARMUP + 1: RANK_1}]}
 
-    runs = {"0 2 no replicas": run({4: 8.0, 5: 7.0}), "0 2 2 slots": run(replicated_losses)}
-    lines, got = bench._report(runs, argparse.Namespace(rounds=1), [2.0], ["no replicas", "2 slots"])
+    runs = {"0 alpha 2 no replicas": run({4: 8.0, 5: 7.0}), "0 alpha 2 2 slots": run(replicated_losses)}
+    lines, got = bench._report(runs, argparse.Namespace(rounds=1), ["alpha 2"], ["no replicas", "2 slots"])
     assert got == failed, lines
 
 
@@ -86,3 +86,14 @@ def test_the_clock_times_every_moe_layers_segments_and_the_weights_transfers_onc
                 segments["router"] + segments["fetch"] + segments["experts_forward"] + segments["experts_backward"]
                 for segments in record["layers"].values())
             assert record["total"] > timed_parts, (step, record)
+
+
+def test_the_headroom_captured_is_the_replicated_arms_share_of_the_gap_to_forced_balance():
+    """Round 1: 1.0 s without replicas, 0.8 s under forced balance, 0.9 s replicated: half the headroom. Round 2:
+    forced balance no faster (1.0 s), so no headroom to capture: left out."""
+    steps = {(0, "alpha 2", "no replicas"): 1.0, (0, "forced balance", "no replicas"): 0.8,
+             (0, "alpha 2", "2 slots"): 0.9, (1, "alpha 2", "no replicas"): 1.0,
+             (1, "forced balance", "no replicas"): 1.0, (1, "alpha 2", "2 slots"): 0.7}
+    runs = {f"{round_index} {skew} {name}": {"parts": {"step": step}} for (round_index, skew, name), step in steps.items()}
+    lines = bench._headroom_lines(runs, 2, ["alpha 2", "forced balance"], ["no replicas", "2 slots"])
+    assert lines[1] == "alpha 2, 2 slots: headroom captured (CPU-time step) 50% (50%-50%) over 1 round(s)"

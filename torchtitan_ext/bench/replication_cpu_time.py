@@ -1,14 +1,18 @@
 """Expert replication timed by each rank's CPU time, for more ranks than cores: the step one device per rank would take.
 
     python -m torchtitan_ext.bench replication_cpu_time [--nproc 4] [--steps 12] [--rounds 3] [--slots 2]
-        [--alphas 0,1,2] [--drift-every 3] [--experts grouped_mm|loop] [--campaign FILE]
+        [--alphas 0,1,2] [--drift-every 3] [--forced-balance] [--experts grouped_mm|loop] [--campaign FILE]
         [-- extra training args]
 
 Trains, in ``--nproc`` processes of one thread each (EP = ``--nproc``), the experts-dominated debug model
 (``debugmodel_wide_experts``, 1,024 tokens per rank, no activation checkpointing; extra arguments after ``--``
 override it) under each routing skew ``alpha`` (``[routing_skew]``, redrawn every ``--drift-every`` steps), with
 no replicas and with ``--slots`` replica slots per rank re-chosen every step, the arms alternating within each
-round, each in fresh processes. When ranks outnumber cores an idle rank gives its core away, so wall
+round, each in fresh processes; with ``--forced-balance`` both arms also run under torchtitan's forced-balance
+routing (``--debug.moe_force_load_balance``): without replicas it is the ideal, the step a perfect balance would
+give for free, and each skew's replicated arm is given the share of that headroom it captured, (no replicas -
+replicated) / (no replicas - forced balance), round by round; with replicas it is the balanced case, where the
+replicas must step aside. When ranks outnumber cores an idle rank gives its core away, so wall
 time says nothing of balance; each rank's CPU time (``time.process_time``) does. Per step and rank it is split
 (:class:`CpuClock`) into, per MoE layer, the router and the replicas' split (the MoE's forward up to its
 experts' hooks), the experts' forward and backward (the dispatch's end to the combine, without the gradients'
@@ -308,21 +312,20 @@ def mean_segments(runs: list[list[dict[int, dict]]]) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    alphas = _checked(parser, args)
+    skews = _checked(parser, args)
     replicas = ["--expert_replication.slots_per_rank", str(args.slots), "--expert_replication.adapt_every", "1"]
     settings = {"no replicas": [], f"{args.slots} slot{'s' * (args.slots > 1)}, adapt every 1": replicas}
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
-        with tqdm(total=args.rounds * len(alphas) * len(settings), desc="bench_replication_cpu_time",
+        with tqdm(total=args.rounds * len(skews) * len(settings), desc="bench_replication_cpu_time",
                   unit="run") as progress:
             for round_index in range(args.rounds):
                 arms = [
-                    (f"{round_index} {alpha:g} {name}", [
+                    (f"{round_index} {skew} {name}", [
                         *JOB, "--parallelism.expert_parallel_degree", str(args.nproc), "--training.steps",
-                        str(args.steps), "--routing_skew.alpha", str(alpha), "--routing_skew.drift_every",
-                        str(args.drift_every), *setting, *args.extra,
-                        "--job.dump_folder", f"{tmp}/{round_index}-{alpha:g}-{len(setting)}",
-                    ]) for alpha in alphas for name, setting in settings.items()
+                        str(args.steps), *routing, *setting, *args.extra,
+                        "--job.dump_folder", f"{tmp}/{round_index}-{skew.replace(' ', '_')}-{len(setting)}",
+                    ]) for skew, routing in skews.items() for name, setting in settings.items()
                 ]
                 for name, arm_args in arms:
                     # fresh processes per arm: a process that built several trainers keeps part of each
@@ -331,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
                         preload=["torchtitan_ext.training.trainer"])]
                     runs[name] = {"parts": median_parts(ranks), "metrics": read_metrics(arm_args[-1]), "ranks": ranks}
                     progress.update()
-    lines, failed = _report(runs, args, alphas, list(settings))
+    lines, failed = _report(runs, args, list(skews), list(settings))
     print("\n".join(lines))
     if args.campaign is not None:
         command = bench_command("replication_cpu_time", argv)
@@ -349,6 +352,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--alphas", default="0,1,2", help="routing skews, comma separated (default: 0,1,2)")
     parser.add_argument("--drift-every", type=int, default=3,
                         help="steps between redraws of the skew's expert ranking (default: 3)")
+    parser.add_argument("--forced-balance", action="store_true",
+                        help="also run both arms under forced-balance routing: the ideal, and the balanced case")
     parser.add_argument("--experts", choices=("grouped_mm", "loop"), default="grouped_mm",
                         help="the experts' GEMMs: torchtitan's grouped GEMMs in bf16, as a GPU runs them (default), or "
                              "the per-expert loop a CPU trains with, in the job's precision")
@@ -358,8 +363,13 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _checked(parser: argparse.ArgumentParser, args) -> list[float]:
-    """The alphas of ``args``, every option and the job checked first (one line each, through ``parser``)."""
+FORCED_BALANCE = "forced balance"
+"""The routing of torchtitan's forced balance: every expert gets the same pairs."""
+
+
+def _checked(parser: argparse.ArgumentParser, args) -> dict[str, list[str]]:
+    """The routings of ``args`` (name -> overrides: each alpha's skew, then forced balance with ``--forced-balance``),
+    every option and the job checked first (one line each, through ``parser``)."""
     if args.steps <= WARMUP:
         parser.error(f"--steps {args.steps}: use more than {WARMUP} (the first {WARMUP} are warm-up)")
     if args.nproc < 2 or args.slots < 1 or args.rounds < 1 or args.drift_every < 1:
@@ -384,49 +394,51 @@ def _checked(parser: argparse.ArgumentParser, args) -> list[float]:
         parser.error(f"activation_checkpoint.mode {job_config.activation_checkpoint.mode!r}, "
                      f"parallelism.pipeline_parallel_degree {job_config.parallelism.pipeline_parallel_degree}: the "
                      "CPU times are split per MoE layer on every rank: use 'none' and 1")
-    return alphas
+    skews = {f"alpha {alpha:g}": ["--routing_skew.alpha", str(alpha), "--routing_skew.drift_every",
+                                  str(args.drift_every)] for alpha in alphas}
+    return {**skews, FORCED_BALANCE: ["--debug.moe_force_load_balance"]} if args.forced_balance else skews
 
 
-def _report(runs: dict, args, alphas: list[float], settings: list[str]):
+def _report(runs: dict, args, skews: list[str], settings: list[str]):
     def metric(rows, name):
         return [row[name] for row in rows if row["step"] > WARMUP and name in row]
 
     lines = [
-        f"| alpha | setting | round | recv max/mean all layers, median | replicas set aside | step (s) | "
+        f"| routing | setting | round | recv max/mean all layers, median | replicas set aside | step (s) | "
         "layers, slowest rank (s) | layers, mean rank (s) | remainder (s) | replication (s) | vs no replicas | "
         "wall, slowest rank (s) | wall vs no replicas |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     ratios, failed = {}, False
-    for alpha in alphas:
+    for skew in skews:
         for name in settings:
             for round_index in range(args.rounds):
-                run = runs[f"{round_index} {alpha:g} {name}"]
+                run = runs[f"{round_index} {skew} {name}"]
                 parts, rows = run["parts"], run["metrics"]
-                baseline = runs[f"{round_index} {alpha:g} {settings[0]}"]["parts"]
+                baseline = runs[f"{round_index} {skew} {settings[0]}"]["parts"]
                 ratio, wall_ratio = parts["step"] / baseline["step"], parts["wall"] / baseline["wall"]
-                ratios.setdefault((alpha, name), []).append((ratio, wall_ratio))
+                ratios.setdefault((skew, name), []).append((ratio, wall_ratio))
                 aside = metric(rows, "ep/replica_layers_set_aside")
                 lines.append(
-                    f"| {alpha:g} | {name} | {round_index + 1} | "
+                    f"| {skew} | {name} | {round_index + 1} | "
                     f"{statistics.median(metric(rows, 'ep/recv_rows_max_over_mean_all_layers')):.2f} | "
                     f"{f'{statistics.mean(aside):.2f}' if aside else '-'} | {parts['step']:.3f} | "
                     f"{parts['layers']:.3f} | {parts['balanced']:.3f} | {parts['remainder']:.3f} | "
                     f"{parts['replication']:.3f} | {ratio:.3f} | {parts['wall']:.3f} | {wall_ratio:.3f} |"
                 )
     lines += ["", "The mean rank's CPU time per step (ms; steps after the warm-up, every round), summed over the MoE layers:",
-              "", "| alpha | setting | router and split, no count exchange | experts forward, no fetch | experts "
+              "", "| routing | setting | router and split, no count exchange | experts forward, no fetch | experts "
               "backward, no return | count exchange | fetch | return | choice | whole step |",
               "|---|---|---|---|---|---|---|---|---|---|"]
-    for alpha in alphas:
+    for skew in skews:
         for name in settings:
-            means = mean_segments([runs[f"{round_index} {alpha:g} {name}"]["ranks"] for round_index in range(args.rounds)])
-            lines.append(f"| {alpha:g} | {name} | " + " | ".join(f"{1000 * means[part]:.1f}" for part in (
+            means = mean_segments([runs[f"{round_index} {skew} {name}"]["ranks"] for round_index in range(args.rounds)])
+            lines.append(f"| {skew} | {name} | " + " | ".join(f"{1000 * means[part]:.1f}" for part in (
                 "router", "experts_forward", "experts_backward", "counts", "fetch", "return", "choice", "total"))
                 + " |")
     lines.append("")
-    for alpha in alphas:
-        losses = [{row["step"]: row["loss_metrics/global_avg_loss"] for row in runs[f"0 {alpha:g} {name}"]["metrics"]}
+    for skew in skews:
+        losses = [{row["step"]: row["loss_metrics/global_avg_loss"] for row in runs[f"0 {skew} {name}"]["metrics"]}
                   for name in settings]
         if any(logged.keys() != losses[0].keys() for logged in losses) or not losses[0]:
             worst = float("nan")
@@ -435,13 +447,36 @@ def _report(runs: dict, args, alphas: list[float], settings: list[str]):
             worst = float("nan") if any(map(math.isnan, differences)) else max(differences)
         compared = worst <= LOSS_TOLERANCE
         failed |= not compared
-        lines.append(f"alpha {alpha:g}: largest relative loss difference between the arms (round 1) {worst:.1e}"
+        lines.append(f"{skew}: largest relative loss difference between the arms (round 1) {worst:.1e}"
                      + ("" if compared else f", not within {LOSS_TOLERANCE:g} (or steps missing): the arms did not "
                                             "train alike"))
         for name in settings[1:]:
             summaries = []
-            for kind, got in zip(("CPU-time step", "wall"), map(sorted, zip(*ratios[alpha, name]))):
+            for kind, got in zip(("CPU-time step", "wall"), map(sorted, zip(*ratios[skew, name]))):
                 summaries.append(f"{kind} {statistics.median(got):.3f} ({got[0]:.3f}-{got[-1]:.3f})")
-            lines.append(f"alpha {alpha:g}, {name} vs no replicas, medians of {args.rounds} rounds: "
-                         + "; ".join(summaries))
-    return lines, failed
+            lines.append(f"{skew}, {name} vs no replicas, medians of {args.rounds} rounds: " + "; ".join(summaries))
+    return lines + _headroom_lines(runs, args.rounds, skews, settings), failed
+
+
+def _headroom_lines(runs: dict, rounds: int, skews: list[str], settings: list[str]) -> list[str]:
+    """With forced balance: each skew's replicated arm's share of the headroom, per round, by the CPU-time step,
+    (no replicas - replicated) / (no replicas - forced balance); a round where forced balance was not faster has
+    none to capture and is left out."""
+    if FORCED_BALANCE not in skews:
+        return []
+    none, replicated = settings
+    lines = [""]
+    for skew in skews:
+        if skew == FORCED_BALANCE:
+            continue
+        captured = []
+        for round_index in range(rounds):
+            without, ideal, with_replicas = (runs[f"{round_index} {routing} {name}"]["parts"]["step"] for routing, name in
+                                             ((skew, none), (FORCED_BALANCE, none), (skew, replicated)))
+            if without > ideal:
+                captured.append((without - with_replicas) / (without - ideal))
+        captured.sort()
+        lines.append(f"{skew}, {replicated}: headroom captured (CPU-time step) "
+                     + (f"{statistics.median(captured):.0%} ({captured[0]:.0%}-{captured[-1]:.0%}) over "
+                        f"{len(captured)} round(s)" if captured else "none: forced balance was not faster in any round"))
+    return lines
