@@ -167,7 +167,7 @@ def _settings(parser: argparse.ArgumentParser, args) -> dict[str, list[str]]:
 def _skews(parser: argparse.ArgumentParser, args) -> dict[str, list[str]]:
     """Skew name -> its overrides: the job's own routing ("") unless --alphas; then forced balance with
     --forced-balance."""
-    forced = {FORCED_BALANCE: ["--debug.moe_force_load_balance"]} if args.forced_balance else {}
+    forced = {FORCED_BALANCE: FORCED_BALANCE_ROUTING} if args.forced_balance else {}
     if args.alphas is None:
         return {"": [], **forced}
     try:
@@ -183,6 +183,15 @@ def _skews(parser: argparse.ArgumentParser, args) -> dict[str, list[str]]:
 
 FORCED_BALANCE = "forced balance"
 """The skew of torchtitan's forced-balance routing: every expert gets the same pairs."""
+FORCED_BALANCE_ROUTING = ["--debug.moe_force_load_balance"]
+"""Its training overrides."""
+
+
+def headroom_captured(without: list[float], ideal: list[float], replicated: list[float]) -> list[float]:
+    """Per round, the replicated arm's share of the headroom, (no replicas - replicated) / (no replicas - forced
+    balance), from the three arms' step times of each round; a round where forced balance was not faster has none to
+    capture (noise, or a balanced skew) and is left out."""
+    return [(none - step) / (none - best) for none, best, step in zip(without, ideal, replicated) if none > best]
 
 
 def _headroom_lines(rows: dict) -> list[str]:
@@ -204,9 +213,7 @@ def _headroom_lines(rows: dict) -> list[str]:
                          f"aside on {statistics.mean(aside) if aside else 0:.0%} of layer-steps after step {WARMUP}")
             continue
         without = [measured["median_time"] for measured in rows[skew, "no replicas"]]
-        # a round where forced balance was not faster has no headroom to capture (noise, or a balanced skew)
-        captured = [(none - measured["median_time"]) / (none - best)
-                    for none, best, measured in zip(without, ideal, rows[skew, name]) if none > best]
+        captured = headroom_captured(without, ideal, [measured["median_time"] for measured in rows[skew, name]])
         share = (f"headroom captured {_median_range(captured, '.0%')}" if captured else
                  "no headroom: forced balance was not faster in any round")
         lines.append(f"{', '.join(filter(None, (skew, name)))}: {share} (no replicas {statistics.median(without):.3f} s, "

@@ -40,6 +40,7 @@ from torchtitan.models.moe.moe import GroupedExperts
 from tqdm import tqdm
 
 import torchtitan_ext
+from torchtitan_ext.bench.replication import FORCED_BALANCE, FORCED_BALANCE_ROUTING, headroom_captured
 from torchtitan_ext.config import ConfigError, load_job_config
 from torchtitan_ext.data import prepare_embedded_assets
 from torchtitan_ext.ep import replication
@@ -363,10 +364,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-FORCED_BALANCE = "forced balance"
-"""The routing of torchtitan's forced balance: every expert gets the same pairs."""
-
-
 def _checked(parser: argparse.ArgumentParser, args) -> dict[str, list[str]]:
     """The routings of ``args`` (name -> overrides: each alpha's skew, then forced balance with ``--forced-balance``),
     every option and the job checked first (one line each, through ``parser``)."""
@@ -396,7 +393,7 @@ def _checked(parser: argparse.ArgumentParser, args) -> dict[str, list[str]]:
                      "CPU times are split per MoE layer on every rank: use 'none' and 1")
     skews = {f"alpha {alpha:g}": ["--routing_skew.alpha", str(alpha), "--routing_skew.drift_every",
                                   str(args.drift_every)] for alpha in alphas}
-    return {**skews, FORCED_BALANCE: ["--debug.moe_force_load_balance"]} if args.forced_balance else skews
+    return {**skews, FORCED_BALANCE: FORCED_BALANCE_ROUTING} if args.forced_balance else skews
 
 
 def _report(runs: dict, args, skews: list[str], settings: list[str]):
@@ -459,9 +456,8 @@ def _report(runs: dict, args, skews: list[str], settings: list[str]):
 
 
 def _headroom_lines(runs: dict, rounds: int, skews: list[str], settings: list[str]) -> list[str]:
-    """With forced balance: each skew's replicated arm's share of the headroom, per round, by the CPU-time step,
-    (no replicas - replicated) / (no replicas - forced balance); a round where forced balance was not faster has
-    none to capture and is left out."""
+    """With forced balance: each skew's replicated arm's share of the headroom per round
+    (:func:`~torchtitan_ext.bench.replication.headroom_captured`), by the CPU-time step."""
     if FORCED_BALANCE not in skews:
         return []
     none, replicated = settings
@@ -469,13 +465,10 @@ def _headroom_lines(runs: dict, rounds: int, skews: list[str], settings: list[st
     for skew in skews:
         if skew == FORCED_BALANCE:
             continue
-        captured = []
-        for round_index in range(rounds):
-            without, ideal, with_replicas = (runs[f"{round_index} {routing} {name}"]["parts"]["step"] for routing, name in
-                                             ((skew, none), (FORCED_BALANCE, none), (skew, replicated)))
-            if without > ideal:
-                captured.append((without - with_replicas) / (without - ideal))
-        captured.sort()
+        captured = sorted(headroom_captured(*([runs[f"{round_index} {routing} {name}"]["parts"]["step"]
+                                               for round_index in range(rounds)]
+                                              for routing, name in ((skew, none), (FORCED_BALANCE, none),
+                                                                    (skew, replicated)))))
         lines.append(f"{skew}, {replicated}: headroom captured (CPU-time step) "
                      + (f"{statistics.median(captured):.0%} ({captured[0]:.0%}-{captured[-1]:.0%}) over "
                         f"{len(captured)} round(s)" if captured else "none: forced balance was not faster in any round"))
