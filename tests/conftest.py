@@ -14,6 +14,7 @@ import subprocess
 import pytest
 
 from tests.helpers import REPO_ROOT
+from torchtitan_ext.runtime.entry import imports_without_collection
 
 # Every job in the suite behaves as on a CPU without bf16 matrix units (fp32 by
 # default), so that no test's speed or numerics depend on the CPU's bf16 support.
@@ -43,6 +44,13 @@ LONGEST_FILES_FIRST = ("tests/training/", "tests/models/test_gradient_matrix.py"
 pytest-xdist's loadfile hands files to the workers in collection order, and one of these collected last would run
 alone at the end while the other worker idles. After them come the other files that start processes, and the
 files of quick tests last, where they fill the workers' ends evenly."""
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection():
+    """The test files' imports (torch, torchtitan) without the cyclic collector, as the entry points'."""
+    with imports_without_collection():
+        return (yield)
 
 
 def pytest_collection_modifyitems(items):

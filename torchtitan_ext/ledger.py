@@ -18,11 +18,14 @@ import sys
 import time
 from pathlib import Path
 
-from torchtitan_ext.config import ConfigError, job_world_size, load_job_config, parse
-from torchtitan_ext.ep import backend_class
-from torchtitan_ext.measuring.device_ledger import count_step, format_ledger, moe_call_ledger
-from torchtitan_ext.runtime import device_type
-from torchtitan_ext.training import prepare
+from torchtitan_ext.runtime.entry import imports_without_collection, run_and_exit
+
+with imports_without_collection():
+    from torchtitan_ext.config import ConfigError, job_world_size, load_job_config, parse
+    from torchtitan_ext.ep import backend_class
+    from torchtitan_ext.measuring.device_ledger import count_step, format_ledger, moe_call_ledger
+    from torchtitan_ext.runtime import device_type
+    from torchtitan_ext.training import prepare
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,4 +65,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_and_exit(main)

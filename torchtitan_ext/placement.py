@@ -12,9 +12,12 @@ writes a placement file (:mod:`torchtitan_ext.balancing.placement`) that
 import argparse
 import sys
 
-from torchtitan_ext.balancing.placement_search import check_search_options, search
-from torchtitan_ext.config import ConfigError, job_world_size, load_job_config, parse
-from torchtitan_ext.training import prepare
+from torchtitan_ext.runtime.entry import imports_without_collection, run_and_exit
+
+with imports_without_collection():
+    from torchtitan_ext.balancing.placement_search import check_search_options, search
+    from torchtitan_ext.config import ConfigError, job_world_size, load_job_config, parse
+    from torchtitan_ext.training import prepare
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -49,4 +52,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_and_exit(main)

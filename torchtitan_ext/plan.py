@@ -24,30 +24,33 @@ import os
 import sys
 from pathlib import Path
 
-import torch.distributed as dist
+from torchtitan_ext.runtime.entry import imports_without_collection, run_and_exit
 
-from torchtitan_ext.balancing.routing_stats import check_fits, load_path
-from torchtitan_ext.config import (
-    ConfigError, job_world_size, load_job_config, moe_layer_ids, moe_shape, parse, register_hf_model, with_config_file,
-)
-from torchtitan_ext.config.writing import write_job_config
-from torchtitan_ext.measuring.compute import check_measurable, measure_compute
-from torchtitan_ext.measuring.dry_run import dry_run
-from torchtitan_ext.planning.advice_report import advice_record, format_advice, format_paper
-from torchtitan_ext.planning.advisor_error import (
-    AS_SHIPPED, load_error, measured_error, pricing_name, SHIPPED as SHIPPED_ERROR, write_error,
-)
-from torchtitan_ext.planning.advisor_fit import fit, format_fit, load_fit, SHIPPED as SHIPPED_FIT, write_fit
-from torchtitan_ext.planning.calibrate import calibrate
-from torchtitan_ext.planning.layout_advisor import advise, advised_config, overrides_problem
-from torchtitan_ext.planning.measured_rates import calibration_rates
-from torchtitan_ext.planning.memory_plan import format_plan, plan
-from torchtitan_ext.planning.paper_model import PaperSetting
-from torchtitan_ext.planning.published_comparisons import (
-    format_validation, load_comparisons, SHIPPED as SHIPPED_COMPARISONS, validate,
-)
-from torchtitan_ext.planning.topology import load_topology
-from torchtitan_ext.training import prepare
+with imports_without_collection():
+    import torch.distributed as dist
+
+    from torchtitan_ext.balancing.routing_stats import check_fits, load_path
+    from torchtitan_ext.config import (
+        ConfigError, job_world_size, load_job_config, moe_layer_ids, moe_shape, parse, register_hf_model, with_config_file,
+    )
+    from torchtitan_ext.config.writing import write_job_config
+    from torchtitan_ext.measuring.compute import check_measurable, measure_compute
+    from torchtitan_ext.measuring.dry_run import dry_run
+    from torchtitan_ext.planning.advice_report import advice_record, format_advice, format_paper
+    from torchtitan_ext.planning.advisor_error import (
+        AS_SHIPPED, load_error, measured_error, pricing_name, SHIPPED as SHIPPED_ERROR, write_error,
+    )
+    from torchtitan_ext.planning.advisor_fit import fit, format_fit, load_fit, SHIPPED as SHIPPED_FIT, write_fit
+    from torchtitan_ext.planning.calibrate import calibrate
+    from torchtitan_ext.planning.layout_advisor import advise, advised_config, overrides_problem
+    from torchtitan_ext.planning.measured_rates import calibration_rates
+    from torchtitan_ext.planning.memory_plan import format_plan, plan
+    from torchtitan_ext.planning.paper_model import PaperSetting
+    from torchtitan_ext.planning.published_comparisons import (
+        format_validation, load_comparisons, SHIPPED as SHIPPED_COMPARISONS, validate,
+    )
+    from torchtitan_ext.planning.topology import load_topology
+    from torchtitan_ext.training import prepare
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -340,4 +343,4 @@ def _paper(args) -> list[str]:
 
 
 if __name__ == "__main__":
-    main()
+    run_and_exit(main)

@@ -8,12 +8,15 @@ import os
 import signal
 import sys
 
-from torchtitan_ext.config import ConfigError, load_job_config
-from torchtitan_ext.data import prepare_embedded_assets
-from torchtitan_ext.launch.processes import die_with_parent
-from torchtitan_ext.runtime.console import init_logger
-from torchtitan_ext.training import prepare
-from torchtitan_ext.training.trainer import run
+from torchtitan_ext.runtime.entry import imports_without_collection, run_and_exit
+
+with imports_without_collection():
+    from torchtitan_ext.config import ConfigError, load_job_config
+    from torchtitan_ext.data import prepare_embedded_assets
+    from torchtitan_ext.launch.processes import die_with_parent
+    from torchtitan_ext.runtime.console import init_logger
+    from torchtitan_ext.training import prepare
+    from torchtitan_ext.training.trainer import run
 
 
 def main(args: list[str] | None = None) -> None:
@@ -34,4 +37,4 @@ def main(args: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_and_exit(main)

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from torchtitan_ext.config import ConfigError
+from torchtitan_ext.runtime.entry import imports_without_collection, run_and_exit
 
 PACKAGE = Path(__file__).parent
 
@@ -38,11 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     # argparse names the program by sys.argv[0]: the command as typed, for NAME's usage and errors
     sys.argv[0] = f"python -m torchtitan_ext.bench {name}"
     try:
-        return importlib.import_module(f"{__package__}.{name}").main(args)
+        with imports_without_collection():
+            module = importlib.import_module(f"{__package__}.{name}")
+        return module.main(args)
     except ConfigError as e:  # a bad option or input file: one line, before anything is measured
         print(f"error: {e}", file=sys.stderr)
         return 2
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_and_exit(main)

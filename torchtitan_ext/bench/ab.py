@@ -33,6 +33,7 @@ from torchtitan_ext.ep import BACKENDS
 from torchtitan_ext.planning.published_comparisons import load_comparisons, MXFP8_CONVERTERS, ROLES
 from torchtitan_ext.records.campaign import bench_command, describe_machine
 from torchtitan_ext.records.metrics import read_metrics
+from torchtitan_ext.runtime.entry import run_and_exit
 from torchtitan_ext.runtime.jobs import run_job
 
 ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
@@ -173,4 +174,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_and_exit(main)

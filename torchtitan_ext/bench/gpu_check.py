@@ -45,6 +45,7 @@ from pathlib import Path
 import torchtitan_ext
 from torchtitan_ext.ep.backends import CPU_VARIANTS
 from torchtitan_ext.records.campaign import bench_command, check_new_campaign_path, write_campaign
+from torchtitan_ext.runtime.entry import run_and_exit
 from torchtitan_ext.runtime.jobs import JobFailed, run_job
 
 ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
@@ -472,4 +473,4 @@ def write_report(report: dict, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_and_exit(main)

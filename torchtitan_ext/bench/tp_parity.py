@@ -18,6 +18,7 @@ from pathlib import Path
 import torchtitan_ext
 from torchtitan_ext.ep.backends import backend_variants, CPU_VARIANTS
 from torchtitan_ext.records.metrics import logged_losses
+from torchtitan_ext.runtime.entry import run_and_exit
 from torchtitan_ext.runtime.jobs import run_job
 
 ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
@@ -72,4 +73,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_and_exit(main)

@@ -20,12 +20,15 @@ import shlex
 import socket
 import sys
 
-from torchtitan_ext import runtime
-from torchtitan_ext.config import ConfigError, load_job_config
-from torchtitan_ext.data import prepare_embedded_assets
-from torchtitan_ext.ep import backend_class
-from torchtitan_ext.runtime.console import init_logger
-from torchtitan_ext.training import prepare
+from torchtitan_ext.runtime.entry import imports_without_collection, run_and_exit
+
+with imports_without_collection():
+    from torchtitan_ext import runtime
+    from torchtitan_ext.config import ConfigError, load_job_config
+    from torchtitan_ext.data import prepare_embedded_assets
+    from torchtitan_ext.ep import backend_class
+    from torchtitan_ext.runtime.console import init_logger
+    from torchtitan_ext.training import prepare
 
 
 def check_process_count(ngpu: str) -> int:
@@ -135,4 +138,4 @@ def loss_rank(job_config, world_size: int) -> int:
 
 
 if __name__ == "__main__":
-    main()
+    run_and_exit(main)

@@ -15,19 +15,22 @@ import argparse
 import sys
 from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
-from torchtitan.config import TORCH_DTYPE_MAP
-from torchtitan.distributed import ParallelDims
-from torchtitan.protocols.train_spec import get_train_spec
-from torchtitan.tools import utils
-from torchtitan.tools.logging import logger
+from torchtitan_ext.runtime.entry import imports_without_collection, run_and_exit
 
-from torchtitan_ext.config import comm_backend, ConfigError, job_world_size, load_job_config, max_tokens_per_rank, MoEShape, parse
-from torchtitan_ext.ep import backend_class
-from torchtitan_ext.models.converters import RECIPES
-from torchtitan_ext.runtime.console import init_logger
-from torchtitan_ext.training import prepare
+with imports_without_collection():
+    import torch
+    import torch.distributed as dist
+    from torchtitan.config import TORCH_DTYPE_MAP
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.protocols.train_spec import get_train_spec
+    from torchtitan.tools import utils
+    from torchtitan.tools.logging import logger
+
+    from torchtitan_ext.config import comm_backend, ConfigError, job_world_size, load_job_config, max_tokens_per_rank, MoEShape, parse
+    from torchtitan_ext.ep import backend_class
+    from torchtitan_ext.models.converters import RECIPES
+    from torchtitan_ext.runtime.console import init_logger
+    from torchtitan_ext.training import prepare
 
 
 @dataclass(frozen=True)
@@ -163,4 +166,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_and_exit(main)

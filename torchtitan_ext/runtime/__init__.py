@@ -4,8 +4,8 @@ torchtitan 0.2.2, host memory, and failed collectives named by where they happen
 Owns: :mod:`.device` (device choice, :func:`configure`, the CPU + gloo
 accommodations), :mod:`.memory` (host-memory monitor, heap policy),
 :mod:`.collectives` (:class:`CollectiveFailed`), and the one launcher of every command the tests, benches and
-checks start (:mod:`.jobs`), and the preemption signals a job's supervisor and its ranks share
-(:mod:`.preemption`).
+checks start (:mod:`.jobs`), the preemption signals a job's supervisor and its ranks share
+(:mod:`.preemption`), and how a command-line entry point that imports torch starts and ends (:mod:`.entry`).
 
 May import: :mod:`torchtitan_ext.config` (see the tiers in :mod:`torchtitan_ext`).
 """
