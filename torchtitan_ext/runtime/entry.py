@@ -12,18 +12,20 @@ check lies on the launch's critical path.
   (the test workers' fork server) would scan it all again at its first collection. Then the collector
   is back to its former state.
 - :func:`run_and_exit`: runs ``main`` and ends the process as the interpreter would on its return or
-  ``sys.exit`` (threads joined, ``atexit`` handlers run, output flushed, the same exit status) but
-  without the teardown, which releases nothing the operating system does not. An exception
-  propagates and ends the process the usual way, traceback and all.
+  ``sys.exit`` (threads joined, ``atexit`` handlers run, output flushed, the same exit status, then
+  the C library's ``exit``) but without Python's teardown of its modules, which releases nothing the
+  operating system does not. An exception propagates and ends the process the usual way, traceback
+  and all.
 
 Imports only the standard library: the supervisor's modules must start without torch.
 """
 
 import atexit
+import ctypes
 import gc
-import os
 import sys
 import threading
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import NoReturn
@@ -44,14 +46,28 @@ def imports_without_collection() -> Iterator[None]:
 
 
 def exit_status(code: object) -> int:
-    """The exit status the interpreter gives ``sys.exit(code)``: None is 0, an int itself, anything
-    else is printed to stderr and gives 1."""
+    """The exit status the interpreter gives ``sys.exit(code)``: None is 0, an int its low 8 bits (255
+    beyond a C long), anything else is printed to stderr and gives 1."""
     if code is None:
         return 0
     if isinstance(code, int):
-        return code
-    print(code, file=sys.stderr)
+        return code & 0xFF if -(2**63) <= code < 2**63 else 0xFF
+    print(code, file=sys.stderr if sys.stderr is not None else sys.__stderr__)
     return 1
+
+
+def _flush_streams() -> bool:
+    """Flush the standard streams, as the interpreter does at exit (skipping those gone or closed); False if one
+    could not be flushed (a closed pipe)."""
+    flushed = True
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        if stream is None or stream.closed:
+            continue
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            flushed = False
+    return flushed
 
 
 def run_and_exit(main: Callable[[], object]) -> NoReturn:
@@ -63,8 +79,14 @@ def run_and_exit(main: Callable[[], object]) -> NoReturn:
     status = exit_status(code)
     # what Py_FinalizeEx does before the teardown, in its order: join non-daemon threads (and the
     # thread pools' own shutdown hooks), then the atexit handlers (logging's flush among them)
-    threading._shutdown()
+    try:
+        threading._shutdown()
+    except BaseException:  # as the interpreter does: reported, and the exit goes on
+        traceback.print_exc()
     atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    if not _flush_streams():
+        status = 120  # the interpreter's status when it cannot flush at exit
+    # the C library's exit, not os._exit: C atexit handlers and static destructors (a profiler's, a
+    # communication library's) still run and C stdio buffers are flushed; only Python's teardown is skipped.
+    # PyDLL keeps the GIL held, as those handlers may touch Python objects.
+    ctypes.PyDLL(None).exit(status)
