@@ -27,7 +27,8 @@ def test_a_runs_measurements_are_its_logged_metrics_per_step(tmp_path):
 
 def test_the_headroom_captured_is_against_forced_balance_round_by_round():
     """Per round, (no replicas - replicated) / (no replicas - forced balance): 1/2, 3/4 and 3/5 of the headroom,
-    median 60%; under forced balance the replicated run's ratio and its replicas set aside on every layer-step."""
+    median 60%; under forced balance the replicated run's ratio and its replicas set aside on every layer-step.
+    Printed, and in the campaign's summary rows."""
     def run(seconds, ratio=1.0, aside=None):
         return {"median_time": seconds, "time_ratio": ratio, "set_aside": aside or {}}
 
@@ -45,3 +46,7 @@ def test_the_headroom_captured_is_against_forced_balance_round_by_round():
         "forced balance, 1 slot, adapt every 1: step time vs no replicas 1.000 (0.990 to 1.010, 3 rounds); replicas "
         "set aside on 100% of layer-steps after step 3",
     ]
+    figures = replication.headroom(rows)
+    assert replication._headroom_fields(figures["alpha 2", "1 slot, adapt every 1"]) == pytest.approx(
+        {"headroom_captured_median": 0.6, "headroom_captured_low": 0.5, "headroom_captured_high": 0.75})
+    assert replication._headroom_fields(figures["forced balance", "1 slot, adapt every 1"]) == {"set_aside_share": 1.0}

@@ -117,21 +117,35 @@ def main(argv: list[str] | None = None) -> int:
 def _campaign_rows(rows: dict[tuple, list[dict]]) -> list[dict]:
     """One row per setting with replicas (its step time against no replicas over the rounds: median and range),
     one per run (its median step time and ratio), then one per run and step (what it measured)."""
-    summaries = []
+    summaries, found = [], headroom(rows)
     for (skew, setting), arm_runs in rows.items():
         if setting != "no replicas":
             ratios = sorted(measurements["time_ratio"] for measurements in arm_runs)
             summaries.append({"table": "summary", "skew": skew, "setting": setting, "rounds": len(ratios),
-                              "vs_no_replicas_median": statistics.median(ratios), "low": ratios[0], "high": ratios[-1]})
+                              "vs_no_replicas_median": statistics.median(ratios), "low": ratios[0], "high": ratios[-1],
+                              **_headroom_fields(found.get((skew, setting), {}))})
     runs, steps = [], []
     for (skew, setting), arm_runs in rows.items():
         for round_number, measurements in enumerate(arm_runs, start=1):
             arm = {"skew": skew, "setting": setting, "round": round_number}
             runs.append({"table": "run", **arm, "median_step_s": measurements["median_time"],
-                         "vs_no_replicas": measurements["time_ratio"]})
+                         "vs_no_replicas": measurements["time_ratio"],
+                         "plan_changes_per_100_steps": changes_per_100_steps(measurements["changes"])})
             steps += [{"table": "step", **arm, "step": step, **{name: measurements[name].get(step) for name in MEASURED}}
                       for step in sorted(measurements["time"])]
     return summaries + runs + steps
+
+
+def _headroom_fields(figures: dict) -> dict[str, float]:
+    """A summary row's fields from :func:`headroom`'s figures of its setting (none without forced balance)."""
+    captured = sorted(figures.get("captured", []))
+    fields = {}
+    if captured:
+        fields.update(headroom_captured_median=statistics.median(captured), headroom_captured_low=captured[0],
+                      headroom_captured_high=captured[-1])
+    if "set_aside" in figures:
+        fields["set_aside_share"] = figures["set_aside"]
+    return fields
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -194,31 +208,51 @@ def headroom_captured(without: list[float], ideal: list[float], replicated: list
     return [(none - step) / (none - best) for none, best, step in zip(without, ideal, replicated) if none > best]
 
 
-def _headroom_lines(rows: dict) -> list[str]:
-    """With forced balance: each setting's share of the headroom at each other skew, per round, (no replicas -
-    replicated) / (no replicas - forced balance); and under forced balance, each setting against no replicas and
-    the share of its layer-steps whose replicas stepped aside."""
-    skews = list(dict.fromkeys(skew for skew, _ in rows))
-    if FORCED_BALANCE not in skews:
-        return []
+def headroom(rows: dict) -> dict[tuple[str, str], dict[str, list[float] | float]]:
+    """With forced balance, per replicated setting: at each other skew, ``captured``, its share of the headroom per
+    round (:func:`headroom_captured`; empty where forced balance was never faster); under forced balance, ``ratios``,
+    its step time against no replicas per round, and ``set_aside``, the share of its layer-steps after the warm-up
+    whose replicas stepped aside. Empty without forced balance."""
+    if (FORCED_BALANCE, "no replicas") not in rows:
+        return {}
     ideal = [measured["median_time"] for measured in rows[FORCED_BALANCE, "no replicas"]]
-    lines = [""]
-    for skew, name in rows:
+    found = {}
+    for (skew, name), measured_rounds in rows.items():
         if name == "no replicas":
             continue
         if skew == FORCED_BALANCE:
-            ratios = [measured["time_ratio"] for measured in rows[skew, name]]
-            aside = [value for measured in rows[skew, name] for value in _after_warmup(measured["set_aside"])]
-            lines.append(f"{FORCED_BALANCE}, {name}: step time vs no replicas {_median_range(ratios)}; replicas set "
-                         f"aside on {statistics.mean(aside) if aside else 0:.0%} of layer-steps after step {WARMUP}")
+            aside = [value for measured in measured_rounds for value in _after_warmup(measured["set_aside"])]
+            found[skew, name] = {"ratios": [measured["time_ratio"] for measured in measured_rounds],
+                                 "set_aside": statistics.mean(aside) if aside else 0.0}
+        else:
+            without = [measured["median_time"] for measured in rows[skew, "no replicas"]]
+            found[skew, name] = {"captured": headroom_captured(
+                without, ideal, [measured["median_time"] for measured in measured_rounds])}
+    return found
+
+
+def _headroom_lines(rows: dict) -> list[str]:
+    """:func:`headroom`, printed: each setting's share of the headroom at each other skew, and under forced balance
+    its step time against no replicas and the share of its layer-steps whose replicas stepped aside."""
+    found = headroom(rows)
+    if not found:
+        return []
+    lines = [""]
+    for (skew, name), figures in found.items():
+        if skew == FORCED_BALANCE:
+            lines.append(f"{FORCED_BALANCE}, {name}: step time vs no replicas {_median_range(figures['ratios'])}; "
+                         f"replicas set aside on {figures['set_aside']:.0%} of layer-steps after step {WARMUP}")
             continue
-        without = [measured["median_time"] for measured in rows[skew, "no replicas"]]
-        captured = headroom_captured(without, ideal, [measured["median_time"] for measured in rows[skew, name]])
-        share = (f"headroom captured {_median_range(captured, '.0%')}" if captured else
+        share = (f"headroom captured {_median_range(figures['captured'], '.0%')}" if figures["captured"] else
                  "no headroom: forced balance was not faster in any round")
-        lines.append(f"{', '.join(filter(None, (skew, name)))}: {share} (no replicas {statistics.median(without):.3f} s, "
-                     f"forced balance {statistics.median(ideal):.3f} s)")
+        lines.append(f"{', '.join(filter(None, (skew, name)))}: {share} (no replicas {_median_of(rows, skew):.3f} s, "
+                     f"forced balance {_median_of(rows, FORCED_BALANCE):.3f} s)")
     return lines
+
+
+def _median_of(rows: dict, skew: str) -> float:
+    """The median over rounds of the run without replicas at ``skew``."""
+    return statistics.median(measured["median_time"] for measured in rows[skew, "no replicas"])
 
 
 def _median_range(values: list[float], form: str = ".3f") -> str:
@@ -244,20 +278,24 @@ def _table(rows: dict, steps: int) -> list[str]:
                 f"{statistics.median(_after_warmup(metrics['all_layers'])):.2f} | "
                 f"{f'{statistics.mean(aside):.2f}' if aside else '-'} | "
                 f"{f'{1000 * statistics.median(choice):.1f}' if choice else '-'} | "
-                f"{_changes_per_100_steps(metrics['changes'])} | "
+                f"{_or_dash(changes_per_100_steps(metrics['changes']), '.1f')} | "
                 f"{metrics['median_time']:.3f} | "
                 f"{metrics['time_ratio']:.3f} |"
             )
     return lines
 
 
-def _changes_per_100_steps(changes: dict[int, float]) -> str:
+def changes_per_100_steps(changes: dict[int, float]) -> float | None:
     """The layers' plan changes per 100 steps after the first choice (whose own plans are not changes), to the run's
-    end ("-" without replicas, or with one choice only)."""
+    end (None without replicas, or with one choice only)."""
     first, last = min(changes, default=0), max(changes, default=0)
     if last == first:
-        return "-"
-    return f"{100 * (changes[last] - changes[first]) / (last - first):.1f}"
+        return None
+    return 100 * (changes[last] - changes[first]) / (last - first)
+
+
+def _or_dash(value: float | None, form: str) -> str:
+    return "-" if value is None else f"{value:{form}}"
 
 
 def _loss_lines(rows: dict, settings: dict, skews: dict) -> list[str]:
