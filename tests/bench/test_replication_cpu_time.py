@@ -97,3 +97,14 @@ def test_the_headroom_captured_is_the_replicated_arms_share_of_the_gap_to_forced
     runs = {f"{round_index} {skew} {name}": {"parts": {"step": step}} for (round_index, skew, name), step in steps.items()}
     lines = bench._headroom_lines(runs, 2, ["alpha 2", "forced balance"], ["no replicas", "2 slots"])
     assert lines[1] == "alpha 2, 2 slots: headroom captured (CPU-time step) 50% (50%-50%) over 1 round(s)"
+    # the campaign's summary row: under forced balance the replicated arm took 0.8 and 1.01 s, its replicas set
+    # aside on 1, 1 (round 1) and 1, 0.5 (round 2) of the layers at steps 4 and 5 (step 3 is warm-up)
+    for index, step, aside in ((0, 0.8, 1.0), (1, 1.01, 0.5)):
+        runs[f"{index} forced balance 2 slots"] = {"parts": {"step": step}, "metrics": [
+            {"step": 3, "ep/replica_layers_set_aside": 0.0}, {"step": 4, "ep/replica_layers_set_aside": 1.0},
+            {"step": 5, "ep/replica_layers_set_aside": aside}]}
+    assert bench.summary(runs, 2, ["alpha 2", "forced balance"], ["no replicas", "2 slots"]) == pytest.approx({
+        "headroom_captured_alpha2": 0.5, "headroom_captured_alpha2_low": 0.5, "headroom_captured_alpha2_high": 0.5,
+        "replicated_vs_none_alpha2": 0.8, "ideal_vs_none_alpha2": 0.9,
+        "balanced_replicated_vs_none": 1.005, "balanced_low": 1.0, "balanced_high": 1.01,
+        "balanced_set_aside_share": 0.875})

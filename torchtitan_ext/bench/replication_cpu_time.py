@@ -339,7 +339,10 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines))
     if args.campaign is not None:
         command = bench_command("replication_cpu_time", argv)
-        write_campaign(args.campaign, [command], [{"run": name, **run} for name, run in runs.items()])
+        found = summary(runs, args.rounds, list(skews), list(settings))
+        head = [{"table": "summary", "ep": args.nproc, "slots_per_rank": args.slots, "rounds": args.rounds,
+                 "steps": args.steps, "warmup_steps": WARMUP, **found}] if found else []
+        write_campaign(args.campaign, [command], head + [{"run": name, **run} for name, run in runs.items()])
     return 1 if failed else 0
 
 
@@ -455,21 +458,60 @@ def _report(runs: dict, args, skews: list[str], settings: list[str]):
     return lines + _headroom_lines(runs, args.rounds, skews, settings), failed
 
 
-def _headroom_lines(runs: dict, rounds: int, skews: list[str], settings: list[str]) -> list[str]:
-    """With forced balance: each skew's replicated arm's share of the headroom per round
+def _captured(runs: dict, rounds: int, skew: str, settings: list[str]) -> list[float]:
+    """The replicated arm's share of the headroom at ``skew`` per round, ascending
     (:func:`~torchtitan_ext.bench.replication.headroom_captured`), by the CPU-time step."""
+    none, replicated = settings
+    return sorted(headroom_captured(*([runs[f"{round_index} {routing} {name}"]["parts"]["step"]
+                                       for round_index in range(rounds)]
+                                      for routing, name in ((skew, none), (FORCED_BALANCE, none), (skew, replicated)))))
+
+
+def _headroom_lines(runs: dict, rounds: int, skews: list[str], settings: list[str]) -> list[str]:
+    """With forced balance: each skew's replicated arm's share of the headroom per round (:func:`_captured`)."""
     if FORCED_BALANCE not in skews:
         return []
-    none, replicated = settings
     lines = [""]
     for skew in skews:
         if skew == FORCED_BALANCE:
             continue
-        captured = sorted(headroom_captured(*([runs[f"{round_index} {routing} {name}"]["parts"]["step"]
-                                               for round_index in range(rounds)]
-                                              for routing, name in ((skew, none), (FORCED_BALANCE, none),
-                                                                    (skew, replicated)))))
-        lines.append(f"{skew}, {replicated}: headroom captured (CPU-time step) "
+        captured = _captured(runs, rounds, skew, settings)
+        lines.append(f"{skew}, {settings[1]}: headroom captured (CPU-time step) "
                      + (f"{statistics.median(captured):.0%} ({captured[0]:.0%}-{captured[-1]:.0%}) over "
                         f"{len(captured)} round(s)" if captured else "none: forced balance was not faster in any round"))
     return lines
+
+
+def summary(runs: dict, rounds: int, skews: list[str], settings: list[str]) -> dict[str, float]:
+    """The campaign's summary row (medians over the rounds, by the CPU-time step), with forced balance: per skew
+    ``alphaA``, the headroom captured (``headroom_captured_alphaA``, ``_low``, ``_high``) and the replicated and
+    forced-balance steps over the unreplicated (``replicated_vs_none_alphaA``, ``ideal_vs_none_alphaA``); under forced
+    balance, the replicated step over the unreplicated (``balanced_replicated_vs_none``, ``balanced_low``,
+    ``balanced_high``) and the share of layer-steps after the warm-up whose replicas stepped aside
+    (``balanced_set_aside_share``). Empty without forced balance."""
+    if FORCED_BALANCE not in skews:
+        return {}
+    none, replicated = settings
+
+    def ratios(skew: str, routing: str) -> list[float]:
+        return sorted(runs[f"{index} {routing} {name}"]["parts"]["step"] / runs[f"{index} {skew} {none}"]["parts"]["step"]
+                      for index in range(rounds) for name in ((replicated,) if routing == skew else (none,)))
+
+    fields = {}
+    for skew in skews:
+        if skew == FORCED_BALANCE:
+            continue
+        key = skew.replace(" ", "")
+        captured = _captured(runs, rounds, skew, settings)
+        if captured:
+            fields.update({f"headroom_captured_{key}": statistics.median(captured),
+                           f"headroom_captured_{key}_low": captured[0], f"headroom_captured_{key}_high": captured[-1]})
+        fields[f"replicated_vs_none_{key}"] = statistics.median(ratios(skew, skew))
+        fields[f"ideal_vs_none_{key}"] = statistics.median(ratios(skew, FORCED_BALANCE))
+    balanced = ratios(FORCED_BALANCE, FORCED_BALANCE)
+    aside = [row["ep/replica_layers_set_aside"] for index in range(rounds)
+             for row in runs[f"{index} {FORCED_BALANCE} {replicated}"]["metrics"]
+             if row["step"] > WARMUP and "ep/replica_layers_set_aside" in row]
+    fields.update(balanced_replicated_vs_none=statistics.median(balanced), balanced_low=balanced[0],
+                  balanced_high=balanced[-1], balanced_set_aside_share=statistics.mean(aside) if aside else 0.0)
+    return fields
