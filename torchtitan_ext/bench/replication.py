@@ -130,7 +130,7 @@ def _campaign_rows(rows: dict[tuple, list[dict]]) -> list[dict]:
             arm = {"skew": skew, "setting": setting, "round": round_number}
             runs.append({"table": "run", **arm, "median_step_s": measurements["median_time"],
                          "vs_no_replicas": measurements["time_ratio"],
-                         "plan_changes_per_100_steps": changes_per_100_steps(measurements["changes"])})
+                         "plan_changes_per_100_steps": _changes_per_100_steps(measurements["changes"])})
             steps += [{"table": "step", **arm, "step": step, **{name: measurements[name].get(step) for name in MEASURED}}
                       for step in sorted(measurements["time"])]
     return summaries + runs + steps
@@ -278,14 +278,14 @@ def _table(rows: dict, steps: int) -> list[str]:
                 f"{statistics.median(_after_warmup(metrics['all_layers'])):.2f} | "
                 f"{f'{statistics.mean(aside):.2f}' if aside else '-'} | "
                 f"{f'{1000 * statistics.median(choice):.1f}' if choice else '-'} | "
-                f"{_or_dash(changes_per_100_steps(metrics['changes']), '.1f')} | "
+                f"{_or_dash(_changes_per_100_steps(metrics['changes']), '.1f')} | "
                 f"{metrics['median_time']:.3f} | "
                 f"{metrics['time_ratio']:.3f} |"
             )
     return lines
 
 
-def changes_per_100_steps(changes: dict[int, float]) -> float | None:
+def _changes_per_100_steps(changes: dict[int, float]) -> float | None:
     """The layers' plan changes per 100 steps after the first choice (whose own plans are not changes), to the run's
     end (None without replicas, or with one choice only)."""
     first, last = min(changes, default=0), max(changes, default=0)

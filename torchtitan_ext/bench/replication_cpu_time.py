@@ -493,9 +493,10 @@ def summary(runs: dict, rounds: int, skews: list[str], settings: list[str]) -> d
         return {}
     none, replicated = settings
 
-    def ratios(skew: str, routing: str) -> list[float]:
+    def ratios(routing: str, name: str, skew: str) -> list[float]:
+        """Per round, ascending: the arm ``routing``, ``name`` over the same round's run without replicas at ``skew``."""
         return sorted(runs[f"{index} {routing} {name}"]["parts"]["step"] / runs[f"{index} {skew} {none}"]["parts"]["step"]
-                      for index in range(rounds) for name in ((replicated,) if routing == skew else (none,)))
+                      for index in range(rounds))
 
     fields = {}
     for skew in skews:
@@ -506,9 +507,9 @@ def summary(runs: dict, rounds: int, skews: list[str], settings: list[str]) -> d
         if captured:
             fields.update({f"headroom_captured_{key}": statistics.median(captured),
                            f"headroom_captured_{key}_low": captured[0], f"headroom_captured_{key}_high": captured[-1]})
-        fields[f"replicated_vs_none_{key}"] = statistics.median(ratios(skew, skew))
-        fields[f"ideal_vs_none_{key}"] = statistics.median(ratios(skew, FORCED_BALANCE))
-    balanced = ratios(FORCED_BALANCE, FORCED_BALANCE)
+        fields[f"replicated_vs_none_{key}"] = statistics.median(ratios(skew, replicated, skew))
+        fields[f"ideal_vs_none_{key}"] = statistics.median(ratios(FORCED_BALANCE, none, skew))
+    balanced = ratios(FORCED_BALANCE, replicated, FORCED_BALANCE)
     aside = [row["ep/replica_layers_set_aside"] for index in range(rounds)
              for row in runs[f"{index} {FORCED_BALANCE} {replicated}"]["metrics"]
              if row["step"] > WARMUP and "ep/replica_layers_set_aside" in row]
