@@ -172,17 +172,25 @@ def test_fp32_tokens_are_refused_before_the_library():
             assert "take bf16 tokens only, not torch.float32" in error and "mixed_precision_param" in error
 
 
+def _deep_ep_modules() -> list[str]:
+    return [name for name in sys.modules if name == "deep_ep" or name.startswith("deep_ep.")]
+
+
 @pytest.fixture
 def installed_build(monkeypatch):
-    """``use(build)``: in this process, ``import deep_ep`` is that build's double, on a CUDA machine."""
+    """``use(build)``: in this process, ``import deep_ep`` is that build's double, on a CUDA machine. The double's
+    modules leave with the test (monkeypatch restores what it removed, not what the test imported), so that a later
+    test in this process does not find a deep_ep installed."""
 
     def use(build: str) -> None:
         monkeypatch.syspath_prepend(str(DOUBLE_DIR))
         monkeypatch.setenv("DEEP_EP_DOUBLE_BUILD", build)
-        for name in [name for name in sys.modules if name == "deep_ep" or name.startswith("deep_ep.")]:
+        for name in _deep_ep_modules():
             monkeypatch.delitem(sys.modules, name)
 
-    return use
+    yield use
+    for name in _deep_ep_modules():
+        del sys.modules[name]
 
 
 @pytest.mark.parametrize("build, api", [("main", "elastic"), ("hybrid-ep", "legacy"), ("v2.5", "ep")])
