@@ -429,7 +429,7 @@ def overlap_worker(
         key = f"shared experts started: {backend}"
         signalled = []
         if rank == 0:
-            moe.shared_experts.register_forward_pre_hook(lambda *_: store.set(key, "yes"))
+            hook = moe.shared_experts.register_forward_pre_hook(lambda *_: store.set(key, "yes"))
         else:
             def hold_combine(*_):
                 try:
@@ -438,13 +438,14 @@ def overlap_worker(
                 except RuntimeError:  # the wait timed out
                     signalled.append(False)
 
-            moe.experts.register_forward_hook(hold_combine)  # runs before the EP style's combine hook
+            hook = moe.experts.register_forward_hook(hold_combine)  # runs before the EP style's combine hook
         parallelize_module(moe.experts, mesh, make_style(backend, case, ep))
         split = TensorParallelTokenSplit(mesh) if borrowing_tp else None
         ExpertParallelMoE.adopt(moe, split)
         x = x_rank.clone().requires_grad_()
         out = moe(x)
         out.sum().backward()
+        hook.remove()  # the sequential pass below holds nothing back
 
         x_sequential = x_rank.clone().requires_grad_()
         flat = x_sequential.view(-1, case.hidden)
@@ -457,7 +458,7 @@ def overlap_worker(
         sequential = (moe.shared_experts(flat) + routed).view_as(x_sequential)
         sequential.sum().backward()
         results[backend] = {
-            "signalled": signalled[0] if signalled else None,  # the overlapped forward's
+            "signalled": signalled[0] if signalled else None,
             "out": out.detach().clone(),
             "grad_x": x.grad,
             "sequential_out": sequential.detach().clone(),

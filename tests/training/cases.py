@@ -1,6 +1,9 @@
 """Training runs inside test worker processes: torchtitan's Trainer, losses recorded per step."""
 
 import os
+import time
+import types
+from unittest import mock
 
 from tests.helpers import REPO_ROOT
 
@@ -24,12 +27,17 @@ def train_worker(
     """
     os.environ["LOCAL_RANK"] = str(rank)
     os.chdir(REPO_ROOT)
+    import torchtitan.train
+
     from torchtitan_ext.config import load_job_config
     from torchtitan_ext.data import prepare_embedded_assets
     from torchtitan_ext.training import prepare
     from torchtitan_ext.training.trainer import Trainer
 
     prepare()
+    # torchtitan's trainer sleeps 2 s on rank 0 after the last step "for other ranks to complete": here each
+    # job's successor (or the worker's end) waits for every rank anyway, and each job would idle 2 s
+    without_final_sleep = types.SimpleNamespace(**{**vars(time), "sleep": lambda seconds: None})
     results = {}
     for name, args in runs:
         job_config = load_job_config(args, "cpu", world_size)
@@ -54,7 +62,8 @@ def train_worker(
 
             trainer.train_step = stepped
         try:
-            trainer.train()
+            with mock.patch.object(torchtitan.train, "time", without_final_sleep):
+                trainer.train()
         finally:
             trainer.close()
         results[name] = losses

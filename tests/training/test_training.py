@@ -7,14 +7,14 @@ import pytest
 from tests.helpers import run_launcher
 from torchtitan_ext.records.metrics import logged_losses
 
-STEPS = 3
+STEPS = 2
 TINY = ["--model.flavor", "debugmodel_small", "--training.local_batch_size", "2", "--training.seq_len", "64",
         "--training.steps", "1"]
 
 
 @pytest.mark.slow
 def test_quick_start_trains_beside_another_job(tmp_path):
-    """The default job (3 of its steps) beside a one-step tiny job, at once on one machine: each picks a free
+    """The default job (2 of its steps) beside a one-step tiny job, at once on one machine: each picks a free
     rendezvous port. The default job's overrides pass through, its loss falls and its console is as documented."""
     results = {}
     jobs = {"quick_start": ["--training.steps", str(STEPS)], "beside": TINY}
@@ -35,12 +35,12 @@ def test_quick_start_trains_beside_another_job(tmp_path):
     assert list(logged_losses(tmp_path / "beside")) == [1]
     losses = logged_losses(tmp_path / "quick_start")
     assert list(losses) == list(range(1, STEPS + 1)), "the steps override must pass through"
-    assert losses[STEPS] < losses[1] - 0.5, losses
+    assert losses[STEPS] < losses[1] - 0.3, losses
     output = results["quick_start"].output
     step_lines = [line for line in output.splitlines() if "step:" in line and "loss:" in line]
     assert len(step_lines) == STEPS and all("step_time:" in line and len(line) < 120 for line in step_lines), step_lines
     assert "training on CPU with the gloo backend" in output
-    # a fresh run warns only about the job: here the 3 steps that cut the LR schedule's warm-up and decay
+    # a fresh run warns only about the job: here the 2 steps that cut the LR schedule's warm-up and decay
     warnings = [line for line in output.splitlines() if " WARNING " in line]
     assert warnings and all("steps" in line and "exceed total steps" in line for line in warnings), warnings
     assert "Starting job: deepseek_v3 debugmodel, nccl EP=2, 2 ranks (train_configs/debug_model.toml)" in output
