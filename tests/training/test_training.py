@@ -9,7 +9,8 @@ from torchtitan_ext.records.metrics import logged_losses
 
 STEPS = 2
 TINY = ["--model.flavor", "debugmodel_small", "--training.local_batch_size", "2", "--training.seq_len", "64",
-        "--training.steps", "1"]
+        "--training.steps", "1", "--parallelism.expert_parallel_degree", "1"]
+"""One step on one process: a rendezvous of its own is all it needs to show."""
 
 
 @pytest.mark.slow
@@ -17,11 +18,13 @@ def test_quick_start_trains_beside_another_job(tmp_path):
     """The default job (2 of its steps) beside a one-step tiny job, at once on one machine: each picks a free
     rendezvous port. The default job's overrides pass through, its loss falls and its console is as documented."""
     results = {}
-    jobs = {"quick_start": ["--training.steps", str(STEPS)], "beside": TINY}
+    jobs = {"quick_start": (["--training.steps", str(STEPS)], "2"), "beside": (TINY, "1")}
 
     def run(name: str) -> None:
+        overrides, processes = jobs[name]
         results[name] = run_launcher(
-            "--metrics.disable_color_printing", "--job.dump_folder", str(tmp_path / name), *jobs[name], timeout=600,
+            "--metrics.disable_color_printing", "--job.dump_folder", str(tmp_path / name), *overrides, timeout=600,
+            NGPU=processes,
         )
 
     threads = [threading.Thread(target=run, args=(name,)) for name in jobs]
