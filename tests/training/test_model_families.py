@@ -3,13 +3,12 @@ and a checkpoint written at EP=2 under nccl resumes under another backend and at
 next losses (torchtitan DCP reshards the experts, GPT-OSS's biases with them). Debug flavours, fp32, 2 ranks."""
 
 import shutil
-from functools import partial
 
 import pytest
 
 from tests.helpers import REPO_ROOT, run_distributed
 from tests.training.cases import TINY, train_worker
-from tests.training.test_training_parity import RESUME, RESUME_TOLERANCE, stop_after
+from tests.training.test_training_parity import RESUME, RESUME_TOLERANCE
 from torchtitan_ext.ep.backends import backend_variants
 
 pytestmark = pytest.mark.slow
@@ -53,7 +52,7 @@ def test_checkpoint_resumes_under_another_backend_and_ep_degree(trained, tmp_pat
             folder = tmp_path / f"{model}_{name}"
             shutil.copytree(tmp / f"{model}_nccl" / "checkpoint" / "step-2", folder / "checkpoint" / "step-2")
             runs.append((f"{model}_{name}", _job(model, folder, *args, *RESUME)))
-    resumed = run_distributed(2, train_worker, runs, partial(stop_after, STEPS))[0]
+    resumed = run_distributed(2, train_worker, runs)[0]
     for run, got in resumed.items():
         model = run.rsplit("_", 2)[0]
         assert list(got) == [3, 4], (run, got)
