@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 from torchtitan_ext.runtime import collectives
-from tests.helpers import LauncherProcess, descendants, run_distributed
+from tests.helpers import LauncherProcess, descendants, run_distributed, run_launcher
 from torchtitan_ext.records.metrics import logged_losses, read_metrics
 from tests.training.cases import train_worker
 
@@ -276,28 +276,9 @@ def test_a_preemption_save_is_complete_before_it_is_reported(tmp_path, async_mod
     assert [path.name for path in (tmp_path / "routing_stats").iterdir()] == ["routing_step000001-000003.npz"]
 
 
-def _warnings_of_a_run(rank: int, world_size: int, args: list[str]) -> list[str]:
-    """Train ``args``; the warnings this rank logged."""
-    import logging
-
-    from torchtitan.tools.logging import logger
-
-    warnings = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: warnings.append(record.getMessage())
-    logger.addHandler(handler)
-    try:
-        train_worker(rank, world_size, [("run", args)])
-    finally:
-        logger.removeHandler(handler)
-    return warnings
-
-
 def test_an_interrupted_checkpoint_is_never_loaded(tmp_path, uninterrupted_run):
-    """The uninterrupted run's steps 2 and 4, step 4's write torn (DCP writes .metadata last): the same job
-    started again says so and resumes from step 2, with the uninterrupted run's losses. It runs in test
-    processes, as the uninterrupted run: the launcher's part, naming the checkpoint a rerun resumes from, is
-    test_a_killed_rank_is_named_with_the_checkpoint_to_resume_from's."""
+    """The uninterrupted run's steps 2 and 4, step 4's write torn (DCP writes .metadata last): the
+    start says so and resumes from step 2, with the uninterrupted run's losses."""
     losses, saved = uninterrupted_run
     for step in (2, 4):
         shutil.copytree(saved / f"step-{step}", tmp_path / "checkpoint" / f"step-{step}")
@@ -305,10 +286,10 @@ def test_an_interrupted_checkpoint_is_never_loaded(tmp_path, uninterrupted_run):
     assert (torn / ".metadata").is_file() and any(torn.glob("*.distcp"))
     (torn / ".metadata").unlink()
 
-    args = ["--job.config_file", "train_configs/debug_model.toml", *_job(tmp_path, *CHECKPOINT_EVERY_2)]
-    warnings = run_distributed(2, _warnings_of_a_run, args)[0]
+    resumed = run_launcher(*_job(tmp_path, *CHECKPOINT_EVERY_2), timeout=600)
+    assert resumed.returncode == 0, resumed.output[-3000:]
     assert (f"Checkpoint {torn} is incomplete (no .metadata: its write was interrupted); set aside as "
-            f"{torn.parent / 'incomplete_step_4'}, never loaded or counted; training resumes from step 2") in warnings
+            f"{torn.parent / 'incomplete_step_4'}, never loaded or counted; training resumes from step 2") in resumed.output
     _assert_resumes(tmp_path, 3, losses)
 
 

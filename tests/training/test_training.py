@@ -9,25 +9,32 @@ from tests.helpers import run_launcher
 from torchtitan_ext.records.metrics import logged_losses
 
 STEPS = 2
-TORCHRUN_DEFAULT_PORT = 29500
+DEFAULT_PORTS = (29500, 29400)
+"""torchrun's default rendezvous port, and that of its c10d rendezvous without a port."""
 
 
 @pytest.mark.slow
 def test_quick_start_trains_beside_another_job(tmp_path):
-    """The default job (2 of its steps) while another process holds torchrun's default rendezvous port, as a
-    job started before it would: it picks a free port, so jobs share a machine. The default job's overrides pass
+    """The default job (2 of its steps) while another process listens on torchrun's default rendezvous ports, as
+    a job started before it would: it picks a free port, so jobs share a machine. The default job's overrides pass
     through, its loss falls and its console is as documented."""
-    other_job = socket.socket()
+    other_job = []
     try:
-        other_job.bind(("", TORCHRUN_DEFAULT_PORT))
-        other_job.listen()
-    except OSError as error:  # held already, as the test needs
-        assert error.errno == errno.EADDRINUSE, error
-    try:
+        for port in DEFAULT_PORTS:
+            listener = socket.socket()
+            other_job.append(listener)
+            # a connection closed lately (TIME_WAIT) does not hold a port; a listener does, as here
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                listener.bind(("", port))
+                listener.listen()
+            except OSError as error:  # another process listens there already, as the test needs
+                assert error.errno == errno.EADDRINUSE, error
         result = run_launcher("--metrics.disable_color_printing", "--job.dump_folder", str(tmp_path),
                               "--training.steps", str(STEPS), timeout=600)
     finally:
-        other_job.close()
+        for listener in other_job:
+            listener.close()
     # the output's end in full (the assertion's own repr would cut it to a few lines)
     assert result.returncode == 0, f"the job failed; its output ends:\n{result.output[-4000:]}"
     losses = logged_losses(tmp_path)
