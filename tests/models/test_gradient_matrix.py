@@ -32,7 +32,7 @@ split tokens' gradients) and must fail the comparison.
 
 import pytest
 
-from tests.models.gradient_cases import CLIP_MAX_NORM, cells, matrix_worker
+from tests.models.gradient_cases import CLIP_MAX_NORM, cells, full_gradients, matrix_worker
 from tests.helpers import run_distributed
 
 pytestmark = pytest.mark.slow
@@ -58,9 +58,7 @@ def results():
 def _gathered(results, cell):
     """(loss, {name: gradient} over all ranks, gradient norm, reference, bf16 reference or None, scores' dtypes)."""
     ranks = [rank_results[cell.id] for rank_results in results[cell.world_size]]
-    grads = {}
-    for rank in ranks:
-        grads.update(rank["grads"])
+    grads = full_gradients([rank["grads"] for rank in ranks])
     losses = {rank["loss"] for rank in ranks if "loss" in rank}
     dtypes = {dtype for rank in ranks for dtype in rank["score_dtypes"]}
     return losses, grads, ranks[0]["grad_norm"], ranks[0]["reference"], ranks[0].get("reference_bf16"), dtypes
@@ -104,9 +102,7 @@ def test_gradients_equal_dense_single_process(results, cell, record_property):
 @pytest.mark.parametrize("cell", TP_CELLS, ids=lambda cell: cell.id)
 def test_tp_sharded_gradients_clip_as_dense(results, cell):
     ranks = [rank_results[cell.id] for rank_results in results[cell.world_size]]
-    clipped = {}
-    for rank in ranks:
-        clipped.update(rank["clipped_grads"])
+    clipped = full_gradients([rank["clipped_grads"] for rank in ranks])
     reference = ranks[0]["reference"]
     assert reference["grad_norm"] > 100 * CLIP_MAX_NORM, "the clipping must scale"
     coefficient = CLIP_MAX_NORM / (reference["grad_norm"] + 1e-6)
