@@ -79,7 +79,8 @@ def test_the_clis_step_with_replicas_chosen_by_the_trainer_stays_within_budget()
     """count_step (``python -m torchtitan_ext.ledger``'s path): the trainer's own chooser picks the replicas, so the
     first replicated step is counted with its plan just chosen. Its index tables are copied between steps, never
     inside a layer (a layer building them in its first replicated forward, two blocking copies, was found by hand
-    with the CLI), and every layer fetches replicas (the counts' all-gather: not set aside), ahead of its dispatch."""
+    with the CLI), and every layer fetches replicas (the counts' all-gather: not set aside), ahead of its dispatch,
+    and waits for them after it."""
     from torchtitan_ext.measuring.device_ledger import count_step
 
     ledger = count_step(["--job.config_file", "train_configs/debug_model.toml", "--model.flavor", "debugmodel_small",
@@ -96,6 +97,9 @@ def test_the_clis_step_with_replicas_chosen_by_the_trainer_stays_within_budget()
         # the counts' all-gather, then the replicas' fetch, both before the backend's dispatch
         assert issued[:2] == [("allgather", transport), ("alltoall_base", transport)], issued
         assert all(caller != transport for _, caller in issued[2:]), issued
+        # and lands right before the experts: waited for once the dispatch (issued[2]) is issued, before the combine
+        landed = [before for before, caller in costs.waits if caller.startswith("torchtitan_ext/ep/replication/")]
+        assert landed == [3] and issued[3][1] == issued[2][1], (costs.waits, issued)
         assert costs.collective_count(ledger.ep_group) == ledger.budget.forward.collectives
     between_steps = ledger.costs[OUTSIDE, "step"].h2d_copies
     assert all(kind.startswith("non-blocking") for kind in between_steps if "torchtitan_ext/ep/" in kind)

@@ -58,7 +58,8 @@ def worker(rank: int, world_size: int, experts: int, floats: int, slots: int, it
     for _ in range(iterations + 1):
         dist.barrier()
         began = time.perf_counter()
-        fetched = transport_ops().replica_weights(home, *exchange[:4], mapping, slots, group)
+        fetched = torch.ops._c10d_functional.wait_tensor(
+            transport_ops().replica_weights(home, *exchange[:4], mapping, slots, group))  # landed: the whole fetch
         middle = time.perf_counter()
         transport_ops().replica_gradients(torch.ones_like(fetched), *exchange, mapping, per_rank, group)
         ended = time.perf_counter()

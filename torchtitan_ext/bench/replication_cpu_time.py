@@ -16,8 +16,9 @@ replicas must step aside. When ranks outnumber cores an idle rank gives its core
 time says nothing of balance; each rank's CPU time (``time.process_time``) does. Per step and rank it is split
 (:class:`CpuClock`) into, per MoE layer, the router and the replicas' split (the MoE's forward up to its
 experts' hooks), the experts' forward and backward (the dispatch's end to the combine, without the gradients'
-return), and the replica transfers (the ops ``replica_weights``, forward, issued in the backend's dispatch hook
-before the dispatch, and ``replica_gradients``, backward); the replicas' choice; and the rest of the step.
+return), and the replica transfers (the op ``replica_weights``, forward, issued in the backend's dispatch hook
+before the dispatch, its landing waited for in the experts' forward; ``replica_gradients``, backward); the
+replicas' choice; and the rest of the step.
 The verdict (:func:`verdict`) is the step one device per rank would take: each segment of an MoE layer ends at a
 collective that joins the ranks, so it costs its slowest rank's time; the sum of those, plus the slowest rank's
 remainder, plus replication's own work (each layer's slowest transfers, the slowest choice). The slowest rank's
@@ -177,7 +178,7 @@ class _TimedOp:
 
 
 def _timed_fetch(clock: CpuClock, op, *args):
-    """The replicas' fetch (forward), in the layer whose forward runs."""
+    """The replicas' fetch issued (forward), in the layer whose forward runs (it lands in the experts' forward)."""
     started = time.process_time()
     fetched = op(*args)
     clock.add(clock.layer, "fetch", time.process_time() - started)

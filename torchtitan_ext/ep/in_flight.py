@@ -1,4 +1,6 @@
-"""Combine results that land after the MoE's shared experts have run.
+"""Collective results returned before they land: combines, which land after the MoE's shared experts have
+run, and the replica weights' fetch (:mod:`torchtitan_ext.ep.replication.transport`), which lands right before
+the experts.
 
 A backend whose combine can run asynchronously (all-to-alls started with
 ``async_op=True``; DeepEP's combine with ``async_finish=True``) returns the
@@ -28,8 +30,9 @@ from torchtitan_ext.runtime.collectives import naming_collective
 
 
 class Landing(OpaqueBase):
-    """Finishes one in-flight combine, once: waits for its communication, then
-    writes its result (sums that need the received rows).
+    """Finishes one in-flight collective's result, once: waits for its
+    communication, then writes the result (a combine's sums, the fetched
+    replicas' slots).
 
     The combine custom op returns it with its outputs, so that the op's backward
     (and selective activation checkpointing's cache) hold the very landing of

@@ -6,7 +6,8 @@
   whose output shape depends on device values (``nonzero``, boolean indexing, ...), and the syncs a kernel library
   makes inside its calls (:mod:`torchtitan_ext.ep.kernels.calls`);
 - host-to-device copies, blocking (pageable, or without ``non_blocking``) or not;
-- collectives, with their kind, group size and bytes, and the kernel libraries' calls;
+- collectives, with their kind, group size and bytes, and the kernel libraries' calls; where their in-flight results
+  are waited for;
 - local bytes: what operators outside the GEMMs and the libraries read and write (the layout advisor's counting,
   :mod:`torchtitan_ext.planning.local_traffic`);
 - weight tensors materialised beyond the parameters (an operator on weights alone that writes a new tensor).
@@ -110,6 +111,9 @@ class DeviceCostCounter(TorchDispatchMode):
             with self:
                 args, kwargs = tree_map_only(AsyncCollectiveTensor, lambda t: t.trigger_wait(), (args, kwargs))
             tensors = self._tensors((args, kwargs))
+        if func is torch.ops._c10d_functional.wait_tensor.default:
+            costs = self._costs()
+            costs.waits.append((len(costs.collectives), _caller()))
         if (func.namespace == "torchtitan_ext" or func is torch.ops._c10d_functional.wait_tensor.default) and tensors:
             # count the op's body too (a dispatch mode alone sees only the op), and what an in-flight combine
             # runs when it lands, inside the wait for it

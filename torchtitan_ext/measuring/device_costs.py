@@ -31,6 +31,9 @@ class Costs:
     collectives: list = field(default_factory=list)
     """(kind, group name, group size, bytes this rank sent, where it was issued) per collective issued outside a
     kernel library."""
+    waits: list = field(default_factory=list)
+    """(collectives issued before it, where) per wait for an in-flight collective's result (``wait_tensor``): where
+    the device stream waits for the communication stream."""
     kernel_calls: Counter = field(default_factory=Counter)
     """Kernel library call -> how many times."""
     local_bytes: int = 0
@@ -53,6 +56,7 @@ class Costs:
             self.host_syncs | other.host_syncs,
             self.h2d_copies | other.h2d_copies,
             max(self.collectives, other.collectives, key=len),
+            max(self.waits, other.waits, key=len),
             self.kernel_calls | other.kernel_calls,
             max(self.local_bytes, other.local_bytes),
             max(self.largest_weight_copy, other.largest_weight_copy),

@@ -280,7 +280,7 @@ def count_job_moe_call(job_config) -> dict[str, Costs]:
         collectives = [(kind, group, size, extended(sent, sent_high), caller)
                        for (kind, group, size, sent, caller), (*_, sent_high, _) in zip(small.collectives,
                                                                                         large.collectives)]
-        costs[phase] = Costs(small.host_syncs, small.h2d_copies, collectives, small.kernel_calls,
+        costs[phase] = Costs(small.host_syncs, small.h2d_copies, collectives, small.waits, small.kernel_calls,
                              extended(small.local_bytes, large.local_bytes),
                              extended(small.largest_weight_copy, large.largest_weight_copy))
     return costs
@@ -356,7 +356,7 @@ def format_ledger(ledger: Ledger, title: str) -> str:
     for layer in layers:
         paid = {phase: ledger.costs.get((layer, phase)) for phase in PASSES}
         signature = {phase: None if c is None else (dict(c.host_syncs), dict(c.h2d_copies),
-                                                     [x[0] for x in c.collectives], dict(c.kernel_calls))
+                                                     _in_order(c), dict(c.kernel_calls))
                      for phase, c in paid.items()}
         for members, other in groups:
             if other == signature:
@@ -375,7 +375,7 @@ def format_ledger(ledger: Ledger, title: str) -> str:
         if (OUTSIDE, phase) in ledger.costs:
             rows.append((OUTSIDE, "forward + backward + optimizer", ledger.costs[OUTSIDE, phase]))
     header = ["where", "pass", "host syncs", "H2D", "collectives (EP group / others)", "kernel calls",
-              "local MB", "weight copy MB"]
+              "local MB", "weight copy MB", "in order: issued, waited for"]
     lines = [title, "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for where, phase, costs in rows:
         ep = [c for c in costs.collectives if c[1] == ledger.ep_group]
@@ -385,13 +385,27 @@ def format_ledger(ledger: Ledger, title: str) -> str:
         collectives = f"{_describe(ep)} / {_describe(others)}"
         kernel = ", ".join(f"{name} x{count}" for name, count in sorted(costs.kernel_calls.items())) or "0"
         lines.append(f"| {where} | {phase} | {syncs} | {h2d} | {collectives} | {kernel} | "
-                     f"{_megabytes(costs.local_bytes)} | {_megabytes(costs.largest_weight_copy)} |")
+                     f"{_megabytes(costs.local_bytes)} | {_megabytes(costs.largest_weight_copy)} | "
+                     f"{'' if where == OUTSIDE else _in_order(costs)} |")
     if ledger.budget is not None:
         b = ledger.budget
         lines += ["", f"Budget per MoE layer: forward {b.forward}, backward {b.backward} ({b.why})."]
         over = ledger.over_budget()
         lines.append("Within it." if not over else "Over it:\n" + "\n".join(over))
     return "\n".join(lines) + "\n"
+
+
+def _in_order(costs: Costs) -> str:
+    """"alltoall_base (transport.py), alltoall_base (nccl.py), wait (experts.py)": the collectives in the order they
+    were issued, each wait for an in-flight result after the last collective issued before it (by source file)."""
+    events = [(issued, 1, f"wait ({_file(where)})") for issued, where in costs.waits]
+    events += [(issued, 0, f"{kind} ({_file(where)})")
+               for issued, (kind, *_, where) in enumerate(costs.collectives, start=1)]
+    return ", ".join(event for *_, event in sorted(events)) or "0"
+
+
+def _file(where: str) -> str:
+    return where.split(":")[0].rsplit("/", 1)[-1]
 
 
 def _describe(collectives: list) -> str:

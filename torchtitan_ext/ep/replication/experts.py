@@ -10,14 +10,15 @@ stay the only parameters, so the optimizer, FSDP and checkpoints see logical
 experts only. Where the backend's library moves replicas itself (DeepEP V2.5's
 load-balancing kernels), the op goes through it (:mod:`torchtitan_ext.ep.replication.transport`).
 
-The fetch is queued ahead of the dispatch: the EP backend's dispatch hook,
-which runs after FSDP's unshard, has its kernel buffer ready (which may carry
-the group's transport) and calls :meth:`ExpertsWithReplicas.queue_replica_fetch`
-before it dispatches, on the same stream. Running it beside the dispatch (a
-side stream) is not done: the fetched weights would come from that stream's
-share of the caching allocator, which per-op checkpointing keeps until
-backward and which backward's own allocations cannot reuse, and NCCL's
-all-to-all would run concurrently with a kernel library's dispatch.
+The fetch goes ahead of the dispatch and is waited for right before the
+experts: the EP backend's dispatch hook, which runs after FSDP's unshard, has
+its kernel buffer ready (which may carry the group's transport) and calls
+:meth:`ExpertsWithReplicas.queue_replica_fetch` before it dispatches. The
+fetch's all-to-all is issued asynchronously (on a GPU, on NCCL's own stream,
+its output allocated on the compute stream, so backward can reuse it), the
+dispatch is issued behind it, and :func:`with_replicas` waits for the fetch
+just before the concatenation the GEMMs read. Not done: layer i+1's fetch
+while layer i computes (its weights are unsharded only at its own forward).
 """
 
 import torch
@@ -99,8 +100,8 @@ class _HomeAndReplicas(torch.autograd.Function):
 def fetch_replicas(home: list[torch.Tensor], exchange, redundancy_mapping: torch.Tensor, slots: int,
                    group_name: str) -> torch.Tensor:
     """[slots, F] the replica weights of this rank's slots, fetched from their homes by ``exchange``
-    (:func:`exchange_arguments`, :func:`redundancy_mapping`); outside autograd: the gradients' way home is
-    :func:`with_replicas`'s backward."""
+    (:func:`exchange_arguments`, :func:`redundancy_mapping`), in flight until :func:`with_replicas` (or
+    ``wait_tensor``) lands them; outside autograd: the gradients' way home is :func:`with_replicas`'s backward."""
     with torch.no_grad():
         return transport_ops().replica_weights(home, *exchange[:4], redundancy_mapping, slots, group_name)
 
@@ -108,9 +109,11 @@ def fetch_replicas(home: list[torch.Tensor], exchange, redundancy_mapping: torch
 def with_replicas(home: list[torch.Tensor], exchange, redundancy_mapping: torch.Tensor, slots: int,
                   group_name: str, fetched: torch.Tensor | None = None) -> list[torch.Tensor]:
     """w1, w2, w3 of the L home experts followed by the ``slots`` replicas ``fetched`` (None: fetched now,
-    :func:`fetch_replicas`); each replica's gradient is added to its home expert's (:class:`_HomeAndReplicas`)."""
+    :func:`fetch_replicas`), which it waits for first; each replica's gradient is added to its home expert's
+    (:class:`_HomeAndReplicas`)."""
     if fetched is None:
         fetched = fetch_replicas(home, exchange, redundancy_mapping, slots, group_name)
+    torch.ops._c10d_functional.wait_tensor(fetched)
     return list(_HomeAndReplicas.apply(fetched, exchange, redundancy_mapping, slots, group_name, *home))
 
 

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from torchtitan_ext.ep.in_flight import Landing
+from torchtitan_ext.ep.recompute import recomputing
 from torchtitan_ext.ep.replication import transports
 
 
@@ -34,11 +36,17 @@ def replica_weights(
     """[slots, F] replica weights from ``home``, this rank's experts' weights (w1, w2, w3: each [L, ...]), read
     where they lie: a slot's row is its expert's weights flattened one after the other (F elements in all).
 
+    Returned in flight, as a functional collective's output: the all-to-all runs while the caller goes on
+    (the backend's dispatch), and ``torch.ops._c10d_functional.wait_tensor`` on the result lands it (the
+    experts wait right before their GEMMs, :func:`~torchtitan_ext.ep.replication.experts.with_replicas`).
+    Recomputed by activation checkpointing, it lands before it returns (:mod:`torchtitan_ext.ep.in_flight`).
+
     Sends experts ``send_local`` in that order, ``send_counts[d]`` to rank d; receives ``recv_counts[s]``
     from rank s, in order, into replica slots ``recv_slot``. Unused slots are 0. The index lists: int64 on the
     weights' device, built once per plan (no copy from the host here).
     ``redundancy_mapping``: the layer's whole plan, [EP, S] int32 on the weights' device, each replica slot's home
-    slot (-1: unused), which a registered transport moves all ranks' replicas by (built once per plan too).
+    slot (-1: unused), which a registered transport moves all ranks' replicas by (built once per plan too; its
+    fetch returns landed).
     Not differentiable: the gradients' way home is :func:`replica_gradients`, called by the backward of the
     weights' concatenation (``ep.replication.experts``), which adds them to the home experts' own.
     """
@@ -48,9 +56,18 @@ def replica_weights(
     # only the experts sent are copied, never the whole of the home weights
     sent = torch.cat([weight.reshape(weight.shape[0], -1).index_select(0, send_local) for weight in home], dim=1)
     received = sent.new_empty((sum(recv_counts), sent.shape[1]))
-    dist.all_to_all_single(received, sent, recv_counts, send_counts, group=_resolve_process_group(group_name))
+    work = dist.all_to_all_single(received, sent, recv_counts, send_counts, group=_resolve_process_group(group_name),
+                                  async_op=True)
     out = sent.new_zeros((slots, sent.shape[1]))
-    return out.index_copy_(0, recv_slot, received)
+
+    def land():
+        work.wait()
+        out.index_copy_(0, recv_slot, received)
+
+    landing = Landing(out, land, "the replica weights' fetch")
+    if recomputing():
+        landing.wait()
+    return out
 
 
 @replica_weights.register_fake
