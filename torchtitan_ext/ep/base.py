@@ -103,10 +103,15 @@ def token_group_alignment(job_config) -> int:
     return 1
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What sums of ``dtype`` values accumulate in: fp32, or ``dtype`` where it is wider (fp64 stays fp64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def scored_rows_fp32(rows: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
-    """rows in fp32, times their scores per row when given. The product promotes the rows as they are: no fp32
-    copy of them (bitwise the same as copying first)."""
-    return rows.float() if scores is None else rows * scores.float().unsqueeze(-1)
+    """rows in fp32 (fp64 rows stay fp64), times their scores per row when given. The product promotes the rows as
+    they are: no fp32 copy of them (bitwise the same as copying first)."""
+    return rows.to(accumulation_dtype(rows.dtype)) if scores is None else rows * scores.float().unsqueeze(-1)
 
 
 def row_dots_fp32(rows: torch.Tensor, others: torch.Tensor) -> torch.Tensor:
@@ -143,8 +148,9 @@ class _ScaleRows(torch.autograd.Function):
 def scored_sum_into(out: torch.Tensor, rows: torch.Tensor, target_of_row: torch.Tensor,
                     scores: torch.Tensor | None) -> None:
     """``out`` [targets, H] = the rows at each target (``target_of_row``) times their ``scores`` (when given), summed
-    in fp32: in place when ``out`` is fp32, else in an fp32 total rounded once into it."""
-    total = out.zero_() if out.dtype == torch.float32 else torch.zeros_like(out, dtype=torch.float32)
+    in fp32 (fp64 in fp64): in place when ``out`` is of that dtype, else in a total rounded once into it."""
+    accumulation = accumulation_dtype(out.dtype)
+    total = out.zero_() if out.dtype == accumulation else torch.zeros_like(out, dtype=accumulation)
     total.index_add_(0, target_of_row, scored_rows_fp32(rows, scores))
     if total is not out:
         out.copy_(total)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from torchtitan_ext.ep.base import accumulation_dtype
 from torchtitan_ext.ep.in_flight import Landing
 from torchtitan_ext.ep.recompute import recomputing
 from torchtitan_ext.ep.replication import transports
@@ -87,7 +88,7 @@ def replica_gradients(
     home_rows: int,
     group_name: str,
 ) -> torch.Tensor:
-    """[len(sent_experts), F] fp32: for each of this rank's experts with copies elsewhere (``sent_experts``,
+    """[len(sent_experts), F] fp32 (fp64 for fp64 gradients): for each of this rank's experts with copies elsewhere (``sent_experts``,
     ascending), the sum of its copies' gradients, from every rank's replica slots' gradients (this rank's:
     ``grad`` [slots, F]): the reverse of :func:`replica_weights`, with its arguments. Summed in fp32: an expert
     with many copies would lose low bits at every bf16 addition, and ``index_add_`` has a fixed order under
@@ -98,14 +99,14 @@ def replica_gradients(
     returned = grad.index_select(0, recv_slot)
     arrived = grad.new_empty((sum(send_counts), grad.shape[1]))
     dist.all_to_all_single(arrived, returned, send_counts, recv_counts, group=_resolve_process_group(group_name))
-    summed = arrived.new_zeros((sent_experts.shape[0], grad.shape[1]), dtype=torch.float32)
-    return summed.index_add_(0, torch.searchsorted(sent_experts, send_local), arrived.float())
+    summed = arrived.new_zeros((sent_experts.shape[0], grad.shape[1]), dtype=accumulation_dtype(grad.dtype))
+    return summed.index_add_(0, torch.searchsorted(sent_experts, send_local), arrived.to(summed.dtype))
 
 
 @replica_gradients.register_fake
 def _(grad, send_local, send_counts, recv_counts, recv_slot, sent_experts, redundancy_mapping, home_rows,
       group_name):
-    return grad.new_empty((sent_experts.shape[0], grad.shape[1]), dtype=torch.float32)
+    return grad.new_empty((sent_experts.shape[0], grad.shape[1]), dtype=accumulation_dtype(grad.dtype))
 
 
 @torch.library.custom_op("torchtitan_ext::replica_counts", mutates_args=())
