@@ -2,7 +2,8 @@
 
 import pytest
 
-from torchtitan_ext.bench import ep, expert_loop, price_replicas, replication, replication_cpu_time, step
+from torchtitan_ext.bench import (ep, expert_loop, price_replicas, replication, replication_cpu_time, replication_pair,
+                                  step)
 
 
 @pytest.mark.parametrize("main, argv, message", [
@@ -15,6 +16,8 @@ from torchtitan_ext.bench import ep, expert_loop, price_replicas, replication, r
     (replication.main, ["--steps", "4"], "--steps 4: use more than 4 (the first 3 are warm-up)"),
     (replication.main, ["--alphas", "0,x"], "--alphas 0,x --drift-every 3: use finite alphas >= 0, comma separated, "
                                             "and a drift of at least 1 step"),
+    (replication_pair.main, ["--dtypes", "float16"], "--steps 12 --dtypes float16: use at least 2 steps and dtypes "
+                                                     "of float32, float64, comma separated"),
     (replication_cpu_time.main, ["--steps", "3"], "--steps 3: use more than 3 (the first 3 are warm-up)"),
     (replication_cpu_time.main, ["--nproc", "1"], "use at least 2 ranks, 1 slot, 1 round and a drift of 1 step"),
     (replication_cpu_time.main, ["--alphas", "1,x"], "--alphas 1,x: use finite alphas >= 0, comma separated"),

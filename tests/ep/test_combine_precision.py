@@ -51,3 +51,13 @@ def test_sum_scored_rows_in_bf16_and_its_gradients_equal_autograd_through_the_fp
     grads = torch.autograd.grad(summed, (rows, scores), grad)
     assert summed.dtype == torch.bfloat16 and torch.equal(summed, formula)
     assert all(torch.equal(got, want) for got, want in zip(grads, expected_grads))
+
+
+def test_fp64_rows_are_summed_in_fp64():
+    """Sums accumulate in fp32 or in the rows' dtype where it is wider: in fp64, 1 + 2**-40 is kept, where an fp32
+    sum rounds it to 1 (the fp64 replication pair, bench ``replication_pair``, depends on it)."""
+    rows = torch.tensor([[1.0], [2**-40]], dtype=torch.float64)
+    to_one = torch.zeros(2, dtype=torch.int64)
+    for scores in (None, torch.ones(2)):
+        summed = sum_scored_rows(rows, to_one, scores, 1)
+        assert summed.dtype == torch.float64 and summed.item() == 1 + 2**-40, scores

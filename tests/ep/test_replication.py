@@ -347,6 +347,20 @@ def test_the_gradients_of_four_copies_are_summed_in_fp32_and_rounded_once(world_
     assert home.grad[:, 0].tolist() == [12.0, 3.0, 1 + 2**-7]
 
 
+def test_the_gradients_of_fp64_copies_are_summed_in_fp64(world_of_one):
+    """Copies' fp64 gradients come home summed in fp64: 2**-40 beside 1 survives, where an fp32 sum drops it."""
+    from torch.distributed.distributed_c10d import _get_process_group_name
+
+    from torchtitan_ext.ep.replication.experts import with_replicas
+
+    home = torch.zeros(1, 1, dtype=torch.float64, requires_grad=True)
+    exchange = (torch.tensor([0, 0]), [2], [2], torch.arange(2), torch.tensor([0]))
+    (weights,) = with_replicas([home], exchange, torch.zeros(1, 2, dtype=torch.int32), 2,
+                               _get_process_group_name(world_of_one))
+    weights.backward(torch.tensor([[0.0], [1.0], [2**-40]], dtype=torch.float64))
+    assert home.grad.dtype == torch.float64 and home.grad.item() == 1 + 2**-40
+
+
 def test_a_layer_without_replicas_computes_its_home_experts_alone(world_of_one):
     """Before the first choice, or when the choice is set aside, no slot holds a replica: the layer fetches
     nothing and returns no gradient (no collective at all), and its output is its home experts' on their pairs
