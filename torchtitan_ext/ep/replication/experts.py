@@ -18,7 +18,9 @@ fetch's all-to-all is issued asynchronously (on a GPU, on NCCL's own stream,
 its output allocated on the compute stream, so backward can reuse it), the
 dispatch is issued behind it, and :func:`with_replicas` waits for the fetch
 just before the concatenation the GEMMs read. Not done: layer i+1's fetch
-while layer i computes (its weights are unsharded only at its own forward).
+while layer i computes. FSDP unshards layer i+1's experts only at their own
+forward, and per-op selective checkpointing caches an op in the region that
+issued it, so a fetch issued in layer i's region would be replayed there.
 """
 
 import torch
