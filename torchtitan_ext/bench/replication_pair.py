@@ -10,7 +10,8 @@ change only the order of floating-point sums (a replicated expert's gradient is 
 exact arithmetic the arms are equal; the pair says how far rounding alone takes them apart, and the float64 pair
 whether that gap collapses when the rounding is 2**29 times finer.
 
-float64 runs the whole job in fp64: torchtitan 0.2.2's precision options (``training.dtype``,
+float64 keeps the parameters, gradients, their reductions and the optimizer in fp64 (the seed then draws other
+initial weights than in fp32, so the two dtypes' pairs are two different runs): torchtitan 0.2.2's precision options (``training.dtype``,
 ``mixed_precision_param`` and ``mixed_precision_reduce``) take bfloat16 or float32 only, so the worker processes
 add float64 to torchtitan's ``TORCH_DTYPE_MAP`` and set those options after the config is checked. The model's
 own casts to fp32 stay (DeepSeek-V3's rotary embedding, its router's scores and the loss), so the logged loss is an

@@ -32,8 +32,8 @@ class Costs:
     """(kind, group name, group size, bytes this rank sent, where it was issued) per collective issued outside a
     kernel library."""
     waits: list = field(default_factory=list)
-    """(collectives issued before it, where) per wait for an in-flight collective's result (``wait_tensor``): where
-    the device stream waits for the communication stream."""
+    """(collectives issued before it, where) per ``wait_tensor`` call on a collective's result, in the order the
+    host issued them: where the compute stream waits for an in-flight one (a no-op where it has already landed)."""
     kernel_calls: Counter = field(default_factory=Counter)
     """Kernel library call -> how many times."""
     local_bytes: int = 0
@@ -52,11 +52,13 @@ class Costs:
     def merged(self, other: "Costs") -> "Costs":
         """The larger of each count (ranks of one job run the same code: their counts differ only where a rank
         received nothing)."""
+        # a wait's position counts its own rank's collectives: both lists come from one rank
+        issued_more = max(self, other, key=lambda costs: len(costs.collectives))
         return Costs(
             self.host_syncs | other.host_syncs,
             self.h2d_copies | other.h2d_copies,
-            max(self.collectives, other.collectives, key=len),
-            max(self.waits, other.waits, key=len),
+            issued_more.collectives,
+            issued_more.waits,
             self.kernel_calls | other.kernel_calls,
             max(self.local_bytes, other.local_bytes),
             max(self.largest_weight_copy, other.largest_weight_copy),

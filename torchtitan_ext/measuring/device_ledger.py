@@ -396,12 +396,14 @@ def format_ledger(ledger: Ledger, title: str) -> str:
 
 
 def _in_order(costs: Costs) -> str:
-    """"alltoall_base (transport.py), alltoall_base (nccl.py), wait (experts.py)": the collectives in the order they
-    were issued, each wait for an in-flight result after the last collective issued before it (by source file)."""
+    """"alltoall_base (transport.py), alltoall_base (nccl.py), wait (experts.py)": the collectives in the order the
+    host issued them, each ``wait_tensor`` after the last collective issued before it (by source file). The order
+    on the device may differ: collectives on one process group run in turn on its stream."""
     events = [(issued, 1, f"wait ({_file(where)})") for issued, where in costs.waits]
     events += [(issued, 0, f"{kind} ({_file(where)})")
                for issued, (kind, *_, where) in enumerate(costs.collectives, start=1)]
-    return ", ".join(event for *_, event in sorted(events)) or "0"
+    # a stable sort on the position alone: waits after the same collective keep the order they were called in
+    return ", ".join(event for *_, event in sorted(events, key=lambda event: event[:2])) or "0"
 
 
 def _file(where: str) -> str:

@@ -39,8 +39,8 @@ class ReplicaTransport(Protocol):
         (-1: unused), built once per plan."""
 
     def return_gradients(self, grad: torch.Tensor, redundancy_mapping: torch.Tensor, home_rows: int) -> torch.Tensor:
-        """[home_rows, F] fp32: the sum, per home expert of this rank, of its replicas' gradients ``grad``
-        [slots, F] (0 for an expert without copies)."""
+        """[home_rows, F] fp32 (the library's kernels sum in fp32): the sum, per home expert of this rank, of its
+        replicas' gradients ``grad`` [slots, F] (0 for an expert without copies)."""
 
 
 transports: dict[str, ReplicaTransport] = {}

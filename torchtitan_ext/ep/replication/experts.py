@@ -14,13 +14,16 @@ The fetch goes ahead of the dispatch and is waited for right before the
 experts: the EP backend's dispatch hook, which runs after FSDP's unshard, has
 its kernel buffer ready (which may carry the group's transport) and calls
 :meth:`ExpertsWithReplicas.queue_replica_fetch` before it dispatches. The
-fetch's all-to-all is issued asynchronously (on a GPU, on NCCL's own stream,
-its output allocated on the compute stream, so backward can reuse it), the
-dispatch is issued behind it, and :func:`with_replicas` waits for the fetch
-just before the concatenation the GEMMs read. Not done: layer i+1's fetch
-while layer i computes. FSDP unshards layer i+1's experts only at their own
-forward, and per-op selective checkpointing caches an op in the region that
-issued it, so a fetch issued in layer i's region would be replayed there.
+fetch's all-to-all is issued asynchronously (on a GPU on the EP group's NCCL
+stream, its output allocated on the compute stream), the dispatch is issued
+behind it, and :func:`with_replicas` waits for the fetch just before the
+concatenation the GEMMs read. A kernel library's dispatch (DeepEP, HybridEP,
+NCCL EP: communicators of their own) can run while the fetch is in flight;
+the nccl backend's all-to-all shares the group's stream, so its fetch overlaps
+only the dispatch's local work. Not done: layer i+1's fetch while layer i
+computes. FSDP unshards layer i+1's experts only at their own forward, and
+per-op selective checkpointing caches an op in the region that issued it, so
+a fetch issued in layer i's region would be replayed there.
 """
 
 import torch
@@ -64,7 +67,7 @@ def weights_with_replicas(home: list[torch.Tensor], fetched: torch.Tensor, slots
 class _HomeAndReplicas(torch.autograd.Function):
     """The replicas fetched from their home ranks and concatenated after the home experts, per projection.
 
-    Backward, the replicas' gradients go home (``replica_gradients``, summed per expert in fp32) and are added to
+    Backward, the replicas' gradients go home (``replica_gradients``, summed per expert in fp32 or wider) and are added to
     their experts' own gradients, which are a slice of the concatenation's: one copy of the home slice with those
     experts' rows added (for gradients narrower than fp32, in fp32 and rounded once), and none on a rank that sends
     no expert. (A backward of the fetch alone would return a zero-filled gradient of every home weight, for
@@ -100,12 +103,13 @@ class _HomeAndReplicas(torch.autograd.Function):
 
 
 def fetch_replicas(home: list[torch.Tensor], exchange, redundancy_mapping: torch.Tensor, slots: int,
-                   group_name: str) -> torch.Tensor:
+                   group_name: str, what: str = "the replica weights' fetch") -> torch.Tensor:
     """[slots, F] the replica weights of this rank's slots, fetched from their homes by ``exchange``
-    (:func:`exchange_arguments`, :func:`redundancy_mapping`), in flight until :func:`with_replicas` (or
-    ``wait_tensor``) lands them; outside autograd: the gradients' way home is :func:`with_replicas`'s backward."""
+    (:func:`exchange_arguments`, :func:`redundancy_mapping`): in flight, not to be read until :func:`with_replicas`
+    (or ``wait_tensor``) lands them; outside autograd: the gradients' way home is :func:`with_replicas`'s
+    backward. ``what``: what a failure names."""
     with torch.no_grad():
-        return transport_ops().replica_weights(home, *exchange[:4], redundancy_mapping, slots, group_name)
+        return transport_ops().replica_weights(home, *exchange[:4], redundancy_mapping, slots, group_name, what)
 
 
 def with_replicas(home: list[torch.Tensor], exchange, redundancy_mapping: torch.Tensor, slots: int,
@@ -139,7 +143,7 @@ class ExpertsWithReplicas(UnboundLoopExperts):
     bytes_per_expert: int = 0
     """One expert's weights as the last forward fetched them (its compute dtype), for reports."""
     fetched: torch.Tensor | None = None
-    """The replicas queued for this forward by :meth:`queue_replica_fetch`, taken by it."""
+    """The replicas queued for this forward by :meth:`queue_replica_fetch`, in flight until its forward lands them."""
 
     @classmethod
     def adopt(cls, experts: GroupedExperts, plan: ReplicaPlan, group) -> "ExpertsWithReplicas":
@@ -172,16 +176,16 @@ class ExpertsWithReplicas(UnboundLoopExperts):
     def _home(self) -> list[torch.Tensor]:
         return [w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3)]
 
-    def queue_replica_fetch(self) -> None:
-        """Queue this forward's fetch (none where no slot holds a replica): the EP backend calls it before its
-        dispatch, once the weights are unsharded and its kernel buffer exists."""
-        self.fetched = self._fetch(self._home()) if self.holds_replicas else None
+    def queue_replica_fetch(self, what: str) -> None:
+        """Queue this forward's fetch (none where no slot holds a replica), named ``what`` in failures: the EP
+        backend calls it before its dispatch, once the weights are unsharded and its kernel buffer exists."""
+        self.fetched = self._fetch(self._home(), what) if self.holds_replicas else None
 
-    def _fetch(self, home: list[torch.Tensor]) -> torch.Tensor:
+    def _fetch(self, home: list[torch.Tensor], what: str = "the replica weights' fetch") -> torch.Tensor:
         if self.exchange is None or self.exchange[0].device != home[0].device:
             self._build_tables(home[0].device)  # on first use: the model is parallelized on the meta device
         return fetch_replicas(home, self.exchange, self.redundancy_mapping, self.slots,
-                              _get_process_group_name(self.group))
+                              _get_process_group_name(self.group), what)
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         home = self._home()

@@ -33,14 +33,18 @@ def replica_weights(
     redundancy_mapping: torch.Tensor,
     slots: int,
     group_name: str,
+    what: str,
 ) -> torch.Tensor:
     """[slots, F] replica weights from ``home``, this rank's experts' weights (w1, w2, w3: each [L, ...]), read
     where they lie: a slot's row is its expert's weights flattened one after the other (F elements in all).
 
-    Returned in flight, as a functional collective's output: the all-to-all runs while the caller goes on
-    (the backend's dispatch), and ``torch.ops._c10d_functional.wait_tensor`` on the result lands it (the
-    experts wait right before their GEMMs, :func:`~torchtitan_ext.ep.replication.experts.with_replicas`).
-    Recomputed by activation checkpointing, it lands before it returns (:mod:`torchtitan_ext.ep.in_flight`).
+    Returned in flight, as a functional collective's output: the all-to-all is issued and the caller goes on
+    (to the backend's dispatch); ``torch.ops._c10d_functional.wait_tensor`` on the result lands it, and until
+    then its rows are not the weights (the experts wait right before their GEMMs,
+    :func:`~torchtitan_ext.ep.replication.experts.with_replicas`). Its send and receive buffers live until the
+    wait (on a GPU, NCCL keeps them until then). Recomputed by activation checkpointing, it lands before it
+    returns (:mod:`torchtitan_ext.ep.in_flight`). ``what``: what a failure names ("MoE layer 3 replica fetch
+    (NcclExpertParallel)").
 
     Sends experts ``send_local`` in that order, ``send_counts[d]`` to rank d; receives ``recv_counts[s]``
     from rank s, in order, into replica slots ``recv_slot``. Unused slots are 0. The index lists: int64 on the
@@ -65,14 +69,14 @@ def replica_weights(
         work.wait()
         out.index_copy_(0, recv_slot, received)
 
-    landing = Landing(out, land, "the replica weights' fetch")
+    landing = Landing(out, land, what)
     if recomputing():
         landing.wait()
     return out
 
 
 @replica_weights.register_fake
-def _(home, send_local, send_counts, recv_counts, recv_slot, redundancy_mapping, slots, group_name):
+def _(home, send_local, send_counts, recv_counts, recv_slot, redundancy_mapping, slots, group_name, what):
     return home[0].new_empty((slots, sum(weight[0].numel() for weight in home)))
 
 
@@ -88,11 +92,12 @@ def replica_gradients(
     home_rows: int,
     group_name: str,
 ) -> torch.Tensor:
-    """[len(sent_experts), F] fp32 (fp64 for fp64 gradients): for each of this rank's experts with copies elsewhere (``sent_experts``,
-    ascending), the sum of its copies' gradients, from every rank's replica slots' gradients (this rank's:
-    ``grad`` [slots, F]): the reverse of :func:`replica_weights`, with its arguments. Summed in fp32: an expert
-    with many copies would lose low bits at every bf16 addition, and ``index_add_`` has a fixed order under
-    ``torch.use_deterministic_algorithms`` (``debug.deterministic``). ``home_rows``: this rank's experts (L)."""
+    """[len(sent_experts), F]: for each of this rank's experts with copies elsewhere (``sent_experts``, ascending),
+    the sum of its copies' gradients, from every rank's replica slots' gradients (this rank's: ``grad``
+    [slots, F]): the reverse of :func:`replica_weights`, with its arguments. Summed in fp32 (fp64 gradients in
+    fp64; a registered transport's library sums in fp32): an expert with many copies would lose low bits at every
+    bf16 addition, and ``index_add_`` has a fixed order under ``torch.use_deterministic_algorithms``
+    (``debug.deterministic``). ``home_rows``: this rank's experts (L)."""
     transport = transports.get(group_name)
     if transport is not None:
         return transport.return_gradients(grad, redundancy_mapping, home_rows).index_select(0, sent_experts)
@@ -106,7 +111,8 @@ def replica_gradients(
 @replica_gradients.register_fake
 def _(grad, send_local, send_counts, recv_counts, recv_slot, sent_experts, redundancy_mapping, home_rows,
       group_name):
-    return grad.new_empty((sent_experts.shape[0], grad.shape[1]), dtype=accumulation_dtype(grad.dtype))
+    dtype = torch.float32 if transports.get(group_name) is not None else accumulation_dtype(grad.dtype)
+    return grad.new_empty((sent_experts.shape[0], grad.shape[1]), dtype=dtype)
 
 
 @torch.library.custom_op("torchtitan_ext::replica_counts", mutates_args=())
