@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torchtitan.tools.logging import logger
 
-from torchtitan_ext.ep.kernels.calls import kernel_call
+from torchtitan_ext.ep.kernels.calls import kernel_call, library_work
 from torchtitan_ext.ep.kernels.deepep_apis import FALLBACK_SMS
 
 
@@ -93,7 +93,7 @@ class LoadBalancingKernels:
         self.gradients = gradients
         self.num_sms = num_sms
 
-    def fetch(self, home: list[torch.Tensor], redundancy_mapping: torch.Tensor) -> torch.Tensor:
+    def fetch(self, home: list[torch.Tensor], redundancy_mapping: torch.Tensor):
         rows = [weight.reshape(weight.shape[0], -1).contiguous() for weight in home]
         elements = sum(row.shape[1] for row in rows)
         if any(row.dtype != self.weights.dtype for row in rows) or elements != self.weights.shape[1]:
@@ -110,10 +110,20 @@ class LoadBalancingKernels:
             blocks.append(region[start:start + slots * row.shape[1]].view(slots, row.shape[1]))
             start += slots * row.shape[1]
         with kernel_call("deepep.lb_prefetch_weights"):
-            self.buffer.lb_prefetch_weights(blocks, rows, redundancy_mapping, self.num_sms).current_stream_wait()
+            event = self.buffer.lb_prefetch_weights(blocks, rows, redundancy_mapping, self.num_sms)
         rank = dist.get_rank(self.buffer.group)
         unused = (redundancy_mapping[rank] < 0).unsqueeze(1)
-        return torch.cat(blocks, dim=1).masked_fill_(unused, 0)
+        fetched = self.weights.new_empty((slots, elements))
+
+        def land(read=rows) -> None:
+            # ``read`` (contiguous copies of the home weights among them) lives until the compute stream has
+            # waited for the kernels that read it: only then may its memory be reused
+            with library_work():
+                event.current_stream_wait()
+            # copied out of the region, which the next layer's fetch reuses
+            torch.cat(blocks, dim=1, out=fetched).masked_fill_(unused, 0)
+
+        return fetched, land
 
     def return_gradients(self, grad: torch.Tensor, redundancy_mapping: torch.Tensor, home_rows: int) -> torch.Tensor:
         self.gradients.copy_(grad)

@@ -10,6 +10,7 @@
 """
 
 import importlib
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -32,11 +33,13 @@ def saved_transport_ops() -> set:
 class ReplicaTransport(Protocol):
     """Moves one MoE layer's replica weights from home, and their gradients back, for one EP group."""
 
-    def fetch(self, home: list[torch.Tensor], redundancy_mapping: torch.Tensor) -> torch.Tensor:
-        """[slots, F] this rank's replica weights (0 in unused slots) from every rank's ``home`` weights, each
-        [L, ...]: a slot's row is its expert's weights flattened, one after the other (F elements in all).
-        ``redundancy_mapping``: [EP, slots] int32 on the weights' device, every rank's replica slots' home slots
-        (-1: unused), built once per plan."""
+    def fetch(self, home: list[torch.Tensor],
+              redundancy_mapping: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
+        """(fetched, land): [slots, F] this rank's replica weights (0 in unused slots) from every rank's ``home``
+        weights, each [L, ...], a slot's row its expert's weights flattened, one after the other (F elements in
+        all), once ``land()`` has waited for the library and written them; the fetch's caller goes on (to the
+        dispatch) before it lands. ``redundancy_mapping``: [EP, slots] int32 on the weights' device, every rank's
+        replica slots' home slots (-1: unused), built once per plan."""
 
     def return_gradients(self, grad: torch.Tensor, redundancy_mapping: torch.Tensor, home_rows: int) -> torch.Tensor:
         """[home_rows, F] fp32 (the library's kernels sum in fp32): the sum, per home expert of this rank, of its

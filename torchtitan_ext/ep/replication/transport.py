@@ -51,13 +51,23 @@ def replica_weights(
     weights' device, built once per plan (no copy from the host here).
     ``redundancy_mapping``: the layer's whole plan, [EP, S] int32 on the weights' device, each replica slot's home
     slot (-1: unused), which a registered transport moves all ranks' replicas by (built once per plan too; its
-    fetch returns landed).
+    fetch lands the same way).
     Not differentiable: the gradients' way home is :func:`replica_gradients`, called by the backward of the
     weights' concatenation (``ep.replication.experts``), which adds them to the home experts' own.
     """
     transport = transports.get(group_name)
     if transport is not None:
-        return transport.fetch(home, redundancy_mapping)
+        out, land = transport.fetch(home, redundancy_mapping)
+    else:
+        out, land = _fetch_by_all_to_all(home, send_local, send_counts, recv_counts, recv_slot, slots, group_name)
+    landing = Landing(out, land, what)
+    if recomputing():
+        landing.wait()
+    return out
+
+
+def _fetch_by_all_to_all(home, send_local, send_counts, recv_counts, recv_slot, slots, group_name):
+    """(the slots' weights, what lands them) through one asynchronous all-to-all of the experts sent."""
     # only the experts sent are copied, never the whole of the home weights
     sent = torch.cat([weight.reshape(weight.shape[0], -1).index_select(0, send_local) for weight in home], dim=1)
     received = sent.new_empty((sum(recv_counts), sent.shape[1]))
@@ -69,10 +79,7 @@ def replica_weights(
         work.wait()
         out.index_copy_(0, recv_slot, received)
 
-    landing = Landing(out, land, what)
-    if recomputing():
-        landing.wait()
-    return out
+    return out, land
 
 
 @replica_weights.register_fake
