@@ -297,7 +297,8 @@ def lb_fetch_worker(rank: int, ep: int) -> dict:
     from torchtitan_ext.config import MoEShape
     from torchtitan_ext.ep.kernels.deep_ep import ep_buffer
     from torchtitan_ext.ep.kernels.deepep_apis import EPBufferAPI
-    from torchtitan_ext.ep.replication.experts import exchange_arguments, redundancy_mapping, with_replicas
+    from torchtitan_ext.ep.replication.experts import (exchange_arguments, fetch_replicas, redundancy_mapping,
+                                                       with_replicas)
     from torchtitan_ext.ep.replication.plan import ReplicaPlan
     from torchtitan_ext.measuring.device_cost_counter import DeviceCostCounter
 
@@ -305,6 +306,15 @@ def lb_fetch_worker(rank: int, ep: int) -> dict:
     for name in ("lb_prefetch_weights", "lb_reduce_grads"):
         original = getattr(deep_ep.EPBuffer, name)
         setattr(deep_ep.EPBuffer, name, lambda self, *a, _o=original, _n=name, **k: calls.append(_n) or _o(self, *a, **k))
+    prefetch = deep_ep.EPBuffer.lb_prefetch_weights
+
+    def prefetch_noting_its_landing(self, *args, **kwargs):
+        event = prefetch(self, *args, **kwargs)
+        wait = event.current_stream_wait
+        event.current_stream_wait = lambda *a, **k: calls.append("landed") or wait(*a, **k)
+        return event
+
+    deep_ep.EPBuffer.lb_prefetch_weights = prefetch_noting_its_landing
     group = dist.group.WORLD
     plan = ReplicaPlan(4, ep, ((3, 2), (0, -1)))
 
@@ -315,7 +325,9 @@ def lb_fetch_worker(rank: int, ep: int) -> dict:
         tables = exchange_arguments(plan, rank), redundancy_mapping(plan)  # once per plan, as the experts do
         counter = DeviceCostCounter()
         with counter:
-            (weights,) = with_replicas([home], *tables, 2, _get_process_group_name(group))
+            in_flight = fetch_replicas([home], *tables, 2, _get_process_group_name(group))
+            calls.append("fetch returned")
+            (weights,) = with_replicas([home], *tables, 2, _get_process_group_name(group), in_flight)
             fetched = weights[2:]
             (fetched * scale).sum().backward()
         copies = sum(sum(costs.h2d_copies.values()) for costs in counter.costs.values())

@@ -412,20 +412,21 @@ def test_replicas_move_through_deepep_v2_5_load_balancing_kernels(lb_fetch):
     """With an EPBuffer alive on the EP group, a layer's replica weights go out by lb_prefetch_weights and
     their gradients home by lb_reduce_grads (no all-to-all), with the same rows and sums as the all-to-all;
     the buffer reserved its LB region (weights bf16 and gradients fp32, each 2 MiB-aligned); once it is
-    destroyed, replicas move by all-to-all again. On every transport the plan's tables are built once per plan:
-    neither direction copies anything from host memory to the device."""
+    destroyed, replicas move by all-to-all again. The kernels' fetch lands when the experts wait for it, after the
+    fetch has returned (the dispatch goes in between). On every transport the plan's tables are built once per
+    plan: neither direction copies anything from host memory to the device."""
     results = lb_fetch
     all_to_all = "alltoall_base"
     for rank_results in results:
         by_all_to_all, by_kernels, after = (rank_results[k] for k in ("all_to_all", "lb_kernels", "after_destroy"))
-        assert by_all_to_all["events"] == {all_to_all: 2} and by_all_to_all["lb_calls"] == []
-        assert by_kernels["lb_calls"] == ["lb_prefetch_weights", "lb_reduce_grads"]
+        assert by_all_to_all["events"] == {all_to_all: 2} and by_all_to_all["lb_calls"] == ["fetch returned"]
+        assert by_kernels["lb_calls"] == ["lb_prefetch_weights", "fetch returned", "landed", "lb_reduce_grads"]
         assert all_to_all not in by_kernels["events"]
         assert [r["host_to_device_copies"] for r in (by_all_to_all, by_kernels, after)] == [0, 0, 0]
         for key in ("fetched", "grad"):
             assert torch.equal(by_kernels[key], by_all_to_all[key]), key
             assert torch.equal(after[key], by_all_to_all[key]), key
-        assert after["events"] == {all_to_all: 2} and after["lb_calls"] == []
+        assert after["events"] == {all_to_all: 2} and after["lb_calls"] == ["fetch returned"]
         assert rank_results["lb_region_bytes"] == 2 * 2 * 1024 * 1024
     # rank 1's second slot is unused: 0, as the all-to-all leaves it
     assert torch.equal(results[1]["lb_kernels"]["fetched"][1], torch.zeros(16))

@@ -80,7 +80,7 @@ class LoadBalancingKernels:
     plan's home slots. ``weights`` [S, F] (the experts' compute dtype) and
     ``gradients`` [S, F] (fp32, the only dtype ``lb_reduce_grads`` takes) are
     the buffer's load-balancing region, shared by every MoE layer: a fetch
-    copies the replicas out before the next layer's lands there. Gradients are
+    copies the replicas out when it lands, before the next fetch (of any layer) is issued. Gradients are
     summed in fp32 at home and returned in fp32. Both kernels
     open and close with a barrier over the domain (prefetch_weights.cuh,
     reduce_grads.cuh), so once a call's event is waited on, no peer still
@@ -92,6 +92,8 @@ class LoadBalancingKernels:
         self.weights = weights
         self.gradients = gradients
         self.num_sms = num_sms
+        self.landing = False
+        """Whether a fetch has not landed yet: the region holds its replicas until it does."""
 
     def fetch(self, home: list[torch.Tensor], redundancy_mapping: torch.Tensor):
         rows = [weight.reshape(weight.shape[0], -1).contiguous() for weight in home]
@@ -109,8 +111,12 @@ class LoadBalancingKernels:
         for row in rows:
             blocks.append(region[start:start + slots * row.shape[1]].view(slots, row.shape[1]))
             start += slots * row.shape[1]
+        if self.landing:
+            raise RuntimeError("a replica fetch through DeepEP's load-balancing region before the last one landed: "
+                               "the region holds one layer's replicas at a time")
         with kernel_call("deepep.lb_prefetch_weights"):
             event = self.buffer.lb_prefetch_weights(blocks, rows, redundancy_mapping, self.num_sms)
+        self.landing = True
         rank = dist.get_rank(self.buffer.group)
         unused = (redundancy_mapping[rank] < 0).unsqueeze(1)
         fetched = self.weights.new_empty((slots, elements))
@@ -120,8 +126,9 @@ class LoadBalancingKernels:
             # waited for the kernels that read it: only then may its memory be reused
             with library_work():
                 event.current_stream_wait()
-            # copied out of the region, which the next layer's fetch reuses
+            # copied out of the region, which the next fetch reuses
             torch.cat(blocks, dim=1, out=fetched).masked_fill_(unused, 0)
+            self.landing = False
 
         return fetched, land
 

@@ -38,7 +38,7 @@ class ReplicaTransport(Protocol):
         """(fetched, land): [slots, F] this rank's replica weights (0 in unused slots) from every rank's ``home``
         weights, each [L, ...], a slot's row its expert's weights flattened, one after the other (F elements in
         all), once ``land()`` has waited for the library and written them; the fetch's caller goes on (to the
-        dispatch) before it lands. ``redundancy_mapping``: [EP, slots] int32 on the weights' device, every rank's
+        dispatch) before it lands, and lands it before the transport's next fetch. ``redundancy_mapping``: [EP, slots] int32 on the weights' device, every rank's
         replica slots' home slots (-1: unused), built once per plan."""
 
     def return_gradients(self, grad: torch.Tensor, redundancy_mapping: torch.Tensor, home_rows: int) -> torch.Tensor:

@@ -18,9 +18,11 @@ fetch's all-to-all is issued asynchronously (on a GPU on the EP group's NCCL
 stream, its output allocated on the compute stream), the dispatch is issued
 behind it, and :func:`with_replicas` waits for the fetch just before the
 concatenation the GEMMs read. A kernel library's dispatch (DeepEP, HybridEP,
-NCCL EP: communicators of their own) can run while the fetch is in flight;
-the nccl backend's all-to-all shares the group's stream, so its fetch overlaps
-only the dispatch's local work. Not done: layer i+1's fetch while layer i
+NCCL EP: communicators of their own) can run while an all-to-all fetch is in
+flight; the nccl backend's all-to-all shares the group's stream, and DeepEP
+V2.5's load-balancing kernels its dispatch's, so there the fetch overlaps only
+the dispatch's local work (and the copy out of V2.5's region leaves the path
+between them). Not done: layer i+1's fetch while layer i
 computes. FSDP unshards layer i+1's experts only at their own forward, and
 per-op selective checkpointing caches an op in the region that issued it, so
 a fetch issued in layer i's region would be replayed there.
