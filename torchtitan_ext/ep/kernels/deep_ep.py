@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 from torchtitan.tools.logging import logger
 
-from torchtitan_ext.ep.kernels.calls import kernel_call, library_work
+from torchtitan_ext.ep.kernels import calls
+from torchtitan_ext.ep.kernels.calls import kernel_call
 from torchtitan_ext.ep.kernels.deepep_apis import FALLBACK_SMS
 
 
@@ -124,7 +125,7 @@ class LoadBalancingKernels:
         def land(read=rows) -> None:
             # ``read`` (contiguous copies of the home weights among them) lives until the compute stream has
             # waited for the kernels that read it: only then may its memory be reused
-            with library_work():
+            with calls.library_work():  # through the module: the ledger's CUDA sync check replaces it
                 event.current_stream_wait()
             # copied out of the region, which the next fetch reuses
             torch.cat(blocks, dim=1, out=fetched).masked_fill_(unused, 0)

@@ -16,7 +16,8 @@ import torch
 from torch.distributed.distributed_c10d import _get_process_group_name
 from torchtitan.tools.logging import logger
 
-from torchtitan_ext.ep.kernels.calls import kernel_call, library_work
+from torchtitan_ext.ep.kernels import calls
+from torchtitan_ext.ep.kernels.calls import kernel_call
 from torchtitan_ext.ep.replication import register_transport, ReplicaTransport
 
 FALLBACK_SMS = 20
@@ -156,7 +157,7 @@ def _landing(event) -> Callable[[], None]:
     event sums its rows), the library's work."""
 
     def land() -> None:
-        with library_work():
+        with calls.library_work():  # through the module: the ledger's CUDA sync check replaces it
             event.current_stream_wait()
 
     return land
