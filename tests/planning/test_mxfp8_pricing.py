@@ -6,8 +6,11 @@ import pytest
 from torchtitan_ext.config import load_job_config, meta_model
 from torchtitan_ext.planning.job_shape import job_shape
 from torchtitan_ext.planning.published_comparisons import job_of, load_comparisons, MXFP8_CONVERTERS
+from torchtitan_ext.training import prepare
 
 DEBUG_JOB = ["--job.config_file", "train_configs/debug_model.toml"]
+
+prepare()  # as the advisor's process: every section (the GB200 configs' [fabric]) and our train specs
 
 
 def _shape(*converters: str):

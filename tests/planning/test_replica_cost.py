@@ -12,8 +12,10 @@ from torchtitan_ext.planning.job_shape import job_shape
 from torchtitan_ext.planning.layout_advisor import advise
 from torchtitan_ext.planning.replica_cost import replay, replica_traffic
 from torchtitan_ext.planning.topology import load_topology, parse_topology
+from torchtitan_ext.training import prepare
 
 DEBUG_JOB = ["--job.config_file", "train_configs/debug_model.toml"]
+prepare()  # as the advisor's process: our train specs (every backend builds torchtitan's standard MoE) and flavours
 EXPERTS, TOP_K = 8, 3
 COLLAPSED = [2045, 2045, 2045, 3, 1, 1, 1, 2]
 """Routing near collapse, as in the default job: 3 of 8 experts take almost all of a step's pairs (here all
@@ -279,9 +281,7 @@ def test_the_routed_experts_share_of_the_flops(flavor):
     model's, both counted here from the flavour's dimensions (about 8%, 38% and 53%, as the flavours' docstrings
     say)."""
     from torchtitan_ext.models.deepseek_v3 import flavors
-    from torchtitan_ext.training import prepare
 
-    prepare()  # registers the extra flavours
     job_config = load_job_config([*DEBUG_JOB, "--model.flavor", flavor], device_type=None, world_size=2)
     routed, total = _flops_per_token(flavors()[flavor], job_config.training.seq_len)
     assert job_shape(job_config, 2).expert_flop_share == pytest.approx(routed / total, rel=1e-12)
