@@ -285,6 +285,8 @@ class ReplicaCopyCounter(TorchDispatchMode):
         self.most = dict(self.alive)
         self.most_in_backward = None
         self.at_forward_end = None
+        self.alive_elements = self.most_elements = 0
+        """Elements of both kinds alive now, and the most at once."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -298,13 +300,16 @@ class ReplicaCopyCounter(TorchDispatchMode):
     def _born(self, kind: str, tensor: torch.Tensor) -> None:
         self.alive[kind] += 1
         self.most[kind] = max(self.most[kind], self.alive[kind])
+        self.alive_elements += tensor.numel()
+        self.most_elements = max(self.most_elements, self.alive_elements)
         if self.most_in_backward is not None:
             self.most_in_backward[kind] = max(self.most_in_backward[kind], self.alive[kind])
         # the storage, not the tensor: checkpointing keeps detached aliases of what it saves
-        weakref.finalize(tensor.untyped_storage(), self._died, kind)
+        weakref.finalize(tensor.untyped_storage(), self._died, kind, tensor.numel())
 
-    def _died(self, kind: str) -> None:
+    def _died(self, kind: str, elements: int) -> None:
         self.alive[kind] -= 1
+        self.alive_elements -= elements
 
     def forward_ended(self) -> None:
         """Forward is done: what is alive now is what it leaves for backward; the backward's most starts here."""
@@ -396,7 +401,10 @@ def run_cell(rank: int, world_size: int, cell: Cell, count_replica_copies: bool 
         result["loss"] = _global_loss(_full(loss), parallel_dims)
         if counter is not None:
             del pred
-            result["replica_copies"] = {"most": counter.most, "at_forward_end": counter.at_forward_end,
+            inner, dim = model_args.moe_inter_dim, model_args.dim
+            result["replica_copies"] = {"most": counter.most, "most_elements": counter.most_elements,
+                                        "expert_elements": 3 * inner * dim,  # w1, w2, w3
+                                        "at_forward_end": counter.at_forward_end,
                                         "most_in_backward": counter.most_in_backward,
                                         "after_backward": dict(counter.alive)}
 

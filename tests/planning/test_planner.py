@@ -122,18 +122,22 @@ def test_replica_slots_enter_the_plan(harness):
     assert non_blocking.rows_worst == int(dims.tokens * 2 * min(4 + 2, 3) * 0.5)
     line = next(line for line in format_plan(result, WORLD) if "replica slots" in line)
     # 2 slots x 196,608 weights x 2 bytes (bf16) = 0.75 MiB; the copy the experts compute from holds the 4 home
-    # experts too: 2.25 MiB per layer, kept by each of the 5 MoE layers without activation checkpointing
+    # experts too: 2.25 MiB per layer, kept by each of the 5 MoE layers without activation checkpointing, the last
+    # layer's fetched replicas beside them while it computes
     assert line.startswith("  replica slots: 2 per MoE layer, weights fetched every step: 0.75 MiB per layer"), line
     assert line.endswith("a copy of the 4 home experts beside the replicas, 2.25 MiB per layer, which backward keeps: "
-                         "11.25 MiB at the peak (5 layer(s)' copies under this activation checkpointing)"), line
-    # full: one layer's copy at a time; per op: every layer keeps its fetched replicas (replica_weights is on the
-    # save list) and one copy is rebuilt at a time; every 2 layers: MoE layers 2 and 4 keep theirs, and layer 5,
-    # the last, is recomputed beside them
-    for ac, peak in ((["--activation_checkpoint.mode", "full"], "2.25 MiB at the peak (1 layer(s)' copies"),
+                         "12.00 MiB at the peak (5 layer(s)' copies and 1 layer(s)' fetched replicas, with the next "
+                         "layer's fetched ahead, under this activation checkpointing)"), line
+    # full: one layer's copy at a time, beside its fetched replicas and the next layer's (fetched ahead); per op:
+    # every layer keeps its fetched replicas (replica_weights is on the save list, nothing is fetched ahead) and one
+    # copy is rebuilt at a time; every 2 layers: MoE layers 2 and 4 keep theirs, and layer 5, the last, computes
+    # beside them from its fetched replicas
+    for ac, peak in ((["--activation_checkpoint.mode", "full"],
+                      "3.75 MiB at the peak (1 layer(s)' copies and 2 layer(s)' fetched replicas"),
                      (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
-                      "6.00 MiB at the peak (1 layer(s)' copies and 5 layers' fetched replicas"),
+                      "6.00 MiB at the peak (1 layer(s)' copies and 5 layer(s)' fetched replicas"),
                      (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"],
-                      "6.75 MiB at the peak (3 layer(s)' copies")):
+                      "7.50 MiB at the peak (3 layer(s)' copies and 1 layer(s)' fetched replicas")):
         checkpointed = _plan(JOB + ["--expert_replication.slots_per_rank", "2", *ac])
         line = next(line for line in format_plan(checkpointed, WORLD) if "replica slots" in line)
         assert peak in line, (ac, line)

@@ -206,12 +206,12 @@ def test_under_uniform_routing_replicas_only_cost():
     assert "expert time from their FLOPs at 400 TFLOP/s, taken as proportional to the rows" in inputs
     assert "not priced: the host's choice of replicas" in inputs
     # the memory bound adds the copy each MoE layer computes from: its 8 / EP home experts beside the slot, kept
-    # by every saved layer (the debug job recomputes none: 5), at the gathered dtype (nccl: no buffer, whose size
-    # would follow the dispatched slots too)
+    # by every saved layer (the debug job recomputes none: 5), and the last layer's fetched slot, alive while it
+    # computes, at the gathered dtype (nccl: no buffer, whose size would follow the dispatched slots too)
     nccl = {(layout.ep, layout.replica_slots): layout for layout in runnable if layout.label == "nccl"}
     work = job_shape(load_job_config(DEBUG_JOB, device_type=None, world_size=4), 4).work
     for ep in (2, 4):
-        copies = (8 // ep + 1) * work.expert_parameters * work.gather_bytes * 5
+        copies = ((8 // ep + 1) * 5 + 1) * work.expert_parameters * work.gather_bytes
         assert nccl[ep, 1].memory_bytes - nccl[ep, 0].memory_bytes == copies, ep
 
 

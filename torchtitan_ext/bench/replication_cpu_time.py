@@ -45,6 +45,7 @@ from torchtitan_ext.bench.replication import FORCED_BALANCE, FORCED_BALANCE_ROUT
 from torchtitan_ext.config import ConfigError, load_job_config
 from torchtitan_ext.data import prepare_embedded_assets
 from torchtitan_ext.ep import replication
+from torchtitan_ext.ep.base import named_layer
 from torchtitan_ext.ep.replication import experts as replica_experts, split as replica_split
 from torchtitan_ext.records.campaign import bench_command, check_new_campaign_path, write_campaign
 from torchtitan_ext.records.metrics import read_metrics
@@ -178,10 +179,12 @@ class _TimedOp:
 
 
 def _timed_fetch(clock: CpuClock, op, *args):
-    """The replicas' fetch issued (forward), in the layer whose forward runs (it lands in the experts' forward)."""
+    """The replicas' fetch issued (forward), in the layer it fetches for (it lands in that layer's experts' forward):
+    the layer whose forward runs, or the next one, whose fetch this one issues ahead. Its last argument names it."""
     started = time.process_time()
     fetched = op(*args)
-    clock.add(clock.layer, "fetch", time.process_time() - started)
+    layer = named_layer(args[-1])
+    clock.add(clock.layer if layer is None else layer, "fetch", time.process_time() - started)
     return fetched
 
 

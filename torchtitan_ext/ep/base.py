@@ -16,6 +16,7 @@ rounded to the activation dtype.
 """
 
 import importlib
+import re
 from dataclasses import dataclass
 import weakref
 from abc import ABC, abstractmethod
@@ -36,6 +37,21 @@ from torchtitan_ext.ep.kernels import KernelUnavailable, resolve_implementation
 from torchtitan_ext.ep.layout import into_groups
 from torchtitan_ext.runtime.collectives import naming_collective
 from torchtitan_ext.runtime.workers import before_process_group_teardown
+
+
+def moe_layer_name(layer_id: int | str) -> str:
+    """"MoE layer 3": how a layer's collectives are named (:meth:`RoutedExpertParallel.collective_name`)."""
+    return f"MoE layer {layer_id}"
+
+
+def named_layer(name: str) -> int | None:
+    """The MoE layer a collective's name is of (its layer's, or the next one's for a fetch issued ahead); None for
+    a name of no layer."""
+    found = _LAYER_NAMED.match(name)
+    return int(found.group(1)) if found else None
+
+
+_LAYER_NAMED = re.compile(r"MoE layer (\d+) ")
 
 
 @dataclass(frozen=True)
@@ -489,7 +505,8 @@ class RoutedExpertParallel(ExpertParallel, ABC):
         (:mod:`torchtitan_ext.ep.in_flight`), landing at first use."""
 
     def collective_name(self, step: str) -> str:
-        """"MoE layer 3 dispatch (NcclExpertParallel)": what a failing collective is reported as."""
+        """"MoE layer 3 dispatch (NcclExpertParallel)": what a failing collective is reported as (the layer named by
+        :func:`moe_layer_name`)."""
         return f"{self.layer_name} {step} ({type(self).__name__})"
 
     def _token_dispatch(self, mod, inputs, device_mesh):
@@ -508,6 +525,9 @@ class RoutedExpertParallel(ExpertParallel, ABC):
             rows, rows_per_expert = self.dispatch(
                 x, routing.scores, routing.expert_ids, dispatched, group, routing.sent_counts
             )
+        if queue_replica_fetch is not None:
+            # the next layer's replicas move while this layer's experts compute
+            mod.fetch_following_ahead()
         self.stats.record_rows(rows_per_expert)
         return rows, rows_per_expert
 

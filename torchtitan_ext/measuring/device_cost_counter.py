@@ -21,6 +21,7 @@ stands for device memory. Each event goes to the MoE layer and pass :class:`~.de
 import sys
 import threading
 from collections import defaultdict
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
-from torchtitan_ext.ep.base import HOST_COPIES
+from torchtitan_ext.ep.base import HOST_COPIES, named_layer
 from torchtitan_ext.ep.kernels import calls
 from torchtitan_ext.measuring.device_costs import Costs, LayerScopes, OUTSIDE
 from torchtitan_ext.planning.local_traffic import moved_tensors, run_below_python
@@ -92,6 +93,14 @@ class DeviceCostCounter(TorchDispatchMode):
     def _tensors(tree) -> list[torch.Tensor]:
         return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
+    def _charged(self, func, args):
+        """Where a replica fetch's collective is charged: the layer it fetches for (the next one, fetched ahead)."""
+        if self.scopes is None or func.name() != "torchtitan_ext::replica_weights":
+            return nullcontext()
+        # the name it fails with is its layer's, also when the layer before issues it
+        named = [layer for arg in args if isinstance(arg, str) and (layer := named_layer(arg)) is not None]
+        return self.scopes.charged_to(named[0]) if named else nullcontext()
+
     def _on_kernel_call(self, name: str, host_syncs: int) -> None:
         costs = self._costs()
         costs.kernel_calls[name] += 1
@@ -117,7 +126,7 @@ class DeviceCostCounter(TorchDispatchMode):
         if (func.namespace == "torchtitan_ext" or func is torch.ops._c10d_functional.wait_tensor.default) and tensors:
             # count the op's body too (a dispatch mode alone sees only the op), and what an in-flight combine
             # runs when it lands, inside the wait for it
-            with self:
+            with self, self._charged(func, args):
                 return run_below_python(func, tensors[0], args, kwargs)
         name = func.overloadpacket.__name__
         all_host = bool(tensors) and all(self.is_host(t) for t in tensors)

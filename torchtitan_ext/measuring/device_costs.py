@@ -6,6 +6,7 @@ to the MoE layer and pass (forward, backward, recompute) it happened in."""
 import re
 import threading
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -119,6 +120,17 @@ class LayerScopes:
             if self._local.backward == layer:
                 self._local.backward = None
         return hook
+
+    @contextmanager
+    def charged_to(self, layer: int):
+        """Charge what runs inside to MoE layer ``layer``, in the current pass: work a layer issues for another
+        (the next layer's replica fetch, issued ahead of it)."""
+        stack = self._stack()
+        stack.append((layer, self.current()[1]))
+        try:
+            yield
+        finally:
+            stack.pop()
 
     def current(self) -> tuple[int | str, str]:
         """(MoE layer id, or :data:`OUTSIDE`; pass)."""

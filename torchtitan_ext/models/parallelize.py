@@ -34,10 +34,11 @@ from torchtitan.tools.logging import logger
 
 from torchtitan_ext.config import max_tokens_per_rank, MoEShape
 from torchtitan_ext.ep import backend_class
+from torchtitan_ext.ep.base import moe_layer_name
 from torchtitan_ext.ep.experts import adopt_unbound_loop
 from torchtitan_ext.ep.replication import saved_transport_ops
-from torchtitan_ext.ep.replication.experts import ExpertsWithReplicas
-from torchtitan_ext.ep.replication.plan import dispatched_shape, ReplicaPlan
+from torchtitan_ext.ep.replication.experts import ExpertsWithReplicas, link_fetch_ahead
+from torchtitan_ext.ep.replication.plan import dispatched_shape, fetches_ahead, ReplicaPlan
 from torchtitan_ext.ep.replication.split import ReplicaRouter
 from torchtitan_ext.models.moe import ExpertParallelMoE, TensorParallelTokenSplit
 
@@ -138,13 +139,17 @@ def apply_moe_parallelism(model: torch.nn.Module, parallel_dims, job_config,
             block.moe.replicas = ReplicaRouter(plan, ep_mesh.get_group())
             ExpertsWithReplicas.adopt(block.moe.experts, plan, ep_mesh.get_group())
         style = make_layer(score_before_experts=block.moe.score_before_experts)
-        style.layer_name = f"MoE layer {layer_id}"
+        style.layer_name = moe_layer_name(layer_id)
+        if slots:
+            block.moe.experts.fetch_name = style.collective_name("replica fetch")
         # the metrics processor reads each layer's dispatch counters from its experts module
         block.moe.experts.dispatch_stats = style.stats
         if dual_pipe_v:
             style = DualPipeExpertParallel(style)
         mesh = parallel_dims.get_mesh(["ep", "etp"]) if etp_enabled else ep_mesh
         parallelize_module(block.moe.experts, mesh, style)
+    if make_layer is not None and job_config.expert_replication.slots_per_rank and fetches_ahead(job_config):
+        link_fetch_ahead([block.moe.experts for block in model.layers.values() if block.moe_enabled])
 
 
 def ignore_profiler_ranges_in_selective_checkpointing() -> None:

@@ -18,7 +18,7 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan_ext.config import ConfigError, max_tokens_per_rank, model_args_of, MoEShape, routed_expert_elements
 from torchtitan_ext.ep import BACKENDS, PLANNING_PROFILES
 from torchtitan_ext.ep.base import token_group_alignment
-from torchtitan_ext.ep.replication.plan import dispatched_shape
+from torchtitan_ext.ep.replication.plan import dispatched_shape, fetches_ahead
 
 
 @dataclass(frozen=True)
@@ -173,12 +173,13 @@ def format_plan(result: Plan, world_size: int) -> list[str]:
         copy_bytes = (d.local_experts + d.replica_slots) * expert_bytes
         copies, fetched = result.replica_copies
         peak = copies * copy_bytes + fetched * replica_bytes
-        alive = f"{copies} layer(s)' copies" + (f" and {fetched} layers' fetched replicas" if fetched else "")
+        alive = f"{copies} layer(s)' copies" + (f" and {fetched} layer(s)' fetched replicas" if fetched else "")
         lines.append(
             f"  replica slots: {d.replica_slots} per MoE layer, weights fetched every step: {replica_bytes / 2**20:,.2f} "
             f"MiB per layer, and as much gradient back (no optimizer state); the experts compute from a copy of the "
             f"{d.local_experts} home experts beside the replicas, {copy_bytes / 2**20:,.2f} MiB per layer, which "
-            f"backward keeps: {peak / 2**20:,.2f} MiB at the peak ({alive} under this activation checkpointing)"
+            f"backward keeps: {peak / 2**20:,.2f} MiB at the peak ({alive}, with the next layer's fetched ahead, "
+            f"under this activation checkpointing)"
         )
     for b in result.backends:
         lines += [
@@ -202,23 +203,45 @@ def format_plan(result: Plan, world_size: int) -> list[str]:
 
 
 def replica_copies_alive(job_config, rank_layers, rank_moe_layers) -> tuple[int, int]:
-    """(copies, fetched) at the peak under expert replication: how many MoE layers' copies of their L home
-    experts beside their S replicas are alive at once, and how many more layers keep only their S fetched
-    replicas. Each layer computes from such a copy (one tensor per projection), which backward keeps unless
-    activation checkpointing drops it: per-op selective checkpointing keeps the fetched replicas
-    (``replica_weights`` is on its save list) and rebuilds one layer's copy at a time; a recomputed layer's
-    copy lives beside those of the kept layers below it."""
-    ac = job_config.activation_checkpoint
+    """(copies, fetched) at the peak under expert replication: how many MoE layers' copies of their L home experts
+    beside their S replicas (L + S experts each) are alive at once, and how many layers' fetched replicas (S experts
+    each), at the moment their sum is largest.
+
+    Each layer computes from such a copy (one tensor per projection), built from its fetched replicas, which live
+    until its experts are done; where layers fetch ahead (:func:`~torchtitan_ext.ep.replication.plan.fetches_ahead`)
+    the next layer's are in flight beside them (counted also where a library's transport, which fetches one layer at
+    a time, skips it). Backward keeps a layer's copy unless activation checkpointing drops it: a recomputed layer
+    fetches again and rebuilds its copy beside those of the kept layers below it; per-op selective checkpointing
+    keeps every layer's fetched replicas (``replica_weights`` is on its save list) and rebuilds one copy at a
+    time."""
     moe = len(rank_moe_layers)
+    if not moe:
+        return 0, 0
+    ac = job_config.activation_checkpoint
+    per_op = ac.mode == "selective" and ac.selective_ac_option == "op"
     if ac.mode == "none":
-        return moe, 0
-    if ac.mode == "full":
-        return 1, 0
-    if ac.selective_ac_option == "op":
-        return 1, moe
-    wrapped = _checkpointed_layers(int(ac.selective_ac_option), rank_layers)
-    kept = sum(layer not in wrapped for layer in rank_moe_layers)
-    return kept + (bool(rank_moe_layers) and max(rank_moe_layers) in wrapped), 0
+        kept = [True] * moe
+    elif ac.mode == "full" or per_op:
+        kept = [False] * moe
+    else:
+        wrapped = _checkpointed_layers(int(ac.selective_ac_option), rank_layers)
+        kept = [layer not in wrapped for layer in rank_moe_layers]
+    ahead = fetches_ahead(job_config)
+    moments = []
+    for k in range(moe):
+        kept_below = sum(kept[:k])
+        # forward, layer k's experts: the copies kept below it, its own, its fetched replicas (and those saved below
+        # it by per-op checkpointing), and the next layer's in flight
+        moments.append((kept_below + 1, (k if per_op else 0) + 1 + (ahead and k + 1 < moe)))
+        # backward, layer k: a recomputed layer's copy beside the kept ones below it, from replicas fetched again
+        # (per-op: the saved ones of layers 0..k)
+        if not kept[k]:
+            moments.append((kept_below + 1, k + 1 if per_op else 1))
+    moments.append((sum(kept), moe if per_op else 0))  # forward's end: what it leaves for backward
+    # weighed in experts; for a job without slots (the advisor prices some), as with one
+    slots = job_config.expert_replication.slots_per_rank or 1
+    copy_experts = model_args_of(job_config).moe_args.num_experts // job_config.parallelism.expert_parallel_degree + slots
+    return max(moments, key=lambda moment: moment[0] * copy_experts + moment[1] * slots)
 
 
 def _checkpointed_layers(every: int, rank_layers) -> set[int]:

@@ -17,26 +17,41 @@ its kernel buffer ready (which may carry the group's transport) and calls
 fetch's all-to-all is issued asynchronously (on a GPU on the EP group's NCCL
 stream, its output allocated on the compute stream), the dispatch is issued
 behind it, and :func:`with_replicas` waits for the fetch just before the
-concatenation the GEMMs read. A kernel library's dispatch (DeepEP, HybridEP,
-NCCL EP: communicators of their own) can run while an all-to-all fetch is in
-flight; the nccl backend's all-to-all shares the group's stream, and DeepEP
-V2.5's load-balancing kernels its dispatch's, so there the fetch overlaps only
-the dispatch's local work (and the copy out of V2.5's region leaves the path
-between them). Not done: layer i+1's fetch while layer i
-computes. FSDP unshards layer i+1's experts only at their own forward, and
-per-op selective checkpointing caches an op in the region that issued it, so
-a fetch issued in layer i's region would be replayed there.
+concatenation the GEMMs read.
+
+Double buffering: once layer i has issued its dispatch, its hook fetches the
+next MoE layer's replicas (:meth:`ExpertsWithReplicas.fetch_following_ahead`),
+so that they move while layer i's experts compute, and layer i+1 finds them in
+flight. Layer i+1's experts, where FSDP shards them, are unsharded for it
+first: torchtitan's explicit forward prefetch started their all-gather at block
+i's pre-forward, and FSDP's ``unshard`` waits for it there instead of in their
+own pre-forward. Not fetched ahead: under per-op selective checkpointing
+(:func:`link_fetch_ahead` is not called: it caches each op in the region that
+issued it, and a fetch issued in layer i's region would be replayed there, its
+op count no longer layer i+1's), while recomputing (each layer fetches its own,
+landing at once), and through a library's transport (DeepEP V2.5's region
+holds one layer's replicas: each lands before the next fetch).
+
+A kernel library's dispatch (DeepEP, HybridEP, NCCL EP: communicators of their
+own) can run while an all-to-all fetch is in flight; the nccl backend's
+all-to-all shares the group's stream, so there a fetch issued ahead queues
+between layer i's dispatch and its combine, and overlaps layer i's expert
+GEMMs; DeepEP V2.5's load-balancing kernels share its dispatch's stream, and
+its fetch overlaps only the dispatch's local work (and the copy out of V2.5's
+region leaves the path between them).
 """
 
 import torch
 from torch.distributed.distributed_c10d import _get_process_group_name
 from torch.autograd.function import once_differentiable
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torchtitan.models.moe.moe import GroupedExperts
 
 from torchtitan_ext.ep.base import to_device
 from torchtitan_ext.ep.experts import UnboundLoopExperts
-from torchtitan_ext.ep.replication import transport_ops
+from torchtitan_ext.ep.recompute import recomputing
+from torchtitan_ext.ep.replication import transport_ops, transports
 from torchtitan_ext.ep.replication.plan import ReplicaPlan
 
 
@@ -125,6 +140,15 @@ def with_replicas(home: list[torch.Tensor], exchange, redundancy_mapping: torch.
     return list(_HomeAndReplicas.apply(fetched, exchange, redundancy_mapping, slots, group_name, *home))
 
 
+def link_fetch_ahead(layers: list["ExpertsWithReplicas"]) -> None:
+    """Each MoE layer of a model part (``layers``, in forward order) fetches the next one's replicas ahead
+    (:meth:`ExpertsWithReplicas.fetch_following_ahead`). Not for per-op selective checkpointing (the module
+    docstring)."""
+    for layer, following in zip(layers, layers[1:]):
+        # a plain attribute, not a submodule: the next layer's parameters belong to its own layer alone
+        object.__setattr__(layer, "following", following)
+
+
 def redundancy_mapping(plan: ReplicaPlan, device: torch.device = torch.device("cpu")) -> torch.Tensor:
     """[EP, S] int32 on ``device``: each rank's replica slots' home slots, -1 when unused. Built once per plan
     (copied without making the host wait), so that no fetch or return copies it within a layer."""
@@ -145,7 +169,14 @@ class ExpertsWithReplicas(UnboundLoopExperts):
     bytes_per_expert: int = 0
     """One expert's weights as the last forward fetched them (its compute dtype), for reports."""
     fetched: torch.Tensor | None = None
-    """The replicas queued for this forward by :meth:`queue_replica_fetch`, in flight until its forward lands them."""
+    """The replicas queued for this forward (by :meth:`queue_replica_fetch`, or ahead by the layer before), in flight
+    until its forward lands them."""
+    fetch_name: str = "the replica weights' fetch"
+    """What a failure of this layer's fetch names ("MoE layer 3 replica fetch (NcclExpertParallel)"), also when the
+    layer before issues it."""
+    following: "ExpertsWithReplicas | None" = None
+    """The next MoE layer's experts in this model part, whose fetch this layer issues ahead (:func:`link_fetch_ahead`);
+    None for the last layer and where nothing is fetched ahead."""
 
     @classmethod
     def adopt(cls, experts: GroupedExperts, plan: ReplicaPlan, group) -> "ExpertsWithReplicas":
@@ -179,9 +210,29 @@ class ExpertsWithReplicas(UnboundLoopExperts):
         return [w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3)]
 
     def queue_replica_fetch(self, what: str) -> None:
-        """Queue this forward's fetch (none where no slot holds a replica), named ``what`` in failures: the EP
-        backend calls it before its dispatch, once the weights are unsharded and its kernel buffer exists."""
-        self.fetched = self._fetch(self._home(), what) if self.holds_replicas else None
+        """Queue this forward's fetch (none where no slot holds a replica, or where the layer before fetched it ahead),
+        named ``what`` in failures: the EP backend calls it before its dispatch, once the weights are unsharded and
+        its kernel buffer exists."""
+        if not self.holds_replicas:
+            self.fetched = None
+        elif self.fetched is None:
+            self.fetched = self._fetch(self._home(), what)
+
+    def fetch_following_ahead(self) -> None:
+        """Queue the next MoE layer's fetch (double buffering): the EP backend calls it once this layer's dispatch is
+        issued, so that the next layer's replicas move while this layer's experts compute. Nothing while
+        recomputing (each recomputed layer fetches its own), where the next layer holds no replica, or where a
+        library's transport moves them (its region holds one layer's fetch at a time)."""
+        following = self.following
+        if following is None or not following.holds_replicas or following.fetched is not None or recomputing():
+            return
+        if transports.get(_get_process_group_name(following.group)) is not None:
+            return
+        if isinstance(following, FSDPModule):
+            # its all-gather is in flight (torchtitan's forward prefetch, from this block's pre-forward): wait for it
+            # here, so its own pre-forward finds the weights unsharded
+            following.unshard()
+        following.fetched = following._fetch(following._home(), following.fetch_name)
 
     def _fetch(self, home: list[torch.Tensor], what: str = "the replica weights' fetch") -> torch.Tensor:
         if self.exchange is None or self.exchange[0].device != home[0].device:

@@ -84,6 +84,14 @@ def replication_budget(job_config) -> DeviceBudget:
     )
 
 
+def fetches_ahead(job_config) -> bool:
+    """Whether each MoE layer fetches the next one's replicas while it computes (double buffering,
+    :mod:`torchtitan_ext.ep.replication.experts`): not under per-op selective activation checkpointing, which replays
+    each op in the region that issued it."""
+    checkpointing = job_config.activation_checkpoint
+    return not (checkpointing.mode == "selective" and checkpointing.selective_ac_option == "op")
+
+
 def dispatched_shape(job_config, shape: MoEShape) -> MoEShape:
     """The shape the backend dispatches over: ``shape`` with EP x (L + S) experts under replication."""
     slots = job_config.expert_replication.slots_per_rank
