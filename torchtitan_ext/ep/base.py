@@ -520,7 +520,7 @@ class RoutedExpertParallel(ExpertParallel, ABC):
         if queue_replica_fetch is not None:
             # the replicas' fetch goes ahead of the dispatch, through the transport a kernel buffer may carry
             self.prepare_buffer(x, group)
-            queue_replica_fetch(self.collective_name("replica fetch"))
+            queue_replica_fetch()
         with naming_collective(self.collective_name("dispatch")):
             rows, rows_per_expert = self.dispatch(
                 x, routing.scores, routing.expert_ids, dispatched, group, routing.sent_counts

@@ -119,8 +119,12 @@ class _HomeAndReplicas(torch.autograd.Function):
         return None, None, None, None, None, *home_grads
 
 
+UNNAMED_FETCH = "the replica weights' fetch"
+"""What a fetch outside a parallelized model (no EP style named its layer) names in failures."""
+
+
 def fetch_replicas(home: list[torch.Tensor], exchange, redundancy_mapping: torch.Tensor, slots: int,
-                   group_name: str, what: str = "the replica weights' fetch") -> torch.Tensor:
+                   group_name: str, what: str = UNNAMED_FETCH) -> torch.Tensor:
     """[slots, F] the replica weights of this rank's slots, fetched from their homes by ``exchange``
     (:func:`exchange_arguments`, :func:`redundancy_mapping`): in flight, not to be read until :func:`with_replicas`
     (or ``wait_tensor``) lands them; outside autograd: the gradients' way home is :func:`with_replicas`'s
@@ -171,9 +175,9 @@ class ExpertsWithReplicas(UnboundLoopExperts):
     fetched: torch.Tensor | None = None
     """The replicas queued for this forward (by :meth:`queue_replica_fetch`, or ahead by the layer before), in flight
     until its forward lands them."""
-    fetch_name: str = "the replica weights' fetch"
-    """What a failure of this layer's fetch names ("MoE layer 3 replica fetch (NcclExpertParallel)"), also when the
-    layer before issues it."""
+    fetch_name: str = UNNAMED_FETCH
+    """What a failure of this layer's fetch names, also when the layer before issues it: the name its EP style gives
+    its collectives ("MoE layer 3 replica fetch (NcclExpertParallel)"), set by the parallelize plan."""
     following: "ExpertsWithReplicas | None" = None
     """The next MoE layer's experts in this model part, whose fetch this layer issues ahead (:func:`link_fetch_ahead`);
     None for the last layer and where nothing is fetched ahead."""
@@ -209,14 +213,13 @@ class ExpertsWithReplicas(UnboundLoopExperts):
     def _home(self) -> list[torch.Tensor]:
         return [w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3)]
 
-    def queue_replica_fetch(self, what: str) -> None:
-        """Queue this forward's fetch (none where no slot holds a replica, or where the layer before fetched it ahead),
-        named ``what`` in failures: the EP backend calls it before its dispatch, once the weights are unsharded and
-        its kernel buffer exists."""
+    def queue_replica_fetch(self) -> None:
+        """Queue this forward's fetch (none where no slot holds a replica, or where the layer before fetched it ahead):
+        the EP backend calls it before its dispatch, once the weights are unsharded and its kernel buffer exists."""
         if not self.holds_replicas:
             self.fetched = None
         elif self.fetched is None:
-            self.fetched = self._fetch(self._home(), what)
+            self.fetched = self._fetch(self._home())
 
     def fetch_following_ahead(self) -> None:
         """Queue the next MoE layer's fetch (double buffering): the EP backend calls it once this layer's dispatch is
@@ -232,13 +235,13 @@ class ExpertsWithReplicas(UnboundLoopExperts):
             # its all-gather is in flight (torchtitan's forward prefetch, from this block's pre-forward): wait for it
             # here, so its own pre-forward finds the weights unsharded
             following.unshard()
-        following.fetched = following._fetch(following._home(), following.fetch_name)
+        following.fetched = following._fetch(following._home())
 
-    def _fetch(self, home: list[torch.Tensor], what: str = "the replica weights' fetch") -> torch.Tensor:
+    def _fetch(self, home: list[torch.Tensor]) -> torch.Tensor:
         if self.exchange is None or self.exchange[0].device != home[0].device:
             self._build_tables(home[0].device)  # on first use: the model is parallelized on the meta device
         return fetch_replicas(home, self.exchange, self.redundancy_mapping, self.slots,
-                              _get_process_group_name(self.group), what)
+                              _get_process_group_name(self.group), self.fetch_name)
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         home = self._home()
