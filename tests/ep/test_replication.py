@@ -385,6 +385,66 @@ def test_a_layer_without_replicas_computes_its_home_experts_alone(world_of_one):
     assert experts.w1.grad is not None
 
 
+def _two_replicated_layers(group) -> list:
+    """Two layers of 2 experts in a group of one, each with slot 0 a copy of its expert 1 (set by hand: no plan
+    copies a rank's own), linked so that the first fetches the second's replicas ahead."""
+    from torchtitan.models.moe.moe import GroupedExperts
+
+    from torchtitan_ext.ep.replication.experts import ExpertsWithReplicas
+
+    layers = []
+    for _ in range(2):
+        experts = GroupedExperts(dim=4, hidden_dim=6, num_experts=2, use_grouped_mm=False)
+        for weight in (experts.w1, experts.w2, experts.w3):
+            torch.nn.init.normal_(weight)
+        ExpertsWithReplicas.adopt(experts, ReplicaPlan.empty(2, 1, 1), group)
+        experts.exchange = (torch.tensor([1]), [1], [1], torch.tensor([0]), torch.tensor([1]))
+        experts.redundancy_mapping, experts.holds_replicas = torch.tensor([[1]], dtype=torch.int32), True
+        layers.append(experts)
+    return layers
+
+
+@pytest.mark.parametrize("after_experts", [False, True], ids=["after_the_dispatch", "after_the_combine"])
+def test_the_next_layers_fetch_is_issued_where_the_link_says(world_of_one, after_experts):
+    """Once the dispatch is issued, or once the combine is (where the next experts are gathered by FSDP across
+    ranks), and only then, the first layer issues the second's fetch, which the second then does not repeat."""
+    from torchtitan_ext.ep.replication.experts import link_fetch_ahead
+
+    first, second = _two_replicated_layers(world_of_one)
+    link_fetch_ahead([first, second], after_experts=after_experts)
+    first.queue_replica_fetch()
+    first.fetch_following_ahead(experts_queued=not after_experts)
+    assert second.fetched is None
+    first.fetch_following_ahead(experts_queued=after_experts)
+    ahead = second.fetched
+    second.queue_replica_fetch()
+    assert second.fetched is ahead
+    landed = torch.ops._c10d_functional.wait_tensor(ahead)
+    assert torch.equal(landed[0, :second.w1[1].numel()], second.w1[1].flatten())
+    torch.ops._c10d_functional.wait_tensor(first.fetched)
+
+
+def test_a_fetch_left_in_flight_by_a_stopped_forward_is_never_used(world_of_one):
+    """A forward stopped between the first layer's dispatch and the second layer's experts (an exception its caller
+    caught) leaves the second's replicas in flight, fetched from weights the optimizer step then changes: the next
+    forward's first layer lands and drops them, and the second layer's fetch reads its weights as they are."""
+    from torchtitan_ext.ep.replication.experts import link_fetch_ahead
+
+    first, second = _two_replicated_layers(world_of_one)
+    link_fetch_ahead([first, second], after_experts=False)
+    first.queue_replica_fetch()
+    first.fetch_following_ahead(experts_queued=False)
+    stale = second.fetched
+    with torch.no_grad():
+        second.w1.add_(1.0)
+    first.queue_replica_fetch()
+    first.fetch_following_ahead(experts_queued=False)
+    assert second.fetched is not stale
+    landed = torch.ops._c10d_functional.wait_tensor(second.fetched)
+    assert torch.equal(landed[0, :second.w1[1].numel()], second.w1[1].flatten())
+    torch.ops._c10d_functional.wait_tensor(first.fetched)
+
+
 @pytest.mark.parametrize("converter", ["quantize.grouped_mm.mx", "quantize.grouped_mm.float8"])
 def test_a_replica_computes_its_home_experts_low_precision_gemms(world_of_one, converter):
     """Low-precision experts (the converter's recipe, emulated on a CPU): the home experts and a replica slot compute

@@ -639,6 +639,9 @@ def cells() -> list[Cell]:
     ]
     result.append(Cell("ep2_replicas2_after_a_plan_change", "deepseek_v3", "nccl", 2, ep2, replicas=2,
                        plan_change=True))
+    # 4 ranks at EP = 2: FSDP gathers the experts across 2 ranks, and each layer fetches the next one's replicas
+    # after its combine, once FSDP has unsharded them
+    result.append(Cell("ep2_replicas2_experts_fsdp2", "deepseek_v3", "nccl", 4, ep2, replicas=2))
     result.append(Cell("mutant_defect1", "deepseek_v3", "nccl", 2, ep2 + tp2,
                        mutant="tp_borrow_without_gradient_gather"))
     return result

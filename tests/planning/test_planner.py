@@ -125,9 +125,9 @@ def test_replica_slots_enter_the_plan(harness):
     # experts too: 2.25 MiB per layer, kept by each of the 5 MoE layers without activation checkpointing, the last
     # layer's fetched replicas beside them while it computes
     assert line.startswith("  replica slots: 2 per MoE layer, weights fetched every step: 0.75 MiB per layer"), line
-    assert line.endswith("a copy of the 4 home experts beside the replicas, 2.25 MiB per layer, which backward keeps: "
-                         "12.00 MiB at the peak (5 layer(s)' copies and 1 layer(s)' fetched replicas, with the next "
-                         "layer's fetched ahead, under this activation checkpointing)"), line
+    assert line.endswith("a copy of the 4 home experts beside the replicas, 2.25 MiB per layer: 12.00 MiB at the peak "
+                         "(5 layer(s)' copies and 1 layer(s)' fetched replicas alive at once under this activation "
+                         "checkpointing)"), line
     # full: one layer's copy at a time, beside its fetched replicas and the next layer's (fetched ahead); per op:
     # every layer keeps its fetched replicas (replica_weights is on the save list, nothing is fetched ahead) and one
     # copy is rebuilt at a time; every 2 layers: MoE layers 2 and 4 keep theirs, and layer 5, the last, computes
@@ -141,6 +141,18 @@ def test_replica_slots_enter_the_plan(harness):
         checkpointed = _plan(JOB + ["--expert_replication.slots_per_rank", "2", *ac])
         line = next(line for line in format_plan(checkpointed, WORLD) if "replica slots" in line)
         assert peak in line, (ac, line)
+
+
+def test_the_next_layers_fetched_replicas_count_only_where_it_is_the_next_block(harness):
+    """Under full checkpointing one layer's copy is alive at a time, beside its fetched replicas and, where the next
+    block is a MoE layer too, that layer's, fetched ahead; a dense block between two MoE layers (Llama4's
+    interleaving) leaves nothing fetched ahead."""
+    from torchtitan_ext.planning.memory_plan import replica_copies_alive
+
+    job_config = load_job_config([*JOB, "--expert_replication.slots_per_rank", "2", "--activation_checkpoint.mode",
+                                  "full"], device_type=None, world_size=WORLD)
+    assert replica_copies_alive(job_config, [0, 1, 2, 3], [1, 2, 3]) == (1, 2)
+    assert replica_copies_alive(job_config, [0, 1, 2, 3], [1, 3]) == (1, 1)
 
 
 def test_expected_drops_follow_the_contract_example():

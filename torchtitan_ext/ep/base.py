@@ -527,7 +527,7 @@ class RoutedExpertParallel(ExpertParallel, ABC):
             )
         if queue_replica_fetch is not None:
             # the next layer's replicas move while this layer's experts compute
-            mod.fetch_following_ahead()
+            mod.fetch_following_ahead(experts_queued=False)
         self.stats.record_rows(rows_per_expert)
         return rows, rows_per_expert
 
@@ -537,7 +537,11 @@ class RoutedExpertParallel(ExpertParallel, ABC):
 
     def _token_combine(self, mod, routed_output, device_mesh):
         with naming_collective(self.collective_name("combine")):
-            return self.combine(routed_output, device_mesh.get_group())
+            combined = self.combine(routed_output, device_mesh.get_group())
+        fetch_following_ahead = getattr(mod, "fetch_following_ahead", None)
+        if fetch_following_ahead is not None:
+            fetch_following_ahead(experts_queued=True)
+        return combined
 
     def _take_pending(self):
         pending, self._pending = self._pending, None

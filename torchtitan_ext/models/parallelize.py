@@ -149,7 +149,9 @@ def apply_moe_parallelism(model: torch.nn.Module, parallel_dims, job_config,
         mesh = parallel_dims.get_mesh(["ep", "etp"]) if etp_enabled else ep_mesh
         parallelize_module(block.moe.experts, mesh, style)
     if make_layer is not None and job_config.expert_replication.slots_per_rank and fetches_ahead(job_config):
-        link_fetch_ahead([block.moe.experts for block in model.layers.values() if block.moe_enabled])
+        experts_fsdp = parallel_dims.get_optional_mesh("efsdp")
+        link_fetch_ahead([block.moe.experts if block.moe_enabled else None for block in model.layers.values()],
+                         after_experts=experts_fsdp is not None and experts_fsdp.size() > 1)
 
 
 def ignore_profiler_ranges_in_selective_checkpointing() -> None:

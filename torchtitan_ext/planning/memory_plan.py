@@ -177,9 +177,8 @@ def format_plan(result: Plan, world_size: int) -> list[str]:
         lines.append(
             f"  replica slots: {d.replica_slots} per MoE layer, weights fetched every step: {replica_bytes / 2**20:,.2f} "
             f"MiB per layer, and as much gradient back (no optimizer state); the experts compute from a copy of the "
-            f"{d.local_experts} home experts beside the replicas, {copy_bytes / 2**20:,.2f} MiB per layer, which "
-            f"backward keeps: {peak / 2**20:,.2f} MiB at the peak ({alive}, with the next layer's fetched ahead, "
-            f"under this activation checkpointing)"
+            f"{d.local_experts} home experts beside the replicas, {copy_bytes / 2**20:,.2f} MiB per layer: "
+            f"{peak / 2**20:,.2f} MiB at the peak ({alive} alive at once under this activation checkpointing)"
         )
     for b in result.backends:
         lines += [
@@ -209,8 +208,8 @@ def replica_copies_alive(job_config, rank_layers, rank_moe_layers) -> tuple[int,
 
     Each layer computes from such a copy (one tensor per projection), built from its fetched replicas, which live
     until its experts are done; where layers fetch ahead (:func:`~torchtitan_ext.ep.replication.plan.fetches_ahead`)
-    the next layer's are in flight beside them (counted also where a library's transport, which fetches one layer at
-    a time, skips it). Backward keeps a layer's copy unless activation checkpointing drops it: a recomputed layer
+    the next block's are in flight beside them where it is a MoE layer too (counted also where a library's
+    transport, which fetches one layer at a time, skips it). Backward keeps a layer's copy unless activation checkpointing drops it: a recomputed layer
     fetches again and rebuilds its copy beside those of the kept layers below it; per-op selective checkpointing
     keeps every layer's fetched replicas (``replica_weights`` is on its save list) and rebuilds one copy at a
     time."""
@@ -227,12 +226,15 @@ def replica_copies_alive(job_config, rank_layers, rank_moe_layers) -> tuple[int,
         wrapped = _checkpointed_layers(int(ac.selective_ac_option), rank_layers)
         kept = [layer not in wrapped for layer in rank_moe_layers]
     ahead = fetches_ahead(job_config)
+    position = {layer: index for index, layer in enumerate(rank_layers)}
     moments = []
     for k in range(moe):
+        # the next block's replicas, where it is a MoE layer (ep.replication.experts.link_fetch_ahead)
+        next_fetched = ahead and k + 1 < moe and position[rank_moe_layers[k + 1]] == position[rank_moe_layers[k]] + 1
         kept_below = sum(kept[:k])
         # forward, layer k's experts: the copies kept below it, its own, its fetched replicas (and those saved below
         # it by per-op checkpointing), and the next layer's in flight
-        moments.append((kept_below + 1, (k if per_op else 0) + 1 + (ahead and k + 1 < moe)))
+        moments.append((kept_below + 1, (k if per_op else 0) + 1 + next_fetched))
         # backward, layer k: a recomputed layer's copy beside the kept ones below it, from replicas fetched again
         # (per-op: the saved ones of layers 0..k)
         if not kept[k]:

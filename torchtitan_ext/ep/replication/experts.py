@@ -19,18 +19,23 @@ stream, its output allocated on the compute stream), the dispatch is issued
 behind it, and :func:`with_replicas` waits for the fetch just before the
 concatenation the GEMMs read.
 
-Double buffering: once layer i has issued its dispatch, its hook fetches the
-next MoE layer's replicas (:meth:`ExpertsWithReplicas.fetch_following_ahead`),
-so that they move while layer i's experts compute, and layer i+1 finds them in
-flight. Layer i+1's experts, where FSDP shards them, are unsharded for it
-first: torchtitan's explicit forward prefetch started their all-gather at block
-i's pre-forward, and FSDP's ``unshard`` waits for it there instead of in their
-own pre-forward. Not fetched ahead: under per-op selective checkpointing
-(:func:`link_fetch_ahead` is not called: it caches each op in the region that
-issued it, and a fetch issued in layer i's region would be replayed there, its
-op count no longer layer i+1's), while recomputing (each layer fetches its own,
-landing at once), and through a library's transport (DeepEP V2.5's region
-holds one layer's replicas: each lands before the next fetch).
+Double buffering: where block i+1 is a MoE layer too, layer i's hooks fetch
+its replicas (:meth:`ExpertsWithReplicas.fetch_following_ahead`), so that they
+move while layer i computes, and layer i+1 finds them in flight. They are
+fetched once layer i's dispatch is issued, or, where FSDP gathers the experts
+across ranks, once its combine is: layer i+1's experts are unsharded for the
+fetch first (torchtitan's explicit forward prefetch started their all-gather
+at block i's pre-forward, and FSDP's ``unshard`` waits for it there instead of
+in their own pre-forward), and that wait, on a GPU a wait of the compute
+stream, would otherwise hold layer i's expert GEMMs. Not fetched ahead: across
+a dense block (Llama4's interleaving: FSDP prefetches one block ahead), under
+per-op selective checkpointing (:func:`link_fetch_ahead` is not called: it
+caches each op in the region that issued it, and a fetch issued in layer i's
+region would be replayed there, its op count no longer layer i+1's), while
+recomputing (each layer fetches its own, landing at once), and through a
+library's transport (DeepEP V2.5's region holds one layer's replicas: each
+lands before the next fetch). A forward stopped early leaves a fetch in
+flight; the next forward's first layer lands and drops it.
 
 A kernel library's dispatch (DeepEP, HybridEP, NCCL EP: communicators of their
 own) can run while an all-to-all fetch is in flight; the nccl backend's
@@ -144,13 +149,17 @@ def with_replicas(home: list[torch.Tensor], exchange, redundancy_mapping: torch.
     return list(_HomeAndReplicas.apply(fetched, exchange, redundancy_mapping, slots, group_name, *home))
 
 
-def link_fetch_ahead(layers: list["ExpertsWithReplicas"]) -> None:
-    """Each MoE layer of a model part (``layers``, in forward order) fetches the next one's replicas ahead
-    (:meth:`ExpertsWithReplicas.fetch_following_ahead`). Not for per-op selective checkpointing (the module
-    docstring)."""
-    for layer, following in zip(layers, layers[1:]):
-        # a plain attribute, not a submodule: the next layer's parameters belong to its own layer alone
-        object.__setattr__(layer, "following", following)
+def link_fetch_ahead(blocks: list["ExpertsWithReplicas | None"], after_experts: bool) -> None:
+    """Each MoE layer fetches the next block's replicas ahead where that block is a MoE layer too
+    (:meth:`ExpertsWithReplicas.fetch_following_ahead`). ``blocks``: a model part's blocks in forward order, each its
+    experts (None for a dense block: torchtitan's FSDP prefetches one block ahead, and a fetch two blocks ahead would
+    unshard experts a block early); ``after_experts``: :attr:`ExpertsWithReplicas.after_experts`. Not for per-op
+    selective checkpointing (the module docstring)."""
+    for layer, following in zip(blocks, blocks[1:]):
+        if layer is not None and following is not None:
+            # a plain attribute, not a submodule: the next layer's parameters belong to its own layer alone
+            object.__setattr__(layer, "following", following)
+            layer.after_experts, following.preceded = after_experts, True
 
 
 def redundancy_mapping(plan: ReplicaPlan, device: torch.device = torch.device("cpu")) -> torch.Tensor:
@@ -179,8 +188,15 @@ class ExpertsWithReplicas(UnboundLoopExperts):
     """What a failure of this layer's fetch names, also when the layer before issues it: the name its EP style gives
     its collectives ("MoE layer 3 replica fetch (NcclExpertParallel)"), set by the parallelize plan."""
     following: "ExpertsWithReplicas | None" = None
-    """The next MoE layer's experts in this model part, whose fetch this layer issues ahead (:func:`link_fetch_ahead`);
-    None for the last layer and where nothing is fetched ahead."""
+    """The next block's experts in this model part, whose fetch this layer issues ahead (:func:`link_fetch_ahead`);
+    None for the last MoE layer, one before a dense block, and where nothing is fetched ahead."""
+    preceded: bool = False
+    """Whether the layer before fetches this one's replicas ahead (else it fetches its own, and first lands any fetch
+    an aborted forward left in flight down its chain)."""
+    after_experts: bool = False
+    """Whether the next layer's fetch waits until this layer's experts are queued (issued after the combine), not
+    only its dispatch: where the next experts' weights come from an FSDP all-gather across ranks, whose wait,
+    earlier, would hold this layer's expert GEMMs."""
 
     @classmethod
     def adopt(cls, experts: GroupedExperts, plan: ReplicaPlan, group) -> "ExpertsWithReplicas":
@@ -216,24 +232,38 @@ class ExpertsWithReplicas(UnboundLoopExperts):
     def queue_replica_fetch(self) -> None:
         """Queue this forward's fetch (none where no slot holds a replica, or where the layer before fetched it ahead):
         the EP backend calls it before its dispatch, once the weights are unsharded and its kernel buffer exists."""
+        if not self.preceded:
+            self._land_leftovers()
         if not self.holds_replicas:
             self.fetched = None
         elif self.fetched is None:
             self.fetched = self._fetch(self._home())
 
-    def fetch_following_ahead(self) -> None:
+    def _land_leftovers(self) -> None:
+        """Land and drop what a forward that stopped early (an exception caught by its caller) left in flight down
+        this chain: a leftover is the weights before the last optimizer step."""
+        layer = self
+        while layer is not None:
+            if layer.fetched is not None:
+                torch.ops._c10d_functional.wait_tensor(layer.fetched)
+                layer.fetched = None
+            layer = layer.following
+
+    def fetch_following_ahead(self, experts_queued: bool) -> None:
         """Queue the next MoE layer's fetch (double buffering): the EP backend calls it once this layer's dispatch is
-        issued, so that the next layer's replicas move while this layer's experts compute. Nothing while
+        issued (``experts_queued`` False), so that the next layer's replicas move while this layer's experts
+        compute, and again once its combine is (True), the point :attr:`after_experts` picks. Nothing while
         recomputing (each recomputed layer fetches its own), where the next layer holds no replica, or where a
         library's transport moves them (its region holds one layer's fetch at a time)."""
         following = self.following
-        if following is None or not following.holds_replicas or following.fetched is not None or recomputing():
+        if (following is None or experts_queued != self.after_experts or not following.holds_replicas
+                or following.fetched is not None or recomputing()):
             return
         if transports.get(_get_process_group_name(following.group)) is not None:
             return
         if isinstance(following, FSDPModule):
-            # its all-gather is in flight (torchtitan's forward prefetch, from this block's pre-forward): wait for it
-            # here, so its own pre-forward finds the weights unsharded
+            # its all-gather is in flight (torchtitan's forward prefetch of the next block, from this block's
+            # pre-forward): wait for it here, so its own pre-forward finds the weights unsharded
             following.unshard()
         following.fetched = following._fetch(following._home())
 
