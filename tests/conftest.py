@@ -89,6 +89,16 @@ def pytest_configure(config):
     # the benches' machine line read it): else the first unmarked test to call it in a worker fails, whichever it is
     platform.processor()
 
+    # pytest-xdist runs one worker per usable CPU: torch's default of one intra-op thread per CPU in every worker
+    # oversubscribes the machine, and the threads that wait spin on the cores the other workers need (on 2 cores
+    # the fast tier's CPU time falls by 12 to 19% with one thread per worker). The processes a test starts set
+    # their own (the launcher's OMP_NUM_THREADS, run_workers' one thread per rank).
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+
 
 def _refuse_process_start(*args, **kwargs):
     raise AssertionError("this test starts a process: mark it @pytest.mark.slow (./test.sh --fast runs only "
