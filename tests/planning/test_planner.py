@@ -151,8 +151,8 @@ def test_the_next_layers_fetched_replicas_count_only_where_it_is_the_next_block(
 
     job_config = load_job_config([*JOB, "--expert_replication.slots_per_rank", "2", "--activation_checkpoint.mode",
                                   "full"], device_type=None, world_size=WORLD)
-    assert replica_copies_alive(job_config, [0, 1, 2, 3], [1, 2, 3]) == (1, 2)
-    assert replica_copies_alive(job_config, [0, 1, 2, 3], [1, 3]) == (1, 1)
+    assert replica_copies_alive(job_config, [0, 1, 2, 3], [1, 2, 3], copied=True) == (1, 2)
+    assert replica_copies_alive(job_config, [0, 1, 2, 3], [1, 3], copied=True) == (1, 1)
 
 
 def test_expected_drops_follow_the_contract_example():

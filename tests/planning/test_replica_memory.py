@@ -2,7 +2,8 @@
 
 The planner (:func:`torchtitan_ext.planning.memory_plan.replica_copies_alive`) says how many MoE layers'
 copies of their home experts beside the replicas, and how many layers' fetched replicas, are alive at its
-peak, under each activation-checkpointing mode, with the next layer's replicas fetched ahead. Here the tiny
+peak, under each activation-checkpointing mode, with the next layer's replicas fetched ahead, for grouped GEMMs
+(which compute from such a copy) and for torchtitan's per-expert loop (from views, no copy). Here the tiny
 DeepSeek-V3 of the gradient matrix (3 MoE layers; EP = 2, 4 home experts and 2 replica slots per rank, FSDP)
 trains one step in 2 processes while :class:`tests.models.gradient_cases.ReplicaCopyCounter` counts those
 tensors from the moment an operator makes them until they are freed.
@@ -22,8 +23,13 @@ CHECKPOINTING = {
     "every_2_layers": ("--activation_checkpoint.mode", "selective",
                        "--activation_checkpoint.selective_ac_option", "2"),
 }
-CELLS = [Cell(f"replicas2_ac_{name}", "deepseek_v3", "nccl", 2, ("--parallelism.expert_parallel_degree", "2", *args),
-              replicas=2) for name, args in CHECKPOINTING.items()]
+GROUPED_AS_ON_A_GPU = ("--training.mixed_precision_param", "bfloat16")
+"""The grouped GEMMs compute in bf16: from bf16 weights, as FSDP's mixed precision gathers them on a GPU, they
+compute from the copy itself (from fp32 ones, from a bf16 cast of it)."""
+CELLS = [Cell(f"replicas2_ac_{name}{'_grouped_mm' if grouped else ''}", "deepseek_v3", "nccl", 2,
+              ("--parallelism.expert_parallel_degree", "2", *args, *(GROUPED_AS_ON_A_GPU if grouped else ())),
+              bf16=grouped, grouped_mm=grouped, replicas=2)
+         for grouped in (False, True) for name, args in CHECKPOINTING.items()]
 PROJECTIONS = 3
 """w1, w2, w3: one copy tensor per projection and layer."""
 
@@ -43,7 +49,7 @@ def test_the_replica_copies_alive_at_once_are_the_planners(counted, cell):
     prepare()
     job_config = _job_config(cell, 2, 2)
     # the tiny model: layer 0 dense, layers 1-3 MoE, all on one stage
-    copies, fetched = replica_copies_alive(job_config, [0, 1, 2, 3], [1, 2, 3])
+    copies, fetched = replica_copies_alive(job_config, [0, 1, 2, 3], [1, 2, 3], copied=cell.grouped_mm)
     home, slots = model_args_of(job_config).moe_args.num_experts // 2, cell.replicas
     for rank_results in counted:
         result = rank_results[cell.id]["replica_copies"]
@@ -52,14 +58,20 @@ def test_the_replica_copies_alive_at_once_are_the_planners(counted, cell):
             copies, fetched, result)
         assert result["most"]["copies"] == copies * PROJECTIONS, result
         assert result["after_backward"] == {"copies": 0, "fetched": 0}, result
-        # what forward leaves for backward: every layer's copy; none (recomputed); none (rebuilt from the
-        # saved fetched replicas); layer 2's, the one layer that every-2-layers checkpointing does not wrap
-        assert result["at_forward_end"]["copies"] == KEPT_BY_FORWARD[cell.name] * PROJECTIONS, result
-        # per-op checkpointing saves every layer's fetched replicas; elsewhere a layer's fetched replicas and the
-        # next layer's, fetched ahead, are alive together
-        assert result["at_forward_end"]["fetched"] == (3 if cell.name == "replicas2_ac_per_op" else 0), result
-        assert result["most"]["fetched"] == (3 if cell.name == "replicas2_ac_per_op" else 2), result
+        # what forward leaves for backward: what every layer computed from; none (recomputed); the fetched
+        # replicas of every layer (per-op checkpointing saves them; the grouped GEMMs' copy is rebuilt from them);
+        # layer 2's, the one layer that every-2-layers checkpointing does not wrap
+        mode = cell.name.removeprefix("replicas2_ac_").removesuffix("_grouped_mm")
+        kept, saved_fetched = KEPT_BY_FORWARD[mode], 3 if mode == "per_op" else 0
+        if cell.grouped_mm:
+            assert result["at_forward_end"] == {"copies": kept * PROJECTIONS, "fetched": saved_fetched}, result
+        else:
+            assert result["at_forward_end"] == {"copies": 0, "fetched": kept + saved_fetched}, result
+        # at the peak: a layer's fetched replicas and the next layer's, fetched ahead, beside what the layers below
+        # kept where they hold their fetched replicas (per-op checkpointing; the loop with no checkpointing: all 3)
+        assert result["most"]["fetched"] == MOST_FETCHED[mode, cell.grouped_mm], result
 
 
-KEPT_BY_FORWARD = {"replicas2_ac_none": 3, "replicas2_ac_full": 0, "replicas2_ac_per_op": 0,
-                   "replicas2_ac_every_2_layers": 1}
+KEPT_BY_FORWARD = {"none": 3, "full": 0, "per_op": 0, "every_2_layers": 1}
+MOST_FETCHED = {("none", True): 2, ("full", True): 2, ("per_op", True): 3, ("every_2_layers", True): 2,
+                ("none", False): 3, ("full", False): 2, ("per_op", False): 3, ("every_2_layers", False): 2}

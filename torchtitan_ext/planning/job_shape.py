@@ -136,7 +136,7 @@ def job_shape(job_config, world_size: int) -> JobShape:
     layers = tuple(int(m.split(".")[1]) for m in busiest_moe if m.startswith("layers."))
     rank_moe_layers = tuple(layer for layer in layers if layer in moe_layers)
     saved, _ = saved_moe_layers(job_config, layers, rank_moe_layers)
-    replica_copies = replica_copies_alive(job_config, layers, rank_moe_layers)
+    replica_copies = replica_copies_alive(job_config, layers, rank_moe_layers, copied=True)  # grouped GEMMs
     recomputed = len(rank_moe_layers) - saved
     microbatch = p.pipeline_parallel_microbatch_size if p.pipeline_parallel_degree > 1 else training.local_batch_size
     tokens = microbatch * training.seq_len // p.context_parallel_degree

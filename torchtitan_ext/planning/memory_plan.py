@@ -148,7 +148,8 @@ def plan(job_config, report, routing_stats=None) -> Plan:
             backends.append(
                 BackendPlan(name, pad, buffer_bytes, note, balanced, worst, saved, can_drop, rate, worst_layer)
             )
-    copies = replica_copies_alive(job_config, report.rank_layers, report.rank_moe_layers)
+    # the GPU path: grouped GEMMs compute from a copy
+    copies = replica_copies_alive(job_config, report.rank_layers, report.rank_moe_layers, copied=True)
     return Plan(dims, report, reason, backends, copies)
 
 
@@ -201,18 +202,21 @@ def format_plan(result: Plan, world_size: int) -> list[str]:
     return lines
 
 
-def replica_copies_alive(job_config, rank_layers, rank_moe_layers) -> tuple[int, int]:
+def replica_copies_alive(job_config, rank_layers, rank_moe_layers, *, copied: bool) -> tuple[int, int]:
     """(copies, fetched) at the peak under expert replication: how many MoE layers' copies of their L home experts
     beside their S replicas (L + S experts each) are alive at once, and how many layers' fetched replicas (S experts
     each), at the moment their sum is largest.
 
-    Each layer computes from such a copy (one tensor per projection), built from its fetched replicas, which live
-    until its experts are done; where layers fetch ahead (:func:`~torchtitan_ext.ep.replication.plan.fetches_ahead`)
-    the next block's are in flight beside them where it is a MoE layer too (counted also where a library's
-    transport, which fetches one layer at a time, skips it). Backward keeps a layer's copy unless activation checkpointing drops it: a recomputed layer
-    fetches again and rebuilds its copy beside those of the kept layers below it; per-op selective checkpointing
-    keeps every layer's fetched replicas (``replica_weights`` is on its save list) and rebuilds one copy at a
-    time."""
+    ``copied``: each layer computes from such a copy (one tensor per projection), built from its fetched replicas,
+    which live until its experts are done: grouped GEMMs, the path of the GPUs the plan is for (SM90 on); False:
+    torchtitan's per-expert loop (a CPU, an older GPU), which computes from views of the home experts and of the
+    fetched replicas.
+    Where layers fetch ahead (:func:`~torchtitan_ext.ep.replication.plan.fetches_ahead`) the next block's are in
+    flight beside them where it is a MoE layer too (counted also where a library's transport, which fetches one
+    layer at a time, skips it). Backward keeps what a layer computed from (its copy, or its fetched replicas)
+    unless activation checkpointing drops it: a recomputed layer fetches again (and rebuilds its copy) beside what
+    the kept layers below it hold; per-op selective checkpointing keeps every layer's fetched replicas
+    (``replica_weights`` is on its save list) and rebuilds one copy at a time."""
     moe = len(rank_moe_layers)
     if not moe:
         return 0, 0
@@ -227,19 +231,25 @@ def replica_copies_alive(job_config, rank_layers, rank_moe_layers) -> tuple[int,
         kept = [layer not in wrapped for layer in rank_moe_layers]
     ahead = fetches_ahead(job_config)
     position = {layer: index for index, layer in enumerate(rank_layers)}
+
+    def moment(kept_copies: int, own: int, fetched: int) -> tuple[int, int]:
+        """(copies, fetched) alive: ``kept_copies`` layers below hold what they computed from, and ``own`` layer
+        its copy where there is one, beside ``fetched`` layers' fetched replicas."""
+        return (kept_copies + own, fetched) if copied else (0, kept_copies + fetched)
+
     moments = []
     for k in range(moe):
         # the next block's replicas, where it is a MoE layer (ep.replication.experts.link_fetch_ahead)
         next_fetched = ahead and k + 1 < moe and position[rank_moe_layers[k + 1]] == position[rank_moe_layers[k]] + 1
         kept_below = sum(kept[:k])
-        # forward, layer k's experts: the copies kept below it, its own, its fetched replicas (and those saved below
-        # it by per-op checkpointing), and the next layer's in flight
-        moments.append((kept_below + 1, (k if per_op else 0) + 1 + next_fetched))
-        # backward, layer k: a recomputed layer's copy beside the kept ones below it, from replicas fetched again
-        # (per-op: the saved ones of layers 0..k)
+        # forward, layer k's experts: what the layers below kept, its own copy, its fetched replicas (and those
+        # saved below it by per-op checkpointing), and the next layer's in flight
+        moments.append(moment(kept_below, 1, (k if per_op else 0) + 1 + next_fetched))
+        # backward, layer k: a recomputed layer's copy beside what the kept ones below it hold, from replicas
+        # fetched again (per-op: the saved ones of layers 0..k)
         if not kept[k]:
-            moments.append((kept_below + 1, k + 1 if per_op else 1))
-    moments.append((sum(kept), moe if per_op else 0))  # forward's end: what it leaves for backward
+            moments.append(moment(kept_below, 1, k + 1 if per_op else 1))
+    moments.append(moment(sum(kept), 0, moe if per_op else 0))  # forward's end: what it leaves for backward
     # weighed in experts; for a job without slots (the advisor prices some), as with one
     slots = job_config.expert_replication.slots_per_rank or 1
     copy_experts = model_args_of(job_config).moe_args.num_experts // job_config.parallelism.expert_parallel_degree + slots

@@ -17,7 +17,8 @@ its kernel buffer ready (which may carry the group's transport) and calls
 fetch's all-to-all is issued asynchronously (on a GPU on the EP group's NCCL
 stream, its output allocated on the compute stream), the dispatch is issued
 behind it, and :func:`with_replicas` waits for the fetch just before the
-concatenation the GEMMs read.
+experts: grouped GEMMs read a concatenation of the home experts and the
+replicas (one 3-D weight per projection), the per-expert loop views of both.
 
 Double buffering: where block i+1 is a MoE layer too, layer i's hooks fetch
 its replicas (:meth:`ExpertsWithReplicas.fetch_following_ahead`), so that they
@@ -51,7 +52,7 @@ from torch.distributed.distributed_c10d import _get_process_group_name
 from torch.autograd.function import once_differentiable
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from torchtitan.models.moe.moe import GroupedExperts
+from torchtitan.models.moe.moe import _run_experts_for_loop, GroupedExperts
 
 from torchtitan_ext.ep.base import to_device
 from torchtitan_ext.ep.experts import UnboundLoopExperts
@@ -86,14 +87,38 @@ def weights_with_replicas(home: list[torch.Tensor], fetched: torch.Tensor, slots
     return [torch.cat([w, piece.view(slots, *w.shape[1:])]) for w, piece in zip(home, pieces)]
 
 
-class _HomeAndReplicas(torch.autograd.Function):
-    """The replicas fetched from their home ranks and concatenated after the home experts, per projection.
+def _replica_gradients_home(ctx, own: list[torch.Tensor], replicas: torch.Tensor, own_is_fresh: bool):
+    """Each projection's home gradient (``own``: [L, ...] the home experts' own) with the replicas' gradients
+    (``replicas``: [S, F], one row of w1, w2 and w3 flattened per slot) sent home (``replica_gradients``, summed per
+    expert in fp32 or wider) and added to their experts' rows (for gradients narrower than fp32, in fp32 and rounded
+    once); ``own`` is returned as it is on a rank that sends no expert. ``own_is_fresh``: the gradients are this
+    backward's own tensors, added to in place (else a copy with those rows added)."""
+    rows = own[0].shape[0]
+    summed = transport_ops().replica_gradients(replicas, *ctx.exchange, ctx.redundancy_mapping, rows, ctx.group_name)
+    sent_experts = ctx.exchange[4]
+    if sent_experts.shape[0] == 0:
+        return own
+    home_grads = []
+    for grad, part in zip(own, summed.split([grad[0].numel() for grad in own], dim=1)):
+        part = part.view(-1, *grad.shape[1:])
+        if grad.dtype.itemsize >= part.dtype.itemsize:
+            add = grad.index_add_ if own_is_fresh else grad.index_add
+            home_grads.append(add(0, sent_experts, part.to(grad.dtype)))
+        else:
+            total = part.add_(grad.index_select(0, sent_experts))
+            place = grad.index_copy_ if own_is_fresh else grad.index_copy
+            home_grads.append(place(0, sent_experts, total.to(grad.dtype)))
+    return home_grads
 
-    Backward, the replicas' gradients go home (``replica_gradients``, summed per expert in fp32 or wider) and are added to
-    their experts' own gradients, which are a slice of the concatenation's: one copy of the home slice with those
-    experts' rows added (for gradients narrower than fp32, in fp32 and rounded once), and none on a rank that sends
-    no expert. (A backward of the fetch alone would return a zero-filled gradient of every home weight, for
-    autograd to add to the slice: two more passes over the home experts.)
+
+class _HomeAndReplicas(torch.autograd.Function):
+    """The replicas fetched from their home ranks and concatenated after the home experts, per projection, for
+    the grouped GEMMs.
+
+    Backward, the replicas' gradients go home (:func:`_replica_gradients_home`) and are added to their experts' own
+    gradients, which are a slice of the concatenation's: one copy of the home slice with those experts' rows added,
+    and none on a rank that sends no expert. (A backward of the fetch alone would return a zero-filled gradient of
+    every home weight, for autograd to add to the slice: two more passes over the home experts.)
     """
 
     @staticmethod
@@ -108,20 +133,37 @@ class _HomeAndReplicas(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor):
         rows, slots = ctx.home_rows, ctx.slots
         replicas = torch.cat([grad[rows:].reshape(slots, -1) for grad in grads], dim=1)
-        summed = transport_ops().replica_gradients(replicas, *ctx.exchange, ctx.redundancy_mapping, rows, ctx.group_name)
-        sent_experts = ctx.exchange[4]
-        own = [grad[:rows] for grad in grads]
-        if sent_experts.shape[0] == 0:
-            return None, None, None, None, None, *own
-        home_grads = []
-        for grad, part in zip(own, summed.split([grad[0].numel() for grad in own], dim=1)):
-            part = part.view(-1, *grad.shape[1:])
-            if grad.dtype.itemsize >= part.dtype.itemsize:
-                home_grads.append(grad.index_add(0, sent_experts, part.to(grad.dtype)))
-            else:
-                total = part.add_(grad.index_select(0, sent_experts))
-                home_grads.append(grad.index_copy(0, sent_experts, total.to(grad.dtype)))
-        return None, None, None, None, None, *home_grads
+        own = _replica_gradients_home(ctx, [grad[:rows] for grad in grads], replicas, own_is_fresh=False)
+        return None, None, None, None, None, *own
+
+
+class _HomeAndReplicasUnbound(torch.autograd.Function):
+    """The home experts and the fetched replicas, one weight per expert and projection (views, no copy), for the
+    per-expert loop, which indexes its weights by expert: w1 of the L + S experts, then w2's, then w3's.
+
+    Backward, each projection's L home gradients are stacked once (what the loop's own unbind would do) and the S
+    replicas' go home and are added to them in place (:func:`_replica_gradients_home`). The concatenation the
+    grouped GEMMs need would copy the home experts forward and again backward.
+    """
+
+    @staticmethod
+    def forward(ctx, fetched: torch.Tensor, exchange, redundancy_mapping: torch.Tensor, slots: int, group_name: str,
+                *home: torch.Tensor):
+        ctx.exchange, ctx.redundancy_mapping, ctx.group_name = exchange, redundancy_mapping, group_name
+        ctx.home_rows, ctx.slots = home[0].shape[0], slots
+        pieces = fetched.split([w[0].numel() for w in home], dim=1)
+        return tuple(expert for w, piece in zip(home, pieces)
+                     for expert in (*w.unbind(0), *piece.view(slots, *w.shape[1:]).unbind(0)))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads: torch.Tensor):
+        experts = ctx.home_rows + ctx.slots
+        per_projection = [grads[start:start + experts] for start in range(0, len(grads), experts)]
+        own = [torch.stack(projection[:ctx.home_rows]) for projection in per_projection]
+        replicas = torch.cat([torch.stack(projection[ctx.home_rows:]).reshape(ctx.slots, -1)
+                              for projection in per_projection], dim=1)
+        return None, None, None, None, None, *_replica_gradients_home(ctx, own, replicas, own_is_fresh=True)
 
 
 UNNAMED_FETCH = "the replica weights' fetch"
@@ -139,14 +181,19 @@ def fetch_replicas(home: list[torch.Tensor], exchange, redundancy_mapping: torch
 
 
 def with_replicas(home: list[torch.Tensor], exchange, redundancy_mapping: torch.Tensor, slots: int,
-                  group_name: str, fetched: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """w1, w2, w3 of the L home experts followed by the ``slots`` replicas ``fetched`` (None: fetched now,
-    :func:`fetch_replicas`), which it waits for first; each replica's gradient is added to its home expert's
-    (:class:`_HomeAndReplicas`)."""
+                  group_name: str, fetched: torch.Tensor | None = None, stacked: bool = True) -> list:
+    """The ``slots`` replicas ``fetched`` (None: fetched now, :func:`fetch_replicas`), which it waits for first,
+    after the L home experts, each replica's gradient added to its home expert's: ``stacked``, w1, w2 and w3 of the
+    L + S experts, the home experts copied (:class:`_HomeAndReplicas`, for grouped GEMMs); else one list per
+    projection of the L + S experts' weights, views (:class:`_HomeAndReplicasUnbound`, for the per-expert loop)."""
     if fetched is None:
         fetched = fetch_replicas(home, exchange, redundancy_mapping, slots, group_name)
     torch.ops._c10d_functional.wait_tensor(fetched)
-    return list(_HomeAndReplicas.apply(fetched, exchange, redundancy_mapping, slots, group_name, *home))
+    if stacked:
+        return list(_HomeAndReplicas.apply(fetched, exchange, redundancy_mapping, slots, group_name, *home))
+    experts = _HomeAndReplicasUnbound.apply(fetched, exchange, redundancy_mapping, slots, group_name, *home)
+    count = home[0].shape[0] + slots
+    return [list(experts[start:start + count]) for start in range(0, len(experts), count)]
 
 
 def link_fetch_ahead(blocks: list["ExpertsWithReplicas | None"], after_experts: bool) -> None:
@@ -283,6 +330,9 @@ class ExpertsWithReplicas(UnboundLoopExperts):
             return self.run_experts(*home, x, num_tokens_per_expert[:home[0].shape[0]])
         if fetched is None:  # called without the EP hooks
             fetched = self._fetch(home)
+        stacked = self.use_grouped_mm or self.low_precision is not None
         weights = with_replicas(home, self.exchange, self.redundancy_mapping, self.slots,
-                                _get_process_group_name(self.group), fetched)
-        return self.run_experts(*weights, x, num_tokens_per_expert)
+                                _get_process_group_name(self.group), fetched, stacked)
+        if stacked:
+            return self.run_experts(*weights, x, num_tokens_per_expert)
+        return _run_experts_for_loop(*weights, x, num_tokens_per_expert)
