@@ -60,11 +60,14 @@ class _HomeSizedWrites(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("sent", [[2], []], ids=["one_expert_sent", "none_sent"])
-def test_the_replicas_gradients_are_added_to_their_home_experts_in_one_write(world_of_one, sent):
+@pytest.mark.parametrize("stacked", [True, False], ids=["grouped_gemms", "per_expert_loop"])
+def test_the_replicas_gradients_are_added_to_their_home_experts_in_one_write(world_of_one, sent, stacked):
     """Each home weight's gradient is written once, the replicas' gradients added as it is (on a rank that sends no
-    expert, never: the concatenation's slice is its gradient): no zero-filled gradient of the home weights for
-    autograd to add to their own (two more passes over a rank's home experts: 704 MB per MoE layer and step at the
-    671B GB200 job's shape at EP=64, 4 home experts of 88 MB in bf16)."""
+    expert, never: the concatenation's slice, or the loop's stacked gradients, is its gradient): no zero-filled
+    gradient of the home weights for autograd to add to their own (two more passes over a rank's home experts:
+    704 MB per MoE layer and step at the 671B GB200 job's shape at EP=64, 4 home experts of 88 MB in bf16). The
+    grouped GEMMs' weights are a concatenation, whose home slice is copied once with the replicas' gradients added;
+    the per-expert loop's are views, whose gradients are stacked once and added to in place."""
     from torch.distributed.distributed_c10d import _get_process_group_name
 
     from torchtitan_ext.ep.replication.experts import with_replicas
@@ -77,12 +80,21 @@ def test_the_replicas_gradients_are_added_to_their_home_experts_in_one_write(wor
     exchange = (torch.tensor(sent, dtype=torch.int64), [len(sent)], [len(sent)], torch.arange(len(sent)),
                 torch.tensor(sent, dtype=torch.int64))
     mapping = torch.tensor([sent or [-1]], dtype=torch.int32)
-    weights = with_replicas(home, exchange, mapping, 1, _get_process_group_name(world_of_one))
+    weights = with_replicas(home, exchange, mapping, 1, _get_process_group_name(world_of_one), stacked=stacked)
+    if not stacked:  # one list per projection of the L + 1 experts' weights, each a view
+        assert all(expert._is_view() for projection in weights for expert in projection)
+        weights = [expert for projection in weights for expert in projection]
     grads = [torch.randn(weight.shape, generator=generator) for weight in weights]
     with _HomeSizedWrites(home[0].numel()) as writes:
         torch.autograd.backward(weights, grads)
-    assert writes.writes == ["index_add"] * len(home) * len(sent), writes.writes
-    for weight, grad in zip(home, grads):
+    if stacked:
+        assert writes.writes == ["index_add"] * len(home) * len(sent), writes.writes
+        per_projection = grads
+    else:
+        assert writes.writes == ["stack"] * len(home) + ["index_add_"] * len(home) * len(sent), writes.writes
+        per_projection = [torch.stack(grads[start:start + home_experts + 1])
+                          for start in range(0, len(grads), home_experts + 1)]
+    for weight, grad in zip(home, per_projection):
         expected = grad[:home_experts].clone()
         expected[sent] += grad[home_experts]
         assert torch.equal(weight.grad, expected)

@@ -214,8 +214,9 @@ def memory_needed(shape: JobShape, ep: int, gathered_expert_bytes: int, buffer_b
     saved_layers = shape.moe_layers - shape.recomputed_layers
     rows = (work.tokens * work.top_k * rows_ratio * work.hidden * work.activation_bytes * saved_layers
             * shape.in_flight_microbatches if ep > 1 else 0)
-    # with replica slots each MoE layer computes from a copy of its home experts beside the replicas, which
-    # backward keeps; torchtitan's grouped GEMM saves a bf16 copy of it, so at most 2 bytes count (a bound)
+    # with replica slots each MoE layer's grouped GEMMs (SM90 on) compute from a copy of its home experts beside the
+    # replicas, which backward keeps (the per-expert loop of an older GPU computes from views: less); torchtitan's
+    # grouped GEMM saves a bf16 copy of it, so at most 2 bytes count (a bound)
     expert_bytes = work.expert_parameters * min(work.gather_bytes, 2)
     copies, fetched = shape.replica_copies
     replica_copies = ((copies * (work.experts // ep + replica_slots) + fetched * replica_slots) * expert_bytes

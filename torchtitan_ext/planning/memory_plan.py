@@ -177,7 +177,7 @@ def format_plan(result: Plan, world_size: int) -> list[str]:
         alive = f"{copies} layer(s)' copies" + (f" and {fetched} layer(s)' fetched replicas" if fetched else "")
         lines.append(
             f"  replica slots: {d.replica_slots} per MoE layer, weights fetched every step: {replica_bytes / 2**20:,.2f} "
-            f"MiB per layer, and as much gradient back (no optimizer state); the experts compute from a copy of the "
+            f"MiB per layer, and as much gradient back (no optimizer state); grouped GEMMs (SM90 on) compute from a copy of the "
             f"{d.local_experts} home experts beside the replicas, {copy_bytes / 2**20:,.2f} MiB per layer: "
             f"{peak / 2**20:,.2f} MiB at the peak ({alive} alive at once under this activation checkpointing)"
         )

@@ -53,7 +53,8 @@ def replica_weights(
     slot (-1: unused), which a registered transport moves all ranks' replicas by (built once per plan too; its
     fetch lands the same way).
     Not differentiable: the gradients' way home is :func:`replica_gradients`, called by the backward of the
-    weights' concatenation (``ep.replication.experts``), which adds them to the home experts' own.
+    function that hands the experts their weights (``ep.replication.experts.with_replicas``), which adds them to the
+    home experts' own.
     """
     transport = transports.get(group_name)
     if transport is not None:
