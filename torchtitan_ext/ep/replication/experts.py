@@ -161,8 +161,9 @@ class _HomeAndReplicasUnbound(torch.autograd.Function):
         experts = ctx.home_rows + ctx.slots
         per_projection = [grads[start:start + experts] for start in range(0, len(grads), experts)]
         own = [torch.stack(projection[:ctx.home_rows]) for projection in per_projection]
-        replicas = torch.cat([torch.stack(projection[ctx.home_rows:]).reshape(ctx.slots, -1)
-                              for projection in per_projection], dim=1)
+        # slot by slot, w1, w2 and w3 flattened: the [S, F] rows of the fetched replicas, in one copy
+        replicas = torch.cat([projection[ctx.home_rows + slot].reshape(1, -1) for slot in range(ctx.slots)
+                              for projection in per_projection], dim=1).view(ctx.slots, -1)
         return None, None, None, None, None, *_replica_gradients_home(ctx, own, replicas, own_is_fresh=True)
 
 
