@@ -39,30 +39,11 @@ def world_of_one():
     dist.destroy_process_group()
 
 
-LONGEST_FILES_FIRST = ("tests/training/", "tests/models/test_gradient_matrix.py", "tests/planning/test_layout_advisor.py")
-"""The files that take longest (the first two train for minutes; the advisor's is the fast tier's longest):
-pytest-xdist's loadfile hands files to the workers in collection order, and one of these collected last would run
-alone at the end while the other worker idles. After them come the other files that start processes, and the
-files of quick tests last, where they fill the workers' ends evenly."""
-
-
 @pytest.hookimpl(wrapper=True)
 def pytest_collection():
     """The test files' imports (torch, torchtitan) without the cyclic collector, as the entry points'."""
     with imports_without_collection():
         return (yield)
-
-
-def pytest_collection_modifyitems(items):
-    starting_processes = {item.path for item in items if item.get_closest_marker("slow")}
-
-    def rank(item) -> int:
-        listed = next((i for i, prefix in enumerate(LONGEST_FILES_FIRST) if item.nodeid.startswith(prefix)), None)
-        if listed is not None:
-            return listed
-        return len(LONGEST_FILES_FIRST) + (item.path not in starting_processes)
-
-    items.sort(key=rank)
 
 
 def pytest_terminal_summary(terminalreporter):
