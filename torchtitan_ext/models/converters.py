@@ -6,6 +6,11 @@ torchao 0.17 removed. torchao 0.18, the one pinned here, serves the same recipes
 below keep torchtitan's names and config sections (``[quantize.grouped_mm.mx]``, ...) and take their places in
 torchtitan's converter registry; ``quantize.linear.float8`` stays torchtitan's own, which torchao 0.18 serves.
 
+Float8 linears under TP take the plain TP styles (all-gathers in the compute dtype), as in torchtitan 0.2.2's jobs:
+its model plans look for a converter named "float8", which its registry never holds, so they never pick torchao's
+float8 styles. The plans here pass that choice explicitly: the float8 styles all-gather float8 tensors, which gloo
+cannot (a CPU job fails at its first step), and no GPU has run them here.
+
 Routed experts (``quantize.grouped_mm.mx`` / ``.float8``): the converter hands each experts module that ``fqns``
 names a :class:`LowPrecisionGroupedMM`; the experts' forward (:class:`torchtitan_ext.ep.experts.UnboundLoopExperts`,
 and the replicas' :class:`~torchtitan_ext.ep.replication.experts.ExpertsWithReplicas`) then runs torchao's

@@ -27,9 +27,6 @@ def parallelize_deepseekv3(model, parallel_dims, job_config):
     attn_type = getattr(model.model_args, "attn_type", "sdpa")
     if parallel_dims.cp_enabled and attn_type != "sdpa":
         raise NotImplementedError(f"Context parallelism supports SDPA attention only, not '{attn_type}'")
-    if parallel_dims.tp_enabled and "float8" in job_config.model.converters:
-        if job_config.quantize.linear.float8.recipe_name not in ("rowwise", "rowwise_with_gw_hp"):
-            raise NotImplementedError("Float8 tensorwise TP is not supported for DeepSeek-V3")
     dense_tp = partial(
         _apply_dense_tp,
         loss_parallel=not job_config.parallelism.disable_loss_parallel,
@@ -41,6 +38,7 @@ def parallelize_deepseekv3(model, parallel_dims, job_config):
 
 
 def _apply_dense_tp(model, tp_mesh, *, loss_parallel: bool, cp_enabled: bool) -> None:
+    # float8 linears take the plain TP styles (torchtitan_ext.models.converters says why)
     apply_non_moe_tp(
         model, tp_mesh, loss_parallel=loss_parallel, enable_float8_tensorwise_tp=False, cp_enabled=cp_enabled
     )

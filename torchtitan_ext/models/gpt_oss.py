@@ -124,6 +124,7 @@ def parallelize_gptoss(model, parallel_dims, job_config):
     dense_tp = partial(
         apply_non_moe_tp,
         loss_parallel=not job_config.parallelism.disable_loss_parallel,
+        # float8 linears take the plain TP styles (torchtitan_ext.models.converters says why)
         enable_float8_tensorwise_tp=False,
         # the shared plan enables async TP itself (torchtitan's maybe_enable_async_tp)
         enable_async_tp=False,

@@ -38,12 +38,11 @@ def parallelize_qwen3(model, parallel_dims, job_config):
     attn_type = getattr(model.model_args, "attn_type", "sdpa")
     if parallel_dims.cp_enabled and attn_type != "sdpa":
         raise NotImplementedError(f"Context parallelism supports SDPA attention only, not '{attn_type}'")
-    float8 = job_config.quantize.linear.float8
     dense_tp = partial(
         apply_non_moe_tp,
         loss_parallel=not job_config.parallelism.disable_loss_parallel,
-        enable_float8_tensorwise_tp="float8" in job_config.model.converters
-        and float8.recipe_name not in ("rowwise", "rowwise_with_gw_hp"),
+        # float8 linears take the plain TP styles (torchtitan_ext.models.converters says why)
+        enable_float8_tensorwise_tp=False,
         # the shared plan enables async TP itself (torchtitan's maybe_enable_async_tp)
         enable_async_tp=False,
         cp_enabled=parallel_dims.cp_enabled,
