@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the test suite: ./test.sh [--fast] [pytest args]
-#   --fast   only the tests that start no process and run no training job (30 s to 2 minutes; not -m slow)
+#   --fast   only the tests that start no process and run no training job (25 s to 2 minutes; not -m slow)
 # Sets up the environment on first use (see env.sh).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
