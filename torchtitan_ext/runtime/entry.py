@@ -7,13 +7,15 @@ imports the trainer (each rank, the launcher's pre-flight check, the dry run), a
 check lies on the launch's critical path.
 
 - :func:`imports_without_collection`: the collector off while the entry point's imports run, then
-  everything they created frozen (``gc.freeze``: moved, at no cost, to a generation no collection
-  scans). A full collection instead took 0.4 s of every such process on a 2-core CPU, to free about
-  10,000 objects of the 785,000 (the resident memory is the same, 526 MiB, either way), and every
-  later full collection, in it or in a process forked from it (the test workers' fork server),
-  scanned them all again. Then the collector is back to its former state. At exit (``atexit``) the
-  frozen objects are unfrozen, so that a process that ends with Python's teardown (the fork server, a
-  test run) frees them; else native extensions report what they still hold as leaked.
+  every object the collector tracks in the process frozen (``gc.freeze``: moved, at no cost, to a
+  generation no collection scans), the imports' unreachable cycles included, which are kept to the
+  exit and never finalized. A full collection instead took 0.4 s of every such process on a 2-core
+  CPU, to free about 10,000 objects of the 785,000 (the resident memory is the same, 526 MiB, either
+  way), and every later full collection, in it or in a process forked from it (the test workers'
+  fork server), scanned them all again. Then the collector is back to its former state. At exit
+  (``atexit``) the frozen objects are unfrozen, so that a process that ends with Python's teardown
+  (the fork server, a test run) frees them; else triton's bindings (nanobind) report the objects they
+  still hold as leaked.
 - :func:`run_and_exit`: runs ``main`` and ends the process as the interpreter would on its return or
   ``sys.exit`` (threads joined, ``atexit`` handlers run, output flushed, the same exit status, then
   the C library's ``exit``) but without Python's teardown of its modules, which releases nothing the
@@ -36,7 +38,7 @@ from typing import NoReturn
 
 @contextmanager
 def imports_without_collection() -> Iterator[None]:
-    """The cyclic collector off for the block (an entry point's imports), every object alive frozen after, and
+    """The cyclic collector off for the block (an entry point's imports), every tracked object frozen after, and
     the collector restored; nested in another such block, only the outermost freezes."""
     enabled = gc.isenabled()
     gc.disable()
