@@ -28,19 +28,14 @@ def parallelize_deepseekv3(model, parallel_dims, job_config):
     if parallel_dims.cp_enabled and attn_type != "sdpa":
         raise NotImplementedError(f"Context parallelism supports SDPA attention only, not '{attn_type}'")
     dense_tp = partial(
-        _apply_dense_tp,
+        apply_non_moe_tp,
         loss_parallel=not job_config.parallelism.disable_loss_parallel,
+        # float8 linears take the plain TP styles (torchtitan_ext.models.converters says why)
+        enable_float8_tensorwise_tp=False,
         cp_enabled=parallel_dims.cp_enabled,
     )
     return parallelize_moe_model(
         model, parallel_dims, job_config, apply_dense_tp=dense_tp, op_sac_save_list=_op_sac_save_list
-    )
-
-
-def _apply_dense_tp(model, tp_mesh, *, loss_parallel: bool, cp_enabled: bool) -> None:
-    # float8 linears take the plain TP styles (torchtitan_ext.models.converters says why)
-    apply_non_moe_tp(
-        model, tp_mesh, loss_parallel=loss_parallel, enable_float8_tensorwise_tp=False, cp_enabled=cp_enabled
     )
 
 

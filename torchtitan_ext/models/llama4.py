@@ -25,16 +25,14 @@ def parallelize_llama4(model, parallel_dims, job_config):
     Llama4 scales tokens by their routing score before the experts; every
     backend keeps that (``score_before_experts`` is passed to each layer's EP style).
     """
-    dense_tp = partial(_apply_dense_tp, loss_parallel=not job_config.parallelism.disable_loss_parallel)
+    dense_tp = partial(
+        apply_non_moe_tp,
+        loss_parallel=not job_config.parallelism.disable_loss_parallel,
+        # float8 linears take the plain TP styles (torchtitan_ext.models.converters says why)
+        enable_float8_tensorwise_tp=False,
+    )
     return parallelize_moe_model(
         model, parallel_dims, job_config, apply_dense_tp=dense_tp, op_sac_save_list=_op_sac_save_list
-    )
-
-
-def _apply_dense_tp(model, tp_mesh, *, loss_parallel: bool) -> None:
-    # float8 linears take the plain TP styles (torchtitan_ext.models.converters says why)
-    apply_non_moe_tp(
-        model, tp_mesh, loss_parallel=loss_parallel, enable_float8_tensorwise_tp=False
     )
 
 
