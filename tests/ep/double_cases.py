@@ -316,7 +316,7 @@ def lb_fetch_worker(rank: int, ep: int) -> dict:
 
     deep_ep.EPBuffer.lb_prefetch_weights = prefetch_noting_its_landing
     group = dist.group.WORLD
-    plan = ReplicaPlan(4, ep, ((3, 2), (0, -1)))
+    plan = ReplicaPlan(4, ep, ((2, 3), (0, -1)))
 
     def run() -> dict:
         del calls[:]

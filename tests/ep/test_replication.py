@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.helpers import REPO_ROOT, run_distributed, run_job
-from torchtitan_ext.ep.replication.experts import exchange_arguments, redundancy_mapping
+from torchtitan_ext.ep.replication.experts import exchange_arguments, redundancy_mapping, ReplicaExchange
 from torchtitan_ext.ep.replication.plan import ReplicaPlan
 from torchtitan_ext.ep.replication.split import split_quotas, SplitTables, SWEEPS, UNREACHABLE, water_fill
 
@@ -64,7 +64,7 @@ def test_split_never_loads_a_rank_more_than_without_replicas(seed):
     replicas = []
     for rank in range(ranks):
         others = [home for home in range(experts) if home // per_rank != rank]
-        replicas.append(tuple(generator.sample(others, slots)))
+        replicas.append(tuple(sorted(generator.sample(others, slots))))
     tables = SplitTables(ReplicaPlan(experts, ranks, tuple(replicas)), torch.device("cpu"))
     quotas = split_quotas(counts, tables)
     assert quotas.sum(1).tolist() == counts.tolist()
@@ -112,7 +112,7 @@ def test_rounds_fill_disjoint_copies_at_once_as_one_at_a_time_would(seed):
     replicas = []
     for rank in range(ranks):
         others = [home for home in range(experts) if home // per_rank != rank]
-        replicas.append(tuple(generator.sample(others, slots)))
+        replicas.append(tuple(sorted(generator.sample(others, slots))))
     tables = SplitTables(ReplicaPlan(experts, ranks, tuple(replicas)), torch.device("cpu"))
     order = [int(home) for homes, _, _ in tables.rounds for home in homes]
     assert sorted(order) == tables.replicated
@@ -164,31 +164,34 @@ def test_split_of_one_hot_expert_over_two_ranks():
 
 
 @pytest.mark.parametrize("replicas, message", [
-    (((0,), (-1,)), "rank 0's replicas (0,)"),
-    (((2, 2), (-1, -1)), "rank 0's replicas (2, 2)"),
-    (((9,), (-1,)), "rank 0's replicas (9,)"),
+    (((0,), (-1,)), "rank 0's replicas (0,): each another"),
+    (((2, 2), (-1, -1)), "rank 0's replicas (2, 2): each another"),
+    (((9,), (-1,)), "rank 0's replicas (9,): each another"),
+    (((3, 2), (-1, 0)), "rank 0's replicas (3, 2): in ascending home slot, the unused (-1) last: (2, 3)"),
+    (((2, 3), (-1, 0)), "rank 1's replicas (-1, 0): in ascending home slot, the unused (-1) last: (0, -1)"),
 ])
-def test_a_plan_never_copies_its_own_or_twice(replicas, message):
+def test_a_plan_copies_other_ranks_experts_once_each_in_the_order_received(replicas, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         ReplicaPlan(4, 2, replicas)
 
 
 def test_exchange_arguments_pair_up_across_ranks():
-    """What rank s sends to rank d, in order, is what d expects from s, in order; each rank's experts sent are
-    listed once, ascending (their gradients' sums)."""
-    plan = ReplicaPlan(8, 4, ((2, 5), (0, -1), (7, 1), (-1, 3)))
+    """What rank s sends to rank d, in order, is what d's replica slots hold from s, in the slots where the
+    all-to-all lands it (the sources' in rank order); each rank's experts sent are listed once, ascending (their
+    gradients' sums)."""
+    plan = ReplicaPlan(8, 4, ((2, 5), (0, -1), (1, 7), (3, -1)))
     per_rank = plan.experts_per_rank
     arguments = [exchange_arguments(plan, rank) for rank in range(4)]
-    assert [arguments[rank][4].tolist() for rank in range(4)] == [[0, 1], [0, 1], [1], [1]]
+    assert [arguments[rank][3].tolist() for rank in range(4)] == [[0, 1], [0, 1], [1], [1]]
     for source in range(4):
         send_local, send_counts, *_ = arguments[source]
         offsets = [sum(send_counts[:d]) for d in range(4)]
         for destination in range(4):
             sent = send_local[offsets[destination]:offsets[destination] + send_counts[destination]]
-            _, _, recv_counts, recv_slot, _ = arguments[destination]
+            recv_counts = arguments[destination][2]
             start = sum(recv_counts[:source])
-            slots = recv_slot[start:start + recv_counts[source]]
-            assert [plan.replicas[destination][slot] for slot in slots] == [source * per_rank + s for s in sent]
+            landed = plan.replicas[destination][start:start + recv_counts[source]]
+            assert list(landed) == [source * per_rank + s for s in sent]
 
 
 def _assign_worker(rank: int, world_size: int) -> dict:
@@ -239,13 +242,18 @@ def _two_weights(rank: int) -> list[torch.Tensor]:
             torch.arange(2 * 2, dtype=torch.float32).view(2, 2, 1).add(100 * rank).neg()]
 
 
+FETCH_PLAN = ((2, 4), (0, 5), (1, -1))
+"""3 ranks of 2 experts, 2 slots each: rank 0 receives from ranks 1 and 2, rank 1 from ranks 0 and 2, and rank 2 one
+expert, its second slot unused."""
+
+
 def _weights_worker(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _get_process_group_name
 
     from torchtitan_ext.ep.replication.experts import with_replicas
 
-    plan = ReplicaPlan(4, world_size, ((3, 2), (0, -1)))
+    plan = ReplicaPlan(6, world_size, FETCH_PLAN)
     home = [weight.requires_grad_() for weight in _two_weights(rank)]
     weights = with_replicas(home, exchange_arguments(plan, rank), redundancy_mapping(plan), 2,
                             _get_process_group_name(dist.group.WORLD))
@@ -259,22 +267,24 @@ def _weights_worker(rank: int, world_size: int) -> dict:
 @pytest.mark.slow
 def test_replica_weights_equal_home_and_gradients_return_home():
     """Each projection's weights are its home experts' followed by the fetched ones, each fetched row its expert's
-    weights flattened one after the other (read from the home weights where they lie); each home weight gets its
-    own gradient plus its copies'."""
-    results = run_distributed(EP, _weights_worker)
-    home = [_two_weights(rank) for rank in range(EP)]
+    weights flattened one after the other (read from the home weights where they lie, received from two ranks into
+    the slots themselves); each home weight gets its own gradient plus its copies'."""
+    ranks = len(FETCH_PLAN)
+    results = run_distributed(ranks, _weights_worker)
+    home = [_two_weights(rank) for rank in range(ranks)]
 
     def expert(rank: int, local: int) -> torch.Tensor:
         return torch.cat([weight[local].reshape(-1) for weight in home[rank]])
 
-    assert torch.equal(results[0]["fetched"], torch.stack([expert(1, 1), expert(1, 0)]))
-    assert torch.equal(results[1]["fetched"], torch.stack([expert(0, 0), torch.zeros(5)]))
-    for rank in range(EP):
+    assert torch.equal(results[0]["fetched"], torch.stack([expert(1, 0), expert(2, 0)]))
+    assert torch.equal(results[1]["fetched"], torch.stack([expert(0, 0), expert(2, 1)]))
+    assert torch.equal(results[2]["fetched"], torch.stack([expert(0, 1), torch.zeros(5)]))
+    for rank in range(ranks):
         for weights, own in zip(results[rank]["weights"], home[rank]):
             assert torch.equal(weights[:2], own)
-    # each home expert's own gradient is 3; rank 0's expert 0 is copied into rank 1's slot 0 (weight 1); rank 1's
-    # experts 1 and 0 into rank 0's slots 0 (weight 1) and 1 (weight 10)
-    for rank, per_expert in ((0, [4.0, 3.0]), (1, [13.0, 4.0])):
+    # each home expert's own gradient is 3, and 1 more from a copy in a slot 0, 10 from one in a slot 1: experts 0,
+    # 1 and 2 are in slots 0, expert 3 nowhere, experts 4 and 5 in slots 1
+    for rank, per_expert in ((0, [4.0, 4.0]), (1, [4.0, 3.0]), (2, [13.0, 13.0])):
         for grad, weight in zip(results[rank]["grads"], home[rank]):
             assert torch.equal(grad, torch.tensor(per_expert).view(2, *[1] * (weight.dim() - 1)).expand_as(weight))
 
@@ -336,7 +346,7 @@ def test_the_gradients_of_four_copies_are_summed_in_fp32_and_rounded_once(world_
     home = torch.zeros(3, 1, dtype=torch.bfloat16, requires_grad=True)
     send_local = torch.tensor([2, 0, 2, 2, 2])  # four copies of expert 2, one of expert 0, none of expert 1
     copies = len(send_local)
-    exchange = (send_local, [copies], [copies], torch.arange(copies), torch.tensor([0, 2]))
+    exchange = ReplicaExchange(send_local, [copies], [copies], torch.tensor([0, 2]))
     mapping = torch.zeros(1, copies, dtype=torch.int32)
     (weights,) = with_replicas([home], exchange, mapping, copies, _get_process_group_name(world_of_one))
     with SumDtypes() as sums:
@@ -354,7 +364,7 @@ def test_the_gradients_of_fp64_copies_are_summed_in_fp64(world_of_one):
     from torchtitan_ext.ep.replication.experts import with_replicas
 
     home = torch.zeros(1, 1, dtype=torch.float64, requires_grad=True)
-    exchange = (torch.tensor([0, 0]), [2], [2], torch.arange(2), torch.tensor([0]))
+    exchange = ReplicaExchange(torch.tensor([0, 0]), [2], [2], torch.tensor([0]))
     (weights,) = with_replicas([home], exchange, torch.zeros(1, 2, dtype=torch.int32), 2,
                                _get_process_group_name(world_of_one))
     weights.backward(torch.tensor([[0.0], [1.0], [2**-40]], dtype=torch.float64))
@@ -398,7 +408,7 @@ def _two_replicated_layers(group) -> list:
         for weight in (experts.w1, experts.w2, experts.w3):
             torch.nn.init.normal_(weight)
         ExpertsWithReplicas.adopt(experts, ReplicaPlan.empty(2, 1, 1), group)
-        experts.exchange = (torch.tensor([1]), [1], [1], torch.tensor([0]), torch.tensor([1]))
+        experts.exchange = ReplicaExchange(torch.tensor([1]), [1], [1], torch.tensor([1]))
         experts.redundancy_mapping, experts.holds_replicas = torch.tensor([[1]], dtype=torch.int32), True
         layers.append(experts)
     return layers
@@ -463,7 +473,7 @@ def test_a_replica_computes_its_home_experts_low_precision_gemms(world_of_one, c
     experts.low_precision = _recipe(converter)
     ExpertsWithReplicas.adopt(experts, ReplicaPlan.empty(2, 1, 1), world_of_one)
     # in a group of one, slot 0 holds a copy of the rank's own expert 1 (no plan copies its own: set by hand)
-    experts.exchange = (torch.tensor([1]), [1], [1], torch.tensor([0]), torch.tensor([1]))
+    experts.exchange = ReplicaExchange(torch.tensor([1]), [1], [1], torch.tensor([1]))
     experts.redundancy_mapping, experts.holds_replicas = torch.tensor([[1]], dtype=torch.int32), True
     x = torch.randn(96, 64)
     per_group = torch.tensor([32, 32, 32])

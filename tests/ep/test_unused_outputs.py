@@ -70,15 +70,15 @@ def test_the_replicas_gradients_are_added_to_their_home_experts_in_one_write(wor
     the per-expert loop's are views, whose gradients are stacked once and added to in place."""
     from torch.distributed.distributed_c10d import _get_process_group_name
 
-    from torchtitan_ext.ep.replication.experts import with_replicas
+    from torchtitan_ext.ep.replication.experts import ReplicaExchange, with_replicas
 
     generator = torch.Generator().manual_seed(0)
     home_experts, dim, hidden = 4, 8, 6
     home = [torch.randn(home_experts, *shape, generator=generator, requires_grad=True)
             for shape in ((hidden, dim), (dim, hidden), (hidden, dim))]
     # a group of one: expert 2 is copied into the rank's one slot, or the slot is unused
-    exchange = (torch.tensor(sent, dtype=torch.int64), [len(sent)], [len(sent)], torch.arange(len(sent)),
-                torch.tensor(sent, dtype=torch.int64))
+    sent_local = torch.tensor(sent, dtype=torch.int64)
+    exchange = ReplicaExchange(sent_local, [len(sent)], [len(sent)], sent_local)
     mapping = torch.tensor([sent or [-1]], dtype=torch.int32)
     weights = with_replicas(home, exchange, mapping, 1, _get_process_group_name(world_of_one), stacked=stacked)
     if not stacked:  # one list per projection of the L + 1 experts' weights, each a view

@@ -153,6 +153,7 @@ class _ReplicatedCall:
         from torch.distributed.distributed_c10d import _get_process_group_name
 
         from torchtitan_ext.config.job import shared_meta_model
+        from torchtitan_ext.ep.replication.experts import ReplicaExchange
         from torchtitan_ext.ep.replication.split import ReplicaRouter
         from torchtitan_ext.ep.replication.plan import ReplicaPlan
 
@@ -161,7 +162,7 @@ class _ReplicatedCall:
         experts = shape.num_experts - ep * slots  # the shape is the one dispatched over: every rank's slots too
         home_experts = experts // ep
         plan = ReplicaPlan(experts, ep, tuple(
-            tuple(((rank + 1) * home_experts + j) % experts for j in range(slots)) for rank in range(ep)))
+            tuple(sorted(((rank + 1) * home_experts + j) % experts for j in range(slots))) for rank in range(ep)))
         self.router = ReplicaRouter(plan, group)
         expert_hidden = next(block.moe.experts.w1.shape[1] for block in shared_meta_model(job_config).layers.values()
                              if block.moe_enabled)
@@ -169,7 +170,7 @@ class _ReplicatedCall:
         self.home = [torch.nn.Parameter(torch.randn(home_experts, *size, dtype=dtype, device=device))
                      for size in (up, down, up)]
         copies = torch.arange(slots, device=device) % home_experts
-        self.exchange = (copies, [slots], [slots], torch.arange(slots, device=device), copies.unique())
+        self.exchange = ReplicaExchange(copies, [slots], [slots], copies.unique())
         self.redundancy_mapping = copies.to(torch.int32).view(1, slots)
         self.slots, self.group_name = slots, _get_process_group_name(group)
 

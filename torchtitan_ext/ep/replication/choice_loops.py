@@ -39,7 +39,8 @@ def choose(counts: np.ndarray, expert_parallel_degree: int, slots: int) -> np.nd
     rule of :mod:`.choice`: the home slot with the most pairs per copy (ties: the lower) gets a copy on the
     least-loaded rank with a free slot and no copy of it (ties: the lower rank), and its pairs are re-split by
     :func:`water_fill` over its copies (home first, then in the order they came); a slot that finds no such rank
-    leaves for good; a layer ends when its slots are used or no expert with pairs can be copied."""
+    leaves for good; a layer ends when its slots are used or no expert with pairs can be copied. Each rank's copies
+    are listed ascending, then its unused slots (:class:`~torchtitan_ext.ep.replication.plan.ReplicaPlan`'s order)."""
     layers, experts = counts.shape
     ep = expert_parallel_degree
     per_rank = experts // ep
@@ -94,6 +95,8 @@ def choose(counts: np.ndarray, expert_parallel_degree: int, slots: int) -> np.nd
                 shares[home, copy] = quotas[copy]
                 loads[copy_rank[home, copy]] = others[copy] + quotas[copy]
             key[home] = counts[layer, home] / held
+        for rank in range(ep):  # a plan's order: each rank's copies ascending, then its unused slots
+            replicas[layer, rank, :slots - free_slots[rank]].sort()
     return replicas
 
 

@@ -47,6 +47,8 @@ its fetch overlaps only the dispatch's local work (and the copy out of V2.5's
 region leaves the path between them).
 """
 
+from typing import NamedTuple
+
 import torch
 from torch.distributed.distributed_c10d import _get_process_group_name
 from torch.autograd.function import once_differentiable
@@ -61,22 +63,33 @@ from torchtitan_ext.ep.replication import transport_ops, transports
 from torchtitan_ext.ep.replication.plan import ReplicaPlan
 
 
-def exchange_arguments(plan: ReplicaPlan, rank: int, device: torch.device = torch.device("cpu")):
-    """(send_local, send_counts, recv_counts, recv_slot, sent_experts) of ``replica_gradients`` for ``rank``, the
-    first four ``replica_weights``': the index lists as int64 on ``device`` (copied without making the host wait),
-    the two split-size lists on the host."""
+class ReplicaExchange(NamedTuple):
+    """One rank's side of a plan's replica exchange: the arguments of ``replica_weights`` (the first three) and of
+    ``replica_gradients``. The index lists are int64 on the weights' device, the split sizes on the host."""
+
+    send_local: torch.Tensor
+    """This rank's experts sent (local index), destination by destination, each destination's ascending."""
+    send_counts: list[int]
+    """Experts sent to each rank."""
+    recv_counts: list[int]
+    """Experts received from each rank: into this rank's replica slots, in order (a plan lists them so)."""
+    sent_experts: torch.Tensor
+    """This rank's experts with copies elsewhere, once each, ascending: the rows their gradients' sums go to."""
+
+
+def exchange_arguments(plan: ReplicaPlan, rank: int, device: torch.device = torch.device("cpu")) -> ReplicaExchange:
+    """``rank``'s :class:`ReplicaExchange` under ``plan``, its index lists copied to ``device`` without making the
+    host wait."""
     per_rank, ranks = plan.experts_per_rank, plan.expert_parallel_degree
     send_local, send_counts = [], []
     for destination in range(ranks):
         sent = [home % per_rank for home in plan.replicas[destination] if home >= 0 and home // per_rank == rank]
         send_local += sent
         send_counts.append(len(sent))
-    held = [(home // per_rank, slot) for slot, home in enumerate(plan.replicas[rank]) if home >= 0]
-    recv_counts = [sum(source == s for source, _ in held) for s in range(ranks)]
-    recv_slot = [slot for _, slot in sorted(held)]
-    return (to_device(torch.tensor(send_local, dtype=torch.int64), device), send_counts, recv_counts,
-            to_device(torch.tensor(recv_slot, dtype=torch.int64), device),
-            to_device(torch.tensor(sorted(set(send_local)), dtype=torch.int64), device))
+    sources = [home // per_rank for home in plan.replicas[rank] if home >= 0]
+    recv_counts = [sources.count(source) for source in range(ranks)]
+    return ReplicaExchange(to_device(torch.tensor(send_local, dtype=torch.int64), device), send_counts, recv_counts,
+                           to_device(torch.tensor(sorted(set(send_local)), dtype=torch.int64), device))
 
 
 def weights_with_replicas(home: list[torch.Tensor], fetched: torch.Tensor, slots: int) -> list[torch.Tensor]:
@@ -95,7 +108,7 @@ def _replica_gradients_home(ctx, own: list[torch.Tensor], replicas: torch.Tensor
     backward's own tensors, added to in place (else a copy with those rows added)."""
     rows = own[0].shape[0]
     summed = transport_ops().replica_gradients(replicas, *ctx.exchange, ctx.redundancy_mapping, rows, ctx.group_name)
-    sent_experts = ctx.exchange[4]
+    sent_experts = ctx.exchange.sent_experts
     if sent_experts.shape[0] == 0:
         return own
     home_grads = []
@@ -178,7 +191,8 @@ def fetch_replicas(home: list[torch.Tensor], exchange, redundancy_mapping: torch
     (or ``wait_tensor``) lands them; outside autograd: the gradients' way home is :func:`with_replicas`'s
     backward. ``what``: what a failure names."""
     with torch.no_grad():
-        return transport_ops().replica_weights(home, *exchange[:4], redundancy_mapping, slots, group_name, what)
+        return transport_ops().replica_weights(home, exchange.send_local, exchange.send_counts, exchange.recv_counts,
+                                                redundancy_mapping, slots, group_name, what)
 
 
 def with_replicas(home: list[torch.Tensor], exchange, redundancy_mapping: torch.Tensor, slots: int,
@@ -222,7 +236,7 @@ class ExpertsWithReplicas(UnboundLoopExperts):
     slots: int
     group = None
     plan: ReplicaPlan
-    exchange: tuple[torch.Tensor, list[int], list[int], torch.Tensor, torch.Tensor] | None
+    exchange: ReplicaExchange | None
     redundancy_mapping: torch.Tensor | None
     """[EP, S] the plan's table (:func:`redundancy_mapping`) where the weights live; None until then."""
     holds_replicas: bool
@@ -265,7 +279,7 @@ class ExpertsWithReplicas(UnboundLoopExperts):
         self.holds_replicas = plan.replicated() > 0
         built = getattr(self, "exchange", None)
         # where the weights live (none yet while the model is parallelized on the meta device: first use builds)
-        device = self.w1.device if built is None else built[0].device
+        device = self.w1.device if built is None else built.send_local.device
         self.exchange = self.redundancy_mapping = None
         if device.type != "meta":
             self._build_tables(device)
@@ -316,7 +330,7 @@ class ExpertsWithReplicas(UnboundLoopExperts):
         following.fetched = following._fetch(following._home())
 
     def _fetch(self, home: list[torch.Tensor]) -> torch.Tensor:
-        if self.exchange is None or self.exchange[0].device != home[0].device:
+        if self.exchange is None or self.exchange.send_local.device != home[0].device:
             self._build_tables(home[0].device)  # on first use: the model is parallelized on the meta device
         return fetch_replicas(home, self.exchange, self.redundancy_mapping, self.slots,
                               _get_process_group_name(self.group), self.fetch_name)

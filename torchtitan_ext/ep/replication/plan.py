@@ -146,7 +146,10 @@ class ReplicaPlan:
 
     ``replicas[r][j]``: the home slot (0 .. E-1, the placement's physical
     numbering) that replica slot j of EP rank r copies, or -1 when unused. A
-    rank never copies its own experts, nor one expert twice.
+    rank never copies its own experts, nor one expert twice. Each rank's
+    copies come first, in ascending home slot, then its unused slots: the
+    order in which the fetch's all-to-all receives them (by source rank, each
+    source's experts ascending), so that it receives straight into the slots.
     """
 
     num_experts: int
@@ -170,6 +173,12 @@ class ReplicaPlan:
         if wrong.any():
             rank = int(np.argmax(wrong))
             raise ValueError(f"rank {rank}'s replicas {self.replicas[rank]}: each another rank's expert, at most once")
+        unused_last = np.where(held < 0, self.num_experts, held)
+        unordered = (unused_last[:, 1:] < unused_last[:, :-1]).any(1)
+        if unordered.any():
+            rank = int(np.argmax(unordered))
+            raise ValueError(f"rank {rank}'s replicas {self.replicas[rank]}: in ascending home slot, the unused (-1) "
+                             f"last: {tuple(sorted(self.replicas[rank], key=lambda home: (home < 0, home)))}")
 
     @property
     def experts_per_rank(self) -> int:

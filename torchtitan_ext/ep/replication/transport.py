@@ -29,7 +29,6 @@ def replica_weights(
     send_local: torch.Tensor,
     send_counts: list[int],
     recv_counts: list[int],
-    recv_slot: torch.Tensor,
     redundancy_mapping: torch.Tensor,
     slots: int,
     group_name: str,
@@ -47,8 +46,9 @@ def replica_weights(
     (NcclExpertParallel)").
 
     Sends experts ``send_local`` in that order, ``send_counts[d]`` to rank d; receives ``recv_counts[s]``
-    from rank s, in order, into replica slots ``recv_slot``. Unused slots are 0. The index lists: int64 on the
-    weights' device, built once per plan (no copy from the host here).
+    from rank s, in order, straight into the replica slots, which a plan lists in that order
+    (:class:`~torchtitan_ext.ep.replication.plan.ReplicaPlan`); unused slots, after them, are 0. The index list:
+    int64 on the weights' device, built once per plan (no copy from the host here).
     ``redundancy_mapping``: the layer's whole plan, [EP, S] int32 on the weights' device, each replica slot's home
     slot (-1: unused), which a registered transport moves all ranks' replicas by (built once per plan too; its
     fetch lands the same way).
@@ -60,31 +60,28 @@ def replica_weights(
     if transport is not None:
         out, land = transport.fetch(home, redundancy_mapping)
     else:
-        out, land = _fetch_by_all_to_all(home, send_local, send_counts, recv_counts, recv_slot, slots, group_name)
+        out, land = _fetch_by_all_to_all(home, send_local, send_counts, recv_counts, slots, group_name)
     landing = Landing(out, land, what)
     if recomputing():
         landing.wait()
     return out
 
 
-def _fetch_by_all_to_all(home, send_local, send_counts, recv_counts, recv_slot, slots, group_name):
-    """(the slots' weights, what lands them) through one asynchronous all-to-all of the experts sent."""
+def _fetch_by_all_to_all(home, send_local, send_counts, recv_counts, slots, group_name):
+    """(the slots' weights, what lands them) through one asynchronous all-to-all of the experts sent, received in
+    the slots themselves."""
     # only the experts sent are copied, never the whole of the home weights
     sent = torch.cat([weight.reshape(weight.shape[0], -1).index_select(0, send_local) for weight in home], dim=1)
-    received = sent.new_empty((sum(recv_counts), sent.shape[1]))
-    work = dist.all_to_all_single(received, sent, recv_counts, send_counts, group=_resolve_process_group(group_name),
-                                  async_op=True)
-    out = sent.new_zeros((slots, sent.shape[1]))
-
-    def land():
-        work.wait()
-        out.index_copy_(0, recv_slot, received)
-
-    return out, land
+    out = sent.new_empty((slots, sent.shape[1]))
+    received = sum(recv_counts)
+    out[received:].zero_()
+    work = dist.all_to_all_single(out[:received], sent, recv_counts, send_counts,
+                                  group=_resolve_process_group(group_name), async_op=True)
+    return out, work.wait
 
 
 @replica_weights.register_fake
-def _(home, send_local, send_counts, recv_counts, recv_slot, redundancy_mapping, slots, group_name, what):
+def _(home, send_local, send_counts, recv_counts, redundancy_mapping, slots, group_name, what):
     return home[0].new_empty((slots, sum(weight[0].numel() for weight in home)))
 
 
@@ -94,7 +91,6 @@ def replica_gradients(
     send_local: torch.Tensor,
     send_counts: list[int],
     recv_counts: list[int],
-    recv_slot: torch.Tensor,
     sent_experts: torch.Tensor,
     redundancy_mapping: torch.Tensor,
     home_rows: int,
@@ -109,16 +105,16 @@ def replica_gradients(
     transport = transports.get(group_name)
     if transport is not None:
         return transport.return_gradients(grad, redundancy_mapping, home_rows).index_select(0, sent_experts)
-    returned = grad.index_select(0, recv_slot)
     arrived = grad.new_empty((sum(send_counts), grad.shape[1]))
-    dist.all_to_all_single(arrived, returned, send_counts, recv_counts, group=_resolve_process_group(group_name))
+    # the slots' gradients go back from where they lie: a plan lists its copies first, in the order received
+    dist.all_to_all_single(arrived, grad[:sum(recv_counts)], send_counts, recv_counts,
+                           group=_resolve_process_group(group_name))
     summed = arrived.new_zeros((sent_experts.shape[0], grad.shape[1]), dtype=accumulation_dtype(grad.dtype))
     return summed.index_add_(0, torch.searchsorted(sent_experts, send_local), arrived.to(summed.dtype))
 
 
 @replica_gradients.register_fake
-def _(grad, send_local, send_counts, recv_counts, recv_slot, sent_experts, redundancy_mapping, home_rows,
-      group_name):
+def _(grad, send_local, send_counts, recv_counts, sent_experts, redundancy_mapping, home_rows, group_name):
     dtype = torch.float32 if transports.get(group_name) is not None else accumulation_dtype(grad.dtype)
     return grad.new_empty((sent_experts.shape[0], grad.shape[1]), dtype=dtype)
 
