@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from torchtitan_ext.ep.replication.choice import choose_replicas, filled_loads, ReplicaChooser
-from torchtitan_ext.ep.replication.plan import ReplicaPlan
+from torchtitan_ext.ep.replication.plan import most_experts_sent, ReplicaPlan
 from torchtitan_ext.ep.replication.split import ReplicaRouter, split_quotas, SplitTables, water_fill
 from torchtitan_ext.measuring.device_cost_counter import DeviceCostCounter
 
@@ -132,6 +132,18 @@ def test_the_choice_equals_the_rule_read_literally(seed):
     slots = generator.randint(1, min(4, per_rank * (ranks - 1)))
     counts = [int(generator.paretovariate(1.2) * 10) * generator.choice([0, 1, 1]) for _ in range(ranks * per_rank)]
     assert choose_replicas(counts, ranks, slots).replicas == _scan_every_round(counts, ranks, slots)
+
+
+@pytest.mark.parametrize("ranks, per_rank, slots", [(4, 4, 2), (4, 2, 3), (8, 1, 2)])
+def test_the_most_experts_a_rank_sends_is_what_the_choice_sends_from_a_rank_of_hot_experts(ranks, per_rank, slots):
+    """The planner's bound (:func:`most_experts_sent`) is reached where rank 0's experts take nearly every pair, and
+    no choice from random counts goes over it."""
+    hot = [1_000_000] * per_rank + [1] * (ranks - 1) * per_rank
+    assert choose_replicas(hot, ranks, slots).copies_sent(0) == most_experts_sent(ranks, per_rank, slots)
+    generator = random.Random(0)
+    for _ in range(20):
+        plan = choose_replicas([int(generator.paretovariate(1.2) * 10) for _ in range(ranks * per_rank)], ranks, slots)
+        assert max(map(plan.copies_sent, range(ranks))) <= most_experts_sent(ranks, per_rank, slots)
 
 
 class _Experts:

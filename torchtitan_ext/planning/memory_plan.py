@@ -18,7 +18,7 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan_ext.config import ConfigError, max_tokens_per_rank, model_args_of, MoEShape, routed_expert_elements
 from torchtitan_ext.ep import BACKENDS, PLANNING_PROFILES
 from torchtitan_ext.ep.base import token_group_alignment
-from torchtitan_ext.ep.replication.plan import dispatched_shape, fetches_ahead
+from torchtitan_ext.ep.replication.plan import dispatched_shape, fetches_ahead, most_experts_sent
 
 
 @dataclass(frozen=True)
@@ -180,6 +180,12 @@ def format_plan(result: Plan, world_size: int) -> list[str]:
             f"MiB per layer, and as much gradient back (no optimizer state); grouped GEMMs (SM90 on) compute from a copy of the "
             f"{d.local_experts} home experts beside the replicas, {copy_bytes / 2**20:,.2f} MiB per layer: "
             f"{peak / 2**20:,.2f} MiB at the peak ({alive} alive at once under this activation checkpointing)"
+        )
+        most = most_experts_sent(d.ep, d.local_experts, d.replica_slots)
+        lines.append(
+            f"  beside that peak, one layer at a time: the experts a rank sends, gathered for the fetch's all-to-all "
+            f"(as many gradients arrive backward, summed in fp32): {replica_bytes / 2**20:,.2f} MiB on average, "
+            f"{most * expert_bytes / 2**20:,.2f} MiB ({most} experts) on a rank whose experts every other rank copies"
         )
     for b in result.backends:
         lines += [

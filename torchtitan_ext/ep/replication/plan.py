@@ -140,6 +140,12 @@ def check_replication(job_config, context: ValidationContext) -> None:
                           "set slots_per_rank to 0")
 
 
+def most_experts_sent(expert_parallel_degree: int, experts_per_rank: int, slots: int) -> int:
+    """The most whole experts one rank sends in a fetch, and receives gradients of backward: every other rank's
+    slots holding its experts, each at most once (a rank sends S on average)."""
+    return (expert_parallel_degree - 1) * min(slots, experts_per_rank)
+
+
 @dataclass(frozen=True)
 class ReplicaPlan:
     """Which home slot each replica slot copies, for one MoE layer.
