@@ -237,14 +237,15 @@ def test_every_pair_goes_to_a_copy_of_its_expert_and_every_rank_knows_what_each_
 
 
 def _two_weights(rank: int) -> list[torch.Tensor]:
-    """Two experts per rank, in two weights of different shapes (as w1, w2, w3 are)."""
-    return [torch.arange(2 * 3, dtype=torch.float32).view(2, 3).add(100 * rank),
-            torch.arange(2 * 2, dtype=torch.float32).view(2, 2, 1).add(100 * rank).neg()]
+    """Two experts per rank, in two bf16 weights of different shapes (as w1, w2, w3 are), integers that bf16 holds
+    exactly."""
+    return [torch.arange(2 * 3, dtype=torch.bfloat16).view(2, 3).add(100 * rank),
+            torch.arange(2 * 2, dtype=torch.bfloat16).view(2, 2, 1).add(100 * rank).neg()]
 
 
-FETCH_PLAN = ((2, 4), (0, 5), (1, -1))
-"""3 ranks of 2 experts, 2 slots each: rank 0 receives from ranks 1 and 2, rank 1 from ranks 0 and 2, and rank 2 one
-expert, its second slot unused."""
+FETCH_PLAN = ((4, 5), (0, 4), (1, 3))
+"""3 ranks of 2 experts, 2 slots each: ranks 1 and 2 receive from two ranks each; rank 2's expert 4 has two
+copies, and the gradients arriving at rank 2 (experts 4, 5, 4) are more rows than its 2 slots."""
 
 
 def _weights_worker(rank: int, world_size: int) -> dict:
@@ -258,7 +259,7 @@ def _weights_worker(rank: int, world_size: int) -> dict:
     weights = with_replicas(home, exchange_arguments(plan, rank), redundancy_mapping(plan), 2,
                             _get_process_group_name(dist.group.WORLD))
     fetched = torch.cat([projection[2:].reshape(2, -1) for projection in weights], dim=1)
-    per_slot = torch.tensor([[1.0], [10.0]])
+    per_slot = torch.tensor([[1.0], [10.0]], dtype=torch.bfloat16)
     ((fetched * per_slot).sum() + 3 * sum(projection[:2].sum() for projection in weights)).backward()
     return {"weights": [weight.detach() for weight in weights], "fetched": fetched.detach(),
             "grads": [weight.grad for weight in home]}
@@ -268,7 +269,8 @@ def _weights_worker(rank: int, world_size: int) -> dict:
 def test_replica_weights_equal_home_and_gradients_return_home():
     """Each projection's weights are its home experts' followed by the fetched ones, each fetched row its expert's
     weights flattened one after the other (read from the home weights where they lie, received from two ranks into
-    the slots themselves); each home weight gets its own gradient plus its copies'."""
+    the slots themselves); each home weight gets its own gradient plus its copies', summed in fp32 a slot's count
+    of rows at a time."""
     ranks = len(FETCH_PLAN)
     results = run_distributed(ranks, _weights_worker)
     home = [_two_weights(rank) for rank in range(ranks)]
@@ -276,17 +278,18 @@ def test_replica_weights_equal_home_and_gradients_return_home():
     def expert(rank: int, local: int) -> torch.Tensor:
         return torch.cat([weight[local].reshape(-1) for weight in home[rank]])
 
-    assert torch.equal(results[0]["fetched"], torch.stack([expert(1, 0), expert(2, 0)]))
-    assert torch.equal(results[1]["fetched"], torch.stack([expert(0, 0), expert(2, 1)]))
-    assert torch.equal(results[2]["fetched"], torch.stack([expert(0, 1), torch.zeros(5)]))
+    assert torch.equal(results[0]["fetched"], torch.stack([expert(2, 0), expert(2, 1)]))
+    assert torch.equal(results[1]["fetched"], torch.stack([expert(0, 0), expert(2, 0)]))
+    assert torch.equal(results[2]["fetched"], torch.stack([expert(0, 1), expert(1, 1)]))
     for rank in range(ranks):
         for weights, own in zip(results[rank]["weights"], home[rank]):
             assert torch.equal(weights[:2], own)
-    # each home expert's own gradient is 3, and 1 more from a copy in a slot 0, 10 from one in a slot 1: experts 0,
-    # 1 and 2 are in slots 0, expert 3 nowhere, experts 4 and 5 in slots 1
-    for rank, per_expert in ((0, [4.0, 4.0]), (1, [4.0, 3.0]), (2, [13.0, 13.0])):
+    # each home expert's own gradient is 3, and 1 more from a copy in a slot 0, 10 from one in a slot 1: experts 0
+    # and 1 are in slots 0, expert 2 nowhere, experts 3 and 5 in slots 1, expert 4 in a slot 0 and a slot 1
+    for rank, per_expert in ((0, [4.0, 4.0]), (1, [3.0, 13.0]), (2, [14.0, 13.0])):
         for grad, weight in zip(results[rank]["grads"], home[rank]):
-            assert torch.equal(grad, torch.tensor(per_expert).view(2, *[1] * (weight.dim() - 1)).expand_as(weight))
+            expected = torch.tensor(per_expert, dtype=weight.dtype).view(2, *[1] * (weight.dim() - 1))
+            assert torch.equal(grad, expected.expand_as(weight))
 
 
 def _host_sync_worker(rank: int, world_size: int) -> dict:

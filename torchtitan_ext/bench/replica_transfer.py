@@ -60,7 +60,8 @@ def worker(rank: int, world_size: int, experts: int, floats: int, slots: int, it
         began = time.perf_counter()
         # landed: the fetch timed whole
         fetched = torch.ops._c10d_functional.wait_tensor(
-            transport_ops().replica_weights(home, *exchange[:3], mapping, slots, group, "the fetch"))
+            transport_ops().replica_weights(home, exchange.send_local, exchange.send_counts, exchange.recv_counts,
+                                            mapping, slots, group, "the fetch"))
         middle = time.perf_counter()
         transport_ops().replica_gradients(torch.ones_like(fetched), *exchange, mapping, per_rank, group)
         ended = time.perf_counter()

@@ -31,8 +31,8 @@ from torchtitan_ext.runtime.collectives import naming_collective
 
 class Landing(OpaqueBase):
     """Finishes one in-flight collective's result, once: waits for its
-    communication, then writes the result (a combine's sums, the fetched
-    replicas' slots).
+    communication, then writes what the result needs (a combine's sums; a
+    library's fetched replicas, copied into their slots).
 
     The combine custom op returns it with its outputs, so that the op's backward
     (and selective activation checkpointing's cache) hold the very landing of

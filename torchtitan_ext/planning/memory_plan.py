@@ -183,8 +183,9 @@ def format_plan(result: Plan, world_size: int) -> list[str]:
         )
         most = most_experts_sent(d.ep, d.local_experts, d.replica_slots)
         lines.append(
-            f"  beside that peak, one layer at a time: the experts a rank sends, gathered for the fetch's all-to-all "
-            f"(as many gradients arrive backward, summed in fp32): {replica_bytes / 2**20:,.2f} MiB on average, "
+            f"  beside that peak, one layer at a time: the experts a rank sends, gathered for the fetch's all-to-all, "
+            f"and as many of their gradients arriving backward (widened to fp32 {d.replica_slots} rows at a time, "
+            f"summed into one fp32 row per expert sent): {replica_bytes / 2**20:,.2f} MiB on average, "
             f"{most * expert_bytes / 2**20:,.2f} MiB ({most} experts) on a rank whose experts every other rank copies"
         )
     for b in result.backends:

@@ -40,8 +40,8 @@ def replica_weights(
     Returned in flight, as a functional collective's output: the all-to-all is issued and the caller goes on
     (to the backend's dispatch); ``torch.ops._c10d_functional.wait_tensor`` on the result lands it, and until
     then its rows are not the weights (the experts wait right before their GEMMs,
-    :func:`~torchtitan_ext.ep.replication.experts.with_replicas`). Its send and receive buffers live until the
-    wait (on a GPU, NCCL keeps them until then). Recomputed by activation checkpointing, it lands before it
+    :func:`~torchtitan_ext.ep.replication.experts.with_replicas`). Its send rows live until the wait (on a GPU,
+    NCCL keeps them until then). Recomputed by activation checkpointing, it lands before it
     returns (:mod:`torchtitan_ext.ep.in_flight`). ``what``: what a failure names ("MoE layer 3 replica fetch
     (NcclExpertParallel)").
 
@@ -70,8 +70,12 @@ def replica_weights(
 def _fetch_by_all_to_all(home, send_local, send_counts, recv_counts, slots, group_name):
     """(the slots' weights, what lands them) through one asynchronous all-to-all of the experts sent, received in
     the slots themselves."""
-    # only the experts sent are copied, never the whole of the home weights
-    sent = torch.cat([weight.reshape(weight.shape[0], -1).index_select(0, send_local) for weight in home], dim=1)
+    # the experts sent, each projection gathered into its columns of the send rows: one copy of them, never of the
+    # whole of the home weights
+    widths = [weight[0].numel() for weight in home]
+    sent = home[0].new_empty((send_local.shape[0], sum(widths)))
+    for weight, columns in zip(home, sent.split(widths, dim=1)):
+        torch.index_select(weight.reshape(weight.shape[0], -1), 0, send_local, out=columns)
     out = sent.new_empty((slots, sent.shape[1]))
     received = sum(recv_counts)
     out[received:].zero_()
@@ -101,16 +105,22 @@ def replica_gradients(
     [slots, F]): the reverse of :func:`replica_weights`, with its arguments. Summed in fp32 (fp64 gradients in
     fp64; a registered transport's library sums in fp32): an expert with many copies would lose low bits at every
     bf16 addition, and ``index_add_`` has a fixed order under ``torch.use_deterministic_algorithms``
-    (``debug.deterministic``). ``home_rows``: this rank's experts (L)."""
+    (``debug.deterministic``). Narrower gradients are widened ``slots`` rows at a time: a rank whose experts
+    every other rank copies receives up to (EP - 1) x min(S, L) of them, and a wide copy of them all would
+    triple what they hold. ``home_rows``: this rank's experts (L)."""
     transport = transports.get(group_name)
     if transport is not None:
         return transport.return_gradients(grad, redundancy_mapping, home_rows).index_select(0, sent_experts)
     arrived = grad.new_empty((sum(send_counts), grad.shape[1]))
-    # the slots' gradients go back from where they lie: a plan lists its copies first, in the order received
+    # the slots' gradients go back from where they lie, the copies first (a plan's order)
     dist.all_to_all_single(arrived, grad[:sum(recv_counts)], send_counts, recv_counts,
                            group=_resolve_process_group(group_name))
     summed = arrived.new_zeros((sent_experts.shape[0], grad.shape[1]), dtype=accumulation_dtype(grad.dtype))
-    return summed.index_add_(0, torch.searchsorted(sent_experts, send_local), arrived.to(summed.dtype))
+    rows = torch.searchsorted(sent_experts, send_local)
+    step = max(arrived.shape[0] if arrived.dtype == summed.dtype else grad.shape[0], 1)
+    for start in range(0, arrived.shape[0], step):
+        summed.index_add_(0, rows[start:start + step], arrived[start:start + step].to(summed.dtype))
+    return summed
 
 
 @replica_gradients.register_fake
