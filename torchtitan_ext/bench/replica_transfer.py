@@ -45,7 +45,7 @@ def worker(rank: int, world_size: int, experts: int, floats: int, slots: int, it
     from torch.distributed.distributed_c10d import _get_process_group_name
 
     from torchtitan_ext.ep.replication import transport_ops
-    from torchtitan_ext.ep.replication.experts import exchange_arguments, redundancy_mapping
+    from torchtitan_ext.ep.replication.experts import exchange_arguments, fetch_replicas, redundancy_mapping
     from torchtitan_ext.ep.replication.plan import ReplicaPlan
 
     per_rank = experts // EP
@@ -59,9 +59,7 @@ def worker(rank: int, world_size: int, experts: int, floats: int, slots: int, it
         dist.barrier()
         began = time.perf_counter()
         # landed: the fetch timed whole
-        fetched = torch.ops._c10d_functional.wait_tensor(
-            transport_ops().replica_weights(home, exchange.send_local, exchange.send_counts, exchange.recv_counts,
-                                            mapping, slots, group, "the fetch"))
+        fetched = torch.ops._c10d_functional.wait_tensor(fetch_replicas(home, exchange, mapping, slots, group))
         middle = time.perf_counter()
         transport_ops().replica_gradients(torch.ones_like(fetched), *exchange, mapping, per_rank, group)
         ended = time.perf_counter()
