@@ -71,7 +71,7 @@ def moe_shape(job_config) -> MoEShape | None:
 
 def meta_model(job_config):
     """The job's model on the meta device, built for the caller, who may change it: its structure, no memory."""
-    model_cls, model_args = _class_and_arguments(job_config)
+    model_cls, model_args = model_class_and_args(job_config)
     with torch.device("meta"):
         return model_cls(model_args)
 
@@ -80,7 +80,7 @@ def shared_meta_model(job_config):
     """The job's model on the meta device, shared by every caller in this process: to be read, never changed
     (:func:`meta_model` builds one to change). Building a 671B model takes a fifth of a second, and the config
     checks, the planner and the tools read the structure of one job many times."""
-    model_cls, model_args = _class_and_arguments(job_config)
+    model_cls, model_args = model_class_and_args(job_config)
     # every attribute of the arguments (those set outside their fields too, such as DeepSeek-V3's moe_impl), and the
     # dtype new parameters take: the arguments are not hashable
     key = (model_cls, type(model_args), repr(vars(model_args)), torch.get_default_dtype())
@@ -92,8 +92,9 @@ def shared_meta_model(job_config):
     return _SHARED_META_MODELS[key]
 
 
-def _class_and_arguments(job_config):
-    """The job's model class and its arguments, updated from the job config as the trainer updates them."""
+def model_class_and_args(job_config):
+    """The job's model class and its arguments, updated from the job config as torchtitan's trainer updates them
+    (in place, in the train spec's registry, as the trainer does)."""
     model_args = model_args_of(job_config)
     model_args.update_from_config(job_config)
     return get_train_spec(job_config.model.name).model_cls, model_args

@@ -20,10 +20,9 @@ from torchtitan.components.optimizer import build_optimizers
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
 from torchtitan.models.moe.moe import GroupedExperts
-from torchtitan.protocols.train_spec import get_train_spec
 
 from torchtitan_ext import runtime
-from torchtitan_ext.config import ConfigError, load_job_config, shared_meta_model, model_args_of, MoEShape, parse
+from torchtitan_ext.config import ConfigError, load_job_config, model_class_and_args, MoEShape, parse, shared_meta_model
 from torchtitan_ext.ep import BACKENDS
 from torchtitan_ext.ep.experts import adopt_unbound_loop
 from torchtitan_ext.measuring.collective_recorder import CollectiveRecorder
@@ -88,11 +87,9 @@ def _measure(rank: int, train_args: list[str], world_size: int, barrier, results
     torch.set_num_threads(1)
     prepare()
     job_config = load_job_config(train_args, device_type="cpu", world_size=world_size)
-    spec = get_train_spec(job_config.model.name)
-    model_args = model_args_of(job_config)
-    model_args.update_from_config(job_config)
+    model_cls, model_args = model_class_and_args(job_config)
     torch.manual_seed(rank)
-    model = spec.model_cls(model_args)
+    model = model_cls(model_args)
     # the experts' loop a CPU job trains with (the parallelize plan's, which this model does not go through)
     adopt_unbound_loop(model)
     with torch.no_grad():

@@ -26,7 +26,7 @@ with imports_without_collection():
     from torchtitan.tools import utils
     from torchtitan.tools.logging import logger
 
-    from torchtitan_ext.config import comm_backend, ConfigError, job_world_size, load_job_config, max_tokens_per_rank, MoEShape, parse
+    from torchtitan_ext.config import comm_backend, ConfigError, job_world_size, load_job_config, max_tokens_per_rank, model_class_and_args, MoEShape, parse
     from torchtitan_ext.ep import backend_class
     from torchtitan_ext.models.converters import RECIPES
     from torchtitan_ext.runtime.console import init_logger
@@ -93,11 +93,10 @@ def _dry_run(job_config, world_size: int) -> DryRunReport:
     )
     parallel_dims.build_mesh()
     spec = get_train_spec(job_config.model.name)
-    model_args = spec.model_args[job_config.model.flavor]
-    model_args.update_from_config(job_config)
+    model_cls, model_args = model_class_and_args(job_config)
     dtype = TORCH_DTYPE_MAP[job_config.training.dtype]
     with torch.device("meta"), utils.set_default_dtype(dtype):
-        model = spec.model_cls(model_args)
+        model = model_cls(model_args)
     total = sum(param.numel() for param in model.parameters())
 
     if parallel_dims.pp_enabled:
