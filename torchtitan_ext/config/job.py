@@ -93,8 +93,8 @@ def shared_meta_model(job_config):
 
 
 def model_class_and_args(job_config):
-    """The job's model class and its arguments, updated from the job config as torchtitan's trainer updates them
-    (in place, in the train spec's registry, as the trainer does)."""
+    """The job's model class and its arguments, updated from the job config in place, in the train spec's registry,
+    as torchtitan's trainer updates them."""
     model_args = model_args_of(job_config)
     model_args.update_from_config(job_config)
     return get_train_spec(job_config.model.name).model_cls, model_args

@@ -26,7 +26,10 @@ with imports_without_collection():
     from torchtitan.tools import utils
     from torchtitan.tools.logging import logger
 
-    from torchtitan_ext.config import comm_backend, ConfigError, job_world_size, load_job_config, max_tokens_per_rank, model_class_and_args, MoEShape, parse
+    from torchtitan_ext.config import (
+        comm_backend, ConfigError, job_world_size, load_job_config, max_tokens_per_rank, model_class_and_args, MoEShape,
+        parse,
+    )
     from torchtitan_ext.ep import backend_class
     from torchtitan_ext.models.converters import RECIPES
     from torchtitan_ext.runtime.console import init_logger
