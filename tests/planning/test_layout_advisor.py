@@ -353,6 +353,20 @@ def test_a_larger_nvlink_domain_than_the_topology_has_is_refused(advice_671b):
     assert not any("innermost level" in (layout.refused or "") for layout in advice_671b["gb200_nvl72"])
 
 
+def test_a_smaller_ep_group_is_priced_with_its_degree_as_the_nvlink_domain(advice_671b):
+    """The 671B job tells HybridEP that 64 EP ranks share a rack's NVLink: at EP=32 or 16 the whole EP group lies in
+    one rack, so the advisor prices it with the domain at the EP degree, and the layout's overrides say so (the
+    job's 64 would not divide the degree); at EP=64 the job's value stands."""
+    hybridep = {layout.ep: layout for layout in advice_671b["gb200_nvl72"]
+                if layout.backend == "hybridep" and not layout.settings}
+    for ep in (16, 32):
+        assert hybridep[ep].refused is None
+        assert hybridep[ep].overrides()[4:6] == ["--hybridep.ranks_per_nvlink_domain", str(ep)]
+        assert overrides_problem(JOB_671B, 256, hybridep[ep]) is None
+    assert hybridep[64].refused is None and hybridep[64].ep_settings == ()
+    assert "--hybridep.ranks_per_nvlink_domain" not in hybridep[64].overrides()
+
+
 @pytest.mark.parametrize(
     "overrides, recomputed, dispatches, regather",
     [
@@ -787,8 +801,8 @@ def test_json_with_a_mode_that_gives_no_layouts_is_refused(capsys, tmp_path):
 
 def test_emit_config_writes_the_recommended_layout_as_a_job_config(capsys, tmp_path, advice_671b):
     """The 671B GB200 job on the GB200 topology as shipped (64 ranks per rack, no flag): the file selects the
-    recommended layout (hybridep at EP=64 with 16/32 SMs: nccl, faster at its nominal NVL72 rate, is not priced),
-    and loads back as the config the advisor priced; its header says how it was made."""
+    recommended layout (the first priced one: nccl, faster at its nominal NVL72 rate, is not priced), and loads
+    back as the config the advisor priced; its header says how it was made."""
     out = tmp_path / "advised.toml"
     job = ["--job.config_file", "train_configs/deepseek_v3_671b_gb200.toml"]
     plan.main(["--topology", "gb200_nvl72", "--world-size", "256", "--emit-config", str(out), *job])
@@ -799,9 +813,14 @@ def test_emit_config_writes_the_recommended_layout_as_a_job_config(capsys, tmp_p
     text = out.read_text()
     assert text.startswith("# Written by python -m torchtitan_ext.plan --topology gb200_nvl72 --world-size 256 ")
     loaded = load_job_config(["--job.config_file", str(out)], device_type=None, world_size=256)
-    assert (loaded.parallelism.expert_parallel_comm_backend, loaded.parallelism.expert_parallel_degree) == ("hybridep", 64)
-    assert (loaded.hybridep.num_sms_dispatch, loaded.hybridep.num_sms_combine) == (16, 32)
-    assert loaded.hybridep.ranks_per_nvlink_domain == 64
+    recommended = next(layout for layout in advice_671b["gb200_nvl72"] if layout.refused is None)
+    assert recommended.backend == "hybridep" and not recommended.nominal_links
+    assert (loaded.parallelism.expert_parallel_comm_backend, loaded.parallelism.expert_parallel_degree) == (
+        recommended.backend, recommended.ep)
+    for section, field, value in (*recommended.ep_settings, *recommended.settings):
+        assert getattr(getattr(loaded, section), field) == value
+    # the job's 64 EP ranks per rack, at the recommended degree: all of a smaller EP group's ranks share NVLink
+    assert loaded.hybridep.ranks_per_nvlink_domain == min(64, recommended.ep)
     # a layout of another backend drops the [hybridep] settings it would leave behind
     nccl = next(layout for layout in advice_671b["gb200_nvl72"] if (layout.label, layout.ep) == ("nccl", 32))
     assert advised_config(JOB_671B, 256, nccl).hybridep.ranks_per_nvlink_domain is None
@@ -848,9 +867,11 @@ def test_the_671b_advice_says_measure_and_its_range_holds_the_published_hybridep
         f"  decision: measure. {len(decision.candidates)} layouts predict steps within {ERROR.gap_band:.1%} of the "
         "first's, which the model cannot tell apart")
     listed = [paragraph(lines, f"    {index}. ") for index in range(1, 5)]
+    # each backend setting's best: HybridEP at EP=32, its EP group in one rack, before the configured EP=64
     assert [entry.split(":")[0].split(". ")[1] for entry in listed] == [
-        "hybridep 16/32 EP=64", "hybridep EP=64", "deepep EP=32", "nccl EP=32"]
-    assert " ".join(measure_arguments(as_run)) in listed[1].replace("\\ ", "")
+        "hybridep 16/32 EP=32", "hybridep EP=32", "deepep EP=32", "nccl EP=32"]
+    second = next(layout for layout in decision.candidates if (layout.label, layout.ep) == ("hybridep", 32))
+    assert " ".join(measure_arguments(second)) in listed[1].replace("\\ ", "")
 
 
 def test_the_routed_experts_are_timed_on_the_rows_each_layer_received():
@@ -1024,7 +1045,7 @@ def test_the_advice_prices_under_a_fit_when_asked(capsys, advice_671b):
             f"{', '.join(fitted.fitted_on)})") in out
     assert "ranked below every priced layout" not in out
     # the recommendation names what its price rests on: published kernel rows, the fit's scale and its row
-    assert ("evidence: its all-to-all rates: NVLink domain (one rack) docs/published_ep_figures.md 3.5; compute at "
+    assert ("evidence: its all-to-all rates: NVLink domain (one rack) docs/published_ep_figures.md 4c; compute at "
             f"{fitted.compute_scale['GB200 NVL72']:.3f} of the topology's, fitted on {', '.join(fitted.fitted_on)}; "
             "uniform routing") in out
     with pytest.raises(SystemExit):

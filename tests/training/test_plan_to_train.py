@@ -4,6 +4,8 @@ size it was planned for, then trains a few steps on a CPU at its debug flavour (
 CPU cannot do are overridden). In-process, as run_train.sh's ranks load a job: the launcher's own path for a config
 file is the other configs' (tests/launch)."""
 
+import tomllib
+
 import pytest
 import torch.distributed as dist
 
@@ -11,6 +13,7 @@ from tests.helpers import REPO_ROOT, run_distributed
 from tests.training.cases import TINY, train_worker
 from torchtitan_ext import plan
 from torchtitan_ext.config import load_job_config
+from torchtitan_ext.ep import BACKENDS
 from torchtitan_ext.measuring.dry_run import dry_run
 
 pytestmark = pytest.mark.slow  # the planner's advice over every layout, twice: about 25 s
@@ -64,9 +67,19 @@ def test_emitted_config_names_the_model_and_dry_runs_at_full_size(family, emitte
     assert report.parameter_devices == {"meta"}
 
 
+def _nvlink_domain_at_debug_size(config_file) -> list[str]:
+    """The emitted backend's EP ranks per NVLink domain at the debug run's EP=2, where the config names one."""
+    written = tomllib.loads(config_file.read_text())
+    section = BACKENDS[written["parallelism"]["expert_parallel_comm_backend"]].config_section
+    if "ranks_per_nvlink_domain" not in written.get(section, {}):
+        return []
+    return [f"--{section}.ranks_per_nvlink_domain", "2"]
+
+
 def test_emitted_configs_train_at_debug_size(emitted, tmp_path):
     runs = [(family, ["--job.config_file", str(emitted[family]), "--model.flavor", FAMILIES[family][4],
-                      "--job.dump_folder", str(tmp_path / family), *AT_DEBUG_SIZE]) for family in FAMILIES]
+                      "--job.dump_folder", str(tmp_path / family), *AT_DEBUG_SIZE,
+                      *_nvlink_domain_at_debug_size(emitted[family])]) for family in FAMILIES]
     losses = run_distributed(2, train_worker, runs)[0]
     for family in FAMILIES:
         assert list(losses[family]) == list(range(1, STEPS + 1)), (family, losses[family])

@@ -12,6 +12,15 @@ from torchtitan_ext.config import MoEShape
 from torchtitan_ext.ep.published_rates import PublishedRate
 
 
+def nvlink_domain_at_ep(domain: int | None, ep: int) -> dict[str, object]:
+    """A section's ``ranks_per_nvlink_domain`` at EP degree ``ep``, where the job's (``domain``) cannot stand: an EP
+    group smaller than the job's domain, and dividing it, lies within one NVLink domain, so all ``ep`` of its ranks
+    share NVLink. Any other degree keeps the job's value (and the config checks refuse it where it does not fit)."""
+    if domain is not None and ep < domain and domain % ep == 0:
+        return {"ranks_per_nvlink_domain": ep}
+    return {}
+
+
 class PlanningProfile:
     """A backend as the layout advisor, the memory plan and the calibration price it. Every hook is a classmethod
     of the job config (or a ClassVar); the defaults describe a backend with no kernels of its own."""
@@ -37,6 +46,12 @@ class PlanningProfile:
     def nvlink_domain_ranks(cls, job_config) -> int | None:
         """EP ranks per NVLink domain the backend is configured for, or None if it has no such notion."""
         return None
+
+    @classmethod
+    def settings_at_ep(cls, job_config, ep: int) -> dict[str, object]:
+        """Settings of the backend's own section that follow from the EP degree: what a layout at ``ep`` sets in
+        place of the job's values, {field: value} (empty: the job's hold at any degree)."""
+        return {}
 
     @classmethod
     def kernel_nvlink_ranks(cls, job_config) -> int | None:

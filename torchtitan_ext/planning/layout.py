@@ -50,6 +50,9 @@ class Layout:
     settings: tuple[tuple[str, str, object], ...] = ()
     """(section, field, value) of the backend's own section priced in place of the job's
     (:meth:`~torchtitan_ext.ep.planning_profile.PlanningProfile.advised_alternatives`); empty: the job's."""
+    ep_settings: tuple[tuple[str, str, object], ...] = ()
+    """(section, field, value) of the backend's own section that follow from this layout's EP degree, set in place
+    of the job's (:func:`~torchtitan_ext.planning.layout_links.settings_at_ep`); empty: the job's hold."""
     job_replica_slots: int = 0
     """The job's own ``expert_replication.slots_per_rank`` (the overrides name the slots when they differ)."""
     rows_ratio: float = 1.0
@@ -191,7 +194,7 @@ class Layout:
 
     def overrides(self) -> list[str]:
         selected = ["--parallelism.expert_parallel_comm_backend", self.backend, "--parallelism.expert_parallel_degree", str(self.ep)]
-        for section, field, value in self.settings:
+        for section, field, value in (*self.ep_settings, *self.settings):
             selected += [f"--{section}.{field}", str(value)]
         if self.replica_slots != self.job_replica_slots:
             selected += ["--expert_replication.slots_per_rank", str(self.replica_slots)]

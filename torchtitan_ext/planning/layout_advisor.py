@@ -24,7 +24,7 @@ from torchtitan_ext.planning.job_shape import job_shape, memory_needed
 from torchtitan_ext.planning.layout import Layout
 from torchtitan_ext.planning.layout_links import (
     candidate_config, check_nvlink_domain, describe_kernel_rates, kernel_call_floors, kernel_links,
-    kernel_rate_fractions, link_busy, priced_settings, rate_evidence,
+    kernel_rate_fractions, link_busy, priced_settings, rate_evidence, settings_at_ep,
 )
 from torchtitan_ext.planning.local_traffic import count_local_traffic, LocalTraffic
 from torchtitan_ext.planning.measured_compute import MeasuredCompute
@@ -157,6 +157,7 @@ def advise(
                 replicated = (ep, slots)
             layout = Layout(backend_name, ep, efsdp, refused=None, replica_slots=slots,
                             job_replica_slots=replication.slots_per_rank,
+                            ep_settings=settings_at_ep(job_config, backend_name, ep),
                             settings=tuple((backend.config_section, field, value) for field, value in settings.items()))
             candidate = candidate_config(job_config, backend_name, ep)
             for field, value in settings.items():

@@ -15,14 +15,25 @@ from torchtitan_ext.planning.topology import Topology
 
 def candidate_config(job_config, backend_name: str, ep: int):
     """The job at this backend and EP degree, the other backends' sections at their defaults (the
-    job's own section for this backend is kept: its knobs are part of the question)."""
+    job's own section for this backend is kept: its knobs are part of the question, except those that follow
+    from the EP degree, :func:`settings_at_ep`)."""
     candidate = copy.deepcopy(job_config)
     candidate.parallelism.expert_parallel_comm_backend = backend_name
     candidate.parallelism.expert_parallel_degree = ep
     for other_name, other in BACKENDS.items():
         if other.config_section is not None and other_name != backend_name:
             setattr(candidate, other.config_section, other.Config())
+    for section, field, value in settings_at_ep(job_config, backend_name, ep):
+        setattr(getattr(candidate, section), field, value)
     return candidate
+
+
+def settings_at_ep(job_config, backend_name: str, ep: int) -> tuple[tuple[str, str, object], ...]:
+    """(section, field, value) of the backend's own section that a layout at ``ep`` sets in place of the job's,
+    because they follow from the EP degree (HybridEP's EP ranks per NVLink domain at a smaller EP group)."""
+    section = BACKENDS[backend_name].config_section
+    return tuple((section, field, value)
+                 for field, value in PLANNING_PROFILES[backend_name].settings_at_ep(job_config, ep).items())
 
 
 def crossed_fabrics(backend_name: str, candidate, topology: Topology, world_size: int, ep: int) -> tuple:
