@@ -14,6 +14,7 @@ from tests.planning.advice_text import ERROR, headline, paragraph
 from torchtitan_ext import plan, runtime
 from torchtitan_ext.config import ConfigError, load_job_config, parse
 from torchtitan_ext.ep import BACKENDS, PLANNING_PROFILES
+from torchtitan_ext.ep.planning_profile import nvlink_domain_at_ep
 from torchtitan_ext.measuring.compute import check_measurable
 from torchtitan_ext.planning.advice_decision import decide, measure_arguments
 from torchtitan_ext.planning.advice_report import format_advice, layouts_record
@@ -361,10 +362,19 @@ def test_a_smaller_ep_group_is_priced_with_its_degree_as_the_nvlink_domain(advic
                 if layout.backend == "hybridep" and not layout.settings}
     for ep in (16, 32):
         assert hybridep[ep].refused is None
-        assert hybridep[ep].overrides()[4:6] == ["--hybridep.ranks_per_nvlink_domain", str(ep)]
+        assert hybridep[ep].ep_settings == (("hybridep", "ranks_per_nvlink_domain", ep),)
+        overrides = hybridep[ep].overrides()
+        assert overrides[overrides.index("--hybridep.ranks_per_nvlink_domain") + 1] == str(ep)
         assert overrides_problem(JOB_671B, 256, hybridep[ep]) is None
     assert hybridep[64].refused is None and hybridep[64].ep_settings == ()
     assert "--hybridep.ranks_per_nvlink_domain" not in hybridep[64].overrides()
+    # an HGX node holds 8 ranks: the job's 64 is refused there, and at EP=16 the refusal says where 16 comes from
+    hgx = {layout.ep: layout.refused for layout in advice_671b["hgx_h100_ib"]
+           if layout.backend == "hybridep" and not layout.settings}
+    assert hgx[16].endswith("(the job sets 64; this layout sets 16, its EP degree)")
+    # a degree that does not divide the job's domain keeps it (the checks refuse it), as does a larger one
+    assert [nvlink_domain_at_ep(domain, ep) for domain, ep in ((64, 48), (64, 64), (64, 128), (72, 16), (None, 8))] == [
+        {}, {}, {}, {}, {}]
 
 
 @pytest.mark.parametrize(
@@ -725,7 +735,8 @@ def test_json_lists_every_layout_considered(capsys, tmp_path):
     records = advice["layouts"]
     layouts, _ = advise(DEBUG_JOB, 4, load_topology("hgx_h100_ib"))
     assert [(r["backend"], r["settings"], r["ep_degree"], r["runnable"]) for r in records] == [
-        (layout.backend, {f"{section}.{field}": value for section, field, value in layout.settings}, layout.ep,
+        (layout.backend,
+         {f"{section}.{field}": value for section, field, value in (*layout.ep_settings, *layout.settings)}, layout.ep,
          layout.refused is None) for layout in layouts
     ]
     assert {"deepep.api": "legacy"} in [r["settings"] for r in records]

@@ -26,9 +26,10 @@ FAMILIES = {
                 "debugmodel_small"),
 }
 STEPS = 2
+DEBUG_EP = 2
 AT_DEBUG_SIZE = (
     "--model.hf_assets_path", "./assets/embedded", "--training.dataset", "stdlib_code",
-    "--parallelism.expert_parallel_degree", "2", "--compile.no-enable", "--model.converters", "",
+    "--parallelism.expert_parallel_degree", str(DEBUG_EP), "--compile.no-enable", "--model.converters", "",
     "--checkpoint.no-enable", "--training.steps", str(STEPS), "--metrics.log_freq", "1", *TINY,
 )
 
@@ -68,12 +69,12 @@ def test_emitted_config_names_the_model_and_dry_runs_at_full_size(family, emitte
 
 
 def _nvlink_domain_at_debug_size(config_file) -> list[str]:
-    """The emitted backend's EP ranks per NVLink domain at the debug run's EP=2, where the config names one."""
+    """The emitted backend's EP ranks per NVLink domain at the debug run's EP degree, where the config names one."""
     written = tomllib.loads(config_file.read_text())
     section = BACKENDS[written["parallelism"]["expert_parallel_comm_backend"]].config_section
     if "ranks_per_nvlink_domain" not in written.get(section, {}):
         return []
-    return [f"--{section}.ranks_per_nvlink_domain", "2"]
+    return [f"--{section}.ranks_per_nvlink_domain", str(DEBUG_EP)]
 
 
 def test_emitted_configs_train_at_debug_size(emitted, tmp_path):

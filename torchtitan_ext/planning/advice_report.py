@@ -360,7 +360,9 @@ def layouts_record(layouts: list[Layout]) -> list[dict]:
     for rank, layout in enumerate(layouts, start=1):
         record = {
             "backend": layout.backend, "ep_degree": layout.ep, "efsdp_degree": layout.efsdp,
-            "settings": {f"{section}.{field}": value for section, field, value in layout.settings},
+            # every setting of the backend's section that differs from the job's
+            "settings": {f"{section}.{field}": value
+                         for section, field, value in (*layout.ep_settings, *layout.settings)},
             "replica_slots": layout.replica_slots, "runnable": layout.refused is None, "refused": layout.refused,
         }
         if layout.refused is None:

@@ -168,7 +168,12 @@ def advise(
                 check_nvlink_domain(backend_name, candidate, topology, sizes)
                 links = kernel_links(backend_name, candidate, topology, world_size, ep)
             except ConfigError as e:
-                refused.append(replace(layout, refused=str(e)))
+                reason = str(e)
+                for section, field, value in layout.ep_settings:
+                    if f"{section}.{field} = {value}" in reason:  # a value the user never wrote: say where it is from
+                        reason += (f" (the job sets {getattr(getattr(job_config, section), field)}; this layout "
+                                   f"sets {value}, its EP degree)")
+                refused.append(replace(layout, refused=reason))
                 continue
             replayed_here = replayed(ep, slots)
             if replayed_here is None:
