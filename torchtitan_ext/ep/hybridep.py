@@ -33,7 +33,7 @@ from torchtitan_ext.ep.kernels import implementation_description as _implementat
 from torchtitan_ext.ep.kernels import resolve_implementation, uses_library
 from torchtitan_ext.ep.kernels.prerequisites import check_hybridep_jit, PrerequisiteMissing
 from torchtitan_ext.ep.layout import round_up
-from torchtitan_ext.ep.planning_profile import nvlink_domain_at_ep, PlanningProfile
+from torchtitan_ext.ep.planning_profile import PlanningProfile
 from torchtitan_ext.ep.published_rates import nearest_sms, PublishedRate
 
 
@@ -406,10 +406,6 @@ class HybridEPPlanningProfile(PlanningProfile):
     @classmethod
     def nvlink_domain_ranks(cls, job_config) -> int | None:
         return job_config.hybridep.ranks_per_nvlink_domain
-
-    @classmethod
-    def settings_at_ep(cls, job_config, ep: int) -> dict[str, object]:
-        return nvlink_domain_at_ep(job_config.hybridep.ranks_per_nvlink_domain, ep)
 
     @classmethod
     def advised_alternatives(cls, job_config, fabrics: tuple[str | None, ...]) -> tuple[dict[str, object], ...]:

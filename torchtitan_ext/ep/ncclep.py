@@ -25,7 +25,7 @@ from torchtitan_ext.ep.layout import round_up
 from torchtitan_ext.ep.kernels import KernelUnavailable
 from torchtitan_ext.ep.kernels import nccl_ep
 from torchtitan_ext.ep.kernels import nccl_ep_double as library_limits
-from torchtitan_ext.ep.planning_profile import nvlink_domain_at_ep, PlanningProfile
+from torchtitan_ext.ep.planning_profile import PlanningProfile
 from torchtitan_ext.ep.published_rates import PublishedRate
 
 
@@ -334,10 +334,6 @@ class NcclEPPlanningProfile(PlanningProfile):
     @classmethod
     def nvlink_domain_ranks(cls, job_config) -> int | None:
         return job_config.ncclep.ranks_per_nvlink_domain
-
-    @classmethod
-    def settings_at_ep(cls, job_config, ep: int) -> dict[str, object]:
-        return nvlink_domain_at_ep(job_config.ncclep.ranks_per_nvlink_domain, ep)
 
     @classmethod
     def communication_sms(cls, job_config) -> float | None:

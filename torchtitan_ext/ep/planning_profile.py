@@ -44,14 +44,16 @@ class PlanningProfile:
 
     @classmethod
     def nvlink_domain_ranks(cls, job_config) -> int | None:
-        """EP ranks per NVLink domain the backend is configured for, or None if it has no such notion."""
+        """EP ranks per NVLink domain the backend is configured for (its section's ``ranks_per_nvlink_domain``), or
+        None if it has no such notion."""
         return None
 
     @classmethod
     def settings_at_ep(cls, job_config, ep: int) -> dict[str, object]:
         """Settings of the backend's own section that follow from the EP degree: what a layout at ``ep`` sets in
-        place of the job's values, {field: value} (empty: the job's hold at any degree)."""
-        return {}
+        place of the job's values, {field: value} (empty: the job's hold at any degree). By default, the section's
+        ``ranks_per_nvlink_domain`` where :meth:`nvlink_domain_ranks` reads one (:func:`nvlink_domain_at_ep`)."""
+        return nvlink_domain_at_ep(cls.nvlink_domain_ranks(job_config), ep)
 
     @classmethod
     def kernel_nvlink_ranks(cls, job_config) -> int | None:
