@@ -62,6 +62,14 @@ def test_standard_is_an_alias_of_nccl():
     assert comm_backend(config) == "nccl"
 
 
+def test_a_jobs_parse_warning_shows_once_across_its_overrides(tmp_path, caplog):
+    missing = tmp_path / "no_assets"
+    for steps in ("3", "4"):
+        parse_job_config(["--job.config_file", DEBUG_TOML, "--model.hf_assets_path", str(missing),
+                          "--training.steps", steps])
+    assert [r.getMessage() for r in caplog.records].count(f"HF assets path {missing} does not exist!") == 1
+
+
 def _load(*overrides, device_type="cpu", world_size=2):
     return load_job_config(["--job.config_file", DEBUG_TOML, *overrides], device_type, world_size)
 
@@ -141,6 +149,9 @@ def _load(*overrides, device_type="cpu", world_size=2):
         (("--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "1023", "--training.local_batch_size",
           "4", "--parallelism.data_parallel_shard_degree", "1"),
          "training.seq_len = 1023 is not divisible by TP x 2 x CP = 4"),
+        (("--model.flavor", "debugmodel_flex_attn", "--parallelism.context_parallel_degree", "2",
+          "--parallelism.data_parallel_shard_degree", "1"),
+         "parallelism.context_parallel_degree = 2: model.flavor = 'debugmodel_flex_attn' uses flex attention"),
         (("--job.custom_config_module", "no_such_module_here"),
          "job.custom_config_module = 'no_such_module_here' cannot be imported"),
         (("--job.custom_config_module", "json"), "job.custom_config_module = 'json' defines no JobConfig"),

@@ -6,10 +6,12 @@ closest valid one), ill-typed values and a missing or malformed file raise
 :class:`~torchtitan_ext.config.errors.ConfigError` naming them.
 """
 
+import contextlib
 import copy
 import difflib
 import functools
 import importlib
+import logging
 import math
 import os
 import types
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from torchtitan.config import ConfigManager
+from torchtitan.tools.logging import logger
 
 from torchtitan_ext.config.errors import ConfigError
 
@@ -59,7 +62,7 @@ def _parsed(config_cls, arguments: tuple[str, ...], config_file: str | None, tex
     """One parse per class, arguments, file content and working folder (torchtitan's checks read paths relative
     to it): torchtitan's parser (tyro) builds its parser from the config classes at every call, a tenth of a
     second, and the planner and the tools read one job many times. The caller gets a copy: the cached config is
-    never handed out. The parse's own warnings (torchtitan's missing HF assets) come at the first parse only."""
+    never handed out."""
     args = list(arguments)
     toml_values = _toml_values(config_file, text) if config_file else {}
     custom_module = _custom_config_module(args, toml_values)
@@ -74,8 +77,33 @@ def _parsed(config_cls, arguments: tuple[str, ...], config_file: str | None, tex
         config_cls = _merged_with(config_cls, custom.JobConfig)
     _check_toml(config_cls, toml_values, config_file)
     _check_cli(config_cls, args)
-    config = _without_empty_lists(_config_manager(config_cls).parse_args(args))
+    with _each_parse_warning_once():
+        config = _without_empty_lists(_config_manager(config_cls).parse_args(args))
     return config, frozenset(_explicit_settings(toml_values, args))
+
+
+_PARSE_WARNINGS_SHOWN: set[str] = set()
+
+
+class _ShownOnce(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message in _PARSE_WARNINGS_SHOWN:
+            return False
+        _PARSE_WARNINGS_SHOWN.add(message)
+        return True
+
+
+@contextlib.contextmanager
+def _each_parse_warning_once():
+    """torchtitan's parse warns about the job, not the arguments (e.g. "HF assets path ... does not exist!"): the
+    layout advisor parses one job with each layout's overrides, and would print it once per layout."""
+    shown_once = _ShownOnce()
+    logger.addFilter(shown_once)
+    try:
+        yield
+    finally:
+        logger.removeFilter(shown_once)
 
 
 def _without_empty_lists(config):

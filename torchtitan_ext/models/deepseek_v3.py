@@ -24,9 +24,6 @@ class DeepSeekV3ModelArgs(TorchTitanArgs):
 
 def parallelize_deepseekv3(model, parallel_dims, job_config):
     """torchtitan's DeepSeek-V3 parallelisms with the configured EP backend."""
-    attn_type = getattr(model.model_args, "attn_type", "sdpa")
-    if parallel_dims.cp_enabled and attn_type != "sdpa":
-        raise NotImplementedError(f"Context parallelism supports SDPA attention only, not '{attn_type}'")
     dense_tp = partial(
         apply_non_moe_tp,
         loss_parallel=not job_config.parallelism.disable_loss_parallel,

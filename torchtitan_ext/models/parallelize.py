@@ -182,12 +182,8 @@ def parallelize_moe_model(
 ) -> torch.nn.Module:
     """Apply every configured parallelism; ``apply_dense_tp(model, tp_mesh)`` is the model's own TP plan,
     ``experts_tensor_parallel`` its style for the routed experts under TP without EP (torchtitan's for w1, w2, w3
-    by default)."""
-    if job_config.training.seq_len % parallel_dims.seq_len_divisor:
-        raise ValueError(
-            f"training.seq_len = {job_config.training.seq_len} must be divisible by "
-            f"TP degree x 2 x CP degree = {parallel_dims.seq_len_divisor}"
-        )
+    by default). The job config is validated (config validation refuses CP without SDPA, a sequence length that TP x
+    2 x CP does not divide)."""
     adopt_unbound_loop(model)
     if parallel_dims.tp_enabled:
         tp_mesh = parallel_dims.get_mesh("tp")
