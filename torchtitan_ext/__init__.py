@@ -1,5 +1,5 @@
 """torchtitan_ext: a Mixture-of-Experts training harness on torchtitan 0.2.2 with pluggable
-expert-parallel communication backends (NCCL all-to-all, DeepEP, HybridEP).
+expert-parallel communication backends (NCCL all-to-all, DeepEP, HybridEP, NCCL EP).
 
 Tiers, lowest first: a module imports from its own part and from lower tiers only, never from a
 higher tier or from another part of its own tier (tests/test_layering.py reads this list):
@@ -9,7 +9,8 @@ higher tier or from another part of its own tier (tests/test_layering.py reads t
                         failures, the job launcher, preemption signals; the files one tool writes and another
                         reads (metrics.jsonl, the EP benchmark's rows)
     3. ep, data         one ExpertParallel class per EP backend, its kernels, expert replication; the embedded corpus
-    4. models           DeepSeek-V3 and Llama4 parallelize plans and model args, low-precision converters
+    4. models           DeepSeek-V3, Llama4, Qwen3-MoE and GPT-OSS parallelize plans and model args,
+                        low-precision converters
     5. balancing, planning    routing statistics, expert placement, moving experts while training; pricing a job
                         before launch: memory, topologies, cost model, layout advisor
     6. training         the trainer, train specs, loss, metrics, fault handling
