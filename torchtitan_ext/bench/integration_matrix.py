@@ -5,8 +5,8 @@
 
 torchtitan's tests/integration_tests/models.py (v0.2.2) runs these combinations
 of parallelisms on 4 or 8 GPUs. Each is run here through ``./run_train.sh``
-with the same process count (gloo, CPU), once per backend variant (nccl, deepep,
-hybridep blocking, hybridep non-blocking), with a short sequence and few steps.
+with the same process count (gloo, CPU), once per backend variant (one per kernel
+family, ``MATRIX_VARIANTS``), with a short sequence and few steps.
 A combination must either train (exit 0, every step in its metrics.jsonl) or be refused
 before any process starts, in one line naming the setting (exit 2). Anything
 else (a traceback, a hang past ``--timeout``) fails.

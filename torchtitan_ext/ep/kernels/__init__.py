@@ -1,13 +1,15 @@
-"""Kernel implementations behind the DeepEP and HybridEP backends.
+"""Kernel implementations behind the DeepEP, HybridEP and NCCL EP backends.
 
-Two implementations of the same calls:
+Each library's calls have two implementations:
 
-- ``deep_ep``: the real library (CUDA only, built from source), imported lazily;
-- ``reference``: :mod:`torchtitan_ext.ep.kernels.reference`, pure torch.distributed,
-  on any device.
+- DeepEP and HybridEP: ``deep_ep``, the real library (CUDA only, built from source; :mod:`.deep_ep`,
+  :mod:`.deepep_apis`), imported lazily, and :mod:`.reference`, pure torch.distributed, on any device;
+- NCCL EP: :mod:`.nccl_ep` makes its facade's calls on the nccl-extensions wheel (CUDA) or on its double
+  (:mod:`.nccl_ep_double`, torch.distributed, on any device).
 
-``auto`` picks ``deep_ep`` on CUDA and ``reference`` on CPU; on CUDA without
-the library it is an error, never a silent fallback.
+``auto`` picks the real library on CUDA and the stand-in on CPU; on CUDA without the library it is an error,
+never a silent fallback. :mod:`.calls` announces each call into a library with the host syncs it makes;
+:mod:`.prerequisites` says what a machine needs before deep_ep builds.
 """
 
 import importlib
