@@ -6,7 +6,6 @@ closest valid one), ill-typed values and a missing or malformed file raise
 :class:`~torchtitan_ext.config.errors.ConfigError` naming them.
 """
 
-import contextlib
 import copy
 import difflib
 import functools
@@ -77,33 +76,32 @@ def _parsed(config_cls, arguments: tuple[str, ...], config_file: str | None, tex
         config_cls = _merged_with(config_cls, custom.JobConfig)
     _check_toml(config_cls, toml_values, config_file)
     _check_cli(config_cls, args)
-    with _each_parse_warning_once():
-        config = _without_empty_lists(_config_manager(config_cls).parse_args(args))
+    config = _without_empty_lists(_config_manager(config_cls).parse_args(args))
     return config, frozenset(_explicit_settings(toml_values, args))
 
 
-_PARSE_WARNINGS_SHOWN: set[str] = set()
+class _EachParseWarningOnce(logging.Filter):
+    """torchtitan's parse warns about the job, not the arguments (e.g. "HF assets path ... does not exist!"): the
+    layout advisor parses one job with each layout's overrides, and would print it once per layout. Only the
+    records of torchtitan's config manager are held to once; every other record passes."""
 
+    MANAGER_FILE = os.path.join("torchtitan", "config", "manager.py")
 
-class _ShownOnce(logging.Filter):
+    def __init__(self):
+        super().__init__()
+        self.shown: set[str] = set()
+
     def filter(self, record: logging.LogRecord) -> bool:
+        if not record.pathname.endswith(self.MANAGER_FILE):
+            return True
         message = record.getMessage()
-        if message in _PARSE_WARNINGS_SHOWN:
+        if message in self.shown:
             return False
-        _PARSE_WARNINGS_SHOWN.add(message)
+        self.shown.add(message)
         return True
 
 
-@contextlib.contextmanager
-def _each_parse_warning_once():
-    """torchtitan's parse warns about the job, not the arguments (e.g. "HF assets path ... does not exist!"): the
-    layout advisor parses one job with each layout's overrides, and would print it once per layout."""
-    shown_once = _ShownOnce()
-    logger.addFilter(shown_once)
-    try:
-        yield
-    finally:
-        logger.removeFilter(shown_once)
+logger.addFilter(_EachParseWarningOnce())
 
 
 def _without_empty_lists(config):

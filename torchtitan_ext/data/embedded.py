@@ -50,8 +50,8 @@ DOCUMENT_BYTES = 4096
 SHUFFLE_SEED = 0
 
 VOCAB_SIZE = 2048
-"""Matches the debug flavours' vocabulary (vocab_size=2048): DeepSeek-V3's, Llama4's, Qwen3's and GPT-OSS's
-``debugmodel_small`` (GPT-OSS's ``debugmodel`` keeps its 201,088-token vocabulary)."""
+"""Matches the debug flavours' vocabulary (vocab_size=2048): every debug flavour of DeepSeek-V3, Llama4 and Qwen3,
+and GPT-OSS's ``debugmodel_small`` (its ``debugmodel`` keeps GPT-OSS's 201,088-token vocabulary)."""
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"

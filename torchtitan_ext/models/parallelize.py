@@ -182,8 +182,8 @@ def parallelize_moe_model(
 ) -> torch.nn.Module:
     """Apply every configured parallelism; ``apply_dense_tp(model, tp_mesh)`` is the model's own TP plan,
     ``experts_tensor_parallel`` its style for the routed experts under TP without EP (torchtitan's for w1, w2, w3
-    by default). The job config is validated (config validation refuses CP without SDPA, a sequence length that TP x
-    2 x CP does not divide)."""
+    by default). ``job_config`` has passed config validation at the job's world size, which refuses CP without SDPA
+    and a sequence length that TP x 2 x CP does not divide."""
     adopt_unbound_loop(model)
     if parallel_dims.tp_enabled:
         tp_mesh = parallel_dims.get_mesh("tp")

@@ -7,8 +7,9 @@ Each library's calls have two implementations:
 - NCCL EP: :mod:`.nccl_ep` makes its facade's calls on the nccl-extensions wheel (CUDA) or on its double
   (:mod:`.nccl_ep_double`, torch.distributed, on any device).
 
-``auto`` picks the real library on CUDA and the stand-in on CPU; on CUDA without the library it is an error,
-never a silent fallback. :mod:`.calls` announces each call into a library with the host syncs it makes;
+A backend's ``implementation`` field chooses: :data:`IMPLEMENTATIONS` for DeepEP and HybridEP, NCCL EP's own
+(:data:`.nccl_ep.IMPLEMENTATIONS`) for ``ncclep``. ``auto`` picks the real library on CUDA and the stand-in on
+CPU; on CUDA without the library it is an error, never a silent fallback. :mod:`.calls` announces each call into a library with the host syncs it makes;
 :mod:`.prerequisites` says what a machine needs before deep_ep builds.
 """
 
