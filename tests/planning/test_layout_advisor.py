@@ -855,6 +855,18 @@ def test_replica_traffic_uses_the_physical_links_whatever_the_kernels_reach():
     assert priced["legacy"].costs.a2a > 5 * priced["elastic"].costs.a2a
 
 
+def test_a_limit_that_no_ep_degree_meets_is_listed_once_with_the_degrees_it_refused(advice_671b):
+    """The 671B job dispatches local_batch_size x seq_len tokens per rank at every EP degree, over NCCL EP's limit:
+    one line names every degree; a reason that names the degree stays a line of its own."""
+    lines = _advice_lines(advice_671b, "gb200_nvl72")
+    listed = lines[next(i for i, line in enumerate(lines) if line.startswith("  not runnable")) + 1:]
+    ncclep = [line for line in listed if line.startswith("    ncclep EP=") and not line.startswith("    ncclep EP=1:")]
+    assert len(ncclep) == 1
+    assert ncclep[0].startswith(f"    ncclep EP={', '.join(str(ep) for ep in range(2, 257) if 256 % ep == 0)}: ")
+    assert [line.split(":")[0].strip() for line in listed if line.startswith("    hybridep EP=")] == [
+        "hybridep EP=1", "hybridep EP=128", "hybridep EP=256"]
+
+
 def test_the_671b_advice_says_measure_and_its_range_holds_the_published_hybridep_run(advice_671b):
     """On GB200 the 671B job's best priced layouts lie within the advisor's measured band of each other, and nccl,
     a bound at NVL72's nominal rate, predicts a shorter step than all of them: the advice says "measure" and lists

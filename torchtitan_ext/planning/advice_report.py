@@ -283,10 +283,13 @@ def format_advice(
         layout.settings and as_configured.get((layout.backend, layout.ep, layout.replica_slots)) == layout.refused)]
     if refused:
         lines.append("  not runnable (the job's config checks; other backends' sections at their defaults):")
+        # one line per backend and reason: a limit that no EP degree meets is said once, with the degrees it refused
+        degrees: dict[tuple[str, int, str], list[int]] = {}
         for layout in refused:
+            degrees.setdefault((layout.label, layout.replica_slots, layout.refused), []).append(layout.ep)
+        for (label, slots, reason), eps in degrees.items():
             lines += _wrapped(
-                f"{layout.label} EP={layout.ep}{f' slots={layout.replica_slots}' if prices_replicas else ''}: "
-                f"{layout.refused}", "    ")
+                f"{label} EP={', '.join(map(str, eps))}{f' slots={slots}' if prices_replicas else ''}: {reason}", "    ")
     return [wrapped for line in lines for wrapped in (_wrapped(line.lstrip(), line[:len(line) - len(line.lstrip())])
                                                       if len(line) > WIDTH else [line])]
 
