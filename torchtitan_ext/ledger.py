@@ -13,11 +13,11 @@ replication, with its split and one rank's replica weights.
 Exit status 1 when a layer is over its budget.
 """
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
+from torchtitan_ext.runtime.command_line import CommandLineParser
 from torchtitan_ext.runtime.entry import imports_without_collection, run_and_exit
 
 with imports_without_collection():
@@ -29,7 +29,7 @@ with imports_without_collection():
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandLineParser(description=__doc__)
     parser.add_argument("--world-size", type=int, help="ranks in the job (default: NGPU, else the config's degrees)")
     parser.add_argument("--moe-call", action="store_true",
                         help="count one MoE call at the job's per-rank shape in a group of one, not a training step")

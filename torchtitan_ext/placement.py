@@ -9,9 +9,9 @@ writes a placement file (:mod:`torchtitan_ext.balancing.placement`) that
 :mod:`torchtitan_ext.balancing.placement_search`.
 """
 
-import argparse
 import sys
 
+from torchtitan_ext.runtime.command_line import CommandLineParser
 from torchtitan_ext.runtime.entry import imports_without_collection, run_and_exit
 
 with imports_without_collection():
@@ -21,7 +21,7 @@ with imports_without_collection():
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
+    parser = CommandLineParser(
         description="Expert placement from recorded routing (see torchtitan_ext/balancing/placement_search.py)",
         epilog="Other arguments are the job's config overrides (--job.config_file X, --section.key value).",
     )

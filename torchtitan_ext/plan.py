@@ -24,6 +24,7 @@ import os
 import sys
 from pathlib import Path
 
+from torchtitan_ext.runtime.command_line import CommandLineParser
 from torchtitan_ext.runtime.entry import imports_without_collection, run_and_exit
 
 with imports_without_collection():
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandLineParser(description=__doc__)
     parser.add_argument("--world-size", type=int, help="ranks in the job (default: NGPU, else the config's degrees)")
     parser.add_argument("--routing-stats", type=Path,
                         help="routing_stats folder or .npz file: the expected drop rate, and with --topology the measured token bytes")

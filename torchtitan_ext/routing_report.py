@@ -6,16 +6,16 @@ or one file. Writes ``expert_load.png`` and ``coactivation_layer<L>.png``
 ``--out`` says otherwise. Needs the ``plots`` extra (matplotlib).
 """
 
-import argparse
 import sys
 from pathlib import Path
 
 from torchtitan_ext.balancing.routing_stats import load_path
 from torchtitan_ext.config import ConfigError
+from torchtitan_ext.runtime.command_line import CommandLineParser
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandLineParser(description=__doc__)
     parser.add_argument("dump", type=Path, help="routing_stats folder or one .npz file")
     parser.add_argument("--layer", type=int, help="layer for the co-activation plot (default: most imbalanced)")
     parser.add_argument("--out", type=Path, help="output folder (default: the dump folder)")

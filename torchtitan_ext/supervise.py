@@ -12,10 +12,11 @@ import sys
 from pathlib import Path
 
 from torchtitan_ext.launch.supervisor import Supervisor
+from torchtitan_ext.runtime.command_line import CommandLineParser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandLineParser(description=__doc__)
     parser.add_argument("--checkpoint-folder", default="", help="the job's checkpoint folder ('' when checkpointing is off)")
     parser.add_argument("--dump-folder", default="",
                         help="the job's dump folder, whose metrics.jsonl names the last step logged ('' if unknown)")

@@ -33,6 +33,7 @@ from torchtitan_ext.ep import BACKENDS
 from torchtitan_ext.planning.published_comparisons import load_comparisons, MXFP8_CONVERTERS, ROLES
 from torchtitan_ext.records.campaign import bench_command, describe_machine
 from torchtitan_ext.records.metrics import read_metrics
+from torchtitan_ext.runtime.command_line import CommandLineParser
 from torchtitan_ext.runtime.entry import run_and_exit
 from torchtitan_ext.runtime.jobs import run_job
 
@@ -46,7 +47,7 @@ PRECISIONS = {"bfloat16": "bf16", "float32": "fp32"}
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandLineParser(description=__doc__)
     parser.add_argument("--backends", nargs=2, required=True, choices=list(BACKENDS), metavar="BACKEND",
                         help=f"the two backends compared, among: {', '.join(BACKENDS)}")
     parser.add_argument("--topology", required=True, help="the topology the advisor prices the job on (a shipped "

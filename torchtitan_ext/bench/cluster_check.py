@@ -23,7 +23,6 @@ CUDA it then runs, and writes into one markdown report with those lines:
    embedded corpus): losses and the median step time after 3 warm-up steps (metrics.jsonl).
 """
 
-import argparse
 import datetime
 import json
 import os
@@ -35,6 +34,7 @@ from pathlib import Path
 import torchtitan_ext
 from torchtitan_ext.ep.backends import backend_variants, LIBRARY_VARIANTS as VARIANTS_OF_CLASS
 from torchtitan_ext.records.metrics import read_metrics
+from torchtitan_ext.runtime.command_line import CommandLineParser
 from torchtitan_ext.runtime.jobs import JobResult, run_job
 
 ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
@@ -113,7 +113,7 @@ def training(classes: list[str], gpus: int, steps: int) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandLineParser(description=__doc__)
     parser.add_argument("--report", type=Path, default=ROOT / "outputs" / "cluster_check.md",
                         help="markdown report to write (default: outputs/cluster_check.md)")
     parser.add_argument("--steps", type=int, default=10,

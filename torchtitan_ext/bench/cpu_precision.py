@@ -16,7 +16,6 @@ Each run trains ``--steps`` steps; the first ``--warmup`` step times of each run
 writes the step times to a new campaign file with ``--campaign``.
 """
 
-import argparse
 import json
 import os
 import re
@@ -30,6 +29,7 @@ import torchtitan_ext
 from torchtitan_ext.measuring.timing import add_timed_run_arguments, parse_timed_run_arguments
 from torchtitan_ext.records.campaign import bench_command, write_campaign
 from torchtitan_ext.records.metrics import read_metrics
+from torchtitan_ext.runtime.command_line import CommandLineParser
 from torchtitan_ext.runtime.jobs import run_job
 
 ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
@@ -58,7 +58,7 @@ def timed_run(variant: str, steps: int, dump_folder: str, overrides: list[str]) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandLineParser(description=__doc__)
     parser.add_argument("--with-bf16", action="store_true", help="also time bf16 forced (slow on such CPUs)")
     add_timed_run_arguments(parser, rounds=2, alternated="the variants", overridden="every variant")
     args = parse_timed_run_arguments(parser, argv)

@@ -18,7 +18,6 @@ ExpertParallel. The rows (``EPBenchRow``) go to ``--json``, which ``python -m to
 reads; ``--campaign`` writes them as a measurement campaign (:mod:`torchtitan_ext.records.campaign`).
 """
 
-import argparse
 import gc
 import json
 import logging
@@ -38,6 +37,7 @@ from torchtitan_ext.measuring.timing import (
 from torchtitan_ext.planning.local_traffic import LocalTrafficCounter
 from torchtitan_ext.records.campaign import bench_command, check_new_campaign_path, describe_machine, write_campaign
 from torchtitan_ext.records.ep_bench import EPBenchRow
+from torchtitan_ext.runtime.command_line import CommandLineParser
 from torchtitan_ext.runtime.workers import run_workers
 
 @dataclass(frozen=True)
@@ -182,7 +182,7 @@ def summary_line(row: EPBenchRow, backend_width: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandLineParser(description=__doc__)
     parser.add_argument("--nproc", type=int, default=2, help="processes")
     parser.add_argument("--ep-degree", type=int,
                         help="processes per EP group, a divisor of --nproc (default: --nproc; 1: local work alone)")

@@ -20,6 +20,7 @@ from torchtitan.models.moe.moe import _run_experts_for_loop
 from tqdm import tqdm
 
 from torchtitan_ext.ep.experts import run_experts_for_loop
+from torchtitan_ext.runtime.command_line import CommandLineParser
 
 WARMUP_ROUNDS = 2
 
@@ -44,7 +45,7 @@ def _expert_counts(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandLineParser(description=__doc__)
     parser.add_argument("--experts", type=_expert_counts, default=[4, 6, 8, 16],
                         help="local experts (comma separated, each >= 1)")
     parser.add_argument("--rows", type=int, default=3072, help="rows of all the experts together")

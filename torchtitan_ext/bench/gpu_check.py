@@ -31,7 +31,6 @@ passed. ``--dry-run`` prints the stages' commands without running them (any mach
 torchtitan_ext.bench.gpu_check`` too.
 """
 
-import argparse
 import json
 import re
 import shlex
@@ -45,6 +44,7 @@ from pathlib import Path
 import torchtitan_ext
 from torchtitan_ext.ep.backends import CPU_VARIANTS
 from torchtitan_ext.records.campaign import bench_command, check_new_campaign_path, write_campaign
+from torchtitan_ext.runtime.command_line import CommandLineParser
 from torchtitan_ext.runtime.entry import run_and_exit
 from torchtitan_ext.runtime.jobs import JobFailed, run_job
 
@@ -404,7 +404,7 @@ def campaign_rows(report: dict) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandLineParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("."), help="folder of gpu_check.json")
     parser.add_argument("--budget-s", type=float, default=330.0,
                         help="seconds for every stage together: each runs within what is left of them")

@@ -14,7 +14,6 @@ else (a traceback, a hang past ``--timeout``) fails.
 Results go to ``--markdown`` with the command, one row per run.
 """
 
-import argparse
 import os
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from tqdm import tqdm
 import torchtitan_ext
 from torchtitan_ext.ep.backends import backend_variants, MATRIX_VARIANTS
 from torchtitan_ext.records.metrics import logged_losses
+from torchtitan_ext.runtime.command_line import CommandLineParser
 from torchtitan_ext.runtime.jobs import JobFailed, run_job
 
 ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
@@ -112,8 +112,8 @@ def run(name: str, variant: str, steps: int, timeout: float, dump_folder: str) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = CommandLineParser(
+        description=__doc__,
         epilog="combinations (--only):\n" + "\n".join(f"  {name}" for name in sorted(COMBINATIONS)),
     )
     parser.add_argument("--steps", type=int, default=2, help="training steps per run")

@@ -21,7 +21,6 @@ Prints each check's table, predicted against measured, the ratio and
 whether the predicted ranking equals the measured one.
 """
 
-import argparse
 import json
 import os
 import statistics
@@ -34,6 +33,7 @@ from tqdm import tqdm
 import torchtitan_ext
 from torchtitan_ext.ep.backends import DEFAULT_VARIANTS
 from torchtitan_ext.records.metrics import read_metrics
+from torchtitan_ext.runtime.command_line import CommandLineParser
 from torchtitan_ext.runtime.jobs import run_job
 
 ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
@@ -54,7 +54,7 @@ def measured_step_time(ep: int, steps: int, warmup: int, folder: Path) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandLineParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3, help="step times dropped at the start of each run")
     parser.add_argument("--rounds", type=int, default=2, help="training runs per EP degree, in turn")

@@ -12,7 +12,6 @@ the overlap saves time). ``hybridep`` cannot overlap: its ratio shows the noise.
 to a new campaign file.
 """
 
-import argparse
 import statistics
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import torch
 from torchtitan_ext.ep.backends import backend_variants, DEFAULT_VARIANTS, variant_backend
 from torchtitan_ext.measuring.timing import DEADLINE_S, progress_bar, rank_device, time_once, workers_device
 from torchtitan_ext.records.campaign import bench_command, check_new_campaign_path, write_campaign
+from torchtitan_ext.runtime.command_line import CommandLineParser
 from torchtitan_ext.runtime.workers import run_workers
 
 
@@ -105,7 +105,7 @@ def _worker(rank: int, world_size: int, args) -> list[dict]:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandLineParser(description=__doc__)
     parser.add_argument("--nproc", type=int, default=2, help="EP degree = processes")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
     parser.add_argument("--hidden", type=int, default=1024)

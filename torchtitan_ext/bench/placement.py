@@ -10,7 +10,6 @@ experts, groups differing per layer), in 2 files, then runs
 ranks on it and prints the tool's report and its wall time.
 """
 
-import argparse
 import sys
 import tempfile
 import time
@@ -20,6 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 import torchtitan_ext
+from torchtitan_ext.runtime.command_line import CommandLineParser
 from torchtitan_ext.runtime.jobs import run_job
 
 ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
@@ -66,7 +66,7 @@ def write_dump(folder: Path, steps: int, tokens: int, seed: int = 0) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandLineParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=8, help="steps in the dump (half fit, half held out)")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per step and layer")
     parser.add_argument("--ranks-per-domain", type=int, default=16, help="EP ranks per NVLink domain")

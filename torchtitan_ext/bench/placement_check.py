@@ -18,7 +18,6 @@
 Prints the placement report and both variants' numbers.
 """
 
-import argparse
 import os
 import re
 import shutil
@@ -31,6 +30,7 @@ from tqdm import tqdm
 
 import torchtitan_ext
 from torchtitan_ext.records.metrics import read_metrics
+from torchtitan_ext.runtime.command_line import CommandLineParser
 from torchtitan_ext.runtime.jobs import run_job
 
 ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
@@ -54,7 +54,7 @@ def median_after_warmup(dump_folder: Path, metric: str, warmup: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandLineParser(description=__doc__)
     parser.add_argument("--record-steps", type=int, default=40)
     parser.add_argument("--save-every", type=int, default=5)
     parser.add_argument("--first-step", type=int, default=21, help="the placement tool's --first-step")

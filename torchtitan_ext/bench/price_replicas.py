@@ -15,12 +15,12 @@ The routing is synthetic (no 671B run is recorded here): the table says what
 the advisor predicts for this skew, not what a run measured.
 """
 
-import argparse
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from torchtitan_ext.runtime.command_line import CommandLineParser
 from torchtitan_ext.runtime.jobs import run_job
 from torchtitan_ext.bench.placement import ROOT, write_dump
 
@@ -29,7 +29,7 @@ JOB_CONFIG = "train_configs/deepseek_v3_671b_gb200.toml"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandLineParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=4, help="steps in the dump (the first is not priced)")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per step and layer")
     parser.add_argument("--topology", default="gb200_nvl72", help="topology name or file")

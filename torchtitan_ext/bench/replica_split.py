@@ -20,7 +20,6 @@ would change), each layer's counts drawn from its own Dirichlet(0.5) popularity;
 the compiled loops are loaded (or compiled) before the first timed call.
 """
 
-import argparse
 import statistics
 import time
 from unittest import mock
@@ -32,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torchtitan_ext.ep.replication import choice_loops, split_kernel
 from torchtitan_ext.ep.replication.choice import choose_layers, choose_replicas, filled_loads
 from torchtitan_ext.ep.replication.split import split_quotas, SplitTables
+from torchtitan_ext.runtime.command_line import CommandLineParser
 
 SHAPES = [(2, 8, 2), (8, 64, 2), (64, 256, 1), (64, 256, 2)]
 """(EP degree, experts, slots per rank)."""
@@ -50,7 +50,7 @@ class OperatorCount(TorchDispatchMode):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandLineParser(description=__doc__)
     parser.add_argument("--calls", type=int, default=20, help="timed calls per shape (median reported)")
     args = parser.parse_args(argv)
     if args.calls < 1:

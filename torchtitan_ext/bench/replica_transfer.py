@@ -12,7 +12,6 @@ over ``--iterations`` after one warm-up, and prints the bytes each rank sends
 per layer and direction and both times per layer and per step (all MoE layers).
 """
 
-import argparse
 import statistics
 import sys
 import time
@@ -22,6 +21,7 @@ import torch.distributed as dist
 
 from torchtitan_ext.config import ConfigError, load_job_config
 from torchtitan_ext.config.job import shared_meta_model
+from torchtitan_ext.runtime.command_line import CommandLineParser
 from torchtitan_ext.runtime.workers import run_workers
 from torchtitan_ext.training import prepare
 
@@ -69,7 +69,7 @@ def worker(rank: int, world_size: int, experts: int, floats: int, slots: int, it
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandLineParser(description=__doc__)
     parser.add_argument("--job.config_file", dest="config", default="train_configs/debug_model.toml")
     parser.add_argument("--slots", default="1,2", help="replica slots per rank to time, comma-separated")
     parser.add_argument("--iterations", type=int, default=20, help="timed fetch + return pairs (median reported)")

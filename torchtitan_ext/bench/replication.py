@@ -35,6 +35,7 @@ from tqdm import tqdm
 import torchtitan_ext
 from torchtitan_ext.records.campaign import bench_command, check_new_campaign_path, write_campaign
 from torchtitan_ext.records.metrics import read_metrics
+from torchtitan_ext.runtime.command_line import CommandLineParser
 from torchtitan_ext.runtime.jobs import run_job
 
 ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
@@ -149,7 +150,7 @@ def _headroom_fields(figures: dict) -> dict[str, float]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandLineParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=20, help="training steps per run (default: 20)")
     parser.add_argument("--rounds", type=int, default=1, help="rounds of all settings, alternating (default: 1)")
     parser.add_argument("--settings", default="1x1,2x1,1x5,2x5",

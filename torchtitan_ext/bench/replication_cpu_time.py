@@ -49,6 +49,7 @@ from torchtitan_ext.ep.base import named_layer
 from torchtitan_ext.ep.replication import experts as replica_experts, split as replica_split
 from torchtitan_ext.records.campaign import bench_command, check_new_campaign_path, write_campaign
 from torchtitan_ext.records.metrics import read_metrics
+from torchtitan_ext.runtime.command_line import CommandLineParser
 from torchtitan_ext.runtime.workers import run_workers
 from torchtitan_ext.training import prepare
 from torchtitan_ext.training.trainer import Trainer
@@ -351,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandLineParser(description=__doc__)
     parser.add_argument("--nproc", type=int, default=4, help="ranks, one thread each, and the EP degree (default: 4)")
     parser.add_argument("--steps", type=int, default=12, help="training steps per run (default: 12)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of all arms, alternating (default: 3)")

@@ -33,6 +33,7 @@ from torchtitan_ext.config import load_job_config
 from torchtitan_ext.data import prepare_embedded_assets
 from torchtitan_ext.records.campaign import bench_command, check_new_campaign_path, write_campaign
 from torchtitan_ext.records.metrics import read_metrics
+from torchtitan_ext.runtime.command_line import CommandLineParser
 from torchtitan_ext.runtime.workers import run_workers
 from torchtitan_ext.training import prepare
 from torchtitan_ext.training.trainer import Trainer
@@ -79,7 +80,7 @@ def rows_of(dtype: str, metrics: dict[str, list[dict]]) -> list[dict]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandLineParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=12, help="training steps per arm")
     parser.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma-separated, of {', '.join(DTYPES)}")
     parser.add_argument("--campaign", type=Path, help="write the rows to this new campaign file")

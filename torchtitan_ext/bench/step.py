@@ -12,7 +12,6 @@ the EP path and everything our spec changes. Results go to ``--json``, and the s
 to a new campaign file with ``--campaign`` (:mod:`torchtitan_ext.records.campaign`).
 """
 
-import argparse
 import gc
 import json
 import os
@@ -26,6 +25,7 @@ from torchtitan_ext.measuring.timing import (
     add_timed_run_arguments, DEADLINE_S, parse_timed_run_arguments, progress_bar, workers_device,
 )
 from torchtitan_ext.records.campaign import bench_command, write_campaign
+from torchtitan_ext.runtime.command_line import CommandLineParser
 from torchtitan_ext.runtime.workers import run_workers
 
 ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
@@ -107,7 +107,7 @@ def _share_our_flavors() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandLineParser(description=__doc__)
     parser.add_argument("--config", default="train_configs/debug_model.toml")
     parser.add_argument("--nproc", type=int, default=2, help="processes (the debug job's EP degree is 2)")
     add_timed_run_arguments(parser, rounds=3, alternated="upstream/ours", overridden="both variants")

@@ -9,7 +9,6 @@ losses (its metrics.jsonl) and the largest relative difference per variant (goal
 over. ``--work`` is emptied first, and only if this tool made it (its marker file), or it is new or empty.
 """
 
-import argparse
 import os
 import shutil
 import sys
@@ -18,6 +17,7 @@ from pathlib import Path
 import torchtitan_ext
 from torchtitan_ext.ep.backends import backend_variants, CPU_VARIANTS
 from torchtitan_ext.records.metrics import logged_losses
+from torchtitan_ext.runtime.command_line import CommandLineParser
 from torchtitan_ext.runtime.entry import run_and_exit
 from torchtitan_ext.runtime.jobs import run_job
 
@@ -36,7 +36,7 @@ def _train(ngpu: int, folder: Path, *args: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser = CommandLineParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--work", type=Path, default=Path("/tmp/tp_parity"), help="work folder (emptied first)")
     parser.add_argument("--steps", type=int, default=5, help="training steps per run")
     args = parser.parse_args(argv)

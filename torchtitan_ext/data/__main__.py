@@ -1,13 +1,14 @@
 """Build the embedded corpus and tokenizer: ``python -m torchtitan_ext.data [DIR]``."""
 
-import argparse
 import json
+
+from torchtitan_ext.runtime.command_line import CommandLineParser
 
 from .embedded import DEFAULT_ASSETS_DIR, ensure_assets
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = CommandLineParser(description=__doc__)
     parser.add_argument("root", nargs="?", default=str(DEFAULT_ASSETS_DIR))
     args = parser.parse_args()
     assets = ensure_assets(args.root)

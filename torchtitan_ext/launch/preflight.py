@@ -20,6 +20,7 @@ import shlex
 import socket
 import sys
 
+from torchtitan_ext.runtime.command_line import CommandLineParser
 from torchtitan_ext.runtime.entry import imports_without_collection, run_and_exit
 
 with imports_without_collection():
@@ -82,7 +83,7 @@ def check_port_free(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = CommandLineParser(description=__doc__)
     parser.add_argument("--ngpu", required=True, help="processes on this machine (NGPU)")
     parser.add_argument("--nnodes", type=int, default=1, help="machines in the job")
     parser.add_argument("--port", help="explicit rendezvous port to check (MASTER_PORT)")

@@ -15,6 +15,7 @@ import argparse
 import sys
 from dataclasses import dataclass
 
+from torchtitan_ext.runtime.command_line import CommandLineParser
 from torchtitan_ext.runtime.entry import imports_without_collection, run_and_exit
 
 with imports_without_collection():
@@ -149,7 +150,7 @@ def _dry_run(job_config, world_size: int) -> DryRunReport:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandLineParser(description=__doc__)
     parser.add_argument("--world-size", type=int, help="world size to validate for (default: NGPU, else the config's degrees)")
     parser.add_argument("train_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)

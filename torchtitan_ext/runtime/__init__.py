@@ -5,7 +5,8 @@ Owns: :mod:`.device` (device choice, :func:`configure`, the CPU + gloo
 accommodations), :mod:`.memory` (host-memory monitor, heap policy),
 :mod:`.collectives` (:class:`CollectiveFailed`), and the one launcher of every command the tests, benches and
 checks start (:mod:`.jobs`), the preemption signals a job's supervisor and its ranks share
-(:mod:`.preemption`), and how a command-line entry point that imports torch starts and ends (:mod:`.entry`).
+(:mod:`.preemption`), how a command-line entry point that imports torch starts and ends (:mod:`.entry`), and
+the argument parser of every command-line tool (:mod:`.command_line`).
 
 May import: :mod:`torchtitan_ext.config` (see the tiers in :mod:`torchtitan_ext`).
 """
