@@ -36,8 +36,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {given}: python -m torchtitan_ext.bench NAME, NAME one of {', '.join(valid)}", file=sys.stderr)
         return 2
     name, *args = argv
-    # argparse names the program by sys.argv[0]: the command as typed, for NAME's usage and errors
-    sys.argv[0] = f"python -m torchtitan_ext.bench {name}"
+    # NAME's parser names the command by sys.argv[0] (runtime.command_line): the command as typed, for its usage and
+    # errors; put back after, for a caller in the same process
+    program, sys.argv[0] = sys.argv[0], f"python -m torchtitan_ext.bench {name}"
     try:
         with imports_without_collection():
             module = importlib.import_module(f"{__package__}.{name}")
@@ -45,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # a bad option or input file: one line, before anything is measured
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        sys.argv[0] = program
 
 
 if __name__ == "__main__":

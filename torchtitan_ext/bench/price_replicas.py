@@ -20,9 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from torchtitan_ext.bench.placement import ROOT, write_dump
 from torchtitan_ext.runtime.command_line import CommandLineParser
 from torchtitan_ext.runtime.jobs import run_job
-from torchtitan_ext.bench.placement import ROOT, write_dump
 
 
 JOB_CONFIG = "train_configs/deepseek_v3_671b_gb200.toml"

@@ -289,7 +289,7 @@ def format_advice(
             degrees.setdefault((layout.label, layout.replica_slots, layout.refused), []).append(layout.ep)
         for (label, slots, reason), eps in degrees.items():
             lines += _wrapped(
-                f"{label} EP={', '.join(map(str, eps))}{f' slots={slots}' if prices_replicas else ''}: {reason}", "    ")
+                f"{label}{f' slots={slots}' if prices_replicas else ''} EP={', '.join(map(str, eps))}: {reason}", "    ")
     return [wrapped for line in lines for wrapped in (_wrapped(line.lstrip(), line[:len(line) - len(line.lstrip())])
                                                       if len(line) > WIDTH else [line])]
 
