@@ -26,5 +26,5 @@ def test_a_bad_argument_is_one_line_naming_the_command(capsys, monkeypatch, argv
         parser.parse_args(["--world-size", "x"])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == (
-        f"error: argument --world-size: invalid int value: 'x' ({command} --help lists the options)\n")
+        f"error: argument --world-size: invalid int value: 'x'; {command} --help lists the options\n")
     assert parser.format_usage().startswith(f"usage: {command} [-h]")

@@ -20,7 +20,6 @@ reads; ``--campaign`` writes them as a measurement campaign (:mod:`torchtitan_ex
 
 import gc
 import json
-import logging
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -127,7 +126,6 @@ def _iteration_fn(label, shape, mesh, device, dtype, backward: bool = True):
 
 
 def _worker(rank: int, world_size: int, args) -> list[EPBenchRow]:
-    logging.getLogger().setLevel(logging.ERROR)  # torchtitan's config warnings, once per case
     from torch.distributed.device_mesh import init_device_mesh
 
     from torchtitan_ext import runtime

@@ -12,8 +12,8 @@ import sys
 
 class CommandLineParser(argparse.ArgumentParser):
     """An ``argparse.ArgumentParser`` whose program is the command as typed (:func:`command_as_typed`) and whose
-    errors are one line on stderr with exit status 2: ``error: <argparse's message> (<command> --help lists the
-    options)``. The description and epilog are shown as written (the tools' docstrings are their help)."""
+    errors are one line on stderr with exit status 2: ``error: <argparse's message>; <command> --help lists the
+    options``. The description and epilog are shown as written (the tools' docstrings are their help)."""
 
     def __init__(self, **kwargs):
         kwargs.setdefault("prog", command_as_typed())
@@ -21,7 +21,7 @@ class CommandLineParser(argparse.ArgumentParser):
         super().__init__(**kwargs)
 
     def error(self, message: str):
-        self.exit(2, f"error: {message} ({self.prog} --help lists the options)\n")
+        self.exit(2, f"error: {message}; {self.prog} --help lists the options\n")
 
 
 def command_as_typed() -> str:
