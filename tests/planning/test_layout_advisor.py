@@ -165,19 +165,11 @@ def test_paper_mode_prints_every_domain_size(capsys):
 def test_advice_ranks_runnable_layouts_and_lists_refused_ones():
     layouts, _ = advise(DEBUG_JOB, 4, load_topology("hgx_h100_ib"))
     runnable = [layout for layout in layouts if layout.refused is None]
-    refused = [layout for layout in layouts if layout.refused is not None]
-    # DeepEP also at its other API (the job's "auto" resolves to V2 here: v1 is priced beside it)
-    assert {(layout.label, layout.ep) for layout in runnable} == {
-        (backend, ep) for backend in ("nccl", "deepep", "deepep legacy", "hybridep", "ncclep") for ep in (1, 2, 4)
-    } - {("deepep", 1), ("deepep legacy", 1), ("hybridep", 1), ("ncclep", 1)}
-    assert {(layout.label, layout.ep) for layout in refused} == {("deepep", 1), ("deepep legacy", 1), ("hybridep", 1),
-                                                                 ("ncclep", 1)}
-    assert all("needs expert parallelism" in layout.refused for layout in refused)
-    # v1 is refused at EP = 1 for the reason V2 is: the advice lists that once
-    lines = format_advice(layouts, load_topology("hgx_h100_ib"), 4, "deepseek_v3 debugmodel", None, error=ERROR)
-    listed = lines[lines.index("  not runnable (the job's config checks; other backends' sections at their defaults):") + 1:]
-    assert [line.split(":")[0].strip() for line in listed if not line.startswith("      ")] == [
-        "deepep EP=1", "hybridep EP=1", "ncclep EP=1"]
+    # DeepEP also at its other API (the job's "auto" resolves to V2 here: v1 is priced beside it); a backend that
+    # needs expert parallelism has no layout at EP = 1
+    assert {(layout.label, layout.ep) for layout in runnable} == {("nccl", 1)} | {
+        (backend, ep) for backend in ("nccl", "deepep", "deepep legacy", "hybridep", "ncclep") for ep in (2, 4)}
+    assert len(runnable) == len(layouts)
     # priced layouts by step time, then the bounds at a nominal rate (NCCL EP's)
     priced = [layout for layout in runnable if not layout.nominal_links]
     assert runnable[:len(priced)] == priced and {layout.label for layout in runnable[len(priced):]} == {"ncclep"}
@@ -194,6 +186,19 @@ def test_advice_ranks_runnable_layouts_and_lists_refused_ones():
     for ep in (2, 4):
         assert by_key["hybridep", ep].costs.token_copies < by_key["nccl", ep].costs.token_copies
         assert by_key["deepep", ep].costs.token_copies == by_key["hybridep", ep].costs.token_copies
+    # expert TP, which only nccl supports: the others are refused, and DeepEP's v1, refused for the reason V2 is,
+    # is listed once
+    expert_tp_job = [*DEBUG_JOB, "--parallelism.tensor_parallel_degree", "2",
+                     "--parallelism.expert_tensor_parallel_degree", "2"]
+    layouts, _ = advise(expert_tp_job, 4, load_topology("hgx_h100_ib"))
+    refused = [layout for layout in layouts if layout.refused is not None]
+    assert {(layout.label, layout.ep) for layout in refused} == {
+        ("deepep", 2), ("deepep legacy", 2), ("hybridep", 2), ("ncclep", 2)}
+    assert all("expert_tensor_parallel_degree = 2 is not supported" in layout.refused for layout in refused)
+    lines = format_advice(layouts, load_topology("hgx_h100_ib"), 4, "deepseek_v3 debugmodel", None, error=ERROR)
+    listed = lines[lines.index("  not runnable (the job's config checks; other backends' sections at their defaults):") + 1:]
+    assert [line.split(":")[0].strip() for line in listed if not line.startswith("      ")] == [
+        "deepep EP=2", "hybridep EP=2", "ncclep EP=2"]
 
 
 JOB_671B = ["--job.config_file", "train_configs/deepseek_v3_671b_gb200.toml"]
@@ -730,7 +735,8 @@ def test_an_all_to_all_beyond_the_kernels_reach_occupies_the_next_link():
 def test_json_lists_every_layout_considered(capsys, tmp_path):
     out = tmp_path / "layouts.json"
     plan.main(["--topology", "hgx_h100_ib", "--world-size", "4", "--json", str(out), *DEBUG_JOB])
-    assert capsys.readouterr().out.splitlines()[-1] == f"Wrote 15 layouts to {out}"
+    # nccl at EP = 1, 2 and 4; deepep, its v1 API, hybridep and ncclep at EP = 2 and 4
+    assert capsys.readouterr().out.splitlines()[-1] == f"Wrote 11 layouts to {out}"
     advice = json.loads(out.read_text())
     records = advice["layouts"]
     layouts, _ = advise(DEBUG_JOB, 4, load_topology("hgx_h100_ib"))
@@ -860,11 +866,11 @@ def test_a_limit_that_no_ep_degree_meets_is_listed_once_with_the_degrees_it_refu
     one line names every degree; a reason that names the degree stays a line of its own."""
     lines = _advice_lines(advice_671b, "gb200_nvl72")
     listed = lines[next(i for i, line in enumerate(lines) if line.startswith("  not runnable")) + 1:]
-    ncclep = [line for line in listed if line.startswith("    ncclep EP=") and not line.startswith("    ncclep EP=1:")]
+    ncclep = [line for line in listed if line.startswith("    ncclep EP=")]
     assert len(ncclep) == 1
     assert ncclep[0].startswith(f"    ncclep EP={', '.join(str(ep) for ep in range(2, 257) if 256 % ep == 0)}: ")
     assert [line.split(":")[0].strip() for line in listed if line.startswith("    hybridep EP=")] == [
-        "hybridep EP=1", "hybridep EP=128", "hybridep EP=256"]
+        "hybridep EP=128", "hybridep EP=256"]
 
 
 def test_the_671b_advice_says_measure_and_its_range_holds_the_published_hybridep_run(advice_671b):

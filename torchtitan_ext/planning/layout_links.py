@@ -55,8 +55,11 @@ def priced_settings(job_config, ep: int, slot_counts: list[int], topology: Topol
     """(backend name, backend, settings of its section, replica slots) for every layout priced at ``ep``: each
     backend with the job's settings ({}) and with each of its advised alternatives, at each slot count. An
     alternative chosen by published figures that a rate measured on the cluster replaces (the same rate
-    settings) would be priced as the job's settings are: it is left out."""
+    settings) would be priced as the job's settings are: it is left out. A backend that needs expert parallelism
+    has no layout at EP = 1."""
     for backend_name, backend in BACKENDS.items():
+        if ep == 1 and backend.needs_expert_parallelism:
+            continue
         profile = PLANNING_PROFILES[backend_name]
         candidate = candidate_config(job_config, backend_name, ep)
         fabrics = crossed_fabrics(backend_name, candidate, topology, world_size, ep)
