@@ -195,6 +195,10 @@ def test_advice_ranks_runnable_layouts_and_lists_refused_ones():
     assert {(layout.label, layout.ep) for layout in refused} == {
         ("deepep", 2), ("deepep legacy", 2), ("hybridep", 2), ("ncclep", 2)}
     assert all("expert_tensor_parallel_degree = 2 is not supported" in layout.refused for layout in refused)
+    # --json writes a refused layout with its reason and no rank or time
+    written = [record for record in layouts_record(layouts) if not record["runnable"]]
+    assert [record["refused"] for record in written] == [layout.refused for layout in refused]
+    assert not any("rank" in record or "step_s" in record for record in written)
     lines = format_advice(layouts, load_topology("hgx_h100_ib"), 4, "deepseek_v3 debugmodel", None, error=ERROR)
     listed = lines[lines.index("  not runnable (the job's config checks; other backends' sections at their defaults):") + 1:]
     assert [line.split(":")[0].strip() for line in listed if not line.startswith("      ")] == [
@@ -750,7 +754,6 @@ def test_json_lists_every_layout_considered(capsys, tmp_path):
     assert [r["step_s"] for r in runnable] == pytest.approx([layout.step_s for layout in layouts[:len(runnable)]])
     assert [r["rank"] for r in runnable] == list(range(1, len(runnable) + 1))
     assert runnable[0]["overrides"] == layouts[0].overrides()
-    assert all(r["refused"] and "step_s" not in r for r in records if not r["runnable"])
     # every rate published on HGX but NCCL EP's, priced at the nominal rate: a bound
     assert {(r["pricing"], r["assumption"] is None) for r in runnable if r["backend"] != "ncclep"} == {("priced", True)}
     assert {r["pricing"] for r in runnable if r["backend"] == "ncclep"} == {"range"}

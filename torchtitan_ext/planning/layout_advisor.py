@@ -1,10 +1,11 @@
 """Which EP backend and EP layout a job should use on a topology, and why.
 
-:func:`advise` prices every backend at every (EP degree, expert-FSDP degree) the job can run at its world
-size, and at each replica slot count to price: the MoE communication per step and the part the step waits
-for (:mod:`.cost_model`), the backend's local work, the busiest rank's expert compute above the mean and
-the replicas' traffic (:mod:`.replica_cost`), and the per-rank memory; it ranks the layouts by predicted
-step. A layout the job config's own validation refuses is listed with the reason, never ranked.
+:func:`advise` prices every backend at every (EP degree, expert-FSDP degree) the job can run at its world size
+(a backend that needs expert parallelism from EP = 2), and at each replica slot count to price: the MoE
+communication per step and the part the step waits for (:mod:`.cost_model`), the backend's local work, the
+busiest rank's expert compute above the mean and the replicas' traffic (:mod:`.replica_cost`), and the
+per-rank memory; it ranks the layouts by predicted step. A layout the job config's own validation refuses is
+listed with the reason, never ranked.
 :func:`~torchtitan_ext.planning.advice_report.format_advice` prints the table. See docs/planning.md, "Which
 backend and EP layout"
 """
@@ -40,7 +41,8 @@ def advise(
     fitted_fractions: dict[tuple[str, tuple, str], float] | None = None, ep_degrees: set[int] | None = None,
     device_type: str | None = None, a2a_overlap: bool | None = None,
 ) -> tuple[list[Layout], MeasuredRouting | None]:
-    """Every backend x EP degree (x replica slot count): runnable ones ranked by what each adds to the step
+    """Every backend x EP degree (x replica slot count; EP = 1 only for a backend that runs without expert
+    parallelism, :func:`~torchtitan_ext.planning.layout_links.priced_settings`): runnable ones ranked by what each adds to the step
     (:attr:`Layout.moe_s`), then the refused; and the measured routing used for token bytes and rank loads
     (from ``routing_stats``, a loaded dump), if any.
 
