@@ -17,9 +17,6 @@ LIMITS = {
                         "parallelism.tensor_parallel_degree = 2 on a CPU: torchtitan's Qwen3 TP plan"),
     "context_parallel": (GPT_OSS, ("--parallelism.context_parallel_degree", "2"), 4,
                          "parallelism.context_parallel_degree = 2: model.flavor = 'debugmodel_small' uses flex"),
-    "replication": (GPT_OSS, ("--expert_replication.slots_per_rank", "1"), 2,
-                    "expert_replication.slots_per_rank = 1: replicas are fetched, split and summed as w1, w2, w3, "
-                    "and gpt_oss's routed experts (mlp1_weight, mlp1_bias, mlp2_weight, mlp2_bias)"),
     "mxfp8_experts": (GPT_OSS, ("--model.converters", "quantize.grouped_mm.mx", "--quantize.grouped_mm.mx.fqns",
                                 "experts"), 2,
                       "model.converters has quantize.grouped_mm.mx, whose grouped GEMMs quantize w1, w2, w3"),
@@ -42,7 +39,7 @@ def test_refused_in_one_line(limit):
     assert str(error.value).startswith(message) and "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("limit", ["pipeline", "replication", "expert_tp"])
+@pytest.mark.parametrize("limit", ["pipeline", "expert_tp"])
 def test_the_standard_model_runs_them(limit):
     _, overrides, world_size, _ = LIMITS[limit]
     load_job_config(["--job.config_file", DEEPSEEK_V3, *overrides], "cpu", world_size=world_size)

@@ -460,7 +460,7 @@ PP2 = ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_pa
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model, checkpointing, world_size", [
-    ("deepseek_v3", (), EP), ("llama4", (), EP),
+    ("deepseek_v3", (), EP), ("llama4", (), EP), ("gpt_oss", (), EP),
     ("deepseek_v3", ("--activation_checkpoint.mode", "full"), EP),
     ("deepseek_v3", ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"),
      EP),
@@ -468,13 +468,13 @@ PP2 = ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_pa
     ("deepseek_v3", ("--parallelism.tensor_parallel_degree", "2"), 2 * EP),
 ])
 def test_replication_through_deepep_v2_5_equals_the_reference(model, checkpointing, world_size):
-    """A whole model step with 2 replica slots per rank (EP = 2, FSDP, bf16) over deepep on V2.5, without
-    and with activation checkpointing (full: the fetch is recomputed in backward; per op: it is saved),
-    over 2 pipeline stages (each stage's EP group has its own buffer and kernels, two microbatches), and
-    with EP borrowing the TP ranks (beside FSDP, through which torchtitan casts to bf16):
-    the library's double (dispatch and combine through EPBuffer, replicas through its load-balancing
-    kernels) gives the reference's loss and gradients (all-to-all replicas), bit for bit; so does the
-    reference driven through the V2.5 adapter (``api = "ep"``), which has no load-balancing kernels."""
+    """A whole model step with 2 replica slots per rank (EP = 2, FSDP, bf16) over deepep on V2.5 (GPT-OSS: its
+    experts' biases move with their weights), without and with activation checkpointing (full: the fetch is recomputed
+    in backward; per op: it is saved), over 2 pipeline stages (each stage's EP group has its own buffer and kernels,
+    two microbatches), and with EP borrowing the TP ranks (beside FSDP, through which torchtitan casts to bf16): the
+    library's double (dispatch and combine through EPBuffer, replicas through its load-balancing kernels) gives the
+    reference's loss and gradients (all-to-all replicas), bit for bit; so does the reference driven through the V2.5
+    adapter (``api = "ep"``), which has no load-balancing kernels."""
     results = run_distributed(world_size, lb_model_worker, model, checkpointing)
     # replicas that computed no pair would make every run equal to the reference whatever they carry
     for run in (("deep_ep", "auto"), ("reference", "auto"), ("reference", "ep")):

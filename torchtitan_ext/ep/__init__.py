@@ -20,6 +20,7 @@ from torchtitan_ext.ep.deepep import DeepEPExpertParallel
 from torchtitan_ext.ep.hybridep import HybridEPExpertParallel
 from torchtitan_ext.ep.nccl import NcclExpertParallel
 from torchtitan_ext.ep.ncclep import NcclEPExpertParallel
+from torchtitan_ext.ep.replication.experts import check_replica_experts
 from torchtitan_ext.ep.replication.plan import check_replication, ExpertReplication, REPLICATION_RANGES
 from torchtitan_ext.ep.validation import check_backend
 
@@ -31,6 +32,7 @@ def _register_config() -> None:
             register_section(backend.config_section, backend.Config, backend.config_ranges)
     register_section("expert_replication", ExpertReplication, REPLICATION_RANGES)
     register_check(check_replication)
+    register_check(check_replica_experts)
     register_check(check_backend)
 
 

@@ -37,7 +37,7 @@ from torchtitan_ext.ep import backend_class
 from torchtitan_ext.ep.base import moe_layer_name
 from torchtitan_ext.ep.experts import adopt_unbound_loop
 from torchtitan_ext.ep.replication import saved_transport_ops
-from torchtitan_ext.ep.replication.experts import ExpertsWithReplicas, link_fetch_ahead
+from torchtitan_ext.ep.replication.experts import adopt_replica_slots, link_fetch_ahead
 from torchtitan_ext.ep.replication.plan import dispatched_shape, fetches_ahead, ReplicaPlan
 from torchtitan_ext.ep.replication.split import ReplicaRouter
 from torchtitan_ext.models.moe import ExpertParallelMoE, TensorParallelTokenSplit
@@ -137,7 +137,7 @@ def apply_moe_parallelism(model: torch.nn.Module, parallel_dims, job_config,
             # no replicas until the first choice (torchtitan_ext.ep.replication.choice)
             plan = ReplicaPlan.empty(block.moe.experts.num_experts, ep_mesh.size(), slots)
             block.moe.replicas = ReplicaRouter(plan, ep_mesh.get_group())
-            ExpertsWithReplicas.adopt(block.moe.experts, plan, ep_mesh.get_group())
+            adopt_replica_slots(block.moe.experts, plan, ep_mesh.get_group())
         style = make_layer(score_before_experts=block.moe.score_before_experts)
         style.layer_name = moe_layer_name(layer_id)
         if slots:

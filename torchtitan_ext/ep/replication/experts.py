@@ -1,11 +1,15 @@
 """Routed experts with replica slots: home weights (parameters) plus copies fetched every forward.
 
-:class:`ExpertsWithReplicas` is torchtitan's ``GroupedExperts`` turned, in
-place, into experts that compute L + S local slots: the L home experts (this
-rank's shard of the parameters) and S replica slots whose weights come from
-their home ranks through ``torchtitan_ext::replica_weights`` (one all-to-all
-of whole experts, forward) and whose gradients go home through
-``replica_gradients`` (backward), added to the home experts' own. Home weights
+:func:`adopt_replica_slots` turns a model's experts module, in place, into one
+that computes L + S local slots (:class:`ReplicaSlots`): the L home experts
+(this rank's shard of the parameters) and S replica slots whose weights come
+from their home ranks through ``torchtitan_ext::replica_weights`` (one
+all-to-all of whole experts, forward) and whose gradients go home through
+``replica_gradients`` (backward), added to the home experts' own. Every
+parameter of an expert moves, in the order its module holds them: torchtitan's
+``GroupedExperts`` (w1, w2, w3: :class:`ExpertsWithReplicas`) and GPT-OSS's
+biased experts (mlp1 and mlp2, each a weight and a bias:
+:class:`GptOssExpertsWithReplicas`). Home weights
 stay the only parameters, so the optimizer, FSDP and checkpoints see logical
 experts only. Where the backend's library moves replicas itself (DeepEP V2.5's
 load-balancing kernels), the op goes through it (:mod:`torchtitan_ext.ep.replication.transport`).
@@ -13,7 +17,7 @@ load-balancing kernels), the op goes through it (:mod:`torchtitan_ext.ep.replica
 The fetch goes ahead of the dispatch and is waited for right before the
 experts: the EP backend's dispatch hook, which runs after FSDP's unshard, has
 its kernel buffer ready (which may carry the group's transport) and calls
-:meth:`ExpertsWithReplicas.queue_replica_fetch` before it dispatches. The
+:meth:`ReplicaSlots.queue_replica_fetch` before it dispatches. The
 fetch's all-to-all is issued asynchronously (on a GPU on the EP group's NCCL
 stream, its output allocated on the compute stream), the dispatch is issued
 behind it, and :func:`with_replicas` waits for the fetch just before the
@@ -21,7 +25,7 @@ experts: grouped GEMMs read a concatenation of the home experts and the
 replicas (one 3-D weight per projection), the per-expert loop views of both.
 
 Double buffering: where block i+1 is a MoE layer too, layer i's hooks fetch
-its replicas (:meth:`ExpertsWithReplicas.fetch_following_ahead`), so that they
+its replicas (:meth:`ReplicaSlots.fetch_following_ahead`), so that they
 move while layer i computes, and layer i+1 finds them in flight. They are
 fetched once layer i's dispatch is issued, or, where FSDP gathers the experts
 across ranks, once its combine is: layer i+1's experts are unsharded for the
@@ -54,8 +58,10 @@ from torch.distributed.distributed_c10d import _get_process_group_name
 from torch.autograd.function import once_differentiable
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torchtitan.models.gpt_oss.model import moe as gpt_oss_moe
 from torchtitan.models.moe.moe import _run_experts_for_loop, GroupedExperts
 
+from torchtitan_ext.config import ConfigError, shared_meta_model, ValidationContext
 from torchtitan_ext.ep.base import to_device
 from torchtitan_ext.ep.experts import UnboundLoopExperts
 from torchtitan_ext.ep.recompute import recomputing
@@ -93,9 +99,9 @@ def exchange_arguments(plan: ReplicaPlan, rank: int, device: torch.device = torc
 
 
 def weights_with_replicas(home: list[torch.Tensor], fetched: torch.Tensor, slots: int) -> list[torch.Tensor]:
-    """w1, w2, w3 of the L home experts followed by the ``slots`` fetched ones (``fetched``: one row of w1, w2 and
-    w3 flattened per slot). The home experts are copied: a grouped GEMM takes one 3-D weight whose groups start at
-    its first row."""
+    """Each of the L home experts' parameters (w1, w2, w3, or GPT-OSS's four) followed by the ``slots`` fetched
+    ones (``fetched``: one row per slot, the parameters flattened one after the other). The home experts are
+    copied: a grouped GEMM takes one 3-D weight whose groups start at its first row."""
     pieces = fetched.split([w[0].numel() for w in home], dim=1)
     return [torch.cat([w, piece.view(slots, *w.shape[1:])]) for w, piece in zip(home, pieces)]
 
@@ -211,11 +217,11 @@ def with_replicas(home: list[torch.Tensor], exchange, redundancy_mapping: torch.
     return [list(experts[start:start + count]) for start in range(0, len(experts), count)]
 
 
-def link_fetch_ahead(blocks: list["ExpertsWithReplicas | None"], after_experts: bool) -> None:
+def link_fetch_ahead(blocks: list["ReplicaSlots | None"], after_experts: bool) -> None:
     """Each MoE layer fetches the next block's replicas ahead where that block is a MoE layer too
-    (:meth:`ExpertsWithReplicas.fetch_following_ahead`). ``blocks``: a model part's blocks in forward order, each its
+    (:meth:`ReplicaSlots.fetch_following_ahead`). ``blocks``: a model part's blocks in forward order, each its
     experts (None for a dense block: torchtitan's FSDP prefetches one block ahead, and a fetch two blocks ahead would
-    unshard experts a block early); ``after_experts``: :attr:`ExpertsWithReplicas.after_experts`. Not for per-op
+    unshard experts a block early); ``after_experts``: :attr:`ReplicaSlots.after_experts`. Not for per-op
     selective checkpointing (the module docstring)."""
     for layer, following in zip(blocks, blocks[1:]):
         if layer is not None and following is not None:
@@ -230,8 +236,10 @@ def redundancy_mapping(plan: ReplicaPlan, device: torch.device = torch.device("c
     return to_device(torch.tensor(plan.replicas, dtype=torch.int32), device)
 
 
-class ExpertsWithReplicas(UnboundLoopExperts):
-    """GroupedExperts computing home experts and replica slots (adopted in place)."""
+class ReplicaSlots(torch.nn.Module):
+    """An experts module computing its home experts and replica slots (adopted in place,
+    :func:`adopt_replica_slots`). A subclass says which tensors are an expert's weights (:meth:`_home`) and how
+    its experts compute on them (:meth:`_run`)."""
 
     slots: int
     group = None
@@ -249,7 +257,7 @@ class ExpertsWithReplicas(UnboundLoopExperts):
     fetch_name: str = UNNAMED_FETCH
     """What a failure of this layer's fetch names, also when the layer before issues it: the name its EP style gives
     its collectives ("MoE layer 3 replica fetch (NcclExpertParallel)"), set by the parallelize plan."""
-    following: "ExpertsWithReplicas | None" = None
+    following: "ReplicaSlots | None" = None
     """The next block's experts in this model part, whose fetch this layer issues ahead (:func:`link_fetch_ahead`);
     None for the last MoE layer, one before a dense block, and where nothing is fetched ahead."""
     preceded: bool = False
@@ -261,7 +269,7 @@ class ExpertsWithReplicas(UnboundLoopExperts):
     earlier, would hold this layer's expert GEMMs."""
 
     @classmethod
-    def adopt(cls, experts: GroupedExperts, plan: ReplicaPlan, group) -> "ExpertsWithReplicas":
+    def adopt(cls, experts: torch.nn.Module, plan: ReplicaPlan, group) -> "ReplicaSlots":
         experts.__class__ = cls
         experts.slots = plan.slots
         experts.group = group
@@ -279,7 +287,7 @@ class ExpertsWithReplicas(UnboundLoopExperts):
         self.holds_replicas = plan.replicated() > 0
         built = getattr(self, "exchange", None)
         # where the weights live (none yet while the model is parallelized on the meta device: first use builds)
-        device = self.w1.device if built is None else built.send_local.device
+        device = self._home()[0].device if built is None else built.send_local.device
         self.exchange = self.redundancy_mapping = None
         if device.type != "meta":
             self._build_tables(device)
@@ -289,7 +297,19 @@ class ExpertsWithReplicas(UnboundLoopExperts):
         self.redundancy_mapping = redundancy_mapping(self.plan, device)
 
     def _home(self) -> list[torch.Tensor]:
-        return [w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3)]
+        """This rank's home experts' weights, each [L, ...] and local, in the order a fetched row holds them."""
+        raise NotImplementedError
+
+    def _run(self, weights: list[torch.Tensor], x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """The experts on ``weights`` (:meth:`_home`'s, or those of the L + S slots stacked)."""
+        raise NotImplementedError
+
+    def _run_with_replicas(self, home: list[torch.Tensor], fetched: torch.Tensor, x: torch.Tensor,
+                           num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """The L + S slots' experts, once ``fetched`` lands: on the home experts and replicas stacked."""
+        weights = with_replicas(home, self.exchange, self.redundancy_mapping, self.slots,
+                                _get_process_group_name(self.group), fetched)
+        return self._run(weights, x, num_tokens_per_expert)
 
     def queue_replica_fetch(self) -> None:
         """Queue this forward's fetch (none where no slot holds a replica, or where the layer before fetched it ahead):
@@ -342,12 +362,68 @@ class ExpertsWithReplicas(UnboundLoopExperts):
         if not self.holds_replicas:
             # no replica this step (none chosen yet, or the choice set aside): the slots get no pairs, so their
             # (zero) rows are padding after the home experts' groups; no fetch, no gradient return
-            return self.run_experts(*home, x, num_tokens_per_expert[:home[0].shape[0]])
+            return self._run(home, x, num_tokens_per_expert[:home[0].shape[0]])
         if fetched is None:  # called without the EP hooks
             fetched = self._fetch(home)
-        stacked = self.use_grouped_mm or self.low_precision is not None
+        return self._run_with_replicas(home, fetched, x, num_tokens_per_expert)
+
+
+class ExpertsWithReplicas(ReplicaSlots, UnboundLoopExperts):
+    """torchtitan's ``GroupedExperts`` (w1, w2, w3) with replica slots. Its per-expert loop takes views of the home
+    experts and replicas, its grouped GEMMs (and a converter's low-precision ones) one 3-D weight per projection."""
+
+    def _home(self) -> list[torch.Tensor]:
+        return [w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3)]
+
+    def _run(self, weights: list[torch.Tensor], x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        return self.run_experts(*weights, x, num_tokens_per_expert)
+
+    def _run_with_replicas(self, home: list[torch.Tensor], fetched: torch.Tensor, x: torch.Tensor,
+                           num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        if self.use_grouped_mm or self.low_precision is not None:
+            return super()._run_with_replicas(home, fetched, x, num_tokens_per_expert)
         weights = with_replicas(home, self.exchange, self.redundancy_mapping, self.slots,
-                                _get_process_group_name(self.group), fetched, stacked)
-        if stacked:
-            return self.run_experts(*weights, x, num_tokens_per_expert)
+                                _get_process_group_name(self.group), fetched, stacked=False)
         return _run_experts_for_loop(*weights, x, num_tokens_per_expert)
+
+
+class GptOssExpertsWithReplicas(ReplicaSlots, gpt_oss_moe.GptOssGroupedExperts):
+    """GPT-OSS's experts (mlp1 and mlp2, each a weight and a bias; the clamped SwiGLU) with replica slots: torchtitan's
+    grouped GEMMs or per-expert loop on the home experts and replicas stacked."""
+
+    def _home(self) -> list[torch.Tensor]:
+        return [w.to_local() if isinstance(w, DTensor) else w
+                for w in (self.mlp1_weight, self.mlp1_bias, self.mlp2_weight, self.mlp2_bias)]
+
+    def _run(self, weights: list[torch.Tensor], x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        # the tokens come grouped by the EP backend's dispatch; tensor parallel degree 1: replicas refuse expert TP
+        run = gpt_oss_moe._run_experts_grouped_mm if self.use_grouped_mm else gpt_oss_moe._run_experts_for_loop
+        return run(*weights, self.swiglu_limit, x, num_tokens_per_expert, 1)
+
+
+REPLICA_EXPERTS: dict[type, type[ReplicaSlots]] = {
+    GroupedExperts: ExpertsWithReplicas,
+    UnboundLoopExperts: ExpertsWithReplicas,
+    gpt_oss_moe.GptOssGroupedExperts: GptOssExpertsWithReplicas,
+}
+"""The experts modules that take replica slots, by their class before adoption: what the replica class adopting it
+computes with."""
+
+
+def adopt_replica_slots(experts: torch.nn.Module, plan: ReplicaPlan, group) -> ReplicaSlots:
+    """``experts`` turned, in place, into its :data:`REPLICA_EXPERTS` class, with ``plan``'s replicas (fetched
+    within ``group``, the EP group)."""
+    return REPLICA_EXPERTS[type(experts)].adopt(experts, plan, group)
+
+
+def check_replica_experts(job_config, context: ValidationContext) -> None:
+    """ConfigError when the job asks for replica slots and its model's routed experts have no replica class."""
+    slots = job_config.expert_replication.slots_per_rank
+    if not slots or context.moe_shape is None:
+        return
+    for block in shared_meta_model(job_config).layers.values():
+        if block.moe_enabled and type(block.moe.experts) not in REPLICA_EXPERTS:
+            raise ConfigError(
+                f"expert_replication.slots_per_rank = {slots}: {job_config.model.name}'s routed experts "
+                f"({type(block.moe.experts).__name__}) take no replica slots (torchtitan's GroupedExperts and "
+                "GPT-OSS's do): set slots_per_rank to 0")

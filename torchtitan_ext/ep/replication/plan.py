@@ -22,7 +22,7 @@ from itertools import chain
 
 import numpy as np
 
-from torchtitan_ext.config import ConfigError, MoEShape, nonstandard_experts, overlaps_expert_parallel, Range, ValidationContext
+from torchtitan_ext.config import ConfigError, MoEShape, overlaps_expert_parallel, Range, ValidationContext
 from torchtitan_ext.ep.budget import Budget, DeviceBudget
 
 
@@ -134,10 +134,6 @@ def check_replication(job_config, context: ValidationContext) -> None:
             f"{where} is not supported with DualPipeV's overlapped expert parallelism: set "
             "parallelism.pipeline_parallel_expert_parallel_overlap = false, or slots to 0"
         )
-    experts = nonstandard_experts(job_config)
-    if experts:
-        raise ConfigError(f"{where}: replicas are fetched, split and summed as w1, w2, w3, and {experts}: "
-                          "set slots_per_rank to 0")
 
 
 def most_experts_sent(expert_parallel_degree: int, experts_per_rank: int, slots: int) -> int:
