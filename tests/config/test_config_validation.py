@@ -187,6 +187,16 @@ def test_invalid_values_name_the_field(overrides, message):
     assert "\n" not in str(error.value)
 
 
+def test_replica_slots_need_experts_that_a_replica_class_computes(monkeypatch):
+    from torchtitan_ext.ep.replication import experts
+
+    monkeypatch.setattr(experts, "REPLICA_EXPERTS", {})  # as for a model whose experts are none of torchtitan's
+    with pytest.raises(ConfigError, match=r"^expert_replication.slots_per_rank = 1: deepseek_v3's routed experts "
+                                          r"\(GroupedExperts\) take no replica slots .*: set slots_per_rank to 0$"):
+        load_job_config(["--job.config_file", DEBUG_TOML, "--expert_replication.slots_per_rank", "1"], "cpu",
+                        world_size=2)
+
+
 def test_non_blocking_hybridep_rejects_overlapped_dualpipev():
     """Validated for a GPU cluster (device None): on CPU, DualPipeV's overlap is refused before."""
     with pytest.raises(ConfigError, match="non-blocking HybridEP cannot serve pipeline_parallel_schedule = 'DualPipeV'"):
