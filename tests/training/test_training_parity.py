@@ -180,6 +180,31 @@ def test_a_model_only_load_reads_the_recorded_placement(parity, tmp_path):
     assert loaded["from_placed"][1] == pytest.approx(loaded["from_unplaced"][1], rel=RESUME_TOLERANCE), loaded
 
 
+def _write_initial_weights(trainer) -> None:
+    """Every parameter whole, before the first step, into the job's dump folder (rank 0; a setup hook)."""
+    from torch.distributed.tensor import DTensor
+
+    weights = {name: (param.full_tensor() if isinstance(param, DTensor) else param).detach().clone()
+               for name, param in trainer.model_parts[0].named_parameters()}
+    if torch.distributed.get_rank() == 0:
+        folder = Path(trainer.job_config.job.dump_folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save(weights, folder / "initial_weights.pt")
+
+
+def test_a_sharded_job_starts_from_one_process_weights(tmp_path):
+    """At EP=2 on 2 ranks (FSDP shards every parameter) the job's initial weights are the one-process job's, bit
+    for bit: on a CPU, where DTensor would fill every rank's shard from the same seed (evenly sharded parameters
+    starting as copies of one shard), each rank draws the whole tensor and keeps its shard."""
+    one, two = tmp_path / "one_process", tmp_path / "two_processes"
+    run_distributed(1, train_worker, [("one", _job(one, "--parallelism.expert_parallel_degree", "1", steps=1))],
+                    _write_initial_weights)
+    run_distributed(2, train_worker, [("two", _job(two, steps=1))], _write_initial_weights)
+    expected, got = (torch.load(folder / "initial_weights.pt") for folder in (one, two))
+    assert got.keys() == expected.keys()
+    assert [name for name in expected if not torch.equal(got[name], expected[name])] == []
+
+
 def test_four_process_fsdp_ep_and_pipeline_ep(tmp_path):
     """FSDP+EP on 4 ranks: a checkpoint written at EP=2 x expert FSDP 2 under a placement resumes at EP=4
     under another, with the same losses; and PP+EP.

@@ -20,6 +20,7 @@ import torchtitan.distributed.utils as tt_dist_utils
 import torchtitan.models.moe.utils as tt_moe_utils
 import torchtitan.tools.utils as tt_utils
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import distribute_tensor, DTensor
 from torchtitan.models.moe.kernels import generate_permute_indices
 from torchtitan.tools.logging import logger
 
@@ -119,13 +120,28 @@ def _enable_cpu() -> None:
     # torchtitan sets NCCL's error-handling mode to 3 and warns whenever the variable exists (torchrun sets it):
     # under gloo it means nothing, so torchrun's value goes and torchtitan sets its own without the warning
     os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
-    # DTensor warns at every run that its random ops "may not have complete support on cpu device mesh": the
-    # initial weights of a sharded CPU job may differ from a GPU job's; the computation given the weights is
-    # exact (the gradient matrix checks every sharded layout against the dense model)
-    warnings.filterwarnings("ignore", message=r"DTensor .* may not have complete support on cpu device mesh")
+    # DTensor's random fills follow a GPU generator's offsets only: on a CPU every rank would fill its shard from
+    # the same seed, and each evenly sharded parameter would start as copies of one shard (rows t and t + V/2 of
+    # the embedding alike, rank 1's experts rank 0's). Every rank draws the whole tensor and keeps its shard.
+    for fill in (torch.ops.aten.uniform_.default, torch.ops.aten.normal_.default):
+        DTensor._op_dispatcher._custom_op_handlers[fill] = _fill_whole_keep_shard
     # torchdata's data loader calls torch.set_vital, deprecated: nothing the user can act on
     warnings.filterwarnings("ignore", message=r"'set_vital' is deprecated")
     logger.info("No CUDA device: training on CPU with the gloo backend")
+
+
+def _fill_whole_keep_shard(fill, args, kwargs):
+    """``fill`` (an in-place random fill) of a DTensor as one process draws it: the whole tensor from this rank's
+    generator (every rank's is in step: torchtitan seeds them alike), of which the rank keeps its shard. The
+    generator advances as one process's does."""
+    target = args[0]
+    local = target.to_local()
+    if local.is_meta:
+        return target
+    whole = torch.empty(target.shape, dtype=local.dtype, device=local.device)
+    fill(whole, *args[1:], **kwargs)
+    local.copy_(distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None).to_local())
+    return target
 
 
 def adapt_model_parts(model_parts: list[torch.nn.Module]) -> None:
