@@ -1,5 +1,5 @@
 """Qwen3-MoE and GPT-OSS train as the other models do: from one seed the backends give the same per-step losses,
-and a checkpoint written at EP=2 under nccl resumes under another backend and at another EP degree with the same
+GPT-OSS's with replica slots too, and a checkpoint written at EP=2 under nccl resumes under another backend and at another EP degree with the same
 next losses (torchtitan DCP reshards the experts, GPT-OSS's biases with them). Debug flavours, fp32, 2 ranks."""
 
 import shutil
@@ -8,7 +8,7 @@ import pytest
 
 from tests.helpers import REPO_ROOT, run_distributed
 from tests.training.cases import TINY, train_worker
-from tests.training.test_training_parity import RESUME, RESUME_TOLERANCE
+from tests.training.test_training_parity import PLACED_TOLERANCE, REPLICAS, replicas_took_pairs, RESUME, RESUME_TOLERANCE
 from torchtitan_ext.ep.backends import backend_variants
 
 pytestmark = pytest.mark.slow
@@ -31,7 +31,8 @@ def trained(tmp_path_factory):
         runs.append((f"{model}_nccl", _job(model, tmp / f"{model}_nccl", *backend_variants()["nccl"],
                                            "--checkpoint.enable", "--checkpoint.interval", "2")))
         runs.append((f"{model}_ncclep", _job(model, tmp / f"{model}_ncclep", *backend_variants()["ncclep"])))
-    return run_distributed(2, train_worker, runs)[0], tmp
+    runs.append(("gpt_oss_replicas", _job("gpt_oss", tmp / "gpt_oss_replicas", *backend_variants()["nccl"], *REPLICAS)))
+    return run_distributed(2, train_worker, runs, None, replicas_took_pairs)[0], tmp
 
 
 def test_backends_agree_from_one_seed(trained):
@@ -41,6 +42,14 @@ def test_backends_agree_from_one_seed(trained):
         assert list(reference) == list(range(1, STEPS + 1))
         for step, loss in reference.items():
             assert losses[f"{model}_ncclep"][step] == pytest.approx(loss, rel=PARITY_TOLERANCE), (model, step)
+
+
+def test_gpt_oss_trains_with_replicas_as_without(trained):
+    """2 replica slots per rank, re-chosen every step, that take pairs from the second step on (its experts' biases
+    fetched with their weights, their gradients summed at home): the losses of the run without them."""
+    losses, _ = trained
+    for step, loss in losses["gpt_oss_nccl"].items():
+        assert losses["gpt_oss_replicas"][step] == pytest.approx(loss, rel=PLACED_TOLERANCE), step
 
 
 def test_checkpoint_resumes_under_another_backend_and_ep_degree(trained, tmp_path):
