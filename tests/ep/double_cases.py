@@ -343,7 +343,7 @@ def lb_fetch_worker(rank: int, ep: int) -> dict:
     logging.getLogger().setLevel(logging.INFO)
     results = {"all_to_all": run()}
     shape = MoEShape(hidden_dim=32, num_experts=8, top_k=2, max_tokens_per_rank=64)
-    buffer, transport = ep_buffer(group, shape, 2, 16, torch.bfloat16)
+    buffer, transport = ep_buffer(group, shape, 2, (16,), torch.bfloat16)
     api = EPBufferAPI(buffer, None, transport)
     results["lb_kernels"] = run()
     results["lb_region_bytes"] = buffer.num_lb_bytes
@@ -351,16 +351,16 @@ def lb_fetch_worker(rank: int, ep: int) -> dict:
     api.destroy()
     results["after_destroy"] = run()
 
-    def transport_for(elements: int, **environment) -> dict:
-        """Whether a new EPBuffer carries replicas of ``elements`` bf16 under ``environment``, its kernels'
-        SMs, and what it logged."""
+    def transport_for(parameter_elements: tuple[int, ...], **environment) -> dict:
+        """Whether a new EPBuffer carries replicas of an expert whose parameters' rows hold ``parameter_elements``
+        bf16 under ``environment``, its kernels' SMs, and what it logged."""
         del lines[:]
         deterministic = environment.pop("deterministic", False)
         saved = {key: os.environ.get(key) for key in environment}
         os.environ.update(environment)
         torch.use_deterministic_algorithms(deterministic)
         try:
-            buffer, transport = ep_buffer(group, shape, 2, elements, torch.bfloat16)
+            buffer, transport = ep_buffer(group, shape, 2, parameter_elements, torch.bfloat16)
         finally:
             torch.use_deterministic_algorithms(False)
             for key, value in saved.items():
@@ -368,10 +368,11 @@ def lb_fetch_worker(rank: int, ep: int) -> dict:
         buffer.destroy()
         return {"carries": transport is not None, "sms": transport.num_sms if transport else None, "log": list(lines)}
 
-    results["unaligned"] = transport_for(105)
-    results["deterministic"] = transport_for(16, deterministic=True)
-    results["two_nodes"] = transport_for(16, DEEP_EP_DOUBLE_RANKS_PER_NODE="1")
-    results["unmeasured_nvlink"] = transport_for(16, DEEP_EP_DOUBLE_DETECTED_GBPS="0")
+    # 224 bytes an expert (a multiple of 32), its parameters' rows 208 and 16: each goes to the kernels on its own
+    results["unaligned"] = transport_for((104, 8))
+    results["deterministic"] = transport_for((16,), deterministic=True)
+    results["two_nodes"] = transport_for((16,), DEEP_EP_DOUBLE_RANKS_PER_NODE="1")
+    results["unmeasured_nvlink"] = transport_for((16,), DEEP_EP_DOUBLE_DETECTED_GBPS="0")
     logging.getLogger().removeHandler(handler)
     return results
 

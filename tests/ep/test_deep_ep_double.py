@@ -442,7 +442,8 @@ def test_where_the_load_balancing_kernels_cannot_carry_replicas_the_log_says_why
         assert rank_results["lb_sms"] == 8  # the double's estimate at 400 GB/s
         prefix = "Expert replicas move by all-to-all, not DeepEP's load-balancing kernels: "
         for case, reason in (
-            ("unaligned", "they move experts of a multiple of 32 bytes, and one routed expert is 210"),
+            ("unaligned", "they move each expert parameter's row in a multiple of 32 bytes, and one of the routed "
+                          "experts' is 208"),
             ("deterministic", "deterministic algorithms are on, and their gradient sums are in arrival order"),
             ("two_nodes", "they reach one NVLink domain, here 1 of the EP group's 2 ranks"),
         ):

@@ -636,6 +636,7 @@ def cells() -> list[Cell]:
         Cell("ep2_replicas2", "qwen3", "nccl", 2, ep2, replicas=2),
         # GPT-OSS's replicas carry its biases: fetched with the weights, their gradients summed at home
         Cell("ep2_replicas2", "gpt_oss", "nccl", 2, ep2, replicas=2),
+        Cell("ep2_replicas2_borrowing_tp_batch2", "gpt_oss", "nccl", 2, ep2 + tp2, replicas=2),
         Cell("ep2_replicas1", "gpt_oss", "hybridep", 2, ep2, replicas=1),
         Cell("ep2_replicas2_grouped_mm", "gpt_oss", "nccl", 2, ep2, bf16=True, grouped_mm=True, replicas=2),
         Cell("ep2_borrowing_tp_batch2", "gpt_oss", "nccl", 2, ep2 + tp2),

@@ -193,14 +193,15 @@ def _write_initial_weights(trainer) -> None:
 
 
 def test_a_sharded_job_starts_from_one_process_weights(tmp_path):
-    """At EP=2 on 2 ranks (FSDP shards every parameter) the job's initial weights are the one-process job's, bit
-    for bit: on a CPU, where DTensor would fill every rank's shard from the same seed (evenly sharded parameters
-    starting as copies of one shard), each rank draws the whole tensor and keeps its shard."""
-    one, two = tmp_path / "one_process", tmp_path / "two_processes"
+    """At EP=2 on 4 ranks (FSDP shards every parameter over 4 ranks, the experts over 2 within each EP rank's
+    share) the job's initial weights are the one-process job's, bit for bit: on a CPU, where DTensor would fill
+    every rank's shard from the same seed (evenly sharded parameters starting as copies of one shard), each rank
+    draws the whole tensor and keeps its shard."""
+    one, four = tmp_path / "one_process", tmp_path / "four_processes"
     run_distributed(1, train_worker, [("one", _job(one, "--parallelism.expert_parallel_degree", "1", steps=1))],
                     _write_initial_weights)
-    run_distributed(2, train_worker, [("two", _job(two, steps=1))], _write_initial_weights)
-    expected, got = (torch.load(folder / "initial_weights.pt") for folder in (one, two))
+    run_distributed(4, train_worker, [("four", _job(four, steps=1))], _write_initial_weights)
+    expected, got = (torch.load(folder / "initial_weights.pt") for folder in (one, four))
     assert got.keys() == expected.keys()
     assert [name for name in expected if not torch.equal(got[name], expected[name])] == []
 

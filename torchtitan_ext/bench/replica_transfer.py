@@ -29,13 +29,13 @@ EP = 2
 
 
 def expert_shape(config_args: list[str]) -> tuple[str, int, int, int]:
-    """(model and flavour, experts per MoE layer, floats in one expert's w1, w2 and w3, MoE layers)."""
+    """(model and flavour, experts per MoE layer, floats in one expert's parameters, MoE layers)."""
     job_config = load_job_config(config_args, device_type=None, world_size=EP)
     moes = [block.moe for block in shared_meta_model(job_config).layers.values() if block.moe_enabled]
     if not moes:
         raise ConfigError(f"model {job_config.model.name} {job_config.model.flavor} has no MoE layer to replicate")
     experts = moes[0].experts
-    floats = sum(weight[0].numel() for weight in (experts.w1, experts.w2, experts.w3))
+    floats = sum(weight[0].numel() for weight in experts.parameters())
     return f"{job_config.model.name} {job_config.model.flavor}", experts.num_experts, floats, len(moes)
 
 

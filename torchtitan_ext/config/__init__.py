@@ -25,6 +25,7 @@ from torchtitan_ext.config.job import (
     MoEShape,
     nonstandard_experts,
     routed_expert_elements,
+    routed_expert_parameter_elements,
 )
 from torchtitan_ext.config.loading import load_job_config, parse
 from torchtitan_ext.config.parsing import with_config_file
@@ -51,6 +52,7 @@ __all__ = [
     "MoEShape",
     "nonstandard_experts",
     "routed_expert_elements",
+    "routed_expert_parameter_elements",
     "parse",
     "register_hf_model",
     "Range",

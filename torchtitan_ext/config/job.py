@@ -105,13 +105,18 @@ SHARED_META_MODELS_KEPT = 8
 _SHARED_META_MODELS: dict[tuple, torch.nn.Module] = {}
 
 
-def routed_expert_elements(job_config) -> int:
-    """Elements of one routed expert's weights, all projections, from the model built on the meta device
-    (0 for a dense model)."""
+def routed_expert_parameter_elements(job_config) -> tuple[int, ...]:
+    """Elements of one routed expert's row in each of its parameters (w1, w2, w3; GPT-OSS's weights and biases),
+    from the model built on the meta device (empty for a dense model)."""
     for block in shared_meta_model(job_config).layers.values():
         if block.moe_enabled:
-            return sum(parameter[0].numel() for parameter in block.moe.experts.parameters())
-    return 0
+            return tuple(parameter[0].numel() for parameter in block.moe.experts.parameters())
+    return ()
+
+
+def routed_expert_elements(job_config) -> int:
+    """Elements of one routed expert's weights, all parameters (0 for a dense model)."""
+    return sum(routed_expert_parameter_elements(job_config))
 
 
 STANDARD_EXPERT_PARAMETERS = ("w1", "w2", "w3")

@@ -25,7 +25,7 @@ from typing import Literal
 import torch
 from torchtitan.config import TORCH_DTYPE_MAP
 
-from torchtitan_ext.config import ConfigError, MoEShape, Range, routed_expert_elements
+from torchtitan_ext.config import ConfigError, MoEShape, Range, routed_expert_parameter_elements
 from torchtitan_ext.ep.base import (
     check_kernels,
     gather_into_groups,
@@ -151,11 +151,11 @@ def hidden_bytes(hidden_dim: int, element_size: int) -> int:
 
 @dataclass
 class _ReplicaRows:
-    """What an ``EPBuffer``'s load-balancing region holds: ``slots`` replicas of ``elements`` each (one
-    routed expert's weights, all projections, as the layer the style is applied to has them)."""
+    """What an ``EPBuffer``'s load-balancing region holds: ``slots`` replicas of one routed expert, whose row in
+    each of its parameters holds ``parameter_elements`` (as the layer the style is applied to has them)."""
 
     slots: int
-    elements: int = 0
+    parameter_elements: tuple[int, ...] = ()
 
 
 def _create_kernels(job_config, shape: MoEShape, replica_rows: _ReplicaRows, group, example: torch.Tensor):
@@ -174,7 +174,7 @@ def _create_kernels(job_config, shape: MoEShape, replica_rows: _ReplicaRows, gro
             buffer = deep_ep.elastic_buffer(group, shape)
         else:
             buffer, transport = deep_ep.ep_buffer(
-                group, shape, replica_rows.slots, replica_rows.elements, example.dtype, section.num_sms
+                group, shape, replica_rows.slots, replica_rows.parameter_elements, example.dtype, section.num_sms
             )
             return APIS[api](buffer, section.num_sms, transport)
     else:
@@ -346,7 +346,7 @@ class DeepEPExpertParallel(RoutedExpertParallel):
 
     def _apply(self, module: torch.nn.Module, device_mesh):
         if self.replica_rows is not None:
-            self.replica_rows.elements = sum(weight[0].numel() for weight in module.parameters(recurse=False))
+            self.replica_rows.parameter_elements = tuple(weight[0].numel() for weight in module.parameters(recurse=False))
         return super()._apply(module, device_mesh)
 
     def prepare_buffer(self, x, group) -> None:
@@ -451,16 +451,16 @@ class DeepEPPlanningProfile(PlanningProfile):
     def planned_replica_region(cls, job_config) -> int:
         """V2.5's load-balancing region: the replicas' weights in the compute dtype and their fp32 gradients,
         each tensor 2 MiB-aligned; none where the job moves replicas by all-to-all whatever the group (an expert
-        not a multiple of the kernels' 32-byte rows, or deterministic algorithms)."""
+        parameter's row not a multiple of the kernels' 32 bytes, or deterministic algorithms)."""
         slots = job_config.expert_replication.slots_per_rank
         section = job_config.deepep
         if not slots or resolve_api(section.api, section.implementation, None) != "ep" or job_config.debug.deterministic:
             return 0
         element_size = TORCH_DTYPE_MAP[job_config.training.mixed_precision_param].itemsize
-        elements = routed_expert_elements(job_config)
-        if elements * element_size % LB_ROW_ALIGNMENT:
+        parameter_elements = routed_expert_parameter_elements(job_config)
+        if any(elements * element_size % LB_ROW_ALIGNMENT for elements in parameter_elements):
             return 0
-        rows = slots * elements
+        rows = slots * sum(parameter_elements)
         return sum(-(-rows * size // LB_ALLOCATION_ALIGNMENT) * LB_ALLOCATION_ALIGNMENT for size in (element_size, 4))
 
     @classmethod

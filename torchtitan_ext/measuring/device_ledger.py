@@ -146,8 +146,8 @@ class _ReplicatedCall:
     The split runs on the job's own plan shape (its experts, EP degree and slots; each rank copying the next
     ranks' first experts) with this process as rank 0, so its operations are a rank's at that degree; the backend
     is handed every rank's counts from it, as in training. The replica weights are one rank's: its L home experts
-    and S slots, at the call's hidden size and the job's expert hidden size, fetched from this process and their
-    gradients returned to it, S experts each way (what a rank sends on average)."""
+    and S slots, each of the model's expert parameters at its shape, fetched from this process and their gradients
+    returned to it, S experts each way (what a rank sends on average)."""
 
     def __init__(self, job_config, shape, group, device: torch.device, dtype: torch.dtype):
         from torch.distributed.distributed_c10d import _get_process_group_name
@@ -164,11 +164,10 @@ class _ReplicatedCall:
         plan = ReplicaPlan(experts, ep, tuple(
             tuple(sorted(((rank + 1) * home_experts + j) % experts for j in range(slots))) for rank in range(ep)))
         self.router = ReplicaRouter(plan, group)
-        expert_hidden = next(block.moe.experts.w1.shape[1] for block in shared_meta_model(job_config).layers.values()
-                             if block.moe_enabled)
-        up, down = (expert_hidden, shape.hidden_dim), (shape.hidden_dim, expert_hidden)
-        self.home = [torch.nn.Parameter(torch.randn(home_experts, *size, dtype=dtype, device=device))
-                     for size in (up, down, up)]
+        # one home tensor per parameter of the model's experts (w1, w2, w3; GPT-OSS's weights and biases)
+        expert = next(block.moe.experts for block in shared_meta_model(job_config).layers.values() if block.moe_enabled)
+        self.home = [torch.nn.Parameter(torch.randn(home_experts, *weight.shape[1:], dtype=dtype, device=device))
+                     for weight in expert.parameters()]
         copies = torch.arange(slots, device=device) % home_experts
         self.exchange = ReplicaExchange(copies, [slots], [slots], copies.unique())
         self.redundancy_mapping = copies.to(torch.int32).view(1, slots)

@@ -4,9 +4,10 @@ GPT-OSS's routed experts are not torchtitan's standard ones: each carries biases
 projections, its first projection interleaves the gate and linear halves, and its SwiGLU is clamped
 (``swiglu_limit``). Every EP backend serves them unchanged: a backend moves tokens and applies the
 scores after the experts (out = sum_k score_k x expert_k(x), the bias inside each expert), and
-shards every expert parameter over EP along its expert dimension. Features written against the
-standard experts' w1, w2, w3 (expert replication, the FP8/MXFP8 expert GEMMs, expert TP under EP)
-are refused for it in one line by their own checks.
+shards every expert parameter over EP along its expert dimension; expert replication fetches and
+sums all four of an expert's parameters (``GptOssExpertsWithReplicas``). Features written against the
+standard experts' w1, w2, w3 (the FP8/MXFP8 expert GEMMs, expert TP under EP) are refused for it in
+one line by their own checks.
 
 Three departures from torchtitan 0.2.2's model, none in the math it computes:
 

@@ -125,6 +125,9 @@ def _enable_cpu() -> None:
     # the embedding alike, rank 1's experts rank 0's). Every rank draws the whole tensor and keeps its shard.
     for fill in (torch.ops.aten.uniform_.default, torch.ops.aten.normal_.default):
         DTensor._op_dispatcher._custom_op_handlers[fill] = _fill_whole_keep_shard
+    # torchtitan seeds DTensor's generator, which a CPU mesh has none of, and DTensor warns at every run that its
+    # random operators "may not have complete support on cpu device mesh": the fills are the ones above
+    warnings.filterwarnings("ignore", message=r"DTensor .* may not have complete support on cpu device mesh")
     # torchdata's data loader calls torch.set_vital, deprecated: nothing the user can act on
     warnings.filterwarnings("ignore", message=r"'set_vital' is deprecated")
     logger.info("No CUDA device: training on CPU with the gloo backend")
@@ -133,7 +136,10 @@ def _enable_cpu() -> None:
 def _fill_whole_keep_shard(fill, args, kwargs):
     """``fill`` (an in-place random fill) of a DTensor as one process draws it: the whole tensor from this rank's
     generator (every rank's is in step: torchtitan seeds them alike), of which the rank keeps its shard. The
-    generator advances as one process's does."""
+    generator advances as one process's does, except in a fill that redraws until its values are in bounds
+    (``nn.init.trunc_normal_`` beyond a few standard deviations): each rank stops when its own shard is, and
+    the fills after it may then draw other whole tensors on each rank (distinct shards still, no longer one
+    process's)."""
     target = args[0]
     local = target.to_local()
     if local.is_meta:

@@ -106,8 +106,7 @@ class LoadBalancingKernels:
                 "(training.mixed_precision_param)"
             )
         # the kernels take the weights as lists: each home weight is read where it lies, into its own
-        # contiguous block of the region (an expert's rows: a multiple of 32 bytes, and so each of its w1, w2,
-        # w3, which are equal in size)
+        # contiguous block of the region (each parameter's expert row a multiple of 32 bytes)
         slots, region, blocks, start = self.weights.shape[0], self.weights.view(-1), [], 0
         for row in rows:
             blocks.append(region[start:start + slots * row.shape[1]].view(slots, row.shape[1]))
@@ -145,7 +144,7 @@ LB_ROW_ALIGNMENT = 32
 """Bytes one expert's row in DeepEP V2.5's load-balancing kernels is a multiple of (``get_num_tma_alignment()``)."""
 
 
-def _why_not_load_balancing_kernels(group, expert_elements: int, weight_dtype: torch.dtype) -> str | None:
+def _why_not_load_balancing_kernels(group, parameter_elements: tuple[int, ...], weight_dtype: torch.dtype) -> str | None:
     """Why the EP group's replicas cannot go through DeepEP's load-balancing kernels, or None when they can.
 
     The library runs them per NVLink domain, with domain-local expert ids; a
@@ -158,9 +157,11 @@ def _why_not_load_balancing_kernels(group, expert_elements: int, weight_dtype: t
     _, nvlink_ranks = deep_ep.get_physical_domain_size(group)
     if nvlink_ranks != group.size():
         return f"they reach one NVLink domain, here {nvlink_ranks} of the EP group's {group.size()} ranks"
-    row_bytes = expert_elements * torch.empty((), dtype=weight_dtype).element_size()
-    if row_bytes % LB_ROW_ALIGNMENT:
-        return f"they move experts of a multiple of {LB_ROW_ALIGNMENT} bytes, and one routed expert is {row_bytes}"
+    element_size = torch.empty((), dtype=weight_dtype).element_size()
+    unaligned = [elements * element_size for elements in parameter_elements if elements * element_size % LB_ROW_ALIGNMENT]
+    if unaligned:
+        return (f"they move each expert parameter's row in a multiple of {LB_ROW_ALIGNMENT} bytes, and one of the "
+                f"routed experts' is {unaligned[0]}")
     if torch.are_deterministic_algorithms_enabled():
         return "deterministic algorithms are on, and their gradient sums are in arrival order"
     return None
@@ -181,23 +182,23 @@ def _load_balancing_sms(buffer, configured: int | None) -> int:
     return FALLBACK_SMS
 
 
-def ep_buffer(group, shape, replica_slots: int, expert_elements: int, weight_dtype: torch.dtype,
+def ep_buffer(group, shape, replica_slots: int, parameter_elements: tuple[int, ...], weight_dtype: torch.dtype,
               num_sms: int | None = None):
     """A DeepEP V2.5 ``EPBuffer`` for ``shape``, sized by the library; with ``replica_slots``, its
-    load-balancing region for that many replicas of ``expert_elements`` each, where the kernels can carry
-    them (:func:`_why_not_load_balancing_kernels`). Returns (buffer, :class:`LoadBalancingKernels`, or None:
-    replicas move by all-to-all, as the log says)."""
+    load-balancing region for that many replicas of an expert whose row in each parameter holds
+    ``parameter_elements``, where the kernels can carry them (:func:`_why_not_load_balancing_kernels`). Returns
+    (buffer, :class:`LoadBalancingKernels`, or None: replicas move by all-to-all, as the log says)."""
     import deep_ep
 
     # the buffer borrows the EP group's NCCL communicator, created at the group's first collective
     dist.barrier(group=group)
     plan = weights = gradients = None
     if replica_slots:
-        reason = _why_not_load_balancing_kernels(group, expert_elements, weight_dtype)
+        reason = _why_not_load_balancing_kernels(group, parameter_elements, weight_dtype)
         if reason is None:
             plan = deep_ep.BufferAllocator()
-            weights = plan.allocate((replica_slots, expert_elements), weight_dtype)
-            gradients = plan.allocate((replica_slots, expert_elements), torch.float32)
+            weights = plan.allocate((replica_slots, sum(parameter_elements)), weight_dtype)
+            gradients = plan.allocate((replica_slots, sum(parameter_elements)), torch.float32)
         else:
             logger.info(f"Expert replicas move by all-to-all, not DeepEP's load-balancing kernels: {reason}")
     buffer = deep_ep.EPBuffer(

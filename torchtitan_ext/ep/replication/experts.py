@@ -108,7 +108,7 @@ def weights_with_replicas(home: list[torch.Tensor], fetched: torch.Tensor, slots
 
 def _replica_gradients_home(ctx, own: list[torch.Tensor], replicas: torch.Tensor, own_is_fresh: bool):
     """Each projection's home gradient (``own``: [L, ...] the home experts' own) with the replicas' gradients
-    (``replicas``: [S, F], one row of w1, w2 and w3 flattened per slot) sent home (``replica_gradients``, summed per
+    (``replicas``: [S, F], one row of the expert's parameters flattened per slot) sent home (``replica_gradients``, summed per
     expert in fp32 or wider) and added to their experts' rows (for gradients narrower than fp32, in fp32 and rounded
     once); ``own`` is returned as it is on a rank that sends no expert. ``own_is_fresh``: the gradients are this
     backward's own tensors, added to in place (else a copy with those rows added)."""
@@ -204,8 +204,8 @@ def fetch_replicas(home: list[torch.Tensor], exchange, redundancy_mapping: torch
 def with_replicas(home: list[torch.Tensor], exchange, redundancy_mapping: torch.Tensor, slots: int,
                   group_name: str, fetched: torch.Tensor | None = None, stacked: bool = True) -> list:
     """The ``slots`` replicas ``fetched`` (None: fetched now, :func:`fetch_replicas`), which it waits for first,
-    after the L home experts, each replica's gradient added to its home expert's: ``stacked``, w1, w2 and w3 of the
-    L + S experts, the home experts copied (:class:`_HomeAndReplicas`, for grouped GEMMs); else one list per
+    after the L home experts, each replica's gradient added to its home expert's: ``stacked``, each parameter (w1,
+    w2, w3; GPT-OSS's weights and biases) of the L + S experts, the home experts copied (:class:`_HomeAndReplicas`, for grouped GEMMs); else one list per
     projection of the L + S experts' weights, views (:class:`_HomeAndReplicasUnbound`, for the per-expert loop)."""
     if fetched is None:
         fetched = fetch_replicas(home, exchange, redundancy_mapping, slots, group_name)

@@ -34,7 +34,7 @@ def replica_weights(
     group_name: str,
     what: str,
 ) -> torch.Tensor:
-    """[slots, F] replica weights from ``home``, this rank's experts' weights (w1, w2, w3: each [L, ...]), read
+    """[slots, F] replica weights from ``home``, this rank's experts' parameters (each [L, ...]), read
     where they lie: a slot's row is its expert's weights flattened one after the other (F elements in all).
 
     Returned in flight, as a functional collective's output: the all-to-all is issued and the caller goes on
