@@ -637,6 +637,8 @@ def cells() -> list[Cell]:
         # GPT-OSS's replicas carry its biases: fetched with the weights, their gradients summed at home
         Cell("ep2_replicas2", "gpt_oss", "nccl", 2, ep2, replicas=2),
         Cell("ep2_replicas2_borrowing_tp_batch2", "gpt_oss", "nccl", 2, ep2 + tp2, replicas=2),
+        *(Cell(f"ep2_replicas2_{name}", "gpt_oss", "nccl", 2, ep2 + ac[name], replicas=2)
+          for name in ("ac_full", "ac_selective_op")),
         Cell("ep2_replicas1", "gpt_oss", "hybridep", 2, ep2, replicas=1),
         Cell("ep2_replicas2_grouped_mm", "gpt_oss", "nccl", 2, ep2, bf16=True, grouped_mm=True, replicas=2),
         Cell("ep2_borrowing_tp_batch2", "gpt_oss", "nccl", 2, ep2 + tp2),
