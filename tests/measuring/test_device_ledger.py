@@ -17,10 +17,13 @@ AC_MODES = {
     "ac_selective_op": ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"),
 }
 VARIANTS = CPU_VARIANTS
+MOE_LAYERS = {"deepseek_v3": [1, 2, 3], "gpt_oss": [0, 1]}
+"""The tiny models' MoE layers (tests/models/gradient_cases.py): DeepSeek-V3's first block is dense."""
 CELLS = [
-    Cell(f"ledger{'_replicas2' if replicas else ''}_{ac}", "deepseek_v3", backend, 2,
+    Cell(f"ledger{'_replicas2' if replicas else ''}_{ac}", model, backend, 2,
          ("--parallelism.expert_parallel_degree", "2", *args), grouped_mm=True, replicas=replicas)
-    for replicas in (0, 2) for backend in VARIANTS for ac, args in AC_MODES.items()
+    for model, modes in (("deepseek_v3", AC_MODES), ("gpt_oss", ("ac_none",)))
+    for replicas in (0, 2) for backend in VARIANTS for ac, args in AC_MODES.items() if ac in modes
 ]
 
 
@@ -64,7 +67,7 @@ def test_every_moe_layer_stays_within_its_backends_budget(ledgers, cell):
             ledger.costs[scope] = ledger.costs[scope].merged(paid) if scope in ledger.costs else paid
     assert ledger.over_budget() == []
     # every MoE layer was counted, forward and backward, and paid the backend's collectives
-    assert ledger.layers() == [1, 2, 3]
+    assert ledger.layers() == MOE_LAYERS[cell.model]
     for layer in ledger.layers():
         for phase in ("forward", "backward"):
             paid = ledger.costs[layer, phase].collective_count(ledger.ep_group)

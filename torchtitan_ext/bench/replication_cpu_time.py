@@ -37,7 +37,6 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from torchtitan.models.moe.moe import GroupedExperts
 from tqdm import tqdm
 
 import torchtitan_ext
@@ -46,6 +45,7 @@ from torchtitan_ext.config import ConfigError, load_job_config
 from torchtitan_ext.data import prepare_embedded_assets
 from torchtitan_ext.ep import replication
 from torchtitan_ext.ep.base import named_layer
+from torchtitan_ext.ep.experts import ROUTED_EXPERTS
 from torchtitan_ext.ep.replication import experts as replica_experts, split as replica_split
 from torchtitan_ext.records.campaign import bench_command, check_new_campaign_path, write_campaign
 from torchtitan_ext.records.metrics import read_metrics
@@ -233,7 +233,7 @@ def train_arms(rank: int, world_size: int, arms: list[tuple[str, list[str]]], gr
         trainer = Trainer(job_config)
         for part in trainer.model_parts:
             for module in part.modules():
-                if isinstance(module, GroupedExperts):
+                if isinstance(module, tuple(ROUTED_EXPERTS)):
                     module.use_grouped_mm = grouped_mm
         _clock = CpuClock()
         _clock.attach(trainer)

@@ -24,7 +24,7 @@ from torchtitan.models.moe.moe import GroupedExperts
 from torchtitan_ext import runtime
 from torchtitan_ext.config import ConfigError, load_job_config, model_class_and_args, MoEShape, parse, shared_meta_model
 from torchtitan_ext.ep import BACKENDS
-from torchtitan_ext.ep.experts import adopt_unbound_loop
+from torchtitan_ext.ep.experts import adopt_routed_experts
 from torchtitan_ext.measuring.collective_recorder import CollectiveRecorder
 from torchtitan_ext.planning.local_traffic import backend_forward, MoECall, torchtitan_sort_forward
 from torchtitan_ext.planning.measured_compute import MeasuredCompute
@@ -91,7 +91,7 @@ def _measure(rank: int, train_args: list[str], world_size: int, barrier, results
     torch.manual_seed(rank)
     model = model_cls(model_args)
     # the experts' loop a CPU job trains with (the parallelize plan's, which this model does not go through)
-    adopt_unbound_loop(model)
+    adopt_routed_experts(model)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     one_rank = ParallelDims(dp_shard=1, dp_replicate=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)

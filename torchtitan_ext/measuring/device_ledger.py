@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
-from torchtitan.models.moe.moe import GroupedExperts
 
 from torchtitan_ext.ep import backend_class
 from torchtitan_ext.ep.budget import Budget, DeviceBudget
+from torchtitan_ext.ep.experts import ROUTED_EXPERTS
 from torchtitan_ext.ep.kernels import calls
 from torchtitan_ext.measuring.device_cost_counter import DeviceCostCounter
 from torchtitan_ext.measuring.device_costs import Costs, LayerScopes, OUTSIDE, PASSES
@@ -95,7 +95,7 @@ def _count_worker(rank: int, world_size: int, train_args: list[str], device_type
     job_config.training.steps = counted_step
     for part in trainer.model_parts:
         for module in part.modules():
-            if isinstance(module, GroupedExperts):
+            if isinstance(module, tuple(ROUTED_EXPERTS)):
                 # as on a GPU with grouped GEMMs (SM90+): torchtitan's loop, where they are missing, reads the
                 # group sizes on the host
                 module.use_grouped_mm = True

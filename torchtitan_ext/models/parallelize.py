@@ -35,7 +35,7 @@ from torchtitan.tools.logging import logger
 from torchtitan_ext.config import max_tokens_per_rank, MoEShape
 from torchtitan_ext.ep import backend_class
 from torchtitan_ext.ep.base import moe_layer_name
-from torchtitan_ext.ep.experts import adopt_unbound_loop
+from torchtitan_ext.ep.experts import adopt_routed_experts
 from torchtitan_ext.ep.replication import saved_transport_ops
 from torchtitan_ext.ep.replication.experts import adopt_replica_slots, link_fetch_ahead
 from torchtitan_ext.ep.replication.plan import dispatched_shape, fetches_ahead, ReplicaPlan
@@ -184,7 +184,7 @@ def parallelize_moe_model(
     ``experts_tensor_parallel`` its style for the routed experts under TP without EP (torchtitan's for w1, w2, w3
     by default). ``job_config`` has passed config validation at the job's world size, which refuses CP without SDPA
     and a sequence length that TP x 2 x CP does not divide."""
-    adopt_unbound_loop(model)
+    adopt_routed_experts(model)
     if parallel_dims.tp_enabled:
         tp_mesh = parallel_dims.get_mesh("tp")
         apply_dense_tp(model, tp_mesh)

@@ -63,7 +63,7 @@ from torchtitan.models.moe.moe import _run_experts_for_loop, GroupedExperts
 
 from torchtitan_ext.config import ConfigError, shared_meta_model, ValidationContext
 from torchtitan_ext.ep.base import to_device
-from torchtitan_ext.ep.experts import UnboundLoopExperts
+from torchtitan_ext.ep.experts import GptOssExperts, UnboundLoopExperts
 from torchtitan_ext.ep.recompute import recomputing
 from torchtitan_ext.ep.replication import transport_ops, transports
 from torchtitan_ext.ep.replication.plan import ReplicaPlan
@@ -157,10 +157,11 @@ class _HomeAndReplicas(torch.autograd.Function):
 
 
 class _HomeAndReplicasUnbound(torch.autograd.Function):
-    """The home experts and the fetched replicas, one weight per expert and projection (views, no copy), for the
-    per-expert loop, which indexes its weights by expert: w1 of the L + S experts, then w2's, then w3's.
+    """The home experts and the fetched replicas, one tensor per expert and parameter (views, no copy), for the
+    per-expert loop, which indexes its weights by expert: w1 of the L + S experts, then w2's, then w3's (GPT-OSS:
+    mlp1's weight, its bias, mlp2's weight, its bias).
 
-    Backward, each projection's L home gradients are stacked once (what the loop's own unbind would do) and the S
+    Backward, each parameter's L home gradients are stacked once (what the loop's own unbind would do) and the S
     replicas' go home and are added to them in place (:func:`_replica_gradients_home`). The concatenation the
     grouped GEMMs need would copy the home experts forward and again backward.
     """
@@ -205,8 +206,9 @@ def with_replicas(home: list[torch.Tensor], exchange, redundancy_mapping: torch.
                   group_name: str, fetched: torch.Tensor | None = None, stacked: bool = True) -> list:
     """The ``slots`` replicas ``fetched`` (None: fetched now, :func:`fetch_replicas`), which it waits for first,
     after the L home experts, each replica's gradient added to its home expert's: ``stacked``, each parameter (w1,
-    w2, w3; GPT-OSS's weights and biases) of the L + S experts, the home experts copied (:class:`_HomeAndReplicas`, for grouped GEMMs); else one list per
-    projection of the L + S experts' weights, views (:class:`_HomeAndReplicasUnbound`, for the per-expert loop)."""
+    w2, w3; GPT-OSS's weights and biases) of the L + S experts, the home experts copied (:class:`_HomeAndReplicas`,
+    for grouped GEMMs); else one list per parameter of the L + S experts' views (:class:`_HomeAndReplicasUnbound`,
+    for the per-expert loop)."""
     if fetched is None:
         fetched = fetch_replicas(home, exchange, redundancy_mapping, slots, group_name)
     torch.ops._c10d_functional.wait_tensor(fetched)
@@ -304,12 +306,24 @@ class ReplicaSlots(torch.nn.Module):
         """The experts on ``weights`` (:meth:`_home`'s, or those of the L + S slots stacked)."""
         raise NotImplementedError
 
+    def _loops_over_experts(self) -> bool:
+        """Whether the experts run as a per-expert loop, which takes views of the home experts and replicas (grouped
+        GEMMs take them stacked, the home experts copied)."""
+        return not self.use_grouped_mm
+
+    def _run_loop(self, weights: list[list[torch.Tensor]], x: torch.Tensor,
+                  num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """The per-expert loop on ``weights``: for each of :meth:`_home`'s tensors, the L + S slots' views."""
+        raise NotImplementedError
+
     def _run_with_replicas(self, home: list[torch.Tensor], fetched: torch.Tensor, x: torch.Tensor,
                            num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """The L + S slots' experts, once ``fetched`` lands: on the home experts and replicas stacked."""
+        """The L + S slots' experts, once ``fetched`` lands."""
+        loop = self._loops_over_experts()
         weights = with_replicas(home, self.exchange, self.redundancy_mapping, self.slots,
-                                _get_process_group_name(self.group), fetched)
-        return self._run(weights, x, num_tokens_per_expert)
+                                _get_process_group_name(self.group), fetched, stacked=not loop)
+        run = self._run_loop if loop else self._run
+        return run(weights, x, num_tokens_per_expert)
 
     def queue_replica_fetch(self) -> None:
         """Queue this forward's fetch (none where no slot holds a replica, or where the layer before fetched it ahead):
@@ -378,18 +392,17 @@ class ExpertsWithReplicas(ReplicaSlots, UnboundLoopExperts):
     def _run(self, weights: list[torch.Tensor], x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         return self.run_experts(*weights, x, num_tokens_per_expert)
 
-    def _run_with_replicas(self, home: list[torch.Tensor], fetched: torch.Tensor, x: torch.Tensor,
-                           num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        if self.use_grouped_mm or self.low_precision is not None:
-            return super()._run_with_replicas(home, fetched, x, num_tokens_per_expert)
-        weights = with_replicas(home, self.exchange, self.redundancy_mapping, self.slots,
-                                _get_process_group_name(self.group), fetched, stacked=False)
+    def _loops_over_experts(self) -> bool:
+        return not self.use_grouped_mm and self.low_precision is None
+
+    def _run_loop(self, weights: list[list[torch.Tensor]], x: torch.Tensor,
+                  num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         return _run_experts_for_loop(*weights, x, num_tokens_per_expert)
 
 
-class GptOssExpertsWithReplicas(ReplicaSlots, gpt_oss_moe.GptOssGroupedExperts):
-    """GPT-OSS's experts (mlp1 and mlp2, each a weight and a bias; the clamped SwiGLU) with replica slots: torchtitan's
-    grouped GEMMs or per-expert loop on the home experts and replicas stacked."""
+class GptOssExpertsWithReplicas(ReplicaSlots, GptOssExperts):
+    """GPT-OSS's experts (mlp1 and mlp2, each a weight and a bias; the clamped SwiGLU) with replica slots: its grouped
+    GEMMs on the home experts and replicas stacked, its per-expert loop on views of both."""
 
     def _home(self) -> list[torch.Tensor]:
         return [w.to_local() if isinstance(w, DTensor) else w
@@ -397,14 +410,18 @@ class GptOssExpertsWithReplicas(ReplicaSlots, gpt_oss_moe.GptOssGroupedExperts):
 
     def _run(self, weights: list[torch.Tensor], x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         # the tokens come grouped by the EP backend's dispatch; tensor parallel degree 1: replicas refuse expert TP
-        run = gpt_oss_moe._run_experts_grouped_mm if self.use_grouped_mm else gpt_oss_moe._run_experts_for_loop
-        return run(*weights, self.swiglu_limit, x, num_tokens_per_expert, 1)
+        return self.run_experts(weights, x, num_tokens_per_expert)
+
+    def _run_loop(self, weights: list[list[torch.Tensor]], x: torch.Tensor,
+                  num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        return gpt_oss_moe._run_experts_for_loop(*weights, self.swiglu_limit, x, num_tokens_per_expert, 1)
 
 
 REPLICA_EXPERTS: dict[type, type[ReplicaSlots]] = {
     GroupedExperts: ExpertsWithReplicas,
     UnboundLoopExperts: ExpertsWithReplicas,
     gpt_oss_moe.GptOssGroupedExperts: GptOssExpertsWithReplicas,
+    GptOssExperts: GptOssExpertsWithReplicas,
 }
 """The experts modules that take replica slots, by their class before adoption: what the replica class adopting it
 computes with."""

@@ -1,0 +1,133 @@
+"""The routed experts as the harness runs them: torchtitan's outputs and gradients; the per-expert loop writing each
+stacked parameter's gradient once instead of once per expert, GPT-OSS's grouped GEMMs without a host sync, and
+every MoE layer running them."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torchtitan.models.gpt_oss.model import moe as gpt_oss_moe
+from torchtitan.models.moe.moe import _run_experts_for_loop
+
+from torchtitan_ext.ep.experts import run_experts_for_loop, run_gpt_oss_experts_for_loop, run_gpt_oss_experts_grouped_mm
+from torchtitan_ext.measuring.device_cost_counter import DeviceCostCounter
+
+
+class StackSizedOutputs(TorchDispatchMode):
+    """Counts the ops that write an output of one of ``numels`` elements (a stacked parameter's; views write
+    nothing)."""
+
+    def __init__(self, *numels: int):
+        super().__init__()
+        self.numels, self.count = set(numels), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.is_view:
+            return out
+        self.count += sum(isinstance(t, torch.Tensor) and t.numel() in self.numels
+                          for t in (out if isinstance(out, (tuple, list)) else (out,)))
+        return out
+
+
+def _backward(loop, experts: int) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+    """The loop's output on 3 padding rows past 20 routed ones, its gradients (w1, w2, w3, tokens) and the ops of
+    its backward that wrote a whole projection's stack."""
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(experts, *shape, generator=generator, requires_grad=True)
+               for shape in ((32, 16), (16, 32), (32, 16))]
+    tokens = torch.randn(23, 16, generator=generator, requires_grad=True)
+    counts = torch.tensor([5, 0, 3, 7, 1, 4])
+    out = loop(*weights, tokens, counts)
+    with StackSizedOutputs(weights[0].numel()) as written:
+        out.backward(torch.randn(out.shape, generator=generator))
+    return out, [w.grad for w in weights] + [tokens.grad], written.count
+
+
+def test_the_loop_equals_torchtitans_and_writes_each_weights_gradient_once():
+    out, grads, written = _backward(run_experts_for_loop, 6)
+    expected_out, expected_grads, torchtitans_written = _backward(_run_experts_for_loop, 6)
+    assert torch.equal(out, expected_out)
+    assert all(torch.equal(grad, expected) for grad, expected in zip(grads, expected_grads))
+    # one stacked gradient per projection; torchtitan's indexing writes a zero-filled stack per expert and sums them
+    assert written == 3
+    assert torchtitans_written >= 3 * 6
+
+
+def _gpt_oss_backward(run, experts: int, dim: int, hidden: int,
+                      tp_degree: int = 1) -> tuple[torch.Tensor, list[torch.Tensor], int, int]:
+    """GPT-OSS's experts (``run``: torchtitan's signature) on padding rows past the routed ones, as a dispatch leaves
+    them: the routed rows' output and the gradients (mlp1's weight and bias, mlp2's, the routed tokens'; nothing
+    flows back from the padding rows, whose output grouped GEMMs leave undefined), the ops of the backward that wrote
+    a whole parameter's stack, and the host syncs of the forward and backward as a GPU would pay them."""
+    generator = torch.Generator().manual_seed(0)
+    parameters = [torch.randn(experts, *shape, generator=generator, requires_grad=True)
+                  for shape in ((2 * hidden, dim), (2 * hidden,), (dim, hidden), (dim,))]
+    tokens = torch.randn(23, dim, generator=generator, requires_grad=True)
+    counts = torch.tensor([5, 0, 3, 7, 1, 4][:experts])
+    routed = int(counts.sum())
+    grad = torch.randn(23, dim, generator=generator)
+    grad[routed:] = 0
+    with DeviceCostCounter() as counter:
+        out = run(*parameters, 7.0, tokens, counts, tp_degree)
+        with StackSizedOutputs(*(p.numel() for p in parameters)) as written:
+            out.backward(grad)
+    syncs = sum(costs.syncs for costs in counter.costs.values())
+    return out[:routed], [p.grad for p in parameters] + [tokens.grad[:routed]], written.count, syncs
+
+
+def test_gpt_oss_loop_equals_torchtitans_and_writes_each_parameters_gradient_once():
+    # sizes no token-sized tensor of the backward shares with a stacked parameter
+    out, grads, written, _ = _gpt_oss_backward(run_gpt_oss_experts_for_loop, 6, 18, 11)
+    expected_out, expected_grads, torchtitans_written, _ = _gpt_oss_backward(gpt_oss_moe._run_experts_for_loop, 6,
+                                                                             18, 11)
+    assert torch.equal(out, expected_out)
+    assert all(torch.equal(grad, expected) for grad, expected in zip(grads, expected_grads))
+    assert written == 4
+    assert torchtitans_written >= 4 * 6
+
+
+@pytest.mark.parametrize("tp_degree", [1, 2])
+def test_gpt_oss_grouped_gemms_equal_torchtitans_without_a_host_sync(tp_degree):
+    """Bit for bit, the second bias's division by the TP degree included; the counter sees torchtitan's reads of the
+    group sizes, and none here."""
+    # bf16 rows of a multiple of 16 bytes, as grouped GEMMs take them
+    out, grads, _, syncs = _gpt_oss_backward(run_gpt_oss_experts_grouped_mm, 4, 24, 16, tp_degree)
+    expected_out, expected_grads, _, torchtitans_syncs = _gpt_oss_backward(gpt_oss_moe._run_experts_grouped_mm, 4,
+                                                                            24, 16, tp_degree)
+    assert torch.equal(out, expected_out.float())  # torchtitan's GPT-OSS returns bf16 for fp32 tokens
+    assert all(torch.equal(grad, expected) for grad, expected in zip(grads, expected_grads))
+    assert syncs == 0
+    assert torchtitans_syncs == 4  # its forward's two repeat_interleave without output_size and two int(offsets[-1])
+
+
+@pytest.mark.parametrize("config", ["debug_model.toml", "llama4_debug_model.toml", "gpt_oss_debug_model.toml"])
+def test_under_the_parallelize_plan_every_moe_layer_writes_each_parameters_gradient_once(world_of_one, config):
+    """The plan applied as training applies it: every MoE layer's experts, run forward and backward on rows routed
+    to all of its experts, write one stacked gradient per parameter (torchtitan's loop writes one per expert)."""
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from torchtitan_ext.config import load_job_config, meta_model
+    from torchtitan_ext.training import prepare
+
+    prepare()
+    args = ["--job.config_file", f"train_configs/{config}", "--parallelism.expert_parallel_degree", "1"]
+    job_config = load_job_config(args, "cpu", 1)
+    model = meta_model(job_config)
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    get_train_spec(job_config.model.name).parallelize_fn(model, dims, job_config)
+    layers = [block.moe.experts for block in model.layers.values() if block.moe_enabled]
+    assert layers
+    generator = torch.Generator().manual_seed(0)
+    for experts in layers:
+        experts.to_empty(device="cpu")
+        parameters = list(experts.parameters())
+        for parameter in parameters:
+            parameter.data.copy_(torch.randn(parameter.shape, generator=generator) * 0.02)
+        # 3 rows an expert: no row-sized tensor of the backward has a stacked parameter's size (a bias's, E x D)
+        counts = torch.full((experts.num_experts,), 3)
+        tokens = torch.randn(int(counts.sum()), parameters[0].shape[-1], generator=generator)
+        out = experts(tokens, counts)
+        with StackSizedOutputs(*(p.numel() for p in parameters)) as written:
+            out.backward(torch.ones_like(out))
+        assert written.count == len(parameters)
