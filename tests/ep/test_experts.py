@@ -53,25 +53,33 @@ def test_the_loop_equals_torchtitans_and_writes_each_weights_gradient_once():
     assert torchtitans_written >= 3 * 6
 
 
+def _gpt_oss_inputs(experts: int, dim: int, hidden: int,
+                    device: str = "cpu") -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPT-OSS's experts' parameters (mlp1's weight and bias, mlp2's), 23 token rows of which the first
+    sum(counts) are routed and the rest padding, as a dispatch leaves them, the rows per expert (one expert gets
+    none), and an output gradient that is zero on the padding rows (whose output grouped GEMMs leave undefined)."""
+    generator = torch.Generator().manual_seed(0)
+    parameters = [torch.randn(experts, *shape, generator=generator).to(device).requires_grad_()
+                  for shape in ((2 * hidden, dim), (2 * hidden,), (dim, hidden), (dim,))]
+    tokens = torch.randn(23, dim, generator=generator).to(device).requires_grad_()
+    counts = torch.tensor([5, 0, 3, 7, 1, 4][:experts])
+    grad = torch.randn(23, dim, generator=generator)
+    grad[int(counts.sum()):] = 0
+    return parameters, tokens, counts.to(device), grad.to(device)
+
+
 def _gpt_oss_backward(run, experts: int, dim: int, hidden: int,
                       tp_degree: int = 1) -> tuple[torch.Tensor, list[torch.Tensor], int, int]:
-    """GPT-OSS's experts (``run``: torchtitan's signature) on padding rows past the routed ones, as a dispatch leaves
-    them: the routed rows' output and the gradients (mlp1's weight and bias, mlp2's, the routed tokens'; nothing
-    flows back from the padding rows, whose output grouped GEMMs leave undefined), the ops of the backward that wrote
-    a whole parameter's stack, and the host syncs of the forward and backward as a GPU would pay them."""
-    generator = torch.Generator().manual_seed(0)
-    parameters = [torch.randn(experts, *shape, generator=generator, requires_grad=True)
-                  for shape in ((2 * hidden, dim), (2 * hidden,), (dim, hidden), (dim,))]
-    tokens = torch.randn(23, dim, generator=generator, requires_grad=True)
-    counts = torch.tensor([5, 0, 3, 7, 1, 4][:experts])
-    routed = int(counts.sum())
-    grad = torch.randn(23, dim, generator=generator)
-    grad[routed:] = 0
+    """GPT-OSS's experts (``run``: torchtitan's signature) on :func:`_gpt_oss_inputs`: the routed rows' output and the
+    gradients (the parameters', the routed tokens'), the ops of the backward that wrote a whole parameter's stack,
+    and the host syncs of the forward and backward as a GPU would pay them."""
+    parameters, tokens, counts, grad = _gpt_oss_inputs(experts, dim, hidden)
     with DeviceCostCounter() as counter:
         out = run(*parameters, 7.0, tokens, counts, tp_degree)
         with StackSizedOutputs(*(p.numel() for p in parameters)) as written:
             out.backward(grad)
     syncs = sum(costs.syncs for costs in counter.costs.values())
+    routed = int(counts.sum())
     return out[:routed], [p.grad for p in parameters] + [tokens.grad[:routed]], written.count, syncs
 
 
@@ -98,6 +106,29 @@ def test_gpt_oss_grouped_gemms_equal_torchtitans_without_a_host_sync(tp_degree):
     assert all(torch.equal(grad, expected) for grad, expected in zip(grads, expected_grads))
     assert syncs == 0
     assert torchtitans_syncs == 4  # its forward's two repeat_interleave without output_size and two int(offsets[-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpt_oss_grouped_gemms_on_a_gpu_never_make_the_host_wait():
+    """On CUDA with every host sync an error (``torch.cuda.set_sync_debug_mode``), forward and backward, against
+    torchtitan's run without that mode. The outputs are equal; the gradients within fp32 rounding (CUDA's
+    ``index_add`` sums a bias's rows in no fixed order)."""
+    results = []
+    for run, sync_mode in ((gpt_oss_moe._run_experts_grouped_mm, "default"), (run_gpt_oss_experts_grouped_mm, "error")):
+        parameters, tokens, counts, grad = _gpt_oss_inputs(4, 64, 32, "cuda")
+        torch.cuda.set_sync_debug_mode(sync_mode)
+        try:
+            out = run(*parameters, 7.0, tokens, counts, 1)
+            out.backward(grad)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        routed = int(counts.sum())
+        results.append((out[:routed].float(), [p.grad for p in parameters] + [tokens.grad[:routed]]))
+    (expected_out, expected_grads), (out, grads) = results
+    assert torch.equal(out, expected_out)
+    for grad, expected in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, expected)
 
 
 @pytest.mark.parametrize("config", ["debug_model.toml", "llama4_debug_model.toml", "gpt_oss_debug_model.toml"])

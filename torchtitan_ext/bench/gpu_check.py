@@ -9,7 +9,8 @@ Stages, each reported whatever the others did, each run within its own time limi
 1. the environment: torch, CUDA, the device, the date;
 2. the GPU tests (``pytest -m "deep_ep or gpu"``): every backend on CUDA at EP = 1, DeepEP and HybridEP on the
    reference kernels where the library is not built; the low-precision experts on torchao's GPU kernels (MXFP8 on
-   sm100 against the independent reference, float8 on sm90 and newer);
+   sm100 against the independent reference, float8 on sm90 and newer); GPT-OSS's grouped experts with every host
+   sync an error;
 3. the device-cost ledger of one MoE call per backend at EP = 1 on CUDA against the same call on the CPU (the
    counts must be equal), the passes budgeted no host sync run under ``torch.cuda.set_sync_debug_mode("error")``;
    and so for the same call of a job with a replica slot on every backend (its split and its replicas' fetch
@@ -79,7 +80,7 @@ def stages(out: Path) -> list[Stage]:
         _function_stage("environment", "environment", 60),
         Stage("gpu tests", [python, "-m", "pytest", "-m", "deep_ep or gpu", "-k", "not real_nccl_ep", "-rs", "-q", "-n",
                             "0", "-p", "no:cacheprovider", "tests/ep/test_deep_ep.py",
-                            "tests/models/test_low_precision_experts.py"], 240),
+                            "tests/models/test_low_precision_experts.py", "tests/ep/test_experts.py"], 240),
         # the wheel where installed (nothing is installed at run time): skipped with the import's own message else
         Stage("ncclep on nccl.ep", [python, "-m", "pytest", "-m", "gpu", "-rs", "-q", "-n", "0", "-p", "no:cacheprovider",
                                     "tests/ep/test_deep_ep.py::test_real_nccl_ep_matches_dense_moe"], 180),
