@@ -53,8 +53,8 @@ def test_the_loop_equals_torchtitans_and_writes_each_weights_gradient_once():
     assert torchtitans_written >= 3 * 6
 
 
-def _gpt_oss_inputs(experts: int, dim: int, hidden: int,
-                    device: str = "cpu") -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+def _gpt_oss_inputs(experts: int, dim: int, hidden: int, device: str = "cpu",
+                    counts_dtype=torch.int64) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
     """GPT-OSS's experts' parameters (mlp1's weight and bias, mlp2's), 23 token rows of which the first
     sum(counts) are routed and the rest padding, as a dispatch leaves them, the rows per expert (one expert gets
     none), and an output gradient that is zero on the padding rows (whose output grouped GEMMs leave undefined)."""
@@ -62,18 +62,18 @@ def _gpt_oss_inputs(experts: int, dim: int, hidden: int,
     parameters = [torch.randn(experts, *shape, generator=generator).to(device).requires_grad_()
                   for shape in ((2 * hidden, dim), (2 * hidden,), (dim, hidden), (dim,))]
     tokens = torch.randn(23, dim, generator=generator).to(device).requires_grad_()
-    counts = torch.tensor([5, 0, 3, 7, 1, 4][:experts])
+    counts = torch.tensor([5, 0, 3, 7, 1, 4][:experts], dtype=counts_dtype)
     grad = torch.randn(23, dim, generator=generator)
     grad[int(counts.sum()):] = 0
     return parameters, tokens, counts.to(device), grad.to(device)
 
 
-def _gpt_oss_backward(run, experts: int, dim: int, hidden: int,
-                      tp_degree: int = 1) -> tuple[torch.Tensor, list[torch.Tensor], int, int]:
+def _gpt_oss_backward(run, experts: int, dim: int, hidden: int, tp_degree: int = 1,
+                      counts_dtype=torch.int64) -> tuple[torch.Tensor, list[torch.Tensor], int, int]:
     """GPT-OSS's experts (``run``: torchtitan's signature) on :func:`_gpt_oss_inputs`: the routed rows' output and the
     gradients (the parameters', the routed tokens'), the ops of the backward that wrote a whole parameter's stack,
     and the host syncs of the forward and backward as a GPU would pay them."""
-    parameters, tokens, counts, grad = _gpt_oss_inputs(experts, dim, hidden)
+    parameters, tokens, counts, grad = _gpt_oss_inputs(experts, dim, hidden, counts_dtype=counts_dtype)
     with DeviceCostCounter() as counter:
         out = run(*parameters, 7.0, tokens, counts, tp_degree)
         with StackSizedOutputs(*(p.numel() for p in parameters)) as written:
@@ -94,14 +94,14 @@ def test_gpt_oss_loop_equals_torchtitans_and_writes_each_parameters_gradient_onc
     assert torchtitans_written >= 4 * 6
 
 
-@pytest.mark.parametrize("tp_degree", [1, 2])
-def test_gpt_oss_grouped_gemms_equal_torchtitans_without_a_host_sync(tp_degree):
-    """Bit for bit, the second bias's division by the TP degree included; the counter sees torchtitan's reads of the
-    group sizes, and none here."""
+@pytest.mark.parametrize("tp_degree, counts_dtype", [(1, torch.int64), (2, torch.int32)])
+def test_gpt_oss_grouped_gemms_equal_torchtitans_without_a_host_sync(tp_degree, counts_dtype):
+    """Bit for bit, the second bias's division by the TP degree included, whichever integer type a backend gives the
+    group sizes in; the counter sees torchtitan's reads of the group sizes, and none here."""
     # bf16 rows of a multiple of 16 bytes, as grouped GEMMs take them
-    out, grads, _, syncs = _gpt_oss_backward(run_gpt_oss_experts_grouped_mm, 4, 24, 16, tp_degree)
-    expected_out, expected_grads, _, torchtitans_syncs = _gpt_oss_backward(gpt_oss_moe._run_experts_grouped_mm, 4,
-                                                                            24, 16, tp_degree)
+    shape = (4, 24, 16, tp_degree, counts_dtype)
+    out, grads, _, syncs = _gpt_oss_backward(run_gpt_oss_experts_grouped_mm, *shape)
+    expected_out, expected_grads, _, torchtitans_syncs = _gpt_oss_backward(gpt_oss_moe._run_experts_grouped_mm, *shape)
     assert torch.equal(out, expected_out.float())  # torchtitan's GPT-OSS returns bf16 for fp32 tokens
     assert all(torch.equal(grad, expected) for grad, expected in zip(grads, expected_grads))
     assert syncs == 0

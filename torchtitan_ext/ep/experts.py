@@ -38,11 +38,14 @@ class UnboundLoopExperts(GroupedExperts):
     """The recipe a model converter set (:class:`torchtitan_ext.models.converters.LowPrecisionGroupedMM`): the three
     grouped GEMMs quantize on the fly, on a CPU too; None: torchtitan's GEMMs."""
 
+    def local_weights(self) -> list[torch.Tensor]:
+        """This rank's [E, ...] w1, w2, w3, as plain tensors."""
+        return [w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3)]
+
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         if self.use_grouped_mm and self.low_precision is None:
             return super().forward(x, num_tokens_per_expert)
-        weights = [w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3)]
-        return self.run_experts(*weights, x, num_tokens_per_expert)
+        return self.run_experts(*self.local_weights(), x, num_tokens_per_expert)
 
     def run_experts(self, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor,
                     num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
@@ -65,14 +68,18 @@ def run_gpt_oss_experts_for_loop(mlp1_weight: torch.Tensor, mlp1_bias: torch.Ten
                                              mlp2_bias.unbind(0), swiglu_limit, x, num_tokens_per_expert, tp_degree)
 
 
-def _bias_per_row(bias: torch.Tensor, num_tokens_per_expert: torch.Tensor, rows: int) -> torch.Tensor:
-    """[rows, D]: each expert's bias over its group's rows, zeros over the padding rows after the last group. The
-    group sizes stay on the device: the padding's count is a device value, and ``output_size`` tells
-    ``repeat_interleave`` the rows it writes."""
+def _expert_of_row(num_tokens_per_expert: torch.Tensor, rows: int) -> torch.Tensor:
+    """[rows] each row's expert, E (one past the last) for the padding rows after the last group, which must number
+    rows - sum(num_tokens_per_expert) >= 0 (a dispatch pads after the groups). The group sizes stay on the device:
+    the padding's count is a device value, and ``output_size`` tells ``repeat_interleave`` the rows it writes."""
     counts = num_tokens_per_expert.long()
-    padding = (rows - counts.sum()).reshape(1)
-    padded = torch.cat([bias, bias.new_zeros(1, bias.shape[-1])])
-    return padded.repeat_interleave(torch.cat([counts, padding]), dim=0, output_size=rows)
+    counts = torch.cat([counts, (rows - counts.sum()).reshape(1)])
+    return torch.arange(counts.shape[0], device=counts.device).repeat_interleave(counts, output_size=rows)
+
+
+def _bias_per_row(bias: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
+    """[rows, D]: each expert's bias over its group's rows, zeros over the padding rows."""
+    return torch.cat([bias, bias.new_zeros(1, bias.shape[-1])]).index_select(0, expert_of_row)
 
 
 def run_gpt_oss_experts_grouped_mm(mlp1_weight: torch.Tensor, mlp1_bias: torch.Tensor, mlp2_weight: torch.Tensor,
@@ -83,12 +90,12 @@ def run_gpt_oss_experts_grouped_mm(mlp1_weight: torch.Tensor, mlp1_bias: torch.T
     combine, its buffer sized for fp32 activations, refuses). ``tp_degree``: the experts' TP degree, which the second
     bias is divided by forward (TP's all-reduce sums it)."""
     offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
-    rows = x.shape[0]
+    expert_of_row = _expert_of_row(num_tokens_per_expert, x.shape[0])
     h = torch._grouped_mm(x.bfloat16(), mlp1_weight.transpose(-2, -1).bfloat16(), offs=offsets)
-    h = h + _bias_per_row(mlp1_bias, num_tokens_per_expert, rows).to(h.dtype)
+    h = h + _bias_per_row(mlp1_bias, expert_of_row).to(h.dtype)
     h = gpt_oss_moe.swiglu(h, limit=swiglu_limit)
     h = torch._grouped_mm(h, mlp2_weight.transpose(-2, -1).bfloat16(), offs=offsets)
-    b2 = gpt_oss_moe.ScaleBiasForward.apply(_bias_per_row(mlp2_bias, num_tokens_per_expert, rows), tp_degree)
+    b2 = gpt_oss_moe.ScaleBiasForward.apply(_bias_per_row(mlp2_bias, expert_of_row), tp_degree)
     return (h + b2.to(h.dtype)).type_as(x)
 
 
@@ -96,9 +103,13 @@ class GptOssExperts(gpt_oss_moe.GptOssGroupedExperts):
     """GPT-OSS's experts (mlp1 and mlp2, each a weight and a bias; the clamped SwiGLU) with
     :func:`run_gpt_oss_experts_grouped_mm` for grouped GEMMs and the loop on unbound weights."""
 
+    def local_weights(self) -> list[torch.Tensor]:
+        """This rank's [E, ...] mlp1 weight and bias, mlp2 weight and bias, as plain tensors."""
+        return [w.to_local() if isinstance(w, DTensor) else w
+                for w in (self.mlp1_weight, self.mlp1_bias, self.mlp2_weight, self.mlp2_bias)]
+
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        weights = [w.to_local() if isinstance(w, DTensor) else w
-                   for w in (self.mlp1_weight, self.mlp1_bias, self.mlp2_weight, self.mlp2_bias)]
+        weights = self.local_weights()
         mesh_dims = self.mlp1_weight.device_mesh.mesh_dim_names if isinstance(self.mlp1_weight, DTensor) else ()
         tp_degree = self.mlp1_weight.device_mesh.size(mesh_dims.index("tp")) if "tp" in mesh_dims else 1
         if self.use_grouped_mm and "ep" not in mesh_dims:

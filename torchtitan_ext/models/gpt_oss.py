@@ -9,7 +9,7 @@ sums all four of an expert's parameters (``GptOssExpertsWithReplicas``). Feature
 standard experts' w1, w2, w3 (the FP8/MXFP8 expert GEMMs, expert TP under EP) are refused for it in
 one line by their own checks.
 
-Four departures from torchtitan 0.2.2's model, none in the math it computes:
+Four departures from torchtitan 0.2.2's model; only the last changes a value, and only in an fp32 job:
 
 - the transformer blocks hold their parameters in the default dtype (fp32), as every other model
   here does, instead of bf16: FSDP's ``mixed_precision_param`` sets the compute dtype, and the
@@ -19,7 +19,8 @@ Four departures from torchtitan 0.2.2's model, none in the math it computes:
   ``create_block_mask`` takes about 14 s per process there). On a GPU both are torchtitan's;
 - the router's bias starts at zero (torchtitan leaves it uninitialized, so routing differed run to run);
 - the parallelize plan runs the experts as ``torchtitan_ext.ep.experts.GptOssExperts``: with grouped GEMMs no
-  host sync (torchtitan's reads the group sizes four times a forward) and the output in the tokens' dtype.
+  host sync (torchtitan's reads the group sizes four times a forward) and the output in the tokens' dtype
+  (torchtitan's is bf16).
 """
 
 import dataclasses

@@ -57,7 +57,6 @@ import torch
 from torch.distributed.distributed_c10d import _get_process_group_name
 from torch.autograd.function import once_differentiable
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from torchtitan.models.gpt_oss.model import moe as gpt_oss_moe
 from torchtitan.models.moe.moe import _run_experts_for_loop, GroupedExperts
 
@@ -241,7 +240,8 @@ def redundancy_mapping(plan: ReplicaPlan, device: torch.device = torch.device("c
 class ReplicaSlots(torch.nn.Module):
     """An experts module computing its home experts and replica slots (adopted in place,
     :func:`adopt_replica_slots`). A subclass says which tensors are an expert's weights (:meth:`_home`) and how
-    its experts compute on them (:meth:`_run`)."""
+    its experts compute on them: stacked (:meth:`_run`), and as a per-expert loop on views (:meth:`_run_loop`,
+    where :meth:`_loops_over_experts`)."""
 
     slots: int
     group = None
@@ -387,7 +387,7 @@ class ExpertsWithReplicas(ReplicaSlots, UnboundLoopExperts):
     experts and replicas, its grouped GEMMs (and a converter's low-precision ones) one 3-D weight per projection."""
 
     def _home(self) -> list[torch.Tensor]:
-        return [w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3)]
+        return self.local_weights()
 
     def _run(self, weights: list[torch.Tensor], x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         return self.run_experts(*weights, x, num_tokens_per_expert)
@@ -405,8 +405,7 @@ class GptOssExpertsWithReplicas(ReplicaSlots, GptOssExperts):
     GEMMs on the home experts and replicas stacked, its per-expert loop on views of both."""
 
     def _home(self) -> list[torch.Tensor]:
-        return [w.to_local() if isinstance(w, DTensor) else w
-                for w in (self.mlp1_weight, self.mlp1_bias, self.mlp2_weight, self.mlp2_bias)]
+        return self.local_weights()
 
     def _run(self, weights: list[torch.Tensor], x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         # the tokens come grouped by the EP backend's dispatch; tensor parallel degree 1: replicas refuse expert TP
