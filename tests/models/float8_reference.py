@@ -51,3 +51,9 @@ class Float8GroupedMM(torch.autograd.Function):
 def experts(w1, w2, w3, x, tokens_per_expert):
     """The routed experts' SwiGLU with float8 GEMMs."""
     return swiglu_reference.experts(Float8GroupedMM, w1, w2, w3, x, tokens_per_expert)
+
+
+def gpt_oss_experts(mlp1_weight, mlp1_bias, mlp2_weight, mlp2_bias, limit, x, tokens_per_expert):
+    """GPT-OSS's experts with float8 GEMMs."""
+    return swiglu_reference.gpt_oss_experts(Float8GroupedMM, mlp1_weight, mlp1_bias, mlp2_weight, mlp2_bias, limit, x,
+                                            tokens_per_expert)

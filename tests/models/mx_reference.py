@@ -69,3 +69,9 @@ def _grouped(a, b, ends):
 def experts(w1, w2, w3, x, tokens_per_expert):
     """The routed experts' SwiGLU with MXFP8 GEMMs."""
     return swiglu_reference.experts(MXGroupedMM, w1, w2, w3, x, tokens_per_expert)
+
+
+def gpt_oss_experts(mlp1_weight, mlp1_bias, mlp2_weight, mlp2_bias, limit, x, tokens_per_expert):
+    """GPT-OSS's experts with MXFP8 GEMMs."""
+    return swiglu_reference.gpt_oss_experts(MXGroupedMM, mlp1_weight, mlp1_bias, mlp2_weight, mlp2_bias, limit, x,
+                                            tokens_per_expert)

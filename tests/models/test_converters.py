@@ -48,6 +48,16 @@ def test_a_converter_that_cannot_run_here_is_refused_in_one_line(overrides, mess
         load_job_config(DEBUG_JOB + overrides, device_type="cpu", world_size=2)
 
 
+def test_grouped_converters_refuse_experts_whose_forward_would_not_run_them(monkeypatch):
+    from torchtitan_ext.models import converters
+
+    monkeypatch.setattr(converters, "ROUTED_EXPERTS", {})  # as for a model whose experts are none of torchtitan's
+    with pytest.raises(ConfigError, match=r"^model.converters has quantize.grouped_mm.mx, whose grouped GEMMs serve "
+                                          r", not deepseek_v3's GroupedExperts: remove quantize.grouped_mm.mx$"):
+        load_job_config(DEBUG_JOB + ["--model.converters", "quantize.grouped_mm.mx", "--quantize.grouped_mm.mx.fqns",
+                                     "experts"], device_type="cpu", world_size=2)
+
+
 @pytest.mark.parametrize("converter, rows", [("quantize.grouped_mm.mx", 32), ("quantize.grouped_mm.float8", 16)])
 def test_every_backend_pads_expert_groups_to_the_recipes_block(converter, rows):
     """The backends' dispatch derives its pad multiple from the job's converters, as training builds the layers."""

@@ -16,7 +16,7 @@ from torchtitan_ext.ep.backends import DROPLESS_WHEN_PADDED
 from tests.helpers import run_distributed
 from tests.models import float8_reference, mx_reference
 from torchtitan_ext.ep.base import Routing
-from torchtitan_ext.ep.experts import UnboundLoopExperts
+from torchtitan_ext.ep.experts import run_gpt_oss_experts_grouped_mm, UnboundLoopExperts
 from torchtitan_ext.models.converters import LowPrecisionGroupedMM, _torchao_config
 
 MATCH = 1e-3
@@ -72,6 +72,70 @@ def test_the_experts_match_the_independent_reference_and_not_the_plain_gemms(con
     for name, value, truth, unquantized in zip(("out", "w1", "w2", "w3", "x"), got, expected, plain):
         assert _relative(value, truth) < MATCH, name
         assert _relative(unquantized, truth) > UNQUANTIZED, name
+
+
+@pytest.mark.parametrize("converter", sorted(REFERENCES))
+def test_gpt_oss_experts_match_the_independent_reference_and_not_the_plain_gemms(converter):
+    """GPT-OSS's biased, clamped experts, groups padded by the backend (one empty, padding rows after the last):
+    output and the gradients of the tokens and of every parameter. mlp2's bias gradient is the output gradient
+    summed per expert (no GEMM on its path): the plain GEMMs give it too."""
+    generator = torch.Generator().manual_seed(3)
+    dim, hidden = 64, 96
+    parameters = [torch.randn(shape, generator=generator) * 0.1
+                  for shape in ((3, 2 * hidden, dim), (3, 2 * hidden), (3, dim, hidden), (3, dim))]
+    counts = torch.tensor([64, 0, 32])
+    x, grad = torch.randn(128, dim, generator=generator), torch.randn(96, dim, generator=generator)
+
+    def routed_rows(run):
+        def experts(*leaves):  # the padding rows' outputs are left undefined by grouped GEMMs: none flows back
+            return run(*leaves[:4], 0.3, leaves[4], leaves[5])[:96]  # a limit that clamps a share of the rows
+        return experts
+
+    got, expected, plain = [
+        _outputs_and_grads(routed_rows(run), parameters, x, counts, grad)
+        for run in (_recipe(converter).run_gpt_oss_experts, REFERENCES[converter].gpt_oss_experts,
+                    run_gpt_oss_experts_grouped_mm)]
+    names = ("out", "mlp1_weight", "mlp1_bias", "mlp2_weight", "mlp2_bias", "x")
+    for name, value, truth, unquantized in zip(names, got, expected, plain):
+        rows = slice(0, 96)  # the routed rows (the tokens' gradient has the padding rows too)
+        assert _relative(value[rows], truth[rows]) < MATCH, name
+        if name != "mlp2_bias":
+            assert _relative(unquantized[rows], truth[rows]) > UNQUANTIZED, name
+
+
+def test_the_gpt_oss_plan_runs_its_experts_in_the_recipe(world_of_one):
+    """The GPT-OSS debug job with quantize.grouped_mm.mx, converted and parallelized as training does (EP = 1): every
+    MoE layer computes its experts as the independent reference on groups of the MXFP8 block."""
+    from torchtitan.components.quantization import MXFP8_GROUP_ALIGNMENT_SIZE
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.protocols.model_converter import build_model_converters
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from torchtitan_ext.config import load_job_config, meta_model
+    from torchtitan_ext.training import prepare
+
+    prepare()
+    job_config = load_job_config(["--job.config_file", "train_configs/gpt_oss_debug_model.toml",
+                                  "--parallelism.expert_parallel_degree", "1", "--model.converters",
+                                  "quantize.grouped_mm.mx", "--quantize.grouped_mm.mx.fqns", "experts"], "cpu", 1)
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    model = meta_model(job_config)
+    build_model_converters(job_config, dims).convert(model)
+    get_train_spec(job_config.model.name).parallelize_fn(model, dims, job_config)
+    layers = [block.moe.experts for block in model.layers.values() if block.moe_enabled]
+    assert layers
+    generator = torch.Generator().manual_seed(4)
+    for experts in layers:
+        experts.to_empty(device="cpu")
+        parameters = list(experts.parameters())
+        with torch.no_grad():
+            for parameter in parameters:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+        counts = torch.full((experts.num_experts,), MXFP8_GROUP_ALIGNMENT_SIZE)
+        x = torch.randn(int(counts.sum()), parameters[0].shape[-1], generator=generator)
+        with torch.no_grad():
+            expected = mx_reference.gpt_oss_experts(*parameters, experts.swiglu_limit, x, counts)
+            assert _relative(experts(x, counts), expected) < MATCH
 
 
 @pytest.mark.parametrize("converter", sorted(REFERENCES))

@@ -82,26 +82,38 @@ def _bias_per_row(bias: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tens
     return torch.cat([bias, bias.new_zeros(1, bias.shape[-1])]).index_select(0, expert_of_row)
 
 
+def bf16_grouped_mm(a: torch.Tensor, b_t: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """torch's grouped GEMM of bf16 ``a`` [M, K] and ``b_t`` [E, K, N] over the row groups ``offsets`` ends."""
+    return torch._grouped_mm(a, b_t, offs=offsets)
+
+
 def run_gpt_oss_experts_grouped_mm(mlp1_weight: torch.Tensor, mlp1_bias: torch.Tensor, mlp2_weight: torch.Tensor,
                                    mlp2_bias: torch.Tensor, swiglu_limit: float, x: torch.Tensor,
-                                   num_tokens_per_expert: torch.Tensor, tp_degree: int = 1) -> torch.Tensor:
+                                   num_tokens_per_expert: torch.Tensor, tp_degree: int = 1,
+                                   grouped_mm=bf16_grouped_mm) -> torch.Tensor:
     """torchtitan's GPT-OSS grouped GEMMs (bf16) and biases, the host never waiting for the group sizes, the output
     in the tokens' dtype (as torchtitan's ``GroupedExperts``; its GPT-OSS returns bf16, which a kernel library's
     combine, its buffer sized for fp32 activations, refuses). ``tp_degree``: the experts' TP degree, which the second
-    bias is divided by forward (TP's all-reduce sums it)."""
+    bias is divided by forward (TP's all-reduce sums it); ``grouped_mm``: the GEMMs (:func:`bf16_grouped_mm`'s
+    signature; a model converter's low-precision recipe)."""
     offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
     expert_of_row = _expert_of_row(num_tokens_per_expert, x.shape[0])
-    h = torch._grouped_mm(x.bfloat16(), mlp1_weight.transpose(-2, -1).bfloat16(), offs=offsets)
+    h = grouped_mm(x.bfloat16(), mlp1_weight.transpose(-2, -1).bfloat16(), offsets)
     h = h + _bias_per_row(mlp1_bias, expert_of_row).to(h.dtype)
     h = gpt_oss_moe.swiglu(h, limit=swiglu_limit)
-    h = torch._grouped_mm(h, mlp2_weight.transpose(-2, -1).bfloat16(), offs=offsets)
+    h = grouped_mm(h, mlp2_weight.transpose(-2, -1).bfloat16(), offsets)
     b2 = gpt_oss_moe.ScaleBiasForward.apply(_bias_per_row(mlp2_bias, expert_of_row), tp_degree)
     return (h + b2.to(h.dtype)).type_as(x)
 
 
 class GptOssExperts(gpt_oss_moe.GptOssGroupedExperts):
     """GPT-OSS's experts (mlp1 and mlp2, each a weight and a bias; the clamped SwiGLU) with
-    :func:`run_gpt_oss_experts_grouped_mm` for grouped GEMMs and the loop on unbound weights."""
+    :func:`run_gpt_oss_experts_grouped_mm` for grouped GEMMs (or a model converter's low-precision ones) and the loop
+    on unbound weights."""
+
+    low_precision = None
+    """The recipe a model converter set (:class:`torchtitan_ext.models.converters.LowPrecisionGroupedMM`): the two
+    grouped GEMMs quantize on the fly, on a CPU too; None: torch's bf16 GEMMs."""
 
     def local_weights(self) -> list[torch.Tensor]:
         """This rank's [E, ...] mlp1 weight and bias, mlp2 weight and bias, as plain tensors."""
@@ -112,15 +124,19 @@ class GptOssExperts(gpt_oss_moe.GptOssGroupedExperts):
         weights = self.local_weights()
         mesh_dims = self.mlp1_weight.device_mesh.mesh_dim_names if isinstance(self.mlp1_weight, DTensor) else ()
         tp_degree = self.mlp1_weight.device_mesh.size(mesh_dims.index("tp")) if "tp" in mesh_dims else 1
-        if self.use_grouped_mm and "ep" not in mesh_dims:
-            # as torchtitan: without EP nothing has grouped the rows by expert in aligned groups
+        if self.use_grouped_mm and "ep" not in mesh_dims and self.low_precision is None:
+            # as torchtitan: without EP nothing has grouped the rows by expert in aligned groups (a recipe pads its own)
             padded = gpt_oss_moe.indices_padding_wrapper(run_gpt_oss_experts_grouped_mm)
             return padded(*weights, self.swiglu_limit, x, num_tokens_per_expert, tp_degree)
         return self.run_experts(weights, x, num_tokens_per_expert, tp_degree)
 
     def run_experts(self, weights: list[torch.Tensor], x: torch.Tensor, num_tokens_per_expert: torch.Tensor,
                     tp_degree: int = 1) -> torch.Tensor:
-        """The experts on these (local, stacked) weights and biases, rows grouped by expert."""
+        """The experts on these (local, stacked) weights and biases, rows grouped by expert: the low-precision
+        grouped GEMMs, the bf16 ones, or the per-expert loop."""
+        if self.low_precision is not None:
+            return self.low_precision.run_gpt_oss_experts(*weights, self.swiglu_limit, x, num_tokens_per_expert,
+                                                          tp_degree)
         run = run_gpt_oss_experts_grouped_mm if self.use_grouped_mm else run_gpt_oss_experts_for_loop
         return run(*weights, self.swiglu_limit, x, num_tokens_per_expert, tp_degree)
 

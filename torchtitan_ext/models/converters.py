@@ -12,8 +12,8 @@ float8 styles. The plans here pass that choice explicitly: the float8 styles all
 cannot (a CPU job fails at its first step), and no GPU has run them here.
 
 Routed experts (``quantize.grouped_mm.mx`` / ``.float8``): the converter hands each experts module that ``fqns``
-names a :class:`LowPrecisionGroupedMM`; the experts' forward (:class:`torchtitan_ext.ep.experts.UnboundLoopExperts`,
-and the replicas' :class:`~torchtitan_ext.ep.replication.experts.ExpertsWithReplicas`) then runs torchao's
+names a :class:`LowPrecisionGroupedMM`; the experts' forward (:class:`torchtitan_ext.ep.experts.UnboundLoopExperts`
+and GPT-OSS's :class:`~torchtitan_ext.ep.experts.GptOssExperts`, and their replica classes) then runs torchao's
 quantize-then-scaled grouped GEMM on the weights the parallelize plan leaves it: this rank's EP shard, FSDP's
 unsharded parameter, replicas appended. The parameters stay plain tensors, so EP's partition, FSDP, checkpoints,
 expert migration and replication hold the same weights with or without a converter. The groups must be multiples
@@ -40,13 +40,13 @@ from torchtitan.components.quantization import (
     QuantizationConverter,
 )
 from torchtitan.components.quantization.utils import module_filter_fn
-from torchtitan.models.moe.moe import GroupedExperts
+from torchtitan.models.gpt_oss.model import moe as gpt_oss_moe
 from torchtitan.models.moe.utils import indices_padding_wrapper, set_token_group_alignment_size_m
 from torchtitan.protocols.model_converter import _registry_model_converter_cls
 from torchtitan.tools.logging import logger
 
-from torchtitan_ext.config import ConfigError, nonstandard_experts, register_check, ValidationContext
-from torchtitan_ext.ep.experts import UnboundLoopExperts
+from torchtitan_ext.config import ConfigError, register_check, shared_meta_model, ValidationContext
+from torchtitan_ext.ep.experts import ROUTED_EXPERTS, run_gpt_oss_experts_grouped_mm
 
 
 @dataclass(frozen=True)
@@ -177,8 +177,10 @@ class _Float8GroupedMMEmulated(torch.autograd.Function):
 
 
 class LowPrecisionGroupedMM:
-    """The routed experts' three grouped GEMMs in a torchao low-precision recipe (SwiGLU as torchtitan's
-    ``_run_experts_grouped_mm``: inputs and weights in bf16, outputs in bf16, the result in the input's dtype)."""
+    """The routed experts' grouped GEMMs in a torchao low-precision recipe: torchtitan's standard experts' three
+    (SwiGLU as torchtitan's ``_run_experts_grouped_mm``: inputs and weights in bf16, outputs in bf16, the result in
+    the input's dtype), GPT-OSS's two (:func:`~torchtitan_ext.ep.experts.run_gpt_oss_experts_grouped_mm`, biases
+    added in bf16)."""
 
     def __init__(self, config, pad_with_torchtitan: bool, emulate_float8: bool = False):
         self.config = config
@@ -188,20 +190,30 @@ class LowPrecisionGroupedMM:
         self.emulate_float8 = emulate_float8
         """Float8 on a CPU: :class:`_Float8GroupedMMEmulated` in place of torchao's CUDA kernels."""
 
+    def grouped_mm(self, a: torch.Tensor, b_t: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """bf16 ``a`` [M, K] times ``b_t`` [E, K, N] over the row groups ``offsets`` ends, both quantized on the fly."""
+        if self.emulate_float8:
+            return _Float8GroupedMMEmulated.apply(a, b_t, offsets)
+        from torchao.prototype.moe_training.utils import _quantize_then_scaled_grouped_mm
+
+        return _quantize_then_scaled_grouped_mm(a, b_t, config=self.config, offs=offsets)
+
     def run_experts(self, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor,
                     num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         run = indices_padding_wrapper(self._swiglu) if self.pad_with_torchtitan else self._swiglu
         return run(w1, w2, w3, x, num_tokens_per_expert)
 
-    def _swiglu(self, w1, w2, w3, x, num_tokens_per_expert):
-        from torchao.prototype.moe_training.utils import _quantize_then_scaled_grouped_mm
+    def run_gpt_oss_experts(self, mlp1_weight: torch.Tensor, mlp1_bias: torch.Tensor, mlp2_weight: torch.Tensor,
+                            mlp2_bias: torch.Tensor, swiglu_limit: float, x: torch.Tensor,
+                            num_tokens_per_expert: torch.Tensor, tp_degree: int = 1) -> torch.Tensor:
+        run = partial(run_gpt_oss_experts_grouped_mm, grouped_mm=self.grouped_mm)
+        if self.pad_with_torchtitan:
+            run = gpt_oss_moe.indices_padding_wrapper(run)
+        return run(mlp1_weight, mlp1_bias, mlp2_weight, mlp2_bias, swiglu_limit, x, num_tokens_per_expert, tp_degree)
 
+    def _swiglu(self, w1, w2, w3, x, num_tokens_per_expert):
         offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
-        if self.emulate_float8:
-            def gemm(a, b_t):
-                return _Float8GroupedMMEmulated.apply(a, b_t, offsets)
-        else:
-            gemm = partial(_quantize_then_scaled_grouped_mm, config=self.config, offs=offsets)
+        gemm = partial(self.grouped_mm, offsets=offsets)
         rows = x.bfloat16()
         hidden = F.silu(gemm(rows, w1.bfloat16().transpose(-2, -1))) * gemm(rows, w3.bfloat16().transpose(-2, -1))
         return gemm(hidden, w2.bfloat16().transpose(-2, -1)).type_as(x)
@@ -238,11 +250,11 @@ class GroupedMMConverter(QuantizationConverter):
     def convert(self, model: torch.nn.Module) -> None:
         converted = []
         for fqn, module in model.named_modules():
-            if not isinstance(module, GroupedExperts) or not any(target in fqn for target in self.fqns):
+            if not isinstance(module, tuple(ROUTED_EXPERTS)) or not any(target in fqn for target in self.fqns):
                 continue
-            # torchtitan's experts become UnboundLoopExperts in the parallelize plan, which runs the recipe; another
+            # torchtitan's experts become this harness's in the parallelize plan, which run the recipe; another
             # subclass brings its own forward, which would not
-            if type(module) is not GroupedExperts and not isinstance(module, UnboundLoopExperts):
+            if type(module) not in ROUTED_EXPERTS and not isinstance(module, tuple(ROUTED_EXPERTS.values())):
                 raise ConfigError(f"{self.name}.fqns matches {fqn}, a {type(module).__name__}, whose forward would "
                                   f"not run the recipe: narrow {self.name}.fqns")
             module.low_precision = self.grouped_mm
@@ -327,11 +339,13 @@ def check_model_converters(job_config, context: ValidationContext) -> None:
     if context.device_type is None:
         # priced or dry-run for other machines: the planner prices a published run of any model in its precision
         return
-    experts = nonstandard_experts(job_config)
     grouped = [name for name in ours if name.startswith("quantize.grouped_mm.")]
-    if experts and grouped:
-        raise ConfigError(f"model.converters has {grouped[0]}, whose grouped GEMMs quantize w1, w2, w3, and "
-                          f"{experts}: remove {grouped[0]}")
+    unserved = sorted({type(block.moe.experts).__name__ for block in shared_meta_model(job_config).layers.values()
+                       if block.moe_enabled and type(block.moe.experts) not in ROUTED_EXPERTS})
+    if grouped and unserved:
+        raise ConfigError(f"model.converters has {grouped[0]}, whose grouped GEMMs serve "
+                          f"{', '.join(cls.__name__ for cls in ROUTED_EXPERTS)}, not {job_config.model.name}'s "
+                          f"{unserved[0]}: remove {grouped[0]}")
     problem = _torchao_problem()
     if problem:
         raise ConfigError(f"model.converters = {job_config.model.converters}: {problem}")

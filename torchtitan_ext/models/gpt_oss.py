@@ -5,9 +5,9 @@ projections, its first projection interleaves the gate and linear halves, and it
 (``swiglu_limit``). Every EP backend serves them unchanged: a backend moves tokens and applies the
 scores after the experts (out = sum_k score_k x expert_k(x), the bias inside each expert), and
 shards every expert parameter over EP along its expert dimension; expert replication fetches and
-sums all four of an expert's parameters (``GptOssExpertsWithReplicas``). Features written against the
-standard experts' w1, w2, w3 (the FP8/MXFP8 expert GEMMs, expert TP under EP) are refused for it in
-one line by their own checks.
+sums all four of an expert's parameters (``GptOssExpertsWithReplicas``), and the low-precision expert
+converters quantize its two grouped GEMMs. Expert TP under EP, written against the standard experts'
+w1, w2, w3, is refused for it in one line by its own check.
 
 Four departures from torchtitan 0.2.2's model; only the last changes a value, and only in an fp32 job:
 

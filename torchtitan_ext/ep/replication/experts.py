@@ -308,8 +308,8 @@ class ReplicaSlots(torch.nn.Module):
 
     def _loops_over_experts(self) -> bool:
         """Whether the experts run as a per-expert loop, which takes views of the home experts and replicas (grouped
-        GEMMs take them stacked, the home experts copied)."""
-        return not self.use_grouped_mm
+        GEMMs, a converter's low-precision ones too, take them stacked, the home experts copied)."""
+        return not self.use_grouped_mm and self.low_precision is None
 
     def _run_loop(self, weights: list[list[torch.Tensor]], x: torch.Tensor,
                   num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
@@ -391,9 +391,6 @@ class ExpertsWithReplicas(ReplicaSlots, UnboundLoopExperts):
 
     def _run(self, weights: list[torch.Tensor], x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         return self.run_experts(*weights, x, num_tokens_per_expert)
-
-    def _loops_over_experts(self) -> bool:
-        return not self.use_grouped_mm and self.low_precision is None
 
     def _run_loop(self, weights: list[list[torch.Tensor]], x: torch.Tensor,
                   num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
