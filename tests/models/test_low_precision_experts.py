@@ -74,33 +74,43 @@ def test_the_experts_match_the_independent_reference_and_not_the_plain_gemms(con
         assert _relative(unquantized, truth) > UNQUANTIZED, name
 
 
+GPT_OSS_GRADIENTS = ("out", "mlp1_weight", "mlp1_bias", "mlp2_weight", "mlp2_bias", "x")
+SWIGLU_LIMIT = 0.3
+"""Clamps a share of the GPT-OSS tests' pre-activations."""
+
+
+def _gpt_oss_parameters(generator, experts=3, dim=64, hidden=96):
+    return [torch.randn(shape, generator=generator) * 0.1
+            for shape in ((experts, 2 * hidden, dim), (experts, 2 * hidden), (experts, dim, hidden), (experts, dim))]
+
+
+def _gpt_oss(run, routed: int | None = None):
+    """``run`` (GPT-OSS's experts, torchtitan's signature) on the leaves _outputs_and_grads makes: the four
+    parameters, the tokens, the counts; the output's first ``routed`` rows (grouped GEMMs leave the padding rows'
+    outputs undefined: nothing flows back from them)."""
+    def experts(*leaves):
+        return run(*leaves[:4], SWIGLU_LIMIT, leaves[4], leaves[5])[:routed]
+    return experts
+
+
 @pytest.mark.parametrize("converter", sorted(REFERENCES))
 def test_gpt_oss_experts_match_the_independent_reference_and_not_the_plain_gemms(converter):
     """GPT-OSS's biased, clamped experts, groups padded by the backend (one empty, padding rows after the last):
-    output and the gradients of the tokens and of every parameter. mlp2's bias gradient is the output gradient
-    summed per expert (no GEMM on its path): the plain GEMMs give it too."""
+    output and the gradients of the tokens (the routed rows') and of every parameter. mlp2's bias gradient is the
+    output gradient summed per expert (no GEMM on its path): the plain GEMMs give it too."""
     generator = torch.Generator().manual_seed(3)
-    dim, hidden = 64, 96
-    parameters = [torch.randn(shape, generator=generator) * 0.1
-                  for shape in ((3, 2 * hidden, dim), (3, 2 * hidden), (3, dim, hidden), (3, dim))]
-    counts = torch.tensor([64, 0, 32])
-    x, grad = torch.randn(128, dim, generator=generator), torch.randn(96, dim, generator=generator)
-
-    def routed_rows(run):
-        def experts(*leaves):  # the padding rows' outputs are left undefined by grouped GEMMs: none flows back
-            return run(*leaves[:4], 0.3, leaves[4], leaves[5])[:96]  # a limit that clamps a share of the rows
-        return experts
-
+    parameters, counts = _gpt_oss_parameters(generator), torch.tensor([64, 0, 32])
+    x, grad = torch.randn(128, 64, generator=generator), torch.randn(96, 64, generator=generator)
     got, expected, plain = [
-        _outputs_and_grads(routed_rows(run), parameters, x, counts, grad)
+        _outputs_and_grads(_gpt_oss(run, routed=96), parameters, x, counts, grad)
         for run in (_recipe(converter).run_gpt_oss_experts, REFERENCES[converter].gpt_oss_experts,
                     run_gpt_oss_experts_grouped_mm)]
-    names = ("out", "mlp1_weight", "mlp1_bias", "mlp2_weight", "mlp2_bias", "x")
-    for name, value, truth, unquantized in zip(names, got, expected, plain):
-        rows = slice(0, 96)  # the routed rows (the tokens' gradient has the padding rows too)
-        assert _relative(value[rows], truth[rows]) < MATCH, name
+    for results in (got, expected, plain):
+        results[-1] = results[-1][:96]
+    for name, value, truth, unquantized in zip(GPT_OSS_GRADIENTS, got, expected, plain):
+        assert _relative(value, truth) < MATCH, name
         if name != "mlp2_bias":
-            assert _relative(unquantized[rows], truth[rows]) > UNQUANTIZED, name
+            assert _relative(unquantized, truth) > UNQUANTIZED, name
 
 
 def test_the_gpt_oss_plan_runs_its_experts_in_the_recipe(world_of_one):
@@ -138,6 +148,14 @@ def test_the_gpt_oss_plan_runs_its_experts_in_the_recipe(world_of_one):
             assert _relative(experts(x, counts), expected) < MATCH
 
 
+def _padded(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group padded to 32 rows: the padded counts, and where each of the unpadded rows lands."""
+    padded_counts = (counts + 31) // 32 * 32
+    rows = torch.cat([torch.arange(start, start + count) for start, count in
+                      zip((torch.cumsum(padded_counts, 0) - padded_counts).tolist(), counts.tolist())])
+    return padded_counts, rows
+
+
 @pytest.mark.parametrize("converter", sorted(REFERENCES))
 def test_unpadded_groups_are_computed_as_padded_ones(converter):
     """Without EP nothing pads the groups: torchao pads each to 32 rows for MXFP8 (the float8 emulation scales each
@@ -146,10 +164,7 @@ def test_unpadded_groups_are_computed_as_padded_ones(converter):
     weights, counts = _weights(generator), torch.tensor([40, 0, 25])
     x, grad = torch.randn(65, 64, generator=generator), torch.randn(65, 64, generator=generator)
     got = _outputs_and_grads(_recipe(converter, pad_groups=True).run_experts, weights, x, counts, grad)
-
-    padded_counts = (counts + 31) // 32 * 32
-    rows = torch.cat([torch.arange(start, start + count) for start, count in
-                      zip((torch.cumsum(padded_counts, 0) - padded_counts).tolist(), counts.tolist())])
+    padded_counts, rows = _padded(counts)
 
     def padded_reference(w1, w2, w3, x, counts):
         grouped = x.new_zeros(int(padded_counts.sum()), x.shape[1]).index_copy(0, rows, x)
@@ -157,6 +172,29 @@ def test_unpadded_groups_are_computed_as_padded_ones(converter):
 
     expected = _outputs_and_grads(padded_reference, weights, x, counts, grad)
     for name, value, truth in zip(("out", "w1", "w2", "w3", "x"), got, expected):
+        assert _relative(value, truth) < MATCH, name
+
+
+@pytest.mark.parametrize("converter", sorted(REFERENCES))
+def test_gpt_oss_unpadded_groups_are_computed_as_padded_ones(converter):
+    """As above for GPT-OSS's experts. torchao pads each GEMM's input with zero rows; the reference pads the tokens,
+    so its second GEMM's padding rows hold the SwiGLU of the first bias instead: their outputs are dropped (no
+    gradient flows from them), and they reach no result but the scales of the weight gradient's blocks along the
+    tokens, which, powers of two, leave a value's e4m3 rounding unchanged (short of saturation and subnormals)."""
+    generator = torch.Generator().manual_seed(5)
+    parameters, counts = _gpt_oss_parameters(generator), torch.tensor([40, 0, 25])
+    x, grad = torch.randn(65, 64, generator=generator), torch.randn(65, 64, generator=generator)
+    got = _outputs_and_grads(_gpt_oss(_recipe(converter, pad_groups=True).run_gpt_oss_experts), parameters, x,
+                             counts, grad)
+    padded_counts, rows = _padded(counts)
+
+    def padded_reference(*leaves):
+        *weights, x, counts = leaves
+        grouped = x.new_zeros(int(padded_counts.sum()), x.shape[1]).index_copy(0, rows, x)
+        return REFERENCES[converter].gpt_oss_experts(*weights, SWIGLU_LIMIT, grouped, padded_counts)[rows]
+
+    expected = _outputs_and_grads(padded_reference, parameters, x, counts, grad)
+    for name, value, truth in zip(GPT_OSS_GRADIENTS, got, expected):
         assert _relative(value, truth) < MATCH, name
 
 
@@ -224,24 +262,31 @@ def test_the_experts_under_ep_match_the_dense_reference_on_every_backend():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("experts", ["swiglu", "gpt_oss"])
 @pytest.mark.parametrize("converter", ["quantize.grouped_mm.mx", "quantize.grouped_mm.float8"])
-def test_the_gpu_kernels_quantize_as_the_recipe_says(converter):
-    """On a GPU the recipes run torchao's kernels, against the independent references: MXFP8 (sm100) within the CPU's
-    tolerance, float8 (sm90, sm100) within 1% (its GEMMs accumulate in fast, lower precision). A GPU outside a
-    recipe's range gets its one-line refusal."""
+def test_the_gpu_kernels_quantize_as_the_recipe_says(converter, experts):
+    """On a GPU the recipes run torchao's kernels, against the independent references, for the standard experts and
+    GPT-OSS's: MXFP8 (sm100) within the CPU's tolerance, float8 (sm90, sm100) within 1% (its GEMMs accumulate in
+    fast, lower precision). A GPU outside a recipe's range gets its one-line refusal."""
     from torchtitan_ext.models.converters import RECIPES, recipe_problem
 
     problem = recipe_problem(RECIPES[converter], "cuda", torch.cuda.get_device_capability())
     if problem:
         pytest.skip(problem)
     generator = torch.Generator().manual_seed(0)
-    weights, counts = _weights(generator), torch.tensor([64, 0, 32])
+    recipe = LowPrecisionGroupedMM(_torchao_config(converter, "cuda", False), pad_with_torchtitan=False)
+    if experts == "swiglu":
+        weights, run, reference, names = _weights(generator), recipe.run_experts, REFERENCES[converter].experts, (
+            "out", "w1", "w2", "w3", "x")
+    else:
+        weights, run, reference, names = (_gpt_oss_parameters(generator), _gpt_oss(recipe.run_gpt_oss_experts),
+                                          _gpt_oss(REFERENCES[converter].gpt_oss_experts), GPT_OSS_GRADIENTS)
+    counts = torch.tensor([64, 0, 32])
     x, grad = torch.randn(96, 64, generator=generator), torch.randn(96, 64, generator=generator)
     cuda = [t.cuda() for t in (*weights, x, grad)]
-    recipe = LowPrecisionGroupedMM(_torchao_config(converter, "cuda", False), pad_with_torchtitan=False)
-    got = [t.cpu() for t in _outputs_and_grads(recipe.run_experts, cuda[:3], cuda[3], counts.cuda(), cuda[4])]
-    expected = _outputs_and_grads(REFERENCES[converter].experts, weights, x, counts, grad)
-    for name, value, truth in zip(("out", "w1", "w2", "w3", "x"), got, expected):
+    got = [t.cpu() for t in _outputs_and_grads(run, cuda[:-2], cuda[-2], counts.cuda(), cuda[-1])]
+    expected = _outputs_and_grads(reference, weights, x, counts, grad)
+    for name, value, truth in zip(names, got, expected):
         assert _relative(value, truth) < (MATCH if converter.endswith(".mx") else 1e-2), name
 
 
