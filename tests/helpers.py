@@ -87,3 +87,32 @@ def run_distributed(world_size: int, fn, *args, device: str = "cpu", deadline_s:
     """``fn(rank, world_size, *args)`` on ``world_size`` processes (:func:`torchtitan_ext.runtime.workers.run_workers`),
     CPU workers forked with torch, torchtitan and the test cases already imported."""
     return run_workers(world_size, fn, *args, device=device, deadline_s=deadline_s, preload=WORKER_PRELOAD)
+
+
+def planned_experts(config: str, *overrides: str, seed: int, scale: float) -> list:
+    """Every MoE layer's routed experts of ``train_configs/<config>`` at EP = 1 in one process, as training builds
+    them (the model converters, then the parallelize plan), each parameter drawn from a normal distribution times
+    ``scale`` (``seed``). Needs a process group of one (the ``world_of_one`` fixture)."""
+    import torch
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.protocols.model_converter import build_model_converters
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from torchtitan_ext.config import load_job_config, meta_model
+    from torchtitan_ext.training import prepare
+
+    prepare()
+    job_config = load_job_config(["--job.config_file", f"train_configs/{config}",
+                                  "--parallelism.expert_parallel_degree", "1", *overrides], "cpu", 1)
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    model = meta_model(job_config)
+    build_model_converters(job_config, dims).convert(model)
+    get_train_spec(job_config.model.name).parallelize_fn(model, dims, job_config)
+    layers = [block.moe.experts for block in model.layers.values() if block.moe_enabled]
+    generator = torch.Generator().manual_seed(seed)
+    for experts in layers:
+        experts.to_empty(device="cpu")
+        with torch.no_grad():
+            for parameter in experts.parameters():
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * scale)
+    return layers

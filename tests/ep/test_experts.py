@@ -8,6 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torchtitan.models.gpt_oss.model import moe as gpt_oss_moe
 from torchtitan.models.moe.moe import _run_experts_for_loop
 
+from tests.helpers import planned_experts
 from torchtitan_ext.ep.experts import run_experts_for_loop, run_gpt_oss_experts_for_loop, run_gpt_oss_experts_grouped_mm
 from torchtitan_ext.measuring.device_cost_counter import DeviceCostCounter
 
@@ -135,26 +136,11 @@ def test_gpt_oss_grouped_gemms_on_a_gpu_never_make_the_host_wait():
 def test_under_the_parallelize_plan_every_moe_layer_writes_each_parameters_gradient_once(world_of_one, config):
     """The plan applied as training applies it: every MoE layer's experts, run forward and backward on rows routed
     to all of its experts, write one stacked gradient per parameter (torchtitan's loop writes one per expert)."""
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.protocols.train_spec import get_train_spec
-
-    from torchtitan_ext.config import load_job_config, meta_model
-    from torchtitan_ext.training import prepare
-
-    prepare()
-    args = ["--job.config_file", f"train_configs/{config}", "--parallelism.expert_parallel_degree", "1"]
-    job_config = load_job_config(args, "cpu", 1)
-    model = meta_model(job_config)
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
-    get_train_spec(job_config.model.name).parallelize_fn(model, dims, job_config)
-    layers = [block.moe.experts for block in model.layers.values() if block.moe_enabled]
+    layers = planned_experts(config, seed=0, scale=0.02)
     assert layers
     generator = torch.Generator().manual_seed(0)
     for experts in layers:
-        experts.to_empty(device="cpu")
         parameters = list(experts.parameters())
-        for parameter in parameters:
-            parameter.data.copy_(torch.randn(parameter.shape, generator=generator) * 0.02)
         # 3 rows an expert: no row-sized tensor of the backward has a stacked parameter's size (a bias's, E x D)
         counts = torch.full((experts.num_experts,), 3)
         tokens = torch.randn(int(counts.sum()), parameters[0].shape[-1], generator=generator)

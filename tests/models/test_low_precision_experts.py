@@ -13,7 +13,7 @@ from torchtitan.models.moe.moe import _run_experts_grouped_mm
 
 from tests.ep.cases import Case, global_inputs, make_style
 from torchtitan_ext.ep.backends import DROPLESS_WHEN_PADDED
-from tests.helpers import run_distributed
+from tests.helpers import planned_experts, run_distributed
 from tests.models import float8_reference, mx_reference
 from torchtitan_ext.ep.base import Routing
 from torchtitan_ext.ep.experts import run_gpt_oss_experts_grouped_mm, UnboundLoopExperts
@@ -117,30 +117,13 @@ def test_the_gpt_oss_plan_runs_its_experts_in_the_recipe(world_of_one):
     """The GPT-OSS debug job with quantize.grouped_mm.mx, converted and parallelized as training does (EP = 1): every
     MoE layer computes its experts as the independent reference on groups of the MXFP8 block."""
     from torchtitan.components.quantization import MXFP8_GROUP_ALIGNMENT_SIZE
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.protocols.model_converter import build_model_converters
-    from torchtitan.protocols.train_spec import get_train_spec
 
-    from torchtitan_ext.config import load_job_config, meta_model
-    from torchtitan_ext.training import prepare
-
-    prepare()
-    job_config = load_job_config(["--job.config_file", "train_configs/gpt_oss_debug_model.toml",
-                                  "--parallelism.expert_parallel_degree", "1", "--model.converters",
-                                  "quantize.grouped_mm.mx", "--quantize.grouped_mm.mx.fqns", "experts"], "cpu", 1)
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
-    model = meta_model(job_config)
-    build_model_converters(job_config, dims).convert(model)
-    get_train_spec(job_config.model.name).parallelize_fn(model, dims, job_config)
-    layers = [block.moe.experts for block in model.layers.values() if block.moe_enabled]
+    layers = planned_experts("gpt_oss_debug_model.toml", "--model.converters", "quantize.grouped_mm.mx",
+                             "--quantize.grouped_mm.mx.fqns", "experts", seed=4, scale=0.1)
     assert layers
     generator = torch.Generator().manual_seed(4)
     for experts in layers:
-        experts.to_empty(device="cpu")
         parameters = list(experts.parameters())
-        with torch.no_grad():
-            for parameter in parameters:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
         counts = torch.full((experts.num_experts,), MXFP8_GROUP_ALIGNMENT_SIZE)
         x = torch.randn(int(counts.sum()), parameters[0].shape[-1], generator=generator)
         with torch.no_grad():
