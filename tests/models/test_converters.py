@@ -58,6 +58,17 @@ def test_grouped_converters_refuse_experts_whose_forward_would_not_run_them(monk
                                      "experts"], device_type="cpu", world_size=2)
 
 
+def test_grouped_converters_refuse_a_tensor_parallel_split_their_blocks_cannot_tile():
+    """GPT-OSS's debug experts have hidden size 128: TP 4 leaves 32 per rank, a block; TP 8 leaves 16."""
+    mxfp8 = ["--job.config_file", "train_configs/gpt_oss_debug_model.toml", "--parallelism.expert_parallel_degree", "1",
+             "--model.converters", "quantize.grouped_mm.mx", "--quantize.grouped_mm.mx.fqns", "experts"]
+    load_job_config(mxfp8 + ["--parallelism.tensor_parallel_degree", "4"], device_type="cpu", world_size=4)
+    with pytest.raises(ConfigError, match=r"^quantize.grouped_mm.mx quantizes the routed experts' GEMMs in blocks of "
+                                          r"32: their hidden size 128 over parallelism.tensor_parallel_degree = 8 "
+                                          r"leaves 16 per rank: choose a degree that leaves a multiple of 32$"):
+        load_job_config(mxfp8 + ["--parallelism.tensor_parallel_degree", "8"], device_type=None, world_size=8)
+
+
 @pytest.mark.parametrize("converter, rows", [("quantize.grouped_mm.mx", 32), ("quantize.grouped_mm.float8", 16)])
 def test_every_backend_pads_expert_groups_to_the_recipes_block(converter, rows):
     """The backends' dispatch derives its pad multiple from the job's converters, as training builds the layers."""

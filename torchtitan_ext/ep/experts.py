@@ -38,6 +38,11 @@ class UnboundLoopExperts(GroupedExperts):
     """The recipe a model converter set (:class:`torchtitan_ext.models.converters.LowPrecisionGroupedMM`): the three
     grouped GEMMs quantize on the fly, on a CPU too; None: torchtitan's GEMMs."""
 
+    @staticmethod
+    def hidden_size(experts: GroupedExperts) -> int:
+        """The experts' hidden size as ``experts`` (this class or torchtitan's) holds it: w2's input dimension."""
+        return experts.w2.shape[-1]
+
     def local_weights(self) -> list[torch.Tensor]:
         """This rank's [E, ...] w1, w2, w3, as plain tensors."""
         return [w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3)]
@@ -114,6 +119,12 @@ class GptOssExperts(gpt_oss_moe.GptOssGroupedExperts):
     low_precision = None
     """The recipe a model converter set (:class:`torchtitan_ext.models.converters.LowPrecisionGroupedMM`): the two
     grouped GEMMs quantize on the fly, on a CPU too; None: torch's bf16 GEMMs."""
+
+    @staticmethod
+    def hidden_size(experts: gpt_oss_moe.GptOssGroupedExperts) -> int:
+        """The experts' hidden size as ``experts`` (this class or torchtitan's) holds it: mlp2's input dimension (mlp1
+        writes twice it, the gate and linear halves)."""
+        return experts.mlp2_weight.shape[-1]
 
     def local_weights(self) -> list[torch.Tensor]:
         """This rank's [E, ...] mlp1 weight and bias, mlp2 weight and bias, as plain tensors."""

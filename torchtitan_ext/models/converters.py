@@ -316,6 +316,28 @@ CONVERTERS = {"quantize.grouped_mm.mx": MXGroupedMMConverter, "quantize.grouped_
 _registry_model_converter_cls.update(CONVERTERS)
 
 
+def _unaligned_expert_dims(job_config, recipe: Recipe) -> str | None:
+    """Why ``recipe``'s blocks cannot tile the routed experts' GEMMs on one rank: every dimension they contract over,
+    the model's and the experts' hidden size as tensor parallelism leaves it (the TP degree without EP, the expert
+    TP degree under EP), must be a multiple of the block; None where it is."""
+    parallelism, model = job_config.parallelism, shared_meta_model(job_config)
+    dim = model.model_args.dim
+    if parallelism.expert_parallel_degree > 1:
+        shards, field = parallelism.expert_tensor_parallel_degree, "expert_tensor_parallel_degree"
+    else:
+        shards, field = parallelism.tensor_parallel_degree, "tensor_parallel_degree"
+    if dim % recipe.alignment:
+        return (f"{recipe.name} quantizes the routed experts' GEMMs in blocks of {recipe.alignment} along the model "
+                f"dimension {dim}, which is not a multiple of it: remove {recipe.name}")
+    for size in sorted({ROUTED_EXPERTS[type(block.moe.experts)].hidden_size(block.moe.experts)
+                        for block in model.layers.values() if block.moe_enabled}):
+        if size % (shards * recipe.alignment):
+            return (f"{recipe.name} quantizes the routed experts' GEMMs in blocks of {recipe.alignment}: their hidden "
+                    f"size {size} over parallelism.{field} = {shards} leaves {size / shards:g} per rank: choose a "
+                    f"degree that leaves a multiple of {recipe.alignment}")
+    return None
+
+
 def check_model_converters(job_config, context: ValidationContext) -> None:
     """Unknown converters, and the low-precision ones where they cannot run, refused in one line before any
     allocation."""
@@ -336,16 +358,20 @@ def check_model_converters(job_config, context: ValidationContext) -> None:
             if not section.fqns:
                 raise ConfigError(f"{name} is in model.converters but {name}.fqns is empty: set "
                                   f"--{name}.fqns experts (the routed experts' modules)")
-    if context.device_type is None:
-        # priced or dry-run for other machines: the planner prices a published run of any model in its precision
-        return
     grouped = [name for name in ours if name.startswith("quantize.grouped_mm.")]
-    unserved = sorted({type(block.moe.experts).__name__ for block in shared_meta_model(job_config).layers.values()
-                       if block.moe_enabled and type(block.moe.experts) not in ROUTED_EXPERTS})
-    if grouped and unserved:
-        raise ConfigError(f"model.converters has {grouped[0]}, whose grouped GEMMs serve "
-                          f"{', '.join(cls.__name__ for cls in ROUTED_EXPERTS)}, not {job_config.model.name}'s "
-                          f"{unserved[0]}: remove {grouped[0]}")
+    if grouped:
+        unserved = sorted({type(block.moe.experts).__name__ for block in shared_meta_model(job_config).layers.values()
+                           if block.moe_enabled and type(block.moe.experts) not in ROUTED_EXPERTS})
+        if unserved:
+            raise ConfigError(f"model.converters has {grouped[0]}, whose grouped GEMMs serve "
+                              f"{', '.join(cls.__name__ for cls in ROUTED_EXPERTS)}, not {job_config.model.name}'s "
+                              f"{unserved[0]}: remove {grouped[0]}")
+        problem = _unaligned_expert_dims(job_config, RECIPES[grouped[0]])
+        if problem:
+            raise ConfigError(problem)
+    if context.device_type is None:
+        # priced or dry-run for other machines: the machine's checks run on the job's own ranks
+        return
     problem = _torchao_problem()
     if problem:
         raise ConfigError(f"model.converters = {job_config.model.converters}: {problem}")
