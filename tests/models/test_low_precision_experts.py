@@ -1,6 +1,7 @@
 """The low-precision routed experts (torchtitan_ext.models.converters) against independent references written from
-each recipe's definition (tests/models/mx_reference.py, tests/models/float8_reference.py): alone, with groups left
-unpadded, under EP with every backend, and (MXFP8) with a replica.
+each recipe's definition (tests/models/mx_reference.py, tests/models/float8_reference.py), for the standard experts
+and GPT-OSS's: alone, with groups left unpadded, under EP with every backend, and through GPT-OSS's plan (the
+standard experts' with a replica: tests/ep/test_replication.py).
 
 The plain (unquantized) grouped GEMM misses the references by about 6% on these shapes: the tolerance below, a
 hundredth of that, can only be met by quantizing as the recipe does."""
@@ -181,13 +182,30 @@ def test_gpt_oss_unpadded_groups_are_computed_as_padded_ones(converter):
         assert _relative(value, truth) < MATCH, name
 
 
-def _dense_moe(inputs, reference) -> dict[str, torch.Tensor]:
-    """The MoE on the whole batch with ``reference``'s experts: each expert's pairs in ascending token order (as every
-    backend lays out an expert's rows), its group padded to 32 rows; scores multiply the expert outputs."""
-    leaves = {name: inputs[name].clone().requires_grad_() for name in ("x", "scores", "w1", "w2", "w3")}
+FORMS = {
+    "swiglu": (("w1", "w2", "w3"), lambda reference, weights, x, counts: reference.experts(*weights, x, counts)),
+    "gpt_oss": (("mlp1_weight", "mlp1_bias", "mlp2_weight", "mlp2_bias"),
+                lambda reference, weights, x, counts: reference.gpt_oss_experts(*weights, SWIGLU_LIMIT, x, counts)),
+}
+"""The experts' forms under EP: their parameters, and how a reference computes them."""
+
+
+def _ep_inputs() -> dict[str, torch.Tensor]:
+    """CASE's tokens, routing and standard experts, and GPT-OSS experts of its sizes."""
+    inputs = global_inputs(CASE)
+    gpt_oss = _gpt_oss_parameters(torch.Generator().manual_seed(CASE.seed), CASE.num_experts, CASE.hidden, CASE.ffn)
+    return inputs | dict(zip(FORMS["gpt_oss"][0], gpt_oss))
+
+
+def _dense_moe(inputs, form: str, reference) -> dict[str, torch.Tensor]:
+    """The MoE on the whole batch with ``reference``'s experts of ``form``: each expert's pairs in ascending token
+    order (as every backend lays out an expert's rows), its group padded to 32 rows; scores multiply the expert
+    outputs."""
+    names, run = FORMS[form]
+    leaves = {name: inputs[name].clone().requires_grad_() for name in ("x", "scores", *names)}
     ids = inputs["ids"]
     tokens, picks, counts = [], [], []
-    for expert in range(inputs["w1"].shape[0]):
+    for expert in range(CASE.num_experts):
         token, pick = (ids == expert).nonzero(as_tuple=True)
         tokens.append(token)
         picks.append(pick)
@@ -198,21 +216,28 @@ def _dense_moe(inputs, reference) -> dict[str, torch.Tensor]:
     rows = torch.cat([torch.arange(start, start + count) for start, count in zip(starts, counts.tolist())])
     token, pick = torch.cat(tokens), torch.cat(picks)
     grouped = leaves["x"].new_zeros(int(padded.sum()), leaves["x"].shape[1]).index_copy(0, rows, leaves["x"][token])
-    results = reference.experts(leaves["w1"], leaves["w2"], leaves["w3"], grouped, padded)[rows]
+    results = run(reference, [leaves[name] for name in names], grouped, padded)[rows]
     out = torch.zeros_like(leaves["x"]).index_add(0, token, results * leaves["scores"][token, pick].unsqueeze(1))
     out.backward(inputs["grad_out"])
     return {"out": out.detach(), **{f"grad_{name}": leaf.grad for name, leaf in leaves.items()}}
 
 
 def _ep_worker(rank: int, ep: int) -> dict:
+    from torchtitan_ext.ep.experts import GptOssExperts
+
     mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
-    inputs = global_inputs(CASE)
+    inputs = _ep_inputs()
     rows = slice(rank * CASE.tokens_per_rank(ep), (rank + 1) * CASE.tokens_per_rank(ep))
     results = {}
-    for converter, backend in [(converter, backend) for converter in sorted(REFERENCES) for backend in EP_BACKENDS]:
-        experts = UnboundLoopExperts(CASE.hidden, CASE.ffn, CASE.num_experts, use_grouped_mm=False)
+    for form, converter, backend in [(form, converter, backend) for form in FORMS for converter in sorted(REFERENCES)
+                                     for backend in EP_BACKENDS]:
+        if form == "swiglu":
+            experts = UnboundLoopExperts(CASE.hidden, CASE.ffn, CASE.num_experts, use_grouped_mm=False)
+        else:
+            experts = GptOssExperts(CASE.hidden, CASE.ffn, CASE.num_experts, SWIGLU_LIMIT, use_grouped_mm=False)
+        names = FORMS[form][0]
         with torch.no_grad():
-            for name in ("w1", "w2", "w3"):
+            for name in names:
                 getattr(experts, name).copy_(inputs[name])
         experts.low_precision = _recipe(converter)
         parallelize_module(experts, mesh, make_style(backend, CASE, ep))
@@ -220,27 +245,32 @@ def _ep_worker(rank: int, ep: int) -> dict:
         scores = inputs["scores"][rows].clone().requires_grad_()
         out = experts(x, Routing(scores, inputs["ids"][rows]))
         out.backward(inputs["grad_out"][rows])
-        results[converter, backend] = {"out": out.detach().clone(), "grad_x": x.grad, "grad_scores": scores.grad,
-                            **{f"grad_{name}": getattr(experts, name).grad.to_local() for name in ("w1", "w2", "w3")}}
+        results[form, converter, backend] = {
+            "out": out.detach().clone(), "grad_x": x.grad, "grad_scores": scores.grad,
+            **{f"grad_{name}": getattr(experts, name).grad.to_local() for name in names}}
     return results
 
 
 @pytest.mark.slow
 def test_the_experts_under_ep_match_the_dense_reference_on_every_backend():
-    """EP=2, both recipes: every backend's dispatch pads each expert's group to 32 rows in ascending (source rank,
-    token) order, so each rank's scaling blocks and groups are the dense reference's."""
+    """EP=2, both recipes, the standard experts and GPT-OSS's: every backend's dispatch pads each expert's group to 32
+    rows in ascending (source rank, token) order, so each rank's scaling blocks and groups are the dense
+    reference's."""
     ep = 2
-    truths = {converter: _dense_moe(global_inputs(CASE), reference) for converter, reference in REFERENCES.items()}
+    inputs = _ep_inputs()
+    truths = {(form, converter): _dense_moe(inputs, form, reference)
+              for form in FORMS for converter, reference in REFERENCES.items()}
     local = CASE.local_experts(ep)
     for rank, per_backend in enumerate(run_distributed(ep, _ep_worker)):
         rows = slice(rank * CASE.tokens_per_rank(ep), (rank + 1) * CASE.tokens_per_rank(ep))
         experts = slice(rank * local, (rank + 1) * local)
-        for (converter, backend), got in per_backend.items():
-            truth = truths[converter]
+        for (form, converter, backend), got in per_backend.items():
+            truth = truths[form, converter]
             for name in ("out", "grad_x", "grad_scores"):
-                assert _relative(got[name], truth[name][rows]) < MATCH, (backend, rank, name)
-            for name in ("grad_w1", "grad_w2", "grad_w3"):
-                assert _relative(got[name], truth[name][experts]) < MATCH, (backend, rank, name)
+                assert _relative(got[name], truth[name][rows]) < MATCH, (form, backend, rank, name)
+            for name in FORMS[form][0]:
+                assert _relative(got[f"grad_{name}"], truth[f"grad_{name}"][experts]) < MATCH, (form, backend, rank,
+                                                                                                 name)
 
 
 @pytest.mark.gpu
