@@ -14,7 +14,7 @@ rows (``int(offsets[-1])`` and ``repeat_interleave`` without an output size: fou
 Outputs and gradients equal torchtitan's. :func:`adopt_routed_experts` turns a model's experts, in place, into this
 module's class for them (:data:`ROUTED_EXPERTS`): torchtitan's ``GroupedExperts`` into :class:`UnboundLoopExperts`,
 whose grouped GEMMs are torchtitan's or a model converter's low-precision ones; GPT-OSS's into
-:class:`GptOssExperts`.
+:class:`GptOssExperts`, whose grouped GEMMs are torch's bf16 ones or the converter's.
 """
 
 import torch
