@@ -239,9 +239,10 @@ def redundancy_mapping(plan: ReplicaPlan, device: torch.device = torch.device("c
 
 class ReplicaSlots(torch.nn.Module):
     """An experts module computing its home experts and replica slots (adopted in place,
-    :func:`adopt_replica_slots`). A subclass says which tensors are an expert's weights (:meth:`_home`) and how
-    its experts compute on them: stacked (:meth:`_run`), and as a per-expert loop on views (:meth:`_run_loop`,
-    where :meth:`_loops_over_experts`)."""
+    :func:`adopt_replica_slots`). It mixes into one of :mod:`torchtitan_ext.ep.experts`'s classes, whose
+    ``local_weights`` are an expert's weights (:meth:`_home`); a subclass says how its experts compute on them:
+    stacked (:meth:`_run`), and as a per-expert loop on views (:meth:`_run_loop`, where
+    :meth:`_loops_over_experts`)."""
 
     slots: int
     group = None
@@ -299,8 +300,9 @@ class ReplicaSlots(torch.nn.Module):
         self.redundancy_mapping = redundancy_mapping(self.plan, device)
 
     def _home(self) -> list[torch.Tensor]:
-        """This rank's home experts' weights, each [L, ...] and local, in the order a fetched row holds them."""
-        raise NotImplementedError
+        """This rank's home experts' weights, each [L, ...] and local, in the order a fetched row holds them: the
+        experts class's ``local_weights`` (:mod:`torchtitan_ext.ep.experts`)."""
+        return self.local_weights()
 
     def _run(self, weights: list[torch.Tensor], x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """The experts on ``weights`` (:meth:`_home`'s, or those of the L + S slots stacked)."""
@@ -386,9 +388,6 @@ class ExpertsWithReplicas(ReplicaSlots, UnboundLoopExperts):
     """torchtitan's ``GroupedExperts`` (w1, w2, w3) with replica slots. Its per-expert loop takes views of the home
     experts and replicas, its grouped GEMMs (and a converter's low-precision ones) one 3-D weight per projection."""
 
-    def _home(self) -> list[torch.Tensor]:
-        return self.local_weights()
-
     def _run(self, weights: list[torch.Tensor], x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         return self.run_experts(*weights, x, num_tokens_per_expert)
 
@@ -400,9 +399,6 @@ class ExpertsWithReplicas(ReplicaSlots, UnboundLoopExperts):
 class GptOssExpertsWithReplicas(ReplicaSlots, GptOssExperts):
     """GPT-OSS's experts (mlp1 and mlp2, each a weight and a bias; the clamped SwiGLU) with replica slots: its grouped
     GEMMs on the home experts and replicas stacked, its per-expert loop on views of both."""
-
-    def _home(self) -> list[torch.Tensor]:
-        return self.local_weights()
 
     def _run(self, weights: list[torch.Tensor], x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         # the tokens come grouped by the EP backend's dispatch; tensor parallel degree 1: replicas refuse expert TP
