@@ -1,6 +1,7 @@
 """What a job config fixes about the job: its model's arguments and MoE shape, its tokens per dispatch,
 its world size. Read from the config and torchtitan's train-spec registry; nothing is allocated."""
 
+import copy
 import os
 from dataclasses import dataclass
 
@@ -93,9 +94,11 @@ def shared_meta_model(job_config):
 
 
 def model_class_and_args(job_config):
-    """The job's model class and its arguments, updated from the job config in place, in the train spec's registry,
-    as torchtitan's trainer updates them."""
-    model_args = model_args_of(job_config)
+    """The job's model class and a copy of its flavour's arguments, updated from the job config as torchtitan's
+    trainer updates them. The registry's arguments stay as registered: torchtitan's update changes them in place
+    (``max_seq_len`` becomes the job's sequence length), and a process that checks several jobs (the planner's
+    candidates, the launcher's pre-flight check run by a tool) would otherwise start each from the last one's."""
+    model_args = copy.deepcopy(model_args_of(job_config))
     model_args.update_from_config(job_config)
     return get_train_spec(job_config.model.name).model_cls, model_args
 
