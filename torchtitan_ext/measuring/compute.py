@@ -15,7 +15,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
@@ -28,6 +27,7 @@ from torchtitan_ext.ep.experts import adopt_routed_experts
 from torchtitan_ext.measuring.collective_recorder import CollectiveRecorder
 from torchtitan_ext.planning.local_traffic import backend_forward, MoECall, torchtitan_sort_forward
 from torchtitan_ext.planning.measured_compute import MeasuredCompute
+from torchtitan_ext.runtime.workers import run_workers
 from torchtitan_ext.training import prepare
 
 WARMUP_STEPS = 2
@@ -83,8 +83,9 @@ def check_measurable(job_config, world_size: int) -> None:
         )
 
 
-def _measure(rank: int, train_args: list[str], world_size: int, barrier, results) -> None:
-    torch.set_num_threads(1)
+def _measure(rank: int, world_size: int, train_args: list[str]) -> tuple:
+    """One rank's (forward-backward and optimizer times per timed step, the routed experts' times, the dispatch
+    times of :func:`_time_dispatch`)."""
     prepare()
     job_config = load_job_config(train_args, device_type="cpu", world_size=world_size)
     model_cls, model_args = model_class_and_args(job_config)
@@ -95,8 +96,8 @@ def _measure(rank: int, train_args: list[str], world_size: int, barrier, results
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     one_rank = ParallelDims(dp_shard=1, dp_replicate=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
-    # torchtitan's optimizers with the job's settings; the train spec's MoE hook (the expert-bias update, a few
-    # small tensors and an all-reduce) needs a process group, which this process has not
+    # torchtitan's optimizers with the job's settings, without the train spec's MoE hook (the expert-bias update, a
+    # few small tensors and an all-reduce over the job's loss mesh, which this one-rank model has not built)
     optimizers = build_optimizers([model], job_config.optimizer, one_rank)
     compute_model = _in_parameter_dtype(model, TORCH_DTYPE_MAP[job_config.training.mixed_precision_param])
     training = job_config.training
@@ -104,7 +105,7 @@ def _measure(rank: int, train_args: list[str], world_size: int, barrier, results
     timings = []
     for step in range(WARMUP_STEPS + TIMED_STEPS):
         # every step starts together, as the ranks of a synchronous step do
-        barrier.wait()
+        dist.barrier()
         began = time.perf_counter()
         if compute_model is not model:
             with torch.no_grad():
@@ -121,9 +122,9 @@ def _measure(rank: int, train_args: list[str], world_size: int, barrier, results
         optimizers.zero_grad()
         if step >= WARMUP_STEPS:
             timings.append((passed - began, time.perf_counter() - passed))
-    experts_times = _timed(_routed_experts_pass(compute_model, tokens), barrier)
+    experts_times = _timed(_routed_experts_pass(compute_model, tokens))
     dtype = next(compute_model.parameters()).dtype
-    results[rank] = (timings, experts_times, _time_dispatch(train_args, model_args, tokens.numel(), dtype, barrier))
+    return timings, experts_times, _time_dispatch(train_args, model_args, tokens.numel(), dtype)
 
 
 def _routed_experts_pass(model: torch.nn.Module, tokens: torch.Tensor):
@@ -152,11 +153,11 @@ def _routed_experts_pass(model: torch.nn.Module, tokens: torch.Tensor):
     return run
 
 
-def _time_dispatch(train_args: list[str], model_args, tokens: int, dtype: torch.dtype, barrier) -> tuple:
+def _time_dispatch(train_args: list[str], model_args, tokens: int, dtype: torch.dtype) -> tuple:
     """(times of torchtitan's own sort around the experts: its MoE.forward at EP = 1, the experts as the
     identity; per backend: (times of one MoE call's dispatch + combine, forward and backward; times of its
     collectives alone)), in a process group of this process alone."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    alone, _ = dist.new_subgroups(group_size=1)
     try:
         moe = model_args.moe_args
         shape = MoEShape(model_args.dim, moe.num_experts, moe.top_k, tokens)
@@ -166,28 +167,28 @@ def _time_dispatch(train_args: list[str], model_args, tokens: int, dtype: torch.
         def torchtitan_sort():
             torchtitan_sort_forward(moe_call, shape, moe.score_before_experts).backward(grad)
 
-        sort_times, timings = _timed(torchtitan_sort, barrier), {}
+        sort_times, timings = _timed(torchtitan_sort), {}
         for name, backend in BACKENDS.items():
             config = parse([*train_args, "--parallelism.expert_parallel_comm_backend", name])
             style = backend.layer_factory(config, shape)(score_before_experts=moe.score_before_experts)
 
             def call():
-                backend_forward(style, moe_call, shape).backward(grad)
+                backend_forward(style, moe_call, shape, alone).backward(grad)
 
             with CollectiveRecorder() as recorder:
                 call()
             collectives, _ = recorder.replay_plan()
-            timings[name] = (_timed(call, barrier), _timed(lambda: [c() for c in collectives], barrier))
+            timings[name] = (_timed(call), _timed(lambda: [c() for c in collectives]))
         return sort_times, timings
     finally:
-        dist.destroy_process_group()
+        dist.destroy_process_group(alone)
 
 
-def _timed(fn, barrier) -> list[float]:
+def _timed(fn) -> list[float]:
     """Seconds of each timed call of ``fn``, every call started with all processes together."""
     times = []
     for step in range(WARMUP_STEPS + TIMED_STEPS):
-        barrier.wait()
+        dist.barrier()
         began = time.perf_counter()
         fn()
         if step >= WARMUP_STEPS:
@@ -207,15 +208,12 @@ def _in_parameter_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.
 
 
 def measure_compute(train_args: list[str], world_size: int) -> MeasuredCompute:
-    """Time the job's per-rank compute with ``world_size`` processes at once (about a minute on 2 cores for
-    the debug model at 4 ranks, half of it starting the processes)."""
+    """Time the job's per-rank compute with ``world_size`` processes at once (:func:`run_workers`'s, forked with this
+    module imported): 28 s on 2 cores for the debug model at 4 ranks."""
     print(f"[measure-compute] {world_size} processes, one thread each: {WARMUP_STEPS} warm-up and "
           f"{TIMED_STEPS} timed forward/backward passes and optimizer steps of the job's model, then of each "
           "backend's dispatch + combine", flush=True)
-    with mp.Manager() as manager:
-        results, barrier = manager.dict(), manager.Barrier(world_size)
-        mp.spawn(_measure, args=(train_args, world_size, barrier, results), nprocs=world_size, join=True)
-        per_rank = list(results.values())
+    per_rank = run_workers(world_size, _measure, train_args, preload=[__name__])
     def slowest_median(series) -> float:
         """Median over steps of the slowest process's time: a synchronous step waits for it."""
         return statistics.median(max(calls) for calls in zip(*series))

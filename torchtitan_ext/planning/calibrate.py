@@ -13,8 +13,6 @@ measures, all processes at once:
 and writes a topology file (``overlap = false``: a gloo collective blocks its process).
 """
 
-import os
-import socket
 import statistics
 import time
 from datetime import date
@@ -22,10 +20,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from torchtitan_ext.config.machine import cpu_bf16_support
 from torchtitan_ext.runtime.collectives import all_gather_single, reduce_scatter_single
+from torchtitan_ext.runtime.workers import run_workers
 
 GEMM_SIZE = 512
 GEMM_SECONDS = 2.0
@@ -43,53 +41,42 @@ def _median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _measure(rank: int, world_size: int, port: int, dtype: torch.dtype, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        a = torch.randn(GEMM_SIZE, GEMM_SIZE, dtype=dtype)
-        b = torch.randn(GEMM_SIZE, GEMM_SIZE, dtype=dtype)
+def _measure(rank: int, world_size: int, dtype: torch.dtype) -> tuple | None:
+    """Rank 0's (GEMM TFLOP/s, all-to-all latency in s, {collective: bytes/s}); None on the other ranks."""
+    a = torch.randn(GEMM_SIZE, GEMM_SIZE, dtype=dtype)
+    b = torch.randn(GEMM_SIZE, GEMM_SIZE, dtype=dtype)
+    a @ b
+    dist.barrier()
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < GEMM_SECONDS:
         a @ b
-        dist.barrier()
-        count, start = 0, time.perf_counter()
-        while time.perf_counter() - start < GEMM_SECONDS:
-            a @ b
-            count += 1
-        tflops = 2 * GEMM_SIZE**3 * count / (time.perf_counter() - start) / 1e12
-        small_in = torch.zeros(world_size * 2, dtype=torch.float32)
-        small_out = torch.empty_like(small_in)
-        latency = _median_seconds(lambda: dist.all_to_all_single(small_out, small_in), REPEATS * 3)
-        large_in = torch.zeros(world_size * LARGE_BYTES_PER_PEER // 4, dtype=torch.float32)
-        large_out = torch.empty_like(large_in)
-        shard = torch.zeros(LARGE_BYTES_PER_PEER // 4, dtype=torch.float32)
-        # FSDP's collectives: its all-gather of parameters, its reduce-scatter of gradients
-        seconds = {
-            "all_to_all": _median_seconds(lambda: dist.all_to_all_single(large_out, large_in), REPEATS),
-            "all_gather": _median_seconds(lambda: all_gather_single(large_out, shard), REPEATS),
-            "reduce_scatter": _median_seconds(lambda: reduce_scatter_single(shard, large_in), REPEATS),
-        }
-        if rank == 0:
-            moved = LARGE_BYTES_PER_PEER * (world_size - 1)
-            bandwidth = {name: moved / max(t - latency, 1e-9) for name, t in seconds.items()}
-            results.update(tflops=tflops, latency=latency, bandwidth=bandwidth)
-    finally:
-        dist.destroy_process_group()
+        count += 1
+    tflops = 2 * GEMM_SIZE**3 * count / (time.perf_counter() - start) / 1e12
+    small_in = torch.zeros(world_size * 2, dtype=torch.float32)
+    small_out = torch.empty_like(small_in)
+    latency = _median_seconds(lambda: dist.all_to_all_single(small_out, small_in), REPEATS * 3)
+    large_in = torch.zeros(world_size * LARGE_BYTES_PER_PEER // 4, dtype=torch.float32)
+    large_out = torch.empty_like(large_in)
+    shard = torch.zeros(LARGE_BYTES_PER_PEER // 4, dtype=torch.float32)
+    # FSDP's collectives: its all-gather of parameters, its reduce-scatter of gradients
+    seconds = {
+        "all_to_all": _median_seconds(lambda: dist.all_to_all_single(large_out, large_in), REPEATS),
+        "all_gather": _median_seconds(lambda: all_gather_single(large_out, shard), REPEATS),
+        "reduce_scatter": _median_seconds(lambda: reduce_scatter_single(shard, large_in), REPEATS),
+    }
+    if rank != 0:
+        return None
+    moved = LARGE_BYTES_PER_PEER * (world_size - 1)
+    return tflops, latency, {name: moved / max(t - latency, 1e-9) for name, t in seconds.items()}
 
 
 def calibrate(nproc: int, output: Path) -> str:
     """Measure with ``nproc`` processes, write the topology TOML to ``output``; its text."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     dtype = torch.bfloat16 if cpu_bf16_support()[0] else torch.float32
     print(f"[calibrate] {nproc} gloo processes, one thread each: GEMM {GEMM_SIZE}^3 in {dtype} for {GEMM_SECONDS:g} s, "
           f"all-to-all of 8 bytes, all-to-all, all-gather and reduce-scatter of {LARGE_BYTES_PER_PEER // 2**20} MiB "
           f"per peer ({REPEATS} repeats)", flush=True)
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_measure, args=(nproc, port, dtype, results), nprocs=nproc, join=True)
-        tflops, latency, bandwidth = results["tflops"], results["latency"], results["bandwidth"]
+    tflops, latency, bandwidth = run_workers(nproc, _measure, dtype, preload=[__name__])[0]
     text = f'''# Measured by `python -m torchtitan_ext.plan --calibrate --nproc {nproc}` on {date.today()}.
 name = "this machine ({nproc} gloo processes)"
 # {dtype} GEMM of {GEMM_SIZE}^3 per process, all processes at once
