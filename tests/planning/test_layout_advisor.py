@@ -210,6 +210,13 @@ TOPOLOGIES_671B = {"gb200_nvl72": load_topology("gb200_nvl72").placing(64), "hgx
 """The 671B job's 256 GPUs: 64 of each NVL72 rack's 72, or 32 HGX nodes."""
 
 
+@pytest.fixture(autouse=True, scope="module")
+def prepared():
+    """This process ready to read jobs as the plan CLI makes it: our train specs' model args (every backend builds
+    torchtitan's standard MoE; its "deepep" one would import deep_ep)."""
+    prepare()
+
+
 @pytest.fixture(scope="module")
 def advice_671b():
     """As the plan CLI prices them: a layout at a nominal rate with the shipped fit's rate as its range's other end."""
@@ -689,7 +696,6 @@ def test_a_kernel_domain_smaller_than_the_nvlink_group_goes_over_the_next_link()
 
 
 def _advice_16b(*overrides: str) -> dict:
-    prepare()  # our model args: every backend builds torchtitan's standard MoE (its "deepep" one imports deep_ep)
     # one sequence per rank: what is checked (links, copies, the rates' ratio) does not scale with the batch
     job = ["--job.config_file", "train_configs/deepseek_v3_16b.toml", "--training.local_batch_size", "1", *overrides]
     # the EP degrees the tests compare: within v1's 8 NVLink peers, and a whole rack
@@ -852,7 +858,6 @@ def test_emit_config_writes_the_recommended_layout_as_a_job_config(capsys, tmp_p
 def test_replica_traffic_uses_the_physical_links_whatever_the_kernels_reach():
     """The replicas' weights and gradients move by torch.distributed collectives, not the backend's kernels:
     DeepEP v1 and V2 pay the same for them, on NVLink, though v1's own all-to-all crosses RDMA."""
-    prepare()
     job = ["--job.config_file", "train_configs/deepseek_v3_16b.toml"]
     priced = {}
     for api in ("legacy", "elastic"):
@@ -916,7 +921,6 @@ def test_the_routed_experts_are_timed_on_the_rows_each_layer_received():
     from torchtitan_ext.config import model_args_of
     from torchtitan_ext.measuring.compute import _routed_experts_pass
 
-    prepare()
     job_config = load_job_config([*DEBUG_JOB, "--model.flavor", "debugmodel_small"], device_type="cpu", world_size=2)
     model_args = model_args_of(job_config)
     model_args.update_from_config(job_config)
@@ -955,7 +959,6 @@ def test_memory_counts_deepep_v2_5s_load_balancing_region_within_one_nvlink_doma
     """With api = 'ep' and 2 replica slots, a DeepEP layout whose EP group is one NVLink domain (a GB200 rack:
     EP <= 64) also holds the replicas' region (671B: 504 MiB); beyond a rack the replicas move
     by all-to-all and the memory equals the elastic API's. Other backends reserve none."""
-    prepare()
     text = Path("train_configs/deepseek_v3_671b_gb200.toml").read_text()
     hybridep = '[hybridep]\nranks_per_nvlink_domain = 64\nuse_mnnvl = true\n'
     assert hybridep in text and 'expert_parallel_comm_backend = "hybridep"' in text
@@ -1046,7 +1049,6 @@ def test_a_measured_rate_leaves_out_an_alternative_it_would_price_alike():
 def test_the_shipped_fit_reproduces_its_fit_row_where_the_advisor_as_shipped_ranks_it_the_other_way(advice_671b):
     """torchtitan #2207 (DeepSeek-V3 671B, 256 GB200, EP=64): hybridep 1.31x nccl published; as shipped the advisor
     prices nccl at NVL72's nominal rate and calls it faster; under docs/advisor_fit.toml both figures match."""
-    prepare()  # as plan --validate: our model args (torchtitan's "deepep" MoE would import deep_ep)
     fitted = load_fit(SHIPPED_FIT)
     assert fitted.count <= 3
     comparisons, shipped, under_fit = validate(SHIPPED_COMPARISONS, fitted)
