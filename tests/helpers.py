@@ -63,7 +63,12 @@ class LauncherProcess(RunningJob):
             logged = [row for row in read_metrics(dump_folder) if row["step"] >= step]
             if logged:
                 return logged[0]
-            if self.process.poll() is not None or time.monotonic() > deadline:
+            code = self.process.poll()
+            if code is not None:
+                self._reader.join(timeout=10)  # the output to its end, as finish() reads it
+                raise AssertionError(f"the job ended (exit status {code}) before logging step {step}:\n"
+                                     f"{self.output[-3000:]}")
+            if time.monotonic() > deadline:
                 raise AssertionError(f"step {step} not logged within {timeout} s:\n{self.output[-3000:]}")
             time.sleep(0.2)
 
