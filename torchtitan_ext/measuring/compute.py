@@ -213,7 +213,8 @@ def measure_compute(train_args: list[str], world_size: int) -> MeasuredCompute:
     print(f"[measure-compute] {world_size} processes, one thread each: {WARMUP_STEPS} warm-up and "
           f"{TIMED_STEPS} timed forward/backward passes and optimizer steps of the job's model, then of each "
           "backend's dispatch + combine", flush=True)
-    per_rank = run_workers(world_size, _measure, train_args, preload=[__name__])
+    # a model as large as the memory check admits takes minutes per step on a CPU: an hour's deadline, not 7 minutes'
+    per_rank = run_workers(world_size, _measure, train_args, preload=[__name__], deadline_s=3600.0)
     def slowest_median(series) -> float:
         """Median over steps of the slowest process's time: a synchronous step waits for it."""
         return statistics.median(max(calls) for calls in zip(*series))
