@@ -65,6 +65,9 @@ class LauncherProcess(RunningJob):
                 return logged[0]
             code = self.process.poll()
             if code is not None:
+                logged = [row for row in read_metrics(dump_folder) if row["step"] >= step]
+                if logged:  # written between the read above and its exit
+                    return logged[0]
                 self._reader.join(timeout=10)  # the output to its end, as finish() reads it
                 raise AssertionError(f"the job ended (exit status {code}) before logging step {step}:\n"
                                      f"{self.output[-3000:]}")

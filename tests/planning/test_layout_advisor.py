@@ -916,16 +916,14 @@ def test_the_routed_experts_are_timed_on_the_rows_each_layer_received():
     per-expert counts that layer received in a forward of the batch (every token's top-k pairs), forward and
     backward, and leaves no gradient behind."""
     from torchtitan.models.moe.moe import GroupedExperts
-    from torchtitan.protocols.train_spec import get_train_spec
 
-    from torchtitan_ext.config import model_args_of
+    from torchtitan_ext.config import model_class_and_args
     from torchtitan_ext.measuring.compute import _routed_experts_pass
 
     job_config = load_job_config([*DEBUG_JOB, "--model.flavor", "debugmodel_small"], device_type="cpu", world_size=2)
-    model_args = model_args_of(job_config)
-    model_args.update_from_config(job_config)
+    model_cls, model_args = model_class_and_args(job_config)
     torch.manual_seed(0)
-    model = get_train_spec(job_config.model.name).model_cls(model_args)
+    model = model_cls(model_args)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     tokens = torch.randint(0, model_args.vocab_size, (2, 32))

@@ -12,6 +12,7 @@ import copy
 import os
 import statistics
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,7 @@ from torchtitan.models.moe.moe import GroupedExperts
 from torchtitan_ext import runtime
 from torchtitan_ext.config import ConfigError, load_job_config, model_class_and_args, MoEShape, parse, shared_meta_model
 from torchtitan_ext.ep import BACKENDS
+from torchtitan_ext.ep.base import destroy_kernel_buffers
 from torchtitan_ext.ep.experts import adopt_routed_experts
 from torchtitan_ext.measuring.collective_recorder import CollectiveRecorder
 from torchtitan_ext.planning.local_traffic import backend_forward, MoECall, torchtitan_sort_forward
@@ -32,6 +34,8 @@ from torchtitan_ext.training import prepare
 
 WARMUP_STEPS = 2
 TIMED_STEPS = 4
+MEASURE_DEADLINE = timedelta(hours=1)
+"""Longest a measurement may run, and a rank wait in one of its collectives."""
 BYTES_PER_PARAMETER = 16
 """A float32 parameter, its gradient and AdamW's two moments (activations and a low-precision copy come on
 top: the memory check refuses well before it matters)."""
@@ -156,7 +160,7 @@ def _routed_experts_pass(model: torch.nn.Module, tokens: torch.Tensor):
 def _time_dispatch(train_args: list[str], model_args, tokens: int, dtype: torch.dtype) -> tuple:
     """(times of torchtitan's own sort around the experts: its MoE.forward at EP = 1, the experts as the
     identity; per backend: (times of one MoE call's dispatch + combine, forward and backward; times of its
-    collectives alone)), in a process group of this process alone."""
+    collectives alone)), in a subgroup of this rank alone."""
     alone, _ = dist.new_subgroups(group_size=1)
     try:
         moe = model_args.moe_args
@@ -181,6 +185,7 @@ def _time_dispatch(train_args: list[str], model_args, tokens: int, dtype: torch.
             timings[name] = (_timed(call), _timed(lambda: [c() for c in collectives]))
         return sort_times, timings
     finally:
+        destroy_kernel_buffers()  # built on the subgroup: released while it lives
         dist.destroy_process_group(alone)
 
 
@@ -208,13 +213,15 @@ def _in_parameter_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.
 
 
 def measure_compute(train_args: list[str], world_size: int) -> MeasuredCompute:
-    """Time the job's per-rank compute with ``world_size`` processes at once (:func:`run_workers`'s, forked with this
-    module imported): 28 s on 2 cores for the debug model at 4 ranks."""
+    """Time the job's per-rank compute with ``world_size`` processes at once (:func:`run_workers`'s): 28 s on 2 cores
+    for the debug model at 4 ranks."""
     print(f"[measure-compute] {world_size} processes, one thread each: {WARMUP_STEPS} warm-up and "
           f"{TIMED_STEPS} timed forward/backward passes and optimizer steps of the job's model, then of each "
           "backend's dispatch + combine", flush=True)
-    # a model as large as the memory check admits takes minutes per step on a CPU: an hour's deadline, not 7 minutes'
-    per_rank = run_workers(world_size, _measure, train_args, preload=[__name__], deadline_s=3600.0)
+    # a model as large as the memory check admits takes minutes per step on a CPU, and a rank may wait that long at a
+    # step's barrier: an hour for the run and for each collective (run_workers' defaults: 7 and 2 minutes)
+    per_rank = run_workers(world_size, _measure, train_args, preload=[__name__],
+                           deadline_s=MEASURE_DEADLINE.total_seconds(), timeout=MEASURE_DEADLINE)
     def slowest_median(series) -> float:
         """Median over steps of the slowest process's time: a synchronous step waits for it."""
         return statistics.median(max(calls) for calls in zip(*series))

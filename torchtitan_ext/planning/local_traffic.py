@@ -178,7 +178,8 @@ class MoECall:
 
     @classmethod
     def random(cls, shape: MoEShape, tokens: int, dtype: torch.dtype) -> "MoECall":
-        scores, expert_ids, after_routing = _random_routing(tokens, shape.num_experts, shape.top_k)
+        scores, expert_ids, after_routing = _random_routing(tokens, shape.num_experts, shape.top_k,
+                                                            torch.get_default_dtype())
         generator = torch.Generator()
         generator.set_state(after_routing)
         x = torch.randn(tokens, shape.hidden_dim, generator=generator).to(dtype)
@@ -186,13 +187,15 @@ class MoECall:
 
 
 @lru_cache(maxsize=4)
-def _random_routing(tokens: int, num_experts: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random scores, each token's ``top_k`` distinct experts, and the generator's state after them (the token rows
-    come next, from seed 0): drawn once per shape, as the routing is the same at every hidden size and for every
-    backend counted (25 ms on 2 cores for 16,384 tokens over 256 experts; a full argsort of [tokens, E] took seconds)."""
+def _random_routing(tokens: int, num_experts: int, top_k: int,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random scores, each token's ``top_k`` distinct experts (both drawn in ``dtype``, torch's default dtype at the
+    call), and the generator's state after them (the token rows come next, from seed 0). Drawn once per shape: the
+    routing is the same at every hidden size and for every backend counted (25 ms on 2 cores for 16,384 tokens over
+    256 experts; a full argsort of [tokens, E] took seconds)."""
     generator = torch.Generator().manual_seed(0)
-    scores = torch.rand(tokens, top_k, generator=generator)
-    picks = torch.rand(tokens, num_experts, generator=generator).topk(top_k, dim=1, largest=False)
+    scores = torch.rand(tokens, top_k, generator=generator, dtype=dtype)
+    picks = torch.rand(tokens, num_experts, generator=generator, dtype=dtype).topk(top_k, dim=1, largest=False)
     return scores, picks.indices, generator.get_state()
 
 
