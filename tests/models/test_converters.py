@@ -60,6 +60,7 @@ def test_grouped_converters_refuse_experts_whose_forward_would_not_run_them(monk
 
 def test_grouped_converters_refuse_a_tensor_parallel_split_their_blocks_cannot_tile():
     """GPT-OSS's debug experts have hidden size 128: TP 4 leaves 32 per rank, a block; TP 8 leaves 16."""
+    torchtitan_ext.training.prepare()  # our train specs: the debug config's flavour, debugmodel_small, is ours
     mxfp8 = ["--job.config_file", "train_configs/gpt_oss_debug_model.toml", "--parallelism.expert_parallel_degree", "1",
              "--model.converters", "quantize.grouped_mm.mx", "--quantize.grouped_mm.mx.fqns", "experts"]
     load_job_config(mxfp8 + ["--parallelism.tensor_parallel_degree", "4"], device_type="cpu", world_size=4)
