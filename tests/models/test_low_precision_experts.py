@@ -274,6 +274,7 @@ def test_the_experts_under_ep_match_the_dense_reference_on_every_backend():
 
 
 @pytest.mark.gpu
+@pytest.mark.slow  # torchao's kernels are triton's: its first kernel runs ldconfig, each compile ptxas
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("experts", ["swiglu", "gpt_oss"])
 @pytest.mark.parametrize("converter", ["quantize.grouped_mm.mx", "quantize.grouped_mm.float8"])

@@ -377,7 +377,7 @@ class Handle:
         padded = torch.where(counts > 0, (counts + self._alignment - 1) // self._alignment * self._alignment, 0)
         starts = torch.cumsum(padded, 0) - padded
         true_total = int(padded.sum())
-        within = torch.arange(token.numel()) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+        within = torch.arange(token.numel(), device=token.device) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
         slot = starts[expert] + within
         budget = config.max_recv_tokens_per_rank
         capacity = budget if budget else true_total
@@ -387,8 +387,9 @@ class Handle:
                 f"scan_impl_flat(em): padded EM slots {true_total} > max_recv_tokens_per_rank {capacity}; "
                 "increase ncclEpGroupConfig_t::max_recv_tokens_per_rank or set overflow_policy = NCCL_EP_OVERFLOW_DROP")
         kept = slot < capacity
-        pads = torch.cat([torch.arange(int(s) + int(c), int(s) + int(p))
-                          for s, c, p in zip(starts.tolist(), counts.tolist(), padded.tolist())] or [torch.empty(0)])
+        pads = torch.cat([torch.arange(int(s) + int(c), int(s) + int(p), device=token.device)
+                          for s, c, p in zip(starts.tolist(), counts.tolist(), padded.tolist())]
+                         or [torch.empty(0, device=token.device)])
         self._routing = _Routing(num_tokens, top_k, torch.argsort(ids.long(), dim=1, stable=True),
                                  token[kept], slot[kept], pick[kept],
                                  pads[pads < capacity].long(), capacity)
@@ -495,7 +496,7 @@ class Handle:
         per_pick = rows.new_zeros((num_global, routing.top_k, rows.shape[1]), dtype=torch.float32)
         per_pick[routing.slot_token, routing.slot_pick] = rows[routing.slot_index].float()
         picks = self._to_sources(per_pick)[:routing.num_tokens]
-        tokens = torch.arange(routing.num_tokens)
+        tokens = torch.arange(routing.num_tokens, device=picks.device)
         total = picks.new_zeros((routing.num_tokens, rows.shape[1]))
         for position in range(routing.top_k):
             total += picks[tokens, routing.pick_order[:, position]]
