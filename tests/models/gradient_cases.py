@@ -345,21 +345,27 @@ def run_cell(rank: int, world_size: int, cell: Cell, count_replica_copies: bool 
             for block in model.layers.values():
                 if block.moe_enabled:
                     block.moe.expert_bias[-local:] = -1e4
-    reference = _dense(copy.deepcopy(model))
-    reference_bf16 = _dense(copy.deepcopy(model).to(torch.bfloat16)) if cell.bf16 else None
+    dp_size, dp_rank = _mesh_size(parallel_dims, "batch")
+    tokens, labels, slices = _batch(cell, dp_size)
+    start, end = slices[dp_rank]
+    global_tokens = torch.tensor(float(labels.numel()))
+    # rank 0 computes the dense references, each once: the same problem (weights, routing bias, batch) recurs for
+    # every backend and parallelism. Copied before the plan shards the model
+    key = (cell.model, cell.grouped_mm, cell.empty_last_rank and p.expert_parallel_degree, tuple(slices))
+    loss_fn = spec.build_loss_fn(job_config)
+    if rank == 0 and key not in _REFERENCES:
+        _REFERENCES[key] = _reference_step(_dense(copy.deepcopy(model)), loss_fn, tokens, labels, global_tokens)
+    if rank == 0 and cell.bf16 and (key, "bf16") not in _REFERENCES:
+        _REFERENCES[key, "bf16"] = _reference_step(_dense(copy.deepcopy(model).to(torch.bfloat16)), loss_fn, tokens,
+                                                   labels, global_tokens)
 
     score_dtypes = []
     RoutedExpertParallel._token_dispatch = _recording_score_dtypes(score_dtypes)
     if cell.mutant == "tp_borrow_without_gradient_gather":
         TensorParallelTokenSplit.split = _split_without_gradient_gather
 
-    dp_size, dp_rank = _mesh_size(parallel_dims, "batch")
-    tokens, labels, slices = _batch(cell, dp_size)
-    start, end = slices[dp_rank]
-    global_tokens = torch.tensor(float(labels.numel()))
     result = {"rank": rank}
 
-    loss_fn = spec.build_loss_fn(job_config)
     if parallel_dims.pp_enabled:
         schedule, parts, has_first, has_last = spec.pipelining_fn(
             model, parallel_dims, job_config, torch.device("cpu"), model_args, spec.parallelize_fn, loss_fn,
@@ -426,14 +432,8 @@ def run_cell(rank: int, world_size: int, cell: Cell, count_replica_copies: bool 
     result["replica_pairs"] = sum(int(router.last_quotas[:, 1:].sum()) for router in routers if router.last_quotas is not None)
 
     if rank == 0:
-        # the same problem (weights, routing bias, batch) recurs for every backend and parallelism
-        key = (cell.model, cell.grouped_mm, cell.empty_last_rank and p.expert_parallel_degree, tuple(slices))
-        if key not in _REFERENCES:
-            _REFERENCES[key] = _reference_step(reference, loss_fn, tokens, labels, global_tokens)
         result["reference"] = _REFERENCES[key]
-        if reference_bf16 is not None:
-            if (key, "bf16") not in _REFERENCES:
-                _REFERENCES[key, "bf16"] = _reference_step(reference_bf16, loss_fn, tokens, labels, global_tokens)
+        if cell.bf16:
             result["reference_bf16"] = _REFERENCES[key, "bf16"]
     return result
 
