@@ -28,13 +28,13 @@ import torch.distributed as dist
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
 from torchtitan_ext.ep.base import HOST_COPIES, named_layer
 from torchtitan_ext.ep.kernels import calls
 from torchtitan_ext.measuring.device_costs import Costs, LayerScopes, OUTSIDE
-from torchtitan_ext.planning.local_traffic import moved_tensors, run_below_python
+from torchtitan_ext.planning.local_traffic import moved_tensors, run_below_python, tensors_in
 
 
 _HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
@@ -89,10 +89,6 @@ class DeviceCostCounter(TorchDispatchMode):
             self._weights[parameter] = True
             self._weights[_local(parameter)] = True
 
-    @staticmethod
-    def _tensors(tree) -> list[torch.Tensor]:
-        return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
-
     def _charged(self, func, args):
         """Where a replica fetch's collective is charged: the layer it fetches for (the next one, fetched ahead)."""
         if self.scopes is None or func.name() != "torchtitan_ext::replica_weights":
@@ -113,13 +109,13 @@ class DeviceCostCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         if calls.inside_kernel():
             return func(*args, **kwargs)
-        tensors = self._tensors((args, kwargs))
+        tensors = tensors_in((args, kwargs))
         if any(isinstance(t, AsyncCollectiveTensor) for t in tensors):
             # an in-flight combine lands at its first use: its sums are counted where they run, here. Below Python
             # an operator would get the pending wrapper, whose storage holds no data
             with self:
                 args, kwargs = tree_map_only(AsyncCollectiveTensor, lambda t: t.trigger_wait(), (args, kwargs))
-            tensors = self._tensors((args, kwargs))
+            tensors = tensors_in((args, kwargs))
         if func is torch.ops._c10d_functional.wait_tensor.default:
             costs = self._costs()
             costs.waits.append((len(costs.collectives), _caller()))
@@ -139,7 +135,7 @@ class DeviceCostCounter(TorchDispatchMode):
             if torch.Tag.data_dependent_output in func.tags and not getattr(self._reading, "depth", 0):
                 costs.host_syncs[f"aten.{name} (a device value read) at {_caller()}"] += 1
         outputs = func(*args, **kwargs)
-        out_tensors = self._tensors(outputs)
+        out_tensors = tensors_in(outputs)
         if all_host or name == "lift_fresh":
             for tensor in out_tensors:
                 self._host[tensor] = True
@@ -271,7 +267,7 @@ def _collective(namespace: str, name: str, args) -> tuple[str, str, int, int]:
     if namespace == "_c10d_functional" and names:  # functional collectives name their group last
         group = dist.distributed_c10d._resolve_process_group(names[-1])
     sent = args[1] if namespace == "c10d" and name in _OUTPUT_FIRST else args[0]
-    size = sum(t.nbytes for t in tree_flatten(sent)[0] if isinstance(t, torch.Tensor))
+    size = sum(t.nbytes for t in tensors_in(sent))
     return name.strip("_"), group.group_name if group else "", group.size() if group else 1, size
 
 
