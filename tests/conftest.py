@@ -67,6 +67,8 @@ def pytest_xdist_auto_num_workers(config):
     worker computes meanwhile: on 2 cores the suite's idle CPU time fell from 45 to 10 s and its time to 0.92 of
     a worker per CPU's (benchmarks/suite-time-a-worker-more_epyc-avx512bf16_2026-11-30.jsonl). The fast tier
     waits on nothing: there a third worker only adds its own start."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # the count the caller set: pytest-xdist's own hook reads it
     cpus = len(os.sched_getaffinity(0))
     return cpus if "not slow" in (config.getoption("markexpr") or "") else cpus + 1
 

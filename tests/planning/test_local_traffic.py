@@ -8,6 +8,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_flatten
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchtitan_ext.config import ConfigError, MoEShape, parse
 from torchtitan_ext.ep import BACKENDS, PLANNING_PROFILES
@@ -21,7 +23,7 @@ from torchtitan_ext.planning.layout_advisor import advise, advised_config
 from torchtitan_ext.planning.measured_rates import MeasuredRate
 from torchtitan_ext.planning.local_traffic import (
     _counted, backend_forward, count_local_traffic, counted_hidden_sizes, LocalTraffic, LocalTrafficCounter, MoECall,
-    torchtitan_sort_forward,
+    tensors_in, torchtitan_sort_forward,
 )
 from torchtitan_ext.planning.topology import load_topology, parse_topology
 from torchtitan_ext.training import prepare
@@ -36,6 +38,36 @@ def world_of_one():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+class _TensorsAsPytreeFindsThem(TorchDispatchMode):
+    """Every operator's arguments and outputs: the tensors :func:`tensors_in` finds, against torch's pytree."""
+
+    def __init__(self):
+        super().__init__()
+        self.operators = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tree in ((args, kwargs or {}), out):
+            expected = [leaf for leaf in tree_flatten(tree)[0] if isinstance(leaf, torch.Tensor)]
+            assert [id(t) for t in tensors_in(tree)] == [id(t) for t in expected], func
+        self.operators.add(func.overloadpacket.__name__)
+        return out
+
+
+def test_an_operators_tensors_are_found_in_order_as_torchs_pytree_finds_them():
+    """Lists with None (indexing), a named tuple of outputs, kwargs with out=, a list of tensors, sizes and
+    scalars, and a module's forward and backward."""
+    x = torch.randn(6, 4, requires_grad=True)
+    with _TensorsAsPytreeFindsThem() as mode:
+        rows = x[:, torch.tensor([0, 2])]
+        torch.max(x, dim=1)
+        torch.cat([x, x * 2.0]).expand(2, 12, 4).sum()
+        torch.zeros(6, 4)[:, torch.tensor([1])] = torch.ones(1)
+        torch.mul(x.detach(), 3, out=torch.empty(6, 4))
+        torch.nn.functional.layer_norm(rows, (2,)).pow(2).sum().backward()
+    assert {"index", "max", "cat", "index_put_", "mul", "native_layer_norm_backward"} <= mode.operators
 
 
 def test_counter_counts_each_argument_and_output_once_and_no_views():

@@ -6,7 +6,8 @@
    the next step boundary and a clean exit (end to end with SIGTERM; both signals through the
    supervisor to the ranks' handler).
 3. A checkpoint whose write was interrupted (its .metadata never written): the next start
-   says so and resumes from the last complete one with the losses of an uninterrupted run.
+   says so and the same command resumes from the last complete one with the losses of an
+   uninterrupted run.
 4. Non-finite values: a NaN in a router's output stops the run naming the step and the MoE
    layer, or, with faults.on_nonfinite = "skip_step", skips exactly that step's update; the
    EP counters and routing statistics stay finite.
@@ -17,7 +18,6 @@
 All runs: the debug model with its small attention, 2 processes, fp32, deterministic, short sequences.
 """
 
-import logging
 import math
 import os
 import re
@@ -25,14 +25,13 @@ import shutil
 import signal
 import sys
 import time
-from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from torchtitan_ext.runtime import collectives
-from tests.helpers import LauncherProcess, descendants, run_distributed
+from tests.helpers import LauncherProcess, descendants, run_distributed, run_launcher
 from torchtitan_ext.records.metrics import logged_losses, read_metrics
 from tests.training.cases import train_worker
 
@@ -277,18 +276,9 @@ def test_a_preemption_save_is_complete_before_it_is_reported(tmp_path, async_mod
     assert [path.name for path in (tmp_path / "routing_stats").iterdir()] == ["routing_step000001-000003.npz"]
 
 
-def _warnings_into(path: str, trainer) -> None:
-    """``train_worker``'s setup: what the job warns of from here on (its start, then its steps), into ``path``."""
-    handler = logging.FileHandler(path)
-    handler.setLevel(logging.WARNING)
-    logging.getLogger().addHandler(handler)  # torchtitan logs through the root logger
-
-
 def test_an_interrupted_checkpoint_is_never_loaded(tmp_path, uninterrupted_run):
     """The uninterrupted run's steps 2 and 4, step 4's write torn (DCP writes .metadata last): the
-    start says so and resumes from step 2, with the uninterrupted run's losses. The job runs in test
-    processes, as the uninterrupted one (the killed rank's test starts the launcher and names the checkpoint
-    the same command resumes from)."""
+    start says so and resumes from step 2, with the uninterrupted run's losses."""
     losses, saved = uninterrupted_run
     for step in (2, 4):
         shutil.copytree(saved / f"step-{step}", tmp_path / "checkpoint" / f"step-{step}")
@@ -296,12 +286,10 @@ def test_an_interrupted_checkpoint_is_never_loaded(tmp_path, uninterrupted_run):
     assert (torn / ".metadata").is_file() and any(torn.glob("*.distcp"))
     (torn / ".metadata").unlink()
 
-    warnings = tmp_path / "warnings.log"
-    args = ["--job.config_file", "train_configs/debug_model.toml", *_job(tmp_path, *CHECKPOINT_EVERY_2)]
-    run_distributed(2, train_worker, [("resumed", args)], partial(_warnings_into, str(warnings)))
+    resumed = run_launcher(*_job(tmp_path, *CHECKPOINT_EVERY_2), timeout=600)
+    assert resumed.returncode == 0, resumed.output[-3000:]
     assert (f"Checkpoint {torn} is incomplete (no .metadata: its write was interrupted); set aside as "
-            f"{torn.parent / 'incomplete_step_4'}, never loaded or counted; training resumes from step 2"
-            ) in warnings.read_text()
+            f"{torn.parent / 'incomplete_step_4'}, never loaded or counted; training resumes from step 2") in resumed.output
     _assert_resumes(tmp_path, 3, losses)
 
 

@@ -13,7 +13,7 @@ AT_DEBUG_SIZE = (
     "--parallelism.expert_parallel_degree", "2", "--hybridep.ranks_per_nvlink_domain", "2",
     "--lr_scheduler.warmup_steps", "1", "--checkpoint.no-enable", "--compile.no-enable",
 )
-STEPS = 2
+STEPS = 3
 
 
 @pytest.mark.slow
