@@ -85,7 +85,7 @@ def test_real_nccl_ep_matches_dense_moe(backend):
     tokens. tests/ep/test_conformance.py runs them on NCCL EP's double on every machine."""
     reason = nccl_ep.unavailable_reason()
     if reason:
-        # Skipped, not passed: the real library runs on CUDA with the wheel installed (pip install -e ".[ncclep]")
+        # Skipped, not passed: the real library runs on CUDA with the wheel installed (docs/ncclep.md#installing)
         pytest.skip(f"NCCL EP: {reason}")
     ep = min(1 << (torch.cuda.device_count().bit_length() - 1), 4)
     results = run_distributed(ep, conformance_worker, (backend,), "nccl_ep", "cuda", torch.float32, device="cuda")

@@ -3,6 +3,7 @@ line that names the field and the fix, before anything is allocated; and what th
 library's group (checked on its double)."""
 
 import pytest
+import torch
 
 from torchtitan_ext.config import ConfigError, MoEShape, parse
 from torchtitan_ext.ep.kernels import KernelUnavailable, nccl_ep
@@ -50,14 +51,18 @@ def test_the_double_takes_shapes_the_library_refuses_and_not_the_library_on_a_cp
                                              MoEShape(**SHAPE))
 
 
-def test_the_library_missing_on_cuda_says_how_to_install_it(monkeypatch):
+@pytest.mark.parametrize("cuda, extra", [("12.8", "cu12"), ("13.0", "cu13")])
+def test_the_library_missing_on_cuda_says_how_to_install_it_for_torchs_cuda(monkeypatch, cuda, extra):
     def missing():
         raise KernelUnavailable("import nccl.ep failed: ModuleNotFoundError: No module named 'nccl'")
 
     monkeypatch.setattr(nccl_ep, "import_facade", missing)
-    with pytest.raises(ConfigError, match=r"No module named 'nccl'.*pip install -e \"\.\[ncclep\]\""):
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    with pytest.raises(ConfigError) as refused:
         NcclEPExpertParallel.validate_config(parse([*NCCLEP, "--ncclep.implementation", "nccl_ep"]), "cuda",
                                              MoEShape(**SHAPE))
+    command = f'pip install "nccl-extensions[{extra}]==0.1.0" on this CUDA machine'
+    assert "No module named 'nccl'" in str(refused.value) and command in str(refused.value)
 
 
 def test_the_static_budget_is_the_capacity_factors_rows():

@@ -65,7 +65,7 @@ class NcclEPExpertParallel(RoutedExpertParallel):
 
     @dataclass
     class Config:
-        """``[ncclep]``: knobs of the ncclep backend (NCCL EP, ``pip install -e ".[ncclep]"``)."""
+        """``[ncclep]``: knobs of the ncclep backend (NCCL EP, installed as docs/ncclep.md#installing says)."""
 
         implementation: Literal["auto", "nccl_ep", "reference"] = "auto"
         """Which kernels run the calls: "nccl_ep" the library (CUDA), "reference" its double on torch.distributed

@@ -25,9 +25,18 @@ from torchtitan_ext.ep.kernels.calls import kernel_call
 IMPLEMENTATIONS = ("auto", "nccl_ep", "reference")
 LIBRARY_DEVICE_TYPE = "cuda"
 """The device the real library runs on (tests point it at the CPU to run the adapter on the double)."""
-INSTALL_HINT = "pip install -e \".[ncclep]\" on this CUDA machine (docs/ncclep.md#installing)"
 CUDA_MAJORS = (12, 13)
 """The CUDA majors the wheel ships ``libnccl_ep.so`` for (``nccl/ep/lib/cu12``, ``cu13``)."""
+
+
+def install_command() -> str:
+    """The pip command that installs NCCL EP for the CUDA this torch was built for. It installs apart from this
+    package: resolved together, torch's own NCCL pin (2.29.7 in torch 2.13) meets the wheel's (2.30.7), and pip
+    replaces torch, or gives up, to satisfy both."""
+    major = (torch.version.cuda or "").split(".")[0]
+    if major not in {str(supported) for supported in CUDA_MAJORS}:
+        return 'pip install "nccl-extensions[cuXX]==0.1.0", XX the CUDA major of a torch built for CUDA 12 or 13'
+    return f'pip install "nccl-extensions[cu{major}]==0.1.0"'
 
 
 def uses_library(implementation: str, device_type: str | None) -> bool:
@@ -65,7 +74,8 @@ def resolve_implementation(implementation: str, device_type: str) -> str:
     try:
         import_facade()
     except KernelUnavailable as e:
-        raise KernelUnavailable(f"ncclep.implementation resolves to NCCL EP on CUDA, but {e}: {INSTALL_HINT}, or set "
+        raise KernelUnavailable(f"ncclep.implementation resolves to NCCL EP on CUDA, but {e}: {install_command()} "
+                                "on this CUDA machine (docs/ncclep.md#installing), or set "
                                 "ncclep.implementation = 'reference' to run its (slow) double") from None
     return "nccl_ep"
 
