@@ -31,11 +31,12 @@ CUDA_MAJORS = (12, 13)
 
 def install_command() -> str:
     """The pip command that installs NCCL EP for the CUDA this torch was built for. It installs apart from this
-    package: resolved together, torch's own NCCL pin (2.29.7 in torch 2.13) meets the wheel's (2.30.7), and pip
-    replaces torch, or gives up, to satisfy both."""
+    package, which needs torch: resolved together, torch's own NCCL pin (2.29.7 in torch 2.13.0's CUDA 13 build)
+    meets the wheel's (2.30.7), and pip may replace torch to satisfy both."""
     major = (torch.version.cuda or "").split(".")[0]
     if major not in {str(supported) for supported in CUDA_MAJORS}:
-        return 'pip install "nccl-extensions[cuXX]==0.1.0", XX the CUDA major of a torch built for CUDA 12 or 13'
+        return ('install a torch built for CUDA 12 or 13, then pip install "nccl-extensions[cuXX]==0.1.0" with XX '
+                "its CUDA major")
     return f'pip install "nccl-extensions[cu{major}]==0.1.0"'
 
 
