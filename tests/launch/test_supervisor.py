@@ -6,6 +6,7 @@ processes and files, not timings.
 """
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -161,6 +162,22 @@ def test_a_port_that_is_not_one_is_one_line(capsys, port):
 
     with pytest.raises(ConfigError, match=rf"^MASTER_PORT='{port}' is not a port number: set it to an integer from 1 "):
         check_port_free(port)
+
+
+@pytest.mark.parametrize("version, refused", [("2.11.0+cu130", True), ("2.12.0", False)])
+def test_a_torch_whose_torchrun_lacks_the_launchers_options_is_refused_before_torchrun_starts(version, refused):
+    """torch 2.11.0's torch/distributed/run.py has no --shutdown-timeout and 2.12.0's has (read from their wheels);
+    torchrun 2.11 stopped a GPU machine's launch at its own usage line, which the supervisor could only report as
+    'a training process ... (exit 2)'."""
+    from torchtitan_ext.config import ConfigError
+    from torchtitan_ext.launch.preflight import check_torchrun
+
+    if refused:
+        with pytest.raises(ConfigError, match=rf"^torch {re.escape(version)} is installed, and its torchrun lacks "
+                                              r"--shutdown-timeout.*: pip install torch==2\.13\.0"):
+            check_torchrun(version)
+    else:
+        check_torchrun(version)
 
 
 def test_a_port_left_in_time_wait_is_free():

@@ -1,7 +1,7 @@
 """Checks the launchers make before starting any process.
 
 ``python -m torchtitan_ext.launch.preflight --ngpu N [--nnodes M] [--port P] [--device-type cpu|cuda] [--print-env] [--print-launch-info] -- [train args]``
-validates the process count, an explicitly requested rendezvous port and the
+validates torchrun's version, the process count, an explicitly requested rendezvous port and the
 job config (TOML + overrides) for N x M ranks (on ``--device-type``, default
 this machine's device), and builds the embedded assets
 the job needs. Any problem is one line on stderr naming it and the fix, with
@@ -24,12 +24,30 @@ from torchtitan_ext.runtime.command_line import CommandLineParser
 from torchtitan_ext.runtime.entry import imports_without_collection, run_and_exit
 
 with imports_without_collection():
+    import torch
+    from torch.torch_version import TorchVersion
+
     from torchtitan_ext import runtime
     from torchtitan_ext.config import ConfigError, load_job_config
     from torchtitan_ext.data import prepare_embedded_assets
     from torchtitan_ext.ep import backend_class
     from torchtitan_ext.runtime.console import init_logger
     from torchtitan_ext.training import prepare
+
+
+TORCHRUN_SHUTDOWN_TIMEOUT_SINCE = "2.12"
+"""The torch whose torchrun first takes ``--shutdown-timeout``, which the launchers pass (the seconds the ranks get
+to save a checkpoint after a stop signal): an older torchrun stops at its own usage line, exit 2."""
+
+
+def check_torchrun(torch_version: str) -> None:
+    """``torch_version`` as torch spells it ("2.11.0+cu130"): its torchrun takes the launchers' options."""
+    if TorchVersion(torch_version) < TORCHRUN_SHUTDOWN_TIMEOUT_SINCE:
+        raise ConfigError(
+            f"torch {torch_version} is installed, and its torchrun lacks --shutdown-timeout, which this launcher "
+            f"passes (from torch {TORCHRUN_SHUTDOWN_TIMEOUT_SINCE} on): pip install torch==2.13.0 (the build for "
+            "this machine)"
+        )
 
 
 def check_process_count(ngpu: str) -> int:
@@ -104,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
     init_logger(logging.WARNING, sys.stderr)
     try:
+        check_torchrun(torch.__version__)
         count = check_process_count(args.ngpu)
         if args.port is not None:
             check_port_free(args.port)
