@@ -168,12 +168,17 @@ Root Cause (first observed failure):
             "W1122 10:00:33 api.py:1029] Sending process 4321 closing signal SIGTERM\n" + TORCHRUN_REPORT,
             "rank 0 (pid 4320) exited with status 1",
         ),
+        (  # torch 2.11's torchrun, which has no --shutdown-timeout: argparse's two lines, no rank started
+            "usage: torchrun [-h] [--nnodes NNODES] [--nproc-per-node NPROC_PER_NODE]\n"
+            "torchrun: error: unrecognized arguments: --shutdown-timeout",
+            "torchrun refused its command line: unrecognized arguments: --shutdown-timeout",
+        ),
     ],
-    ids=["signal_before_status", "torchrun_stop_not_a_cause"],
+    ids=["signal_before_status", "torchrun_stop_not_a_cause", "torchrun_usage_error"],
 )
 def test_supervisor_names_the_rank_that_caused_the_failure(report, named, tmp_path):
-    """torchrun observes a SIGKILLed rank's failure after its peer's status-1 exit; the signal is the cause. The
-    last step is the job's metrics.jsonl's."""
+    """torchrun observes a SIGKILLed rank's failure after its peer's status-1 exit; the signal is the cause. A
+    command line torchrun refuses is named as such: no rank ran. The last step is the job's metrics.jsonl's."""
     MetricsFile(tmp_path).write(3, {"loss_metrics/global_avg_loss": 7.5})
     supervisor = Supervisor([], checkpoint_folder=None, dump_folder=tmp_path)
     for line in report.splitlines():

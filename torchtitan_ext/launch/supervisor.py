@@ -43,6 +43,8 @@ STOPPED_BY_TORCHRUN = re.compile(r"Sending process (\d+) closing signal")
 TORCHRUN_TRACEBACK = "Traceback (most recent call last):"
 """How torchrun's own traceback starts (a rank's lines start with its "[rankN]:" prefix)."""
 CHILD_FAILED = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
+USAGE_ERROR = re.compile(r"^(?:torchrun|run\.py): error: (.+)$")
+"""torchrun's own usage error (argparse's last line, exit 2): it started no rank."""
 PEER_TIMEOUT = "a peer did not answer in time"
 """What a rank's one-line error says when a collective timed out (torchtitan_ext.runtime.collectives)."""
 STALLED_STATES = {"T": "stopped (SIGSTOP or a debugger)", "t": "stopped by a debugger", "D": "in uninterruptible sleep (I/O or a driver)"}
@@ -117,6 +119,8 @@ class Supervisor:
         self.stopped_by_torchrun: set[int] = set()
         self.process: subprocess.Popen | None = None
         self.closed_streams: set[int] = set()
+        self.usage_error: str | None = None
+        """What torchrun said of its command line when it refused it."""
         self.stalled: list[tuple[int, int, str]] = []
         """(rank, pid, process state) of the local ranks that had stopped making progress when a peer's
         collective timed out."""
@@ -199,6 +203,9 @@ class Supervisor:
                 time.sleep(0.1)
 
     def _read(self, line: str) -> None:
+        usage_error = USAGE_ERROR.match(line)
+        if usage_error:
+            self.usage_error = usage_error.group(1)
         if PEER_TIMEOUT in line and not self.stalled and self.process is not None:
             self.stalled = stalled_ranks(self.process.pid)
         stopped = STOPPED_BY_TORCHRUN.search(line)
@@ -226,7 +233,9 @@ class Supervisor:
         """The one line that ends a failed job."""
         who = "a training process"
         failure = self.culprit()
-        if self.stalled:
+        if self.usage_error is not None:
+            who = f"torchrun refused its command line: {self.usage_error}"
+        elif self.stalled:
             rank, pid, state = self.stalled[0]
             who = f"rank {rank} (pid {pid}) stopped making progress: it was {STALLED_STATES[state]} when its peers' collective timed out"
         elif failure is not None and failure.exit_code is not None:
