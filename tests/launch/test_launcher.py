@@ -168,17 +168,12 @@ Root Cause (first observed failure):
             "W1122 10:00:33 api.py:1029] Sending process 4321 closing signal SIGTERM\n" + TORCHRUN_REPORT,
             "rank 0 (pid 4320) exited with status 1",
         ),
-        (  # torch 2.11's torchrun, which has no --shutdown-timeout: argparse's two lines, no rank started
-            "usage: torchrun [-h] [--nnodes NNODES] [--nproc-per-node NPROC_PER_NODE]\n"
-            "torchrun: error: unrecognized arguments: --shutdown-timeout",
-            "torchrun refused its command line: unrecognized arguments: --shutdown-timeout",
-        ),
     ],
-    ids=["signal_before_status", "torchrun_stop_not_a_cause", "torchrun_usage_error"],
+    ids=["signal_before_status", "torchrun_stop_not_a_cause"],
 )
 def test_supervisor_names_the_rank_that_caused_the_failure(report, named, tmp_path):
-    """torchrun observes a SIGKILLed rank's failure after its peer's status-1 exit; the signal is the cause. A
-    command line torchrun refuses is named as such: no rank ran. The last step is the job's metrics.jsonl's."""
+    """torchrun observes a SIGKILLed rank's failure after its peer's status-1 exit; the signal is the cause. The
+    last step is the job's metrics.jsonl's."""
     MetricsFile(tmp_path).write(3, {"loss_metrics/global_avg_loss": 7.5})
     supervisor = Supervisor([], checkpoint_folder=None, dump_folder=tmp_path)
     for line in report.splitlines():
@@ -187,3 +182,15 @@ def test_supervisor_names_the_rank_that_caused_the_failure(report, named, tmp_pa
         f"error: {named}; the job stopped after step 3 (exit 1); "
         "checkpointing is off (checkpoint.enable): a rerun starts over"
     )
+
+
+def test_a_command_line_torchrun_refuses_is_the_cause_and_no_earlier_runs_step(tmp_path):
+    """torch 2.11's torchrun has no --shutdown-timeout: argparse's two lines, exit 2, no rank started. The dump
+    folder's metrics are an earlier run's, so no step or checkpoint is offered."""
+    MetricsFile(tmp_path).write(3, {"loss_metrics/global_avg_loss": 7.5})
+    supervisor = Supervisor([], checkpoint_folder=None, dump_folder=tmp_path)
+    for line in ["usage: torchrun [-h] [--nnodes NNODES] [--nproc-per-node NPROC_PER_NODE]",
+                 "torchrun: error: unrecognized arguments: --shutdown-timeout"]:
+        supervisor._read(line)
+    assert supervisor.explain(2) == ("error: torchrun refused its command line: unrecognized arguments: "
+                                     "--shutdown-timeout (exit 2); no rank started")

@@ -1,7 +1,7 @@
 """Checks the launchers make before starting any process.
 
 ``python -m torchtitan_ext.launch.preflight --ngpu N [--nnodes M] [--port P] [--device-type cpu|cuda] [--print-env] [--print-launch-info] -- [train args]``
-validates torchrun's version, the process count, an explicitly requested rendezvous port and the
+checks that torchrun takes the launchers' options, validates the process count, an explicitly requested rendezvous port and the
 job config (TOML + overrides) for N x M ranks (on ``--device-type``, default
 this machine's device), and builds the embedded assets
 the job needs. Any problem is one line on stderr naming it and the fix, with
@@ -25,7 +25,6 @@ from torchtitan_ext.runtime.entry import imports_without_collection, run_and_exi
 
 with imports_without_collection():
     import torch
-    from torch.torch_version import TorchVersion
 
     from torchtitan_ext import runtime
     from torchtitan_ext.config import ConfigError, load_job_config
@@ -35,18 +34,25 @@ with imports_without_collection():
     from torchtitan_ext.training import prepare
 
 
-TORCHRUN_SHUTDOWN_TIMEOUT_SINCE = "2.12"
-"""The torch whose torchrun first takes ``--shutdown-timeout``, which the launchers pass (the seconds the ranks get
-to save a checkpoint after a stop signal): an older torchrun stops at its own usage line, exit 2."""
+TORCHRUN_OPTIONS = ("--shutdown-timeout", "60")
+"""An option the launchers pass to torchrun that an older one lacks (torch 2.11's has none): the seconds the ranks
+get to save a checkpoint after a stop signal."""
 
 
-def check_torchrun(torch_version: str) -> None:
-    """``torch_version`` as torch spells it ("2.11.0+cu130"): its torchrun takes the launchers' options."""
-    if TorchVersion(torch_version) < TORCHRUN_SHUTDOWN_TIMEOUT_SINCE:
+def torchrun_parser() -> argparse.ArgumentParser:
+    """The installed torchrun's own argument parser: the check asks it, not a version table."""
+    from torch.distributed.run import get_args_parser
+
+    return get_args_parser()
+
+
+def check_torchrun() -> None:
+    """This torch's torchrun takes the launchers' options; an older one would stop at its own usage line."""
+    _, unknown = torchrun_parser().parse_known_args([*TORCHRUN_OPTIONS, "train.py"])
+    if unknown:
         raise ConfigError(
-            f"torch {torch_version} is installed, and its torchrun lacks --shutdown-timeout, which this launcher "
-            f"passes (from torch {TORCHRUN_SHUTDOWN_TIMEOUT_SINCE} on): pip install torch==2.13.0 (the build for "
-            "this machine)"
+            f"torch {torch.__version__} is installed, and its torchrun has no {unknown[0]}, which this launcher "
+            "passes (torch 2.12 and later have it): pip install torch==2.13.0 (the build for this machine)"
         )
 
 
@@ -122,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
     init_logger(logging.WARNING, sys.stderr)
     try:
-        check_torchrun(torch.__version__)
+        check_torchrun()
         count = check_process_count(args.ngpu)
         if args.port is not None:
             check_port_free(args.port)

@@ -234,8 +234,9 @@ class Supervisor:
         who = "a training process"
         failure = self.culprit()
         if self.usage_error is not None:
-            who = f"torchrun refused its command line: {self.usage_error}"
-        elif self.stalled:
+            # no rank started: the dump folder's steps and checkpoints are an earlier run's
+            return f"error: torchrun refused its command line: {self.usage_error} (exit {returncode}); no rank started"
+        if self.stalled:
             rank, pid, state = self.stalled[0]
             who = f"rank {rank} (pid {pid}) stopped making progress: it was {STALLED_STATES[state]} when its peers' collective timed out"
         elif failure is not None and failure.exit_code is not None:
