@@ -2,8 +2,8 @@
 
 ``python -m torchtitan_ext.launch.preflight --ngpu N [--nnodes M] [--port P] [--device-type cpu|cuda] [--print-env] [--print-launch-info] -- [train args]``
 checks that torchrun takes the launchers' options, validates the process count, an
-explicitly requested rendezvous port and the job config (TOML + overrides) for N x M ranks (on ``--device-type``, default
-this machine's device), and builds the embedded assets
+explicitly requested rendezvous port and the job config (TOML + overrides) for N x M ranks
+(on ``--device-type``, default this machine's device), and builds the embedded assets
 the job needs. Any problem is one line on stderr naming it and the fix, with
 exit status 2, so that a bad launch fails once, before torchrun starts N copies
 of it. ``--print-env`` prints ``export NAME=value`` lines for the environment
