@@ -162,8 +162,6 @@ def _load(*overrides, device_type="cpu", world_size=2):
          "expert_replication.adapt_every = 0: use a value >= 1"),
         (("--expert_replication.slots_per_rank", "1", "--parallelism.expert_parallel_degree", "1"),
          "expert_replication.slots_per_rank = 1 needs expert parallelism: set parallelism.expert_parallel_degree > 1"),
-        (("--expert_replication.slots_per_rank", "1", "--compile.enable", "--compile.components", "model"),
-         "expert_replication.slots_per_rank = 1 is not supported with compile.enable"),
         (("--expert_replication.slots_per_rank", "1", "--parallelism.tensor_parallel_degree", "2",
           "--parallelism.expert_tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2"),
          "expert_replication.slots_per_rank = 1 is not supported with parallelism.expert_tensor_parallel_degree = 2"),

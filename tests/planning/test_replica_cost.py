@@ -127,12 +127,12 @@ def test_a_dump_without_a_step_after_the_first_choice_is_named():
 
 
 def test_the_advice_refuses_such_a_dump_even_where_every_layout_with_replicas_is_refused():
-    """A compiled model refuses replicas, so every layout with them is refused before its replay; the dump still
-    cannot price replicas chosen every 2 steps from 2 recorded steps, and the advice says so instead of printing
-    only refusals."""
-    job = [*DEBUG_JOB, "--expert_replication.adapt_every", "2", "--compile.enable", "--compile.components", "model"]
+    """8 slots per rank are more than any EP degree of the 8-expert model leaves a rank to copy, so every layout
+    with them is refused before its replay; the dump still cannot price replicas chosen every 2 steps from 2
+    recorded steps, and the advice says so instead of printing only refusals."""
+    job = [*DEBUG_JOB, "--expert_replication.adapt_every", "2"]
     with pytest.raises(ConfigError, match=r"records steps 1\.\.2; pricing replicas chosen every 2 step\(s\)"):
-        advise(job, 2, ONE_LINK, _dump(np.array([[COLLAPSED] * 5] * 2)), "collapsed", replica_slots=[1])
+        advise(job, 2, ONE_LINK, _dump(np.array([[COLLAPSED] * 5] * 2)), "collapsed", replica_slots=[8])
 
 
 def test_the_busiest_sender_sets_the_replica_traffic():

@@ -7,8 +7,9 @@ One training per job, shared by the tests that read it (the ``parity`` fixture):
 - 4 steps under every backend with an expert placement that moves every expert to the other rank
   (``[expert_placement] file``) and 2 replica slots per rank re-chosen every step: the first step, before any
   replica is chosen, runs the placement alone, the next three the replicas over it. nccl also runs the placement
-  alone, and 1 slot re-chosen every 3 steps without it. Per-step losses agree with nccl's without a placement or
-  replicas within 1e-5 relative. The placed and unplaced nccl runs export their weights at the last step (model
+  alone, 1 slot re-chosen every 3 steps without it, and the replicated job with its model compiled (where no plan
+  change may compile a new graph). Per-step losses agree with nccl's without a placement or replicas within 1e-5
+  relative. The placed and unplaced nccl runs export their weights at the last step (model
   only): the placed export holds the experts in logical order. (Llama4's scoring style is the gradient
   matrix's: tests/models/test_gradient_matrix.py.)
 - Checkpoints (torchtitan DCP) written by those runs under one backend, EP degree, placement and replication
@@ -67,6 +68,9 @@ CHECKPOINT = ["--checkpoint.enable", "--checkpoint.interval", "2"]
 REPLICAS = ["--expert_replication.slots_per_rank", "2", "--expert_replication.adapt_every", "1",
             "--expert_replication.min_gain", "0"]
 """Replicas on every step from the first choice (never set aside), so that parity checks them."""
+COMPILED = ["--compile.enable", "--compile.components", "model", "--compile.backend", "aot_eager"]
+"""torchtitan's compile of the model (each block around the routed experts, and their grouped GEMM) with dynamo's
+graphs run by aot_eager: the same operators as eager, so parity holds at the same tolerance."""
 
 
 def replicas_took_pairs(trainer) -> None:
@@ -78,6 +82,15 @@ def replicas_took_pairs(trainer) -> None:
     taken = sum(int(moe.replicas.last_quotas[:, 1:].sum()) for moe in chooser.layers.values()
                 if moe.replicas.last_quotas is not None)
     assert taken > 0, f"step {trainer.step}: the replicas took no pairs"
+    if trainer.job_config.compile.enable:
+        # the plans change every step: none may compile a graph that the first replicated step did not
+        from torch._dynamo.utils import counters
+
+        graphs = counters["stats"]["unique_graphs"]
+        assert graphs > 0, "compile.enable compiled nothing"
+        if trainer.step == chooser.first_replicated_step:
+            trainer.graphs_at_first_plan = graphs
+        assert graphs == trainer.graphs_at_first_plan, f"step {trainer.step}: a plan change compiled new graphs"
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +111,9 @@ def parity(tmp_path_factory):
         tmp / "replicated_1_every_3", *BACKENDS["nccl"], "--expert_replication.slots_per_rank", "1",
         "--expert_replication.adapt_every", "3", "--expert_replication.min_gain", "0",
     )))
+    # last: torchtitan's compile sets dynamo's configuration and patches its grouped GEMM for the process
+    runs.append(("compiled_replicated_nccl", job(tmp / "compiled_replicated_nccl", *BACKENDS["nccl"],
+                                                 "--expert_placement.file", placement, *REPLICAS, *COMPILED)))
     return run_distributed(2, train_worker, runs, None, replicas_took_pairs)[0], tmp
 
 
@@ -105,7 +121,7 @@ def test_losses_agree_across_backends_and_placements(parity):
     losses, _ = parity
     reference = losses["nccl"]
     assert list(reference) == list(range(1, PLACED_STEPS + 1))
-    assert len(losses) == len(BACKENDS) + 3
+    assert len(losses) == len(BACKENDS) + 4
     for run, got in losses.items():
         for step, loss in reference.items():
             assert got[step] == pytest.approx(loss, rel=PLACED_TOLERANCE), (run, step, got, reference)

@@ -7,7 +7,7 @@ Writes the 671B-shaped synthetic routing dump of ``python -m torchtitan_ext.benc
 groups of 8, the same every step: no drift), then runs
 
     python -m torchtitan_ext.plan --job.config_file train_configs/deepseek_v3_671b_gb200.toml --world-size 256
-        --topology gb200_nvl72 --ranks-per-group 64 --routing-stats <dump> --replica-slots 0,1,2 --compile.no-enable
+        --topology gb200_nvl72 --ranks-per-group 64 --routing-stats <dump> --replica-slots 0,1,2
 
 and prints the advice, which replays the dump through training's choice and
 split of replicas at every EP degree (the steps after the first are priced).
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         command = [
             sys.executable, "-m", "torchtitan_ext.plan", "--job.config_file", JOB_CONFIG,
             "--world-size", "256", "--topology", args.topology,
-            "--ranks-per-group", "64", "--routing-stats", tmp, "--replica-slots", "0,1,2", "--compile.no-enable",
+            "--ranks-per-group", "64", "--routing-stats", tmp, "--replica-slots", "0,1,2",
         ]
         shown = " ".join(command[1:])
         print("$ python", shown.replace(tmp, "<synthetic dump>"), flush=True)

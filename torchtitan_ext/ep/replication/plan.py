@@ -124,11 +124,6 @@ def check_replication(job_config, context: ValidationContext) -> None:
             f"{where} is not supported with parallelism.expert_tensor_parallel_degree = "
             f"{parallelism.expert_tensor_parallel_degree} (replica weights are fetched whole): set one of them to 1"
         )
-    if job_config.compile.enable and "model" in job_config.compile.components:
-        raise ConfigError(
-            f"{where} is not supported with compile.enable and 'model' in compile.components (the per-step split "
-            "is not compiled): turn one of them off"
-        )
     if overlaps_expert_parallel(parallelism):
         raise ConfigError(
             f"{where} is not supported with DualPipeV's overlapped expert parallelism: set "
