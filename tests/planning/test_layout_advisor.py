@@ -967,14 +967,14 @@ def test_memory_counts_deepep_v2_5s_load_balancing_region_within_one_nvlink_doma
         config = tmp_path / f"{api}.toml"
         config.write_text(text)
         # one sequence per rank: the region does not scale with the batch, and fewer rows count faster
-        job = ["--job.config_file", str(config), "--compile.no-enable", "--expert_replication.slots_per_rank", "2",
+        job = ["--job.config_file", str(config), "--expert_replication.slots_per_rank", "2",
                "--deepep.api", api, "--training.local_batch_size", "1"]
         layouts = advise(job, 256, topology, ep_degrees={32, 64, 128})[0]  # within a rack, a rack, beyond it
         return {(layout.label, layout.ep): layout.memory_bytes for layout in layouts if layout.refused is None}
 
     v2_5, elastic = memory("ep"), memory("elastic")
     region = 504 * 2**20
-    job_config = parse(["--job.config_file", str(tmp_path / "ep.toml"), "--compile.no-enable",
+    job_config = parse(["--job.config_file", str(tmp_path / "ep.toml"),
                         "--expert_replication.slots_per_rank", "2", "--deepep.api", "ep"])
     assert {name: profile.planned_replica_region(job_config) for name, profile in PLANNING_PROFILES.items()} == {
         "nccl": 0, "deepep": region, "hybridep": 0, "ncclep": 0}

@@ -69,8 +69,9 @@ REPLICAS = ["--expert_replication.slots_per_rank", "2", "--expert_replication.ad
             "--expert_replication.min_gain", "0"]
 """Replicas on every step from the first choice (never set aside), so that parity checks them."""
 COMPILED = ["--compile.enable", "--compile.components", "model", "--compile.backend", "aot_eager"]
-"""torchtitan's compile of the model (each block around the routed experts, and their grouped GEMM) with dynamo's
-graphs run by aot_eager: the same operators as eager, so parity holds at the same tolerance."""
+"""torchtitan's compile of the model (a MoE block's attention, router and shared experts; on a CPU the experts run
+without the grouped GEMM it would compile) with dynamo's graphs run by aot_eager: the same operators as eager, so
+parity holds at the same tolerance."""
 
 
 def replicas_took_pairs(trainer) -> None:
