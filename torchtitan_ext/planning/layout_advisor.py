@@ -273,11 +273,14 @@ def advise(
 
 def advised_config(train_args: list[str], world_size: int, layout: Layout):
     """The job config the advisor priced for ``layout``: the job's, at its backend, EP degree and replica slots,
-    the other backends' sections at their defaults; validated for ``world_size`` ranks."""
+    the other backends' sections at their defaults, its description saying so (the job's own names the layout it
+    had); validated for ``world_size`` ranks."""
     candidate = candidate_config(load_job_config(train_args, device_type=None, world_size=world_size), layout.backend, layout.ep)
     for section, field, value in layout.settings:
         setattr(getattr(candidate, section), field, value)
     candidate.expert_replication.slots_per_rank = layout.replica_slots
+    candidate.job.description = (f"{candidate.model.name} {candidate.model.flavor}, {layout.label} EP={layout.ep} on "
+                                 f"{world_size} ranks, as planned")
     validate(candidate, device_type=None, world_size=world_size)
     return candidate
 
