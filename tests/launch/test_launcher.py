@@ -126,6 +126,23 @@ def test_ngpu_counts_gpus_not_mig_instances(tmp_path):
     assert preflight[preflight.index("--ngpu") + 1] == "2"
 
 
+@pytest.mark.parametrize("holds", ["nothing", "no tokenizer"])
+def test_a_job_without_its_tokenizer_stops_before_any_process_starts(capsys, monkeypatch, tmp_path, holds):
+    """torchtitan's trainer loads the tokenizer from model.hf_assets_path in every rank once they have started, a
+    traceback each; the pre-flight says it in one line (a folder with one passes: test_slurm's GB200 job)."""
+    from torchtitan_ext.launch import preflight
+
+    monkeypatch.setattr(preflight, "init_logger", lambda *args: None)  # its handler would keep capsys's stream
+    folder = tmp_path / "assets"
+    if holds == "no tokenizer":
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+    line = _check_error(capsys, preflight.main,
+                        ["--ngpu", "2", "--", *DEFAULT_CONFIG, "--model.hf_assets_path", str(folder)])
+    assert line.startswith(f"error: model.hf_assets_path = '{folder}' "), line
+    assert ("does not exist" if holds == "nothing" else "holds no tokenizer") in line, line
+
+
 def test_dry_run_rejects_bad_degrees(capsys):
     from torchtitan_ext.measuring import dry_run
 

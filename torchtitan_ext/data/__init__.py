@@ -26,6 +26,7 @@ from .embedded import (
 
 __all__ = [
     "check_dataset_options",
+    "check_tokenizer_folder",
     "DATASET_NAME",
     "DEFAULT_ASSETS_DIR",
     "EmbeddedAssets",
@@ -48,21 +49,47 @@ def register_embedded_dataset() -> None:
     )
 
 
-def prepare_embedded_assets(job_config) -> None:
-    """Build the embedded assets a job refers to before any rank reads them.
-
-    The trainer loads the tokenizer before the dataset, so the assets must exist
-    when it starts. They are built for the embedded dataset's directory and for a
-    ``model.hf_assets_path`` that points at it or at the default directory.
-    """
+def _embedded_roots(job_config) -> set[Path]:
+    """The folders of embedded assets a job refers to: the embedded dataset's, and a ``model.hf_assets_path`` that
+    points at it or at the default folder."""
     roots = set()
     if job_config.training.dataset == DATASET_NAME:
         roots.add(Path(job_config.training.dataset_path or DEFAULT_ASSETS_DIR).resolve())
     tokenizer_dir = Path(job_config.model.hf_assets_path).resolve()
     if tokenizer_dir in roots or tokenizer_dir == DEFAULT_ASSETS_DIR.resolve():
         roots.add(tokenizer_dir)
-    for root in sorted(roots):
+    return roots
+
+
+def prepare_embedded_assets(job_config) -> None:
+    """Build the embedded assets a job refers to (:func:`_embedded_roots`) before any rank reads them: the trainer
+    loads the tokenizer before the dataset, so the assets must exist when it starts."""
+    for root in sorted(_embedded_roots(job_config)):
         ensure_assets(root)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt")
+"""The files torchtitan's ``HuggingFaceTokenizer`` builds a tokenizer from, any one of them
+(torchtitan/components/tokenizer.py)."""
+
+
+def check_tokenizer_folder(job_config) -> None:
+    """ConfigError where a job that is about to train has no tokenizer in ``model.hf_assets_path``: torchtitan's
+    trainer loads it there in every rank, once the processes have started (a traceback per rank). The embedded
+    assets' folder passes: :func:`prepare_embedded_assets` builds it before the ranks start. For the launchers'
+    pre-flight on the machines that train, not for a dry run or a plan, whose job may read its assets elsewhere."""
+    path = job_config.model.hf_assets_path
+    folder = Path(path)
+    if folder.resolve() in _embedded_roots(job_config):
+        return
+    fix = ("put the model's tokenizer files (tokenizer.json and tokenizer_config.json, from its Hugging Face "
+           "repository) there, or set model.hf_assets_path to the folder that holds them")
+    if not folder.is_dir():
+        raise ConfigError(f"model.hf_assets_path = '{path}' does not exist, and the job loads its tokenizer from it: "
+                          f"{fix}")
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(f"model.hf_assets_path = '{path}' holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): "
+                          f"{fix}")
 
 
 def check_dataset_options(job_config, context: ValidationContext) -> None:

@@ -3,8 +3,8 @@
 ``python -m torchtitan_ext.launch.preflight --ngpu N [--nnodes M] [--port P] [--device-type cpu|cuda] [--print-env] [--print-launch-info] -- [train args]``
 checks that torchrun takes the launchers' options, validates the process count, an
 explicitly requested rendezvous port and the job config (TOML + overrides) for N x M ranks
-(on ``--device-type``, default this machine's device), and builds the embedded assets
-the job needs. Any problem is one line on stderr naming it and the fix, with
+(on ``--device-type``, default this machine's device), checks that ``model.hf_assets_path`` holds a tokenizer,
+and builds the embedded assets the job needs. Any problem is one line on stderr naming it and the fix, with
 exit status 2, so that a bad launch fails once, before torchrun starts N copies
 of it. ``--print-env`` prints ``export NAME=value`` lines for the environment
 the EP backend's kernel library reads (e.g. HybridEP's NVLink-domain size), for
@@ -28,9 +28,9 @@ with imports_without_collection():
 
     from torchtitan_ext import runtime
     from torchtitan_ext.config import ConfigError, load_job_config
-    from torchtitan_ext.data import prepare_embedded_assets
+    from torchtitan_ext.data import check_tokenizer_folder, prepare_embedded_assets
     from torchtitan_ext.ep import backend_class
-    from torchtitan_ext.runtime.console import init_logger
+    from torchtitan_ext.runtime.console import init_logger, quiet
     from torchtitan_ext.training import prepare
 
 
@@ -106,6 +106,12 @@ def check_port_free(text: str) -> int:
     return port
 
 
+def _said_by_the_tokenizer_check(message: str) -> bool:
+    """torchtitan's warning that ``model.hf_assets_path`` does not exist, which :func:`check_tokenizer_folder` makes
+    the launch's one error line, with its fix."""
+    return message.startswith("HF assets path ") and message.endswith(" does not exist!")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = CommandLineParser(description=__doc__)
     parser.add_argument("--ngpu", required=True, help="processes on this machine (NGPU)")
@@ -127,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
     init_logger(logging.WARNING, sys.stderr)
+    quiet(_said_by_the_tokenizer_check)
     try:
         check_torchrun()
         count = check_process_count(args.ngpu)
@@ -136,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
             check_log_ranks(args.log_rank, count)
         device_type = prepare()
         job_config = load_job_config(train_args, args.device_type or device_type, world_size=count * args.nnodes)
+        check_tokenizer_folder(job_config)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
