@@ -190,15 +190,25 @@ Root Cause (first observed failure):
 )
 def test_supervisor_names_the_rank_that_caused_the_failure(report, named, tmp_path):
     """torchrun observes a SIGKILLed rank's failure after its peer's status-1 exit; the signal is the cause. The
-    last step is the job's metrics.jsonl's."""
-    MetricsFile(tmp_path).write(3, {"loss_metrics/global_avg_loss": 7.5})
+    last step is the one the job logged in its metrics.jsonl."""
     supervisor = Supervisor([], checkpoint_folder=None, dump_folder=tmp_path)
+    MetricsFile(tmp_path).write(3, {"loss_metrics/global_avg_loss": 7.5})
     for line in report.splitlines():
         supervisor._read(line)
     assert supervisor.explain(1) == (
         f"error: {named}; the job stopped after step 3 (exit 1); "
         "checkpointing is off (checkpoint.enable): a rerun starts over"
     )
+
+
+def test_an_earlier_runs_steps_are_not_the_failed_jobs(tmp_path):
+    """A job that failed before logging a step, in a dump folder where an earlier run logged steps 1 to 3."""
+    MetricsFile(tmp_path).write(1, {"loss_metrics/global_avg_loss": 7.5})
+    MetricsFile(tmp_path).write(3, {"loss_metrics/global_avg_loss": 7.0})
+    supervisor = Supervisor([], checkpoint_folder=None, dump_folder=tmp_path)
+    for line in TORCHRUN_REPORT.splitlines():
+        supervisor._read(line)
+    assert " the job stopped before logging a step (exit 1); " in supervisor.explain(1)
 
 
 def test_a_command_line_torchrun_refuses_is_the_cause_and_no_earlier_runs_step(tmp_path):

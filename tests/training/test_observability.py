@@ -161,7 +161,7 @@ def test_training_log_reports_drops_once_and_records_routing(tmp_path):
                                                                          f"coactivation_layer{furthest}.png"]
 
 
-def _metrics_processor(log_freq: int):
+def _metrics_processor(log_freq: int, dump_folder):
     from torchtitan.distributed import ParallelDims
 
     from torchtitan_ext import runtime
@@ -169,7 +169,8 @@ def _metrics_processor(log_freq: int):
     from torchtitan_ext.training.metrics import build_metrics_processor
 
     runtime.configure()
-    job_config = parse(["--job.config_file", "train_configs/debug_model.toml", "--metrics.log_freq", str(log_freq)])
+    job_config = parse(["--job.config_file", "train_configs/debug_model.toml", "--metrics.log_freq", str(log_freq),
+                        "--job.dump_folder", str(dump_folder)])
     dims = ParallelDims(dp_shard=1, dp_replicate=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
     processor = build_metrics_processor(job_config, dims)
     processor.num_flops_per_token = 1
@@ -179,9 +180,9 @@ def _metrics_processor(log_freq: int):
 
 
 @pytest.mark.parametrize("log_freq", [1, 5])
-def test_step_time_after_a_resume_counts_only_the_steps_since_the_last_log(log_freq, monkeypatch):
+def test_step_time_after_a_resume_counts_only_the_steps_since_the_last_log(log_freq, monkeypatch, tmp_path):
     """Resumed at step 10, the first line's step time covers the steps trained, not 10 + them."""
-    processor, logged = _metrics_processor(log_freq)
+    processor, logged = _metrics_processor(log_freq, tmp_path)
     # a clock that reads 3 s later at each call: the suite's other processes cannot stretch the interval
     processor.time_last_log = 100.0
     monkeypatch.setattr("torchtitan_ext.training.metrics.time.perf_counter", functools.partial(next, itertools.count(103.0, 3.0)))

@@ -10,7 +10,7 @@
   30 s, and SIGUSR1 would kill torchrun); other signals (Ctrl-C) go to torchrun;
 - exits with torchrun's status; when that is not 0, the last line names the
   rank that most likely caused the failure, how (its signal or exit status),
-  the last step logged (the job's ``metrics.jsonl``), and the last complete
+  the last step the job logged (its ``metrics.jsonl``, not an earlier run's), and the last complete
   checkpoint the same command resumes from.
 
 torchrun orders failures by when it observed them, and a rank killed by a
@@ -32,7 +32,7 @@ from functools import partial
 from pathlib import Path
 
 from torchtitan_ext.launch.processes import die_with_parent
-from torchtitan_ext.records.metrics import read_metrics
+from torchtitan_ext.records.metrics import METRICS_FILE, read_metrics
 from torchtitan_ext.runtime.preemption import PREEMPTION_SIGNALS
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
@@ -114,6 +114,9 @@ class Supervisor:
         self.checkpoint_folder = checkpoint_folder
         self.dump_folder = dump_folder
         """Where the job writes its ``metrics.jsonl`` (None: unknown, the failure line names no step)."""
+        self.metrics_before = self._metrics_file_state()
+        """That file's modification time and size before the job starts: until the job logs a step, its lines
+        are an earlier run's (the job's first write drops those of its own steps onwards)."""
         self.failures: list[Failure] = []
         self.in_root_cause = False
         self.stopped_by_torchrun: set[int] = set()
@@ -124,6 +127,15 @@ class Supervisor:
         self.stalled: list[tuple[int, int, str]] = []
         """(rank, pid, process state) of the local ranks that had stopped making progress when a peer's
         collective timed out."""
+
+    def _metrics_file_state(self) -> tuple[int, int] | None:
+        if self.dump_folder is None:
+            return None
+        try:
+            stat = (Path(self.dump_folder) / METRICS_FILE).stat()
+        except FileNotFoundError:
+            return None
+        return stat.st_mtime_ns, stat.st_size
 
     def forward(self, signum, frame) -> None:
         if self.process is None:
@@ -245,8 +257,9 @@ class Supervisor:
             who = f"rank {failure.rank} (pid {failure.pid}) {how}"
         elif failure is not None:
             who = f"rank {failure.rank} failed"
-        logged = read_metrics(self.dump_folder) if self.dump_folder is not None else []
-        after = f"after step {logged[-1]['step']}" if logged else "before the first step"
+        written = self.dump_folder is not None and self._metrics_file_state() != self.metrics_before
+        logged = read_metrics(self.dump_folder) if written else []
+        after = f"after step {logged[-1]['step']}" if logged else "before logging a step"
         steps = complete_checkpoints(self.checkpoint_folder)
         if steps:
             resume = f"rerun the same command to resume from the last complete checkpoint, step {steps[-1]} ({self.checkpoint_folder / f'step-{steps[-1]}'})"
