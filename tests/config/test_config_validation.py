@@ -137,6 +137,8 @@ def _load(*overrides, device_type="cpu", world_size=2):
          "gives 5, not a multiple of its 2 rounds"),
         (("--training.dataset_path", "/data/c4"),
          "training.dataset_path = '/data/c4' but training.dataset = 'stdlib_code', the embedded corpus"),
+        (("--training.dataset", "stdlib_cod"),
+         "training.dataset = 'stdlib_cod' is not in torchtitan's dataset registry: did you mean 'stdlib_code'?"),
         (("--training.stepz", "3"), "unknown config key 'training.stepz' in the command line: did you mean 'steps'?"),
         (("--trainin.steps", "3"), "unknown config key 'trainin' in the command line: did you mean 'training'?"),
         (("--training.steps", "2.5"), "--training.steps 2.5: use an integer"),

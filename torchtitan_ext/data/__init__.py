@@ -7,6 +7,7 @@ torchtitan's dataset registry, and the check of a job's dataset options
 May import: :mod:`torchtitan_ext.config`, :mod:`torchtitan_ext.runtime` (see the tiers in :mod:`torchtitan_ext`).
 """
 
+import difflib
 from pathlib import Path
 
 from datasets import Dataset
@@ -93,9 +94,12 @@ def check_tokenizer_folder(job_config) -> None:
 
 
 def check_dataset_options(job_config, context: ValidationContext) -> None:
-    """ConfigError where a job points the embedded corpus at a path it would silently ignore.
+    """ConfigError where a job names a dataset torchtitan's registry does not hold, or points the embedded corpus
+    at a path it would silently ignore.
 
-    The embedded corpus is built from the interpreter's standard library into
+    torchtitan looks the dataset up in every rank, once they have started; a module that
+    ``experimental.custom_import`` names may add to the registry when the trainer imports it, so such a job's
+    names are left to it. The embedded corpus is built from the interpreter's standard library into
     ``./assets/embedded``; a ``dataset_path`` is accepted only where such a build
     already is, so that ``--training.dataset_path /data/c4`` without
     ``--training.dataset c4`` is not trained on stdlib sources without a word.
@@ -104,7 +108,15 @@ def check_dataset_options(job_config, context: ValidationContext) -> None:
     sections = [("training", job_config.training)]
     if job_config.validation.enable:
         sections.append(("validation", job_config.validation))
+    known = sorted({*DATASETS, DATASET_NAME})
     for name, section in sections:
+        if section.dataset not in known and not job_config.experimental.custom_import:
+            close = difflib.get_close_matches(section.dataset, known, n=1)
+            raise ConfigError(
+                f"{name}.dataset = '{section.dataset}' is not in torchtitan's dataset registry: "
+                + (f"did you mean '{close[0]}'? " if close else "")
+                + f"use one of {', '.join(known)}, or register yours in a module experimental.custom_import names"
+            )
         path = section.dataset_path
         if section.dataset == DATASET_NAME and path and not EmbeddedAssets(Path(path)).is_complete():
             raise ConfigError(
