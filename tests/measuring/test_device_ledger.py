@@ -78,19 +78,23 @@ def test_every_moe_layer_stays_within_its_backends_budget(ledgers, cell):
 
 
 @pytest.mark.slow
-def test_the_clis_step_with_replicas_chosen_by_the_trainer_stays_within_budget():
+def test_the_clis_step_with_replicas_chosen_by_the_trainer_stays_within_budget(tmp_path):
     """count_step (``python -m torchtitan_ext.ledger``'s path): the trainer's own chooser picks the replicas, so the
     first replicated step is counted with its plan just chosen. Its index tables are copied between steps, never
     inside a layer (a layer building them in its first replicated forward, two blocking copies, was found by hand
     with the CLI), and every layer fetches replicas (the counts' all-gather: not set aside), ahead of its dispatch,
     and waits for them after it. The first MoE layer fetches its own; each later one's fetch is issued by the layer
-    before (double buffering) and charged to it, ahead of its own counts."""
+    before (double buffering) and charged to it, ahead of its own counts. The counted steps leave the job's dump
+    folder alone (they truncated its metrics.jsonl)."""
     from torchtitan_ext.measuring.device_ledger import count_step
 
+    job_folder = tmp_path / "the_jobs_own"
     ledger = count_step(["--job.config_file", "train_configs/debug_model.toml", "--model.flavor", "debugmodel_small",
                          "--training.seq_len", "64", "--training.local_batch_size", "2",
                          "--training.mixed_precision_param", "float32", "--expert_replication.slots_per_rank", "2",
-                         "--expert_replication.adapt_every", "1", "--expert_replication.min_gain", "0"], 2)
+                         "--expert_replication.adapt_every", "1", "--expert_replication.min_gain", "0",
+                         "--job.dump_folder", str(job_folder)], 2)
+    assert not job_folder.exists()
     assert ledger.over_budget() == []
     forwards = {layer: costs for (layer, phase), costs in ledger.costs.items() if layer != OUTSIDE and phase == "forward"}
     assert forwards == {layer: forwards[layer] for layer in (1, 2, 3, 4, 5)}

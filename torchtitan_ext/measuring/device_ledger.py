@@ -8,6 +8,7 @@ declare are :class:`~torchtitan_ext.ep.budget.DeviceBudget` (docs/device_costs.m
 
 
 import os
+import tempfile
 from unittest.mock import patch
 from collections import defaultdict
 from contextlib import contextmanager
@@ -77,7 +78,7 @@ class Ledger:
         return found
 
 
-def _count_worker(rank: int, world_size: int, train_args: list[str], device_type: str) -> dict:
+def _count_worker(rank: int, world_size: int, train_args: list[str], device_type: str, dump_folder: str) -> dict:
     os.environ["LOCAL_RANK"] = str(rank)
     from torchtitan_ext.config import load_job_config
     from torchtitan_ext.data import prepare_embedded_assets
@@ -88,6 +89,9 @@ def _count_worker(rank: int, world_size: int, train_args: list[str], device_type
     job_config = load_job_config(train_args, device_type, world_size)
     job_config.metrics.log_freq = 1  # the counted step is a logged one
     job_config.checkpoint.enable = False
+    # the counted steps' metrics (and any trace or statistics the job records) are not the job's: its own
+    # metrics.jsonl would lose its rows
+    job_config.job.dump_folder = dump_folder
     prepare_embedded_assets(job_config)
     trainer = Trainer(job_config)
     chooser = trainer.replica_chooser
@@ -124,11 +128,13 @@ def _count_worker(rank: int, world_size: int, train_args: list[str], device_type
 
 
 def count_step(train_args: list[str], world_size: int, device_type: str = "cpu") -> Ledger:
-    """The ledger of one training step of the job ``train_args`` on ``world_size`` processes of this machine."""
+    """The ledger of one training step of the job ``train_args`` on ``world_size`` processes of this machine; the
+    steps write nothing into the job's dump folder."""
     from torchtitan_ext.config import parse
     from torchtitan_ext.runtime.workers import run_workers
 
-    ranks = run_workers(world_size, _count_worker, train_args, device_type, device=device_type)
+    with tempfile.TemporaryDirectory() as dump_folder:
+        ranks = run_workers(world_size, _count_worker, train_args, device_type, dump_folder, device=device_type)
     costs: dict[tuple, Costs] = {}
     for rank in ranks:
         for scope, paid in rank["costs"].items():
