@@ -139,6 +139,8 @@ def _load(*overrides, device_type="cpu", world_size=2):
          "training.dataset_path = '/data/c4' but training.dataset = 'stdlib_code', the embedded corpus"),
         (("--training.dataset", "stdlib_cod"),
          "training.dataset = 'stdlib_cod' is not in torchtitan's dataset registry: did you mean 'stdlib_code'?"),
+        (("--validation.enable", "--validation.dataset", "c4_validaton"),
+         "validation.dataset = 'c4_validaton' is not in torchtitan's dataset registry: did you mean 'c4_validation'?"),
         (("--training.stepz", "3"), "unknown config key 'training.stepz' in the command line: did you mean 'steps'?"),
         (("--trainin.steps", "3"), "unknown config key 'trainin' in the command line: did you mean 'training'?"),
         (("--training.steps", "2.5"), "--training.steps 2.5: use an integer"),
@@ -218,6 +220,12 @@ def test_expert_tensor_parallel_rejected_for_kernel_backends():
             "--parallelism.expert_tensor_parallel_degree", "2",
             world_size=4,
         )
+
+
+def test_a_dataset_a_custom_import_may_register_is_left_to_the_trainer():
+    """torchtitan's trainer imports experimental.custom_import before it builds the dataloader: a dataset that
+    module registers is unknown until then."""
+    _load("--training.dataset", "my_corpus", "--experimental.custom_import", "my_datasets")
 
 
 def test_valid_backend_configs_pass():

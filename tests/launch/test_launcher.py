@@ -126,21 +126,43 @@ def test_ngpu_counts_gpus_not_mig_instances(tmp_path):
     assert preflight[preflight.index("--ngpu") + 1] == "2"
 
 
-@pytest.mark.parametrize("holds", ["nothing", "no tokenizer"])
+@pytest.mark.parametrize("holds", ["nothing", "a file", "no tokenizer"])
 def test_a_job_without_its_tokenizer_stops_before_any_process_starts(capsys, monkeypatch, tmp_path, holds):
     """torchtitan's trainer loads the tokenizer from model.hf_assets_path in every rank once they have started, a
-    traceback each; the pre-flight says it in one line (a folder with one passes: test_slurm's GB200 job)."""
+    traceback each; the pre-flight says it in one line, torchtitan's own warning of a missing folder left out."""
+    import logging
+
     from torchtitan_ext.launch import preflight
 
-    monkeypatch.setattr(preflight, "init_logger", lambda *args: None)  # its handler would keep capsys's stream
+    # the pre-flight's logging, to capsys's stderr, for this test only
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [])
+    monkeypatch.setattr(root, "filters", [])
+    monkeypatch.setattr(root, "level", root.level)
     folder = tmp_path / "assets"
-    if holds == "no tokenizer":
+    if holds == "a file":
+        folder.write_text("{}")
+    elif holds == "no tokenizer":
         folder.mkdir()
         (folder / "config.json").write_text("{}")
-    line = _check_error(capsys, preflight.main,
-                        ["--ngpu", "2", "--", *DEFAULT_CONFIG, "--model.hf_assets_path", str(folder)])
-    assert line.startswith(f"error: model.hf_assets_path = '{folder}' "), line
-    assert ("does not exist" if holds == "nothing" else "holds no tokenizer") in line, line
+    with pytest.raises(SystemExit) as exit_info:
+        preflight.main(["--ngpu", "2", "--", *DEFAULT_CONFIG, "--model.hf_assets_path", str(folder)])
+    assert exit_info.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    said = {"nothing": "does not exist", "a file": "is a file", "no tokenizer": "holds no tokenizer"}[holds]
+    assert len(lines) == 1 and lines[0].startswith(f"error: model.hf_assets_path = '{folder}' {said}"), lines
+
+
+def test_a_folder_with_any_file_torchtitan_builds_a_tokenizer_from_passes(tmp_path):
+    """tokenizer.json, or vocab.json or vocab.txt (with merges.txt, a BPE)."""
+    from torchtitan_ext.config import parse
+    from torchtitan_ext.data import check_tokenizer_folder
+
+    for name in ("tokenizer.json", "vocab.json", "vocab.txt"):
+        folder = tmp_path / name.replace(".", "_")
+        folder.mkdir()
+        (folder / name).write_text("{}")
+        check_tokenizer_folder(parse([*DEFAULT_CONFIG, "--model.hf_assets_path", str(folder)]))
 
 
 def test_dry_run_rejects_bad_degrees(capsys):
@@ -190,7 +212,9 @@ Root Cause (first observed failure):
 )
 def test_supervisor_names_the_rank_that_caused_the_failure(report, named, tmp_path):
     """torchrun observes a SIGKILLed rank's failure after its peer's status-1 exit; the signal is the cause. The
-    last step is the one the job logged in its metrics.jsonl."""
+    last step is the one the job logged in its metrics.jsonl: here a run resumed at step 3, where an earlier one
+    had logged up to step 5."""
+    MetricsFile(tmp_path).write(5, {"loss_metrics/global_avg_loss": 7.0})
     supervisor = Supervisor([], checkpoint_folder=None, dump_folder=tmp_path)
     MetricsFile(tmp_path).write(3, {"loss_metrics/global_avg_loss": 7.5})
     for line in report.splitlines():

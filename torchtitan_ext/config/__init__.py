@@ -31,7 +31,7 @@ from torchtitan_ext.config.loading import load_job_config, parse
 from torchtitan_ext.config.parsing import with_config_file
 from torchtitan_ext.config.ranges import Range
 from torchtitan_ext.config.registry import register_check, register_section, ValidationContext
-from torchtitan_ext.config.sections import comm_backend, overlaps_expert_parallel
+from torchtitan_ext.config.sections import comm_backend, job_summary, overlaps_expert_parallel
 from torchtitan_ext.config.validation import validate
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "ConfigError",
     "hf_flavor_args",
     "HF_FLAVOR_PREFIX",
+    "job_summary",
     "job_world_size",
     "load_job_config",
     "max_tokens_per_rank",

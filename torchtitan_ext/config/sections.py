@@ -35,6 +35,14 @@ def comm_backend(job_config) -> str:
     return BACKEND_ALIASES.get(name, name)
 
 
+def job_summary(job_config, ranks: int) -> str:
+    """What the job is, from the resolved config: model, flavour, EP backend and degree, and its ``ranks``
+    ("deepseek_v3 debugmodel, nccl EP=2, 2 ranks"); the job's banner and a config the planner writes say it."""
+    ep = job_config.parallelism.expert_parallel_degree
+    parallel = f"{comm_backend(job_config)} EP={ep}" if ep > 1 else "no EP"
+    return f"{job_config.model.name} {job_config.model.flavor}, {parallel}, {ranks} rank{'s' * (ranks != 1)}"
+
+
 def overlaps_expert_parallel(parallelism) -> bool:
     """Whether the job runs one microbatch's EP communication beside another's compute: torchtitan 0.2.2 does so
     under DualPipeV with ``pipeline_parallel_expert_parallel_overlap`` (its only schedule that overlaps EP)."""

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from datasets import Dataset
 from torchtitan.hf_datasets import DatasetConfig
-from torchtitan.hf_datasets.text_datasets import DATASETS
+from torchtitan.hf_datasets.text_datasets import build_text_dataloader, DATASETS
+from torchtitan.protocols.train_spec import get_train_spec
 
 from torchtitan_ext.config import ConfigError, register_check, ValidationContext
 from torchtitan_ext.runtime.console import quiet
@@ -76,15 +77,19 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt")
 
 def check_tokenizer_folder(job_config) -> None:
     """ConfigError where a job that is about to train has no tokenizer in ``model.hf_assets_path``: torchtitan's
-    trainer loads it there in every rank, once the processes have started (a traceback per rank). The embedded
-    assets' folder passes: :func:`prepare_embedded_assets` builds it before the ranks start. For the launchers'
-    pre-flight on the machines that train, not for a dry run or a plan, whose job may read its assets elsewhere."""
+    trainer loads it there in every rank (where the model's train spec builds one), once the processes have
+    started, a traceback per rank. The embedded assets' folder passes: :func:`prepare_embedded_assets` builds it
+    before the ranks start. For the launchers' pre-flight on the machines that train, not for a dry run or a plan,
+    whose job may read its assets elsewhere."""
     path = job_config.model.hf_assets_path
     folder = Path(path)
-    if folder.resolve() in _embedded_roots(job_config):
+    if get_train_spec(job_config.model.name).build_tokenizer_fn is None or folder.resolve() in _embedded_roots(job_config):
         return
     fix = ("put the model's tokenizer files (tokenizer.json and tokenizer_config.json, from its Hugging Face "
            "repository) there, or set model.hf_assets_path to the folder that holds them")
+    if folder.is_file():
+        raise ConfigError(f"model.hf_assets_path = '{path}' is a file, and the job loads its tokenizer from a folder: "
+                          "set model.hf_assets_path to the folder that holds it")
     if not folder.is_dir():
         raise ConfigError(f"model.hf_assets_path = '{path}' does not exist, and the job loads its tokenizer from it: "
                           f"{fix}")
@@ -97,9 +102,9 @@ def check_dataset_options(job_config, context: ValidationContext) -> None:
     """ConfigError where a job names a dataset torchtitan's registry does not hold, or points the embedded corpus
     at a path it would silently ignore.
 
-    torchtitan looks the dataset up in every rank, once they have started; a module that
-    ``experimental.custom_import`` names may add to the registry when the trainer imports it, so such a job's
-    names are left to it. The embedded corpus is built from the interpreter's standard library into
+    torchtitan's text dataloader (the text models' train specs) looks the dataset up in every rank, once they have
+    started; a module that ``experimental.custom_import`` names may add to the registry when the trainer imports it,
+    so such a job's names are left to it, as are another model's (its train spec has its own datasets). The embedded corpus is built from the interpreter's standard library into
     ``./assets/embedded``; a ``dataset_path`` is accepted only where such a build
     already is, so that ``--training.dataset_path /data/c4`` without
     ``--training.dataset c4`` is not trained on stdlib sources without a word.
@@ -109,8 +114,10 @@ def check_dataset_options(job_config, context: ValidationContext) -> None:
     if job_config.validation.enable:
         sections.append(("validation", job_config.validation))
     known = sorted({*DATASETS, DATASET_NAME})
+    registry_read = (get_train_spec(job_config.model.name).build_dataloader_fn is build_text_dataloader
+                     and not job_config.experimental.custom_import)
     for name, section in sections:
-        if section.dataset not in known and not job_config.experimental.custom_import:
+        if registry_read and section.dataset not in known:
             close = difflib.get_close_matches(section.dataset, known, n=1)
             raise ConfigError(
                 f"{name}.dataset = '{section.dataset}' is not in torchtitan's dataset registry: "

@@ -3,8 +3,8 @@
 ``python -m torchtitan_ext.launch.preflight --ngpu N [--nnodes M] [--port P] [--device-type cpu|cuda] [--print-env] [--print-launch-info] -- [train args]``
 checks that torchrun takes the launchers' options, validates the process count, an
 explicitly requested rendezvous port and the job config (TOML + overrides) for N x M ranks
-(on ``--device-type``, default this machine's device), checks that ``model.hf_assets_path`` holds a tokenizer,
-and builds the embedded assets the job needs. Any problem is one line on stderr naming it and the fix, with
+(on ``--device-type``, default this machine's device), checks that ``model.hf_assets_path`` holds a tokenizer
+(on a machine of the job's device type), and builds the embedded assets the job needs. Any problem is one line on stderr naming it and the fix, with
 exit status 2, so that a bad launch fails once, before torchrun starts N copies
 of it. ``--print-env`` prints ``export NAME=value`` lines for the environment
 the EP backend's kernel library reads (e.g. HybridEP's NVLink-domain size), for
@@ -143,7 +143,9 @@ def main(argv: list[str] | None = None) -> None:
             check_log_ranks(args.log_rank, count)
         device_type = prepare()
         job_config = load_job_config(train_args, args.device_type or device_type, world_size=count * args.nnodes)
-        check_tokenizer_folder(job_config)
+        if args.device_type in (None, device_type):
+            # this host trains, so its files are the ranks' (a batch host of another kind may not see them)
+            check_tokenizer_folder(job_config)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

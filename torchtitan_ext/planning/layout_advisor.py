@@ -16,7 +16,8 @@ from dataclasses import replace
 from torchtitan.config import TORCH_DTYPE_MAP
 
 from torchtitan_ext.config import (
-    comm_backend, ConfigError, load_job_config, model_args_of, MoEShape, overlaps_expert_parallel, validate,
+    comm_backend, ConfigError, job_summary, load_job_config, model_args_of, MoEShape, overlaps_expert_parallel,
+    validate,
 )
 from torchtitan_ext.ep import BACKENDS, PLANNING_PROFILES
 from torchtitan_ext.ep.replication.plan import dispatched_shape
@@ -273,14 +274,13 @@ def advise(
 
 def advised_config(train_args: list[str], world_size: int, layout: Layout):
     """The job config the advisor priced for ``layout``: the job's, at its backend, EP degree and replica slots,
-    the other backends' sections at their defaults, its description saying so (the job's own names the layout it
-    had); validated for ``world_size`` ranks."""
+    the other backends' sections at their defaults, its description (the file's label: a job's banner replaces
+    it) saying what it holds where the job's named the layout it had; validated for ``world_size`` ranks."""
     candidate = candidate_config(load_job_config(train_args, device_type=None, world_size=world_size), layout.backend, layout.ep)
     for section, field, value in layout.settings:
         setattr(getattr(candidate, section), field, value)
     candidate.expert_replication.slots_per_rank = layout.replica_slots
-    candidate.job.description = (f"{candidate.model.name} {candidate.model.flavor}, {layout.label} EP={layout.ep} on "
-                                 f"{world_size} ranks, as planned")
+    candidate.job.description = f"{job_summary(candidate, world_size)}, as planned"
     validate(candidate, device_type=None, world_size=world_size)
     return candidate
 

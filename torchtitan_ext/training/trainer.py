@@ -20,7 +20,7 @@ from torchtitan_ext import runtime
 from torchtitan_ext.balancing import routing_stats
 from torchtitan_ext.balancing.migration import ExpertMigration, moe_modules
 from torchtitan_ext.balancing.routing_skew import RoutingSkewer
-from torchtitan_ext.config import comm_backend, ConfigError, moe_layer_ids
+from torchtitan_ext.config import ConfigError, job_summary, moe_layer_ids
 from torchtitan_ext.ep.base import destroy_kernel_buffers
 from torchtitan_ext.ep.replication.choice import ReplicaChooser
 from torchtitan_ext.runtime.collectives import CollectiveFailed, name_other_collective
@@ -163,12 +163,9 @@ class Trainer(TorchTitanTrainer):
 
 
 def job_banner(job_config) -> str:
-    """What the job is, from the resolved config: model, flavour, EP backend and degree, ranks, config file."""
-    p = job_config.parallelism
-    ep = f"{comm_backend(job_config)} EP={p.expert_parallel_degree}" if p.expert_parallel_degree > 1 else "no EP"
-    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    """What the job is (:func:`~torchtitan_ext.config.job_summary` for torchrun's WORLD_SIZE) and its config file."""
     source = job_config.job.config_file or "no config file"
-    return f"{job_config.model.name} {job_config.model.flavor}, {ep}, {ranks} rank{'s' * (ranks != 1)} ({source})"
+    return f"{job_summary(job_config, int(os.environ.get('WORLD_SIZE', '1')))} ({source})"
 
 
 def _metadata_inference_in_eval_mode(schedule, model_parts) -> None:
