@@ -137,6 +137,7 @@ def _load(*overrides, device_type="cpu", world_size=2):
          "gives 5, not a multiple of its 2 rounds"),
         (("--training.dataset_path", "/data/c4"),
          "training.dataset_path = '/data/c4' but training.dataset = 'stdlib_code', the embedded corpus"),
+        (("--model.name", "qwen3", "--model.flavor", "235B-A22B"), "model.flavor = '235B-A22B' has "),
         (("--training.dataset", "stdlib_cod"),
          "training.dataset = 'stdlib_cod' is not in torchtitan's dataset registry: did you mean 'stdlib_code'?"),
         (("--validation.enable", "--validation.dataset", "c4_validaton"),
