@@ -138,6 +138,8 @@ def _load(*overrides, device_type="cpu", world_size=2):
         (("--training.dataset_path", "/data/c4"),
          "training.dataset_path = '/data/c4' but training.dataset = 'stdlib_code', the embedded corpus"),
         (("--model.name", "qwen3", "--model.flavor", "235B-A22B"), "model.flavor = '235B-A22B' has "),
+        (("--experimental.custom_import", "no_such_module_here.datasets"),
+         "experimental.custom_import = 'no_such_module_here.datasets' is not a module this machine's Python finds"),
         (("--training.dataset", "stdlib_cod"),
          "training.dataset = 'stdlib_cod' is not in torchtitan's dataset registry: did you mean 'stdlib_code'?"),
         (("--validation.enable", "--validation.dataset", "c4_validaton"),
@@ -226,7 +228,7 @@ def test_expert_tensor_parallel_rejected_for_kernel_backends():
 def test_a_dataset_a_custom_import_may_register_is_left_to_the_trainer():
     """torchtitan's trainer imports experimental.custom_import before it builds the dataloader: a dataset that
     module registers is unknown until then."""
-    _load("--training.dataset", "my_corpus", "--experimental.custom_import", "my_datasets")
+    _load("--training.dataset", "my_corpus", "--experimental.custom_import", "json")
 
 
 def test_valid_backend_configs_pass():

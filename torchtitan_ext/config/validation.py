@@ -5,6 +5,8 @@ field and the fix (:class:`~torchtitan_ext.config.errors.ConfigError`), before
 any process group, buffer or model exists.
 """
 
+import importlib.util
+
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.protocols.train_spec import get_train_spec
 
@@ -34,6 +36,7 @@ def validate(job_config, *, device_type: str | None, world_size: int | None = No
     _check_pipeline(job_config, device_type)
     _check_pipeline_split(job_config)
     _check_host_memory(job_config, device_type)
+    _check_custom_import(job_config, device_type)
     if world_size is not None:
         _check_world_size(job_config, world_size)
     context = ValidationContext(device_type, world_size, shape, command_line)
@@ -58,6 +61,22 @@ def _check_host_memory(job_config, device_type: str | None) -> None:
             f"{available / 1e9:,.1f} GB of memory and swap: train a debug flavour here (as "
             "train_configs/*debug_model.toml do), or on GPUs"
         )
+
+
+def _check_custom_import(job_config, device_type: str | None) -> None:
+    """``experimental.custom_import`` names a module torchtitan's trainer imports in every rank as it starts: one
+    this machine's Python cannot find fails each of them. Not for a job validated for another machine, which may
+    have it."""
+    module = job_config.experimental.custom_import
+    if not module or device_type is None:
+        return
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing, or a malformed name
+        found = False
+    if not found:
+        raise ConfigError(f"experimental.custom_import = '{module}' is not a module this machine's Python finds: "
+                          "install it or add its folder to PYTHONPATH, or unset it")
 
 
 def _check_experts_divide(job_config, shape: MoEShape | None) -> None:
