@@ -126,6 +126,17 @@ def check_checkpoint_options(job_config, context: ValidationContext) -> None:
             "checkpoint.keep_latest_k = 1: torchtitan keeps at least 2 (the newest may still be being written): "
             "set it to 0 (keep all) or 2 or more"
         )
+    checkpoint = job_config.checkpoint
+    initial = checkpoint.initial_load_path
+    folder = Path(job_config.job.dump_folder) / checkpoint.folder
+    # torchtitan loads it where the job's checkpoint folder does not exist yet, in every rank once they have started
+    if (context.device_type is not None and checkpoint.enable and initial and not folder.exists()
+            and not Path(initial).is_dir()):
+        raise ConfigError(
+            f"checkpoint.initial_load_path = '{initial}' is not a folder, and the job starts from it: give the folder "
+            "of a checkpoint (a DCP step folder, or with checkpoint.initial_load_in_hf the HF safetensors' folder), "
+            "or unset it"
+        )
     path = checkpoint_to_load(job_config)
     if context.device_type is None or path is None or context.moe_shape is None or not is_complete(path):
         return
