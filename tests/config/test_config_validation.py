@@ -141,6 +141,9 @@ def _load(*overrides, device_type="cpu", world_size=2):
         (("--checkpoint.enable", "--checkpoint.initial_load_path", "/no/such/checkpoint", "--job.dump_folder",
           "/no/such/dump_folder"),
          "checkpoint.initial_load_path = '/no/such/checkpoint' is not a folder, and the job starts from it"),
+        (("--checkpoint.enable", "--checkpoint.load_step", "99", "--job.dump_folder", "/no/such/dump_folder"),
+         "checkpoint.load_step = 99, but /no/such/dump_folder/checkpoint holds no complete checkpoint of that step "
+         "(complete: none)"),
         (("--experimental.custom_import", "no_such_module_here.datasets"),
          "experimental.custom_import = 'no_such_module_here.datasets' is not a module this machine's Python finds"),
         (("--training.dataset", "stdlib_cod"),

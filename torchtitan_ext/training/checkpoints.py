@@ -137,6 +137,15 @@ def check_checkpoint_options(job_config, context: ValidationContext) -> None:
             "of a checkpoint (a DCP step folder, or with checkpoint.initial_load_in_hf the HF safetensors' folder), "
             "or unset it"
         )
+    step = checkpoint.load_step
+    if context.device_type is not None and checkpoint.enable and step != -1:
+        complete, _ = checkpoint_steps(folder)
+        if step not in complete:
+            # torchtitan would start from scratch where the folder does not exist, and fail in every rank where it does
+            raise ConfigError(
+                f"checkpoint.load_step = {step}, but {folder} holds no complete checkpoint of that step (complete: "
+                f"{', '.join(map(str, complete)) or 'none'}): give one of them, or -1 for the latest"
+            )
     path = checkpoint_to_load(job_config)
     if context.device_type is None or path is None or context.moe_shape is None or not is_complete(path):
         return
