@@ -126,10 +126,15 @@ def _torchtitan_compile_left_undone():
 @pytest.fixture(autouse=True)
 def _root_logger_left_as_found():
     """A tool's ``main`` called in the test process (the launcher's pre-flight check, say) sets up the console's
-    logging: the root logger's level and handlers, for the whole process. Each test leaves them as it found them, so
-    that what a later test of its worker logs does not depend on which tests ran before it."""
+    logging: the root logger's level, handlers and filters, and the handlers' own filters, for the whole process.
+    Each test leaves them as it found them, so that what a later test of its worker logs does not depend on which
+    tests ran before it."""
     root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
+    handlers, level, filters = root.handlers[:], root.level, root.filters[:]
+    handler_filters = [handler.filters[:] for handler in handlers]
     yield
     root.handlers[:] = handlers
     root.setLevel(level)
+    root.filters[:] = filters
+    for handler, kept in zip(handlers, handler_filters):
+        handler.filters[:] = kept

@@ -126,31 +126,62 @@ def test_ngpu_counts_gpus_not_mig_instances(tmp_path):
     assert preflight[preflight.index("--ngpu") + 1] == "2"
 
 
-@pytest.mark.parametrize("holds", ["nothing", "a file", "no tokenizer"])
-def test_a_job_without_its_tokenizer_stops_before_any_process_starts(capsys, monkeypatch, tmp_path, holds):
-    """torchtitan's trainer loads the tokenizer from model.hf_assets_path in every rank once they have started, a
-    traceback each; the pre-flight says it in one line, torchtitan's own warning of a missing folder left out."""
-    import logging
+def _complete_step_2(dump_folder) -> None:
+    (dump_folder / "checkpoint" / "step-2").mkdir(parents=True)
+    (dump_folder / "checkpoint" / "step-2" / ".metadata").write_bytes(b"")
 
+
+def _tokenizer_file(folder) -> None:
+    folder.write_text("{}")
+
+
+def _folder_without_tokenizer(folder) -> None:
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+
+
+# (what the job's files hold, its overrides ({tmp}: the test's folder), the error line's start; None: it starts)
+LAUNCHES = {
+    "no tokenizer folder": (None, ["--model.hf_assets_path", "{tmp}/assets"],
+                            "model.hf_assets_path = '{tmp}/assets' does not exist"),
+    "a tokenizer file": (_tokenizer_file, ["--model.hf_assets_path", "{tmp}/assets"],
+                         "model.hf_assets_path = '{tmp}/assets' is a file"),
+    "no tokenizer": (_folder_without_tokenizer, ["--model.hf_assets_path", "{tmp}/assets"],
+                     "model.hf_assets_path = '{tmp}/assets' holds no tokenizer"),
+    "a missing load step": (_complete_step_2, ["--checkpoint.enable", "--checkpoint.load_step", "4"],
+                            "checkpoint.load_step = 4, but {tmp}/checkpoint holds no complete checkpoint of that step "
+                            "(complete: 2)"),
+    "no initial checkpoint": (None, ["--checkpoint.enable", "--checkpoint.initial_load_path", "{tmp}/initial"],
+                              "checkpoint.initial_load_path = '{tmp}/initial' is not a folder"),
+    "a missing custom import": (None, ["--experimental.custom_import", "no_such_module_here.datasets"],
+                                "experimental.custom_import = 'no_such_module_here.datasets' is not a module"),
+    "a custom import": (None, ["--experimental.custom_import", "json"], None),
+    "more than the machine's memory": (None, [], "model.flavor = 'debugmodel' has "),
+}
+
+
+@pytest.mark.parametrize("case", LAUNCHES)
+def test_a_launch_its_ranks_would_fail_stops_in_one_line(case, capsys, monkeypatch, tmp_path):
+    """What torchtitan's ranks find out only once started (a tokenizer, a checkpoint, a module missing; a CPU job
+    that cannot fit), each a traceback or an OOM kill per rank, the pre-flight says in one line, torchtitan's own
+    warning of a missing tokenizer folder left out."""
     from torchtitan_ext.launch import preflight
 
-    # the pre-flight's logging, to capsys's stderr, for this test only
-    root = logging.getLogger()
-    monkeypatch.setattr(root, "handlers", [])
-    monkeypatch.setattr(root, "filters", [])
-    monkeypatch.setattr(root, "level", root.level)
-    folder = tmp_path / "assets"
-    if holds == "a file":
-        folder.write_text("{}")
-    elif holds == "no tokenizer":
-        folder.mkdir()
-        (folder / "config.json").write_text("{}")
+    # weights and gradients of the debug model's 33M parameters take 264 MB: more than a machine of 100 MB
+    monkeypatch.setattr(preflight, "host_memory_bytes", lambda: 10**8 if case.startswith("more than") else 10**15)
+    make, overrides, error = LAUNCHES[case]
+    if make is not None:
+        make(tmp_path / "assets" if "tokenizer" in case else tmp_path)
+    argv = ["--ngpu", "2", "--", *DEFAULT_CONFIG, "--job.dump_folder", str(tmp_path),
+            *(value.format(tmp=tmp_path) for value in overrides)]
+    if error is None:
+        preflight.main(argv)
+        return
     with pytest.raises(SystemExit) as exit_info:
-        preflight.main(["--ngpu", "2", "--", *DEFAULT_CONFIG, "--model.hf_assets_path", str(folder)])
+        preflight.main(argv)
     assert exit_info.value.code == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    said = {"nothing": "does not exist", "a file": "is a file", "no tokenizer": "holds no tokenizer"}[holds]
-    assert len(lines) == 1 and lines[0].startswith(f"error: model.hf_assets_path = '{folder}' {said}"), lines
+    assert len(lines) == 1 and lines[0].startswith(f"error: {error.format(tmp=tmp_path)}"), lines
 
 
 def test_a_folder_with_any_file_torchtitan_builds_a_tokenizer_from_passes(tmp_path):

@@ -616,8 +616,7 @@ def test_data_parallel_sync_hides_behind_compute_where_it_overlaps():
 def test_compute_that_cannot_be_measured_here_is_refused(overrides, world_size, message):
     from torchtitan_ext.config import load_job_config
 
-    # validated for any machine: this one's own check would refuse the 17bx16e job's sharded state first
-    job_config = load_job_config(overrides or DEBUG_JOB, device_type=None, world_size=world_size)
+    job_config = load_job_config(overrides or DEBUG_JOB, device_type="cpu", world_size=world_size)
     with pytest.raises(ConfigError) as error:
         check_measurable(job_config, world_size)
     assert str(error.value).startswith(message.format(world=world_size, most=runtime.max_local_world_size()))

@@ -5,14 +5,10 @@ field and the fix (:class:`~torchtitan_ext.config.errors.ConfigError`), before
 any process group, buffer or model exists.
 """
 
-import importlib.util
-
-from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.protocols.train_spec import get_train_spec
 
 from torchtitan_ext.config.errors import ConfigError
-from torchtitan_ext.config.job import model_args_of, moe_shape, MoEShape, shared_meta_model
-from torchtitan_ext.config.machine import host_memory_bytes
+from torchtitan_ext.config.job import model_args_of, moe_shape, MoEShape
 from torchtitan_ext.config.ranges import check_ranges
 from torchtitan_ext.config.registry import field_ranges, registered_checks, ValidationContext
 from torchtitan_ext.config.sections import overlaps_expert_parallel
@@ -35,48 +31,11 @@ def validate(job_config, *, device_type: str | None, world_size: int | None = No
     _check_activation_checkpointing(job_config)
     _check_pipeline(job_config, device_type)
     _check_pipeline_split(job_config)
-    _check_host_memory(job_config, device_type)
-    _check_custom_import(job_config, device_type)
     if world_size is not None:
         _check_world_size(job_config, world_size)
     context = ValidationContext(device_type, world_size, shape, command_line)
     for check in registered_checks():
         check(job_config, context)
-
-
-def _check_host_memory(job_config, device_type: str | None) -> None:
-    """A CPU job whose weights and gradients alone (two copies of each parameter in ``training.dtype``) exceed this
-    machine's memory and swap: its ranks, which share the machine, would be killed by the kernel's OOM killer
-    after building the model, one SIGKILL each. A lower bound: the optimizer's state, the activations and the
-    communication buffers come on top, so a job it passes may still not fit."""
-    if device_type != "cpu":
-        return
-    parameters = sum(p.numel() for p in shared_meta_model(job_config).parameters())
-    needed = parameters * 2 * TORCH_DTYPE_MAP[job_config.training.dtype].itemsize
-    available = host_memory_bytes()
-    if needed > available:
-        raise ConfigError(
-            f"model.flavor = '{job_config.model.flavor}' has {parameters:,} parameters: their weights and gradients "
-            f"alone ({job_config.training.dtype}) take {needed / 1e9:,.1f} GB, more than this machine's "
-            f"{available / 1e9:,.1f} GB of memory and swap: train a debug flavour here (as "
-            "train_configs/*debug_model.toml do), or on GPUs"
-        )
-
-
-def _check_custom_import(job_config, device_type: str | None) -> None:
-    """``experimental.custom_import`` names a module torchtitan's trainer imports in every rank as it starts: one
-    this machine's Python cannot find fails each of them. Not for a job validated for another machine, which may
-    have it."""
-    module = job_config.experimental.custom_import
-    if not module or device_type is None:
-        return
-    try:
-        found = importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # a parent package missing, or a malformed name
-        found = False
-    if not found:
-        raise ConfigError(f"experimental.custom_import = '{module}' is not a module this machine's Python finds: "
-                          "install it or add its folder to PYTHONPATH, or unset it")
 
 
 def _check_experts_divide(job_config, shape: MoEShape | None) -> None:

@@ -3,8 +3,10 @@
 ``python -m torchtitan_ext.launch.preflight --ngpu N [--nnodes M] [--port P] [--device-type cpu|cuda] [--print-env] [--print-launch-info] -- [train args]``
 checks that torchrun takes the launchers' options, validates the process count, an
 explicitly requested rendezvous port and the job config (TOML + overrides) for N x M ranks
-(on ``--device-type``, default this machine's device), checks that ``model.hf_assets_path`` holds a tokenizer
-(on a machine of the job's device type), and builds the embedded assets the job needs. Any problem is one line on stderr naming it and the fix, with
+(on ``--device-type``, default this machine's device), then, on a machine of the job's device type, what the
+ranks would only find out once started (the tokenizer in ``model.hf_assets_path``, the checkpoint the job starts
+from, ``experimental.custom_import``, and on a CPU whether the weights and gradients fit in memory), and builds
+the embedded assets the job needs. Any problem is one line on stderr naming it and the fix, with
 exit status 2, so that a bad launch fails once, before torchrun starts N copies
 of it. ``--print-env`` prints ``export NAME=value`` lines for the environment
 the EP backend's kernel library reads (e.g. HybridEP's NVLink-domain size), for
@@ -14,6 +16,7 @@ folder (for the supervisor's account of a failure).
 """
 
 import argparse
+import importlib.util
 import logging
 import os
 import shlex
@@ -27,11 +30,15 @@ with imports_without_collection():
     import torch
 
     from torchtitan_ext import runtime
-    from torchtitan_ext.config import ConfigError, load_job_config
+    from torchtitan.config import TORCH_DTYPE_MAP
+
+    from torchtitan_ext.config import ConfigError, load_job_config, shared_meta_model
+    from torchtitan_ext.config.machine import host_memory_bytes
     from torchtitan_ext.data import check_tokenizer_folder, prepare_embedded_assets
     from torchtitan_ext.ep import backend_class
-    from torchtitan_ext.runtime.console import init_logger, quiet
+    from torchtitan_ext.runtime.console import init_logger
     from torchtitan_ext.training import prepare
+    from torchtitan_ext.training.checkpoints import check_start_checkpoint
 
 
 TORCHRUN_OPTIONS = ("--shutdown-timeout", "60")
@@ -106,6 +113,43 @@ def check_port_free(text: str) -> int:
     return port
 
 
+def check_custom_import(job_config) -> None:
+    """``experimental.custom_import`` names a module torchtitan's trainer imports in every rank as it starts: one
+    this machine's Python cannot import fails each of them."""
+    module = job_config.experimental.custom_import
+    if not module:
+        return
+    try:
+        found = importlib.util.find_spec(module) is not None  # a dotted name imports its parent packages
+    except Exception as e:  # noqa: BLE001 - whatever a parent package raises, named in one line
+        missing = getattr(e, "name", None) or ""  # ModuleNotFoundError's: a parent package that is not there
+        if not isinstance(e, ModuleNotFoundError) or not (module == missing or module.startswith(f"{missing}.")):
+            raise ConfigError(f"experimental.custom_import = '{module}' cannot be imported ({type(e).__name__}: "
+                              f"{e}): fix that module, or unset it") from None
+        found = False
+    if not found:
+        raise ConfigError(f"experimental.custom_import = '{module}' is not a module this machine's Python finds: "
+                          "install it or add its folder to PYTHONPATH, or unset it")
+
+
+def check_cpu_memory(job_config, nodes: int) -> None:
+    """A CPU job whose weights and gradients alone (two copies of each parameter in ``training.dtype``, torchtitan's
+    parameter dtype), sharded over its ``nodes`` machines, exceed this machine's memory and swap: its ranks would
+    be killed by the kernel's OOM killer once the model is built, a SIGKILL each. A lower bound: the optimizer's
+    state, the activations and the buffers come on top, so a job it passes may still not fit."""
+    parameters = sum(p.numel() for p in shared_meta_model(job_config).parameters())
+    needed = parameters * 2 * TORCH_DTYPE_MAP[job_config.training.dtype].itemsize / nodes
+    available = host_memory_bytes()
+    if needed > available:
+        per = f" per machine of {nodes}" if nodes > 1 else ""
+        raise ConfigError(
+            f"model.flavor = '{job_config.model.flavor}' has {parameters:,} parameters: their weights and gradients "
+            f"alone ({job_config.training.dtype}) take {needed / 1e9:,.1f} GB{per}, more than this machine's "
+            f"{available / 1e9:,.1f} GB of memory and swap: train a debug flavour here (as "
+            "train_configs/*debug_model.toml do), or on GPUs"
+        )
+
+
 def _said_by_the_tokenizer_check(message: str) -> bool:
     """torchtitan's warning that ``model.hf_assets_path`` does not exist, which :func:`check_tokenizer_folder` makes
     the launch's one error line, with its fix."""
@@ -133,7 +177,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
     init_logger(logging.WARNING, sys.stderr)
-    quiet(_said_by_the_tokenizer_check)
+    for handler in logging.getLogger().handlers:  # this console's only: the process's other logging keeps it
+        handler.addFilter(lambda record: not _said_by_the_tokenizer_check(record.getMessage()))
     try:
         check_torchrun()
         count = check_process_count(args.ngpu)
@@ -144,8 +189,13 @@ def main(argv: list[str] | None = None) -> None:
         device_type = prepare()
         job_config = load_job_config(train_args, args.device_type or device_type, world_size=count * args.nnodes)
         if args.device_type in (None, device_type):
-            # this host trains, so its files are the ranks' (a batch host of another kind may not see them)
+            # this host trains, so its files and its memory are the ranks' (a batch host of another kind may not
+            # see their files)
             check_tokenizer_folder(job_config)
+            check_start_checkpoint(job_config)
+            check_custom_import(job_config)
+            if device_type == "cpu":
+                check_cpu_memory(job_config, args.nnodes)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

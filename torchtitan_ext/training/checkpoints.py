@@ -119,6 +119,33 @@ def checkpoint_to_load(job_config) -> Path | None:
     return Path(checkpoint.initial_load_path) if checkpoint.initial_load_path else None
 
 
+def check_start_checkpoint(job_config) -> None:
+    """ConfigError where the checkpoint a job about to train starts from is not there: torchtitan's checkpointer
+    finds out in every rank once they have started. ``checkpoint.load_step`` must name a complete checkpoint (where
+    the job's checkpoint folder does not exist yet, torchtitan would start from scratch, or from
+    ``initial_load_path``, without a word; where it does, fail); ``initial_load_path``, which torchtitan loads where
+    that folder does not exist, must be a folder. For the launchers' pre-flight on a machine that trains the job:
+    another machine may not see its files."""
+    checkpoint = job_config.checkpoint
+    if not checkpoint.enable:
+        return
+    folder = Path(job_config.job.dump_folder) / checkpoint.folder
+    if checkpoint.load_step != -1:
+        complete, _ = checkpoint_steps(folder)
+        if checkpoint.load_step not in complete:
+            raise ConfigError(
+                f"checkpoint.load_step = {checkpoint.load_step}, but {folder} holds no complete checkpoint of that step "
+                f"(complete: {', '.join(map(str, complete)) or 'none'}): give one of them, or -1 for the latest"
+            )
+    initial = checkpoint.initial_load_path
+    if initial and not folder.exists() and not Path(initial).is_dir():
+        raise ConfigError(
+            f"checkpoint.initial_load_path = '{initial}' is not a folder, and the job starts from it: give the folder "
+            "of a checkpoint (a DCP step folder, or with checkpoint.initial_load_in_hf the HF safetensors' folder), "
+            "or unset it"
+        )
+
+
 def check_checkpoint_options(job_config, context: ValidationContext) -> None:
     keep = job_config.checkpoint.keep_latest_k
     if keep == 1:  # torchtitan's manager refuses it whether or not checkpointing is on
@@ -126,26 +153,6 @@ def check_checkpoint_options(job_config, context: ValidationContext) -> None:
             "checkpoint.keep_latest_k = 1: torchtitan keeps at least 2 (the newest may still be being written): "
             "set it to 0 (keep all) or 2 or more"
         )
-    checkpoint = job_config.checkpoint
-    initial = checkpoint.initial_load_path
-    folder = Path(job_config.job.dump_folder) / checkpoint.folder
-    # torchtitan loads it where the job's checkpoint folder does not exist yet, in every rank once they have started
-    if (context.device_type is not None and checkpoint.enable and initial and not folder.exists()
-            and not Path(initial).is_dir()):
-        raise ConfigError(
-            f"checkpoint.initial_load_path = '{initial}' is not a folder, and the job starts from it: give the folder "
-            "of a checkpoint (a DCP step folder, or with checkpoint.initial_load_in_hf the HF safetensors' folder), "
-            "or unset it"
-        )
-    step = checkpoint.load_step
-    if context.device_type is not None and checkpoint.enable and step != -1:
-        complete, _ = checkpoint_steps(folder)
-        if step not in complete:
-            # torchtitan would start from scratch where the folder does not exist, and fail in every rank where it does
-            raise ConfigError(
-                f"checkpoint.load_step = {step}, but {folder} holds no complete checkpoint of that step (complete: "
-                f"{', '.join(map(str, complete)) or 'none'}): give one of them, or -1 for the latest"
-            )
     path = checkpoint_to_load(job_config)
     if context.device_type is None or path is None or context.moe_shape is None or not is_complete(path):
         return
