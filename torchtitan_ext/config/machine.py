@@ -1,4 +1,4 @@
-"""What this machine decides of a config: a CPU job's training precision, and the memory a CPU job may use.
+"""Config defaults this machine decides: a CPU job's training precision.
 
 On a CPU without native bf16 matrix units, bf16 only makes every GEMM
 slower: such a CPU trains in float32 unless the job says otherwise. GPU jobs
@@ -67,15 +67,3 @@ def choose_cpu_precision(job_config, explicit: set[str]) -> str:
     )
 
 
-def host_memory_bytes() -> int:
-    """This machine's physical memory and swap: the most that a CPU job's processes can hold together."""
-    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    swap = 0
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("SwapTotal:"):
-                    swap = int(line.split()[1]) * 1024
-    except OSError:  # not Linux: physical memory only
-        pass
-    return physical + swap

@@ -33,7 +33,7 @@ with imports_without_collection():
     from torchtitan.config import TORCH_DTYPE_MAP
 
     from torchtitan_ext.config import ConfigError, load_job_config, shared_meta_model
-    from torchtitan_ext.config.machine import host_memory_bytes
+    from torchtitan_ext.runtime.memory import host_memory_bytes
     from torchtitan_ext.data import check_tokenizer_folder, prepare_embedded_assets
     from torchtitan_ext.ep import backend_class
     from torchtitan_ext.runtime.console import init_logger

@@ -9,7 +9,6 @@ do not price a CPU step: docs/planning.md, "Calibrate it on your own cluster" (`
 """
 
 import copy
-import os
 import statistics
 import time
 from datetime import timedelta
@@ -29,6 +28,7 @@ from torchtitan_ext.ep.experts import adopt_routed_experts
 from torchtitan_ext.measuring.collective_recorder import CollectiveRecorder
 from torchtitan_ext.planning.local_traffic import backend_forward, MoECall, torchtitan_sort_forward
 from torchtitan_ext.planning.measured_compute import MeasuredCompute
+from torchtitan_ext.runtime.memory import physical_memory_bytes
 from torchtitan_ext.runtime.workers import run_workers
 from torchtitan_ext.training import prepare
 
@@ -78,7 +78,7 @@ def check_measurable(job_config, world_size: int) -> None:
         )
     parameters = sum(parameter.numel() for parameter in model.parameters())
     needed = world_size * parameters * BYTES_PER_PARAMETER
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    memory = physical_memory_bytes()
     if needed > memory // 2:
         raise ConfigError(
             f"--measure-compute builds the whole model ({parameters / 1e6:,.0f}M parameters) in each of "

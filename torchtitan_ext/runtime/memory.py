@@ -23,7 +23,7 @@ class CPUMemoryMonitor:
 
     def __init__(self):
         self.device_name = f"cpu ({platform.processor() or platform.machine()})"
-        self.device_capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        self.device_capacity = physical_memory_bytes()
         self.device_capacity_gib = self.device_capacity / _GIB
 
     def get_peak_stats(self) -> tt_metrics.DeviceMemStats:
@@ -44,6 +44,24 @@ class CPUMemoryMonitor:
                 f.write("5")
         except OSError:
             pass
+
+
+def physical_memory_bytes() -> int:
+    """This machine's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory and swap: the most that a CPU job's processes can hold together."""
+    swap = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("SwapTotal:"):
+                    swap = int(line.split()[1]) * 1024
+    except OSError:  # not Linux: physical memory only
+        pass
+    return physical_memory_bytes() + swap
 
 
 def _rss_bytes() -> tuple[int, int]:
