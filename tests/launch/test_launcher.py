@@ -5,6 +5,7 @@ import os
 import pytest
 
 from tests.helpers import JobResult, launcher_env, REPO_ROOT, run_job, run_launcher
+from torchtitan_ext.launch import supervisor as supervisor_module
 from torchtitan_ext.launch.supervisor import Supervisor
 from torchtitan_ext.records.metrics import MetricsFile, read_metrics
 
@@ -254,6 +255,26 @@ def test_supervisor_names_the_rank_that_caused_the_failure(report, named, tmp_pa
         f"error: {named}; the job stopped after step 3 (exit 1); "
         "checkpointing is off (checkpoint.enable): a rerun starts over"
     )
+
+
+@pytest.mark.parametrize("before, after, clause", [
+    ("oom_kill 2", "oom_kill 2", ""),
+    ("oom_kill 2", "oom_kill 4", ", most likely out of memory: the kernel's out-of-memory killer ended 2 processes "),
+    ("pgfault 10", "pgfault 12", ""),  # a kernel that does not count them
+], ids=["none_ended", "two_ended", "not_counted"])
+def test_a_rank_killed_while_the_oom_killer_ran_is_said_to_be_out_of_memory(before, after, clause, tmp_path, monkeypatch):
+    """The kernel's out-of-memory killer sends SIGKILL: the supervisor names it where /proc/vmstat's oom_kill grew
+    while the job ran, and only there."""
+    vmstat = tmp_path / "vmstat"
+    monkeypatch.setattr(supervisor_module, "VMSTAT", vmstat)
+    vmstat.write_text(f"nr_free_pages 100\n{before}\n")
+    supervisor = Supervisor([], checkpoint_folder=None, dump_folder=None)
+    vmstat.write_text(f"nr_free_pages 100\n{after}\n")
+    for line in TORCHRUN_REPORT.splitlines():
+        supervisor._read(line)
+    explained = supervisor.explain(1)
+    assert explained.startswith(f"error: rank 1 (pid 4321) was killed by SIGKILL{clause}")
+    assert ("out of memory" in explained) == bool(clause)
 
 
 def test_an_earlier_runs_steps_are_not_the_failed_jobs(tmp_path):
