@@ -134,9 +134,10 @@ def check_custom_import(job_config) -> None:
 
 def check_cpu_memory(job_config, nodes: int) -> None:
     """A CPU job whose weights and gradients alone (two copies of each parameter in ``training.dtype``, torchtitan's
-    parameter dtype), sharded over its ``nodes`` machines, exceed this machine's memory and swap: its ranks would
-    be killed by the kernel's OOM killer once the model is built, a SIGKILL each. A lower bound: the optimizer's
-    state, the activations and the buffers come on top, so a job it passes may still not fit."""
+    parameter dtype), sharded over its ``nodes`` machines, exceed the memory and swap this machine gives the job (its
+    control group's limit, where lower than the machine's memory): its ranks would be killed by the kernel's OOM
+    killer once the model is built, a SIGKILL each. A lower bound: the optimizer's state, the activations and the
+    buffers come on top, so a job it passes may still not fit."""
     parameters = sum(p.numel() for p in shared_meta_model(job_config).parameters())
     needed = parameters * 2 * TORCH_DTYPE_MAP[job_config.training.dtype].itemsize / nodes
     available = host_memory_bytes()
@@ -144,8 +145,8 @@ def check_cpu_memory(job_config, nodes: int) -> None:
         per = f" per machine of {nodes}" if nodes > 1 else ""
         raise ConfigError(
             f"model.flavor = '{job_config.model.flavor}' has {parameters:,} parameters: their weights and gradients "
-            f"alone ({job_config.training.dtype}) take {needed / 1e9:,.1f} GB{per}, more than this machine's "
-            f"{available / 1e9:,.1f} GB of memory and swap: train a debug flavour here (as "
+            f"alone ({job_config.training.dtype}) take {needed / 1e9:,.1f} GB{per}, more than the "
+            f"{available / 1e9:,.1f} GB of memory and swap this machine gives the job: train a debug flavour here (as "
             "train_configs/*debug_model.toml do), or on GPUs"
         )
 

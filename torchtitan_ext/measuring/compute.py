@@ -28,7 +28,7 @@ from torchtitan_ext.ep.experts import adopt_routed_experts
 from torchtitan_ext.measuring.collective_recorder import CollectiveRecorder
 from torchtitan_ext.planning.local_traffic import backend_forward, MoECall, torchtitan_sort_forward
 from torchtitan_ext.planning.measured_compute import MeasuredCompute
-from torchtitan_ext.runtime.memory import physical_memory_bytes
+from torchtitan_ext.runtime.memory import memory_limit_bytes
 from torchtitan_ext.runtime.workers import run_workers
 from torchtitan_ext.training import prepare
 
@@ -78,12 +78,12 @@ def check_measurable(job_config, world_size: int) -> None:
         )
     parameters = sum(parameter.numel() for parameter in model.parameters())
     needed = world_size * parameters * BYTES_PER_PARAMETER
-    memory = physical_memory_bytes()
+    memory = memory_limit_bytes()
     if needed > memory // 2:
         raise ConfigError(
             f"--measure-compute builds the whole model ({parameters / 1e6:,.0f}M parameters) in each of "
             f"{world_size} processes: {needed / 2**30:,.1f} GiB of parameters and optimizer state, more than half "
-            f"of this machine's {memory / 2**30:,.1f} GiB; drop --measure-compute for a model this machine cannot train"
+            f"of the {memory / 2**30:,.1f} GiB of memory this machine gives it; drop --measure-compute for a model this machine cannot train"
         )
 
 

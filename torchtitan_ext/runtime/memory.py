@@ -5,6 +5,7 @@ import ctypes.util
 import os
 import platform
 import resource
+from pathlib import Path, PurePosixPath
 
 import torch
 import torchtitan.components.metrics as tt_metrics
@@ -18,12 +19,12 @@ class CPUMemoryMonitor:
 
     Reports this process's resident set size: "active" is the current RSS and
     "reserved" the peak RSS (VmHWM) since the last reset, both against the
-    machine's physical memory.
+    memory the process may hold (:func:`memory_limit_bytes`).
     """
 
     def __init__(self):
         self.device_name = f"cpu ({platform.processor() or platform.machine()})"
-        self.device_capacity = physical_memory_bytes()
+        self.device_capacity = memory_limit_bytes()
         self.device_capacity_gib = self.device_capacity / _GIB
 
     def get_peak_stats(self) -> tt_metrics.DeviceMemStats:
@@ -51,8 +52,53 @@ def physical_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+PROC_CGROUP = Path("/proc/self/cgroup")
+"""This process's control groups, a line per hierarchy: ``ID:controllers:path``."""
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+"""Where the control-group file systems are mounted: cgroup v2's at the root, v1's memory controller under
+``memory/``."""
+_NO_LIMIT = 1 << 62
+"""cgroup v1 writes an unset limit as the largest page-aligned 64-bit number; v2 writes "max"."""
+
+
+def cgroup_memory_limit_bytes() -> int | None:
+    """The smallest memory limit over this process's control group and its ancestors (a SLURM job's ``--mem``, a
+    container's), cgroup v2 or v1; None where none is set or the machine has no control groups. A container sees its
+    own group as the root, so a path that is not there is looked up from its parent."""
+    try:
+        lines = PROC_CGROUP.read_text().splitlines()
+    except OSError:
+        return None
+    limits = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "" and (CGROUP_ROOT / "cgroup.controllers").is_file():
+            root, name = CGROUP_ROOT, "memory.max"
+        elif "memory" in controllers.split(","):
+            root, name = CGROUP_ROOT / "memory", "memory.limit_in_bytes"
+        else:
+            continue
+        folder = PurePosixPath(path)
+        for group in (folder, *folder.parents):
+            try:
+                value = (root / group.relative_to("/") / name).read_text().strip()
+            except (OSError, ValueError):
+                continue
+            if value.isdigit() and int(value) < _NO_LIMIT:
+                limits.append(int(value))
+    return min(limits, default=None)
+
+
+def memory_limit_bytes() -> int:
+    """The memory this process's jobs may hold: the machine's physical memory, or its control group's limit where
+    that is lower."""
+    limit = cgroup_memory_limit_bytes()
+    return min(physical_memory_bytes(), limit) if limit is not None else physical_memory_bytes()
+
+
 def host_memory_bytes() -> int:
-    """This machine's physical memory and swap: the most that a CPU job's processes can hold together."""
+    """:func:`memory_limit_bytes` and the machine's swap: the most that a CPU job's processes can hold together (an
+    upper bound where a control group also limits its swap)."""
     swap = 0
     try:
         with open("/proc/meminfo") as f:
@@ -61,7 +107,7 @@ def host_memory_bytes() -> int:
                     swap = int(line.split()[1]) * 1024
     except OSError:  # not Linux: physical memory only
         pass
-    return physical_memory_bytes() + swap
+    return memory_limit_bytes() + swap
 
 
 def _rss_bytes() -> tuple[int, int]:
