@@ -9,6 +9,7 @@
 """
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -29,6 +30,7 @@ from torchtitan_ext.balancing.placement_search import (
     place,
     ranks_from_slots,
     slots_from_ranks,
+    what_to_do,
 )
 
 DEBUG_CONFIG = str(REPO_ROOT / "train_configs/debug_model.toml")
@@ -185,6 +187,16 @@ def test_report_warns_of_layers_whose_held_out_load_got_worse():
     lines = format_results(results, top_k=2, tokens_per_step=100, token_bytes=2)
     warnings = [line for line in lines if line.startswith("warning:")]
     assert len(warnings) == 1 and "above the identity's on MoE layers [3]" in warnings[0]
+
+
+def test_a_placement_that_changes_nothing_is_not_recommended():
+    """Every layer kept the identity: the report says the file changes nothing and points to replication."""
+    kept = LayerResult(3, tuple(range(8)), *[Measures(1.5, 2.0, 1.0)] * 4, kept_identity=True)
+    moved = replace(kept, slots=(1, 0, *range(2, 8)), kept_identity=False)
+    assert what_to_do([kept, moved], "p.json") == "Wrote p.json: train with --expert_placement.file p.json"
+    assert what_to_do([kept, kept], "p.json").startswith(
+        "Wrote p.json, the identity in every MoE layer: training with it changes nothing.")
+    assert "--expert_replication.slots_per_rank" in what_to_do([kept], "p.json")
 
 
 def test_first_step_leaves_out_earlier_files():

@@ -1,7 +1,7 @@
 """The search for an expert placement (:mod:`.placement`) from recorded routing.
 
 ``python -m torchtitan_ext.placement`` runs it (:func:`search`). Per MoE layer, on the dump's first steps
-(the fit steps), it minimises the largest per-rank token load, then, within ``--load-tolerance`` of it,
+(the fit steps), it minimises the largest per-rank token load summed over them, then, within ``--load-tolerance`` of it,
 keeps co-activated experts on one rank or NVLink domain; it is never worse than the identity there.
 It reports before and after on the held-out later steps. ``--first-step`` leaves out earlier files.
 See docs/balancing.md, "Placement from recorded routing" and "Where the seed papers' algorithms fail,
@@ -363,7 +363,16 @@ def search(
         f"fit on the first {split_steps(stats, holdout)[1]} steps; {elapsed:.2f} s",
         f"(dispatch MB per step and MoE layer: {tokens_per_step:.0f} tokens x copies x {token_bytes} bytes, bf16 rows)",
         *format_results(results, int(stats["top_k"]), tokens_per_step, token_bytes),
-        f"Wrote {output}: train with --expert_placement.file {output}",
+        what_to_do(results, output),
     ]
     return lines
+
+
+def what_to_do(results: list[LayerResult], output: str) -> str:
+    """The report's last line: train with the file, unless every layer kept the identity, which changes nothing."""
+    if all(r.kept_identity for r in results):
+        return (f"Wrote {output}, the identity in every MoE layer: training with it changes nothing. Their summed "
+                "loads' balance did worse step by step, so the hot experts move between steps: replication follows "
+                "that (--expert_replication.slots_per_rank, docs/balancing.md)")
+    return f"Wrote {output}: train with --expert_placement.file {output}"
 
