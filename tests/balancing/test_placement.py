@@ -190,7 +190,7 @@ def test_report_warns_of_layers_whose_held_out_load_got_worse():
 
 
 def test_a_placement_that_changes_nothing_is_not_recommended():
-    """Every layer kept the identity: the report says the file changes nothing and points to replication."""
+    """Every layer kept the identity: the report says the file changes nothing and names replication."""
     kept = LayerResult(3, tuple(range(8)), *[Measures(1.5, 2.0, 1.0)] * 4, kept_identity=True)
     moved = replace(kept, slots=(1, 0, *range(2, 8)), kept_identity=False)
     assert what_to_do([kept, moved], "p.json") == "Wrote p.json: train with --expert_placement.file p.json"

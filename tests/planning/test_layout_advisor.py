@@ -27,6 +27,7 @@ from torchtitan_ext.planning.published_comparisons import (
     format_validation, load_comparisons, SHIPPED as SHIPPED_COMPARISONS, validate,
 )
 from torchtitan_ext.planning.topology import load_topology, parse_topology, SHIPPED
+from torchtitan_ext.runtime.memory import memory_limit_bytes
 from torchtitan_ext.training import prepare
 
 DEBUG_JOB = ["--job.config_file", "train_configs/debug_model.toml"]
@@ -606,7 +607,8 @@ def test_data_parallel_sync_hides_behind_compute_where_it_overlaps():
         (["--job.config_file", "train_configs/llama4_debug_model.toml", "--model.flavor", "17bx16e",
           "--parallelism.expert_parallel_degree", "4"], 4,
          "--measure-compute builds the whole model (107,770M parameters) in each of 4 processes: 6,423.6 GiB of "
-         "parameters and optimizer state, more than half of the "),
+         "parameters and optimizer state, more than half of the {memory} GiB of memory this machine gives this process; "
+         "drop --measure-compute for a model this machine cannot train"),
         ([*DEBUG_JOB, "--model.name", "llama3", "--model.flavor", "debugmodel", "--parallelism.expert_parallel_degree",
           "1"], 2,
          "--measure-compute times the routed experts as torchtitan's GroupedExperts, which model.name = 'llama3' does "
@@ -619,7 +621,8 @@ def test_compute_that_cannot_be_measured_here_is_refused(overrides, world_size, 
     job_config = load_job_config(overrides or DEBUG_JOB, device_type="cpu", world_size=world_size)
     with pytest.raises(ConfigError) as error:
         check_measurable(job_config, world_size)
-    assert str(error.value).startswith(message.format(world=world_size, most=runtime.max_local_world_size()))
+    assert str(error.value).startswith(message.format(world=world_size, most=runtime.max_local_world_size(),
+                                                      memory=f"{memory_limit_bytes() / 2**30:,.1f}"))
 
 
 def test_measure_compute_refuses_a_gpu_machine(monkeypatch):

@@ -67,36 +67,6 @@ def test_memory_monitor_reports_process_memory():
     monitor.reset_peak_stats()
 
 
-UNLIMITED_V1 = str((1 << 63) - 4096)
-
-
-@pytest.mark.parametrize("proc_cgroup, files, limit", [
-    # v2: the job's group limits less than its parent; "max" is no limit
-    ("0::/slurm/job_7/step_0\n", {"cgroup.controllers": "memory", "slurm/memory.max": "max",
-                                   "slurm/job_7/memory.max": "8589934592", "slurm/job_7/step_0/memory.max": "max"},
-     8589934592),
-    # v1: the memory controller's hierarchy, the parent's limit the lower one
-    ("4:memory:/slurm/job_7\n3:cpuset:/\n", {"memory/slurm/memory.limit_in_bytes": "4294967296",
-                                               "memory/slurm/job_7/memory.limit_in_bytes": UNLIMITED_V1}, 4294967296),
-    # a container: its own group is the root it sees, the path in /proc/self/cgroup is the host's
-    ("0::/system.slice/docker-abc.scope\n", {"cgroup.controllers": "memory", "memory.max": "2147483648"}, 2147483648),
-    ("4:memory:/\n", {"memory/memory.limit_in_bytes": UNLIMITED_V1}, None),
-], ids=["v2_job_group", "v1_parent_group", "container_root", "v1_unlimited"])
-def test_the_memory_limit_is_the_lowest_of_the_process_control_groups(proc_cgroup, files, limit, tmp_path, monkeypatch):
-    """A SLURM job's --mem or a container's limit, in a control group of either version, at any level above the
-    process: what the memory monitor and the pre-flight's memory check measure against."""
-    from torchtitan_ext.runtime import memory
-
-    (tmp_path / "proc_cgroup").write_text(proc_cgroup)
-    for name, text in files.items():
-        (tmp_path / "fs" / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / "fs" / name).write_text(text + "\n")
-    monkeypatch.setattr(memory, "PROC_CGROUP", tmp_path / "proc_cgroup")
-    monkeypatch.setattr(memory, "CGROUP_ROOT", tmp_path / "fs")
-    assert memory.cgroup_memory_limit_bytes() == limit
-    assert memory.memory_limit_bytes() == min(memory.physical_memory_bytes(), limit or memory.physical_memory_bytes())
-
-
 def test_mfu_is_undefined_on_cpu():
     assert math.isnan(tt_utils.get_peak_flops("cpu"))
 

@@ -371,8 +371,8 @@ def search(
 def what_to_do(results: list[LayerResult], output: str) -> str:
     """The report's last line: train with the file, unless every layer kept the identity, which changes nothing."""
     if all(r.kept_identity for r in results):
-        return (f"Wrote {output}, the identity in every MoE layer: training with it changes nothing. Their summed "
-                "loads' balance did worse step by step, so the hot experts move between steps: replication follows "
-                "that (--expert_replication.slots_per_rank, docs/balancing.md)")
+        return (f"Wrote {output}, the identity in every MoE layer: training with it changes nothing. No placement "
+                "did better on the fit steps; where the hot experts move from step to step, replication follows "
+                "them (--expert_replication.slots_per_rank, docs/balancing.md)")
     return f"Wrote {output}: train with --expert_placement.file {output}"
 

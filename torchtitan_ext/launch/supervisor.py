@@ -12,7 +12,8 @@
   rank that most likely caused the failure, how (its signal or exit status),
   the last step the job logged (its ``metrics.jsonl``, not an earlier run's), and the last complete
   checkpoint the same command resumes from; a rank killed by SIGKILL while the kernel's out-of-memory
-  killer ended processes on this machine is said to have run out of memory.
+  killer ended processes of the job's control group (or, without one, of the machine) is said to have most
+  likely run out of memory.
 
 torchrun orders failures by when it observed them, and a rank killed by a
 signal leaves no error file, so its observed time is torchrun's next poll: a
@@ -34,6 +35,7 @@ from pathlib import Path
 
 from torchtitan_ext.launch.processes import die_with_parent
 from torchtitan_ext.records.metrics import METRICS_FILE, read_metrics
+from torchtitan_ext.runtime.cgroups import oom_kills
 from torchtitan_ext.runtime.preemption import PREEMPTION_SIGNALS
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
@@ -49,9 +51,6 @@ USAGE_ERROR = re.compile(r"^(?:torchrun|run\.py): error: (.+)$")
 PEER_TIMEOUT = "a peer did not answer in time"
 """What a rank's one-line error says when a collective timed out (torchtitan_ext.runtime.collectives)."""
 STALLED_STATES = {"T": "stopped (SIGSTOP or a debugger)", "t": "stopped by a debugger", "D": "in uninterruptible sleep (I/O or a driver)"}
-VMSTAT = Path("/proc/vmstat")
-"""The kernel's event counters: its ``oom_kill`` line counts the processes its out-of-memory killer ended since
-boot (a cgroup's memory limit included), on this machine."""
 SHUTDOWN_GRACE_S = 30
 """How long processes left in the job's group after torchrun ends (or after this supervisor is told to
 stop) get between SIGTERM and SIGKILL."""
@@ -67,19 +66,6 @@ def complete_checkpoints(folder: Path | None) -> list[int]:
         if match and (entry / ".metadata").is_file():
             steps.append(int(match.group(1)))
     return sorted(steps)
-
-
-def oom_kills() -> int | None:
-    """The processes the kernel's out-of-memory killer has ended on this machine since boot (:data:`VMSTAT`); None
-    where the kernel does not count them (not Linux, or older than 4.13)."""
-    try:
-        for line in VMSTAT.read_text().splitlines():
-            name, _, value = line.partition(" ")
-            if name == "oom_kill":
-                return int(value)
-    except (OSError, ValueError):
-        pass
-    return None
 
 
 def children(pid: int) -> list[int]:
@@ -135,8 +121,9 @@ class Supervisor:
         """That file's modification time and size before the job starts: until the job logs a step, its lines
         are an earlier run's (the job's first write drops those of its own steps onwards)."""
         self.oom_kills_before = oom_kills()
-        """The out-of-memory killer's count before the job starts: a rank killed by SIGKILL while it grows most
-        likely ran out of memory (the killer's signal; a peer job on the machine may also be the one it ended)."""
+        """The out-of-memory killer's count before the job starts (where it counts, how many): a rank killed by SIGKILL
+        while it grows most likely ran out of memory (the killer's signal; where only the machine's count is
+        kept, another job on the machine may be the one it ended)."""
         self.failures: list[Failure] = []
         self.in_root_cause = False
         self.stopped_by_torchrun: set[int] = set()
@@ -262,15 +249,18 @@ class Supervisor:
         return (ordered or self.failures or [None])[0]
 
     def _out_of_memory(self) -> str:
-        """What the out-of-memory killer did while the job ran, where it ended processes on this machine; "" where
-        it ended none (or the kernel does not count)."""
+        """What the out-of-memory killer did while the job ran, where it ended processes of the job's control group
+        (or the machine); "" where it ended none, or the kernel does not count."""
         now = oom_kills()
-        if now is None or self.oom_kills_before is None or now <= self.oom_kills_before:
+        if now is None or self.oom_kills_before is None or now[0] != self.oom_kills_before[0]:
             return ""
-        ended = now - self.oom_kills_before
+        (where, count), before = now, self.oom_kills_before[1]
+        if count <= before:
+            return ""
+        ended = count - before
         return (f", most likely out of memory: the kernel's out-of-memory killer ended {ended} "
-                f"process{'es' if ended > 1 else ''} on this machine while the job ran (oom_kill in {VMSTAT}); give "
-                f"the job more memory or make it smaller (training.local_batch_size, training.seq_len, model.flavor)")
+                f"process{'es' if ended > 1 else ''} {where} while the job ran; give the job more memory or make it "
+                "smaller (training.local_batch_size, training.seq_len, model.flavor)")
 
     def explain(self, returncode: int) -> str:
         """The one line that ends a failed job."""

@@ -83,7 +83,7 @@ def check_measurable(job_config, world_size: int) -> None:
         raise ConfigError(
             f"--measure-compute builds the whole model ({parameters / 1e6:,.0f}M parameters) in each of "
             f"{world_size} processes: {needed / 2**30:,.1f} GiB of parameters and optimizer state, more than half "
-            f"of the {memory / 2**30:,.1f} GiB of memory this machine gives it; drop --measure-compute for a model this machine cannot train"
+            f"of the {memory / 2**30:,.1f} GiB of memory this machine gives this process; drop --measure-compute for a model this machine cannot train"
         )
 
 

@@ -5,10 +5,11 @@ import ctypes.util
 import os
 import platform
 import resource
-from pathlib import Path, PurePosixPath
 
 import torch
 import torchtitan.components.metrics as tt_metrics
+
+from torchtitan_ext.runtime import cgroups
 
 _GIB = 1024**3
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
@@ -52,62 +53,32 @@ def physical_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-PROC_CGROUP = Path("/proc/self/cgroup")
-"""This process's control groups, a line per hierarchy: ``ID:controllers:path``."""
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-"""Where the control-group file systems are mounted: cgroup v2's at the root, v1's memory controller under
-``memory/``."""
-_NO_LIMIT = 1 << 62
-"""cgroup v1 writes an unset limit as the largest page-aligned 64-bit number; v2 writes "max"."""
-
-
-def cgroup_memory_limit_bytes() -> int | None:
-    """The smallest memory limit over this process's control group and its ancestors (a SLURM job's ``--mem``, a
-    container's), cgroup v2 or v1; None where none is set or the machine has no control groups. A container sees its
-    own group as the root, so a path that is not there is looked up from its parent."""
-    try:
-        lines = PROC_CGROUP.read_text().splitlines()
-    except OSError:
-        return None
-    limits = []
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "" and (CGROUP_ROOT / "cgroup.controllers").is_file():
-            root, name = CGROUP_ROOT, "memory.max"
-        elif "memory" in controllers.split(","):
-            root, name = CGROUP_ROOT / "memory", "memory.limit_in_bytes"
-        else:
-            continue
-        folder = PurePosixPath(path)
-        for group in (folder, *folder.parents):
-            try:
-                value = (root / group.relative_to("/") / name).read_text().strip()
-            except (OSError, ValueError):
-                continue
-            if value.isdigit() and int(value) < _NO_LIMIT:
-                limits.append(int(value))
-    return min(limits, default=None)
-
-
 def memory_limit_bytes() -> int:
     """The memory this process's jobs may hold: the machine's physical memory, or its control group's limit where
     that is lower."""
-    limit = cgroup_memory_limit_bytes()
+    limit = cgroups.memory_limit()
     return min(physical_memory_bytes(), limit) if limit is not None else physical_memory_bytes()
 
 
-def host_memory_bytes() -> int:
-    """:func:`memory_limit_bytes` and the machine's swap: the most that a CPU job's processes can hold together (an
-    upper bound where a control group also limits its swap)."""
-    swap = 0
+def swap_bytes() -> int:
+    """The machine's swap space (0 where not Linux)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("SwapTotal:"):
-                    swap = int(line.split()[1]) * 1024
-    except OSError:  # not Linux: physical memory only
+                    return int(line.split()[1]) * 1024
+    except OSError:
         pass
-    return memory_limit_bytes() + swap
+    return 0
+
+
+def host_memory_bytes() -> int:
+    """The most that a CPU job's processes can hold together: :func:`memory_limit_bytes` and the swap they may use
+    (the machine's, or less where their control group limits it)."""
+    swap, swap_limit = swap_bytes(), cgroups.swap_limit()
+    total = memory_limit_bytes() + (min(swap, swap_limit) if swap_limit is not None else swap)
+    memory_and_swap = cgroups.memory_and_swap_limit()
+    return min(total, memory_and_swap) if memory_and_swap is not None else total
 
 
 def _rss_bytes() -> tuple[int, int]:
