@@ -168,7 +168,7 @@ def test_a_launch_its_ranks_would_fail_stops_in_one_line(case, capsys, monkeypat
     warning of a missing tokenizer folder left out."""
     from torchtitan_ext.launch import preflight
 
-    # weights and gradients of the debug model's 33M parameters take 264 MB: more than a machine of 100 MB
+    # weights, gradients and Adam's moments of the debug model's 33M parameters take 528 MB: more than 100 MB
     monkeypatch.setattr(preflight, "host_memory_bytes", lambda: 10**8 if case.startswith("more than") else 10**15)
     make, overrides, error = LAUNCHES[case]
     if make is not None:

@@ -5,8 +5,8 @@ checks that torchrun takes the launchers' options, validates the process count, 
 explicitly requested rendezvous port and the job config (TOML + overrides) for N x M ranks
 (on ``--device-type``, default this machine's device), then, on a machine of the job's device type, what the
 ranks would only find out once started (the tokenizer in ``model.hf_assets_path``, the checkpoint the job starts
-from, ``experimental.custom_import``, and on a CPU whether the weights and gradients fit in memory), and builds
-the embedded assets the job needs. Any problem is one line on stderr naming it and the fix, with
+from, ``experimental.custom_import``, and on a CPU whether the weights, gradients and optimizer state fit in
+memory), and builds the embedded assets the job needs. Any problem is one line on stderr naming it and the fix, with
 exit status 2, so that a bad launch fails once, before torchrun starts N copies
 of it. ``--print-env`` prints ``export NAME=value`` lines for the environment
 the EP backend's kernel library reads (e.g. HybridEP's NVLink-domain size), for
@@ -132,22 +132,28 @@ def check_custom_import(job_config) -> None:
                           "install it or add its folder to PYTHONPATH, or unset it")
 
 
+COPIES_PER_PARAMETER = 4
+"""What a training job holds of each parameter at least, in ``training.dtype``: the weight, its gradient, and the two
+moments of Adam or AdamW (torchtitan's only optimizers; their state is made at the first step)."""
+
+
 def check_cpu_memory(job_config, nodes: int) -> None:
-    """A CPU job whose weights and gradients alone (two copies of each parameter in ``training.dtype``, torchtitan's
-    parameter dtype), sharded over its ``nodes`` machines, exceed the memory and swap this machine gives the job (its
-    control group's limit, where lower than the machine's memory): its ranks would be killed by the kernel's OOM
-    killer once the model is built, a SIGKILL each. A lower bound: the optimizer's state, the activations and the
-    buffers come on top, so a job it passes may still not fit."""
+    """A CPU job whose weights, gradients and optimizer state alone (:data:`COPIES_PER_PARAMETER` copies of each
+    parameter in ``training.dtype``, torchtitan's parameter dtype), sharded over its ``nodes`` machines, exceed the
+    memory and swap this machine gives the job (its control group's limits, where lower than the machine's): its
+    ranks would be killed by the kernel's OOM killer once the model is built or at the first step, a SIGKILL each.
+    A lower bound: the activations, the buffers and each process's own runtime come on top, so a job it passes may
+    still not fit."""
     parameters = sum(p.numel() for p in shared_meta_model(job_config).parameters())
-    needed = parameters * 2 * TORCH_DTYPE_MAP[job_config.training.dtype].itemsize / nodes
+    needed = parameters * COPIES_PER_PARAMETER * TORCH_DTYPE_MAP[job_config.training.dtype].itemsize / nodes
     available = host_memory_bytes()
     if needed > available:
         per = f" per machine of {nodes}" if nodes > 1 else ""
         raise ConfigError(
-            f"model.flavor = '{job_config.model.flavor}' has {parameters:,} parameters: their weights and gradients "
-            f"alone ({job_config.training.dtype}) take {needed / 1e9:,.1f} GB{per}, more than the "
-            f"{available / 1e9:,.1f} GB of memory and swap this machine gives the job: train a debug flavour here (as "
-            "train_configs/*debug_model.toml do), or on GPUs"
+            f"model.flavor = '{job_config.model.flavor}' has {parameters:,} parameters: their weights, gradients and "
+            f"{job_config.optimizer.name}'s two moments alone ({job_config.training.dtype}) take {needed / 1e9:,.1f} "
+            f"GB{per}, more than the {available / 1e9:,.1f} GB of memory and swap this machine gives the job: train "
+            "a debug flavour here (as train_configs/*debug_model.toml do), or on GPUs"
         )
 
 
