@@ -53,6 +53,20 @@ else
     config_args=(--job.config_file "${CONFIG_FILE:-train_configs/debug_model.toml}")
 fi
 
+for arg in "$@"; do
+    case "${arg}" in
+        -h | --help)
+            # this launcher's usage (the comment above), then every config option, the config file's values as
+            # defaults
+            sed -n '2,/^set -euo pipefail$/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"
+            echo
+            python -m torchtitan_ext.launch.preflight --ngpu 1 -- "${config_args[@]}" "$@" |
+                sed '1s|^usage: [^ ]*|usage: ./run_train.sh|'
+            exit 0
+            ;;
+    esac
+done
+
 if [ "${COMM_MODE}" = "fake_backend" ]; then
     # the world size as every tool takes it: NGPU, else the config's degrees (a dry run is for another machine)
     NGPU="${NGPU:-}" exec python -m torchtitan_ext.measuring.dry_run -- "${config_args[@]}" "$@"

@@ -55,6 +55,7 @@ STUB_PYTHON = """#!/bin/sh
 { printf '%s\\037' "$@"; printf '\\036'; } >> "$STUB_CALLS"
 case " $* " in
     *" --print-launch-info "*) echo "export TTE_LOSS_RANK=0 TTE_CHECKPOINT_FOLDER= TTE_DUMP_FOLDER=./outputs" ;;
+    *" --help "*) echo "usage: /site-packages/torchtitan_ext/launch/preflight.py [-h] [OPTIONS]" ;;
 esac
 """
 
@@ -63,6 +64,11 @@ def launched(tmp_path, *args: str, fake_gpus: str | None = None, **env: str) -> 
     """The python commands ``./run_train.sh args`` runs (preflight, then the supervisor or the dry run), with a
     ``python`` that only records them: what the launcher's shell hands the package, in a fraction of a second.
     ``fake_gpus``: what ``nvidia-smi -L`` prints."""
+    return launched_with_output(tmp_path, *args, fake_gpus=fake_gpus, **env)[0]
+
+
+def launched_with_output(tmp_path, *args: str, fake_gpus: str | None = None, **env: str) -> tuple[list[list[str]], str]:
+    """:func:`launched`'s commands, and what the launcher printed."""
     stub = tmp_path / "bin"
     stub.mkdir(parents=True)
     (stub / "python").write_text(STUB_PYTHON)
@@ -77,7 +83,7 @@ def launched(tmp_path, *args: str, fake_gpus: str | None = None, **env: str) -> 
         launch_env.pop("NGPU")
     result = run_job(["./run_train.sh", *args], cwd=REPO_ROOT, env=launch_env, timeout_s=60, check=False)
     assert result.returncode == 0, result.output
-    return [call.split("\037")[:-1] for call in calls.read_text().split("\036")[:-1]]
+    return [call.split("\037")[:-1] for call in calls.read_text().split("\036")[:-1]], result.output
 
 
 def _train_args(call: list[str]) -> list[str]:
@@ -95,6 +101,24 @@ def test_the_launcher_hands_ngpu_port_and_log_rank_to_its_checks(tmp_path):
     assert _train_args(preflight) == [*DEFAULT_CONFIG, "--training.steps", "3"]
     assert "--nproc_per_node=two" in supervisor and "--rdzv_endpoint=localhost:29555" in supervisor
     assert supervisor[supervisor.index("--local-ranks-filter") + 1] == "1"
+
+
+@pytest.mark.slow
+def test_help_is_the_launchers_usage_then_the_config_options_under_its_name(tmp_path):
+    """Before, the pre-flight's help went into the launch info the launcher evaluates: "usage:: command not found"."""
+    (preflight,), output = launched_with_output(tmp_path, "--training.steps", "3", "--help")
+    assert _train_args(preflight) == [*DEFAULT_CONFIG, "--training.steps", "3", "--help"]
+    lines = output.splitlines()
+    assert lines[0] == "Launch a training job, torchtitan style." and "  MASTER_PORT  rendezvous port; unset picks" in output
+    assert lines[-1] == "usage: ./run_train.sh [-h] [OPTIONS]"
+
+
+def test_a_launch_that_asks_for_help_is_refused_where_the_launcher_evaluates_the_output(capsys):
+    from torchtitan_ext.launch import preflight
+
+    for flag in ("--print-launch-info", "--print-env"):
+        assert _check_error(capsys, preflight.main, ["--ngpu", "2", flag, "--", *DEFAULT_CONFIG, "-h"]).startswith(
+            "error: --help is among the job's config overrides: the launchers list their options with ")
 
 
 LLAMA4_CONFIG = ["--job.config_file", "train_configs/llama4_debug_model.toml"]

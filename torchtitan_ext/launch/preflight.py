@@ -183,6 +183,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("train_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    if (args.print_env or args.print_launch_info) and any(arg in ("-h", "--help") for arg in train_args):
+        # a launcher evaluates what these print: the options' list would run as commands
+        print("error: --help is among the job's config overrides: the launchers list their options with "
+              "./run_train.sh --help; drop it from the launch", file=sys.stderr)
+        sys.exit(2)
     init_logger(logging.WARNING, sys.stderr)
     for handler in logging.getLogger().handlers:  # this console's only: the process's other logging keeps it
         handler.addFilter(lambda record: not _said_by_the_tokenizer_check(record.getMessage()))
