@@ -198,7 +198,8 @@ def _check_world_size(job_config, world_size: int) -> None:
     if borrowed % (ep * etp):
         raise ConfigError(
             f"parallelism.expert_parallel_degree = {ep} (x expert TP {etp}) must divide "
-            f"dp_shard x cp x tp = {borrowed}: choose an EP degree that divides {borrowed}"
+            f"dp_shard x cp x tp = {borrowed}: choose an EP degree that divides {borrowed}, or a world size "
+            f"(NGPU x nodes) that makes dp_shard x cp x tp a multiple of {ep * etp}"
         )
     expert_shards = borrowed // (ep * etp)
     if shard * p.context_parallel_degree == 1 and expert_shards > 1:
