@@ -156,6 +156,17 @@ def _complete_step_2(dump_folder) -> None:
     (dump_folder / "checkpoint" / "step-2" / ".metadata").write_bytes(b"")
 
 
+def _model_only_last_step(dump_folder) -> None:
+    """A finished job's folder: a full checkpoint at step 2, its last step (4) saved model-only."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    weights = {"tok_embeddings.weight": torch.zeros(2, 2)}
+    dcp.save({"model": weights, "train_state": {"step": torch.tensor(2)}},
+             checkpoint_id=str(dump_folder / "checkpoint" / "step-2"), no_dist=True)
+    dcp.save(weights, checkpoint_id=str(dump_folder / "checkpoint" / "step-4"), no_dist=True)
+
+
 def _tokenizer_file(folder) -> None:
     folder.write_text("{}")
 
@@ -176,6 +187,10 @@ LAUNCHES = {
     "a missing load step": (_complete_step_2, ["--checkpoint.enable", "--checkpoint.load_step", "4"],
                             "checkpoint.load_step = 4, but {tmp}/checkpoint holds no complete checkpoint of that step "
                             "(complete: 2)"),
+    "a model-only last step": (_model_only_last_step, ["--checkpoint.enable"],
+                               "checkpoint {tmp}/checkpoint/step-4 holds the model only (checkpoint.last_save_model_only "
+                               "saves a job's last step so), and a job resuming in {tmp}/checkpoint loads it whole: "
+                               "resume from the last full one (--checkpoint.load_step 2), or start from its weights"),
     "no initial checkpoint": (None, ["--checkpoint.enable", "--checkpoint.initial_load_path", "{tmp}/initial"],
                               "checkpoint.initial_load_path = '{tmp}/initial' is not a folder"),
     "a missing custom import": (None, ["--experimental.custom_import", "no_such_module_here.datasets"],

@@ -21,6 +21,7 @@ import re
 from pathlib import Path
 
 import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
 from torchtitan.tools.logging import logger
 
 from torchtitan_ext.balancing.migration import read_record, record_problem
@@ -137,6 +138,9 @@ def check_start_checkpoint(job_config) -> None:
                 f"checkpoint.load_step = {checkpoint.load_step}, but {folder} holds no complete checkpoint of that step "
                 f"(complete: {', '.join(map(str, complete)) or 'none'}): give one of them, or -1 for the latest"
             )
+    loaded = checkpoint_to_load(job_config)
+    if folder.exists() and loaded is not None and loaded.parent == folder and loaded.name != "step-0":
+        _check_loads_whole(loaded, folder)
     initial = checkpoint.initial_load_path
     if initial and not folder.exists() and not Path(initial).is_dir():
         raise ConfigError(
@@ -144,6 +148,35 @@ def check_start_checkpoint(job_config) -> None:
             "of a checkpoint (a DCP step folder, or with checkpoint.initial_load_in_hf the HF safetensors' folder), "
             "or unset it"
         )
+
+
+def holds_model_only(path: Path) -> bool:
+    """Whether a complete checkpoint holds the model alone, as torchtitan writes a job's last step under
+    ``checkpoint.last_save_model_only`` (a full one also holds the optimizer, the data loader and the train state)."""
+    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return not any(key.startswith("train_state.") for key in keys)
+
+
+def _check_loads_whole(path: Path, folder: Path) -> None:
+    """ConfigError where the checkpoint a job resumes from holds the model only: torchtitan loads every step but
+    step 0 of the job's folder whole, and fails in every rank on the missing optimizer and data loader (a finished
+    job run again with more steps, its last step saved model-only)."""
+    try:
+        model_only = holds_model_only(path)
+    except Exception as e:  # a damaged .metadata: whatever DCP raises, named in one line
+        raise ConfigError(f"checkpoint {path}: its .metadata cannot be read ({type(e).__name__}: {e}): load another "
+                          "checkpoint (checkpoint.load_step) or move this one away") from None
+    if not model_only:
+        return
+    complete, _ = checkpoint_steps(folder)
+    full = [step for step in complete if f"step-{step}" != path.name and not holds_model_only(folder / f"step-{step}")]
+    resume = f"resume from the last full one (--checkpoint.load_step {full[-1]}), or " if full else ""
+    raise ConfigError(
+        f"checkpoint {path} holds the model only (checkpoint.last_save_model_only saves a job's last step so), and "
+        f"a job resuming in {folder} loads it whole: {resume}start from its weights in a new folder "
+        f"(--checkpoint.folder NEW --checkpoint.initial_load_path {path}); --checkpoint.no_last_save_model_only "
+        "saves a last step that resumes"
+    )
 
 
 def check_checkpoint_options(job_config, context: ValidationContext) -> None:
