@@ -58,10 +58,12 @@ for arg in "$@"; do
         -h | --help)
             # this launcher's usage (the comment above), then every config option, the config file's values as
             # defaults
+            # (the options are read whole first, so that a reader that stops early, | head, closes the pipe on sed,
+            # not on Python, which would print a traceback)
+            options="$(python -m torchtitan_ext.launch.preflight --ngpu 1 -- "${config_args[@]}" "$@")"
             sed -n '2,/^set -euo pipefail$/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"
             echo
-            python -m torchtitan_ext.launch.preflight --ngpu 1 -- "${config_args[@]}" "$@" |
-                sed '1s|^usage: [^ ]*|usage: ./run_train.sh|'
+            printf '%s\n' "${options}" | sed '1s|^usage: [^ ]*|usage: ./run_train.sh|'
             exit 0
             ;;
     esac

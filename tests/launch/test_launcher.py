@@ -190,7 +190,14 @@ LAUNCHES = {
     "a model-only last step": (_model_only_last_step, ["--checkpoint.enable"],
                                "checkpoint {tmp}/checkpoint/step-4 holds the model only (checkpoint.last_save_model_only "
                                "saves a job's last step so), and a job resuming in {tmp}/checkpoint loads it whole: "
-                               "resume from the last full one (--checkpoint.load_step 2), or start from its weights"),
+                               "move it aside (mv {tmp}/checkpoint/step-4 {tmp}/checkpoint/model_only_step_4) to resume "
+                               "from the last full one, step 2, or start from its weights"),
+    "a full checkpoint named by its step": (_model_only_last_step, ["--checkpoint.enable", "--checkpoint.load_step", "2"],
+                                            None),
+    "a model-only last step loaded as the model": (
+        _model_only_last_step,
+        ["--checkpoint.enable", "--checkpoint.exclude_from_loading", "optimizer,lr_scheduler,dataloader,train_state"],
+        None),
     "no initial checkpoint": (None, ["--checkpoint.enable", "--checkpoint.initial_load_path", "{tmp}/initial"],
                               "checkpoint.initial_load_path = '{tmp}/initial' is not a folder"),
     "a missing custom import": (None, ["--experimental.custom_import", "no_such_module_here.datasets"],
@@ -207,8 +214,9 @@ def test_a_launch_its_ranks_would_fail_stops_in_one_line(case, capsys, monkeypat
     warning of a missing tokenizer folder left out."""
     from torchtitan_ext.launch import preflight
 
-    # weights, gradients and Adam's moments of the debug model's 33M parameters take 528 MB: more than 100 MB
-    monkeypatch.setattr(preflight, "host_memory_bytes", lambda: 10**8 if case.startswith("more than") else 10**15)
+    # the weights, gradients and Adam's two moments of the debug model's 33M parameters take 528 MB (two copies
+    # would take 264 MB): more than a machine of 400 MB
+    monkeypatch.setattr(preflight, "host_memory_bytes", lambda: 4 * 10**8 if case.startswith("more than") else 10**15)
     make, overrides, error = LAUNCHES[case]
     if make is not None:
         make(tmp_path / "assets" if "tokenizer" in case else tmp_path)

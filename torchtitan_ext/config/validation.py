@@ -5,6 +5,7 @@ field and the fix (:class:`~torchtitan_ext.config.errors.ConfigError`), before
 any process group, buffer or model exists.
 """
 
+from torchtitan.components.optimizer import build_optimizers, build_optimizers_with_moe_load_balancing
 from torchtitan.protocols.train_spec import get_train_spec
 
 from torchtitan_ext.config.errors import ConfigError
@@ -31,11 +32,31 @@ def validate(job_config, *, device_type: str | None, world_size: int | None = No
     _check_activation_checkpointing(job_config)
     _check_pipeline(job_config, device_type)
     _check_pipeline_split(job_config)
+    _check_optimizer(job_config)
     if world_size is not None:
         _check_world_size(job_config, world_size)
     context = ValidationContext(device_type, world_size, shape, command_line)
     for check in registered_checks():
         check(job_config, context)
+
+
+TORCHTITAN_OPTIMIZERS = ("Adam", "AdamW")
+"""What torchtitan 0.2.2's optimizer builders make; both keep two moments (``exp_avg``, ``exp_avg_sq``) of every
+parameter, in its dtype."""
+
+
+def builds_torchtitans_optimizers(job_config) -> bool:
+    """Whether the model's train spec builds its optimizers with torchtitan's builders (a spec of another model may
+    build any)."""
+    return get_train_spec(job_config.model.name).build_optimizers_fn in (
+        build_optimizers, build_optimizers_with_moe_load_balancing)
+
+
+def _check_optimizer(job_config) -> None:
+    name = job_config.optimizer.name
+    if builds_torchtitans_optimizers(job_config) and name not in TORCHTITAN_OPTIMIZERS:
+        raise ConfigError(f"optimizer.name = '{name}' is not an optimizer torchtitan builds: use "
+                          f"{' or '.join(TORCHTITAN_OPTIMIZERS)}")
 
 
 def _check_experts_divide(job_config, shape: MoEShape | None) -> None:

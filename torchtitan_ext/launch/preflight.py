@@ -33,6 +33,7 @@ with imports_without_collection():
     from torchtitan.config import TORCH_DTYPE_MAP
 
     from torchtitan_ext.config import ConfigError, load_job_config, shared_meta_model
+    from torchtitan_ext.config.validation import builds_torchtitans_optimizers
     from torchtitan_ext.runtime.memory import host_memory_bytes
     from torchtitan_ext.data import check_tokenizer_folder, prepare_embedded_assets
     from torchtitan_ext.ep import backend_class
@@ -132,28 +133,36 @@ def check_custom_import(job_config) -> None:
                           "install it or add its folder to PYTHONPATH, or unset it")
 
 
-COPIES_PER_PARAMETER = 4
-"""What a training job holds of each parameter at least, in ``training.dtype``: the weight, its gradient, and the two
-moments of Adam or AdamW (torchtitan's only optimizers; their state is made at the first step)."""
+def copies_per_parameter(job_config) -> int:
+    """What a job holds of each parameter at least, in ``training.dtype``: the weight; its gradient, unless
+    ``optimizer.early_step_in_backward`` steps and frees each as it arrives; the two moments of torchtitan's Adam
+    or AdamW (made at the first step). A seed checkpoint's job holds the weights alone."""
+    if job_config.checkpoint.create_seed_checkpoint:
+        return 1
+    gradients = 0 if job_config.optimizer.early_step_in_backward else 1
+    moments = 2 if builds_torchtitans_optimizers(job_config) else 0
+    return 1 + gradients + moments
 
 
 def check_cpu_memory(job_config, nodes: int) -> None:
-    """A CPU job whose weights, gradients and optimizer state alone (:data:`COPIES_PER_PARAMETER` copies of each
+    """A CPU job whose weights, gradients and optimizer state alone (:func:`copies_per_parameter` copies of each
     parameter in ``training.dtype``, torchtitan's parameter dtype), sharded over its ``nodes`` machines, exceed the
     memory and swap this machine gives the job (its control group's limits, where lower than the machine's): its
     ranks would be killed by the kernel's OOM killer once the model is built or at the first step, a SIGKILL each.
     A lower bound: the activations, the buffers and each process's own runtime come on top, so a job it passes may
     still not fit."""
     parameters = sum(p.numel() for p in shared_meta_model(job_config).parameters())
-    needed = parameters * COPIES_PER_PARAMETER * TORCH_DTYPE_MAP[job_config.training.dtype].itemsize / nodes
+    copies = copies_per_parameter(job_config)
+    needed = parameters * copies * TORCH_DTYPE_MAP[job_config.training.dtype].itemsize / nodes
     available = host_memory_bytes()
     if needed > available:
         per = f" per machine of {nodes}" if nodes > 1 else ""
         raise ConfigError(
-            f"model.flavor = '{job_config.model.flavor}' has {parameters:,} parameters: their weights, gradients and "
-            f"{job_config.optimizer.name}'s two moments alone ({job_config.training.dtype}) take {needed / 1e9:,.1f} "
-            f"GB{per}, more than the {available / 1e9:,.1f} GB of memory and swap this machine gives the job: train "
-            "a debug flavour here (as train_configs/*debug_model.toml do), or on GPUs"
+            f"model.flavor = '{job_config.model.flavor}' has {parameters:,} parameters: {copies} cop"
+            f"{'ies' if copies > 1 else 'y'} of each (the weights, the gradients and the optimizer's moments a step "
+            f"holds) alone take {needed / 1e9:,.1f} GB{per} in {job_config.training.dtype}, more than the "
+            f"{available / 1e9:,.1f} GB of memory and swap this machine gives the job: train a debug flavour here (as "
+            "train_configs/*debug_model.toml do), or on GPUs"
         )
 
 

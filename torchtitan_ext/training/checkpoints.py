@@ -140,7 +140,7 @@ def check_start_checkpoint(job_config) -> None:
             )
     loaded = checkpoint_to_load(job_config)
     if folder.exists() and loaded is not None and loaded.parent == folder and loaded.name != "step-0":
-        _check_loads_whole(loaded, folder)
+        _check_loads_whole(job_config, loaded, folder)
     initial = checkpoint.initial_load_path
     if initial and not folder.exists() and not Path(initial).is_dir():
         raise ConfigError(
@@ -157,10 +157,16 @@ def holds_model_only(path: Path) -> bool:
     return not any(key.startswith("train_state.") for key in keys)
 
 
-def _check_loads_whole(path: Path, folder: Path) -> None:
+FULL_STATE = ("optimizer", "lr_scheduler", "dataloader", "train_state")
+"""What a full checkpoint holds beside the model, and a model-only one lacks."""
+
+
+def _check_loads_whole(job_config, path: Path, folder: Path) -> None:
     """ConfigError where the checkpoint a job resumes from holds the model only: torchtitan loads every step but
-    step 0 of the job's folder whole, and fails in every rank on the missing optimizer and data loader (a finished
-    job run again with more steps, its last step saved model-only)."""
+    step 0 of the job's folder whole (less ``checkpoint.exclude_from_loading``), and fails in every rank on the
+    missing optimizer and data loader (a finished job run again with more steps, its last step saved model-only)."""
+    if set(FULL_STATE) <= set(job_config.checkpoint.exclude_from_loading):
+        return
     try:
         model_only = holds_model_only(path)
     except Exception as e:  # a damaged .metadata: whatever DCP raises, named in one line
@@ -169,14 +175,23 @@ def _check_loads_whole(path: Path, folder: Path) -> None:
     if not model_only:
         return
     complete, _ = checkpoint_steps(folder)
-    full = [step for step in complete if f"step-{step}" != path.name and not holds_model_only(folder / f"step-{step}")]
-    resume = f"resume from the last full one (--checkpoint.load_step {full[-1]}), or " if full else ""
+    full = next((step for step in reversed(complete) if f"step-{step}" != path.name and _holds_full(folder, step)), None)
+    aside = folder / f"model_only_{path.name.replace('-', '_')}"
+    resume = f"resume from the last full one, step {full}" if full is not None else "start over (no full one is left)"
     raise ConfigError(
         f"checkpoint {path} holds the model only (checkpoint.last_save_model_only saves a job's last step so), and "
-        f"a job resuming in {folder} loads it whole: {resume}start from its weights in a new folder "
-        f"(--checkpoint.folder NEW --checkpoint.initial_load_path {path}); --checkpoint.no_last_save_model_only "
-        "saves a last step that resumes"
+        f"a job resuming in {folder} loads it whole: move it aside (mv {path} {aside}) to {resume}, or "
+        f"start from its weights in a new folder (--checkpoint.folder NEW --checkpoint.initial_load_path {path}); "
+        "--checkpoint.no_last_save_model_only saves a last step that resumes"
     )
+
+
+def _holds_full(folder: Path, step: int) -> bool:
+    """Whether ``step``'s complete checkpoint in ``folder`` holds the full state (False where it cannot be read)."""
+    try:
+        return not holds_model_only(folder / f"step-{step}")
+    except Exception:  # a damaged .metadata is no checkpoint to resume from
+        return False
 
 
 def check_checkpoint_options(job_config, context: ValidationContext) -> None:
