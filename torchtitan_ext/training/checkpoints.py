@@ -29,6 +29,10 @@ from torchtitan_ext.config import ConfigError, moe_layer_ids, register_check, Va
 
 CHECKPOINT_NAME = re.compile(r"step-(\d+)")
 SET_ASIDE_PREFIX = "incomplete_step_"
+HF_EXPORT_INDEX = "model.safetensors.index.json"
+"""What torchtitan writes last in a step saved as HF safetensors (``checkpoint.last_save_in_hf``), which it has no
+``.metadata`` of."""
+HF_EXPORT_PREFIX = "hf_export_step_"
 
 
 def is_complete(path: Path) -> bool:
@@ -47,25 +51,30 @@ def checkpoint_steps(folder: Path) -> tuple[list[int], list[int]]:
 
 
 def set_aside_torn(folder: str | Path) -> list[Path]:
-    """Rename every torn ``step-N`` in ``folder`` to ``incomplete_step_N`` (``_2``, ... if taken) and log it;
-    the new paths. Global rank 0 renames; every rank waits for it."""
+    """Rename every ``step-N`` in ``folder`` that a resume cannot load, a torn write (to ``incomplete_step_N``) or an
+    HF safetensors export of a job's last step (to ``hf_export_step_N``; torchtitan would load it as its latest
+    checkpoint and fail), ``_2``, ... where the name is taken, and log it; the new paths. Global rank 0 renames;
+    every rank waits for it."""
     folder = Path(folder)
     moved = []
     if not dist.is_initialized() or dist.get_rank() == 0:
         complete, torn = checkpoint_steps(folder)
         resume = f"step {complete[-1]}" if complete else "the start (no complete checkpoint)"
         for step in torn:
-            target = folder / f"{SET_ASIDE_PREFIX}{step}"
+            source = folder / f"step-{step}"
+            export = (source / HF_EXPORT_INDEX).is_file()
+            prefix = HF_EXPORT_PREFIX if export else SET_ASIDE_PREFIX
+            target = folder / f"{prefix}{step}"
             copy = 1
             while target.exists():
                 copy += 1
-                target = folder / f"{SET_ASIDE_PREFIX}{step}_{copy}"
-            os.rename(folder / f"step-{step}", target)
+                target = folder / f"{prefix}{step}_{copy}"
+            os.rename(source, target)
             moved.append(target)
-            logger.warning(
-                f"Checkpoint {folder / f'step-{step}'} is incomplete (no .metadata: its write was interrupted); "
-                f"set aside as {target}, never loaded or counted; training resumes from {resume}"
-            )
+            what = ("an HF safetensors export (checkpoint.last_save_in_hf saves a job's last step so), which a resume "
+                    "cannot load" if export else "incomplete (no .metadata: its write was interrupted)")
+            logger.warning(f"Checkpoint {source} is {what}; set aside as {target}, never loaded or counted; "
+                           f"training resumes from {resume}")
     if dist.is_initialized():
         dist.barrier()
     return moved
