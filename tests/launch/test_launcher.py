@@ -1,6 +1,7 @@
 """run_train.sh: overrides pass through, bad input fails once with one clear line."""
 
 import os
+import sys
 
 import pytest
 
@@ -203,6 +204,8 @@ LAUNCHES = {
     "a missing custom import": (None, ["--experimental.custom_import", "no_such_module_here.datasets"],
                                 "experimental.custom_import = 'no_such_module_here.datasets' is not a module"),
     "a custom import": (None, ["--experimental.custom_import", "json"], None),
+    "W&B without wandb": (None, ["--metrics.enable_wandb"], "metrics.enable_wandb is set, but this machine's Python "
+                                                           "has no wandb: pip install wandb"),
     "more than the machine's memory": (None, [], "model.flavor = 'debugmodel' has "),
 }
 
@@ -217,6 +220,7 @@ def test_a_launch_its_ranks_would_fail_stops_in_one_line(case, capsys, monkeypat
     # the weights, gradients and Adam's two moments of the debug model's 33M parameters take 528 MB (two copies
     # would take 264 MB): more than a machine of 400 MB
     monkeypatch.setattr(preflight, "host_memory_bytes", lambda: 4 * 10**8 if case.startswith("more than") else 10**15)
+    monkeypatch.setitem(sys.modules, "wandb", None)  # a machine without it, whatever this one has
     make, overrides, error = LAUNCHES[case]
     if make is not None:
         make(tmp_path / "assets" if "tokenizer" in case else tmp_path)

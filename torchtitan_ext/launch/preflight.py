@@ -5,8 +5,8 @@ checks that torchrun takes the launchers' options, validates the process count, 
 explicitly requested rendezvous port and the job config (TOML + overrides) for N x M ranks
 (on ``--device-type``, default this machine's device), then, on a machine of the job's device type, what the
 ranks would only find out once started (the tokenizer in ``model.hf_assets_path``, the checkpoint the job starts
-from, ``experimental.custom_import``, and on a CPU whether the weights, gradients and optimizer state fit in
-memory), and builds the embedded assets the job needs. Any problem is one line on stderr naming it and the fix, with
+from, ``experimental.custom_import``, wandb where ``metrics.enable_wandb`` asks for it, and on a CPU whether the
+weights, gradients and optimizer state fit in memory), and builds the embedded assets the job needs. Any problem is one line on stderr naming it and the fix, with
 exit status 2, so that a bad launch fails once, before torchrun starts N copies
 of it. ``--print-env`` prints ``export NAME=value`` lines for the environment
 the EP backend's kernel library reads (e.g. HybridEP's NVLink-domain size), for
@@ -144,6 +144,14 @@ def copies_per_parameter(job_config) -> int:
     return 1 + gradients + moments
 
 
+def check_wandb(job_config) -> None:
+    """``metrics.enable_wandb`` on a machine whose Python has no wandb: torchtitan logs an error in every rank and
+    trains on without W&B."""
+    if job_config.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("metrics.enable_wandb is set, but this machine's Python has no wandb: pip install wandb, or "
+                          "unset it (the step metrics go to metrics.jsonl either way)")
+
+
 def check_cpu_memory(job_config, nodes: int) -> None:
     """A CPU job whose weights, gradients and optimizer state alone (:func:`copies_per_parameter` copies of each
     parameter in ``training.dtype``, torchtitan's parameter dtype), sharded over its ``nodes`` machines, exceed the
@@ -215,6 +223,7 @@ def main(argv: list[str] | None = None) -> None:
             check_tokenizer_folder(job_config)
             check_start_checkpoint(job_config)
             check_custom_import(job_config)
+            check_wandb(job_config)
             if device_type == "cpu":
                 check_cpu_memory(job_config, args.nnodes)
     except ConfigError as e:
