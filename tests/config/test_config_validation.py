@@ -348,7 +348,29 @@ def test_library_kernels_need_fsdp_for_bf16_tokens(backend):
     )):
         _cluster(*borrowing_tp)
     _cluster(*borrowing_tp, world_size=4)  # the rest of the world shards data parallelism: FSDP casts
-    _cluster(*borrowing_tp, f"--{backend}.implementation", "reference")
+    # the reference takes any dtype: the job says the float32 it trains in (test_mixed_precision_needs_fsdp_under_tp_or_pp)
+    _cluster(*borrowing_tp, f"--{backend}.implementation", "reference", "--training.mixed_precision_param", "float32")
+
+
+@pytest.mark.parametrize("overrides, world_size, refused", [
+    (("--parallelism.tensor_parallel_degree", "2"), 2, True),
+    (("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B",
+      "--parallelism.pipeline_parallel_microbatch_size", "1", "--parallelism.expert_parallel_degree", "1"), 2, True),
+    (("--parallelism.tensor_parallel_degree", "2"), 4, False),  # FSDP over the other 2 ranks casts
+    (("--parallelism.tensor_parallel_degree", "2", "--training.mixed_precision_param", "float32"), 2, False),
+    (("--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+      "--parallelism.expert_parallel_degree", "1"), 2, False),  # no TP or PP: autocast
+], ids=["tp", "pp", "tp_fsdp", "tp_float32", "replicated"])
+def test_mixed_precision_needs_fsdp_under_tp_or_pp(overrides, world_size, refused):
+    """torchtitan's maybe_enable_amp leaves a TP or PP job without FSDP in float32 with a warning: the default
+    bfloat16 (or any other) was not what such a job trained in."""
+    job = ("--training.mixed_precision_param", "bfloat16", *overrides)
+    if not refused:
+        _cluster(*job, world_size=world_size)
+        return
+    with pytest.raises(ConfigError, match=r"^training.mixed_precision_param = 'bfloat16', but torchtitan mixes "
+                                          r"precision through FSDP where TP or PP is on, .* it would train in float32"):
+        _cluster(*job, world_size=world_size)
 
 
 def test_deepep_v1_rank_counts(tmp_path):

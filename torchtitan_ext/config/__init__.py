@@ -16,6 +16,7 @@ from torchtitan_ext.config.hf_model import hf_flavor_args, HF_FLAVOR_PREFIX, reg
 from torchtitan_ext.config.job import (
     job_world_size,
     max_tokens_per_rank,
+    mixes_precision_through_fsdp,
     meta_model,
     shared_meta_model,
     model_args_of,
@@ -43,6 +44,7 @@ __all__ = [
     "job_world_size",
     "load_job_config",
     "max_tokens_per_rank",
+    "mixes_precision_through_fsdp",
     "meta_model",
     "shared_meta_model",
     "model_args_of",

@@ -145,6 +145,22 @@ def moe_layer_ids(job_config) -> list[int]:
     return sorted(int(layer_id) for layer_id, block in shared_meta_model(job_config).layers.items() if block.moe_enabled)
 
 
+def mixes_precision_through_fsdp(job_config, world_size: int | None) -> bool | None:
+    """Whether FSDP shards the job (dp_shard x cp > 1 on ``world_size`` ranks): torchtitan casts to
+    ``training.mixed_precision_param`` through FSDP, or through autocast where there is no TP or PP, so a TP or PP job
+    without FSDP runs its model in float32 whatever that says (``maybe_enable_amp`` only warns). None where the
+    world size is unknown and dp_shard is automatic, or the degrees do not divide it (validation says so)."""
+    p = job_config.parallelism
+    fixed = p.data_parallel_replicate_degree * p.context_parallel_degree * p.tensor_parallel_degree
+    fixed *= p.pipeline_parallel_degree
+    shard = p.data_parallel_shard_degree
+    if shard == -1:
+        if world_size is None or world_size % fixed:
+            return None
+        shard = world_size // fixed
+    return shard > 1 or p.context_parallel_degree > 1
+
+
 def job_world_size(job_config, given: int | None = None) -> int:
     """The job's world size, by one rule for every tool: ``given`` (a ``--world-size`` flag), else the
     ``NGPU`` environment variable, else the product of the config's degrees when they fix it.

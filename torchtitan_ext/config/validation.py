@@ -9,7 +9,7 @@ from torchtitan.components.optimizer import build_optimizers, build_optimizers_w
 from torchtitan.protocols.train_spec import get_train_spec
 
 from torchtitan_ext.config.errors import ConfigError
-from torchtitan_ext.config.job import model_args_of, moe_shape, MoEShape
+from torchtitan_ext.config.job import mixes_precision_through_fsdp, model_args_of, moe_shape, MoEShape
 from torchtitan_ext.config.ranges import check_ranges
 from torchtitan_ext.config.registry import field_ranges, registered_checks, ValidationContext
 from torchtitan_ext.config.sections import overlaps_expert_parallel
@@ -38,6 +38,23 @@ def validate(job_config, *, device_type: str | None, world_size: int | None = No
     context = ValidationContext(device_type, world_size, shape, command_line)
     for check in registered_checks():
         check(job_config, context)
+    # after the backends' checks: a kernel library that takes bf16 tokens only names its own fix first
+    _check_mixed_precision(job_config, world_size)
+
+
+def _check_mixed_precision(job_config, world_size: int | None) -> None:
+    """A TP or PP job without FSDP runs in float32 (:func:`~torchtitan_ext.config.job.mixes_precision_through_fsdp`):
+    another ``training.mixed_precision_param``, the default bfloat16 included, would not be what it trains in."""
+    p, precision = job_config.parallelism, job_config.training.mixed_precision_param
+    if precision == "float32" or (p.tensor_parallel_degree == 1 and p.pipeline_parallel_degree == 1):
+        return
+    if mixes_precision_through_fsdp(job_config, world_size) is False:
+        raise ConfigError(
+            f"training.mixed_precision_param = '{precision}', but torchtitan mixes precision through FSDP where TP or "
+            "PP is on, and this job has no FSDP (data-parallel shard x context parallel = 1): it would train in "
+            "float32; set training.mixed_precision_param = 'float32' to say so, or shard data parallelism "
+            "(data_parallel_shard_degree > 1)"
+        )
 
 
 TORCHTITAN_OPTIMIZERS = ("Adam", "AdamW")

@@ -6,7 +6,9 @@ section and combinations itself (``RoutedExpertParallel.validate_config``).
 """
 
 
-from torchtitan_ext.config import comm_backend, ConfigError, nonstandard_experts, ValidationContext
+from torchtitan_ext.config import (
+    comm_backend, ConfigError, mixes_precision_through_fsdp, nonstandard_experts, ValidationContext,
+)
 from torchtitan_ext.ep.backends import BACKENDS
 from torchtitan_ext.ep.replication.plan import dispatched_shape
 
@@ -31,17 +33,10 @@ def _check_tokens_reach_the_kernels_in_bf16(job_config, world_size: int | None, 
     """torchtitan casts the model to ``training.mixed_precision_param`` through FSDP only: without it,
     under TP or PP (which expert parallelism without a data-parallel shard implies) the model runs in
     fp32, and a library's kernels would get fp32 tokens at the first dispatch."""
-    p = job_config.parallelism
-    shard = p.data_parallel_shard_degree
-    if shard == -1:
-        if world_size is None:
-            return
-        shard = world_size // (p.data_parallel_replicate_degree * p.context_parallel_degree
-                               * p.tensor_parallel_degree * p.pipeline_parallel_degree)
-    if shard > 1 or p.context_parallel_degree > 1:
+    if mixes_precision_through_fsdp(job_config, world_size) is not False:
         return
     raise ConfigError(
-        f"parallelism.data_parallel_shard_degree is {shard} (and context_parallel_degree 1): without FSDP, "
+        f"parallelism.data_parallel_shard_degree is 1 (and context_parallel_degree 1): without FSDP, "
         f"torchtitan runs the model in fp32 (training.mixed_precision_param applies through FSDP), and the "
         f"{section} kernels take bf16 tokens only: shard data parallelism (data_parallel_shard_degree > 1), "
         f"or set {section}.implementation = 'reference'"
