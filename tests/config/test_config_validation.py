@@ -352,6 +352,16 @@ def test_library_kernels_need_fsdp_for_bf16_tokens(backend):
     _cluster(*borrowing_tp, f"--{backend}.implementation", "reference", "--training.mixed_precision_param", "float32")
 
 
+def test_ddp_beside_tp_is_refused_before_its_ranks_raise():
+    """torchtitan's DDP needs the whole world (models/parallelize.py raised "DDP does not support > 1D parallelism"
+    in every rank)."""
+    with pytest.raises(ConfigError, match=r"^parallelism.data_parallel_replicate_degree = 2 without a data-parallel "
+                                          r"shard is DDP, which torchtitan runs only as the job's one parallelism"):
+        _cluster("--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+                 "--parallelism.tensor_parallel_degree", "2", "--training.mixed_precision_param", "float32",
+                 world_size=4)
+
+
 @pytest.mark.parametrize("overrides, world_size, refused", [
     (("--parallelism.tensor_parallel_degree", "2"), 2, True),
     (("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B",

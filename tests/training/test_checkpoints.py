@@ -55,11 +55,14 @@ def test_set_aside_names_never_collide(tmp_path):
 def test_an_hf_export_of_the_last_step_is_set_aside_as_such(tmp_path, caplog):
     """last_save_in_hf writes the last step as HF safetensors, no .metadata: torchtitan would load it as the latest
     checkpoint and fail; it is set aside under its own name, not called an interrupted write."""
-    folder = _folder(tmp_path, complete=[2], torn=[4])
-    (folder / "step-4" / checkpoints.HF_EXPORT_INDEX).write_text("{}")
-    assert checkpoints.set_aside_torn(folder) == [folder / "hf_export_step_4"]
+    folder = _folder(tmp_path, complete=[2], torn=[4, 6])
+    for step in (4, 6):
+        (folder / f"step-{step}" / "model.safetensors").write_bytes(b"x")
+    (folder / "step-4" / checkpoints.HF_EXPORT_INDEX).write_text('{"weight_map": {"w": "model.safetensors"}}')
+    (folder / "step-6" / checkpoints.HF_EXPORT_INDEX).write_text('{"weight_map": {"w": "model.saf')  # cut short
+    assert checkpoints.set_aside_torn(folder) == [folder / "hf_export_step_4", folder / "incomplete_step_6"]
     assert (folder / "hf_export_step_4" / checkpoints.HF_EXPORT_INDEX).is_file()
-    assert [r.getMessage() for r in caplog.records if "set aside" in r.getMessage()] == [
+    assert [r.getMessage() for r in caplog.records if "step-4 is" in r.getMessage()] == [
         f"Checkpoint {folder / 'step-4'} is an HF safetensors export (checkpoint.last_save_in_hf saves a job's last "
         f"step so), which a resume cannot load; set aside as {folder / 'hf_export_step_4'}, never loaded or counted; "
         "training resumes from step 2"]

@@ -197,6 +197,14 @@ def _check_world_size(job_config, world_size: int) -> None:
             f"dp_replicate x dp_shard x cp x tp x pp = {shard * fixed} but the world size is "
             f"{world_size}: set parallelism.data_parallel_shard_degree = -1 or NGPU = {shard * fixed}"
         )
+    replicate = p.data_parallel_replicate_degree
+    if replicate > 1 and shard == 1 and p.context_parallel_degree == 1 and (
+            p.tensor_parallel_degree > 1 or p.pipeline_parallel_degree > 1):
+        raise ConfigError(
+            f"parallelism.data_parallel_replicate_degree = {replicate} without a data-parallel shard is DDP, which "
+            "torchtitan runs only as the job's one parallelism, not beside TP or PP: shard data parallelism instead "
+            f"(data_parallel_shard_degree = {replicate}, data_parallel_replicate_degree = 1), or add a shard (HSDP)"
+        )
     ep, etp, tp = p.expert_parallel_degree, p.expert_tensor_parallel_degree, p.tensor_parallel_degree
     divisor = tp * 2 * p.context_parallel_degree
     seq_len = job_config.training.seq_len

@@ -145,9 +145,11 @@ def copies_per_parameter(job_config) -> int:
 
 
 def check_wandb(job_config) -> None:
-    """``metrics.enable_wandb`` on a machine whose Python has no wandb: torchtitan logs an error in every rank and
-    trains on without W&B."""
-    if job_config.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
+    """``metrics.enable_wandb`` on a machine whose Python has no wandb (a stray ``./wandb`` folder, a namespace
+    package with no module file, is none): torchtitan logs an error on its metrics rank and trains on without
+    W&B. A login or network that ``wandb.init`` lacks is not checked: it fails the same way."""
+    spec = importlib.util.find_spec("wandb") if job_config.metrics.enable_wandb else None
+    if job_config.metrics.enable_wandb and (spec is None or spec.origin is None):
         raise ConfigError("metrics.enable_wandb is set, but this machine's Python has no wandb: pip install wandb, or "
                           "unset it (the step metrics go to metrics.jsonl either way)")
 

@@ -16,6 +16,7 @@ writes it last). Around torchtitan 0.2.2's manager this module
   other config checks.
 """
 
+import json
 import os
 import re
 from pathlib import Path
@@ -50,6 +51,16 @@ def checkpoint_steps(folder: Path) -> tuple[list[int], list[int]]:
     return sorted(complete), sorted(torn)
 
 
+def _is_hf_export(path: Path) -> bool:
+    """Whether ``path`` holds a whole HF safetensors export: its index, written last, readable and naming files that
+    are there (an index whose write was cut is no export)."""
+    try:
+        files = set(json.loads((path / HF_EXPORT_INDEX).read_text())["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+    return bool(files) and all((path / name).is_file() for name in files)
+
+
 def set_aside_torn(folder: str | Path) -> list[Path]:
     """Rename every ``step-N`` in ``folder`` that a resume cannot load, a torn write (to ``incomplete_step_N``) or an
     HF safetensors export of a job's last step (to ``hf_export_step_N``; torchtitan would load it as its latest
@@ -62,7 +73,7 @@ def set_aside_torn(folder: str | Path) -> list[Path]:
         resume = f"step {complete[-1]}" if complete else "the start (no complete checkpoint)"
         for step in torn:
             source = folder / f"step-{step}"
-            export = (source / HF_EXPORT_INDEX).is_file()
+            export = _is_hf_export(source)
             prefix = HF_EXPORT_PREFIX if export else SET_ASIDE_PREFIX
             target = folder / f"{prefix}{step}"
             copy = 1
