@@ -5,7 +5,10 @@ writes it last). Around torchtitan 0.2.2's manager this module
 
 - sets torn folders aside at start: ``step-N`` without ``.metadata`` is renamed
   ``incomplete_step_N`` (a name torchtitan's ``step-(\\d+)`` pattern never
-  matches), reported, and never loaded or counted;
+  matches), reported, and never loaded or counted; a last step exported as HF
+  safetensors is set aside as ``hf_export_step_N``;
+- refuses, in the launchers' pre-flight, a resume from a model-only step
+  (torchtitan's last save by default), which torchtitan would load whole;
 - counts only complete checkpoints for ``keep_latest_k``, so that the purge
   never deletes a complete checkpoint to make room for one still being
   written (async mode purges while the newest write is in flight);
