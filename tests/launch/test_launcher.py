@@ -204,6 +204,13 @@ LAUNCHES = {
     "a missing custom import": (None, ["--experimental.custom_import", "no_such_module_here.datasets"],
                                 "experimental.custom_import = 'no_such_module_here.datasets' is not a module"),
     "a custom import": (None, ["--experimental.custom_import", "json"], None),
+    "a dump folder that is a file": (lambda folder: (folder / "taken").write_text(""),
+                                     ["--job.dump_folder", "{tmp}/taken"],
+                                     "job.dump_folder = '{tmp}/taken' is a file: give a folder"),
+    "a dump folder that cannot be made": (lambda folder: (folder / "taken").write_text(""),
+                                          ["--job.dump_folder", "{tmp}/taken/outputs"],
+                                          "job.dump_folder = '{tmp}/taken/outputs' cannot be made a folder (Not a "
+                                          "directory): give a folder this user can write, or one it can create"),
     "W&B without wandb": (None, ["--metrics.enable_wandb"], "metrics.enable_wandb is set, but this machine's Python "
                                                            "has no wandb: pip install wandb"),
     "more than the machine's memory": (None, [], "model.flavor = 'debugmodel' has "),

@@ -4,11 +4,11 @@
 checks that torchrun takes the launchers' options, validates the process count, an
 explicitly requested rendezvous port and the job config (TOML + overrides) for N x M ranks
 (on ``--device-type``, default this machine's device), then, on a machine of the job's device type, what the
-ranks would only find out once started (the tokenizer in ``model.hf_assets_path``, the checkpoint the job starts
-from, ``experimental.custom_import``, wandb where ``metrics.enable_wandb`` asks for it, and on a CPU whether the
-weights, gradients and optimizer state fit in memory), and builds the embedded assets the job needs. Any problem is one line on stderr naming it and the fix, with
-exit status 2, so that a bad launch fails once, before torchrun starts N copies
-of it. ``--print-env`` prints ``export NAME=value`` lines for the environment
+ranks would only find out once started (a dump folder they can write, the tokenizer in ``model.hf_assets_path``,
+the checkpoint the job starts from, ``experimental.custom_import``, wandb where ``metrics.enable_wandb`` asks for
+it, and on a CPU whether the weights, gradients and optimizer state fit in memory), and builds the embedded assets
+the job needs. Any problem is one line on stderr naming it and the fix, with exit status 2, so that a bad launch
+fails once, before torchrun starts N copies of it. ``--print-env`` prints ``export NAME=value`` lines for the environment
 the EP backend's kernel library reads (e.g. HybridEP's NVLink-domain size), for
 ``eval`` in a launcher script; ``--print-launch-info`` what run_train.sh needs:
 the rank whose log shows the loss (its default LOG_RANK) and the checkpoint
@@ -144,6 +144,23 @@ def copies_per_parameter(job_config) -> int:
     return 1 + gradients + moments
 
 
+def check_dump_folder(job_config) -> None:
+    """``job.dump_folder``, where every rank writes its metrics, checkpoints and traces, must be a folder this user
+    can write, or one it can create: each rank failed on it with a traceback. Made here as the ranks would."""
+    folder = job_config.job.dump_folder
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise ConfigError(f"job.dump_folder = '{folder}' is a file: give a folder (the job writes its metrics, "
+                          "checkpoints and traces in it)")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        writable = os.access(folder, os.W_OK | os.X_OK)
+    except OSError as e:
+        raise ConfigError(f"job.dump_folder = '{folder}' cannot be made a folder ({e.strerror}): give a folder this "
+                          "user can write, or one it can create") from None
+    if not writable:
+        raise ConfigError(f"job.dump_folder = '{folder}' is not writable by this user: give a folder it can write")
+
+
 def check_wandb(job_config) -> None:
     """``metrics.enable_wandb`` on a machine whose Python has no wandb (a stray ``./wandb`` folder, a namespace
     package with no module file, is none): torchtitan logs an error on its metrics rank and trains on without
@@ -222,6 +239,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.device_type in (None, device_type):
             # this host trains, so its files and its memory are the ranks' (a batch host of another kind may not
             # see their files)
+            check_dump_folder(job_config)
             check_tokenizer_folder(job_config)
             check_start_checkpoint(job_config)
             check_custom_import(job_config)

@@ -140,7 +140,7 @@ class Supervisor:
             return None
         try:
             stat = (Path(self.dump_folder) / METRICS_FILE).stat()
-        except FileNotFoundError:
+        except OSError:  # not there yet, or no folder: no step of this job's is in it
             return None
         return stat.st_mtime_ns, stat.st_size
 
