@@ -203,7 +203,8 @@ def _check_world_size(job_config, world_size: int) -> None:
         raise ConfigError(
             f"parallelism.data_parallel_replicate_degree = {replicate} without a data-parallel shard is DDP, which "
             "torchtitan runs only as the job's one parallelism, not beside TP or PP: shard data parallelism instead "
-            f"(data_parallel_shard_degree = {replicate}, data_parallel_replicate_degree = 1), or add a shard (HSDP)"
+            f"(parallelism.data_parallel_shard_degree = {replicate}, data_parallel_replicate_degree = 1), or add a "
+            "shard beside the replicas (HSDP: data_parallel_shard_degree > 1)"
         )
     ep, etp, tp = p.expert_parallel_degree, p.expert_tensor_parallel_degree, p.tensor_parallel_degree
     divisor = tp * 2 * p.context_parallel_degree

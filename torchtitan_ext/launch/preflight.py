@@ -145,8 +145,8 @@ def copies_per_parameter(job_config) -> int:
 
 
 def check_dump_folder(job_config) -> None:
-    """``job.dump_folder``, where every rank writes its metrics, checkpoints and traces, must be a folder this user
-    can write, or one it can create: each rank failed on it with a traceback. Made here as the ranks would."""
+    """``job.dump_folder``, where the job writes its metrics, checkpoints and traces, must be a folder this user can
+    write, or one it can create: the ranks that write there failed on it with a traceback. Made here as they would."""
     folder = job_config.job.dump_folder
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise ConfigError(f"job.dump_folder = '{folder}' is a file: give a folder (the job writes its metrics, "
@@ -239,13 +239,13 @@ def main(argv: list[str] | None = None) -> None:
         if args.device_type in (None, device_type):
             # this host trains, so its files and its memory are the ranks' (a batch host of another kind may not
             # see their files)
-            check_dump_folder(job_config)
             check_tokenizer_folder(job_config)
             check_start_checkpoint(job_config)
             check_custom_import(job_config)
             check_wandb(job_config)
             if device_type == "cpu":
                 check_cpu_memory(job_config, args.nnodes)
+            check_dump_folder(job_config)  # last: it makes the folder, which a refused launch should not leave
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

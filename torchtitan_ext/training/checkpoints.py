@@ -59,9 +59,9 @@ def _is_hf_export(path: Path) -> bool:
     are there (an index whose write was cut is no export)."""
     try:
         files = set(json.loads((path / HF_EXPORT_INDEX).read_text())["weight_map"].values())
+        return bool(files) and all((path / name).is_file() for name in files)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
-    return bool(files) and all((path / name).is_file() for name in files)
 
 
 def set_aside_torn(folder: str | Path) -> list[Path]:
