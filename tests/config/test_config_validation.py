@@ -62,12 +62,21 @@ def test_standard_is_an_alias_of_nccl():
     assert comm_backend(config) == "nccl"
 
 
-def test_a_jobs_parse_warning_shows_once_across_its_overrides(tmp_path, caplog):
+def test_a_jobs_parse_warning_shows_once_across_its_overrides_and_a_missing_assets_folder_not_at_all(
+        tmp_path, caplog):
+    """The layout advisor parses one job per layout; a plan or a dry run checks a job for other machines, whose
+    assets folder this one lacks (the pre-flight checks it where the ranks read it)."""
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
     missing = tmp_path / "no_assets"
     for steps in ("3", "4"):
+        parse_job_config(["--job.config_file", DEBUG_TOML, "--model.tokenizer_path", str(tokenizer),
+                          "--training.steps", steps])
         parse_job_config(["--job.config_file", DEBUG_TOML, "--model.hf_assets_path", str(missing),
                           "--training.steps", steps])
-    assert [r.getMessage() for r in caplog.records].count(f"HF assets path {missing} does not exist!") == 1
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum(message.startswith("tokenizer_path is deprecated") for message in messages) == 1, messages
+    assert not any(str(missing) in message for message in messages), messages
 
 
 def _load(*overrides, device_type="cpu", world_size=2):
@@ -150,6 +159,11 @@ def _load(*overrides, device_type="cpu", world_size=2):
         (("--training.enable_cpu_offload=maybe",), "use true or false"),
         (("--faults.on_nonfinite", "ignore"), "use one of 'stop', 'skip_step'"),
         (("--checkpoint.keep_latest_k", "1"), "checkpoint.keep_latest_k = 1: torchtitan keeps at least 2"),
+        (("--checkpoint.enable", "--checkpoint.initial_load_in_hf", "--checkpoint.no_initial_load_model_only"),
+         "checkpoint.initial_load_in_hf loads the model only, but checkpoint.initial_load_model_only is off"),
+        (("--checkpoint.enable", "--checkpoint.initial_load_in_hf_quantized"),
+         "checkpoint.initial_load_in_hf_quantized reads a quantized HF checkpoint, but checkpoint.initial_load_in_hf "
+         "is off"),
         (("--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "1023", "--training.local_batch_size",
           "4", "--parallelism.data_parallel_shard_degree", "1"),
          "training.seq_len = 1023 is not divisible by TP x 2 x CP = 4"),

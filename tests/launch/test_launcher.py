@@ -177,6 +177,16 @@ def _folder_without_tokenizer(folder) -> None:
     (folder / "config.json").write_text("{}")
 
 
+def _tokenizer_folder(folder) -> None:
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text("{}")
+
+
+def _hf_checkpoint(folder) -> None:
+    (folder / "hf").mkdir()
+    (folder / "hf" / "model.safetensors").write_bytes(b"")
+
+
 # (what the job's files hold, its overrides ({tmp}: the test's folder), the error line's start; None: it starts)
 LAUNCHES = {
     "no tokenizer folder": (None, ["--model.hf_assets_path", "{tmp}/assets"],
@@ -201,6 +211,18 @@ LAUNCHES = {
         None),
     "no initial checkpoint": (None, ["--checkpoint.enable", "--checkpoint.initial_load_path", "{tmp}/initial"],
                               "checkpoint.initial_load_path = '{tmp}/initial' is not a folder"),
+    "a tokenizer folder as the HF checkpoint": (
+        _tokenizer_folder,
+        ["--checkpoint.enable", "--checkpoint.initial_load_in_hf", "--model.hf_assets_path", "{tmp}/assets"],
+        "model.hf_assets_path = '{tmp}/assets' holds no .safetensors file, and the job starts from the HF checkpoint "
+        "there (checkpoint.initial_load_in_hf loads from there where checkpoint.initial_load_path is unset)"),
+    "an HF checkpoint loaded as DCP": (_hf_checkpoint, ["--checkpoint.enable", "--checkpoint.initial_load_path", "{tmp}/hf"],
+                                       "checkpoint.initial_load_path = '{tmp}/hf' holds no complete DCP checkpoint (no "
+                                       ".metadata), and the job starts from it: it holds HF safetensors: add "
+                                       "--checkpoint.initial_load_in_hf"),
+    "an HF checkpoint": (_hf_checkpoint,
+                         ["--checkpoint.enable", "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path",
+                          "{tmp}/hf"], None),
     "a missing custom import": (None, ["--experimental.custom_import", "no_such_module_here.datasets"],
                                 "experimental.custom_import = 'no_such_module_here.datasets' is not a module"),
     "a custom import": (None, ["--experimental.custom_import", "json"], None),

@@ -409,7 +409,7 @@ def _report(runs: dict, args, skews: list[str], settings: list[str]):
         return [row[name] for row in rows if row["step"] > WARMUP and name in row]
 
     lines = [
-        f"| routing | setting | round | recv max/mean all layers, median | replicas set aside | step (s) | "
+        "| routing | setting | round | recv max/mean all layers, median | replicas set aside | step (s) | "
         "layers, slowest rank (s) | layers, mean rank (s) | remainder (s) | replication (s) | vs no replicas | "
         "wall, slowest rank (s) | wall vs no replicas |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",

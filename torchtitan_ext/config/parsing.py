@@ -81,9 +81,13 @@ def _parsed(config_cls, arguments: tuple[str, ...], config_file: str | None, tex
 
 
 class _EachParseWarningOnce(logging.Filter):
-    """torchtitan's parse warns about the job, not the arguments (e.g. "HF assets path ... does not exist!"): the
-    layout advisor parses one job with each layout's overrides, and would print it once per layout. Only the
-    records of torchtitan's config manager are held to once; every other record passes."""
+    """torchtitan's parse warns about the job, not the arguments: the layout advisor parses one job with each
+    layout's overrides, and would print a warning once per layout. Only the records of torchtitan's config manager
+    are held to once; every other record passes.
+
+    Its warning that ``model.hf_assets_path`` does not exist is left out: the folder matters only where a rank
+    reads it, which the launchers' pre-flight checks with the fix (the tokenizer; an HF checkpoint to start
+    from), while a plan or a dry run checks a job for machines that hold it."""
 
     MANAGER_FILE = os.path.join("torchtitan", "config", "manager.py")
 
@@ -95,7 +99,7 @@ class _EachParseWarningOnce(logging.Filter):
         if not record.pathname.endswith(self.MANAGER_FILE):
             return True
         message = record.getMessage()
-        if message in self.shown:
+        if message in self.shown or (message.startswith("HF assets path ") and message.endswith(" does not exist!")):
             return False
         self.shown.add(message)
         return True

@@ -137,16 +137,15 @@ register_check(check_dataset_options)
 
 
 def _embedded_assets_noise(message: str) -> bool:
-    """torchtitan's warnings about the embedded assets folder, which are no fault of the job: the folder is
-    built after the config is read and before any rank reads it (the build says so), and its tokenizer
-    has no safetensors index because no job loads HF weights from it."""
-    for prefix, suffix in (("HF assets path ", " does not exist!"), ("model.safetensors.index.json not found at hf_assets_path: ", "")):
-        if message.startswith(prefix) and message.endswith(suffix):
-            # the index warning ends its path with the sentence's full stop
-            path = message.removeprefix(prefix).removesuffix(suffix).split()[0].removesuffix(".")
-            folder = Path(path).parent if path.endswith(".json") else Path(path)
-            return folder.resolve() == DEFAULT_ASSETS_DIR.resolve()
-    return False
+    """torchtitan's warning that the embedded assets' tokenizer folder has no safetensors index, which is no fault
+    of the job: no job loads HF weights from it."""
+    prefix = "model.safetensors.index.json not found at hf_assets_path: "
+    if not message.startswith(prefix):
+        return False
+    # the warning ends its path with the sentence's full stop
+    path = message.removeprefix(prefix).split()[0].removesuffix(".")
+    folder = Path(path).parent if path.endswith(".json") else Path(path)
+    return folder.resolve() == DEFAULT_ASSETS_DIR.resolve()
 
 
 quiet(_embedded_assets_noise)

@@ -193,12 +193,6 @@ def check_cpu_memory(job_config, nodes: int) -> None:
         )
 
 
-def _said_by_the_tokenizer_check(message: str) -> bool:
-    """torchtitan's warning that ``model.hf_assets_path`` does not exist, which :func:`check_tokenizer_folder` makes
-    the launch's one error line, with its fix."""
-    return message.startswith("HF assets path ") and message.endswith(" does not exist!")
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = CommandLineParser(description=__doc__)
     parser.add_argument("--ngpu", required=True, help="processes on this machine (NGPU)")
@@ -225,8 +219,6 @@ def main(argv: list[str] | None = None) -> None:
               "./run_train.sh --help; drop it from the launch", file=sys.stderr)
         sys.exit(2)
     init_logger(logging.WARNING, sys.stderr)
-    for handler in logging.getLogger().handlers:  # this console's only: the process's other logging keeps it
-        handler.addFilter(lambda record: not _said_by_the_tokenizer_check(record.getMessage()))
     try:
         check_torchrun()
         count = check_process_count(args.ngpu)

@@ -164,12 +164,45 @@ def check_start_checkpoint(job_config) -> None:
     loaded = checkpoint_to_load(job_config)
     if folder.exists() and loaded is not None and loaded.parent == folder and loaded.name != "step-0":
         _check_loads_whole(job_config, loaded, folder)
-    initial = checkpoint.initial_load_path
-    if initial and not folder.exists() and not Path(initial).is_dir():
+    if not folder.exists():
+        _check_initial_checkpoint(job_config)
+
+
+def _check_initial_checkpoint(job_config) -> None:
+    """ConfigError where the checkpoint a job without a checkpoint folder starts from cannot be loaded as the job
+    says: torchtitan loads ``initial_load_path`` (with ``initial_load_in_hf``: the HF safetensors there, or in
+    ``model.hf_assets_path`` where it is unset) and fails in every rank on a folder that holds no such checkpoint,
+    with a missing key of the model's."""
+    checkpoint = job_config.checkpoint
+    if checkpoint.initial_load_path:
+        field, path = "checkpoint.initial_load_path", checkpoint.initial_load_path
+    elif checkpoint.initial_load_in_hf:
+        field, path = "model.hf_assets_path", job_config.model.hf_assets_path
+    else:
+        return
+    folder = Path(path)
+    holds_hf = folder.is_dir() and any(folder.glob("*.safetensors"))
+    if checkpoint.initial_load_in_hf:
+        source = ("" if field == "checkpoint.initial_load_path"
+                  else " (checkpoint.initial_load_in_hf loads from there where checkpoint.initial_load_path is unset)")
+        if not holds_hf:
+            state = "holds no .safetensors file" if folder.is_dir() else "is not a folder"
+            raise ConfigError(
+                f"{field} = '{path}' {state}, and the job starts from the HF checkpoint there{source}: set "
+                "checkpoint.initial_load_path to the folder of the model's HF safetensors"
+            )
+    elif not folder.is_dir():
         raise ConfigError(
-            f"checkpoint.initial_load_path = '{initial}' is not a folder, and the job starts from it: give the folder "
+            f"checkpoint.initial_load_path = '{path}' is not a folder, and the job starts from it: give the folder "
             "of a checkpoint (a DCP step folder, or with checkpoint.initial_load_in_hf the HF safetensors' folder), "
             "or unset it"
+        )
+    elif not is_complete(folder):
+        fix = ("it holds HF safetensors: add --checkpoint.initial_load_in_hf" if holds_hf
+               else "give a complete DCP step folder (step-N with its .metadata)")
+        raise ConfigError(
+            f"checkpoint.initial_load_path = '{path}' holds no complete DCP checkpoint (no .metadata), and the job "
+            f"starts from it: {fix}"
         )
 
 
@@ -224,6 +257,14 @@ def check_checkpoint_options(job_config, context: ValidationContext) -> None:
             "checkpoint.keep_latest_k = 1: torchtitan keeps at least 2 (the newest may still be being written): "
             "set it to 0 (keep all) or 2 or more"
         )
+    checkpoint = job_config.checkpoint
+    if checkpoint.enable and checkpoint.initial_load_in_hf and not checkpoint.initial_load_model_only:
+        # torchtitan asserts it in every rank: an HF checkpoint holds weights, no optimizer or step
+        raise ConfigError("checkpoint.initial_load_in_hf loads the model only, but checkpoint.initial_load_model_only "
+                          "is off: drop --checkpoint.no_initial_load_model_only")
+    if checkpoint.enable and checkpoint.initial_load_in_hf_quantized and not checkpoint.initial_load_in_hf:
+        raise ConfigError("checkpoint.initial_load_in_hf_quantized reads a quantized HF checkpoint, but "
+                          "checkpoint.initial_load_in_hf is off: add --checkpoint.initial_load_in_hf")
     path = checkpoint_to_load(job_config)
     if context.device_type is None or path is None or context.moe_shape is None or not is_complete(path):
         return
