@@ -2,6 +2,7 @@
 
 import copy
 import dataclasses
+from pathlib import Path
 
 import pytest
 import tomli_w
@@ -329,6 +330,16 @@ def test_toml_values_are_checked(tmp_path, content, message):
 def test_a_config_file_that_is_not_one_is_named(tmp_path, path):
     with pytest.raises(ConfigError, match="not found: set CONFIG_FILE"):
         load_job_config(["--job.config_file", str(tmp_path / path)], "cpu", 2)
+
+
+def test_a_relative_config_path_missing_outside_the_checkout_names_the_folder_and_a_config_that_exists(
+        tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as error:
+        load_job_config(["--job.config_file", "train_configs/debug_model.toml"], "cpu", 2)
+    message = str(error.value)
+    assert f"(relative to {tmp_path}, where the command runs)" in message
+    assert Path(message.rsplit("e.g. ", 1)[1]).is_file(), message
 
 
 def _cluster(*overrides, config=DEBUG_TOML, world_size=2):

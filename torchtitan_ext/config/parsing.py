@@ -155,11 +155,22 @@ def _config_file_from_args(args: list[str]) -> str | None:
 
 def _read_config_file(path: str) -> bytes:
     if not Path(path).is_file():
+        where = "" if Path(path).is_absolute() else f" (relative to {os.getcwd()}, where the command runs)"
         raise ConfigError(
-            f"config file '{path}' not found: set CONFIG_FILE (or --job.config_file) "
-            "to an existing TOML, e.g. train_configs/debug_model.toml"
+            f"config file '{path}'{where} not found: set CONFIG_FILE (or --job.config_file) "
+            f"to an existing TOML, e.g. {_shipped_example()}"
         )
     return Path(path).read_bytes()
+
+
+def _shipped_example() -> str:
+    """The repository's default job config, as a path from the folder the command runs in where it is below it
+    (a checkout's; a package installed without the repository has no train_configs)."""
+    shipped = Path(__file__).resolve().parents[2] / DEFAULT_CONFIG_FILE
+    if not shipped.is_file():
+        return DEFAULT_CONFIG_FILE
+    relative = os.path.relpath(shipped)
+    return str(shipped) if relative.startswith("..") else relative
 
 
 def _toml_values(path: str, text: bytes) -> dict[str, Any]:
