@@ -160,6 +160,9 @@ def _load(*overrides, device_type="cpu", world_size=2):
         (("--training.enable_cpu_offload=maybe",), "use true or false"),
         (("--faults.on_nonfinite", "ignore"), "use one of 'stop', 'skip_step'"),
         (("--checkpoint.keep_latest_k", "1"), "checkpoint.keep_latest_k = 1: torchtitan keeps at least 2"),
+        (("--fault_tolerance.enable",), "fault_tolerance.enable is set, but torchtitan 0.2.2's trainer, which this "
+         "harness extends, has no TorchFT"),
+        (("--memory_estimation.enable",), "memory_estimation.enable is set, but no trainer of torchtitan 0.2.2 reads it"),
         (("--checkpoint.enable", "--checkpoint.initial_load_in_hf", "--checkpoint.no_initial_load_model_only"),
          "checkpoint.initial_load_in_hf loads the model only, but checkpoint.initial_load_model_only is off"),
         (("--checkpoint.enable", "--checkpoint.initial_load_in_hf_quantized"),

@@ -33,6 +33,7 @@ def validate(job_config, *, device_type: str | None, world_size: int | None = No
     _check_pipeline(job_config, device_type)
     _check_pipeline_split(job_config)
     _check_optimizer(job_config)
+    _check_read_by_the_trainer(job_config)
     if world_size is not None:
         _check_world_size(job_config, world_size)
     context = ValidationContext(device_type, world_size, shape, command_line)
@@ -74,6 +75,26 @@ def _check_optimizer(job_config) -> None:
     if builds_torchtitans_optimizers(job_config) and name not in TORCHTITAN_OPTIMIZERS:
         raise ConfigError(f"optimizer.name = '{name}' is not an optimizer torchtitan builds: use "
                           f"{' or '.join(TORCHTITAN_OPTIMIZERS)}")
+
+
+NOT_READ_BY_THE_TRAINER = {
+    "fault_tolerance.enable": (
+        "torchtitan 0.2.2's trainer, which this harness extends, has no TorchFT (torchtitan.experiments.ft's has): the "
+        "job would train without fault tolerance; unset it (docs/reliability.md lists the faults a job survives here)"
+    ),
+    "memory_estimation.enable": (
+        "no trainer of torchtitan 0.2.2 reads it: the job would train without an estimate; unset it (python -m "
+        "torchtitan_ext.plan --job.config_file X prices a rank's memory)"
+    ),
+}
+"""The torchtitan switches its trainer leaves unread, so that a job that sets one would run without the feature."""
+
+
+def _check_read_by_the_trainer(job_config) -> None:
+    for key, why in NOT_READ_BY_THE_TRAINER.items():
+        section, field = key.split(".")
+        if getattr(getattr(job_config, section), field):
+            raise ConfigError(f"{key} is set, but {why}")
 
 
 def _check_experts_divide(job_config, shape: MoEShape | None) -> None:
