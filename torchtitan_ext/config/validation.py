@@ -115,6 +115,13 @@ def _check_attention(job_config, device_type: str | None) -> None:
             f"parallelism.context_parallel_degree = {cp}: model.flavor = '{job_config.model.flavor}' uses {attention} "
             "attention, and torchtitan's context parallelism takes SDPA only: set it to 1, or use an SDPA flavour"
         )
+    if cp > 1 and device_type == "cpu":
+        # torch's ring attention replaces SDPA's CUDA kernels (flash, efficient, cuDNN) only: the CPU's SDPA runs
+        # unsharded on the sequence shards and fails on mixed tensors and DTensors in every rank's first step
+        raise ConfigError(
+            f"parallelism.context_parallel_degree = {cp} on a CPU: torch's context parallelism shards SDPA's CUDA "
+            "kernels only; set it to 1 here (a dry run, COMM_MODE=fake_backend, checks a CP layout), or run on GPUs"
+        )
     if attention == "flex" and device_type == "cpu" and not getattr(model_args, "dense_attention_on_cpu", False):
         raise ConfigError(
             f"model.flavor = '{job_config.model.flavor}' uses FlexAttention, whose backward PyTorch does not "
