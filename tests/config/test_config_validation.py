@@ -149,8 +149,6 @@ def _load(*overrides, device_type="cpu", world_size=2):
          "training.dataset_path = '/data/c4' but training.dataset = 'stdlib_code', the embedded corpus"),
         (("--training.dataset", "stdlib_cod"),
          "training.dataset = 'stdlib_cod' is not in torchtitan's dataset registry: did you mean 'stdlib_code'?"),
-        (("--validation.enable", "--validation.dataset", "c4_validaton"),
-         "validation.dataset = 'c4_validaton' is not in torchtitan's dataset registry: did you mean 'c4_validation'?"),
         (("--training.stepz", "3"), "unknown config key 'training.stepz' in the command line: did you mean 'steps'?"),
         (("--trainin.steps", "3"), "unknown config key 'trainin' in the command line: did you mean 'training'?"),
         (("--training.steps", "2.5"), "--training.steps 2.5: use an integer"),
@@ -165,6 +163,7 @@ def _load(*overrides, device_type="cpu", world_size=2):
         (("--fault_tolerance.enable",), "fault_tolerance.enable is set, but torchtitan 0.2.2's trainer, which this "
          "harness extends, has no TorchFT"),
         (("--memory_estimation.enable",), "memory_estimation.enable is set, but no trainer of torchtitan 0.2.2 reads it"),
+        (("--validation.enable",), "validation.enable is set, but this harness does not run torchtitan's validator"),
         (("--checkpoint.enable", "--checkpoint.initial_load_in_hf", "--checkpoint.no_initial_load_model_only"),
          "checkpoint.initial_load_in_hf loads the model only, but checkpoint.initial_load_model_only is off"),
         (("--checkpoint.enable", "--checkpoint.initial_load_in_hf_quantized"),

@@ -100,7 +100,7 @@ class RoutingRecorder:
 
     def _router_hook(self, layer: int):
         def hook(module, inputs, outputs):
-            if module.training:  # validation passes are not training's routing
+            if module.training:  # an eval-mode forward is not training's routing
                 self.observe(layer, outputs[1])
 
         return hook

@@ -21,8 +21,7 @@ class MoEShape:
     num_experts: int
     top_k: int
     max_tokens_per_rank: int
-    """Most tokens one rank brings to one dispatch: a microbatch's tokens on this
-    rank, in training or validation, whichever is larger."""
+    """Most tokens one rank brings to one dispatch: a microbatch's tokens on this rank."""
 
 
 def model_args_of(job_config):
@@ -47,15 +46,11 @@ def model_args_of(job_config):
 
 
 def max_tokens_per_rank(job_config) -> int:
-    """Most tokens one rank dispatches per MoE call: a microbatch (of training, or of
-    validation when it is on), split by CP, and by TP when EP borrows it."""
+    """Most tokens one rank dispatches per MoE call: a microbatch, split by CP, and by TP when EP borrows it."""
     parallelism = job_config.parallelism
-    jobs = [(job_config.training.local_batch_size, job_config.training.seq_len)]
-    if job_config.validation.enable:
-        jobs.append((job_config.validation.local_batch_size, job_config.validation.seq_len))
-    if parallelism.pipeline_parallel_degree > 1:
-        jobs = [(parallelism.pipeline_parallel_microbatch_size, seq_len) for _, seq_len in jobs]
-    tokens = max(batch * seq_len for batch, seq_len in jobs) // parallelism.context_parallel_degree
+    batch = (parallelism.pipeline_parallel_microbatch_size if parallelism.pipeline_parallel_degree > 1
+             else job_config.training.local_batch_size)
+    tokens = batch * job_config.training.seq_len // parallelism.context_parallel_degree
     if parallelism.tensor_parallel_degree > 1 and parallelism.expert_tensor_parallel_degree == 1:
         tokens //= parallelism.tensor_parallel_degree
     return tokens

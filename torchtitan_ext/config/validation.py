@@ -33,7 +33,7 @@ def validate(job_config, *, device_type: str | None, world_size: int | None = No
     _check_pipeline(job_config, device_type)
     _check_pipeline_split(job_config)
     _check_optimizer(job_config)
-    _check_read_by_the_trainer(job_config)
+    _check_switches(job_config)
     if world_size is not None:
         _check_world_size(job_config, world_size)
     context = ValidationContext(device_type, world_size, shape, command_line)
@@ -77,7 +77,7 @@ def _check_optimizer(job_config) -> None:
                           f"{' or '.join(TORCHTITAN_OPTIMIZERS)}")
 
 
-NOT_READ_BY_THE_TRAINER = {
+REFUSED_SWITCHES = {
     "fault_tolerance.enable": (
         "torchtitan 0.2.2's trainer, which this harness extends, has no TorchFT (torchtitan.experiments.ft's has): the "
         "job would train without fault tolerance; unset it (docs/reliability.md lists the faults a job survives here)"
@@ -86,12 +86,18 @@ NOT_READ_BY_THE_TRAINER = {
         "no trainer of torchtitan 0.2.2 reads it: the job would train without an estimate; unset it (python -m "
         "torchtitan_ext.plan --job.config_file X prices a rank's memory)"
     ),
+    "validation.enable": (
+        "this harness does not run torchtitan's validator: DeepSeek-V3's and GPT-OSS's train specs build none (every "
+        "rank stops on an assertion), and a validation pass would add its tokens to the experts' load counts that set "
+        "the next step's routing bias; unset it"
+    ),
 }
-"""The torchtitan switches its trainer leaves unread, so that a job that sets one would run without the feature."""
+"""The torchtitan switches a job here cannot use, each with why: its trainer leaves them unread (the job would run
+without the feature), or this harness does not run them."""
 
 
-def _check_read_by_the_trainer(job_config) -> None:
-    for key, why in NOT_READ_BY_THE_TRAINER.items():
+def _check_switches(job_config) -> None:
+    for key, why in REFUSED_SWITCHES.items():
         section, field = key.split(".")
         if getattr(getattr(job_config, section), field):
             raise ConfigError(f"{key} is set, but {why}")

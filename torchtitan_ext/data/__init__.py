@@ -110,27 +110,24 @@ def check_dataset_options(job_config, context: ValidationContext) -> None:
     ``--training.dataset c4`` is not trained on stdlib sources without a word.
     The same on every machine and model: ``context`` does not matter.
     """
-    sections = [("training", job_config.training)]
-    if job_config.validation.enable:
-        sections.append(("validation", job_config.validation))
+    training = job_config.training
     known = sorted({*DATASETS, DATASET_NAME})
     registry_read = (get_train_spec(job_config.model.name).build_dataloader_fn is build_text_dataloader
                      and not job_config.experimental.custom_import)
-    for name, section in sections:
-        if registry_read and section.dataset not in known:
-            close = difflib.get_close_matches(section.dataset, known, n=1)
-            raise ConfigError(
-                f"{name}.dataset = '{section.dataset}' is not in torchtitan's dataset registry: "
-                + (f"did you mean '{close[0]}'? " if close else "")
-                + f"use one of {', '.join(known)}, or register yours in a module experimental.custom_import names"
-            )
-        path = section.dataset_path
-        if section.dataset == DATASET_NAME and path and not EmbeddedAssets(Path(path)).is_complete():
-            raise ConfigError(
-                f"{name}.dataset_path = '{path}' but {name}.dataset = '{DATASET_NAME}', the embedded corpus "
-                f"(built in ./{DEFAULT_ASSETS_DIR}), which does not read it: set {name}.dataset to the "
-                "dataset stored there (e.g. c4), or unset dataset_path"
-            )
+    if registry_read and training.dataset not in known:
+        close = difflib.get_close_matches(training.dataset, known, n=1)
+        raise ConfigError(
+            f"training.dataset = '{training.dataset}' is not in torchtitan's dataset registry: "
+            + (f"did you mean '{close[0]}'? " if close else "")
+            + f"use one of {', '.join(known)}, or register yours in a module experimental.custom_import names"
+        )
+    path = training.dataset_path
+    if training.dataset == DATASET_NAME and path and not EmbeddedAssets(Path(path)).is_complete():
+        raise ConfigError(
+            f"training.dataset_path = '{path}' but training.dataset = '{DATASET_NAME}', the embedded corpus "
+            f"(built in ./{DEFAULT_ASSETS_DIR}), which does not read it: set training.dataset to the "
+            "dataset stored there (e.g. c4), or unset dataset_path"
+        )
 
 
 register_check(check_dataset_options)

@@ -276,8 +276,7 @@ class NcclEPExpertParallel(RoutedExpertParallel):
         if x.shape[0] > self.max_tokens_per_rank:
             raise ValueError(
                 f"NCCL EP got {x.shape[0]} tokens on this rank, more than the {self.max_tokens_per_rank} its group was "
-                "created for (a microbatch's tokens per rank, from training.local_batch_size, seq_len and the "
-                "validation batch)")
+                "created for (a microbatch's tokens per rank, from training.local_batch_size and seq_len)")
         static_slots = receive_slots(self.shape, group.size(), self.capacity_factor, self.pad_multiple)
         if static_slots and self.stats.counting:  # an evaluation forward counts nothing: no counts to exchange
             self.stats.record_kept(self._kept_pairs(expert_ids, num_experts, group, sent_counts, static_slots))
