@@ -160,6 +160,7 @@ def _load(*overrides, device_type="cpu", world_size=2):
         (("--checkpoint.keep_latest_k", "1"), "checkpoint.keep_latest_k = 1: torchtitan keeps at least 2"),
         (("--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"),
          "parallelism.context_parallel_degree = 2 on a CPU: torch's context parallelism shards SDPA's CUDA kernels only"),
+        (("--training.enable_cpu_offload",), "training.enable_cpu_offload on a CPU: it moves parameters from GPU"),
         (("--fault_tolerance.enable",), "fault_tolerance.enable is set, but torchtitan 0.2.2's trainer, which this "
          "harness extends, has no TorchFT"),
         (("--memory_estimation.enable",), "memory_estimation.enable is set, but no trainer of torchtitan 0.2.2 reads it"),

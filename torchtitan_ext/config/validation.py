@@ -26,7 +26,7 @@ def validate(job_config, *, device_type: str | None, world_size: int | None = No
     check_ranges(job_config, field_ranges())
     shape = moe_shape(job_config)
     _check_attention(job_config, device_type)
-    _check_profiling(job_config, device_type)
+    _check_cpu_only_limits(job_config, device_type)
     _check_tensor_parallel(job_config, device_type)
     _check_experts_divide(job_config, shape)
     _check_activation_checkpointing(job_config)
@@ -143,12 +143,19 @@ def _check_tensor_parallel(job_config, device_type: str | None) -> None:
                           "(shard with FSDP and EP), or run on GPUs")
 
 
-def _check_profiling(job_config, device_type: str | None) -> None:
+def _check_cpu_only_limits(job_config, device_type: str | None) -> None:
     if job_config.profiling.enable_profiling and device_type == "cpu":
         raise ConfigError(
             "profiling.enable_profiling on CPU: torchtitan 0.2.2's profiler asks torch.profiler for a GPU activity "
             "that a CPU-only machine does not have (it passes None, and every rank fails at the first step); "
             "unset it on CPU (py-spy record --subprocesses profiles a CPU job)"
+        )
+    if job_config.training.enable_cpu_offload and device_type == "cpu":
+        # torchtitan asks for a gloo backend beside the device's, which on a CPU is gloo again: every rank's
+        # process group fails to start
+        raise ConfigError(
+            "training.enable_cpu_offload on a CPU: it moves parameters from GPU memory to the host, where a CPU "
+            "job's already are; unset it on CPU"
         )
 
 
