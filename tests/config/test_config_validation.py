@@ -161,6 +161,8 @@ def _load(*overrides, device_type="cpu", world_size=2):
         (("--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"),
          "parallelism.context_parallel_degree = 2 on a CPU: torch's context parallelism shards SDPA's CUDA kernels only"),
         (("--training.enable_cpu_offload",), "training.enable_cpu_offload on a CPU: it moves parameters from GPU"),
+        (("--checkpoint.enable", "--checkpoint.async_mode", "async_with_pinned_mem"),
+         "checkpoint.async_mode = 'async_with_pinned_mem' on a CPU: it stages through pinned memory, which needs a GPU"),
         (("--fault_tolerance.enable",), "fault_tolerance.enable is set, but torchtitan 0.2.2's trainer, which this "
          "harness extends, has no TorchFT"),
         (("--memory_estimation.enable",), "memory_estimation.enable is set, but no trainer of torchtitan 0.2.2 reads it"),

@@ -223,6 +223,8 @@ LAUNCHES = {
     "an HF checkpoint": (_hf_checkpoint,
                          ["--checkpoint.enable", "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path",
                           "{tmp}/hf"], None),
+    "a one-process comm mode": (None, ["--comm.mode", "local_tensor"],
+                                "comm.mode = 'local_tensor': the launcher starts the job's training processes"),
     "a missing custom import": (None, ["--experimental.custom_import", "no_such_module_here.datasets"],
                                 "experimental.custom_import = 'no_such_module_here.datasets' is not a module"),
     "a custom import": (None, ["--experimental.custom_import", "json"], None),

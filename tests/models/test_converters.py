@@ -34,6 +34,21 @@ def test_an_sm100_gpu_with_a_torchao_built_without_its_kernels_is_refused(monkey
         "wheel built for CUDA 12.8 or newer")
 
 
+@pytest.mark.parametrize("capability, accepted", [((8, 0), False), ((8, 9), True), ((9, 0), True)])
+def test_float8_linears_need_an_sm89_gpu_unless_emulated(capability, accepted, monkeypatch):
+    from torchtitan_ext.config import parse
+    from torchtitan_ext.models import converters
+
+    monkeypatch.setattr(converters, "_cuda_capability", lambda: capability)
+    job = parse(DEBUG_JOB + ["--model.converters", "quantize.linear.float8"])
+    problem = converters._float8_linear_problem(job, "cuda")
+    assert (problem is None) == accepted
+    if not accepted:
+        assert f"this machine has an sm{capability[0]}{capability[1]} GPU" in problem
+        job.quantize.linear.float8.emulate = True
+        assert converters._float8_linear_problem(job, "cuda") is None
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["--model.converters", "quantize.grouped_mm.mx"],
      r"^quantize.grouped_mm.mx is in model.converters but quantize.grouped_mm.mx.fqns is empty: set "
@@ -42,6 +57,13 @@ def test_an_sm100_gpu_with_a_torchao_built_without_its_kernels_is_refused(monkey
       "experts"],
      r"^model.converters = .* mixes float8 and mx: torchtitan quantizes dense and MoE layers in one type; keep the "
      r"converters of one$"),
+    (["--model.converters", "quantize.linear.float8"],
+     r"^model.converters has quantize.linear.float8, whose float8 linears need an sm89 GPU or newer, and this machine "
+     r"has a CPU: set quantize.linear.float8.emulate to emulate them, or remove it$"),
+    (["--model.converters", "quantize.linear.float8", "--quantize.linear.float8.emulate", "--compile.enable",
+      "--compile.components", "model"],
+     r"^model.converters has quantize.linear.float8, .* set quantize.linear.float8.emulate and leave the model "
+     r"uncompiled \(compile.components without model\) to emulate them, or remove it$"),
 ])
 def test_a_converter_that_cannot_run_here_is_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -150,6 +150,14 @@ def _check_cpu_only_limits(job_config, device_type: str | None) -> None:
             "that a CPU-only machine does not have (it passes None, and every rank fails at the first step); "
             "unset it on CPU (py-spy record --subprocesses profiles a CPU job)"
         )
+    checkpoint = job_config.checkpoint
+    if checkpoint.enable and checkpoint.async_mode == "async_with_pinned_mem" and device_type == "cpu":
+        # its staging copies the state into pinned memory with non-blocking copies, which assert an accelerator:
+        # every rank failed at its first save
+        raise ConfigError(
+            "checkpoint.async_mode = 'async_with_pinned_mem' on a CPU: it stages through pinned memory, which needs "
+            "a GPU; use 'async' (or 'disabled') on CPU"
+        )
     if job_config.training.enable_cpu_offload and device_type == "cpu":
         # torchtitan asks for a gloo backend beside the device's, which on a CPU is gloo again: every rank's
         # process group fails to start

@@ -114,6 +114,17 @@ def check_port_free(text: str) -> int:
     return port
 
 
+def check_comm_mode(job_config) -> None:
+    """ConfigError where the job asks torchtitan for a one-process mode (``comm.mode``): the launchers start the
+    job's processes, each of which fails on it (local_tensor wants NGPU in its environment; a fake backend would
+    train nothing)."""
+    mode = job_config.comm.mode
+    if mode != "default":
+        raise ConfigError(f"comm.mode = '{mode}': the launcher starts the job's training processes, which need mode "
+                          "'default'; for a one-process dry run over a fake process group, unset it and run "
+                          "COMM_MODE=fake_backend NGPU=N ./run_train.sh")
+
+
 def check_custom_import(job_config) -> None:
     """``experimental.custom_import`` names a module torchtitan's trainer imports in every rank as it starts: one
     this machine's Python cannot import fails each of them."""
@@ -228,6 +239,7 @@ def main(argv: list[str] | None = None) -> None:
             check_log_ranks(args.log_rank, count)
         device_type = prepare()
         job_config = load_job_config(train_args, args.device_type or device_type, world_size=count * args.nnodes)
+        check_comm_mode(job_config)
         if args.device_type in (None, device_type):
             # this host trains, so its files and its memory are the ranks' (a batch host of another kind may not
             # see their files)

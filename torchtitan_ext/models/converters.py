@@ -338,6 +338,25 @@ def _unaligned_expert_dims(job_config, recipe: Recipe) -> str | None:
     return None
 
 
+def _float8_linear_problem(job_config, device_type: str | None) -> str | None:
+    """Why torchtitan's own ``quantize.linear.float8`` would stop every rank on this machine: its float8 linears need
+    an sm89 GPU or newer, or torchao's emulation in eager mode (``quantize.linear.float8.emulate`` without compiling
+    the model); None where they run, or where this host cannot tell (``device_type`` None: another machine's job)."""
+    if "quantize.linear.float8" not in job_config.model.converters or device_type is None:
+        return None
+    capability = _cuda_capability() if device_type == "cuda" else None
+    if device_type == "cuda" and (capability is None or capability >= (8, 9)):
+        return None
+    compiled = job_config.compile.enable and "model" in job_config.compile.components
+    if job_config.quantize.linear.float8.emulate and not compiled:
+        return None
+    machine = "a CPU" if device_type == "cpu" else f"an sm{capability[0]}{capability[1]} GPU"
+    return (f"model.converters has quantize.linear.float8, whose float8 linears need an sm89 GPU or newer, and this "
+            f"machine has {machine}: set quantize.linear.float8.emulate"
+            f"{' and leave the model uncompiled (compile.components without model)' if compiled else ''} to emulate "
+            "them, or remove it")
+
+
 def check_model_converters(job_config, context: ValidationContext) -> None:
     """Unknown converters, and the low-precision ones where they cannot run, refused in one line before any
     allocation."""
@@ -345,13 +364,16 @@ def check_model_converters(job_config, context: ValidationContext) -> None:
     if unknown:
         raise ConfigError(f"model.converters = {job_config.model.converters}: {unknown[0]!r} is not a model converter: "
                           f"use any of {', '.join(sorted(_registry_model_converter_cls))} (--model.converters '' for none)")
-    ours = [name for name in job_config.model.converters if name in RECIPES]
-    if not ours:
-        return
     kinds = {name.rsplit(".", 1)[1] for name in job_config.model.converters if name.startswith("quantize.")}
     if len(kinds) > 1:
         raise ConfigError(f"model.converters = {job_config.model.converters} mixes {' and '.join(sorted(kinds))}: "
                           "torchtitan quantizes dense and MoE layers in one type; keep the converters of one")
+    problem = _float8_linear_problem(job_config, context.device_type)
+    if problem:
+        raise ConfigError(problem)
+    ours = [name for name in job_config.model.converters if name in RECIPES]
+    if not ours:
+        return
     for name in ours:
         if name.startswith("quantize.grouped_mm."):
             section = getattr(job_config.quantize.grouped_mm, name.rsplit(".", 1)[1])
