@@ -169,7 +169,8 @@ def _plan_job(args, train_args: list[str], command: str) -> None:
             args.error_from or SHIPPED_ERROR, pricing_name(args.fit_from))
         job_config = load_job_config(train_args, device_type=None, world_size=world_size)
         if args.measure_compute:
-            check_measurable(load_job_config(train_args, device_type="cpu", world_size=world_size), world_size)
+            check_measurable(job_config, world_size)
+            load_job_config(train_args, device_type="cpu", world_size=world_size)  # what a CPU job refuses
         stats = None
         if args.routing_stats is not None:
             stats = load_path(args.routing_stats)

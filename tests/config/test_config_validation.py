@@ -167,11 +167,6 @@ def _load(*overrides, device_type="cpu", world_size=2):
          "harness extends, has no TorchFT"),
         (("--memory_estimation.enable",), "memory_estimation.enable is set, but no trainer of torchtitan 0.2.2 reads it"),
         (("--validation.enable",), "validation.enable is set, but this harness does not run torchtitan's validator"),
-        (("--checkpoint.enable", "--checkpoint.initial_load_in_hf", "--checkpoint.no_initial_load_model_only"),
-         "checkpoint.initial_load_in_hf loads the model only, but checkpoint.initial_load_model_only is off"),
-        (("--checkpoint.enable", "--checkpoint.initial_load_in_hf_quantized"),
-         "checkpoint.initial_load_in_hf_quantized reads a quantized HF checkpoint, but checkpoint.initial_load_in_hf "
-         "is off"),
         (("--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "1023", "--training.local_batch_size",
           "4", "--parallelism.data_parallel_shard_degree", "1"),
          "training.seq_len = 1023 is not divisible by TP x 2 x CP = 4"),

@@ -220,6 +220,14 @@ LAUNCHES = {
                                        "checkpoint.initial_load_path = '{tmp}/hf' holds no complete DCP checkpoint (no "
                                        ".metadata), and the job starts from it: it holds HF safetensors: add "
                                        "--checkpoint.initial_load_in_hf"),
+    "an HF checkpoint with the optimizer": (
+        _hf_checkpoint,
+        ["--checkpoint.enable", "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", "{tmp}/hf",
+         "--checkpoint.no_initial_load_model_only"],
+        "checkpoint.initial_load_in_hf loads the model only, but checkpoint.initial_load_model_only is off"),
+    "a quantized checkpoint not in HF": (None, ["--checkpoint.enable", "--checkpoint.initial_load_in_hf_quantized"],
+                                         "checkpoint.initial_load_in_hf_quantized reads a quantized HF checkpoint, "
+                                         "but checkpoint.initial_load_in_hf is off"),
     "an HF checkpoint": (_hf_checkpoint,
                          ["--checkpoint.enable", "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path",
                           "{tmp}/hf"], None),

@@ -47,6 +47,10 @@ def test_float8_linears_need_an_sm89_gpu_unless_emulated(capability, accepted, m
         assert f"this machine has an sm{capability[0]}{capability[1]} GPU" in problem
         job.quantize.linear.float8.emulate = True
         assert converters._float8_linear_problem(job, "cuda") is None
+        # a recipe past torchtitan's gate is torchao's unemulated one, which this GPU cannot run (a CPU can)
+        job.quantize.linear.float8.recipe_name = "rowwise"
+        assert "emulate with no quantize.linear.float8.recipe_name" in converters._float8_linear_problem(job, "cuda")
+        assert converters._float8_linear_problem(job, "cpu") is None
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -62,7 +66,7 @@ def test_float8_linears_need_an_sm89_gpu_unless_emulated(capability, accepted, m
      r"has a CPU: set quantize.linear.float8.emulate to emulate them, or remove it$"),
     (["--model.converters", "quantize.linear.float8", "--quantize.linear.float8.emulate", "--compile.enable",
       "--compile.components", "model"],
-     r"^model.converters has quantize.linear.float8, .* set quantize.linear.float8.emulate and leave the model "
+     r"^model.converters has quantize.linear.float8, .* set quantize.linear.float8.emulate with the model "
      r"uncompiled \(compile.components without model\) to emulate them, or remove it$"),
 ])
 def test_a_converter_that_cannot_run_here_is_refused_in_one_line(overrides, message):

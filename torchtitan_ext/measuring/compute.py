@@ -42,10 +42,9 @@ top: the memory check refuses well before it matters)."""
 
 
 def check_measurable(job_config, world_size: int) -> None:
-    """ConfigError unless this machine can measure the job's per-rank compute as a whole-model pass.
-
-    ``job_config`` is the job as a CPU job here runs it (loaded with ``device_type="cpu"``, so that what
-    a CPU job refuses is refused here, before any process starts)."""
+    """ConfigError unless this machine can measure the job's per-rank compute as a whole-model pass (the caller
+    also loads the job as a CPU job, so that what a CPU job refuses is refused before any process starts; this
+    check first, whose fixes name --measure-compute)."""
     if runtime.device_type() != "cpu":
         raise ConfigError(
             "--measure-compute times a CPU job, and this machine trains on CUDA: drop --measure-compute "

@@ -340,21 +340,26 @@ def _unaligned_expert_dims(job_config, recipe: Recipe) -> str | None:
 
 def _float8_linear_problem(job_config, device_type: str | None) -> str | None:
     """Why torchtitan's own ``quantize.linear.float8`` would stop every rank on this machine: its float8 linears need
-    an sm89 GPU or newer, or torchao's emulation in eager mode (``quantize.linear.float8.emulate`` without compiling
-    the model); None where they run, or where this host cannot tell (``device_type`` None: another machine's job)."""
+    an sm89 GPU or newer, else torchtitan's gate asks for ``quantize.linear.float8.emulate`` in eager mode. Past
+    the gate a ``recipe_name`` builds torchao's unemulated recipe, which a CPU runs (torch's CPU scaled matmul) and an
+    older GPU does not. None where they run, or where this host cannot tell (``device_type`` None: another
+    machine's job)."""
     if "quantize.linear.float8" not in job_config.model.converters or device_type is None:
         return None
     capability = _cuda_capability() if device_type == "cuda" else None
     if device_type == "cuda" and (capability is None or capability >= (8, 9)):
         return None
+    float8 = job_config.quantize.linear.float8
     compiled = job_config.compile.enable and "model" in job_config.compile.components
-    if job_config.quantize.linear.float8.emulate and not compiled:
+    recipe_fails = float8.recipe_name is not None and device_type == "cuda"
+    if float8.emulate and not compiled and not recipe_fails:
         return None
     machine = "a CPU" if device_type == "cpu" else f"an sm{capability[0]}{capability[1]} GPU"
+    conditions = [name for name, holds in (("the model uncompiled (compile.components without model)", compiled),
+                                           ("no quantize.linear.float8.recipe_name", recipe_fails)) if holds]
     return (f"model.converters has quantize.linear.float8, whose float8 linears need an sm89 GPU or newer, and this "
             f"machine has {machine}: set quantize.linear.float8.emulate"
-            f"{' and leave the model uncompiled (compile.components without model)' if compiled else ''} to emulate "
-            "them, or remove it")
+            f"{' with ' + ' and '.join(conditions) if conditions else ''} to emulate them, or remove it")
 
 
 def check_model_converters(job_config, context: ValidationContext) -> None:

@@ -172,8 +172,15 @@ def _check_initial_checkpoint(job_config) -> None:
     """ConfigError where the checkpoint a job without a checkpoint folder starts from cannot be loaded as the job
     says: torchtitan loads ``initial_load_path`` (with ``initial_load_in_hf``: the HF safetensors there, or in
     ``model.hf_assets_path`` where it is unset) and fails in every rank on a folder that holds no such checkpoint,
-    with a missing key of the model's."""
+    with a missing key of the model's; it asserts, there, that an HF checkpoint is loaded as the model only, and
+    that a quantized one is an HF one."""
     checkpoint = job_config.checkpoint
+    if checkpoint.initial_load_in_hf and not checkpoint.initial_load_model_only:
+        raise ConfigError("checkpoint.initial_load_in_hf loads the model only, but checkpoint.initial_load_model_only "
+                          "is off: drop --checkpoint.no_initial_load_model_only")
+    if checkpoint.initial_load_in_hf_quantized and not checkpoint.initial_load_in_hf:
+        raise ConfigError("checkpoint.initial_load_in_hf_quantized reads a quantized HF checkpoint, but "
+                          "checkpoint.initial_load_in_hf is off: add --checkpoint.initial_load_in_hf")
     if checkpoint.initial_load_path:
         field, path = "checkpoint.initial_load_path", checkpoint.initial_load_path
     elif checkpoint.initial_load_in_hf:
@@ -257,14 +264,6 @@ def check_checkpoint_options(job_config, context: ValidationContext) -> None:
             "checkpoint.keep_latest_k = 1: torchtitan keeps at least 2 (the newest may still be being written): "
             "set it to 0 (keep all) or 2 or more"
         )
-    checkpoint = job_config.checkpoint
-    if checkpoint.enable and checkpoint.initial_load_in_hf and not checkpoint.initial_load_model_only:
-        # torchtitan asserts it in every rank: an HF checkpoint holds weights, no optimizer or step
-        raise ConfigError("checkpoint.initial_load_in_hf loads the model only, but checkpoint.initial_load_model_only "
-                          "is off: drop --checkpoint.no_initial_load_model_only")
-    if checkpoint.enable and checkpoint.initial_load_in_hf_quantized and not checkpoint.initial_load_in_hf:
-        raise ConfigError("checkpoint.initial_load_in_hf_quantized reads a quantized HF checkpoint, but "
-                          "checkpoint.initial_load_in_hf is off: add --checkpoint.initial_load_in_hf")
     path = checkpoint_to_load(job_config)
     if context.device_type is None or path is None or context.moe_shape is None or not is_complete(path):
         return
