@@ -233,6 +233,12 @@ LAUNCHES = {
                           "{tmp}/hf"], None),
     "a one-process comm mode": (None, ["--comm.mode", "local_tensor"],
                                 "comm.mode = 'local_tensor': the launcher starts the job's training processes"),
+    "a dataset torchtitan's package lacks": (None, ["--training.dataset", "c4_test"],
+                                              "training.dataset = 'c4_test' reads 'tests/assets/c4_test' (relative to "),
+    "a missing dataset folder": (None, ["--training.dataset", "c4", "--training.dataset_path", "{tmp}/c4"],
+                                 "training.dataset_path = '{tmp}/c4' is not a folder here, and the job loads its data "
+                                 "from it"),
+    "a dataset on the Hub": (None, ["--training.dataset", "c4"], None),
     "a missing custom import": (None, ["--experimental.custom_import", "no_such_module_here.datasets"],
                                 "experimental.custom_import = 'no_such_module_here.datasets' is not a module"),
     "a custom import": (None, ["--experimental.custom_import", "json"], None),

@@ -8,6 +8,8 @@ May import: :mod:`torchtitan_ext.config`, :mod:`torchtitan_ext.runtime` (see the
 """
 
 import difflib
+import os
+import re
 from pathlib import Path
 
 from datasets import Dataset
@@ -27,6 +29,7 @@ from .embedded import (
 )
 
 __all__ = [
+    "check_dataset_folder",
     "check_dataset_options",
     "check_tokenizer_folder",
     "DATASET_NAME",
@@ -112,9 +115,7 @@ def check_dataset_options(job_config, context: ValidationContext) -> None:
     """
     training = job_config.training
     known = sorted({*DATASETS, DATASET_NAME})
-    registry_read = (get_train_spec(job_config.model.name).build_dataloader_fn is build_text_dataloader
-                     and not job_config.experimental.custom_import)
-    if registry_read and training.dataset not in known:
+    if _reads_the_registry(job_config) and training.dataset not in known:
         close = difflib.get_close_matches(training.dataset, known, n=1)
         raise ConfigError(
             f"training.dataset = '{training.dataset}' is not in torchtitan's dataset registry: "
@@ -131,6 +132,36 @@ def check_dataset_options(job_config, context: ValidationContext) -> None:
 
 
 register_check(check_dataset_options)
+
+
+def _reads_the_registry(job_config) -> bool:
+    """Whether the job's data loader is torchtitan's text one, which reads torchtitan's dataset registry, and no
+    module ``experimental.custom_import`` names may add to it."""
+    return (get_train_spec(job_config.model.name).build_dataloader_fn is build_text_dataloader
+            and not job_config.experimental.custom_import)
+
+
+HUB_NAME = re.compile(r"[\w.-]+/[\w.-]+")
+"""A Hugging Face Hub dataset's name (owner/name), which HF datasets downloads where no folder of that path is."""
+
+
+def check_dataset_folder(job_config) -> None:
+    """ConfigError where the dataset a job about to train reads from this machine's files is not there: HF datasets
+    finds no data file there and fails in every rank once they have started. A path of the Hub's form (owner/name),
+    which it downloads where no such folder is, is left to it; the embedded corpus is built before the ranks start.
+    For the launchers' pre-flight on the machines that train."""
+    training = job_config.training
+    if training.dataset == DATASET_NAME or not _reads_the_registry(job_config) or training.dataset not in DATASETS:
+        return
+    path = training.dataset_path or DATASETS[training.dataset].path
+    if Path(path).exists() or HUB_NAME.fullmatch(path):
+        return
+    where = "" if Path(path).is_absolute() else f" (relative to {os.getcwd()})"
+    field = (f"training.dataset_path = '{path}'{where}" if training.dataset_path
+             else f"training.dataset = '{training.dataset}' reads '{path}'{where}, which")
+    raise ConfigError(f"{field} is not a folder here, and the job loads its data from it: set "
+                      f"training.dataset_path to the folder that holds the dataset, or train on the embedded corpus "
+                      f"(training.dataset = '{DATASET_NAME}')")
 
 
 def _embedded_assets_noise(message: str) -> bool:

@@ -35,7 +35,7 @@ with imports_without_collection():
     from torchtitan_ext.config import ConfigError, load_job_config, shared_meta_model
     from torchtitan_ext.config.validation import builds_torchtitans_optimizers
     from torchtitan_ext.runtime.memory import host_memory_bytes
-    from torchtitan_ext.data import check_tokenizer_folder, prepare_embedded_assets
+    from torchtitan_ext.data import check_dataset_folder, check_tokenizer_folder, prepare_embedded_assets
     from torchtitan_ext.ep import backend_class
     from torchtitan_ext.runtime.console import init_logger
     from torchtitan_ext.training import prepare
@@ -244,6 +244,7 @@ def main(argv: list[str] | None = None) -> None:
             # this host trains, so its files and its memory are the ranks' (a batch host of another kind may not
             # see their files)
             check_tokenizer_folder(job_config)
+            check_dataset_folder(job_config)
             check_start_checkpoint(job_config)
             check_custom_import(job_config)
             check_wandb(job_config)
