@@ -76,7 +76,11 @@ def _parsed(config_cls, arguments: tuple[str, ...], config_file: str | None, tex
         config_cls = _merged_with(config_cls, custom.JobConfig)
     _check_toml(config_cls, toml_values, config_file)
     _check_cli(config_cls, args)
-    config = _without_empty_lists(_config_manager(config_cls).parse_args(args))
+    logger.addFilter(_PARSE_WARNINGS)  # for the parse only: a process's other logging is not the parse's
+    try:
+        config = _without_empty_lists(_config_manager(config_cls).parse_args(args))
+    finally:
+        logger.removeFilter(_PARSE_WARNINGS)
     return config, frozenset(_explicit_settings(toml_values, args))
 
 
@@ -105,7 +109,7 @@ class _EachParseWarningOnce(logging.Filter):
         return True
 
 
-logger.addFilter(_EachParseWarningOnce())
+_PARSE_WARNINGS = _EachParseWarningOnce()
 
 
 def _without_empty_lists(config):

@@ -34,6 +34,7 @@ from functools import partial
 from pathlib import Path
 
 from torchtitan_ext.launch.processes import die_with_parent
+from torchtitan_ext.records.checkpoint_folder import checkpoint_steps
 from torchtitan_ext.records.metrics import METRICS_FILE, read_metrics
 from torchtitan_ext.runtime.cgroups import oom_kills
 from torchtitan_ext.runtime.preemption import PREEMPTION_SIGNALS
@@ -54,18 +55,6 @@ STALLED_STATES = {"T": "stopped (SIGSTOP or a debugger)", "t": "stopped by a deb
 SHUTDOWN_GRACE_S = 30
 """How long processes left in the job's group after torchrun ends (or after this supervisor is told to
 stop) get between SIGTERM and SIGKILL."""
-
-
-def complete_checkpoints(folder: Path | None) -> list[int]:
-    """Steps of the checkpoints in ``folder`` whose write completed (DCP writes .metadata last)."""
-    if folder is None or not folder.is_dir():
-        return []
-    steps = []
-    for entry in folder.iterdir():
-        match = re.fullmatch(r"step-(\d+)", entry.name)
-        if match and (entry / ".metadata").is_file():
-            steps.append(int(match.group(1)))
-    return sorted(steps)
 
 
 def children(pid: int) -> list[int]:
@@ -283,7 +272,7 @@ class Supervisor:
         written = self.dump_folder is not None and self._metrics_file_state() != self.metrics_before
         logged = read_metrics(self.dump_folder) if written else []
         after = f"after step {logged[-1]['step']}" if logged else "before logging a step"
-        steps = complete_checkpoints(self.checkpoint_folder)
+        steps = checkpoint_steps(self.checkpoint_folder)[0] if self.checkpoint_folder is not None else []
         if steps:
             resume = f"rerun the same command to resume from the last complete checkpoint, step {steps[-1]} ({self.checkpoint_folder / f'step-{steps[-1]}'})"
         elif self.checkpoint_folder is not None:

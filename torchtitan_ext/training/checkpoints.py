@@ -21,7 +21,6 @@ writes it last). Around torchtitan 0.2.2's manager this module
 
 import json
 import os
-import re
 from pathlib import Path
 
 import torch.distributed as dist
@@ -30,28 +29,13 @@ from torchtitan.tools.logging import logger
 
 from torchtitan_ext.balancing.migration import read_record, record_problem
 from torchtitan_ext.config import ConfigError, moe_layer_ids, register_check, ValidationContext
+from torchtitan_ext.records.checkpoint_folder import checkpoint_steps, is_complete
 
-CHECKPOINT_NAME = re.compile(r"step-(\d+)")
 SET_ASIDE_PREFIX = "incomplete_step_"
 HF_EXPORT_INDEX = "model.safetensors.index.json"
 """What torchtitan writes last in a step saved as HF safetensors (``checkpoint.last_save_in_hf``), which it has no
 ``.metadata`` of."""
 HF_EXPORT_PREFIX = "hf_export_step_"
-
-
-def is_complete(path: Path) -> bool:
-    return (path / ".metadata").is_file()
-
-
-def checkpoint_steps(folder: Path) -> tuple[list[int], list[int]]:
-    """(complete steps, torn steps) of the ``step-N`` folders in ``folder``, each sorted."""
-    complete, torn = [], []
-    if folder.is_dir():
-        for entry in folder.iterdir():
-            match = CHECKPOINT_NAME.fullmatch(entry.name)
-            if match and entry.is_dir():
-                (complete if is_complete(entry) else torn).append(int(match.group(1)))
-    return sorted(complete), sorted(torn)
 
 
 def _is_hf_export(path: Path) -> bool:
