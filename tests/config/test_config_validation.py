@@ -155,7 +155,15 @@ def _load(*overrides, device_type="cpu", world_size=2):
         (("--optimizer.lr", "nan"), "--optimizer.lr nan: use a finite number"),
         (("--optimizer.lr", "inf"), "--optimizer.lr inf: use a finite number"),
         (("--optimizer.beta2", "1.0"), "optimizer.beta2 = 1.0: use a value >= 0 and < 1"),
-        (("--training.enable_cpu_offload=maybe",), "use true or false"),
+        (("--training.enable_cpu_offload=maybe",), "--training.enable_cpu_offload maybe: --training.enable_cpu_offload "
+         "is a switch and takes no value: --training.enable_cpu_offload turns it on, --training.no_enable_cpu_offload off"),
+        (("--compile.enable", "false"), "--compile.enable false: --compile.enable is a switch and takes no value"),
+        (("--parallelism.expert_parallel_comm_backend", "hybridep", "--hybridep.use_mnnvl", "true"),
+         "--hybridep.use_mnnvl true: use True or False"),
+        (("--training.steps", "--compile.enable"), "--training.steps has no value: give one"),
+        (("training.steps=3",), "'training.steps=3' is not a setting: write --training.steps=3"),
+        (("--training.steps", "3", "4"), "'4' follows no setting that takes it: write each setting as --section.key "
+         "value"),
         (("--faults.on_nonfinite", "ignore"), "use one of 'stop', 'skip_step'"),
         (("--checkpoint.keep_latest_k", "1"), "checkpoint.keep_latest_k = 1: torchtitan keeps at least 2"),
         (("--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"),

@@ -2,8 +2,10 @@
 
 Every torchtitan 0.2.2 key keeps its meaning: the parse itself is torchtitan's
 ``ConfigManager``. Before it sees the arguments, unknown keys (with the
-closest valid one), ill-typed values and a missing or malformed file raise
-:class:`~torchtitan_ext.config.errors.ConfigError` naming them.
+closest valid one), ill-typed values, a missing or malformed file and
+arguments its parser (tyro) would refuse in a box that names no fix (a value
+after a switch, a setting without its value, a word that follows no setting)
+raise :class:`~torchtitan_ext.config.errors.ConfigError` naming them.
 """
 
 import copy
@@ -243,9 +245,17 @@ def _explicit_settings(toml_values: dict[str, Any], args: list[str]) -> set[str]
 
 
 def _check_cli(cls, args: list[str]) -> None:
-    for index, arg in enumerate(args):
-        if not arg.startswith("--") or arg in ("--help", "-h"):
+    """Each argument is ``--section.key value`` (``--section.key=value``), a switch (``--section.key``,
+    ``--section.no_key``) or one of a list of lists' values: anything else would stop torchtitan's parser (tyro) in a
+    box that names neither the setting nor the fix."""
+    index = 0
+    while index < len(args):
+        arg = args[index]
+        index += 1
+        if arg in ("--help", "-h"):
             continue
+        if not arg.startswith("--"):
+            raise _stray_argument_error(arg)
         dotted, has_value, value = arg[2:].partition("=")
         *sections, key = dotted.replace("-", "_").split(".")
         target, prefix = cls, ""
@@ -255,16 +265,40 @@ def _check_cli(cls, args: list[str]) -> None:
                 raise _unknown_key_error(prefix, section, list(types_), "the command line")
             target, prefix = types_[section], f"{prefix}{section}."
         types_ = _field_types(target)
-        if key not in types_ and not (key.startswith("no_") and key[3:] in types_):
+        switch = key[3:] if key.startswith("no_") and key not in types_ and types_.get(key[3:]) is bool else key
+        if switch not in types_:
             raise _unknown_key_error(prefix, key, list(types_), "the command line")
-        if key not in types_:
+        field_type = types_[switch]
+        given = [value] if has_value else []
+        while index < len(args) and not args[index].startswith("--") and (not given or _takes_words(field_type)):
+            given.append(args[index])
+            index += 1
+        if field_type is bool:
+            if given:
+                raise ConfigError(f"--{prefix}{key} {' '.join(given)}: --{prefix}{switch} is a switch and takes no "
+                                  f"value: --{prefix}{switch} turns it on, --{prefix}no_{switch} off")
             continue
-        if not has_value and index + 1 < len(args) and not args[index + 1].startswith("--"):
-            value, has_value = args[index + 1], True
-        if has_value:
-            problem = _type_problem(types_[key], value, from_text=True)
+        if not given:
+            raise ConfigError(f"--{prefix}{key} has no value: give one, as in --{prefix}{key} <value>")
+        for text in given:
+            problem = _type_problem(field_type, text, from_text=True)
             if problem:
-                raise ConfigError(f"--{prefix}{key} {value}: {problem}")
+                raise ConfigError(f"--{prefix}{key} {text}: {problem}")
+
+
+def _takes_words(field_type) -> bool:
+    """Whether a setting's command-line value is several words: a list of lists, one word per inner list
+    (``--parallelism.module_fqns_per_model_part a,b c``). Every other setting takes one word, a switch none."""
+    members = [m for m in typing.get_args(field_type) if m is not type(None)] or [field_type]
+    return any(typing.get_origin(m) is list and typing.get_origin(typing.get_args(m)[0]) is list for m in members)
+
+
+def _stray_argument_error(arg: str) -> ConfigError:
+    """A word that follows no setting: a second value, or a setting written without its ``--``."""
+    if "=" in arg and "." in arg.partition("=")[0]:
+        return ConfigError(f"'{arg}' is not a setting: write --{arg}")
+    return ConfigError(f"'{arg}' follows no setting that takes it: write each setting as --section.key value "
+                       "(--training.steps 10), a switch as --section.key or --section.no_key")
 
 
 def _type_problem(field_type, value, from_text: bool = False) -> str | None:
@@ -284,10 +318,10 @@ def _type_problem(field_type, value, from_text: bool = False) -> str | None:
             return None
         problems = [_type_problem(member, value, from_text) for member in members if member is not type(None)]
         return None if any(p is None for p in problems) else problems[0]
-    if field_type is bool:
-        if isinstance(value, bool) or (from_text and value in ("True", "False", "true", "false")):
+    if field_type is bool:  # a plain bool is a switch on the command line; an optional one takes a word
+        if isinstance(value, bool) or (from_text and value in ("True", "False")):
             return None
-        return "use true or false"
+        return "use True or False" if from_text else "use true or false"
     if field_type in (int, float):
         if from_text:
             try:
