@@ -149,6 +149,12 @@ def _load(*overrides, device_type="cpu", world_size=2):
          "training.dataset_path = '/data/c4' but training.dataset = 'stdlib_code', the embedded corpus"),
         (("--training.dataset", "stdlib_cod"),
          "training.dataset = 'stdlib_cod' is not in torchtitan's dataset registry: did you mean 'stdlib_code'?"),
+        (("--model.name", "qwen3"), "parallelism.expert_parallel_degree = 2, but model.name = 'qwen3', flavor "
+         "'debugmodel' has no routed experts: set it to 1, or use an MoE flavour (debugmodel_moe, 30B-A3B"),
+        (("--model.name", "llama3"), "parallelism.expert_parallel_degree = 2, but model.name = 'llama3', flavor "
+         "'debugmodel' has no routed experts: set it to 1"),
+        (("--model.name", "qwen3", "--parallelism.expert_parallel_degree", "1"),
+         "model.flavor = 'debugmodel' ties the output projection to the embedding (enable_weight_tying)"),
         (("--training.stepz", "3"), "unknown config key 'training.stepz' in the command line: did you mean 'steps'?"),
         (("--trainin.steps", "3"), "unknown config key 'trainin' in the command line: did you mean 'training'?"),
         (("--training.steps", "2.5"), "--training.steps 2.5: use an integer"),

@@ -172,3 +172,13 @@ def test_parallelism_applies(model, name, monkeypatch):
 def test_bad_degrees_are_rejected_before_building():
     with pytest.raises(ConfigError, match="expert_parallel_degree = 64 .* must divide dp_shard x cp x tp = 32"):
         _dry_run(["--job.config_file", str(REPO_ROOT / "train_configs/deepseek_v3_671b_gb200.toml")], 32)
+
+
+def test_a_dense_model_dry_runs_without_moe_layers():
+    """A model without routed experts (torchtitan's Llama3, whose blocks have no ``moe_enabled``) dry-runs with no MoE
+    layer and no EP backend."""
+    report = _dry_run(["--job.config_file", str(REPO_ROOT / "train_configs/debug_model.toml"), "--model.name", "llama3",
+                       "--parallelism.expert_parallel_degree", "1"], 2)
+    assert report.rank_layers and report.rank_moe_layers == ()
+    assert report.rank_expert_parameters == 0
+    assert report.ep_settings == {"backend": "none (no MoE layers)"}

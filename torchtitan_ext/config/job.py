@@ -56,10 +56,18 @@ def max_tokens_per_rank(job_config) -> int:
     return tokens
 
 
+def routed_moe_args(model_args):
+    """A model's MoE arguments, or None where it has no routed experts: no ``moe_args``, or, as Qwen3's dense
+    flavours, ``moe_args`` that no layer uses (``moe_enabled = False``)."""
+    if getattr(model_args, "moe_enabled", True) is False:
+        return None
+    return getattr(model_args, "moe_args", None)
+
+
 def moe_shape(job_config) -> MoEShape | None:
     """The MoE layers' shape for this job, or None for a dense model."""
     model_args = model_args_of(job_config)
-    moe_args = getattr(model_args, "moe_args", None)
+    moe_args = routed_moe_args(model_args)
     if moe_args is None:
         return None
     return MoEShape(model_args.dim, moe_args.num_experts, moe_args.top_k, max_tokens_per_rank(job_config))
@@ -140,10 +148,10 @@ def moe_layer_ids(job_config) -> list[int]:
     return sorted(int(layer_id) for layer_id, block in shared_meta_model(job_config).layers.items() if block.moe_enabled)
 
 
-def mixes_precision_through_fsdp(job_config, world_size: int | None) -> bool | None:
-    """Whether FSDP shards the job (dp_shard x cp > 1 on ``world_size`` ranks): torchtitan casts to
-    ``training.mixed_precision_param`` through FSDP, or through autocast where there is no TP or PP, so a TP or PP job
-    without FSDP runs its model in float32 whatever that says (``maybe_enable_amp`` only warns). None where the
+def fsdp_shards(job_config, world_size: int | None) -> bool | None:
+    """Whether FSDP shards the job (dp_shard x cp > 1 on ``world_size`` ranks). Precision mixes there: torchtitan casts
+    to ``training.mixed_precision_param`` through FSDP, or through autocast where there is no TP or PP, so a TP or PP
+    job without FSDP runs its model in float32 whatever that says (``maybe_enable_amp`` only warns). None where the
     world size is unknown and dp_shard is automatic, or the degrees do not divide it (validation says so)."""
     p = job_config.parallelism
     fixed = p.data_parallel_replicate_degree * p.context_parallel_degree * p.tensor_parallel_degree

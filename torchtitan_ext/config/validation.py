@@ -9,7 +9,7 @@ from torchtitan.components.optimizer import build_optimizers, build_optimizers_w
 from torchtitan.protocols.train_spec import get_train_spec
 
 from torchtitan_ext.config.errors import ConfigError
-from torchtitan_ext.config.job import mixes_precision_through_fsdp, model_args_of, moe_shape, MoEShape
+from torchtitan_ext.config.job import fsdp_shards, model_args_of, moe_shape, MoEShape, routed_moe_args
 from torchtitan_ext.config.ranges import check_ranges
 from torchtitan_ext.config.registry import field_ranges, registered_checks, ValidationContext
 from torchtitan_ext.config.sections import overlaps_expert_parallel
@@ -28,7 +28,7 @@ def validate(job_config, *, device_type: str | None, world_size: int | None = No
     _check_attention(job_config, device_type)
     _check_cpu_only_limits(job_config, device_type)
     _check_tensor_parallel(job_config, device_type)
-    _check_experts_divide(job_config, shape)
+    _check_expert_parallel(job_config, shape)
     _check_activation_checkpointing(job_config)
     _check_pipeline(job_config, device_type)
     _check_pipeline_split(job_config)
@@ -36,6 +36,7 @@ def validate(job_config, *, device_type: str | None, world_size: int | None = No
     _check_switches(job_config)
     if world_size is not None:
         _check_world_size(job_config, world_size)
+    _check_tied_weights(job_config, world_size)
     context = ValidationContext(device_type, world_size, shape, command_line)
     for check in registered_checks():
         check(job_config, context)
@@ -44,12 +45,12 @@ def validate(job_config, *, device_type: str | None, world_size: int | None = No
 
 
 def _check_mixed_precision(job_config, world_size: int | None) -> None:
-    """A TP or PP job without FSDP runs in float32 (:func:`~torchtitan_ext.config.job.mixes_precision_through_fsdp`):
+    """A TP or PP job without FSDP runs in float32 (:func:`~torchtitan_ext.config.job.fsdp_shards`):
     another ``training.mixed_precision_param``, the default bfloat16 included, would not be what it trains in."""
     p, precision = job_config.parallelism, job_config.training.mixed_precision_param
     if precision == "float32" or (p.tensor_parallel_degree == 1 and p.pipeline_parallel_degree == 1):
         return
-    if mixes_precision_through_fsdp(job_config, world_size) is False:
+    if fsdp_shards(job_config, world_size) is False:
         raise ConfigError(
             f"training.mixed_precision_param = '{precision}', but torchtitan mixes precision through FSDP where TP or "
             "PP is on, and this job has no FSDP (data-parallel shard x context parallel = 1): it would train in "
@@ -103,13 +104,36 @@ def _check_switches(job_config) -> None:
             raise ConfigError(f"{key} is set, but {why}")
 
 
-def _check_experts_divide(job_config, shape: MoEShape | None) -> None:
+def _check_expert_parallel(job_config, shape: MoEShape | None) -> None:
     ep = job_config.parallelism.expert_parallel_degree
+    if shape is None and ep > 1:
+        # torchtitan would build the EP mesh and parallelize nothing on it: the job would say "EP=2" and have none
+        name, flavor = job_config.model.name, job_config.model.flavor
+        moe_flavors = [other for other, args in get_train_spec(name).model_args.items() if routed_moe_args(args)]
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree = {ep}, but model.name = '{name}', flavor '{flavor}' has no routed "
+            "experts: set it to 1" + (f", or use an MoE flavour ({', '.join(moe_flavors)})" if moe_flavors else ""))
     if shape is not None and shape.num_experts % ep:
         raise ConfigError(
             f"parallelism.expert_parallel_degree = {ep} does not divide the model's "
             f"{shape.num_experts} experts: pick a divisor of {shape.num_experts}"
         )
+
+
+def _check_tied_weights(job_config, world_size: int | None) -> None:
+    """torchtitan's FSDP plan shards the embedding and the output projection in two groups, and torch's FSDP refuses a
+    parameter that two groups share: a flavour that ties them (Qwen3's small dense ones) stops in every rank's first
+    forward ("Parameter ... is shared with a parameter already managed by another FSDP group")."""
+    name, flavor = job_config.model.name, job_config.model.flavor
+    if not getattr(model_args_of(job_config), "enable_weight_tying", False) or not fsdp_shards(job_config, world_size):
+        return
+    untied = [other for other, args in get_train_spec(name).model_args.items()
+              if not getattr(args, "enable_weight_tying", False)]
+    raise ConfigError(
+        f"model.flavor = '{flavor}' ties the output projection to the embedding (enable_weight_tying), and torchtitan "
+        "shards the two in separate FSDP groups, which torch's FSDP refuses: train it without FSDP "
+        "(data_parallel_shard_degree = 1, as on one rank), or use a flavour of " + name + " that does not tie them ("
+        + ", ".join(untied) + ")")
 
 
 def _check_attention(job_config, device_type: str | None) -> None:

@@ -7,7 +7,7 @@ section and combinations itself (``RoutedExpertParallel.validate_config``).
 
 
 from torchtitan_ext.config import (
-    comm_backend, ConfigError, mixes_precision_through_fsdp, nonstandard_experts, ValidationContext,
+    comm_backend, ConfigError, fsdp_shards, nonstandard_experts, ValidationContext,
 )
 from torchtitan_ext.ep.backends import BACKENDS
 from torchtitan_ext.ep.replication.plan import dispatched_shape
@@ -33,7 +33,7 @@ def _check_tokens_reach_the_kernels_in_bf16(job_config, world_size: int | None, 
     """torchtitan casts the model to ``training.mixed_precision_param`` through FSDP only: without it,
     under TP or PP (which expert parallelism without a data-parallel shard implies) the model runs in
     fp32, and a library's kernels would get fp32 tokens at the first dispatch."""
-    if mixes_precision_through_fsdp(job_config, world_size) is not False:
+    if fsdp_shards(job_config, world_size) is not False:
         return
     raise ConfigError(
         f"parallelism.data_parallel_shard_degree is 1 (and context_parallel_degree 1): without FSDP, "

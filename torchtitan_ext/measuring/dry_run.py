@@ -29,7 +29,7 @@ with imports_without_collection():
 
     from torchtitan_ext.config import (
         comm_backend, ConfigError, job_world_size, load_job_config, max_tokens_per_rank, model_class_and_args, MoEShape,
-        parse,
+        parse, routed_moe_args,
     )
     from torchtitan_ext.ep import backend_class
     from torchtitan_ext.models.converters import RECIPES
@@ -122,7 +122,7 @@ def _dry_run(job_config, world_size: int) -> DryRunReport:
         (int(layer_id), block) for part in model_parts for layer_id, block in part.layers.items()
     ]
     ep_settings = {"backend": "none (no MoE layers)"}
-    moe_args = getattr(model_args, "moe_args", None)
+    moe_args = routed_moe_args(model_args)
     if moe_args is not None:
         shape = MoEShape(model_args.dim, moe_args.num_experts, moe_args.top_k, max_tokens_per_rank(job_config))
         ep_settings = (
@@ -140,7 +140,7 @@ def _dry_run(job_config, world_size: int) -> DryRunReport:
         rank_expert_parameters=sum(t.numel() for t in experts),
         rank_expert_parameter_bytes=sum(t.numel() * t.element_size() for t in experts),
         rank_layers=tuple(layer_id for layer_id, _ in layers),
-        rank_moe_layers=tuple(layer_id for layer_id, block in layers if block.moe_enabled),
+        rank_moe_layers=tuple(layer_id for layer_id, block in layers if getattr(block, "moe_enabled", False)),
         parameter_dtype=str(dtype).removeprefix("torch."),
         ep_settings=ep_settings,
         pipeline_stages=len(model_parts),

@@ -20,7 +20,7 @@ from torchtitan_ext import runtime
 from torchtitan_ext.balancing import routing_stats
 from torchtitan_ext.balancing.migration import ExpertMigration, moe_modules
 from torchtitan_ext.balancing.routing_skew import RoutingSkewer
-from torchtitan_ext.config import ConfigError, job_summary, moe_layer_ids
+from torchtitan_ext.config import ConfigError, job_summary, moe_layer_ids, routed_moe_args
 from torchtitan_ext.ep.base import destroy_kernel_buffers
 from torchtitan_ext.ep.replication.choice import ReplicaChooser
 from torchtitan_ext.runtime.collectives import CollectiveFailed, name_other_collective
@@ -42,7 +42,7 @@ class Trainer(TorchTitanTrainer):
         super().__init__(job_config)
         runtime.adapt_model_parts(self.model_parts)
         self.routing_recorder = routing_stats.recorder_for(job_config, self.model_parts, self.parallel_dims)
-        moe_args = getattr(self.model_parts[0].model_args, "moe_args", None)
+        moe_args = routed_moe_args(self.model_parts[0].model_args)
         if moe_args is not None:
             migration = ExpertMigration(
                 job_config, self.model_parts, self.optimizers, moe_layer_ids(job_config), moe_args.num_experts, self.device
@@ -60,7 +60,7 @@ class Trainer(TorchTitanTrainer):
         args = self.model_parts[0].model_args
         self.router_health = (
             faults.RouterHealth(self.model_parts, args.n_layers, self.device)
-            if getattr(args, "moe_args", None) is not None else None
+            if routed_moe_args(args) is not None else None
         )
         self.checkpointer._purge_stale_checkpoints = partial(checkpoints.purge_keeping_complete, self.checkpointer)
         self._step_losses: list[torch.Tensor] = []
