@@ -694,7 +694,8 @@ def test_a_kernel_domain_smaller_than_the_nvlink_group_goes_over_the_next_link()
     split = gb200.within_kernel_domain(8, "deepep")
     assert split.group_sizes(256) == [8, 64, 256]
     assert [level.bandwidth_GBps for level in split.levels] == [900.0, 50.0, 50.0]
-    assert split.levels[1].name == "RDMA between racks's link, between deepep's kernel domains in NVLink domain (one rack)"
+    assert split.levels[1].name == ("RDMA between racks, used between deepep's 8-rank kernel domains inside NVLink "
+                                    "domain (one rack)")
     assert gb200.within_kernel_domain(64, "hybridep") is gb200 and gb200.within_kernel_domain(128, "x") is gb200
 
 
@@ -725,7 +726,7 @@ def test_kernels_that_reach_fewer_nvlink_peers_pay_the_network_for_the_rest():
     }
     for backend, layout in limited.items():
         assert layout.a2a_level == (
-            f"RDMA between racks's link, between {backend}'s kernel domains in NVLink domain (one rack)"
+            f"RDMA between racks, used between {backend}'s 8-rank kernel domains inside NVLink domain (one rack)"
         )
         assert layout.costs.a2a > 5 * machine[backend].costs.a2a
         assert machine[backend].a2a_level == "NVLink domain (one rack)"

@@ -168,7 +168,7 @@ class Topology:
         outer = self.levels[1]
         return replace(self, levels=(
             replace(inner, name=f"{inner.name}, within {backend}'s {ranks}-rank kernel domain", workers=ranks),
-            replace(outer, name=f"{outer.name}'s link, between {backend}'s kernel domains in {inner.name}",
+            replace(outer, name=f"{outer.name}, used between {backend}'s {ranks}-rank kernel domains inside {inner.name}",
                     workers=inner.workers),
             *self.levels[1:],
         ))
