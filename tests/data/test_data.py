@@ -2,11 +2,17 @@
 
 import json
 import threading
+import types
 
+import datasets.config
+import pytest
+from huggingface_hub import constants, HfApi
+from huggingface_hub.errors import RepositoryNotFoundError
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataset
 
-from torchtitan_ext.data import DATASET_NAME, ensure_assets, register_embedded_dataset
+from torchtitan_ext.config import ConfigError, parse
+from torchtitan_ext.data import check_dataset_folder, DATASET_NAME, ensure_assets, register_embedded_dataset
 from torchtitan_ext.data.embedded import (
     CORPUS_FILE,
     MANIFEST_FILE,
@@ -97,3 +103,30 @@ def test_dataset_registered_and_split_across_ranks(embedded_assets):
         assert int(inputs["input"].max()) < VOCAB_SIZE
         samples.append(inputs["input"])
     assert not samples[0].equal(samples[1])
+
+
+def test_a_hub_dataset_is_refused_only_where_neither_the_hub_nor_a_cache_gives_it(monkeypatch, tmp_path):
+    """The Hub unreachable (a network error from huggingface_hub's client) and no cache: refused in one line; a copy
+    in either Hugging Face cache, or any answer of the Hub (a dataset it does not have), leaves it to HF datasets."""
+    job_config = parse(["--job.config_file", "train_configs/debug_model.toml", "--training.dataset", "c4"])
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets")
+
+    def unreachable(self, name, **kwargs):
+        raise OSError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(HfApi, "dataset_info", unreachable)
+    with pytest.raises(ConfigError, match=r"^training.dataset = 'c4' loads 'allenai/c4' from the Hugging Face Hub, "
+                                          r"which this machine cannot reach \(OSError: \[Errno -2\] Name or service "
+                                          r"not known\), and no Hugging Face cache here holds it: "):
+        check_dataset_folder(job_config)
+    for cached in (tmp_path / "hub" / "datasets--allenai--c4", tmp_path / "datasets" / "allenai___c4"):
+        cached.mkdir(parents=True)
+        check_dataset_folder(job_config)
+        cached.rmdir()
+
+    def not_on_the_hub(self, name, **kwargs):  # the Hub's 404, its response reduced to what the error reads
+        raise RepositoryNotFoundError(f"{name} not found", response=types.SimpleNamespace(headers={}, request=None))
+
+    monkeypatch.setattr(HfApi, "dataset_info", not_on_the_hub)
+    check_dataset_folder(job_config)

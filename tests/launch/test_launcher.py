@@ -260,12 +260,14 @@ def test_a_launch_its_ranks_would_fail_stops_in_one_line(case, capsys, monkeypat
     """What torchtitan's ranks find out only once started (a tokenizer, a checkpoint, a module missing; a CPU job
     that cannot fit), each a traceback or an OOM kill per rank, the pre-flight says in one line, torchtitan's own
     warning of a missing tokenizer folder left out."""
+    from torchtitan_ext import data
     from torchtitan_ext.launch import preflight
 
     # the weights, gradients and Adam's two moments of the debug model's 33M parameters take 528 MB (two copies
     # would take 264 MB): more than a machine of 400 MB
     monkeypatch.setattr(preflight, "host_memory_bytes", lambda: 4 * 10**8 if case.startswith("more than") else 10**15)
     monkeypatch.setitem(sys.modules, "wandb", None)  # a machine without it, whatever this one has
+    monkeypatch.setattr(data, "_check_hub_dataset", lambda name, field: None)  # the Hub reached, whatever this machine's network
     make, overrides, error = LAUNCHES[case]
     if make is not None:
         make(tmp_path / "assets" if "tokenizer" in case else tmp_path)

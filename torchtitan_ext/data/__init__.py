@@ -148,13 +148,18 @@ HUB_NAME = re.compile(r"[\w.-]+/[\w.-]+")
 def check_dataset_folder(job_config) -> None:
     """ConfigError where the dataset a job about to train reads from this machine's files is not there: HF datasets
     finds no data file there and fails in every rank once they have started. A path of the Hub's form (owner/name),
-    which it downloads where no such folder is, is left to it; the embedded corpus is built before the ranks start.
-    For the launchers' pre-flight on the machines that train."""
+    which it downloads where no such folder is, is refused only where neither the Hub nor a cache can give it
+    (:func:`_check_hub_dataset`); the embedded corpus is built before the ranks start. For the launchers'
+    pre-flight on the machines that train."""
     training = job_config.training
     if training.dataset == DATASET_NAME or not _reads_the_registry(job_config) or training.dataset not in DATASETS:
         return
     path = training.dataset_path or DATASETS[training.dataset].path
-    if Path(path).exists() or HUB_NAME.fullmatch(path):
+    if Path(path).exists():
+        return
+    if HUB_NAME.fullmatch(path):
+        _check_hub_dataset(path, "training.dataset_path" if training.dataset_path else
+                           f"training.dataset = '{training.dataset}'")
         return
     where = "" if Path(path).is_absolute() else f" (relative to {os.getcwd()})"
     field = (f"training.dataset_path = '{path}'{where}" if training.dataset_path
@@ -162,6 +167,36 @@ def check_dataset_folder(job_config) -> None:
     raise ConfigError(f"{field} is not a folder here, and the job loads its data from it: set "
                       f"training.dataset_path to the folder that holds the dataset, or train on the embedded corpus "
                       f"(training.dataset = '{DATASET_NAME}')")
+
+
+HUB_PROBE_TIMEOUT_S = 10.0
+"""How long the pre-flight waits for the Hugging Face Hub to answer about a dataset."""
+
+
+def _check_hub_dataset(name: str, field: str) -> None:
+    """ConfigError where a Hub dataset can be neither downloaded nor read from this machine's Hugging Face caches:
+    every rank would fail once started ("Couldn't reach 'allenai/c4' on the Hub"). Where any cache holds it, or the
+    Hub answers at all (a missing or gated dataset is HF datasets' to name), it is left to HF datasets."""
+    import datasets.config
+    from huggingface_hub import constants, HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    owner, repo = name.split("/")
+    cached = (Path(constants.HF_HUB_CACHE) / f"datasets--{owner}--{repo}",
+              Path(datasets.config.HF_DATASETS_CACHE) / f"{owner}___{repo}")
+    if any(folder.exists() for folder in cached):
+        return
+    try:
+        HfApi().dataset_info(name, timeout=HUB_PROBE_TIMEOUT_S)
+        return
+    except HfHubHTTPError:
+        return
+    except Exception as e:  # no answer: the HTTP client's network error (its class differs by huggingface_hub version)
+        why = f"{type(e).__name__}: {e}"
+    raise ConfigError(
+        f"{field} loads '{name}' from the Hugging Face Hub, which this machine cannot reach ({why}), and no Hugging "
+        f"Face cache here holds it: download it where the Hub is reachable and set training.dataset_path to its "
+        f"folder, or train on the embedded corpus (training.dataset = '{DATASET_NAME}')")
 
 
 def _embedded_assets_noise(message: str) -> bool:
