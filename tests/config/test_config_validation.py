@@ -168,6 +168,9 @@ def _load(*overrides, device_type="cpu", world_size=2):
          "--hybridep.use_mnnvl true: use True or False"),
         (("--training.steps", "--compile.enable"), "--training.steps has no value: give one"),
         (("training.steps=3",), "'training.steps=3' is not a setting: write --training.steps=3"),
+        (("--job.description", "-x"), "--job.description has no value: give one, as in --job.description <value> (a "
+         "value that starts with '-' follows '=': --job.description=-x)"),
+        (("--parallelism.module_fqns_per_model_part",), None),  # a list of lists: no word is the empty list
         (("--training.steps", "3", "4"), "'4' follows no setting that takes it: write each setting as --section.key "
          "value"),
         (("--faults.on_nonfinite", "ignore"), "use one of 'stop', 'skip_step'"),

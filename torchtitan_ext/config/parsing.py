@@ -255,7 +255,7 @@ def _check_cli(cls, args: list[str]) -> None:
         if arg in ("--help", "-h"):
             continue
         if not arg.startswith("--"):
-            raise _stray_argument_error(arg)
+            raise _stray_argument_error(arg)  # a value's word is consumed with its setting below
         dotted, has_value, value = arg[2:].partition("=")
         *sections, key = dotted.replace("-", "_").split(".")
         target, prefix = cls, ""
@@ -270,7 +270,7 @@ def _check_cli(cls, args: list[str]) -> None:
             raise _unknown_key_error(prefix, key, list(types_), "the command line")
         field_type = types_[switch]
         given = [value] if has_value else []
-        while index < len(args) and not args[index].startswith("--") and (not given or _takes_words(field_type)):
+        while index < len(args) and _is_value(args[index]) and (not given or _takes_words(field_type)):
             given.append(args[index])
             index += 1
         if field_type is bool:
@@ -278,17 +278,32 @@ def _check_cli(cls, args: list[str]) -> None:
                 raise ConfigError(f"--{prefix}{key} {' '.join(given)}: --{prefix}{switch} is a switch and takes no "
                                   f"value: --{prefix}{switch} turns it on, --{prefix}no_{switch} off")
             continue
-        if not given:
-            raise ConfigError(f"--{prefix}{key} has no value: give one, as in --{prefix}{key} <value>")
+        if not given and not _takes_words(field_type):
+            dashed = index < len(args) and not args[index].startswith("--")
+            raise ConfigError(f"--{prefix}{key} has no value: give one, as in --{prefix}{key} <value>" + (
+                f" (a value that starts with '-' follows '=': --{prefix}{key}={args[index]})" if dashed else ""))
         for text in given:
             problem = _type_problem(field_type, text, from_text=True)
             if problem:
                 raise ConfigError(f"--{prefix}{key} {text}: {problem}")
 
 
+def _is_value(word: str) -> bool:
+    """Whether the parser (argparse, under tyro) reads ``word`` after a setting as its value: a word that starts
+    with '-' is an option to it, unless it is a negative number."""
+    if not word.startswith("-"):
+        return True
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True
+
+
 def _takes_words(field_type) -> bool:
-    """Whether a setting's command-line value is several words: a list of lists, one word per inner list
-    (``--parallelism.module_fqns_per_model_part a,b c``). Every other setting takes one word, a switch none."""
+    """Whether a setting's command-line value is any number of words, none included: a list of lists, one word per
+    inner list (``--parallelism.module_fqns_per_model_part a,b c``). Every other setting takes one word, a switch
+    none."""
     members = [m for m in typing.get_args(field_type) if m is not type(None)] or [field_type]
     return any(typing.get_origin(m) is list and typing.get_origin(typing.get_args(m)[0]) is list for m in members)
 
