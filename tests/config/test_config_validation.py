@@ -155,6 +155,8 @@ def _load(*overrides, device_type="cpu", world_size=2):
          "'debugmodel' has no routed experts: set it to 1"),
         (("--model.name", "qwen3", "--parallelism.expert_parallel_degree", "1"),
          "model.flavor = 'debugmodel' ties the output projection to the embedding (enable_weight_tying)"),
+        (("--model.name", "qwen3", "--parallelism.expert_parallel_degree", "1", "--parallelism.data_parallel_shard_degree",
+          "1", "--parallelism.data_parallel_replicate_degree", "2"), None),  # DDP shares the tied weight as one
         (("--training.stepz", "3"), "unknown config key 'training.stepz' in the command line: did you mean 'steps'?"),
         (("--trainin.steps", "3"), "unknown config key 'trainin' in the command line: did you mean 'training'?"),
         (("--training.steps", "2.5"), "--training.steps 2.5: use an integer"),
@@ -221,6 +223,70 @@ def test_invalid_values_name_the_field(overrides, message):
         _load(*overrides, world_size=world_size)
     assert message in str(error.value)
     assert "\n" not in str(error.value)
+
+
+CLI_SHAPES_MODULE = """
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Shapes:
+    flag: bool = False
+    maybe: bool | None = None
+    count: int = 0
+    rate: float = 1.0
+    text: str = ""
+    words: list[str] = field(default_factory=list)
+    numbers: list[int] = field(default_factory=list)
+    pair: tuple[int, int] = (0, 0)
+    parts: list[list[str]] | None = None
+
+
+@dataclass
+class JobConfig:
+    shapes: Shapes = field(default_factory=Shapes)
+"""
+
+CLI_SHAPES = [
+    ("--shapes.flag",), ("--shapes.no-flag",), ("--shapes.no_flag",), ("--shapes.flag", "true"), ("--shapes.flag=False",),
+    ("--shapes.maybe", "True"), ("--shapes.maybe", "None"), ("--shapes.maybe", "true"), ("--shapes.no_maybe",),
+    ("--shapes.maybe",), ("--shapes.count", "-3"), ("--shapes.count",), ("--shapes.count", "3", "4"),
+    ("--shapes.count", "--shapes.flag"), ("--shapes.rate", "-.5"), ("--shapes.rate", "-1e-3"), ("--shapes.text", "-x"),
+    ("--shapes.text=-x",), ("--shapes.text", "- a"), ("--shapes.text", "-"), ("--shapes.text", "--"),
+    ("--shapes.words", "a,b"), ("--shapes.words", "a", "b"), ("--shapes.numbers", "1", "2", "3"),
+    ("--shapes.numbers",), ("--shapes.pair", "3", "4"), ("--shapes.parts", "a,b", "c"), ("--shapes.parts",),
+    ("shapes.count=3",), ("--shapes.count", "3", "stray"),
+]
+
+
+@pytest.mark.parametrize("args", CLI_SHAPES, ids=" ".join)
+def test_the_command_line_check_refuses_in_one_line_exactly_what_torchtitans_parser_refuses(args, monkeypatch,
+                                                                                              tmp_path, capsys):
+    """The oracle is the parser itself: with the check off, tyro (torchtitan's ConfigManager) either parses the
+    arguments or stops in its box; with it on, the same arguments parse, or stop in one line before tyro sees them.
+    A custom config section carries every kind of field a section may have."""
+    from torchtitan_ext.config import parsing
+
+    (tmp_path / "cli_shapes_config.py").write_text(CLI_SHAPES_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    full = ["--job.config_file", DEBUG_TOML, "--job.custom_config_module", "cli_shapes_config", *args]
+    parsing._parsed.cache_clear()
+    with monkeypatch.context() as unchecked:
+        unchecked.setattr(parsing, "_check_cli", lambda cls, arguments: None)
+        try:
+            parse_job_config(full)
+            tyro_accepts = True
+        except SystemExit:
+            tyro_accepts = False
+    capsys.readouterr()
+    parsing._parsed.cache_clear()
+    try:
+        parse_job_config(full)
+        refused = None
+    except ConfigError as error:
+        refused = str(error)
+    assert (refused is None) == tyro_accepts, refused
+    assert refused is None or "\n" not in refused
 
 
 def test_replica_slots_need_experts_that_a_replica_class_computes(monkeypatch):

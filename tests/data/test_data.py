@@ -130,3 +130,7 @@ def test_a_hub_dataset_is_refused_only_where_neither_the_hub_nor_a_cache_gives_i
 
     monkeypatch.setattr(HfApi, "dataset_info", not_on_the_hub)
     check_dataset_folder(job_config)
+    relative = parse(["--job.config_file", "train_configs/debug_model.toml", "--training.dataset", "c4",
+                      "--training.dataset_path", "./c4"])  # a folder's path, though owner/name in form
+    with pytest.raises(ConfigError, match=r"^training.dataset_path = './c4' \(relative to .*\) is not a folder here"):
+        check_dataset_folder(relative)

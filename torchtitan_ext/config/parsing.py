@@ -17,7 +17,7 @@ import math
 import os
 import types
 import typing
-from dataclasses import fields, is_dataclass
+from dataclasses import fields, is_dataclass, MISSING
 from pathlib import Path
 from typing import Any, Literal
 
@@ -199,6 +199,13 @@ def _field_types(cls) -> dict[str, Any]:
     return {f.name: f.type for f in fields(cls)}
 
 
+def _switches(cls) -> set[str]:
+    """The fields of ``cls`` the command line sets as switches (``--x.key``, ``--x.no_key``): bools with a default.
+    tyro asks a word of a bool without one, and of an optional bool (True, False or None)."""
+    return {f.name for f in fields(cls)
+            if f.type is bool and (f.default is not MISSING or f.default_factory is not MISSING)}
+
+
 def _unknown_key_error(section: str, key: str, known: list[str], where: str) -> ConfigError:
     close = difflib.get_close_matches(key, known, n=1)
     hint = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(sorted(known))}"
@@ -265,15 +272,19 @@ def _check_cli(cls, args: list[str]) -> None:
                 raise _unknown_key_error(prefix, section, list(types_), "the command line")
             target, prefix = types_[section], f"{prefix}{section}."
         types_ = _field_types(target)
-        switch = key[3:] if key.startswith("no_") and key not in types_ and types_.get(key[3:]) is bool else key
+        switches = _switches(target)
+        switch = key[3:] if key.startswith("no_") and key not in types_ and key[3:] in switches else key
         if switch not in types_:
+            if key.startswith("no_") and key[3:] in types_ and _members(types_[key[3:]]) == [bool]:
+                raise ConfigError(f"--{prefix}{key}: {prefix}{key[3:]} takes a word, not a switch: write "
+                                  f"--{prefix}{key[3:]} False")
             raise _unknown_key_error(prefix, key, list(types_), "the command line")
         field_type = types_[switch]
         given = [value] if has_value else []
         while index < len(args) and _is_value(args[index]) and (not given or _takes_words(field_type)):
             given.append(args[index])
             index += 1
-        if field_type is bool:
+        if switch in switches:
             if given:
                 raise ConfigError(f"--{prefix}{key} {' '.join(given)}: --{prefix}{switch} is a switch and takes no "
                                   f"value: --{prefix}{switch} turns it on, --{prefix}no_{switch} off")
@@ -289,23 +300,31 @@ def _check_cli(cls, args: list[str]) -> None:
 
 
 def _is_value(word: str) -> bool:
-    """Whether the parser (argparse, under tyro) reads ``word`` after a setting as its value: a word that starts
-    with '-' is an option to it, unless it is a negative number."""
-    if not word.startswith("-"):
-        return True
-    try:
-        float(word)
-    except ValueError:
+    """Whether torchtitan's parser (tyro 1) reads ``word`` after a setting as its value: anything but ``--`` and a
+    word of dashes then a letter (an option to it), a negative number (-5, -.5, -1e9, -inf) being a value."""
+    key = word.partition("=")[0]
+    if word == "--":
         return False
-    return True
+    if key.startswith("-") and key[1:2] not in ("", "-") and (
+            key[1].isdigit() or key[1] == "." or key[1:].lower() in ("inf", "nan", "infinity")):
+        return True
+    return not (key.startswith("-") and len(key) > 1 and key.lstrip("-")[:1].isalpha())
 
 
 def _takes_words(field_type) -> bool:
-    """Whether a setting's command-line value is any number of words, none included: a list of lists, one word per
-    inner list (``--parallelism.module_fqns_per_model_part a,b c``). Every other setting takes one word, a switch
-    none."""
-    members = [m for m in typing.get_args(field_type) if m is not type(None)] or [field_type]
-    return any(typing.get_origin(m) is list and typing.get_origin(typing.get_args(m)[0]) is list for m in members)
+    """Whether a setting's command-line value is any number of words, none included: a container (a list of lists
+    such as ``--parallelism.module_fqns_per_model_part a,b c``, a tuple, a set, a dict, a list of numbers), as tyro
+    reads it, but a list of strings, which torchtitan's rule reads as one comma-separated word. Every other setting
+    takes one word, a switch none."""
+    return any(typing.get_origin(m) in (list, tuple, set, frozenset, dict) and m != list[str]
+               for m in _members(field_type))
+
+
+def _members(field_type) -> list:
+    """A union's types but None; any other type alone."""
+    if typing.get_origin(field_type) in (typing.Union, types.UnionType):
+        return [m for m in typing.get_args(field_type) if m is not type(None)]
+    return [field_type]
 
 
 def _stray_argument_error(arg: str) -> ConfigError:

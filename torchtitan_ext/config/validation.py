@@ -132,7 +132,8 @@ def _check_tied_weights(job_config, world_size: int | None) -> None:
     raise ConfigError(
         f"model.flavor = '{flavor}' ties the output projection to the embedding (enable_weight_tying), and torchtitan "
         "shards the two in separate FSDP groups, which torch's FSDP refuses: train it without FSDP "
-        "(data_parallel_shard_degree = 1, as on one rank), or use a flavour of " + name + " that does not tie them ("
+        "(data_parallel_shard_degree x context_parallel_degree = 1: one rank, or data_parallel_replicate_degree for "
+        "the ranks), or use a flavour of " + name + " that does not tie them ("
         + ", ".join(untied) + ")")
 
 

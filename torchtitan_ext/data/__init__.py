@@ -9,7 +9,6 @@ May import: :mod:`torchtitan_ext.config`, :mod:`torchtitan_ext.runtime` (see the
 
 import difflib
 import os
-import re
 from pathlib import Path
 
 from datasets import Dataset
@@ -141,8 +140,19 @@ def _reads_the_registry(job_config) -> bool:
             and not job_config.experimental.custom_import)
 
 
-HUB_NAME = re.compile(r"[\w.-]+/[\w.-]+")
-"""A Hugging Face Hub dataset's name (owner/name), which HF datasets downloads where no folder of that path is."""
+def _is_hub_name(path: str) -> bool:
+    """Whether ``path`` is a Hugging Face Hub dataset's name (owner/name), which HF datasets downloads where no folder
+    of that path is ("./c4" is a folder's path: no Hub name starts with a dot)."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if path.count("/") != 1:
+        return False
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        return False
+    return True
 
 
 def check_dataset_folder(job_config) -> None:
@@ -157,9 +167,10 @@ def check_dataset_folder(job_config) -> None:
     path = training.dataset_path or DATASETS[training.dataset].path
     if Path(path).exists():
         return
-    if HUB_NAME.fullmatch(path):
-        _check_hub_dataset(path, "training.dataset_path" if training.dataset_path else
-                           f"training.dataset = '{training.dataset}'")
+    if _is_hub_name(path):
+        _check_hub_dataset(path, f"training.dataset_path = '{path}' is no folder here (relative to {os.getcwd()}), so "
+                                 "HF datasets loads it" if training.dataset_path else
+                           f"training.dataset = '{training.dataset}' loads '{path}'")
         return
     where = "" if Path(path).is_absolute() else f" (relative to {os.getcwd()})"
     field = (f"training.dataset_path = '{path}'{where}" if training.dataset_path
@@ -173,7 +184,7 @@ HUB_PROBE_TIMEOUT_S = 10.0
 """How long the pre-flight waits for the Hugging Face Hub to answer about a dataset."""
 
 
-def _check_hub_dataset(name: str, field: str) -> None:
+def _check_hub_dataset(name: str, what: str) -> None:
     """ConfigError where a Hub dataset can be neither downloaded nor read from this machine's Hugging Face caches:
     every rank would fail once started ("Couldn't reach 'allenai/c4' on the Hub"). Where any cache holds it, or the
     Hub answers at all (a missing or gated dataset is HF datasets' to name), it is left to HF datasets."""
@@ -194,7 +205,7 @@ def _check_hub_dataset(name: str, field: str) -> None:
     except Exception as e:  # no answer: the HTTP client's network error (its class differs by huggingface_hub version)
         why = f"{type(e).__name__}: {e}"
     raise ConfigError(
-        f"{field} loads '{name}' from the Hugging Face Hub, which this machine cannot reach ({why}), and no Hugging "
+        f"{what} from the Hugging Face Hub, which this machine cannot reach ({why}), and no Hugging "
         f"Face cache here holds it: download it where the Hub is reachable and set training.dataset_path to its "
         f"folder, or train on the embedded corpus (training.dataset = '{DATASET_NAME}')")
 
