@@ -2,6 +2,7 @@
 
 import os
 import sys
+from functools import partial
 
 import pytest
 
@@ -157,15 +158,26 @@ def _complete_step_2(dump_folder) -> None:
     (dump_folder / "checkpoint" / "step-2" / ".metadata").write_bytes(b"")
 
 
+def _full_checkpoint(dump_folder, step: int = 2, data_parallel_ranks: int = 2) -> None:
+    """A full checkpoint of ``step``, its data loader's state saved by ``data_parallel_ranks`` ranks (as torchtitan's
+    ParallelAwareDataloader keys it)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    data_loader = {f"dp_rank_{rank}": torch.tensor(0) for rank in range(data_parallel_ranks)}
+    dcp.save({"model": {"tok_embeddings.weight": torch.zeros(2, 2)}, "train_state": {"step": torch.tensor(step)},
+              "dataloader": {**data_loader, "world_size": torch.tensor(data_parallel_ranks)}},
+             checkpoint_id=str(dump_folder / "checkpoint" / f"step-{step}"), no_dist=True)
+
+
 def _model_only_last_step(dump_folder) -> None:
     """A finished job's folder: a full checkpoint at step 2, its last step (4) saved model-only."""
     import torch
     import torch.distributed.checkpoint as dcp
 
-    weights = {"tok_embeddings.weight": torch.zeros(2, 2)}
-    dcp.save({"model": weights, "train_state": {"step": torch.tensor(2)}},
-             checkpoint_id=str(dump_folder / "checkpoint" / "step-2"), no_dist=True)
-    dcp.save(weights, checkpoint_id=str(dump_folder / "checkpoint" / "step-4"), no_dist=True)
+    _full_checkpoint(dump_folder)
+    dcp.save({"tok_embeddings.weight": torch.zeros(2, 2)}, checkpoint_id=str(dump_folder / "checkpoint" / "step-4"),
+             no_dist=True)
 
 
 def _tokenizer_file(folder) -> None:
@@ -209,6 +221,13 @@ LAUNCHES = {
         _model_only_last_step,
         ["--checkpoint.enable", "--checkpoint.exclude_from_loading", "optimizer,lr_scheduler,dataloader,train_state"],
         None),
+    "a checkpoint of four data-parallel ranks": (
+        partial(_full_checkpoint, data_parallel_ranks=4), ["--checkpoint.enable"],
+        "checkpoint {tmp}/checkpoint/step-2 holds the data loader of 4 data-parallel ranks, and this job has 2 "
+        "(data_parallel_replicate x data_parallel_shard): torchtitan's data loader cannot reshard its state"),
+    "a checkpoint of four data-parallel ranks without its data loader": (
+        partial(_full_checkpoint, data_parallel_ranks=4),
+        ["--checkpoint.enable", "--checkpoint.exclude_from_loading", "dataloader"], None),
     "no initial checkpoint": (None, ["--checkpoint.enable", "--checkpoint.initial_load_path", "{tmp}/initial"],
                               "checkpoint.initial_load_path = '{tmp}/initial' is not a folder"),
     "a tokenizer folder as the HF checkpoint": (

@@ -14,6 +14,7 @@ package (the bottom tier, see :mod:`torchtitan_ext`).
 from torchtitan_ext.config.errors import ConfigError
 from torchtitan_ext.config.hf_model import hf_flavor_args, HF_FLAVOR_PREFIX, register_hf_model
 from torchtitan_ext.config.job import (
+    data_parallel_degree,
     job_world_size,
     max_tokens_per_rank,
     fsdp_shards,
@@ -42,6 +43,7 @@ __all__ = [
     "hf_flavor_args",
     "HF_FLAVOR_PREFIX",
     "job_summary",
+    "data_parallel_degree",
     "job_world_size",
     "load_job_config",
     "max_tokens_per_rank",

@@ -148,20 +148,31 @@ def moe_layer_ids(job_config) -> list[int]:
     return sorted(int(layer_id) for layer_id, block in shared_meta_model(job_config).layers.items() if block.moe_enabled)
 
 
+def data_parallel_degree(job_config, world_size: int | None) -> int | None:
+    """The ranks that read different batches (data_parallel_replicate x data_parallel_shard on ``world_size`` ranks):
+    torchtitan's data loader shards its data, and its checkpointed state, over them. None where the world size is
+    unknown and dp_shard is automatic, or the degrees do not divide it (validation says so)."""
+    p = job_config.parallelism
+    shard = p.data_parallel_shard_degree
+    if shard == -1:
+        fixed = p.data_parallel_replicate_degree * p.context_parallel_degree * p.tensor_parallel_degree
+        fixed *= p.pipeline_parallel_degree
+        if world_size is None or world_size % fixed:
+            return None
+        shard = world_size // fixed
+    return p.data_parallel_replicate_degree * shard
+
+
 def fsdp_shards(job_config, world_size: int | None) -> bool | None:
     """Whether FSDP shards the job (dp_shard x cp > 1 on ``world_size`` ranks). Precision mixes there: torchtitan casts
     to ``training.mixed_precision_param`` through FSDP, or through autocast where there is no TP or PP, so a TP or PP
     job without FSDP runs its model in float32 whatever that says (``maybe_enable_amp`` only warns). None where the
     world size is unknown and dp_shard is automatic, or the degrees do not divide it (validation says so)."""
     p = job_config.parallelism
-    fixed = p.data_parallel_replicate_degree * p.context_parallel_degree * p.tensor_parallel_degree
-    fixed *= p.pipeline_parallel_degree
-    shard = p.data_parallel_shard_degree
-    if shard == -1:
-        if world_size is None or world_size % fixed:
-            return None
-        shard = world_size // fixed
-    return shard > 1 or p.context_parallel_degree > 1
+    degree = data_parallel_degree(job_config, world_size)
+    if degree is None:
+        return None
+    return degree // p.data_parallel_replicate_degree > 1 or p.context_parallel_degree > 1
 
 
 def job_world_size(job_config, given: int | None = None) -> int:

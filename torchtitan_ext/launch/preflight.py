@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
             # see their files)
             check_tokenizer_folder(job_config)
             check_dataset_folder(job_config)
-            check_start_checkpoint(job_config)
+            check_start_checkpoint(job_config, count * args.nnodes)
             check_custom_import(job_config)
             check_wandb(job_config)
             if device_type == "cpu":

@@ -21,6 +21,7 @@ writes it last). Around torchtitan 0.2.2's manager this module
 
 import json
 import os
+import re
 from pathlib import Path
 
 import torch.distributed as dist
@@ -28,7 +29,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torchtitan.tools.logging import logger
 
 from torchtitan_ext.balancing.migration import read_record, record_problem
-from torchtitan_ext.config import ConfigError, moe_layer_ids, register_check, ValidationContext
+from torchtitan_ext.config import ConfigError, data_parallel_degree, moe_layer_ids, register_check, ValidationContext
 from torchtitan_ext.records.checkpoint_folder import checkpoint_steps, is_complete
 
 SET_ASIDE_PREFIX = "incomplete_step_"
@@ -127,12 +128,13 @@ def checkpoint_to_load(job_config) -> Path | None:
     return Path(checkpoint.initial_load_path) if checkpoint.initial_load_path else None
 
 
-def check_start_checkpoint(job_config) -> None:
+def check_start_checkpoint(job_config, world_size: int) -> None:
     """ConfigError where the checkpoint a job about to train starts from is not there: torchtitan's checkpointer
     finds out in every rank once they have started. ``checkpoint.load_step`` must name a complete checkpoint (where
     the job's checkpoint folder does not exist yet, torchtitan would start from scratch, or from
     ``initial_load_path``, without a word; where it does, fail); ``initial_load_path``, which torchtitan loads where
-    that folder does not exist, must be a folder. For the launchers' pre-flight on a machine that trains the job:
+    that folder does not exist, must be a folder; a data loader's state must be loaded at the data-parallel degree
+    it was saved at. For the launchers' pre-flight on a machine that trains the job (``world_size`` ranks):
     another machine may not see its files."""
     checkpoint = job_config.checkpoint
     if not checkpoint.enable:
@@ -148,8 +150,34 @@ def check_start_checkpoint(job_config) -> None:
     loaded = checkpoint_to_load(job_config)
     if folder.exists() and loaded is not None and loaded.parent == folder and loaded.name != "step-0":
         _check_loads_whole(job_config, loaded, folder)
+        _check_data_loader_degree(job_config, loaded, world_size)
     if not folder.exists():
         _check_initial_checkpoint(job_config)
+        if loaded is not None and not (checkpoint.initial_load_model_only or checkpoint.initial_load_in_hf):
+            _check_data_loader_degree(job_config, loaded, world_size)
+
+
+SAVED_DATA_LOADER = re.compile(r"dataloader\.dp_rank_\d+")
+"""A checkpoint's key of one data-parallel rank's data loader state (torchtitan's ParallelAwareDataloader)."""
+
+
+def _check_data_loader_degree(job_config, path: Path, world_size: int) -> None:
+    """ConfigError where a checkpoint's data loader state was saved by another number of data-parallel ranks than
+    the job has: torchtitan's data loader asserts in every rank that the degree is unchanged ("dataloader resharding
+    is not supported yet"), so a resume on another world size fails, and a rerun with it fails again."""
+    if "dataloader" in job_config.checkpoint.exclude_from_loading:
+        return
+    degree = data_parallel_degree(job_config, world_size)
+    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = sum(1 for key in keys if SAVED_DATA_LOADER.fullmatch(key))
+    if degree is None or not saved or saved == degree:
+        return
+    raise ConfigError(
+        f"checkpoint {path} holds the data loader of {saved} data-parallel ranks, and this job has {degree} "
+        "(data_parallel_replicate x data_parallel_shard): torchtitan's data loader cannot reshard its state; resume "
+        f"at {saved} data-parallel ranks, or load the rest without it (--checkpoint.exclude_from_loading dataloader: "
+        "the data starts over from the first batch)"
+    )
 
 
 def _check_initial_checkpoint(job_config) -> None:
