@@ -228,6 +228,15 @@ LAUNCHES = {
     "a checkpoint of four data-parallel ranks without its data loader": (
         partial(_full_checkpoint, data_parallel_ranks=4),
         ["--checkpoint.enable", "--checkpoint.exclude_from_loading", "dataloader"], None),
+    "a start from a checkpoint of four data-parallel ranks": (
+        partial(_full_checkpoint, data_parallel_ranks=4),
+        ["--checkpoint.enable", "--checkpoint.folder", "fresh", "--checkpoint.initial_load_path",
+         "{tmp}/checkpoint/step-2", "--checkpoint.no_initial_load_model_only"],
+        "checkpoint {tmp}/checkpoint/step-2 holds the data loader of 4 data-parallel ranks"),
+    "a start from the model of a checkpoint of four data-parallel ranks": (
+        partial(_full_checkpoint, data_parallel_ranks=4),
+        ["--checkpoint.enable", "--checkpoint.folder", "fresh", "--checkpoint.initial_load_path",
+         "{tmp}/checkpoint/step-2"], None),
     "no initial checkpoint": (None, ["--checkpoint.enable", "--checkpoint.initial_load_path", "{tmp}/initial"],
                               "checkpoint.initial_load_path = '{tmp}/initial' is not a folder"),
     "a tokenizer folder as the HF checkpoint": (

@@ -168,8 +168,7 @@ def _check_data_loader_degree(job_config, path: Path, world_size: int) -> None:
     if "dataloader" in job_config.checkpoint.exclude_from_loading:
         return
     degree = data_parallel_degree(job_config, world_size)
-    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    saved = sum(1 for key in keys if SAVED_DATA_LOADER.fullmatch(key))
+    saved = sum(1 for key in _saved_keys(path) if SAVED_DATA_LOADER.fullmatch(key))
     if degree is None or not saved or saved == degree:
         return
     raise ConfigError(
@@ -225,10 +224,18 @@ def _check_initial_checkpoint(job_config) -> None:
         )
 
 
-def holds_model_only(path: Path) -> bool:
-    """Whether a complete checkpoint holds the model alone, as torchtitan writes a job's last step under
+def _saved_keys(path: Path):
+    """The keys a complete checkpoint holds (its DCP metadata's); ConfigError where its ``.metadata`` cannot be read."""
+    try:
+        return FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as e:  # a damaged .metadata: whatever DCP raises, named in one line
+        raise ConfigError(f"checkpoint {path}: its .metadata cannot be read ({type(e).__name__}: {e}): load another "
+                          "checkpoint (checkpoint.load_step) or move this one away") from None
+
+
+def _holds_model_only(keys) -> bool:
+    """Whether a checkpoint of these keys holds the model alone, as torchtitan writes a job's last step under
     ``checkpoint.last_save_model_only`` (a full one also holds the optimizer, the data loader and the train state)."""
-    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     return not any(key.startswith("train_state.") for key in keys)
 
 
@@ -242,12 +249,7 @@ def _check_loads_whole(job_config, path: Path, folder: Path) -> None:
     missing optimizer and data loader (a finished job run again with more steps, its last step saved model-only)."""
     if set(FULL_STATE) <= set(job_config.checkpoint.exclude_from_loading):
         return
-    try:
-        model_only = holds_model_only(path)
-    except Exception as e:  # a damaged .metadata: whatever DCP raises, named in one line
-        raise ConfigError(f"checkpoint {path}: its .metadata cannot be read ({type(e).__name__}: {e}): load another "
-                          "checkpoint (checkpoint.load_step) or move this one away") from None
-    if not model_only:
+    if not _holds_model_only(_saved_keys(path)):
         return
     complete, _ = checkpoint_steps(folder)
     full = next((step for step in reversed(complete) if f"step-{step}" != path.name and _holds_full(folder, step)), None)
@@ -264,8 +266,8 @@ def _check_loads_whole(job_config, path: Path, folder: Path) -> None:
 def _holds_full(folder: Path, step: int) -> bool:
     """Whether ``step``'s complete checkpoint in ``folder`` holds the full state (False where it cannot be read)."""
     try:
-        return not holds_model_only(folder / f"step-{step}")
-    except Exception:  # a damaged .metadata is no checkpoint to resume from
+        return not _holds_model_only(_saved_keys(folder / f"step-{step}"))
+    except ConfigError:  # a damaged .metadata is no checkpoint to resume from
         return False
 
 
