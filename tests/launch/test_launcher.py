@@ -158,26 +158,35 @@ def _complete_step_2(dump_folder) -> None:
     (dump_folder / "checkpoint" / "step-2" / ".metadata").write_bytes(b"")
 
 
-def _full_checkpoint(dump_folder, step: int = 2, data_parallel_ranks: int = 2) -> None:
-    """A full checkpoint of ``step``, its data loader's state saved by ``data_parallel_ranks`` ranks (as torchtitan's
-    ParallelAwareDataloader keys it)."""
+def _embedding(other_model: bool = False) -> dict:
+    """The default job's model's embedding weight, by the name and of the shape torchtitan saves it under; or, for
+    ``other_model``, one of half its width (a model of another hidden size)."""
+    import torch
+
+    from torchtitan_ext.config import parse, shared_meta_model
+
+    rows, columns = shared_meta_model(parse(DEFAULT_CONFIG)).tok_embeddings.weight.shape
+    return {"tok_embeddings.weight": torch.zeros(rows, columns // 2 if other_model else columns)}
+
+
+def _full_checkpoint(dump_folder, step: int = 2, data_parallel_ranks: int = 2, other_model: bool = False) -> None:
+    """A full checkpoint of ``step`` as torchtitan writes one (the model's weights under their own names), its data
+    loader's state saved by ``data_parallel_ranks`` ranks (as torchtitan's ParallelAwareDataloader keys it)."""
     import torch
     import torch.distributed.checkpoint as dcp
 
     data_loader = {f"dp_rank_{rank}": torch.tensor(0) for rank in range(data_parallel_ranks)}
-    dcp.save({"model": {"tok_embeddings.weight": torch.zeros(2, 2)}, "train_state": {"step": torch.tensor(step)},
+    dcp.save({**_embedding(other_model), "train_state": {"step": torch.tensor(step)},
               "dataloader": {**data_loader, "world_size": torch.tensor(data_parallel_ranks)}},
              checkpoint_id=str(dump_folder / "checkpoint" / f"step-{step}"), no_dist=True)
 
 
 def _model_only_last_step(dump_folder) -> None:
     """A finished job's folder: a full checkpoint at step 2, its last step (4) saved model-only."""
-    import torch
     import torch.distributed.checkpoint as dcp
 
     _full_checkpoint(dump_folder)
-    dcp.save({"tok_embeddings.weight": torch.zeros(2, 2)}, checkpoint_id=str(dump_folder / "checkpoint" / "step-4"),
-             no_dist=True)
+    dcp.save(_embedding(), checkpoint_id=str(dump_folder / "checkpoint" / "step-4"), no_dist=True)
 
 
 def _tokenizer_file(folder) -> None:
@@ -237,6 +246,11 @@ LAUNCHES = {
         partial(_full_checkpoint, data_parallel_ranks=4),
         ["--checkpoint.enable", "--checkpoint.folder", "fresh", "--checkpoint.initial_load_path",
          "{tmp}/checkpoint/step-2"], None),
+    "a checkpoint of another model": (
+        partial(_full_checkpoint, other_model=True), ["--checkpoint.enable"],
+        "checkpoint {tmp}/checkpoint/step-2 was saved by another model: its tok_embeddings.weight is [2048, 128], "
+        "which this job's model (model.name = 'deepseek_v3', flavor 'debugmodel') makes [2048, 256]: run the model it "
+        "was saved by, or give this job another checkpoint.folder"),
     "no initial checkpoint": (None, ["--checkpoint.enable", "--checkpoint.initial_load_path", "{tmp}/initial"],
                               "checkpoint.initial_load_path = '{tmp}/initial' is not a folder"),
     "a tokenizer folder as the HF checkpoint": (

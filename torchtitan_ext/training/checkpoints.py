@@ -29,7 +29,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torchtitan.tools.logging import logger
 
 from torchtitan_ext.balancing.migration import read_record, record_problem
-from torchtitan_ext.config import ConfigError, data_parallel_degree, moe_layer_ids, register_check, ValidationContext
+from torchtitan_ext.config import (
+    ConfigError, data_parallel_degree, moe_layer_ids, register_check, shared_meta_model, ValidationContext,
+)
 from torchtitan_ext.records.checkpoint_folder import checkpoint_steps, is_complete
 
 SET_ASIDE_PREFIX = "incomplete_step_"
@@ -155,6 +157,34 @@ def check_start_checkpoint(job_config, world_size: int) -> None:
         _check_initial_checkpoint(job_config)
         if loaded is not None and not (checkpoint.initial_load_model_only or checkpoint.initial_load_in_hf):
             _check_data_loader_degree(job_config, loaded, world_size)
+    from_hf = loaded is not None and loaded.parent != folder and checkpoint.initial_load_in_hf
+    if loaded is not None and not from_hf and is_complete(loaded):
+        _check_model_shapes(job_config, loaded)
+
+
+SAVED_STATES = ("optimizer.", "lr_scheduler.", "dataloader.", "train_state.", "expert_placement.")
+"""The prefixes of a checkpoint's keys that are no model weight (torchtitan's states; this harness's placement
+record): the model's weights are saved under their own names."""
+
+
+def _check_model_shapes(job_config, path: Path) -> None:
+    """ConfigError where the checkpoint a job loads was saved by another model: DCP fails in every rank on the first
+    weight of another shape ("Size mismatch between saved ... and current"), and a rerun fails again."""
+    if "model" in job_config.checkpoint.exclude_from_loading:
+        return
+    saved = {key: tuple(meta.size) for key, meta in _saved_keys(path).items()
+             if not key.startswith(SAVED_STATES) and hasattr(meta, "size")}
+    weights = {name: tuple(tensor.shape) for name, tensor in shared_meta_model(job_config).state_dict().items()}
+    other = next((name for name in weights if name in saved and saved[name] != weights[name]), None)
+    if other is None and (not saved or set(saved) & set(weights)):
+        return
+    model = f"model.name = '{job_config.model.name}', flavor '{job_config.model.flavor}'"
+    what = (f"its {other} is {list(saved[other])}, which this job's model ({model}) makes {list(weights[other])}"
+            if other is not None else f"none of its weights is one of this job's model ({model})")
+    raise ConfigError(
+        f"checkpoint {path} was saved by another model: {what}: run the model it was saved by, or give this job "
+        "another checkpoint.folder"
+    )
 
 
 SAVED_DATA_LOADER = re.compile(r"dataloader\.dp_rank_\d+")
