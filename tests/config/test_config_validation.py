@@ -177,6 +177,9 @@ def _load(*overrides, device_type="cpu", world_size=2):
          "value"),
         (("--faults.on_nonfinite", "ignore"), "use one of 'stop', 'skip_step'"),
         (("--checkpoint.keep_latest_k", "1"), "checkpoint.keep_latest_k = 1: torchtitan keeps at least 2"),
+        (("--checkpoint.enable", "--checkpoint.export_dtype", "bfloat16", "--checkpoint.no_last_save_model_only"),
+         "checkpoint.export_dtype = 'bfloat16' converts the last save only where it holds the model alone, but "
+         "checkpoint.last_save_model_only is off"),
         (("--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"),
          "parallelism.context_parallel_degree = 2 on a CPU: torch's context parallelism shards SDPA's CUDA kernels only"),
         (("--training.enable_cpu_offload",), "training.enable_cpu_offload on a CPU: it moves parameters from GPU"),

@@ -308,6 +308,14 @@ def check_checkpoint_options(job_config, context: ValidationContext) -> None:
             "checkpoint.keep_latest_k = 1: torchtitan keeps at least 2 (the newest may still be being written): "
             "set it to 0 (keep all) or 2 or more"
         )
+    checkpoint = job_config.checkpoint
+    if checkpoint.enable and checkpoint.export_dtype != "float32" and not checkpoint.last_save_model_only:
+        # torchtitan converts only a model-only last save: the full one is written in the training dtype
+        raise ConfigError(
+            f"checkpoint.export_dtype = '{checkpoint.export_dtype}' converts the last save only where it holds the "
+            "model alone, but checkpoint.last_save_model_only is off: drop --checkpoint.no_last_save_model_only, or "
+            "the export dtype"
+        )
     path = checkpoint_to_load(job_config)
     if context.device_type is None or path is None or context.moe_shape is None or not is_complete(path):
         return
