@@ -429,6 +429,19 @@ def test_an_earlier_runs_steps_are_not_the_failed_jobs(tmp_path):
     assert " the job stopped before logging a step (exit 1); " in supervisor.explain(1)
 
 
+def test_a_job_that_failed_in_its_start_is_rerun_once_the_cause_is_fixed(tmp_path):
+    """Stopped before its first step, a job failed in its start (a rerun repeats that): the line says to fix the
+    cause before the rerun that resumes."""
+    (tmp_path / "checkpoint" / "step-2").mkdir(parents=True)
+    (tmp_path / "checkpoint" / "step-2" / ".metadata").write_bytes(b"")
+    supervisor = Supervisor([], checkpoint_folder=tmp_path / "checkpoint", dump_folder=tmp_path)
+    for line in TORCHRUN_REPORT.splitlines():
+        supervisor._read(line)
+    assert supervisor.explain(1).endswith(
+        "the job stopped before logging a step (exit 1); fix the cause above and rerun the same command to resume "
+        f"from the last complete checkpoint, step 2 ({tmp_path / 'checkpoint' / 'step-2'})")
+
+
 def test_a_command_line_torchrun_refuses_is_the_cause_and_no_earlier_runs_step(tmp_path):
     """torch 2.11's torchrun has no --shutdown-timeout: argparse's two lines, exit 2, no rank started. The dump
     folder's metrics are an earlier run's, so no step or checkpoint is offered."""

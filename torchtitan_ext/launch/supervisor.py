@@ -273,8 +273,10 @@ class Supervisor:
         logged = read_metrics(self.dump_folder) if written else []
         after = f"after step {logged[-1]['step']}" if logged else "before logging a step"
         steps = checkpoint_steps(self.checkpoint_folder)[0] if self.checkpoint_folder is not None else []
+        # a job that stopped before its first step failed in its start, which a rerun repeats until the cause is gone
+        rerun = "rerun the same command" if logged else "fix the cause above and rerun the same command"
         if steps:
-            resume = f"rerun the same command to resume from the last complete checkpoint, step {steps[-1]} ({self.checkpoint_folder / f'step-{steps[-1]}'})"
+            resume = f"{rerun} to resume from the last complete checkpoint, step {steps[-1]} ({self.checkpoint_folder / f'step-{steps[-1]}'})"
         elif self.checkpoint_folder is not None:
             resume = f"no complete checkpoint in {self.checkpoint_folder} yet: a rerun starts over"
         else:
