@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 from torchtitan.tools.logging import logger
 
-from torchtitan_ext.balancing.migration import read_record, record_problem
+from torchtitan_ext.balancing.migration import read_record, record_problem, STATE_KEY as PLACEMENT_STATE_KEY
 from torchtitan_ext.config import (
     ConfigError, data_parallel_degree, moe_layer_ids, register_check, shared_meta_model, ValidationContext,
 )
@@ -162,7 +162,11 @@ def check_start_checkpoint(job_config, world_size: int) -> None:
         _check_model_shapes(job_config, loaded)
 
 
-SAVED_STATES = ("optimizer.", "lr_scheduler.", "dataloader.", "train_state.", "expert_placement.")
+FULL_STATE = ("optimizer", "lr_scheduler", "dataloader", "train_state")
+"""What a full checkpoint holds beside the model, and a model-only one lacks."""
+
+
+SAVED_STATES = tuple(f"{state}." for state in (*FULL_STATE, PLACEMENT_STATE_KEY))
 """The prefixes of a checkpoint's keys that are no model weight (torchtitan's states; this harness's placement
 record): the model's weights are saved under their own names."""
 
@@ -267,10 +271,6 @@ def _holds_model_only(keys) -> bool:
     """Whether a checkpoint of these keys holds the model alone, as torchtitan writes a job's last step under
     ``checkpoint.last_save_model_only`` (a full one also holds the optimizer, the data loader and the train state)."""
     return not any(key.startswith("train_state.") for key in keys)
-
-
-FULL_STATE = ("optimizer", "lr_scheduler", "dataloader", "train_state")
-"""What a full checkpoint holds beside the model, and a model-only one lacks."""
 
 
 def _check_loads_whole(job_config, path: Path, folder: Path) -> None:
