@@ -149,17 +149,20 @@ def check_start_checkpoint(job_config, world_size: int) -> None:
                 f"checkpoint.load_step = {checkpoint.load_step}, but {folder} holds no complete checkpoint of that step "
                 f"(complete: {', '.join(map(str, complete)) or 'none'}): give one of them, or -1 for the latest"
             )
+    starts_fresh = not folder.exists()
+    if starts_fresh:
+        _check_initial_checkpoint(job_config)  # first: a start it cannot read at all is named as such
     loaded = checkpoint_to_load(job_config)
-    if folder.exists() and loaded is not None and loaded.parent == folder and loaded.name != "step-0":
-        _check_loads_whole(job_config, loaded, folder)
-        _check_data_loader_degree(job_config, loaded, world_size)
-    if not folder.exists():
-        _check_initial_checkpoint(job_config)
-        if loaded is not None and not (checkpoint.initial_load_model_only or checkpoint.initial_load_in_hf):
-            _check_data_loader_degree(job_config, loaded, world_size)
     from_hf = loaded is not None and loaded.parent != folder and checkpoint.initial_load_in_hf
-    if loaded is not None and not from_hf and is_complete(loaded):
-        _check_model_shapes(job_config, loaded)
+    if loaded is None or from_hf or not is_complete(loaded):
+        return
+    keys = _saved_keys(loaded)  # read once: each check below reads the same .metadata
+    resumes = loaded.parent == folder and loaded.name != "step-0"  # torchtitan loads it whole
+    if resumes:
+        _check_loads_whole(job_config, loaded, folder, keys)
+    if resumes or (starts_fresh and not checkpoint.initial_load_model_only):
+        _check_data_loader_degree(job_config, loaded, keys, world_size)
+    _check_model_shapes(job_config, loaded, keys)
 
 
 FULL_STATE = ("optimizer", "lr_scheduler", "dataloader", "train_state")
@@ -171,12 +174,12 @@ SAVED_STATES = tuple(f"{state}." for state in (*FULL_STATE, PLACEMENT_STATE_KEY)
 record): the model's weights are saved under their own names."""
 
 
-def _check_model_shapes(job_config, path: Path) -> None:
+def _check_model_shapes(job_config, path: Path, keys) -> None:
     """ConfigError where the checkpoint a job loads was saved by another model: DCP fails in every rank on the first
     weight of another shape ("Size mismatch between saved ... and current"), and a rerun fails again."""
     if "model" in job_config.checkpoint.exclude_from_loading:
         return
-    saved = {key: tuple(meta.size) for key, meta in _saved_keys(path).items()
+    saved = {key: tuple(meta.size) for key, meta in keys.items()
              if not key.startswith(SAVED_STATES) and hasattr(meta, "size")}
     weights = {name: tuple(tensor.shape) for name, tensor in shared_meta_model(job_config).state_dict().items()}
     other = next((name for name in weights if name in saved and saved[name] != weights[name]), None)
@@ -195,14 +198,14 @@ SAVED_DATA_LOADER = re.compile(r"dataloader\.dp_rank_\d+")
 """A checkpoint's key of one data-parallel rank's data loader state (torchtitan's ParallelAwareDataloader)."""
 
 
-def _check_data_loader_degree(job_config, path: Path, world_size: int) -> None:
+def _check_data_loader_degree(job_config, path: Path, keys, world_size: int) -> None:
     """ConfigError where a checkpoint's data loader state was saved by another number of data-parallel ranks than
     the job has: torchtitan's data loader asserts in every rank that the degree is unchanged ("dataloader resharding
     is not supported yet"), so a resume on another world size fails, and a rerun with it fails again."""
     if "dataloader" in job_config.checkpoint.exclude_from_loading:
         return
     degree = data_parallel_degree(job_config, world_size)
-    saved = sum(1 for key in _saved_keys(path) if SAVED_DATA_LOADER.fullmatch(key))
+    saved = sum(1 for key in keys if SAVED_DATA_LOADER.fullmatch(key))
     if degree is None or not saved or saved == degree:
         return
     raise ConfigError(
@@ -273,13 +276,13 @@ def _holds_model_only(keys) -> bool:
     return not any(key.startswith("train_state.") for key in keys)
 
 
-def _check_loads_whole(job_config, path: Path, folder: Path) -> None:
+def _check_loads_whole(job_config, path: Path, folder: Path, keys) -> None:
     """ConfigError where the checkpoint a job resumes from holds the model only: torchtitan loads every step but
     step 0 of the job's folder whole (less ``checkpoint.exclude_from_loading``), and fails in every rank on the
     missing optimizer and data loader (a finished job run again with more steps, its last step saved model-only)."""
     if set(FULL_STATE) <= set(job_config.checkpoint.exclude_from_loading):
         return
-    if not _holds_model_only(_saved_keys(path)):
+    if not _holds_model_only(keys):
         return
     complete, _ = checkpoint_steps(folder)
     full = next((step for step in reversed(complete) if f"step-{step}" != path.name and _holds_full(folder, step)), None)
