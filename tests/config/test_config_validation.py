@@ -146,7 +146,7 @@ def _load(*overrides, device_type="cpu", world_size=2):
           "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", "--training.local_batch_size", "5"),
          "gives 5, not a multiple of its 2 rounds"),
         (("--training.dataset_path", "/data/c4"),
-         "training.dataset_path = '/data/c4' but training.dataset = 'stdlib_code', the embedded corpus"),
+         "training.dataset_path = '/data/c4' but training.dataset = 'stdlib_code', an embedded dataset"),
         (("--training.dataset", "stdlib_cod"),
          "training.dataset = 'stdlib_cod' is not in torchtitan's dataset registry: did you mean 'stdlib_code'?"),
         (("--model.name", "qwen3"), "parallelism.expert_parallel_degree = 2, but model.name = 'qwen3', flavor "
@@ -188,7 +188,18 @@ def _load(*overrides, device_type="cpu", world_size=2):
         (("--fault_tolerance.enable",), "fault_tolerance.enable is set, but torchtitan 0.2.2's trainer, which this "
          "harness extends, has no TorchFT"),
         (("--memory_estimation.enable",), "memory_estimation.enable is set, but no trainer of torchtitan 0.2.2 reads it"),
-        (("--validation.enable",), "validation.enable is set, but this harness does not run torchtitan's validator"),
+        (("--validation.enable", "--validation.seq_len", "512"),
+         "validation.seq_len = 512 is longer than the model's position table (max_seq_len = 256"),
+        (("--validation.enable", "--validation.steps", "-1"), "validation.steps = -1 (the whole dataset) on 2 data-parallel"),
+        (("--validation.enable", "--validation.dataset", "c4_validatoin"),
+         "validation.dataset = 'c4_validatoin' is not in torchtitan's dataset registry: did you mean 'c4_validation'?"),
+        (("--validation.enable", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.expert_parallel_degree", "1",
+          "--training.mixed_precision_param", "float32", "--validation.local_batch_size", "6"),
+         "validation.local_batch_size = 6: the pipeline schedule splits every batch into its 4 microbatches"),
+        (("--validation.enable", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.expert_parallel_degree", "1",
+          "--training.mixed_precision_param", "float32", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"),
+         "validation.enable with pipeline_parallel_schedule = 'ZBVZeroBubble': torch's V-shaped schedules cannot run a "
+         "forward-only pass"),
         (("--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "1023", "--training.local_batch_size",
           "4", "--parallelism.data_parallel_shard_degree", "1"),
          "training.seq_len = 1023 is not divisible by TP x 2 x CP = 4"),

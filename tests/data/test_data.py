@@ -15,11 +15,15 @@ from torchtitan_ext.config import ConfigError, parse
 from torchtitan_ext.data import check_dataset_folder, DATASET_NAME, ensure_assets, register_embedded_dataset
 from torchtitan_ext.data.embedded import (
     CORPUS_FILE,
+    EmbeddedAssets,
     MANIFEST_FILE,
     TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE,
+    VALIDATION_DATASET_NAME,
+    VALIDATION_FILE,
     VOCAB_SIZE,
     collect_documents,
+    collect_splits,
     split_lines,
 )
 
@@ -27,7 +31,7 @@ from torchtitan_ext.data.embedded import (
 def _files(root):
     return {
         name: (root / name).read_bytes()
-        for name in (CORPUS_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, MANIFEST_FILE)
+        for name in (CORPUS_FILE, VALIDATION_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, MANIFEST_FILE)
     }
 
 
@@ -54,6 +58,23 @@ def test_sources_sorted_and_tests_excluded(tmp_path):
     assert [d["source"] for d in collect_documents(stdlib, max_bytes=1)] == ["alpha/a.py:0"]
 
 
+def test_the_validation_split_holds_the_source_files_that_follow_the_corpus(tmp_path):
+    """Whole files after the corpus's last one, never one of the corpus's; a build from before the split is
+    incomplete (built again on first use)."""
+    stdlib = tmp_path / "lib"
+    for rel in ("a.py", "b.py", "c.py", "d.py"):
+        (stdlib / rel).parent.mkdir(parents=True, exist_ok=True)
+        (stdlib / rel).write_text(f"# {rel}\n" + "x = 1\n" * 20)
+    size = len((stdlib / "a.py").read_bytes())
+    corpus, validation = collect_splits(stdlib, max_bytes=size + 1, validation_bytes=size)
+    assert sorted(d["source"] for d in corpus) == ["a.py:0", "b.py:0"]
+    assert [d["source"] for d in validation] == ["c.py:0"]
+    old_build = EmbeddedAssets(tmp_path / "old")
+    old_build.root.mkdir()
+    old_build.manifest.write_text("{}")
+    assert not old_build.is_complete()
+
+
 def test_documents_are_whole_lines_within_size():
     text = "".join(f"line {i:04d} " + "x" * (i % 50) + "\n" for i in range(400))
     pieces = split_lines(text, max_bytes=512)
@@ -74,7 +95,7 @@ def test_concurrent_builds_produce_one_complete_directory(tmp_path):
     for t in threads:
         t.join()
     assert sorted(p.name for p in target.iterdir()) == sorted(
-        [CORPUS_FILE, MANIFEST_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE]
+        [CORPUS_FILE, MANIFEST_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, VALIDATION_FILE]
     )
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".staging-")]
 
@@ -103,6 +124,10 @@ def test_dataset_registered_and_split_across_ranks(embedded_assets):
         assert int(inputs["input"].max()) < VOCAB_SIZE
         samples.append(inputs["input"])
     assert not samples[0].equal(samples[1])
+    held_out = HuggingFaceTextDataset(VALIDATION_DATASET_NAME, str(embedded_assets.root), tokenizer, seq_len=64)
+    assert not next(iter(held_out))[0]["input"].equal(samples[0])
+    manifest = json.loads(embedded_assets.manifest.read_text())
+    assert manifest["validation_documents"] > 0 and not set(manifest["sources"]) & set(manifest["validation_sources"])
 
 
 def test_a_hub_dataset_is_refused_only_where_neither_the_hub_nor_a_cache_gives_it(monkeypatch, tmp_path):

@@ -309,7 +309,7 @@ def test_a_launch_its_ranks_would_fail_stops_in_one_line(case, capsys, monkeypat
     # would take 264 MB): more than a machine of 400 MB
     monkeypatch.setattr(preflight, "host_memory_bytes", lambda: 4 * 10**8 if case.startswith("more than") else 10**15)
     monkeypatch.setitem(sys.modules, "wandb", None)  # a machine without it, whatever this one has
-    monkeypatch.setattr(data, "_check_hub_dataset", lambda name, what: None)  # the Hub reached, whatever this machine's network
+    monkeypatch.setattr(data, "_check_hub_dataset", lambda *args: None)  # the Hub reached, whatever this machine's network
     make, overrides, error = LAUNCHES[case]
     if make is not None:
         make(tmp_path / "assets" if "tokenizer" in case else tmp_path)

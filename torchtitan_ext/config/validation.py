@@ -87,11 +87,6 @@ REFUSED_SWITCHES = {
         "no trainer of torchtitan 0.2.2 reads it: the job would train without an estimate; unset it (python -m "
         "torchtitan_ext.plan --job.config_file X prices a rank's memory)"
     ),
-    "validation.enable": (
-        "this harness does not run torchtitan's validator: DeepSeek-V3's and GPT-OSS's train specs build none (every "
-        "rank stops on an assertion), and a validation pass would add its tokens to the experts' load counts that set "
-        "the next step's routing bias; unset it"
-    ),
 }
 """The torchtitan switches a job here cannot use, each with why: its trainer leaves them unread (the job would run
 without the feature), or this harness does not run them."""

@@ -1,8 +1,9 @@
 """Embedded default data: a corpus and tokenizer built from local text, no network.
 
-Owns: the embedded corpus and tokenizer (:mod:`.embedded`), their entry in
-torchtitan's dataset registry, and the check of a job's dataset options
-(registered with :mod:`torchtitan_ext.config` on import).
+Owns: the embedded corpus, its held-out validation split and tokenizer
+(:mod:`.embedded`), their entries in torchtitan's dataset registry, and the
+check of the datasets a job reads, for training and, where it validates, for
+validation (registered with :mod:`torchtitan_ext.config` on import).
 
 May import: :mod:`torchtitan_ext.config`, :mod:`torchtitan_ext.runtime` (see the tiers in :mod:`torchtitan_ext`).
 """
@@ -25,6 +26,7 @@ from .embedded import (
     EmbeddedAssets,
     ensure_assets,
     load_documents,
+    VALIDATION_DATASET_NAME,
 )
 
 __all__ = [
@@ -37,28 +39,45 @@ __all__ = [
     "ensure_assets",
     "register_embedded_dataset",
     "prepare_embedded_assets",
+    "VALIDATION_DATASET_NAME",
 ]
+
+EMBEDDED = {"training": DATASET_NAME, "validation": VALIDATION_DATASET_NAME}
+"""The embedded dataset of each section that names a dataset: the corpus, and its held-out split."""
 
 
 def _load_embedded_corpus(path: str) -> Dataset:
     return Dataset.from_list(load_documents(ensure_assets(path).root))
 
 
+def _load_embedded_validation(path: str) -> Dataset:
+    return Dataset.from_list(load_documents(ensure_assets(path).root, validation=True))
+
+
 def register_embedded_dataset() -> None:
-    """Add the embedded corpus to torchtitan's dataset registry (idempotent)."""
-    DATASETS[DATASET_NAME] = DatasetConfig(
-        path=str(DEFAULT_ASSETS_DIR),
-        loader=_load_embedded_corpus,
-        sample_processor=lambda sample: sample["text"],
-    )
+    """Add the embedded corpus and its held-out split to torchtitan's dataset registry (idempotent)."""
+    for name, loader in ((DATASET_NAME, _load_embedded_corpus), (VALIDATION_DATASET_NAME, _load_embedded_validation)):
+        DATASETS[name] = DatasetConfig(
+            path=str(DEFAULT_ASSETS_DIR),
+            loader=loader,
+            sample_processor=lambda sample: sample["text"],
+        )
+
+
+def _sections_read(job_config) -> list[tuple[str, object]]:
+    """(name, section) of each config section whose dataset the job reads: training's, and validation's where the
+    job validates."""
+    return [("training", job_config.training)] + (
+        [("validation", job_config.validation)] if job_config.validation.enable else [])
 
 
 def _embedded_roots(job_config) -> set[Path]:
-    """The folders of embedded assets a job refers to: the embedded dataset's, and a ``model.hf_assets_path`` that
-    points at it or at the default folder."""
+    """The folders of embedded assets a job refers to: an embedded dataset's, and a ``model.hf_assets_path`` that
+    points at one or at the default folder."""
     roots = set()
-    if job_config.training.dataset == DATASET_NAME:
-        roots.add(Path(job_config.training.dataset_path or DEFAULT_ASSETS_DIR).resolve())
+    for _, section in _sections_read(job_config):
+        if section.dataset in EMBEDDED.values():
+            roots.add(Path(section.dataset_path or DEFAULT_ASSETS_DIR).resolve())
     tokenizer_dir = Path(job_config.model.hf_assets_path).resolve()
     if tokenizer_dir in roots or tokenizer_dir == DEFAULT_ASSETS_DIR.resolve():
         roots.add(tokenizer_dir)
@@ -101,33 +120,33 @@ def check_tokenizer_folder(job_config) -> None:
 
 
 def check_dataset_options(job_config, context: ValidationContext) -> None:
-    """ConfigError where a job names a dataset torchtitan's registry does not hold, or points the embedded corpus
-    at a path it would silently ignore.
+    """ConfigError where a job names a dataset torchtitan's registry does not hold, or points an embedded dataset at a
+    path it would silently ignore, for training and, where the job validates, for validation.
 
     torchtitan's text dataloader (the text models' train specs) looks the dataset up in every rank, once they have
     started; a module that ``experimental.custom_import`` names may add to the registry when the trainer imports it,
-    so such a job's names are left to it, as are another model's (its train spec has its own datasets). The embedded corpus is built from the interpreter's standard library into
-    ``./assets/embedded``; a ``dataset_path`` is accepted only where such a build
-    already is, so that ``--training.dataset_path /data/c4`` without
+    so such a job's names are left to it, as are another model's (its train spec has its own datasets). The embedded
+    corpus is built from the interpreter's standard library into ``./assets/embedded``; a ``dataset_path`` is
+    accepted only where such a build already is, so that ``--training.dataset_path /data/c4`` without
     ``--training.dataset c4`` is not trained on stdlib sources without a word.
     The same on every machine and model: ``context`` does not matter.
     """
-    training = job_config.training
-    known = sorted({*DATASETS, DATASET_NAME})
-    if _reads_the_registry(job_config) and training.dataset not in known:
-        close = difflib.get_close_matches(training.dataset, known, n=1)
-        raise ConfigError(
-            f"training.dataset = '{training.dataset}' is not in torchtitan's dataset registry: "
-            + (f"did you mean '{close[0]}'? " if close else "")
-            + f"use one of {', '.join(known)}, or register yours in a module experimental.custom_import names"
-        )
-    path = training.dataset_path
-    if training.dataset == DATASET_NAME and path and not EmbeddedAssets(Path(path)).is_complete():
-        raise ConfigError(
-            f"training.dataset_path = '{path}' but training.dataset = '{DATASET_NAME}', the embedded corpus "
-            f"(built in ./{DEFAULT_ASSETS_DIR}), which does not read it: set training.dataset to the "
-            "dataset stored there (e.g. c4), or unset dataset_path"
-        )
+    known = sorted({*DATASETS, *EMBEDDED.values()})
+    for name, section in _sections_read(job_config):
+        if _reads_the_registry(job_config) and section.dataset not in known:
+            close = difflib.get_close_matches(section.dataset, known, n=1)
+            raise ConfigError(
+                f"{name}.dataset = '{section.dataset}' is not in torchtitan's dataset registry: "
+                + (f"did you mean '{close[0]}'? " if close else "")
+                + f"use one of {', '.join(known)}, or register yours in a module experimental.custom_import names"
+            )
+        path = section.dataset_path
+        if section.dataset in EMBEDDED.values() and path and not EmbeddedAssets(Path(path)).is_complete():
+            raise ConfigError(
+                f"{name}.dataset_path = '{path}' but {name}.dataset = '{section.dataset}', an embedded dataset "
+                f"(built in ./{DEFAULT_ASSETS_DIR}), which does not read it: set {name}.dataset to the "
+                "dataset stored there (e.g. c4), or unset dataset_path"
+            )
 
 
 register_check(check_dataset_options)
@@ -156,35 +175,38 @@ def _is_hub_name(path: str) -> bool:
 
 
 def check_dataset_folder(job_config) -> None:
-    """ConfigError where the dataset a job about to train reads from this machine's files is not there: HF datasets
-    finds no data file there and fails in every rank once they have started. A path of the Hub's form (owner/name),
-    which it downloads where no such folder is, is refused only where neither the Hub nor a cache can give it
-    (:func:`_check_hub_dataset`); the embedded corpus is built before the ranks start. For the launchers'
-    pre-flight on the machines that train."""
-    training = job_config.training
-    if training.dataset == DATASET_NAME or not _reads_the_registry(job_config) or training.dataset not in DATASETS:
+    """ConfigError where a dataset a job about to train reads from this machine's files (training's, and validation's
+    where it validates) is not there: HF datasets finds no data file there and fails in every rank once they have
+    started. A path of the Hub's form (owner/name), which it downloads where no such folder is, is refused only where
+    neither the Hub nor a cache can give it (:func:`_check_hub_dataset`); the embedded datasets are built before the
+    ranks start. For the launchers' pre-flight on the machines that train."""
+    if not _reads_the_registry(job_config):
         return
-    path = training.dataset_path or DATASETS[training.dataset].path
-    if Path(path).exists():
-        return
-    if _is_hub_name(path):
-        _check_hub_dataset(path, f"training.dataset_path = '{path}' is no folder here (relative to {os.getcwd()}), so "
-                                 "HF datasets loads it" if training.dataset_path else
-                           f"training.dataset = '{training.dataset}' loads '{path}'")
-        return
-    where = "" if Path(path).is_absolute() else f" (relative to {os.getcwd()})"
-    field = (f"training.dataset_path = '{path}'{where}" if training.dataset_path
-             else f"training.dataset = '{training.dataset}' reads '{path}'{where}, which")
-    raise ConfigError(f"{field} is not a folder here, and the job loads its data from it: set "
-                      f"training.dataset_path to the folder that holds the dataset, or train on the embedded corpus "
-                      f"(training.dataset = '{DATASET_NAME}')")
+    for name, section in _sections_read(job_config):
+        if section.dataset in EMBEDDED.values() or section.dataset not in DATASETS:
+            continue
+        path = section.dataset_path or DATASETS[section.dataset].path
+        if Path(path).exists():
+            continue
+        embedded = f"or {'train' if name == 'training' else 'validate'} on the embedded corpus ({name}.dataset = " \
+                   f"'{EMBEDDED[name]}')"
+        if _is_hub_name(path):
+            _check_hub_dataset(path, f"{name}.dataset_path = '{path}' is no folder here (relative to {os.getcwd()}), "
+                                     "so HF datasets loads it" if section.dataset_path else
+                               f"{name}.dataset = '{section.dataset}' loads '{path}'", f"{name}.dataset_path", embedded)
+            continue
+        where = "" if Path(path).is_absolute() else f" (relative to {os.getcwd()})"
+        field = (f"{name}.dataset_path = '{path}'{where}" if section.dataset_path
+                 else f"{name}.dataset = '{section.dataset}' reads '{path}'{where}, which")
+        raise ConfigError(f"{field} is not a folder here, and the job loads its data from it: set "
+                          f"{name}.dataset_path to the folder that holds the dataset, {embedded}")
 
 
 HUB_PROBE_TIMEOUT_S = 10.0
 """How long the pre-flight waits for the Hugging Face Hub to answer about a dataset."""
 
 
-def _check_hub_dataset(name: str, what: str) -> None:
+def _check_hub_dataset(name: str, what: str, path_field: str, embedded: str) -> None:
     """ConfigError where a Hub dataset can be neither downloaded nor read from this machine's Hugging Face caches:
     every rank would fail once started ("Couldn't reach 'allenai/c4' on the Hub"). Where any cache holds it, or the
     Hub answers at all (a missing or gated dataset is HF datasets' to name), it is left to HF datasets."""
@@ -206,8 +228,8 @@ def _check_hub_dataset(name: str, what: str) -> None:
         why = f"{type(e).__name__}: {e}"
     raise ConfigError(
         f"{what} from the Hugging Face Hub, which this machine cannot reach ({why}), and no Hugging "
-        f"Face cache here holds it: download it where the Hub is reachable and set training.dataset_path to its "
-        f"folder, or train on the embedded corpus (training.dataset = '{DATASET_NAME}')")
+        f"Face cache here holds it: download it where the Hub is reachable and set {path_field} to its folder, "
+        f"{embedded}")
 
 
 def _embedded_assets_noise(message: str) -> bool:

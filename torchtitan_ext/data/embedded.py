@@ -5,8 +5,11 @@ interpreter's standard library (test suites excluded), taken file by file in
 sorted path order until ``CORPUS_BYTES`` bytes, cut at line boundaries into
 documents of at most ``DOCUMENT_BYTES`` bytes and shuffled with a fixed seed
 (so that consecutive batches mix many modules rather than walking through one
-large file). The tokenizer is a byte-level BPE with ``VOCAB_SIZE`` entries
-trained on that corpus with Hugging Face ``tokenizers``. The same interpreter gives byte-identical assets;
+large file). The files that follow, until ``VALIDATION_BYTES`` more, are the
+held-out validation split (``validation.jsonl``, the dataset
+``VALIDATION_DATASET_NAME``): no source file is in both, and the tokenizer, a
+byte-level BPE with ``VOCAB_SIZE`` entries trained with Hugging Face
+``tokenizers``, sees the training corpus only. The same interpreter gives byte-identical assets;
 ``manifest.json`` records the sources and the SHA-256 of each file built.
 
 Builds are atomic (a temporary directory renamed into place under a file lock),
@@ -36,13 +39,21 @@ DATASET_NAME = "stdlib_code"
 DEFAULT_ASSETS_DIR = Path("assets") / "embedded"
 """Where the default config expects the assets, relative to the working directory."""
 
+VALIDATION_DATASET_NAME = "stdlib_code_validation"
+"""Dataset name of the held-out split, for ``[validation] dataset``."""
+
 CORPUS_FILE = "corpus.jsonl"
+VALIDATION_FILE = "validation.jsonl"
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 MANIFEST_FILE = "manifest.json"
 
 CORPUS_BYTES = 2_000_000
 """Size of the corpus: about 600k tokens, enough for hundreds of debug steps."""
+
+VALIDATION_BYTES = 200_000
+"""Where the held-out split ends, counted past ``CORPUS_BYTES``: the training corpus's last file overruns into it, so
+the split is a little smaller (171 kB, about 50k tokens, with CPython 3.11's library)."""
 
 DOCUMENT_BYTES = 4096
 """Largest document; a source file is cut at line boundaries into pieces this size."""
@@ -70,11 +81,16 @@ class EmbeddedAssets:
         return self.root / CORPUS_FILE
 
     @property
+    def validation(self) -> Path:
+        return self.root / VALIDATION_FILE
+
+    @property
     def manifest(self) -> Path:
         return self.root / MANIFEST_FILE
 
     def is_complete(self) -> bool:
-        return self.manifest.is_file()
+        """The manifest is written last; a build from before the validation split has none, and is built again."""
+        return self.manifest.is_file() and self.validation.is_file()
 
 
 def stdlib_sources(stdlib_dir: Path | None = None) -> list[Path]:
@@ -102,24 +118,31 @@ def split_lines(text: str, max_bytes: int = DOCUMENT_BYTES) -> list[str]:
     return pieces
 
 
-def collect_documents(
-    stdlib_dir: Path | None = None, max_bytes: int = CORPUS_BYTES
-) -> list[dict[str, str]]:
-    """Shuffled documents ``{"source": "relative/path.py:piece", "text": ...}``."""
+def collect_splits(
+    stdlib_dir: Path | None = None, max_bytes: int = CORPUS_BYTES, validation_bytes: int = VALIDATION_BYTES
+) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """(corpus, validation): the shuffled documents ``{"source": "relative/path.py:piece", "text": ...}`` of the
+    first source files until ``max_bytes``, and of the files that follow until ``validation_bytes`` more."""
     root = Path(stdlib_dir or sysconfig.get_paths()["stdlib"])
-    documents, total = [], 0
+    splits, total = ([], []), 0
     for path in stdlib_sources(root):
+        if total >= max_bytes + validation_bytes:
+            break
         text = path.read_text(encoding="utf-8", errors="replace").replace("\r\n", "\n")
         source = path.relative_to(root).as_posix()
-        documents += [
+        splits[total >= max_bytes].extend(
             {"source": f"{source}:{i}", "text": piece}
             for i, piece in enumerate(split_lines(text))
-        ]
+        )
         total += len(text.encode("utf-8"))
-        if total >= max_bytes:
-            break
-    random.Random(SHUFFLE_SEED).shuffle(documents)
-    return documents
+    for documents in splits:
+        random.Random(SHUFFLE_SEED).shuffle(documents)
+    return splits
+
+
+def collect_documents(stdlib_dir: Path | None = None, max_bytes: int = CORPUS_BYTES) -> list[dict[str, str]]:
+    """The training corpus of :func:`collect_splits`."""
+    return collect_splits(stdlib_dir, max_bytes, 0)[0]
 
 
 def train_tokenizer(texts: list[str], vocab_size: int = VOCAB_SIZE) -> Tokenizer:
@@ -141,10 +164,15 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _write_assets(target: Path, documents: list[dict[str, str]]) -> None:
-    with open(target / CORPUS_FILE, "w", encoding="utf-8") as f:
+def _write_documents(path: Path, documents: list[dict[str, str]]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
         for document in documents:
             f.write(json.dumps(document, ensure_ascii=False, sort_keys=True) + "\n")
+
+
+def _write_assets(target: Path, documents: list[dict[str, str]], validation: list[dict[str, str]]) -> None:
+    _write_documents(target / CORPUS_FILE, documents)
+    _write_documents(target / VALIDATION_FILE, validation)
     tokenizer = train_tokenizer([d["text"] for d in documents])
     (target / TOKENIZER_FILE).write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
     (target / TOKENIZER_CONFIG_FILE).write_text(
@@ -160,9 +188,11 @@ def _write_assets(target: Path, documents: list[dict[str, str]]) -> None:
         "corpus_bytes": sum(len(d["text"].encode("utf-8")) for d in documents),
         "vocab_size": tokenizer.get_vocab_size(),
         "sources": sorted({d["source"].rpartition(":")[0] for d in documents}),
+        "validation_documents": len(validation),
+        "validation_sources": sorted({d["source"].rpartition(":")[0] for d in validation}),
         "sha256": {
             name: _sha256(target / name)
-            for name in (CORPUS_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)
+            for name in (CORPUS_FILE, VALIDATION_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)
         },
     }
     (target / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
@@ -189,7 +219,7 @@ def ensure_assets(
             began = time.perf_counter()
             staging = Path(tempfile.mkdtemp(dir=assets.root.parent, prefix=".staging-"))
             try:
-                _write_assets(staging, collect_documents(stdlib_dir))
+                _write_assets(staging, *collect_splits(stdlib_dir))
                 os.rename(staging, assets.root)
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
@@ -197,7 +227,8 @@ def ensure_assets(
     return assets
 
 
-def load_documents(root: Path | str) -> list[dict[str, str]]:
-    """Documents of a built corpus, in corpus order."""
-    with open(EmbeddedAssets(Path(root)).corpus, encoding="utf-8") as f:
+def load_documents(root: Path | str, validation: bool = False) -> list[dict[str, str]]:
+    """Documents of a built corpus (``validation``: of its held-out split), in file order."""
+    assets = EmbeddedAssets(Path(root))
+    with open(assets.validation if validation else assets.corpus, encoding="utf-8") as f:
         return [json.loads(line) for line in f]

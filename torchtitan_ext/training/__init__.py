@@ -2,7 +2,7 @@
 
 Owns: the trainer and a job's run (:mod:`.trainer`), the train specs that
 bind models, loss and metrics (:mod:`.specs`), the pipeline loss
-(:mod:`.loss`), step metrics (:mod:`.metrics`), preemption, non-finite steps
+(:mod:`.loss`), step metrics (:mod:`.metrics`), validation (:mod:`.validator`), preemption, non-finite steps
 and torn checkpoints with their ``[faults]`` section (:mod:`.faults`), and
 :func:`prepare`, which readies a process to read and run jobs.
 
@@ -18,7 +18,7 @@ from torchtitan_ext.data import register_embedded_dataset  # (the dataset option
 import torchtitan_ext.balancing  # noqa: F401  ([routing_stats], [expert_placement] and its check)
 import torchtitan_ext.models.converters  # noqa: F401  (the low-precision converters and their check)
 from torchtitan_ext import runtime
-from torchtitan_ext.training import checkpoints, faults, nvlink_domains  # noqa: F401  ([faults], [fabric], their checks)
+from torchtitan_ext.training import checkpoints, faults, nvlink_domains, validator  # noqa: F401  ([faults], [fabric], checks)
 from torchtitan_ext.training.specs import register_train_specs
 
 

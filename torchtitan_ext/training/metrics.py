@@ -2,15 +2,17 @@
 
 Every logged step goes to torchtitan's loggers (console, TensorBoard, W&B) and, as one JSON object, to
 ``<dump_folder>/metrics.jsonl`` (:class:`MetricsFile`; :func:`~torchtitan_ext.records.metrics.read_metrics`
-reads it back), which every tool reads instead of the console. The expert-parallel counters (``ep/...``, :class:`ExpertParallelMetrics`) live on
+reads it back), which every tool reads instead of the console; every validation (``validation.enable``) to
+``validation.jsonl`` beside it. The expert-parallel counters (``ep/...``, :class:`ExpertParallelMetrics`) live on
 the device and are read once per logged step with one all-reduce (sum) and one all-reduce (max) over all ranks:
 the hot path never syncs with the host. docs/metrics.md lists every metric and what it means.
 """
 
 import re
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,7 +22,7 @@ from torchtitan.tools.logging import logger
 
 from torchtitan_ext.ep import backend_class
 from torchtitan_ext.ep.budget import Budget
-from torchtitan_ext.records.metrics import MetricsFile
+from torchtitan_ext.records.metrics import MetricsFile, VALIDATION_FILE
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -155,6 +157,7 @@ class MetricsProcessor(TorchTitanMetricsProcessor):
         metrics_rank = _get_metrics_rank(parallel_dims, job_config) if dist.is_initialized() else 0
         writes = not dist.is_initialized() or dist.get_rank() == metrics_rank
         self.metrics_file = MetricsFile(Path(job_config.job.dump_folder)) if writes else None
+        self.validation_file = MetricsFile(Path(job_config.job.dump_folder), VALIDATION_FILE) if writes else None
         self.sources: list[Callable[[], dict[str, float]]] = []
         """Features' own per-step metrics (expert replication's layers set aside), read at each log."""
 
@@ -223,6 +226,40 @@ class MetricsProcessor(TorchTitanMetricsProcessor):
         self.data_loading_times.clear()
         self.time_last_log = time.perf_counter()
         self.device_memory_monitor.reset_peak_stats()
+
+
+    @contextmanager
+    def validation_window(self) -> Iterator[None]:
+        """A validation pass's own window of time and tokens, which torchtitan's validator would count into the
+        training steps' (its tokens) and its log would restart (their time): the next training log's step time and
+        throughput leave the pass out."""
+        tokens, window_start, began = self.ntokens_since_last_log, self.time_last_log, time.perf_counter()
+        self.ntokens_since_last_log, self.time_last_log = 0, began
+        try:
+            yield
+        finally:
+            self.ntokens_since_last_log = tokens
+            self.time_last_log = window_start + (time.perf_counter() - began)
+
+    def log_validation(self, loss: float, step: int, extra_metrics: dict[str, Any] | None = None) -> None:
+        """torchtitan's validation metrics, also written to ``validation.jsonl``; within :meth:`validation_window`."""
+        time_delta = time.perf_counter() - self.time_last_log
+        memory = self.device_memory_monitor.get_peak_stats()
+        metrics = {
+            "validation_metrics/loss": loss,
+            "validation_metrics/throughput(tps)": self.ntokens_since_last_log / (
+                time_delta * self.parallel_dims.non_data_parallel_size),
+            "validation_metrics/memory/max_active(GiB)": memory.max_active_gib,
+            "validation_metrics/memory/max_active(%)": memory.max_active_pct,
+            "validation_metrics/memory/max_reserved(GiB)": memory.max_reserved_gib,
+            "validation_metrics/memory/max_reserved(%)": memory.max_reserved_pct,
+            **(extra_metrics or {}),
+        }
+        self.logger.log(metrics, step)
+        if self.validation_file is not None:
+            self.validation_file.write(step, metrics)
+        color = self.color
+        logger.info(f"{color.yellow}validate step: {step:2}  {color.green}loss: {loss:8.5f}{color.reset}")
 
 
 def build_metrics_processor(job_config, parallel_dims, model_args=None, tag=None):

@@ -1,8 +1,9 @@
 """Train specs for DeepSeek-V3, Llama4, Qwen3 (Qwen3-MoE) and GPT-OSS, registered under torchtitan's names.
 
 Each is torchtitan's own spec with our model args and flavours, our
-parallelize plan (:mod:`torchtitan_ext.models`), our metrics processor and
-pipeline-normalized loss. A spec registered with ``register_train_spec``
+parallelize plan (:mod:`torchtitan_ext.models`), our metrics processor,
+pipeline-normalized loss and validator (:mod:`.validator`; torchtitan's
+DeepSeek-V3 and GPT-OSS specs build none). A spec registered with ``register_train_spec``
 takes precedence over torchtitan's built-in one of the same name, so configs
 keep ``model.name = "deepseek_v3"``, ``"llama4"``, ``"qwen3"``, ``"gpt_oss"``.
 """
@@ -21,6 +22,7 @@ from torchtitan_ext.models import deepseek_v3, gpt_oss, llama4, qwen3
 from torchtitan_ext.models.args import as_our_args
 from torchtitan_ext.training.loss import build_loss_fn
 from torchtitan_ext.training.metrics import build_metrics_processor
+from torchtitan_ext.training.validator import build_validator
 
 MODELS = {
     "deepseek_v3": (deepseek_v3_spec, deepseek_v3.flavors, deepseek_v3.parallelize_deepseekv3, {}),
@@ -62,6 +64,7 @@ def train_spec(name: str) -> TrainSpec:
         parallelize_fn=parallelize,
         build_metrics_processor_fn=build_metrics_processor,
         build_loss_fn=build_loss_fn(upstream.build_loss_fn),
+        build_validator_fn=build_validator,
         **replaced,
     )
 

@@ -68,6 +68,8 @@ class Trainer(TorchTitanTrainer):
         self.optimizers.step = self._checked(self.optimizers.step)
         if self.parallel_dims.pp_enabled:
             _metadata_inference_in_eval_mode(self.pp_schedule, self.model_parts)
+        if job_config.validation.enable:
+            self.validator.validate = self._leaving_training_as_it_was(self.validator.validate)
 
     def init_distributed(self):
         parallel_dims = super().init_distributed()
@@ -112,6 +114,23 @@ class Trainer(TorchTitanTrainer):
             return optimizer_step(*args, **kwargs)
 
         return step
+
+    def _leaving_training_as_it_was(self, validate):
+        """torchtitan's validation pass, after which training goes on as if it had not run: torchtitan's MoE adds
+        every forward's expert counts to ``tokens_per_expert``, eval mode included, and those counts set the next
+        step's routing bias; and the training steps' time and throughput leave the pass out
+        (:meth:`~torchtitan_ext.training.metrics.MetricsProcessor.validation_window`)."""
+
+        def validate_and_restore(model_parts, step):
+            counts = [(buffer, buffer.clone()) for part in model_parts
+                      for name, buffer in part.named_buffers() if name.endswith("tokens_per_expert")]
+            with self.metrics_processor.validation_window():
+                validate(model_parts, step)
+            with torch.no_grad():
+                for buffer, before in counts:
+                    buffer.copy_(before)
+
+        return validate_and_restore
 
     def train_step(self, data_iterator):
         if self.routing_skew is not None:
