@@ -191,6 +191,8 @@ def _load(*overrides, device_type="cpu", world_size=2):
         (("--validation.enable", "--validation.seq_len", "512"),
          "validation.seq_len = 512 is longer than the model's position table (max_seq_len = 256"),
         (("--validation.enable", "--validation.steps", "-1"), "validation.steps = -1 (the whole dataset) on 2 data-parallel"),
+        (("--validation.enable", "--validation.seq_len", "63"),
+         "validation.seq_len = 63 is not divisible by TP x 2 x CP = 2: use a multiple of 2"),
         (("--validation.enable", "--validation.dataset", "c4_validatoin"),
          "validation.dataset = 'c4_validatoin' is not in torchtitan's dataset registry: did you mean 'c4_validation'?"),
         (("--validation.enable", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.expert_parallel_degree", "1",
@@ -297,6 +299,19 @@ def test_the_command_line_check_refuses_in_one_line_exactly_what_torchtitans_par
         refused = str(error)
     assert (refused is None) == tyro_accepts, refused
     assert refused is None or "\n" not in refused
+
+
+def test_a_validating_jobs_backend_is_made_for_the_larger_of_its_two_dispatches():
+    """Training dispatches 4 x 256 tokens per rank, validation 40 x 256: NCCL EP's group is created for the
+    validation's, which exceed its library's limit (a GPU cluster's check: device None)."""
+    from torchtitan_ext.config import moe_shape
+
+    validating = _load("--validation.enable", "--validation.local_batch_size", "40")
+    assert moe_shape(validating).max_tokens_per_rank == 40 * 256
+    with pytest.raises(ConfigError, match=r"^10240 tokens per rank per dispatch .* exceed NCCL EP's "
+                                          r"MAX_SUPPORTED_TOKENS_PER_RANK = 8192"):
+        _load("--validation.enable", "--validation.local_batch_size", "40",
+              "--parallelism.expert_parallel_comm_backend", "ncclep", device_type=None)
 
 
 def test_replica_slots_need_experts_that_a_replica_class_computes(monkeypatch):

@@ -194,6 +194,31 @@ def test_step_time_after_a_resume_counts_only_the_steps_since_the_last_log(log_f
     assert step_time == pytest.approx(3.0 / (1 if log_freq == 1 else 5), rel=1e-9)
 
 
+def test_a_validation_pass_is_left_out_of_the_training_steps_time_and_throughput(monkeypatch, tmp_path):
+    """Step 1 logged at t = 103; from 110 to 120 a validation reads 500 tokens, and logs 50 tokens/s; step 2 (100
+    tokens before the pass, 200 after) is logged at t = 125: its 12 s of training (7 before the pass, 5 after) and
+    300 tokens, not 22 s and 800."""
+    from torchtitan_ext.records.metrics import read_metrics, VALIDATION_FILE
+
+    processor, logged = _metrics_processor(1, tmp_path)
+    now = [103.0]
+    monkeypatch.setattr("torchtitan_ext.training.metrics.time.perf_counter", lambda: now[0])
+    processor.time_last_log = 100.0
+    processor.log(1, 1.0, 1.0, 0.5)
+    processor.ntokens_since_last_log = 100
+    now[0] = 110.0
+    with processor.validation_window():
+        processor.ntokens_since_last_log += 500  # as torchtitan's validator counts its batches
+        now[0] = 120.0
+        processor.log_validation(2.0, 1)
+    processor.ntokens_since_last_log += 200
+    now[0] = 125.0
+    processor.log(2, 1.0, 1.0, 0.5)
+    assert read_metrics(tmp_path, VALIDATION_FILE)[0]["validation_metrics/throughput(tps)"] == pytest.approx(50.0)
+    assert logged[2]["time_metrics/end_to_end(s)"] == pytest.approx(12.0)
+    assert logged[2]["throughput(tps)"] == pytest.approx(25.0)
+
+
 def test_evaluation_forwards_are_not_counted():
     """Validation runs the model in eval mode: neither the dispatch counters nor the routing recorder count it."""
     from torchtitan_ext.balancing.routing_stats import RoutingRecorder

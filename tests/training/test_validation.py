@@ -1,8 +1,8 @@
 """Validation (``validation.enable``): the loss of the held-out split, as one process computes it, under every
 parallelism; training goes on as if it had not run.
 
-DeepSeek-V3's debug model trains 2 steps from one process's checkpoint (torchtitan seeds each pipeline stage's
-initialization apart) and validates after each (2 batches of 2 x 64 tokens). Layouts with one
+DeepSeek-V3's debug model trains 3 steps from one process's checkpoint (torchtitan seeds each pipeline stage's
+initialization apart) and validates after each (2 batches of 4 x 64 tokens). Layouts with one
 data-parallel rank read the same batches as a single process (EP=1), and their validation losses equal its; with
 two, each rank reads its own share, so EP=2 under two backends (a blocking pass, and a non-blocking one with its
 capacity) equals FSDP without EP on the same shares. Llama4, Qwen3-MoE (SDPA) and GPT-OSS (FlexAttention, which
@@ -22,10 +22,13 @@ from torchtitan_ext.records.metrics import read_metrics, VALIDATION_FILE
 
 pytestmark = pytest.mark.slow
 
-STEPS = 2
+STEPS = 3
+"""A validation's expert counts, were they left, would reach the routing bias at the next step's optimizer step,
+and the losses from the step after it."""
 TOLERANCE = 1e-5
 VALIDATION = ["--validation.enable", "--validation.freq", "1", "--validation.steps", "2",
-              "--validation.local_batch_size", "2", "--validation.seq_len", "64"]
+              "--validation.local_batch_size", "4", "--validation.seq_len", "64"]
+"""Twice the training batch (TINY's 2 x 64 tokens): the backends' buffers are made for the validation's dispatch."""
 CONFIGS = {"deepseek_v3": "debug_model.toml", "llama4": "llama4_debug_model.toml",
            "qwen3": "qwen3_moe_debug_model.toml", "gpt_oss": "gpt_oss_debug_model.toml"}
 ONE_RANK_PER_BATCH = {

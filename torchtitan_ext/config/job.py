@@ -46,14 +46,25 @@ def model_args_of(job_config):
 
 
 def max_tokens_per_rank(job_config) -> int:
-    """Most tokens one rank dispatches per MoE call: a microbatch, split by CP, and by TP when EP borrows it."""
+    """Most tokens one rank dispatches per MoE call, over the passes the job runs (:func:`tokens_per_dispatch`): the
+    size every backend's buffers are made for."""
+    return max(tokens_per_dispatch(job_config).values())
+
+
+def tokens_per_dispatch(job_config) -> dict[str, int]:
+    """{pass: tokens one rank dispatches per MoE call} for training and, where the job validates, validation: a
+    microbatch (under PP, a batch over the schedule's microbatches), split by CP, and by TP when EP borrows it."""
     parallelism = job_config.parallelism
-    batch = (parallelism.pipeline_parallel_microbatch_size if parallelism.pipeline_parallel_degree > 1
-             else job_config.training.local_batch_size)
-    tokens = batch * job_config.training.seq_len // parallelism.context_parallel_degree
+    training = job_config.training
+    microbatches = (training.local_batch_size // parallelism.pipeline_parallel_microbatch_size
+                    if parallelism.pipeline_parallel_degree > 1 else 1)
+    passes = {"training": (training.local_batch_size, training.seq_len)}
+    if job_config.validation.enable:
+        passes["validation"] = (job_config.validation.local_batch_size, job_config.validation.seq_len)
+    divisor = parallelism.context_parallel_degree
     if parallelism.tensor_parallel_degree > 1 and parallelism.expert_tensor_parallel_degree == 1:
-        tokens //= parallelism.tensor_parallel_degree
-    return tokens
+        divisor *= parallelism.tensor_parallel_degree
+    return {name: max(batch // microbatches, 1) * seq_len // divisor for name, (batch, seq_len) in passes.items()}
 
 
 def routed_moe_args(model_args):

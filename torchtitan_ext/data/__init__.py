@@ -141,7 +141,7 @@ def check_dataset_options(job_config, context: ValidationContext) -> None:
                 + f"use one of {', '.join(known)}, or register yours in a module experimental.custom_import names"
             )
         path = section.dataset_path
-        if section.dataset in EMBEDDED.values() and path and not EmbeddedAssets(Path(path)).is_complete():
+        if section.dataset in EMBEDDED.values() and path and not EmbeddedAssets(Path(path)).is_build():
             raise ConfigError(
                 f"{name}.dataset_path = '{path}' but {name}.dataset = '{section.dataset}', an embedded dataset "
                 f"(built in ./{DEFAULT_ASSETS_DIR}), which does not read it: set {name}.dataset to the "

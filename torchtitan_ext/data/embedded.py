@@ -88,9 +88,14 @@ class EmbeddedAssets:
     def manifest(self) -> Path:
         return self.root / MANIFEST_FILE
 
+    def is_build(self) -> bool:
+        """Whether the folder holds a build (the manifest is written last), this version's or an earlier one."""
+        return self.manifest.is_file()
+
     def is_complete(self) -> bool:
-        """The manifest is written last; a build from before the validation split has none, and is built again."""
-        return self.manifest.is_file() and self.validation.is_file()
+        """Whether it holds this version's build: one from before the validation split has none, and
+        :func:`ensure_assets` builds it again."""
+        return self.is_build() and self.validation.is_file()
 
 
 def stdlib_sources(stdlib_dir: Path | None = None) -> list[Path]:

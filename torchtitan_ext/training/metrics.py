@@ -160,6 +160,9 @@ class MetricsProcessor(TorchTitanMetricsProcessor):
         self.validation_file = MetricsFile(Path(job_config.job.dump_folder), VALIDATION_FILE) if writes else None
         self.sources: list[Callable[[], dict[str, float]]] = []
         """Features' own per-step metrics (expert replication's layers set aside), read at each log."""
+        self._peaks_before_validation = None
+        """The training window's peak memory before a validation reset the device's peaks (:meth:`validation_window`),
+        until the next training log."""
 
     def should_log(self, step: int) -> bool:
         """torchtitan's rule; also counts the steps a log line covers (torchtitan's
@@ -184,6 +187,9 @@ class MetricsProcessor(TorchTitanMetricsProcessor):
         mfu = 100 * self.num_flops_per_token * tps / self.gpu_peak_flops
         step_time = time_delta / steps_since_last_log
         memory = self.device_memory_monitor.get_peak_stats()
+        if self._peaks_before_validation is not None:
+            memory = type(memory)(*map(max, memory, self._peaks_before_validation))
+            self._peaks_before_validation = None
         ep_metrics, ep_console = self.expert_parallel.collect(self.model_parts, step, step_time)
         metrics = {
             "loss_metrics/global_avg_loss": global_avg_loss,
@@ -230,16 +236,21 @@ class MetricsProcessor(TorchTitanMetricsProcessor):
 
     @contextmanager
     def validation_window(self) -> Iterator[None]:
-        """A validation pass's own window of time and tokens, which torchtitan's validator would count into the
-        training steps' (its tokens) and its log would restart (their time): the next training log's step time and
-        throughput leave the pass out."""
+        """A validation pass's own window of time, tokens and peak memory, which torchtitan's validator would count
+        into the training steps' (its tokens) and its log would restart (their time and peaks): the pass logs its own
+        figures, and the next training log's step time, throughput and peaks leave the pass out."""
         tokens, window_start, began = self.ntokens_since_last_log, self.time_last_log, time.perf_counter()
+        peaks = self.device_memory_monitor.get_peak_stats()
+        self.device_memory_monitor.reset_peak_stats()
         self.ntokens_since_last_log, self.time_last_log = 0, began
         try:
             yield
         finally:
             self.ntokens_since_last_log = tokens
             self.time_last_log = window_start + (time.perf_counter() - began)
+            self.device_memory_monitor.reset_peak_stats()
+            self._peaks_before_validation = peaks if self._peaks_before_validation is None else type(peaks)(
+                *map(max, peaks, self._peaks_before_validation))
 
     def log_validation(self, loss: float, step: int, extra_metrics: dict[str, Any] | None = None) -> None:
         """torchtitan's validation metrics, also written to ``validation.jsonl``; within :meth:`validation_window`."""

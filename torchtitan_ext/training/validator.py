@@ -8,6 +8,7 @@ steps' metrics) is the trainer's to restore (:mod:`torchtitan_ext.training.train
 checked with training's (:mod:`torchtitan_ext.data`), its layout here (:func:`check_validation`).
 """
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -15,7 +16,8 @@ from torchtitan.components.validate import Validator as TorchTitanValidator
 from torchtitan.distributed.context_parallel import prepare_context_parallel_input
 
 from torchtitan_ext.config import (ConfigError, data_parallel_degree, model_class_and_args, register_check,
-                                   ValidationContext)
+                                   tokens_per_dispatch, ValidationContext)
+from torchtitan_ext.ep.validation import check_backend
 
 V_SHAPED_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 """Pipeline schedules whose ranks each hold two adjacent stages, handing gradients between them within the rank:
@@ -60,8 +62,10 @@ def build_validator(*, job_config, dp_world_size: int, dp_rank: int, tokenizer, 
 
 def check_validation(job_config, context: ValidationContext) -> None:
     """ConfigError where a validating job would stop, or hang, at its first validation, once its ranks have trained a
-    step: a sequence longer than the model's position table, a pipeline schedule or batch torch's forward-only pass
-    cannot run, or a pass over the whole dataset that data-parallel ranks end at different batches."""
+    step: a sequence longer than the model's position table or that its parallelism cannot split, a pipeline schedule
+    or batch torch's forward-only pass cannot run, a dispatch the EP backend cannot take (its buffers are made for the
+    larger of the two passes' dispatches; every other rule of the backend holds for each), or a pass over the whole
+    dataset that data-parallel ranks end at different batches."""
     validation, p = job_config.validation, job_config.parallelism
     if not validation.enable:
         return
@@ -71,6 +75,10 @@ def check_validation(job_config, context: ValidationContext) -> None:
         raise ConfigError(
             f"validation.seq_len = {validation.seq_len} is longer than the model's position table (max_seq_len = "
             f"{longest}, which torchtitan sets from training.seq_len): use a validation.seq_len of at most {longest}")
+    divisor = p.tensor_parallel_degree * 2 * p.context_parallel_degree
+    if validation.seq_len % divisor:
+        raise ConfigError(f"validation.seq_len = {validation.seq_len} is not divisible by TP x 2 x CP = {divisor}: use "
+                          f"a multiple of {divisor}")
     if p.pipeline_parallel_degree > 1:
         if p.pipeline_parallel_schedule in V_SHAPED_SCHEDULES:
             raise ConfigError(
@@ -83,6 +91,15 @@ def check_validation(job_config, context: ValidationContext) -> None:
                 f"validation.local_batch_size = {validation.local_batch_size}: the pipeline schedule splits every "
                 f"batch into its {microbatches} microbatches (training.local_batch_size / "
                 f"pipeline_parallel_microbatch_size): use a multiple of {microbatches}")
+    for name, tokens in tokens_per_dispatch(job_config).items():
+        if context.moe_shape is None or tokens == context.moe_shape.max_tokens_per_rank:
+            continue  # the backend's own check ran at this size
+        shape = dataclasses.replace(context.moe_shape, max_tokens_per_rank=tokens)
+        try:
+            check_backend(job_config, dataclasses.replace(context, moe_shape=shape))
+        except ConfigError as e:
+            raise ConfigError(f"the {name} pass ({tokens} tokens per rank per dispatch, from {name}.local_batch_size "
+                              f"x seq_len): {e}") from None
     degree = data_parallel_degree(job_config, context.world_size)
     if validation.steps == -1 and degree is not None and degree > 1:
         raise ConfigError(
