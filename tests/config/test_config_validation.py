@@ -301,17 +301,18 @@ def test_the_command_line_check_refuses_in_one_line_exactly_what_torchtitans_par
     assert refused is None or "\n" not in refused
 
 
-def test_a_validating_jobs_backend_is_made_for_the_larger_of_its_two_dispatches():
-    """Training dispatches 4 x 256 tokens per rank, validation 40 x 256: NCCL EP's group is created for the
-    validation's, which exceed its library's limit (a GPU cluster's check: device None)."""
+def test_a_validation_dispatch_larger_than_trainings_is_refused_where_the_backend_is_sized_by_it():
+    """Training dispatches 4 x 256 tokens per rank; a validation batch of 8 dispatches twice that. hybridep's buffers
+    (and deepep's, ncclep's) are made for training's dispatch: refused; nccl allocates each all-to-all's rows:
+    accepted, its MoE shape still training's."""
     from torchtitan_ext.config import moe_shape
 
-    validating = _load("--validation.enable", "--validation.local_batch_size", "40")
-    assert moe_shape(validating).max_tokens_per_rank == 40 * 256
-    with pytest.raises(ConfigError, match=r"^10240 tokens per rank per dispatch .* exceed NCCL EP's "
-                                          r"MAX_SUPPORTED_TOKENS_PER_RANK = 8192"):
-        _load("--validation.enable", "--validation.local_batch_size", "40",
-              "--parallelism.expert_parallel_comm_backend", "ncclep", device_type=None)
+    larger = ("--validation.enable", "--validation.local_batch_size", "8")
+    assert moe_shape(_load(*larger)).max_tokens_per_rank == 4 * 256
+    with pytest.raises(ConfigError, match=r"^validation.local_batch_size x seq_len = 8 x 256 gives 2048 tokens per "
+                                          r"rank per MoE dispatch, more than training's 1024, which hybridep's "
+                                          r"buffers are made for"):
+        _load(*larger, "--parallelism.expert_parallel_comm_backend", "hybridep")
 
 
 def test_replica_slots_need_experts_that_a_replica_class_computes(monkeypatch):

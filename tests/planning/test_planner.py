@@ -98,18 +98,6 @@ def test_planner_sizes_equal_the_allocations(harness):
     assert non_blocking.can_drop
 
 
-def test_a_validating_job_plans_training_rows_and_buffers_for_the_larger_dispatch(harness):
-    """Validation 4 x 64 tokens per rank against training's 2 x 64: the buffers are those of a job that trains on
-    4 x 64; the rows a step saves (the blocking pass) are training's."""
-    validating = _plan(JOB + ["--validation.enable", "--validation.local_batch_size", "4", "--validation.seq_len", "64"])
-    larger = _plan(JOB[:-4] + ["--training.local_batch_size", "4", "--training.seq_len", "64"])
-    plain = {b.name: b for b in _plan(JOB).backends}
-    assert validating.dims.tokens == 2 * 64
-    for got, buffers_of in zip(validating.backends, larger.backends):
-        assert got.buffer_bytes == buffers_of.buffer_bytes, got.name
-    assert {b.name: b.rows_worst for b in validating.backends}["hybridep blocking"] == plain["hybridep blocking"].rows_worst
-
-
 def test_saved_layers_follow_activation_checkpointing(harness):
     modes = {
         "none": ["--activation_checkpoint.mode", "none"],

@@ -2,7 +2,7 @@
 parallelism; training goes on as if it had not run.
 
 DeepSeek-V3's debug model trains 3 steps from one process's checkpoint (torchtitan seeds each pipeline stage's
-initialization apart) and validates after each (2 batches of 4 x 64 tokens). Layouts with one
+initialization apart) and validates after each (2 batches of 2 x 32 tokens). Layouts with one
 data-parallel rank read the same batches as a single process (EP=1), and their validation losses equal its; with
 two, each rank reads its own share, so EP=2 under two backends (a blocking pass, and a non-blocking one with its
 capacity) equals FSDP without EP on the same shares. Llama4, Qwen3-MoE (SDPA) and GPT-OSS (FlexAttention, which
@@ -27,8 +27,8 @@ STEPS = 3
 and the losses from the step after it."""
 TOLERANCE = 1e-5
 VALIDATION = ["--validation.enable", "--validation.freq", "1", "--validation.steps", "2",
-              "--validation.local_batch_size", "4", "--validation.seq_len", "64"]
-"""Twice the training batch (TINY's 2 x 64 tokens): the backends' buffers are made for the validation's dispatch."""
+              "--validation.local_batch_size", "2", "--validation.seq_len", "32"]
+"""Half the training's dispatch (TINY's 2 x 64 tokens): HybridEP pads it to the size its buffers are made for."""
 CONFIGS = {"deepseek_v3": "debug_model.toml", "llama4": "llama4_debug_model.toml",
            "qwen3": "qwen3_moe_debug_model.toml", "gpt_oss": "gpt_oss_debug_model.toml"}
 ONE_RANK_PER_BATCH = {

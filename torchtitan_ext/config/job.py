@@ -46,25 +46,30 @@ def model_args_of(job_config):
 
 
 def max_tokens_per_rank(job_config) -> int:
-    """Most tokens one rank dispatches per MoE call, over the passes the job runs (:func:`tokens_per_dispatch`): the
-    size every backend's buffers are made for."""
-    return max(tokens_per_dispatch(job_config).values())
+    """Most tokens one rank dispatches per MoE call of a training step: a microbatch, split by CP, and by TP when EP
+    borrows it. A backend sized by it (``sized_by_dispatch``) takes no larger validation dispatch
+    (:func:`tokens_per_dispatch`; the validation's check refuses one)."""
+    return tokens_per_dispatch(job_config)["training"]
 
 
 def tokens_per_dispatch(job_config) -> dict[str, int]:
     """{pass: tokens one rank dispatches per MoE call} for training and, where the job validates, validation: a
-    microbatch (under PP, a batch over the schedule's microbatches), split by CP, and by TP when EP borrows it."""
+    microbatch (under PP, the pipeline microbatch; validation's batch is split into as many microbatches as
+    training's), split by CP, and by TP when EP borrows it."""
     parallelism = job_config.parallelism
-    training = job_config.training
-    microbatches = (training.local_batch_size // parallelism.pipeline_parallel_microbatch_size
-                    if parallelism.pipeline_parallel_degree > 1 else 1)
-    passes = {"training": (training.local_batch_size, training.seq_len)}
-    if job_config.validation.enable:
-        passes["validation"] = (job_config.validation.local_batch_size, job_config.validation.seq_len)
+    training, validation = job_config.training, job_config.validation
+    batches = {"training": (training.local_batch_size, training.seq_len)}
+    if validation.enable:
+        batches["validation"] = (validation.local_batch_size, validation.seq_len)
+    if parallelism.pipeline_parallel_degree > 1:
+        size = parallelism.pipeline_parallel_microbatch_size
+        microbatches = max(training.local_batch_size // size, 1)
+        batches = {name: (size if name == "training" else max(batch // microbatches, 1), seq_len)
+                   for name, (batch, seq_len) in batches.items()}
     divisor = parallelism.context_parallel_degree
     if parallelism.tensor_parallel_degree > 1 and parallelism.expert_tensor_parallel_degree == 1:
         divisor *= parallelism.tensor_parallel_degree
-    return {name: max(batch // microbatches, 1) * seq_len // divisor for name, (batch, seq_len) in passes.items()}
+    return {name: batch * seq_len // divisor for name, (batch, seq_len) in batches.items()}
 
 
 def routed_moe_args(model_args):

@@ -15,8 +15,8 @@ def main() -> None:
     manifest = json.loads(assets.manifest.read_text())
     print(
         f"embedded assets in {assets.root}: {manifest['documents']} documents, "
-        f"{manifest['corpus_bytes']:,} bytes, vocab {manifest['vocab_size']} "
-        f"(python {manifest['python']})"
+        f"{manifest['corpus_bytes']:,} bytes, {manifest['validation_documents']} held out for validation, "
+        f"vocab {manifest['vocab_size']} (python {manifest['python']})"
     )
 
 

@@ -417,6 +417,10 @@ class RoutedExpertParallel(ExpertParallel, ABC):
     shared_experts_overlap: ClassVar[str] = "no: combine has landed when the experts return"
     """Whether the MoE's shared experts run while this backend's combine is in flight, and how."""
 
+    sized_by_dispatch: ClassVar[bool] = False
+    """Whether its buffers or per-call sizes are made for a training dispatch (``MoEShape.max_tokens_per_rank``): a
+    call with more tokens cannot run (a validation pass's larger batch is refused in the job's config check)."""
+
     needs_expert_parallelism: ClassVar[bool] = True
     """Whether selecting this backend with expert_parallel_degree = 1 is a config error
     (a kernel backend has nothing to do there)."""

@@ -263,6 +263,7 @@ class DeepEPExpertParallel(RoutedExpertParallel):
         """
 
     config_section = "deepep"
+    sized_by_dispatch = True
     config_ranges = {"deepep.num_sms": Range(2, meaning="SMs, an even count")}
 
     shared_experts_overlap = "yes: combine runs asynchronously on DeepEP's communication stream"

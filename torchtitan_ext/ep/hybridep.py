@@ -176,6 +176,7 @@ class HybridEPExpertParallel(RoutedExpertParallel):
         """
 
     config_section = "hybridep"
+    sized_by_dispatch = True
     config_ranges = {
         "hybridep.non_blocking_capacity_factor": Range(0, 1, exclusive_minimum=True, meaning="non-blocking mode; unset: blocking"),
         "hybridep.num_sms_dispatch": Range(1, meaning="SMs"),
@@ -355,8 +356,8 @@ class HybridEPExpertParallel(RoutedExpertParallel):
         if num_tokens > self.max_tokens_per_rank:
             raise ValueError(
                 f"HybridEP got {num_tokens} tokens on this rank, more than the {self.max_tokens_per_rank} "
-                "its buffer was sized for (a microbatch's tokens per rank, from local_batch_size and seq_len, "
-                "training's or validation's): every rank must pass the same count to the library"
+                "its buffer was sized for (a microbatch's tokens per rank, from training.local_batch_size and "
+                "seq_len): every rank must pass the same count to the library"
             )
         ep_degree = group.size()
         num_rows = -1

@@ -106,6 +106,7 @@ class NcclEPExpertParallel(RoutedExpertParallel):
         expert_parallel_degree."""
 
     config_section = "ncclep"
+    sized_by_dispatch = True
     config_ranges = {
         "ncclep.max_recv_capacity_factor": Range(0, 1, exclusive_minimum=True, meaning="static receive budget; unset: eager"),
         "ncclep.num_channels": Range(0, meaning="channels; 0: the library's choice"),
@@ -204,7 +205,7 @@ class NcclEPExpertParallel(RoutedExpertParallel):
              f"the model's top_k = {shape.top_k} exceeds NCCL EP's MAX_NUM_TOPK = {library_limits.MAX_NUM_TOPK}: "
              "use another backend"),
             (shape.max_tokens_per_rank <= library_limits.MAX_SUPPORTED_TOKENS_PER_RANK,
-             f"{shape.max_tokens_per_rank} tokens per rank per dispatch (local_batch_size x seq_len, of training or validation) exceed "
+             f"{shape.max_tokens_per_rank} tokens per rank per dispatch (training.local_batch_size x seq_len) exceed "
              f"NCCL EP's MAX_SUPPORTED_TOKENS_PER_RANK = {library_limits.MAX_SUPPORTED_TOKENS_PER_RANK}: lower "
              "local_batch_size or seq_len (or raise pipeline microbatches)"),
             (local_experts <= library_limits.LOCAL_PERMUTE_MAX_EXPERTS_PER_RANK,
@@ -276,8 +277,7 @@ class NcclEPExpertParallel(RoutedExpertParallel):
         if x.shape[0] > self.max_tokens_per_rank:
             raise ValueError(
                 f"NCCL EP got {x.shape[0]} tokens on this rank, more than the {self.max_tokens_per_rank} its group was "
-                "created for (a microbatch's tokens per rank, from local_batch_size and seq_len, training's or "
-                "validation's)")
+                "created for (a microbatch's tokens per rank, from training.local_batch_size and seq_len)")
         static_slots = receive_slots(self.shape, group.size(), self.capacity_factor, self.pad_multiple)
         if static_slots and self.stats.counting:  # an evaluation forward counts nothing: no counts to exchange
             self.stats.record_kept(self._kept_pairs(expert_ids, num_experts, group, sent_counts, static_slots))

@@ -15,8 +15,7 @@ import numpy as np
 import torch
 from torchtitan.config import TORCH_DTYPE_MAP
 
-from torchtitan_ext.config import (ConfigError, max_tokens_per_rank, model_args_of, MoEShape, routed_expert_elements,
-                                   tokens_per_dispatch)
+from torchtitan_ext.config import ConfigError, max_tokens_per_rank, model_args_of, MoEShape, routed_expert_elements
 from torchtitan_ext.ep import BACKENDS, PLANNING_PROFILES
 from torchtitan_ext.ep.base import token_group_alignment
 from torchtitan_ext.ep.replication.plan import dispatched_shape, fetches_ahead, most_experts_sent
@@ -25,7 +24,7 @@ from torchtitan_ext.ep.replication.plan import dispatched_shape, fetches_ahead, 
 @dataclass(frozen=True)
 class Dimensions:
     tokens: int
-    """N: tokens one rank dispatches per MoE call of a training step."""
+    """N: tokens one rank dispatches per MoE call."""
     ep: int
     local_experts: int
     top_k: int
@@ -120,7 +119,7 @@ def plan(job_config, report, routing_stats=None) -> Plan:
     ep = job_config.parallelism.expert_parallel_degree
     activation_dtype = TORCH_DTYPE_MAP[job_config.training.mixed_precision_param]
     dims = Dimensions(
-        tokens=tokens_per_dispatch(job_config)["training"],  # the rows a training step saves; validation saves none
+        tokens=max_tokens_per_rank(job_config),
         ep=ep,
         local_experts=model_args.moe_args.num_experts // ep,
         top_k=model_args.moe_args.top_k,
@@ -131,9 +130,7 @@ def plan(job_config, report, routing_stats=None) -> Plan:
     )
     saved, reason = saved_moe_layers(job_config, report.rank_layers, report.rank_moe_layers)
     align = token_group_alignment(job_config)
-    # the buffers are made for the larger of a training and a validation dispatch
-    shape = dispatched_shape(job_config, MoEShape(dims.hidden, dims.ep * dims.local_experts, dims.top_k,
-                                                  max_tokens_per_rank(job_config)))
+    shape = dispatched_shape(job_config, MoEShape(dims.hidden, dims.ep * dims.local_experts, dims.top_k, dims.tokens))
     backends = []
     for backend_name, backend in BACKENDS.items():
         pad = max(align, backend.min_pad_multiple)

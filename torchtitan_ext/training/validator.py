@@ -8,16 +8,15 @@ steps' metrics) is the trainer's to restore (:mod:`torchtitan_ext.training.train
 checked with training's (:mod:`torchtitan_ext.data`), its layout here (:func:`check_validation`).
 """
 
-import dataclasses
 from typing import Any
 
 import torch
 from torchtitan.components.validate import Validator as TorchTitanValidator
 from torchtitan.distributed.context_parallel import prepare_context_parallel_input
 
-from torchtitan_ext.config import (ConfigError, data_parallel_degree, model_class_and_args, register_check,
-                                   tokens_per_dispatch, ValidationContext)
-from torchtitan_ext.ep.validation import check_backend
+from torchtitan_ext.config import (comm_backend, ConfigError, data_parallel_degree, model_class_and_args,
+                                   register_check, tokens_per_dispatch, ValidationContext)
+from torchtitan_ext.ep import backend_class
 
 V_SHAPED_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 """Pipeline schedules whose ranks each hold two adjacent stages, handing gradients between them within the rank:
@@ -63,9 +62,8 @@ def build_validator(*, job_config, dp_world_size: int, dp_rank: int, tokenizer, 
 def check_validation(job_config, context: ValidationContext) -> None:
     """ConfigError where a validating job would stop, or hang, at its first validation, once its ranks have trained a
     step: a sequence longer than the model's position table or that its parallelism cannot split, a pipeline schedule
-    or batch torch's forward-only pass cannot run, a dispatch the EP backend cannot take (its buffers are made for the
-    larger of the two passes' dispatches; every other rule of the backend holds for each), or a pass over the whole
-    dataset that data-parallel ranks end at different batches."""
+    or batch torch's forward-only pass cannot run, a dispatch larger than training's where the EP backend's buffers are
+    made for training's, or a pass over the whole dataset that data-parallel ranks end at different batches."""
     validation, p = job_config.validation, job_config.parallelism
     if not validation.enable:
         return
@@ -91,15 +89,14 @@ def check_validation(job_config, context: ValidationContext) -> None:
                 f"validation.local_batch_size = {validation.local_batch_size}: the pipeline schedule splits every "
                 f"batch into its {microbatches} microbatches (training.local_batch_size / "
                 f"pipeline_parallel_microbatch_size): use a multiple of {microbatches}")
-    for name, tokens in tokens_per_dispatch(job_config).items():
-        if context.moe_shape is None or tokens == context.moe_shape.max_tokens_per_rank:
-            continue  # the backend's own check ran at this size
-        shape = dataclasses.replace(context.moe_shape, max_tokens_per_rank=tokens)
-        try:
-            check_backend(job_config, dataclasses.replace(context, moe_shape=shape))
-        except ConfigError as e:
-            raise ConfigError(f"the {name} pass ({tokens} tokens per rank per dispatch, from {name}.local_batch_size "
-                              f"x seq_len): {e}") from None
+    tokens = tokens_per_dispatch(job_config)
+    if (tokens["validation"] > tokens["training"] and context.moe_shape is not None and p.expert_parallel_degree > 1
+            and backend_class(job_config).sized_by_dispatch):
+        raise ConfigError(
+            f"validation.local_batch_size x seq_len = {validation.local_batch_size} x {validation.seq_len} gives "
+            f"{tokens['validation']} tokens per rank per MoE dispatch, more than training's {tokens['training']}, "
+            f"which {comm_backend(job_config)}'s buffers are made for: lower validation.local_batch_size or seq_len "
+            "(or raise training's)")
     degree = data_parallel_degree(job_config, context.world_size)
     if validation.steps == -1 and degree is not None and degree > 1:
         raise ConfigError(
