@@ -202,10 +202,7 @@ class MetricsProcessor(TorchTitanMetricsProcessor):
             "time_metrics/data_loading(s)": sum(self.data_loading_times)
             / max(len(self.data_loading_times), 1),
             "time_metrics/data_loading(%)": 100 * sum(self.data_loading_times) / time_delta,
-            "memory/max_active(GiB)": memory.max_active_gib,
-            "memory/max_active(%)": memory.max_active_pct,
-            "memory/max_reserved(GiB)": memory.max_reserved_gib,
-            "memory/max_reserved(%)": memory.max_reserved_pct,
+            **_peak_memory_metrics("memory/", memory),
             "memory/num_alloc_retries": memory.num_alloc_retries,
             "memory/num_ooms": memory.num_ooms,
             **ep_metrics,
@@ -260,10 +257,7 @@ class MetricsProcessor(TorchTitanMetricsProcessor):
             "validation_metrics/loss": loss,
             "validation_metrics/throughput(tps)": self.ntokens_since_last_log / (
                 time_delta * self.parallel_dims.non_data_parallel_size),
-            "validation_metrics/memory/max_active(GiB)": memory.max_active_gib,
-            "validation_metrics/memory/max_active(%)": memory.max_active_pct,
-            "validation_metrics/memory/max_reserved(GiB)": memory.max_reserved_gib,
-            "validation_metrics/memory/max_reserved(%)": memory.max_reserved_pct,
+            **_peak_memory_metrics("validation_metrics/memory/", memory),
             **(extra_metrics or {}),
         }
         self.logger.log(metrics, step)
@@ -271,6 +265,16 @@ class MetricsProcessor(TorchTitanMetricsProcessor):
             self.validation_file.write(step, metrics)
         color = self.color
         logger.info(f"{color.yellow}validate step: {step:2}  {color.green}loss: {loss:8.5f}{color.reset}")
+
+
+def _peak_memory_metrics(prefix: str, memory) -> dict[str, float]:
+    """The device's peak memory as torchtitan names it, under ``prefix``."""
+    return {
+        f"{prefix}max_active(GiB)": memory.max_active_gib,
+        f"{prefix}max_active(%)": memory.max_active_pct,
+        f"{prefix}max_reserved(GiB)": memory.max_reserved_gib,
+        f"{prefix}max_reserved(%)": memory.max_reserved_pct,
+    }
 
 
 def build_metrics_processor(job_config, parallel_dims, model_args=None, tag=None):
