@@ -2,7 +2,9 @@
 
 Same seed, deterministic algorithms, fp32, 2 ranks at EP=2; DeepSeek-V3's debug model with its small attention
 ("debugmodel_small"). Backends: the variants of :data:`PARITY_VARIANTS` (one per kernel family, on the reference kernels).
-One training per job, shared by the tests that read it (the ``parity`` fixture):
+One training per job, shared by the tests that read it, and the jobs of one world size in as few sets of processes
+as their order allows (the ``parity``, ``from_step_2`` and ``four_processes`` fixtures): each new set of processes
+pays its start and its first step's one-time work again:
 
 - 4 steps under every backend with an expert placement that moves every expert to the other rank
   (``[expert_placement] file``) and 2 replica slots per rank re-chosen every step: the first step, before any
@@ -155,22 +157,38 @@ RESUME = ["--checkpoint.enable", "--checkpoint.load_step", "2"]
 RESUME_TOLERANCE = 1e-5
 
 
-def test_checkpoint_resumes_under_another_backend_ep_degree_and_placement(parity, tmp_path):
-    """Step 2 of the parity run written at EP=2 under nccl with the crossing placement and 2 replica slots per
-    rank, resumed at EP=2 under hybridep and under ncclep with another placement and no replicas, and at EP=1 (no
-    placement: the experts go back to logical order)."""
-    losses, tmp = parity
+@pytest.fixture(scope="module")
+def from_step_2(parity, tmp_path_factory):
+    """The runs that start from the parity runs' step 2, in one set of processes: resumed under other backends, EP
+    degree and placement (:func:`test_checkpoint_resumes_under_another_backend_ep_degree_and_placement`), and a
+    model-only load of the placed and unplaced checkpoints (:func:`test_a_model_only_load_reads_the_recorded_placement`)."""
+    _, tmp = parity
+    folder = tmp_path_factory.mktemp("from_step_2")
     written = tmp / "replicated_nccl"
-    other = _placement(tmp_path, "other", lambda layer: [(3 * s + layer) % 8 for s in range(8)])
+    other = _placement(folder, "other", lambda layer: [(3 * s + layer) % 8 for s in range(8)])
     runs = []
     for name, args in (("resumed_hybridep_ep2", [*BACKENDS["hybridep"], "--expert_placement.file", other]),
                        ("resumed_ncclep_ep2", [*BACKENDS["ncclep"], "--expert_placement.file", other]),
                        ("resumed_nccl_ep1", ["--parallelism.expert_parallel_degree", "1"])):
-        shutil.copytree(written / "checkpoint" / "step-2", tmp_path / name / "checkpoint" / "step-2")
-        runs.append((name, _job(tmp_path / name, *args, *RESUME, steps=PLACED_STEPS)))
-    resumed_runs = run_distributed(2, train_worker, runs)[0]
-    recorded = FileSystemReader(str(written / "checkpoint/step-2")).read_metadata().state_dict_metadata
+        shutil.copytree(written / "checkpoint" / "step-2", folder / name / "checkpoint" / "step-2")
+        runs.append((name, _job(folder / name, *args, *RESUME, steps=PLACED_STEPS)))
+    runs += [
+        (f"from_{name}", _job(folder / f"from_{name}", "--checkpoint.enable",
+                              "--checkpoint.initial_load_path", str(tmp / run / "checkpoint/step-2"), steps=1))
+        for name, run in (("placed", "placed_nccl"), ("unplaced", "nccl"))
+    ]
+    return run_distributed(2, train_worker, runs)[0]
+
+
+def test_checkpoint_resumes_under_another_backend_ep_degree_and_placement(parity, from_step_2):
+    """Step 2 of the parity run written at EP=2 under nccl with the crossing placement and 2 replica slots per
+    rank, resumed at EP=2 under hybridep and under ncclep with another placement and no replicas, and at EP=1 (no
+    placement: the experts go back to logical order)."""
+    losses, tmp = parity
+    recorded = FileSystemReader(str(tmp / "replicated_nccl/checkpoint/step-2")).read_metadata().state_dict_metadata
     assert "expert_placement.expert_at_slot" in recorded
+    resumed_runs = {name: resumed for name, resumed in from_step_2.items() if name.startswith("resumed_")}
+    assert len(resumed_runs) == 3
     for name, resumed in resumed_runs.items():
         assert list(resumed) == list(range(3, PLACED_STEPS + 1)), (name, resumed)
         for step in resumed:
@@ -178,62 +196,48 @@ def test_checkpoint_resumes_under_another_backend_ep_degree_and_placement(parity
                 name, step, resumed, losses["replicated_nccl"])
 
 
-def test_a_model_only_load_reads_the_recorded_placement(parity, tmp_path):
+def test_a_model_only_load_reads_the_recorded_placement(parity, from_step_2):
     """torchtitan's initial_load_path loads the model only (initial_load_model_only), without the
     placement record: the placed checkpoint's experts were taken as logical order, scrambled (first-step
     losses 4.2e-3 apart). A model-only load of the parity runs' step 2, placed and not, gives the same
     first-step loss."""
     losses, tmp = parity
-    written = {"placed": tmp / "placed_nccl", "unplaced": tmp / "nccl"}
-    runs = [
-        (f"from_{name}", _job(tmp_path / f"from_{name}", "--checkpoint.enable",
-                              "--checkpoint.initial_load_path", str(folder / "checkpoint/step-2"), steps=1))
-        for name, folder in written.items()
-    ]
-    loaded = run_distributed(2, train_worker, runs)[0]
     assert losses["placed_nccl"][2] == pytest.approx(losses["nccl"][2], rel=RESUME_TOLERANCE)
-    recorded = FileSystemReader(str(written["placed"] / "checkpoint/step-2")).read_metadata().state_dict_metadata
+    recorded = FileSystemReader(str(tmp / "placed_nccl/checkpoint/step-2")).read_metadata().state_dict_metadata
     assert "expert_placement.expert_at_slot" in recorded
-    assert loaded["from_placed"][1] == pytest.approx(loaded["from_unplaced"][1], rel=RESUME_TOLERANCE), loaded
+    assert from_step_2["from_placed"][1] == pytest.approx(from_step_2["from_unplaced"][1], rel=RESUME_TOLERANCE), (
+        from_step_2)
 
 
-def _write_initial_weights(trainer) -> None:
-    """Every parameter whole, before the first step, into the job's dump folder (rank 0; a setup hook)."""
+def _write_initial_weights(trainer, dump_folders: tuple[str, ...]) -> None:
+    """Every parameter whole, before the first step, into the job's dump folder (rank 0; a setup hook, for the jobs
+    whose dump folder is named in ``dump_folders``)."""
     from torch.distributed.tensor import DTensor
 
+    folder = Path(trainer.job_config.job.dump_folder)
+    if folder.name not in dump_folders:
+        return
     weights = {name: (param.full_tensor() if isinstance(param, DTensor) else param).detach().clone()
                for name, param in trainer.model_parts[0].named_parameters()}
     if torch.distributed.get_rank() == 0:
-        folder = Path(trainer.job_config.job.dump_folder)
         folder.mkdir(parents=True, exist_ok=True)
         torch.save(weights, folder / "initial_weights.pt")
 
 
-def test_a_sharded_job_starts_from_one_process_weights(tmp_path):
-    """At EP=2 on 4 ranks (FSDP shards every parameter over 4 ranks, the experts over 2 within each EP rank's
-    share) the job's initial weights are the one-process job's, bit for bit: on a CPU, where DTensor would fill
-    every rank's shard from the same seed (evenly sharded parameters starting as copies of one shard), each rank
-    draws the whole tensor and keeps its shard."""
-    one, four = tmp_path / "one_process", tmp_path / "four_processes"
-    run_distributed(1, train_worker, [("one", _job(one, "--parallelism.expert_parallel_degree", "1", steps=1))],
-                    _write_initial_weights)
-    run_distributed(4, train_worker, [("four", _job(four, steps=1))], _write_initial_weights)
-    expected, got = (torch.load(folder / "initial_weights.pt") for folder in (one, four))
-    assert got.keys() == expected.keys()
-    assert [name for name in expected if not torch.equal(got[name], expected[name])] == []
+@pytest.fixture(scope="module")
+def four_processes(tmp_path_factory):
+    """The jobs on 4 ranks, in one set of processes: ``tmp`` holds their dump folders.
 
-
-def test_four_process_fsdp_ep_and_pipeline_ep(tmp_path):
-    """FSDP+EP on 4 ranks: a checkpoint written at EP=2 x expert FSDP 2 under a placement resumes at EP=4
-    under another, with the same losses; and PP+EP.
-
-    The pipeline run has 4 microbatches of one sequence per step: with 2 the
-    5-step loss curve is too noisy to show a clear fall on every corpus (the
-    embedded corpus depends on the Python build's standard library). Its
-    gradients against a dense model are the gradient matrix's ep2_pp2_fsdp2 cells.
+    - "four_processes": 1 step at EP=2, its initial weights written (:func:`_write_initial_weights`);
+    - "fsdp4_ep2": FSDP+EP with the crossing placement, checkpoints every 2 steps; "fsdp4_ep4" resumes its step 2
+      at EP=4 under another placement;
+    - "pp2_fsdp2_ep2": PP+EP under hybridep, 4 microbatches of one sequence per step (with 2 the 5-step loss curve
+      is too noisy to show a clear fall on every corpus: the embedded corpus depends on the Python build's standard
+      library).
     """
-    folder = tmp_path / "fsdp"
-    ep4_placement = tmp_path / "ep4.json"
+    tmp = tmp_path_factory.mktemp("four_processes")
+    folder = tmp / "fsdp"
+    ep4_placement = tmp / "ep4.json"
     ep4_placement.write_text(json.dumps({
         "num_experts": 8, "expert_parallel_degree": 4,
         "layers": {str(layer): [(5 * s + layer) % 8 for s in range(8)] for layer in MOE_LAYERS},
@@ -245,12 +249,34 @@ def test_four_process_fsdp_ep_and_pipeline_ep(tmp_path):
         "--training.local_batch_size", "4",
     ]
     runs = [
-        ("fsdp4_ep2", _job(folder, *CHECKPOINT, "--expert_placement.file", crossing_placement(tmp_path))),
+        ("four_processes", _job(tmp / "four_processes", steps=1)),
+        ("fsdp4_ep2", _job(folder, *CHECKPOINT, "--expert_placement.file", crossing_placement(tmp))),
         ("fsdp4_ep4", _job(folder, "--parallelism.expert_parallel_degree", "4", *RESUME,
                            "--expert_placement.file", str(ep4_placement))),
-        ("pp2_fsdp2_ep2", _job(tmp_path / "pp", *pipeline_args, "--parallelism.expert_parallel_comm_backend", "hybridep")),
+        ("pp2_fsdp2_ep2", _job(tmp / "pp", *pipeline_args, "--parallelism.expert_parallel_comm_backend", "hybridep")),
     ]
-    results = run_distributed(4, train_worker, runs)
+    return run_distributed(4, train_worker, runs, partial(_write_initial_weights, dump_folders=("four_processes",))), tmp
+
+
+def test_a_sharded_job_starts_from_one_process_weights(four_processes, tmp_path):
+    """At EP=2 on 4 ranks (FSDP shards every parameter over 4 ranks, the experts over 2 within each EP rank's
+    share) the job's initial weights are the one-process job's, bit for bit: on a CPU, where DTensor would fill
+    every rank's shard from the same seed (evenly sharded parameters starting as copies of one shard), each rank
+    draws the whole tensor and keeps its shard."""
+    _, tmp = four_processes
+    one = tmp_path / "one_process"
+    run_distributed(1, train_worker, [("one", _job(one, "--parallelism.expert_parallel_degree", "1", steps=1))],
+                    partial(_write_initial_weights, dump_folders=(one.name,)))
+    expected, got = (torch.load(folder / "initial_weights.pt") for folder in (one, tmp / "four_processes"))
+    assert got.keys() == expected.keys()
+    assert [name for name in expected if not torch.equal(got[name], expected[name])] == []
+
+
+def test_four_process_fsdp_ep_and_pipeline_ep(four_processes):
+    """FSDP+EP on 4 ranks: a checkpoint written at EP=2 x expert FSDP 2 under a placement resumes at EP=4
+    under another, with the same losses; and PP+EP (:func:`four_processes`). Its gradients against a dense model
+    are the gradient matrix's ep2_pp2_fsdp2 cells."""
+    results, _ = four_processes
     written, resumed = results[0]["fsdp4_ep2"], results[0]["fsdp4_ep4"]
     assert list(written) == list(range(1, STEPS + 1)) and written[STEPS] < written[1] - 0.3
     assert list(resumed) == [3, 4, 5]
