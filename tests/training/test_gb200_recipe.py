@@ -8,7 +8,7 @@ from tests.helpers import run_launcher
 from torchtitan_ext.records.metrics import logged_losses
 
 AT_DEBUG_SIZE = (
-    "--model.flavor", "debugmodel_small", "--model.hf_assets_path", "./assets/embedded",
+    "--model.flavor", "debugmodel", "--model.hf_assets_path", "./assets/embedded",
     "--training.dataset", "stdlib_code", "--training.local_batch_size", "2", "--training.seq_len", "128",
     "--parallelism.expert_parallel_degree", "2", "--hybridep.ranks_per_nvlink_domain", "2",
     "--lr_scheduler.warmup_steps", "1", "--checkpoint.no-enable", "--compile.no-enable",
