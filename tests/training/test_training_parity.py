@@ -226,7 +226,8 @@ def _write_initial_weights(trainer, dump_folders: tuple[str, ...]) -> None:
 
 @pytest.fixture(scope="module")
 def four_processes(tmp_path_factory):
-    """The jobs on 4 ranks, in one set of processes: ``tmp`` holds their dump folders.
+    """The jobs on 4 ranks, in one set of processes: (each rank's {job: {step: loss}}, ``tmp``, the folder of their
+    dump folders).
 
     - "four_processes": 1 step at EP=2, its initial weights written (:func:`_write_initial_weights`);
     - "fsdp4_ep2": FSDP+EP with the crossing placement, checkpoints every 2 steps; "fsdp4_ep4" resumes its step 2
@@ -274,7 +275,7 @@ def test_a_sharded_job_starts_from_one_process_weights(four_processes, tmp_path)
 
 def test_four_process_fsdp_ep_and_pipeline_ep(four_processes):
     """FSDP+EP on 4 ranks: a checkpoint written at EP=2 x expert FSDP 2 under a placement resumes at EP=4
-    under another, with the same losses; and PP+EP (:func:`four_processes`). Its gradients against a dense model
+    under another, with the same losses; and PP+EP (:func:`four_processes`), whose gradients against a dense model
     are the gradient matrix's ep2_pp2_fsdp2 cells."""
     results, _ = four_processes
     written, resumed = results[0]["fsdp4_ep2"], results[0]["fsdp4_ep4"]
