@@ -15,7 +15,7 @@
    naming the collective.
 6. All tokens to one expert (tests/ep/test_drop_rule.py::test_all_tokens_to_one_expert).
 
-All runs: the debug model with its small attention, 2 processes, fp32, deterministic, short sequences.
+All runs: the debug model with its small attention cut to 3 layers, 2 processes, fp32, deterministic, short sequences.
 """
 
 import math
@@ -39,7 +39,7 @@ pytestmark = pytest.mark.slow
 
 STEPS = 6
 FAST = [
-    "--model.flavor", "debugmodel_small", "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.mixed_precision_param", "float32",
+    "--model.flavor", "debugmodel_small_3layers", "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.mixed_precision_param", "float32",
     "--debug.deterministic", "--metrics.disable_color_printing", "--metrics.log_freq", "1",
     "--training.steps", str(STEPS),
 ]

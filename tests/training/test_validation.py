@@ -1,9 +1,9 @@
 """Validation (``validation.enable``): the loss of the held-out split, as one process computes it, under every
 parallelism; training goes on as if it had not run.
 
-DeepSeek-V3's debug model trains 3 steps from one process's checkpoint (torchtitan seeds each pipeline stage's
-initialization apart) and validates after each (2 batches of 2 x 32 tokens). Layouts with one
-data-parallel rank read the same batches as a single process (EP=1), and their validation losses equal its; with
+DeepSeek-V3's debug model (its small attention, 3 layers) trains 3 steps from one process's checkpoint (torchtitan
+seeds each pipeline stage's initialization apart) and validates after each (2 batches of 2 x 32 tokens). Layouts
+with one data-parallel rank read the same batches as a single process (EP=1), and their validation losses equal its; with
 two, each rank reads its own share, so EP=2 under two backends (a blocking pass, and a non-blocking one with its
 capacity) equals FSDP without EP on the same shares. Llama4, Qwen3-MoE (SDPA) and GPT-OSS (FlexAttention, which
 takes the masks the trainer builds) validate after a step at EP=2. In every run the experts' load counts are the same after each
@@ -41,7 +41,7 @@ EP_UNDER_DP2 = ("nccl", "hybridep_non_blocking")
 
 
 def _job(folder, model: str = "deepseek_v3", *extra: str, steps: int = STEPS) -> list[str]:
-    flavor = ["--model.flavor", "debugmodel_small"] if model == "deepseek_v3" else []
+    flavor = ["--model.flavor", "debugmodel_small_3layers"] if model == "deepseek_v3" else []
     return ["--job.config_file", str(REPO_ROOT / "train_configs" / CONFIGS[model]), *flavor,
             "--training.steps", str(steps), "--job.dump_folder", str(folder), *TINY, *extra]
 

@@ -43,8 +43,14 @@ layers), small enough for a few-GPU smoke test of a cluster (python -m torchtita
 
 SMALL_DEBUG_ATTENTION = dict(n_heads=4, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32)
 """The "debugmodel_small" flavour: the debug model with a 4-head attention of 32-dim heads (12.5M
-parameters, not 33M; its MoE layers unchanged). The multi-process tests train it: on CPU a debug
+parameters, not 33M; its MoE layers unchanged). Multi-process tests train it or its 3-layer cut: on CPU a debug
 step is mostly gloo moving FSDP's parameters, 2.6x less of them here."""
+
+
+SHALLOW_DEBUG_LAYERS = 3
+"""The "debugmodel_small_3layers" flavour: "debugmodel_small" cut to its dense first layer and 2 MoE layers
+(MoE layers 1 and 2). The multi-process training tests train it: a step of a debug model on a CPU is
+per-operator and per-parameter overhead more than arithmetic, and half the layers take 0.6 of its CPU time."""
 
 
 WIDE_EXPERTS_INTER_DIM = 1024
@@ -55,13 +61,15 @@ that the MoE layers take most of a step's FLOPs (the routed experts 53%, against
 
 
 def flavors() -> dict[str, DeepSeekV3ModelArgs]:
-    """torchtitan's DeepSeek-V3 flavours as our model args, plus "16B_4layers", "debugmodel_small" and
-    "debugmodel_wide_experts"."""
+    """torchtitan's DeepSeek-V3 flavours as our model args, plus "16B_4layers", "debugmodel_small",
+    "debugmodel_small_3layers" and "debugmodel_wide_experts"."""
     found = {
         name: as_our_args(DeepSeekV3ModelArgs, args)
         for name, args in deepseekv3_args.items()
     }
     found[f"16B_{CUT_LAYERS}layers"] = dataclasses.replace(found["16B"], n_layers=CUT_LAYERS)
     found["debugmodel_small"] = dataclasses.replace(found["debugmodel"], **SMALL_DEBUG_ATTENTION)
+    found[f"debugmodel_small_{SHALLOW_DEBUG_LAYERS}layers"] = dataclasses.replace(
+        found["debugmodel_small"], n_layers=SHALLOW_DEBUG_LAYERS)
     found["debugmodel_wide_experts"] = dataclasses.replace(found["debugmodel_small"], moe_inter_dim=WIDE_EXPERTS_INTER_DIM)
     return found
