@@ -316,6 +316,8 @@ class ReferenceHybridEPHandle:
     """int64 device scalar: dropped (token, expert) pairs on this rank."""
     kept_per_expert: torch.Tensor
     """[L] (token, local expert) pairs kept, padding excluded (int64): the library's raw tokens_per_expert."""
+    kept_per_token: torch.Tensor
+    """[G] (token, local expert) pairs kept of each global token (int64): its rows' segment in combine."""
 
 
 class ReferenceHybridEPBuffer:
@@ -430,17 +432,25 @@ class ReferenceHybridEPBuffer:
         if received.is_floating_point():
             filler[1] = float("nan")
         received = torch.cat([received, filler])
-        token_of_pair = torch.cat([
-            handle.token_position.repeat_interleave(self.num_local_experts),
-            torch.arange(received.shape[0] - 2, received.shape[0], device=hidden.device),
+        # each row's pair g * L + e, or G * L (pad) or G * L + 1 (past the end): its global token g, then the pad
+        # and past-the-end entries after the G tokens'
+        num_pairs = handle.token_position.shape[0] * self.num_local_experts
+        row_pairs = handle.row_pairs
+        is_pair = row_pairs < num_pairs
+        row_token = torch.where(is_pair, row_pairs // self.num_local_experts,
+                                row_pairs - num_pairs + handle.token_position.shape[0])
+        token_at = torch.cat([
+            handle.token_position, torch.arange(received.shape[0] - 2, received.shape[0], device=hidden.device),
         ])
-        tokens = received[token_of_pair[handle.row_pairs]]
+        tokens = received[token_at[row_token]]
         out_probs = None
         if pair_probs is not None:
-            filler_probs = pair_probs.new_zeros(2)
+            # a row's pair is a kept one: its prob as routed; pad rows 0, rows past the end NaN
+            pair = row_pairs.clamp(max=num_pairs - 1)
+            routed = pair_probs[pair // self.num_local_experts, pair % self.num_local_experts]
+            filler_probs = routed.new_zeros(2)
             filler_probs[1:].fill_(float("nan"))  # a slice filled: setting one element copies a host scalar
-            pair_probs = torch.cat([pair_probs.reshape(-1), filler_probs])
-            out_probs = pair_probs[handle.row_pairs]
+            out_probs = torch.where(is_pair, routed, filler_probs[(row_pairs - num_pairs).clamp(0, 1)])
         # like the library: the cached path computes no tokens per expert; blocking mode returns them in pinned
         # host memory (read after its sync), non-blocking mode on the device
         tokens_per_expert = None
@@ -462,15 +472,16 @@ class ReferenceHybridEPBuffer:
         num_global = local_map.shape[0]
         counts = local_map.sum(0)
         padded, offsets = padded_offsets(counts, pad)
-        rank_in_expert = torch.cumsum(local_map, 0) - 1
-        rows = offsets.unsqueeze(0) + rank_in_expert
+        # a pair's row: its expert's offset plus its rank among the expert's pairs (a running count, less one)
+        rows = torch.cumsum(local_map, 0).add_(offsets - 1)
         if non_blocking:
             num_rows = num_permuted_tokens
         else:
             num_rows = int(padded.sum())  # blocking: the library syncs to size its output
-        kept = local_map & (rows < num_rows)
-        dropped = local_map & ~kept
-        pair_rows = torch.where(kept, rows, num_rows)
+        kept = (rows < num_rows).logical_and_(local_map)
+        kept_per_expert = kept.sum(0)
+        num_dropped = counts.sum() - kept_per_expert.sum()
+        pair_rows = rows.masked_fill_(~kept, num_rows)
 
         # row -> (token, expert) pair table: pad rows point at the zero pair,
         # rows past the padded total at the NaN pair; kept pairs overwrite theirs
@@ -481,7 +492,8 @@ class ReferenceHybridEPBuffer:
         pair_ids = torch.arange(num_pairs, device=device)
         row_pairs = row_pairs.scatter_reduce(0, pair_rows.reshape(-1), pair_ids, reduce="amin")[:num_rows]
 
-        needed = kept.any(dim=1)
+        kept_per_token = kept.sum(1)
+        needed = kept_per_token > 0
         if non_blocking:
             token_position = torch.arange(num_global, device=device)
             exchange = dict(gathers_all_tokens=True, send_token_index=None, send_splits=None,
@@ -502,8 +514,8 @@ class ReferenceHybridEPBuffer:
         pair_probs = None
         if probs is not None:
             global_probs = self._all_gather(self._probs, probs.float())
-            local_probs = global_probs[:, rank * local_experts : (rank + 1) * local_experts]
-            pair_probs = torch.where(kept, local_probs, 0.0)
+            # [G, L]: read only at kept pairs (the rows' pairs)
+            pair_probs = global_probs[:, rank * local_experts : (rank + 1) * local_experts]
         handle = ReferenceHybridEPHandle(
             local_routing_map=local_map,
             pair_rows=pair_rows,
@@ -512,9 +524,10 @@ class ReferenceHybridEPBuffer:
             num_tokens=num_tokens,
             num_permuted_tokens=num_rows,
             tokens_per_expert=torch.minimum(padded, (num_rows - offsets).clamp(min=0)),
-            overflow_flag=dropped.any().to(torch.int32),
-            num_dropped=dropped.sum(),
-            kept_per_expert=kept.sum(0),
+            overflow_flag=(num_dropped > 0).to(torch.int32),
+            num_dropped=num_dropped,
+            kept_per_expert=kept_per_expert,
+            kept_per_token=kept_per_token,
             **exchange,
         )
         return handle, pair_probs
@@ -557,7 +570,7 @@ class ReferenceHybridEPBuffer:
         # rows in pair order (g * L + e: token-major, each token's rows by ascending expert), pad and past-the-end
         # rows last, unread; each token's rows summed in that fixed order (a sequential segment sum on every
         # device, where an index_add would add in atomics' order on a GPU)
-        kept_per_token = (handle.pair_rows < num_rows).sum(1)
+        kept_per_token = handle.kept_per_token
         offsets = torch.cat([kept_per_token.new_zeros(1), kept_per_token.cumsum(0)])
         in_pair_order = hidden[torch.argsort(handle.row_pairs)].float()
         # unsafe: the offsets stay within the rows by construction, and checking it would make the host wait
