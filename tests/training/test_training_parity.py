@@ -133,8 +133,8 @@ def test_losses_agree_across_backends_and_placements(parity):
 
 def test_placed_export_holds_experts_in_logical_order(parity, tmp_path):
     """Every expert row of the placed run's last-step export is its logical expert's: within 5% of the
-    unplaced run's same row (training differs only in the order of sums; a router near-tie flipped
-    by that can move a layer's experts by ~1e-2), while the physical order would be a different row."""
+    unplaced run's same row (training differs only in the order of sums; a router near-tie flipped by that
+    moved a layer's experts by ~1e-2 in the 6-layer model), while the physical order would be a different row."""
     _, tmp = parity
     exports = {}
     for run in ("nccl", "placed_nccl"):
@@ -162,7 +162,8 @@ RESUME_TOLERANCE = 1e-5
 def from_step_2(parity, tmp_path_factory):
     """The runs that start from the parity runs' step 2, in one set of processes: resumed under other backends, EP
     degree and placement (:func:`test_checkpoint_resumes_under_another_backend_ep_degree_and_placement`), and a
-    model-only load of the placed and unplaced checkpoints (:func:`test_a_model_only_load_reads_the_recorded_placement`)."""
+    model-only load of the placed and unplaced checkpoints
+    (:func:`test_a_model_only_load_reads_the_recorded_placement`)."""
     _, tmp = parity
     folder = tmp_path_factory.mktemp("from_step_2")
     written = tmp / "replicated_nccl"
@@ -200,8 +201,8 @@ def test_checkpoint_resumes_under_another_backend_ep_degree_and_placement(parity
 def test_a_model_only_load_reads_the_recorded_placement(parity, from_step_2):
     """torchtitan's initial_load_path loads the model only (initial_load_model_only), without the
     placement record: the placed checkpoint's experts were taken as logical order, scrambled (first-step
-    losses 4.2e-3 apart). A model-only load of the parity runs' step 2, placed and not, gives the same
-    first-step loss."""
+    losses 4.2e-3 apart in the 6-layer model). A model-only load of the parity runs' step 2, placed and not, gives
+    the same first-step loss."""
     losses, tmp = parity
     assert losses["placed_nccl"][2] == pytest.approx(losses["nccl"][2], rel=RESUME_TOLERANCE)
     recorded = FileSystemReader(str(tmp / "placed_nccl/checkpoint/step-2")).read_metadata().state_dict_metadata
@@ -257,7 +258,8 @@ def four_processes(tmp_path_factory):
                            "--expert_placement.file", str(ep4_placement))),
         ("pp2_fsdp2_ep2", _job(tmp / "pp", *pipeline_args, "--parallelism.expert_parallel_comm_backend", "hybridep")),
     ]
-    return run_distributed(4, train_worker, runs, partial(_write_initial_weights, dump_folders=("four_processes",))), tmp
+    write_weights = partial(_write_initial_weights, dump_folders=("four_processes",))
+    return run_distributed(4, train_worker, runs, write_weights), tmp
 
 
 def test_a_sharded_job_starts_from_one_process_weights(four_processes, tmp_path):

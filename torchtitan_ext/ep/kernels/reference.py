@@ -445,9 +445,13 @@ class ReferenceHybridEPBuffer:
         tokens = received[token_at[row_token]]
         out_probs = None
         if pair_probs is not None:
-            # a row's pair is a kept one: its prob as routed; pad rows 0, rows past the end NaN
-            pair = row_pairs.clamp(max=num_pairs - 1)
-            routed = pair_probs[pair // self.num_local_experts, pair % self.num_local_experts]
+            # a row's pair is a kept one: its prob as routed; pad rows 0, rows past the end NaN (no tokens: every
+            # row is one of those)
+            if num_pairs:
+                pair = row_pairs.clamp(max=num_pairs - 1)
+                routed = pair_probs[pair // self.num_local_experts, pair % self.num_local_experts]
+            else:
+                routed = pair_probs.new_zeros(row_pairs.shape)
             filler_probs = routed.new_zeros(2)
             filler_probs[1:].fill_(float("nan"))  # a slice filled: setting one element copies a host scalar
             out_probs = torch.where(is_pair, routed, filler_probs[(row_pairs - num_pairs).clamp(0, 1)])
