@@ -1,13 +1,17 @@
 """Every dry-run command the GB200 guide gives (docs/gb200_nvl72.md) runs as written: the guide's variants are one
-command each. The commands are read from the guide as inputs; nothing expected is read from it."""
+command each here, and its commands without overrides are shipped configs' dry runs, which
+tests/measuring/test_dry_run.py runs. The commands are read from the guide as inputs; nothing expected is read from
+it."""
 
 import re
 import shlex
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
 from tests.helpers import REPO_ROOT
+from tests.measuring.test_dry_run import SHIPPED
 from torchtitan_ext.config import load_job_config
 from torchtitan_ext.measuring.dry_run import dry_run
 from torchtitan_ext.training import prepare
@@ -26,12 +30,19 @@ def _commands() -> list[tuple[int, str, list[str]]]:
 
 
 def test_the_guide_gives_the_dry_runs_and_variants():
-    """A guard of this file's own coverage: the pattern finds the guide's commands (both configs, four variants)."""
-    assert len(_commands()) >= 6
+    """A guard of this file's own coverage: the pattern finds the guide's commands (both configs, four variants), and
+    each command without overrides is a shipped config at the world size tests/measuring/test_dry_run.py dry-runs it
+    at, so that it runs there (the test below runs the variants)."""
+    commands = _commands()
+    assert len(commands) >= 6 and len(VARIANTS) >= 4
+    assert all(world_size == SHIPPED[Path(config).name] for world_size, config, overrides in commands if not overrides)
 
 
-@pytest.mark.parametrize("world_size, config, overrides", _commands(), ids=lambda value: " ".join(value)
-                         if isinstance(value, list) else str(value))
+VARIANTS = [command for command in _commands() if command[2]]
+
+
+@pytest.mark.parametrize("world_size, config, overrides", VARIANTS,
+                         ids=lambda value: " ".join(value) if isinstance(value, list) else str(value))
 def test_the_guides_dry_run_runs(world_size, config, overrides):
     prepare()
     try:

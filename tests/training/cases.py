@@ -1,5 +1,6 @@
 """Training runs inside test worker processes: torchtitan's Trainer, losses recorded per step."""
 
+import logging
 import os
 import time
 import types
@@ -68,3 +69,22 @@ def train_worker(
             trainer.close()
         results[name] = losses
     return results
+
+
+def console_of_a_run(rank: int, world_size: int, args: list[str]) -> list[str]:
+    """Train ``args`` as ``python -m torchtitan_ext.train`` does (its console set up first); the lines this
+    rank's console showed, as torchrun relays them (``[rank0]:`` first)."""
+    from torchtitan_ext.runtime.console import init_logger
+
+    init_logger()
+    root = logging.getLogger()
+    lines = []
+    handler = logging.Handler(logging.INFO)
+    handler.setFormatter(root.handlers[0].formatter)
+    handler.emit = lambda record: lines.append(f"[rank{rank}]:{handler.format(record)}")
+    root.addHandler(handler)
+    try:
+        train_worker(rank, world_size, [("run", args)])
+    finally:
+        root.removeHandler(handler)
+    return lines

@@ -10,7 +10,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.utils.checkpoint import checkpoint
 
 from tests.helpers import run_distributed
-from tests.training.cases import train_worker
+from tests.training.cases import console_of_a_run
 from torchtitan_ext.ep.base import DispatchStats, Routing
 from torchtitan_ext.training.metrics import ExpertParallelMetrics
 from torchtitan_ext.balancing.routing_stats import load
@@ -105,25 +105,6 @@ def test_inconsistent_kept_counts_are_an_error():
         _summary([[10, 30, 20, 20, 100, 82, 2, 2]], [60])
 
 
-def _console_of_a_run(rank: int, world_size: int, args: list[str]) -> list[str]:
-    """Train ``args`` as ``python -m torchtitan_ext.train`` does (its console set up first); the lines this
-    rank's console showed, as torchrun relays them (``[rank0]:`` first)."""
-    from torchtitan_ext.runtime.console import init_logger
-
-    init_logger()
-    root = logging.getLogger()
-    lines = []
-    handler = logging.Handler(logging.INFO)
-    handler.setFormatter(root.handlers[0].formatter)
-    handler.emit = lambda record: lines.append(f"[rank{rank}]:{handler.format(record)}")
-    root.addHandler(handler)
-    try:
-        train_worker(rank, world_size, [("run", args)])
-    finally:
-        root.removeHandler(handler)
-    return lines
-
-
 @pytest.mark.slow
 def test_training_log_reports_drops_once_and_records_routing(tmp_path):
     """A run of the default job: drops in every step line, one warning, routing statistics saved and plotted.
@@ -133,7 +114,7 @@ def test_training_log_reports_drops_once_and_records_routing(tmp_path):
             "--job.dump_folder", str(tmp_path),
             "--parallelism.expert_parallel_comm_backend", "hybridep", "--hybridep.non_blocking_capacity_factor", "0.3",
             "--routing_stats.enable", "--routing_stats.save_every", "1", "--metrics.enable_tensorboard"]
-    rank0 = run_distributed(2, _console_of_a_run, args)[0]
+    rank0 = run_distributed(2, console_of_a_run, args)[0]
     step_lines = [line for line in rank0 if "step:" in line and "loss:" in line]
     assert len(step_lines) == 2
     assert all("recv max/mean: " in line and len(line) < 120 for line in step_lines), step_lines
