@@ -291,8 +291,6 @@ class ReferenceHybridEPHandle:
     ``L`` local experts; ``M`` output rows.
     """
 
-    local_routing_map: torch.Tensor
-    """[G, L] whether token g routes to local expert e (the all-gathered map's local columns)."""
     pair_rows: torch.Tensor
     """[G, L] output row of each kept (token, local expert) pair; M where not kept."""
     row_pairs: torch.Tensor
@@ -521,7 +519,6 @@ class ReferenceHybridEPBuffer:
             # [G, L]: read only at kept pairs (the rows' pairs)
             pair_probs = global_probs[:, rank * local_experts : (rank + 1) * local_experts]
         handle = ReferenceHybridEPHandle(
-            local_routing_map=local_map,
             pair_rows=pair_rows,
             row_pairs=row_pairs,
             token_position=token_position,
