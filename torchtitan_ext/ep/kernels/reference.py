@@ -291,8 +291,6 @@ class ReferenceHybridEPHandle:
     ``L`` local experts; ``M`` output rows.
     """
 
-    pair_rows: torch.Tensor
-    """[G, L] output row of each kept (token, local expert) pair; M where not kept."""
     row_pairs: torch.Tensor
     """[M] pair id g * L + e of each output row; G*L for pad rows, G*L + 1 past the end."""
     token_position: torch.Tensor
@@ -472,29 +470,33 @@ class ReferenceHybridEPBuffer:
         global_map = self._all_gather(self._routing_map, routing_map)
         local_map = global_map[:, rank * local_experts : (rank + 1) * local_experts]
         num_global = local_map.shape[0]
-        counts = local_map.sum(0)
+        num_pairs = num_global * local_experts
+        # rows and pair ids in int32 where they fit: exact, and a CPU sums a bool map into int32 several times faster
+        # than into int64 (half the memory to fill); what the handle returns per expert and per token is int64
+        index_dtype = (torch.int32 if max(num_pairs + local_experts * pad, num_permuted_tokens or 0) < 2**31 - 1
+                       else torch.int64)
+        counts = local_map.sum(0, dtype=index_dtype).long()
         padded, offsets = padded_offsets(counts, pad)
         # a pair's row: its expert's offset plus its rank among the expert's pairs (a running count, less one)
-        rows = torch.cumsum(local_map, 0).add_(offsets - 1)
+        rows = torch.cumsum(local_map, 0, dtype=index_dtype).add_((offsets - 1).to(index_dtype))
         if non_blocking:
             num_rows = num_permuted_tokens
         else:
             num_rows = int(padded.sum())  # blocking: the library syncs to size its output
         kept = (rows < num_rows).logical_and_(local_map)
-        kept_per_expert = kept.sum(0)
+        kept_per_expert = kept.sum(0, dtype=index_dtype).long()
         num_dropped = counts.sum() - kept_per_expert.sum()
         pair_rows = rows.masked_fill_(~kept, num_rows)
 
         # row -> (token, expert) pair table: pad rows point at the zero pair,
         # rows past the padded total at the NaN pair; kept pairs overwrite theirs
-        num_pairs = num_global * local_experts
         filled = padded.sum().clamp(max=num_rows)
         row_index = torch.arange(num_rows + 1, device=device)
-        row_pairs = torch.where(row_index < filled, num_pairs, num_pairs + 1)
-        pair_ids = torch.arange(num_pairs, device=device)
-        row_pairs = row_pairs.scatter_reduce(0, pair_rows.reshape(-1), pair_ids, reduce="amin")[:num_rows]
+        row_pairs = torch.where(row_index < filled, num_pairs, num_pairs + 1).to(index_dtype)
+        pair_ids = torch.arange(num_pairs, device=device, dtype=index_dtype)
+        row_pairs = row_pairs.scatter_reduce(0, pair_rows.reshape(-1).long(), pair_ids, reduce="amin")[:num_rows].long()
 
-        kept_per_token = kept.sum(1)
+        kept_per_token = kept.sum(1, dtype=index_dtype).long()
         needed = kept_per_token > 0
         if non_blocking:
             token_position = torch.arange(num_global, device=device)
@@ -519,7 +521,6 @@ class ReferenceHybridEPBuffer:
             # [G, L]: read only at kept pairs (the rows' pairs)
             pair_probs = global_probs[:, rank * local_experts : (rank + 1) * local_experts]
         handle = ReferenceHybridEPHandle(
-            pair_rows=pair_rows,
             row_pairs=row_pairs,
             token_position=token_position,
             num_tokens=num_tokens,
@@ -580,9 +581,12 @@ class ReferenceHybridEPBuffer:
 
         combined_probs = None
         if probs is not None:
-            row_probs = torch.cat([probs.float(), probs.new_zeros(1, dtype=torch.float32)])
-            pair_probs = row_probs[handle.pair_rows]  # [G, L]
-            per_rank = pair_probs.view(self.group_size, handle.num_tokens, self.num_local_experts)
+            # each kept pair's prob from its row, 0 where a pair was not kept: pad and past-the-end rows write to the
+            # two slots after the pairs', dropped (an index_put without accumulation is deterministic on every device)
+            num_pairs = handle.token_position.shape[0] * self.num_local_experts
+            pair_probs = probs.new_zeros(num_pairs + 2, dtype=torch.float32)
+            pair_probs.index_put_((handle.row_pairs,), probs.float())
+            per_rank = pair_probs[:num_pairs].view(self.group_size, handle.num_tokens, self.num_local_experts)
             received = torch.empty_like(per_rank)
             dist.all_to_all_single(received, per_rank.contiguous(), group=self.group)
             # received[d, t, e] = probs of my token t at rank d's local expert e
