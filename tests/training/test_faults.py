@@ -169,9 +169,12 @@ def test_preemption_saves_and_exits_cleanly(tmp_path, record_property):
 def test_a_preemption_signal_that_reaches_torchrun_itself_saves_too(tmp_path):
     """scancel and process-group kills signal torchrun directly, not through the supervisor. SIGUSR1
     (SLURM's warning) killed torchrun outright, and the ranks with it, nothing saved; torchrun now
-    passes it on to the ranks (--signals-to-handle) and waits for their checkpoint (--shutdown-timeout)."""
-    job = _job(tmp_path, "--checkpoint.enable", "--checkpoint.interval", "100")
-    launcher = LauncherProcess(*job)
+    passes it on to the ranks (--signals-to-handle) and waits for their checkpoint (--shutdown-timeout).
+    torchrun's part is the same for any number of ranks: one runs here (the ranks agreeing on the step they
+    save is the SIGTERM test's)."""
+    job = _job(tmp_path, "--checkpoint.enable", "--checkpoint.interval", "100",
+               "--parallelism.expert_parallel_degree", "1")
+    launcher = LauncherProcess(*job, NGPU="1")
     try:
         launcher.wait_for_step(tmp_path, 2, timeout=300)
         torchrun = [pid for pid in descendants(launcher.process.pid)
