@@ -169,17 +169,28 @@ def test_the_count_is_the_line_through_the_two_small_hidden_sizes(backend_name, 
 
 
 @pytest.mark.parametrize("backend_name", list(BACKENDS))
-def test_replica_slots_do_not_change_a_group_of_ones_count(backend_name, world_of_one):
-    """The count is cached without the job's replica slots: a group of one has no replicas."""
+def test_what_the_counts_key_leaves_out_does_not_change_a_group_of_ones_count(backend_name, world_of_one):
+    """The count is cached without the job's replica slots (a group of one has no replicas) and without what the
+    backend's traffic settings leave out (HybridEP: the SMs of its kernels, its NVLink domain): counted directly,
+    a job that differs only there moves the same bytes, and its key is the same."""
     shape, tokens = MoEShape(72, 8, 3, 64), 64
     call = MoECall.random(shape, tokens, torch.bfloat16)
-    counts = []
-    for slots in ("0", "2"):
-        job_config = parse([*DEBUG_JOB, "--parallelism.expert_parallel_comm_backend", backend_name,
-                            "--expert_replication.slots_per_rank", slots])
+    job = [*DEBUG_JOB, "--parallelism.expert_parallel_comm_backend", backend_name]
+    left_out = ["--expert_replication.slots_per_rank", "2"]
+    if backend_name == "hybridep":
+        left_out += ["--hybridep.num_sms_dispatch", "32", "--hybridep.num_sms_combine", "32",
+                     "--hybridep.ranks_per_nvlink_domain", "8"]
+    section = BACKENDS[backend_name].config_section
+    counts, keys = [], []
+    for args in (job, [*job, *left_out]):
+        job_config = parse(args)
         style = BACKENDS[backend_name].layer_factory(job_config, shape)(score_before_experts=False)
         counts.append(_counted(lambda: backend_forward(style, call, shape), tokens, 72))
-    assert counts[0] == counts[1]
+        keys.append(PLANNING_PROFILES[backend_name].traffic_settings(getattr(job_config, section)) if section else None)
+    assert counts[0] == counts[1] and keys[0] == keys[1]
+    if backend_name == "hybridep":  # its mode does shape the count
+        non_blocking = parse([*job, "--hybridep.non_blocking_capacity_factor", "0.5"]).hybridep
+        assert PLANNING_PROFILES["hybridep"].traffic_settings(non_blocking) != keys[0]
 
 
 def test_received_token_vectors_grow_with_the_ranks_a_token_reaches():

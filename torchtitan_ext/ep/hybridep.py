@@ -405,6 +405,12 @@ class HybridEPPlanningProfile(PlanningProfile):
         return {"non_blocking_capacity_factor": factor * ep * min(local_experts, shape.top_k) / shape.top_k}
 
     @classmethod
+    def traffic_settings(cls, section) -> object:
+        """The implementation and the mode (with its capacity factor): the SM counts, the NVLink domain and the
+        build's options reach only the library's kernels."""
+        return section.implementation, section.non_blocking_capacity_factor
+
+    @classmethod
     def nvlink_domain_ranks(cls, job_config) -> int | None:
         return job_config.hybridep.ranks_per_nvlink_domain
 

@@ -25,7 +25,7 @@ from torchtitan.models.moe.kernels import generate_permute_indices
 from torchtitan.models.moe.moe import TokenReorderer
 
 from torchtitan_ext.config import ConfigError, MoEShape
-from torchtitan_ext.ep import BACKENDS
+from torchtitan_ext.ep import BACKENDS, PLANNING_PROFILES
 from torchtitan_ext.ep.base import token_group_alignment
 from torchtitan_ext.ep.kernels.calls import inside_kernel
 
@@ -302,12 +302,12 @@ def count_local_traffic(backend_name: str | None, job_config, shape: MoEShape, t
                         score_before_experts: bool) -> LocalTraffic:
     """The bytes one MoE call of ``tokens`` tokens moves outside the kernels through ``backend_name``'s layer
     (None: torchtitan's own sort, at EP = 1), at ``shape`` (the job's hidden size, experts and top-k), rows in
-    ``dtype``, with the backend's settings in ``job_config``. Counted once per process and setting; seconds at
-    DeepSeek-V3's shape."""
+    ``dtype``, with the backend's settings in ``job_config``. Counted once per process and setting that shapes it
+    (:meth:`~torchtitan_ext.ep.planning_profile.PlanningProfile.traffic_settings`); seconds at DeepSeek-V3's shape."""
     section = None if backend_name is None else BACKENDS[backend_name].config_section
+    settings = PLANNING_PROFILES[backend_name].traffic_settings(getattr(job_config, section)) if section else None
     # replica slots do not enter: a group of one has no replicas
-    key = (backend_name, repr(getattr(job_config, section)) if section else None, token_group_alignment(job_config),
-           shape, tokens, dtype, score_before_experts)
+    key = (backend_name, settings, token_group_alignment(job_config), shape, tokens, dtype, score_before_experts)
     if key in _counts:
         return _counts[key]
     created = not dist.is_initialized()
