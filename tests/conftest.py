@@ -10,6 +10,7 @@ import multiprocessing.process
 import os
 import platform
 import subprocess
+from unittest.mock import patch
 
 import pytest
 
@@ -138,3 +139,13 @@ def _root_logger_left_as_found():
     root.filters[:] = filters
     for handler, kept in zip(handlers, handler_filters):
         handler.filters[:] = kept
+
+
+@pytest.fixture(autouse=True)
+def _environment_left_as_found():
+    """A backend's buffer exports its library's environment for the whole process (HybridEP's NVLink domain), as a
+    training rank's must: built in the test process, it would hand those variables to every later test of its worker
+    and to the processes they start (a launcher test would see a job's variables it never set). Each test leaves the
+    environment as it found it."""
+    with patch.dict(os.environ):
+        yield
