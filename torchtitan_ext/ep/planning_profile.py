@@ -116,9 +116,10 @@ class PlanningProfile:
     @classmethod
     def traffic_settings(cls, section) -> object:
         """What of the backend's config ``section`` shapes the bytes its layer moves outside the kernels in a group of
-        one: the layout advisor counts that traffic once per distinct value (:mod:`torchtitan_ext.planning.local_traffic`;
-        each count runs the layer, seconds at DeepSeek-V3's shape). By default the whole section; a backend whose
-        section also holds what only its kernels read (their SMs, the NVLink domain) names the rest."""
+        one: the layout advisor counts that traffic once per distinct value
+        (:mod:`torchtitan_ext.planning.local_traffic`; each count runs the layer, seconds at DeepSeek-V3's shape). By
+        default the whole section; a backend whose section also holds what only its kernels read (their SMs, the
+        NVLink domain) names the rest."""
         return repr(section)
 
     @classmethod
