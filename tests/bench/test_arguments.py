@@ -2,8 +2,8 @@
 
 import pytest
 
-from torchtitan_ext.bench import (ep, expert_loop, price_replicas, replication, replication_cpu_time, replication_pair,
-                                  step)
+from torchtitan_ext.bench import (ep, expert_loop, fresh_clone, price_replicas, replication, replication_cpu_time,
+                                  replication_pair, step)
 
 
 @pytest.mark.parametrize("main, argv, message", [
@@ -18,6 +18,10 @@ from torchtitan_ext.bench import (ep, expert_loop, price_replicas, replication, 
                                             "and a drift of at least 1 step"),
     (replication_pair.main, ["--dtypes", "float16"], "--steps 12 --dtypes float16: use at least 2 steps and dtypes "
                                                      "of float32, float64, comma separated"),
+    (fresh_clone.main, ["--campaign", "fresh-clone_cpu_2026-12-01.jsonl", "--rounds", "0"],
+     "--rounds 0: use at least 1"),
+    (fresh_clone.main, ["--campaign", "fresh-clone_cpu_2026-12-01.jsonl", "--env", "ATEN_CPU_CAPABILITY"],
+     "--env ATEN_CPU_CAPABILITY: give NAME=VALUE, NAME a variable's name"),
     (replication_cpu_time.main, ["--steps", "3"], "--steps 3: use more than 3 (the first 3 are warm-up)"),
     (replication_cpu_time.main, ["--nproc", "1"], "use at least 2 ranks, 1 slot, 1 round and a drift of 1 step"),
     (replication_cpu_time.main, ["--alphas", "1,x"], "--alphas 1,x: use finite alphas >= 0, comma separated"),

@@ -112,12 +112,14 @@ def bench_command(name: str, argv: list[str] | None) -> str:
     return shlex.join(["python", "-m", "torchtitan_ext.bench", name, *(sys.argv[1:] if argv is None else argv)])
 
 
-def write_campaign(path: Path, commands: list[str], rows: list[dict]) -> None:
-    """Write the campaign file (header with an empty finding, then ``rows``), all at once: a new file only."""
+def write_campaign(path: Path, commands: list[str], rows: list[dict], *, code: str = "",
+                   versions: dict[str, str] | None = None, notes: list[str] | None = None) -> None:
+    """Write the campaign file (header with an empty finding, then ``rows``), all at once: a new file only.
+    ``versions``: those the commands ran on, where not this process's (:func:`installed_versions`)."""
     check_new_campaign_path(path)
     match = NAME.fullmatch(path.stem)
     header = CampaignHeader(campaign=path.stem, date=match["date"], commands=commands, machine=describe_machine(),
-                            versions=installed_versions(), finding="")
+                            versions=versions or installed_versions(), finding="", code=code, notes=notes or [])
     text = "".join(json.dumps(line) + "\n" for line in [asdict(header), *rows])
     temporary = path.with_suffix(".partial")
     temporary.write_text(text, encoding="utf-8")
