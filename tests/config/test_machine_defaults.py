@@ -43,6 +43,7 @@ def test_precision_choice_explains_itself(monkeypatch):
         "TORCHTITAN_EXT_CPU_BF16=emulated and emulated bf16 GEMMs are several times slower; "
         "set training.mixed_precision_param to override"
     )
+    assert machine.PRECISION_LOG.fullmatch(line)[1] == "float32"  # as the bench tools read a run's precision
     explicit = machine.choose_cpu_precision(
         parse_job_config(["--job.config_file", DEBUG_TOML]), explicit={"training.mixed_precision_param"}
     )

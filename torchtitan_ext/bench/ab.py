@@ -17,7 +17,6 @@ the rows of role ``held_out``: the advice then decides with ``--fit-from MY_FIT 
 
 import argparse
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from tqdm import tqdm
 
 import torchtitan_ext
 from torchtitan_ext.config import ConfigError, job_world_size, load_job_config, parse, with_config_file
+from torchtitan_ext.config.machine import PRECISION_LOG
 from torchtitan_ext.ep import BACKENDS
 from torchtitan_ext.planning.published_comparisons import load_comparisons, MXFP8_CONVERTERS, ROLES
 from torchtitan_ext.records.campaign import bench_command, describe_machine
@@ -40,8 +40,6 @@ from torchtitan_ext.runtime.jobs import run_job
 ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 3600
 STEP_TIME = "time_metrics/end_to_end_slowest_rank(s)"
-PRECISION_LINE = re.compile(r"CPU precision: training\.mixed_precision_param = (\w+)")
-"""The runtime's line when it chose the CPU job's parameter dtype (it may differ from the config's)."""
 PRECISIONS = {"bfloat16": "bf16", "float32": "fp32"}
 """training.mixed_precision_param -> the comparisons file's precision."""
 
@@ -97,7 +95,7 @@ def timed_run(backend: str, args, world_size: int, dump_folder: str) -> tuple[li
     times = {row["step"]: row[STEP_TIME] for row in read_metrics(dump_folder) if STEP_TIME in row}
     if sorted(times) != list(range(1, args.steps + 1)):
         sys.exit(f"error: the {backend} run logged steps {sorted(times)}, not 1..{args.steps}")
-    chosen = PRECISION_LINE.search(result.output)
+    chosen = PRECISION_LOG.search(result.output)
     return [seconds for step, seconds in times.items() if step > args.warmup], chosen and chosen.group(1)
 
 

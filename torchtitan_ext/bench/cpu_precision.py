@@ -18,7 +18,6 @@ writes the step times to a new campaign file with ``--campaign``.
 
 import json
 import os
-import re
 import statistics
 import tempfile
 from pathlib import Path
@@ -26,6 +25,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 import torchtitan_ext
+from torchtitan_ext.config.machine import PRECISION_LOG
 from torchtitan_ext.measuring.timing import add_timed_run_arguments, parse_timed_run_arguments
 from torchtitan_ext.records.campaign import bench_command, write_campaign
 from torchtitan_ext.records.metrics import read_metrics
@@ -33,7 +33,6 @@ from torchtitan_ext.runtime.command_line import CommandLineParser
 from torchtitan_ext.runtime.jobs import run_job
 
 ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
-PRECISION_LINE = re.compile(r"CPU precision: .*")
 VARIANTS = {
     "default": [],
     "float32": ["--training.mixed_precision_param", "float32"],
@@ -53,7 +52,7 @@ def timed_run(variant: str, steps: int, dump_folder: str, overrides: list[str]) 
     if result.returncode != 0:
         raise SystemExit(f"{variant} run failed:\n{result.output[-3000:]}")
     times = {row["step"]: row["time_metrics/end_to_end(s)"] for row in read_metrics(dump_folder)}
-    precision = PRECISION_LINE.search(result.output)
+    precision = PRECISION_LOG.search(result.output)
     return times, precision.group(0) if precision else "no precision line"
 
 

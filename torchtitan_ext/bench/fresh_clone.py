@@ -33,20 +33,21 @@ from tqdm import tqdm
 
 import torchtitan_ext
 from torchtitan_ext.config import ConfigError
+from torchtitan_ext.config.machine import PRECISION_LOG
 from torchtitan_ext.records.campaign import bench_command, check_new_campaign_path, installed_versions, write_campaign
 from torchtitan_ext.records.metrics import logged_losses, read_metrics
 from torchtitan_ext.runtime.command_line import CommandLineParser
 from torchtitan_ext.runtime.entry import run_and_exit
-from torchtitan_ext.runtime.jobs import run_job
+from torchtitan_ext.runtime.jobs import JobFailed, run_job
 
 COMMANDS = ("git clone REPO fresh && cd fresh && ./run_train.sh", "./test.sh", "./test.sh --fast")
 """The header's commands, as earlier fresh-clone campaigns name them: rows refer to them by index."""
 RUNS = {0: ["./run_train.sh"], 1: ["./test.sh"], 2: ["./test.sh", "--fast"]}
 COMMAND_TIMEOUT_S = 5400
-"""CI's limit for a whole run (90 minutes): a command still running then is stopped and its row says so."""
+"""CI's limit for a whole run (90 minutes): a command still running then is stopped, its row's returncode that of
+the stop (negative: the signal)."""
 STEP_TIME = "time_metrics/end_to_end(s)"
 """The step time rank 0 logs (its console's step_time), as the README's median step quotes it."""
-PRECISION_LINE = re.compile(r"CPU precision: training\.mixed_precision_param = (\w+)")
 SUMMARY = re.compile(r"^=+ (?P<counts>.*) in (?P<seconds>[\d.]+)s\b.* =+$", re.MULTILINE)
 COUNT = re.compile(r"(\d+) (passed|skipped|failed|errors?)\b")
 WORKERS = re.compile(r"created: (\d+)/\d+ workers")
@@ -86,7 +87,7 @@ def training_fields(output: str, dump_folder: Path) -> dict:
         fields.update(median_step_s=round(statistics.median(times), 3), steps=len(times))
     if losses:
         fields.update(first_loss=round(losses[min(losses)], 5), last_loss=round(losses[max(losses)], 5))
-    chosen = PRECISION_LINE.search(output)
+    chosen = PRECISION_LOG.search(output)
     if chosen:
         fields["precision"] = chosen.group(1)
     return fields
@@ -103,14 +104,15 @@ def ci_environment(extra: dict[str, str]) -> dict[str, str]:
 
 
 def clone_versions(clone: Path) -> dict[str, str] | None:
-    """Python's and the packages' versions in the clone's own .venv (what its commands ran on), or None where the
-    clone made none (an environment that already imports torchtitan_ext is used as is)."""
+    """Python's and the packages' versions in the clone's own .venv (what its commands ran on), the interpreter that
+    made it beside Python's (builds differ in speed), or None where the clone made no .venv (an environment that
+    already imports torchtitan_ext is used as is)."""
     config = clone / ".venv" / "pyvenv.cfg"
     if not config.exists():
         return None
     settings = {name.strip(): value.strip() for name, _, value in
                 (line.partition("=") for line in config.read_text().splitlines())}
-    versions = {"python": settings["version"]} if "version" in settings else {}
+    versions = {"python": f"{settings.get('version', '?')} ({settings.get('executable', '?')})"}
     for info in sorted((clone / ".venv").glob("lib/python*/site-packages/*.dist-info")):
         match = VERSION_INFO.match(info.name)
         if match and match["name"].lower() in ("torch", "torchtitan", "torchao", "pytest_xdist"):
@@ -235,7 +237,10 @@ def _timed(command: int, commit: str, order: int, clone: Path, environment: dict
     """Run README command ``command`` in ``clone``; its row."""
     busy, idle = cpu_jiffies()
     start = time.monotonic()
-    result = run_job(RUNS[command], cwd=clone, env=environment, timeout_s=COMMAND_TIMEOUT_S, log=log, check=False)
+    try:
+        result = run_job(RUNS[command], cwd=clone, env=environment, timeout_s=COMMAND_TIMEOUT_S, log=log, check=False)
+    except JobFailed as stopped:  # past the timeout: stopped with every process it started
+        result = stopped.result
     seconds = time.monotonic() - start
     busy_after, idle_after = cpu_jiffies()
     tick = os.sysconf("SC_CLK_TCK")

@@ -6,6 +6,7 @@ never call this.
 """
 
 import os
+import re
 
 import torch
 
@@ -19,6 +20,10 @@ how the test suite and ``python -m torchtitan_ext.bench cpu_precision`` exercise
 """
 
 PRECISION_KEY = "training.mixed_precision_param"
+
+PRECISION_LOG = re.compile(rf"CPU precision: {re.escape(PRECISION_KEY)} = (\w+).*")
+"""The line of :func:`choose_cpu_precision` in a job's log, as the tools that read a run's precision find it: the
+whole line, and in group 1 the parameter dtype the job trains in."""
 
 
 def cpu_bf16_support() -> tuple[bool, str]:
