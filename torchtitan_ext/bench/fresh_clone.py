@@ -4,19 +4,21 @@
         [--code REV] [--against REV] [--rounds N] [--env NAME=VALUE ...] [--repo DIR] [--work DIR]
 
 Clones ``--repo`` (default: the repository of this checkout; its commits, never its uncommitted files) at
-``--code`` (default HEAD) and runs in the clone, with only HOME, a PATH without this Python's virtual environment,
-CI=true and each ``--env`` in the environment (as ``env -i`` would), the README's commands: ``./run_train.sh`` once,
-its time including the first install, then ``./test.sh`` and ``./test.sh --fast`` ``--rounds`` times.
+``--code`` (default HEAD) and runs in the clone the README's commands: ``./run_train.sh`` once, its time including
+the first install, then ``./test.sh`` and ``./test.sh --fast`` ``--rounds`` times (default 1). Each command sees
+only HOME, a PATH without this Python's virtual environment, CI=true, a new TMPDIR (torch's compile caches start
+cold) and the clone's own pip cache (its install downloads), then each ``--env``: as on CI's new machine.
 With ``--against REV``, a second clone at REV is installed untimed (``./test.sh --co -q``) and each suite and fast
-tier of ``--code`` runs beside one of REV's, the pair's order swapped every round: the machine's speed drifts by more
-than most changes move the suite, so only rows of one campaign give a ratio.
+tier of ``--code`` runs beside one of REV's, the pair's order swapped every round (``--rounds`` even, default 2):
+the machine's speed drifts by more than most changes move the suite, so only rows of one campaign give a ratio.
 
-Each row: ``command`` (0, 1, 2: the header's commands), ``code``, ``order``, ``returncode``, ``wall_s``
-(run_train.sh: this tool's clock; a suite: pytest's own summary), ``busy_cpu_s`` and ``idle_cpu_s`` (the machine's,
-every core, from /proc/stat over the command); run_train.sh's ``median_step_s``, ``steps``, ``first_loss`` and
-``last_loss`` (its metrics.jsonl) and the ``precision`` the runtime chose; a suite's ``passed``, ``skipped``,
-``failed`` and ``workers``. Every command's output stays in ``--work`` (default: a new temporary folder); the
-clones, with their virtual environments, are deleted at the end. Linux only (/proc/stat).
+Each row: ``command`` (0, 1, 2: the header's commands), ``code``, ``order``, ``returncode``, ``timed_out`` where a
+command ran past CI's 90 minutes, ``wall_s`` (run_train.sh: its run; a suite: pytest's own summary, absent where
+pytest printed none), ``busy_cpu_s`` and ``idle_cpu_s`` (the machine's, every core, from /proc/stat over the
+command); run_train.sh's ``median_step_s``, ``steps``, ``first_loss`` and ``last_loss`` (its metrics.jsonl) and the
+``precision`` the runtime chose; a suite's ``passed``, ``skipped``, ``failed``, ``errors`` (where any) and
+``workers``. Every command's output stays in ``--work`` (default: a new temporary folder); the clones, with their
+virtual environments, are deleted at the end. Linux only (/proc/stat).
 """
 
 import os
@@ -26,7 +28,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from tqdm import tqdm
@@ -34,7 +35,7 @@ from tqdm import tqdm
 import torchtitan_ext
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.config.machine import PRECISION_LOG
-from torchtitan_ext.records.campaign import bench_command, check_new_campaign_path, installed_versions, write_campaign
+from torchtitan_ext.records.campaign import bench_command, check_new_campaign_path, VERSIONED, write_campaign
 from torchtitan_ext.records.metrics import logged_losses, read_metrics
 from torchtitan_ext.runtime.command_line import CommandLineParser
 from torchtitan_ext.runtime.entry import run_and_exit
@@ -44,8 +45,8 @@ COMMANDS = ("git clone REPO fresh && cd fresh && ./run_train.sh", "./test.sh", "
 """The header's commands, as earlier fresh-clone campaigns name them: rows refer to them by index."""
 RUNS = {0: ["./run_train.sh"], 1: ["./test.sh"], 2: ["./test.sh", "--fast"]}
 COMMAND_TIMEOUT_S = 5400
-"""CI's limit for a whole run (90 minutes): a command still running then is stopped, its row's returncode that of
-the stop (negative: the signal)."""
+"""CI's limit for a whole run (90 minutes): a command still running then is stopped, and its row's ``timed_out``
+says so."""
 STEP_TIME = "time_metrics/end_to_end(s)"
 """The step time rank 0 logs (its console's step_time), as the README's median step quotes it."""
 SUMMARY = re.compile(r"^=+ (?P<counts>.*) in (?P<seconds>[\d.]+)s\b.* =+$", re.MULTILINE)
@@ -103,20 +104,31 @@ def ci_environment(extra: dict[str, str]) -> dict[str, str]:
     return {"HOME": str(Path.home()), "PATH": path, "CI": "true", **extra}
 
 
-def clone_versions(clone: Path) -> dict[str, str] | None:
+def check_clones_install_themselves(environment: dict[str, str]) -> None:
+    """Refuse a PATH whose ``python`` already imports torchtitan_ext (a conda environment, a site install): env.sh
+    would run every clone on it, never installing the clone's own code."""
+    python = shutil.which("python", path=environment["PATH"])
+    if python and run_job([python, "-c", "import torchtitan_ext, torchtitan"], env=environment, timeout_s=120,
+                          check=False).returncode == 0:
+        raise ConfigError(f"{python} (the first python on PATH) imports torchtitan_ext, so a clone would run on it, "
+                          "not on its own code: leave that environment (conda deactivate) or take it off PATH")
+
+
+def clone_versions(clone: Path) -> dict[str, str]:
     """Python's and the packages' versions in the clone's own .venv (what its commands ran on), the interpreter that
-    made it beside Python's (builds differ in speed), or None where the clone made no .venv (an environment that
-    already imports torchtitan_ext is used as is)."""
+    made it beside Python's (another build may run the suite at another speed); torch's says so where the clone made
+    no .venv (its install failed: the rows say how)."""
     config = clone / ".venv" / "pyvenv.cfg"
     if not config.exists():
-        return None
+        return {"torch": "unknown: the clone made no .venv"}
     settings = {name.strip(): value.strip() for name, _, value in
                 (line.partition("=") for line in config.read_text().splitlines())}
     versions = {"python": f"{settings.get('version', '?')} ({settings.get('executable', '?')})"}
     for info in sorted((clone / ".venv").glob("lib/python*/site-packages/*.dist-info")):
         match = VERSION_INFO.match(info.name)
-        if match and match["name"].lower() in ("torch", "torchtitan", "torchao", "pytest_xdist"):
-            versions[match["name"].lower().replace("_", "-")] = match["version"]
+        name = match and match["name"].lower().replace("_", "-")
+        if name in (*VERSIONED, "pytest-xdist"):
+            versions[name] = match["version"]
     return versions
 
 
@@ -144,7 +156,8 @@ def _parser() -> CommandLineParser:
                         help="the new campaign file (THEME_HARDWARE_DATE.jsonl)")
     parser.add_argument("--code", default="HEAD", help="the commit measured (default HEAD)")
     parser.add_argument("--against", help="a commit whose suite and fast tier alternate with --code's")
-    parser.add_argument("--rounds", type=int, default=1, help="suite and fast-tier runs of each commit (default 1)")
+    parser.add_argument("--rounds", type=int, help="suite and fast-tier runs of each commit (default 1; with "
+                                                    "--against 2, and even)")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="a variable set for every command, e.g. ATEN_CPU_CAPABILITY=avx2 (repeatable)")
     parser.add_argument("--repo", type=Path, default=Path(torchtitan_ext.__file__).resolve().parents[1],
@@ -164,64 +177,81 @@ def _extra_environment(parser: CommandLineParser, settings: list[str]) -> dict[s
     return extra
 
 
+def _checked_work(option: Path | None) -> Path:
+    """The folder for the clones and logs: a new or empty one (old logs would mix with this run's)."""
+    if option is None:
+        return Path(tempfile.mkdtemp(prefix="fresh-clone-"))
+    work = option.resolve()
+    if work.exists() and (not work.is_dir() or any(work.iterdir())):
+        raise ConfigError(f"--work {option}: not an empty folder: name a new or empty one")
+    return work
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.rounds < 1:
-        parser.error(f"--rounds {args.rounds}: use at least 1")
+    comparing = args.against is not None
+    rounds = args.rounds if args.rounds is not None else 2 if comparing else 1
+    if rounds < 1 or (comparing and rounds % 2):
+        parser.error(f"--rounds {rounds}: use at least 1, and with --against an even number (each commit first as "
+                     "often as the other)")
     extra = _extra_environment(parser, args.env)
     check_new_campaign_path(args.campaign)
     if not Path("/proc/stat").exists():
         raise ConfigError("/proc/stat is missing: the machine's CPU time is read from it; run on Linux")
-    repo = args.repo.resolve()
-    if run_job(["git", "-C", str(repo), "rev-parse", "--git-dir"], timeout_s=60, check=False).returncode != 0:
-        raise ConfigError(f"--repo {args.repo}: not a git repository: give this project's")
+    found = run_job(["git", "-C", str(args.repo), "rev-parse", "--show-toplevel"], timeout_s=60, check=False)
+    if found.returncode != 0:
+        raise ConfigError(f"--repo {args.repo}: not in a git repository: give this project's")
+    repo = Path(found.output.strip())
     code = _checked_revision(repo, "--code", args.code)
-    against = args.against and _checked_revision(repo, "--against", args.against)
+    against = _checked_revision(repo, "--against", args.against) if comparing else None
     if against == code:
         parser.error(f"--against {args.against}: it is --code's commit {code}: compare two commits")
-    work = args.work or Path(tempfile.mkdtemp(prefix="fresh-clone-"))
-    work.mkdir(parents=True, exist_ok=True)
     environment = ci_environment(extra)
-
-    clones = {}
-    for commit in filter(None, (code, against)):
-        clones[commit] = work / commit
-        shutil.rmtree(clones[commit], ignore_errors=True)
-        _git(repo, "clone", "--quiet", "--no-checkout", str(repo), str(clones[commit]))
-        _git(clones[commit], "checkout", "--quiet", commit)
-    if against:
-        run_job(["./test.sh", "--co", "-q"], cwd=clones[against], env=environment, timeout_s=COMMAND_TIMEOUT_S,
-                log=work / f"{against}_install.log")
-
-    plan = [(0, code)]
-    for round_index in range(args.rounds):
-        pair = [against, code] if against and round_index % 2 == 0 else [code, against] if against else [code]
-        plan += [(command, commit) for command in (1, 2) for commit in pair]
-    rows = []
-    with tqdm(total=len(plan), desc="bench fresh_clone", unit="command") as progress:
-        for order, (command, commit) in enumerate(plan, start=1):
-            progress.set_postfix_str(f"{commit} {shlex.join(RUNS[command])}")
-            rows.append(_timed(command, commit, order, clones[commit], environment, work / f"{order}_{commit}.log"))
-            progress.update()
-    versions = clone_versions(clones[code])
-    for clone in clones.values():
-        shutil.rmtree(clone, ignore_errors=True)
+    check_clones_install_themselves(environment)
+    work = _checked_work(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    commits = [code, against] if against else [code]
+    try:
+        for commit in commits:
+            _git(repo, "clone", "--quiet", "--no-checkout", str(repo), str(work / commit))
+            _git(work / commit, "checkout", "--quiet", commit)
+        if against:
+            run_job(["./test.sh", "--co", "-q"], cwd=work / against, timeout_s=COMMAND_TIMEOUT_S,
+                    env=_command_environment(environment, work, against, "install"),
+                    log=work / f"{against}_install.log")
+            shutil.rmtree(work / "tmp_install", ignore_errors=True)
+        plan = [(0, code)]
+        for round_index in range(rounds):
+            pair = [against, code] if against and round_index % 2 == 0 else [code, against] if against else [code]
+            plan += [(command, commit) for command in (1, 2) for commit in pair]
+        rows = []
+        with tqdm(total=len(plan), desc="bench fresh_clone", unit="command") as progress:
+            for order, (command, commit) in enumerate(plan, start=1):
+                progress.set_postfix_str(f"{commit} {shlex.join(RUNS[command])}")
+                command_environment = _command_environment(environment, work, commit, order)
+                rows.append(_timed(command, commit, order, work, command_environment))
+                progress.update()
+        versions = {commit: clone_versions(work / commit) for commit in commits}
+    finally:
+        for commit in commits:
+            shutil.rmtree(work / commit, ignore_errors=True)
+            shutil.rmtree(work / f"{commit}_pip_cache", ignore_errors=True)
     notes = [
         "wall_s: run_train.sh's is the tool's clock, its first install included; a suite's is pytest's summary",
         "median_step_s: the median of the steps' step_time as rank 0 logs it (metrics.jsonl)",
         "busy_cpu_s, idle_cpu_s: /proc/stat's busy and idle jiffies over the command, every core, in seconds",
-        f"environment of every command: only {', '.join(environment)} (PATH without the tool's virtual environment)"
-        + (f"; {', '.join(f'{k}={v}' for k, v in extra.items())}" if extra else ""),
+        f"every command ran with only {', '.join(environment)} set"
+        + (f" ({', '.join(f'{k}={v}' for k, v in extra.items())})" if extra else "")
+        + ", PATH without the tool's virtual environment; a new TMPDIR each (cold compile caches) and a new pip cache "
+          "per clone, as on a new machine; the header's machine is the tool's own view of it",
         "each code ran in a fresh clone of its own" + (f"; {against}'s installed first, untimed (./test.sh --co -q)"
                                                        if against else ""),
         f"made by {bench_command('fresh_clone', argv)}",
     ]
-    if versions is None:
-        versions = installed_versions()
-        notes.append("versions: the tool's own environment's: the clone made no .venv (its PATH's Python already "
-                     "imported torchtitan_ext)")
-    write_campaign(args.campaign, list(COMMANDS), rows, code=code, versions=versions, notes=notes)
+    if against and versions[against] != versions[code]:
+        notes.append(f"versions: {code}'s; {against} ran on {versions[against]}")
+    write_campaign(args.campaign, list(COMMANDS), rows, code=code, versions=versions[code], notes=notes)
     print(f"the commands' output: {work}")
     for line in ratios(rows, code, against):
         print(line)
@@ -233,20 +263,31 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _timed(command: int, commit: str, order: int, clone: Path, environment: dict[str, str], log: Path) -> dict:
-    """Run README command ``command`` in ``clone``; its row."""
+def _command_environment(environment: dict[str, str], work: Path, commit: str, order: int | str) -> dict[str, str]:
+    """``environment`` plus a new TMPDIR for the command (torch's compile caches live there: CI starts cold) and
+    the clone's own pip cache (its first install downloads as on a new machine)."""
+    temporary = work / f"tmp_{order}"
+    temporary.mkdir()
+    return {"TMPDIR": str(temporary), "PIP_CACHE_DIR": str(work / f"{commit}_pip_cache"), **environment}
+
+
+def _timed(command: int, commit: str, order: int, work: Path, environment: dict[str, str]) -> dict:
+    """Run README command ``command`` in ``commit``'s clone under ``work``; its row."""
     busy, idle = cpu_jiffies()
-    start = time.monotonic()
     try:
-        result = run_job(RUNS[command], cwd=clone, env=environment, timeout_s=COMMAND_TIMEOUT_S, log=log, check=False)
+        result = run_job(RUNS[command], cwd=work / commit, env=environment, timeout_s=COMMAND_TIMEOUT_S,
+                         log=work / f"{order}_{commit}.log", check=False)
+        timed_out = False
     except JobFailed as stopped:  # past the timeout: stopped with every process it started
-        result = stopped.result
-    seconds = time.monotonic() - start
+        result, timed_out = stopped.result, True
     busy_after, idle_after = cpu_jiffies()
+    shutil.rmtree(environment["TMPDIR"], ignore_errors=True)
     tick = os.sysconf("SC_CLK_TCK")
     row = {"command": command, "code": commit, "order": order, "returncode": result.returncode}
+    if timed_out:
+        row["timed_out"] = True
     if command == 0:
-        row.update(wall_s=round(seconds, 1), **training_fields(result.output, clone / "outputs"))
+        row.update(wall_s=round(result.seconds, 1), **training_fields(result.output, work / commit / "outputs"))
     else:
         row.update(pytest_summary(result.output))
     row.update(busy_cpu_s=round((busy_after - busy) / tick), idle_cpu_s=round((idle_after - idle) / tick))
@@ -259,7 +300,8 @@ def ratios(rows: list[dict], code: str, against: str | None) -> list[str]:
     for command in (1, 2):
         means = {}
         for commit in filter(None, (code, against)):
-            ran = [row for row in rows if row["command"] == command and row["code"] == commit and "wall_s" in row]
+            ran = [row for row in rows if row["command"] == command and row["code"] == commit
+                   and row["returncode"] == 0 and "wall_s" in row]
             if ran:
                 means[commit] = (statistics.fmean(row["wall_s"] for row in ran),
                                  statistics.fmean(row["busy_cpu_s"] for row in ran))
