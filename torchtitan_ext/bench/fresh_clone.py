@@ -105,11 +105,12 @@ def ci_environment(extra: dict[str, str]) -> dict[str, str]:
 
 
 def check_clones_install_themselves(environment: dict[str, str]) -> None:
-    """Refuse a PATH whose ``python`` already imports torchtitan_ext (a conda environment, a site install): env.sh
-    would run every clone on it, never installing the clone's own code."""
+    """Refuse a PATH whose ``python`` already finds torchtitan_ext and torchtitan (a conda environment, a site
+    install), env.sh's test: it would run every clone on it, never installing the clone's own code."""
     python = shutil.which("python", path=environment["PATH"])
-    if python and run_job([python, "-c", "import torchtitan_ext, torchtitan"], env=environment, timeout_s=120,
-                          check=False).returncode == 0:
+    finds_both = ("import importlib.util as u, sys; "
+                  "sys.exit(not (u.find_spec('torchtitan_ext') and u.find_spec('torchtitan')))")
+    if python and run_job([python, "-c", finds_both], env=environment, timeout_s=120, check=False).returncode == 0:
         raise ConfigError(f"{python} (the first python on PATH) imports torchtitan_ext, so a clone would run on it, "
                           "not on its own code: leave that environment (conda deactivate) or take it off PATH")
 
