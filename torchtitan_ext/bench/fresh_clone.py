@@ -39,7 +39,7 @@ from torchtitan_ext.records.campaign import bench_command, check_new_campaign_pa
 from torchtitan_ext.records.metrics import logged_losses, read_metrics
 from torchtitan_ext.runtime.command_line import CommandLineParser
 from torchtitan_ext.runtime.entry import run_and_exit
-from torchtitan_ext.runtime.jobs import JobFailed, run_job
+from torchtitan_ext.runtime.jobs import JobFailed, JobResult, run_job
 
 COMMANDS = ("git clone REPO fresh && cd fresh && ./run_train.sh", "./test.sh", "./test.sh --fast")
 """The header's commands, as earlier fresh-clone campaigns name them: rows refer to them by index."""
@@ -133,20 +133,19 @@ def clone_versions(clone: Path) -> dict[str, str]:
     return versions
 
 
-def _git(repo: Path, *args: str) -> str:
-    return run_job(["git", "-C", str(repo), *args], timeout_s=300).output.strip()
+def _git(repo: Path, *args: str, check: bool = True) -> JobResult:
+    """``git -C repo args``: its result (check: raise on a non-zero exit)."""
+    return run_job(["git", "-C", str(repo), *args], timeout_s=300, check=check)
 
 
 def _checked_revision(repo: Path, option: str, revision: str) -> str:
     """``revision``'s short commit id, refused in one line where it names no commit or lacks the README's commands."""
-    result = run_job(["git", "-C", str(repo), "rev-parse", "--verify", "--short", f"{revision}^{{commit}}"],
-                     timeout_s=60, check=False)
+    result = _git(repo, "rev-parse", "--verify", "--short", f"{revision}^{{commit}}", check=False)
     if result.returncode != 0:
         raise ConfigError(f"{option} {revision}: no commit of that name in {repo}: give a commit, branch or tag")
     commit = result.output.strip()
     for script in ("run_train.sh", "test.sh"):
-        if run_job(["git", "-C", str(repo), "cat-file", "-e", f"{commit}:{script}"], timeout_s=60,
-                   check=False).returncode != 0:
+        if _git(repo, "cat-file", "-e", f"{commit}:{script}", check=False).returncode != 0:
             raise ConfigError(f"{option} {revision}: commit {commit} has no {script}: give a commit of this project")
     return commit
 
@@ -200,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     check_new_campaign_path(args.campaign)
     if not Path("/proc/stat").exists():
         raise ConfigError("/proc/stat is missing: the machine's CPU time is read from it; run on Linux")
-    found = run_job(["git", "-C", str(args.repo), "rev-parse", "--show-toplevel"], timeout_s=60, check=False)
+    found = _git(args.repo, "rev-parse", "--show-toplevel", check=False)
     if found.returncode != 0:
         raise ConfigError(f"--repo {args.repo}: not in a git repository: give this project's")
     repo = Path(found.output.strip())
