@@ -3,7 +3,7 @@
 import pytest
 
 from torchtitan_ext.bench import (ep, expert_loop, fresh_clone, price_replicas, replication, replication_cpu_time,
-                                  replication_pair, step)
+                                  replication_pair, step, suite_cpu)
 
 
 @pytest.mark.parametrize("main, argv, message", [
@@ -22,6 +22,7 @@ from torchtitan_ext.bench import (ep, expert_loop, fresh_clone, price_replicas, 
      "--rounds 3: use at least 1, and with --against an even number"),
     (fresh_clone.main, ["--campaign", "fresh-clone_cpu_2026-12-01.jsonl", "--env", "ATEN_CPU_CAPABILITY"],
      "--env ATEN_CPU_CAPABILITY: give NAME=VALUE, NAME a variable's name"),
+    (suite_cpu.main, ["--campaign", "suite-cpu_cpu_2026-12-01.jsonl", "--top", "0"], "--top 0: print at least 1 file"),
     (replication_cpu_time.main, ["--steps", "3"], "--steps 3: use more than 3 (the first 3 are warm-up)"),
     (replication_cpu_time.main, ["--nproc", "1"], "use at least 2 ranks, 1 slot, 1 round and a drift of 1 step"),
     (replication_cpu_time.main, ["--alphas", "1,x"], "--alphas 1,x: use finite alphas >= 0, comma separated"),

@@ -38,6 +38,7 @@ from torchtitan_ext.config.machine import PRECISION_LOG
 from torchtitan_ext.records.campaign import bench_command, check_new_campaign_path, VERSIONED, write_campaign
 from torchtitan_ext.records.metrics import logged_losses, read_metrics
 from torchtitan_ext.runtime.command_line import CommandLineParser
+from torchtitan_ext.runtime.cpu_time import cpu_seconds, PROC_STAT
 from torchtitan_ext.runtime.entry import run_and_exit
 from torchtitan_ext.runtime.jobs import JobFailed, JobResult, run_job
 
@@ -53,12 +54,6 @@ SUMMARY = re.compile(r"^=+ (?P<counts>.*) in (?P<seconds>[\d.]+)s\b.* =+$", re.M
 COUNT = re.compile(r"(\d+) (passed|skipped|failed|errors?)\b")
 WORKERS = re.compile(r"created: (\d+)/\d+ workers")
 VERSION_INFO = re.compile(r"^(?P<name>[A-Za-z0-9_.]+)-(?P<version>[^-]+)\.dist-info$")
-
-
-def cpu_jiffies() -> tuple[int, int]:
-    """(busy, idle) clock ticks of every core since boot, from the first line of /proc/stat."""
-    user, nice, system, idle, iowait, irq, softirq, steal = map(int, Path("/proc/stat").read_text().split()[1:9])
-    return user + nice + system + irq + softirq + steal, idle + iowait
 
 
 def pytest_summary(output: str) -> dict:
@@ -197,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                      "often as the other)")
     extra = _extra_environment(parser, args.env)
     check_new_campaign_path(args.campaign)
-    if not Path("/proc/stat").exists():
+    if not PROC_STAT.exists():
         raise ConfigError("/proc/stat is missing: the machine's CPU time is read from it; run on Linux")
     found = _git(args.repo, "rev-parse", "--show-toplevel", check=False)
     if found.returncode != 0:
@@ -273,16 +268,15 @@ def _command_environment(environment: dict[str, str], work: Path, commit: str, o
 
 def _timed(command: int, commit: str, order: int, work: Path, environment: dict[str, str]) -> dict:
     """Run README command ``command`` in ``commit``'s clone under ``work``; its row."""
-    busy, idle = cpu_jiffies()
+    busy, idle = cpu_seconds()
     try:
         result = run_job(RUNS[command], cwd=work / commit, env=environment, timeout_s=COMMAND_TIMEOUT_S,
                          log=work / f"{order}_{commit}.log", check=False)
         timed_out = False
     except JobFailed as stopped:  # past the timeout: stopped with every process it started
         result, timed_out = stopped.result, True
-    busy_after, idle_after = cpu_jiffies()
+    busy_after, idle_after = cpu_seconds()
     shutil.rmtree(environment["TMPDIR"], ignore_errors=True)
-    tick = os.sysconf("SC_CLK_TCK")
     row = {"command": command, "code": commit, "order": order, "returncode": result.returncode}
     if timed_out:
         row["timed_out"] = True
@@ -290,7 +284,7 @@ def _timed(command: int, commit: str, order: int, work: Path, environment: dict[
         row.update(wall_s=round(result.seconds, 1), **training_fields(result.output, work / commit / "outputs"))
     else:
         row.update(pytest_summary(result.output))
-    row.update(busy_cpu_s=round((busy_after - busy) / tick), idle_cpu_s=round((idle_after - idle) / tick))
+    row.update(busy_cpu_s=round(busy_after - busy), idle_cpu_s=round(idle_after - idle))
     return row
 
 

@@ -3,7 +3,7 @@ torchtitan 0.2.2, host memory, and failed collectives named by where they happen
 
 Owns: :mod:`.device` (device choice, :func:`configure`, the CPU + gloo
 accommodations), :mod:`.memory` (host-memory monitor, heap policy), :mod:`.cgroups` (the control group's memory limits and
-out-of-memory count; no torch),
+out-of-memory count; no torch), :mod:`.cpu_time` (the machine's busy and idle CPU time; no torch),
 :mod:`.collectives` (:class:`CollectiveFailed`), and the one launcher of every command the tests, benches and
 checks start (:mod:`.jobs`), the preemption signals a job's supervisor and its ranks share
 (:mod:`.preemption`), how a command-line entry point that imports torch starts and ends (:mod:`.entry`), and
