@@ -6,7 +6,7 @@
 Runs this checkout's ``./test.sh -n 0`` (``--fast``: the fast tier; PATHs: only those test files or folders): one
 test at a time in one process, so that the machine's busy and idle CPU time over a test (every core, the processes
 the test starts included, from /proc/stat) is that test's own, not shared with a parallel worker's. The suite takes
-about 1.3 to 1.5 times its parallel time this way, and /proc/stat counts every process: run it on an otherwise idle
+about 1.2 to 1.5 times its parallel time this way, and /proc/stat counts every process: run it on an otherwise idle
 machine. The suite is CPU-bound on 2 cores, so its time on a slower CPU follows its busy CPU; this says which files
 to cut first.
 
