@@ -1,6 +1,8 @@
 """bench suite_cpu: the suite one test at a time, each test's CPU time (its processes' included) summed per file."""
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -30,8 +32,22 @@ def test_skips():
 '''
 
 
+def test_rows_sum_per_file_the_costliest_first():
+    def test(node, busy, idle=1.0, wall=2.0):
+        return {"test": node, "busy_cpu_s": busy, "idle_cpu_s": idle, "wall_s": wall}
+
+    rows = suite_cpu.per_file([test("a.py::x", 1.0), test("b.py::y", 2.5), test("a.py::z", 2.0), test("a.py::w", 2.0)])
+    assert rows == [
+        {"file": "a.py", "tests": 3, "busy_cpu_s": 5.0, "idle_cpu_s": 3.0, "wall_s": 6.0, "costliest_test": "z",
+         "costliest_busy_cpu_s": 2.0},
+        {"file": "b.py", "tests": 1, "busy_cpu_s": 2.5, "idle_cpu_s": 1.0, "wall_s": 2.0, "costliest_test": "y",
+         "costliest_busy_cpu_s": 2.5},
+    ]
+
+
 @pytest.mark.slow
 def test_a_files_row_counts_the_cpu_its_tests_processes_burned(tmp_path, capsys):
+    """The tests lie outside the repository: the nested pytest runs without its pyproject settings and conftest."""
     tests = tmp_path / "test_burn.py"
     tests.write_text(TESTS)
     campaign = tmp_path / "suite-cpu_cpu_2026-12-01.jsonl"
@@ -42,5 +58,8 @@ def test_a_files_row_counts_the_cpu_its_tests_processes_burned(tmp_path, capsys)
     # the machine's busy CPU over the tests holds the child's, whatever else the machine ran meanwhile
     assert rows[0]["busy_cpu_s"] >= 0.9 * CHILD_CPU_S
     assert rows[0]["wall_s"] >= 0.9 * CHILD_CPU_S + SLEEP_S
+    # busy and idle share every core's time: in seconds, they add up to the wall time on each of the machine's CPUs
+    cpus = len(re.findall(r"^cpu\d+ ", Path("/proc/stat").read_text(), re.MULTILINE))
+    assert rows[0]["busy_cpu_s"] + rows[0]["idle_cpu_s"] == pytest.approx(cpus * rows[0]["wall_s"], rel=0.1)
     assert header["notes"][0].startswith("all 3 tests (2 passed, 1 skipped in ")
     assert "test_burn.py (" in capsys.readouterr().out

@@ -38,7 +38,7 @@ from torchtitan_ext.config.machine import PRECISION_LOG
 from torchtitan_ext.records.campaign import bench_command, check_new_campaign_path, VERSIONED, write_campaign
 from torchtitan_ext.records.metrics import logged_losses, read_metrics
 from torchtitan_ext.runtime.command_line import CommandLineParser
-from torchtitan_ext.runtime.cpu_time import cpu_seconds, PROC_STAT
+from torchtitan_ext.runtime.cpu_time import check_cpu_time_readable, cpu_seconds
 from torchtitan_ext.runtime.entry import run_and_exit
 from torchtitan_ext.runtime.jobs import JobFailed, JobResult, run_job
 
@@ -128,19 +128,19 @@ def clone_versions(clone: Path) -> dict[str, str]:
     return versions
 
 
-def _git(repo: Path, *args: str, check: bool = True) -> JobResult:
+def git(repo: Path, *args: str, check: bool = True) -> JobResult:
     """``git -C repo args``: its result (check: raise on a non-zero exit)."""
     return run_job(["git", "-C", str(repo), *args], timeout_s=300, check=check)
 
 
 def _checked_revision(repo: Path, option: str, revision: str) -> str:
     """``revision``'s short commit id, refused in one line where it names no commit or lacks the README's commands."""
-    result = _git(repo, "rev-parse", "--verify", "--short", f"{revision}^{{commit}}", check=False)
+    result = git(repo, "rev-parse", "--verify", "--short", f"{revision}^{{commit}}", check=False)
     if result.returncode != 0:
         raise ConfigError(f"{option} {revision}: no commit of that name in {repo}: give a commit, branch or tag")
     commit = result.output.strip()
     for script in ("run_train.sh", "test.sh"):
-        if _git(repo, "cat-file", "-e", f"{commit}:{script}", check=False).returncode != 0:
+        if git(repo, "cat-file", "-e", f"{commit}:{script}", check=False).returncode != 0:
             raise ConfigError(f"{option} {revision}: commit {commit} has no {script}: give a commit of this project")
     return commit
 
@@ -192,9 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                      "often as the other)")
     extra = _extra_environment(parser, args.env)
     check_new_campaign_path(args.campaign)
-    if not PROC_STAT.exists():
-        raise ConfigError("/proc/stat is missing: the machine's CPU time is read from it; run on Linux")
-    found = _git(args.repo, "rev-parse", "--show-toplevel", check=False)
+    check_cpu_time_readable()
+    found = git(args.repo, "rev-parse", "--show-toplevel", check=False)
     if found.returncode != 0:
         raise ConfigError(f"--repo {args.repo}: not in a git repository: give this project's")
     repo = Path(found.output.strip())
@@ -209,8 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     commits = [code, against] if against else [code]
     try:
         for commit in commits:
-            _git(repo, "clone", "--quiet", "--no-checkout", str(repo), str(work / commit))
-            _git(work / commit, "checkout", "--quiet", commit)
+            git(repo, "clone", "--quiet", "--no-checkout", str(repo), str(work / commit))
+            git(work / commit, "checkout", "--quiet", commit)
         if against:
             run_job(["./test.sh", "--co", "-q"], cwd=work / against, timeout_s=COMMAND_TIMEOUT_S,
                     env=_command_environment(environment, work, against, "install"),

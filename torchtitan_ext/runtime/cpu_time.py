@@ -7,6 +7,15 @@ from pathlib import Path
 PROC_STAT = Path("/proc/stat")
 
 
+def check_cpu_time_readable() -> None:
+    """Refuse, before anything is measured, a machine without /proc/stat (not Linux)."""
+    # imported here: torchtitan_ext.config imports torchtitan, which the plugin that reads the CPU time must not
+    from torchtitan_ext.config import ConfigError
+
+    if not PROC_STAT.exists():
+        raise ConfigError(f"{PROC_STAT} is missing: the machine's CPU time is read from it; run on Linux")
+
+
 def cpu_seconds() -> tuple[float, float]:
     """(busy, idle) CPU-s of every core since boot: the first line of /proc/stat, its clock ticks in seconds. Busy
     counts user, nice, system, interrupt and stolen time; idle counts waits for I/O too."""
