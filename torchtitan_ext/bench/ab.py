@@ -26,7 +26,7 @@ from pathlib import Path
 import tomli_w
 from tqdm import tqdm
 
-import torchtitan_ext
+from torchtitan_ext.bench import ROOT
 from torchtitan_ext.config import ConfigError, job_world_size, load_job_config, parse, with_config_file
 from torchtitan_ext.config.machine import PRECISION_LOG
 from torchtitan_ext.ep import BACKENDS
@@ -37,7 +37,6 @@ from torchtitan_ext.runtime.command_line import CommandLineParser
 from torchtitan_ext.runtime.entry import run_and_exit
 from torchtitan_ext.runtime.jobs import run_job
 
-ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 3600
 STEP_TIME = "time_metrics/end_to_end_slowest_rank(s)"
 PRECISIONS = {"bfloat16": "bf16", "float32": "fp32"}

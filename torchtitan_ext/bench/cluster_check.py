@@ -31,13 +31,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torchtitan_ext
+from torchtitan_ext.bench import ROOT
 from torchtitan_ext.ep.backends import backend_variants, LIBRARY_VARIANTS as VARIANTS_OF_CLASS
 from torchtitan_ext.records.metrics import read_metrics
 from torchtitan_ext.runtime.command_line import CommandLineParser
 from torchtitan_ext.runtime.jobs import JobResult, run_job
 
-ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
 LIBRARY_VARIANTS = {library_class: variants[0] for library_class, variants in VARIANTS_OF_CLASS.items()}
 """deep_ep class -> the backend variant that runs on it in its default settings."""
 

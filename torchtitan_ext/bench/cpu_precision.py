@@ -20,11 +20,10 @@ import json
 import os
 import statistics
 import tempfile
-from pathlib import Path
 
 from tqdm import tqdm
 
-import torchtitan_ext
+from torchtitan_ext.bench import ROOT
 from torchtitan_ext.config.machine import PRECISION_LOG
 from torchtitan_ext.measuring.timing import add_timed_run_arguments, parse_timed_run_arguments
 from torchtitan_ext.records.campaign import bench_command, write_campaign
@@ -32,7 +31,6 @@ from torchtitan_ext.records.metrics import read_metrics
 from torchtitan_ext.runtime.command_line import CommandLineParser
 from torchtitan_ext.runtime.jobs import run_job
 
-ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
 VARIANTS = {
     "default": [],
     "float32": ["--training.mixed_precision_param", "float32"],

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-import torchtitan_ext
+from torchtitan_ext.bench import ROOT
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.config.machine import PRECISION_LOG
 from torchtitan_ext.records.campaign import bench_command, check_new_campaign_path, VERSIONED, write_campaign
@@ -155,7 +155,7 @@ def _parser() -> CommandLineParser:
                                                     "--against 2, and even)")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="a variable set for every command, e.g. ATEN_CPU_CAPABILITY=avx2 (repeatable)")
-    parser.add_argument("--repo", type=Path, default=Path(torchtitan_ext.__file__).resolve().parents[1],
+    parser.add_argument("--repo", type=Path, default=ROOT,
                         help="the git repository cloned (default: this checkout's)")
     parser.add_argument("--work", type=Path, help="where the clones and the commands' output go (default: a new "
                                                   "temporary folder)")

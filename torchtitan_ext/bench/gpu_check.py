@@ -42,14 +42,13 @@ import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import torchtitan_ext
+from torchtitan_ext.bench import ROOT
 from torchtitan_ext.ep.backends import CPU_VARIANTS
 from torchtitan_ext.records.campaign import bench_command, check_new_campaign_path, write_campaign
 from torchtitan_ext.runtime.command_line import CommandLineParser
 from torchtitan_ext.runtime.entry import run_and_exit
 from torchtitan_ext.runtime.jobs import JobFailed, run_job
 
-ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
 VARIANTS = CPU_VARIANTS
 """Every variant the reference kernels run (on a GPU without deep_ep, they run there)."""
 MOE_SHAPE = dict(hidden_dim=2048, num_experts=64, top_k=6, max_tokens_per_rank=4096)

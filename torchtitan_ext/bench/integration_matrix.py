@@ -22,13 +22,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-import torchtitan_ext
+from torchtitan_ext.bench import ROOT
 from torchtitan_ext.ep.backends import backend_variants, MATRIX_VARIANTS
 from torchtitan_ext.records.metrics import logged_losses
 from torchtitan_ext.runtime.command_line import CommandLineParser
 from torchtitan_ext.runtime.jobs import JobFailed, run_job
 
-ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
 
 COMBINATIONS = {
     "deepseek_v3_fsdp+ep+compile": (4, ["--model.name", "deepseek_v3", "--parallelism.data_parallel_shard_degree", "4",

@@ -30,13 +30,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-import torchtitan_ext
+from torchtitan_ext.bench import ROOT
 from torchtitan_ext.ep.backends import DEFAULT_VARIANTS
 from torchtitan_ext.records.metrics import read_metrics
 from torchtitan_ext.runtime.command_line import CommandLineParser
 from torchtitan_ext.runtime.jobs import run_job
 
-ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
 JOB = ["--training.local_batch_size", "2", "--training.seq_len", "128"]
 BENCH_VARIANTS = DEFAULT_VARIANTS
 """The backend variants the bench check times: each backend in its default settings."""

@@ -18,11 +18,10 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-import torchtitan_ext
+from torchtitan_ext.bench import ROOT
 from torchtitan_ext.runtime.command_line import CommandLineParser
 from torchtitan_ext.runtime.jobs import run_job
 
-ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
 EXPERTS, TOP_K, GROUP = 256, 8, 8
 MOE_LAYERS = list(range(3, 61))
 

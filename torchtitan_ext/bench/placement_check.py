@@ -28,12 +28,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-import torchtitan_ext
+from torchtitan_ext.bench import ROOT
 from torchtitan_ext.records.metrics import read_metrics
 from torchtitan_ext.runtime.command_line import CommandLineParser
 from torchtitan_ext.runtime.jobs import run_job
 
-ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
 MOVED = re.compile(r"\[rank(\d+)\]:.*Expert placement: moved .*: ([0-9.]+) MB sent by this rank in ([0-9.]+) s")
 JOB = ["--parallelism.expert_parallel_degree", "4", "--metrics.disable_color_printing"]
 

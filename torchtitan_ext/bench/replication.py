@@ -32,13 +32,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-import torchtitan_ext
+from torchtitan_ext.bench import ROOT
 from torchtitan_ext.records.campaign import bench_command, check_new_campaign_path, write_campaign
 from torchtitan_ext.records.metrics import read_metrics
 from torchtitan_ext.runtime.command_line import CommandLineParser
 from torchtitan_ext.runtime.jobs import run_job
 
-ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 3600
 """Seconds one training run of an arm may take before it is stopped."""
 MEASURED = {

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-import torchtitan_ext
+from torchtitan_ext.bench import ROOT
 from torchtitan_ext.bench.replication import FORCED_BALANCE, FORCED_BALANCE_ROUTING, headroom_captured
 from torchtitan_ext.config import ConfigError, load_job_config
 from torchtitan_ext.data import prepare_embedded_assets
@@ -54,7 +54,6 @@ from torchtitan_ext.runtime.workers import run_workers
 from torchtitan_ext.training import prepare
 from torchtitan_ext.training.trainer import Trainer
 
-ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
 WARMUP = 3
 """Steps left out of the medians: the first choice of replicas comes before step 2."""
 LOSS_TOLERANCE = 1e-4

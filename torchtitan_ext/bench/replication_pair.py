@@ -28,7 +28,7 @@ import torch
 from torchtitan.config import TORCH_DTYPE_MAP
 from tqdm import tqdm
 
-import torchtitan_ext
+from torchtitan_ext.bench import ROOT
 from torchtitan_ext.config import load_job_config
 from torchtitan_ext.data import prepare_embedded_assets
 from torchtitan_ext.records.campaign import bench_command, check_new_campaign_path, write_campaign
@@ -38,7 +38,6 @@ from torchtitan_ext.runtime.workers import run_workers
 from torchtitan_ext.training import prepare
 from torchtitan_ext.training.trainer import Trainer
 
-ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
 JOB = ["--job.config_file", "train_configs/debug_model.toml", "--debug.seed", "5", "--debug.deterministic",
        "--metrics.log_freq", "1"]
 ARMS = {"without replicas": [],

@@ -18,9 +18,8 @@ import os
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
-import torchtitan_ext
+from torchtitan_ext.bench import ROOT
 from torchtitan_ext.measuring.timing import (
     add_timed_run_arguments, DEADLINE_S, parse_timed_run_arguments, progress_bar, workers_device,
 )
@@ -28,7 +27,6 @@ from torchtitan_ext.records.campaign import bench_command, write_campaign
 from torchtitan_ext.runtime.command_line import CommandLineParser
 from torchtitan_ext.runtime.workers import run_workers
 
-ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
 OURS = "ext_deepseek_v3"
 """Our DeepSeek-V3 spec, registered under another name so that "deepseek_v3" stays upstream's."""
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-import torchtitan_ext
+from torchtitan_ext.bench import ROOT
 from torchtitan_ext.bench.fresh_clone import COMMAND_TIMEOUT_S, git, pytest_summary
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.records.campaign import bench_command, check_new_campaign_path, write_campaign
@@ -42,7 +42,6 @@ PROGRESS = re.compile(r"\[\s*(\d+)%\]\s*$")
 """pytest's progress at the end of a line of its output."""
 NO_TESTS_COLLECTED = 5
 """pytest's exit status where no test was selected."""
-REPOSITORY = Path(torchtitan_ext.__file__).resolve().parents[1]
 
 
 def per_file(tests: list[dict]) -> list[dict]:
@@ -67,15 +66,15 @@ def per_file(tests: list[dict]) -> list[dict]:
 def _from_repository(path: Path) -> str:
     """``path`` as ./test.sh takes it from the repository root: relative where it lies inside."""
     path = path.resolve()
-    return str(path.relative_to(REPOSITORY) if path.is_relative_to(REPOSITORY) else path)
+    return str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
 
 
 def _checkout_commit() -> str:
     """The checkout's commit, "-dirty" appended where tracked files differ from it; empty outside a git checkout."""
-    found = git(REPOSITORY, "rev-parse", "--short", "HEAD", check=False)
+    found = git(ROOT, "rev-parse", "--short", "HEAD", check=False)
     if found.returncode != 0:
         return ""
-    changed = git(REPOSITORY, "status", "--porcelain", "--untracked-files=no").output.strip()
+    changed = git(ROOT, "status", "--porcelain", "--untracked-files=no").output.strip()
     return found.output.strip() + ("-dirty" if changed else "")
 
 
@@ -85,7 +84,7 @@ def _run(pytest_args: list[str]) -> tuple[int, str, list[dict]]:
     end, also where this process is interrupted."""
     with tempfile.TemporaryDirectory(prefix="suite-cpu-") as scratch:
         rows_file = Path(scratch) / "tests.jsonl"
-        job = RunningJob(["./test.sh", *pytest_args, "--suite-cpu-rows", str(rows_file)], cwd=REPOSITORY)
+        job = RunningJob(["./test.sh", *pytest_args, "--suite-cpu-rows", str(rows_file)], cwd=ROOT)
         deadline = time.monotonic() + COMMAND_TIMEOUT_S
         try:
             with tqdm(total=100, desc="bench suite_cpu", unit="%") as progress:
@@ -118,11 +117,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--top {args.top}: print at least 1 file")
     check_new_campaign_path(args.campaign)
     check_cpu_time_readable()
-    if not (REPOSITORY / "test.sh").exists():
-        raise ConfigError(f"{REPOSITORY} has no test.sh: run the tool from a checkout of this project (pip install -e)")
+    if not (ROOT / "test.sh").exists():
+        raise ConfigError(f"{ROOT} has no test.sh: run the tool from a checkout of this project (pip install -e)")
     for path in args.paths:
         if not path.exists():
-            raise ConfigError(f"{path}: no such test file or folder: give one under {REPOSITORY / 'tests'}")
+            raise ConfigError(f"{path}: no such test file or folder: give one under {ROOT / 'tests'}")
     pytest_args = ["-n", "0", "-p", PLUGIN, "--color=no", *(["--fast"] if args.fast else []),
                    *(_from_repository(path) for path in args.paths)]
     try:

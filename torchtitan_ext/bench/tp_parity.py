@@ -14,14 +14,13 @@ import shutil
 import sys
 from pathlib import Path
 
-import torchtitan_ext
+from torchtitan_ext.bench import ROOT
 from torchtitan_ext.ep.backends import backend_variants, CPU_VARIANTS
 from torchtitan_ext.records.metrics import logged_losses
 from torchtitan_ext.runtime.command_line import CommandLineParser
 from torchtitan_ext.runtime.entry import run_and_exit
 from torchtitan_ext.runtime.jobs import run_job
 
-ROOT = Path(torchtitan_ext.__file__).resolve().parents[1]
 MARKER = ".tp_parity"
 GOAL = 1e-4
 """Largest relative loss difference between TP=2 and TP=1 at any step."""
