@@ -1,12 +1,15 @@
 """bench suite_cpu: the suite one test at a time, each test's CPU time (its processes' included) summed per file."""
 
 import json
+import os
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from torchtitan_ext.bench import suite_cpu
+from torchtitan_ext.bench import _cpu_per_test, suite_cpu
+from torchtitan_ext.runtime import cpu_time
 
 CHILD_CPU_S = 0.5
 SLEEP_S = 0.5
@@ -43,6 +46,30 @@ def test_rows_sum_per_file_the_costliest_first():
         {"file": "b.py", "tests": 1, "busy_cpu_s": 2.5, "idle_cpu_s": 1.0, "wall_s": 2.0, "costliest_test": "y",
          "costliest_busy_cpu_s": 2.5},
     ]
+
+
+def test_a_tests_row_holds_the_busy_and_idle_time_proc_stat_counted_over_it(tmp_path, monkeypatch):
+    """The plugin's hook driven by hand around a /proc/stat stand-in that the "test" advances: busy counts user, nice,
+    system, irq, softirq and steal; idle counts idle and iowait (the slow test below cannot tell them apart under the
+    parallel suite's load)."""
+    stat = tmp_path / "stat"
+    monkeypatch.setattr(cpu_time, "PROC_STAT", stat)
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def counters(user, nice, system, idle, iowait, irq, softirq, steal):
+        stat.write_text(f"cpu  {user} {nice} {system} {idle} {iowait} {irq} {softirq} {steal} 0 0\ncpu0 1 2 3 4\n")
+
+    rows = tmp_path / "rows.jsonl"
+    item = SimpleNamespace(nodeid="a.py::t", config=SimpleNamespace(getoption={"suite_cpu_rows": rows}.get))
+    counters(100, 10, 50, 1000, 20, 5, 5, 0)
+    hook = _cpu_per_test.pytest_runtest_protocol(item, None)
+    next(hook)
+    counters(100 + 3 * tick, 10 + tick, 50 + 2 * tick, 1000 + 5 * tick, 20 + tick, 5 + tick, 5, 0 + tick)
+    with pytest.raises(StopIteration):
+        hook.send(None)
+    row = json.loads(rows.read_text())
+    # busy 3 + 1 + 2 + 1 + 0 + 1 ticks' worth of seconds, idle 5 + 1
+    assert row["test"] == "a.py::t" and (row["busy_cpu_s"], row["idle_cpu_s"]) == pytest.approx((8.0, 6.0))
 
 
 @pytest.mark.slow
