@@ -170,3 +170,25 @@ def test_llama4s_text_model_builds_as_torchtitans_flavour(tmp_path, text, flavor
     if not text:
         layer = 2 * 5120 * 5120 + 2 * 5120 * 1024 + 17 * 3 * 5120 * 8192 + 16 * 5120 + 2 * 5120
         assert sum(shape.numel() for shape in shapes(model_args).values()) == 2 * 202048 * 5120 + 48 * layer + 5120
+
+
+@pytest.mark.parametrize("family", ["mixtral", "llama4_text", "qwen3_moe"])
+def test_an_hf_checkpoint_the_adapter_cannot_name_is_refused(tmp_path, family):
+    """Mixtral and a text-only Llama 4 train as torchtitan's Qwen3 and Llama4, whose HF adapters name another
+    family's tensors: loading or saving their HF checkpoints is refused in one line. Qwen3-MoE's own passes."""
+    from torchtitan_ext.config import load_job_config, register_hf_model
+
+    path = {"mixtral": MIXTRAL_8X7B, "qwen3_moe": QWEN3_30B}.get(family, tmp_path / "config.json")
+    if family == "llama4_text":
+        path.write_text(json.dumps(json.loads(LLAMA4_SCOUT.read_text())["text_config"]))
+    args = ["--job.config_file", "train_configs/debug_model.toml", *register_hf_model(path), "--checkpoint.enable",
+            "--checkpoint.initial_load_in_hf", "--checkpoint.last_save_in_hf"]
+    if family == "qwen3_moe":
+        load_job_config(args, device_type=None, world_size=2)
+        return
+    with pytest.raises(ConfigError) as error:
+        load_job_config(args, device_type=None, world_size=2)
+    fields = "checkpoint.initial_load_in_hf and checkpoint.last_save_in_hf"
+    assert str(error.value).startswith(f"{fields} with model.flavor = 'hf:{path}': ")
+    assert str(error.value).endswith(f": start from and save DCP checkpoints (unset {fields})")
+    assert "\n" not in str(error.value)

@@ -35,6 +35,8 @@ HF_FLAVOR_PREFIX = "hf:"
 """The flavour name of a registered config.json: this prefix and the file's path."""
 
 _registered: dict[tuple[str, str], object] = {}
+_unread_names: dict[str, str] = {}
+"""Flavour ``hf:<path>`` -> its family's :attr:`_Family.unread_checkpoint_names`, once the flavour is registered."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,9 @@ class _Family:
     build: Callable[[dict], object]
     optional: tuple[str, ...] = ()
     """Fields read, or held as ``fixed`` says, when present (each has a default the architecture defines)."""
+    unread_checkpoint_names: str = ""
+    """Where torchtitan's HF state-dict adapter of ``model_name`` does not read this family's checkpoints: how their
+    tensor names differ (a job then loads and saves no HF checkpoint); empty where it reads them."""
 
 
 def _rope_scaling(config: dict, where: str, kind: str, name: str, fields: tuple[str, ...]) -> dict:
@@ -260,6 +265,9 @@ _FAMILIES = {
         },
         ignored=(*_COMMON_IGNORED, "output_router_logits", "router_aux_loss_coef", "router_jitter_noise"),
         build=_mixtral,
+        unread_checkpoint_names=("Mixtral's checkpoints name their experts block_sparse_moe.experts.<e>.w1, w2, w3 "
+                                 "and their router block_sparse_moe.gate, where torchtitan's Qwen3 adapter reads "
+                                 "mlp.experts.<e>.gate_proj, down_proj, up_proj and mlp.gate"),
         optional=("head_dim",),
     ),
     "llama4": _Family(
@@ -295,6 +303,8 @@ _FAMILIES = {
                  # torchtitan counts the FLOPs of its Llama4
                  "no_rope_layers", "attention_chunk_size"),
         build=_llama4_text,
+        unread_checkpoint_names=("a text-only Llama 4 checkpoint names its tensors model.layers.<n>..., where "
+                                 "torchtitan's Llama4 adapter reads a multimodal one's language_model.model.layers.<n>..."),
         optional=("moe_layers", "tie_word_embeddings"),
     ),
 }
@@ -325,6 +335,12 @@ def hf_model_args(path: Path, where: str = ""):
     """(torchtitan model name, its model arguments) of the config.json at ``path``; ConfigError naming the field
     and the fix for a file that is not one, an unknown ``model_type``, and an unknown, missing or unsupported field.
     ``where``: how the message names the file (default: the ``--hf-config`` flag)."""
+    family, config = _family_and_config(path, where)
+    return family.model_name, family.build(config)
+
+
+def _family_and_config(path: Path, where: str) -> tuple[_Family, dict]:
+    """The family of the config.json at ``path`` and its fields, checked as :func:`hf_model_args` says."""
     where = where or f"--hf-config {path}"
     try:
         config = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -339,16 +355,15 @@ def hf_model_args(path: Path, where: str = ""):
         raise ConfigError(f"{where}: model_type '{config['model_type']}' is not priced: use a config of "
                           f"{', '.join(_FAMILIES)}")
     _check_fields(config, family, where)
-    return family.model_name, family.build({**config, "_where": where})
+    return family, {**config, "_where": where}
 
 
 def register_hf_model(path: Path, where: str = "") -> list[str]:
     """Register the config.json at ``path`` as a flavour; the overrides that select it
     (``--model.name <family> --model.flavor hf:<path>``). ``where``: as :func:`hf_model_args`'s."""
-    name, model_args = hf_model_args(path, where)
     flavor = f"{HF_FLAVOR_PREFIX}{path}"
-    _registered[name, flavor] = model_args
-    return ["--model.name", name, "--model.flavor", flavor]
+    family = _register(path, flavor, where)
+    return ["--model.name", family.model_name, "--model.flavor", flavor]
 
 
 def hf_flavor_args(name: str, flavor: str):
@@ -357,9 +372,21 @@ def hf_flavor_args(name: str, flavor: str):
     and for a config of another model."""
     if (name, flavor) not in _registered:
         where = f"model.flavor = '{flavor}'"
-        family, model_args = hf_model_args(Path(flavor.removeprefix(HF_FLAVOR_PREFIX)), where)
-        if family != name:
-            raise ConfigError(f"{where}: that config.json is a {family} model, not {name}: set model.name = "
-                              f"'{family}'")
-        _registered[name, flavor] = model_args
+        family = _register(Path(flavor.removeprefix(HF_FLAVOR_PREFIX)), flavor, where)
+        if family.model_name != name:
+            raise ConfigError(f"{where}: that config.json is a {family.model_name} model, not {name}: set model.name = "
+                              f"'{family.model_name}'")
     return _registered[name, flavor]
+
+
+def _register(path: Path, flavor: str, where: str) -> _Family:
+    family, config = _family_and_config(path, where)
+    _registered[family.model_name, flavor] = family.build(config)
+    _unread_names[flavor] = family.unread_checkpoint_names
+    return family
+
+
+def unread_checkpoint_names(flavor: str) -> str:
+    """For a registered flavour ``hf:<path>``, how its family's HF checkpoints name their tensors otherwise than
+    torchtitan's state-dict adapter of its model reads and writes them; empty for every other flavour."""
+    return _unread_names.get(flavor, "")
