@@ -68,6 +68,24 @@ def test_an_hf_export_of_the_last_step_is_set_aside_as_such(tmp_path, caplog):
         "training resumes from step 2"]
 
 
+@pytest.mark.parametrize("config, left_out", [
+    ("debug_model.toml", None),  # DeepSeek-V3's HF format keeps it, as e_score_correction_bias
+    ("llama4_debug_model.toml", "layers.1.moe.expert_bias"),
+    ("qwen3_moe_debug_model.toml", "layers.0.moe.expert_bias"),
+    ("gpt_oss_debug_model.toml", "layers.0.moe.expert_bias"),
+])
+def test_an_hf_export_that_leaves_out_the_routing_bias_is_named(config, left_out):
+    """torchtitan's own HF state-dict adapters of the four models, on their debug models' state dicts."""
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from torchtitan_ext.config import meta_model, model_args_of
+
+    register_train_specs()
+    job_config = load_job_config(["--job.config_file", f"train_configs/{config}"], "cpu", 2)
+    adapter = get_train_spec(job_config.model.name).state_dict_adapter(model_args_of(job_config), None)
+    assert checkpoints.routing_bias_left_out_of_hf(meta_model(job_config).state_dict(), adapter) == left_out
+
+
 def test_keep_latest_k_of_one_is_refused_before_any_process():
     register_train_specs()
     with pytest.raises(ConfigError, match=r"checkpoint.keep_latest_k = 1: torchtitan keeps at least 2"):

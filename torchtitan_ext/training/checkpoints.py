@@ -16,7 +16,9 @@ writes it last). Around torchtitan 0.2.2's manager this module
   save and says whether ``.metadata`` is on disk; a trainer's close waits for
   one still in flight instead of dropping it;
 - refuses ``keep_latest_k = 1`` (torchtitan raises on every rank) with the
-  other config checks.
+  other config checks;
+- says, where a job exports its last step as HF safetensors, that the export leaves out the MoE routing bias
+  load balancing trains, where the model's HF format has no place for it.
 """
 
 import json
@@ -39,6 +41,16 @@ HF_EXPORT_INDEX = "model.safetensors.index.json"
 """What torchtitan writes last in a step saved as HF safetensors (``checkpoint.last_save_in_hf``), which it has no
 ``.metadata`` of."""
 HF_EXPORT_PREFIX = "hf_export_step_"
+
+
+def routing_bias_left_out_of_hf(state_dict: dict, sd_adapter) -> str | None:
+    """The first MoE routing bias of a model's ``state_dict`` (``layers.<n>.moe.expert_bias``) that the HF
+    state-dict adapter's ``to_hf`` leaves out, the model's HF format having no place for it (DeepSeek-V3's has
+    ``e_score_correction_bias``); None where the adapter keeps it, or the model has none."""
+    bias = next((key for key in state_dict if key.endswith(".moe.expert_bias")), None)
+    if bias is None or sd_adapter.to_hf({bias: state_dict[bias]}):
+        return None
+    return bias
 
 
 def _is_hf_export(path: Path) -> bool:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
+from torchtitan.components.optimizer import build_optimizers_with_moe_load_balancing
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer as TorchTitanTrainer
 
@@ -174,8 +175,19 @@ class Trainer(TorchTitanTrainer):
         return faults.Preempted(f"{where}: checkpoint saved in {path}; rerun the same command to resume", saved=True)
 
     def train(self):
-        if self.checkpointer.enable:
-            checkpoints.set_aside_torn(self.checkpointer.folder)
+        checkpointer = self.checkpointer
+        if checkpointer.enable:
+            checkpoints.set_aside_torn(checkpointer.folder)
+        if (checkpointer.enable and checkpointer.last_save_in_hf
+                and self.train_spec.build_optimizers_fn is build_optimizers_with_moe_load_balancing):
+            left_out = checkpoints.routing_bias_left_out_of_hf(checkpointer.states["model"].state_dict(),
+                                                               checkpointer.sd_adapter)
+            if left_out is not None:
+                logger.warning(
+                    f"checkpoint.last_save_in_hf: the HF export leaves out {left_out} and each MoE layer's like it, "
+                    f"the routing bias load balancing trains ({self.job_config.model.name}'s HF format has no place "
+                    "for it), so the exported model routes by the router's scores alone; the DCP checkpoints keep it"
+                )
         super().train()
         # an asynchronous save still in flight is finished, not dropped when the process exits
         checkpoints.wait_for_saves(self.checkpointer)
