@@ -64,12 +64,12 @@ def test_a_tests_row_holds_the_busy_and_idle_time_proc_stat_counted_over_it(tmp_
     counters(100, 10, 50, 1000, 20, 5, 5, 0)
     hook = _cpu_per_test.pytest_runtest_protocol(item, None)
     next(hook)
-    counters(100 + 3 * tick, 10 + tick, 50 + 2 * tick, 1000 + 5 * tick, 20 + tick, 5 + tick, 5, 0 + tick)
+    counters(100 + 3 * tick, 10 + tick, 50 + 2 * tick, 1000 + 5 * tick, 20 + tick, 5 + tick, 5 + tick, tick)
     with pytest.raises(StopIteration):
         hook.send(None)
     row = json.loads(rows.read_text())
-    # busy 3 + 1 + 2 + 1 + 0 + 1 ticks' worth of seconds, idle 5 + 1
-    assert row["test"] == "a.py::t" and (row["busy_cpu_s"], row["idle_cpu_s"]) == pytest.approx((8.0, 6.0))
+    # busy 3 + 1 + 2 + 1 + 1 + 1 ticks' worth of seconds, idle 5 + 1
+    assert row["test"] == "a.py::t" and (row["busy_cpu_s"], row["idle_cpu_s"]) == pytest.approx((9.0, 6.0))
 
 
 @pytest.mark.slow

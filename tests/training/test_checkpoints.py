@@ -78,12 +78,21 @@ def test_an_hf_export_that_leaves_out_the_routing_bias_is_named(config, left_out
     """torchtitan's own HF state-dict adapters of the four models, on their debug models' state dicts."""
     from torchtitan.protocols.train_spec import get_train_spec
 
-    from torchtitan_ext.config import meta_model, model_args_of
+    from torchtitan_ext.config import model_args_of
 
     register_train_specs()
     job_config = load_job_config(["--job.config_file", f"train_configs/{config}"], "cpu", 2)
     adapter = get_train_spec(job_config.model.name).state_dict_adapter(model_args_of(job_config), None)
-    assert checkpoints.routing_bias_left_out_of_hf(meta_model(job_config).state_dict(), adapter) == left_out
+    assert checkpoints.routing_bias_left_out_of_hf(job_config, adapter) == left_out
+
+
+def test_an_hf_export_of_the_whole_training_state_is_refused_before_any_process():
+    """torchtitan exports the model alone as HF safetensors, and asserts so at the last step, after the run."""
+    register_train_specs()
+    with pytest.raises(ConfigError, match=r"^checkpoint.last_save_in_hf saves the model alone, but "
+                                          r"checkpoint.last_save_model_only is off: drop "):
+        load_job_config(["--job.config_file", "train_configs/debug_model.toml", "--checkpoint.enable",
+                         "--checkpoint.last_save_in_hf", "--checkpoint.no_last_save_model_only"], "cpu", 2)
 
 
 def test_keep_latest_k_of_one_is_refused_before_any_process():

@@ -12,7 +12,7 @@ package (the bottom tier, see :mod:`torchtitan_ext`).
 """
 
 from torchtitan_ext.config.errors import ConfigError
-from torchtitan_ext.config.hf_model import hf_flavor_args, HF_FLAVOR_PREFIX, register_hf_model
+from torchtitan_ext.config.hf_model import hf_flavor_args, HF_FLAVOR_PREFIX, register_hf_model, unread_checkpoint_names
 from torchtitan_ext.config.job import (
     data_parallel_degree,
     job_world_size,
@@ -64,6 +64,7 @@ __all__ = [
     "routed_expert_parameter_elements",
     "parse",
     "register_hf_model",
+    "unread_checkpoint_names",
     "Range",
     "register_check",
     "register_section",

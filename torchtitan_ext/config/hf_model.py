@@ -35,8 +35,6 @@ HF_FLAVOR_PREFIX = "hf:"
 """The flavour name of a registered config.json: this prefix and the file's path."""
 
 _registered: dict[tuple[str, str], object] = {}
-_unread_names: dict[str, str] = {}
-"""Flavour ``hf:<path>`` -> its family's :attr:`_Family.unread_checkpoint_names`, once the flavour is registered."""
 
 
 @dataclass(frozen=True)
@@ -335,13 +333,12 @@ def hf_model_args(path: Path, where: str = ""):
     """(torchtitan model name, its model arguments) of the config.json at ``path``; ConfigError naming the field
     and the fix for a file that is not one, an unknown ``model_type``, and an unknown, missing or unsupported field.
     ``where``: how the message names the file (default: the ``--hf-config`` flag)."""
-    family, config = _family_and_config(path, where)
+    family, config = _family_and_config(path, where or f"--hf-config {path}")
     return family.model_name, family.build(config)
 
 
 def _family_and_config(path: Path, where: str) -> tuple[_Family, dict]:
     """The family of the config.json at ``path`` and its fields, checked as :func:`hf_model_args` says."""
-    where = where or f"--hf-config {path}"
     try:
         config = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as e:
@@ -361,9 +358,10 @@ def _family_and_config(path: Path, where: str) -> tuple[_Family, dict]:
 def register_hf_model(path: Path, where: str = "") -> list[str]:
     """Register the config.json at ``path`` as a flavour; the overrides that select it
     (``--model.name <family> --model.flavor hf:<path>``). ``where``: as :func:`hf_model_args`'s."""
+    name, model_args = hf_model_args(path, where)
     flavor = f"{HF_FLAVOR_PREFIX}{path}"
-    family = _register(path, flavor, where)
-    return ["--model.name", family.model_name, "--model.flavor", flavor]
+    _registered[name, flavor] = model_args
+    return ["--model.name", name, "--model.flavor", flavor]
 
 
 def hf_flavor_args(name: str, flavor: str):
@@ -372,21 +370,18 @@ def hf_flavor_args(name: str, flavor: str):
     and for a config of another model."""
     if (name, flavor) not in _registered:
         where = f"model.flavor = '{flavor}'"
-        family = _register(Path(flavor.removeprefix(HF_FLAVOR_PREFIX)), flavor, where)
-        if family.model_name != name:
-            raise ConfigError(f"{where}: that config.json is a {family.model_name} model, not {name}: set model.name = "
-                              f"'{family.model_name}'")
+        family, model_args = hf_model_args(Path(flavor.removeprefix(HF_FLAVOR_PREFIX)), where)
+        if family != name:
+            raise ConfigError(f"{where}: that config.json is a {family} model, not {name}: set model.name = "
+                              f"'{family}'")
+        _registered[name, flavor] = model_args
     return _registered[name, flavor]
 
 
-def _register(path: Path, flavor: str, where: str) -> _Family:
-    family, config = _family_and_config(path, where)
-    _registered[family.model_name, flavor] = family.build(config)
-    _unread_names[flavor] = family.unread_checkpoint_names
-    return family
-
-
 def unread_checkpoint_names(flavor: str) -> str:
-    """For a registered flavour ``hf:<path>``, how its family's HF checkpoints name their tensors otherwise than
-    torchtitan's state-dict adapter of its model reads and writes them; empty for every other flavour."""
-    return _unread_names.get(flavor, "")
+    """For flavour ``hf:<path>``, how its family's HF checkpoints name their tensors otherwise than torchtitan's
+    state-dict adapter of its model reads and writes them; empty where they do not, and for a named flavour."""
+    if not flavor.startswith(HF_FLAVOR_PREFIX):
+        return ""
+    family, _ = _family_and_config(Path(flavor.removeprefix(HF_FLAVOR_PREFIX)), f"model.flavor = '{flavor}'")
+    return family.unread_checkpoint_names

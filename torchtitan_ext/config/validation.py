@@ -9,7 +9,6 @@ from torchtitan.components.optimizer import build_optimizers, build_optimizers_w
 from torchtitan.protocols.train_spec import get_train_spec
 
 from torchtitan_ext.config.errors import ConfigError
-from torchtitan_ext.config.hf_model import unread_checkpoint_names
 from torchtitan_ext.config.job import fsdp_shards, model_args_of, moe_shape, MoEShape, routed_moe_args
 from torchtitan_ext.config.ranges import check_ranges
 from torchtitan_ext.config.registry import field_ranges, registered_checks, ValidationContext
@@ -35,7 +34,6 @@ def validate(job_config, *, device_type: str | None, world_size: int | None = No
     _check_pipeline_split(job_config)
     _check_optimizer(job_config)
     _check_switches(job_config)
-    _check_hf_checkpoint_names(job_config)
     if world_size is not None:
         _check_world_size(job_config, world_size)
     _check_tied_weights(job_config, world_size)
@@ -99,18 +97,6 @@ def _check_switches(job_config) -> None:
         section, field = key.split(".")
         if getattr(getattr(job_config, section), field):
             raise ConfigError(f"{key} is set, but {why}")
-
-
-def _check_hf_checkpoint_names(job_config) -> None:
-    """torchtitan loads and saves HF checkpoints through its model's state-dict adapter: for a model family whose
-    tensor names the adapter does not read, a load fails in every rank on a missing key, and a save writes a
-    checkpoint under names no loader of that family reads."""
-    checkpoint = job_config.checkpoint
-    fields = [f"checkpoint.{field}" for field in ("initial_load_in_hf", "last_save_in_hf") if getattr(checkpoint, field)]
-    names = unread_checkpoint_names(job_config.model.flavor)
-    if checkpoint.enable and fields and names:
-        raise ConfigError(f"{' and '.join(fields)} with model.flavor = '{job_config.model.flavor}': {names}: start "
-                          f"from and save DCP checkpoints (unset {' and '.join(fields)})")
 
 
 def _check_expert_parallel(job_config, shape: MoEShape | None) -> None:

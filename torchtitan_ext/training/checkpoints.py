@@ -26,13 +26,15 @@ import os
 import re
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 from torchtitan.tools.logging import logger
 
 from torchtitan_ext.balancing.migration import read_record, record_problem, STATE_KEY as PLACEMENT_STATE_KEY
 from torchtitan_ext.config import (
-    ConfigError, data_parallel_degree, moe_layer_ids, register_check, shared_meta_model, ValidationContext,
+    ConfigError, data_parallel_degree, model_args_of, moe_layer_ids, register_check, routed_moe_args, shared_meta_model,
+    unread_checkpoint_names, ValidationContext,
 )
 from torchtitan_ext.records.checkpoint_folder import checkpoint_steps, is_complete
 
@@ -43,14 +45,16 @@ HF_EXPORT_INDEX = "model.safetensors.index.json"
 HF_EXPORT_PREFIX = "hf_export_step_"
 
 
-def routing_bias_left_out_of_hf(state_dict: dict, sd_adapter) -> str | None:
-    """The first MoE routing bias of a model's ``state_dict`` (``layers.<n>.moe.expert_bias``) that the HF
-    state-dict adapter's ``to_hf`` leaves out, the model's HF format having no place for it (DeepSeek-V3's has
-    ``e_score_correction_bias``); None where the adapter keeps it, or the model has none."""
-    bias = next((key for key in state_dict if key.endswith(".moe.expert_bias")), None)
-    if bias is None or sd_adapter.to_hf({bias: state_dict[bias]}):
+def routing_bias_left_out_of_hf(job_config, sd_adapter) -> str | None:
+    """The routing bias of the model's first MoE layer (``layers.<n>.moe.expert_bias``, which load balancing trains:
+    every model's spec here balances) where the HF state-dict adapter's ``to_hf`` leaves it out, the model's HF
+    format having no place for it (DeepSeek-V3's has ``e_score_correction_bias``); None where the adapter keeps it,
+    or the model has none. Read from the model's arguments, whichever pipeline stage the caller holds."""
+    moe_args = routed_moe_args(model_args_of(job_config))
+    if moe_args is None or moe_args.load_balance_coeff is None:
         return None
-    return bias
+    bias = f"layers.{moe_layer_ids(job_config)[0]}.moe.expert_bias"
+    return None if sd_adapter.to_hf({bias: torch.zeros(moe_args.num_experts)}) else bias
 
 
 def _is_hf_export(path: Path) -> bool:
@@ -331,6 +335,18 @@ def check_checkpoint_options(job_config, context: ValidationContext) -> None:
             "model alone, but checkpoint.last_save_model_only is off: drop --checkpoint.no_last_save_model_only, or "
             "the export dtype"
         )
+    if checkpoint.enable and checkpoint.last_save_in_hf and not checkpoint.last_save_model_only:
+        # torchtitan asserts it at the last step, once the whole run is spent
+        raise ConfigError("checkpoint.last_save_in_hf saves the model alone, but checkpoint.last_save_model_only is "
+                          "off: drop --checkpoint.no_last_save_model_only, or --checkpoint.last_save_in_hf")
+    hf_fields = [f"checkpoint.{field}" for field in ("initial_load_in_hf", "last_save_in_hf")
+                 if getattr(checkpoint, field)]
+    # torchtitan loads and saves HF checkpoints through its model's state-dict adapter: for a family whose tensor
+    # names it does not read, a load fails in every rank on a missing key, and a save writes names no loader reads
+    unread_names = unread_checkpoint_names(job_config.model.flavor) if checkpoint.enable and hf_fields else ""
+    if unread_names:
+        raise ConfigError(f"{' and '.join(hf_fields)} with model.flavor = '{job_config.model.flavor}': {unread_names}: "
+                          f"start from and save DCP checkpoints (unset {' and '.join(hf_fields)})")
     path = checkpoint_to_load(job_config)
     if context.device_type is None or path is None or context.moe_shape is None or not is_complete(path):
         return

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
-from torchtitan.components.optimizer import build_optimizers_with_moe_load_balancing
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer as TorchTitanTrainer
 
@@ -178,10 +177,8 @@ class Trainer(TorchTitanTrainer):
         checkpointer = self.checkpointer
         if checkpointer.enable:
             checkpoints.set_aside_torn(checkpointer.folder)
-        if (checkpointer.enable and checkpointer.last_save_in_hf
-                and self.train_spec.build_optimizers_fn is build_optimizers_with_moe_load_balancing):
-            left_out = checkpoints.routing_bias_left_out_of_hf(checkpointer.states["model"].state_dict(),
-                                                               checkpointer.sd_adapter)
+        if checkpointer.enable and checkpointer.last_save_in_hf and not checkpointer.load_only:
+            left_out = checkpoints.routing_bias_left_out_of_hf(self.job_config, checkpointer.sd_adapter)
             if left_out is not None:
                 logger.warning(
                     f"checkpoint.last_save_in_hf: the HF export leaves out {left_out} and each MoE layer's like it, "
