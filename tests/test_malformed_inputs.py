@@ -294,6 +294,12 @@ for name, tool, args, expected in [
      "--ranks-per-group places ranks in the topology's groups: add --topology"),
     ("plan_emit_config_without_topology", _plan, ["--world-size", "2", "--emit-config", "x.toml", *DEBUG],
      "--emit-config writes from the layout advice: add --topology"),
+    ("plan_emit_config_another_models_tokenizer", _plan,
+     ["--hf-config", str(REPO_ROOT / "docs/hf_configs/qwen3-30b-a3b.json"), "--job.config_file",
+      str(REPO_ROOT / "train_configs/gpt_oss_120b_gb200.toml"), "--world-size", "64", "--topology", "gb200_nvl72",
+      "--emit-config", "x.toml"],
+     "--emit-config x.toml: the job config's tokenizer, model.hf_assets_path = './assets/hf/gpt-oss-120b', is that of "
+     "gpt_oss flavour '120b' (201,088 tokens), not the --hf-config model's (151,936)"),
     ("plan_error_from_without_topology", _plan, ["--world-size", "2", "--error-from", "e.toml", *DEBUG],
      "--error-from sets the layout advice's decision: add --topology"),
     ("plan_error_output_without_validate", _plan, ["--fit", "--error-output", "e.toml"],

@@ -32,7 +32,8 @@ with imports_without_collection():
 
     from torchtitan_ext.balancing.routing_stats import check_fits, load_path
     from torchtitan_ext.config import (
-        ConfigError, job_world_size, load_job_config, moe_layer_ids, moe_shape, parse, register_hf_model, with_config_file,
+        ConfigError, job_world_size, load_job_config, model_args_of, moe_layer_ids, moe_shape, parse, register_hf_model,
+        with_config_file,
     )
     from torchtitan_ext.config.writing import write_job_config
     from torchtitan_ext.measuring.compute import check_measurable, measure_compute
@@ -58,7 +59,10 @@ def main(argv: list[str] | None = None) -> None:
     args, train_args = _parser().parse_known_args(argv)
     _exit_on_error(_check_flags, args)
     if args.hf_config is not None:
-        train_args = [*train_args, *_exit_on_error(register_hf_model, args.hf_config)]
+        hf_overrides = _exit_on_error(register_hf_model, args.hf_config)
+        if args.emit_config is not None:
+            _exit_on_error(_check_emitted_tokenizer, with_config_file(train_args), hf_overrides, args.emit_config)
+        train_args = [*train_args, *hf_overrides]
     if args.calibrate:
         _exit_on_error(_check_process_count, args.nproc)
         calibrate(args.nproc, args.calibrate_output)
@@ -304,6 +308,24 @@ def _slot_counts(text: str) -> list[int]:
     if any(count < 0 for count in counts):
         raise argparse.ArgumentTypeError(f"'{text}': use comma-separated slot counts >= 0, e.g. 0,1,2")
     return counts
+
+
+def _check_emitted_tokenizer(job_args: list[str], hf_overrides: list[str], emit_config: Path) -> None:
+    """The emitted config keeps the job config's tokenizer (``model.hf_assets_path``): refused where the job's own
+    model has another vocabulary than the --hf-config model's (its token ids would overrun the embedding, or mean
+    other tokens), unless the command line names the tokenizer."""
+    if any(arg.split("=")[0] == "--model.hf_assets_path" for arg in job_args):
+        return
+    job = parse(job_args)
+    theirs = model_args_of(job).vocab_size
+    ours = model_args_of(parse([*job_args, *hf_overrides])).vocab_size
+    if ours != theirs:
+        raise ConfigError(
+            f"--emit-config {emit_config}: the job config's tokenizer, model.hf_assets_path = "
+            f"'{job.model.hf_assets_path}', is that of {job.model.name} flavour '{job.model.flavor}' ({theirs:,} tokens), "
+            f"not the --hf-config model's ({ours:,}): set --model.hf_assets_path to that model's folder, or give a job config "
+            "of the same model"
+        )
 
 
 def _exit_on_error(fn, *args):
