@@ -35,6 +35,7 @@ with imports_without_collection():
         ConfigError, job_world_size, load_job_config, model_args_of, moe_layer_ids, moe_shape, parse, register_hf_model,
         with_config_file,
     )
+    from torchtitan_ext.config.parsing import command_line_keys
     from torchtitan_ext.config.writing import write_job_config
     from torchtitan_ext.measuring.compute import check_measurable, measure_compute
     from torchtitan_ext.measuring.dry_run import dry_run
@@ -314,7 +315,7 @@ def _check_emitted_tokenizer(job_args: list[str], hf_overrides: list[str], emit_
     """The emitted config keeps the job config's tokenizer (``model.hf_assets_path``): refused where the job's own
     model has another vocabulary than the --hf-config model's (its token ids would overrun the embedding, or mean
     other tokens), unless the command line names the tokenizer."""
-    if any(arg.split("=")[0] == "--model.hf_assets_path" for arg in job_args):
+    if "model.hf_assets_path" in command_line_keys(job_args):
         return
     job = parse(job_args)
     theirs = model_args_of(job).vocab_size
