@@ -36,6 +36,15 @@ def test_a_public_config_gives_torchtitans_flavour_of_the_same_model(path, flavo
     assert _shape(model_args) == _shape(get_train_spec(name).model_args[flavor])
 
 
+@pytest.mark.parametrize("path", [GPT_OSS_120B, DEEPSEEK_R1, QWEN3_30B, MIXTRAL_8X7B, LLAMA4_SCOUT])
+def test_the_models_context_is_the_one_its_config_states(path):
+    """torchtitan warns a job whose seq_len exceeds ``max_seq_len``: it must be the model's own context, not the
+    flavour default (Qwen3's 4096 against the 30B-A3B's 40960)."""
+    config = json.loads(path.read_text())
+    stated = config.get("text_config", config)["max_position_embeddings"]
+    assert hf_model_args(path)[1].max_seq_len == stated
+
+
 def _edited(tmp_path: Path, base: Path = GPT_OSS_120B, text: dict | None = None, **changes) -> Path:
     """``base`` with ``changes`` (None deletes a field), and ``text``'s in its text_config."""
     config = json.loads(base.read_text())

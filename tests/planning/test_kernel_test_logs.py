@@ -46,16 +46,30 @@ def test_hybrideps_log_calibrates_the_nvlink_of_both_modes_from_rank_0s_torch_ap
     ("[config] num_tokens=4096, hidden=7168, num_topk=8\n# ranks_per_node: 8\n"
      "[tuning] Best dispatch (BF16): SMs 24, NVL chunk 8, 153.00 GB/s (NVL), t: 312.50 us\n"
      "[tuning] Best combine: SMs 24, NVL chunk 4: 158.00 GB/s (NVL), t: 300.00 us\n",
-     "rerun it with --num-tokens 8192 --hidden 7168"),
+     "rerun it with --num-tokens 8192 --hidden 7168 --num-topk 8"),
+    ("[config] num_tokens=8192, hidden=7168, num_topk_groups=4, num_topk=6\n# ranks_per_node: 8\n"
+     "[tuning] Best dispatch (BF16): SMs 24, NVL chunk 8, 153.00 GB/s (NVL), t: 312.50 us\n"
+     "[tuning] Best combine: SMs 24, NVL chunk 4: 158.00 GB/s (NVL), t: 300.00 us\n",
+     "ran 8192 tokens per rank at hidden 7168, top-k 6; .* rerun it with --num-tokens 8192 --hidden 7168 --num-topk 8"),
 ])
 def test_a_test_log_that_cannot_calibrate_is_one_line(tmp_path, text, message):
     """Lines in the scripts' formats (their f-strings, values made up): a missing combine, an internode run
-    without its node count, a shape that is not the job's."""
+    without its node count, a shape that is not the job's (its tokens; its top-k)."""
     path = tmp_path / "test.log"
     path.write_text(text)
     with pytest.raises(ConfigError, match=message) as caught:
         calibration_rates([path], load_topology("hgx_h100_ib"), shape=MoEShape(7168, 256, 8, 8192))
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("config", ["num_tokens=8192, hidden=7168, num_topk=8", "num_tokens=8192, hidden=7168"])
+def test_a_test_log_at_the_jobs_shape_calibrates(tmp_path, config):
+    """The job's tokens, hidden and top-k; a script that prints no top-k is held to its tokens and hidden."""
+    path = tmp_path / "test.log"
+    path.write_text(f"[config] {config}\n[tuning] Best dispatch (BF16): SMs 24, NVL chunk 8, 153.00 GB/s (NVL)\n"
+                    "[tuning] Best combine: SMs 24, NVL chunk 4: 158.00 GB/s (NVL)\n")
+    rates = calibration_rates([path], load_topology("hgx_h100_ib"), shape=MoEShape(7168, 256, 8, 8192))
+    assert list(rates) == [("deepep", ("legacy",), 0)]
 
 
 HYBRIDEP_CURRENT = """=== Kernel Benchmark (BF16, 8 ranks) ===

@@ -6,7 +6,8 @@ architecture (``model_type`` ``deepseek_v3`` onto torchtitan's DeepSeek-V3, ``gp
 text model (or a ``llama4_text`` config) onto its Llama4) and
 registers the arguments under the flavour ``hf:<path>``, so that ``--model.name <family> --model.flavor hf:<path>``
 names the model everywhere a job config is read (a job config naming such a flavour reads the file itself: a
-config ``plan --hf-config --emit-config`` writes trains as it is). Every field is either read (it fixes a shape), held to the value
+config ``plan --hf-config --emit-config`` writes trains as it is). Every field is either read (it fixes a shape, or
+the context, ``max_position_embeddings``, that torchtitan warns a longer sequence exceeds), held to the value
 the torchtitan model assumes (``hidden_act``, tied embeddings, the layer pattern), or known not to change the FLOPs
 or bytes of a step (token ids, dropout, the checkpoint's storage format); any other field, and any missing one,
 is refused in one line naming it: a field this module does not know may change the model it prices.
@@ -70,6 +71,12 @@ def _rope_scaling(config: dict, where: str, kind: str, name: str, fields: tuple[
     return scaling
 
 
+def _context(config: dict) -> dict:
+    """``max_seq_len`` from ``max_position_embeddings`` where the config states it: the context the model was
+    trained for, which torchtitan's ``update_from_config`` warns a longer ``training.seq_len`` exceeds."""
+    return {"max_seq_len": config["max_position_embeddings"]} if "max_position_embeddings" in config else {}
+
+
 def _yarn(config: dict, where: str, fields: tuple[str, ...]) -> dict:
     return _rope_scaling(config, where, "yarn", "YaRN", fields)
 
@@ -94,7 +101,7 @@ def _deepseek_v3(config: dict) -> DeepSeekV3ModelArgs:
         v_head_dim=config["v_head_dim"], original_seq_len=scaling["original_max_position_embeddings"],
         rope_theta=config["rope_theta"], rope_factor=scaling["factor"], beta_fast=scaling["beta_fast"],
         # torchtitan's mscale scales the softmax, as the config's mscale_all_dim does
-        beta_slow=scaling["beta_slow"], mscale=scaling["mscale_all_dim"],
+        beta_slow=scaling["beta_slow"], mscale=scaling["mscale_all_dim"], **_context(config),
     )
 
 
@@ -114,6 +121,7 @@ def _gpt_oss(config: dict) -> GptOssModelArgs:
         n_kv_heads=config["num_key_value_heads"], sliding_window_size=config["sliding_window"],
         original_seq_len=scaling["original_max_position_embeddings"], rope_theta=config["rope_theta"],
         rope_factor=scaling["factor"], ntk_alpha=scaling["beta_slow"], ntk_beta=scaling["beta_fast"],
+        **_context(config),
     )
 
 
@@ -128,6 +136,7 @@ def _qwen3_moe(config: dict, qk_norm: bool = True) -> Qwen3ModelArgs:
             num_experts=config["num_experts"], num_shared_experts=0, top_k=config["num_experts_per_tok"],
             score_func="softmax", route_norm=config["norm_topk_prob"], route_scale=1.0, score_before_experts=False,
         ),
+        **_context(config),
     )
 
 
@@ -168,6 +177,7 @@ def _llama4_text(config: dict) -> TransformerModelArgs:
         moe_args=MoEArgs(num_experts=config["num_local_experts"], num_shared_experts=1, top_k=top_k,
                          score_func="sigmoid", route_norm=False, score_before_experts=True),
         interleave_moe_layer_step=config["interleave_moe_layer_step"], auto_scale_hidden_dim=True,
+        **_context(config),
     )
 
 
@@ -193,7 +203,7 @@ def _alternating_sliding_then_full(config: dict) -> bool:
 
 _COMMON_IGNORED = (
     "architectures", "attention_dropout", "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range",
-    "max_position_embeddings", "model_type", "torch_dtype", "dtype", "transformers_version", "use_cache",
+    "model_type", "torch_dtype", "dtype", "transformers_version", "use_cache",
     "quantization_config",  # the checkpoint's storage format: a job's precision is its own config's
 )
 
@@ -218,6 +228,7 @@ _FAMILIES = {
                  # multi-token prediction layers: torchtitan's DeepSeek-V3 builds none, so the job priced has none
                  "num_nextn_predict_layers"),
         build=_deepseek_v3,
+        optional=("max_position_embeddings",),
     ),
     "gpt_oss": _Family(
         "gpt_oss",
@@ -233,6 +244,7 @@ _FAMILIES = {
         },
         ignored=(*_COMMON_IGNORED, "initial_context_length", "output_router_logits", "router_aux_loss_coef"),
         build=_gpt_oss,
+        optional=("max_position_embeddings",),
     ),
     "qwen3_moe": _Family(
         "qwen3",
@@ -251,6 +263,7 @@ _FAMILIES = {
         ignored=(*_COMMON_IGNORED, "output_router_logits", "router_aux_loss_coef", "sliding_window",
                  "max_window_layers"),
         build=_qwen3_moe,
+        optional=("max_position_embeddings",),
     ),
     "mixtral": _Family(
         "qwen3",
@@ -266,14 +279,15 @@ _FAMILIES = {
         unread_checkpoint_names=("Mixtral's checkpoints name their experts block_sparse_moe.experts.<e>.w1, w2, w3 "
                                  "and their router block_sparse_moe.gate, where torchtitan's Qwen3 adapter reads "
                                  "mlp.experts.<e>.gate_proj, down_proj, up_proj and mlp.gate"),
-        optional=("head_dim",),
+        optional=("head_dim", "max_position_embeddings"),
     ),
     "llama4": _Family(
         "llama4",
         required=("text_config",),
         fixed={"tie_word_embeddings": (False, "an output layer apart from the embeddings")},
         # the vision encoder and its projector: torchtitan's Llama4 is the text model, so a job trains none
-        ignored=(*_COMMON_IGNORED, "vision_config", "boi_token_index", "eoi_token_index", "image_token_index"),
+        ignored=(*_COMMON_IGNORED, "vision_config", "boi_token_index", "eoi_token_index", "image_token_index",
+                 "max_position_embeddings"),  # the text model's, in text_config, is the one read
         build=_llama4,
     ),
     "llama4_text": _Family(
@@ -303,7 +317,7 @@ _FAMILIES = {
         build=_llama4_text,
         unread_checkpoint_names=("a text-only Llama 4 checkpoint names its tensors model.layers.<n>..., where "
                                  "torchtitan's Llama4 adapter reads a multimodal one's language_model.model.layers.<n>..."),
-        optional=("moe_layers", "tie_word_embeddings"),
+        optional=("moe_layers", "tie_word_embeddings", "max_position_embeddings"),
     ),
 }
 

@@ -6,7 +6,7 @@ combine: SMs S, ...`` line, ending in ``X GB/s (NVL)`` (intranode) or ``X GB/s (
 (internode); each format the scripts have printed (with ``t: .. us``, ``avg_t``, ``transmit``/``notify``,
 ``notify + t us``, or no time) is read, for its GB/s and SMs. Bytes over time: NVL, the token rows rank 0
 receives (its own included); RDMA, the (token, node) pairs it sends, its own node included. ``[config]
-num_tokens=T, hidden=H`` gives the shape where printed.
+num_tokens=T, hidden=H, ... num_topk=K`` gives the shape where printed.
 
 HybridEP (DeepEP's hybrid-ep branch, ``tests/test_hybrid_ep.py``): rank 0 prints, under ``=== Torch API Benchmark
 (BF16, N ranks) ===``, ``dispatch (BF16): X GB/s (NVL), t: ...`` and ``combine: X GB/s (NVL), ...``, and with more
@@ -29,7 +29,7 @@ from pathlib import Path
 from torchtitan_ext.config import ConfigError
 
 DEEPEP_BEST = re.compile(r"\[tuning\] Best (dispatch|combine)(?: \((BF16|FP8)\))?: SMs (\d+),")
-DEEPEP_CONFIG = re.compile(r"\[config\] num_tokens=(\d+), hidden=(\d+)")
+DEEPEP_CONFIG = re.compile(r"\[config\] num_tokens=(\d+), hidden=(\d+)(?:,.*?\bnum_topk=(\d+))?")
 HYBRIDEP_HEADER = re.compile(r"=== Torch API Benchmark \((BF16|FP8), (\d+) ranks\) ===")
 HYBRIDEP_LINE = re.compile(
     r"^(?:\[rank 0\] HybridEP )?(dispatch|combine)(?: torch API)?(?: \((BF16|FP8)\))?:\s+([\d.]+) GB/s \((NVL|RDMA|IB)\)")
@@ -57,8 +57,9 @@ class KernelTestLog:
     DeepEP's 8; None where unknown."""
     nodes: int | None
     """``# nodes``; None where not given."""
-    shape: tuple[int, int] | None = field(default=None)
-    """(tokens per rank, hidden) from DeepEP's ``[config]`` line; None where not printed."""
+    shape: tuple[int, int, int | None] | None = field(default=None)
+    """(tokens per rank, hidden, top-k or None where not printed) from DeepEP's ``[config]`` line; None where not
+    printed."""
 
 
 def read_kernel_test_log(path: Path, text: str) -> KernelTestLog | None:
@@ -85,7 +86,8 @@ def read_kernel_test_log(path: Path, text: str) -> KernelTestLog | None:
                 raise ConfigError(f"{where}: line {number}: '# {name}: {value}': give a whole number >= 1")
             notes[name] = int(value)
         elif match := DEEPEP_CONFIG.search(line):
-            shape = (int(match.group(1)), int(match.group(2)))
+            tokens, hidden, top_k = match.groups()
+            shape = (int(tokens), int(hidden), top_k and int(top_k))
         elif match := DEEPEP_BEST.search(line):
             kernel, dtype, best_sms = match.groups()
             if dtype == "FP8":

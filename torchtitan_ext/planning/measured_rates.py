@@ -291,11 +291,13 @@ def kernel_test_rates(
     (:attr:`~torchtitan_ext.ep.planning_profile.PlanningProfile.test_log_settings`). ConfigError for a shape that
     is not the job's, a link the topology lacks, an unknown node or rank count, or a figure above the nominal rate."""
     where = f"--calibrate-from {path}"
-    if shape is not None and log.shape is not None and log.shape != (shape.max_tokens_per_rank, shape.hidden_dim):
-        tokens, hidden = log.shape
-        raise ConfigError(f"{where}: the test ran {tokens} tokens per rank at hidden {hidden}; the job's are "
-                          f"{shape.max_tokens_per_rank} and {shape.hidden_dim}: rerun it with --num-tokens {shape.max_tokens_per_rank} "
-                          f"--hidden {shape.hidden_dim}")
+    if shape is not None and log.shape is not None:
+        tokens, hidden, top_k = log.shape  # top_k None: a script that prints none, held to no top-k
+        if (tokens, hidden, top_k or shape.top_k) != (shape.max_tokens_per_rank, shape.hidden_dim, shape.top_k):
+            raise ConfigError(f"{where}: the test ran {tokens} tokens per rank at hidden {hidden}"
+                              f"{f', top-k {top_k}' if top_k else ''}; the job's are {shape.max_tokens_per_rank}, "
+                              f"{shape.hidden_dim} and top-k {shape.top_k}: rerun it with --num-tokens "
+                              f"{shape.max_tokens_per_rank} --hidden {shape.hidden_dim} --num-topk {shape.top_k}")
     fabric = "RDMA" if "RDMA" in log.figures else "NVL"
     kinds = ("rdma",) if fabric == "RDMA" else ("nvlink", "mnnvl")
     level = next((index for index, spec in enumerate(topology.levels) if spec.fabric in kinds), None)
