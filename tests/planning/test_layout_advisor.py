@@ -9,10 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torchtitan.models.moe import MoE
 
 from tests.planning.advice_text import ERROR, headline, paragraph
 from torchtitan_ext import plan, runtime
-from torchtitan_ext.config import ConfigError, load_job_config, parse
+from torchtitan_ext.config import ConfigError, load_job_config, parse, shared_meta_model
 from torchtitan_ext.ep import BACKENDS, PLANNING_PROFILES
 from torchtitan_ext.ep.planning_profile import nvlink_domain_at_ep
 from torchtitan_ext.measuring.compute import check_measurable
@@ -611,8 +612,8 @@ def test_data_parallel_sync_hides_behind_compute_where_it_overlaps():
          "drop --measure-compute for a model this machine cannot train"),
         ([*DEBUG_JOB, "--model.name", "llama3", "--model.flavor", "debugmodel", "--parallelism.expert_parallel_degree",
           "1"], 2,
-         "--measure-compute times the routed experts as torchtitan's GroupedExperts, which model.name = 'llama3' does "
-         "not build: drop --measure-compute (FLOPs at the topology's compute_tflops)"),
+         "--measure-compute times the routed experts of the model's MoE layers, and model.name = 'llama3' builds "
+         "none: drop --measure-compute (FLOPs at the topology's compute_tflops)"),
     ],
 )
 def test_compute_that_cannot_be_measured_here_is_refused(overrides, world_size, message):
@@ -641,12 +642,13 @@ def test_measure_compute_needs_a_topology(capsys):
 
 @pytest.mark.slow
 def test_cli_measures_the_compute(capsys):
-    """Two processes train the small debug flavour at 32 tokens; the table's compute is what they measured:
-    one forward-backward and half of the optimizer (each rank holds half of the parameters), the routed experts
-    a part of that forward-backward, and each EP
-    layout's local work is its backend's measured dispatch + combine beyond torchtitan's own sort."""
-    plan.main(["--topology", "hgx_h100_ib", "--world-size", "2", "--measure-compute", *DEBUG_JOB,
-               "--model.flavor", "debugmodel_small", "--training.local_batch_size", "1", "--training.seq_len", "32"])
+    """Two processes train GPT-OSS's small debug flavour (attention masks, experts with biases) at 32 tokens; the
+    table's compute is what they measured: one forward-backward and half of the optimizer (each rank holds half of
+    the parameters), the routed experts a part of that forward-backward, and each EP layout's local work is its
+    backend's measured dispatch + combine beyond torchtitan's own sort."""
+    job = ["--job.config_file", "train_configs/gpt_oss_debug_model.toml", "--training.local_batch_size", "1",
+           "--training.seq_len", "32"]
+    plan.main(["--topology", "hgx_h100_ib", "--world-size", "2", "--measure-compute", *job])
     raw = capsys.readouterr().out
     out = " ".join(raw.split())  # the advice wraps its lines at 118 columns
     found = re.search(r"compute ([0-9.,]+) ms per step measured on this machine \(2 processes: forward \+ backward "
@@ -657,7 +659,8 @@ def test_cli_measures_the_compute(capsys):
     assert forward_backward > 0 and optimizer > 0
     assert 0 < float(found[3]) < forward_backward
     assert step_ms == pytest.approx((forward_backward + optimizer / 2) * 1e3, abs=1.5, rel=0.01)
-    # each backend's local work per MoE call, measured; an EP=2 layout adds it for each of the 5 MoE layers
+    # each backend's local work per MoE call, measured; an EP=2 layout adds it for each MoE layer
+    moe_layers = sum(isinstance(module, MoE) for module in shared_meta_model(parse(job)).modules())
     found = re.search(r"dispatch \+ combine beyond its collectives and torchtitan's own sort \(([0-9.]+) ms\): "
                       r"nccl ([0-9.]+) ms, deepep ([0-9.]+) ms, hybridep ([0-9.]+) ms", out)
     assert found, out
@@ -666,7 +669,7 @@ def test_cli_measures_the_compute(capsys):
     for backend, ms in per_call.items():
         row = re.search(rf"^ +\d+ +{backend} +2 +1 .*$", raw, re.MULTILINE)
         assert row, raw
-        assert float(row[0].split()[8].replace(",", "")) == pytest.approx(5 * ms, rel=0.01, abs=0.01)
+        assert float(row[0].split()[8].replace(",", "")) == pytest.approx(moe_layers * ms, rel=0.01, abs=0.01)
 
 
 def test_nvl72_racks_hold_72_and_a_job_says_how_many_it_uses():

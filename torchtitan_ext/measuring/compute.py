@@ -18,10 +18,12 @@ import torch.distributed as dist
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
-from torchtitan.models.moe.moe import GroupedExperts
+from torchtitan.models.moe import MoE
+from torchtitan.protocols.train_spec import get_train_spec
 
 from torchtitan_ext import runtime
 from torchtitan_ext.config import ConfigError, load_job_config, model_class_and_args, MoEShape, parse, shared_meta_model
+from torchtitan_ext.data import check_tokenizer_folder, prepare_embedded_assets
 from torchtitan_ext.ep import BACKENDS
 from torchtitan_ext.ep.base import destroy_kernel_buffers
 from torchtitan_ext.ep.experts import adopt_routed_experts
@@ -31,6 +33,7 @@ from torchtitan_ext.planning.measured_compute import MeasuredCompute
 from torchtitan_ext.runtime.memory import memory_limit_bytes
 from torchtitan_ext.runtime.workers import run_workers
 from torchtitan_ext.training import prepare
+from torchtitan_ext.training.validator import ATTENTION_WITH_MASKS
 
 WARMUP_STEPS = 2
 TIMED_STEPS = 4
@@ -70,11 +73,13 @@ def check_measurable(job_config, world_size: int) -> None:
             "another machine's job"
         )
     model = shared_meta_model(job_config)
-    if not any(isinstance(module, GroupedExperts) for module in model.modules()):
+    if not any(isinstance(module, MoE) for module in model.modules()):
         raise ConfigError(
-            f"--measure-compute times the routed experts as torchtitan's GroupedExperts, which model.name = "
-            f"'{job_config.model.name}' does not build: drop --measure-compute (FLOPs at the topology's compute_tflops)"
+            f"--measure-compute times the routed experts of the model's MoE layers, and model.name = "
+            f"'{job_config.model.name}' builds none: drop --measure-compute (FLOPs at the topology's compute_tflops)"
         )
+    if _takes_attention_masks(job_config):
+        check_tokenizer_folder(job_config)  # the masks' document boundaries are the tokenizer's end-of-text id
     parameters = sum(parameter.numel() for parameter in model.parameters())
     needed = world_size * parameters * BYTES_PER_PARAMETER
     memory = memory_limit_bytes()
@@ -84,6 +89,10 @@ def check_measurable(job_config, world_size: int) -> None:
             f"{world_size} processes: {needed / 2**30:,.1f} GiB of parameters and optimizer state, more than half "
             f"of the {memory / 2**30:,.1f} GiB of memory this machine gives this process; drop --measure-compute for a model this machine cannot train"
         )
+
+
+def _takes_attention_masks(job_config) -> bool:
+    return getattr(model_class_and_args(job_config)[1], "attn_type", "sdpa") in ATTENTION_WITH_MASKS
 
 
 def _measure(rank: int, world_size: int, train_args: list[str]) -> tuple:
@@ -105,6 +114,11 @@ def _measure(rank: int, world_size: int, train_args: list[str]) -> tuple:
     compute_model = _in_parameter_dtype(model, TORCH_DTYPE_MAP[job_config.training.mixed_precision_param])
     training = job_config.training
     tokens = torch.randint(0, model_args.vocab_size, (training.local_batch_size, training.seq_len))
+    masks = {}
+    if _takes_attention_masks(job_config):
+        # the masks the trainer builds for a FlexAttention or varlen model (its post_dataloading_process)
+        tokenizer = get_train_spec(job_config.model.name).build_tokenizer_fn(job_config)
+        masks["attention_masks"] = model.get_attention_masks(input_batch=tokens, tokenizer=tokenizer)
     timings = []
     for step in range(WARMUP_STEPS + TIMED_STEPS):
         # every step starts together, as the ranks of a synchronous step do
@@ -114,7 +128,7 @@ def _measure(rank: int, world_size: int, train_args: list[str]) -> tuple:
             with torch.no_grad():
                 for master, cast in zip(model.parameters(), compute_model.parameters()):
                     cast.copy_(master)
-        logits = compute_model(tokens)
+        logits = compute_model(tokens, **masks)
         torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten()).backward()
         if compute_model is not model:
             for master, cast in zip(model.parameters(), compute_model.parameters()):
@@ -125,24 +139,24 @@ def _measure(rank: int, world_size: int, train_args: list[str]) -> tuple:
         optimizers.zero_grad()
         if step >= WARMUP_STEPS:
             timings.append((passed - began, time.perf_counter() - passed))
-    experts_times = _timed(_routed_experts_pass(compute_model, tokens))
+    experts_times = _timed(_routed_experts_pass(compute_model, tokens, masks))
     dtype = next(compute_model.parameters()).dtype
     return timings, experts_times, _time_dispatch(train_args, model_args, tokens.numel(), dtype)
 
 
-def _routed_experts_pass(model: torch.nn.Module, tokens: torch.Tensor):
+def _routed_experts_pass(model: torch.nn.Module, tokens: torch.Tensor, masks: dict):
     """A call that runs every MoE layer's routed experts forward and backward on the rows and per-expert
-    counts the layer received in one forward of ``tokens``."""
+    counts the layer received in one forward of ``tokens`` (with ``masks``, the model's keyword arguments)."""
     received = []
 
     def keep(experts, args, output):
         rows, counts = args
         received.append((experts, rows.detach(), counts, torch.randn_like(output)))
 
-    handles = [module.register_forward_hook(keep) for module in model.modules() if isinstance(module, GroupedExperts)]
+    handles = [module.experts.register_forward_hook(keep) for module in model.modules() if isinstance(module, MoE)]
     try:
         with torch.no_grad():
-            model(tokens)
+            model(tokens, **masks)
     finally:
         for handle in handles:
             handle.remove()
@@ -217,6 +231,9 @@ def measure_compute(train_args: list[str], world_size: int) -> MeasuredCompute:
     print(f"[measure-compute] {world_size} processes, one thread each: {WARMUP_STEPS} warm-up and "
           f"{TIMED_STEPS} timed forward/backward passes and optimizer steps of the job's model, then of each "
           "backend's dispatch + combine", flush=True)
+    job_config = parse(train_args)
+    if _takes_attention_masks(job_config):
+        prepare_embedded_assets(job_config)  # the tokenizer, built before the ranks read it
     # a model as large as the memory check admits takes minutes per step on a CPU, and a rank may wait that long at a
     # step's barrier: an hour for the run and for each collective (run_workers' defaults: 7 and 2 minutes)
     per_rank = run_workers(world_size, _measure, train_args, preload=[__name__],

@@ -9,9 +9,9 @@ sums all four of an expert's parameters (``GptOssExpertsWithReplicas``), and the
 converters quantize its two grouped GEMMs. Expert TP under EP, written against the standard experts'
 w1, w2, w3, is refused for it in one line by its own check.
 
-Four departures from torchtitan 0.2.2's model; only the last changes a value, and only in an fp32 job (and one
-from its arguments: ``--debug.moe_force_load_balance`` reaches the routers, as in torchtitan's other MoE models;
-torchtitan's GPT-OSS arguments never read it):
+Four departures from torchtitan 0.2.2's model; the first changes values in every job (weights drawn in fp32, fp32
+optimizer masters), the last in an fp32 job. And one from its arguments: ``--debug.moe_force_load_balance`` reaches
+the routers, as in torchtitan's other MoE models; torchtitan's GPT-OSS arguments never read it:
 
 - the transformer blocks hold their parameters in the default dtype (fp32), as every other model
   here does, instead of bf16: FSDP's ``mixed_precision_param`` sets the compute dtype, and the
