@@ -1,18 +1,38 @@
 """The per-rank worker of the HF checkpoint test: a model saved in Hugging Face names and safetensors by torchtitan's
 state-dict adapter, loaded under our parallelize plan (EP over every rank, FSDP) the way torchtitan's checkpointer
-loads ``checkpoint.initial_load_in_hf`` (CheckpointManager.dcp_load), then its logits gathered."""
+loads ``checkpoint.initial_load_in_hf`` (CheckpointManager.dcp_load), then its logits gathered. GPT-OSS's experts
+may be saved in MXFP4, as its published checkpoints store them (``checkpoint.initial_load_in_hf_quantized``)."""
 
 import copy
+import dataclasses
 
 import torch
 
 from tests.models.gradient_cases import _forward, SEQ_LEN, tiny_model_args, VOCAB
 
 SEED = 11
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+"""An FP4 (E2M1) element by its 4-bit code: the OCP Microscaling spec's element type of MXFP4."""
+MX_BLOCK = 32
+"""Elements that share one scale in MXFP4."""
 
 
-def load_hf_under_plan(rank: int, world_size: int, model_name: str, folder: str) -> dict:
-    """{"reference": the saved model's logits (rank 0), "loaded": the loaded model's logits on this rank's batch}."""
+def mxfp4(shape: tuple[int, ...], generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(values, blocks, scales): random MXFP4 values of ``shape`` (its last dim a multiple of 32), and their encoding
+    as GPT-OSS's checkpoints store it: blocks [..., last / 32, 16] uint8, two codes a byte, the even element's in the
+    low nibble; scales [..., last / 32] uint8, each block's power-of-two exponent + 127."""
+    *lead, last = shape
+    codes = torch.randint(0, 16, (*lead, last // MX_BLOCK, MX_BLOCK), generator=generator)
+    exponents = torch.randint(-8, -3, (*lead, last // MX_BLOCK), generator=generator)
+    values = torch.tensor(E2M1)[codes] * torch.exp2(exponents.float()).unsqueeze(-1)
+    blocks = (codes[..., 0::2] | codes[..., 1::2] << 4).to(torch.uint8)
+    return values.reshape(shape), blocks, (exponents + 127).to(torch.uint8)
+
+
+def load_hf_under_plan(rank: int, world_size: int, model_name: str, folder: str, quantized: bool = False) -> dict:
+    """{"reference": the saved model's logits (rank 0), "loaded": the loaded model's logits on this rank's batch}.
+    ``quantized`` (GPT-OSS): the experts' two weights saved in MXFP4 (``_blocks`` and ``_scales``), an expert's
+    hidden size raised to 32, a whole MXFP4 block."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
@@ -28,16 +48,29 @@ def load_hf_under_plan(rank: int, world_size: int, model_name: str, folder: str)
     prepare()
     spec = get_train_spec(model_name)
     model_args = tiny_model_args(model_name, grouped_mm=False)
+    if quantized:
+        model_args = dataclasses.replace(model_args, moe_inter_dim=MX_BLOCK)
     adapter = spec.state_dict_adapter(model_args, None)
     tokens = torch.randint(0, VOCAB, (world_size, SEQ_LEN), generator=torch.Generator().manual_seed(SEED))
     result = {}
     if rank == 0:
         torch.manual_seed(SEED)
         saved = spec.model_cls(model_args)
+        encoded = {}
         with torch.no_grad():
             saved.init_weights()
+            if quantized:
+                generator = torch.Generator().manual_seed(SEED)
+                for name, weight in saved.named_parameters():
+                    if name.endswith(("experts.mlp1_weight", "experts.mlp2_weight")):
+                        values, *encoded[name] = mxfp4(tuple(weight.shape), generator)
+                        weight.copy_(values)
             result["reference"] = _forward(saved, tokens).detach()
         hf_names = {name: tensor.contiguous() for name, tensor in adapter.to_hf(saved.state_dict()).items()}
+        for name, (blocks, scales) in encoded.items():
+            (hf_name,) = adapter.to_hf({name: None})
+            hf_names[hf_name] = blocks
+            hf_names[hf_name.removesuffix("_blocks") + "_scales"] = scales
         result["hf_names"] = sorted(hf_names)
         # written by torch's own HF writer, as torchtitan's checkpoint.last_save_in_hf writes
         dcp.save(hf_names, storage_writer=HuggingFaceStorageWriter(folder, save_distributed=False), no_dist=True)
@@ -59,7 +92,7 @@ def load_hf_under_plan(rank: int, world_size: int, model_name: str, folder: str)
     runtime.adapt_model_parts([model])
     wrapper = ModelWrapper(model)
     hf_state = adapter.to_hf(wrapper.state_dict())
-    dcp.load(hf_state, storage_reader=adapter.get_hf_storage_reader(folder))
+    dcp.load(hf_state, storage_reader=adapter.get_hf_storage_reader(folder, from_quantized=quantized))
     wrapper.load_state_dict(adapter.from_hf(hf_state))
     with torch.no_grad():
         result["loaded"] = _forward(model, tokens[rank:rank + 1]).detach()

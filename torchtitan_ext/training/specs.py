@@ -20,6 +20,7 @@ from torchtitan.protocols.train_spec import get_train_spec, register_train_spec,
 from torchtitan_ext.config import hf_flavor_args, HF_FLAVOR_PREFIX
 from torchtitan_ext.models import deepseek_v3, gpt_oss, llama4, qwen3
 from torchtitan_ext.models.args import as_our_args
+from torchtitan_ext.models.gpt_oss_checkpoint import GptOssStateDictAdapter
 from torchtitan_ext.training.loss import build_loss_fn
 from torchtitan_ext.training.metrics import build_metrics_processor
 from torchtitan_ext.training.validator import build_validator
@@ -31,7 +32,9 @@ MODELS = {
     # other three models are
     "qwen3": (qwen3_spec, qwen3.flavors, qwen3.parallelize_qwen3,
               {"build_optimizers_fn": build_optimizers_with_moe_load_balancing}),
-    "gpt_oss": (gpt_oss_spec, gpt_oss.flavors, gpt_oss.parallelize_gptoss, {"model_cls": gpt_oss.GptOssModel}),
+    # torch 2.13's reader of MXFP4 checkpoints loads a wrong slice of the experts' weights (gpt_oss_checkpoint says how)
+    "gpt_oss": (gpt_oss_spec, gpt_oss.flavors, gpt_oss.parallelize_gptoss,
+                {"model_cls": gpt_oss.GptOssModel, "state_dict_adapter": GptOssStateDictAdapter}),
 }
 """Model name -> (torchtitan's spec, our flavours, our parallelize function, other fields of the spec we replace)."""
 
