@@ -31,8 +31,9 @@ def mxfp4(shape: tuple[int, ...], generator: torch.Generator) -> tuple[torch.Ten
 
 def load_hf_under_plan(rank: int, world_size: int, model_name: str, folder: str, quantized: bool = False) -> dict:
     """{"reference": the saved model's logits (rank 0), "loaded": the loaded model's logits on this rank's batch}.
-    ``quantized`` (GPT-OSS): the experts' two weights saved in MXFP4 (``_blocks`` and ``_scales``), an expert's
-    hidden size raised to 32, a whole MXFP4 block."""
+    ``quantized`` (GPT-OSS): the experts' first weight (gate and up) saved in MXFP4 (``_blocks`` and ``_scales``), as
+    published checkpoints store both, and the second unquantized under its ``_blocks`` name, as torchtitan's HF export
+    stores both: the quantized reader reads each; an expert's hidden size raised to 32, a whole MXFP4 block."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
@@ -62,7 +63,7 @@ def load_hf_under_plan(rank: int, world_size: int, model_name: str, folder: str,
             if quantized:
                 generator = torch.Generator().manual_seed(SEED)
                 for name, weight in saved.named_parameters():
-                    if name.endswith(("experts.mlp1_weight", "experts.mlp2_weight")):
+                    if name.endswith("experts.mlp1_weight"):
                         values, *encoded[name] = mxfp4(tuple(weight.shape), generator)
                         weight.copy_(values)
             result["reference"] = _forward(saved, tokens).detach()

@@ -5,8 +5,10 @@ torchtitan's GPT-OSS adapter reads them with torch's ``QuantizedHuggingFaceStora
 ``<name>_blocks`` tensor ([..., G, 16] bytes, 32 FP4 elements per group, a ``<name>_scales`` exponent each) into
 [..., G * 32] values. In torch 2.13 that reader gives the tensor its dequantized size but leaves the chunk the file
 stores as it is ([..., G, 16]); the load planner reads chunks, so it asks for the first G values of each row, and
-the rest of the model's expert weights keep the values they had before the load, with no error.
-:class:`MXFP4Reader` states the chunks in dequantized elements too; everything else is torch's reader.
+the rest of the model's expert weights keep the values they had before the load, with no error. It also gives a
+``_blocks`` tensor without ``_scales`` (stored unquantized, as torchtitan's own HF export names the expert weights)
+a size it does not have, and the load stops on it. :class:`MXFP4Reader` states the chunks in dequantized elements
+too, and reads a tensor without scales as stored; everything else is torch's reader.
 """
 
 import torch
@@ -27,19 +29,22 @@ def _dequantized(offsets: torch.Size, sizes: torch.Size) -> tuple[torch.Size, to
 
 
 class MXFP4Reader(QuantizedHuggingFaceStorageReader):
-    """torch's reader of quantized HF checkpoints, with each MXFP4 tensor's stored chunks in dequantized elements
-    (the module docstring says why)."""
+    """torch's reader of quantized HF checkpoints, with each MXFP4 tensor's stored chunks in dequantized elements and
+    a ``_blocks`` tensor without scales at its stored size (the module docstring says why)."""
 
     def read_metadata(self) -> Metadata:
-        metadata = super().read_metadata()  # the sizes already dequantized, the chunks not
+        metadata = super().read_metadata()  # every _blocks tensor's size dequantized, its chunks not
         for fqn, tensor in metadata.state_dict_metadata.items():
             if not fqn.endswith(BLOCKS_SUFFIX) or not isinstance(tensor, TensorStorageMetadata):
                 continue
+            if fqn not in self._weight_scale_mapping:
+                # no _scales: stored unquantized (torchtitan's HF export names GPT-OSS's expert weights _blocks too),
+                # and read as stored; torch's reader resized it all the same
+                ends = [[offset + size for offset, size in zip(chunk.offsets, chunk.sizes)] for chunk in tensor.chunks]
+                tensor.size = torch.Size(max(column) for column in zip(*ends))
+                continue
             chunks = []
             for chunk in tensor.chunks:
-                if len(chunk.sizes) != len(tensor.size) + 1:
-                    raise ValueError(f"{fqn}: a stored chunk of {len(chunk.sizes)} dims, and the tensor has "
-                                     f"{len(tensor.size)} once dequantized: not an MXFP4 tensor")
                 stored = MetadataIndex(fqn, chunk.offsets)
                 offsets, sizes = _dequantized(chunk.offsets, chunk.sizes)
                 metadata.storage_data[MetadataIndex(fqn, offsets)] = metadata.storage_data.pop(stored)
