@@ -31,9 +31,10 @@ def mxfp4(shape: tuple[int, ...], generator: torch.Generator) -> tuple[torch.Ten
 
 def load_hf_under_plan(rank: int, world_size: int, model_name: str, folder: str, quantized: bool = False) -> dict:
     """{"reference": the saved model's logits (rank 0), "loaded": the loaded model's logits on this rank's batch}.
-    ``quantized`` (GPT-OSS): the experts' first weight (gate and up) saved in MXFP4 (``_blocks`` and ``_scales``), as
-    published checkpoints store both, and the second unquantized under its ``_blocks`` name, as torchtitan's HF export
-    stores both: the quantized reader reads each; an expert's hidden size raised to 32, a whole MXFP4 block."""
+    ``quantized`` (GPT-OSS): the experts' first weight (gate and up, [experts, 2 x hidden, dim]) saved in MXFP4
+    (``_blocks`` and ``_scales``), as published checkpoints store both, and the second unquantized under its
+    ``_blocks`` name, as torchtitan's HF export stores both: the quantized reader reads each. ``dim`` is raised to
+    64, two MXFP4 blocks a row (a real checkpoint's rows hold dozens)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
@@ -50,7 +51,7 @@ def load_hf_under_plan(rank: int, world_size: int, model_name: str, folder: str,
     spec = get_train_spec(model_name)
     model_args = tiny_model_args(model_name, grouped_mm=False)
     if quantized:
-        model_args = dataclasses.replace(model_args, moe_inter_dim=MX_BLOCK)
+        model_args = dataclasses.replace(model_args, dim=2 * MX_BLOCK)
     adapter = spec.state_dict_adapter(model_args, None)
     tokens = torch.randint(0, VOCAB, (world_size, SEQ_LEN), generator=torch.Generator().manual_seed(SEED))
     result = {}

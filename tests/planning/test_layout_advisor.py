@@ -948,7 +948,7 @@ def test_the_routed_experts_are_timed_on_the_rows_each_layer_received():
         model(tokens)
         for handle in handles:
             handle.remove()
-    run = _routed_experts_pass(model, tokens)
+    run = _routed_experts_pass(model, tokens, {})  # an SDPA model: no masks
     for module in experts_modules:
         module.register_forward_hook(record)
     run()

@@ -1,8 +1,8 @@
 """plan --hf-config ... --emit-config writes a job config that trains as written: the model named as
 ``hf:<config.json>``, read by training itself. For each family the emitted config dry-runs at full size on the world
-size it was planned for, then trains a few steps on a CPU at its debug flavour (only the size, the data, the EP degree, the
-suite's fp32 deterministic settings and what a CPU cannot do are overridden). In-process, as run_train.sh's ranks load a job: the launcher's own path for a config
-file is the other configs' (tests/launch)."""
+size it was planned for, then trains a few steps on a CPU at its debug flavour (only the size, the data, the EP
+degree, the suite's fp32 deterministic settings and what a CPU cannot do are overridden). In-process, as
+run_train.sh's ranks load a job: the launcher's own path for a config file is the other configs' (tests/launch)."""
 
 import tomllib
 

@@ -100,8 +100,8 @@ def check_tokenizer_folder(job_config) -> None:
     """ConfigError where a job that is about to train has no tokenizer in ``model.hf_assets_path``: torchtitan's
     trainer loads it there in every rank (where the model's train spec builds one), once the processes have
     started, a traceback per rank. The embedded assets' folder passes: :func:`prepare_embedded_assets` builds it
-    before the ranks start. For the launchers' pre-flight on the machines that train, not for a dry run or a plan,
-    whose job may read its assets elsewhere."""
+    before the ranks start. For the launchers' pre-flight on the machines that train, and plan's --measure-compute,
+    which trains the job here; not for a dry run or a plan, whose job may read its assets elsewhere."""
     path = job_config.model.hf_assets_path
     folder = Path(path)
     if get_train_spec(job_config.model.name).build_tokenizer_fn is None or folder.resolve() in _embedded_roots(job_config):

@@ -79,7 +79,8 @@ def check_measurable(job_config, world_size: int) -> None:
             f"'{job_config.model.name}' builds none: drop --measure-compute (FLOPs at the topology's compute_tflops)"
         )
     if _takes_attention_masks(job_config):
-        check_tokenizer_folder(job_config)  # the masks' document boundaries are the tokenizer's end-of-text id
+        # the trainer builds such a model's masks with the tokenizer (its end-of-text id bounds block_causal's documents)
+        check_tokenizer_folder(job_config)
     parameters = sum(parameter.numel() for parameter in model.parameters())
     needed = world_size * parameters * BYTES_PER_PARAMETER
     memory = memory_limit_bytes()
