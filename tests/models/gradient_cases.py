@@ -272,14 +272,15 @@ def _mesh_size(parallel_dims, name: str) -> tuple[int, int]:
 class ReplicaCopyCounter(TorchDispatchMode):
     """Counts, while they are alive, the tensors each MoE layer computes its experts from under replication:
     its copy of the L home experts beside the S replicas (``torch.cat`` into [L + S, ...], one tensor per
-    projection) and its fetched replicas (``replica_weights``' output). A tensor counts until its storage is
-    freed, whoever holds it: autograd's saved tensors, activation checkpointing's, or the forward itself."""
+    parameter of an expert, of ``expert_shapes``) and its fetched replicas (``replica_weights``' output). A tensor
+    counts until its storage is freed, whoever holds it: autograd's saved tensors, activation checkpointing's, or
+    the forward itself."""
 
-    def __init__(self, rows: int, projection_shapes: set[tuple[int, ...]]):
+    def __init__(self, rows: int, expert_shapes: set[tuple[int, ...]]):
         from torchtitan_ext.ep.replication import transport_ops
 
         super().__init__()
-        self.rows, self.projection_shapes = rows, projection_shapes
+        self.rows, self.expert_shapes = rows, expert_shapes
         self.replica_weights = transport_ops().replica_weights.default
         self.alive = {"copies": 0, "fetched": 0}
         self.most = dict(self.alive)
@@ -290,8 +291,8 @@ class ReplicaCopyCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten.cat.default and out.dim() == 3 and out.shape[0] == self.rows and (
-                tuple(out.shape[1:]) in self.projection_shapes):
+        if func is torch.ops.aten.cat.default and out.shape[0] == self.rows and (
+                tuple(out.shape[1:]) in self.expert_shapes):
             self._born("copies", out)
         elif func is self.replica_weights:
             self._born("fetched", out)
@@ -396,8 +397,10 @@ def run_cell(rank: int, world_size: int, cell: Cell, count_replica_copies: bool 
             # torchtitan counts per-layer checkpointing's layers across the process: start this model at 0
             activation_checkpoint._layer_sac_count = 0
             local = model_args.moe_args.num_experts // p.expert_parallel_degree + cell.replicas
-            inner, dim = model_args.moe_inter_dim, model_args.dim
-            counter = ReplicaCopyCounter(local, {(inner, dim), (dim, inner)})
+            # one expert's parameters (DeepSeek-V3's w1, w2, w3; GPT-OSS's two weights and their biases)
+            experts = next(module.experts for module in parts[0].modules() if getattr(module, "replicas", None))
+            expert_shapes = [tuple(parameter.shape[1:]) for parameter in experts.parameters()]
+            counter = ReplicaCopyCounter(local, set(expert_shapes))
         with dist_utils.get_train_context(loss_parallel)(), counter or contextlib.nullcontext():
             pred = _forward(parts[0], tokens[start:end])
             loss = loss_fn(pred, labels[start:end]) / global_tokens
@@ -407,9 +410,8 @@ def run_cell(rank: int, world_size: int, cell: Cell, count_replica_copies: bool 
         result["loss"] = _global_loss(_full(loss), parallel_dims)
         if counter is not None:
             del pred
-            inner, dim = model_args.moe_inter_dim, model_args.dim
             result["replica_copies"] = {"most": counter.most, "most_elements": counter.most_elements,
-                                        "expert_elements": 3 * inner * dim,  # w1, w2, w3
+                                        "expert_shapes": expert_shapes,
                                         "at_forward_end": counter.at_forward_end,
                                         "most_in_backward": counter.most_in_backward,
                                         "after_backward": dict(counter.alive)}
