@@ -458,23 +458,38 @@ def test_a_fetch_left_in_flight_by_a_stopped_forward_is_never_used(world_of_one)
     torch.ops._c10d_functional.wait_tensor(first.fetched)
 
 
+@pytest.mark.parametrize("form", ["swiglu", "gpt_oss"])
 @pytest.mark.parametrize("converter", ["quantize.grouped_mm.mx", "quantize.grouped_mm.float8"])
-def test_a_replica_computes_its_home_experts_low_precision_gemms(world_of_one, converter):
-    """Low-precision experts (the converter's recipe, emulated on a CPU): the home experts and a replica slot compute
-    the quantized GEMMs on the concatenated weights, as one model holding the copy would (the recipe's independent
-    reference, tests/models/), and the replica's gradient arrives home, summed with the home expert's own."""
+def test_a_replica_computes_its_home_experts_low_precision_gemms(world_of_one, converter, form):
+    """Low-precision experts (the converter's recipe, emulated on a CPU), torchtitan's bias-free SwiGLU ones and
+    GPT-OSS's (two weights, their biases, the clamped SwiGLU): the home experts and a replica slot compute the
+    quantized GEMMs on the concatenated weights, as one model holding the copy would (the recipe's independent
+    reference, tests/models/), and the replica's gradients, its biases' too, arrive home, summed with the home
+    expert's own."""
     from torchtitan.models.moe.moe import GroupedExperts
 
-    from tests.models.test_low_precision_experts import _recipe, REFERENCES
-    from torchtitan_ext.ep.replication.experts import ExpertsWithReplicas
+    from tests.models.test_low_precision_experts import _recipe, REFERENCES, SWIGLU_LIMIT
+    from torchtitan_ext.ep.experts import GptOssExperts
+    from torchtitan_ext.ep.replication.experts import ExpertsWithReplicas, GptOssExpertsWithReplicas
 
     torch.manual_seed(0)
-    experts = GroupedExperts(dim=64, hidden_dim=64, num_experts=2, use_grouped_mm=False)
-    plain = {name: torch.randn(2, 64, 64) * 0.1 for name in ("w1", "w2", "w3")}
+    if form == "swiglu":
+        experts = GroupedExperts(dim=64, hidden_dim=64, num_experts=2, use_grouped_mm=False)
+        replica_class = ExpertsWithReplicas
+        plain = {name: torch.randn(2, 64, 64) * 0.1 for name in ("w1", "w2", "w3")}
+        reference = REFERENCES[converter].experts
+    else:
+        experts = GptOssExperts(dim=64, hidden_dim=64, num_experts=2, swiglu_limit=SWIGLU_LIMIT, use_grouped_mm=True)
+        replica_class = GptOssExpertsWithReplicas
+        shapes = {"mlp1_weight": (2, 128, 64), "mlp1_bias": (2, 128), "mlp2_weight": (2, 64, 64), "mlp2_bias": (2, 64)}
+        plain = {name: torch.randn(shape) * 0.1 for name, shape in shapes.items()}
+
+        def reference(*leaves):
+            return REFERENCES[converter].gpt_oss_experts(*leaves[:4], SWIGLU_LIMIT, *leaves[4:])
     for name, weight in plain.items():
         setattr(experts, name, torch.nn.Parameter(weight.clone()))
     experts.low_precision = _recipe(converter)
-    ExpertsWithReplicas.adopt(experts, ReplicaPlan.empty(2, 1, 1), world_of_one)
+    replica_class.adopt(experts, ReplicaPlan.empty(2, 1, 1), world_of_one)
     # in a group of one, slot 0 holds a copy of the rank's own expert 1 (no plan copies its own: set by hand)
     experts.exchange = ReplicaExchange(torch.tensor([1]), [1], [1], torch.tensor([1]))
     experts.redundancy_mapping, experts.holds_replicas = torch.tensor([[1]], dtype=torch.int32), True
@@ -485,7 +500,7 @@ def test_a_replica_computes_its_home_experts_low_precision_gemms(world_of_one, c
     out.backward(grad_out)
 
     one_model = {name: torch.cat([weight, weight[1:]]).requires_grad_() for name, weight in plain.items()}
-    expected = REFERENCES[converter].experts(*one_model.values(), x, per_group)
+    expected = reference(*one_model.values(), x, per_group)
     expected.backward(grad_out)
     assert torch.allclose(out, expected, rtol=0, atol=1e-3 * float(expected.abs().max()))
     for name, copy in one_model.items():

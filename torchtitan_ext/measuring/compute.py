@@ -79,7 +79,7 @@ def check_measurable(job_config, world_size: int) -> None:
             f"'{job_config.model.name}' builds none: drop --measure-compute (FLOPs at the topology's compute_tflops)"
         )
     if _takes_attention_masks(job_config):
-        # the trainer builds such a model's masks with the tokenizer (its end-of-text id bounds block_causal's documents)
+        # the trainer builds such a model's masks with the tokenizer (its end-of-text id ends block_causal's documents)
         check_tokenizer_folder(job_config)
     parameters = sum(parameter.numel() for parameter in model.parameters())
     needed = world_size * parameters * BYTES_PER_PARAMETER
