@@ -638,6 +638,8 @@ def cells() -> list[Cell]:
         Cell("ep2_replicas2", "qwen3", "nccl", 2, ep2, replicas=2),
         # GPT-OSS's replicas carry its biases: fetched with the weights, their gradients summed at home
         Cell("ep2_replicas2", "gpt_oss", "nccl", 2, ep2, replicas=2),
+        # a bias's gradient from its replica summed with its home's in bf16 and rounded once, as a weight's
+        Cell("ep2_replicas2_fsdp_bf16", "gpt_oss", "nccl", 2, ep2 + bf16, bf16=True, replicas=2),
         Cell("ep2_replicas2_borrowing_tp_batch2", "gpt_oss", "nccl", 2, ep2 + tp2, replicas=2),
         *(Cell(f"ep2_replicas2_{name}", "gpt_oss", "nccl", 2, ep2 + ac[name], replicas=2)
           for name in ("ac_full", "ac_selective_op")),
