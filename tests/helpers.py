@@ -16,6 +16,9 @@ from torchtitan_ext.runtime.workers import DEADLINE_S, run_workers, WorkersFaile
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+DEBUG_FLAVOURS = {"deepseek_v3": "debugmodel", "llama4": "debugmodel", "qwen3": "debugmodel_moe_small",
+                  "gpt_oss": "debugmodel_small"}
+"""Each model family's debug flavour (the one its shipped debug config trains)."""
 
 
 def launcher_env(**overrides: str) -> dict[str, str]:

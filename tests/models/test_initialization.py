@@ -5,15 +5,12 @@ materialized uninitialized): none keeps the memory it was materialized in, so ru
 import pytest
 import torch
 
+from tests.helpers import DEBUG_FLAVOURS, REPO_ROOT
 from torchtitan_ext.training import prepare
-
-DEBUG_FLAVOURS = {"deepseek_v3": "debugmodel", "llama4": "debugmodel", "qwen3": "debugmodel_moe_small",
-                  "gpt_oss": "debugmodel_small"}
 
 
 @pytest.mark.parametrize("name", DEBUG_FLAVOURS)
 def test_init_weights_sets_every_parameter(name):
-    from tests.helpers import REPO_ROOT
     from torchtitan_ext.config import load_job_config, meta_model
 
     prepare()
