@@ -39,7 +39,7 @@ def test_a_public_config_gives_torchtitans_flavour_of_the_same_model(path, flavo
 @pytest.mark.parametrize("path", [GPT_OSS_120B, DEEPSEEK_R1, QWEN3_30B, MIXTRAL_8X7B, LLAMA4_SCOUT])
 def test_the_models_context_is_the_one_its_config_states(path):
     """torchtitan warns a job whose seq_len exceeds ``max_seq_len``: it must be the model's own context, not the
-    flavour default (Qwen3's 4096 against the 30B-A3B's 40960)."""
+    model arguments' default (Qwen3's 4096 against Qwen3-30B-A3B's config, which states 40960)."""
     config = json.loads(path.read_text())
     stated = config.get("text_config", config)["max_position_embeddings"]
     assert hf_model_args(path)[1].max_seq_len == stated

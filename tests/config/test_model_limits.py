@@ -13,6 +13,8 @@ LIMITS = {
     # name: (config, overrides, world size, the refusal's start)
     "pipeline": (QWEN3, ("--parallelism.pipeline_parallel_degree", "2"), 4,
                  "parallelism.pipeline_parallel_degree = 2: torchtitan 0.2.2 gives qwen3 no pipeline split"),
+    "gpt_oss_pipeline": (GPT_OSS, ("--parallelism.pipeline_parallel_degree", "2"), 4,
+                         "parallelism.pipeline_parallel_degree = 2: torchtitan 0.2.2 gives gpt_oss no pipeline split"),
     "qwen3_tp_on_cpu": (QWEN3, ("--parallelism.tensor_parallel_degree", "2"), 4,
                         "parallelism.tensor_parallel_degree = 2 on a CPU: torchtitan's Qwen3 TP plan"),
     "context_parallel": (GPT_OSS, ("--parallelism.context_parallel_degree", "2"), 4,
