@@ -1,8 +1,8 @@
 """Each model's train spec balances its routed experts without an auxiliary loss: every optimizer step moves each MoE
-layer's routing bias by ``load_balance_coeff`` toward equal load. This is DeepSeek-V3's auxiliary-loss-free
-balancing: an expert that took fewer tokens than the layer's mean gains the coefficient, one that took more loses it,
-and torchtitan centres the step on zero. torchtitan 0.2.2's own Qwen3 spec sets the coefficient and builds an
-optimizer that never applies it."""
+layer's routing bias toward equal load. This is DeepSeek-V3's auxiliary-loss-free balancing: each expert's bias moves
+by ``load_balance_coeff`` times the sign of (the layer's mean load - the expert's load), up for an expert that took
+fewer tokens than the mean and down for one that took more; torchtitan then centres the layer's step on zero.
+torchtitan 0.2.2's own Qwen3 spec sets the coefficient and builds an optimizer that never applies it."""
 
 import pytest
 import torch
