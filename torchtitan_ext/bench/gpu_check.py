@@ -17,6 +17,8 @@ Stages, each reported whatever the others did, each run within its own time limi
    and return too);
 4. a CUDA-graph capture of one MoE call's forward for each backend whose budget claims a sync-free layer (no host
    sync, no host-to-device copy), replayed against the same call run eagerly;
+   then two training steps of Qwen3-MoE's debug config, and of GPT-OSS's with its model and loss compiled
+   (FlexAttention on the GPU), each at EP = 1;
 5. the replica slots' weight concatenation against the routed experts' GEMMs at DeepSeek-V3 671B's shape on one
    rank at EP = 64 (forward and backward, median milliseconds, in one process); and the replicas' per-step split in
    one Triton kernel against its rounds of operators (equal quotas, device milliseconds of each);
@@ -85,6 +87,11 @@ def stages(out: Path) -> list[Stage]:
                                     "tests/ep/test_deep_ep.py::test_real_nccl_ep_matches_dense_moe"], 180),
         _function_stage("ledger cuda vs cpu", "ledger_on_cuda_and_cpu", 240),
         _function_stage("cuda graph capture", "cuda_graph_capture", 120),
+        # the families a CPU trains on other kernels: torchtitan's grouped GEMMs, and GPT-OSS's FlexAttention compiled
+        # with its blocks (on a CPU its attention runs eagerly on another kernel)
+        _debug_steps("qwen3-moe debug steps", "qwen3_moe_debug_model.toml", out),
+        _debug_steps("gpt-oss compiled debug steps", "gpt_oss_debug_model.toml", out,
+                     "--compile.enable", "--compile.components", "model,loss"),
         _function_stage("replica weights copy", "replica_copy_cost", 90),
         _function_stage("replica split in one kernel", "replica_split_kernel", 120),
         Stage("bench ep", [python, "-m", "torchtitan_ext.bench", "ep", "--nproc", "1", "--tokens", "4096", "16384",
@@ -99,12 +106,17 @@ def stages(out: Path) -> list[Stage]:
             "--parallelism.expert_parallel_comm_backend", "nccl",
             "--training.dataset", "stdlib_code", "--model.hf_assets_path", "./assets/embedded",
             "--training.local_batch_size", "2", "--compile.no-enable"], 300),
-        Stage("inductor compile, debug model", [
-            python, "-m", "torch.distributed.run", "--nproc_per_node", "1", "-m", "torchtitan_ext.train",
-            "--job.config_file", "train_configs/debug_model.toml",
-            "--parallelism.expert_parallel_degree", "1", "--training.steps", "2", "--compile.enable",
-            "--compile.components", "model", "--job.dump_folder", str(out / "compiled")], 150),
+        _debug_steps("inductor compile, debug model", "debug_model.toml", out, "--compile.enable",
+                     "--compile.components", "model"),
     ]
+
+
+def _debug_steps(name: str, config: str, out: Path, *extra: str) -> Stage:
+    """Two training steps of a shipped debug config on one GPU (EP = 1: the model and trainer, no EP backend)."""
+    return Stage(name, [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "-m", "torchtitan_ext.train",
+        "--job.config_file", f"train_configs/{config}", "--parallelism.expert_parallel_degree", "1",
+        "--training.steps", "2", "--job.dump_folder", str(out / config.removesuffix(".toml")), *extra], 150)
 
 
 def _run(stage: Stage) -> dict:
