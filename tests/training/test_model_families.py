@@ -1,6 +1,6 @@
 """Qwen3-MoE and GPT-OSS train as the other models do: from one seed nccl and ncclep give the same per-step losses
-(the gradient matrix holds every backend to the dense model), GPT-OSS's with every expert placed on the other rank and
-with replica slots too, and a checkpoint written at EP=2 under nccl resumes under deepep and at EP=1 with the same
+(the gradient matrix holds every backend to the dense model), and so does each with every expert placed on the other
+rank, GPT-OSS with replica slots too; a checkpoint written at EP=2 under nccl resumes under deepep and at EP=1 with the same
 next losses (torchtitan DCP reshards the experts, GPT-OSS's biases with them). Debug flavours, fp32, 2 ranks."""
 
 import shutil
@@ -13,6 +13,7 @@ from tests.training.test_training_parity import (crossing_placement, PLACED_TOLE
                                                  RESUME, RESUME_TOLERANCE)
 from torchtitan_ext.ep.backends import backend_variants
 from torchtitan_ext.models.gpt_oss import DEBUG_SMALL
+from torchtitan_ext.models.qwen3 import DEBUG_MOE_SMALL
 
 pytestmark = pytest.mark.slow
 
@@ -35,9 +36,13 @@ def trained(tmp_path_factory):
                                            "--checkpoint.enable", "--checkpoint.interval", "2")))
         runs.append((f"{model}_ncclep", _job(model, tmp / f"{model}_ncclep", *backend_variants()["ncclep"])))
     runs.append(("gpt_oss_replicas", _job("gpt_oss", tmp / "gpt_oss_replicas", *backend_variants()["nccl"], *REPLICAS)))
-    crossing = crossing_placement(tmp, layers=range(DEBUG_SMALL["n_layers"]))  # every GPT-OSS layer is MoE
-    runs.append(("gpt_oss_placed", _job("gpt_oss", tmp / "gpt_oss_placed", *backend_variants()["nccl"],
-                                        "--expert_placement.file", crossing)))
+    # every layer of both models is MoE
+    for model, args in (("qwen3", DEBUG_MOE_SMALL), ("gpt_oss", DEBUG_SMALL)):
+        folder = tmp / f"{model}_placement"
+        folder.mkdir()
+        crossing = crossing_placement(folder, range(args["n_layers"]), args["moe_args"].num_experts)
+        runs.append((f"{model}_placed", _job(model, tmp / f"{model}_placed", *backend_variants()["nccl"],
+                                             "--expert_placement.file", crossing)))
     return run_distributed(2, train_worker, runs, None, replicas_took_pairs)[0], tmp
 
 
@@ -58,13 +63,14 @@ def test_gpt_oss_trains_with_replicas_as_without(trained):
         assert losses["gpt_oss_replicas"][step] == pytest.approx(loss, rel=PLACED_TOLERANCE), step
 
 
-def test_gpt_oss_trains_placed_as_unplaced(trained):
-    """Every expert in a slot of the other rank from the start (its biases and their optimizer state moved with its
-    weights): the losses of the unplaced run."""
+@pytest.mark.parametrize("model", CONFIGS)
+def test_trains_placed_as_unplaced(trained, model):
+    """Every expert in a slot of the other rank from the start (its optimizer state, and GPT-OSS's biases, moved with
+    its weights): the losses of the unplaced run."""
     losses, _ = trained
-    assert list(losses["gpt_oss_placed"]) == list(losses["gpt_oss_nccl"])
-    for step, loss in losses["gpt_oss_nccl"].items():
-        assert losses["gpt_oss_placed"][step] == pytest.approx(loss, rel=PLACED_TOLERANCE), step
+    assert list(losses[f"{model}_placed"]) == list(losses[f"{model}_nccl"])
+    for step, loss in losses[f"{model}_nccl"].items():
+        assert losses[f"{model}_placed"][step] == pytest.approx(loss, rel=PLACED_TOLERANCE), step
 
 
 def test_checkpoint_resumes_under_another_backend_and_ep_degree(trained, tmp_path):

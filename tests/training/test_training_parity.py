@@ -51,21 +51,23 @@ def _job(tmp, *extra, steps=STEPS):
             "--job.dump_folder", str(tmp), *TINY, *extra]
 
 
-def _placement(folder: Path, name: str, slots, layers=MOE_LAYERS) -> str:
-    """A placement file for a debug model of 8 experts at EP=2 (by default DeepSeek-V3's, whose MoE layers are
+def _placement(folder: Path, name: str, slots, layers=MOE_LAYERS, num_experts=8) -> str:
+    """A placement file for a debug model at EP=2 (by default DeepSeek-V3's, 8 experts, whose MoE layers are
     ``MOE_LAYERS``): ``slots(layer)`` per MoE layer."""
     path = folder / f"{name}.json"
     path.write_text(json.dumps({
-        "num_experts": 8, "expert_parallel_degree": 2,
+        "num_experts": num_experts, "expert_parallel_degree": 2,
         "layers": {str(layer): list(slots(layer)) for layer in layers},
     }))
     return str(path)
 
 
-def crossing_placement(folder: Path, layers=MOE_LAYERS) -> str:
-    """Every expert on the other rank: slot s holds 7 - s, the halves rotated by the layer id."""
-    return _placement(folder, "crossing", lambda layer: [7 - ((s + layer) % 4 + 4 * (s // 4)) for s in range(8)],
-                      layers)
+def crossing_placement(folder: Path, layers=MOE_LAYERS, num_experts=8) -> str:
+    """Every expert on the other rank: slot s holds num_experts - 1 - s, the halves rotated by the layer id."""
+    half = num_experts // 2
+    return _placement(folder, "crossing",
+                      lambda layer: [num_experts - 1 - ((s + layer) % half + half * (s // half)) for s in range(num_experts)],
+                      layers, num_experts)
 
 
 CHECKPOINT = ["--checkpoint.enable", "--checkpoint.interval", "2"]
