@@ -32,7 +32,8 @@ def test_an_optimizer_step_moves_each_expert_bias_toward_equal_load(name, world_
     loads, before = [], []
     for layer in layers:
         # the tokens each expert took over the step, as the layer counts them in its forward
-        load = torch.randint(0, 100, layer.tokens_per_expert.shape, generator=generator).to(layer.tokens_per_expert.dtype)
+        load = torch.randint(0, 100, layer.tokens_per_expert.shape, generator=generator)
+        load = load.to(layer.tokens_per_expert.dtype)
         layer.tokens_per_expert.copy_(load)
         loads.append(load.double())
         before.append(layer.expert_bias.double().clone())

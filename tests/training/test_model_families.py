@@ -1,7 +1,8 @@
 """Qwen3-MoE and GPT-OSS train as the other models do: from one seed nccl and ncclep give the same per-step losses
 (the gradient matrix holds every backend to the dense model), and so does each with every expert placed on the other
-rank, GPT-OSS with replica slots too; a checkpoint written at EP=2 under nccl resumes under deepep and at EP=1 with the same
-next losses (torchtitan DCP reshards the experts, GPT-OSS's biases with them). Debug flavours, fp32, 2 ranks."""
+rank, GPT-OSS with replica slots too; a checkpoint written at EP=2 under nccl resumes under deepep and at EP=1 with
+the same next losses (torchtitan DCP reshards the experts, GPT-OSS's biases with them). Debug flavours, fp32, 2
+ranks."""
 
 import shutil
 

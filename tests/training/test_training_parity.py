@@ -65,9 +65,10 @@ def _placement(folder: Path, name: str, slots, layers=MOE_LAYERS, num_experts=8)
 def crossing_placement(folder: Path, layers=MOE_LAYERS, num_experts=8) -> str:
     """Every expert on the other rank: slot s holds num_experts - 1 - s, the halves rotated by the layer id."""
     half = num_experts // 2
-    return _placement(folder, "crossing",
-                      lambda layer: [num_experts - 1 - ((s + layer) % half + half * (s // half)) for s in range(num_experts)],
-                      layers, num_experts)
+    def slots(layer):
+        return [num_experts - 1 - ((s + layer) % half + half * (s // half)) for s in range(num_experts)]
+
+    return _placement(folder, "crossing", slots, layers, num_experts)
 
 
 CHECKPOINT = ["--checkpoint.enable", "--checkpoint.interval", "2"]
